@@ -1,0 +1,78 @@
+"""Where weenv keeps things on a machine.
+
+Environment variables:
+
+- ``WEENV_HOME`` (default ``/var/lib/weenv``): the embedded store, the node's
+  chunk cache, mounts, environments, the daemon's socket and log.
+- ``WEENV_CACHE`` (default ``/var/cache/weenv``): big downloads that are slow to
+  redo and safe to share between homes (debootstrap output, PyPI files).
+- ``WEENV_STORE`` (default ``file://$WEENV_HOME/store``): the store URL.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Every on-disk location under one ``home`` (a directory path)."""
+
+    home: Path
+    cache: Path
+    store_url: str
+
+    @classmethod
+    def from_env(cls) -> "Paths":
+        home = Path(os.environ.get("WEENV_HOME", "/var/lib/weenv")).absolute()
+        cache = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv")).absolute()
+        store_url = os.environ.get("WEENV_STORE", f"file://{home / 'store'}")
+        return cls(home=home, cache=cache, store_url=store_url)
+
+    @property
+    def node(self) -> Path:
+        return self.home / "node"
+
+    @property
+    def chunk_cache(self) -> Path:
+        """The node chunk cache (plaintext chunks by digest); never the store."""
+        return self.node / "cache"
+
+    @property
+    def lazy_mountpoint(self) -> Path:
+        """Where the lazy FUSE file system shows one file per group image."""
+        return self.node / "lazy"
+
+    @property
+    def group_mounts(self) -> Path:
+        """Parent of the shared, read-only EROFS mount of each group."""
+        return self.node / "groups"
+
+    @property
+    def environments(self) -> Path:
+        """Parent of each environment's bundle, upper/work dirs and rootfs."""
+        return self.node / "envs"
+
+    @property
+    def run(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def socket(self) -> Path:
+        """The node daemon's HTTP API, on a Unix socket."""
+        return self.run / "weenv.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.run / "weenv.pid"
+
+    @property
+    def daemon_log(self) -> Path:
+        return self.run / "daemon.log"
+
+    @property
+    def runc_root(self) -> Path:
+        """runc's state directory (``runc --root``), private to this home."""
+        return self.run / "runc"

@@ -1,0 +1,106 @@
+"""Mounts as data, and the two syscalls that act on them (Linux only).
+
+A :class:`MountSpec` says what to mount (type, source, target, options); computing
+a rootfs's plan (:func:`overlay_spec`, :func:`erofs_spec`) never touches the
+system, :func:`mount` and :func:`umount` do.  (containerd's snapshotter returns
+mounts the same way: ``core/mount/mount.go``.)
+
+mount(2) is called directly through libc: util-linux ``mount`` would turn a
+regular-file source into a loop device, while EROFS mounts a regular file
+itself (file-backed mounts, Linux >= 6.12).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from weenv.errors import MountError
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MNT_DETACH = 0x2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    """One mount: ``mount(source, target, fstype, flags, options)``."""
+
+    fstype: str
+    source: str
+    target: str
+    options: str = ""
+    flags: int = 0
+
+
+def erofs_spec(image: str | os.PathLike[str], target: str | os.PathLike[str]) -> MountSpec:
+    """A read-only, file-backed EROFS mount of the image file ``image`` at ``target``."""
+    return MountSpec("erofs", os.fspath(image), os.fspath(target), "", MS_RDONLY | MS_NODEV)
+
+
+def overlay_spec(
+    lowers_bottom_to_top: list[str | os.PathLike[str]],
+    upper: str | os.PathLike[str],
+    work: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+) -> MountSpec:
+    """An overlay of read-only group mounts with a private upper/work dir.
+
+    ``lowers_bottom_to_top`` lists group mount points as a template lists its groups;
+    overlayfs wants the top one first (Documentation/filesystems/overlayfs.rst).
+    """
+    if not lowers_bottom_to_top:
+        raise MountError("an overlay needs at least one lower dir")
+    lower = ":".join(os.fspath(p) for p in reversed(lowers_bottom_to_top))
+    options = f"lowerdir={lower},upperdir={os.fspath(upper)},workdir={os.fspath(work)}"
+    return MountSpec("overlay", "overlay", os.fspath(target), options, 0)
+
+
+def mount(spec: MountSpec) -> None:
+    """Perform ``spec``; raise :class:`MountError` with the errno on failure."""
+    options = spec.options.encode() if spec.options else None
+    rc = _libc.mount(
+        spec.source.encode(), spec.target.encode(), spec.fstype.encode(), spec.flags, options
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise MountError(
+            err, f"mount {spec.fstype} {spec.source} on {spec.target}: {os.strerror(err)}"
+        )
+
+
+def umount(target: str | os.PathLike[str], *, detach: bool = False) -> None:
+    """Unmount ``target``; ``detach`` for MNT_DETACH.  Raise :class:`MountError`."""
+    rc = _libc.umount2(os.fspath(target).encode(), MNT_DETACH if detach else 0)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise MountError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as octal.
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """``(fstype, mount point)`` of every mount at or below ``prefix``, from /proc/mounts."""
+    prefix = os.fspath(Path(prefix).absolute())
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            point = _unescape(fields[1])
+            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
+                found.append((fields[2], point))
+    return found
+
+
+def is_mounted(target: str | os.PathLike[str]) -> bool:
+    target = os.fspath(Path(target).absolute())
+    return any(point == target for _t, point in mounts_under(target))

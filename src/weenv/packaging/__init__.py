@@ -1,0 +1,1 @@
+"""Packaging: layer groups (EROFS images split into chunks) and templates."""

@@ -1,0 +1,196 @@
+"""The formats: group manifest, template manifest, digests.
+
+A *digest* is ``"sha256:" + 64 lowercase hex digits`` (OCI image spec,
+descriptor.md).  A manifest's digest is the sha256 of its canonical JSON: keys
+sorted, no whitespace, UTF-8 (:func:`canonical_json`).  Groups and templates are
+referred to by these digests; names are only refs that point at a digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from weenv.errors import InvalidInputError
+
+SCHEMA_VERSION = 1
+GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
+TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
+DEFAULT_CHUNK_SIZE = 1 << 20
+EROFS_BLOCK_SIZE = 4096
+
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def check_digest(value: str) -> str:
+    """Return ``value`` if it is a sha256 digest; raise :class:`InvalidInputError`."""
+    if not isinstance(value, str) or not _DIGEST_RE.match(value):
+        raise InvalidInputError(f"not a sha256 digest: {value!r} (want 'sha256:' + 64 hex digits)")
+    return value
+
+
+def check_name(value: str) -> str:
+    """Return ``value`` if it is a valid group/template name; raise :class:`InvalidInputError`.
+
+    Names are lowercase ``[a-z0-9][a-z0-9._-]*``, at most 128 characters.
+    """
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise InvalidInputError(
+            f"bad name {value!r}: use lowercase letters, digits, '.', '_' and '-' (at most 128)"
+        )
+    return value
+
+
+def _digest_validator(value: str) -> str:
+    if not _DIGEST_RE.match(value):
+        raise ValueError(f"not a sha256 digest: {value!r}")
+    return value
+
+
+def _name_validator(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(f"bad name {value!r}")
+    return value
+
+
+Digest = Annotated[str, AfterValidator(_digest_validator)]
+Name = Annotated[str, AfterValidator(_name_validator)]
+
+
+def sha256_digest(data: bytes) -> str:
+    """The digest of ``data``: ``"sha256:<hex>"``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(model: BaseModel) -> bytes:
+    """Canonical JSON of a manifest: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(
+        model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChunkRef(_Model):
+    """One chunk of a group image."""
+
+    digest: Digest
+    """sha256 of the chunk's plaintext: the chunk's address in stores and caches."""
+    size: int = Field(ge=0)
+    """Plaintext size in bytes (the chunk size, or less for the last chunk)."""
+    stored_size: int = Field(ge=0)
+    """Size in bytes of the zstd frame a store keeps."""
+    stored_digest: Digest
+    """sha256 of the zstd frame, for stores that address blobs by their stored bytes (OCI)."""
+
+
+class GroupManifest(_Model):
+    """A layer group: one EROFS image, split into fixed-size chunks.
+
+    Chunk ``i`` covers image bytes ``[i * chunk_size, i * chunk_size + chunks[i].size)``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    media_type: Literal["application/vnd.weenv.group.v1+json"] = GROUP_MEDIA_TYPE
+    name: Name
+    version: str = "latest"
+    image_size: int = Field(ge=0, description="bytes of the EROFS image")
+    block_size: int = EROFS_BLOCK_SIZE
+    chunk_size: int = Field(gt=0, description="bytes per chunk (the last may be shorter)")
+    chunks: list[ChunkRef]
+    file_count: int = Field(ge=0, description="inodes in the image (files, dirs, links, nodes)")
+    source: dict[str, str] = Field(default_factory=dict, description="provenance")
+    created: str = Field(default_factory=utc_now)
+
+    def digest(self) -> str:
+        return sha256_digest(canonical_json(self))
+
+    @property
+    def stored_size(self) -> int:
+        """Bytes the store keeps for this group (sum of zstd frames)."""
+        return sum(c.stored_size for c in self.chunks)
+
+
+class Resources(_Model):
+    """Default limits of an environment (cgroup quota and limits)."""
+
+    cpus: float = Field(default=1.0, gt=0, description="CPU quota in cores (quota/period)")
+    memory_bytes: int = Field(default=2 << 30, gt=0, description="memory limit in bytes")
+    pids: int = Field(default=1024, gt=0, description="pids limit")
+
+
+class RuntimeConfig(_Model):
+    """How an environment runs: its first process and defaults for commands."""
+
+    command: list[str] = Field(default_factory=lambda: ["sleep", "infinity"])
+    """The environment's first process (argv).  It must keep running; commands are exec'd beside it."""
+    env: dict[str, str] = Field(
+        default_factory=lambda: {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+        }
+    )
+    working_dir: str = "/"
+    user: str = "0:0"
+    """``UID:GID`` (numeric) the processes run as."""
+    resources: Resources = Field(default_factory=Resources)
+    network: bool = False
+    """Whether the environment gets the host's network (default: its own namespace, loopback only)."""
+
+
+class TemplateManifest(_Model):
+    """A template: group digests bottom to top, plus runtime config."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    media_type: Literal["application/vnd.weenv.template.v1+json"] = TEMPLATE_MEDIA_TYPE
+    name: Name
+    version: str = "latest"
+    groups: list[Digest] = Field(min_length=1)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    prefetch: Digest | None = None
+    created: str = Field(default_factory=utc_now)
+
+    def digest(self) -> str:
+        return sha256_digest(canonical_json(self))
+
+
+def parse_group_manifest(data: bytes) -> GroupManifest:
+    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    try:
+        return GroupManifest.model_validate_json(data)
+    except ValueError as exc:
+        raise InvalidInputError(f"not a weenv group manifest: {exc}") from exc
+
+
+def parse_template_manifest(data: bytes) -> TemplateManifest:
+    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    try:
+        return TemplateManifest.model_validate_json(data)
+    except ValueError as exc:
+        raise InvalidInputError(f"not a weenv template manifest: {exc}") from exc
+
+
+def manifest_kind(data: bytes) -> str:
+    """``"group"`` or ``"template"`` from a manifest's ``media_type``."""
+    try:
+        media_type = json.loads(data).get("media_type")
+    except (ValueError, AttributeError) as exc:
+        raise InvalidInputError("manifest is not a JSON object") from exc
+    if media_type == GROUP_MEDIA_TYPE:
+        return "group"
+    if media_type == TEMPLATE_MEDIA_TYPE:
+        return "template"
+    raise InvalidInputError(f"unknown manifest media type {media_type!r}")

@@ -1,0 +1,155 @@
+"""The Store interface: content-addressed chunks and manifests, plus name refs.
+
+A store keeps three things:
+
+- **chunks**: zstd frames addressed by the sha256 of their *plaintext*
+  (see :class:`weenv.packaging.manifest.ChunkRef`);
+- **manifests**: group and template manifests addressed by the sha256 of their
+  canonical JSON bytes;
+- **refs**: names (``templates/NAME``, ``groups/NAME``) pointing at a manifest digest.
+
+Compression and digest checks live here, once; a backend only moves bytes
+(``_put_blob`` / ``_get_blob`` ...).  Every read is verified: a chunk whose
+plaintext does not hash to its digest raises :class:`DigestMismatchError`,
+never returns wrong bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+
+import zstandard
+
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
+
+REF_KINDS = ("templates", "groups")
+ZSTD_LEVEL = 3
+
+
+class Store(abc.ABC):
+    """A content-addressed store.  Implementations: :class:`weenv.store.file.FileStore`."""
+
+    url: str
+
+    # --- what a backend implements -------------------------------------------------
+    @abc.abstractmethod
+    def _has(self, space: str, digest: str) -> bool:
+        """Whether blob ``digest`` exists in ``space`` ("chunks" or "manifests")."""
+
+    @abc.abstractmethod
+    def _put(self, space: str, digest: str, data: bytes) -> None:
+        """Write ``data`` atomically as blob ``digest`` of ``space``."""
+
+    @abc.abstractmethod
+    def _get(self, space: str, digest: str) -> bytes:
+        """Bytes of blob ``digest``; raise :class:`NotFoundError` if absent."""
+
+    @abc.abstractmethod
+    def _list(self, space: str) -> Iterator[str]:
+        """Digests of every blob in ``space``."""
+
+    @abc.abstractmethod
+    def _delete(self, space: str, digest: str) -> None:
+        """Remove blob ``digest`` (no error if absent)."""
+
+    @abc.abstractmethod
+    def set_ref(self, kind: str, name: str, digest: str) -> None:
+        """Point ref ``kind/name`` at ``digest`` (atomic replace)."""
+
+    @abc.abstractmethod
+    def get_ref(self, kind: str, name: str) -> str:
+        """The digest ref ``kind/name`` points at; raise :class:`NotFoundError`."""
+
+    @abc.abstractmethod
+    def list_refs(self, kind: str) -> dict[str, str]:
+        """Every ref of ``kind`` as ``{name: digest}``."""
+
+    # --- chunks ------------------------------------------------------------------------
+    def put_chunk(self, plaintext: bytes, *, level: int = ZSTD_LEVEL) -> tuple[ChunkRef, bool]:
+        """Store one chunk; return its ref and whether bytes were written.
+
+        A chunk already present is not written again (``False``).
+        """
+        digest = sha256_digest(plaintext)
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(plaintext)
+        ref = ChunkRef(
+            digest=digest,
+            size=len(plaintext),
+            stored_size=len(frame),
+            stored_digest=sha256_digest(frame),
+        )
+        if self._has("chunks", digest):
+            return ref, False
+        self._put("chunks", digest, frame)
+        return ref, True
+
+    def get_chunk(self, digest: str) -> bytes:
+        """Plaintext of chunk ``digest``, verified.
+
+        Raises :class:`NotFoundError` if absent, :class:`DigestMismatchError` if
+        the stored frame does not decompress to bytes with that digest.
+        """
+        check_digest(digest)
+        frame = self._get("chunks", digest)
+        try:
+            plaintext = zstandard.ZstdDecompressor().decompress(frame)
+        except zstandard.ZstdError as exc:
+            raise DigestMismatchError(f"chunk {digest} in {self.url} is not a zstd frame: {exc}") from exc
+        if sha256_digest(plaintext) != digest:
+            raise DigestMismatchError(f"chunk {digest} in {self.url} has other content")
+        return plaintext
+
+    def has_chunk(self, digest: str) -> bool:
+        return self._has("chunks", check_digest(digest))
+
+    def list_chunks(self) -> Iterator[str]:
+        return self._list("chunks")
+
+    def delete_chunk(self, digest: str) -> None:
+        self._delete("chunks", check_digest(digest))
+
+    # --- manifests ---------------------------------------------------------------------
+    def put_manifest(self, data: bytes) -> str:
+        """Store manifest bytes (canonical JSON); return their digest."""
+        digest = sha256_digest(data)
+        if not self._has("manifests", digest):
+            self._put("manifests", digest, data)
+        return digest
+
+    def get_manifest(self, digest: str) -> bytes:
+        """Manifest bytes, verified; :class:`NotFoundError`, :class:`DigestMismatchError`."""
+        check_digest(digest)
+        data = self._get("manifests", digest)
+        if sha256_digest(data) != digest:
+            raise DigestMismatchError(f"manifest {digest} in {self.url} has other content")
+        return data
+
+    def has_manifest(self, digest: str) -> bool:
+        return self._has("manifests", check_digest(digest))
+
+    def list_manifests(self) -> Iterator[str]:
+        return self._list("manifests")
+
+    def delete_manifest(self, digest: str) -> None:
+        self._delete("manifests", check_digest(digest))
+
+    # --- names -------------------------------------------------------------------------
+    def resolve(self, kind: str, name_or_digest: str) -> str:
+        """A digest from a ref name or a digest (which must exist)."""
+        if name_or_digest.startswith("sha256:"):
+            check_digest(name_or_digest)
+            if not self.has_manifest(name_or_digest):
+                raise NotFoundError(f"no manifest {name_or_digest} in {self.url}")
+            return name_or_digest
+        return self.get_ref(kind, name_or_digest)
+
+    @staticmethod
+    def _check_ref(kind: str, name: str) -> None:
+        if kind not in REF_KINDS:
+            raise InvalidInputError(f"ref kind must be one of {REF_KINDS}, not {kind!r}")
+        check_name(name)
+
+    def close(self) -> None:
+        """Release connections (nothing for local stores)."""

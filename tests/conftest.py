@@ -1,0 +1,78 @@
+"""Shared fixtures.  Tests run as root with real mounts, FUSE and runc.
+
+Every test gets its own ``WEENV_HOME`` under a temporary directory; big
+downloads (debootstrap output) are shared through ``WEENV_CACHE``
+(default /var/cache/weenv), built on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from weenv.config import Paths
+from weenv.packaging.debootstrap import debian_rootfs
+from weenv.store.file import FileStore
+
+CACHE = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.geteuid() != 0:
+        skip = pytest.mark.skip(reason="weenv's tests need root (mounts, FUSE, runc)")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def debian_root() -> Path:
+    """A bookworm minbase + python3 tree (debootstrap, cached).  Never modify it."""
+    return debian_rootfs(CACHE)
+
+
+@pytest.fixture
+def paths(tmp_path, monkeypatch) -> Paths:
+    """A private WEENV_HOME for one test."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("WEENV_HOME", str(home))
+    monkeypatch.setenv("WEENV_CACHE", str(CACHE))
+    monkeypatch.delenv("WEENV_STORE", raising=False)
+    return Paths.from_env()
+
+
+@pytest.fixture
+def store(paths) -> FileStore:
+    return FileStore(paths.home / "store")
+
+
+def system_snapshot(prefix: Path) -> dict:
+    """What a test may leak, seen from the host: mounts below ``prefix``, loop
+    devices, cgroups named weenv, runc containers and FUSE connections."""
+    mounts = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            point = line.split()[1]
+            if point.startswith(str(prefix)):
+                mounts.append(point)
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
+    cgroups = sorted(
+        str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
+    )
+    fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
+    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns}
+
+
+@pytest.fixture
+def leak_check(tmp_path):
+    """Fails the test if mounts, loop devices, weenv cgroups or FUSE connections
+    remain at its end that were not there at its start."""
+    before = system_snapshot(tmp_path)
+    yield
+    after = system_snapshot(tmp_path)
+    for key in after:
+        new = sorted(set(after[key]) - set(before[key]))
+        assert not new, f"leaked {key}: {new}"
