@@ -1,0 +1,192 @@
+"""Layer groups: build one from a directory, publish it, and assemble it back.
+
+A group is one EROFS image (:mod:`weenv.packaging.erofs`) cut into fixed-size
+chunks; chunk ``i`` is image bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the
+last one shorter.  Each chunk goes to the store as a zstd frame addressed by the
+sha256 of its plaintext (skipped if the store has it), then the group manifest,
+then the ref ``groups/NAME``.  The image is streamed one chunk at a time, never
+held whole in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid as uuid_mod
+from dataclasses import dataclass
+from pathlib import Path
+
+from weenv.errors import InvalidInputError
+from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
+from weenv.packaging.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    EROFS_BLOCK_SIZE,
+    ChunkRef,
+    GroupManifest,
+    canonical_json,
+    check_digest,
+    check_name,
+    manifest_kind,
+    parse_group_manifest,
+)
+from weenv.store.base import Store
+
+_UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What :func:`build_group` published."""
+
+    digest: str
+    """The group manifest's digest (``sha256:...``)."""
+    manifest: GroupManifest
+    chunks_written: int
+    """Chunks the store did not have before (the others were skipped)."""
+    bytes_written: int
+    """Stored (zstd) bytes of those new chunks."""
+    seconds: float
+    """Wall time of the whole build."""
+
+
+def group_uuid(name: str, version: str) -> str:
+    """The EROFS UUID of group ``name``/``version``: fixed per group, so rebuilds
+    repeat, and different per group, so overlayfs sees distinct lower layers."""
+    return str(uuid_mod.uuid5(_UUID_NAMESPACE, f"group:{name}:{version}"))
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % EROFS_BLOCK_SIZE:
+        raise InvalidInputError(
+            f"chunk size must be a positive multiple of {EROFS_BLOCK_SIZE} bytes, not {chunk_size!r}"
+        )
+
+
+def build_group(
+    source_dir: str | os.PathLike[str],
+    store: Store,
+    *,
+    name: str,
+    version: str = "latest",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    source: dict[str, str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+) -> BuildResult:
+    """Build group ``name`` from ``source_dir`` and publish it to ``store``.
+
+    ``chunk_size`` (bytes) must be a positive multiple of the EROFS block size
+    (4096).  ``source``: provenance entries added to the manifest's ``source``
+    (they override the automatic ``type``, ``path`` and ``mkfs`` entries).
+    ``workdir``: where the temporary image is written (default: the system's
+    temporary directory); it must not be inside ``source_dir``.  The image is
+    removed in every case.
+
+    Raises :class:`InvalidInputError` (bad name, chunk size, source or workdir),
+    :class:`ToolMissingError` (no mkfs.erofs), :class:`RuntimeFailedError`
+    (mkfs.erofs failed) and whatever the store raises.
+    """
+    started = time.monotonic()
+    check_name(name)
+    _check_chunk_size(chunk_size)
+    src = check_source_dir(source_dir)
+    parent = Path(workdir if workdir is not None else tempfile.gettempdir()).resolve()
+    if parent == src or src in parent.parents:
+        raise InvalidInputError(f"work dir {parent} is inside the source {src}; pass another workdir")
+    provenance = {"type": "directory", "path": str(src), "mkfs": f"mkfs.erofs {mkfs_version()}"}
+    provenance.update(source or {})
+
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".weenv-build-"))
+    try:
+        image = tmp / f"{name}.erofs"
+        scan = mkfs_erofs(src, image, uuid=group_uuid(name, version))
+        chunks, written, stored = _put_chunks(store, image, chunk_size)
+        image_size = image.stat().st_size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    manifest = GroupManifest(
+        name=name,
+        version=version,
+        image_size=image_size,
+        chunk_size=chunk_size,
+        chunks=chunks,
+        file_count=scan.inodes,
+        source=provenance,
+    )
+    digest = store.put_manifest(canonical_json(manifest))
+    store.set_ref("groups", name, digest)
+    return BuildResult(digest, manifest, written, stored, time.monotonic() - started)
+
+
+def _put_chunks(store: Store, image: Path, chunk_size: int) -> tuple[list[ChunkRef], int, int]:
+    """Store ``image`` chunk by chunk: (chunk refs, chunks written, stored bytes written)."""
+    chunks: list[ChunkRef] = []
+    written = stored = 0
+    with open(image, "rb") as f:
+        while data := f.read(chunk_size):
+            ref, new = store.put_chunk(data)
+            chunks.append(ref)
+            if new:
+                written += 1
+                stored += ref.stored_size
+    return chunks, written, stored
+
+
+def check_layout(manifest: GroupManifest) -> None:
+    """:class:`InvalidInputError` unless the chunks tile ``[0, image_size)``: every
+    chunk but the last is ``chunk_size`` bytes, the last 1..``chunk_size``."""
+    sizes = [c.size for c in manifest.chunks]
+    total = sum(sizes)
+    if (
+        total != manifest.image_size
+        or any(s != manifest.chunk_size for s in sizes[:-1])
+        or (sizes and not 0 < sizes[-1] <= manifest.chunk_size)
+    ):
+        raise InvalidInputError(
+            f"group {manifest.name}: chunks ({len(sizes)}, {total} bytes) do not tile an image "
+            f"of {manifest.image_size} bytes in {manifest.chunk_size}-byte chunks"
+        )
+
+
+def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLike[str]) -> None:
+    """Write the group's whole image to the file ``dest`` (mode 0644), atomically:
+    a temporary file beside it, fsync'd, renamed over ``dest``.
+
+    Every chunk is verified by the store.  Raises :class:`NotFoundError` for a
+    missing chunk, :class:`DigestMismatchError` for a corrupt one and
+    :class:`InvalidInputError` if the manifest's chunks do not tile the image;
+    ``dest`` is then untouched.
+    """
+    check_layout(manifest)
+    dest = Path(dest)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".tmp-{dest.name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for ref in manifest.chunks:
+                data = store.get_chunk(ref.digest)
+                if len(data) != ref.size:
+                    raise InvalidInputError(
+                        f"chunk {ref.digest} has {len(data)} bytes, the manifest says {ref.size}"
+                    )
+                f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)
+            os.fsync(f.fileno())
+        os.rename(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_group(store: Store, digest: str) -> GroupManifest:
+    """The group manifest ``digest`` from ``store``, verified.
+
+    Raises :class:`InvalidInputError` for a bad digest or a manifest that is not a
+    group's, :class:`NotFoundError` if absent, :class:`DigestMismatchError` if corrupt.
+    """
+    data = store.get_manifest(check_digest(digest))
+    if manifest_kind(data) != "group":
+        raise InvalidInputError(f"{digest} is a {manifest_kind(data)} manifest, not a group")
+    return parse_group_manifest(data)

@@ -1,0 +1,249 @@
+"""The Store behaviour suite, run against every backend in ``BACKENDS``.
+
+A backend adds one harness class (how to open a store, find stray temporary
+blobs, and tell whether a blob was rewritten) and one entry in ``BACKENDS``;
+every test in :class:`TestStore` then runs against it.  Corruption is staged
+with the backend's own raw write (``Store._put``), which skips every check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.packaging.manifest import GroupManifest, canonical_json, parse_group_manifest, sha256_digest
+from weenv.store import Store, open_store
+from weenv.store.file import FileStore, atomic_write
+
+MIB = 1 << 20
+
+
+class FileBackend:
+    """``file://`` stores in a temporary directory."""
+
+    name = "file"
+
+    def open(self, home: Path) -> Store:
+        return FileStore(home / "store")
+
+    def temp_files(self, store: FileStore) -> list[str]:
+        return [str(p) for p in store.root.rglob("*") if p.name.startswith(".tmp-")]
+
+    def blob_identity(self, store: FileStore, space: str, digest: str) -> tuple:
+        st = store._path(space, digest).stat()
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+BACKENDS = [FileBackend()]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def store(backend, paths):
+    """This module's ``store``: one per backend (overrides conftest's file store)."""
+    s = backend.open(paths.home)
+    yield s
+    s.close()
+
+
+BAD_DIGESTS = [
+    "",
+    "sha256:",
+    "sha256:" + "0" * 63,
+    "sha256:" + "0" * 65,
+    "sha256:" + "A" * 64,
+    "sha512:" + "0" * 64,
+    "0" * 64,
+    "sha256:" + "0" * 62 + "/x",
+    "../../../etc/passwd",
+]
+
+
+def _manifest(store: Store, name: str = "g") -> GroupManifest:
+    ref, _ = store.put_chunk(b"image bytes of " + name.encode())
+    return GroupManifest(
+        name=name, image_size=ref.size, chunk_size=4096, chunks=[ref], file_count=1, source={"type": "test"}
+    )
+
+
+class TestStore:
+    # --- chunks ----------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        "plaintext",
+        [b"", b"x", bytes(MIB), os.urandom(MIB), os.urandom(4097)],
+        ids=["empty", "one-byte", "zeros", "random", "odd"],
+    )
+    def test_chunk_round_trip(self, store, plaintext):
+        ref, written = store.put_chunk(plaintext)
+        assert written
+        assert ref.digest == "sha256:" + hashlib.sha256(plaintext).hexdigest()
+        assert ref.size == len(plaintext)
+        frame = store._get("chunks", ref.digest)
+        assert ref.stored_size == len(frame) and ref.stored_digest == sha256_digest(frame)
+        assert zstandard.ZstdDecompressor().decompress(frame) == plaintext
+        assert store.has_chunk(ref.digest)
+        assert store.get_chunk(ref.digest) == plaintext
+        assert list(store.list_chunks()) == [ref.digest]
+
+    def test_present_chunk_is_not_written_again(self, store, backend):
+        data = os.urandom(100_000)
+        ref1, written1 = store.put_chunk(data)
+        before = backend.blob_identity(store, "chunks", ref1.digest)
+        ref2, written2 = store.put_chunk(data)
+        assert (written1, written2) == (True, False)
+        assert ref2 == ref1
+        assert backend.blob_identity(store, "chunks", ref1.digest) == before
+
+    def test_identical_chunks_are_stored_once(self, store):
+        a = os.urandom(5000)
+        refs = [store.put_chunk(x)[0] for x in (a, b"other", bytes(a), a)]
+        assert refs[0] == refs[2] == refs[3]
+        assert sorted(store.list_chunks()) == sorted({refs[0].digest, refs[1].digest})
+
+    def test_writes_leave_no_temporary_files(self, store, backend):
+        for i in range(20):
+            store.put_chunk(os.urandom(1000 + i))
+        m = _manifest(store)
+        digest = store.put_manifest(canonical_json(m))
+        store.set_ref("groups", "g", digest)
+        store.set_ref("groups", "g", digest)
+        assert backend.temp_files(store) == []
+        assert len(list(store.list_chunks())) == 21
+
+    def test_corrupt_chunk_is_refused(self, store):
+        ref, _ = store.put_chunk(b"the real content")
+        other = zstandard.ZstdCompressor().compress(b"some other content")
+        store._put("chunks", ref.digest, other)  # a valid zstd frame of other bytes
+        with pytest.raises(DigestMismatchError, match="other content"):
+            store.get_chunk(ref.digest)
+        store._put("chunks", ref.digest, b"\x00garbage, not zstd")
+        with pytest.raises(DigestMismatchError, match="not a zstd frame"):
+            store.get_chunk(ref.digest)
+        frame = zstandard.ZstdCompressor().compress(b"the real content")
+        store._put("chunks", ref.digest, frame[:-3])  # truncated
+        with pytest.raises(DigestMismatchError):
+            store.get_chunk(ref.digest)
+        store._put("chunks", ref.digest, frame)
+        assert store.get_chunk(ref.digest) == b"the real content"
+
+    def test_delete_chunk(self, store):
+        ref, _ = store.put_chunk(b"short-lived")
+        store.delete_chunk(ref.digest)
+        store.delete_chunk(ref.digest)  # absent: no error
+        assert not store.has_chunk(ref.digest)
+        with pytest.raises(NotFoundError):
+            store.get_chunk(ref.digest)
+        assert store.put_chunk(b"short-lived")[1] is True
+
+    # --- unknown and malformed digests ---------------------------------------------------
+
+    def test_unknown_digests_are_not_found(self, store):
+        unknown = "sha256:" + "ab" * 32
+        assert not store.has_chunk(unknown) and not store.has_manifest(unknown)
+        with pytest.raises(NotFoundError):
+            store.get_chunk(unknown)
+        with pytest.raises(NotFoundError):
+            store.get_manifest(unknown)
+        with pytest.raises(NotFoundError):
+            store.resolve("groups", unknown)
+        with pytest.raises(NotFoundError):
+            store.get_ref("templates", "nobody")
+        with pytest.raises(NotFoundError):
+            store.resolve("templates", "nobody")
+
+    @pytest.mark.parametrize("bad", BAD_DIGESTS)
+    def test_bad_digests_are_invalid_input(self, store, bad):
+        for call in (
+            store.get_chunk,
+            store.has_chunk,
+            store.delete_chunk,
+            store.get_manifest,
+            store.has_manifest,
+            store.delete_manifest,
+        ):
+            with pytest.raises(InvalidInputError):
+                call(bad)
+        with pytest.raises(InvalidInputError):
+            store.set_ref("groups", "g", bad)
+        if bad.startswith("sha256:"):
+            with pytest.raises(InvalidInputError):
+                store.resolve("groups", bad)
+
+    # --- manifests -----------------------------------------------------------------------
+
+    def test_manifest_round_trip_and_verification(self, store):
+        m = _manifest(store)
+        data = canonical_json(m)
+        digest = store.put_manifest(data)
+        assert digest == m.digest() == sha256_digest(data)
+        assert store.put_manifest(data) == digest  # idempotent
+        assert store.has_manifest(digest)
+        assert store.get_manifest(digest) == data
+        assert parse_group_manifest(store.get_manifest(digest)) == m
+        assert list(store.list_manifests()) == [digest]
+
+        other = canonical_json(_manifest(store, "other"))
+        store._put("manifests", digest, other)
+        with pytest.raises(DigestMismatchError):
+            store.get_manifest(digest)
+        store._put("manifests", digest, data)
+        store.delete_manifest(digest)
+        assert not store.has_manifest(digest)
+
+    # --- refs ----------------------------------------------------------------------------
+
+    def test_refs(self, store):
+        a = store.put_manifest(canonical_json(_manifest(store, "a")))
+        b = store.put_manifest(canonical_json(_manifest(store, "b")))
+        assert store.list_refs("groups") == {} and store.list_refs("templates") == {}
+        store.set_ref("groups", "a", a)
+        store.set_ref("groups", "b", a)
+        store.set_ref("groups", "b", b)  # replace
+        store.set_ref("templates", "a", b)  # kinds are separate name spaces
+        assert store.get_ref("groups", "a") == a
+        assert store.get_ref("groups", "b") == b
+        assert store.list_refs("groups") == {"a": a, "b": b}
+        assert store.list_refs("templates") == {"a": b}
+        assert store.resolve("groups", "a") == a
+        assert store.resolve("groups", b) == b
+
+    @pytest.mark.parametrize("kind,name", [("chunks", "a"), ("group", "a"), ("groups", "A"), ("groups", "../x"), ("groups", "")])
+    def test_bad_refs_are_invalid_input(self, store, kind, name):
+        digest = "sha256:" + "0" * 64
+        with pytest.raises(InvalidInputError):
+            store.set_ref(kind, name, digest)
+        with pytest.raises(InvalidInputError):
+            store.get_ref(kind, name)
+
+
+# --- file:// specifics -------------------------------------------------------------------
+
+
+def test_atomic_write_failure_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "d" / "blob"
+    target.mkdir(parents=True)  # rename(2) of a file over a directory fails
+    with pytest.raises(IsADirectoryError):
+        atomic_write(target, b"data")
+    assert sorted(p.name for p in target.parent.iterdir()) == ["blob"]
+    atomic_write(tmp_path / "d" / "ok", b"data")
+    assert (tmp_path / "d" / "ok").read_bytes() == b"data"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["blob", "ok"]
+
+
+def test_open_store(tmp_path):
+    s = open_store(f"file://{tmp_path}/s1")
+    assert isinstance(s, FileStore) and s.root == tmp_path / "s1" and s.url == f"file://{tmp_path}/s1"
+    assert isinstance(open_store(str(tmp_path / "s2")), FileStore)
+    for url in ("relative/path", "ftp://host/x", "nosuch://x"):
+        with pytest.raises(InvalidInputError):
+            open_store(url)
