@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
+# weenv drives (runc, erofs-utils, fuse3, debootstrap, and what pyfuse3 builds
+# with), then a venv in .venv with weenv and its test tools.  Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(runc erofs-utils fuse3 libfuse3-dev pkg-config debootstrap util-linux)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
+fi
+[ -e /dev/fuse ] || modprobe fuse
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c 'import weenv, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.weenv-installed ]; then
+  echo "setup: installing weenv into .venv" >&2
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/python -c 'import weenv, pytest, pyfuse3'
+  touch .venv/.weenv-installed
+fi

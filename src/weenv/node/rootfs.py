@@ -1,0 +1,317 @@
+"""File access inside an environment's root from the host, confined to it (Linux >= 5.6).
+
+Every path is resolved by openat2(2) with ``RESOLVE_IN_ROOT |
+RESOLVE_NO_MAGICLINKS`` against a descriptor of the root: the kernel treats the
+root as ``/`` for ``..`` and for absolute and relative symbolic links alike, and
+refuses ``/proc/PID/fd``-style magic links, so no path, however crafted by the
+environment's processes, reaches a host file.  Operations that name an entry
+rather than open it (create, mkdir, unlink, rename) open the entry's *parent*
+that way and then act on one plain name with the ``*at`` calls, which never
+follow a final symbolic link.  Reads and writes open the target with
+``O_PATH``, check it is a regular file, and reopen that very inode, so a FIFO
+or device node never blocks or touches a host device.
+
+Paths are strings as seen inside the environment; relative ones are taken from
+``/`` (callers join the working directory first).  Errors: a missing path ->
+:class:`NotFoundError`; a path of the wrong kind (a directory where a file is
+expected, a file as a parent, an existing entry, a dangling symbolic link to
+create through, too many links) -> :class:`InvalidInputError`.  Other
+``OSError`` (``ENOSPC``, ``EIO``) propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import stat as st
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from weenv.errors import InvalidInputError, NotFoundError
+
+SYS_OPENAT2 = 437  # the same number on every architecture (include/uapi/asm-generic/unistd.h)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+_RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
+_DIR = os.O_PATH | os.O_DIRECTORY
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+EntryType = Literal["file", "dir", "symlink", "other"]
+
+
+class EntryInfo(BaseModel):
+    """One directory entry: ``name``, ``type``, ``size`` in bytes, ``mode`` (permission
+    bits, ``st_mode & 0o7777``)."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    type: EntryType
+    size: int
+    mode: int
+
+    @classmethod
+    def of(cls, name: str, s: os.stat_result) -> "EntryInfo":
+        m = s.st_mode
+        kind: EntryType = (
+            "file" if st.S_ISREG(m) else "dir" if st.S_ISDIR(m) else "symlink" if st.S_ISLNK(m) else "other"
+        )
+        return cls(name=name, type=kind, size=s.st_size, mode=st.S_IMODE(m))
+
+
+_INVALID = {
+    errno.ENOTDIR: "a path component is not a directory",
+    errno.EISDIR: "is a directory",
+    errno.ELOOP: "too many symbolic links, or a magic link",
+    errno.EEXIST: "already exists",
+    errno.ENOTEMPTY: "directory not empty",
+    errno.EXDEV: "cannot move across file systems (overlayfs cannot rename a directory of a lower layer)",
+    errno.EINVAL: "invalid argument",
+    errno.ENAMETOOLONG: "name too long",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.ENXIO: "not a regular file",
+    errno.ETXTBSY: "a running program's file (text file busy)",
+}
+
+
+def _mapped(exc: OSError, path: str) -> Exception:
+    if exc.errno == errno.ENOENT:
+        return NotFoundError(f"{path}: no such file or directory")
+    if exc.errno in _INVALID:
+        return InvalidInputError(f"{path}: {_INVALID[exc.errno]}")
+    return exc
+
+
+def _clean(path: str) -> str:
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidInputError(f"bad path {path!r}")
+    return path if path.startswith("/") else "/" + path
+
+
+def _split(path: str) -> tuple[str, str]:
+    """``(parent, name)`` of a path naming an entry; refuses ``/``, ``.`` and ``..`` as the name."""
+    parts = [p for p in _clean(path).split("/") if p]
+    if not parts or parts[-1] in (".", ".."):
+        raise InvalidInputError(f"{path!r} does not name an entry")
+    return "/" + "/".join(parts[:-1]), parts[-1]
+
+
+class RootFS:
+    """Confined access to the tree at ``root`` (a host directory, e.g. the overlay mount).
+
+    No descriptor is kept between calls (an open one would keep the mount busy),
+    so an instance is cheap and safe to share between threads.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    # --- reading -------------------------------------------------------------------------
+    def read_file(self, path: str) -> bytes:
+        """The whole content of the regular file at ``path`` (symbolic links followed inside the root)."""
+        with self._open(path, os.O_PATH) as fd:
+            self._require_file(fd, path)
+            with open(f"/proc/self/fd/{fd}", "rb") as f:
+                return f.read()
+
+    def list_dir(self, path: str) -> list[EntryInfo]:
+        """The entries of the directory at ``path``, by name; symbolic links are not followed."""
+        with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as fd:
+            try:
+                with os.scandir(fd) as it:
+                    return sorted(
+                        (EntryInfo.of(e.name, e.stat(follow_symlinks=False)) for e in it),
+                        key=lambda e: e.name,
+                    )
+            except OSError as exc:
+                raise _mapped(exc, path) from exc
+
+    def stat(self, path: str, *, follow_symlinks: bool = True) -> EntryInfo:
+        """The entry at ``path``; with ``follow_symlinks=False`` a final link itself."""
+        flags = os.O_PATH | (0 if follow_symlinks else os.O_NOFOLLOW)
+        with self._open(path, flags) as fd:
+            name = [p for p in _clean(path).split("/") if p][-1:] or ["/"]
+            return EntryInfo.of(name[0], os.fstat(fd))
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` resolves (links followed) to an entry inside the root."""
+        try:
+            self.stat(path)
+        except (NotFoundError, InvalidInputError):
+            return False
+        return True
+
+    # --- writing -------------------------------------------------------------------------
+    def write_file(
+        self,
+        path: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        make_parents: bool = True,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Replace the content of the regular file at ``path``, or create it.
+
+        ``mode``: permission bits of a file this call creates (exactly, no umask);
+        an existing file keeps its mode and owner.  ``make_parents``: create
+        missing parent directories (0o755).  ``owner``: ``(uid, gid)`` for what
+        this call creates (default: root).  A final symbolic link is followed
+        inside the root; one that points nowhere is refused.
+        """
+        parent, _name = _split(path)
+        if make_parents:
+            self.make_dir(parent, owner=owner)
+        for _attempt in range(3):
+            try:
+                with self._open(path, os.O_PATH) as fd:
+                    self._require_file(fd, path)
+                    try:
+                        wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                    except OSError as exc:
+                        raise _mapped(exc, path) from exc
+            except NotFoundError:
+                try:
+                    wfd = self._openat2(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                except FileExistsError:
+                    continue  # a dangling symbolic link, or created meanwhile: look again
+                except OSError as exc:
+                    raise _mapped(exc, path) from exc
+                os.fchmod(wfd, mode)
+                if owner is not None:
+                    os.fchown(wfd, *owner)
+            with open(wfd, "wb") as f:
+                f.write(data)
+            return
+        raise InvalidInputError(f"{path}: a symbolic link to a path that does not exist")
+
+    def make_dir(
+        self,
+        path: str,
+        mode: int = 0o755,
+        *,
+        parents: bool = True,
+        exist_ok: bool = True,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """Create the directory ``path`` (and, with ``parents``, missing parents).
+
+        ``mode`` is masked by the umask as mkdir(2) does; ``owner``: ``(uid, gid)``
+        of the directories this call creates.
+        """
+        parts = [p for p in _clean(path).split("/") if p not in ("", ".")]
+        if not parents:
+            self._mkdir_one(path, mode, exist_ok, owner)
+            return
+        try:  # the common case: it exists already
+            with self._open(path, _DIR):
+                if not exist_ok:
+                    raise InvalidInputError(f"{path}: already exists")
+                return
+        except NotFoundError:
+            pass
+        for i in range(1, len(parts) + 1):
+            prefix = "/" + "/".join(parts[:i])
+            if parts[i - 1] == "..":
+                continue
+            try:
+                with self._open(prefix, _DIR):
+                    continue
+            except NotFoundError:
+                self._mkdir_one(prefix, mode, True, owner)
+
+    def remove(self, path: str) -> None:
+        """Remove the file, link or directory tree at ``path`` (a final link itself, not its target)."""
+        parent, name = _split(path)
+        with self._open(parent, _DIR) as pfd:
+            try:
+                s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                if st.S_ISDIR(s.st_mode):
+                    shutil.rmtree(name, dir_fd=pfd)
+                else:
+                    os.unlink(name, dir_fd=pfd)
+            except OSError as exc:
+                raise _mapped(exc, path) from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` (rename(2): replaces a file or an empty directory)."""
+        sparent, sname = _split(src)
+        dparent, dname = _split(dst)
+        with self._open(sparent, _DIR) as sfd, self._open(dparent, _DIR) as dfd:
+            try:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            except OSError as exc:
+                raise _mapped(exc, f"{src} -> {dst}") from exc
+
+    # --- helpers -------------------------------------------------------------------------
+    def _mkdir_one(self, path: str, mode: int, exist_ok: bool, owner) -> None:
+        parent, name = _split(path)
+        with self._open(parent, _DIR) as pfd:
+            try:
+                os.mkdir(name, mode, dir_fd=pfd)
+            except FileExistsError:
+                s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                if not exist_ok or not st.S_ISDIR(s.st_mode):
+                    what = "a symbolic link" if st.S_ISLNK(s.st_mode) else "an entry"
+                    raise InvalidInputError(f"{path}: {what} exists there") from None
+                return
+            except OSError as exc:
+                raise _mapped(exc, path) from exc
+            if owner is not None:
+                os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+
+    def _require_file(self, fd: int, path: str) -> None:
+        m = os.fstat(fd).st_mode
+        if st.S_ISDIR(m):
+            raise InvalidInputError(f"{path}: is a directory")
+        if not st.S_ISREG(m):
+            raise InvalidInputError(f"{path}: not a regular file")
+
+    def _openat2(self, path: str, flags: int, mode: int = 0) -> int:
+        """openat2(root, path, flags) confined to the root; raises ``OSError``."""
+        root = os.open(self.root, _DIR | os.O_CLOEXEC)
+        try:
+            how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
+            raw = os.fsencode(_clean(path))
+            for _attempt in range(64):  # EAGAIN: a concurrent rename raced a ".." lookup
+                fd = _libc.syscall(
+                    ctypes.c_long(SYS_OPENAT2), ctypes.c_long(root), ctypes.c_char_p(raw),
+                    ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
+                )  # fmt: skip
+                if fd >= 0:
+                    return fd
+                err = ctypes.get_errno()
+                if err not in (errno.EAGAIN, errno.EINTR):
+                    break
+            raise OSError(err, os.strerror(err), path)
+        finally:
+            os.close(root)
+
+    def _open(self, path: str, flags: int) -> "_Fd":
+        try:
+            return _Fd(self._openat2(path, flags))
+        except OSError as exc:
+            raise _mapped(exc, path) from exc
+
+
+class _Fd(int):
+    """A file descriptor that closes itself at the end of a ``with`` block."""
+
+    def __enter__(self) -> int:
+        return int(self)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self)

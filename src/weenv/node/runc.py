@@ -1,0 +1,400 @@
+"""runc, the OCI runtime, driven through its command line (Linux only).
+
+Every call runs ``runc --root ROOT ...`` (runc 1.1, ``man runc``) and blocks
+until runc answers: the node daemon calls these methods from worker threads.
+:class:`Runc` keeps no state of its own, so one instance serves many threads.
+
+Errors: a container that does not exist -> :class:`NotFoundError`; any other
+failure of runc -> :class:`RuntimeFailedError` with runc's message; a missing
+runc binary -> :class:`ToolMissingError`; a bad container id, user or variable
+name -> :class:`InvalidInputError`.
+
+Commands (:meth:`Runc.exec`) write their stdout/stderr to unlinked temporary
+files, not pipes: a big output never blocks, and a command that leaves a
+background process holding its stdout open (``server &``) still returns when
+the command itself exits.  (Such a process keeps writing to the unlinked file
+until it exits.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal as signals
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, ToolMissingError
+
+_ID_RE = re.compile(r"^[\w+.-]{1,1024}$")
+_USER_RE = re.compile(r"^\d+(:\d+)?$")
+_MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
+EXIT_NOT_FOUND, EXIT_CANNOT_RUN, EXIT_KILLED = 127, 126, 128 + 9
+
+# The parent of every command (run as ``python -I -S -c``; argv: STATUS_FILE
+# PID_FILE RUNC_ARGV...).  It makes itself a child subreaper (prctl
+# PR_SET_CHILD_SUBREAPER), runs ``runc exec --detach`` with its own stdio, and
+# when runc has exited adopts the command (runc was its parent), waits for it and
+# writes its fate to STATUS_FILE: ``exit N`` (128 + signal for a signal),
+# ``runc-failed`` (runc's message is on stderr), ``no-runc`` or ``lost``.
+_EXEC_HELPER = """
+import ctypes, os, sys
+def done(status):
+    with open(sys.argv[1], "w") as f:
+        f.write(status)
+    os._exit(0)
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+pid_file, argv = sys.argv[2], sys.argv[3:]
+try:
+    runc = os.posix_spawnp(argv[0], argv, os.environ)
+except OSError:
+    done("no-runc")
+if os.waitstatus_to_exitcode(os.waitpid(runc, 0)[1]) != 0:
+    done("runc-failed")
+try:
+    with open(pid_file) as f:
+        pid = int(f.read())
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+except (OSError, ValueError):
+    done("lost")
+done("exit %d" % (code if code >= 0 else 128 - code))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """What a command did.
+
+    ``exit_code``: its exit status; 128 + signal number if a signal killed it;
+    137 after a timeout; 127 if the executable was not found and 126 if it could
+    not be started (as a shell and ``docker exec`` report them, with runc's
+    message in ``stderr``).  ``duration_s``: wall-clock seconds of the whole
+    ``runc exec``.
+    """
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    timed_out: bool = False
+
+
+def runc_message(stderr: str) -> str:
+    """runc's error message(s) from its logrus output (``level=error msg="..."``)."""
+    msgs = [m.encode().decode("unicode_escape") for m in _MSG_RE.findall(stderr)]
+    return "; ".join(msgs) if msgs else stderr.strip()
+
+
+class Runc:
+    """runc with its state in ``root`` (``runc --root``).
+
+    ``binary``: the runc executable; ``command_timeout``: seconds after which a
+    control command (create, start, state, list, kill, delete) counts as hung.
+    """
+
+    def __init__(self, root: Path, binary: str = "runc", *, command_timeout: float = 60.0):
+        self.root = Path(root)
+        self.binary = binary
+        self.command_timeout = command_timeout
+
+    # --- container lifecycle ---------------------------------------------------------
+    def create(self, container_id: str, bundle: Path) -> None:
+        """``runc create``: set up the container from ``bundle/config.json``, its
+        first process waiting to be started.
+
+        The first process gets ``/dev/null`` as stdin and ``bundle/init.log`` as
+        stdout and stderr (runc create would otherwise wait on pipes it passes on).
+        """
+        _check_id(container_id)
+        bundle = Path(bundle).absolute()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_path = bundle / "init.log"
+        with open(log_path, "ab") as log:
+            offset = log.tell()
+            try:
+                proc = subprocess.run(
+                    self._argv("create", "--bundle", str(bundle), container_id),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    timeout=self.command_timeout,
+                )  # fmt: skip
+            except FileNotFoundError as exc:
+                raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
+            except subprocess.TimeoutExpired as exc:
+                raise RuntimeFailedError(f"runc create {container_id}: hung") from exc
+        if proc.returncode != 0:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                out = f.read(64 << 10).decode(errors="replace")
+            raise RuntimeFailedError(f"runc create {container_id}: {runc_message(out)}")
+
+    def start(self, container_id: str) -> None:
+        """``runc start``: run the first process of a created container."""
+        self._run("start", container_id)
+
+    def run_detached(self, container_id: str, bundle: Path) -> None:
+        """:meth:`create` then :meth:`start`; on failure nothing is left behind."""
+        self.create(container_id, bundle)
+        try:
+            self.start(container_id)
+        except BaseException:
+            self.delete(container_id, force=True)
+            raise
+
+    def state(self, container_id: str) -> dict[str, Any] | None:
+        """``runc state``: ``{"id", "pid", "status", "bundle", ...}``, or None if
+        there is no such container.  ``status``: created, running, paused, stopped."""
+        _check_id(container_id)
+        try:
+            out = self._run("state", container_id)
+        except NotFoundError:
+            return None
+        return json.loads(out)
+
+    def list(self) -> list[dict[str, Any]]:
+        """``runc list``: the state of every container under ``root``."""
+        return json.loads(self._run("list", "--format", "json") or "null") or []
+
+    def kill(self, container_id: str, signal: str = "KILL", all: bool = True) -> None:
+        """``runc kill``: send ``signal`` (a name like ``"KILL"`` or a number) to the
+        first process, or with ``all`` to every process of the container.
+        Raises :class:`NotFoundError` if there is no such container."""
+        _check_id(container_id)
+        self._run("kill", *(["--all"] if all else []), container_id, str(signal))
+
+    def delete(self, container_id: str, force: bool = True) -> None:
+        """``runc delete``: remove the container, its cgroup and its state.  With
+        ``force``, kill it first if it runs.  A missing container is fine."""
+        _check_id(container_id)
+        try:
+            self._run("delete", *(["--force"] if force else []), container_id)
+        except NotFoundError:
+            pass
+
+    # --- commands ----------------------------------------------------------------------
+    def exec(
+        self,
+        container_id: str,
+        argv: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run a command in a running container and wait for it (``runc exec``).
+
+        ``argv``: a list, or a string run by ``/bin/sh -c``.  ``env`` overrides
+        the container's variables by name; ``cwd`` (absolute) and ``user``
+        (``"UID:GID"``) default to the container's.  ``stdin``: bytes to read
+        (default: none, ``/dev/null``).  After ``timeout`` seconds the command and
+        all its descendants are SIGKILLed and the result has ``timed_out=True``
+        and exit code 137 (nothing is raised).  Descendants that already left the
+        command's process tree (daemonized, reparented to the container's first
+        process) are not killed.
+        """
+        flags, command = _exec_args(argv, env, cwd, user)
+        _check_id(container_id)
+        with tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp, \
+                tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                _stdin_file(stdin) as inp:  # fmt: skip
+            pid_file, status_file = Path(tmp) / "pid", Path(tmp) / "status"
+            runc = self._argv("exec", "--detach", "--pid-file", str(pid_file), *flags, container_id, *command)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(status_file), str(pid_file), *runc],
+                stdin=inp, stdout=out, stderr=err,
+            )  # fmt: skip
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                kill_descendants(proc.pid)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                rc = EXIT_KILLED
+            except BaseException:  # interrupted: leave nothing running
+                kill_descendants(proc.pid)
+                proc.kill()
+                proc.wait()
+                raise
+            duration = time.monotonic() - t0
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            if not timed_out:
+                rc, stderr = self._fate(container_id, status_file, rc, stderr)
+        return ExecResult(rc, stdout, stderr, duration, timed_out)
+
+    # --- helpers -----------------------------------------------------------------------
+    def _fate(self, container_id: str, status_file: Path, rc: int, stderr: bytes) -> tuple[int, bytes]:
+        """The command's exit code (and stderr) from the exec helper's status file."""
+        try:
+            status = status_file.read_text()
+        except FileNotFoundError:
+            raise RuntimeFailedError(f"exec in {container_id}: the exec helper died (status {rc})") from None
+        if status.startswith("exit "):
+            return int(status[5:]), stderr
+        if status == "runc-failed":  # the command never started
+            return _start_failure(container_id, stderr)
+        if status == "no-runc":
+            raise ToolMissingError(f"runc not found: {self.binary!r}")
+        raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self.binary, "--root", str(self.root), *args]
+
+    def _run(self, *args: str) -> str:
+        try:
+            proc = subprocess.run(
+                self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True,
+                timeout=self.command_timeout,
+            )  # fmt: skip
+        except FileNotFoundError as exc:
+            raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeFailedError(f"runc {' '.join(args)}: no answer in {self.command_timeout} s") from exc
+        if proc.returncode != 0:
+            msg = runc_message(proc.stderr.decode(errors="replace"))
+            if "does not exist" in msg:
+                raise NotFoundError(f"no container {args[-1]!r} (runc {args[0]}): {msg}")
+            raise RuntimeFailedError(f"runc {args[0]} {' '.join(args[1:])}: {msg}")
+        return proc.stdout.decode()
+
+
+def _check_id(container_id: str) -> None:
+    if not isinstance(container_id, str) or not _ID_RE.match(container_id):
+        raise InvalidInputError(f"bad container id {container_id!r}")
+
+
+def _exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
+    """(runc exec flags, the command's argv)."""
+    if isinstance(argv, str):
+        argv = ["/bin/sh", "-c", argv]
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise InvalidInputError("the command must be a non-empty list of strings or a string")
+    flags: list[str] = []
+    for key, value in (env or {}).items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise InvalidInputError(f"bad environment variable {key!r}")
+        flags += ["--env", f"{key}={value}"]
+    if cwd is not None:
+        if not cwd.startswith("/"):
+            raise InvalidInputError(f"working dir {cwd!r} is not absolute")
+        flags += ["--cwd", cwd]
+    if user is not None:
+        if not _USER_RE.match(user):
+            raise InvalidInputError(f"bad user {user!r}: want numeric 'UID:GID'")
+        flags += ["--user", user]
+    return flags, list(argv)
+
+
+def _start_failure(container_id: str, stderr: bytes) -> tuple[int, bytes]:
+    """Map runc's failure to start a command to 127/126, or raise if runc failed
+    for another reason (no such container, container stopped)."""
+    msg = runc_message(stderr.decode(errors="replace"))
+    if "container does not exist" in msg:
+        raise NotFoundError(f"no container {container_id!r}: {msg}")
+    if "unable to start container process" not in msg:
+        raise RuntimeFailedError(f"runc exec in {container_id}: {msg}")
+    not_found = "executable file not found" in msg or (
+        'exec: "' in msg and "no such file or directory" in msg
+    )
+    return (EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN), (msg + "\n").encode()
+
+
+class _stdin_file:
+    """A context manager giving the file a command reads as stdin."""
+
+    def __init__(self, data: bytes | None):
+        self.data = data
+        self.f: BinaryIO | None = None
+
+    def __enter__(self):
+        if self.data is None:
+            return subprocess.DEVNULL
+        self.f = tempfile.TemporaryFile()
+        self.f.write(self.data)
+        self.f.seek(0)
+        return self.f
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()
+
+
+# --- process trees on the host (/proc) -------------------------------------------------
+def children(pid: int) -> set[int]:
+    """Host pids of ``pid``'s children, from ``/proc/PID/task/*/children``
+    (Linux >= 3.5 with CONFIG_PROC_CHILDREN; every thread has its own list)."""
+    kids: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return kids
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of ``pid`` (``R``, ``S``, ``T``, ``Z``...), ``""`` if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_descendants(root_pid: int, *, settle_s: float = 2.0) -> set[int]:
+    """SIGKILL every descendant of ``root_pid`` (not ``root_pid`` itself).
+
+    The tree is first frozen with SIGSTOP, level by level, waiting until each
+    process shows as stopped, so none can fork a child we would miss or die and
+    hand its children to the container's init before they are listed; then all
+    get SIGKILL.  ``settle_s`` bounds the waiting (a process in uninterruptible
+    sleep may not stop).  Returns the pids signalled.
+    """
+    seen: set[int] = set()
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = children(root_pid)
+        for pid in seen:
+            found |= children(pid)
+        new = found - seen
+        if not new:
+            break
+        for pid in new:
+            _send(pid, signals.SIGSTOP)
+        seen |= new
+        pending = set(new)
+        while pending and time.monotonic() < deadline:
+            pending = {p for p in pending if _state(p) not in ("", "T", "t", "Z", "X")}
+            if pending:
+                time.sleep(0.001)
+        if time.monotonic() >= deadline:
+            break
+    for pid in seen:
+        _send(pid, signals.SIGKILL)
+    return seen

@@ -1,0 +1,421 @@
+"""The node's lazy data path: chunk cache, LazyFS (FUSE), shared EROFS group mounts.
+
+Real FUSE and EROFS mounts, real stores (a counting subclass of FileStore where
+the number of store reads matters).  Every test stops LazyFS and unmounts in its
+fixture's teardown; ``leak_check`` then fails it if a mount or FUSE connection
+remains.  Measured numbers are printed (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from weenv.errors import DigestMismatchError, MountError
+from weenv.node.cache import ChunkCache
+from weenv.node.groups import GroupMounts
+from weenv.node.lazyfs import LazyFS
+from weenv.packaging.group import build_group
+from weenv.store.file import FileStore
+
+MiB = 1 << 20
+BIG_FILES = 8
+BIG_SIZE = 4 * MiB  # 8 x 4 MiB of random bytes: 32 MiB that zstd cannot shrink
+
+
+class CountingStore(FileStore):
+    """A real FileStore that counts get_chunk calls per digest, optionally slowed
+    down (``delay`` seconds) to widen race windows, or held at ``gate`` until set."""
+
+    def __init__(self, root, delay: float = 0.0):
+        super().__init__(root)
+        self.calls: Counter[str] = Counter()
+        self.delay = delay
+        self.gate: threading.Event | None = None
+        self._count_lock = threading.Lock()
+
+    def get_chunk(self, digest: str) -> bytes:
+        with self._count_lock:
+            self.calls[digest] += 1
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().get_chunk(digest)
+
+
+def make_tree(root: Path) -> Path:
+    src = root / "src"
+    (src / "data").mkdir(parents=True)
+    for i in range(BIG_FILES):
+        (src / "data" / f"big{i}.bin").write_bytes(os.urandom(BIG_SIZE))
+    (src / "etc").mkdir()
+    (src / "etc" / "small.txt").write_text("a small file\n" * 10)
+    return src
+
+
+def build(tmp_path: Path, store: FileStore):
+    src = make_tree(tmp_path)
+    result = build_group(src, store, name="lazy-test", chunk_size=MiB, workdir=tmp_path)
+    return src, result
+
+
+def image_bytes(store: FileStore, manifest) -> bytes:
+    return b"".join(store.get_chunk(c.digest) for c in manifest.chunks)
+
+
+def corrupt(store: FileStore, digest: str, size: int) -> None:
+    """Replace the chunk's frame by a valid zstd frame of other content."""
+    frame = zstandard.ZstdCompressor().compress(os.urandom(size))
+    store._path("chunks", digest).write_bytes(frame)
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fuse_mounts() -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line for line in f if line.split()[2].startswith("fuse.weenv")]
+
+
+class Node:
+    """A chunk cache, a running LazyFS and GroupMounts under one WEENV_HOME."""
+
+    def __init__(self, paths, store):
+        self.cache = ChunkCache(paths.chunk_cache, store)
+        self.fs = LazyFS(paths.lazy_mountpoint, self.cache)
+        self.mounts = GroupMounts(paths.group_mounts, self.fs)
+
+    def close(self):
+        try:
+            self.mounts.unmount_all()
+        finally:
+            self.fs.stop()
+
+
+@pytest.fixture
+def counting_store(paths) -> CountingStore:
+    return CountingStore(paths.home / "store")
+
+
+@pytest.fixture
+def node(paths, counting_store, leak_check):
+    n = Node(paths, counting_store)
+    n.fs.start()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def test_lazy_fetch(tmp_path, counting_store, node):
+    src, res = build(tmp_path, counting_store)
+    n_chunks = len(res.manifest.chunks)
+    mp = node.mounts.acquire(res.digest, res.manifest)
+    after_mount = node.cache.chunks_fetched
+
+    assert (mp / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
+    names = sorted(p.name for p in (mp / "data").iterdir())
+    assert names == [f"big{i}.bin" for i in range(BIG_FILES)]
+    small = node.cache.stats()
+    fraction = small.chunks_fetched / n_chunks
+    print(
+        f"\nimage {res.manifest.image_size / MiB:.1f} MiB in {n_chunks} chunks; mount fetched "
+        f"{after_mount}; small file + listing fetched {small.chunks_fetched} chunks "
+        f"({fraction:.1%}), {small.bytes_fetched} stored bytes"
+    )
+    assert fraction < 0.10
+
+    # A big file: its chunks are fetched, the bytes are the source's.
+    t0 = time.monotonic()
+    data = (mp / "data" / "big3.bin").read_bytes()
+    cold = time.monotonic() - t0
+    assert data == (src / "data" / "big3.bin").read_bytes()
+    big = node.cache.stats()
+    assert BIG_SIZE // MiB <= big.chunks_fetched - small.chunks_fetched <= BIG_SIZE // MiB + 2
+    assert big.bytes_fetched == sum(
+        c.stored_size for c in res.manifest.chunks if node.cache.has(c.digest)
+    )
+
+    # Warm (chunk cache, through FUSE) and hot (page cache) reads of the same file.
+    path = mp / "data" / "big3.bin"
+    drop_page_cache(path)
+    reads0 = node.fs.stats(res.digest).reads
+    t0 = time.monotonic()
+    assert path.read_bytes() == data
+    warm = time.monotonic() - t0
+    reads1 = node.fs.stats(res.digest).reads
+    t0 = time.monotonic()
+    assert path.read_bytes() == data
+    hot = time.monotonic() - t0
+    assert node.fs.stats(res.digest).reads == reads1  # served by the page cache
+    assert node.cache.chunks_fetched == big.chunks_fetched  # nothing fetched again
+    mib = BIG_SIZE / MiB
+    print(
+        f"4 MiB file: cold {mib / cold:.0f} MiB/s (fetch), warm {mib / warm:.0f} MiB/s "
+        f"({reads1 - reads0} FUSE reads), hot {mib / hot:.0f} MiB/s (page cache)"
+    )
+
+    # Everything else is byte-identical too, and the access order starts at the superblock.
+    for i in range(BIG_FILES):
+        assert (mp / "data" / f"big{i}.bin").read_bytes() == (src / "data" / f"big{i}.bin").read_bytes()
+    stats = node.fs.stats(res.digest)
+    assert stats.first_read[0] == 0
+    assert sorted(stats.first_read) == list(range(n_chunks))  # every chunk read once by now
+    assert max(counting_store.calls.values()) == 1
+    node.mounts.release(res.digest)
+
+
+def test_single_flight_ensure(tmp_path, paths):
+    store = CountingStore(paths.home / "store", delay=0.05)
+    _src, res = build(tmp_path, store)
+    cache = ChunkCache(tmp_path / "cache", store)
+    chunk = res.manifest.chunks[5]
+    barrier = threading.Barrier(16)
+    results: list = [None] * 16
+
+    def ensure(k: int) -> None:
+        barrier.wait()
+        try:
+            results[k] = cache.ensure(chunk)
+        except Exception as exc:  # noqa: BLE001 - collected for the asserts
+            results[k] = exc
+
+    threads = [threading.Thread(target=ensure, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.calls[chunk.digest] == 1
+    assert all(r == cache.path(chunk.digest) for r in results)
+    assert cache.stats().chunks_fetched == 1 and cache.bytes_fetched == chunk.stored_size
+    assert cache.read(chunk, 100, 50) == store.get_chunk(chunk.digest)[100:150]
+
+    # An error reaches every waiter, nothing is cached, and the next call asks again.
+    bad = res.manifest.chunks[6]
+    corrupt(store, bad.digest, bad.size)
+    barrier.reset()
+    results = [None] * 16
+    chunk = bad
+    threads = [threading.Thread(target=ensure, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.calls[bad.digest] == 1
+    assert all(isinstance(r, DigestMismatchError) for r in results)
+    assert not cache.has(bad.digest)
+    assert cache.stats().fetch_errors == 1
+    with pytest.raises(DigestMismatchError):
+        cache.ensure(bad)
+    assert store.calls[bad.digest] == 2
+    assert cache.cached_digests() == [res.manifest.chunks[5].digest]
+    cache.clear()
+    assert cache.cached_digests() == [] and not cache.has(res.manifest.chunks[5].digest)
+
+
+def test_single_flight_through_fuse(tmp_path, counting_store, node):
+    _src, res = build(tmp_path, counting_store)
+    counting_store.delay = 0.05
+    image = node.fs.add_group(res.digest, res.manifest)
+    expected = image_bytes(FileStore(counting_store.root), res.manifest)
+    counting_store.calls.clear()
+    off, size = 3 * MiB + 12345, 4 * MiB  # a cold region over 5 chunks
+    barrier = threading.Barrier(12)
+    out: list = [None] * 12
+
+    def read(k: int) -> None:
+        fd = os.open(image, os.O_RDONLY)
+        try:
+            barrier.wait()
+            out[k] = os.pread(fd, size, off)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o == expected[off : off + size] for o in out)
+    touched = {c.digest for c in res.manifest.chunks[off // MiB : (off + size - 1) // MiB + 1]}
+    assert set(counting_store.calls) == touched
+    assert all(v == 1 for v in counting_store.calls.values()), counting_store.calls
+    assert os.stat(image).st_size == res.manifest.image_size
+    assert node.fs.stats(res.digest).first_read == [3, 4, 5, 6, 7]
+    node.fs.remove_group(res.digest)
+    assert node.fs.groups() == []
+
+
+def test_corrupt_chunk_gives_eio(tmp_path, counting_store, node):
+    src, res = build(tmp_path, counting_store)
+    image = image_bytes(counting_store, res.manifest)
+    victim = (src / "data" / "big5.bin").read_bytes()
+    where = image.find(victim[2 * MiB : 2 * MiB + 4096])
+    assert where > 0
+    index = where // MiB
+    bad = res.manifest.chunks[index]
+    assert index != 0
+    corrupt(counting_store, bad.digest, bad.size)
+
+    mp = node.mounts.acquire(res.digest, res.manifest)
+    with pytest.raises(OSError) as info:
+        (mp / "data" / "big5.bin").read_bytes()
+    assert info.value.errno == errno.EIO
+
+    # Piece by piece: every piece that reads is right; the pieces on the bad chunk fail.
+    fd = os.open(mp / "data" / "big5.bin", os.O_RDONLY)
+    failed = 0
+    try:
+        for off in range(0, BIG_SIZE, 64 * 1024):
+            try:
+                piece = os.pread(fd, 64 * 1024, off)
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+                failed += 1
+            else:
+                assert piece == victim[off : off + 64 * 1024]
+    finally:
+        os.close(fd)
+    assert 0 < failed <= MiB // (64 * 1024) + 1
+    assert not node.cache.has(bad.digest)
+    stats = node.fs.stats(res.digest)
+    assert stats.errors >= failed and "DigestMismatchError" in stats.last_error
+
+    for name in ("big4.bin", "big6.bin"):
+        assert (mp / "data" / name).read_bytes() == (src / "data" / name).read_bytes()
+    assert (mp / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
+    node.mounts.release(res.digest)
+    assert node.mounts.unmount_unused() == [res.digest]
+
+
+def test_corrupt_superblock_chunk_fails_acquire(tmp_path, counting_store, node):
+    _src, res = build(tmp_path, counting_store)
+    first = res.manifest.chunks[0]
+    good_frame = counting_store._path("chunks", first.digest).read_bytes()
+    corrupt(counting_store, first.digest, first.size)
+
+    with pytest.raises(MountError) as info:
+        node.mounts.acquire(res.digest, res.manifest)
+    message = str(info.value)
+    print(f"\nMountError: {message}")
+    assert res.digest in message and "DigestMismatchError" in message
+    target = node.mounts.path(res.digest)
+    assert not target.exists()
+    assert node.mounts.mounted() == {}
+    assert node.fs.groups() == []
+    assert not any("erofs" in line and str(target) in line for line in open("/proc/mounts"))
+    assert not node.cache.has(first.digest)
+
+    # Repaired store: the next acquire mounts.
+    counting_store._path("chunks", first.digest).write_bytes(good_frame)
+    assert node.mounts.acquire(res.digest, res.manifest) == target
+    node.mounts.release(res.digest)
+
+
+def test_shared_mounts(tmp_path, counting_store, node):
+    src, res = build(tmp_path, counting_store)
+    counting_store.delay = 0.02
+    barrier = threading.Barrier(8)
+    got: list = [None] * 8
+
+    def acquire(k: int) -> None:
+        barrier.wait()
+        got[k] = node.mounts.acquire(res.digest, res.manifest)
+
+    threads = [threading.Thread(target=acquire, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    target = node.mounts.path(res.digest)
+    assert got == [target] * 8
+    erofs = [line for line in open("/proc/mounts") if line.split()[2] == "erofs" and line.split()[1] == str(target)]
+    assert len(erofs) == 1, erofs
+    assert node.mounts.mounted() == {res.digest: 8}
+    assert counting_store.calls[res.manifest.chunks[0].digest] == 1
+    assert (target / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
+
+    for _ in range(8):
+        node.mounts.release(res.digest)
+    with pytest.raises(MountError):
+        node.mounts.release(res.digest)
+    assert node.mounts.mounted() == {res.digest: 0}  # kept for warm starts
+    assert node.mounts.acquire(res.digest, res.manifest) == target
+    assert node.mounts.mounted() == {res.digest: 1}
+
+    node.mounts.unmount_all()  # still referenced: unmounted anyway (daemon stop)
+    node.mounts.unmount_all()
+    assert node.mounts.mounted() == {}
+    assert not target.exists()
+    assert not [line for line in open("/proc/mounts") if line.split()[2] == "erofs" and str(tmp_path) in line]
+    assert node.fs.groups() == []
+
+
+def test_stop_leaves_no_fuse_mount(paths, store, leak_check):
+    conns_before = set(os.listdir("/sys/fs/fuse/connections"))
+    fs = LazyFS(paths.lazy_mountpoint, ChunkCache(paths.chunk_cache, store))
+    fs.start()
+    try:
+        assert any(str(paths.lazy_mountpoint) in line for line in fuse_mounts())
+        assert set(os.listdir("/sys/fs/fuse/connections")) - conns_before
+        other = LazyFS(paths.home / "other", ChunkCache(paths.chunk_cache, store))
+        with pytest.raises(MountError):
+            other.start()  # pyfuse3: one session per process
+        assert os.listdir(paths.lazy_mountpoint) == []
+    finally:
+        fs.stop()
+    fs.stop()  # idempotent
+    assert not any(str(paths.lazy_mountpoint) in line for line in fuse_mounts())
+    assert set(os.listdir("/sys/fs/fuse/connections")) == conns_before
+    assert not fs.running
+
+
+def test_stop_while_busy_does_not_hang(tmp_path, paths, counting_store, leak_check):
+    """A group still mounted and a read stuck in a fetch: stop() detaches, cancels
+    the read after its timeout and returns; the stuck reader gets an error."""
+    src, res = build(tmp_path, counting_store)
+    n = Node(paths, counting_store)
+    n.fs.start()
+    try:
+        mp = n.mounts.acquire(res.digest, res.manifest)
+        counting_store.gate = threading.Event()  # every later fetch blocks
+        errors: list = []
+
+        def stuck_reader() -> None:
+            try:
+                (mp / "data" / "big1.bin").read_bytes()
+            except OSError as exc:
+                errors.append(exc)
+
+        reader = threading.Thread(target=stuck_reader)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while len(counting_store.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        n.fs.stop(timeout=1.0)
+        took = time.monotonic() - t0
+        print(f"\nstop() with a mounted group and a stuck fetch: {took:.2f} s")
+        assert took < 5 and not n.fs.running
+        reader.join(10)
+        assert not reader.is_alive() and errors, "the reader of a stopped LazyFS must fail, not hang"
+        print(f"stuck reader got: {errors[0]!r}")
+        assert not any(str(paths.lazy_mountpoint) in line for line in fuse_mounts())
+    finally:
+        if counting_store.gate is not None:
+            counting_store.gate.set()
+        n.close()
+    assert not (src / "never").exists()
