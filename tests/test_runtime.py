@@ -92,7 +92,7 @@ def env(runc, overlay_root, tmp_path):
 
 @pytest.fixture
 def env_init(runc, overlay_root, tmp_path):
-    """An environment whose pid 1 is tini (reaps orphans), the command pid 2."""
+    """An environment whose pid 1 is tini (reaps orphans), the command its child."""
     if not TINI.exists():
         pytest.skip(f"{TINI} is missing (Debian package tini)")
     e = start(runc, overlay_root, tmp_path / "bundle", init=TINI)
@@ -240,7 +240,8 @@ def children_of(pid: int) -> list[int]:
 def test_init_reaps_orphans(env_init):
     e = env_init
     assert e.runc.exec(e.id, ["cat", "/proc/1/cmdline"]).stdout == b"/dev/weenv-init\x00--\x00sleep\x00infinity\x00"
-    assert e.runc.exec(e.id, ["cat", "/proc/2/cmdline"]).stdout == b"sleep\x00infinity\x00"
+    (child,) = e.runc.exec(e.id, ["cat", "/proc/1/task/1/children"]).stdout.split()
+    assert e.runc.exec(e.id, ["cat", f"/proc/{child.decode()}/cmdline"]).stdout == b"sleep\x00infinity\x00"
     r = e.sh("sleep 100 & sleep 100", timeout=1)
     assert r.timed_out and r.exit_code == 137
     e.sh("sleep 0.2 &")  # orphaned, exits later
@@ -376,8 +377,10 @@ def test_runc_failures(runc, tmp_path):
     assert runc.state("fail1") is None and runc.list() == [] and cgroup_dirs("weenv-fail") == []
     with pytest.raises(InvalidInputError):
         runc.create("bad id!", bundle)
-    with pytest.raises(RuntimeFailedError):
-        runc.start("fail1") if False else Runc(tmp_path / "s", RUNC).create("x", tmp_path / "nobundle")
+    with pytest.raises(NotFoundError):
+        runc.create("x", tmp_path / "nobundle")
+    with pytest.raises(NotFoundError):
+        runc.start("nope")
 
 
 # --- rootfs in a running environment ------------------------------------------------------

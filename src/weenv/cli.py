@@ -284,14 +284,20 @@ def stop() -> None:
 @app.command()
 def demo(
     library: Annotated[str, typer.Option(help="PyPI library whose sdist test suite runs inside")] = "",
+    test_deps: Annotated[str, typer.Option(help="what its tests need, space-separated")] = "",
     keep_daemon: Annotated[bool, typer.Option(help="leave the daemon running afterwards")] = False,
 ) -> None:
     """The main job on real input: Debian base + deps + a PyPI library's source as
     three groups; a cold and a warm start; the library's test suite run inside."""
-    from weenv.demo import DEFAULT_LIBRARY, run_demo
+    from weenv.demo import DEFAULT_LIBRARY, DEFAULT_TEST_REQUIREMENTS, run_demo
 
-    code = run_demo(Paths.from_env(), library=library or DEFAULT_LIBRARY, keep_daemon=keep_daemon,
-                    console=err)
+    code = run_demo(
+        Paths.from_env(),
+        library=library or DEFAULT_LIBRARY,
+        test_requirements=tuple(test_deps.split()) if test_deps else DEFAULT_TEST_REQUIREMENTS,
+        keep_daemon=keep_daemon,
+        console=err,
+    )
     raise typer.Exit(code)
 
 

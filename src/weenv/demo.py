@@ -36,7 +36,8 @@ from weenv.store import open_store
 
 DEFAULT_LIBRARY = "idna==3.20"
 """A real library whose sdist ships its test suite (6,400 tests, ~20 s)."""
-TEST_REQUIREMENTS = ("pytest",)
+DEFAULT_TEST_REQUIREMENTS = ("pytest", "hypothesis")
+"""What the default library's test suite imports besides the library itself."""
 SITE_PACKAGES = "usr/local/lib/python3.11/dist-packages"
 
 
@@ -109,8 +110,9 @@ def _pytest_summary(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY, keep_daemon: bool = False,
-             console: Console | None = None) -> int:
+def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
+             test_requirements: tuple[str, ...] = DEFAULT_TEST_REQUIREMENTS,
+             keep_daemon: bool = False, console: Console | None = None) -> int:
     """Run the demo; return 0 if the test suite passed in both starts."""
     from weenv.server import daemon
     from weenv.server.client import NodeClient
@@ -125,9 +127,9 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY, keep_daemon: bool 
     base = debian_rootfs(paths.cache, log=console.print)
     archive = sdist(paths.cache, library)
     task_root, project = task_tree(work, archive)
-    requirements = list(TEST_REQUIREMENTS) + _library_deps(task_root / "workspace" / project)
+    requirements = list(test_requirements) + _library_deps(task_root / "workspace" / project)
     deps = deps_tree(paths.cache, requirements)
-    name = re.sub(r"[^a-z0-9._-]", "-", project.lower())
+    name = re.sub(r"[^a-z0-9._-]", "-", re.split(r"[<>=!~\[; ]", library)[0].lower())
     built = {}
     for group_name, tree, source in (
         ("debian-bookworm-python3", base, {"type": "debootstrap", "suite": "bookworm"}),

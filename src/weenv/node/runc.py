@@ -44,12 +44,17 @@ EXIT_NOT_FOUND, EXIT_CANNOT_RUN, EXIT_KILLED = 127, 126, 128 + 9
 # writes its fate to STATUS_FILE: ``exit N`` (128 + signal for a signal),
 # ``runc-failed`` (runc's message is on stderr), ``no-runc`` or ``lost``.
 _EXEC_HELPER = """
-import ctypes, os, sys
+import os, sys
 def done(status):
     with open(sys.argv[1], "w") as f:
         f.write(status)
     os._exit(0)
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
+try:  # prctl(PR_SET_CHILD_SUBREAPER, 1); _ctypes loads ~5 ms faster than ctypes
+    import _ctypes
+    _ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None, 2), "prctl"), (36, 1, 0, 0, 0))
+except (ImportError, AttributeError):
+    import ctypes
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)
 pid_file, argv = sys.argv[2], sys.argv[3:]
 try:
     runc = os.posix_spawnp(argv[0], argv, os.environ)
@@ -110,9 +115,12 @@ class Runc:
 
         The first process gets ``/dev/null`` as stdin and ``bundle/init.log`` as
         stdout and stderr (runc create would otherwise wait on pipes it passes on).
+        Raises :class:`NotFoundError` without ``bundle/config.json``.
         """
         _check_id(container_id)
         bundle = Path(bundle).absolute()
+        if not (bundle / "config.json").is_file():
+            raise NotFoundError(f"no OCI bundle at {bundle} (config.json missing)")
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         log_path = bundle / "init.log"
         with open(log_path, "ab") as log:

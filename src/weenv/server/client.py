@@ -16,6 +16,9 @@ from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 
 
+_JSON = {"content-type": "application/json"}
+
+
 class NodeClient:
     """Talks to the daemon of ``paths.home``; ``autostart`` starts one if none answers.
 
@@ -59,7 +62,7 @@ class NodeClient:
 
     def create(self, template: str, *, resources: Resources | None = None, first_command: bool = True) -> EnvironmentInfo:
         req = CreateRequest(template=template, resources=resources, first_command=first_command)
-        r = self._request("POST", "/environments", content=req.model_dump_json())
+        r = self._request("POST", "/environments", content=req.model_dump_json(), headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
 
     def list(self) -> list[EnvironmentInfo]:
@@ -74,7 +77,7 @@ class NodeClient:
     def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
              cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
         req = ExecRequest(command=command, env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin)
-        r = self._request("POST", f"/environments/{env_id}/commands", content=req.model_dump_json())
+        r = self._request("POST", f"/environments/{env_id}/commands", content=req.model_dump_json(), headers=_JSON)
         return ExecResult.model_validate_json(r.content)
 
     def read_file(self, env_id: str, path: str) -> bytes:
