@@ -76,3 +76,36 @@ def leak_check(tmp_path):
     for key in after:
         new = sorted(set(after[key]) - set(before[key]))
         assert not new, f"leaked {key}: {new}"
+
+
+@pytest.fixture(scope="session")
+def shared_store(tmp_path_factory, debian_root):
+    """A store holding the Debian base group, a small task group and template
+    ``task`` (base + task, working dir /workspace), built once per session."""
+    from weenv.packaging.group import build_group
+    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.packaging.template import create_template
+
+    root = tmp_path_factory.mktemp("shared-store")
+    store = FileStore(root / "store")
+    task = root / "task"
+    (task / "workspace").mkdir(parents=True)
+    (task / "workspace" / "hello.py").write_text("print('hello from the task')\n")
+    (task / "workspace" / "big.bin").write_bytes(os.urandom(4 << 20))
+    build_group(debian_root, store, name="base")
+    build_group(task, store, name="task")
+    create_template(store, "task", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    return store
+
+
+@pytest.fixture
+def node(paths, shared_store, leak_check):
+    """A started in-process Node over the shared store, closed (and checked for
+    leaks) at the end of the test."""
+    from weenv.node.node import Node
+
+    n = Node(paths, store=shared_store).start()
+    try:
+        yield n
+    finally:
+        n.close()

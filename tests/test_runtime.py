@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
-from weenv.node.bundle import MASKED_PATHS, RUNC_DEFAULT_CAPS, build_config, write_bundle
+from weenv.node.bundle import (
+    DOCKER_DEFAULT_CAPS, MASKED_PATHS, RUNC_DEFAULT_CAPS, build_config, write_bundle,
+)
 from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
@@ -156,6 +158,11 @@ def test_bundle_config(tmp_path):
     assert net["mounts"][-1]["destination"] == "/etc/resolv.conf" and "ro" in net["mounts"][-1]["options"]
     assert net["linux"]["resources"]["cpu"]["quota"] == 250000 and "seccomp" not in net["linux"]
     assert net["linux"]["resources"]["pids"] == {"limit": 7}
+    wide = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c",
+                        capabilities=DOCKER_DEFAULT_CAPS, init=Path("/usr/bin/tini-static"))
+    assert "CAP_CHOWN" in wide["process"]["capabilities"]["effective"]
+    assert wide["process"]["args"] == ["/dev/weenv-init", "--", "sleep", "infinity"]
+    assert wide["mounts"][-1]["source"] == "/usr/bin/tini-static"
 
     for bad in (dict(user="root"), dict(user="1:x"), dict(working_dir="rel"), dict(env={"A=B": "1"})):
         with pytest.raises(InvalidInputError):
@@ -224,7 +231,8 @@ def test_exec_timeout_kills_command_and_children(env):
     init = env.init_pid()
     assert cgroup_procs(env.cgroup_name) == {init}
     live = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if host_cmdline(p) == b"sleep\x00100\x00" and proc_state(p) not in ("Z", "")]
+            if host_cmdline(p) == b"sleep\x00100\x00" and proc_state(p) not in ("Z", "")
+            and env.cgroup_name in Path(f"/proc/{p}/cgroup").read_text()]
     assert live == []
     assert env.runc.exec(env.id, ["true"], timeout=5).exit_code == 0
     # pid 1 here is `sleep infinity`, which never reaps: the killed processes stay
@@ -253,6 +261,11 @@ def test_init_reaps_orphans(env_init):
     time.sleep(2)
     assert e.runc.exec(e.id, ["true"], timeout=10).exit_code == 0
     assert cgroup_procs(e.cgroup_name) == {init, *children_of(init)}
+
+
+def test_exec_with_timeout_returns_promptly(env):
+    r = env.sh("sleep 0.3; echo done", timeout=30)
+    assert r.stdout == b"done\n" and not r.timed_out and r.duration_s < 0.3 + 0.15
 
 
 def test_exec_from_threads(env):
@@ -393,6 +406,18 @@ def test_rootfs_files_shared_with_container(env, debian_root):
     assert fs.read_file("/srv/link") == (env.rootfs / "etc/hostname").read_bytes()
     assert [e.name for e in fs.list_dir("/srv")] == ["d", "link"]
     assert not (debian_root / "work").exists() and not (debian_root / "srv/d").exists()
+    # Files of the lower layer: overwritten (copied up), removed (whited out); the lower tree keeps them.
+    lower_motd = (debian_root / "etc/motd").read_bytes()
+    fs.write_file("/etc/motd", b"new motd\n")
+    assert env.runc.exec(env.id, ["cat", "/etc/motd"]).stdout == b"new motd\n"
+    fs.remove("/etc/apt")
+    assert env.sh("test -e /etc/apt").exit_code == 1
+    assert (debian_root / "etc/motd").read_bytes() == lower_motd and (debian_root / "etc/apt").is_dir()
+    fs.rename("/etc/motd", "/etc/motd.old")  # a copied-up file renames fine
+    try:  # a lower-layer directory: overlayfs without redirect_dir answers EXDEV
+        fs.rename("/usr/share/doc", "/usr/share/doc2")
+    except InvalidInputError as exc:
+        assert "lower layer" in str(exc)
 
 
 # --- rootfs: confined file access ---------------------------------------------------------
@@ -513,17 +538,31 @@ def test_rootfs_escapes_are_confined(tree, tmp_path):
     assert (root / "etc/hostname").read_bytes() == b"again\n"
     if host_hostname is not None:
         assert Path("/etc/hostname").read_bytes() == host_hostname
-    for path in ("/abs-host", "/a/rel-host", "/hdir/new", "/hdir2/new", "/hdir/secret", "/magic"):
-        with pytest.raises((InvalidInputError, NotFoundError)):
-            fs.write_file(path, b"pwned")
+    # Dangling links (to host paths) are written where they point inside the root.
+    for path in ("/abs-host", "/a/rel-host", "/hdir/new", "/hdir2/new", "/hdir/secret"):
+        fs.write_file(path, b"pwned")
+    assert (root / str(host).lstrip("/") / "secret").read_bytes() == b"pwned"  # via /abs-host, /hdir
+    assert (root / str(host).lstrip("/") / "new").read_bytes() == b"pwned"
+    assert (root / "host/secret").read_bytes() == b"pwned"  # via ../../host/secret from /a
+    assert (root / "host/new").read_bytes() == b"pwned"  # via /hdir2 -> ../host
+    with pytest.raises(NotFoundError):
+        fs.write_file("/nodir/x", b"", make_parents=False)
+    os.symlink("loop2", root / "loop1")
+    os.symlink("loop1", root / "loop2")
+    with pytest.raises(InvalidInputError):
+        fs.write_file("/loop1", b"x")
+    host_passwd = Path("/etc/passwd").read_bytes()
+    fs.write_file("/magic", b"pwned")  # no procfs inside this root: a plain path there
+    assert (root / "proc/self/root/etc/passwd").read_bytes() == b"pwned"
+    assert Path("/etc/passwd").read_bytes() == host_passwd
     fs.write_file("../escape", b"x")
     assert (root / "escape").exists() and not (tmp_path / "escape").exists()
-    with pytest.raises(InvalidInputError):
-        fs.make_dir("/hdir/sub")
+    fs.make_dir("/hdir/sub")  # inside the root, where the link points
+    assert (root / str(host).lstrip("/") / "sub").is_dir()
+    fs.remove("/hdir/secret")  # the root's copy
     with pytest.raises(NotFoundError):
-        fs.remove("/hdir/secret")
-    with pytest.raises(NotFoundError):
-        fs.rename("/hdir2/secret", "/stolen")
+        fs.read_file("/hdir/secret")
+    fs.rename("/hdir2/secret", "/stolen")
     assert sorted(os.listdir(host)) == ["secret"] and (host / "secret").read_bytes() == b"HOST"
     fs.remove("/hdir")  # the link, not its target
     assert not os.path.lexists(root / "hdir") and (host / "secret").exists()

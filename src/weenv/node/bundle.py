@@ -12,7 +12,8 @@ said otherwise):
   (loopback only) unless ``runtime.network`` is true; then the host's network
   and a read-only bind of the host's ``/etc/resolv.conf``;
 - runc's default capabilities (:data:`RUNC_DEFAULT_CAPS`: ``CAP_AUDIT_WRITE``,
-  ``CAP_KILL``, ``CAP_NET_BIND_SERVICE``), ``noNewPrivileges``;
+  ``CAP_KILL``, ``CAP_NET_BIND_SERVICE``; ``capabilities=`` chooses others, e.g.
+  :data:`DOCKER_DEFAULT_CAPS`), ``noNewPrivileges``;
 - runc's masked and read-only paths under ``/proc`` and ``/sys``;
 - mounts: ``/proc``, a ``/dev`` tmpfs, ``/dev/pts``, ``/dev/shm``,
   ``/dev/mqueue``, read-only ``/sys`` and read-only ``/sys/fs/cgroup``;
@@ -35,8 +36,9 @@ Where weenv differs from ``runc spec``, and why:
   (``unshare``/``clone`` with ``CLONE_NEWUSER``; ``clone3``, whose flags cannot
   be inspected, answers ``ENOSYS`` so that libc falls back to ``clone``), kernel
   keyrings, bpf, perf events, userfaultfd, io_uring, modules, kexec, mount,
-  swap, reboot.  Docker's default profile blocks all of these too, so a program
-  that runs under Docker's default runs here.  ``seccomp=False`` leaves it out.
+  swap, reboot.  Docker's default profile blocks all of these too for a
+  container without extra capabilities, so what runs under Docker's default
+  runs here.  ``seccomp=False`` leaves the filter out.
 - Optionally (``init=``) a reaping init as the first process: a static binary
   of the host (Debian's ``tini-static``) bind-mounted read-only at
   :data:`INIT_PATH` (in the ``/dev`` tmpfs, so the root file system gets no
@@ -67,7 +69,16 @@ MIN_CPU_QUOTA_US = 1_000
 NOFILE_SOFT, NOFILE_HARD = 1024, 524288
 
 RUNC_DEFAULT_CAPS = ("CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE")
-"""The capability set ``runc spec`` emits (bits 29, 5, 10: CapEff ``0x20000420``)."""
+"""The capability set ``runc spec`` emits (bits 29, 5, 10: CapEff ``0x20000420``).
+With it root inside cannot chown(2), setgroups(2) (``su``, apt's sandbox user)
+or bypass file permissions."""
+DOCKER_DEFAULT_CAPS = (
+    "CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_KILL", "CAP_MKNOD", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP",
+    "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID", "CAP_SYS_CHROOT",
+)  # fmt: skip
+"""Docker's (moby ``oci/caps/defaults.go``) default set, for ``capabilities=``:
+what package managers and installers running as root expect."""
 
 MASKED_PATHS = (
     "/proc/acpi",
@@ -194,6 +205,7 @@ def build_config(
     seccomp: bool = True,
     nofile: tuple[int, int] | None = None,
     init: Path | None = None,
+    capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -203,7 +215,9 @@ def build_config(
     parent); ``resources``: limits, default ``runtime.resources``; ``nofile``:
     ``(soft, hard)`` RLIMIT_NOFILE, default :func:`default_nofile`; ``init``: a
     static init binary on the host (e.g. ``/usr/bin/tini-static``) to run the
-    command under as pid 1, default none (the command is pid 1).  Raises
+    command under as pid 1, default none (the command is pid 1);
+    ``capabilities``: bounding/effective/permitted/ambient set, default
+    :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider).  Raises
     :class:`InvalidInputError` for a bad user, hostname, working dir, command or
     environment variable name.
     """
@@ -221,7 +235,7 @@ def build_config(
             raise InvalidInputError(f"bad environment variable name {key!r}")
     res = resources or runtime.resources
     soft, hard = nofile or default_nofile()
-    caps = list(RUNC_DEFAULT_CAPS)
+    caps = list(capabilities)
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not runtime.network:
         namespaces.append({"type": "network"})
@@ -270,6 +284,7 @@ def write_bundle(
     resources: Resources | None = None,
     seccomp: bool = True,
     init: Path | None = None,
+    capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -278,7 +293,7 @@ def write_bundle(
     """
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
-        resources=resources, seccomp=seccomp, init=init,
+        resources=resources, seccomp=seccomp, init=init, capabilities=capabilities,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")

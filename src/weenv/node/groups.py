@@ -34,7 +34,7 @@ from pathlib import Path
 
 from weenv.errors import MountError
 from weenv.node.lazyfs import LazyFS
-from weenv.node.mounts import erofs_spec, is_mounted, mount, umount
+from weenv.node.mounts import erofs_spec, is_mounted, mount, mounts_under, umount
 from weenv.packaging.manifest import GroupManifest, check_digest
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,34 @@ class GroupMounts:
             digests = [d for d, e in self._entries.items() if e.mounted]
         for digest in digests:
             self._unmount(digest, force=True)
+
+
+def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str]) -> list[str]:
+    """Detach mounts an earlier daemon left behind; return their mount points.
+
+    After a daemon dies, its group mounts still point at a FUSE connection that
+    nobody serves (reads fail).  Call this at daemon start, before
+    :meth:`LazyFS.start`, never while a daemon uses these paths.  Mounts under
+    ``group_root`` are detached deepest first (MNT_DETACH: their users keep
+    failing reads, new lookups no longer see them), then the lazy mount point.
+    Empty group mount point directories are removed.
+    """
+    group_root, lazy_mountpoint = Path(group_root).absolute(), Path(lazy_mountpoint).absolute()
+    points = [p for _t, p in mounts_under(group_root) if p != str(group_root)]
+    points += [p for _t, p in mounts_under(lazy_mountpoint) if p != str(lazy_mountpoint)]
+    points.sort(key=lambda p: p.count("/"), reverse=True)
+    if is_mounted(lazy_mountpoint):
+        points.append(str(lazy_mountpoint))
+    for point in points:
+        log.warning("detaching stale mount %s", point)
+        umount(point, detach=True)
+    if group_root.is_dir():
+        for child in group_root.iterdir():
+            try:
+                child.rmdir()
+            except OSError:
+                pass
+    return points
 
 
 _BDI = Path("/sys/class/bdi")

@@ -24,17 +24,26 @@ kept for :meth:`LazyFS.last_error`.
 pyfuse3 keeps its session in module globals: one :class:`LazyFS` can run per
 process at a time (:meth:`start` raises :class:`MountError` otherwise).
 
+Never a short read.  EROFS treats a short read of its backing file as the
+end of data and zero-fills the rest (fs/erofs/fileio.c,
+``erofs_fileio_ki_complete``), so a read is answered in full (only the image's
+end stops it) or with EIO.  When the kernel splits one EROFS request into
+several FUSE reads (a 2 MiB huge-page folio became two 1 MiB reads here), an
+error in any of them fails the whole request: FUSE's asynchronous direct I/O,
+which libfuse enables by default, reports the first error rather than the bytes
+before it (tests/test_lazy.py probes this with ``MADV_HUGEPAGE``).
+
 Options: entry/attr timeouts of a day (images are immutable by digest);
 ``allow_other``; ``ro``; ``fsname=weenv``, ``subtype=weenv`` (``fuse.weenv`` in
-/proc/mounts).  Files are opened with ``direct_io`` by default.  Measured here
-(kernel 6.18, 8 MiB random files read through the EROFS mount): EROFS does *not*
-read a FUSE backing file with direct I/O by itself, so without ``direct_io``
-every byte read sits twice in the page cache (EROFS's pages and the FUSE
-file's: ``fincore`` showed 16 MiB cached on the FUSE file after reading
-16 MiB), while with it the FUSE file caches nothing and throughput is the same
-or better.  Request size is set by EROFS's readahead (its ``erofs-N`` bdi,
-128 KiB by default; :mod:`weenv.node.groups` raises it), not by ``max_read``.
-``keep_cache`` is set too; it only matters with ``direct_io=False``.
+/proc/mounts).  Files are opened with ``direct_io`` (the default), measured on
+kernel 6.18 with 8 MiB files read through the EROFS mount: without it, EROFS
+reads the FUSE file through its page cache, so every byte read is cached twice
+(``fincore`` showed 16 MiB cached on the FUSE file after 16 MiB read through
+EROFS); with it, nothing is cached there and throughput is the same or better.
+The size of the reads LazyFS sees is set by EROFS's readahead (its
+``erofs-N`` bdi, 128 KiB by default, raised by :mod:`weenv.node.groups`) and
+capped at 1 MiB by FUSE (libfuse's 256 pages); ``max_read`` plays no part.
+``keep_cache`` is set as well; it only matters with ``direct_io=False``.
 """
 
 from __future__ import annotations
@@ -112,6 +121,7 @@ class LazyFS:
         self._stop_lock = threading.Lock()
         self._groups: dict[int, _Group] = {}  # inode -> registered group
         self._inodes: dict[str, int] = {}  # digest -> inode, never reused for other content
+        self._names: dict[bytes, int] = {}  # file name -> inode of a registered group
         self._handles: dict[int, _Group] = {}  # open file handle -> group (survives remove_group)
         self._next_fh = 1
         self._thread: threading.Thread | None = None
@@ -120,6 +130,7 @@ class LazyFS:
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._serving = False
+        self._unmounted = False  # stop() took the mount down itself
 
     # --- the registry (any thread) -------------------------------------------------------
     def image_path(self, digest: str) -> Path:
@@ -137,6 +148,7 @@ class LazyFS:
             if inode not in self._groups:
                 name = self.image_path(digest).name.encode()
                 self._groups[inode] = _Group(digest, manifest, inode, name, time.time_ns())
+                self._names[name] = inode
         return self.image_path(digest)
 
     def remove_group(self, digest: str) -> None:
@@ -145,8 +157,9 @@ class LazyFS:
         opening it then fails with ENOENT."""
         with self._lock:
             inode = self._inodes.get(digest)
-            if inode is not None:
-                self._groups.pop(inode, None)
+            group = self._groups.pop(inode, None) if inode is not None else None
+            if group is not None:
+                self._names.pop(group.name, None)
 
     def groups(self) -> list[str]:
         with self._lock:
@@ -217,10 +230,11 @@ class LazyFS:
             except BaseException:
                 log.exception("lazyfs: FUSE main loop failed")
             finally:
-                # If the mount is still there (the loop died), libfuse detaches it
-                # (umount2 MNT_DETACH as root) and closes /dev/fuse, which aborts
-                # the connection: later reads fail with ENOTCONN, never hang.
-                pyfuse3.close(unmount=True)
+                # Closing /dev/fuse aborts the connection: reads of a still-mounted
+                # group fail (EIO) from then on, never hang.  If the mount is still
+                # there (the loop died on its own), libfuse also detaches it
+                # (umount2 MNT_DETACH, as root).
+                pyfuse3.close(unmount=not self._unmounted)
         finally:
             self._ready.set()
             _SESSION.release()
@@ -272,6 +286,7 @@ class LazyFS:
                     umount(self.mountpoint, detach=True)
                 elif exc.errno != errno.EINVAL:  # EINVAL: not mounted any more
                     raise
+            self._unmounted = True
             self._in_loop(self._terminate)
             thread.join(timeout)
             if thread.is_alive():
@@ -303,13 +318,19 @@ class LazyFS:
             data = await trio.to_thread.run_sync(self.cache.read, *pieces[0], abandon_on_cancel=True)
         else:
             parts: list[bytes] = [b""] * len(pieces)
+            errors: list[Exception] = []
 
             async def one(k: int) -> None:
-                parts[k] = await trio.to_thread.run_sync(self.cache.read, *pieces[k], abandon_on_cancel=True)
+                try:
+                    parts[k] = await trio.to_thread.run_sync(self.cache.read, *pieces[k], abandon_on_cancel=True)
+                except Exception as exc:  # reported below, without an ExceptionGroup around it
+                    errors.append(exc)
 
-            async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as nursery:  # the chunks of one read in parallel
                 for k in range(len(pieces)):
                     nursery.start_soon(one, k)
+            if errors:
+                raise errors[0]
             data = b"".join(parts)
         if len(data) != size:
             raise InvalidInputError(f"chunks of group {group.digest} are shorter than its manifest says")
@@ -357,7 +378,7 @@ class _Ops(pyfuse3.Operations):
         if name in (b".", b".."):
             return self.fs._attrs_root()
         with self.fs._lock:
-            group = next((g for g in self.fs._groups.values() if g.name == name), None)
+            group = self.fs._groups.get(self.fs._names.get(name, 0))
         if group is None:
             raise pyfuse3.FUSEError(errno.ENOENT)  # an error reply is not cached as a negative entry
         return self.fs._attrs(group)
@@ -401,11 +422,14 @@ class _Ops(pyfuse3.Operations):
         try:
             data = await self.fs._read(group, off, size)
         except Exception as exc:
-            log.error("lazyfs: read of %s [%d, +%d) failed: %s", group.digest, off, size, exc)
+            message = f"{type(exc).__name__}: {exc}"
             with self.fs._lock:
                 group.stats.reads += 1
                 group.stats.errors += 1
-                group.stats.last_error = f"{type(exc).__name__}: {exc}"
+                repeated, group.stats.last_error = group.stats.last_error == message, message
+            # The kernel retries failed reads; log an error once, not per retry.
+            log.log(logging.DEBUG if repeated else logging.ERROR,
+                    "lazyfs: read of %s [%d, +%d) failed: %s", group.digest, off, size, message)
             raise pyfuse3.FUSEError(errno.EIO) from None
         with self.fs._lock:
             group.stats.reads += 1

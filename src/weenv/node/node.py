@@ -17,7 +17,6 @@ directory of a failed environment remains.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -44,6 +43,9 @@ from weenv.store import Store, open_store
 log = logging.getLogger(__name__)
 
 CONTAINER_PREFIX = "weenv-"
+INIT = Path("/usr/bin/tini-static")
+"""The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
+backgrounded processes do not pile up as zombies against the pids limit."""
 
 
 class _Environment:
@@ -185,6 +187,7 @@ class Node:
                 hostname=f"weenv-{env_id}",
                 cgroups_path=f"/{container_id}",
                 resources=res,
+                init=INIT if INIT.exists() else None,
             )
             undo.callback(self._delete_container, container_id)
             self.runc.create(container_id, bundle)

@@ -9,14 +9,16 @@ rather than open it (create, mkdir, unlink, rename) open the entry's *parent*
 that way and then act on one plain name with the ``*at`` calls, which never
 follow a final symbolic link.  Reads and writes open the target with
 ``O_PATH``, check it is a regular file, and reopen that very inode, so a FIFO
-or device node never blocks or touches a host device.
+or device node never blocks or touches a host device.  Writing through a
+symbolic link that points nowhere creates its target, inside the root, as a
+process inside would (E2B and SWE-ReX file writes follow links the same way).
 
 Paths are strings as seen inside the environment; relative ones are taken from
 ``/`` (callers join the working directory first).  Errors: a missing path ->
 :class:`NotFoundError`; a path of the wrong kind (a directory where a file is
-expected, a file as a parent, an existing entry, a dangling symbolic link to
-create through, too many links) -> :class:`InvalidInputError`.  Other
-``OSError`` (``ENOSPC``, ``EIO``) propagate unchanged.
+expected, a file as a parent, an existing entry, a magic link, too many links)
+-> :class:`InvalidInputError`.  Other ``OSError`` (``ENOSPC``, ``EIO``)
+propagate unchanged.
 """
 
 from __future__ import annotations
@@ -169,34 +171,43 @@ class RootFS:
         ``mode``: permission bits of a file this call creates (exactly, no umask);
         an existing file keeps its mode and owner.  ``make_parents``: create
         missing parent directories (0o755).  ``owner``: ``(uid, gid)`` for what
-        this call creates (default: root).  A final symbolic link is followed
-        inside the root; one that points nowhere is refused.
+        this call creates (default: root).  Symbolic links are followed inside
+        the root, a final one that points nowhere too: the file is created where
+        it points, as a process inside would create it.
         """
-        parent, _name = _split(path)
-        if make_parents:
-            self.make_dir(parent, owner=owner)
-        for _attempt in range(3):
+        target = path
+        for _hop in range(40):  # the kernel's limit on symbolic links (ELOOP)
+            parent, name = _split(target)
+            if make_parents:
+                self.make_dir(parent, owner=owner)
             try:
-                with self._open(path, os.O_PATH) as fd:
-                    self._require_file(fd, path)
+                with self._open(target, os.O_PATH) as fd:
+                    self._require_file(fd, target)
                     try:
                         wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
                     except OSError as exc:
-                        raise _mapped(exc, path) from exc
+                        raise _mapped(exc, target) from exc
+                created = False
             except NotFoundError:
                 try:
-                    wfd = self._openat2(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                    wfd = self._openat2(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
                 except FileExistsError:
-                    continue  # a dangling symbolic link, or created meanwhile: look again
+                    # A dangling symbolic link (or an entry created meanwhile): go where it points.
+                    link = self._readlink(parent, name)
+                    if link is not None:
+                        target = link if link.startswith("/") else f"{parent.rstrip('/')}/{link}"
+                    continue
                 except OSError as exc:
-                    raise _mapped(exc, path) from exc
-                os.fchmod(wfd, mode)
-                if owner is not None:
-                    os.fchown(wfd, *owner)
+                    raise _mapped(exc, target) from exc
+                created = True
             with open(wfd, "wb") as f:
+                if created:
+                    os.fchmod(wfd, mode)
+                    if owner is not None:
+                        os.fchown(wfd, *owner)
                 f.write(data)
             return
-        raise InvalidInputError(f"{path}: a symbolic link to a path that does not exist")
+        raise InvalidInputError(f"{path}: too many symbolic links")
 
     def make_dir(
         self,
@@ -210,11 +221,14 @@ class RootFS:
         """Create the directory ``path`` (and, with ``parents``, missing parents).
 
         ``mode`` is masked by the umask as mkdir(2) does; ``owner``: ``(uid, gid)``
-        of the directories this call creates.
+        of the directories this call creates.  A symbolic link on the way that
+        points nowhere is followed inside the root (its target is created).
         """
-        parts = [p for p in _clean(path).split("/") if p not in ("", ".")]
+        self._make_dir(path, mode, parents, exist_ok, owner, 0)
+
+    def _make_dir(self, path: str, mode: int, parents: bool, exist_ok: bool, owner, hops: int) -> None:
         if not parents:
-            self._mkdir_one(path, mode, exist_ok, owner)
+            self._mkdir_one(path, mode, exist_ok, owner, hops)
             return
         try:  # the common case: it exists already
             with self._open(path, _DIR):
@@ -223,6 +237,7 @@ class RootFS:
                 return
         except NotFoundError:
             pass
+        parts = [p for p in _clean(path).split("/") if p not in ("", ".")]
         for i in range(1, len(parts) + 1):
             prefix = "/" + "/".join(parts[:i])
             if parts[i - 1] == "..":
@@ -231,7 +246,7 @@ class RootFS:
                 with self._open(prefix, _DIR):
                     continue
             except NotFoundError:
-                self._mkdir_one(prefix, mode, True, owner)
+                self._mkdir_one(prefix, mode, True, owner, hops)
 
     def remove(self, path: str) -> None:
         """Remove the file, link or directory tree at ``path`` (a final link itself, not its target)."""
@@ -257,21 +272,39 @@ class RootFS:
                 raise _mapped(exc, f"{src} -> {dst}") from exc
 
     # --- helpers -------------------------------------------------------------------------
-    def _mkdir_one(self, path: str, mode: int, exist_ok: bool, owner) -> None:
+    def _mkdir_one(self, path: str, mode: int, exist_ok: bool, owner, hops: int) -> None:
         parent, name = _split(path)
         with self._open(parent, _DIR) as pfd:
             try:
                 os.mkdir(name, mode, dir_fd=pfd)
             except FileExistsError:
                 s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-                if not exist_ok or not st.S_ISDIR(s.st_mode):
-                    what = "a symbolic link" if st.S_ISLNK(s.st_mode) else "an entry"
-                    raise InvalidInputError(f"{path}: {what} exists there") from None
-                return
+                if st.S_ISDIR(s.st_mode) and exist_ok:
+                    return
+                if not st.S_ISLNK(s.st_mode) or not exist_ok:
+                    raise InvalidInputError(f"{path}: already exists") from None
             except OSError as exc:
                 raise _mapped(exc, path) from exc
-            if owner is not None:
-                os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+            else:
+                if owner is not None:
+                    os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+                return
+        # A dangling symbolic link: make the directory it points to.
+        if hops >= 40:
+            raise InvalidInputError(f"{path}: too many symbolic links")
+        link = self._readlink(parent, name) or ""
+        target = link if link.startswith("/") else f"{parent.rstrip('/')}/{link}"
+        self._make_dir(target, mode, True, True, owner, hops + 1)
+
+    def _readlink(self, parent: str, name: str) -> str | None:
+        """The target of the symbolic link ``name`` in ``parent``, None if it is not one."""
+        with self._open(parent, _DIR) as pfd:
+            try:
+                return os.readlink(name, dir_fd=pfd)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    return None
+                raise _mapped(exc, f"{parent}/{name}") from exc
 
     def _require_file(self, fd: int, path: str) -> None:
         m = os.fstat(fd).st_mode

@@ -9,11 +9,16 @@ failure of runc -> :class:`RuntimeFailedError` with runc's message; a missing
 runc binary -> :class:`ToolMissingError`; a bad container id, user or variable
 name -> :class:`InvalidInputError`.
 
-Commands (:meth:`Runc.exec`) write their stdout/stderr to unlinked temporary
-files, not pipes: a big output never blocks, and a command that leaves a
-background process holding its stdout open (``server &``) still returns when
-the command itself exits.  (Such a process keeps writing to the unlinked file
-until it exits.)
+How a command runs (:meth:`Runc.exec`): plain ``runc exec`` copies the
+command's output through pipes and returns only when every holder of them has
+closed them, so ``server &`` would keep it waiting for the server.  Instead a
+small helper process (:data:`_EXEC_HELPER`, ``python -I -S``) marks itself a
+child subreaper (prctl(2) ``PR_SET_CHILD_SUBREAPER``), runs ``runc exec
+--detach --pid-file``, adopts the command when runc exits, and waits for exactly
+that process.  The command's stdio are the helper's: an unlinked temporary file
+each for stdout and stderr (a big output never blocks; a background process
+keeps writing into the unlinked file until it exits) and a file or /dev/null as
+stdin.  Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal as signals
 import subprocess
 import sys
@@ -173,7 +179,7 @@ class Runc:
         first process, or with ``all`` to every process of the container.
         Raises :class:`NotFoundError` if there is no such container."""
         _check_id(container_id)
-        self._run("kill", *(["--all"] if all else []), container_id, str(signal))
+        self._run("kill", *(["--all"] if all else []), container_id, str(signal), cid=container_id)
 
     def delete(self, container_id: str, force: bool = True) -> None:
         """``runc delete``: remove the container, its cgroup and its state.  With
@@ -221,7 +227,7 @@ class Runc:
             )  # fmt: skip
             timed_out = False
             try:
-                rc = proc.wait(timeout=timeout)
+                rc = _wait(proc, timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 kill_descendants(proc.pid)
@@ -262,7 +268,7 @@ class Runc:
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), *args]
 
-    def _run(self, *args: str) -> str:
+    def _run(self, *args: str, cid: str | None = None) -> str:
         try:
             proc = subprocess.run(
                 self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True,
@@ -275,9 +281,28 @@ class Runc:
         if proc.returncode != 0:
             msg = runc_message(proc.stderr.decode(errors="replace"))
             if "does not exist" in msg:
-                raise NotFoundError(f"no container {args[-1]!r} (runc {args[0]}): {msg}")
+                raise NotFoundError(f"no container {cid or args[-1]!r} (runc {args[0]}): {msg}")
             raise RuntimeFailedError(f"runc {args[0]} {' '.join(args[1:])}: {msg}")
         return proc.stdout.decode()
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
+    """``proc.wait(timeout)``, woken by a pidfd the moment ``proc`` exits
+    (``Popen.wait`` with a timeout polls with sleeps of up to 50 ms)."""
+    if timeout is None:
+        return proc.wait()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # Linux < 5.3
+        return proc.wait(timeout)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout * 1000 + 0.999))):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(pidfd)
+    return proc.wait()
 
 
 def _check_id(container_id: str) -> None:

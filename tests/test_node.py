@@ -1,0 +1,194 @@
+"""Environments end to end on one node: real overlay, EROFS over lazy FUSE, runc."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from weenv.errors import (
+    InvalidInputError,
+    MountError,
+    NotFoundError,
+    RuntimeFailedError,
+)
+from weenv.node import mounts
+from weenv.node.node import Node
+from weenv.packaging.group import assemble_image, build_group, load_group
+from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.template import create_template, load_template
+from weenv.store.file import FileStore
+
+
+def _erofs_mounts(paths):
+    return [p for t, p in mounts.mounts_under(paths.group_mounts) if t == "erofs"]
+
+
+def _runc_ids(node):
+    return [s["id"] for s in node.runc.list()]
+
+
+def test_lifecycle_exec_files_and_destroy(node, paths):
+    info = node.create("task")
+    t = info.timing
+    assert t.groups_s > 0 and t.runtime_s > 0 and t.first_command_s is not None
+    assert t.total_s >= t.manifest_s + t.groups_s + t.overlay_s + t.runtime_s
+    # a cold start of a 200 MB template fetches a small part of it
+    assert 0 < t.bytes_fetched < 0.5 * t.template_stored_bytes
+    assert [e.id for e in node.list()] == [info.id]
+
+    r = node.exec(info.id, ["python3", "hello.py"])
+    assert (r.exit_code, r.stdout, r.timed_out) == (0, b"hello from the task\n", False)
+    r = node.exec(info.id, "echo $FOO; pwd; echo oops >&2; exit 3", env={"FOO": "bar"}, cwd="/tmp")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"bar\n/tmp\n", b"oops\n")
+    r = node.exec(info.id, ["cat"], stdin=b"piped")
+    assert r.stdout == b"piped"
+
+    files = node.files(info.id)
+    files.write_file("/workspace/new/data.bin", b"\x00\x01binary")
+    r = node.exec(info.id, ["cat", "/workspace/new/data.bin"])
+    assert r.stdout == b"\x00\x01binary"
+    node.exec(info.id, "echo written-inside > /root/out.txt")
+    assert files.read_file("/root/out.txt") == b"written-inside\n"
+
+    # the environment's writes stay in its private upper dir
+    other = node.create("task")
+    assert node.exec(other.id, ["test", "-e", "/root/out.txt"]).exit_code == 1
+    node.destroy(other.id)
+
+    node.destroy(info.id)
+    assert node.list() == []
+    assert not (paths.environments / info.id).exists()
+    assert _runc_ids(node) == []
+    with pytest.raises(NotFoundError):
+        node.exec(info.id, ["true"])
+    with pytest.raises(NotFoundError):
+        node.destroy(info.id)
+
+
+def test_timeout_kills_command_and_children(node):
+    info = node.create("task")
+    r = node.exec(info.id, "sleep 100 & sleep 100; echo never", timeout=1)
+    assert r.timed_out and r.exit_code == 137 and b"never" not in r.stdout
+    assert r.duration_s < 10
+    ps = node.exec(info.id, ["sh", "-c", "ls /proc | grep -c '^[0-9]'"])
+    # left: pid 1 (tini), its child (sleep infinity), the sh and its ls/grep children
+    assert int(ps.stdout) <= 5, ps.stdout
+    assert node.exec(info.id, ["true"]).exit_code == 0  # still usable
+    node.destroy(info.id)
+
+
+def test_paths_cannot_escape_the_root(node, tmp_path):
+    info = node.create("task")
+    files = node.files(info.id)
+    host_target = tmp_path / "host-secret"
+    host_target.write_text("host")
+    node.exec(info.id, f"ln -s {host_target} /workspace/abs-link; ln -s ../../../../../../{host_target} /workspace/rel-link")
+    for link in ("/workspace/abs-link", "/workspace/rel-link"):
+        with pytest.raises(NotFoundError):
+            files.read_file(link)  # resolves inside the root, where no such file exists
+    # writing through the link creates its target inside the root, as a process inside would
+    files.write_file("/workspace/abs-link", b"pwned")
+    assert files.read_file("/workspace/rel-link") == b"pwned"
+    assert files.read_file(str(host_target)) == b"pwned"
+    assert node.exec(info.id, ["cat", str(host_target)]).stdout == b"pwned"
+    assert host_target.read_text() == "host"
+    assert files.read_file("../../../../etc/debian_version") == files.read_file("/etc/debian_version")
+    assert (tmp_path / "host-secret").read_text() == "host"
+    node.destroy(info.id)
+
+
+def test_eight_at_once_share_one_mount_per_group(node, paths):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(lambda _: node.create("task"), range(8)))
+    groups = load_template(node.store, "task")[1].groups
+    assert len(_erofs_mounts(paths)) == len(groups)
+    assert node.groups.mounted() == {g: 8 for g in groups}
+    overlays = [p for t, p in mounts.mounts_under(paths.environments) if t == "overlay"]
+    assert len(overlays) == 8
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: node.exec(i.id, ["python3", "hello.py"]).stdout, infos))
+    assert outs == [b"hello from the task\n"] * 8
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: node.destroy(i.id), infos))
+    assert [p for t, p in mounts.mounts_under(paths.environments)] == []
+    assert _runc_ids(node) == []
+
+
+def _corrupt(store: FileStore, digest: str) -> None:
+    """Replace a stored chunk with a valid zstd frame of other content."""
+    store._put("chunks", digest, zstandard.ZstdCompressor().compress(b"not the chunk" * 1000))
+
+
+@pytest.fixture
+def private_store(paths, debian_root, tmp_path):
+    """A store of its own (so corrupting it spares the shared one)."""
+    store = FileStore(tmp_path / "private-store")
+    task = tmp_path / "task"
+    (task / "workspace").mkdir(parents=True)
+    (task / "workspace" / "big.bin").write_bytes(os.urandom(6 << 20))
+    build_group(debian_root, store, name="base")
+    build_group(task, store, name="task")
+    create_template(store, "task", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    return store
+
+
+def test_corrupted_chunk_is_an_io_error_inside(private_store, paths, tmp_path, leak_check):
+    task = load_group(private_store, private_store.get_ref("groups", "task"))
+    image = tmp_path / "task.img"
+    assemble_image(private_store, task, image)
+    data = (tmp_path / "task" / "workspace" / "big.bin").read_bytes()
+    offset = image.read_bytes().find(data[:4096])
+    assert offset > 0
+    victim = offset // task.chunk_size + 2  # a chunk wholly inside big.bin
+    _corrupt(private_store, task.chunks[victim].digest)
+
+    with Node(paths, store=private_store) as node:
+        info = node.create("task")
+        r = node.exec(info.id, ["sha256sum", "/workspace/big.bin"])
+        assert r.exit_code != 0
+        assert b"Input/output error" in r.stderr
+        assert r.stdout == b""  # never a hash of wrong bytes
+        # the rest of the environment still works
+        assert node.exec(info.id, ["python3", "-c", "print(2+2)"]).stdout == b"4\n"
+
+
+def test_failed_creates_leave_nothing(private_store, paths, leak_check):
+    create_template(private_store, "broken", ["base"], runtime=RuntimeConfig(command=["/no/such/program"]))
+    with Node(paths, store=private_store) as node:
+        with pytest.raises(NotFoundError):
+            node.create("no-such-template")
+        with pytest.raises(InvalidInputError):
+            node.create("sha256:xyz")
+        with pytest.raises(RuntimeFailedError):
+            node.create("broken")
+        assert node.list() == [] and _runc_ids(node) == []
+        assert list(paths.environments.iterdir()) == []
+        base_hex = private_store.get_ref("groups", "base").split(":")[1]
+        assert [p for t, p in mounts.mounts_under(paths.environments)] == []
+
+        # a group whose first chunk (the EROFS superblock) is corrupt cannot mount
+        task = load_group(private_store, private_store.get_ref("groups", "task"))
+        _corrupt(private_store, task.chunks[0].digest)
+        with pytest.raises(MountError):
+            node.create("task")
+        assert list(paths.environments.iterdir()) == []
+        # the base group stays mounted for later starts, used by nobody; the task group is not
+        task_hex = private_store.get_ref("groups", "task").split(":")[1]
+        assert [Path(p).name for p in _erofs_mounts(paths)] == [base_hex]
+        assert not any(node.groups.mounted().values())
+        assert _runc_ids(node) == []
+
+
+def test_close_destroys_running_environments(paths, shared_store, leak_check):
+    node = Node(paths, store=shared_store).start()
+    ids = [node.create("task").id for _ in range(2)]
+    node.close()
+    node.close()  # idempotent
+    assert mounts.mounts_under(paths.home) == []
+    assert not any((paths.environments / i).exists() for i in ids)
+    cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/weenv-*") if any(i in p.name for i in ids)]
+    assert cgroups == []
