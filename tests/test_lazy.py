@@ -94,7 +94,7 @@ def fuse_mounts() -> list[str]:
         return [line for line in f if line.split()[2].startswith("fuse.weenv")]
 
 
-class Node:
+class LazyNode:
     """A chunk cache, a running LazyFS and GroupMounts under one WEENV_HOME."""
 
     def __init__(self, paths, store):
@@ -132,8 +132,8 @@ def counting_store(paths) -> CountingStore:
 
 
 @pytest.fixture
-def node(paths, counting_store, leak_check):
-    n = Node(paths, counting_store)
+def lazy(paths, counting_store, leak_check):
+    n = LazyNode(paths, counting_store)
     n.fs.start()
     try:
         yield n
@@ -141,16 +141,16 @@ def node(paths, counting_store, leak_check):
         n.close()
 
 
-def test_lazy_fetch(tmp_path, counting_store, node):
+def test_lazy_fetch(tmp_path, counting_store, lazy):
     src, res = build(tmp_path, counting_store)
     n_chunks = len(res.manifest.chunks)
-    mp = node.mounts.acquire(res.digest, res.manifest)
-    after_mount = node.cache.chunks_fetched
+    mp = lazy.mounts.acquire(res.digest, res.manifest)
+    after_mount = lazy.cache.chunks_fetched
 
     assert (mp / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
     names = sorted(p.name for p in (mp / "data").iterdir())
     assert names == [f"big{i}.bin" for i in range(BIG_FILES)]
-    small = node.cache.stats()
+    small = lazy.cache.stats()
     fraction = small.chunks_fetched / n_chunks
     print(
         f"\nimage {res.manifest.image_size / MiB:.1f} MiB in {n_chunks} chunks; mount fetched "
@@ -164,25 +164,25 @@ def test_lazy_fetch(tmp_path, counting_store, node):
     data = (mp / "data" / "big3.bin").read_bytes()
     cold = time.monotonic() - t0
     assert data == (src / "data" / "big3.bin").read_bytes()
-    big = node.cache.stats()
+    big = lazy.cache.stats()
     assert BIG_SIZE // MiB <= big.chunks_fetched - small.chunks_fetched <= BIG_SIZE // MiB + 2
     assert big.bytes_fetched == sum(
-        c.stored_size for c in res.manifest.chunks if node.cache.has(c.digest)
+        c.stored_size for c in res.manifest.chunks if lazy.cache.has(c.digest)
     )
 
     # Warm (chunk cache, through FUSE) and hot (page cache) reads of the same file.
     path = mp / "data" / "big3.bin"
     drop_page_cache(path)
-    reads0 = node.fs.stats(res.digest).reads
+    reads0 = lazy.fs.stats(res.digest).reads
     t0 = time.monotonic()
     assert path.read_bytes() == data
     warm = time.monotonic() - t0
-    reads1 = node.fs.stats(res.digest).reads
+    reads1 = lazy.fs.stats(res.digest).reads
     t0 = time.monotonic()
     assert path.read_bytes() == data
     hot = time.monotonic() - t0
-    assert node.fs.stats(res.digest).reads == reads1  # served by the page cache
-    assert node.cache.chunks_fetched == big.chunks_fetched  # nothing fetched again
+    assert lazy.fs.stats(res.digest).reads == reads1  # served by the page cache
+    assert lazy.cache.chunks_fetched == big.chunks_fetched  # nothing fetched again
     mib = BIG_SIZE / MiB
     print(
         f"4 MiB file: cold {mib / cold:.0f} MiB/s (fetch), warm {mib / warm:.0f} MiB/s "
@@ -192,11 +192,11 @@ def test_lazy_fetch(tmp_path, counting_store, node):
     # Everything else is byte-identical too, and the access order starts at the superblock.
     for i in range(BIG_FILES):
         assert (mp / "data" / f"big{i}.bin").read_bytes() == (src / "data" / f"big{i}.bin").read_bytes()
-    stats = node.fs.stats(res.digest)
+    stats = lazy.fs.stats(res.digest)
     assert stats.first_read[0] == 0
     assert sorted(stats.first_read) == list(range(n_chunks))  # every chunk read once by now
     assert max(counting_store.calls.values()) == 1
-    node.mounts.release(res.digest)
+    lazy.mounts.release(res.digest)
 
 
 def test_single_flight_ensure(tmp_path, paths):
@@ -247,10 +247,10 @@ def test_single_flight_ensure(tmp_path, paths):
     assert cache.cached_digests() == [] and not cache.has(res.manifest.chunks[5].digest)
 
 
-def test_single_flight_through_fuse(tmp_path, counting_store, node):
+def test_single_flight_through_fuse(tmp_path, counting_store, lazy):
     _src, res = build(tmp_path, counting_store)
     counting_store.delay = 0.05
-    image = node.fs.add_group(res.digest, res.manifest)
+    image = lazy.fs.add_group(res.digest, res.manifest)
     expected = image_bytes(FileStore(counting_store.root), res.manifest)
     counting_store.calls.clear()
     off, size = 3 * MiB + 12345, 4 * MiB  # a cold region over 5 chunks
@@ -275,9 +275,9 @@ def test_single_flight_through_fuse(tmp_path, counting_store, node):
     assert set(counting_store.calls) == touched
     assert all(v == 1 for v in counting_store.calls.values()), counting_store.calls
     assert os.stat(image).st_size == res.manifest.image_size
-    assert node.fs.stats(res.digest).first_read == [3, 4, 5, 6, 7]
-    node.fs.remove_group(res.digest)
-    assert node.fs.groups() == []
+    assert lazy.fs.stats(res.digest).first_read == [3, 4, 5, 6, 7]
+    lazy.fs.remove_group(res.digest)
+    assert lazy.fs.groups() == []
 
 
 THP_PROBE = r"""
@@ -290,7 +290,7 @@ sys.stdout.buffer.write(m[off : off + 4096])
 """
 
 
-def test_corrupt_chunk_gives_eio(tmp_path, counting_store, node):
+def test_corrupt_chunk_gives_eio(tmp_path, counting_store, lazy):
     src, res = build(tmp_path, counting_store)
     image = image_bytes(counting_store, res.manifest)
     victim = (src / "data" / "big5.bin").read_bytes()
@@ -307,7 +307,7 @@ def test_corrupt_chunk_gives_eio(tmp_path, counting_store, node):
     bad_lo, bad_hi = index * MiB - start, (index + 1) * MiB - start  # in file offsets
     corrupt(counting_store, bad.digest, bad.size)
 
-    mp = node.mounts.acquire(res.digest, res.manifest)
+    mp = lazy.mounts.acquire(res.digest, res.manifest)
     path = mp / "data" / "big5.bin"
 
     # First, before anything of the file is cached: a 2 MiB huge-page folio whose second half reaches the bad chunk: the kernel
@@ -347,42 +347,42 @@ def test_corrupt_chunk_gives_eio(tmp_path, counting_store, node):
         os.close(fd)
     # (A failed read can take its whole folio down: up to 2 MiB either side.)
     assert failed and all(bad_lo - 2 * MiB <= off < bad_hi + 2 * MiB for off in failed), (bad_lo, failed)
-    assert not node.cache.has(bad.digest)
-    stats = node.fs.stats(res.digest)
+    assert not lazy.cache.has(bad.digest)
+    stats = lazy.fs.stats(res.digest)
     assert stats.errors > 0 and "DigestMismatchError" in stats.last_error
 
     for name in ("big4.bin", "big6.bin"):
         assert (mp / "data" / name).read_bytes() == (src / "data" / name).read_bytes()
     assert (mp / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
-    node.mounts.release(res.digest)
-    assert node.mounts.unmount_unused() == [res.digest]
+    lazy.mounts.release(res.digest)
+    assert lazy.mounts.unmount_unused() == [res.digest]
 
 
-def test_corrupt_superblock_chunk_fails_acquire(tmp_path, counting_store, node):
+def test_corrupt_superblock_chunk_fails_acquire(tmp_path, counting_store, lazy):
     _src, res = build(tmp_path, counting_store)
     first = res.manifest.chunks[0]
     good_frame = counting_store._path("chunks", first.digest).read_bytes()
     corrupt(counting_store, first.digest, first.size)
 
     with pytest.raises(MountError) as info:
-        node.mounts.acquire(res.digest, res.manifest)
+        lazy.mounts.acquire(res.digest, res.manifest)
     message = str(info.value)
     print(f"\nMountError: {message}")
     assert res.digest in message and "DigestMismatchError" in message
-    target = node.mounts.path(res.digest)
+    target = lazy.mounts.path(res.digest)
     assert not target.exists()
-    assert node.mounts.mounted() == {}
-    assert node.fs.groups() == []
+    assert lazy.mounts.mounted() == {}
+    assert lazy.fs.groups() == []
     assert not any("erofs" in line and str(target) in line for line in open("/proc/mounts"))
-    assert not node.cache.has(first.digest)
+    assert not lazy.cache.has(first.digest)
 
     # Repaired store: the next acquire mounts.
     counting_store._path("chunks", first.digest).write_bytes(good_frame)
-    assert node.mounts.acquire(res.digest, res.manifest) == target
-    node.mounts.release(res.digest)
+    assert lazy.mounts.acquire(res.digest, res.manifest) == target
+    lazy.mounts.release(res.digest)
 
 
-def test_shared_mounts(tmp_path, counting_store, node):
+def test_shared_mounts(tmp_path, counting_store, lazy):
     src, res = build(tmp_path, counting_store)
     counting_store.delay = 0.02
     barrier = threading.Barrier(8)
@@ -390,35 +390,35 @@ def test_shared_mounts(tmp_path, counting_store, node):
 
     def acquire(k: int) -> None:
         barrier.wait()
-        got[k] = node.mounts.acquire(res.digest, res.manifest)
+        got[k] = lazy.mounts.acquire(res.digest, res.manifest)
 
     threads = [threading.Thread(target=acquire, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    target = node.mounts.path(res.digest)
+    target = lazy.mounts.path(res.digest)
     assert got == [target] * 8
     erofs = [line for line in open("/proc/mounts") if line.split()[2] == "erofs" and line.split()[1] == str(target)]
     assert len(erofs) == 1, erofs
-    assert node.mounts.mounted() == {res.digest: 8}
+    assert lazy.mounts.mounted() == {res.digest: 8}
     assert counting_store.calls[res.manifest.chunks[0].digest] == 1
     assert (target / "etc" / "small.txt").read_text() == (src / "etc" / "small.txt").read_text()
 
     for _ in range(8):
-        node.mounts.release(res.digest)
+        lazy.mounts.release(res.digest)
     with pytest.raises(MountError):
-        node.mounts.release(res.digest)
-    assert node.mounts.mounted() == {res.digest: 0}  # kept for warm starts
-    assert node.mounts.acquire(res.digest, res.manifest) == target
-    assert node.mounts.mounted() == {res.digest: 1}
+        lazy.mounts.release(res.digest)
+    assert lazy.mounts.mounted() == {res.digest: 0}  # kept for warm starts
+    assert lazy.mounts.acquire(res.digest, res.manifest) == target
+    assert lazy.mounts.mounted() == {res.digest: 1}
 
-    node.mounts.unmount_all()  # still referenced: unmounted anyway (daemon stop)
-    node.mounts.unmount_all()
-    assert node.mounts.mounted() == {}
+    lazy.mounts.unmount_all()  # still referenced: unmounted anyway (daemon stop)
+    lazy.mounts.unmount_all()
+    assert lazy.mounts.mounted() == {}
     assert not target.exists()
     assert not [line for line in open("/proc/mounts") if line.split()[2] == "erofs" and str(tmp_path) in line]
-    assert node.fs.groups() == []
+    assert lazy.fs.groups() == []
 
 
 def test_stop_leaves_no_fuse_mount(fusectl, paths, store, leak_check):
@@ -444,7 +444,7 @@ def test_stop_while_busy_does_not_hang(fusectl, tmp_path, paths, counting_store,
     """A group still mounted and a read stuck in a fetch: stop() detaches, cancels
     the read after its timeout and returns; the stuck reader gets an error."""
     _src, res = build(tmp_path, counting_store)
-    n = Node(paths, counting_store)
+    n = LazyNode(paths, counting_store)
     n.fs.start()
     try:
         mp = n.mounts.acquire(res.digest, res.manifest)
@@ -500,7 +500,7 @@ def test_clear_stale_after_a_crash(tmp_path, paths, store, leak_check):
         [sys.executable, "-c", CRASHING_DAEMON, str(paths.home), res.digest],
         capture_output=True, text=True, timeout=60,
     )
-    n = Node(paths, store)
+    n = LazyNode(paths, store)
     try:
         assert out.stdout.strip() == "mounted", out.stderr
         left = [point for _t, point in mounts_under(paths.node)]

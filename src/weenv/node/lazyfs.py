@@ -14,7 +14,11 @@ happens in a trio worker thread (``trio.to_thread.run_sync``), so the FUSE
 thread never blocks on the store or the disk.  The public methods may be
 called from any thread except the FUSE thread; they take one short lock.
 Never call mount(2) of an image, or anything else that reads through this
-file system, from the FUSE thread: it would wait for itself.
+file system, from the FUSE thread: it would wait for itself.  Nor touch an
+``mmap`` of a file under a group mount from Python in the daemon process: the
+page fault happens while the thread holds the GIL, which the FUSE thread needs
+to answer it (seen: a deadlock).  ``os.read``/``open().read()`` release the GIL
+and are fine; a subprocess may do anything.
 
 Errors.  Any failure to produce a range's bytes (a chunk whose content does not
 match its digest, a store that cannot be reached, a short chunk) answers the
