@@ -25,6 +25,7 @@ from weenv.node.mounts import erofs_spec, mount, umount
 from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.manifest import (
+    parse_group_manifest,
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
@@ -383,9 +384,10 @@ def test_assemble_refuses_corrupt_or_missing_chunks(tmp_path, store):
         assemble_image(store, m, dest)
     assert list(dest.parent.iterdir()) == []
 
-    bad = m.model_copy(update={"image_size": m.image_size + 1})
+    # a manifest whose chunks do not tile its image is refused when parsed
+    bad = m.model_dump_json().replace(f'"image_size":{m.image_size}', f'"image_size":{m.image_size + 1}')
     with pytest.raises(InvalidInputError, match="do not tile"):
-        assemble_image(store, bad, dest)
+        parse_group_manifest(bad.encode())
 
 
 def test_load_group_errors(tree, store):

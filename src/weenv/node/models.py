@@ -68,8 +68,15 @@ class ExecRequest(_Model):
 
 
 class ExecResult(_Model):
+    """What a command did.
+
+    ``exit_code``: its exit status; 128 + signal number if a signal killed it;
+    137 after a timeout; 127 if the executable was not found and 126 if it could
+    not be started (as a shell and ``docker exec`` report them, with runc's
+    message in ``stderr``).  ``duration_s``: wall-clock seconds of the whole exec.
+    """
+
     exit_code: int
-    """The exit status; 128 + signal number for a command killed by a signal."""
     stdout: bytes
     stderr: bytes
     duration_s: float

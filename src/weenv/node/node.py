@@ -30,7 +30,7 @@ from weenv.errors import CommandTimeoutError, InvalidInputError, MountError, Not
 from weenv.node import mounts
 from weenv.node.bundle import write_bundle
 from weenv.node.cache import ChunkCache
-from weenv.node.groups import GroupMounts
+from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.models import CreateTiming, EnvironmentInfo, ExecResult, NodeStats
 from weenv.node.rootfs import RootFS
@@ -121,11 +121,9 @@ class Node:
             if state.get("id", "").startswith(CONTAINER_PREFIX):
                 with contextlib.suppress(Exception):
                     self.runc.delete(state["id"], force=True)
-        for _fstype, point in sorted(mounts.mounts_under(self.paths.node), key=lambda m: -len(m[1])):
-            try:
-                mounts.umount(point)
-            except MountError:
-                mounts.umount(point, detach=True)
+        for _fstype, point in mounts.mounts_under(self.paths.environments):
+            _umount_quietly(Path(point))
+        clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
         if self.paths.environments.is_dir():
             for d in self.paths.environments.iterdir():
                 shutil.rmtree(d, ignore_errors=True)
@@ -273,13 +271,9 @@ class Node:
             timeout=timeout,
             stdin=stdin,
         )
-        result = ExecResult(
-            exit_code=r.exit_code, stdout=r.stdout, stderr=r.stderr,
-            duration_s=r.duration_s, timed_out=r.timed_out,
-        )
-        if result.timed_out and raise_on_timeout:
+        if r.timed_out and raise_on_timeout:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {e.info.id}")
-        return result
+        return r
 
     def files(self, env_id: str) -> RootFS:
         """File access inside the environment's root (paths cannot escape it)."""

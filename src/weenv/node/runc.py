@@ -32,11 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, ToolMissingError
+from weenv.node.models import ExecResult
 
 _ID_RE = re.compile(r"^[\w+.-]{1,1024}$")
 _USER_RE = re.compile(r"^\d+(:\d+)?$")
@@ -76,24 +76,6 @@ except (OSError, ValueError):
     done("lost")
 done("exit %d" % (code if code >= 0 else 128 - code))
 """
-
-
-@dataclass(frozen=True, slots=True)
-class ExecResult:
-    """What a command did.
-
-    ``exit_code``: its exit status; 128 + signal number if a signal killed it;
-    137 after a timeout; 127 if the executable was not found and 126 if it could
-    not be started (as a shell and ``docker exec`` report them, with runc's
-    message in ``stderr``).  ``duration_s``: wall-clock seconds of the whole
-    ``runc exec``.
-    """
-
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    duration_s: float
-    timed_out: bool = False
 
 
 def runc_message(stderr: str) -> str:
@@ -248,7 +230,7 @@ class Runc:
             stdout, stderr = out.read(), err.read()
             if not timed_out:
                 rc, stderr = self._fate(container_id, status_file, rc, stderr)
-        return ExecResult(rc, stdout, stderr, duration, timed_out)
+        return ExecResult(exit_code=rc, stdout=stdout, stderr=stderr, duration_s=duration, timed_out=timed_out)
 
     # --- helpers -----------------------------------------------------------------------
     def _fate(self, container_id: str, status_file: Path, rc: int, stderr: bytes) -> tuple[int, bytes]:

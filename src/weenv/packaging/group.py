@@ -134,22 +134,6 @@ def _put_chunks(store: Store, image: Path, chunk_size: int) -> tuple[list[ChunkR
     return chunks, written, stored
 
 
-def check_layout(manifest: GroupManifest) -> None:
-    """:class:`InvalidInputError` unless the chunks tile ``[0, image_size)``: every
-    chunk but the last is ``chunk_size`` bytes, the last 1..``chunk_size``."""
-    sizes = [c.size for c in manifest.chunks]
-    total = sum(sizes)
-    if (
-        total != manifest.image_size
-        or any(s != manifest.chunk_size for s in sizes[:-1])
-        or (sizes and not 0 < sizes[-1] <= manifest.chunk_size)
-    ):
-        raise InvalidInputError(
-            f"group {manifest.name}: chunks ({len(sizes)}, {total} bytes) do not tile an image "
-            f"of {manifest.image_size} bytes in {manifest.chunk_size}-byte chunks"
-        )
-
-
 def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLike[str]) -> None:
     """Write the group's whole image to the file ``dest`` (mode 0644), atomically:
     a temporary file beside it, fsync'd, renamed over ``dest``.
@@ -159,7 +143,6 @@ def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLik
     :class:`InvalidInputError` if the manifest's chunks do not tile the image;
     ``dest`` is then untouched.
     """
-    check_layout(manifest)
     dest = Path(dest)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".tmp-{dest.name}-")
     try:

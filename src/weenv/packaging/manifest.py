@@ -14,7 +14,7 @@ import re
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from weenv.errors import InvalidInputError
 
@@ -113,6 +113,22 @@ class GroupManifest(_Model):
     file_count: int = Field(ge=0, description="inodes in the image (files, dirs, links, nodes)")
     source: dict[str, str] = Field(default_factory=dict, description="provenance")
     created: str = Field(default_factory=utc_now)
+
+    @model_validator(mode="after")
+    def _chunks_tile_the_image(self) -> "GroupManifest":
+        """Every chunk but the last is ``chunk_size`` bytes, the last 1..``chunk_size``,
+        and together they cover ``[0, image_size)``."""
+        sizes = [c.size for c in self.chunks]
+        if (
+            sum(sizes) != self.image_size
+            or any(s != self.chunk_size for s in sizes[:-1])
+            or (sizes and not 0 < sizes[-1] <= self.chunk_size)
+        ):
+            raise ValueError(
+                f"chunks ({len(sizes)}, {sum(sizes)} bytes) do not tile an image of "
+                f"{self.image_size} bytes in {self.chunk_size}-byte chunks"
+            )
+        return self
 
     def digest(self) -> str:
         return sha256_digest(canonical_json(self))
