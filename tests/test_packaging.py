@@ -25,10 +25,10 @@ from weenv.node.mounts import erofs_spec, mount, umount
 from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.manifest import (
-    parse_group_manifest,
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
+    parse_group_manifest,
     parse_template_manifest,
     sha256_digest,
 )

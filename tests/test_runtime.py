@@ -19,7 +19,11 @@ import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.node.bundle import (
-    DOCKER_DEFAULT_CAPS, MASKED_PATHS, RUNC_DEFAULT_CAPS, build_config, write_bundle,
+    DOCKER_DEFAULT_CAPS,
+    MASKED_PATHS,
+    RUNC_DEFAULT_CAPS,
+    build_config,
+    write_bundle,
 )
 from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.node.rootfs import RootFS

@@ -16,7 +16,12 @@ import pytest
 import zstandard
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.manifest import GroupManifest, canonical_json, parse_group_manifest, sha256_digest
+from weenv.packaging.manifest import (
+    GroupManifest,
+    canonical_json,
+    parse_group_manifest,
+    sha256_digest,
+)
 from weenv.store import Store, open_store
 from weenv.store.file import FileStore, atomic_write
 

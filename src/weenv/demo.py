@@ -27,7 +27,6 @@ from rich.table import Table
 
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
-from weenv.node.models import CreateTiming
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
 from weenv.packaging.manifest import Resources, RuntimeConfig

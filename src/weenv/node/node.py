@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import threading
@@ -26,7 +25,12 @@ import time
 from pathlib import Path
 
 from weenv.config import Paths
-from weenv.errors import CommandTimeoutError, InvalidInputError, MountError, NotFoundError
+from weenv.errors import (
+    CommandTimeoutError,
+    InvalidInputError,
+    MountError,
+    NotFoundError,
+)
 from weenv.node import mounts
 from weenv.node.bundle import write_bundle
 from weenv.node.cache import ChunkCache

@@ -35,7 +35,12 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, ToolMissingError
+from weenv.errors import (
+    InvalidInputError,
+    NotFoundError,
+    RuntimeFailedError,
+    ToolMissingError,
+)
 from weenv.node.models import ExecResult
 
 _ID_RE = re.compile(r"^[\w+.-]{1,1024}$")

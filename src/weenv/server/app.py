@@ -29,7 +29,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from weenv.errors import WeenvError
-from weenv.node.models import CreateRequest, EnvironmentInfo, ExecRequest, ExecResult, NodeStats
+from weenv.node.models import (
+    CreateRequest,
+    EnvironmentInfo,
+    ExecRequest,
+    ExecResult,
+    NodeStats,
+)
 from weenv.node.node import Node
 
 log = logging.getLogger(__name__)

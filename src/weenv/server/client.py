@@ -11,10 +11,15 @@ import httpx
 
 from weenv.config import Paths
 from weenv.errors import ERROR_KINDS, DaemonError, WeenvError
-from weenv.node.models import CreateRequest, EnvironmentInfo, ExecRequest, ExecResult, NodeStats
+from weenv.node.models import (
+    CreateRequest,
+    EnvironmentInfo,
+    ExecRequest,
+    ExecResult,
+    NodeStats,
+)
 from weenv.packaging.manifest import Resources
 from weenv.server import daemon
-
 
 _JSON = {"content-type": "application/json"}
 

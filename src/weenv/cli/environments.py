@@ -1,0 +1,109 @@
+"""``weenv run/create/exec/ps/rm``: environments, through the node daemon."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from weenv.cli.common import (
+    client,
+    command_from,
+    human_bytes,
+    out,
+    parse_env,
+    parse_size,
+    print_result,
+    print_timing,
+)
+from weenv.packaging.manifest import Resources
+
+app = typer.Typer()
+
+
+@app.command()
+def run(
+    template: Annotated[str, typer.Argument(help="template name or digest")],
+    command: Annotated[list[str], typer.Argument(help="command (after --)")],
+    timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+    workdir: Annotated[Optional[str], typer.Option(help="working directory")] = None,
+    timings: Annotated[bool, typer.Option(help="print the create's phases")] = False,
+) -> None:
+    """Create an environment, run one command in it, print its output, destroy it."""
+    cmd = command_from(command)
+    with client() as c:
+        info = c.create(template)
+        try:
+            if timings:
+                print_timing(info.timing, title=f"create {info.id}")
+            r = c.exec(info.id, cmd, env=parse_env(env), cwd=workdir, timeout=timeout)
+        finally:
+            c.destroy(info.id)
+    print_result(r)
+    raise typer.Exit(r.exit_code)
+
+
+@app.command()
+def create(
+    template: Annotated[str, typer.Argument(help="template name or digest")],
+    cpus: Annotated[Optional[float], typer.Option(help="CPU quota in cores")] = None,
+    memory: Annotated[Optional[str], typer.Option(help="memory limit, e.g. 2G")] = None,
+    pids: Annotated[Optional[int], typer.Option(help="pids limit")] = None,
+    timings: Annotated[bool, typer.Option(help="print the create's phases")] = True,
+) -> None:
+    """Create and start an environment; print its id."""
+    resources = None
+    if cpus is not None or memory is not None or pids is not None:
+        d = Resources()
+        resources = Resources(
+            cpus=cpus if cpus is not None else d.cpus,
+            memory_bytes=parse_size(memory) if memory is not None else d.memory_bytes,
+            pids=pids if pids is not None else d.pids,
+        )
+    with client() as c:
+        info = c.create(template, resources=resources)
+    if timings:
+        print_timing(info.timing, title=f"create {info.id}")
+    print(info.id)
+
+
+@app.command("exec")
+def exec_(
+    env_id: Annotated[str, typer.Argument(metavar="ID", help="environment id")],
+    command: Annotated[list[str], typer.Argument(help="command (after --)")],
+    timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+    workdir: Annotated[Optional[str], typer.Option(help="working directory")] = None,
+) -> None:
+    """Run a command in an environment; exit with its exit code."""
+    with client() as c:
+        r = c.exec(env_id, command_from(command), env=parse_env(env), cwd=workdir, timeout=timeout)
+    print_result(r)
+    raise typer.Exit(r.exit_code)
+
+
+@app.command()
+def ps() -> None:
+    """List environments."""
+    with client() as c:
+        envs = c.list()
+    table = Table(show_header=True, header_style="bold")
+    for col in ("ID", "TEMPLATE", "STATE", "CPUS", "MEMORY", "CREATE (s)"):
+        table.add_column(col)
+    for e in envs:
+        table.add_row(e.id, e.template, e.state, f"{e.resources.cpus:g}",
+                      human_bytes(e.resources.memory_bytes), f"{e.timing.total_s:.3f}")
+    out.print(table)
+
+
+@app.command()
+def rm(env_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="environment ids")]) -> None:
+    """Destroy environments."""
+    with client() as c:
+        for env_id in env_ids:
+            c.destroy(env_id)
+            print(env_id)
+
+
