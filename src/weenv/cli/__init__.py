@@ -14,7 +14,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from weenv.cli import daemon, environments, packaging
+from weenv.cli import bench, daemon, environments, packaging
 from weenv.cli.common import err
 from weenv.errors import WeenvError
 
@@ -22,6 +22,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="weenv: environments for agentic RL, started lazily from layer groups.")
 app.add_typer(packaging.group_app, name="group")
 app.add_typer(packaging.template_app, name="template")
+app.add_typer(bench.bench_app, name="bench")
 for sub in (environments.app, daemon.app):
     app.registered_commands += sub.registered_commands
 
