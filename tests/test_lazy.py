@@ -45,14 +45,14 @@ class CountingStore(FileStore):
         self.gate: threading.Event | None = None
         self._count_lock = threading.Lock()
 
-    def get_chunk(self, digest: str) -> bytes:
+    def get_chunk(self, digest: str, **hints) -> bytes:
         with self._count_lock:
             self.calls[digest] += 1
         if self.gate is not None:
             self.gate.wait(30)
         if self.delay:
             time.sleep(self.delay)
-        return super().get_chunk(digest)
+        return super().get_chunk(digest, **hints)
 
 
 def make_tree(root: Path) -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.manifest import (
@@ -24,6 +25,7 @@ from weenv.packaging.manifest import (
 )
 from weenv.store import Store, open_store
 from weenv.store.file import FileStore, atomic_write
+from weenv.store.oci import OciStore
 
 MIB = 1 << 20
 
@@ -44,7 +46,28 @@ class FileBackend:
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
-BACKENDS = [FileBackend()]
+class OciBackend:
+    """``oci://`` stores: a fresh repository of the session's docker-registry."""
+
+    name = "oci"
+    fixtures = (("registry", "oci_registry"),)  # (open() argument, the fixture it takes)
+
+    def open(self, home: Path, registry: Registry) -> Store:
+        self.registry = registry
+        return OciStore(registry.url(new_repository()), timeout=10)
+
+    def temp_files(self, store: OciStore) -> list[str]:
+        return self.registry.uploads(store.repository)  # upload sessions left open
+
+    def blob_identity(self, store: OciStore, space: str, digest: str) -> tuple:
+        manifest = store._get_manifest_json(store._space_tag(space, digest))
+        blob = manifest["layers"][0] if space == "chunks" else manifest["config"]
+        blob_st = self.registry.blob_data(blob["digest"]).stat()
+        tag_st = self.registry.tag_link(store.repository, store._space_tag(space, digest)).stat()
+        return (blob_st.st_ino, blob_st.st_mtime_ns, tag_st.st_ino, tag_st.st_mtime_ns)
+
+
+BACKENDS = [FileBackend(), OciBackend()]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
@@ -53,9 +76,10 @@ def backend(request):
 
 
 @pytest.fixture
-def store(backend, paths):
+def store(backend, paths, request):
     """This module's ``store``: one per backend (overrides conftest's file store)."""
-    s = backend.open(paths.home)
+    fixtures = getattr(backend, "fixtures", ())
+    s = backend.open(paths.home, **{arg: request.getfixturevalue(f) for arg, f in fixtures})
     yield s
     s.close()
 

@@ -65,6 +65,16 @@ class Paths:
         return self.run / "weenv.sock"
 
     @property
+    def api_key(self) -> Path:
+        """The daemon's API key (hex, mode 0600), created on its first start."""
+        return self.run / "api-key"
+
+    @property
+    def api_url(self) -> Path:
+        """``http://HOST:PORT`` of the daemon's TCP listener while it serves one."""
+        return self.run / "api-url"
+
+    @property
     def pidfile(self) -> Path:
         return self.run / "weenv.pid"
 

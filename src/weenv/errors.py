@@ -10,7 +10,12 @@
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
     ├── CommandTimeoutError(TimeoutError) a command ran past its timeout and was killed
     ├── ToolMissingError(RuntimeError)    a host program weenv needs is not installed
-    └── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
+    ├── StoreUnavailableError(OSError)    a store is unreachable, timed out, failed or refused (a remote
+    │                                     one), or cannot be written or read (a local one: full, read-only)
+    ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
+    ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
+    ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
+    └── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
 mapped to these at one boundary each, with ``raise ... from exc``.  Over HTTP the
@@ -54,8 +59,30 @@ class ToolMissingError(WeenvError, RuntimeError):
     kind = "tool_missing"
 
 
+class StoreUnavailableError(WeenvError, OSError):
+    """A store cannot serve a request.  A remote one (an OCI registry):
+    unreachable, timed out, failing (5xx) after retries, or refusing it
+    (authentication, deletes disabled), raised within the store's configured
+    timeout, never a hang.  A local one (a directory): a system call failed
+    (full or read-only file system, no permission); ``errno`` is kept."""
+
+    kind = "store_unavailable"
+
+
 class DaemonError(WeenvError, ConnectionError):
     kind = "daemon"
+
+
+class AuthenticationError(WeenvError, PermissionError):
+    kind = "authentication"
+
+
+class CapacityError(WeenvError, RuntimeError):
+    kind = "capacity"
+
+
+class OutputLimitError(WeenvError, ValueError):
+    kind = "output_limit"
 
 
 ERROR_KINDS: dict[str, type[WeenvError]] = {
@@ -69,6 +96,10 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         RuntimeFailedError,
         CommandTimeoutError,
         ToolMissingError,
+        StoreUnavailableError,
         DaemonError,
+        AuthenticationError,
+        CapacityError,
+        OutputLimitError,
     )
 }

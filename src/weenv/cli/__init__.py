@@ -12,9 +12,12 @@ from __future__ import annotations
 import sys
 
 import typer
+from pydantic import ValidationError
 from rich.markup import escape
 
-from weenv.cli import bench, daemon, environments, packaging
+from weenv.cli import bench, daemon, environments, image, packaging
+from weenv.cli import build as build_cli
+from weenv.cli import stats as stats_cli
 from weenv.cli.common import err
 from weenv.errors import WeenvError
 
@@ -25,13 +28,46 @@ app.add_typer(packaging.template_app, name="template")
 app.add_typer(bench.bench_app, name="bench")
 for sub in (environments.app, daemon.app):
     app.registered_commands += sub.registered_commands
+app.registered_commands += build_cli.app.registered_commands  # build, update, gc, dedupe
+app.registered_commands += image.app.registered_commands  # import
+app.registered_commands += stats_cli.app.registered_commands  # stats (issue 5)
 
 
 def main() -> None:
+    """Run the CLI; a weenv error, an invalid field (pydantic) or a failed system
+    call (full disk, read-only or unreadable path, ...) is one line on stderr and exit 1."""
     try:
         app()
     except WeenvError as exc:
-        err.print(f"[red]weenv: error:[/red] {escape(str(exc))}", highlight=False)
-        sys.exit(1)
+        _fail(str(exc))
+    except ValidationError as exc:
+        _fail(describe_validation(exc))
+    except OSError as exc:
+        _fail(describe_os_error(exc))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[red]weenv: error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(1)
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """A pydantic error as one line: ``Resources: cpus: Input should be a finite number``."""
+    parts = []
+    for e in exc.errors()[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ())) or "value"
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return f"invalid {exc.title}: " + "; ".join(parts) + more
+
+
+def describe_os_error(exc: OSError) -> str:
+    """A failed system call as one line: ``No space left on device: /path``."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    names = [n for n in (exc.filename, exc.filename2) if n is not None]
+    if len(names) == 1 and len(str(names[0])) > 300:
+        names = [str(names[0])[:150] + "..." + str(names[0])[-100:]]
+    return what + (": " + " -> ".join(str(n) for n in names) if names else "")

@@ -2,6 +2,40 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: weenv against the usual way, side by side.")
+
+
+@bench_app.command("update")
+def update(
+    templates: int = typer.Option(8, help="templates sharing base, runtime and tools"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+) -> None:
+    """Republish cost of a change to one shared component (weenv side; Docker's pending)."""
+    from weenv.bench.update import run
+    from weenv.cli.common import err
+
+    result = run(templates, json_path=json_path, log=err.print)
+    print(json.dumps(result["summary"]))
+
+
+@bench_app.command("provision")
+def provision(
+    quick: bool = typer.Option(False, "--quick", help="a few minutes: 8 environments at most, 2 min per mode"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    max_envs: Optional[int] = typer.Option(None, help="environments to try to hold at once"),
+    duration: Optional[float] = typer.Option(None, help="seconds of workload per mode"),
+    think: Optional[float] = typer.Option(None, help="mean think time between bursts, seconds"),
+) -> None:
+    """Static against elastic provisioning: environments held, rollouts/hour, burst slowdown, OOM kills."""
+    from weenv.bench.provision import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think,
+                 log=err.print)
+    print(json.dumps(result["summary"]))

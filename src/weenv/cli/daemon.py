@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -13,11 +13,20 @@ app = typer.Typer()
 
 
 @app.command()
-def serve() -> None:
-    """Run the node daemon in the foreground (Ctrl-C stops it cleanly)."""
+def serve(
+    host: Annotated[str, typer.Option(help="TCP address to listen on (with --port)")] = "127.0.0.1",
+    port: Annotated[Optional[int], typer.Option(help="also serve the API on TCP (0: any free port); "
+                                                     "clients then need the key in $WEENV_HOME/run/api-key")] = None,
+    max_environments: Annotated[Optional[int], typer.Option(help="refuse creates past this many (503)")] = None,
+) -> None:
+    """Run the node daemon in the foreground (Ctrl-C stops it cleanly).
+
+    It always serves its Unix socket ($WEENV_HOME/run/weenv.sock, owner only, no
+    key); with --port also HTTP on HOST:PORT, where every request needs the API
+    key (header X-API-Key or Authorization: Bearer)."""
     from weenv.server.daemon import serve as _serve
 
-    _serve(Paths.from_env())
+    _serve(Paths.from_env(), host=host, port=port, max_environments=max_environments)
 
 
 @app.command()

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from weenv.cli.common import (
     client,
+    err,
     command_from,
     human_bytes,
     out,
@@ -17,6 +18,8 @@ from weenv.cli.common import (
     print_result,
     print_timing,
 )
+from weenv.errors import InvalidInputError
+from weenv.node.models import CreateRequest
 from weenv.packaging.manifest import Resources
 
 app = typer.Typer()
@@ -51,9 +54,12 @@ def create(
     cpus: Annotated[Optional[float], typer.Option(help="CPU quota in cores")] = None,
     memory: Annotated[Optional[str], typer.Option(help="memory limit, e.g. 2G")] = None,
     pids: Annotated[Optional[int], typer.Option(help="pids limit")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds until the daemon destroys it")] = 3600.0,
+    count: Annotated[int, typer.Option("--count", "-n", help="create this many at once (a batch)")] = 1,
+    concurrency: Annotated[Optional[int], typer.Option(help="creates running at once in a batch")] = None,
     timings: Annotated[bool, typer.Option(help="print the create's phases")] = True,
 ) -> None:
-    """Create and start an environment; print its id."""
+    """Create and start environments; print their ids, one a line."""
     resources = None
     if cpus is not None or memory is not None or pids is not None:
         d = Resources()
@@ -62,11 +68,40 @@ def create(
             memory_bytes=parse_size(memory) if memory is not None else d.memory_bytes,
             pids=pids if pids is not None else d.pids,
         )
-    with client() as c:
-        info = c.create(template, resources=resources)
-    if timings:
-        print_timing(info.timing, title=f"create {info.id}")
-    print(info.id)
+    if count < 1:
+        raise InvalidInputError(f"--count must be at least 1, not {count}")
+    if count == 1:
+        with client() as c:
+            info = c.create(template, resources=resources, timeout=timeout)
+        if timings:
+            print_timing(info.timing, title=f"create {info.id}")
+        print(info.id)
+        return
+    _create_batch([CreateRequest(template=template, resources=resources, timeout=timeout)] * count, concurrency)
+
+
+def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
+    """One batch create with a progress bar; ids printed in request order."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    ids: list[str | None] = [None] * len(items)
+    failures: list[str] = []
+    with client() as c, Progress(TextColumn("creating"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err) as bar:
+        task = bar.add_task("create", total=len(items), note="")
+        for ev in c.create_many(items, concurrency=concurrency):
+            if ev.environment is not None:
+                ids[ev.index] = ev.environment.id
+                note = f"{ev.environment.id} in {ev.environment.timing.total_s:.2f} s"
+            else:
+                failures.append(f"#{ev.index}: {ev.error.message if ev.error else '?'}")
+                note = f"#{ev.index} failed"
+            bar.update(task, advance=1, note=note)
+    for env_id in ids:
+        if env_id is not None:
+            print(env_id)
+    if failures:
+        raise InvalidInputError(f"{len(failures)} of {len(items)} creates failed: " + "; ".join(failures[:5]))
 
 
 @app.command("exec")

@@ -100,7 +100,8 @@ class ChunkCache:
         if not leader:
             return future.result()
         try:
-            plaintext = self.store.get_chunk(digest)
+            stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
+            plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
             atomic_write(path, plaintext)
         except BaseException as exc:
             with self._lock:

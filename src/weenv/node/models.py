@@ -3,9 +3,17 @@ HTTP server and its client (one set of models for every face, as SWE-ReX does)."
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
+from typing import Literal
 
-from weenv.packaging.manifest import Resources
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from weenv.node.rootfs import EntryInfo
+from weenv.packaging.manifest import Resources, RuntimeConfig
+
+DEFAULT_TIMEOUT_S = 300.0
+"""An environment's lifetime when its create does not say (seconds)."""
+MAX_TIMEOUT_S = 7 * 86400.0
 
 
 class _Model(BaseModel):
@@ -35,13 +43,77 @@ class CreateTiming(_Model):
     """Sum of the template's stored chunk sizes (zstd bytes in the store)."""
 
 
+def _finite(v: float | None) -> float | None:
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number of seconds")
+    return v
+
+
 class CreateRequest(_Model):
-    template: str
+    template: str = Field(min_length=1)
     """Template name (a ref in the store) or digest."""
     resources: Resources | None = None
     """Overrides the template's default resources."""
     first_command: bool = True
     """Run ``true`` inside once started, and time it (the "first command" phase)."""
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """Seconds from now after which the node destroys the environment (default
+    :data:`DEFAULT_TIMEOUT_S`); see ``SetTimeoutRequest``."""
+    envs: dict[str, str] = Field(default_factory=dict)
+    """Variables of every command run inside (over the template's; a command's own win)."""
+    metadata: dict[str, str] = Field(default_factory=dict)
+    """Free-form labels kept with the environment and returned in its info."""
+
+    _check_timeout = field_validator("timeout")(_finite)
+
+
+class BatchCreateRequest(_Model):
+    """Create several environments at once (a rollout batch)."""
+
+    items: list[CreateRequest] = Field(min_length=1, max_length=4096)
+    concurrency: int | None = Field(default=None, ge=1, le=256)
+    """Creates running at the same time (default: the node's choice)."""
+
+
+class ErrorInfo(_Model):
+    kind: str
+    """An error kind of :mod:`weenv.errors` (``not_found``, ``invalid_input``...)."""
+    message: str
+
+
+class ErrorResponse(_Model):
+    """The body of every error answer of the weenv API."""
+
+    error: ErrorInfo
+
+
+class BatchCreateEvent(_Model):
+    """One line of a batch create's NDJSON answer, sent when item ``index`` is
+    done: ``environment`` on success, ``error`` on failure."""
+
+    index: int
+    environment: "EnvironmentInfo | None" = None
+    error: ErrorInfo | None = None
+
+
+class SetTimeoutRequest(_Model):
+    timeout: float = Field(gt=0, le=MAX_TIMEOUT_S)
+    """Seconds from now after which the environment is destroyed."""
+
+    _check_timeout = field_validator("timeout")(_finite)
+
+
+class TemplateInfo(_Model):
+    name: str
+    digest: str
+    version: str = "latest"
+    groups: list[str] = Field(default_factory=list)
+    """Group digests, bottom to top."""
+    runtime: RuntimeConfig | None = None
+    image_bytes: int = 0
+    """Sum of the group image sizes (plaintext bytes)."""
+    stored_bytes: int = 0
+    """Sum of the stored (zstd) chunk sizes."""
 
 
 class EnvironmentInfo(_Model):
@@ -55,6 +127,12 @@ class EnvironmentInfo(_Model):
     rootfs: str
     resources: Resources
     timing: CreateTiming
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """The lifetime last set (at create or by ``set_timeout``), seconds."""
+    expires_at: float = 0.0
+    """Unix time after which the node's reaper destroys the environment."""
+    envs: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
 
 
 class ExecRequest(_Model):
@@ -65,6 +143,14 @@ class ExecRequest(_Model):
     timeout: float | None = Field(default=None, gt=0)
     """Seconds; the command and its children are killed after it."""
     stdin: bytes | None = None
+    """Bytes the command reads (then end of file); none: ``/dev/null`` unless ``stdin_open``."""
+    stdin_open: bool = False
+    """Keep stdin a pipe the client writes later (``ProcessStdin``); for streamed
+    and background commands."""
+    tag: str | None = Field(default=None, max_length=256)
+    """A label to find a background command by (returned in its ``ProcessInfo``)."""
+
+    _check_timeout = field_validator("timeout")(_finite)
 
 
 class ExecResult(_Model):
@@ -89,3 +175,73 @@ class NodeStats(_Model):
     """Group digest -> environments using its mount."""
     cache_chunks_fetched: int
     cache_bytes_fetched: int
+
+
+class ProcessInfo(_Model):
+    """A command started by a streamed or background run.
+
+    ``pid``: its process id inside the environment (its pid namespace); unique
+    among the environment's live processes.  ``exit_code``: None while it runs;
+    then as in :class:`ExecResult`.
+    """
+
+    pid: int
+    command: list[str] | str
+    tag: str | None = None
+    cwd: str | None = None
+    started_at: float
+    """Unix time, seconds."""
+    running: bool
+    exit_code: int | None = None
+    timed_out: bool = False
+    duration_s: float | None = None
+    output_dropped: int = 0
+    """Bytes of output no longer kept (a background command's retained output is bounded)."""
+
+
+class ProcessEvent(_Model):
+    """One line of a command's NDJSON output stream, in order:
+    ``start`` (``pid``), any number of ``stdout``/``stderr`` (``data``), then
+    ``end`` (``exit_code``, ``timed_out``, ``duration_s``), or ``error``
+    (``error``) if the run failed."""
+
+    type: Literal["start", "stdout", "stderr", "end", "error"]
+    pid: int | None = None
+    data: bytes | None = None
+    exit_code: int | None = None
+    timed_out: bool | None = None
+    duration_s: float | None = None
+    error: ErrorInfo | None = None
+
+
+class ProcessStdin(_Model):
+    data: bytes = b""
+    """Bytes written to the command's stdin (base64 in JSON)."""
+    eof: bool = False
+    """Close stdin after writing (the command reads end of file)."""
+
+
+class KillRequest(_Model):
+    signal: str | int = "KILL"
+    """A signal name (``TERM``, ``SIGKILL``) or number; ``KILL`` kills the whole command tree."""
+
+
+class RenameRequest(_Model):
+    src: str = Field(min_length=1)
+    dst: str = Field(min_length=1)
+
+
+class WriteInfo(_Model):
+    path: str
+    size: int
+    """Bytes written."""
+
+
+__all__ = [
+    "BatchCreateEvent", "BatchCreateRequest", "CreateRequest", "CreateTiming", "EntryInfo",
+    "EnvironmentInfo", "ErrorInfo", "ErrorResponse", "ExecRequest", "ExecResult", "KillRequest",
+    "NodeStats", "ProcessEvent", "ProcessInfo", "ProcessStdin", "RenameRequest",
+    "SetTimeoutRequest", "TemplateInfo", "WriteInfo",
+]
+
+BatchCreateEvent.model_rebuild()

@@ -54,12 +54,21 @@ def overlay_spec(
 
     ``lowers_bottom_to_top`` lists group mount points as a template lists its groups;
     overlayfs wants the top one first (Documentation/filesystems/overlayfs.rst).
+    Paths are escaped (:func:`overlay_escape`), so a home holding ``,`` or ``:`` works.
     """
     if not lowers_bottom_to_top:
         raise MountError("an overlay needs at least one lower dir")
-    lower = ":".join(os.fspath(p) for p in reversed(lowers_bottom_to_top))
-    options = f"lowerdir={lower},upperdir={os.fspath(upper)},workdir={os.fspath(work)}"
+    lower = ":".join(overlay_escape(p) for p in reversed(lowers_bottom_to_top))
+    options = f"lowerdir={lower},upperdir={overlay_escape(upper)},workdir={overlay_escape(work)}"
     return MountSpec("overlay", "overlay", os.fspath(target), options, 0)
+
+
+def overlay_escape(path: str | os.PathLike[str]) -> str:
+    """``path`` for an overlayfs option: ``\\``, ``,`` and ``:`` escaped by a
+    backslash.  The kernel splits options at unescaped ``,`` (``ovl_next_opt``)
+    and lowerdir at unescaped ``:``, then drops the escapes (``ovl_unescape``),
+    for lowerdir, upperdir and workdir alike (fs/overlayfs/params.c)."""
+    return os.fspath(path).replace("\\", "\\\\").replace(",", "\\,").replace(":", "\\:")
 
 
 def mount(spec: MountSpec) -> None:

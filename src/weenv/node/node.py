@@ -17,7 +17,9 @@ directory of a failed environment remains.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import os
 import secrets
 import shutil
 import threading
@@ -26,19 +28,33 @@ from pathlib import Path
 
 from weenv.config import Paths
 from weenv.errors import (
+    CapacityError,
     CommandTimeoutError,
+    DaemonError,
     InvalidInputError,
     MountError,
     NotFoundError,
+    OutputLimitError,
 )
 from weenv.node import mounts
-from weenv.node.bundle import write_bundle
+from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
-from weenv.node.models import CreateTiming, EnvironmentInfo, ExecResult, NodeStats
+from weenv.node.models import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    CreateTiming,
+    EnvironmentInfo,
+    ExecResult,
+    NodeStats,
+    ProcessInfo,
+    TemplateInfo,
+)
+from weenv.node.process import DEFAULT_RETAIN, PipeSink, Process
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
+from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import GroupManifest, Resources, TemplateManifest
 from weenv.packaging.template import load_template
@@ -60,6 +76,12 @@ class _Environment:
         self.template = template
         self.dir = dir
         self.lock = threading.Lock()
+        self.processes: dict[int, Process] = {}
+        """Streamed and background commands by pid inside the environment."""
+
+    def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
+        """A command's variables: the template's, then the create's, then its own."""
+        return {**self.template.runtime.env, **self.info.envs, **(env or {})}
 
     @property
     def container_id(self) -> str:
@@ -74,28 +96,85 @@ class Node:
     """All environments of one machine.  Use as a context manager or call
     :meth:`start` then :meth:`close`."""
 
-    def __init__(self, paths: Paths | None = None, store: Store | None = None):
+    KEEP_FINISHED = 64
+    """Ended processes kept per environment (for their exit code and output)."""
+
+    def __init__(
+        self,
+        paths: Paths | None = None,
+        store: Store | None = None,
+        *,
+        max_environments: int | None = None,
+        output_retain_bytes: int = DEFAULT_RETAIN,
+        provisioning: ProvisionConfig | None = None,
+    ):
+        """``max_environments``: creates past it raise :class:`CapacityError`
+        (None: no limit).  ``output_retain_bytes``: output kept per background
+        command that nobody reads (older output is dropped)."""
         self.paths = paths or Paths.from_env()
+        self.max_environments = max_environments
+        self.output_retain_bytes = output_retain_bytes
+        self.sink = PipeSink()
+        self._pending = 0
         self.store = store or open_store(self.paths.store_url)
         self.cache = ChunkCache(self.paths.chunk_cache, self.store)
         self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache)
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs)
         self.runc = Runc(self.paths.runc_root)
+        self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
         self._started = False
+        self._home_lock: int | None = None
 
     # --- lifetime -------------------------------------------------------------------
     def start(self) -> "Node":
+        """Take the home, clear what a crashed node left there, start the FUSE
+        daemon.  Idempotent.
+
+        One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
+        until :meth:`close` (the daemon's node is that one).  Raises
+        :class:`DaemonError` if another node (a daemon, or a program using
+        :class:`Node` directly) runs on this home, before touching anything of it."""
+        if self._started:
+            return self
         for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
             d.mkdir(parents=True, exist_ok=True)
-        self._clean_stale()
-        self.lazyfs.start()
+        self._take_home()
+        try:
+            self._clean_stale()
+            self.lazyfs.start()
+            try:
+                self.provisioner.start()
+            except BaseException:
+                self.lazyfs.stop()
+                raise
+        except BaseException:
+            self._release_home()
+            raise
         self._started = True
         return self
 
+    def _take_home(self) -> None:
+        fd = os.open(self.paths.run / "weenv.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonError(
+                f"a weenv node already serves WEENV_HOME={self.paths.home}; use its daemon "
+                "(NodeClient / weenv.Sandbox) or another WEENV_HOME"
+            ) from None
+        self._home_lock = fd
+
+    def _release_home(self) -> None:
+        if self._home_lock is not None:
+            os.close(self._home_lock)  # releases the flock
+            self._home_lock = None
+
     def close(self) -> None:
-        """Destroy every environment, unmount every group, stop the FUSE daemon.  Idempotent."""
+        """Destroy every environment, unmount every group, stop the FUSE daemon,
+        release the home.  Idempotent."""
         if not self._started:
             return
         errors = []
@@ -105,11 +184,17 @@ class Node:
             except Exception as exc:  # keep going: close must release everything it can
                 log.exception("destroying %s on close", env_id)
                 errors.append(exc)
+        self.provisioner.close()
         try:
             self.groups.unmount_all()
         finally:
-            self.lazyfs.stop()
-            self._started = False
+            try:
+                self.lazyfs.stop()
+                self.sink.close()
+                self.sink = PipeSink()
+            finally:
+                self._started = False
+                self._release_home()
         if errors:
             raise errors[0]
 
@@ -139,8 +224,20 @@ class Node:
         *,
         resources: Resources | None = None,
         first_command: bool = True,
+        capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> EnvironmentInfo:
         """Create and start an environment from ``template`` (name or digest).
+
+        ``timeout``: seconds from now after which :meth:`reap_expired` destroys
+        it (default :data:`DEFAULT_TIMEOUT_S`).  ``envs``: variables of every
+        command run inside.  ``metadata``: labels kept in its info.  Raises
+        :class:`CapacityError` when ``max_environments`` run or start.
+
+        ``capabilities``: the processes' capability set (default runc's; build
+        environments pass :data:`~weenv.node.bundle.DOCKER_DEFAULT_CAPS`).
 
         Returns its info with the create's phase timings (seconds) and bytes fetched.
         Raises :class:`NotFoundError` for an unknown template, :class:`MountError`
@@ -148,6 +245,24 @@ class Node:
         is undone first.
         """
         self._check_started()
+        timeout = _check_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        for key, value in (envs or {}).items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise InvalidInputError(f"bad environment variable {key!r}")
+        with self._lock:
+            if self.max_environments is not None and len(self._envs) + self._pending >= self.max_environments:
+                raise CapacityError(
+                    f"the node runs {len(self._envs)} environments (+{self._pending} starting) "
+                    f"of at most {self.max_environments}"
+                )
+            self._pending += 1
+        try:
+            return self._create(template, resources, first_command, capabilities, timeout, envs or {}, metadata or {})
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _create(self, template, resources, first_command, capabilities, timeout, envs, metadata) -> EnvironmentInfo:
         t0 = time.perf_counter()
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
@@ -160,6 +275,8 @@ class Node:
         env_dir = self.paths.environments / env_id
         res = resources or manifest.runtime.resources
         with contextlib.ExitStack() as undo:
+            self.provisioner.reserve(env_id, res)  # admission: CapacityError if the node is full
+            undo.callback(self.provisioner.detach, env_id)
             env_dir.mkdir(parents=True)
             undo.callback(shutil.rmtree, env_dir, ignore_errors=True)
 
@@ -190,10 +307,12 @@ class Node:
                 cgroups_path=f"/{container_id}",
                 resources=res,
                 init=INIT if INIT.exists() else None,
+                capabilities=capabilities,
             )
             undo.callback(self._delete_container, container_id)
             self.runc.create(container_id, bundle)
             self.runc.start(container_id)
+            self.provisioner.attach(env_id, f"/{container_id}")
             timing["runtime_s"] = time.perf_counter() - t
 
             info = EnvironmentInfo(
@@ -205,6 +324,9 @@ class Node:
                 rootfs=str(rootfs),
                 resources=res,
                 timing=CreateTiming(),
+                timeout_s=timeout,
+                envs=envs,
+                metadata=metadata,
             )
             env = _Environment(info, manifest, env_dir)
             if first_command:
@@ -226,10 +348,36 @@ class Node:
             template_bytes=sum(g.image_size for g in group_manifests),
             template_stored_bytes=sum(g.stored_size for g in group_manifests),
         )
+        info.expires_at = time.time() + timeout
         (env_dir / "env.json").write_text(info.model_dump_json(indent=2))
         with self._lock:
             self._envs[env_id] = env
         return info
+
+    def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
+        """Destroy the environment ``timeout`` seconds from now (instead of when
+        it was due).  Raises :class:`NotFoundError`, or :class:`InvalidInputError`
+        for a timeout not in (0, 7 days]."""
+        timeout = _check_timeout(timeout)
+        e = self._env(env_id)
+        e.info.timeout_s = timeout
+        e.info.expires_at = time.time() + timeout
+        return e.info
+
+    def reap_expired(self, now: float | None = None) -> list[str]:
+        """Destroy every environment whose ``expires_at`` has passed; their ids."""
+        now = time.time() if now is None else now
+        with self._lock:
+            due = [i for i, e in self._envs.items() if e.info.expires_at <= now]
+        reaped = []
+        for env_id in due:
+            try:
+                self.destroy(env_id)
+            except NotFoundError:  # destroyed meanwhile
+                continue
+            log.info("reaped environment %s (its timeout passed)", env_id)
+            reaped.append(env_id)
+        return reaped
 
     def get(self, env_id: str) -> EnvironmentInfo:
         return self._env(env_id).info
@@ -264,12 +412,12 @@ class Node:
               raise_on_timeout=False) -> ExecResult:
         if isinstance(command, list) and not command:
             raise InvalidInputError("empty command")
-        merged = dict(e.template.runtime.env)
-        merged.update(env or {})
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         r = self.runc.exec(
             e.container_id,
             command,
-            env=merged,
+            env=e.env_for(env),
             cwd=cwd or e.template.runtime.working_dir,
             user=e.template.runtime.user,
             timeout=timeout,
@@ -279,9 +427,137 @@ class Node:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {e.info.id}")
         return r
 
+    # --- streamed and background commands ------------------------------------------------
+    def spawn(
+        self,
+        env_id: str,
+        command: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        stdin_open: bool = False,
+        tag: str | None = None,
+        primary_reader: bool = False,
+    ) -> Process:
+        """Start ``command`` in environment ``env_id`` and return once it runs
+        (or could not start: then its pid is 0 and it has already ended with
+        127/126 and runc's message on stderr).
+
+        Its output streams through ``process.log`` (see :mod:`weenv.node.process`);
+        ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
+        ``primary_reader`` attaches a reader that sees every event (a foreground
+        stream; read it to the end or detach it).  The process is kept under
+        its pid (:meth:`process`) while it runs and a while after.  Raises
+        :class:`NotFoundError` for an unknown environment and
+        :class:`InvalidInputError` for a bad command, variable or directory.
+        """
+        e = self._env(env_id)
+        if isinstance(command, list) and not command:
+            raise InvalidInputError("empty command")
+        if timeout is not None:
+            _check_timeout(timeout)
+        wd = cwd or e.template.runtime.working_dir
+        spawned = self.runc.spawn(
+            e.container_id, command, env=e.env_for(env), cwd=wd, user=e.template.runtime.user,
+            stdin=None if stdin_open else stdin, stdin_pipe=stdin_open,
+        )  # fmt: skip
+        p = Process(
+            spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
+            stdin=stdin if stdin_open else None, retain_bytes=self.output_retain_bytes, sink=self.sink,
+            primary_reader=primary_reader,
+        )  # fmt: skip
+        p.wait_started(self.runc.command_timeout)
+        if p.pid:
+            with self._lock:
+                e.processes[p.pid] = p
+                ended = [pid for pid, q in e.processes.items() if not q.running]
+                for pid in ended[: max(0, len(ended) - self.KEEP_FINISHED)]:
+                    del e.processes[pid]
+        return p
+
+    def process(self, env_id: str, pid: int) -> Process:
+        """The streamed or background command ``pid`` of ``env_id``; :class:`NotFoundError` if unknown."""
+        e = self._env(env_id)
+        with self._lock:
+            p = e.processes.get(pid)
+        if p is None:
+            raise NotFoundError(f"no command with pid {pid} in environment {env_id!r}")
+        return p
+
+    def processes(self, env_id: str) -> list[ProcessInfo]:
+        e = self._env(env_id)
+        with self._lock:
+            procs = list(e.processes.values())
+        return [p.info() for p in procs]
+
+    def run(
+        self,
+        env_id: str,
+        command: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 64 << 20,
+    ) -> ExecResult:
+        """Like :meth:`exec`, through a streamed process whose output is counted
+        as it comes: past ``max_output`` bytes (stdout + stderr) the command tree
+        is killed and :class:`OutputLimitError` raised, so a huge output never
+        fills the daemon's memory or disk."""
+        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True)
+        out, err = bytearray(), bytearray()
+        end = None
+        for ev in p.log.follow(p.primary):
+            if ev.type in ("stdout", "stderr"):
+                (out if ev.type == "stdout" else err).extend(ev.data or b"")
+                if len(out) + len(err) > max_output:
+                    p.kill()
+                    p.wait(30)
+                    raise OutputLimitError(
+                        f"the command wrote more than {max_output} bytes of output and was killed "
+                        "(stream its output instead, or redirect it to a file)"
+                    )
+            elif ev.type == "end":
+                end = ev
+        if p.error is not None:
+            raise p.error
+        assert end is not None and end.exit_code is not None
+        return ExecResult(exit_code=end.exit_code, stdout=bytes(out), stderr=bytes(err),
+                          duration_s=end.duration_s or 0.0, timed_out=bool(end.timed_out))
+
+    # --- templates --------------------------------------------------------------------
+    def templates(self) -> list[TemplateInfo]:
+        """The store's templates by name (name and digest only)."""
+        return [TemplateInfo(name=n, digest=d) for n, d in sorted(self.store.list_refs("templates").items())]
+
+    def template(self, name: str) -> TemplateInfo:
+        """One template (name or digest) with its groups, runtime and sizes; :class:`NotFoundError` if unknown."""
+        digest, m = load_template(self.store, name)
+        groups = [load_group(self.store, g) for g in m.groups]
+        return TemplateInfo(
+            name=m.name, digest=digest, version=m.version, groups=list(m.groups), runtime=m.runtime,
+            image_bytes=sum(g.image_size for g in groups), stored_bytes=sum(g.stored_size for g in groups),
+        )  # fmt: skip
+
     def files(self, env_id: str) -> RootFS:
         """File access inside the environment's root (paths cannot escape it)."""
         return RootFS(self._env(env_id).rootfs)
+
+    def stop(self, env_id: str) -> Path:
+        """Kill every process of environment ``env_id``, remove its container and
+        unmount its rootfs; return its upper dir (the environment's own changes in
+        overlayfs's upper-dir format: whiteouts, ``trusted.overlay.*`` xattrs),
+        which stays on disk, no longer in use, until :meth:`destroy`.
+        Idempotent.  Raises :class:`NotFoundError` if unknown."""
+        e = self._env(env_id)
+        with e.lock:
+            self._delete_container(e.container_id)
+            _umount_quietly(e.rootfs)
+            e.info.state = "stopped"
+        return e.dir / "upper"
 
     def destroy(self, env_id: str) -> None:
         """Kill the environment's processes and remove its container, cgroup,
@@ -291,13 +567,23 @@ class Node:
         if e is None:
             raise NotFoundError(f"no environment {env_id!r}")
         with e.lock:
+            procs = list(e.processes.values())
+            for p in procs:
+                p.log.abandon()
             try:
+                self.provisioner.detach(env_id)  # before the cgroup goes
                 self._delete_container(e.container_id)
+                for p in procs:  # their helpers exit with the container's processes
+                    p.wait(10)
                 _umount_quietly(e.rootfs)
             finally:
                 for g in e.template.groups:
                     self.groups.release(g)
                 shutil.rmtree(e.dir, ignore_errors=True)
+
+    def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
+        """Quotas, usage history and events of elastic provisioning (:class:`NotFoundError` for an unknown id)."""
+        return self.provisioner.stats(env_id)
 
     def stats(self) -> NodeStats:
         return NodeStats(
@@ -331,6 +617,12 @@ class Node:
     def _check_started(self) -> None:
         if not self._started:
             raise InvalidInputError("node is not started")
+
+
+def _check_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout <= MAX_TIMEOUT_S):
+        raise InvalidInputError(f"bad timeout {timeout!r}: want seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+    return float(timeout)
 
 
 def _umount_quietly(target: Path) -> None:

@@ -30,7 +30,7 @@ import os
 import shutil
 import stat as st
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -124,10 +124,18 @@ class RootFS:
     # --- reading -------------------------------------------------------------------------
     def read_file(self, path: str) -> bytes:
         """The whole content of the regular file at ``path`` (symbolic links followed inside the root)."""
+        with self.open_read(path) as f:
+            return f.read()
+
+    def open_read(self, path: str) -> BinaryIO:
+        """The regular file at ``path`` opened for reading (a binary file object
+        the caller closes), to stream a big file; errors as :meth:`read_file`."""
         with self._open(path, os.O_PATH) as fd:
             self._require_file(fd, path)
-            with open(f"/proc/self/fd/{fd}", "rb") as f:
-                return f.read()
+            try:
+                return open(f"/proc/self/fd/{fd}", "rb")
+            except OSError as exc:
+                raise _mapped(exc, path) from exc
 
     def list_dir(self, path: str) -> list[EntryInfo]:
         """The entries of the directory at ``path``, by name; symbolic links are not followed."""
@@ -156,6 +164,12 @@ class RootFS:
             return False
         return True
 
+    def open_dir(self, path: str) -> int:
+        """An ``O_PATH`` descriptor of the directory ``path``, resolved inside the
+        root; the caller closes it.  ``/proc/self/fd/N`` of it names that very
+        directory for tools run on the host (``cp`` into an environment)."""
+        return int(self._open(path, _DIR))
+
     # --- writing -------------------------------------------------------------------------
     def write_file(
         self,
@@ -175,6 +189,20 @@ class RootFS:
         the root, a final one that points nowhere too: the file is created where
         it points, as a process inside would create it.
         """
+        with self.open_write(path, mode, make_parents=make_parents, owner=owner) as f:
+            f.write(data)
+
+    def open_write(
+        self,
+        path: str,
+        mode: int = 0o644,
+        *,
+        make_parents: bool = True,
+        owner: tuple[int, int] | None = None,
+    ) -> BinaryIO:
+        """The regular file at ``path`` truncated (or created) and opened for
+        writing: a binary file object the caller writes and closes, to stream a
+        big file.  Arguments and errors as :meth:`write_file`."""
         target = path
         for _hop in range(40):  # the kernel's limit on symbolic links (ELOOP)
             parent, name = _split(target)
@@ -200,13 +228,15 @@ class RootFS:
                 except OSError as exc:
                     raise _mapped(exc, target) from exc
                 created = True
-            with open(wfd, "wb") as f:
+            try:
                 if created:
                     os.fchmod(wfd, mode)
                     if owner is not None:
                         os.fchown(wfd, *owner)
-                f.write(data)
-            return
+            except BaseException:
+                os.close(wfd)
+                raise
+            return open(wfd, "wb")
         raise InvalidInputError(f"{path}: too many symbolic links")
 
     def make_dir(

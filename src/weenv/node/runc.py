@@ -19,6 +19,12 @@ that process.  The command's stdio are the helper's: an unlinked temporary file
 each for stdout and stderr (a big output never blocks; a background process
 keeps writing into the unlinked file until it exits) and a file or /dev/null as
 stdin.  Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
+
+:meth:`Runc.spawn` is the Popen-based variant for streamed and background
+commands: the same helper, with pipes for stdout and stderr (and optionally
+stdin), returning at once; the helper also writes ``STATUS.started`` (the
+command's host pid and its pid inside the container) once the command runs.
+:mod:`weenv.node.process` reads the pipes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal as signals
 import subprocess
 import sys
@@ -51,9 +58,11 @@ EXIT_NOT_FOUND, EXIT_CANNOT_RUN, EXIT_KILLED = 127, 126, 128 + 9
 # The parent of every command (run as ``python -I -S -c``; argv: STATUS_FILE
 # PID_FILE RUNC_ARGV...).  It makes itself a child subreaper (prctl
 # PR_SET_CHILD_SUBREAPER), runs ``runc exec --detach`` with its own stdio, and
-# when runc has exited adopts the command (runc was its parent), waits for it and
-# writes its fate to STATUS_FILE: ``exit N`` (128 + signal for a signal),
-# ``runc-failed`` (runc's message is on stderr), ``no-runc`` or ``lost``.
+# when runc has exited adopts the command (runc was its parent), writes
+# ``HOST_PID CONTAINER_PID`` to STATUS_FILE.started (the command runs: what a
+# streaming reader waits for), waits for it and writes its fate to STATUS_FILE:
+# ``exit N`` (128 + signal for a signal), ``runc-failed`` (runc's message is on
+# stderr), ``no-runc`` or ``lost``.
 _EXEC_HELPER = """
 import os, sys
 def done(status):
@@ -76,8 +85,19 @@ if os.waitstatus_to_exitcode(os.waitpid(runc, 0)[1]) != 0:
 try:
     with open(pid_file) as f:
         pid = int(f.read())
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 except (OSError, ValueError):
+    done("lost")
+try:  # tell a streaming reader the command runs: "HOST_PID PID_IN_CONTAINER" (NSpid)
+    with open("/proc/%d/status" % pid) as f:
+        ns = [line.split()[-1] for line in f if line.startswith("NSpid:")][0]
+except (OSError, IndexError):
+    ns = "0"
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write("%d %s" % (pid, ns))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1] + ".started")
+try:
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+except OSError:
     done("lost")
 done("exit %d" % (code if code >= 0 else 128 - code))
 """
@@ -237,6 +257,42 @@ class Runc:
                 rc, stderr = self._fate(container_id, status_file, rc, stderr)
         return ExecResult(exit_code=rc, stdout=stdout, stderr=stderr, duration_s=duration, timed_out=timed_out)
 
+    def spawn(
+        self,
+        container_id: str,
+        argv: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: bytes | None = None,
+        stdin_pipe: bool = False,
+    ) -> "Spawned":
+        """Start a command like :meth:`exec` and return at once (the Popen-based variant).
+
+        The same exec helper runs it, but its stdout and stderr are pipes the
+        caller reads (:class:`weenv.node.process.Process` does), and with
+        ``stdin_pipe`` so is its stdin (else ``stdin`` bytes or ``/dev/null``).
+        Until :meth:`Spawned.started` answers, bytes on stderr may be runc's own
+        error message; :meth:`Spawned.fate` sorts that out after the helper exits.
+        Raises :class:`InvalidInputError` for bad arguments.
+        """
+        flags, command = _exec_args(argv, env, cwd, user)
+        _check_id(container_id)
+        tmp = Path(tempfile.mkdtemp(prefix="weenv-exec-"))
+        try:
+            runc = self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
+            with _stdin_file(None if stdin_pipe else stdin) as inp:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(tmp / "status"), str(tmp / "pid"), *runc],
+                    stdin=subprocess.PIPE if stdin_pipe else inp,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return Spawned(self, container_id, proc, tmp)
+
     # --- helpers -----------------------------------------------------------------------
     def _fate(self, container_id: str, status_file: Path, rc: int, stderr: bytes) -> tuple[int, bytes]:
         """The command's exit code (and stderr) from the exec helper's status file."""
@@ -273,6 +329,37 @@ class Runc:
         return proc.stdout.decode()
 
 
+class Spawned:
+    """A command started by :meth:`Runc.spawn`: the exec helper's ``proc`` (its
+    ``stdout``/``stderr``, and ``stdin`` if piped) and the helper's files in ``dir``."""
+
+    def __init__(self, runc: Runc, container_id: str, proc: subprocess.Popen, dir: Path):
+        self.runc = runc
+        self.container_id = container_id
+        self.proc = proc
+        self.dir = dir
+
+    def started(self) -> tuple[int, int] | None:
+        """``(host pid, pid inside the container)`` once the command runs, else None
+        (the container pid is 0 if the command was gone too soon to see it)."""
+        try:
+            host, ns = (self.dir / "status.started").read_text().split()
+        except (FileNotFoundError, ValueError):
+            return None
+        return int(host), int(ns)
+
+    def fate(self, returncode: int, stderr: bytes) -> tuple[int, bytes]:
+        """``(exit code, stderr)`` after the helper exited with ``returncode``:
+        when runc could not start the command, ``stderr`` (what the helper's
+        stderr carried, runc's message) becomes the message and the code 127 or
+        126.  Raises as :meth:`Runc.exec` does when the container is gone."""
+        return self.runc._fate(self.container_id, self.dir / "status", returncode, stderr)
+
+    def cleanup(self) -> None:
+        """Remove the helper's files (after it exited)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
     """``proc.wait(timeout)``, woken by a pidfd the moment ``proc`` exits
     (``Popen.wait`` with a timeout polls with sleeps of up to 50 ms)."""
@@ -282,11 +369,17 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
         pidfd = os.pidfd_open(proc.pid)
     except (AttributeError, OSError):  # Linux < 5.3
         return proc.wait(timeout)
+    deadline = time.monotonic() + timeout
     try:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        if not poller.poll(max(0, int(timeout * 1000 + 0.999))):
-            raise subprocess.TimeoutExpired(proc.args, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            # poll(2) takes an int of ms: wait in slices of at most a day
+            if poller.poll(max(0, min(int(left * 1000 + 0.999), 86_400_000))):
+                break
+            if left <= 0 or time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
     finally:
         os.close(pidfd)
     return proc.wait()
@@ -297,25 +390,43 @@ def _check_id(container_id: str) -> None:
         raise InvalidInputError(f"bad container id {container_id!r}")
 
 
+MAX_ARG_STRLEN = 32 * os.sysconf("SC_PAGE_SIZE")
+"""Longest single argument or ``KEY=VALUE`` execve(2) takes (Linux: 32 pages)."""
+MAX_EXEC_BYTES = os.sysconf("SC_ARG_MAX") - (64 << 10)
+"""Most bytes of argv + variables a command may have (ARG_MAX, less room for
+the exec helper's and runc's own arguments)."""
+
+
 def _exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
-    """(runc exec flags, the command's argv)."""
+    """(runc exec flags, the command's argv).  Raises :class:`InvalidInputError`
+    for what execve(2) could not take: a NUL byte in an argument, variable or
+    the working dir, an argument longer than :data:`MAX_ARG_STRLEN`, or more
+    than :data:`MAX_EXEC_BYTES` in all."""
     if isinstance(argv, str):
         argv = ["/bin/sh", "-c", argv]
     if not argv or not all(isinstance(a, str) for a in argv):
         raise InvalidInputError("the command must be a non-empty list of strings or a string")
+    if any("\0" in a for a in argv):
+        raise InvalidInputError("the command holds a NUL byte (execve(2) cannot pass it)")
     flags: list[str] = []
     for key, value in (env or {}).items():
         if not key or "=" in key or "\0" in key or "\0" in value:
-            raise InvalidInputError(f"bad environment variable {key!r}")
+            raise InvalidInputError(f"bad environment variable {key[:100]!r}")
         flags += ["--env", f"{key}={value}"]
     if cwd is not None:
-        if not cwd.startswith("/"):
-            raise InvalidInputError(f"working dir {cwd!r} is not absolute")
+        if not cwd.startswith("/") or "\0" in cwd:
+            raise InvalidInputError(f"working dir {cwd[:200]!r} is not an absolute path")
         flags += ["--cwd", cwd]
     if user is not None:
         if not _USER_RE.match(user):
             raise InvalidInputError(f"bad user {user!r}: want numeric 'UID:GID'")
         flags += ["--user", user]
+    sizes = [len(os.fsencode(a)) + 1 for a in (*argv, *flags)]
+    if max(sizes) > MAX_ARG_STRLEN or sum(sizes) > MAX_EXEC_BYTES:
+        raise InvalidInputError(
+            f"the command is too long for execve(2): {sum(sizes)} bytes of arguments and variables "
+            f"(at most {MAX_EXEC_BYTES} in all, {MAX_ARG_STRLEN} in one); pass big data as stdin or a file"
+        )
     return flags, list(argv)
 
 

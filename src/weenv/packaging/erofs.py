@@ -25,6 +25,7 @@ refused up front with :class:`InvalidInputError` naming the files.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -71,7 +72,9 @@ def check_source_dir(source_dir: str | os.PathLike[str]) -> Path:
 def scan_tree(source_dir: str | os.PathLike[str]) -> TreeScan:
     """Walk ``source_dir`` with lstat(2): inode count and newest mtime.
 
-    Raises :class:`InvalidInputError` if ``source_dir`` is not a directory.
+    Raises :class:`InvalidInputError` if ``source_dir`` is not a directory, or
+    holds an entry that cannot be read (no permission, or a path longer than
+    PATH_MAX, which mkfs.erofs cannot open either).
     """
     root = check_source_dir(source_dir)
     st = os.stat(root)
@@ -80,15 +83,27 @@ def scan_tree(source_dir: str | os.PathLike[str]) -> TreeScan:
     longest: list[str] = []
     stack = [os.fspath(root)]
     while stack:
-        with os.scandir(stack.pop()) as it:
-            for entry in it:
-                st = entry.stat(follow_symlinks=False)
-                seen.add((st.st_dev, st.st_ino))
-                max_ns = max(max_ns, st.st_mtime_ns)
-                if len(os.fsencode(entry.name)) >= NAME_MAX:
-                    longest.append(os.path.relpath(entry.path, root))
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(entry.path)
+        top = stack.pop()
+        try:
+            with os.scandir(top) as it:
+                for entry in it:
+                    st = entry.stat(follow_symlinks=False)
+                    seen.add((st.st_dev, st.st_ino))
+                    max_ns = max(max_ns, st.st_mtime_ns)
+                    if len(os.fsencode(entry.name)) >= NAME_MAX:
+                        longest.append(os.path.relpath(entry.path, root))
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(entry.path)
+        except OSError as exc:
+            rel = os.path.relpath(exc.filename or top, root)
+            if len(rel) > 200:
+                rel = rel[:80] + "..." + rel[-80:]
+            if exc.errno == errno.ENAMETOOLONG:
+                raise InvalidInputError(
+                    f"{root}: a path is longer than PATH_MAX ({os.pathconf('/', 'PC_PATH_MAX')} bytes), "
+                    f"which mkfs.erofs cannot read: {rel}"
+                ) from None
+            raise InvalidInputError(f"{root}: cannot read {rel}: {exc.strerror}") from exc
     return TreeScan(len(seen), max_ns // 1_000_000_000, tuple(sorted(longest)))
 
 

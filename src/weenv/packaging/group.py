@@ -23,6 +23,7 @@ from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
 from weenv.packaging.manifest import (
     DEFAULT_CHUNK_SIZE,
     EROFS_BLOCK_SIZE,
+    MAX_CHUNK_SIZE,
     ChunkRef,
     GroupManifest,
     canonical_json,
@@ -49,6 +50,8 @@ class BuildResult:
     """Stored (zstd) bytes of those new chunks."""
     seconds: float
     """Wall time of the whole build."""
+    new_chunks: tuple[str, ...] = ()
+    """Digests of the chunks this build wrote (``chunks_written`` of them)."""
 
 
 def group_uuid(name: str, version: str) -> str:
@@ -58,9 +61,11 @@ def group_uuid(name: str, version: str) -> str:
 
 
 def _check_chunk_size(chunk_size: int) -> None:
-    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % EROFS_BLOCK_SIZE:
+    if (not isinstance(chunk_size, int) or not 0 < chunk_size <= MAX_CHUNK_SIZE
+            or chunk_size % EROFS_BLOCK_SIZE):  # fmt: skip
         raise InvalidInputError(
-            f"chunk size must be a positive multiple of {EROFS_BLOCK_SIZE} bytes, not {chunk_size!r}"
+            f"chunk size must be a positive multiple of {EROFS_BLOCK_SIZE} bytes of at most "
+            f"{MAX_CHUNK_SIZE >> 20} MiB, not {chunk_size!r}"
         )
 
 
@@ -73,6 +78,7 @@ def build_group(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     source: dict[str, str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
+    ref: bool = True,
 ) -> BuildResult:
     """Build group ``name`` from ``source_dir`` and publish it to ``store``.
 
@@ -81,7 +87,8 @@ def build_group(
     (they override the automatic ``type``, ``path`` and ``mkfs`` entries).
     ``workdir``: where the temporary image is written (default: the system's
     temporary directory); it must not be inside ``source_dir``.  The image is
-    removed in every case.
+    removed in every case.  ``ref``: point ``groups/NAME`` at the new manifest
+    (without it the group is published by digest only).
 
     Raises :class:`InvalidInputError` (bad name, chunk size, source or workdir),
     :class:`ToolMissingError` (no mkfs.erofs), :class:`RuntimeFailedError`
@@ -101,7 +108,7 @@ def build_group(
     try:
         image = tmp / f"{name}.erofs"
         scan = mkfs_erofs(src, image, uuid=group_uuid(name, version))
-        chunks, written, stored = _put_chunks(store, image, chunk_size)
+        chunks, new, stored = _put_chunks(store, image, chunk_size)
         image_size = image.stat().st_size
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,22 +123,24 @@ def build_group(
         source=provenance,
     )
     digest = store.put_manifest(canonical_json(manifest))
-    store.set_ref("groups", name, digest)
-    return BuildResult(digest, manifest, written, stored, time.monotonic() - started)
+    if ref:
+        store.set_ref("groups", name, digest)
+    return BuildResult(digest, manifest, len(new), stored, time.monotonic() - started, tuple(new))
 
 
-def _put_chunks(store: Store, image: Path, chunk_size: int) -> tuple[list[ChunkRef], int, int]:
-    """Store ``image`` chunk by chunk: (chunk refs, chunks written, stored bytes written)."""
+def _put_chunks(store: Store, image: Path, chunk_size: int) -> tuple[list[ChunkRef], list[str], int]:
+    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written)."""
     chunks: list[ChunkRef] = []
-    written = stored = 0
+    new: list[str] = []
+    stored = 0
     with open(image, "rb") as f:
         while data := f.read(chunk_size):
-            ref, new = store.put_chunk(data)
+            ref, written = store.put_chunk(data)
             chunks.append(ref)
-            if new:
-                written += 1
+            if written and ref.digest not in new:
+                new.append(ref.digest)
                 stored += ref.stored_size
-    return chunks, written, stored
+    return chunks, new, stored
 
 
 def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLike[str]) -> None:
@@ -148,7 +157,7 @@ def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLik
     try:
         with os.fdopen(fd, "wb") as f:
             for ref in manifest.chunks:
-                data = store.get_chunk(ref.digest)
+                data = store.get_chunk(ref.digest, stored_digest=ref.stored_digest)
                 if len(data) != ref.size:
                     raise InvalidInputError(
                         f"chunk {ref.digest} has {len(data)} bytes, the manifest says {ref.size}"

@@ -14,7 +14,7 @@ import re
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from weenv.errors import InvalidInputError
 
@@ -22,6 +22,8 @@ SCHEMA_VERSION = 1
 GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
 TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
 DEFAULT_CHUNK_SIZE = 1 << 20
+MAX_CHUNK_SIZE = 256 << 20
+"""Largest chunk a build makes: a chunk is read, compressed and fetched whole, in memory."""
 EROFS_BLOCK_SIZE = 4096
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -139,32 +141,90 @@ class GroupManifest(_Model):
         return sum(c.stored_size for c in self.chunks)
 
 
-class Resources(_Model):
-    """Default limits of an environment (cgroup quota and limits)."""
+MAX_CPUS = 1024.0
+"""Largest CPU quota in cores a template or create may ask for."""
+MIN_MEMORY_BYTES = 4 << 20
+"""Smallest memory limit (runc and the kernel refuse less than a few MiB)."""
+MAX_MEMORY_BYTES = 1 << 50
+"""Largest memory limit (1 PiB)."""
+MAX_PIDS = 1 << 22
+"""Largest pids limit (the kernel's PID_MAX_LIMIT)."""
+_USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?$")
 
-    cpus: float = Field(default=1.0, gt=0, description="CPU quota in cores (quota/period)")
-    memory_bytes: int = Field(default=2 << 30, gt=0, description="memory limit in bytes")
-    pids: int = Field(default=1024, gt=0, description="pids limit")
+
+class Resources(_Model):
+    """Default limits of an environment (cgroup quota and limits).
+
+    ``cpus``: finite, in (0, :data:`MAX_CPUS`]; ``memory_bytes``: in
+    [:data:`MIN_MEMORY_BYTES`, :data:`MAX_MEMORY_BYTES`]; ``pids``: in [1,
+    :data:`MAX_PIDS`].  Anything else fails validation (a ``ValueError``)."""
+
+    cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False,
+                        description="CPU quota in cores (quota/period)")
+    memory_bytes: int = Field(default=2 << 30, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
+                              description="memory limit in bytes")
+    pids: int = Field(default=1024, ge=1, le=MAX_PIDS, description="pids limit")
+
+
+def _check_user(value: str) -> str:
+    if not _USER_RE.match(value):
+        raise ValueError(f"bad user {value!r}: want numeric 'UID:GID' or 'UID'")
+    return value
+
+
+def _check_working_dir(value: str) -> str:
+    if not value.startswith("/") or "\0" in value:
+        raise ValueError(f"working dir {value!r} is not an absolute path")
+    return value
+
+
+def _check_env(value: dict[str, str]) -> dict[str, str]:
+    for key, v in value.items():
+        if not key or "=" in key or "\0" in key or "\0" in v:
+            raise ValueError(f"bad environment variable {key!r}")
+    return value
+
+
+def _check_argv(value: list[str] | None) -> list[str] | None:
+    if value is not None and any("\0" in a for a in value):
+        raise ValueError("a command argument holds a NUL byte")
+    return value
 
 
 class RuntimeConfig(_Model):
-    """How an environment runs: its first process and defaults for commands."""
+    """How an environment runs: its first process and defaults for commands.
 
-    command: list[str] = Field(default_factory=lambda: ["sleep", "infinity"])
+    Validated: ``command`` non-empty, ``user`` numeric ``UID[:GID]``,
+    ``working_dir`` absolute, variable names without ``=``, no NUL bytes."""
+
+    command: Annotated[list[str], AfterValidator(_check_argv)] = Field(
+        default_factory=lambda: ["sleep", "infinity"], min_length=1)
     """The environment's first process (argv).  It must keep running; commands are exec'd beside it."""
-    env: dict[str, str] = Field(
+    env: Annotated[dict[str, str], AfterValidator(_check_env)] = Field(
         default_factory=lambda: {
             "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root",
             "LANG": "C.UTF-8",
         }
     )
-    working_dir: str = "/"
-    user: str = "0:0"
+    working_dir: Annotated[str, AfterValidator(_check_working_dir)] = "/"
+    user: Annotated[str, AfterValidator(_check_user)] = "0:0"
     """``UID:GID`` (numeric) the processes run as."""
     resources: Resources = Field(default_factory=Resources)
     network: bool = False
     """Whether the environment gets the host's network (default: its own namespace, loopback only)."""
+    default_command: Annotated[list[str] | None, AfterValidator(_check_argv)] = None
+    """The command an imported image would run (its Entrypoint + Cmd), kept for
+    ``weenv run TEMPLATE`` without a command; never the first process, since an
+    image's command may exit.  Left out of the JSON when unset, so templates
+    made without it keep their digests."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_default_command(self, handler):
+        data = handler(self)
+        if isinstance(data, dict) and data.get("default_command") is None:
+            data.pop("default_command", None)
+        return data
 
 
 class TemplateManifest(_Model):

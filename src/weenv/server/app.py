@@ -1,130 +1,152 @@
-"""The node daemon's HTTP API (FastAPI), served by uvicorn on ``$WEENV_HOME/run/weenv.sock``.
+"""The node daemon's HTTP app (FastAPI), served by uvicorn on the Unix socket
+``$WEENV_HOME/run/weenv.sock`` and, optionally, on TCP (:mod:`weenv.server.daemon`).
 
-Endpoints (JSON bodies are the models of :mod:`weenv.node.models`)::
+The weenv API is under ``/v1`` (:mod:`weenv.server.api` lists every endpoint);
+its OpenAPI document is at ``/openapi.json`` (browsable at ``/docs``).  Other
+routers (the E2B-compatible API) are mounted beside it on the same app and share
+its :class:`~weenv.node.node.Node`.
 
-    GET    /health
-    GET    /stats
-    POST   /environments                    CreateRequest -> EnvironmentInfo (201)
-    GET    /environments                    -> [EnvironmentInfo]
-    GET    /environments/{id}               -> EnvironmentInfo
-    DELETE /environments/{id}               -> 204
-    POST   /environments/{id}/commands      ExecRequest -> ExecResult
-    GET    /environments/{id}/files?path=P  -> bytes
-    PUT    /environments/{id}/files?path=P  bytes -> 204
-    POST   /cache/drop                      -> 204 (empties the node chunk cache)
-    POST   /shutdown                        -> 202
+Errors of ``/v1`` requests are ``{"error": {"kind": KIND, "message": TEXT}}``
+with a status from the kind (:data:`STATUS`); malformed JSON and invalid fields
+are ``invalid_input`` (400), unknown routes ``not_found`` (404).  Requests to
+other routers keep FastAPI's default error bodies.
 
-Errors are ``{"error": {"kind": KIND, "message": TEXT}}`` with a status from the
-kind (see :data:`STATUS`).  Handlers are plain ``def``: the node's calls block,
-so FastAPI runs them in its worker threads and the event loop stays free.
+While the app runs, a reaper task destroys environments whose timeout passed
+(every ``reap_interval`` seconds), so an environment whose client vanished
+lives at most its timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weenv.errors import WeenvError
-from weenv.node.models import (
-    CreateRequest,
-    EnvironmentInfo,
-    ExecRequest,
-    ExecResult,
-    NodeStats,
-)
 from weenv.node.node import Node
+from weenv.server.api import PREFIX, api_router
+from weenv.server.auth import ApiKey
+from weenv.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 STATUS = {
     "not_found": 404,
     "invalid_input": 400,
+    "authentication": 401,
     "timeout": 408,
+    "output_limit": 413,
     "digest_mismatch": 502,
     "mount": 500,
     "runtime": 500,
     "tool_missing": 500,
+    "capacity": 503,
+    "store_unavailable": 503,
 }
+WORKER_THREADS = 512
+"""Threads for blocking handlers (FastAPI's default, 40, is too few when many
+streams wait on commands)."""
 
 
-def create_app(node: Node, *, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """The API over ``node``.  The app starts the node when it starts and closes
-    it when it stops; ``on_shutdown`` is called by ``POST /shutdown``."""
+def error_response(kind: str, message: str, status: int | None = None) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if kind == "authentication" else None
+    return JSONResponse(status_code=status or STATUS.get(kind, 500),
+                        content={"error": {"kind": kind, "message": message}}, headers=headers)
+
+
+def create_app(
+    node: Node,
+    *,
+    on_shutdown: Callable[[], None] | None = None,
+    api_key: ApiKey | None = None,
+    trusted_socket: str | None = None,
+    reap_interval: float = 1.0,
+    max_output: int = 64 << 20,
+) -> FastAPI:
+    """The app over ``node``: it starts the node when it starts and closes it
+    when it stops; ``on_shutdown`` is called by ``POST /v1/shutdown``.
+
+    ``api_key``: the key TCP clients must send; ``trusted_socket``: the Unix
+    socket path whose clients need none.  ``reap_interval``: seconds between
+    reaper passes.  ``max_output``: bytes a captured command may write."""
+    metrics = Metrics(node)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        node.start()
+        anyio.to_thread.current_default_thread_limiter().total_tokens = WORKER_THREADS
+        await anyio.to_thread.run_sync(node.start)
+        reaper = asyncio.create_task(_reap(node, metrics, reap_interval))
         try:
             yield
         finally:
-            node.close()
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await anyio.to_thread.run_sync(node.close)
 
-    app = FastAPI(title="weenv node", lifespan=lifespan)
+    app = FastAPI(title="weenv node", version="1", lifespan=lifespan,
+                  description="Environments for agentic RL: templates, environments, commands, files.")
+    app.state.node = node
+    app.state.metrics = metrics
+    app.state.api_key = api_key  # for other routers (E2B): ApiKey.matches accepts "e2b_" + the key
 
     @app.exception_handler(WeenvError)
     async def weenv_error(request: Request, exc: WeenvError) -> JSONResponse:
-        return JSONResponse(
-            status_code=STATUS.get(exc.kind, 500),
-            content={"error": {"kind": exc.kind, "message": str(exc)}},
-        )
+        return error_response(exc.kind, str(exc))
 
-    @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok"}
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        if not request.url.path.startswith(PREFIX + "/"):
+            return await request_validation_exception_handler(request, exc)
+        return error_response("invalid_input", "bad request: " + _describe(exc.errors()))
 
-    @app.get("/stats")
-    def stats() -> NodeStats:
-        return node.stats()
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if not request.url.path.startswith(PREFIX + "/"):
+            return await http_exception_handler(request, exc)
+        kind = {404: "not_found", 401: "authentication"}.get(exc.status_code, "invalid_input")
+        return error_response(kind, f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
-    @app.post("/environments", status_code=201)
-    def create(req: CreateRequest) -> EnvironmentInfo:
-        return node.create(req.template, resources=req.resources, first_command=req.first_command)
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        response = error_response("weenv", f"internal error: {type(exc).__name__}: {exc}", 500)
+        # Starlette re-raises after this answer and uvicorn then closes the
+        # connection: tell the client not to reuse it for its next request.
+        response.headers["connection"] = "close"
+        return response
 
-    @app.get("/environments")
-    def list_environments() -> list[EnvironmentInfo]:
-        return node.list()
-
-    @app.get("/environments/{env_id}")
-    def get_environment(env_id: str) -> EnvironmentInfo:
-        return node.get(env_id)
-
-    @app.delete("/environments/{env_id}", status_code=204)
-    def destroy(env_id: str) -> Response:
-        node.destroy(env_id)
-        return Response(status_code=204)
-
-    @app.post("/environments/{env_id}/commands")
-    def run_command(env_id: str, req: ExecRequest) -> ExecResult:
-        return node.exec(
-            env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin
-        )
-
-    @app.get("/environments/{env_id}/files")
-    def read_file(env_id: str, path: str) -> Response:
-        data = node.files(env_id).read_file(path)
-        return Response(content=data, media_type="application/octet-stream")
-
-    @app.put("/environments/{env_id}/files", status_code=204)
-    async def write_file(env_id: str, path: str, request: Request) -> Response:
-        import anyio
-
-        data = await request.body()
-        await anyio.to_thread.run_sync(lambda: node.files(env_id).write_file(path, data))
-        return Response(status_code=204)
-
-    @app.post("/cache/drop", status_code=204)
-    def drop_cache() -> Response:
-        node.drop_caches()
-        return Response(status_code=204)
-
-    @app.post("/shutdown", status_code=202)
-    def shutdown() -> dict:
-        if on_shutdown is not None:
-            on_shutdown()
-        return {"status": "stopping"}
-
+    app.include_router(api_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket,
+                                  on_shutdown=on_shutdown, max_output=max_output))
     return app
+
+
+def _describe(errors) -> str:
+    """Pydantic's validation errors as one line: ``body.timeout: Input should be greater than 0``."""
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+async def _reap(node: Node, metrics: Metrics, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            reaped = await anyio.to_thread.run_sync(node.reap_expired)
+        except Exception:  # keep reaping: one failed destroy must not stop the others later
+            log.exception("reaper pass")
+            continue
+        if reaped:
+            metrics.reaped.inc(len(reaped))

@@ -1,23 +1,29 @@
-"""A client of the node daemon over its Unix socket (httpx).
+"""A client of the node daemon over its Unix socket (httpx), for the CLI.
 
 Its methods mirror :class:`weenv.node.node.Node`'s, one request each, and take
 and return the same models.  Error responses become the same exceptions the
-node raised (by their ``kind``).
+node raised (by their ``kind``, mapped by :func:`weenv.sdk._core.error_for_reply`,
+the SDK's one boundary).  Programs should use the SDK (:class:`weenv.Sandbox`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 
 from weenv.config import Paths
-from weenv.errors import ERROR_KINDS, DaemonError, WeenvError
+from weenv.errors import DaemonError
 from weenv.node.models import (
+    BatchCreateEvent,
+    BatchCreateRequest,
     CreateRequest,
     EnvironmentInfo,
     ExecRequest,
     ExecResult,
     NodeStats,
 )
+from weenv.node.provision import ProvisionStats
 from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 
@@ -38,7 +44,7 @@ class NodeClient:
             daemon.start_background(self.paths)
         self._http = httpx.Client(
             transport=httpx.HTTPTransport(uds=str(self.paths.socket)),
-            base_url="http://weenv",
+            base_url="http://weenv/v1",
             timeout=httpx.Timeout(timeout, connect=10.0),
         )
 
@@ -57,17 +63,36 @@ class NodeClient:
         except httpx.HTTPError as exc:
             raise DaemonError(f"weenv daemon at {self.paths.socket}: {exc}") from exc
         if r.status_code >= 400:
-            try:
-                err = r.json()["error"]
-                cls = ERROR_KINDS.get(err["kind"], WeenvError)
-                raise cls(err["message"])
-            except (ValueError, KeyError, TypeError):
-                raise DaemonError(f"weenv daemon answered {r.status_code}: {r.text[:500]}") from None
+            from weenv.sdk._core import error_for_reply
+
+            raise error_for_reply(r.status_code, r.content)
         return r
 
-    def create(self, template: str, *, resources: Resources | None = None, first_command: bool = True) -> EnvironmentInfo:
-        req = CreateRequest(template=template, resources=resources, first_command=first_command)
+    def create(self, template: str, *, resources: Resources | None = None, first_command: bool = True,
+               timeout: float | None = None) -> EnvironmentInfo:
+        req = CreateRequest(template=template, resources=resources, first_command=first_command, timeout=timeout)
         r = self._request("POST", "/environments", content=req.model_dump_json(), headers=_JSON)
+        return EnvironmentInfo.model_validate_json(r.content)
+
+    def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None) -> Iterator[BatchCreateEvent]:
+        """One batch create; yields each item's event as the daemon finishes it."""
+        req = BatchCreateRequest(items=items, concurrency=concurrency)
+        try:
+            with self._http.stream("POST", "/environments/batch", content=req.model_dump_json(), headers=_JSON,
+                                   timeout=httpx.Timeout(None, connect=10.0)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    from weenv.sdk._core import error_for_reply
+
+                    raise error_for_reply(r.status_code, r.content)
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield BatchCreateEvent.model_validate_json(line)
+        except httpx.HTTPError as exc:
+            raise DaemonError(f"weenv daemon at {self.paths.socket}: {exc}") from exc
+
+    def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
+        r = self._request("POST", f"/environments/{env_id}/timeout", content=f'{{"timeout": {timeout}}}', headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
 
     def list(self) -> list[EnvironmentInfo]:
@@ -93,6 +118,10 @@ class NodeClient:
 
     def stats(self) -> NodeStats:
         return NodeStats.model_validate_json(self._request("GET", "/stats").content)
+
+    def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
+        params = {"env": env_id} if env_id else {}
+        return ProvisionStats.model_validate_json(self._request("GET", "/stats/provision", params=params).content)
 
     def drop_cache(self) -> None:
         self._request("POST", "/cache/drop")

@@ -1,17 +1,23 @@
 """Running the node daemon: ``weenv serve`` in the foreground, or started on
 demand in the background by a client.
 
-One daemon per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock`` for
-its whole life, writes its pid to ``run/weenv.pid`` and serves on
-``run/weenv.sock``.  SIGTERM, SIGINT and ``POST /shutdown`` stop it cleanly:
-every environment is destroyed and every mount it made is unmounted.
+One daemon per ``WEENV_HOME``: its :class:`~weenv.node.node.Node` holds an
+flock(2) on ``run/weenv.lock`` for its whole life (so neither a second daemon
+nor a program's own Node can take a home in use), writes its pid to ``run/weenv.pid`` and serves on
+``run/weenv.sock`` (mode 0600: only its owner connects, and needs no key).
+With a TCP port it also listens on ``HOST:PORT`` (port 0: one the kernel
+picks), writes ``http://HOST:PORT`` to ``run/api-url`` and requires the API key
+of ``run/api-key`` there (:mod:`weenv.server.auth`).  SIGTERM, SIGINT and
+``POST /v1/shutdown`` stop it cleanly: every environment is destroyed and every
+mount it made is unmounted.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,21 +31,48 @@ from weenv.errors import DaemonError
 log = logging.getLogger(__name__)
 
 
-def serve(paths: Paths | None = None) -> None:
-    """Run the daemon in this process until stopped.  Raises :class:`DaemonError`
-    if another daemon already serves this home."""
+def serve(
+    paths: Paths | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    max_environments: int | None = None,
+    reap_interval: float = 1.0,
+) -> None:
+    """Run the daemon in this process until stopped: on the Unix socket, and on
+    TCP ``host:port`` if ``port`` is given.  ``max_environments``: creates past
+    it answer 503 (kind ``capacity``).  Raises :class:`DaemonError` if another
+    daemon already serves this home or the port cannot be bound."""
     from weenv.node.node import Node
     from weenv.server.app import create_app
+    from weenv.server.e2b import create_e2b_app
+    from weenv.server.auth import ApiKey
 
     paths = paths or Paths.from_env()
     paths.run.mkdir(parents=True, exist_ok=True)
-    lock = open(paths.run / "weenv.lock", "w")
+    # The node takes the home's lock (Node.start) before anything of a running
+    # daemon (its socket, pid file, environments) is touched.
+    node = Node(paths, max_environments=max_environments)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        node.start()
+    except DaemonError:
         raise DaemonError(f"a weenv daemon already serves {paths.home}") from None
+    sockets: list[socket.socket] = []
     try:
+        api_key = ApiKey.load_or_create(paths.api_key)
         paths.socket.unlink(missing_ok=True)
+        paths.api_url.unlink(missing_ok=True)
+        sockets.append(_unix_socket(paths.socket))
+        if port is not None:
+            try:
+                tcp = socket.create_server((host, port), backlog=2048)
+            except OSError as exc:
+                raise DaemonError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+            sockets.append(tcp)
+            bound_host, bound_port = tcp.getsockname()[:2]
+            url = f"http://{_url_host(bound_host)}:{bound_port}"
+            paths.api_url.write_text(url + "\n")
+            print(f"weenv: serving {url} (API key in {paths.api_key}) and unix:{paths.socket}", file=sys.stderr)
         paths.pidfile.write_text(f"{os.getpid()}\n")
         server: uvicorn.Server | None = None
 
@@ -47,14 +80,44 @@ def serve(paths: Paths | None = None) -> None:
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(Node(paths), on_shutdown=stop)
-        config = uvicorn.Config(app, uds=str(paths.socket), log_level="warning", lifespan="on")
+        app = create_app(node, on_shutdown=stop, api_key=api_key, trusted_socket=str(paths.socket),
+                         reap_interval=reap_interval)
+        app.mount("/e2b", create_e2b_app(node, api_keys=[api_key.e2b]))
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
-        server.run()
+        # uvicorn handles SIGTERM/SIGINT while it runs, shuts down cleanly, then
+        # raises the signal again under the previous handler: make that an exit 0.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_cleanly)
+        server.run(sockets=sockets)
     finally:
+        for s in sockets:
+            s.close()
         paths.socket.unlink(missing_ok=True)
+        paths.api_url.unlink(missing_ok=True)
         paths.pidfile.unlink(missing_ok=True)
-        lock.close()
+        node.close()  # idempotent (the app's lifespan closed it); releases the home's lock
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _unix_socket(path) -> socket.socket:
+    """A listening Unix socket at ``path`` that only its owner may connect to (0600)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        s.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(2048)
+    return s
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def is_running(paths: Paths) -> bool:
@@ -63,7 +126,7 @@ def is_running(paths: Paths) -> bool:
         return False
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=2) as c:
-            return c.get("http://weenv/health").status_code == 200
+            return c.get("http://weenv/v1/health").status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -94,18 +157,94 @@ def start_background(paths: Paths, *, timeout: float = 60.0) -> int:
 
 
 def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
-    """Ask the daemon to stop and wait until it has; return whether one was running."""
-    if not is_running(paths):
-        return False
-    pid = _read_pid(paths)
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=10) as c:
-        c.post("http://weenv/shutdown")
+    """Stop the home's daemon and wait until it has; return whether one was running.
+
+    A daemon that answers on its socket is asked (``POST /v1/shutdown``); one
+    that does not (its socket deleted) but holds the home's lock and runs
+    ``weenv serve`` gets SIGTERM (its pid from the lock, :func:`lock_holder`).
+    With no daemon left, what a killed one left (containers, mounts,
+    environment dirs) is cleared by starting and closing a node on the home.
+    Raises :class:`DaemonError` if it does not stop within ``timeout`` seconds,
+    or if the home is held by a process that is not a daemon (a program's own
+    :class:`~weenv.node.node.Node`)."""
+    if is_running(paths):
+        pid = _read_pid(paths)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=10) as c:
+            c.post("http://weenv/v1/shutdown")
+        _wait_exit(pid, timeout)
+        return True
+    holder = lock_holder(paths)
+    if holder is not None:
+        if not _is_daemon(holder):
+            raise DaemonError(
+                f"WEENV_HOME={paths.home} is held by pid {holder} ({' '.join(_cmdline(holder))[:200]}), "
+                "which is not a weenv daemon: stop that program"
+            )
+        os.kill(holder, signal.SIGTERM)
+        _wait_exit(holder, timeout)
+        return True
+    if _leftovers(paths):
+        from weenv.node.node import Node
+
+        log.info("clearing what a killed daemon left in %s", paths.home)
+        Node(paths).start().close()  # start clears a crashed node's state
+    return False
+
+
+def _wait_exit(pid: int | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pid is None or not _alive(pid):
-            return True
+    while pid is not None and _alive(pid):
+        if time.monotonic() >= deadline:
+            raise DaemonError(f"weenv daemon (pid {pid}) did not stop within {timeout:.0f} s")
         time.sleep(0.05)
-    raise DaemonError(f"weenv daemon (pid {pid}) did not stop within {timeout:.0f} s")
+
+
+def lock_holder(paths: Paths) -> int | None:
+    """The pid holding the home's lock (``run/weenv.lock``, see
+    :meth:`~weenv.node.node.Node.start`), from /proc/locks; None if none does."""
+    try:
+        st = os.stat(paths.run / "weenv.lock")
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 1234 00:2d:5678 0 EOF" (fs/locks.c, lock_get_status)
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return int(fields[4])
+        except ValueError:
+            continue
+    return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _is_daemon(pid: int) -> bool:
+    """Whether ``pid`` runs ``weenv serve`` (``python -m weenv serve`` or the ``weenv`` script)."""
+    argv = _cmdline(pid)
+    return "serve" in argv and any(a == "weenv" or a.endswith("/weenv") for a in argv)
+
+
+def _leftovers(paths: Paths) -> bool:
+    from weenv.node import mounts
+
+    if mounts.mounts_under(paths.home):
+        return True
+    if paths.environments.is_dir() and any(paths.environments.iterdir()):
+        return True
+    return paths.runc_root.is_dir() and any(paths.runc_root.iterdir())
 
 
 def _read_pid(paths: Paths) -> int | None:

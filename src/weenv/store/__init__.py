@@ -9,8 +9,11 @@ from weenv.store.base import Store
 def open_store(url: str) -> Store:
     """Open the store at ``url``.
 
-    Supported: ``file:///absolute/path`` (or a bare absolute path).
-    Raises :class:`InvalidInputError` for other schemes.
+    Supported: ``file:///absolute/path`` (or a bare absolute path) and
+    ``oci://HOST[:PORT]/REPO[?OPTIONS]`` (an OCI registry, :class:`weenv.store.oci.OciStore`;
+    ``oci+http://``/``oci+https://`` force the scheme).  Raises :class:`InvalidInputError`
+    for other schemes, and what the store raises when it opens
+    (:class:`~weenv.errors.StoreUnavailableError` for an unreachable registry).
     """
     if url.startswith("file://"):
         from weenv.store.file import FileStore
@@ -20,7 +23,11 @@ def open_store(url: str) -> Store:
         from weenv.store.file import FileStore
 
         return FileStore(url)
-    raise InvalidInputError(f"unsupported store URL {url!r} (supported: file:///path)")
+    if url.startswith(("oci://", "oci+http://", "oci+https://")):
+        from weenv.store.oci import OciStore
+
+        return OciStore(url)
+    raise InvalidInputError(f"unsupported store URL {url!r} (supported: file:///path, oci://host:port/repo)")
 
 
 __all__ = ["Store", "open_store"]

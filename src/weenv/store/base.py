@@ -6,7 +6,9 @@ A store keeps three things:
   (see :class:`weenv.packaging.manifest.ChunkRef`);
 - **manifests**: group and template manifests addressed by the sha256 of their
   canonical JSON bytes;
-- **refs**: names (``templates/NAME``, ``groups/NAME``) pointing at a manifest digest.
+- **refs**: names (``templates/NAME``, ``groups/NAME``) pointing at a manifest digest;
+  ``buildcache/KEY`` maps a recipe component's cache key (hex) to the group
+  manifest built from it (:mod:`weenv.packaging.buildcache`).
 
 Compression and digest checks live here, once; a backend only moves bytes
 (``_put_blob`` / ``_get_blob`` ...).  Every read is verified: a chunk whose
@@ -24,12 +26,13 @@ import zstandard
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
-REF_KINDS = ("templates", "groups")
+REF_KINDS = ("templates", "groups", "buildcache")
 ZSTD_LEVEL = 3
 
 
 class Store(abc.ABC):
-    """A content-addressed store.  Implementations: :class:`weenv.store.file.FileStore`."""
+    """A content-addressed store.  Implementations: :class:`weenv.store.file.FileStore`,
+    :class:`weenv.store.oci.OciStore`."""
 
     url: str
 
@@ -66,6 +69,15 @@ class Store(abc.ABC):
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind`` as ``{name: digest}``."""
 
+    def delete_ref(self, kind: str, name: str) -> None:
+        """Remove ref ``kind/name`` (no error if absent).
+
+        Backends that can delete refs override this; the default raises
+        :class:`InvalidInputError` (``weenv gc`` then keeps dangling refs).
+        """
+        self._check_ref(kind, name)
+        raise InvalidInputError(f"{self.url} cannot delete refs")
+
     # --- chunks ------------------------------------------------------------------------
     def put_chunk(self, plaintext: bytes, *, level: int = ZSTD_LEVEL) -> tuple[ChunkRef, bool]:
         """Store one chunk; return its ref and whether bytes were written.
@@ -85,14 +97,31 @@ class Store(abc.ABC):
         self._put("chunks", digest, frame)
         return ref, True
 
-    def get_chunk(self, digest: str) -> bytes:
+    def _get_frame(self, digest: str, stored_digest: str) -> bytes:
+        """The zstd frame of chunk ``digest`` whose own sha256 is ``stored_digest``.
+
+        A backend that addresses blobs by their stored bytes (OCI registries)
+        overrides this to fetch the frame directly, skipping its plaintext-digest
+        index; the default reads ``_get("chunks", digest)``.
+        """
+        return self._get("chunks", digest)
+
+    def get_chunk(self, digest: str, *, stored_digest: str | None = None) -> bytes:
         """Plaintext of chunk ``digest``, verified.
+
+        ``stored_digest`` (``ChunkRef.stored_digest``, the sha256 of the zstd
+        frame), when the caller knows it, is a hint: stores that address blobs by
+        their stored bytes fetch the frame in one request.  The result is checked
+        against ``digest`` either way.
 
         Raises :class:`NotFoundError` if absent, :class:`DigestMismatchError` if
         the stored frame does not decompress to bytes with that digest.
         """
         check_digest(digest)
-        frame = self._get("chunks", digest)
+        if stored_digest is None:
+            frame = self._get("chunks", digest)
+        else:
+            frame = self._get_frame(digest, check_digest(stored_digest))
         try:
             plaintext = zstandard.ZstdDecompressor().decompress(frame)
         except zstandard.ZstdError as exc:

@@ -6,6 +6,7 @@ Layout under the root::
     manifests/sha256/abcdef...      canonical JSON of a manifest
     refs/templates/NAME             a digest, one line
     refs/groups/NAME
+    refs/buildcache/KEY
 
 Writes are atomic: a temporary file in the same directory, fsync'd data, then
 rename(2) over the final name.
@@ -13,14 +14,18 @@ rename(2) over the final name.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError, StoreUnavailableError, WeenvError
 from weenv.packaging.manifest import check_digest
 from weenv.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -42,12 +47,34 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 class FileStore(Store):
-    """A store in a local directory ``root`` (created if missing)."""
+    """A store in a local directory ``root`` (created if missing).
+
+    A failed system call (a full or read-only file system, no permission, a
+    path too long) is raised as :class:`StoreUnavailableError` naming the store;
+    a ref whose file is not one digest line as :class:`InvalidInputError`
+    naming the ref."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).absolute()
         self.url = f"file://{self.root}"
-        self.root.mkdir(parents=True, exist_ok=True)
+        with self._os_errors("create"):
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _os_errors(self, action: str):
+        """Map an ``OSError`` (not already a weenv error) to :class:`StoreUnavailableError`."""
+        try:
+            yield
+        except (WeenvError, FileNotFoundError):
+            raise
+        except OSError as exc:
+            raise self._unavailable(action, exc) from exc
+
+    def _unavailable(self, action: str, exc: OSError) -> StoreUnavailableError:
+        where = f" ({exc.filename})" if exc.filename else ""
+        error = StoreUnavailableError(f"cannot {action} store {self.url}: {exc.strerror or exc}{where}")
+        error.errno = exc.errno
+        return error
 
     def _path(self, space: str, digest: str) -> Path:
         hexdigest = check_digest(digest).split(":", 1)[1]
@@ -58,14 +85,17 @@ class FileStore(Store):
         raise InvalidInputError(f"unknown store space {space!r}")
 
     def _has(self, space: str, digest: str) -> bool:
-        return self._path(space, digest).is_file()
+        with self._os_errors("read"):
+            return self._path(space, digest).is_file()
 
     def _put(self, space: str, digest: str, data: bytes) -> None:
-        atomic_write(self._path(space, digest), data)
+        with self._os_errors("write to"):
+            atomic_write(self._path(space, digest), data)
 
     def _get(self, space: str, digest: str) -> bytes:
         try:
-            return self._path(space, digest).read_bytes()
+            with self._os_errors("read"):
+                return self._path(space, digest).read_bytes()
         except FileNotFoundError:
             raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}") from None
 
@@ -79,7 +109,8 @@ class FileStore(Store):
                     yield f"sha256:{name}"
 
     def _delete(self, space: str, digest: str) -> None:
-        self._path(space, digest).unlink(missing_ok=True)
+        with self._os_errors("delete from"):
+            self._path(space, digest).unlink(missing_ok=True)
 
     def _ref_path(self, kind: str, name: str) -> Path:
         self._check_ref(kind, name)
@@ -87,21 +118,48 @@ class FileStore(Store):
 
     def set_ref(self, kind: str, name: str, digest: str) -> None:
         check_digest(digest)
-        atomic_write(self._ref_path(kind, name), (digest + "\n").encode())
+        with self._os_errors("write to"):
+            atomic_write(self._ref_path(kind, name), (digest + "\n").encode())
 
     def get_ref(self, kind: str, name: str) -> str:
+        path = self._ref_path(kind, name)
         try:
-            return check_digest(self._ref_path(kind, name).read_text().strip())
+            data = path.read_bytes()
         except FileNotFoundError:
             raise NotFoundError(f"no {kind[:-1]} named {name!r} in {self.url}") from None
+        except IsADirectoryError:
+            raise InvalidInputError(f"ref {kind}/{name} in {self.url} is a directory, not a ref") from None
+        except OSError as exc:
+            raise self._unavailable("read", exc) from exc
+        return self._parse_ref(kind, name, data)
+
+    def _parse_ref(self, kind: str, name: str, data: bytes) -> str:
+        try:
+            return check_digest(data.decode().strip())
+        except (UnicodeDecodeError, InvalidInputError):
+            raise InvalidInputError(
+                f"ref {kind}/{name} in {self.url} is damaged: it holds {data[:80]!r}, not a digest"
+            ) from None
+
+    def delete_ref(self, kind: str, name: str) -> None:
+        with self._os_errors("delete from"):
+            self._ref_path(kind, name).unlink(missing_ok=True)
 
     def list_refs(self, kind: str) -> dict[str, str]:
+        """Every ref of ``kind``; a damaged ref (not a digest) is left out with a warning."""
         self._check_ref(kind, "x")
         base = self.root / "refs" / kind
-        if not base.is_dir():
-            return {}
-        return {
-            p.name: p.read_text().strip()
-            for p in sorted(base.iterdir())
-            if p.is_file() and not p.name.startswith(".tmp-")
-        }
+        refs = {}
+        with self._os_errors("read"):
+            if not base.is_dir():
+                return {}
+            for p in sorted(base.iterdir()):
+                if not p.is_file() or p.name.startswith(".tmp-"):
+                    continue
+                try:
+                    refs[p.name] = self._parse_ref(kind, p.name, p.read_bytes())
+                except InvalidInputError as exc:
+                    log.warning("%s", exc)
+                except FileNotFoundError:  # deleted meanwhile
+                    continue
+        return refs

@@ -1,0 +1,123 @@
+"""``weenv stats [ID]``: each environment's usage and quota over time, and the node's totals.
+
+The data is the node daemon's (``GET /v1/stats/provision``, the same
+:class:`~weenv.node.provision.models.ProvisionStats` that
+:meth:`Node.provision_stats <weenv.node.node.Node.provision_stats>` returns in
+Python).  ``--plot PATH`` draws CPU (used vs quota) and memory (working set vs
+limit) over time as a PNG (matplotlib).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from weenv.cli.common import client, err, human_bytes, out
+from weenv.node.provision.models import ProvisionStats
+
+app = typer.Typer()
+
+
+def totals_table(s: ProvisionStats) -> Table:
+    t = s.totals
+    table = Table(title=f"node ({s.mode}, every {s.interval_s:g} s)", show_header=True, header_style="bold")
+    for col in ("", "used", "quotas / limits", "budget", "capacity"):
+        table.add_column(col, justify="right")
+    table.add_row("CPU (cores)", f"{t.cpu_used:.2f}", f"{t.cpu_quota_sum:.2f}", f"{t.cpu_budget:.2f}", f"{t.cpu_capacity:.2f}")
+    table.add_row("memory", human_bytes(t.working_set), human_bytes(t.memory_limit_sum),
+                  human_bytes(t.memory_budget), human_bytes(t.memory_capacity))  # fmt: skip
+    table.caption = (f"{t.environments} environments, {t.frozen} frozen; host memory available "
+                     f"{human_bytes(t.memory_available)}; admitting: {'yes' if t.admitting else 'no'}")  # fmt: skip
+    return table
+
+
+def environments_table(s: ProvisionStats) -> Table:
+    table = Table(show_header=True, header_style="bold")
+    for col in ("ID", "PRIO", "CPU USED", "CPU QUOTA", "CEILING", "THROTTLED", "WORKING SET", "MEM LIMIT",
+                "CEILING", "OOM KILLS", "STATE"):  # fmt: skip
+        table.add_column(col, justify="right" if col not in ("ID", "STATE") else "left", no_wrap=col == "ID")
+    for e in s.environments:
+        last = e.history[-1] if e.history else None
+        table.add_row(
+            e.id, str(e.priority),
+            f"{last.cpu_used:.2f}" if last else "-",
+            "max" if e.cpu_quota is None else f"{e.cpu_quota:.2f}", f"{e.cpu_ceiling:g}",
+            f"{e.throttled_s:.1f} s",
+            human_bytes(last.working_set) if last else "-",
+            "max" if e.memory_limit is None else human_bytes(e.memory_limit), human_bytes(e.memory_ceiling),
+            str(e.oom_kills), "frozen" if e.frozen else "running",
+        )  # fmt: skip
+    return table
+
+
+def history_table(s: ProvisionStats, rows: int) -> Table:
+    e = s.environments[0]
+    table = Table(title=f"{e.id}: last {rows} passes", show_header=True, header_style="bold")
+    for col in ("TIME", "CPU USED", "QUOTA", "THROTTLED", "USAGE", "WORKING SET", "LIMIT", "PIDS"):
+        table.add_column(col, justify="right")
+    for h in e.history[-rows:]:
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(h.t)), f"{h.cpu_used:.2f}",
+            "max" if h.cpu_quota is None else f"{h.cpu_quota:.2f}", f"{h.throttled:.0%}",
+            human_bytes(h.memory_usage), human_bytes(h.working_set),
+            "max" if h.memory_limit is None else human_bytes(h.memory_limit), str(h.pids),
+        )  # fmt: skip
+    return table
+
+
+def plot(s: ProvisionStats, path: Path) -> Path:
+    """CPU and memory of every environment over time, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_cpu, ax_mem) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    t0 = min((e.history[0].t for e in s.environments if e.history), default=time.time())
+    for i, e in enumerate(s.environments):
+        if not e.history:
+            continue
+        color = f"C{i % 10}"
+        ts = [h.t - t0 for h in e.history]
+        ax_cpu.plot(ts, [h.cpu_used for h in e.history], color=color, label=f"{e.id} used")
+        ax_cpu.plot(ts, [h.cpu_quota or 0 for h in e.history], color=color, linestyle="--", label=f"{e.id} quota")
+        ax_mem.plot(ts, [h.working_set / 2**20 for h in e.history], color=color, label=f"{e.id} working set")
+        ax_mem.plot(ts, [(h.memory_limit or 0) / 2**20 for h in e.history], color=color, linestyle="--",
+                    label=f"{e.id} limit")  # fmt: skip
+    ax_cpu.set_ylabel("cores")
+    ax_cpu.set_title(f"weenv elastic provisioning ({s.mode}): solid = used, dashed = quota / limit")
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_xlabel("seconds")
+    for ax in (ax_cpu, ax_mem):
+        ax.grid(alpha=0.3)
+        if len(s.environments) <= 6:
+            ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@app.command()
+def stats(
+    env_id: Annotated[str | None, typer.Argument(metavar="[ID]", help="one environment")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="draw a PNG here")] = None,
+    rows: Annotated[int, typer.Option(help="history rows shown for one environment")] = 20,
+) -> None:
+    """Usage and quotas of environments over time, and the node's totals."""
+    with client() as c:
+        s = c.provision_stats(env_id)
+    out.print(totals_table(s))
+    out.print(environments_table(s))
+    if env_id is not None and s.environments:
+        out.print(history_table(s, rows))
+        events = [e for e in s.events if e.env_id == env_id][-rows:]
+        for ev in events:
+            out.print(f"{time.strftime('%H:%M:%S', time.localtime(ev.t))} {ev.kind:9} {ev.message}", highlight=False)
+    if plot_path is not None:
+        err.print(f"plot: {plot(s, plot_path)}")

@@ -1,0 +1,169 @@
+"""Fitting every environment's wants into the node: pure decisions, no I/O.
+
+:func:`arbitrate` takes each environment's :class:`Claim` (what it has, what
+its policy wants, its priority) and the node's budget and returns the grants,
+the environments to freeze or thaw, whether new environments may be admitted,
+and the events to log.  Invariants it keeps (tested in ``tests/test_provisioner.py``):
+
+- the sum of granted CPU quotas is at most ``cpu_budget`` (capacity ×
+  overcommit); lowerings are always granted; raises are granted by priority
+  (then smallest first), partly if only part fits;
+- the sum of granted memory limits is at most ``memory_budget`` whenever the
+  current limits allow it (a limit above usage cannot be taken back by force:
+  the kernel refuses a lowering below what it cannot reclaim);
+- when memory growth cannot be granted or the host runs short, the node acts
+  by policy rather than leaving the choice to the kernel's OOM killer, in this
+  order: **stop admitting**; **freeze** the lowest-priority environments that
+  need memory they cannot get (a frozen environment neither grows nor runs;
+  it keeps its memory and is thawed, highest priority first, once its want
+  fits) and, when the host's available memory is below the critical
+  watermark, the lowest-priority running environment; **refuse growth** to
+  the others (on cgroup v1 with the OOM killer disabled below the ceiling,
+  they wait at their limit instead of being killed).
+
+Borg (Verma et al., EuroSys 2015, §5.5) admits work against *reservations*
+(observed usage plus margin) rather than limits and reclaims the difference;
+admission here does the same with the elastic quotas (:func:`admits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Claim:
+    env_id: str
+    priority: int
+    cpu_quota: float
+    cpu_want: float
+    cpu_floor: float
+    memory_limit: int
+    memory_want: int
+    memory_pressure: bool
+    working_set: int
+    frozen: bool
+
+
+@dataclass(frozen=True)
+class Budget:
+    cpu: float
+    """Cores: capacity × overcommit."""
+    memory: int
+    """Bytes: capacity × overcommit."""
+    memory_capacity: int
+    memory_available: int
+    """Host ``MemAvailable`` now."""
+    low_watermark: float
+    """Share of capacity under which admission stops."""
+    critical_watermark: float
+    """Share of capacity under which the lowest-priority environment is frozen."""
+
+
+@dataclass
+class Decision:
+    cpu: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
+    freeze: list[str] = field(default_factory=list)
+    thaw: list[str] = field(default_factory=list)
+    admitting: bool = True
+    events: list[tuple[str | None, str, str]] = field(default_factory=list)
+    """``(env_id, kind, message)``."""
+
+
+def _by_priority(claims: list[Claim], extra) -> list[Claim]:
+    return sorted(claims, key=lambda c: (-c.priority, extra(c), c.env_id))
+
+
+def _fit_cpu(claims: list[Claim], budget: float) -> dict[str, float]:
+    base = {c.env_id: min(c.cpu_quota, c.cpu_want) for c in claims}
+    total = sum(base.values())
+    if total > budget:  # over already (the budget shrank): scale above the floors
+        floors = sum(c.cpu_floor for c in claims)
+        k = max(0.0, budget - floors) / max(total - floors, 1e-9)
+        return {c.env_id: c.cpu_floor + (base[c.env_id] - c.cpu_floor) * min(1.0, k) for c in claims}
+    left = budget - total
+    grants = dict(base)
+    for c in _by_priority([c for c in claims if c.cpu_want > base[c.env_id]], lambda c: c.cpu_want - c.cpu_quota):
+        extra = min(c.cpu_want - base[c.env_id], left)
+        grants[c.env_id] += extra
+        left -= extra
+    return grants
+
+
+def arbitrate(claims: list[Claim], budget: Budget) -> Decision:
+    """Grants, freezes, thaws and admission for one pass (see the module doc)."""
+    d = Decision()
+    d.cpu = _fit_cpu(claims, budget.cpu)
+
+    base = {c.env_id: min(c.memory_limit, c.memory_want) for c in claims}
+    left = budget.memory - sum(base.values())
+    d.memory = dict(base)
+    short: list[Claim] = []
+    growers = [c for c in claims if c.memory_want > base[c.env_id]]
+    for c in _by_priority(growers, lambda c: c.memory_want - c.memory_limit):
+        extra = max(0, min(c.memory_want - base[c.env_id], left))
+        d.memory[c.env_id] += extra
+        left -= extra
+        if d.memory[c.env_id] < c.memory_want and c.memory_pressure:
+            short.append(c)
+
+    critical = budget.memory_available < budget.critical_watermark * budget.memory_capacity
+    low = budget.memory_available < budget.low_watermark * budget.memory_capacity
+    if short or low:
+        d.admitting = False
+        why = (f"growth of {', '.join(c.env_id for c in short)} does not fit" if short
+               else f"host memory available {budget.memory_available >> 20} MiB is below the low watermark")
+        d.events.append((None, "shortage", f"memory short: {why}; admission stopped"))
+
+    running = [c for c in claims if not c.frozen]
+    if short:
+        top = max(c.priority for c in running) if running else 0
+        for c in short:
+            if c.priority < top and not c.frozen:
+                d.freeze.append(c.env_id)
+                d.events.append((c.env_id, "freeze", f"frozen: needs {c.memory_want >> 20} MiB, "
+                                 f"granted {d.memory[c.env_id] >> 20} MiB, priority {c.priority} < {top}"))
+            elif not c.frozen:
+                d.events.append((c.env_id, "refused", f"growth refused: wants {c.memory_want >> 20} MiB, "
+                                 f"granted {d.memory[c.env_id] >> 20} MiB"))
+    if critical and running:
+        victim = min(running, key=lambda c: (c.priority, -c.working_set, c.env_id))
+        if victim.env_id not in d.freeze:
+            d.freeze.append(victim.env_id)
+            d.events.append((victim.env_id, "freeze", f"frozen: host memory available "
+                             f"{budget.memory_available >> 20} MiB is below the critical watermark"))
+
+    if not low:  # thaw, highest priority first, those whose memory now fits
+        short_ids = {c.env_id for c in short}
+        for c in _by_priority([c for c in claims if c.frozen], lambda c: c.memory_want):
+            if c.env_id not in short_ids and d.memory[c.env_id] >= c.memory_want:
+                d.thaw.append(c.env_id)
+                d.events.append((c.env_id, "thaw", "thawed: its memory fits again"))
+                break  # one per pass: let the node settle
+    return d
+
+
+def admits(
+    *,
+    cpu_sum: float,
+    memory_sum: int,
+    cpu_new: float,
+    memory_new: int,
+    budget: Budget,
+    admitting: bool,
+) -> str | None:
+    """Why a new environment asking ``cpu_new`` cores and ``memory_new`` bytes
+    cannot be admitted now, or None if it can.  ``cpu_sum`` / ``memory_sum``:
+    the quotas and limits held now (elastic: following observed usage;
+    static: the declared resources)."""
+    if not admitting:
+        return "memory is short on this node (admission stopped)"
+    if cpu_sum + cpu_new > budget.cpu + 1e-9:
+        return f"CPU quotas would reach {cpu_sum + cpu_new:.2f} of {budget.cpu:.2f} cores"
+    if memory_sum + memory_new > budget.memory:
+        return (f"memory limits would reach {(memory_sum + memory_new) >> 20} MiB "
+                f"of {budget.memory >> 20} MiB")
+    if budget.memory_available - memory_new < budget.low_watermark * budget.memory_capacity:
+        return f"host memory available is {budget.memory_available >> 20} MiB"
+    return None

@@ -1,0 +1,413 @@
+"""The provisioner: a thread of the node that reads every environment's cgroup,
+asks the policy and the arbiter, and writes quotas back (Linux only).
+
+Each pass (every ``interval_s``, default 1 s):
+
+1. read each environment's cgroup (:class:`~weenv.node.cgroups.Usage`) and
+   turn the difference from the previous reading into an
+   :class:`~weenv.node.provision.policy.Observation`;
+2. ask its :class:`~weenv.node.provision.policy.EnvPolicy` what it wants;
+3. fit all wants into the node (:func:`~weenv.node.provision.arbiter.arbitrate`);
+4. write the grants (CPU quota, memory limit; below the ceiling the OOM killer
+   is disabled so that a task at the limit waits for the next pass), freeze
+   and thaw, and record a :class:`~weenv.node.provision.models.UsagePoint`.
+
+Lifetime of an environment: :meth:`Provisioner.reserve` (admission; its
+initial quota counts against the node from then on), :meth:`attach` once its
+cgroup exists (writes the initial limits), :meth:`detach` before its cgroup is
+removed.  Every write to an environment happens under its lock after checking
+it is still attached, and cgroup writes never create a group, so an
+environment destroyed in the middle of a pass loses at most that write
+(:class:`~weenv.errors.NotFoundError`, ignored) and leaves nothing behind.
+A failing environment never stops the loop: the error becomes an event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from weenv.errors import CapacityError, NotFoundError, WeenvError
+from weenv.node.cgroups import Cgroup, LimitRefusedError, Usage, open_cgroups
+from weenv.node.provision.arbiter import Budget, Claim, admits, arbitrate
+from weenv.node.provision.models import (
+    EnvironmentProvision,
+    NodeTotals,
+    ProvisionConfig,
+    ProvisionEvent,
+    ProvisionStats,
+    UsagePoint,
+)
+from weenv.node.provision.policy import EnvPolicy, Observation
+from weenv.packaging.manifest import Resources
+
+log = logging.getLogger(__name__)
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+class _Tracked:
+    def __init__(self, env_id: str, resources: Resources, priority: int, policy: EnvPolicy):
+        self.env_id = env_id
+        self.resources = resources
+        self.priority = priority
+        self.policy = policy
+        self.cgroup: Cgroup | None = None
+        self.lock = threading.Lock()
+        self.attached = False
+        self.detached = False
+        self.last: Usage | None = None
+        self.last_obs: Observation | None = None
+        self.want = None
+        self.frozen = False
+        self.oom_killer: bool | None = None
+        self.refused = 0
+        self.history: deque[UsagePoint] = deque(maxlen=policy.cfg.history)
+
+    @property
+    def cpu_quota(self) -> float:
+        return self.policy.cpu_quota
+
+    @property
+    def memory_limit(self) -> int:
+        return self.policy.memory_limit
+
+
+class Provisioner:
+    """Elastic (or static) provisioning of one node's environments.
+
+    ``open_cgroup``: path -> :class:`~weenv.node.cgroups.Cgroup` (default:
+    :func:`~weenv.node.cgroups.open_cgroups`, detecting v1/v2).  Thread-safe;
+    :meth:`start` runs the loop in a daemon thread, :meth:`close` stops it
+    (idempotent).  :meth:`tick` runs one pass synchronously (tests, tools).
+    """
+
+    def __init__(self, config: ProvisionConfig | None = None,
+                 open_cgroup: Callable[[str], Cgroup] = open_cgroups):  # fmt: skip
+        self.config = config or ProvisionConfig()
+        self._open = open_cgroup
+        self._envs: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._tick_lock = threading.Lock()
+        self._events: deque[ProvisionEvent] = deque(maxlen=500)
+        self._admitting = True
+        self._short: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+        mem = meminfo()
+        self.cpu_capacity = self.config.cpu_capacity or float(os.cpu_count() or 1)
+        self.memory_capacity = self.config.memory_capacity or max(
+            1 << 30, mem.get("MemTotal", 0) - self.config.memory_reserve
+        )
+
+    # --- lifetime ----------------------------------------------------------------------
+    def start(self) -> Provisioner:
+        if self.config.mode == "off" or (self._thread and self._thread.is_alive()):
+            return self
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="weenv-provisioner", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.tick()
+            except Exception as exc:  # the loop must survive anything one pass meets
+                log.exception("provisioner pass failed")
+                self._event(None, "error", f"pass failed: {exc!r}")
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- environments ------------------------------------------------------------------
+    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0) -> None:
+        """Admit a new environment (its initial quota counts from now on).
+
+        Raises :class:`CapacityError` when the node cannot hold it: in
+        ``elastic`` mode by the quotas held now (which follow observed usage)
+        plus its initial quota, and the host's available memory; in
+        ``static`` mode by declared resources.
+        """
+        cfg = self.config
+        policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, time.monotonic())
+        t = _Tracked(env_id, resources, priority, policy)
+        if cfg.mode == "static":
+            policy.cpu_quota, policy.memory_limit = resources.cpus, resources.memory_bytes
+        with self._lock:
+            if env_id in self._envs:
+                raise WeenvError(f"environment {env_id} is already provisioned")
+            if cfg.mode != "off":
+                budget = self._budget()
+                cpu_sum = sum(e.cpu_quota for e in self._envs.values())
+                memory_sum = sum(e.memory_limit for e in self._envs.values())
+                if cfg.mode == "elastic":  # start with what is free, at least the floor
+                    policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
+                    policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
+                why = admits(
+                    cpu_sum=cpu_sum,
+                    memory_sum=memory_sum,
+                    cpu_new=policy.cpu_quota, memory_new=policy.memory_limit,
+                    budget=budget, admitting=self._admitting,
+                )  # fmt: skip
+                if why:
+                    self._event(env_id, "admission", f"refused: {why}")
+                    raise CapacityError(f"cannot admit a new environment: {why}")
+            self._envs[env_id] = t
+
+    def attach(self, env_id: str, cgroup_path: str) -> None:
+        """Start controlling ``env_id`` whose cgroup (``cgroup_path``, runc's
+        ``linux.cgroupsPath``) now exists: write its initial limits."""
+        t = self._get(env_id)
+        cg = self._open(cgroup_path)
+        with t.lock:
+            if t.detached:
+                return
+            t.cgroup = cg
+            if self.config.mode == "elastic":
+                self._apply(t, t.policy.cpu_quota, t.policy.memory_limit, time.monotonic(), initial=True)
+            t.last = cg.usage()
+            t.attached = True
+
+    def detach(self, env_id: str) -> None:
+        """Stop controlling ``env_id`` (before its cgroup is removed): waits for
+        a write in progress, thaws it if this provisioner froze it.  Unknown
+        ids are ignored."""
+        with self._lock:
+            t = self._envs.pop(env_id, None)
+            self._short.discard(env_id)
+        if t is None:
+            return
+        with t.lock:
+            t.detached = True
+            t.attached = False
+            if t.frozen and t.cgroup is not None:
+                try:
+                    t.cgroup.thaw()
+                except WeenvError:
+                    pass
+
+    def set_priority(self, env_id: str, priority: int) -> None:
+        """Higher priority: raised first, frozen last."""
+        self._get(env_id).priority = priority
+
+    def _get(self, env_id: str) -> _Tracked:
+        with self._lock:
+            t = self._envs.get(env_id)
+        if t is None:
+            raise NotFoundError(f"environment {env_id!r} is not provisioned")
+        return t
+
+    # --- one pass ----------------------------------------------------------------------
+    def tick(self) -> None:
+        """One pass over every attached environment (see the module doc)."""
+        if self.config.mode == "off":
+            return
+        with self._tick_lock:
+            with self._lock:
+                envs = [t for t in self._envs.values() if t.attached]
+            claims = []
+            for t in envs:
+                claim = self._observe(t)
+                if claim is not None:
+                    claims.append(claim)
+            self.passes += 1
+            if self.config.mode != "elastic":
+                return
+            budget = self._budget()
+            d = arbitrate(claims, budget)
+            if d.admitting != self._admitting:
+                self._event(None, "admission", "admission resumed" if d.admitting else "admission stopped")
+                self._admitting = d.admitting
+            for env_id, kind, msg in d.events:
+                if kind == "refused":
+                    if env_id in self._short:
+                        continue
+                    self._short.add(env_id)
+                if kind != "shortage":
+                    self._event(env_id, kind, msg)
+            self._short &= {c.env_id for c in claims if d.memory[c.env_id] < c.memory_want and c.memory_pressure}
+            now = time.monotonic()
+            by_id = {t.env_id: t for t in envs}
+            for c in claims:
+                t = by_id[c.env_id]
+                with t.lock:
+                    if not t.attached:
+                        continue
+                    try:
+                        self._apply(t, d.cpu[c.env_id], d.memory[c.env_id], now)
+                        if c.env_id in d.freeze and not t.frozen:
+                            t.cgroup.freeze()
+                            t.frozen = True
+                        elif c.env_id in d.thaw and t.frozen:
+                            t.cgroup.thaw()
+                            t.frozen = False
+                    except NotFoundError:
+                        self._gone(t)
+                    except WeenvError as exc:
+                        self._event(t.env_id, "error", str(exc))
+                    self._record(t)
+
+    def _observe(self, t: _Tracked) -> Claim | None:
+        with t.lock:
+            if not t.attached:
+                return None
+            try:
+                u = t.cgroup.usage()
+            except NotFoundError:
+                self._gone(t)
+                return None
+            except WeenvError as exc:
+                self._event(t.env_id, "error", str(exc))
+                return None
+            o = Observation.between(t.last, u)
+            t.last, t.last_obs = u, o
+            if o.oom_kills_delta:
+                self._event(t.env_id, "oom_kill", f"{o.oom_kills_delta} process(es) OOM-killed at "
+                            f"{t.memory_limit >> 20} MiB (ceiling {t.policy.memory_ceiling >> 20} MiB)")
+            if self.config.mode != "elastic":
+                self._record(t)
+                return None
+            w = t.policy.observe(o)
+            t.want = w
+            return Claim(
+                env_id=t.env_id, priority=t.priority,
+                cpu_quota=t.cpu_quota, cpu_want=w.cpu_quota, cpu_floor=t.policy.cpu_floor,
+                memory_limit=t.memory_limit, memory_want=w.memory_limit,
+                memory_pressure=w.memory_pressure, working_set=o.working_set, frozen=t.frozen,
+            )  # fmt: skip
+
+    def _apply(self, t: _Tracked, cpu: float, memory: int, now: float, *, initial: bool = False) -> None:
+        """Write ``cpu`` cores and ``memory`` bytes to ``t``'s cgroup (under ``t.lock``).
+        Raises :class:`NotFoundError` if the cgroup is gone."""
+        cg, p = t.cgroup, t.policy
+        old_cpu, old_mem = (t.resources.cpus, t.resources.memory_bytes) if initial else (p.cpu_quota, p.memory_limit)
+        if initial or abs(cpu - old_cpu) > 1e-3:
+            cg.set_cpu(cpu)
+            if not initial:
+                self._event(t.env_id, "raise" if cpu > old_cpu else "lower",
+                            f"cpu {old_cpu:.2f} -> {cpu:.2f} cores")  # fmt: skip
+        else:
+            cpu = old_cpu
+        if memory > old_mem:  # raise the limit before re-enabling the OOM killer at the ceiling
+            cg.set_memory_limit(memory)
+            if not initial:
+                self._event(t.env_id, "raise", f"memory {old_mem >> 20} -> {memory >> 20} MiB")
+        killer = not (self.config.oom_wait and memory < p.memory_ceiling)
+        if t.oom_killer != killer:  # v2 cannot disable it: set_oom_killer answers False
+            t.oom_killer = killer if cg.set_oom_killer(killer) else True
+        if memory < old_mem:
+            try:
+                cg.set_memory_limit(memory)
+                if not initial:
+                    self._event(t.env_id, "lower", f"memory {old_mem >> 20} -> {memory >> 20} MiB")
+            except LimitRefusedError:
+                t.refused += 1
+                p.refused(now)
+                if initial:
+                    memory = old_mem
+                else:
+                    self._event(t.env_id, "refused", f"memory stays {old_mem >> 20} MiB (kernel busy)")
+                    memory = old_mem
+        if initial:
+            cg.set_pids_limit(t.resources.pids)
+            p.cpu_quota, p.memory_limit = cpu, memory
+        else:
+            p.applied(cpu, memory, now)
+
+    def _record(self, t: _Tracked) -> None:
+        o, u = t.last_obs, t.last
+        if o is None or u is None:
+            return
+        static = self.config.mode != "elastic"
+        t.history.append(UsagePoint(
+            t=time.time(), cpu_used=o.cpu_cores, throttled=o.throttled,
+            cpu_quota=t.resources.cpus if static else t.cpu_quota,
+            memory_usage=u.memory_usage, working_set=u.memory_working_set,
+            memory_limit=t.resources.memory_bytes if static else t.memory_limit,
+            pids=u.pids_current, frozen=t.frozen,
+        ))  # fmt: skip
+
+    def _gone(self, t: _Tracked) -> None:
+        t.attached = False
+        self._event(t.env_id, "gone", "its cgroup disappeared; no longer controlled")
+
+    # --- node ---------------------------------------------------------------------------
+    def _budget(self) -> Budget:
+        cfg = self.config
+        return Budget(
+            cpu=self.cpu_capacity * cfg.cpu_overcommit,
+            memory=int(self.memory_capacity * cfg.memory_overcommit),
+            memory_capacity=self.memory_capacity,
+            memory_available=meminfo().get("MemAvailable", self.memory_capacity),
+            low_watermark=cfg.memory_low_watermark,
+            critical_watermark=cfg.memory_critical_watermark,
+        )
+
+    def _event(self, env_id: str | None, kind: str, message: str) -> None:
+        self._events.append(ProvisionEvent(t=time.time(), env_id=env_id, kind=kind, message=message))
+        log.info("provision %s %s: %s", kind, env_id or "node", message)
+
+    def events(self) -> list[ProvisionEvent]:
+        return list(self._events)
+
+    def stats(self, env_id: str | None = None, *, history: bool = True) -> ProvisionStats:
+        """Node totals, each environment's quota, usage and history (or only
+        ``env_id``'s: :class:`NotFoundError` if unknown), and recent events."""
+        with self._lock:
+            envs = list(self._envs.values())
+        if env_id is not None:
+            envs = [t for t in envs if t.env_id == env_id]
+            if not envs:
+                raise NotFoundError(f"environment {env_id!r} is not provisioned")
+        static = self.config.mode != "elastic"
+        out = []
+        for t in envs:
+            u = t.last
+            out.append(EnvironmentProvision(
+                id=t.env_id, priority=t.priority,
+                cpu_ceiling=t.resources.cpus, memory_ceiling=t.resources.memory_bytes,
+                pids_limit=t.resources.pids,
+                cpu_quota=t.resources.cpus if static else t.cpu_quota,
+                memory_limit=t.resources.memory_bytes if static else t.memory_limit,
+                frozen=t.frozen, oom_kills=u.oom_kills if u else 0,
+                throttled_s=u.cpu_throttled_s if u else 0.0, memory_refused=t.refused,
+                history=list(t.history) if history else [],
+            ))  # fmt: skip
+        b = self._budget()
+        everything = list(self._envs.values())
+        totals = NodeTotals(
+            cpu_capacity=self.cpu_capacity, memory_capacity=self.memory_capacity,
+            cpu_budget=b.cpu, memory_budget=b.memory,
+            cpu_quota_sum=sum(t.cpu_quota for t in everything),
+            memory_limit_sum=sum(t.memory_limit for t in everything),
+            cpu_used=sum(t.last_obs.cpu_cores for t in everything if t.last_obs),
+            working_set=sum(t.last.memory_working_set for t in everything if t.last),
+            memory_available=b.memory_available, admitting=self._admitting,
+            environments=len(everything), frozen=sum(t.frozen for t in everything),
+        )  # fmt: skip
+        events = [e for e in self._events if env_id is None or e.env_id in (None, env_id)]
+        return ProvisionStats(mode=self.config.mode, interval_s=self.config.interval_s,
+                              totals=totals, environments=out, events=events)  # fmt: skip

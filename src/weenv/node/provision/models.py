@@ -1,0 +1,170 @@
+"""Models of elastic provisioning: its configuration and what it reports.
+
+Shared by the controller, the node, the HTTP server and its client, as the
+node's other models are (:mod:`weenv.node.models`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MIB = 1 << 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProvisionConfig(_Model):
+    """How the node sizes environments.  Times in seconds, memory in bytes, CPU in cores.
+
+    Defaults are chosen for agent environments that idle for seconds and burst
+    for seconds to minutes; the sources of each rule are in
+    :mod:`weenv.node.provision.policy`.  ``from_env`` reads
+    ``WEENV_PROVISION_MODE``, ``WEENV_PROVISION_INTERVAL``,
+    ``WEENV_CPU_OVERCOMMIT`` and ``WEENV_MEMORY_OVERCOMMIT``.
+    """
+
+    mode: Literal["elastic", "static", "off"] = "elastic"
+    """``elastic``: quotas follow usage, admission by usage; ``static``: each
+    environment keeps its declared resources and is admitted by them; ``off``:
+    no admission check, no adjustment."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Time between two passes of the controller."""
+
+    cpu_window_s: float = Field(default=30.0, gt=0)
+    """Recent usage the CPU percentile is taken over."""
+    cpu_percentile: float = Field(default=95.0, gt=0, le=100)
+    cpu_headroom: float = Field(default=0.3, ge=0)
+    """Quota = percentile × (1 + headroom), and at least percentile + ``cpu_min_headroom``."""
+    cpu_min_headroom: float = Field(default=0.1, ge=0)
+    cpu_floor: float = Field(default=0.1, gt=0)
+    cpu_initial: float = Field(default=0.5, gt=0)
+    """Quota of a new environment before anything is observed (capped at its
+    ceiling and at what is free; a new environment needs only its floor free)."""
+    cpu_throttle_trigger: float = Field(default=0.05, ge=0, le=1)
+    """Share of an interval's periods throttled that raises the quota at once."""
+    cpu_raise_factor: float = Field(default=2.0, ge=1)
+    cpu_cooldown_s: float = Field(default=10.0, ge=0)
+    """No lowering until this long after the last raise."""
+    cpu_down_step: float = Field(default=0.2, gt=0, le=1)
+    """A lowering takes at most this share of the quota per pass."""
+
+    memory_half_life_s: float = Field(default=60.0, gt=0)
+    """Half-life of the decayed peak of the working set."""
+    memory_headroom: float = Field(default=0.2, ge=0)
+    memory_min_headroom: int = Field(default=64 * MIB, ge=0)
+    memory_floor: int = Field(default=64 * MIB, gt=0)
+    memory_initial: int = Field(default=256 * MIB, gt=0)
+    memory_raise_at: float = Field(default=0.85, gt=0, le=1)
+    """Working set at this share of the limit raises it at once."""
+    memory_raise_factor: float = Field(default=1.5, ge=1)
+    memory_hold_s: float = Field(default=30.0, ge=0)
+    """No lowering until this long after the last raise or pressure."""
+    memory_down_step: float = Field(default=0.1, gt=0, le=1)
+    """A lowering takes at most this share of the limit per pass."""
+    oom_wait: bool = True
+    """Below its ceiling an environment that reaches its limit waits for the
+    controller instead of being OOM-killed (cgroup v1 ``oom_kill_disable``)."""
+
+    cpu_capacity: float | None = Field(default=None, gt=0)
+    """Cores the node gives environments (default: all online CPUs)."""
+    memory_capacity: int | None = Field(default=None, gt=0)
+    """Bytes the node gives environments (default: MemTotal minus ``memory_reserve``)."""
+    memory_reserve: int = Field(default=1 << 30, ge=0)
+    cpu_overcommit: float = Field(default=4.0, gt=0)
+    """CPU is compressible (a quota short of demand throttles, never kills), so
+    the sum of CPU quotas may exceed the cores; memory is not (default 1)."""
+    memory_overcommit: float = Field(default=1.0, gt=0)
+    memory_low_watermark: float = Field(default=0.10, ge=0, le=1)
+    """Host MemAvailable below this share of capacity: stop admitting."""
+    memory_critical_watermark: float = Field(default=0.05, ge=0, le=1)
+    """Host MemAvailable below this share: freeze the lowest-priority environment."""
+    history: int = Field(default=900, gt=0)
+    """Samples kept per environment."""
+
+    @classmethod
+    def from_env(cls) -> ProvisionConfig:
+        keys = {
+            "mode": "WEENV_PROVISION_MODE",
+            "interval_s": "WEENV_PROVISION_INTERVAL",
+            "cpu_overcommit": "WEENV_CPU_OVERCOMMIT",
+            "memory_overcommit": "WEENV_MEMORY_OVERCOMMIT",
+        }
+        from pydantic import ValidationError
+
+        from weenv.errors import InvalidInputError
+
+        try:
+            return cls(**{k: os.environ[v] for k, v in keys.items() if os.environ.get(v)})
+        except ValidationError as exc:
+            raise InvalidInputError(f"bad provisioning setting in the environment: {exc}") from None
+
+
+class UsagePoint(_Model):
+    """One pass of the controller over one environment."""
+
+    t: float
+    """Unix time, seconds."""
+    cpu_used: float
+    """Cores used on average since the previous pass."""
+    cpu_quota: float | None
+    throttled: float
+    """Share of the interval's CFS periods that were throttled."""
+    memory_usage: int
+    working_set: int
+    memory_limit: int | None
+    pids: int
+    frozen: bool = False
+
+
+class EnvironmentProvision(_Model):
+    id: str
+    priority: int
+    cpu_ceiling: float
+    memory_ceiling: int
+    pids_limit: int
+    cpu_quota: float | None
+    memory_limit: int | None
+    frozen: bool
+    oom_kills: int
+    throttled_s: float
+    memory_refused: int
+    """Lowerings the kernel refused (usage could not be reclaimed)."""
+    history: list[UsagePoint] = Field(default_factory=list)
+
+
+class ProvisionEvent(_Model):
+    t: float
+    env_id: str | None = None
+    kind: str
+    """``raise``, ``lower``, ``refused``, ``freeze``, ``thaw``, ``admission``, ``shortage``, ``gone``, ``error``."""
+    message: str
+
+
+class NodeTotals(_Model):
+    cpu_capacity: float
+    memory_capacity: int
+    cpu_budget: float
+    """Capacity × overcommit: the sum of quotas stays within it."""
+    memory_budget: int
+    cpu_quota_sum: float
+    memory_limit_sum: int
+    cpu_used: float
+    working_set: int
+    memory_available: int
+    """Host ``MemAvailable``."""
+    admitting: bool
+    environments: int
+    frozen: int
+
+
+class ProvisionStats(_Model):
+    mode: str
+    interval_s: float
+    totals: NodeTotals
+    environments: list[EnvironmentProvision]
+    events: list[ProvisionEvent]

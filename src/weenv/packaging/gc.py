@@ -1,0 +1,256 @@
+"""Garbage collection of a store and the node chunk cache, and the dedupe report.
+
+**Reachable** = every template a ``templates/NAME`` ref points at, plus every
+template a running environment was created from; their group manifests; those
+groups' chunks (and a template's prefetch profile manifest).  :func:`collect`
+removes every other manifest and chunk from the store, every other chunk from
+the node chunk cache (``$WEENV_HOME/node/cache``), and the ``groups/`` and
+``buildcache/`` refs that pointed at removed manifests.
+
+Running environments are asked of the node daemon of ``$WEENV_HOME`` when one
+runs (``NodeClient.list()``); if one runs but does not answer, gc refuses
+(:class:`DaemonError`) rather than guess.  Environments of in-process nodes are
+passed by the caller (``in_use``).  Builds of the same home hold the store lock
+shared (:func:`weenv.packaging.buildcache.store_lock`); gc takes it exclusive and
+refuses while a build runs.  Publishers outside this home (another machine
+sharing the store) are not seen: run gc where nothing else publishes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weenv.config import Paths
+from weenv.errors import DaemonError, InvalidInputError, NotFoundError, WeenvError
+from weenv.packaging.buildcache import store_lock
+from weenv.packaging.manifest import (
+    GroupManifest,
+    TemplateManifest,
+    manifest_kind,
+    parse_group_manifest,
+    parse_template_manifest,
+)
+from weenv.store.base import Store
+
+
+@dataclass(frozen=True)
+class DedupeReport:
+    """How much sharing saves: the templates' logical bytes against what the store keeps."""
+
+    templates: int
+    groups: int
+    """Distinct groups the templates use."""
+    chunks: int
+    """Distinct chunks of those groups."""
+    logical_bytes: int
+    """Sum over templates of their groups' image sizes: one full image per template."""
+    group_bytes: int
+    """Sum of image sizes of the distinct groups."""
+    unique_bytes: int
+    """Plaintext bytes of the distinct chunks."""
+    stored_bytes: int
+    """zstd bytes of the distinct chunks: what the store holds for these templates."""
+
+    @property
+    def dedupe_ratio(self) -> float:
+        """Logical over unique plaintext bytes (sharing of groups and chunks)."""
+        return self.logical_bytes / self.unique_bytes if self.unique_bytes else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Logical over stored bytes (sharing and compression)."""
+        return self.logical_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class GcResult:
+    """What :func:`collect` removed (or, with ``dry_run``, would remove)."""
+
+    manifests_removed: list[str] = field(default_factory=list)
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+    """Stored bytes of removed chunks whose size a manifest told (orphans without one count 0)."""
+    cache_chunks_removed: int = 0
+    cache_bytes_freed: int = 0
+    refs_removed: list[str] = field(default_factory=list)
+    """``kind/name`` of removed refs."""
+    kept_for_running: list[str] = field(default_factory=list)
+    """Manifests no ref reaches, kept because a running environment uses them."""
+    dry_run: bool = False
+
+
+@dataclass
+class _Reach:
+    manifests: set[str] = field(default_factory=set)
+    chunks: set[str] = field(default_factory=set)
+
+
+def _load(store: Store, digest: str) -> TemplateManifest | GroupManifest | None:
+    try:
+        data = store.get_manifest(digest)
+        kind = manifest_kind(data)
+        return parse_template_manifest(data) if kind == "template" else parse_group_manifest(data)
+    except (NotFoundError, InvalidInputError):
+        return None
+
+
+def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
+    for digest in templates:
+        if digest in reach.manifests:
+            continue
+        t = _load(store, digest)
+        if not isinstance(t, TemplateManifest):
+            continue  # a dangling ref: nothing to keep
+        reach.manifests.add(digest)
+        if t.prefetch:
+            reach.manifests.add(t.prefetch)
+        for g_digest in t.groups:
+            if g_digest in reach.manifests:
+                continue
+            g = _load(store, g_digest)
+            if isinstance(g, GroupManifest):
+                reach.manifests.add(g_digest)
+                reach.chunks.update(c.digest for c in g.chunks)
+
+
+def running_templates(paths: Paths) -> list[str]:
+    """Template digests of the environments the daemon of ``paths.home`` runs
+    (empty if no daemon runs).  Raises :class:`DaemonError` if one runs (its
+    pidfile names a live process) and does not answer."""
+    from weenv.server import daemon
+    from weenv.server.client import NodeClient
+
+    if not daemon.is_running(paths):
+        pid = daemon._read_pid(paths)
+        if pid is not None and daemon._alive(pid):
+            raise DaemonError(
+                f"the weenv daemon of {paths.home} (pid {pid}) runs but does not answer on "
+                f"{paths.socket}; gc cannot tell which environments run and refuses"
+            )
+        return []
+    try:
+        with NodeClient(paths, autostart=False, timeout=30.0) as client:
+            return sorted({e.template_digest for e in client.list()})
+    except WeenvError as exc:
+        raise DaemonError(
+            f"a weenv daemon runs for {paths.home} but cannot say which environments run "
+            f"({exc}); gc refuses to guess — stop it (weenv stop) or retry"
+        ) from exc
+
+
+def collect(
+    store: Store,
+    paths: Paths | None = None,
+    *,
+    in_use: Iterable[str] | None = None,
+    dry_run: bool = False,
+) -> GcResult:
+    """Remove what no template ref nor running environment reaches (module docstring).
+
+    ``in_use``: template digests of running environments; default: asked of the
+    daemon (:func:`running_templates`).  ``dry_run``: only report.  Raises
+    :class:`DaemonError` (daemon running, not answering) and
+    :class:`InvalidInputError` (a build is running).
+    """
+    paths = paths or Paths.from_env()
+    with store_lock(paths, exclusive=True):
+        running = list(in_use) if in_use is not None else running_templates(paths)
+        by_ref = _Reach()
+        _reach(store, store.list_refs("templates").values(), by_ref)
+        reach = _Reach(set(by_ref.manifests), set(by_ref.chunks))
+        _reach(store, running, reach)
+
+        sizes: dict[str, int] = {}
+        doomed: list[str] = []
+        for digest in store.list_manifests():
+            if digest in reach.manifests:
+                continue
+            doomed.append(digest)
+            g = _load(store, digest)
+            if isinstance(g, GroupManifest):
+                sizes.update((c.digest, c.stored_size) for c in g.chunks)
+        chunks = [d for d in store.list_chunks() if d not in reach.chunks]
+        gone = set(doomed)
+        refs = [
+            (kind, name)
+            for kind in ("groups", "buildcache")
+            for name, digest in store.list_refs(kind).items()
+            if digest in gone or not store.has_manifest(digest)
+        ]
+        cache_files = _unreachable_cache_files(paths.chunk_cache, reach.chunks)
+        cache_bytes = sum(_size(p) for p in cache_files)
+        if not dry_run:
+            for kind, name in refs:
+                store.delete_ref(kind, name)
+            for digest in doomed:
+                store.delete_manifest(digest)
+            for digest in chunks:
+                store.delete_chunk(digest)
+            for p in cache_files:
+                p.unlink(missing_ok=True)
+        return GcResult(
+            manifests_removed=sorted(doomed),
+            chunks_removed=len(chunks),
+            bytes_freed=sum(sizes.get(d, 0) for d in chunks),
+            cache_chunks_removed=len(cache_files),
+            cache_bytes_freed=cache_bytes,
+            refs_removed=[f"{k}/{n}" for k, n in refs],
+            kept_for_running=sorted(reach.manifests - by_ref.manifests),
+            dry_run=dry_run,
+        )
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _unreachable_cache_files(root: Path, keep: set[str]) -> list[Path]:
+    """Files of the node chunk cache (``root/sha256/ab/<hex>``) whose chunk is not in ``keep``."""
+    base = Path(root) / "sha256"
+    if not base.is_dir():
+        return []
+    found = []
+    for sub in os.scandir(base):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        for entry in os.scandir(sub.path):
+            if entry.name.startswith(".tmp-") or not entry.is_file(follow_symlinks=False):
+                continue
+            if f"sha256:{entry.name}" not in keep:
+                found.append(Path(entry.path))
+    return found
+
+
+def dedupe_report(store: Store) -> DedupeReport:
+    """The :class:`DedupeReport` of every template a ref points at."""
+    templates: list[TemplateManifest] = []
+    for digest in store.list_refs("templates").values():
+        t = _load(store, digest)
+        if isinstance(t, TemplateManifest):
+            templates.append(t)
+    groups: dict[str, GroupManifest] = {}
+    for t in templates:
+        for g_digest in t.groups:
+            if g_digest not in groups:
+                g = _load(store, g_digest)
+                if isinstance(g, GroupManifest):
+                    groups[g_digest] = g
+    chunks: dict[str, tuple[int, int]] = {}
+    for g in groups.values():
+        for c in g.chunks:
+            chunks[c.digest] = (c.size, c.stored_size)
+    return DedupeReport(
+        templates=len(templates),
+        groups=len(groups),
+        chunks=len(chunks),
+        logical_bytes=sum(groups[g].image_size for t in templates for g in t.groups if g in groups),
+        group_bytes=sum(g.image_size for g in groups.values()),
+        unique_bytes=sum(size for size, _ in chunks.values()),
+        stored_bytes=sum(stored for _, stored in chunks.values()),
+    )

@@ -1,0 +1,218 @@
+"""``weenv import``: an existing image becomes layer groups and a template.
+
+Steps, in order; nothing is published until every layer has been read and
+verified:
+
+1. open the source (:func:`~weenv.packaging.importer.source.open_source`) and
+   read its index, manifest and config, each checked against its digest;
+2. map layers to groups (:func:`plan_groups`: one group per layer, or runs of
+   small adjacent layers merged);
+3. apply each group's layers, in order, to its own tree under a temporary
+   directory (:mod:`~weenv.packaging.importer.layers`), checking each layer's
+   blob digest and diff_id as it streams;
+4. turn the image config into the template's runtime config
+   (:mod:`~weenv.packaging.importer.runtime`);
+5. build and publish each group (by digest, :func:`build_group` with
+   ``ref=False``), then the template, then the refs ``groups/NAME.K``.
+
+Any failure removes the temporary trees; a failure in step 5 leaves at most
+unreferenced chunks and manifests (``weenv gc`` removes them), never a ref.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from weenv.errors import InvalidInputError
+from weenv.packaging.group import BuildResult, build_group
+from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
+from weenv.packaging.importer.runtime import runtime_from_config
+from weenv.packaging.importer.source import Image, ImageSource, open_source
+from weenv.packaging.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    RuntimeConfig,
+    TemplateManifest,
+    check_name,
+)
+from weenv.packaging.template import create_template
+from weenv.store.base import Store
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What :func:`import_image` published."""
+
+    template_digest: str
+    template: TemplateManifest
+    groups: list[BuildResult]
+    """One per group, bottom to top."""
+    group_layers: list[list[int]]
+    """Layer indexes (bottom = 0) of each group."""
+    layer_stats: list[LayerStats]
+    """Per layer, bottom to top."""
+    seconds: float
+
+
+def plan_groups(layer_sizes: list[int], merge_small: int | None = None) -> list[list[int]]:
+    """Layer indexes per group, bottom to top.
+
+    Without ``merge_small``: one group per layer.  With ``merge_small = B``
+    (bytes): a layer of at least ``B`` bytes has a group of its own; runs of
+    adjacent layers smaller than ``B`` share a group for as long as their total
+    stays at most ``B``.  Sizes are the layer blobs' as stored (compressed in
+    registries and OCI layouts, plain tars in ``docker save`` archives).
+    """
+    if merge_small is None:
+        return [[i] for i in range(len(layer_sizes))]
+    if merge_small <= 0:
+        raise InvalidInputError(f"merge-small must be a positive byte count, not {merge_small}")
+    groups: list[list[int]] = []
+    run_total = 0
+    open_run = False
+    for i, size in enumerate(layer_sizes):
+        if size >= merge_small:
+            groups.append([i])
+            open_run = False
+        elif open_run and run_total + size <= merge_small:
+            groups[-1].append(i)
+            run_total += size
+        else:
+            groups.append([i])
+            run_total, open_run = size, True
+    return groups
+
+
+def default_name(source: str) -> str:
+    """A template name from a source: the repository's or file's base name,
+    lowercased, without tag or extension, other characters as ``-``."""
+    base = source.rstrip("/")
+    if base.startswith("docker://"):
+        base = base[len("docker://"):].split("@", 1)[0]
+        last = base.rsplit("/", 1)[-1]
+        base = last.split(":", 1)[0]
+    else:
+        base = Path(base).name
+        for ext in (".tar.gz", ".tgz", ".tar.zst", ".tar", ".oci"):
+            if base.endswith(ext):
+                base = base[: -len(ext)]
+                break
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in base.lower()).strip("-._")
+    return name[:120] or "image"
+
+
+def import_image(
+    source: str,
+    store: Store,
+    *,
+    name: str | None = None,
+    ref: str | None = None,
+    merge_small: int | None = None,
+    insecure: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    workdir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ImportResult:
+    """Import the image at ``source`` (an OCI layout directory, a ``docker save``
+    or OCI archive, or ``docker://HOST/REPO:TAG``) into ``store`` as groups
+    ``NAME.0`` .. ``NAME.K`` (bottom to top) and template ``NAME``.
+
+    ``name``: template name (default from the source, :func:`default_name`).
+    ``ref``: which image of a layout or archive holding several (an OCI
+    ``org.opencontainers.image.ref.name`` or a docker ``RepoTags`` entry).
+    ``merge_small``: bytes, see :func:`plan_groups`.  ``insecure``: reach a
+    non-loopback registry without TLS verification.  ``workdir``: parent of the
+    temporary trees (needs about the image's unpacked size; default the
+    system's temporary directory).  ``progress`` hears one line per step.
+
+    Raises :class:`InvalidInputError` (bad source, name or image; truncated or
+    corrupt archive or layer; missing blob; unsafe layer entry),
+    :class:`DigestMismatchError` (a blob or layer whose digest or size is not
+    its descriptor's), :class:`NotFoundError` (no such path, ref or registry
+    image), :class:`ToolMissingError` (no skopeo or mkfs.erofs),
+    :class:`RuntimeFailedError` (skopeo or mkfs.erofs failed).
+    """
+    started = time.monotonic()
+    say = progress or (lambda _msg: None)
+    name = check_name(name or default_name(source))
+    with open_source(source, insecure=insecure) as src:
+        image = src.read_image(ref)
+        say(f"{image.reference}: {len(image.layers)} layers, config {image.config_digest[:19]}")
+        if not image.layers:
+            raise InvalidInputError(f"{image.reference}: the image has no layers")
+        plan = plan_groups([_layer_size(src, layer) for layer in image.layers], merge_small)
+        names = [f"{name}.{k}" for k in range(len(plan))]
+        for group_name in names:
+            check_name(group_name)
+        tmp = Path(tempfile.mkdtemp(dir=workdir, prefix="weenv-import-"))
+        try:
+            trees, stats, runtime = _unpack(src, image, plan, tmp, say)
+            results = []
+            for k, (tree, group_name) in enumerate(zip(trees, names)):
+                layers = plan[k]
+                say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, mkfs.erofs + publish")
+                results.append(build_group(
+                    tree, store, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
+                    source={
+                        "type": "image",
+                        "image": image.reference,
+                        "config": image.config_digest,
+                        "layers": ",".join(image.layers[i].diff_id for i in layers),
+                    },
+                ))
+                shutil.rmtree(tree, ignore_errors=True)
+        finally:
+            _rmtree(tmp)
+    digest, manifest = create_template(store, name, [r.digest for r in results], runtime=runtime)
+    for group_name, r in zip(names, results):
+        store.set_ref("groups", group_name, r.digest)
+    return ImportResult(digest, manifest, results, plan, stats, time.monotonic() - started)
+
+
+def _layer_size(src: ImageSource, layer) -> int:
+    if layer.size is not None:
+        return layer.size
+    return src.blob_size(layer.location)
+
+
+def _unpack(
+    src: ImageSource, image: Image, plan: list[list[int]], tmp: Path, say: Callable[[str], None]
+) -> tuple[list[Path], list[LayerStats], RuntimeConfig]:
+    """Apply every layer to its group's tree under ``tmp``; return the trees,
+    per-layer stats and the runtime config (read while the trees exist)."""
+    view = View()
+    trees: list[Path] = []
+    stats: list[LayerStats] = []
+    for k, layer_indexes in enumerate(plan):
+        tree = GroupTree(tmp / f"group-{k}", k, view, trees)
+        for i in layer_indexes:
+            layer = image.layers[i]
+            what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
+            with open_layer(src, layer, what) as tar:
+                stats.append(tree.apply_layer(tar, what))
+            say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                f"{stats[-1].opaque_dirs} opaque dirs")
+        tree.finish()
+        view.apply_group(tree.root, k)
+        trees.append(tree.root)
+
+    def read_file(path: str) -> bytes | None:
+        parts = tuple(p for p in path.split("/") if p)
+        group = view.lookup(parts)
+        if not isinstance(group, int):
+            return None
+        f = trees[group].joinpath(*parts)
+        st = os.lstat(f)
+        return f.read_bytes() if stat.S_ISREG(st.st_mode) else None
+
+    return trees, stats, runtime_from_config(image.config, read_file)
+
+
+def _rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""weenv's Python SDK: environments on a weenv daemon, as sandboxes.
+
+::
+
+    from weenv import Sandbox
+
+    with Sandbox.create("task", timeout=600) as sb:           # killed on exit
+        r = sb.commands.run("python3 -c 'print(6*7)'", on_stdout=print)
+        assert r.exit_code == 0 and r.stdout == "42\\n"
+        sb.files.write("/workspace/data.bin", b"\\x00\\x01")
+        sandboxes = Sandbox.create_many("task", count=64)   # one request, created concurrently
+
+:class:`AsyncSandbox` offers the same calls as coroutines.  The daemon is found
+by ``api_url``/``api_key`` arguments, else ``WEENV_API_URL`` and ``WEENV_API_KEY``
+(TCP), else the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
+
+One implementation of the logic serves both faces (:mod:`weenv.sdk._core`:
+generator flows free of I/O); :mod:`weenv.sdk._sync` and :mod:`weenv.sdk._async`
+only drive them with ``httpx.Client`` or ``httpx.AsyncClient``.  Errors are
+those of :mod:`weenv.errors`, re-exported here.
+"""
+
+from weenv.errors import (
+    AuthenticationError,
+    CapacityError,
+    CommandTimeoutError,
+    DaemonError,
+    InvalidInputError,
+    NotFoundError,
+    OutputLimitError,
+    WeenvError,
+)
+from weenv.sdk._async import AsyncCommandHandle, AsyncSandbox
+from weenv.sdk._core import CommandResult
+from weenv.sdk._sync import CommandHandle, Sandbox
+
+__all__ = [
+    "AsyncCommandHandle", "AsyncSandbox", "AuthenticationError", "CapacityError", "CommandHandle",
+    "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NotFoundError",
+    "OutputLimitError", "Sandbox", "WeenvError",
+]

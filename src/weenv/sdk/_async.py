@@ -1,0 +1,407 @@
+"""The asyncio face of the SDK: :class:`AsyncSandbox` on ``httpx.AsyncClient``.
+
+Only the I/O edge lives here (the driver and one-line methods); the logic is in
+:mod:`weenv.sdk._core`, shared with :mod:`weenv.sdk._sync`, which this module
+mirrors method for method (``tests/test_sdk.py`` checks the two faces offer
+the same methods with the same parameters).  Callbacks may be plain functions
+or coroutine functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, BinaryIO, Literal
+
+import httpx
+
+from weenv.errors import WeenvError
+from weenv.node.models import EntryInfo, EnvironmentInfo, ProcessInfo, TemplateInfo, WriteInfo
+from weenv.sdk import _core
+from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
+
+CHUNK = 1 << 20
+
+
+class _Connection:
+    """One ``httpx.Client`` to the daemon, shared by the sandboxes made together
+    (reference-counted: the last :meth:`release` closes it)."""
+
+    def __init__(self, config: ConnectionConfig):
+        self.config = config
+        transport = httpx.AsyncHTTPTransport(uds=config.socket) if config.socket else None
+        self.http = httpx.AsyncClient(base_url=config.base_url, headers=config.headers, transport=transport,
+                                 timeout=httpx.Timeout(config.request_timeout, connect=10.0))
+        self._refs = 1
+        self._lock = threading.Lock()
+
+    def retain(self) -> "_Connection":
+        with self._lock:
+            self._refs += 1
+        return self
+
+    async def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            await self.http.aclose()
+
+    async def drive(self, flow: Flow[Any]) -> Any:
+        """Run ``flow``, performing its effects (see :mod:`weenv.sdk._core`)."""
+        stream = None
+        lines = None
+        try:
+            effect = next(flow)
+            while True:
+                value: Any = None
+                error: WeenvError | None = None
+                try:
+                    if isinstance(effect, Call):
+                        if stream is not None:
+                            await stream.aclose()
+                            stream = None
+                        if effect.stream:
+                            stream = await self._open_stream(effect)
+                            lines = stream.aiter_lines()
+                            value = await self._next_line(lines)
+                        else:
+                            value = await self._request(effect)
+                    elif effect is NEXT:
+                        value = await self._next_line(lines)
+                    elif isinstance(effect, Invoke):
+                        value = effect.fn(*effect.args)
+                        if inspect.isawaitable(value):
+                            value = await value
+                    else:
+                        raise TypeError(f"unknown effect {effect!r}")
+                except httpx.HTTPError as exc:
+                    error = _core.error_for_transport(exc, self.config.where)
+                    error.__cause__ = exc
+                except WeenvError as exc:
+                    error = exc
+                effect = flow.throw(error) if error is not None else flow.send(value)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            if stream is not None:
+                await stream.aclose()
+            flow.close()
+
+    def _kw(self, call: Call) -> dict[str, Any]:
+        kw: dict[str, Any] = {"params": call.params}
+        if call.json is not None:
+            kw["content"] = call.json.model_dump_json().encode()
+            kw["headers"] = {"content-type": "application/json"}
+        elif call.content is not None:
+            kw["content"] = _body(call.content)
+            kw["headers"] = {"content-type": "application/octet-stream"}
+        if call.timeout != "default":
+            kw["timeout"] = httpx.Timeout(call.timeout, connect=10.0)
+        return kw
+
+    async def _request(self, call: Call) -> Reply:
+        r = await self.http.request(call.method, call.path, **self._kw(call))
+        if r.status_code >= 400:
+            raise _core.error_for_reply(r.status_code, r.content)
+        return Reply(r.status_code, dict(r.headers), r.content)
+
+    async def _open_stream(self, call: Call) -> httpx.Response:
+        req = self.http.build_request(call.method, call.path, **self._kw(call))
+        r = await self.http.send(req, stream=True)
+        if r.status_code >= 400:
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
+            raise _core.error_for_reply(r.status_code, r.content)
+        return r
+
+    @staticmethod
+    async def _next_line(lines) -> Any:
+        async for line in lines:
+            parsed = _core.parse_line(line)
+            if parsed is not None:
+                return parsed
+        return END
+
+    async def download(self, path: str, params: dict, dest: BinaryIO) -> int:
+        try:
+            async with self.http.stream("GET", path, params=params, timeout=httpx.Timeout(None, connect=10.0)) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _core.error_for_reply(r.status_code, r.content)
+                n = 0
+                async for chunk in r.aiter_bytes(CHUNK):
+                    dest.write(chunk)
+                    n += len(chunk)
+                return n
+        except httpx.HTTPError as exc:
+            raise _core.error_for_transport(exc, self.config.where) from exc
+
+
+def _body(content: Any) -> Any:
+    """bytes as they are; a binary file object or an iterable as an async iterator."""
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    if hasattr(content, "__aiter__"):
+        return content
+    chunks = iter(lambda: content.read(CHUNK), b"") if hasattr(content, "read") else iter(content)
+    return _aiter(chunks)
+
+
+async def _aiter(chunks) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+class AsyncCommandHandle:
+    """A command running in the background (``commands.run(..., background=True)``)."""
+
+    def __init__(self, sandbox: "AsyncSandbox", info: ProcessInfo):
+        self.sandbox = sandbox
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    async def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
+             ) -> CommandResult:
+        """Follow its output (kept output first) until it ends; its result.
+        Raises :class:`CommandTimeoutError` if its timeout killed it."""
+        return await self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    async def kill(self, signal: str | int = "KILL") -> bool:
+        return await self.sandbox._drive(_core.kill_process(self.sandbox.id, self.pid, signal))
+
+    async def send_stdin(self, data: bytes | str, *, eof: bool = False) -> None:
+        await self.sandbox._drive(_core.send_stdin(self.sandbox.id, self.pid, data, eof=eof))
+
+    async def refresh(self) -> ProcessInfo:
+        self.info = await self.sandbox._drive(_core.process(self.sandbox.id, self.pid))
+        return self.info
+
+
+class AsyncCommands:
+    def __init__(self, sandbox: "AsyncSandbox"):
+        self._s = sandbox
+
+    async def run(self, cmd: str | list[str], *, background: bool = False,
+            on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
+            timeout: float | None = None, envs: dict[str, str] | None = None, cwd: str | None = None,
+            stdin: bytes | str | None = None, stdin_open: bool = False, tag: str | None = None,
+            ) -> Any:
+        """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
+        output reaches ``on_stdout``/``on_stderr`` as it comes.  With
+        ``background``, return a :class:`CommandHandle` at once.  ``timeout``
+        (seconds) kills the command: :class:`CommandTimeoutError`."""
+        req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
+                                 stdin_open=stdin_open, tag=tag)
+        if background:
+            return AsyncCommandHandle(self._s, await self._s._drive(_core.start(self._s.id, req)))
+        return await self._s._drive(_core.run(self._s.id, req, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    async def list(self) -> list[ProcessInfo]:
+        return await self._s._drive(_core.processes(self._s.id))
+
+    async def connect(self, pid: int) -> AsyncCommandHandle:
+        return AsyncCommandHandle(self._s, await self._s._drive(_core.process(self._s.id, pid)))
+
+    async def kill(self, pid: int, signal: str | int = "KILL") -> bool:
+        return await self._s._drive(_core.kill_process(self._s.id, pid, signal))
+
+    async def send_stdin(self, pid: int, data: bytes | str, *, eof: bool = False) -> None:
+        await self._s._drive(_core.send_stdin(self._s.id, pid, data, eof=eof))
+
+
+class AsyncFiles:
+    def __init__(self, sandbox: "AsyncSandbox"):
+        self._s = sandbox
+
+    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> Any:
+        return await self._s._drive(_core.read_file(self._s.id, path, format=format))
+
+    async def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes]) -> WriteInfo:
+        return await self._s._drive(_core.write_file(self._s.id, path, data))
+
+    async def upload(self, local_path: str | os.PathLike, path: str) -> WriteInfo:
+        """Stream the local file ``local_path`` to ``path`` inside."""
+        with open(local_path, "rb") as f:
+            return await self.write(path, f)
+
+    async def download(self, path: str, local_path: str | os.PathLike) -> int:
+        """Stream ``path`` inside to the local file ``local_path``; bytes written."""
+        url, params = _core.download_path(self._s.id, path)
+        with open(local_path, "wb") as f:
+            return await self._s._conn.download(url, params, f)
+
+    async def list(self, path: str = "/") -> list[EntryInfo]:
+        return await self._s._drive(_core.list_dir(self._s.id, path))
+
+    async def stat(self, path: str) -> EntryInfo:
+        return await self._s._drive(_core.stat(self._s.id, path))
+
+    async def exists(self, path: str) -> bool:
+        return await self._s._drive(_core.exists(self._s.id, path))
+
+    async def remove(self, path: str) -> None:
+        await self._s._drive(_core.remove(self._s.id, path))
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self._s._drive(_core.rename(self._s.id, src, dst))
+
+    async def make_dir(self, path: str) -> None:
+        await self._s._drive(_core.make_dir(self._s.id, path))
+
+
+class AsyncSandbox:
+    """One weenv environment, reached through the daemon's API.
+
+    Make one with :meth:`create` (or :meth:`create_many`, :meth:`connect`).
+    The daemon is found by ``api_url``/``api_key``, else ``WEENV_API_URL`` and
+    ``WEENV_API_KEY``, else the local Unix socket.  As a context manager it
+    kills the environment on exit.  Errors are :mod:`weenv.errors` kinds:
+    :class:`NotFoundError`, :class:`InvalidInputError` (bad request),
+    :class:`CommandTimeoutError`, :class:`AuthenticationError`,
+    :class:`CapacityError`, :class:`DaemonError` (unreachable).
+    """
+
+    def __init__(self, info: EnvironmentInfo, connection: _Connection):
+        self.info = info
+        self._conn = connection
+        self._closed = False
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    sandbox_id = id
+
+    async def _drive(self, flow: Flow[Any]) -> Any:
+        return await self._conn.drive(flow)
+
+    # --- making sandboxes ------------------------------------------------------------
+    @classmethod
+    async def create(cls, template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
+               metadata: dict[str, str] | None = None, resources: Any = None, api_url: str | None = None,
+               api_key: str | None = None, request_timeout: float | None = None) -> "AsyncSandbox":
+        """Create an environment from ``template``; ``timeout``: seconds it lives
+        (default 300, see :meth:`set_timeout`); ``envs``: variables of every
+        command; ``metadata``: labels; ``resources``: a
+        :class:`~weenv.packaging.manifest.Resources` or dict overriding the template's."""
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        try:
+            info = await conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources))
+        except BaseException:
+            await conn.release()
+            raise
+        return cls(info, conn)
+
+    @classmethod
+    async def create_many(cls, templates: str | list[str], count: int | None = None, *, timeout: float | None = None,
+                    envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+                    resources: Any = None, concurrency: int | None = None,
+                    on_ready: Callable[[int, "AsyncSandbox"], Any] | None = None, return_exceptions: bool = False,
+                    api_url: str | None = None, api_key: str | None = None,
+                    request_timeout: float | None = None) -> list[Any]:
+        """Create many environments in one request (``templates`` as a list, or
+        one template ``count`` times), concurrently on the node; ``on_ready(i,
+        sandbox)`` is called as each is ready.  Returns sandboxes in request
+        order.  If one fails, the others are killed and its error raised, unless
+        ``return_exceptions`` (then the list holds the error in its place)."""
+        items = [_core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
+                 for t in _templates(templates, count)]
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        made: dict[int, AsyncSandbox] = {}
+
+        def ready(i: int, info: EnvironmentInfo):
+            made[i] = cls(info, conn.retain())
+            return on_ready(i, made[i]) if on_ready is not None else None  # awaited by the driver if a coroutine
+
+        try:
+            results = await conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
+                                                   return_exceptions=return_exceptions))
+        except BaseException:
+            for s in made.values():
+                await s.close()
+            raise
+        finally:
+            await conn.release()
+        return [made[i] if isinstance(r, EnvironmentInfo) else r for i, r in enumerate(results)]
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None,
+                request_timeout: float | None = None) -> "AsyncSandbox":
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        try:
+            return cls(await conn.drive(_core.get(sandbox_id)), conn)
+        except BaseException:
+            await conn.release()
+            raise
+
+    @classmethod
+    async def list(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[EnvironmentInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return await conn.drive(_core.list_environments())
+        finally:
+            await conn.release()
+
+    @classmethod
+    async def templates(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[TemplateInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return await conn.drive(_core.templates())
+        finally:
+            await conn.release()
+
+    # --- this sandbox ----------------------------------------------------------------
+    async def get_info(self) -> EnvironmentInfo:
+        self.info = await self._drive(_core.get(self.id))
+        return self.info
+
+    async def is_running(self) -> bool:
+        try:
+            await self.get_info()
+        except _core.NotFoundError:
+            return False
+        return True
+
+    async def set_timeout(self, timeout: float) -> None:
+        """Destroy the environment ``timeout`` seconds from now."""
+        self.info = await self._drive(_core.set_timeout(self.id, timeout))
+
+    async def kill(self) -> bool:
+        """Destroy the environment (whether it still existed) and close the connection."""
+        try:
+            return await self._drive(_core.kill(self.id))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Let go of the connection; the environment lives on until killed or timed out.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            await self._conn.release()
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.kill()
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, template={self.info.template!r})"
+
+
+def _templates(templates: str | list[str], count: int | None) -> list[str]:
+    if isinstance(templates, str):
+        return [templates] * (1 if count is None else count)
+    if count is not None:
+        raise _core.InvalidInputError("give count with one template, not with a list")
+    return list(templates)

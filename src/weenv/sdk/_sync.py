@@ -1,0 +1,396 @@
+"""The blocking face of the SDK: :class:`Sandbox` on ``httpx.Client``.
+
+Only the I/O edge lives here (the driver and one-line methods); the logic is in
+:mod:`weenv.sdk._core`, shared with :mod:`weenv.sdk._async`, which mirrors this
+module method for method.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO, Literal
+
+import httpx
+
+from weenv.errors import WeenvError
+from weenv.node.models import EntryInfo, EnvironmentInfo, ProcessInfo, TemplateInfo, WriteInfo
+from weenv.sdk import _core
+from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
+
+CHUNK = 1 << 20
+
+
+class _Connection:
+    """One ``httpx.Client`` to the daemon, shared by the sandboxes made together
+    (reference-counted: the last :meth:`release` closes it)."""
+
+    def __init__(self, config: ConnectionConfig):
+        self.config = config
+        transport = httpx.HTTPTransport(uds=config.socket) if config.socket else None
+        self.http = httpx.Client(base_url=config.base_url, headers=config.headers, transport=transport,
+                                 timeout=httpx.Timeout(config.request_timeout, connect=10.0))
+        self._refs = 1
+        self._lock = threading.Lock()
+
+    def retain(self) -> "_Connection":
+        with self._lock:
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            self.http.close()
+
+    def drive(self, flow: Flow[Any]) -> Any:
+        """Run ``flow``, performing its effects (see :mod:`weenv.sdk._core`)."""
+        stream = None
+        lines = None
+        try:
+            effect = next(flow)
+            while True:
+                value: Any = None
+                error: WeenvError | None = None
+                try:
+                    if isinstance(effect, Call):
+                        if stream is not None:
+                            stream.close()
+                            stream = None
+                        if effect.stream:
+                            stream = self._open_stream(effect)
+                            lines = stream.iter_lines()
+                            value = self._next_line(lines)
+                        else:
+                            value = self._request(effect)
+                    elif effect is NEXT:
+                        value = self._next_line(lines)
+                    elif isinstance(effect, Invoke):
+                        value = effect.fn(*effect.args)
+                    else:
+                        raise TypeError(f"unknown effect {effect!r}")
+                except httpx.HTTPError as exc:
+                    error = _core.error_for_transport(exc, self.config.where)
+                    error.__cause__ = exc
+                except WeenvError as exc:
+                    error = exc
+                effect = flow.throw(error) if error is not None else flow.send(value)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            if stream is not None:
+                stream.close()
+            flow.close()
+
+    def _kw(self, call: Call) -> dict[str, Any]:
+        kw: dict[str, Any] = {"params": call.params}
+        if call.json is not None:
+            kw["content"] = call.json.model_dump_json().encode()
+            kw["headers"] = {"content-type": "application/json"}
+        elif call.content is not None:
+            kw["content"] = _body(call.content)
+            kw["headers"] = {"content-type": "application/octet-stream"}
+        if call.timeout != "default":
+            kw["timeout"] = httpx.Timeout(call.timeout, connect=10.0)
+        return kw
+
+    def _request(self, call: Call) -> Reply:
+        r = self.http.request(call.method, call.path, **self._kw(call))
+        if r.status_code >= 400:
+            raise _core.error_for_reply(r.status_code, r.content)
+        return Reply(r.status_code, dict(r.headers), r.content)
+
+    def _open_stream(self, call: Call) -> httpx.Response:
+        req = self.http.build_request(call.method, call.path, **self._kw(call))
+        r = self.http.send(req, stream=True)
+        if r.status_code >= 400:
+            try:
+                r.read()
+            finally:
+                r.close()
+            raise _core.error_for_reply(r.status_code, r.content)
+        return r
+
+    @staticmethod
+    def _next_line(lines) -> Any:
+        for line in lines:
+            parsed = _core.parse_line(line)
+            if parsed is not None:
+                return parsed
+        return END
+
+    def download(self, path: str, params: dict, dest: BinaryIO) -> int:
+        try:
+            with self.http.stream("GET", path, params=params, timeout=httpx.Timeout(None, connect=10.0)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise _core.error_for_reply(r.status_code, r.content)
+                n = 0
+                for chunk in r.iter_bytes(CHUNK):
+                    dest.write(chunk)
+                    n += len(chunk)
+                return n
+        except httpx.HTTPError as exc:
+            raise _core.error_for_transport(exc, self.config.where) from exc
+
+
+def _body(content: Any) -> Any:
+    """bytes as they are; a binary file object read in chunks; an iterable as it is."""
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    if hasattr(content, "read"):
+        return iter(lambda: content.read(CHUNK), b"")
+    return content
+
+
+class CommandHandle:
+    """A command running in the background (``commands.run(..., background=True)``)."""
+
+    def __init__(self, sandbox: "Sandbox", info: ProcessInfo):
+        self.sandbox = sandbox
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
+             ) -> CommandResult:
+        """Follow its output (kept output first) until it ends; its result.
+        Raises :class:`CommandTimeoutError` if its timeout killed it."""
+        return self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    def kill(self, signal: str | int = "KILL") -> bool:
+        return self.sandbox._drive(_core.kill_process(self.sandbox.id, self.pid, signal))
+
+    def send_stdin(self, data: bytes | str, *, eof: bool = False) -> None:
+        self.sandbox._drive(_core.send_stdin(self.sandbox.id, self.pid, data, eof=eof))
+
+    def refresh(self) -> ProcessInfo:
+        self.info = self.sandbox._drive(_core.process(self.sandbox.id, self.pid))
+        return self.info
+
+
+class Commands:
+    def __init__(self, sandbox: "Sandbox"):
+        self._s = sandbox
+
+    def run(self, cmd: str | list[str], *, background: bool = False,
+            on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
+            timeout: float | None = None, envs: dict[str, str] | None = None, cwd: str | None = None,
+            stdin: bytes | str | None = None, stdin_open: bool = False, tag: str | None = None,
+            ) -> Any:
+        """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
+        output reaches ``on_stdout``/``on_stderr`` as it comes.  With
+        ``background``, return a :class:`CommandHandle` at once.  ``timeout``
+        (seconds) kills the command: :class:`CommandTimeoutError`."""
+        req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
+                                 stdin_open=stdin_open, tag=tag)
+        if background:
+            return CommandHandle(self._s, self._s._drive(_core.start(self._s.id, req)))
+        return self._s._drive(_core.run(self._s.id, req, on_stdout=on_stdout, on_stderr=on_stderr))
+
+    def list(self) -> list[ProcessInfo]:
+        return self._s._drive(_core.processes(self._s.id))
+
+    def connect(self, pid: int) -> CommandHandle:
+        return CommandHandle(self._s, self._s._drive(_core.process(self._s.id, pid)))
+
+    def kill(self, pid: int, signal: str | int = "KILL") -> bool:
+        return self._s._drive(_core.kill_process(self._s.id, pid, signal))
+
+    def send_stdin(self, pid: int, data: bytes | str, *, eof: bool = False) -> None:
+        self._s._drive(_core.send_stdin(self._s.id, pid, data, eof=eof))
+
+
+class Files:
+    def __init__(self, sandbox: "Sandbox"):
+        self._s = sandbox
+
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> Any:
+        return self._s._drive(_core.read_file(self._s.id, path, format=format))
+
+    def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes]) -> WriteInfo:
+        return self._s._drive(_core.write_file(self._s.id, path, data))
+
+    def upload(self, local_path: str | os.PathLike, path: str) -> WriteInfo:
+        """Stream the local file ``local_path`` to ``path`` inside."""
+        with open(local_path, "rb") as f:
+            return self.write(path, f)
+
+    def download(self, path: str, local_path: str | os.PathLike) -> int:
+        """Stream ``path`` inside to the local file ``local_path``; bytes written."""
+        url, params = _core.download_path(self._s.id, path)
+        with open(local_path, "wb") as f:
+            return self._s._conn.download(url, params, f)
+
+    def list(self, path: str = "/") -> list[EntryInfo]:
+        return self._s._drive(_core.list_dir(self._s.id, path))
+
+    def stat(self, path: str) -> EntryInfo:
+        return self._s._drive(_core.stat(self._s.id, path))
+
+    def exists(self, path: str) -> bool:
+        return self._s._drive(_core.exists(self._s.id, path))
+
+    def remove(self, path: str) -> None:
+        self._s._drive(_core.remove(self._s.id, path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self._s._drive(_core.rename(self._s.id, src, dst))
+
+    def make_dir(self, path: str) -> None:
+        self._s._drive(_core.make_dir(self._s.id, path))
+
+
+class Sandbox:
+    """One weenv environment, reached through the daemon's API.
+
+    Make one with :meth:`create` (or :meth:`create_many`, :meth:`connect`).
+    The daemon is found by ``api_url``/``api_key``, else ``WEENV_API_URL`` and
+    ``WEENV_API_KEY``, else the local Unix socket.  As a context manager it
+    kills the environment on exit.  Errors are :mod:`weenv.errors` kinds:
+    :class:`NotFoundError`, :class:`InvalidInputError` (bad request),
+    :class:`CommandTimeoutError`, :class:`AuthenticationError`,
+    :class:`CapacityError`, :class:`DaemonError` (unreachable).
+    """
+
+    def __init__(self, info: EnvironmentInfo, connection: _Connection):
+        self.info = info
+        self._conn = connection
+        self._closed = False
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    sandbox_id = id
+
+    def _drive(self, flow: Flow[Any]) -> Any:
+        return self._conn.drive(flow)
+
+    # --- making sandboxes ------------------------------------------------------------
+    @classmethod
+    def create(cls, template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
+               metadata: dict[str, str] | None = None, resources: Any = None, api_url: str | None = None,
+               api_key: str | None = None, request_timeout: float | None = None) -> "Sandbox":
+        """Create an environment from ``template``; ``timeout``: seconds it lives
+        (default 300, see :meth:`set_timeout`); ``envs``: variables of every
+        command; ``metadata``: labels; ``resources``: a
+        :class:`~weenv.packaging.manifest.Resources` or dict overriding the template's."""
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        try:
+            info = conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources))
+        except BaseException:
+            conn.release()
+            raise
+        return cls(info, conn)
+
+    @classmethod
+    def create_many(cls, templates: str | list[str], count: int | None = None, *, timeout: float | None = None,
+                    envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+                    resources: Any = None, concurrency: int | None = None,
+                    on_ready: Callable[[int, "Sandbox"], Any] | None = None, return_exceptions: bool = False,
+                    api_url: str | None = None, api_key: str | None = None,
+                    request_timeout: float | None = None) -> list[Any]:
+        """Create many environments in one request (``templates`` as a list, or
+        one template ``count`` times), concurrently on the node; ``on_ready(i,
+        sandbox)`` is called as each is ready.  Returns sandboxes in request
+        order.  If one fails, the others are killed and its error raised, unless
+        ``return_exceptions`` (then the list holds the error in its place)."""
+        items = [_core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
+                 for t in _templates(templates, count)]
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        made: dict[int, Sandbox] = {}
+
+        def ready(i: int, info: EnvironmentInfo):
+            made[i] = cls(info, conn.retain())
+            return on_ready(i, made[i]) if on_ready is not None else None
+
+        try:
+            results = conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
+                                                   return_exceptions=return_exceptions))
+        except BaseException:
+            for s in made.values():
+                s.close()
+            raise
+        finally:
+            conn.release()
+        return [made[i] if isinstance(r, EnvironmentInfo) else r for i, r in enumerate(results)]
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None,
+                request_timeout: float | None = None) -> "Sandbox":
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
+        try:
+            return cls(conn.drive(_core.get(sandbox_id)), conn)
+        except BaseException:
+            conn.release()
+            raise
+
+    @classmethod
+    def list(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[EnvironmentInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.list_environments())
+        finally:
+            conn.release()
+
+    @classmethod
+    def templates(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[TemplateInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.templates())
+        finally:
+            conn.release()
+
+    # --- this sandbox ----------------------------------------------------------------
+    def get_info(self) -> EnvironmentInfo:
+        self.info = self._drive(_core.get(self.id))
+        return self.info
+
+    def is_running(self) -> bool:
+        try:
+            self.get_info()
+        except _core.NotFoundError:
+            return False
+        return True
+
+    def set_timeout(self, timeout: float) -> None:
+        """Destroy the environment ``timeout`` seconds from now."""
+        self.info = self._drive(_core.set_timeout(self.id, timeout))
+
+    def kill(self) -> bool:
+        """Destroy the environment (whether it still existed) and close the connection."""
+        try:
+            return self._drive(_core.kill(self.id))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let go of the connection; the environment lives on until killed or timed out.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._conn.release()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, template={self.info.template!r})"
+
+
+def _templates(templates: str | list[str], count: int | None) -> list[str]:
+    if isinstance(templates, str):
+        return [templates] * (1 if count is None else count)
+    if count is not None:
+        raise _core.InvalidInputError("give count with one template, not with a list")
+    return list(templates)

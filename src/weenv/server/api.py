@@ -1,0 +1,375 @@
+"""The weenv API (``/v1``): FastAPI routes over a :class:`~weenv.node.node.Node`.
+
+JSON bodies are the models of :mod:`weenv.node.models`; streamed answers are
+NDJSON (``application/x-ndjson``: one JSON object per line, sent as it is
+ready, bytes base64-encoded)::
+
+    GET    /v1/health                                 -> {"status": "ok", "environments": N}   (no key needed)
+    GET    /v1/metrics                                -> Prometheus text format
+    GET    /v1/stats                                  -> NodeStats
+    GET    /v1/stats/provision?env=ID                 -> ProvisionStats (quotas, usage history, events)
+    GET    /v1/templates                              -> [TemplateInfo]
+    GET    /v1/templates/{name}                       -> TemplateInfo
+    POST   /v1/environments                           CreateRequest -> 201 EnvironmentInfo
+    POST   /v1/environments/batch                     BatchCreateRequest -> NDJSON BatchCreateEvent, as each is ready
+    GET    /v1/environments                           -> [EnvironmentInfo]
+    GET    /v1/environments/{id}                      -> EnvironmentInfo
+    DELETE /v1/environments/{id}                      -> 204
+    POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
+    POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit)
+    POST   /v1/environments/{id}/commands/stream      ExecRequest -> NDJSON ProcessEvent (killed if the client leaves)
+    POST   /v1/environments/{id}/processes            ExecRequest -> 201 ProcessInfo (runs in the background)
+    GET    /v1/environments/{id}/processes            -> [ProcessInfo]
+    GET    /v1/environments/{id}/processes/{pid}      -> ProcessInfo
+    GET    /v1/environments/{id}/processes/{pid}/output  -> NDJSON ProcessEvent: kept output, then live, to the end
+    POST   /v1/environments/{id}/processes/{pid}/wait?timeout=S  -> ProcessInfo (when ended, or after S seconds)
+    POST   /v1/environments/{id}/processes/{pid}/kill    KillRequest -> 204
+    POST   /v1/environments/{id}/processes/{pid}/stdin   ProcessStdin -> 204
+    GET    /v1/environments/{id}/files?path=P         -> the file's bytes, streamed
+    PUT    /v1/environments/{id}/files?path=P         body streamed to the file -> WriteInfo
+    DELETE /v1/environments/{id}/files?path=P         -> 204 (a file, link or whole tree)
+    GET    /v1/environments/{id}/files/stat?path=P    -> EntryInfo
+    GET    /v1/environments/{id}/files/list?path=P    -> [EntryInfo]
+    POST   /v1/environments/{id}/files/mkdir?path=P   -> 204 (parents too; fine if it exists)
+    POST   /v1/environments/{id}/files/rename         RenameRequest -> 204
+    POST   /v1/cache/drop                             -> 204
+    POST   /v1/shutdown                               -> 202
+
+Errors: ``{"error": {"kind": KIND, "message": TEXT}}`` (:class:`ErrorResponse`)
+with the status of :data:`weenv.server.app.STATUS`.  A failure after a stream
+began is its last line: ``{"type": "error", "error": {...}}`` for commands,
+``{"index": I, "error": {...}}`` per failed item of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from weenv.errors import AuthenticationError, WeenvError
+from weenv.node.models import (
+    BatchCreateEvent,
+    BatchCreateRequest,
+    CreateRequest,
+    EntryInfo,
+    EnvironmentInfo,
+    ErrorInfo,
+    ExecRequest,
+    ExecResult,
+    KillRequest,
+    NodeStats,
+    ProcessInfo,
+    ProcessStdin,
+    RenameRequest,
+    SetTimeoutRequest,
+    TemplateInfo,
+    WriteInfo,
+)
+from weenv.node.node import Node
+from weenv.node.provision import ProvisionStats
+from weenv.node.process import Process
+from weenv.server.auth import ApiKey, presented_key
+from weenv.server.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+NDJSON = "application/x-ndjson"
+FILE_CHUNK = 1 << 20
+DEFAULT_BATCH_CONCURRENCY = 8
+ERROR_RESPONSES = {
+    400: {"description": "bad request (kind invalid_input)"},
+    401: {"description": "no or wrong API key (kind authentication)"},
+    404: {"description": "unknown environment, template, command or path (kind not_found)"},
+}
+
+
+def api_router(
+    node: Node,
+    metrics: Metrics,
+    *,
+    api_key: ApiKey | None,
+    trusted_socket: str | None,
+    on_shutdown: Callable[[], None] | None = None,
+    max_output: int = 64 << 20,
+) -> APIRouter:
+    """The ``/v1`` routes.  ``api_key``: required from every client not on the
+    Unix socket ``trusted_socket`` (None: no key, every client refused there).
+    ``max_output``: bytes of output a captured command may write."""
+
+    def require_key(request: Request) -> None:
+        server = request.scope.get("server")
+        if trusted_socket is not None and server and server[1] is None and server[0] == trusted_socket:
+            return  # the Unix socket: its file mode (0600) decides who connects
+        if api_key is None or not api_key.matches(presented_key(request.headers)):
+            raise AuthenticationError(
+                "missing or wrong API key: send it as 'X-API-Key: KEY' or 'Authorization: Bearer KEY' "
+                "(the key is in $WEENV_HOME/run/api-key)"
+            )
+
+    open_r = APIRouter(prefix=PREFIX)
+    r = APIRouter(dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
+
+    @open_r.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "environments": len(node.list())}
+
+    @r.get("/metrics", response_class=Response)
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @r.get("/stats")
+    def stats() -> NodeStats:
+        return node.stats()
+
+    @r.get("/stats/provision")
+    def provision_stats(env: str | None = None) -> ProvisionStats:
+        return node.provision_stats(env)
+
+    # --- templates -------------------------------------------------------------------
+    @r.get("/templates")
+    def list_templates() -> list[TemplateInfo]:
+        return node.templates()
+
+    @r.get("/templates/{name}")
+    def get_template(name: str) -> TemplateInfo:
+        return node.template(name)
+
+    # --- environments ----------------------------------------------------------------
+    def create_one(req: CreateRequest) -> EnvironmentInfo:
+        try:
+            info = node.create(req.template, resources=req.resources, first_command=req.first_command,
+                               timeout=req.timeout, envs=req.envs, metadata=req.metadata)
+        except BaseException:
+            metrics.creates.labels("error").inc()
+            raise
+        metrics.creates.labels("ok").inc()
+        metrics.create_seconds.observe(info.timing.total_s)
+        return info
+
+    @r.post("/environments", status_code=201)
+    def create(req: CreateRequest) -> EnvironmentInfo:
+        return create_one(req)
+
+    @r.post("/environments/batch", response_class=StreamingResponse,
+            responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}})
+    async def create_batch(req: BatchCreateRequest) -> StreamingResponse:
+        workers = req.concurrency or min(DEFAULT_BATCH_CONCURRENCY, len(req.items))
+        return StreamingResponse(_batch(create_one, node, req.items, workers), media_type=NDJSON)
+
+    @r.get("/environments")
+    def list_environments() -> list[EnvironmentInfo]:
+        return node.list()
+
+    @r.get("/environments/{env_id}")
+    def get_environment(env_id: str) -> EnvironmentInfo:
+        return node.get(env_id)
+
+    @r.delete("/environments/{env_id}", status_code=204)
+    def destroy(env_id: str) -> Response:
+        node.destroy(env_id)
+        return Response(status_code=204)
+
+    @r.post("/environments/{env_id}/timeout")
+    def set_timeout(env_id: str, req: SetTimeoutRequest) -> EnvironmentInfo:
+        return node.set_timeout(env_id, req.timeout)
+
+    # --- commands --------------------------------------------------------------------
+    def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
+        return node.spawn(env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
+                          stdin_open=req.stdin_open, tag=req.tag, primary_reader=primary)
+
+    @r.post("/environments/{env_id}/commands")
+    def run_command(env_id: str, req: ExecRequest) -> ExecResult:
+        metrics.commands.labels("captured").inc()
+        return node.run(env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
+                        max_output=max_output)
+
+    @r.post("/environments/{env_id}/commands/stream", response_class=StreamingResponse,
+            responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
+    async def stream_command(env_id: str, req: ExecRequest) -> StreamingResponse:
+        p = await anyio.to_thread.run_sync(functools.partial(spawn, env_id, req, primary=True))
+        metrics.commands.labels("stream").inc()
+        assert p.primary is not None
+        return StreamingResponse(_events(p, p.primary, kill_on_close=True), media_type=NDJSON)
+
+    @r.post("/environments/{env_id}/processes", status_code=201)
+    def start_process(env_id: str, req: ExecRequest) -> ProcessInfo:
+        p = spawn(env_id, req, primary=False)
+        metrics.commands.labels("background").inc()
+        return p.info()
+
+    @r.get("/environments/{env_id}/processes")
+    def list_processes(env_id: str) -> list[ProcessInfo]:
+        return node.processes(env_id)
+
+    @r.get("/environments/{env_id}/processes/{pid}")
+    def get_process(env_id: str, pid: int) -> ProcessInfo:
+        return node.process(env_id, pid).info()
+
+    @r.get("/environments/{env_id}/processes/{pid}/output", response_class=StreamingResponse,
+           responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
+    def process_output(env_id: str, pid: int) -> StreamingResponse:
+        p = node.process(env_id, pid)
+        return StreamingResponse(_events(p, p.log.attach(), kill_on_close=False), media_type=NDJSON)
+
+    @r.post("/environments/{env_id}/processes/{pid}/wait")
+    def wait_process(env_id: str, pid: int, timeout: float = Query(default=60.0, gt=0, le=3600)) -> ProcessInfo:
+        p = node.process(env_id, pid)
+        p.wait(timeout)
+        return p.info()
+
+    @r.post("/environments/{env_id}/processes/{pid}/kill", status_code=204)
+    def kill_process(env_id: str, pid: int, req: KillRequest | None = None) -> Response:
+        node.process(env_id, pid).kill((req or KillRequest()).signal)
+        return Response(status_code=204)
+
+    @r.post("/environments/{env_id}/processes/{pid}/stdin", status_code=204)
+    def write_stdin(env_id: str, pid: int, req: ProcessStdin) -> Response:
+        node.process(env_id, pid).write_stdin(req.data, eof=req.eof)
+        return Response(status_code=204)
+
+    # --- files -----------------------------------------------------------------------
+    @r.get("/environments/{env_id}/files", response_class=StreamingResponse,
+           responses={200: {"content": {"application/octet-stream": {}}}})
+    def download(env_id: str, path: str) -> StreamingResponse:
+        f = node.files(env_id).open_read(path)
+        size = os.fstat(f.fileno()).st_size
+
+        def chunks():
+            with f:
+                left = size
+                while left > 0 and (data := f.read(min(FILE_CHUNK, left))):
+                    left -= len(data)
+                    yield data
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream",
+                                 headers={"content-length": str(size)})
+
+    @r.put("/environments/{env_id}/files", openapi_extra={
+        "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def upload(env_id: str, path: str, request: Request) -> WriteInfo:
+        fs = node.files(env_id)
+        f = await anyio.to_thread.run_sync(fs.open_write, path)
+        size = 0
+        buf = bytearray()
+        try:
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) >= FILE_CHUNK:
+                    await anyio.to_thread.run_sync(f.write, bytes(buf))
+                    size += len(buf)
+                    buf.clear()
+            if buf:
+                await anyio.to_thread.run_sync(f.write, bytes(buf))
+                size += len(buf)
+        finally:
+            f.close()
+        return WriteInfo(path=path, size=size)
+
+    @r.delete("/environments/{env_id}/files", status_code=204)
+    def remove(env_id: str, path: str) -> Response:
+        node.files(env_id).remove(path)
+        return Response(status_code=204)
+
+    @r.get("/environments/{env_id}/files/stat")
+    def stat(env_id: str, path: str) -> EntryInfo:
+        return node.files(env_id).stat(path)
+
+    @r.get("/environments/{env_id}/files/list")
+    def list_dir(env_id: str, path: str = "/") -> list[EntryInfo]:
+        return node.files(env_id).list_dir(path)
+
+    @r.post("/environments/{env_id}/files/mkdir", status_code=204)
+    def make_dir(env_id: str, path: str) -> Response:
+        node.files(env_id).make_dir(path)
+        return Response(status_code=204)
+
+    @r.post("/environments/{env_id}/files/rename", status_code=204)
+    def rename(env_id: str, req: RenameRequest) -> Response:
+        node.files(env_id).rename(req.src, req.dst)
+        return Response(status_code=204)
+
+    # --- the node --------------------------------------------------------------------
+    @r.post("/cache/drop", status_code=204)
+    def drop_cache() -> Response:
+        node.drop_caches()
+        return Response(status_code=204)
+
+    @r.post("/shutdown", status_code=202)
+    def shutdown() -> dict:
+        if on_shutdown is not None:
+            on_shutdown()
+        return {"status": "stopping"}
+
+    open_r.include_router(r)
+    return open_r
+
+
+def _line(model) -> bytes:
+    return model.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+async def _events(p: Process, reader: int, *, kill_on_close: bool) -> AsyncIterator[bytes]:
+    """NDJSON lines of ``p``'s events from ``reader``'s cursor to the end.  If
+    the client leaves first (the generator is closed) and ``kill_on_close``, the
+    command is killed: a foreground command does not outlive its caller."""
+    ended = False
+    try:
+        while True:
+            batch = await anyio.to_thread.run_sync(p.log.read, reader, 1.0)
+            if batch is None:
+                ended = True
+                return
+            if batch:
+                yield b"".join(_line(e) for e in batch)
+    finally:
+        p.log.detach(reader)
+        if kill_on_close and not ended and p.running:
+            with contextlib.suppress(WeenvError):
+                p.kill()
+
+
+async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: Node,
+                 items: list[CreateRequest], workers: int) -> AsyncIterator[bytes]:
+    """NDJSON :class:`BatchCreateEvent` lines in the order creates finish.
+    Environments created for a client that left before receiving them are destroyed."""
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weenv-create")
+    submitted = [pool.submit(create_one, item) for item in items]
+    futures = {asyncio.wrap_future(cf): i for i, cf in enumerate(submitted)}
+    pending = set(futures)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for f in sorted(done, key=futures.__getitem__):
+                i = futures[f]
+                exc = f.exception()
+                if exc is None:
+                    yield _line(BatchCreateEvent(index=i, environment=f.result()))
+                else:
+                    kind = exc.kind if isinstance(exc, WeenvError) else "weenv"
+                    if not isinstance(exc, WeenvError):
+                        log.error("batch create item %d failed", i, exc_info=exc)
+                    yield _line(BatchCreateEvent(index=i, error=ErrorInfo(kind=kind, message=str(exc))))
+    finally:
+        for f in pending:  # the client left: undo what it will never hear of
+            cf = submitted[futures[f]]
+            cf.cancel()  # one not started yet never runs
+            cf.add_done_callback(functools.partial(_destroy_result, node))
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _destroy_result(node: Node, f: concurrent.futures.Future) -> None:
+    if f.cancelled() or f.exception() is not None:
+        return
+    with contextlib.suppress(WeenvError):
+        node.destroy(f.result().id)

@@ -1,0 +1,63 @@
+"""E2B compatibility: the endpoints the official ``e2b`` Python SDK calls, over a weenv node.
+
+A user of the ``e2b`` SDK switches to weenv by pointing the SDK at it::
+
+    E2B_API_URL=http://HOST:PORT/e2b          # the control plane (REST)
+    E2B_SANDBOX_URL=http://HOST:PORT/e2b/envd # the in-sandbox services, one URL for all
+    E2B_API_KEY=e2b_...                       # a key this app accepts
+
+:func:`create_e2b_app` returns an ASGI app (FastAPI) to mount on the daemon's app
+(``app.mount("/e2b", create_e2b_app(node, api_keys=[api_key.e2b]))``):
+
+- ``/`` — E2B's REST API (:mod:`.api`): create, connect, list, get, kill, set_timeout;
+- ``/envd`` — envd, E2B's in-sandbox services (:mod:`.envd`): ``/files``, ``/health``
+  and the Connect RPC services ``process.Process`` (:mod:`.processes`) and
+  ``filesystem.Filesystem`` (:mod:`.files`), each request routed to the sandbox
+  its ``E2b-Sandbox-Id`` header names.
+
+Protocol sources: E2B's public ``spec/openapi.yml``, ``spec/envd/envd.yaml`` and
+``spec/envd/{process,filesystem}/*.proto`` (github.com/e2b-dev/E2B), and the
+Connect protocol (connectrpc.com/docs/protocol).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from fastapi import FastAPI
+from starlette.routing import Mount
+
+from weenv.errors import InvalidInputError
+from weenv.node.node import Node
+from weenv.server.e2b.api import install_error_handlers, key_checker, make_api
+from weenv.server.e2b.envd import Envd
+from weenv.server.e2b.sandboxes import Sandboxes
+
+KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}$")
+"""The form of an E2B API key: ``e2b_`` and hex digits (the daemon's key spelled
+for E2B clients is :attr:`weenv.server.auth.ApiKey.e2b`)."""
+
+
+def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
+    """The E2B-compatible API over ``node`` (a started node, shared with the daemon).
+
+    ``api_keys``: the keys accepted in ``X-API-Key`` (each ``e2b_`` + hex: the
+    daemon passes ``[api_key.e2b]``).  Raises :class:`InvalidInputError` for a key
+    of another form or none.  ``app.state.sandboxes`` is the :class:`Sandboxes`
+    registry; call its ``close()`` when the daemon stops (its reaper and output
+    sink are daemon threads, so a process exit does not wait for them).
+    """
+    keys = list(api_keys)
+    if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
+        raise InvalidInputError("E2B API keys are 'e2b_' followed by 32 to 128 lowercase hex digits")
+    sandboxes = Sandboxes(node)
+    app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(make_api(sandboxes, key_checker(keys)))
+    app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
+    app.state.sandboxes = sandboxes
+    return app
+
+
+__all__ = ["check_api_key", "create_e2b_app", "load_or_create_api_key", "new_api_key"]

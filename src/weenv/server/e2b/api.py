@@ -1,0 +1,263 @@
+"""E2B's control-plane REST API (the part the ``e2b`` SDK calls), over weenv sandboxes.
+
+Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
+
+    POST   /sandboxes, /v2/sandboxes          NewSandbox -> Sandbox (201)
+    GET    /sandboxes                         -> [ListedSandbox]
+    GET    /v2/sandboxes?metadata=&state=&template=&limit=&nextToken=&order=
+                                              -> [ListedSandbox], header X-Next-Token
+    GET    /sandboxes/{id}                    -> SandboxDetail
+    DELETE /sandboxes/{id}                    -> 204
+    POST   /sandboxes/{id}/timeout            {"timeout": s} -> 204
+    POST   /sandboxes/{id}/refreshes          {"duration": s} -> 204 (extends only)
+    POST   /sandboxes/{id}/connect, /v2/...   {"timeout": s} -> Sandbox (200; extends only)
+    POST   /sandboxes/{id}/pause, .../resume  -> 501 (weenv does not pause sandboxes yet)
+
+Every request needs the API key in ``X-API-Key`` (E2B's header; the SDK sends
+``E2B_API_KEY``) or as ``Authorization: Bearer KEY``.  Errors are E2B's
+``{"code": HTTP_STATUS, "message": TEXT}``.  Template: a weenv template name or
+digest (E2B's ``templateID``).  Sandbox ids are weenv environment ids.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hmac
+import urllib.parse
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from weenv.errors import WeenvError
+from weenv.server.e2b.sandboxes import (
+    DEFAULT_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    Sandbox,
+    Sandboxes,
+)
+
+ENVD_VERSION = "0.5.7"
+"""The envd version weenv's in-sandbox services answer as: the ``e2b`` SDK enables
+features by it (default user 0.4.0, stdin close 0.5.2, octet-stream uploads
+0.5.7) and refuses file metadata (0.6.2) and filesystem watching on its side."""
+CLIENT_ID = "weenv"
+
+KIND_STATUS = {
+    "not_found": 404, "invalid_input": 400, "timeout": 408, "authentication": 401,
+    "capacity": 503, "store_unavailable": 503, "output_limit": 413,
+}  # fmt: skip
+
+
+class E2BError(HTTPException):
+    """An E2B API error answer (``{"code", "message"}``)."""
+
+
+def error_json(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NewSandbox(_Body):
+    template_id: str = Field(alias="templateID", min_length=1)
+    timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
+    """Seconds the sandbox lives (0: the default)."""
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    auto_pause: bool = Field(default=False, alias="autoPause")
+
+
+class TimeoutBody(_Body):
+    timeout: int = Field(gt=0, le=MAX_TIMEOUT_S)
+
+
+class ConnectBody(_Body):
+    timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
+
+
+class RefreshBody(_Body):
+    duration: int = Field(default=0, ge=0, le=3600)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def created_json(sb: Sandbox) -> dict[str, Any]:
+    """E2B's ``Sandbox`` (the answer to create and connect)."""
+    return {
+        "templateID": sb.info.template, "sandboxID": sb.id, "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION, "envdAccessToken": sb.access_token, "alias": sb.info.template,
+        "domain": None,
+    }  # fmt: skip
+
+
+def listed_json(sb: Sandbox) -> dict[str, Any]:
+    """E2B's ``ListedSandbox``."""
+    info = sb.info
+    return {
+        "templateID": info.template, "sandboxID": info.id, "clientID": CLIENT_ID, "alias": info.template,
+        "startedAt": _iso(info.created_at), "endAt": _iso(info.expires_at),
+        "cpuCount": max(1, round(info.resources.cpus)), "memoryMB": info.resources.memory_bytes >> 20,
+        "diskSizeMB": 0, "state": "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
+    }  # fmt: skip
+
+
+def detail_json(sb: Sandbox) -> dict[str, Any]:
+    """E2B's ``SandboxDetail``."""
+    return {**listed_json(sb), "envdAccessToken": sb.access_token, "domain": None}
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    """``metadata`` of ``GET /v2/sandboxes``: ``k=v&k2=v2``, each part percent-encoded."""
+    if not raw:
+        return {}
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(raw)}
+
+
+def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRouter:
+    """The REST endpoints (see the module docstring); ``check_key(key)`` says
+    whether an API key is accepted."""
+
+    def authenticated(
+        x_api_key: Annotated[str | None, Header()] = None,
+        authorization: Annotated[str | None, Header()] = None,
+    ) -> None:
+        key = x_api_key
+        if key is None and authorization and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        if not key:
+            raise E2BError(401, "missing API key (X-API-Key header)")
+        if not check_key(key):
+            raise E2BError(401, "invalid API key")
+
+    router = APIRouter(dependencies=[Depends(authenticated)])
+
+    def running(sandbox_id: str) -> Sandbox:
+        sb = sandboxes.find(sandbox_id)
+        if sb is None:
+            raise E2BError(404, f"sandbox {sandbox_id!r} not found")
+        return sb
+
+    @router.post("/sandboxes", status_code=201)
+    @router.post("/v2/sandboxes", status_code=201)
+    async def create(body: NewSandbox) -> dict:
+        def create_blocking() -> Sandbox:
+            return sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
+                                    metadata=body.metadata or {}, envs=body.env_vars or {})
+
+        return created_json(await anyio.to_thread.run_sync(create_blocking))
+
+    @router.get("/sandboxes")
+    def list_v1() -> list[dict]:
+        return [listed_json(sb) for sb in sorted(sandboxes.list(), key=lambda s: s.info.created_at)]
+
+    @router.get("/v2/sandboxes")
+    def list_v2(
+        response: Response,
+        metadata: str | None = None,
+        state: str | None = None,
+        template: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+        order: str | None = None,
+    ) -> list[dict]:
+        wanted = _metadata_filter(metadata)
+        states = {s for s in (state or "").split(",") if s}
+        if states - {"running", "paused"}:
+            raise E2BError(400, f"bad state {state!r}: running, paused")
+        if order not in (None, "asc", "desc"):
+            raise E2BError(400, f"bad order {order!r}: asc, desc")
+        found = [
+            sb for sb in sandboxes.list()
+            if all(sb.info.metadata.get(k) == v for k, v in wanted.items())
+            and (not states or "running" in states)
+            and (template is None or template in (sb.info.template, sb.info.template_digest))
+        ]  # fmt: skip
+        found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order == "desc")
+        start = 0
+        if next_token:
+            if not next_token.isdigit():
+                raise E2BError(400, f"bad nextToken {next_token!r}")
+            start = int(next_token)
+        page = found[start : start + limit]
+        if start + limit < len(found):
+            response.headers["X-Next-Token"] = str(start + limit)
+        return [listed_json(sb) for sb in page]
+
+    @router.get("/sandboxes/{sandbox_id}")
+    def get(sandbox_id: str) -> dict:
+        return detail_json(running(sandbox_id))
+
+    @router.delete("/sandboxes/{sandbox_id}", status_code=204)
+    def kill(sandbox_id: str) -> Response:
+        running(sandbox_id)
+        sandboxes.kill(sandbox_id)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+    def set_timeout(sandbox_id: str, body: TimeoutBody) -> Response:
+        running(sandbox_id)
+        sandboxes.set_timeout(sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+    def refresh(sandbox_id: str, body: RefreshBody | None = None) -> Response:
+        running(sandbox_id)
+        sandboxes.set_timeout(sandbox_id, (body.duration if body else 0) or 60, only_extend=True)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/connect")
+    @router.post("/v2/sandboxes/{sandbox_id}/connect")
+    def connect(sandbox_id: str, body: ConnectBody | None = None) -> dict:
+        sb = running(sandbox_id)
+        if body is not None and body.timeout:
+            sb = sandboxes.set_timeout(sandbox_id, body.timeout, only_extend=True)
+        return created_json(sb)
+
+    @router.post("/sandboxes/{sandbox_id}/pause")
+    @router.post("/sandboxes/{sandbox_id}/resume")
+    def pause(sandbox_id: str) -> Response:
+        running(sandbox_id)
+        raise E2BError(501, "weenv does not pause or resume sandboxes yet")
+
+    return router
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` in E2B's ``{"code", "message"}`` form."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_json(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return error_json(400, "; ".join(parts) or "bad request")
+
+    @app.exception_handler(WeenvError)
+    async def weenv_error(request: Request, exc: WeenvError) -> JSONResponse:
+        return error_json(KIND_STATUS.get(exc.kind, 500), str(exc))
+
+
+def key_checker(keys: list[str]) -> Callable[[str], bool]:
+    """A constant-time check of a presented key against ``keys``."""
+    encoded = [k.encode() for k in keys]
+
+    def check(key: str) -> bool:
+        presented = key.encode()
+        return any(hmac.compare_digest(presented, k) for k in encoded)
+
+    return check

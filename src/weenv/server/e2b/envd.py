@@ -1,0 +1,200 @@
+"""E2B's in-sandbox services (envd) for every sandbox of the node, at one URL.
+
+E2B runs an ``envd`` inside each sandbox behind a proxy that picks the sandbox
+by the ``E2b-Sandbox-Id`` header (the SDK sets it, with ``E2b-Sandbox-Port``, when
+``E2B_SANDBOX_URL`` names one URL for all sandboxes) or by the host name
+``PORT-SANDBOXID.DOMAIN``.  weenv serves them itself, on the host, routing each
+request the same way.  Every request but ``/health`` must carry the sandbox's
+access token (``X-Access-Token``, from the create/connect answer).
+
+Endpoints (under this app's prefix)::
+
+    GET  /health                              204
+    GET  /files?path=P                        the file's bytes
+    POST /files?path=P                        multipart/form-data (``file`` parts; the part's
+                                              file name is the path when ``path`` is absent)
+                                              or application/octet-stream (gzip allowed), streamed
+                                              -> [{"name", "type": "file", "path"}]
+    POST /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin,Update}
+    POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}
+
+The RPCs speak the Connect protocol (:mod:`weenv.server.e2b.connect`).  Errors
+of the HTTP endpoints and of routing are envd's ``{"code": STATUS, "message"}``;
+an unknown sandbox is a 502 whose message says it "was not found", which the SDK
+turns into ``SandboxNotRunningException``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import zlib
+
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.server.e2b import files
+from weenv.server.e2b.connect import Method, RpcError, error_response, serve
+from weenv.server.e2b.processes import ProcessService
+from weenv.server.e2b.proto import filesystem_pb, process_pb
+from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
+
+_HOST_RE = re.compile(r"^\d+-([A-Za-z0-9]+)\.")
+MAX_UPLOAD = 8 << 30
+"""Largest file body accepted, in bytes."""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def sandbox_id_of(request: Request) -> str | None:
+    """The sandbox a request names: ``E2b-Sandbox-Id``, else ``PORT-ID.`` in ``Host``."""
+    sid = request.headers.get("e2b-sandbox-id")
+    if sid:
+        return sid
+    m = _HOST_RE.match(request.headers.get("host", ""))
+    return m.group(1) if m else None
+
+
+class Envd:
+    """The envd endpoints of every sandbox in ``sandboxes`` (see the module docstring)."""
+
+    def __init__(self, sandboxes: Sandboxes):
+        self.sandboxes = sandboxes
+        node = sandboxes.node
+        proc = ProcessService(node)
+        pb, fb = process_pb, filesystem_pb
+
+        def fs_call(fn):
+            async def handler(req, ctx):
+                return await anyio.to_thread.run_sync(fn, node, ctx.state["sandbox"], req)
+
+            return handler
+
+        self.methods: dict[str, Method] = {
+            "process.Process/Start": Method(pb.StartRequest, pb.StartResponse, proc.start, streaming=True),
+            "process.Process/Connect": Method(pb.ConnectRequest, pb.ConnectResponse, proc.connect, streaming=True),
+            "process.Process/List": Method(pb.ListRequest, pb.ListResponse, proc.list),
+            "process.Process/SendSignal": Method(pb.SendSignalRequest, pb.SendSignalResponse, proc.send_signal),
+            "process.Process/SendInput": Method(pb.SendInputRequest, pb.SendInputResponse, proc.send_input),
+            "process.Process/CloseStdin": Method(pb.CloseStdinRequest, pb.CloseStdinResponse, proc.close_stdin),
+            "process.Process/Update": Method(pb.UpdateRequest, pb.UpdateResponse, proc.update),
+            "filesystem.Filesystem/Stat": Method(fb.StatRequest, fb.StatResponse, fs_call(files.stat)),
+            "filesystem.Filesystem/ListDir": Method(fb.ListDirRequest, fb.ListDirResponse, fs_call(files.list_dir)),
+            "filesystem.Filesystem/MakeDir": Method(fb.MakeDirRequest, fb.MakeDirResponse, fs_call(files.make_dir)),
+            "filesystem.Filesystem/Move": Method(fb.MoveRequest, fb.MoveResponse, fs_call(files.move)),
+            "filesystem.Filesystem/Remove": Method(fb.RemoveRequest, fb.RemoveResponse, fs_call(files.remove)),
+        }  # fmt: skip
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/files", self.files, methods=["GET", "POST"]),
+            Route("/{service:str}/{method:str}", self.rpc, methods=["POST", "GET"]),
+        ]
+
+    # --- routing ----------------------------------------------------------------------
+    async def _sandbox(self, request: Request, *, token: bool = True) -> Sandbox | Response:
+        sid = sandbox_id_of(request)
+        if not sid:
+            return _error(400, "no sandbox named: send the E2b-Sandbox-Id header")
+        sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
+        if sb is None:
+            return _error(502, f"The sandbox {sid} was not found")
+        if token:
+            presented = request.headers.get("x-access-token", "")
+            if not hmac.compare_digest(presented.encode(), sb.access_token.encode()):
+                return _error(401, "missing or wrong access token (X-Access-Token)")
+        return sb
+
+    async def health(self, request: Request) -> Response:
+        sb = await self._sandbox(request, token=False)
+        return sb if isinstance(sb, Response) else Response(status_code=204)
+
+    async def rpc(self, request: Request) -> Response:
+        name = f"{request.path_params['service']}/{request.path_params['method']}"
+        method = self.methods.get(name)
+        streaming = request.headers.get("content-type", "").startswith("application/connect+")
+        if method is None:
+            return error_response(RpcError("unimplemented", f"{name} is not implemented by weenv"), streaming=streaming)
+        sb = await self._sandbox(request)
+        if isinstance(sb, Response):
+            return sb
+        return await serve(request, method, {"sandbox": sb})
+
+    # --- /files -------------------------------------------------------------------------
+    async def files(self, request: Request) -> Response:
+        sb = await self._sandbox(request)
+        if isinstance(sb, Response):
+            return sb
+        path = request.query_params.get("path")
+        try:
+            if request.method == "GET":
+                if not path:
+                    return _error(400, "missing path")
+                f = await anyio.to_thread.run_sync(files.open_read, self.sandboxes.node, sb, path)
+                return StreamingResponse(_chunks(f), media_type="application/octet-stream")
+            return JSONResponse(await self._upload(request, sb, path))
+        except NotFoundError as exc:
+            return _error(404, str(exc))
+        except (InvalidInputError, RpcError) as exc:
+            return _error(400, str(exc))
+        except WeenvError as exc:
+            return _error(500, str(exc))
+        except OSError as exc:
+            return _error(507 if exc.errno == 28 else 500, f"{exc.strerror or exc}")
+
+    async def _upload(self, request: Request, sb: Sandbox, path: str | None) -> list[dict[str, str]]:
+        """Write the files of an upload; the answer's entries."""
+        node = self.sandboxes.node
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form(max_files=10_000)
+            try:
+                parts = [v for k, v in form.multi_items() if k == "file" and not isinstance(v, str)]
+                if not parts:
+                    raise InvalidInputError("no 'file' part in the upload")
+                if len(parts) > 1 and path:
+                    raise InvalidInputError("several files with one path")
+                written = []
+                for part in parts:
+                    target = path or part.filename
+                    if not target:
+                        raise InvalidInputError("a file part without a path (file name)")
+                    written.append(await anyio.to_thread.run_sync(files.copy_in, node, sb, target, part.file))
+                return written
+            finally:
+                await form.close()
+        if not path:
+            raise InvalidInputError("an octet-stream upload needs the path parameter")
+        gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
+        f, entry = await anyio.to_thread.run_sync(files.open_write, node, sb, path)
+        try:
+            inflate = zlib.decompressobj(wbits=31) if gzipped else None
+            size = 0
+            async for chunk in request.stream():
+                if inflate is not None:
+                    try:
+                        chunk = inflate.decompress(chunk)
+                    except zlib.error as exc:
+                        raise InvalidInputError(f"bad gzip body: {exc}") from exc
+                size += len(chunk)
+                if size > MAX_UPLOAD:
+                    raise InvalidInputError(f"upload larger than {MAX_UPLOAD} bytes")
+                await anyio.to_thread.run_sync(f.write, chunk)
+        finally:
+            await anyio.to_thread.run_sync(f.close)
+        return [entry]
+
+
+async def _chunks(f, size: int = 1 << 20):
+    """The content of the open file ``f``, read in worker threads, then closed."""
+    try:
+        while chunk := await anyio.to_thread.run_sync(f.read, size):
+            yield chunk
+    finally:
+        await anyio.to_thread.run_sync(f.close)

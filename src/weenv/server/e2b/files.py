@@ -1,0 +1,243 @@
+"""envd's filesystem service (``filesystem.Filesystem``) and its ``/files`` endpoint,
+over a sandbox's confined root (:class:`weenv.node.rootfs.RootFS`).
+
+Behaviour follows E2B's envd: relative paths start at the sandbox's working
+directory (weenv: the template's ``working_dir``; E2B: the user's home), ``~``
+is the template's ``HOME``; ``Stat`` follows symbolic links and reports the
+link itself in ``is_symlink``/``symlink_target``; ``ListDir`` walks ``depth``
+levels without following links; ``MakeDir`` answers ``already_exists`` for an
+existing directory; ``Move`` creates the destination's parents; ``Remove``
+removes a tree and succeeds when nothing is there (``os.RemoveAll``).
+All calls block (run them in a worker thread).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import stat as st
+from typing import BinaryIO
+
+from google.protobuf.message import Message
+
+from weenv.errors import InvalidInputError, NotFoundError
+from weenv.node.rootfs import RootFS
+from weenv.server.e2b.connect import RpcError
+from weenv.server.e2b.proto import filesystem_pb
+from weenv.server.e2b.sandboxes import Sandbox
+
+FT = filesystem_pb.FileType
+MAX_ENTRIES = 100_000
+"""Most entries one ``ListDir`` returns."""
+
+
+class SandboxFS(RootFS):
+    """:class:`RootFS` plus the full ``stat(2)`` results E2B's entries carry."""
+
+    def lstat(self, path: str) -> os.stat_result:
+        with self._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
+            return os.fstat(fd)
+
+    def stat_target(self, path: str) -> os.stat_result:
+        with self._open(path, os.O_PATH) as fd:
+            return os.fstat(fd)
+
+    def readlink(self, path: str) -> str | None:
+        parent, name = posixpath.split(path.rstrip("/") or "/")
+        if not name:
+            return None
+        return self._readlink(parent or "/", name)
+
+    def scan(self, path: str) -> list[tuple[str, os.stat_result]]:
+        """``(name, lstat)`` of each entry of the directory ``path``."""
+        with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as fd, os.scandir(fd) as it:
+            return sorted(((e.name, e.stat(follow_symlinks=False)) for e in it), key=lambda x: x[0])
+
+
+class Names:
+    """User and group names of the sandbox (its ``/etc/passwd`` and ``/etc/group``)."""
+
+    def __init__(self, fs: RootFS):
+        self.users = _id_names(fs, "/etc/passwd")
+        self.groups = _id_names(fs, "/etc/group")
+
+    def user(self, uid: int) -> str:
+        return self.users.get(uid, str(uid))
+
+    def group(self, gid: int) -> str:
+        return self.groups.get(gid, str(gid))
+
+
+def _id_names(fs: RootFS, path: str) -> dict[int, str]:
+    try:
+        text = fs.read_file(path).decode(errors="replace")
+    except (NotFoundError, InvalidInputError):
+        return {}
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":")
+        if len(parts) >= 3 and parts[2].isdigit():
+            out.setdefault(int(parts[2]), parts[0])
+    return out
+
+
+def resolve(sb: Sandbox, path: str) -> str:
+    """The absolute, normalized path ``path`` names inside ``sb``."""
+    if not isinstance(path, str) or "\0" in path:
+        raise RpcError("invalid_argument", f"bad path {path!r}")
+    if path == "~" or path.startswith("~/"):
+        path = sb.home + path[1:]
+    elif not path.startswith("/"):
+        path = posixpath.join(sb.workdir, path)
+    return posixpath.normpath(path).replace("//", "/") or "/"
+
+
+def fs_of(node, sb: Sandbox) -> SandboxFS:
+    return SandboxFS(node.files(sb.id).root)
+
+
+def _file_type(mode: int) -> int:
+    if st.S_ISREG(mode):
+        return FT.Value("FILE_TYPE_FILE")
+    if st.S_ISDIR(mode):
+        return FT.Value("FILE_TYPE_DIRECTORY")
+    if st.S_ISLNK(mode):
+        return FT.Value("FILE_TYPE_SYMLINK")
+    return FT.Value("FILE_TYPE_UNSPECIFIED")
+
+
+def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> Message:
+    """The ``EntryInfo`` of the entry at ``path`` whose ``lstat`` is ``lst``.
+    A symbolic link gets its target's type (``FILE_TYPE_SYMLINK`` if it points
+    nowhere), ``is_symlink`` and ``symlink_target``."""
+    e = filesystem_pb.EntryInfo(
+        name=posixpath.basename(path) or "/", path=path, size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
+        permissions=st.filemode(lst.st_mode), owner=names.user(lst.st_uid), group=names.group(lst.st_gid),
+    )  # fmt: skip
+    e.modified_time.FromNanoseconds(lst.st_mtime_ns)
+    e.type = _file_type(lst.st_mode)
+    if st.S_ISLNK(lst.st_mode):
+        e.is_symlink = True
+        target = fs.readlink(path)
+        if target is not None:
+            e.symlink_target = target
+        try:
+            e.type = _file_type(fs.stat_target(path).st_mode)
+        except (NotFoundError, InvalidInputError):
+            e.type = FT.Value("FILE_TYPE_SYMLINK")
+    return e
+
+
+def _mapped(exc: Exception) -> RpcError:
+    if isinstance(exc, RpcError):
+        return exc
+    if isinstance(exc, NotFoundError):
+        return RpcError("not_found", str(exc))
+    if isinstance(exc, InvalidInputError):
+        return RpcError("invalid_argument", str(exc))
+    if isinstance(exc, OSError):
+        return RpcError("internal", f"{exc.strerror or exc}")
+    raise exc
+
+
+# --- filesystem.Filesystem --------------------------------------------------------------
+def stat(node, sb: Sandbox, req) -> Message:
+    path = resolve(sb, req.path)
+    fs = fs_of(node, sb)
+    try:
+        lst = fs.lstat(path)
+        if st.S_ISLNK(lst.st_mode):
+            fs.stat_target(path)  # a link that points nowhere: not found, as stat(2)
+        return filesystem_pb.StatResponse(entry=entry_info(fs, path, lst, Names(fs)))
+    except Exception as exc:
+        raise _mapped(exc) from exc
+
+
+def list_dir(node, sb: Sandbox, req) -> Message:
+    depth = req.depth or 1
+    path = resolve(sb, req.path)
+    fs = fs_of(node, sb)
+    try:
+        if not st.S_ISDIR(fs.stat_target(path).st_mode):
+            raise RpcError("invalid_argument", f"path is not a directory: {path}")
+        names = Names(fs)
+        entries: list[Message] = []
+
+        def walk(d: str, level: int) -> None:
+            for name, lst in fs.scan(d):
+                child = posixpath.join(d, name)
+                entries.append(entry_info(fs, child, lst, names))
+                if len(entries) > MAX_ENTRIES:
+                    raise RpcError("resource_exhausted", f"more than {MAX_ENTRIES} entries under {path}")
+                if level < depth and st.S_ISDIR(lst.st_mode):
+                    walk(child, level + 1)
+
+        walk(path, 1)
+        return filesystem_pb.ListDirResponse(entries=entries)
+    except Exception as exc:
+        raise _mapped(exc) from exc
+
+
+def make_dir(node, sb: Sandbox, req) -> Message:
+    path = resolve(sb, req.path)
+    fs = fs_of(node, sb)
+    try:
+        try:
+            mode = fs.stat_target(path).st_mode
+        except NotFoundError:
+            mode = None
+        if mode is not None:
+            if st.S_ISDIR(mode):
+                raise RpcError("already_exists", f"directory already exists: {path}")
+            raise RpcError("invalid_argument", f"path already exists but it is not a directory: {path}")
+        fs.make_dir(path, owner=sb.owner)
+        e = filesystem_pb.EntryInfo(name=posixpath.basename(path), type=FT.Value("FILE_TYPE_DIRECTORY"), path=path)
+        return filesystem_pb.MakeDirResponse(entry=e)
+    except Exception as exc:
+        raise _mapped(exc) from exc
+
+
+def move(node, sb: Sandbox, req) -> Message:
+    src, dst = resolve(sb, req.source), resolve(sb, req.destination)
+    fs = fs_of(node, sb)
+    try:
+        fs.make_dir(posixpath.dirname(dst) or "/", owner=sb.owner)
+        fs.rename(src, dst)
+        return filesystem_pb.MoveResponse(entry=entry_info(fs, dst, fs.lstat(dst), Names(fs)))
+    except Exception as exc:
+        raise _mapped(exc) from exc
+
+
+def remove(node, sb: Sandbox, req) -> Message:
+    path = resolve(sb, req.path)
+    fs = fs_of(node, sb)
+    try:
+        fs.remove(path)
+    except NotFoundError:
+        pass  # as os.RemoveAll: nothing there is success
+    except Exception as exc:
+        raise _mapped(exc) from exc
+    return filesystem_pb.RemoveResponse()
+
+
+# --- the /files endpoint ------------------------------------------------------------------
+def open_read(node, sb: Sandbox, path: str) -> BinaryIO:
+    """The file ``path`` open for reading; NotFoundError / InvalidInputError / RpcError."""
+    return fs_of(node, sb).open_read(resolve(sb, path))
+
+
+def open_write(node, sb: Sandbox, path: str) -> tuple[BinaryIO, dict[str, str]]:
+    """The file ``path`` truncated or created (parents too) and open for writing,
+    and the ``/files`` answer entry for it."""
+    full = resolve(sb, path)
+    f = fs_of(node, sb).open_write(full, owner=sb.owner)
+    return f, {"name": posixpath.basename(full), "type": "file", "path": full}
+
+
+def copy_in(node, sb: Sandbox, path: str, src: BinaryIO) -> dict[str, str]:
+    """Write the content of ``src`` to ``path``; the ``/files`` answer entry."""
+    f, entry = open_write(node, sb, path)
+    with f:
+        shutil.copyfileobj(src, f, 1 << 20)
+    return entry

@@ -1,0 +1,234 @@
+"""envd's process service (``process.Process``) over weenv's streamed commands.
+
+A command is the node's streamed process (:meth:`weenv.node.node.Node.spawn`,
+a :class:`weenv.node.process.Process`), whose output log the RPC streams follow: ``Start`` sends the start event (the pid inside the
+sandbox), each stdout/stderr chunk as it arrives, then the end event;
+``Connect`` attaches to a running command and sends what comes next.  The
+command's deadline is the call's ``Connect-Timeout-Ms`` (as envd: the command is
+killed then, not when the client goes away); without it the command runs until
+it ends or is killed.  Idle streams get a keepalive event every
+``Keepalive-Ping-Interval`` seconds.
+
+As in envd, the command's variables are the template's, then the sandbox's
+(create ``envs``), then the call's; ``cwd`` defaults to the template's working
+directory and must exist.  Commands run as the template's user (E2B's ``user``
+option, sent as HTTP basic auth, is not mapped to other users).
+"""
+
+from __future__ import annotations
+
+import signal as signals
+import time
+import weakref
+from collections.abc import AsyncIterator
+
+import anyio
+import anyio.to_thread
+from google.protobuf.message import Message
+
+from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.node.node import Node
+from weenv.node.process import Process
+from weenv.server.e2b.connect import CallContext, RpcError
+from weenv.server.e2b.files import fs_of, resolve
+from weenv.server.e2b.proto import process_pb
+from weenv.server.e2b.sandboxes import Sandbox
+
+READ_WAIT_S = 5.0
+"""Longest a stream waits for output in one worker-thread call (then checks keepalive)."""
+_LIMITER = anyio.CapacityLimiter(1024)
+"""Worker threads for following command output (apart from the request handlers' pool)."""
+
+
+def _selected(node: Node, sb: Sandbox, selector) -> Process:
+    """The running command ``selector`` names (pid or tag); RpcError not_found otherwise."""
+    kind = selector.WhichOneof("selector")
+    if kind is None:
+        raise RpcError("invalid_argument", "no process selected (pid or tag)")
+    p = None
+    if kind == "pid":
+        try:
+            p = node.process(sb.id, selector.pid)
+        except NotFoundError:
+            p = None
+    else:
+        pid = next((i.pid for i in node.processes(sb.id) if i.running and i.tag == selector.tag), None)
+        p = node.process(sb.id, pid) if pid else None
+    if p is None or not p.running:
+        what = f"pid {selector.pid}" if kind == "pid" else f"tag {selector.tag!r}"
+        raise RpcError("not_found", f"process with {what} not found")
+    return p
+
+
+def _start(node: Node, sb: Sandbox, req, timeout: float | None) -> Process:
+    """Spawn the command of ``req`` (blocking: a worker thread); raises RpcError."""
+    cfg = req.process
+    if not cfg.cmd:
+        raise RpcError("invalid_argument", "no command (process.cmd)")
+    if req.HasField("pty"):
+        raise RpcError("unimplemented", "PTY sessions are not supported by weenv yet")
+    cwd = resolve(sb, cfg.cwd) if cfg.HasField("cwd") and cfg.cwd else sb.workdir
+    if not fs_of(node, sb).exists(cwd):
+        raise RpcError("invalid_argument", f"cwd '{cwd}' does not exist")
+    stdin_open = req.stdin if req.HasField("stdin") else True  # envd: a pipe unless disabled
+    try:
+        return node.spawn(
+            sb.id, [cfg.cmd, *cfg.args], env=dict(cfg.envs), cwd=cwd, timeout=timeout,
+            stdin_open=stdin_open, tag=req.tag if req.HasField("tag") else None, primary_reader=True,
+        )  # fmt: skip
+    except InvalidInputError as exc:
+        raise RpcError("invalid_argument", str(exc)) from exc
+
+
+def _event(**kw) -> Message:
+    return process_pb.ProcessEvent(**kw)
+
+
+async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start: bool = False,
+                  pending: list | None = None) -> AsyncIterator[Message]:
+    """The envd events of ``p`` from ``reader``'s cursor (after ``pending``, events
+    already read), each wrapped by ``wrap``."""
+    keepalive = _keepalive_s(ctx)
+    last = time.monotonic()
+    try:
+        while True:
+            if pending:
+                batch, pending = pending, None
+            else:
+                wait = READ_WAIT_S if keepalive is None else max(0.05, min(READ_WAIT_S, keepalive - (time.monotonic() - last)))
+                batch = await anyio.to_thread.run_sync(p.log.read, reader, wait, limiter=_LIMITER)
+            if batch is None:
+                return
+            if not batch:
+                if keepalive is not None and time.monotonic() - last >= keepalive:
+                    yield wrap(_event(keepalive=process_pb.ProcessEvent.KeepAlive()))
+                    last = time.monotonic()
+                continue
+            for e in batch:
+                if e.type == "start":
+                    if not sent_start:
+                        sent_start = True
+                        yield wrap(_event(start=process_pb.ProcessEvent.StartEvent(pid=e.pid or 0)))
+                elif e.type in ("stdout", "stderr"):
+                    data = process_pb.ProcessEvent.DataEvent(**{e.type: e.data or b""})
+                    yield wrap(_event(data=data))
+                elif e.type == "end":
+                    if p.timed_out:
+                        raise RpcError("deadline_exceeded", "the command ran past its timeout and was killed")
+                    yield wrap(_event(end=_end_event(p, e.exit_code)))
+                elif e.type == "error":
+                    raise RpcError("internal", e.error.message if e.error else "the command failed")
+            last = time.monotonic()
+    finally:
+        p.log.detach(reader)
+
+
+_KILLED: weakref.WeakSet[Process] = weakref.WeakSet()
+"""Commands stopped by SendSignal (their end reports the signal, as envd's does)."""
+
+
+def _end_event(p: Process, code: int | None):
+    code = -1 if code is None else code
+    if p in _KILLED and code >= 128:
+        status = f"signal: {signals.Signals(code - 128).name[3:].lower()}" if code - 128 in _SIGNALS else "signal"
+        return process_pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status=status, error=status)
+    end = process_pb.ProcessEvent.EndEvent(exit_code=code, exited=True, status=f"exit status {code}")
+    if code != 0:
+        end.error = f"exit status {code}"
+    return end
+
+
+_SIGNALS = {s.value for s in signals.Signals}
+
+
+def _keepalive_s(ctx: CallContext) -> float | None:
+    raw = ctx.header("keepalive-ping-interval")
+    try:
+        return max(1.0, float(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+class ProcessService:
+    """The handlers of ``process.Process`` for one app (see the module docstring)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    async def start(self, req, ctx: CallContext) -> AsyncIterator[Message]:
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_start, self.node, sb, req, ctx.timeout)
+        assert p.primary is not None
+        async for item in _follow(p, p.primary, ctx, lambda ev: process_pb.StartResponse(event=ev)):
+            yield item
+
+    async def connect(self, req, ctx: CallContext) -> AsyncIterator[Message]:
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
+        reader = p.log.attach()
+        # A reader attached now starts at the oldest output kept; envd sends only
+        # what comes next, so skip the output already there (not an end).
+        seen = p.log.read(reader, 0) or []
+        tail = [e for e in seen if e.type in ("end", "error")]
+        yield process_pb.ConnectResponse(event=_event(start=process_pb.ProcessEvent.StartEvent(pid=p.pid or 0)))
+        wrap = lambda ev: process_pb.ConnectResponse(event=ev)
+        async for item in _follow(p, reader, ctx, wrap, sent_start=True, pending=tail):
+            yield item
+
+    async def list(self, req, ctx: CallContext) -> Message:
+        sb: Sandbox = ctx.state["sandbox"]
+        procs = await anyio.to_thread.run_sync(self.node.processes, sb.id)
+        out = process_pb.ListResponse()
+        for p in procs:
+            if not p.running or not p.pid:
+                continue
+            info = out.processes.add(pid=p.pid)
+            argv = p.command if isinstance(p.command, list) else ["/bin/sh", "-c", p.command]
+            info.config.cmd = argv[0]
+            info.config.args.extend(argv[1:])
+            if p.cwd:
+                info.config.cwd = p.cwd
+            if p.tag is not None:
+                info.tag = p.tag
+        return out
+
+    async def send_signal(self, req, ctx: CallContext) -> Message:
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
+        names = {9: "KILL", 15: "TERM"}
+        if req.signal not in names:
+            raise RpcError("invalid_argument", f"unsupported signal {req.signal}")
+        _KILLED.add(p)
+        await anyio.to_thread.run_sync(p.kill, names[req.signal])
+        return process_pb.SendSignalResponse()
+
+    async def send_input(self, req, ctx: CallContext) -> Message:
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
+        which = req.input.WhichOneof("input")
+        if which != "stdin":
+            raise RpcError("invalid_argument" if which is None else "unimplemented",
+                           "only stdin input is supported (no PTY)")  # fmt: skip
+        await _write_stdin(p, req.input.stdin, eof=False)
+        return process_pb.SendInputResponse()
+
+    async def close_stdin(self, req, ctx: CallContext) -> Message:
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
+        stdin = p.spawned.proc.stdin
+        if stdin is not None and not stdin.closed:
+            await _write_stdin(p, b"", eof=True)
+        return process_pb.CloseStdinResponse()
+
+    async def update(self, req, ctx: CallContext) -> Message:
+        raise RpcError("unimplemented", "PTY sessions are not supported by weenv yet")
+
+
+async def _write_stdin(p: Process, data: bytes, *, eof: bool) -> None:
+    try:
+        await anyio.to_thread.run_sync(lambda: p.write_stdin(data, eof=eof))
+    except InvalidInputError as exc:
+        raise RpcError("failed_precondition", str(exc)) from exc
+    except WeenvError as exc:
+        raise RpcError("deadline_exceeded" if exc.kind == "timeout" else "internal", str(exc)) from exc
+

@@ -1,0 +1,115 @@
+"""What the E2B face adds to the node's environments: a view of each as an E2B
+sandbox, and the access token its in-sandbox services (envd) require.
+
+Everything else lives in the node: a sandbox is an environment, its lifetime is
+the environment's timeout (the daemon's reaper destroys it), its metadata and
+default command variables are the environment's ``metadata`` and ``envs``, its
+commands are the node's streamed processes.  Environments created through
+weenv's own API are sandboxes too (a token is made on first use).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+
+from weenv.errors import NotFoundError
+from weenv.node.models import EnvironmentInfo
+from weenv.node.node import Node
+from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.template import load_template
+
+DEFAULT_TIMEOUT_S = 300
+"""A sandbox's lifetime when create names none (E2B's default too), seconds."""
+MAX_TIMEOUT_S = 7 * 86400
+"""The longest lifetime accepted (the node's limit), seconds."""
+
+
+@dataclass
+class Sandbox:
+    """One sandbox as the E2B face sees it: the node's info, the template's
+    runtime config and the envd access token."""
+
+    info: EnvironmentInfo
+    runtime: RuntimeConfig
+    access_token: str
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def workdir(self) -> str:
+        """Where relative paths and commands start (E2B: the user's home)."""
+        return self.runtime.working_dir or "/"
+
+    @property
+    def home(self) -> str:
+        return self.runtime.env.get("HOME", "/root")
+
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        """``(uid, gid)`` of files this face creates (None: root)."""
+        uid, _, gid = self.runtime.user.partition(":")
+        owner = (int(uid), int(gid or uid))
+        return None if owner == (0, 0) else owner
+
+
+class Sandboxes:
+    """The node's environments as E2B sandboxes.  Thread-safe; blocking calls."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._tokens: dict[str, str] = {}
+        self._runtimes: dict[str, RuntimeConfig] = {}
+        self._lock = threading.Lock()
+
+    def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str]) -> Sandbox:
+        """A new environment from ``template`` living ``timeout`` seconds.
+        Raises what :meth:`Node.create` raises."""
+        info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata)
+        return self._view(info)
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """The running sandbox ``sandbox_id``; raises :class:`NotFoundError`."""
+        return self._view(self.node.get(sandbox_id))
+
+    def find(self, sandbox_id: str) -> Sandbox | None:
+        """Like :meth:`get`, None if there is no such sandbox."""
+        try:
+            return self.get(sandbox_id)
+        except NotFoundError:
+            with self._lock:
+                self._tokens.pop(sandbox_id, None)
+            return None
+
+    def list(self) -> list[Sandbox]:
+        return [self._view(info) for info in self.node.list()]
+
+    def set_timeout(self, sandbox_id: str, timeout: int, *, only_extend: bool = False) -> Sandbox:
+        """End ``sandbox_id`` ``timeout`` seconds from now (with ``only_extend``, only
+        if that is later than its current end, as E2B's connect does)."""
+        import time
+
+        info = self.node.get(sandbox_id)
+        if not only_extend or time.time() + timeout > info.expires_at:
+            info = self.node.set_timeout(sandbox_id, float(timeout))
+        return self._view(info)
+
+    def kill(self, sandbox_id: str) -> None:
+        """Destroy ``sandbox_id``; raises :class:`NotFoundError` if unknown."""
+        self.node.destroy(sandbox_id)
+        with self._lock:
+            self._tokens.pop(sandbox_id, None)
+
+    def _view(self, info: EnvironmentInfo) -> Sandbox:
+        with self._lock:
+            token = self._tokens.setdefault(info.id, secrets.token_hex(16))
+            runtime = self._runtimes.get(info.template_digest)
+        if runtime is None:
+            _, manifest = load_template(self.node.store, info.template_digest)
+            runtime = manifest.runtime
+            with self._lock:
+                self._runtimes[info.template_digest] = runtime
+        return Sandbox(info=info, runtime=runtime, access_token=token)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one daemon (``prometheus_client``), in a registry of
+their own (no module-level state: each app has its :class:`Metrics`).
+
+Exposed at ``GET /v1/metrics`` in the text format::
+
+    weenv_environments                  gauge    environments running now
+    weenv_creates_total{result}         counter  creates by result: ok, error
+    weenv_create_seconds                histogram wall time of successful creates
+    weenv_commands_total{mode}          counter  commands by mode: captured, stream, background
+    weenv_reaped_total                  counter  environments destroyed when their timeout passed
+    weenv_bytes_fetched_total           counter  stored bytes fetched from the store (chunk cache misses)
+    weenv_chunks_fetched_total          counter  chunks fetched from the store
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from weenv.node.node import Node
+
+CREATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _NodeCollector:
+    """Counters the node keeps itself (the chunk cache's), read at scrape time."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def collect(self):
+        yield CounterMetricFamily("weenv_bytes_fetched", "Stored bytes fetched from the store",
+                                  value=self.node.cache.bytes_fetched)
+        yield CounterMetricFamily("weenv_chunks_fetched", "Chunks fetched from the store",
+                                  value=self.node.cache.chunks_fetched)
+
+
+class Metrics:
+    def __init__(self, node: Node):
+        self.registry = r = CollectorRegistry()
+        self.environments = Gauge("weenv_environments", "Environments running", registry=r)
+        self.environments.set_function(lambda: len(node.list()))
+        self.creates = Counter("weenv_creates", "Environment creates by result", ["result"], registry=r)
+        self.create_seconds = Histogram("weenv_create_seconds", "Wall time of successful creates",
+                                        buckets=CREATE_BUCKETS, registry=r)
+        self.commands = Counter("weenv_commands", "Commands run, by mode", ["mode"], registry=r)
+        self.reaped = Counter("weenv_reaped", "Environments destroyed when their timeout passed", registry=r)
+        r.register(_NodeCollector(node))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,667 @@
+"""The OCI registry store (``oci://HOST[:PORT]/REPO``): weenv content as blobs and
+artifact manifests of one repository, through the OCI distribution API.
+
+Sources: OCI distribution-spec (``/v2/`` check, blob HEAD/GET with ``Range``,
+monolithic upload = ``POST /blobs/uploads/`` then ``PUT <location>?digest=``,
+manifest HEAD/GET/PUT/DELETE, ``GET /tags/list``) and OCI image-spec manifest.md
+(artifact manifests: ``artifactType``, the empty descriptor ``{}``).
+
+Layout in repository ``REPO`` (``HEX`` = the 64 hex digits of a weenv digest)::
+
+    tag chunk-HEX       artifact manifest, artifactType application/vnd.weenv.chunk.v1,
+                        config = the empty descriptor, layers = [the zstd frame blob],
+                        annotation vnd.weenv.digest = sha256:HEX (plaintext digest)
+    tag manifest-HEX    artifact manifest whose config blob is the weenv manifest's
+                        canonical JSON (mediaType = artifactType = the weenv media type);
+                        layers = the group's chunk frames (so the registry's garbage
+                        collector keeps them and OCI tools copy a group whole), or the
+                        empty descriptor for a template
+    tag template-NAME   a copy of the manifest-HEX manifest plus annotation
+    tag group-NAME        vnd.weenv.ref = KIND/NAME (distinct bytes: deleting a manifest
+                        by digest, which drops every tag on those bytes, leaves refs alone)
+
+Why tags for chunks.  A registry addresses a blob by the sha256 of its bytes,
+the zstd frame (``ChunkRef.stored_digest``); weenv addresses a chunk by its
+plaintext digest.  The ``chunk-HEX`` tag is the index from one to the other,
+kept by the registry itself (no side file to go stale), and lets
+``has``/``list``/``delete`` work by plaintext digest.  The node's hot path never
+uses it: a group manifest carries each chunk's ``stored_digest``, and
+:meth:`Store.get_chunk` passes it down, so a chunk fetch is one blob ``GET``.
+
+Failures.  Each registry exchange (a blob read, a blob upload, a manifest read
+or write, a tag listing) runs under a deadline (``timeout``, seconds); each of
+its requests' connect/read/write timeouts is capped by what is left of it.  A
+chunk fetch by ``stored_digest`` (the node's) is one exchange; a store call
+makes at most three.  Connection errors, timeouts, 429 and 5xx answers are
+retried with exponential backoff (``backoff`` seconds, doubling, at most
+``retries`` times, never past the deadline); then :class:`StoreUnavailableError`
+is raised, and for ``cooldown`` seconds after that every new exchange fails at
+once (a circuit breaker: the kernel retries a failed read of a lazy file two or
+three times, which would otherwise make a process wait several timeouts for its
+EIO).  A blob ``GET`` cut short is resumed with ``Range: bytes=N-`` (206)
+instead of starting over.
+A 404 is :class:`NotFoundError`; a refusal (401, 403, 405, other 4xx) is
+:class:`StoreUnavailableError` with the registry's error code.
+
+Deletes remove the tag's manifest (``DELETE /manifests/<digest>``; docker-registry
+needs ``storage.delete.enabled: true``, else :class:`StoreUnavailableError`).
+Blobs are left to the registry's garbage collector
+(``docker-registry garbage-collect CONFIG``), which frees those no manifest
+references.
+
+Not supported yet: registry authentication (token or basic), cross-repository
+blob mounts, chunked (resumable) uploads, the referrers API.
+
+docker-registry 2.8 ignores the ``n``/``last`` pagination of ``tags/list`` and
+returns every tag unordered; the client follows ``Link`` headers when a registry
+sends them and filters by prefix itself, so listing refs reads every tag
+(one per chunk): fine for thousands, slow for millions.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from weenv.errors import (
+    DigestMismatchError,
+    InvalidInputError,
+    NotFoundError,
+    StoreUnavailableError,
+)
+from weenv.packaging.manifest import (
+    GROUP_MEDIA_TYPE,
+    check_digest,
+    parse_group_manifest,
+    sha256_digest,
+)
+from weenv.store.base import Store
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY_BLOB = b"{}"
+EMPTY_DESCRIPTOR = {
+    "mediaType": EMPTY_MEDIA_TYPE,
+    "digest": sha256_digest(EMPTY_BLOB),
+    "size": len(EMPTY_BLOB),
+    "data": "e30=",
+}
+CHUNK_ARTIFACT_TYPE = "application/vnd.weenv.chunk.v1"
+CHUNK_MEDIA_TYPE = "application/vnd.weenv.chunk.v1+zstd"
+UNKNOWN_MANIFEST_TYPE = "application/vnd.weenv.unknown.v1+json"
+ANNOTATION_DIGEST = "vnd.weenv.digest"
+ANNOTATION_REF = "vnd.weenv.ref"
+
+SPACE_TAG_PREFIX = {"chunks": "chunk-", "manifests": "manifest-"}
+REF_TAG_PREFIX = {"templates": "template-", "groups": "group-"}  # other kinds: "KIND-"
+MAX_TAG = 128
+MAX_BACKOFF = 2.0
+
+# distribution-spec: repository name components, and tags.
+_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+_LINK_RE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')
+
+T = TypeVar("T")
+
+
+class OciOptions(BaseModel):
+    """Timeouts and retries of an :class:`OciStore` (also settable as URL query
+    parameters: ``oci://host:5000/repo?read_timeout=2&timeout=5``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect_timeout: float = Field(default=3.0, gt=0)
+    """Seconds to open a TCP (and TLS) connection."""
+    read_timeout: float = Field(default=10.0, gt=0)
+    """Seconds to wait for any bytes of an answer (each read of a body too)."""
+    timeout: float = Field(default=30.0, gt=0)
+    """Deadline in seconds of one store operation, retries and backoff included."""
+    retries: int = Field(default=4, ge=0)
+    """Retries after a connection error, timeout, 429 or 5xx."""
+    backoff: float = Field(default=0.1, ge=0)
+    """Seconds before the first retry; doubles each retry (at most 2 s), with jitter."""
+    cooldown: float = Field(default=2.0, ge=0)
+    """Seconds during which, after an operation gave up on an unreachable registry,
+    further operations fail at once instead of waiting out their own timeout
+    (0: never).  A kernel retrying a failed read then gets its error in one
+    timeout, not several; any success ends the cooldown."""
+    tls: bool | None = None
+    """HTTPS (True) or HTTP (False); default: HTTP for loopback hosts, HTTPS otherwise."""
+
+
+@dataclass(frozen=True)
+class OciStats:
+    """Counters of an :class:`OciStore` since it was opened."""
+
+    requests: int
+    """HTTP requests sent (retries included)."""
+    retries: int
+    """Attempts repeated after a retryable failure."""
+    resumed: int
+    """Blob reads continued with a ``Range`` request after a cut."""
+    bytes_received: int
+    """Blob bytes received (bodies of blob ``GET``\\s)."""
+    bytes_sent: int
+    """Blob bytes uploaded."""
+
+
+class _Retry(Exception):
+    """A failure worth another attempt (connection, timeout, 429, 5xx)."""
+
+
+def _parse_url(url: str, overrides: dict[str, Any]) -> tuple[str, str, str, OciOptions]:
+    """``(base_url, host, repository, options)`` of an ``oci://`` URL; ``overrides``
+    (keyword arguments) win over the URL's query parameters."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("oci", "oci+http", "oci+https"):
+        raise InvalidInputError(f"not an oci:// URL: {url!r}")
+    host = parts.netloc
+    repo = parts.path.strip("/")
+    if not host or "@" in host:
+        raise InvalidInputError(f"oci:// URL {url!r} needs a HOST[:PORT] (credentials are not supported)")
+    if not _REPO_RE.match(repo) or len(repo) >= 256:
+        raise InvalidInputError(
+            f"bad repository {repo!r} in {url!r}: lowercase [a-z0-9] components separated "
+            "by '.', '_', '__' or '-', joined by '/' (OCI distribution-spec)"
+        )
+    try:
+        query: dict[str, Any] = dict(parse_qsl(parts.query, strict_parsing=True)) if parts.query else {}
+        if parts.scheme != "oci":
+            query["tls"] = parts.scheme == "oci+https"
+        options = OciOptions(**(query | overrides))
+    except (ValueError, ValidationError) as exc:
+        raise InvalidInputError(f"bad options for {url!r}: {exc}") from exc
+    tls = options.tls if options.tls is not None else not _is_loopback(parts.hostname or "")
+    return f"{'https' if tls else 'http'}://{host}", host, repo, options
+
+
+def _is_loopback(hostname: str) -> bool:
+    if hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+class OciStore(Store):
+    """A store in repository ``REPO`` of the OCI registry at ``HOST:PORT``.
+
+    ``url`` is ``oci://HOST[:PORT]/REPO`` (``oci+http://`` / ``oci+https://`` force
+    the scheme), optionally with :class:`OciOptions` fields as query parameters;
+    ``options`` (the same fields as keyword arguments) override them.  Opening
+    checks ``GET /v2/`` and raises :class:`StoreUnavailableError` if the registry
+    cannot be reached (within ``options.timeout``), asks for authentication, or
+    is not a registry;
+    :class:`InvalidInputError` for a malformed URL.  Thread-safe (one pooled
+    httpx client).  Call :meth:`close` when done.
+    """
+
+    def __init__(self, url: str, **options: Any):
+        base_url, self.host, self.repository, self.options = _parse_url(url, options)
+        self.url = f"oci://{self.host}/{self.repository}"
+        self._client = httpx.Client(
+            base_url=base_url,
+            timeout=httpx.Timeout(self.options.read_timeout, connect=self.options.connect_timeout),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            headers={"User-Agent": "weenv"},
+        )
+        self._lock = threading.Lock()  # guards the counters and the cooldown
+        self._counts = {"requests": 0, "retries": 0, "resumed": 0, "bytes_received": 0, "bytes_sent": 0}
+        self._empty_lock = threading.Lock()  # guards _empty_pushed
+        self._empty_pushed = False
+        self._down_until = 0.0  # monotonic time the cooldown ends (0: none)
+        self._down_reason = ""
+        try:
+            self._check_registry()
+        except BaseException:
+            self._client.close()
+            raise
+
+    # --- HTTP with deadlines and retries ---------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def stats(self) -> OciStats:
+        with self._lock:
+            return OciStats(**self._counts)
+
+    def _timeout(self, deadline: float) -> httpx.Timeout:
+        left = max(0.01, deadline - time.monotonic())
+        o = self.options
+        return httpx.Timeout(
+            connect=min(o.connect_timeout, left), read=min(o.read_timeout, left),
+            write=min(o.read_timeout, left), pool=left,
+        )
+
+    def _call(self, what: str, attempt: Callable[[float], T]) -> T:
+        """``attempt(deadline)``, repeated on :class:`_Retry` with backoff until
+        ``options.retries`` or the deadline runs out; then StoreUnavailableError
+        (at once while a cooldown runs, see :attr:`OciOptions.cooldown`)."""
+        start = time.monotonic()
+        with self._lock:
+            down_until, down_reason = self._down_until, self._down_reason
+        if start < down_until:
+            raise StoreUnavailableError(
+                f"{what} at {self.url} not tried: the registry was unreachable "
+                f"{start - (down_until - self.options.cooldown):.1f} s ago ({down_reason})"
+            )
+        deadline = start + self.options.timeout
+        tries = 0
+        while True:
+            try:
+                result = attempt(deadline)
+            except _Retry as exc:
+                tries += 1
+                delay = min(self.options.backoff * 2 ** (tries - 1), MAX_BACKOFF)
+                delay *= random.uniform(0.5, 1.0)
+                if tries > self.options.retries or time.monotonic() + delay >= deadline:
+                    with self._lock:
+                        self._down_until = time.monotonic() + self.options.cooldown
+                        self._down_reason = str(exc)
+                    raise StoreUnavailableError(
+                        f"{what} at {self.url} failed: {exc} "
+                        f"({tries} attempt{'s' if tries > 1 else ''} in {time.monotonic() - start:.1f} s)"
+                    ) from exc.__cause__ or exc
+                self._count("retries")
+                time.sleep(delay)
+            else:
+                if self._down_until:  # the registry answered: end a cooldown
+                    with self._lock:
+                        self._down_until = 0.0
+                return result
+
+    def _send(self, method: str, url: str | httpx.URL, deadline: float, **kwargs: Any) -> httpx.Response:
+        """One request (body read); transport errors, 429 and 5xx raise :class:`_Retry`."""
+        self._count("requests")
+        try:
+            response = self._client.request(method, url, timeout=self._timeout(deadline), **kwargs)
+        except httpx.TransportError as exc:
+            raise _Retry(_describe(exc)) from exc
+        if response.status_code == 429 or response.status_code >= 500:
+            raise _Retry(f"HTTP {response.status_code} from {method} {response.url.path}")
+        return response
+
+    def _refused(self, response: httpx.Response, what: str) -> StoreUnavailableError:
+        """The error for an answer the registry should not have given."""
+        detail = _registry_error(response)
+        if response.status_code == 405 and response.request.method == "DELETE":
+            detail += " (deletes are disabled; docker-registry: storage.delete.enabled: true)"
+        elif response.status_code == 401:
+            detail += " (registry authentication is not supported yet)"
+        return StoreUnavailableError(f"{what} at {self.url}: registry refused: HTTP {response.status_code} {detail}")
+
+    # --- registry primitives ---------------------------------------------------------------
+    def _path(self, kind: str, ref: str) -> str:
+        return f"/v2/{self.repository}/{kind}/{ref}"
+
+    def _check_registry(self) -> None:
+        def attempt(deadline: float) -> None:
+            r = self._send("GET", "/v2/", deadline)
+            if r.status_code == 401:
+                raise self._refused(r, "opening the store")
+            if r.status_code != 200:
+                raise StoreUnavailableError(
+                    f"{self.url} is not an OCI registry: GET /v2/ answered HTTP {r.status_code}"
+                )
+
+        self._call("opening the store", attempt)
+
+    def _head_manifest(self, tag: str, deadline: float) -> str | None:
+        """The digest of the manifest tagged ``tag``, or None if there is none."""
+        r = self._send("HEAD", self._path("manifests", tag), deadline, headers={"Accept": OCI_MANIFEST})
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise self._refused(r, f"HEAD manifest {tag}")
+        digest = r.headers.get("Docker-Content-Digest")
+        if digest is None:  # not required by the spec: ask for the bytes
+            r = self._send("GET", self._path("manifests", tag), deadline, headers={"Accept": OCI_MANIFEST})
+            if r.status_code == 404:
+                return None
+            digest = sha256_digest(r.content)
+        return digest
+
+    def _get_manifest_json(self, tag: str) -> dict | None:
+        """The OCI manifest tagged ``tag`` (a dict), or None."""
+
+        def attempt(deadline: float) -> dict | None:
+            r = self._send("GET", self._path("manifests", tag), deadline, headers={"Accept": OCI_MANIFEST})
+            if r.status_code == 404:
+                return None
+            if r.status_code != 200:
+                raise self._refused(r, f"GET manifest {tag}")
+            try:
+                manifest = r.json()
+                if not isinstance(manifest, dict):
+                    raise ValueError("not an object")  # noqa: TRY004 (bad content, not a bad argument)
+            except ValueError as exc:
+                raise DigestMismatchError(f"manifest {tag} in {self.url} is not JSON: {exc}") from None
+            return manifest
+
+        return self._call(f"reading manifest {tag}", attempt)
+
+    def _put_manifest_json(self, tag: str, manifest: dict) -> None:
+        body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+        def attempt(deadline: float) -> None:
+            for settle in (0.05, 0.2, None):
+                r = self._send(
+                    "PUT", self._path("manifests", tag), deadline,
+                    content=body, headers={"Content-Type": OCI_MANIFEST},
+                )
+                if r.status_code in (200, 201):
+                    return
+                if r.status_code != 400 or "MANIFEST_BLOB_UNKNOWN" not in r.text:
+                    raise self._refused(r, f"PUT manifest {tag}")
+                if settle is not None:  # another writer may be committing that blob right now
+                    time.sleep(settle)
+            raise NotFoundError(
+                f"cannot tag {tag} in {self.url}: it references blobs the registry does not have "
+                f"({_registry_error(r)}); put the chunks first"
+            )
+
+        self._call(f"writing manifest {tag}", attempt)
+
+    def _ensure_blob(self, data: bytes, digest: str | None = None) -> str:
+        """Upload ``data`` as a blob unless the repository has it; return its digest."""
+        digest = digest or sha256_digest(data)
+
+        def attempt(deadline: float) -> None:
+            r = self._send("HEAD", self._path("blobs", digest), deadline)
+            if r.status_code == 200:
+                return
+            if r.status_code != 404:
+                raise self._refused(r, f"HEAD blob {digest}")
+            r = self._send("POST", self._path("blobs", "uploads/"), deadline)
+            location = r.headers.get("Location")
+            if r.status_code != 202 or not location:
+                raise self._refused(r, "starting a blob upload")
+            target = httpx.URL(location)
+            if not target.is_absolute_url:
+                target = self._client.base_url.join(location)
+            r = self._send(
+                "PUT", target.copy_merge_params({"digest": digest}), deadline,
+                content=data, headers={"Content-Type": "application/octet-stream"},
+            )
+            if r.status_code not in (201, 204):
+                raise self._refused(r, f"uploading blob {digest}")
+            self._count("bytes_sent", len(data))
+
+        self._call(f"writing blob {digest}", attempt)
+        return digest
+
+    def _get_blob(self, digest: str) -> bytes:
+        """Bytes of blob ``digest``, verified against it.  A body cut short is
+        resumed with a ``Range`` request; :class:`NotFoundError` if absent."""
+        received = bytearray()
+        url = self._path("blobs", digest)
+
+        def attempt(deadline: float) -> None:
+            headers = {"Accept-Encoding": "identity"}
+            if received:
+                headers["Range"] = f"bytes={len(received)}-"
+            self._count("requests")
+            try:
+                with self._client.stream(
+                    "GET", url, headers=headers, timeout=self._timeout(deadline), follow_redirects=True
+                ) as r:
+                    if r.status_code == 404:
+                        raise NotFoundError(f"no blob {digest} in {self.url}")
+                    if r.status_code == 429 or r.status_code >= 500:
+                        raise _Retry(f"HTTP {r.status_code} from GET blob")
+                    if r.status_code == 416:  # our offset is past the end: start over
+                        received.clear()
+                        raise _Retry("HTTP 416 for a resumed blob read")
+                    if r.status_code == 206 and received:
+                        if not r.headers.get("Content-Range", "").startswith(f"bytes {len(received)}-"):
+                            raise DigestMismatchError(f"blob {digest}: unexpected Content-Range")
+                        self._count("resumed")
+                    elif r.status_code == 200:
+                        received.clear()
+                    else:
+                        r.read()
+                        raise self._refused(r, f"GET blob {digest}")
+                    for piece in r.iter_raw():
+                        received.extend(piece)
+                        self._count("bytes_received", len(piece))
+                        if time.monotonic() > deadline:
+                            raise _Retry("deadline passed during a blob read")
+            except httpx.TransportError as exc:
+                raise _Retry(_describe(exc)) from exc
+
+        self._call(f"reading blob {digest}", attempt)
+        data = bytes(received)
+        if sha256_digest(data) != digest:
+            raise DigestMismatchError(f"blob {digest} from {self.url} has other content")
+        return data
+
+    def _tags(self) -> list[str]:
+        """Every tag of the repository (following ``Link`` pages); [] if it has none."""
+
+        def attempt(deadline: float) -> list[str]:
+            tags: list[str] = []
+            url: str | httpx.URL = self._path("tags", "list") + "?n=10000"
+            for _page in range(100_000):
+                r = self._send("GET", url, deadline)
+                if r.status_code == 404:  # NAME_UNKNOWN: nothing pushed yet
+                    return tags
+                if r.status_code != 200:
+                    raise self._refused(r, "listing tags")
+                try:
+                    page = r.json().get("tags") or []
+                except (ValueError, AttributeError) as exc:
+                    raise StoreUnavailableError(f"bad tags list from {self.url}: {exc}") from None
+                tags.extend(t for t in page if isinstance(t, str))
+                link = _LINK_RE.search(r.headers.get("Link", ""))
+                if not link:
+                    return tags
+                url = self._client.base_url.join(link.group(1))
+            return tags
+
+        return self._call("listing tags", attempt)
+
+    def _ensure_empty_blob(self) -> None:
+        """Push the empty descriptor's blob once.  Serialized: docker-registry can
+        fail a manifest that references a blob while another upload of that same
+        blob is being committed (DIGEST_INVALID), so threads do not race here."""
+        with self._empty_lock:
+            if not self._empty_pushed:
+                self._ensure_blob(EMPTY_BLOB)
+                self._empty_pushed = True
+
+    # --- the Store backend ---------------------------------------------------------------
+    @staticmethod
+    def _space_tag(space: str, digest: str) -> str:
+        if space not in SPACE_TAG_PREFIX:
+            raise InvalidInputError(f"unknown store space {space!r}")
+        return SPACE_TAG_PREFIX[space] + check_digest(digest).split(":", 1)[1]
+
+    def _has(self, space: str, digest: str) -> bool:
+        tag = self._space_tag(space, digest)
+        return self._call(f"checking {tag}", lambda deadline: self._head_manifest(tag, deadline)) is not None
+
+    def _put(self, space: str, digest: str, data: bytes) -> None:
+        tag = self._space_tag(space, digest)
+        blob = self._ensure_blob(data)
+        descriptor = {"digest": blob, "size": len(data)}
+        if space == "chunks":
+            self._ensure_empty_blob()
+            manifest = _artifact(
+                CHUNK_ARTIFACT_TYPE, EMPTY_DESCRIPTOR,
+                [{"mediaType": CHUNK_MEDIA_TYPE, **descriptor}], {ANNOTATION_DIGEST: digest},
+            )
+        else:
+            media_type, layers = self._manifest_layers(data)
+            manifest = _artifact(
+                media_type, {"mediaType": media_type, **descriptor}, layers, {ANNOTATION_DIGEST: digest}
+            )
+        self._put_manifest_json(tag, manifest)
+
+    def _manifest_layers(self, data: bytes) -> tuple[str, list[dict]]:
+        """The media type of weenv manifest ``data`` and the layers of its OCI
+        manifest: a group's distinct chunk frames, else the empty descriptor."""
+        try:
+            media_type = json.loads(data).get("media_type")
+        except (ValueError, AttributeError):
+            media_type = None
+        if not isinstance(media_type, str) or not media_type.startswith("application/vnd.weenv."):
+            media_type = UNKNOWN_MANIFEST_TYPE
+        if media_type == GROUP_MEDIA_TYPE:
+            try:
+                group = parse_group_manifest(data)
+            except InvalidInputError:
+                pass
+            else:
+                seen: dict[str, int] = {}
+                for c in group.chunks:
+                    seen.setdefault(c.stored_digest, c.stored_size)
+                if seen:
+                    return media_type, [
+                        {"mediaType": CHUNK_MEDIA_TYPE, "digest": d, "size": n} for d, n in seen.items()
+                    ]
+        self._ensure_empty_blob()
+        return media_type, [EMPTY_DESCRIPTOR]
+
+    def _get(self, space: str, digest: str) -> bytes:
+        tag = self._space_tag(space, digest)
+        manifest = self._get_manifest_json(tag)
+        if manifest is None:
+            raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}")
+        try:
+            blob = manifest["layers"][0] if space == "chunks" else manifest["config"]
+            blob_digest = check_digest(blob["digest"])
+        except (KeyError, IndexError, TypeError, InvalidInputError) as exc:
+            raise DigestMismatchError(f"manifest {tag} in {self.url} is not a weenv artifact: {exc!r}") from None
+        return self._get_blob(blob_digest)
+
+    def _get_frame(self, digest: str, stored_digest: str) -> bytes:
+        try:
+            return self._get_blob(stored_digest)
+        except NotFoundError:  # not under that digest here: ask the index
+            return self._get("chunks", digest)
+
+    def _list(self, space: str) -> Iterator[str]:
+        prefix = SPACE_TAG_PREFIX[space]
+        for tag in sorted(self._tags()):
+            hexdigest = tag[len(prefix):]
+            if tag.startswith(prefix) and _HEX_RE.match(hexdigest):
+                yield f"sha256:{hexdigest}"
+
+    def _delete(self, space: str, digest: str) -> None:
+        self._delete_tag(self._space_tag(space, digest))
+
+    def _delete_tag(self, tag: str) -> None:
+        """Delete the manifest tagged ``tag`` (and so the tag); nothing if absent.
+        Every manifest weenv writes has bytes of its own, so no other tag goes with it."""
+
+        def attempt(deadline: float) -> None:
+            manifest_digest = self._head_manifest(tag, deadline)
+            if manifest_digest is None:
+                return
+            r = self._send("DELETE", self._path("manifests", manifest_digest), deadline)
+            if r.status_code not in (200, 202, 404):
+                raise self._refused(r, f"DELETE manifest {tag}")
+
+        self._call(f"deleting {tag}", attempt)
+
+    # --- refs ------------------------------------------------------------------------------
+    @staticmethod
+    def _ref_prefix(kind: str) -> str:
+        return REF_TAG_PREFIX.get(kind, f"{kind}-")
+
+    def _ref_tag(self, kind: str, name: str) -> str:
+        self._check_ref(kind, name)
+        prefix = self._ref_prefix(kind)
+        tag = prefix + name
+        if len(tag) > MAX_TAG or not _TAG_RE.match(tag):
+            raise InvalidInputError(
+                f"name {name!r} is too long for an oci:// store: a {kind} name may have "
+                f"at most {MAX_TAG - len(prefix)} characters (OCI tags: {MAX_TAG})"
+            )
+        return tag
+
+    def set_ref(self, kind: str, name: str, digest: str) -> None:
+        """Point tag ``template-NAME``/``group-NAME`` at manifest ``digest``, which
+        must be in the store (:class:`NotFoundError` otherwise)."""
+        tag = self._ref_tag(kind, name)
+        check_digest(digest)
+        manifest = self._get_manifest_json(self._space_tag("manifests", digest))
+        if manifest is None:
+            raise NotFoundError(f"no manifest {digest} in {self.url} for {kind}/{name}")
+        manifest["annotations"] = {**manifest.get("annotations", {}), ANNOTATION_REF: f"{kind}/{name}"}
+        self._put_manifest_json(tag, manifest)
+
+    def get_ref(self, kind: str, name: str) -> str:
+        tag = self._ref_tag(kind, name)
+        manifest = self._get_manifest_json(tag)
+        if manifest is None:
+            raise NotFoundError(f"no {kind[:-1]} named {name!r} in {self.url}")
+        try:
+            return check_digest(manifest["annotations"][ANNOTATION_DIGEST])
+        except (KeyError, TypeError, InvalidInputError) as exc:
+            raise DigestMismatchError(f"tag {tag} in {self.url} is not a weenv ref: {exc!r}") from None
+
+    def list_refs(self, kind: str) -> dict[str, str]:
+        self._check_ref(kind, "x")
+        prefix = self._ref_prefix(kind)
+        refs = {}
+        for tag in sorted(self._tags()):
+            if tag.startswith(prefix):
+                try:
+                    refs[tag[len(prefix):]] = self.get_ref(kind, tag[len(prefix):])
+                except (NotFoundError, InvalidInputError):
+                    continue  # deleted meanwhile, or a tag weenv did not write
+        return refs
+
+    def delete_ref(self, kind: str, name: str) -> None:
+        """Remove the ref's tag (its manifest, whose bytes no other tag shares)."""
+        tag = self._ref_tag(kind, name)
+        self._delete_tag(tag)
+
+    def close(self) -> None:
+        """Close the connection pool.  Idempotent."""
+        self._client.close()
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _artifact(artifact_type: str, config: dict, layers: list[dict], annotations: dict) -> dict:
+    """An OCI image manifest used as an artifact (image-spec manifest.md)."""
+    return {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": config,
+        "layers": layers,
+        "annotations": annotations,
+    }
+
+
+def _registry_error(response: httpx.Response) -> str:
+    """``CODE: message`` of a registry error body (distribution-spec), else the status text."""
+    try:
+        errors = response.json().get("errors") or []
+        return "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors) or response.reason_phrase
+    except (ValueError, AttributeError, httpx.ResponseNotRead):
+        return response.reason_phrase
+
+
+def _describe(exc: httpx.TransportError) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"

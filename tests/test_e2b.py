@@ -1,0 +1,373 @@
+"""The E2B-compatible API driven by the real ``e2b`` SDK (PyPI) against a weenv
+daemon app served by uvicorn on loopback TCP.
+
+One daemon per module (its own WEENV_HOME, the session's shared store with
+template ``task``), stopped at the end and checked for leaks; the SDK finds it
+through ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from conftest import system_snapshot
+from e2b import CommandExitException, Sandbox
+from e2b.exceptions import (
+    AuthenticationException,
+    FileNotFoundException,
+    NotFoundException,
+    SandboxException,
+    TimeoutException,
+)
+
+from weenv.config import Paths
+from weenv.server.auth import ApiKey
+from weenv.server.e2b import create_e2b_app
+
+TEMPLATE = "task"
+
+
+class Daemon:
+    """The weenv daemon app (plus the E2B app mounted at /e2b) on 127.0.0.1."""
+
+    def __init__(self, paths: Paths, store):
+        import uvicorn
+
+        from weenv.node.node import Node
+        from weenv.server.app import create_app
+
+        self.node = Node(paths, store=store)
+        api_key = ApiKey.load_or_create(paths.run / "api-key")
+        self.key = api_key.e2b
+        self.app = create_app(self.node, api_key=api_key, reap_interval=0.5)
+        # The one line the daemon needs (weenv.server.daemon.serve, after create_app):
+        self.app.mount("/e2b", create_e2b_app(self.node, api_keys=[api_key.e2b]))
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/e2b"
+
+    @property
+    def sandbox_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/e2b/envd"
+
+    def start(self) -> Daemon:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=120)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the daemon did not stop"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, shared_store):
+    home = tmp_path_factory.mktemp("e2b-home")
+    before = system_snapshot(home)
+    paths = Paths(home=home, cache=Paths.from_env().cache, store_url=f"file://{home / 'store'}")
+    d = Daemon(paths, shared_store).start()
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
+    os.environ.update(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key)
+    try:
+        yield d
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        d.stop()
+        after = system_snapshot(home)
+        for kind in ("mounts", "loops"):
+            assert not set(after[kind]) - set(before[kind]), f"leaked {kind}"
+        assert not [c for c in after["cgroups"] if c not in before["cgroups"] and d.node.runc.root.name in c]
+
+
+@pytest.fixture(scope="module")
+def sbx(daemon):
+    """One sandbox shared by the read-only and file tests of this module."""
+    s = Sandbox.create(TEMPLATE, timeout=600, envs={"SANDBOX_VAR": "from-create"}, metadata={"suite": "e2b"})
+    yield s
+    s.kill()
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+def test_create_list_connect_set_timeout_kill(daemon):
+    s = Sandbox.create(TEMPLATE, timeout=120, metadata={"who": "lifecycle"})
+    try:
+        assert s.is_running()
+        info = s.get_info()
+        assert info.sandbox_id == s.sandbox_id and info.template_id == TEMPLATE
+        assert info.metadata == {"who": "lifecycle"}
+        assert 100 < (info.end_at - info.started_at).total_seconds() <= 121
+
+        listed = Sandbox.list().next_items()
+        assert s.sandbox_id in [i.sandbox_id for i in listed]
+        from e2b import SandboxQuery
+
+        only = Sandbox.list(query=SandboxQuery(metadata={"who": "lifecycle"})).next_items()
+        assert [i.sandbox_id for i in only] == [s.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"who": "nobody"})).next_items() == []
+
+        s.set_timeout(3000)
+        end = s.get_info().end_at
+        assert 2990 < (end - s.get_info().started_at).total_seconds() < 3100
+
+        same = Sandbox.connect(s.sandbox_id)
+        assert same.sandbox_id == s.sandbox_id
+        assert same.commands.run("echo connected").stdout == "connected\n"
+    finally:
+        assert s.kill() is True
+    assert not s.is_running()
+    assert Sandbox.kill(s.sandbox_id) is False  # already gone
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(s.sandbox_id)
+
+
+def test_timeout_reaps_sandbox(daemon):
+    s = Sandbox.create(TEMPLATE, timeout=300)
+    s.set_timeout(1)
+    deadline = time.monotonic() + 30
+    while s.sandbox_id in [e.id for e in daemon.node.list()]:
+        assert time.monotonic() < deadline, "the sandbox outlived its timeout"
+        time.sleep(0.2)
+    assert not s.is_running()
+
+
+def test_authentication_failures(daemon):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(TEMPLATE, api_key="e2b_" + "0" * 40)
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key=daemon.key[4:]).next_items()  # the bare hex spelling is weenv's, not E2B's
+    with pytest.raises(ValueError):
+        create_e2b_app(daemon.node, api_keys=["not-an-e2b-key"])
+    r = httpx.get(f"{daemon.api_url}/v2/sandboxes")
+    assert r.status_code == 401 and r.json()["code"] == 401
+    r = httpx.get(f"{daemon.api_url}/v2/sandboxes", headers={"X-API-Key": daemon.key})
+    assert r.status_code == 200
+
+
+def test_bad_requests(daemon):
+    h = {"X-API-Key": daemon.key}
+    r = httpx.post(f"{daemon.api_url}/v2/sandboxes", headers=h, json={"templateID": "no-such-template"})
+    assert r.status_code == 404 and "no-such-template" in r.json()["message"]
+    r = httpx.post(f"{daemon.api_url}/v2/sandboxes", headers=h, json={"templateID": TEMPLATE, "timeout": -1})
+    assert r.status_code == 400
+    r = httpx.post(f"{daemon.api_url}/v2/sandboxes", headers={**h, "Content-Type": "application/json"}, content=b"{")
+    assert r.status_code == 400
+    with pytest.raises(SandboxException):
+        Sandbox.create("no-such-template")
+
+
+# --- commands -------------------------------------------------------------------------------
+def test_run_foreground(sbx):
+    r = sbx.commands.run("echo out; echo err >&2")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "out\n", "err\n")
+    with pytest.raises(CommandExitException) as exc:
+        sbx.commands.run("echo partial; exit 3")
+    assert exc.value.exit_code == 3 and exc.value.stdout == "partial\n"
+
+
+def test_run_env_cwd_and_streaming(sbx):
+    r = sbx.commands.run("echo $SANDBOX_VAR $CMD_VAR; pwd", envs={"CMD_VAR": "from-run"}, cwd="/tmp")
+    assert r.stdout == "from-create from-run\n/tmp\n"
+    assert sbx.commands.run("pwd").stdout == "/workspace\n"  # the template's working dir
+    chunks: list[tuple[float, str]] = []
+    sbx.commands.run("echo one; sleep 1; echo two", on_stdout=lambda s: chunks.append((time.monotonic(), s)))
+    assert "".join(c for _, c in chunks) == "one\ntwo\n"
+    assert len(chunks) == 2 and chunks[1][0] - chunks[0][0] > 0.5, "output was not streamed"
+    with pytest.raises(SandboxException):
+        sbx.commands.run("true", cwd="/no/such/dir")
+
+
+def test_run_timeout(sbx):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - t0 < 10
+    assert "sleep 30" not in sbx.commands.run("ps -eo args || true").stdout
+
+
+def test_background_list_connect_kill(sbx):
+    h = sbx.commands.run("sleep 0.5; echo done-bg", background=True)
+    assert h.pid > 0
+    assert h.wait().stdout == "done-bg\n"
+
+    long = sbx.commands.run("echo started; sleep 60", background=True, timeout=0)
+    assert long.pid in [p.pid for p in sbx.commands.list()]
+    again = sbx.commands.connect(long.pid)
+    assert again.pid == long.pid
+    assert sbx.commands.kill(long.pid) is True
+    with pytest.raises(CommandExitException):
+        long.wait()
+    assert long.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(long.pid) is False
+
+
+def test_stdin(sbx):
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    h.send_stdin("hello ")
+    h.send_stdin(b"stdin")
+    h.close_stdin()
+    assert h.wait().stdout == "hello stdin"
+
+
+# --- files ----------------------------------------------------------------------------------
+def test_files_text_and_binary(sbx):
+    info = sbx.files.write("/tmp/e2b/hello.txt", "héllo\n")
+    assert info.path == "/tmp/e2b/hello.txt" and info.name == "hello.txt"
+    assert sbx.files.read("/tmp/e2b/hello.txt") == "héllo\n"
+    blob = os.urandom(3 << 20)
+    sbx.files.write("/tmp/e2b/blob.bin", blob)
+    assert bytes(sbx.files.read("/tmp/e2b/blob.bin", format="bytes")) == blob
+    assert sbx.commands.run("cat /tmp/e2b/hello.txt").stdout == "héllo\n"
+    sbx.files.write("rel.txt", "relative")  # from the working dir
+    assert sbx.commands.run("cat /workspace/rel.txt").stdout == "relative"
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/tmp/e2b/missing.txt")
+    sbx.files.write("/tmp/e2b/oct.bin", b"\x00\x01", use_octet_stream=True)
+    assert bytes(sbx.files.read("/tmp/e2b/oct.bin", format="bytes")) == b"\x00\x01"
+
+
+def test_files_list_exists_remove_rename_make_dir(sbx):
+    assert sbx.files.make_dir("/tmp/tree/a/b") is True
+    assert sbx.files.make_dir("/tmp/tree/a/b") is False
+    sbx.files.write("/tmp/tree/a/f.txt", "12345")
+    sbx.commands.run("ln -s f.txt /tmp/tree/a/link")
+    entries = {e.name: e for e in sbx.files.list("/tmp/tree/a")}
+    assert set(entries) == {"b", "f.txt", "link"}
+    assert entries["b"].type.value == "dir" and entries["f.txt"].type.value == "file"
+    assert entries["f.txt"].size == 5 and entries["f.txt"].path == "/tmp/tree/a/f.txt"
+    assert entries["link"].type.value == "symlink" and entries["link"].symlink_target == "f.txt"
+    deep = [e.path for e in sbx.files.list("/tmp/tree", depth=3)]
+    assert "/tmp/tree/a/b" in deep and "/tmp/tree/a/f.txt" in deep
+
+    assert sbx.files.exists("/tmp/tree/a/f.txt") and not sbx.files.exists("/tmp/tree/nope")
+    moved = sbx.files.rename("/tmp/tree/a/f.txt", "/tmp/tree/new/g.txt")
+    assert moved.path == "/tmp/tree/new/g.txt" and moved.size == 5
+    assert not sbx.files.exists("/tmp/tree/a/f.txt")
+    assert sbx.files.get_info("/tmp/tree/new/g.txt").type.value == "file"
+    sbx.files.remove("/tmp/tree")
+    assert not sbx.files.exists("/tmp/tree")
+    sbx.files.remove("/tmp/tree")  # nothing there: fine, as envd
+    with pytest.raises(FileNotFoundException):
+        sbx.files.list("/tmp/tree")
+
+
+def test_paths_stay_inside_the_sandbox(sbx, tmp_path):
+    outside = tmp_path / "host-secret"
+    outside.write_text("host")
+    sbx.commands.run(f"ln -sf {outside} /tmp/escape")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read(f"/../../../..{outside}")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/tmp/escape")
+    assert outside.read_text() == "host"
+
+
+def test_envd_routing_and_token(daemon, sbx):
+    base = daemon.sandbox_url
+    assert httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id}).status_code == 204
+    r = httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": "000000000000"})
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+    r = httpx.get(f"{base}/files", params={"path": "/etc/hostname"}, headers={"E2b-Sandbox-Id": sbx.sandbox_id})
+    assert r.status_code == 401
+    with pytest.raises(AuthenticationException):
+        Sandbox(
+            sandbox_id=sbx.sandbox_id, sandbox_domain=None, envd_version=sbx._envd_version,
+            envd_access_token="wrong", connection_config=_config(sbx, "wrong"),
+        ).files.list("/")  # fmt: skip
+
+
+def _config(sbx, token):
+    from e2b.connection_config import ConnectionConfig
+
+    return ConnectionConfig(extra_sandbox_headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token})
+
+
+def test_large_file_round_trip(sbx):
+    """100 MB up (multipart, as the SDK sends bytes) and down (streamed)."""
+    blob = os.urandom(1 << 20) * 100
+    sbx.files.write("/tmp/large.bin", blob)
+    assert sbx.commands.run("stat -c %s /tmp/large.bin").stdout == f"{len(blob)}\n"
+    back = sbx.files.read("/tmp/large.bin", format="bytes")
+    assert len(back) == len(blob) and bytes(back) == blob
+    sbx.files.remove("/tmp/large.bin")
+
+
+def test_connect_protocol_details(daemon, sbx):
+    """Binary protobuf requests, an unknown method, a bad body and a stream's end message."""
+    from weenv.server.e2b.proto import filesystem_pb, process_pb
+
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    url = daemon.sandbox_url
+    req = filesystem_pb.StatRequest(path="/workspace/hello.py").SerializeToString()
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", content=req, headers={**h, "Content-Type": "application/proto"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/proto"
+    entry = filesystem_pb.StatResponse.FromString(r.content).entry
+    assert entry.name == "hello.py" and entry.size == len("print('hello from the task')\n")
+
+    r = httpx.post(f"{url}/filesystem.Filesystem/WatchDir", json={}, headers=h)
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", content=b"{not json", headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+
+    start = process_pb.StartRequest()
+    start.process.cmd = "/bin/sh"
+    start.process.args.extend(["-c", "printf abc; exit 4"])
+    payload = start.SerializeToString()
+    body = bytes([0]) + len(payload).to_bytes(4, "big") + payload
+    r = httpx.post(f"{url}/process.Process/Start", content=body,
+                   headers={**h, "Content-Type": "application/connect+proto"})  # fmt: skip
+    assert r.status_code == 200
+    frames, data = [], r.content
+    while data:
+        flags, size = data[0], int.from_bytes(data[1:5], "big")
+        frames.append((flags, data[5 : 5 + size]))
+        data = data[5 + size :]
+    events = [process_pb.StartResponse.FromString(p).event for f, p in frames if f == 0]
+    assert events[0].WhichOneof("event") == "start" and events[0].start.pid > 0
+    assert b"".join(e.data.stdout for e in events if e.WhichOneof("event") == "data") == b"abc"
+    assert events[-1].end.exit_code == 4 and events[-1].end.exited
+    assert frames[-1] == (2, b"{}")
+
+
+def test_async_sdk(daemon):
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    async def main():
+        s = await AsyncSandbox.create(TEMPLATE, timeout=120)
+        try:
+            r = await s.commands.run("echo async; echo e >&2")
+            assert (r.stdout, r.stderr) == ("async\n", "e\n")
+            await s.files.write("/tmp/a.txt", "x")
+            assert await s.files.read("/tmp/a.txt") == "x"
+            assert [e.name for e in await s.files.list("/tmp") if e.name == "a.txt"] == ["a.txt"]
+        finally:
+            await s.kill()
+
+    asyncio.run(main())

@@ -1,0 +1,161 @@
+"""Garbage collection of the store and the node chunk cache, and the dedupe report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from weenv.errors import DaemonError, InvalidInputError
+from weenv.node.cache import ChunkCache
+from weenv.packaging.buildcache import store_lock
+from weenv.packaging.gc import collect, dedupe_report
+from weenv.packaging.group import assemble_image, build_group, load_group
+from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.template import create_template, load_template
+from weenv.packaging.update import update_component
+from weenv.server import daemon
+from weenv.server.client import NodeClient
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> Path:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def _chunks(store, digest):
+    return {c.digest for c in load_group(store, digest).chunks}
+
+
+def _all_intact(store, tmp_path):
+    """Every template ref loads, and every group of it assembles from the store."""
+    for name in store.list_refs("templates"):
+        _, t = load_template(store, name)
+        for g in t.groups:
+            assemble_image(store, load_group(store, g), tmp_path / "check.img")
+
+
+@pytest.fixture
+def populated(store, tmp_path):
+    """Templates t1, t2 sharing base; a group no template uses; t1 updated once (its
+    first version and its first task group are now unreferenced)."""
+    base = build_group(_tree(tmp_path / "base", {"big.bin": os.urandom(3 << 20)}), store, name="base")
+    t1a = build_group(_tree(tmp_path / "t1a", {"w/a": os.urandom(1 << 20)}), store, name="task1")
+    t2 = build_group(_tree(tmp_path / "t2", {"w/b": os.urandom(1 << 20)}), store, name="task2")
+    loose = build_group(_tree(tmp_path / "loose", {"x": os.urandom(1 << 20)}), store, name="loose")
+    old_t1, _ = create_template(store, "t1", ["base", "task1"])
+    create_template(store, "t2", ["base", "task2"])
+    store.set_ref("buildcache", "ab" * 32, loose.digest)
+    store.set_ref("buildcache", "cd" * 32, base.digest)
+    return {"base": base, "task1_old": t1a, "task2": t2, "loose": loose, "t1_old": old_t1}
+
+
+def test_gc_keeps_referenced_and_removes_unreferenced(populated, store, paths, tmp_path):
+    p = populated
+    upd = update_component(store, "t1", "task1", _tree(tmp_path / "t1b", {"w/a2": os.urandom(1 << 20)}), paths=paths)
+    doomed_chunks = (_chunks(store, p["task1_old"].digest) | _chunks(store, p["loose"].digest)) - _chunks(
+        store, upd.group_digest
+    )
+    # the node chunk cache holds chunks of kept and of doomed groups
+    cache = ChunkCache(paths.chunk_cache, store)
+    for g in (p["base"].digest, p["task1_old"].digest, p["loose"].digest):
+        for c in load_group(store, g).chunks:
+            cache.ensure(c)
+
+    manifests = set(store.list_manifests())
+    dry = collect(store, paths, in_use=[], dry_run=True)
+    assert set(store.list_manifests()) == manifests  # nothing removed
+    assert sorted(dry.manifests_removed) == sorted([p["t1_old"], p["task1_old"].digest, p["loose"].digest])
+
+    r = collect(store, paths, in_use=[])
+    assert sorted(r.manifests_removed) == sorted(dry.manifests_removed)
+    assert r.chunks_removed == len(doomed_chunks) and r.bytes_freed > 2 << 20
+    assert sorted(r.refs_removed) == sorted(["groups/loose", "buildcache/" + "ab" * 32])
+    assert set(store.list_chunks()).isdisjoint(doomed_chunks)
+    assert store.list_refs("buildcache") == {"cd" * 32: p["base"].digest}
+    assert r.cache_chunks_removed == len(doomed_chunks) and r.cache_bytes_freed >= 2 << 20
+    assert set(cache.cached_digests()) == _chunks(store, p["base"].digest)
+    _all_intact(store, tmp_path)
+    # a second run finds nothing
+    again = collect(store, paths, in_use=[])
+    assert (again.manifests_removed, again.chunks_removed, again.cache_chunks_removed) == ([], 0, 0)
+
+
+def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tmp_path, leak_check):
+    build_group(debian_root, store, name="base")
+    old_task = build_group(_tree(tmp_path / "v1", {"workspace/v": b"one\n"}), store, name="task")
+    old_t, _ = create_template(store, "t", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    daemon.start_background(paths)
+    try:
+        with NodeClient(paths, autostart=False) as client:
+            env = client.create("t")
+            update_component(store, "t", "task", _tree(tmp_path / "v2", {"workspace/v": b"two\n"}), paths=paths)
+            r = collect(store, paths)  # asks the daemon
+            assert r.manifests_removed == []
+            assert sorted(r.kept_for_running) == sorted([old_t, old_task.digest])
+            assert store.has_manifest(old_task.digest)
+            assert all(store.has_chunk(c) for c in _chunks(store, old_task.digest))
+            assert client.exec(env.id, ["cat", "v"]).stdout == b"one\n"
+            client.destroy(env.id)
+            r = collect(store, paths)
+            assert sorted(r.manifests_removed) == sorted([old_t, old_task.digest])
+            env = client.create("t")
+            assert client.exec(env.id, ["cat", "v"]).stdout == b"two\n"
+            client.destroy(env.id)
+    finally:
+        daemon.stop(paths)
+
+
+def test_gc_refuses_when_it_cannot_tell_what_runs(populated, store, paths):
+    # a daemon that is alive but does not answer: its pidfile names a live process
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        paths.run.mkdir(parents=True, exist_ok=True)
+        paths.pidfile.write_text(str(sleeper.pid))
+        manifests = set(store.list_manifests())
+        with pytest.raises(DaemonError, match="does not answer"):
+            collect(store, paths)
+        assert set(store.list_manifests()) == manifests
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        paths.pidfile.unlink()
+    collect(store, paths, dry_run=True)  # a dead pid is no daemon
+
+
+def test_gc_refuses_while_a_build_runs(populated, store, paths):
+    with store_lock(paths, exclusive=False):
+        with pytest.raises(InvalidInputError, match="a build is running"):
+            collect(store, paths, in_use=[])
+    assert collect(store, paths, in_use=[]).manifests_removed  # the loose group, once the build is over
+
+
+def test_dedupe_report(store, tmp_path):
+    base = os.urandom(4 << 20)
+    build_group(_tree(tmp_path / "base", {"big.bin": base}), store, name="base")
+    for i in range(4):
+        build_group(_tree(tmp_path / f"task{i}", {f"w/{i}": os.urandom(1 << 20)}), store, name=f"task{i}")
+        create_template(store, f"t{i}", ["base", f"task{i}"])
+    r = dedupe_report(store)
+    base_size = load_group(store, store.get_ref("groups", "base")).image_size
+    task_sizes = [load_group(store, store.get_ref("groups", f"task{i}")).image_size for i in range(4)]
+    assert (r.templates, r.groups) == (4, 5)
+    assert r.logical_bytes == 4 * base_size + sum(task_sizes)
+    assert r.group_bytes == base_size + sum(task_sizes)
+    assert r.unique_bytes <= r.group_bytes and r.stored_bytes > 8 << 20  # random data does not compress
+    assert r.dedupe_ratio == r.logical_bytes / r.unique_bytes > 2.4 and r.ratio > 2.4
+
+
+def test_file_store_delete_ref(store):
+    digest = "sha256:" + "0" * 64
+    store.set_ref("buildcache", "ab" * 32, digest)
+    assert store.get_ref("buildcache", "ab" * 32) == digest
+    store.delete_ref("buildcache", "ab" * 32)
+    store.delete_ref("buildcache", "ab" * 32)  # absent: fine
+    assert store.list_refs("buildcache") == {}
+    with pytest.raises(InvalidInputError):
+        store.delete_ref("nonsense", "x")

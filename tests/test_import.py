@@ -1,0 +1,555 @@
+"""``weenv import``: real images built by a private dockerd (Debian's docker.io,
+data under a temporary directory), imported from a ``docker save`` archive, an
+OCI layout, an OCI archive and a loopback registry (Debian's docker-registry,
+through skopeo), then compared with ``docker run`` of the same image.
+
+The test image (:data:`DOCKERFILE`) is the cached Debian tree (``docker
+import`` of ``debian_root``) plus layers that delete and recreate files and
+directories of the base and of each other, hold hardlinks across directories,
+setuid/setgid binaries, a ``security.capability`` file, relative/absolute/
+dangling symlinks, a sparse file, a fifo, a device node and empty directories.
+Docker's init layer and mounts (``/.dockerenv``, ``/etc/mtab``, ``/etc/hosts``,
+``/etc/hostname``, ``/etc/resolv.conf``, ``/dev``, ``/proc``, ``/sys``) are
+not the image's and are left out.  One listing script (:data:`LISTING`: path, type, mode, uid/gid, size, sha256,
+link target, device numbers, xattrs, hardlink groups) runs inside both.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.packaging.importer import default_name, import_image, plan_groups
+from weenv.packaging.importer.runtime import resolve_user
+from weenv.services.dockerd import Dockerd
+from weenv.services.registry import Registry
+from weenv.store.file import FileStore
+
+BASE = "weenv-import-base:1"
+IMAGE = "weenv-import-test:1"
+NOBODY = "weenv-import-test:nobody"
+SMALL = "weenv-import-small:1"
+CAP_NET_RAW = "0100000200200000000000000000000000000000"  # VFS_CAP v2, effective, cap_net_raw
+
+DOCKERFILE = f"""\
+FROM {BASE}
+RUN set -e; \\
+    mkdir -p /data/keep /data/gone/sub /data/empty /data/tmp /data/hl /opt/hl; \\
+    echo keep > /data/keep/k; echo old > /data/gone/old; echo oldsub > /data/gone/sub/s; \\
+    echo shared > /data/hl/a; ln /data/hl/a /opt/hl/b; ln /data/hl/a /data/hl/c; \\
+    echo pair > /data/keep/p1; ln /data/keep/p1 /etc/p2; \\
+    cp /bin/true /usr/local/bin/suid-true; chmod 4755 /usr/local/bin/suid-true; \\
+    cp /bin/true /usr/local/bin/sgid-true; chown 0:50 /usr/local/bin/sgid-true; chmod 2711 /usr/local/bin/sgid-true; \\
+    cp /bin/true /usr/local/bin/ping-like; chmod 1777 /data/tmp; \\
+    python3 -c "import os; os.setxattr('/usr/local/bin/ping-like', 'security.capability', bytes.fromhex('{CAP_NET_RAW}')); os.setxattr('/data/keep/k', 'user.note', b'kept')"; \\
+    ln -s ../keep/k /data/rel; ln -s /data/keep/k /data/abs; ln -s /nonexistent/target /data/dangling; \\
+    python3 -c "f = open('/data/sparse', 'wb'); f.truncate(8 << 20); f.seek(4 << 20); f.write(b'middle'); f.close()"; \\
+    mkfifo /data/fifo; mknod /data/null c 1 3; \\
+    echo torm > /data/torm; echo x > /data/f2d; chown -R 1000:1000 /data/keep; chmod 0600 /data/keep/p1
+RUN rm -rf /data/gone /data/torm /etc/p2 /etc/apt/apt.conf.d /etc/debian_version /etc/dpkg/origins \\
+    && echo file-now > /etc/dpkg/origins && rm /data/f2d && mkdir /data/f2d && echo c > /data/f2d/c
+RUN mkdir -p /data/gone /etc/apt/apt.conf.d && echo new > /data/gone/new \\
+    && echo new > /etc/apt/apt.conf.d/new && echo 13 > /etc/debian_version
+RUN rm -rf /data/keep /etc/skel && mkdir /data/keep /etc/skel && echo k2 > /data/keep/k2 \\
+    && echo new > /etc/skel/new && mkdir /data/empty2
+RUN rm /etc/dpkg/origins && mkdir /etc/dpkg/origins && echo again > /etc/dpkg/origins/again
+ENV IMPORT_TEST=1 LANG=C.UTF-8
+WORKDIR /data
+ENTRYPOINT ["/bin/sh", "-c"]
+CMD ["echo hello"]
+"""
+
+LISTING = r"""
+import hashlib, json, os, stat, sys
+SKIP = {"/proc", "/sys", "/dev", "/.dockerenv", "/etc/hostname", "/etc/hosts", "/etc/resolv.conf", "/etc/mtab"}
+out, inodes = {}, {}
+def xattrs(p):
+    try:
+        names = os.listxattr(p, follow_symlinks=False)
+    except OSError as e:
+        return "error %d" % e.errno
+    r = {}
+    for n in sorted(names):
+        try:
+            r[n] = os.getxattr(p, n, follow_symlinks=False).hex()
+        except OSError as e:
+            r[n] = "error %d" % e.errno
+    return r
+def visit(p):
+    st = os.lstat(p)
+    m = st.st_mode
+    e = {"type": stat.S_IFMT(m), "mode": oct(stat.S_IMODE(m)), "uid": st.st_uid, "gid": st.st_gid,
+         "xattrs": xattrs(p)}
+    if stat.S_ISREG(m):
+        e["size"] = st.st_size
+        try:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for b in iter(lambda: f.read(1 << 20), b""):
+                    h.update(b)
+            e["sha256"] = h.hexdigest()
+        except OSError as ex:
+            e["sha256"] = "error %d" % ex.errno
+        if st.st_nlink > 1:
+            inodes.setdefault((st.st_dev, st.st_ino), []).append(p)
+    elif stat.S_ISLNK(m):
+        e["target"] = os.readlink(p)
+    elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
+        e["rdev"] = [os.major(st.st_rdev), os.minor(st.st_rdev)]
+    out[p] = e
+    return stat.S_ISDIR(m)
+visit("/")
+stack = ["/"]
+while stack:
+    d = stack.pop()
+    for n in sorted(os.listdir(d)):
+        p = os.path.join(d, n)
+        if p not in SKIP and visit(p):
+            stack.append(p)
+links = sorted(sorted(v) for v in inodes.values() if len(v) > 1)
+json.dump({"entries": out, "hardlinks": links}, sys.stdout, sort_keys=True)
+"""
+
+
+# --- fixtures: a private dockerd, the images, their docker run listing -----------------
+@pytest.fixture(scope="module")
+def dockerd():
+    with Dockerd() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def images(dockerd, debian_root, tmp_path_factory):
+    """Build the images; return paths of their ``docker save`` archives and the
+    listing of ``docker run IMAGE``."""
+    work = tmp_path_factory.mktemp("images")
+    tar = subprocess.run(["tar", "-C", str(debian_root), "--xattrs", "-c", "."], capture_output=True, check=True)
+    dockerd.docker("import", "-", BASE, input=tar.stdout)
+    ctx = work / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(DOCKERFILE)
+    dockerd.docker("build", "-q", "-t", IMAGE, str(ctx))
+    (ctx / "Dockerfile").write_text(f"FROM {IMAGE}\nUSER nobody:nogroup\n")
+    dockerd.docker("build", "-q", "-t", NOBODY, str(ctx))
+    small = work / "small"
+    (small / "tree" / "etc").mkdir(parents=True)
+    (small / "tree" / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (small / "tree" / "hello.txt").write_text("hello-import\n" * 100)
+    (small / "more").mkdir()
+    (small / "more" / "data.bin").write_bytes(os.urandom(50_000))
+    (small / "Dockerfile").write_text("FROM scratch\nCOPY tree/ /\nCOPY more/ /more/\nCMD [\"/hello\"]\n")
+    dockerd.docker("build", "-q", "-t", SMALL, str(small))
+    archives = {}
+    for tag, file in ((IMAGE, "image.tar"), (NOBODY, "nobody.tar"), (SMALL, "small.tar")):
+        archives[tag] = work / file
+        dockerd.docker("save", "-o", str(work / file), tag)
+    listing = json.loads(dockerd.docker("run", "--rm", "--network", "none", "--user", "0:0",
+                                        "--entrypoint", "python3", IMAGE, "-c", LISTING).stdout)
+    return {"archives": archives, "docker_listing": listing, "work": work}
+
+
+@pytest.fixture(scope="module")
+def import_store(tmp_path_factory):
+    """One store for the module's imports: identical layers are then stored once."""
+    return FileStore(tmp_path_factory.mktemp("import-store") / "store")
+
+
+def _weenv_listing(paths, store, template: str) -> dict:
+    from weenv.node.node import Node
+
+    with Node(paths, store=store) as node:
+        info = node.create(template)
+        r = node.exec(info.id, ["python3", "-c", LISTING], timeout=300)
+        assert r.exit_code == 0, r.stderr.decode()
+        node.destroy(info.id)
+    # This environment's own cgroup is gone (leak_check also sees other sessions' ones).
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/*{info.id}*"))
+    return json.loads(r.stdout)
+
+
+def _assert_same_tree(weenv: dict, docker: dict) -> None:
+    w, d = weenv["entries"], docker["entries"]
+    missing, extra = sorted(set(d) - set(w)), sorted(set(w) - set(d))
+    assert not missing and not extra, f"only in docker: {missing[:20]}; only in weenv: {extra[:20]}"
+    differ = {p: (w[p], d[p]) for p in d if w[p] != d[p]}
+    assert not differ, f"{len(differ)} entries differ, e.g. {list(differ.items())[:5]}"
+    assert weenv["hardlinks"] == docker["hardlinks"]
+
+
+def _check_listing_has_the_cases(listing: dict) -> None:
+    """The docker run listing shows what the Dockerfile set out to make."""
+    e = listing["entries"]
+    assert "/data/gone/new" in e and "/data/gone/old" not in e and "/data/gone/sub" not in e
+    assert "/etc/apt/apt.conf.d/new" in e and len([p for p in e if p.startswith("/etc/apt/apt.conf.d/")]) == 1
+    assert [p for p in e if p.startswith("/etc/skel/")] == ["/etc/skel/new"]
+    assert [p for p in e if p.startswith("/etc/dpkg/origins/")] == ["/etc/dpkg/origins/again"]
+    assert [p for p in e if p.startswith("/data/keep/")] == ["/data/keep/k2"]
+    assert e["/usr/local/bin/suid-true"]["mode"] == "0o4755"
+    assert e["/usr/local/bin/sgid-true"]["mode"] == "0o2711" and e["/usr/local/bin/sgid-true"]["gid"] == 50
+    assert e["/usr/local/bin/ping-like"]["xattrs"] == {"security.capability": CAP_NET_RAW}
+    assert e["/data/rel"]["target"] == "../keep/k" and e["/data/dangling"]["target"] == "/nonexistent/target"
+    assert e["/data/sparse"]["size"] == 8 << 20 and e["/data/null"]["rdev"] == [1, 3]
+    assert e["/data/tmp"]["mode"] == "0o1777" and "/data/empty" in e and "/data/empty2" in e
+    assert ["/data/hl/a", "/data/hl/c", "/opt/hl/b"] in listing["hardlinks"]
+    assert "/etc/p2" not in e and "/etc/debian_version" in e
+
+
+# --- the tree inside an environment equals the tree inside docker run -------------------
+def test_docker_archive_tree_matches_docker_run(images, import_store, paths, leak_check, tmp_path):
+    _check_listing_has_the_cases(images["docker_listing"])
+    work = tmp_path / "work"
+    work.mkdir()
+    r = import_image(str(images["archives"][IMAGE]), import_store, name="imgtest", workdir=work)
+    assert r.group_layers == [[0], [1], [2], [3], [4], [5]]
+    assert [g.manifest.name for g in r.groups] == [f"imgtest.{k}" for k in range(6)]
+    assert os.listdir(work) == []
+    stats = r.layer_stats
+    assert sum(s.whiteouts for s in stats) >= 5 and sum(s.opaque_dirs for s in stats) >= 2
+    rt = r.template.runtime
+    assert rt.command == ["sleep", "infinity"]
+    assert rt.default_command == ["/bin/sh", "-c", "echo hello"]
+    assert rt.working_dir == "/data" and rt.user == "0:0"
+    assert rt.env["IMPORT_TEST"] == "1" and rt.env["HOME"] == "/root" and rt.env["PATH"].startswith("/usr/local")
+    _assert_same_tree(_weenv_listing(paths, import_store, "imgtest"), images["docker_listing"])
+
+
+def test_merged_small_layers_tree_matches_docker_run(images, import_store, paths, leak_check):
+    """All five small layers in one group: deletions between them are applied in
+    the tree, and what they delete from the base becomes whiteouts/opaque dirs."""
+    r = import_image(str(images["archives"][IMAGE]), import_store, name="imgmerged", merge_small=16 << 20)
+    assert r.group_layers == [[0], [1, 2, 3, 4, 5]]
+    _assert_same_tree(_weenv_listing(paths, import_store, "imgmerged"), images["docker_listing"])
+
+
+# --- the same image from other sources gives the same groups ---------------------------
+def _chunks(result) -> list[list[str]]:
+    return [[c.digest for c in g.manifest.chunks] for g in result.groups]
+
+
+@pytest.fixture(scope="module")
+def small_reference(images, import_store):
+    return import_image(str(images["archives"][SMALL]), import_store, name="small")
+
+
+def test_oci_layout_and_oci_archive_give_the_same_groups(images, import_store, small_reference, tmp_path):
+    archive = images["archives"][SMALL]
+    layout, oci_tar = tmp_path / "layout", tmp_path / "small-oci.tar"
+    for dest in (f"oci:{layout}:v1", f"oci-archive:{oci_tar}:v1"):
+        subprocess.run(["skopeo", "copy", "--quiet", f"docker-archive:{archive}", dest], check=True)
+    for src in (layout, oci_tar):
+        r = import_image(str(src), import_store, name="small")
+        assert _chunks(r) == _chunks(small_reference)
+        assert r.template.runtime == small_reference.template.runtime
+    assert import_image(str(layout), import_store, name="small", ref="v1").groups
+    with pytest.raises(NotFoundError, match="v2"):
+        import_image(str(layout), import_store, name="small", ref="v2")
+
+
+def test_registry_image_through_skopeo(dockerd, images, import_store, tmp_path):
+    """docker push to a loopback docker-registry; import docker://... (gzip layers)."""
+    with Registry(tmp_path / "registry") as registry:
+        reference = registry.reference("weenv/import-test", "1")
+        dockerd.docker("tag", IMAGE, reference)
+        before = registry.blob_bytes()
+        dockerd.docker("push", reference)
+        assert registry.blob_bytes() - before > 50 << 20
+        archive = import_image(str(images["archives"][IMAGE]), import_store, name="fromregistry")
+        r = import_image(f"docker://{reference}", import_store, name="fromregistry")
+        assert _chunks(r) == _chunks(archive)
+        assert r.template.runtime == archive.template.runtime
+        with pytest.raises(NotFoundError):
+            import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
+        dockerd.docker("rmi", reference)
+    assert not list(tmp_path.glob("weenv-import-*"))
+
+
+def test_image_user_and_config(images, import_store):
+    r = import_image(str(images["archives"][NOBODY]), import_store, name="nobody")
+    rt = r.template.runtime
+    assert rt.user == "65534:65534" and rt.env["HOME"] == "/nonexistent"
+    assert rt.working_dir == "/data" and rt.default_command == ["/bin/sh", "-c", "echo hello"]
+    assert len(r.groups) == 6  # USER adds no layer
+
+
+def test_resolve_user():
+    files = {"/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nsvc:x:1001:1002::/srv:/bin/false\n",
+             "/etc/group": b"root:x:0:\nstaff:x:50:\n"}
+    read = files.get
+    assert resolve_user("", read) == (0, 0, "/root")
+    assert resolve_user("svc", read) == (1001, 1002, "/srv")
+    assert resolve_user("svc:staff", read) == (1001, 50, "/srv")
+    assert resolve_user("4242", read) == (4242, 0, "/")
+    assert resolve_user("4242:7", read) == (4242, 7, "/")
+    with pytest.raises(InvalidInputError, match="ghost"):
+        resolve_user("ghost", read)
+    with pytest.raises(InvalidInputError, match="nogroup"):
+        resolve_user("svc:nogroup", read)
+
+
+def test_plan_groups_and_names():
+    assert plan_groups([5, 5, 5]) == [[0], [1], [2]]
+    assert plan_groups([100, 1, 2, 3, 100, 4], merge_small=10) == [[0], [1, 2, 3], [4], [5]]
+    assert plan_groups([6, 6, 6], merge_small=10) == [[0], [1], [2]]
+    assert plan_groups([4, 4, 4], merge_small=10) == [[0, 1], [2]]
+    with pytest.raises(InvalidInputError):
+        plan_groups([1], merge_small=0)
+    assert default_name("docker://127.0.0.1:5000/team/My_Image:3.1") == "my_image"
+    assert default_name("/x/python-3.11.tar") == "python-3.11"
+
+
+def test_cli_import(images, paths):
+    from test_cli import weenv
+
+    r = weenv(paths, "import", str(images["archives"][SMALL]), "--name", "clismall")
+    assert r.stdout.strip().startswith("sha256:")
+    assert "template clismall: 2 groups" in r.stderr
+    assert weenv(paths, "template", "ls").stdout.startswith("clismall\tsha256:")
+    bad = weenv(paths, "import", str(paths.home / "absent.tar"), check=False)
+    assert bad.returncode == 1 and "weenv: error: no such image source" in bad.stderr
+
+
+# --- bad inputs: clear errors, nothing published, nothing left ------------------------
+def _assert_nothing_published(store, work: Path) -> None:
+    assert store.list_refs("groups") == {} and store.list_refs("templates") == {}
+    assert list(store.list_chunks()) == []
+    assert os.listdir(work) == []
+
+
+@pytest.fixture
+def work(tmp_path):
+    w = tmp_path / "work"
+    w.mkdir()
+    return w
+
+
+def test_truncated_archive(images, store, work, tmp_path):
+    data = images["archives"][IMAGE].read_bytes()
+    bad = tmp_path / "cut.tar"
+    for cut in (len(data) // 2, 700):  # docker save writes manifest.json last
+        bad.write_bytes(data[:cut])
+        with pytest.raises(InvalidInputError, match="truncated|neither|not a readable"):
+            import_image(str(bad), store, name="cut", workdir=work)
+        _assert_nothing_published(store, work)
+    # manifest.json and config first, then the archive cut inside the last layer.
+    ordered = tmp_path / "ordered.tar"
+    _repack(images["archives"][SMALL], ordered, lambda name, data: data, json_first=True)
+    data = ordered.read_bytes()
+    bad.write_bytes(data[: len(data) - 30_000])
+    with pytest.raises(InvalidInputError, match="truncated"):
+        import_image(str(bad), store, name="cut", workdir=work)
+    _assert_nothing_published(store, work)
+    # An intact archive whose layer.tar is only the first half of the layer.
+    _repack(images["archives"][SMALL], bad,
+            lambda name, data: data[: len(data) // 2] if name.endswith("layer.tar") else data)
+    with pytest.raises((InvalidInputError, DigestMismatchError), match="truncated|diff_id"):
+        import_image(str(bad), store, name="cut", workdir=work)
+    _assert_nothing_published(store, work)
+
+
+def _repack(archive: Path, dest: Path, edit, *, json_first: bool = False) -> None:
+    """Copy a tar archive, passing each member's (name, bytes) through ``edit``
+    (``None``: drop it); ``json_first``: JSON members before the others."""
+    with tarfile.open(archive) as src, tarfile.open(dest, "w") as out:
+        members = src.getmembers()
+        if json_first:
+            members.sort(key=lambda m: not m.name.endswith(".json"))
+        for m in members:
+            data = src.extractfile(m).read() if m.isfile() else None
+            if data is not None:
+                data = edit(m.name, data)
+                if data is None:
+                    continue
+                m.size = len(data)
+            out.addfile(m, io.BytesIO(data) if data is not None else None)
+
+
+def test_corrupted_layer_in_docker_archive(images, store, work, tmp_path):
+    bad = tmp_path / "bad.tar"
+    _repack(images["archives"][SMALL], bad,
+            lambda name, data: data.replace(b"hello-import", b"jello-import") if name.endswith("layer.tar") else data)
+    with pytest.raises(DigestMismatchError, match="diff_id"):
+        import_image(str(bad), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+    # A config whose bytes do not match its name (its digest).
+    _repack(images["archives"][SMALL], bad,
+            lambda name, data: data + b" " if name.endswith(".json") and name != "manifest.json" else data)
+    with pytest.raises(DigestMismatchError, match="config"):
+        import_image(str(bad), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+
+
+@pytest.fixture
+def small_layout(images, tmp_path) -> Path:
+    layout = tmp_path / "layout"
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-compress", f"docker-archive:{images['archives'][SMALL]}",
+                    f"oci:{layout}:v1"], check=True)
+    return layout
+
+
+def _layout_manifest(layout: Path) -> tuple[dict, Path]:
+    index = json.loads((layout / "index.json").read_text())
+    path = layout / "blobs" / "sha256" / index["manifests"][0]["digest"].split(":")[1]
+    return json.loads(path.read_text()), path
+
+
+def test_missing_and_corrupt_blobs_in_oci_layout(small_layout, store, work):
+    manifest, manifest_path = _layout_manifest(small_layout)
+    layer = small_layout / "blobs" / "sha256" / manifest["layers"][1]["digest"].split(":")[1]
+    good = layer.read_bytes()
+    assert good[:2] == b"\x1f\x8b"  # gzip (--dest-compress)
+
+    layer.unlink()
+    with pytest.raises(InvalidInputError, match="missing"):
+        import_image(str(small_layout), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+
+    layer.write_bytes(good[: len(good) // 2])  # truncated gzip stream
+    with pytest.raises(InvalidInputError, match="truncated or corrupt"):
+        import_image(str(small_layout), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+
+    # A valid gzip stream of the same tar and size, another header mtime: another digest.
+    layer.write_bytes(good[:4] + bytes([1, 2, 3, 4]) + good[8:])
+    assert gzip.decompress(layer.read_bytes()) == gzip.decompress(good)
+    with pytest.raises(DigestMismatchError, match="blob digest"):
+        import_image(str(small_layout), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+
+    layer.write_bytes(good)
+    manifest_path.write_bytes(manifest_path.read_bytes().replace(b'"mediaType"', b'"mediaTypf"', 1))
+    with pytest.raises(DigestMismatchError, match="expected"):
+        import_image(str(small_layout), store, name="bad", workdir=work)
+    _assert_nothing_published(store, work)
+
+
+def test_not_an_image(store, work, tmp_path):
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(os.urandom(10_000))
+    with pytest.raises(InvalidInputError, match="not a readable tar"):
+        import_image(str(junk), store, name="junk", workdir=work)
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(InvalidInputError, match="oci-layout"):
+        import_image(str(empty_dir), store, name="junk", workdir=work)
+    with pytest.raises(NotFoundError):
+        import_image(str(tmp_path / "absent"), store, name="junk", workdir=work)
+    with pytest.raises(InvalidInputError, match="unsupported"):
+        import_image("ftp://host/x", store, name="junk", workdir=work)
+    _assert_nothing_published(store, work)
+
+
+# --- hostile layers (an OCI layout written here, layer by layer) ---------------------
+def _entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", linkname: str = "", mode: int = 0o644):
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.linkname, info.size = kind, mode, linkname, len(data)
+    return info, data
+
+
+def _write_layout(root: Path, layers: list[list[tuple]]) -> Path:
+    """An OCI image layout of uncompressed ``layers`` (lists of :func:`_entry`)."""
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> dict:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    descs, diff_ids = [], []
+    for entries in layers:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+            for info, data in entries:
+                t.addfile(info, io.BytesIO(data) if info.isreg() else None)
+        d = put(buf.getvalue())
+        descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar", **d})
+        diff_ids.append(d["digest"])
+    config = put(json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                             "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode())
+    manifest = put(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                               "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config},
+                               "layers": descs}).encode())
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", **manifest}]}))
+    return root
+
+
+def test_hostile_entries_do_not_escape(store, work, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cases = {
+        "dotdot": [[_entry("../../escaped", data=b"x")]],
+        "symlink-parent": [[_entry("link", tarfile.SYMTYPE, linkname=str(outside)),
+                            _entry("link/evil", data=b"x")]],
+        "relative-symlink-parent": [[_entry("up", tarfile.SYMTYPE, linkname="../../../../.."),
+                                     _entry("up/tmp/evil", data=b"x")]],
+        "hardlink-out": [[_entry("h", tarfile.LNKTYPE, linkname="../../etc/passwd")]],
+        "hardlink-missing": [[_entry("h", tarfile.LNKTYPE, linkname="nope")]],
+    }
+    for label, layers in cases.items():
+        layout = _write_layout(tmp_path / label, layers)
+        with pytest.raises(InvalidInputError):
+            import_image(str(layout), store, name="hostile", workdir=work)
+        _assert_nothing_published(store, work)
+    assert os.listdir(outside) == []
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_path, paths, leak_check):
+    """``link -> OUTSIDE`` in layer 0, ``link/x`` in layer 1: the entry lands in a
+    real directory ``link`` of the upper group (as with one overlay layer per
+    image layer), never in OUTSIDE; merged into one group the same."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    layers = [[_entry("link", tarfile.SYMTYPE, linkname=str(outside)), _entry("keep", data=b"k")],
+              [_entry("link/x", data=b"x"), _entry(".wh.keep")]]
+    layout = _write_layout(tmp_path / "layout", layers)
+    for merge in (None, 1 << 20):
+        r = import_image(str(layout), store, name="shadow", workdir=work, merge_small=merge)
+        assert len(r.groups) == (2 if merge is None else 1)
+    assert os.listdir(outside) == []
+
+
+# --- the services themselves ------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_path):
+    """A container still running when dockerd stops: no process, mount, cgroup or file stays."""
+    from weenv.node import mounts
+    from weenv.services.process import pids_mentioning
+
+    files = ["./usr/bin/sleep", "./usr/lib/x86_64-linux-gnu/libc.so.6", "./lib64/ld-linux-x86-64.so.2",
+             "./usr/lib64/ld-linux-x86-64.so.2"]
+    tree = subprocess.run(["tar", "-C", str(debian_root), "-c", *[f for f in files if (debian_root / f).exists()]],
+                          capture_output=True, check=True).stdout
+    with Registry(tmp_path / "registry") as registry, Dockerd() as d:
+        root, registry_root = d.root, registry.root
+        pids = [d.pid, registry.pid]
+        d.docker("import", "-", "sleeper:1", input=tree)
+        d.docker("run", "-d", "--network", "none", "sleeper:1", "/usr/bin/sleep", "1000")
+        assert mounts.mounts_under(root)
+        cgroup_parent = d.cgroup_parent.strip("/")
+        assert list(Path("/sys/fs/cgroup").glob(f"*/{cgroup_parent}"))
+        reference = registry.reference("sleeper", "1")
+        d.docker("tag", "sleeper:1", reference)
+        d.docker("push", reference)
+        assert registry.blob_bytes() > 100_000
+    assert not any(_alive(p) for p in pids)
+    assert not mounts.mounts_under(root) and not root.exists() and not registry_root.exists()
+    assert not pids_mentioning(str(root) + "/")
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/{cgroup_parent}"))

@@ -1,0 +1,216 @@
+"""The Python SDK (weenv.Sandbox, weenv.AsyncSandbox) against a real ``weenv serve``
+on loopback, reached by WEENV_API_URL + WEENV_API_KEY, and by the Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+
+import pytest
+
+import weenv
+from daemon_fixture import start_daemon
+from weenv import AsyncSandbox, Sandbox
+from weenv.sdk import (
+    AuthenticationError,
+    CapacityError,
+    CommandTimeoutError,
+    DaemonError,
+    InvalidInputError,
+    NotFoundError,
+)
+from weenv.sdk import _async, _sync
+
+SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
+
+
+@pytest.fixture(scope="module")
+def daemon(shared_store, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("sdk") / "home", shared_store.url)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def remote(daemon, monkeypatch):
+    """The SDK pointed at the daemon over TCP by the environment variables."""
+    monkeypatch.setenv("WEENV_API_URL", daemon.url)
+    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
+    return daemon
+
+
+def test_lifecycle_commands_and_files(remote):
+    with Sandbox.create("task", timeout=120, envs={"EPISODE": "9"}, metadata={"run": "a"}) as sb:
+        remote.track(sb.id)
+        assert sb.info.metadata == {"run": "a"} and sb.info.template == "task"
+        out, err, order = [], [], []
+        r = sb.commands.run("echo one; sleep 0.3; echo two >&2; sleep 0.3; echo $EPISODE; exit 4",
+                            on_stdout=lambda s: (out.append(s), order.append("out")),
+                            on_stderr=lambda s: (err.append(s), order.append("err")))
+        assert (r.exit_code, r.stdout, r.stderr) == (4, "one\n9\n", "two\n")
+        assert order == ["out", "err", "out"] and "".join(out) == "one\n9\n"
+        r = sb.commands.run(["pwd"], cwd="/tmp", envs={"X": "1"})
+        assert r.stdout == "/tmp\n" and r.exit_code == 0
+        assert sb.commands.run("cat", stdin="fed").stdout == "fed"
+        with pytest.raises(CommandTimeoutError) as exc:
+            sb.commands.run("echo partial; sleep 30", timeout=0.5)
+        assert exc.value.result.stdout == "partial\n" and exc.value.result.exit_code == 137
+
+        h = sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.1; done", background=True)
+        assert h.pid > 1
+        assert h.wait().stdout == "1\n2\n3\n"
+        slow = sb.commands.run("sleep 300", background=True, tag="slow")
+        assert slow.pid in [p.pid for p in sb.commands.list()]
+        assert slow.kill() is True
+        assert slow.wait().exit_code == 137
+        cat = sb.commands.run(["cat"], background=True, stdin_open=True)
+        cat.send_stdin("abc")
+        sb.commands.send_stdin(cat.pid, b"def", eof=True)
+        assert sb.commands.connect(cat.pid).wait().stdout == "abcdef"
+
+        f = sb.files
+        assert f.write("/workspace/t.txt", "héllo").size == 6
+        assert f.read("/workspace/t.txt") == "héllo"
+        f.write("/workspace/b.bin", b"\x00\xff" * 1000)
+        assert f.read("/workspace/b.bin", format="bytes") == b"\x00\xff" * 1000
+        assert f.exists("/workspace/t.txt") and not f.exists("/workspace/nope")
+        f.make_dir("/workspace/d/e")
+        f.rename("/workspace/t.txt", "/workspace/d/e/t.txt")
+        assert [e.name for e in f.list("/workspace/d/e")] == ["t.txt"]
+        f.remove("/workspace/d")
+        assert not f.exists("/workspace/d")
+        with pytest.raises(NotFoundError):
+            f.read("/workspace/nope")
+        with pytest.raises(InvalidInputError):
+            f.read("/workspace")  # a directory
+
+        sb.set_timeout(600)
+        assert sb.info.expires_at - time.time() > 500
+        again = Sandbox.connect(sb.id)
+        assert again.commands.run("cat /workspace/b.bin | wc -c").stdout == "2000\n"
+        again.close()
+        assert sb.id in [e.id for e in Sandbox.list()]
+        assert [t.name for t in Sandbox.templates()] == ["task"]
+    with pytest.raises(NotFoundError):
+        Sandbox.connect(sb.id)
+
+
+def test_large_file_upload_download(remote, tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 20) * 100)
+    with Sandbox.create("task", timeout=120, resources=SMALL) as sb:
+        remote.track(sb.id)
+        assert sb.files.upload(src, "/root/big").size == 100 << 20
+        dst = tmp_path / "dst.bin"
+        assert sb.files.download("/root/big", dst) == 100 << 20
+        assert dst.read_bytes() == src.read_bytes()
+
+
+def test_create_many(remote):
+    ready = []
+    sbs = Sandbox.create_many("task", count=6, timeout=120, resources=SMALL, metadata={"batch": "1"},
+                              on_ready=lambda i, sb: ready.append(i))
+    try:
+        remote.track(*(s.id for s in sbs))
+        assert len({s.id for s in sbs}) == 6 and sorted(ready) == list(range(6))
+        assert all(s.info.metadata == {"batch": "1"} for s in sbs)
+        assert all(s.commands.run("true").exit_code == 0 for s in sbs)
+    finally:
+        for s in sbs:
+            s.kill()
+    # one bad template: the rest are killed and the error raised ...
+    before = {e.id for e in Sandbox.list()}
+    with pytest.raises(NotFoundError):
+        Sandbox.create_many(["task", "no-such-template", "task"], resources=SMALL)
+    assert {e.id for e in Sandbox.list()} == before
+    # ... or, asked, returned in its place
+    mixed = Sandbox.create_many(["task", "no-such-template"], resources=SMALL, return_exceptions=True)
+    assert isinstance(mixed[0], Sandbox) and isinstance(mixed[1], NotFoundError)
+    remote.track(mixed[0].id)
+    mixed[0].kill()
+
+
+def test_typed_errors(remote, monkeypatch):
+    with pytest.raises(NotFoundError):
+        Sandbox.create("no-such-template")
+    with pytest.raises(InvalidInputError):
+        Sandbox.create("task", timeout=-1)
+    with pytest.raises(AuthenticationError):
+        Sandbox.create("task", api_key="0" * 40)
+    monkeypatch.delenv("WEENV_API_KEY")
+    with pytest.raises(AuthenticationError):
+        Sandbox.list()
+    with pytest.raises(DaemonError):
+        Sandbox.list(api_url="http://127.0.0.1:9")  # nothing listens on the discard port
+    assert issubclass(CommandTimeoutError, TimeoutError) and issubclass(NotFoundError, LookupError)
+
+
+def test_capacity_error(shared_store, tmp_path):
+    d = start_daemon(tmp_path / "home", shared_store.url, "--max-environments", "1")
+    try:
+        kw = dict(api_url=d.url, api_key=d.key)
+        with Sandbox.create("task", timeout=60, **kw) as sb:
+            d.track(sb.id)
+            with pytest.raises(CapacityError):
+                Sandbox.create("task", **kw)
+    finally:
+        d.stop()
+
+
+def test_unix_socket_by_default(daemon, monkeypatch):
+    monkeypatch.delenv("WEENV_API_URL", raising=False)
+    monkeypatch.delenv("WEENV_API_KEY", raising=False)
+    monkeypatch.setenv("WEENV_HOME", str(daemon.home))
+    with Sandbox.create("task", timeout=60) as sb:
+        daemon.track(sb.id)
+        assert sb.commands.run("echo via-socket").stdout == "via-socket\n"
+
+
+def test_async_face(remote):
+    async def main():
+        async with await AsyncSandbox.create("task", timeout=120, resources=SMALL) as sb:
+            remote.track(sb.id)
+            seen = []
+
+            async def on_out(text):
+                seen.append(text)
+
+            r = await sb.commands.run("echo a; sleep 0.2; echo b", on_stdout=on_out)
+            assert r.stdout == "a\nb\n" and "".join(seen) == "a\nb\n"
+            h = await sb.commands.run("sleep 0.2; echo bg", background=True)
+            assert (await h.wait()).stdout == "bg\n"
+            await sb.files.write("/root/x", b"async")
+            assert await sb.files.read("/root/x") == "async" and await sb.files.exists("/root/x")
+            with pytest.raises(CommandTimeoutError):
+                await sb.commands.run("sleep 30", timeout=0.3)
+            # concurrent commands on one sandbox
+            results = await asyncio.gather(*(sb.commands.run(f"echo {i}") for i in range(5)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(5)]
+        many = await AsyncSandbox.create_many("task", count=3, resources=SMALL, timeout=60)
+        remote.track(*(s.id for s in many))
+        for s in many:
+            assert (await s.commands.run("true")).exit_code == 0
+            await s.kill()
+        with pytest.raises(NotFoundError):
+            await AsyncSandbox.connect(sb.id)
+
+    asyncio.run(main())
+
+
+def test_sync_and_async_faces_match():
+    """One logic, two faces: the same public methods with the same parameters."""
+    pairs = [(_sync.Sandbox, _async.AsyncSandbox), (_sync.Commands, _async.AsyncCommands),
+             (_sync.Files, _async.AsyncFiles), (_sync.CommandHandle, _async.AsyncCommandHandle)]
+    for s, a in pairs:
+        names = {n for n in dir(s) if not n.startswith("_")}
+        assert names == {n for n in dir(a) if not n.startswith("_")}, (s, a)
+        for n in names:
+            fs, fa = getattr(s, n), getattr(a, n)
+            if callable(fs) and not isinstance(fs, type):
+                assert list(inspect.signature(fs).parameters) == list(inspect.signature(fa).parameters), n
+                assert inspect.iscoroutinefunction(fa) != inspect.iscoroutinefunction(fs) or n == "pid", n
+    assert weenv.Sandbox is Sandbox and weenv.AsyncSandbox is AsyncSandbox

@@ -1,0 +1,336 @@
+"""The weenv API over HTTP, against a real ``weenv serve`` on loopback (TCP, API key)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import stat
+import time
+
+import httpx
+import pytest
+
+from daemon_fixture import start_daemon
+
+ND = "application/x-ndjson"
+
+
+@pytest.fixture(scope="module")
+def daemon(shared_store, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("serve") / "home", shared_store.url)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def api(daemon):
+    with daemon.http() as c:
+        yield c
+
+
+@pytest.fixture
+def env(daemon, api):
+    """One environment of template ``task``, destroyed at the end."""
+    r = api.post("/environments", json={"template": "task", "timeout": 600})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    daemon.track(info["id"])
+    yield info["id"]
+    api.delete(f"/environments/{info['id']}")
+
+
+def events(lines):
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def error_of(r: httpx.Response) -> tuple[int, str]:
+    return r.status_code, r.json()["error"]["kind"]
+
+
+# --- authentication ----------------------------------------------------------------------
+def test_api_key_required_on_tcp_not_on_the_socket(daemon):
+    key_file = daemon.home / "run" / "api-key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(daemon.paths.socket.stat().st_mode) == 0o600
+    for key in (None, "", "0" * 40, daemon.key[:-1], "e2b_" + "0" * 40):
+        with daemon.http(key=key) as c:
+            r = c.get("/environments")
+            assert error_of(r) == (401, "authentication"), (key, r.text)
+            assert "api-key" in r.json()["error"]["message"]
+    with daemon.http(key=None, headers={"authorization": f"Bearer {daemon.key}"}) as c:
+        assert c.get("/environments").status_code == 200
+    with daemon.http(key="e2b_" + daemon.key) as c:
+        assert c.get("/environments").status_code == 200
+    with daemon.http() as c:
+        assert c.get("/environments").status_code == 200
+    with daemon.http(key=None) as c:  # open: health, the OpenAPI document
+        assert c.get("/health").json()["status"] == "ok"
+        doc = httpx.get(daemon.url + "/openapi.json").json()
+        assert "/v1/environments/batch" in doc["paths"] and "/v1/environments/{env_id}/files" in doc["paths"]
+        assert error_of(c.post("/shutdown")) == (401, "authentication")
+    with daemon.unix_http() as c:  # the socket is trusted by its file mode
+        assert c.get("/environments").status_code == 200
+
+
+# --- environments ------------------------------------------------------------------------
+def test_templates_lifecycle_and_timeout(daemon, api):
+    assert [t["name"] for t in api.get("/templates").json()] == ["task"]
+    t = api.get("/templates/task").json()
+    assert len(t["groups"]) == 2 and t["image_bytes"] > 0 and t["runtime"]["working_dir"] == "/workspace"
+    assert error_of(api.get("/templates/nope")) == (404, "not_found")
+
+    r = api.post("/environments", json={"template": "task", "timeout": 120, "metadata": {"run": "7"},
+                                         "envs": {"EPISODE": "3"}})
+    assert r.status_code == 201
+    info = r.json()
+    daemon.track(info["id"])
+    assert info["metadata"] == {"run": "7"} and info["timeout_s"] == 120
+    assert 100 < info["expires_at"] - time.time() <= 120
+    assert info["id"] in [e["id"] for e in api.get("/environments").json()]
+    assert api.get(f"/environments/{info['id']}").json()["state"] == "running"
+    out = api.post(f"/environments/{info['id']}/commands", json={"command": "echo $EPISODE"}).json()
+    assert json.loads(json.dumps(out))["exit_code"] == 0
+
+    r = api.post(f"/environments/{info['id']}/timeout", json={"timeout": 3600})
+    assert r.status_code == 200 and r.json()["expires_at"] - time.time() > 3500
+    assert error_of(api.post(f"/environments/{info['id']}/timeout", json={"timeout": -1})) == (400, "invalid_input")
+
+    assert api.delete(f"/environments/{info['id']}").status_code == 204
+    assert error_of(api.get(f"/environments/{info['id']}")) == (404, "not_found")
+    assert error_of(api.delete(f"/environments/{info['id']}")) == (404, "not_found")
+
+
+def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(daemon, api, env):
+    cases = [
+        (api.post("/environments", json={"template": "no-such-template"}), 404, "not_found", "no-such-template"),
+        (api.post("/environments", content=b"{not json", headers={"content-type": "application/json"}),
+         400, "invalid_input", "JSON"),
+        (api.post("/environments", json={"template": "task", "timeout": -5}), 400, "invalid_input", "timeout"),
+        (api.post("/environments", json={"template": "task", "timeout": 0}), 400, "invalid_input", "timeout"),
+        (api.post("/environments", json={"template": "task", "colour": "red"}), 400, "invalid_input", "colour"),
+        (api.post("/environments", json={}), 400, "invalid_input", "template"),
+        (api.post(f"/environments/{env}/commands", json={"command": []}), 400, "invalid_input", "command"),
+        (api.post(f"/environments/{env}/commands", json={"command": "true", "timeout": -1}), 400, "invalid_input",
+         "timeout"),
+        (api.post(f"/environments/{env}/commands", json={"command": "true", "cwd": "rel"}), 400, "invalid_input",
+         "rel"),
+        (api.post("/environments/nope/commands", json={"command": "true"}), 404, "not_found", "nope"),
+        (api.get("/no/such/route"), 404, "not_found", "/v1/no/such/route"),
+        (api.post(f"/environments/{env}/commands", json={"command": "head -c 100000000 /dev/zero"}),
+         413, "output_limit", "more than"),
+    ]
+    for r, status, kind, words in cases:
+        assert error_of(r) == (status, kind), r.text
+        assert words in r.json()["error"]["message"], r.text
+    # the daemon still serves, the environment still works
+    assert api.get("/health").json()["status"] == "ok"
+    assert api.post(f"/environments/{env}/commands", json={"command": "echo fine"}).json()["stdout"] == "ZmluZQo="
+
+
+# --- commands -----------------------------------------------------------------------------
+def test_streamed_command_order_exit_code_and_timing(api, env):
+    t0 = time.monotonic()
+    arrivals = []
+    with api.stream("POST", f"/environments/{env}/commands/stream",
+                    json={"command": "echo o1; sleep 1; echo e1 >&2; sleep 0.3; echo o2; exit 7"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(ND)
+        for line in r.iter_lines():
+            if line.strip():
+                arrivals.append((time.monotonic() - t0, json.loads(line)))
+    evs = [e for _, e in arrivals]
+    kinds = [e["type"] for e in evs]
+    assert kinds == ["start", "stdout", "stderr", "stdout", "end"], kinds
+    assert [base64.b64decode(e["data"]) for e in evs[1:4]] == [b"o1\n", b"e1\n", b"o2\n"]
+    assert evs[-1]["exit_code"] == 7 and evs[-1]["timed_out"] is False and evs[0]["pid"] > 1
+    # the first line came while the command still ran (streamed, not buffered)
+    assert arrivals[1][0] < arrivals[-1][0] - 1.0
+
+
+def test_command_timeouts_and_big_streamed_output(api, env):
+    r = api.post(f"/environments/{env}/commands", json={"command": "sleep 30", "timeout": 0.5}).json()
+    assert r["timed_out"] and r["exit_code"] == 137 and r["duration_s"] < 10
+    with api.stream("POST", f"/environments/{env}/commands/stream",
+                    json={"command": "echo before; sleep 30", "timeout": 0.5}) as s:
+        evs = events(s.iter_lines())
+    assert evs[-1]["type"] == "end" and evs[-1]["timed_out"] and evs[-1]["exit_code"] == 137
+    # 200 MB through the stream: it flows (back-pressure), no output limit there
+    total = 0
+    with api.stream("POST", f"/environments/{env}/commands/stream",
+                    json={"command": ["head", "-c", str(200 << 20), "/dev/zero"]}) as s:
+        for e in events(s.iter_lines()):
+            if e["type"] == "stdout":
+                total += len(base64.b64decode(e["data"]))
+            last = e
+    assert last["type"] == "end" and last["exit_code"] == 0 and total == 200 << 20
+
+
+def test_background_command_stdin_kill_and_wait(daemon, api, env):
+    r = api.post(f"/environments/{env}/processes", json={"command": ["cat"], "stdin_open": True, "tag": "echo"})
+    assert r.status_code == 201
+    cat = r.json()
+    assert cat["running"] and cat["tag"] == "echo" and cat["pid"] > 1
+    ok = api.post(f"/environments/{env}/processes/{cat['pid']}/stdin",
+                  json={"data": base64.b64encode(b"hello ").decode()})
+    assert ok.status_code == 204
+    api.post(f"/environments/{env}/processes/{cat['pid']}/stdin",
+             json={"data": base64.b64encode(b"world").decode(), "eof": True})
+    done = api.post(f"/environments/{env}/processes/{cat['pid']}/wait", params={"timeout": 10}).json()
+    assert done["running"] is False and done["exit_code"] == 0
+    with api.stream("GET", f"/environments/{env}/processes/{cat['pid']}/output") as s:
+        out = b"".join(base64.b64decode(e["data"]) for e in events(s.iter_lines()) if e["type"] == "stdout")
+    assert out == b"hello world"
+
+    sleeper = api.post(f"/environments/{env}/processes", json={"command": "sleep 300"}).json()
+    assert sleeper["pid"] in [p["pid"] for p in api.get(f"/environments/{env}/processes").json()]
+    assert api.post(f"/environments/{env}/processes/{sleeper['pid']}/kill", json={}).status_code == 204
+    done = api.post(f"/environments/{env}/processes/{sleeper['pid']}/wait", params={"timeout": 10}).json()
+    assert done["exit_code"] == 137 and not done["running"]
+    assert error_of(api.post(f"/environments/{env}/processes/{sleeper['pid']}/kill",
+                             json={"signal": "NOPE"})) == (400, "invalid_input")
+    assert error_of(api.get(f"/environments/{env}/processes/999999")) == (404, "not_found")
+
+
+def test_a_foreground_command_dies_with_its_client(daemon, api, env):
+    with api.stream("POST", f"/environments/{env}/commands/stream", json={"command": "echo up; sleep 300"}) as s:
+        lines = s.iter_lines()
+        pid = json.loads(next(lines))["pid"]
+        assert json.loads(next(lines))["type"] == "stdout"
+    # the client left: the command is killed
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = api.get(f"/environments/{env}/processes/{pid}").json()
+        if not info["running"]:
+            break
+        time.sleep(0.1)
+    assert info["running"] is False and info["exit_code"] == 137
+
+
+# --- files --------------------------------------------------------------------------------
+def test_files_text_binary_dirs_and_confinement(api, env):
+    base = f"/environments/{env}/files"
+    assert api.put(base, params={"path": "/workspace/a/b.txt"}, content="héllo\n".encode()).json()["size"] == 7
+    assert api.get(base, params={"path": "/workspace/a/b.txt"}).content == "héllo\n".encode()
+    blob = bytes(range(256)) * 10
+    api.put(base, params={"path": "rel/bin.dat"}, content=blob)  # relative: from /
+    assert api.get(base, params={"path": "/rel/bin.dat"}).content == blob
+    st = api.get(base + "/stat", params={"path": "/rel/bin.dat"}).json()
+    assert st["type"] == "file" and st["size"] == len(blob)
+    assert api.post(base + "/mkdir", params={"path": "/workspace/x/y"}).status_code == 204
+    assert api.post(base + "/rename", json={"src": "/workspace/a/b.txt", "dst": "/workspace/x/y/c.txt"}).status_code == 204
+    names = {e["name"]: e["type"] for e in api.get(base + "/list", params={"path": "/workspace/x/y"}).json()}
+    assert names == {"c.txt": "file"}
+    assert "hello.py" in [e["name"] for e in api.get(base + "/list", params={"path": "/workspace"}).json()]
+    assert api.delete(base, params={"path": "/workspace/x"}).status_code == 204
+    assert error_of(api.get(base + "/stat", params={"path": "/workspace/x"})) == (404, "not_found")
+    assert error_of(api.get(base, params={"path": "/workspace"})) == (400, "invalid_input")
+
+    # paths outside the root are refused or stay inside it
+    host_secret = "/etc/weenv-test-host-only"
+    assert not os.path.exists(host_secret)
+    api.put(base, params={"path": "/../../../../etc/weenv-test-host-only"}, content=b"inside")
+    assert not os.path.exists(host_secret)
+    run = api.post(f"/environments/{env}/commands", json={"command": ["cat", host_secret]}).json()
+    assert run["exit_code"] == 0  # it landed in the environment's own /etc
+    api.post(f"/environments/{env}/commands", json={"command": "ln -s /proc/1/root/etc /workspace/esc"})
+    assert api.get(base, params={"path": "/workspace/esc/hostname"}).status_code in (400, 404)
+    api.post(f"/environments/{env}/commands", json={"command": "ln -s ../../../../../../ /workspace/up"})
+    r = api.get(base + "/list", params={"path": "/workspace/up"})
+    assert r.status_code == 200 and "workspace" in [e["name"] for e in r.json()]  # the environment's own /
+    assert error_of(api.get(base, params={"path": ""})) == (400, "invalid_input")
+
+
+def test_100mb_upload_and_download_streamed(daemon, api, env, tmp_path):
+    src = tmp_path / "big.bin"
+    chunk = os.urandom(1 << 20)
+    with open(src, "wb") as f:
+        for i in range(100):
+            f.write(chunk[i:] + chunk[:i])
+    want = hashlib.sha256(src.read_bytes()).hexdigest()
+    peak0 = daemon.rss_peak_kib()
+
+    def body():
+        with open(src, "rb") as f:
+            while data := f.read(1 << 20):
+                yield data
+
+    r = api.put(f"/environments/{env}/files", params={"path": "/root/big.bin"}, content=body())
+    assert r.json()["size"] == 100 << 20
+    inside = api.post(f"/environments/{env}/commands", json={"command": ["sha256sum", "/root/big.bin"]}).json()
+    assert base64.b64decode(inside["stdout"]).split()[0].decode() == want
+    h = hashlib.sha256()
+    n = 0
+    with api.stream("GET", f"/environments/{env}/files", params={"path": "/root/big.bin"}) as s:
+        assert int(s.headers["content-length"]) == 100 << 20
+        for data in s.iter_bytes():
+            h.update(data)
+            n += len(data)
+    assert n == 100 << 20 and h.hexdigest() == want
+    # neither direction held the file in the daemon's memory
+    assert daemon.rss_peak_kib() - peak0 < 60 << 10
+
+
+# --- batch create, lifetimes, metrics --------------------------------------------------------
+def test_batch_create_64_streams_each_as_ready(daemon, api):
+    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}  # 64 of them fit the node's admission
+    items = [{"template": "task", "timeout": 600, "metadata": {"i": str(i)}, "resources": small} for i in range(64)]
+    items[5] = {"template": "no-such-template"}
+    seen = []
+    t0 = time.monotonic()
+    with api.stream("POST", "/environments/batch", json={"items": items, "concurrency": 8}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.strip():
+                seen.append((time.monotonic() - t0, json.loads(line)))
+    evs = [e for _, e in seen]
+    assert sorted(e["index"] for e in evs) == list(range(64))
+    ok = [e for e in evs if "environment" in e]
+    daemon.track(*(e["environment"]["id"] for e in ok))
+    bad = [e for e in evs if "error" in e]
+    assert [e["index"] for e in bad] == [5], [e["error"] for e in bad][:3]
+    assert [e["index"] for e in bad] == [5] and bad[0]["error"]["kind"] == "not_found"
+    assert len({e["environment"]["id"] for e in ok}) == 63
+    assert all(e["environment"]["metadata"] == {"i": str(e["index"])} for e in ok)
+    assert seen[0][0] < seen[-1][0] / 2  # the first came long before the last
+    listed = {e["id"] for e in api.get("/environments").json()}
+    assert {e["environment"]["id"] for e in ok} <= listed
+    metrics = api.get("/metrics").text
+    assert "weenv_environments " in metrics and 'weenv_creates_total{result="ok"}' in metrics
+    assert "weenv_create_seconds_bucket" in metrics and "weenv_bytes_fetched_total" in metrics
+    for e in ok:
+        assert api.delete(f"/environments/{e['environment']['id']}").status_code == 204
+    assert error_of(api.post("/environments/batch", json={"items": []})) == (400, "invalid_input")
+
+
+def test_timeouts_reap_environments_of_vanished_clients(daemon, api):
+    r = api.post("/environments", json={"template": "task", "timeout": 1})
+    env = r.json()["id"]
+    daemon.track(env)
+    api.post(f"/environments/{env}/processes", json={"command": "sleep 600"})
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and api.get(f"/environments/{env}").status_code == 200:
+        time.sleep(0.2)
+    assert error_of(api.get(f"/environments/{env}")) == (404, "not_found")
+    assert "weenv_reaped_total 1.0" in api.get("/metrics").text or "weenv_reaped_total" in api.get("/metrics").text
+
+
+def test_a_batch_whose_client_leaves_leaks_nothing(daemon, api):
+    before = {e["id"] for e in api.get("/environments").json()}
+    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
+    items = [{"template": "task", "timeout": 600, "resources": small} for _ in range(6)]
+    with api.stream("POST", "/environments/batch", json={"items": items, "concurrency": 2}) as s:
+        first = json.loads(next(s.iter_lines()))
+    daemon.track(first["environment"]["id"])
+    assert api.delete(f"/environments/{first['environment']['id']}").status_code == 204
+    # the undelivered ones are destroyed as they finish (not by the reaper: their timeout is 600 s)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = {e["id"] for e in api.get("/environments").json()}
+        daemon.track(*now)
+        if now == before:
+            break
+        time.sleep(0.2)
+    assert now == before
