@@ -1,5 +1,5 @@
 """The E2B-compatible API driven by the real ``e2b`` SDK (PyPI) against a weenv
-daemon app served by uvicorn on loopback TCP.
+daemon, a real ``weenv serve`` on loopback TCP.
 
 One daemon per module (its own WEENV_HOME, the session's shared store with
 template ``task``), stopped at the end and checked for leaks; the SDK finds it
@@ -9,8 +9,6 @@ through ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``.
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 
 import httpx
@@ -28,66 +26,31 @@ from e2b.exceptions import (
     TimeoutException,
 )
 
-from weenv.config import Paths
-from weenv.server.auth import ApiKey
+from daemon_fixture import Daemon, start_daemon
 from weenv.server.e2b import create_e2b_app
 
 TEMPLATE = "task"
 
 
-class Daemon:
-    """The weenv daemon app (plus the E2B app mounted at /e2b) on 127.0.0.1."""
+class E2BDaemon:
+    """A real ``weenv serve`` on 127.0.0.1 (see daemon_fixture), seen as E2B sees it."""
 
-    def __init__(self, paths: Paths, store):
-        import uvicorn
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+        self.key = "e2b_" + daemon.key
+        self.api_url = daemon.url + "/e2b"
+        self.sandbox_url = daemon.url + "/e2b/envd"
 
-        from weenv.node.node import Node
-        from weenv.server.app import create_app
-
-        self.node = Node(paths, store=store)
-        api_key = ApiKey.load_or_create(paths.run / "api-key")
-        self.key = api_key.e2b
-        self.app = create_app(self.node, api_key=api_key, reap_interval=0.5)
-        # The one line the daemon needs (weenv.server.daemon.serve, after create_app):
-        self.app.mount("/e2b", create_e2b_app(self.node, api_keys=[api_key.e2b]))
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/e2b"
-
-    @property
-    def sandbox_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/e2b/envd"
-
-    def start(self) -> Daemon:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the daemon did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=120)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the daemon did not stop"
+    def environment_ids(self) -> list[str]:
+        with self.daemon.http() as c:
+            return [e["id"] for e in c.get("/environments").json()]
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, shared_store):
     home = tmp_path_factory.mktemp("e2b-home")
     before = system_snapshot(home)
-    paths = Paths(home=home, cache=Paths.from_env().cache, store_url=f"file://{home / 'store'}")
-    d = Daemon(paths, shared_store).start()
+    d = E2BDaemon(start_daemon(home, shared_store.url))
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
     os.environ.update(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key)
     try:
@@ -98,11 +61,10 @@ def daemon(tmp_path_factory, shared_store):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        d.stop()
+        d.daemon.stop()  # checks: no mount, runc container or cgroup of a seen environment left
         after = system_snapshot(home)
         for kind in ("mounts", "loops"):
             assert not set(after[kind]) - set(before[kind]), f"leaked {kind}"
-        assert not [c for c in after["cgroups"] if c not in before["cgroups"] and d.node.runc.root.name in c]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +112,7 @@ def test_timeout_reaps_sandbox(daemon):
     s = Sandbox.create(TEMPLATE, timeout=300)
     s.set_timeout(1)
     deadline = time.monotonic() + 30
-    while s.sandbox_id in [e.id for e in daemon.node.list()]:
+    while s.sandbox_id in daemon.environment_ids():
         assert time.monotonic() < deadline, "the sandbox outlived its timeout"
         time.sleep(0.2)
     assert not s.is_running()
@@ -162,7 +124,7 @@ def test_authentication_failures(daemon):
     with pytest.raises(AuthenticationException):
         Sandbox.list(api_key=daemon.key[4:]).next_items()  # the bare hex spelling is weenv's, not E2B's
     with pytest.raises(ValueError):
-        create_e2b_app(daemon.node, api_keys=["not-an-e2b-key"])
+        create_e2b_app(None, api_keys=["not-an-e2b-key"])
     r = httpx.get(f"{daemon.api_url}/v2/sandboxes")
     assert r.status_code == 401 and r.json()["code"] == 401
     r = httpx.get(f"{daemon.api_url}/v2/sandboxes", headers={"X-API-Key": daemon.key})

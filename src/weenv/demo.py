@@ -154,8 +154,8 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
     try:
         client.drop_cache()
         results = {}
-        for label in ("cold", "warm"):
-            console.rule(f"[bold]2. {label} start, then the test suite of {library}")
+        for step, label in ((2, "cold"), (3, "warm")):
+            console.rule(f"[bold]{step}. {label} start, then the test suite of {library}")
             fetched0 = client.stats().cache_bytes_fetched
             info = client.create(template)
             try:
@@ -172,7 +172,7 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
             if r.exit_code != 0:
                 console.print(r.stdout.decode(errors="replace")[-3000:], markup=False)
                 console.print(r.stderr.decode(errors="replace")[-2000:], markup=False)
-        console.rule("[bold]3. results")
+        console.rule("[bold]4. results")
         _print_table(console, results)
     finally:
         client.close()

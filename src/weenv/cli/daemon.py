@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from rich.console import Console
+
 from weenv.cli.common import err
 from weenv.config import Paths
 
@@ -55,7 +57,7 @@ def demo(
         library=library or DEFAULT_LIBRARY,
         test_requirements=tuple(test_deps.split()) if test_deps else DEFAULT_TEST_REQUIREMENTS,
         keep_daemon=keep_daemon,
-        console=err,
+        console=Console(soft_wrap=True),  # stdout, so `weenv demo > out.txt` keeps it
     )
     raise typer.Exit(code)
 

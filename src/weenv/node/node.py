@@ -380,11 +380,35 @@ class Node:
         return reaped
 
     def get(self, env_id: str) -> EnvironmentInfo:
-        return self._env(env_id).info
+        """The environment's info; its ``state`` is runc's (``"stopped"`` once its
+        first process died).  Raises :class:`NotFoundError`."""
+        e = self._env(env_id)
+        if e.info.state == "running":
+            state = self.runc.state(e.container_id)
+            self._follow(e, state["status"] if state else None)
+        return e.info
 
     def list(self) -> list[EnvironmentInfo]:
+        """Every environment's info, ``state`` from runc (one ``runc list``)."""
         with self._lock:
-            return [e.info for e in self._envs.values()]
+            envs = list(self._envs.values())
+        if any(e.info.state == "running" for e in envs):
+            status = {s.get("id"): s.get("status") for s in self.runc.list()}
+            for e in envs:
+                self._follow(e, status.get(e.container_id))
+        return [e.info for e in envs]
+
+    def count(self) -> int:
+        """How many environments the node holds (no runc call)."""
+        with self._lock:
+            return len(self._envs)
+
+    @staticmethod
+    def _follow(e: _Environment, runc_status: str | None) -> None:
+        """A running environment whose container stopped (its first process
+        died) or vanished is ``"stopped"``: commands can no longer run in it."""
+        if e.info.state == "running" and runc_status in (None, "stopped"):
+            e.info.state = "stopped"
 
     def exec(
         self,
@@ -396,20 +420,28 @@ class Node:
         timeout: float | None = None,
         stdin: bytes | None = None,
         raise_on_timeout: bool = False,
+        max_output: int = 64 << 20,
     ) -> ExecResult:
         """Run ``command`` (argv, or a ``/bin/sh -c`` string) in environment ``env_id``.
 
         ``env`` adds to the template's variables; ``cwd`` defaults to its working
         dir; ``timeout`` in seconds kills the command and its children, reported
         as ``timed_out`` (or raised as :class:`CommandTimeoutError`).
+
+        The output comes through pipes (:meth:`run`): past ``max_output`` bytes
+        the command is killed (:class:`OutputLimitError`), and what a background
+        descendant (``cmd &``) writes after the command returned goes to the
+        node's :class:`~weenv.node.process.PipeSink`, never to a file on the host.
         """
-        return self._exec(
-            self._env(env_id), command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
-            raise_on_timeout=raise_on_timeout,
-        )
+        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output)
+        if r.timed_out and raise_on_timeout:
+            raise CommandTimeoutError(f"command timed out after {timeout} s in {env_id}")
+        return r
 
     def _exec(self, e: _Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
               raise_on_timeout=False) -> ExecResult:
+        """A command through :meth:`Runc.exec` (output in temporary files): only for
+        the create's first command (``true``), before the environment is listed."""
         if isinstance(command, list) and not command:
             raise InvalidInputError("empty command")
         if timeout is not None:

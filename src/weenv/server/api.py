@@ -121,7 +121,7 @@ def api_router(
 
     @open_r.get("/health")
     def health() -> dict:
-        return {"status": "ok", "environments": len(node.list())}
+        return {"status": "ok", "environments": node.count()}
 
     @r.get("/metrics", response_class=Response)
     def prometheus() -> Response:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from weenv.config import Paths
-from weenv.errors import DaemonError
+from weenv.errors import DaemonError, InvalidInputError
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -28,6 +29,15 @@ from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 
 _JSON = {"content-type": "application/json"}
+
+
+def _build(model: type[BaseModel], **fields) -> BaseModel:
+    """``model(**fields)``; invalid fields raise :class:`InvalidInputError` (one line)."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in exc.errors()[:5]]
+        raise InvalidInputError("bad request: " + "; ".join(parts)) from None
 
 
 class NodeClient:
@@ -70,13 +80,14 @@ class NodeClient:
 
     def create(self, template: str, *, resources: Resources | None = None, first_command: bool = True,
                timeout: float | None = None) -> EnvironmentInfo:
-        req = CreateRequest(template=template, resources=resources, first_command=first_command, timeout=timeout)
+        req = _build(CreateRequest, template=template, resources=resources, first_command=first_command,
+                     timeout=timeout)
         r = self._request("POST", "/environments", content=req.model_dump_json(), headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
 
     def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None) -> Iterator[BatchCreateEvent]:
         """One batch create; yields each item's event as the daemon finishes it."""
-        req = BatchCreateRequest(items=items, concurrency=concurrency)
+        req = _build(BatchCreateRequest, items=items, concurrency=concurrency)
         try:
             with self._http.stream("POST", "/environments/batch", content=req.model_dump_json(), headers=_JSON,
                                    timeout=httpx.Timeout(None, connect=10.0)) as r:
@@ -106,7 +117,7 @@ class NodeClient:
 
     def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
              cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
-        req = ExecRequest(command=command, env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin)
+        req = _build(ExecRequest, command=command, env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin)
         r = self._request("POST", f"/environments/{env_id}/commands", content=req.model_dump_json(), headers=_JSON)
         return ExecResult.model_validate_json(r.content)
 

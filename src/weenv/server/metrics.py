@@ -41,7 +41,7 @@ class Metrics:
     def __init__(self, node: Node):
         self.registry = r = CollectorRegistry()
         self.environments = Gauge("weenv_environments", "Environments running", registry=r)
-        self.environments.set_function(lambda: len(node.list()))
+        self.environments.set_function(node.count)
         self.creates = Counter("weenv_creates", "Environment creates by result", ["result"], registry=r)
         self.create_seconds = Histogram("weenv_create_seconds", "Wall time of successful creates",
                                         buckets=CREATE_BUCKETS, registry=r)
