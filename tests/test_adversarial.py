@@ -558,3 +558,25 @@ def test_long_commands_do_not_block_the_api(served):
         codes = [f.result(timeout=120) for f in running]
     assert codes == [0] * n
     assert healthy
+
+
+def test_exec_is_killed_when_its_client_goes_away(served):
+    """A captured command (POST .../commands) whose client disconnects is killed,
+    as a streamed one is: it must not run on to its timeout for nobody."""
+    import httpx
+
+    with NodeClient(served) as c:
+        env_id = c.create("task").id
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weenv/v1",
+                      timeout=3) as h:  # fmt: skip
+        with pytest.raises(httpx.ReadTimeout):
+            h.post(f"/environments/{env_id}/commands", json={"command": ["sleep", "60"]})
+    init = Runc(served.runc_root).state(CONTAINER_PREFIX + env_id)["pid"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not [p for p in _descendants(init) if _cmdline(p) == ["sleep", "60"]]:
+            break
+        time.sleep(0.1)
+    assert not [p for p in _descendants(init) if _cmdline(p) == ["sleep", "60"]]
+    with NodeClient(served, autostart=False) as c:
+        assert c.exec(env_id, ["echo", "ok"]).stdout == b"ok\n"

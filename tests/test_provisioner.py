@@ -221,7 +221,7 @@ BUSY = "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: p
 
 
 def test_cpu_quota_follows_a_burst_and_falls_back_when_idle(make_node):
-    node = make_node()
+    node = make_node(cpu_quota_at="reservation")  # the elastic value is the CFS quota itself
     env = node.create("task", resources=Resources(cpus=2.0, memory_bytes=GIB, pids=256))
     assert env_stats(node, env.id).cpu_quota == 0.5  # initial, not the declared 2 cores
     node.exec(env.id, BUSY.format(s=8))  # two CPU-bound processes for 8 s
@@ -236,6 +236,37 @@ def test_cpu_quota_follows_a_burst_and_falls_back_when_idle(make_node):
     assert wait_for(lambda: env_stats(node, env.id).cpu_quota <= 0.11, timeout=30)
     hist = env_stats(node, env.id).history
     assert max(h.cpu_used for h in hist) > 0.55 and hist[-1].cpu_used < 0.1  # above the initial 0.5
+
+
+BURST = ("python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: pass'")
+
+
+@pytest.mark.parametrize("quota_at", ["ceiling", "reservation"])
+def test_a_burst_after_idle_is_throttled_only_when_the_quota_follows_usage(make_node, quota_at):
+    """Idle, an environment's elastic value falls to the floor (0.1 core).  With
+    ``cpu_quota_at="ceiling"`` (the default) its CFS quota stays at the declared
+    ceiling, so a burst runs unthrottled from its first period while the
+    reservation follows it; with ``"reservation"`` the burst is throttled until a
+    pass raises the quota (the cause of the 12.5x burst slowdown measured before)."""
+    node = make_node(cpu_quota_at=quota_at, cpu_initial=0.1)
+    env = node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256))
+    cg = node.provisioner._get(env.id).cgroup
+    assert wait_for(lambda: env_stats(node, env.id).cpu_reservation <= 0.11, timeout=10)
+    quota = cg.limits().cpu_quota
+    assert quota == pytest.approx(1.0 if quota_at == "ceiling" else 0.1)
+    before = cg.usage()
+    node.exec(env.id, BURST.format(s=0.6), timeout=60)
+    after = cg.usage()
+    throttled = after.cpu_throttled_periods - before.cpu_throttled_periods
+    if quota_at == "ceiling":
+        assert throttled <= 1, throttled  # (one period may straddle the exec's start-up)
+        assert cg.limits().cpu_quota == pytest.approx(1.0)
+        # the reservation still follows the burst (admission counts it), then falls back
+        assert any(h.cpu_reservation > 0.2 for h in env_stats(node, env.id).history)
+        assert wait_for(lambda: env_stats(node, env.id).cpu_reservation <= 0.11, timeout=15)
+        assert env_stats(node, env.id).cpu_quota == pytest.approx(1.0)
+    else:
+        assert throttled >= 2, throttled
 
 
 ALLOC = ("python3 -c 'import time\nchunks = []\n"
@@ -266,7 +297,7 @@ def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_
     assert any(e.kind == "lower" and "memory" in e.message for e in node.provision_stats(env.id).events)
 
 
-def test_sum_of_quotas_stays_within_capacity_and_admission_by_usage(make_node):
+def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
     node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3)
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
@@ -276,25 +307,41 @@ def test_sum_of_quotas_stays_within_capacity_and_admission_by_usage(make_node):
     deadline = time.monotonic() + 4
     while time.monotonic() < deadline:
         t = node.provision_stats().totals
-        sums.append(t.cpu_quota_sum)
-        assert t.cpu_quota_sum <= t.cpu_budget + 1e-6 == 1.0 + 1e-6
+        sums.append(t.cpu_reservation_sum)
+        assert t.cpu_reservation_sum <= t.cpu_budget + 1e-6 == 1.0 + 1e-6
+        assert t.cpu_quota_sum == pytest.approx(3.0)  # the CFS quotas stay at the ceilings
         time.sleep(0.1)
     assert max(sums) > 0.9  # the burst used the room there was
     # static admission would hold one environment of 1 core; by usage, idle ones are small:
     # after the burst the quotas fall to the floor and more environments fit
-    assert wait_for(lambda: node.provision_stats().totals.cpu_quota_sum <= 0.35, timeout=20)
+    assert wait_for(lambda: node.provision_stats().totals.cpu_reservation_sum <= 0.35, timeout=20)
     more = []
     with pytest.raises(CapacityError):  # until the idle quotas (~0.1 core each) fill 1 core
         for _ in range(20):
             more.append(node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256),
                                     first_command=False))  # fmt: skip
-            assert node.provision_stats().totals.cpu_quota_sum <= 1.0 + 1e-6
-            # its initial quota (0.3) is held until the cool-down shows it idle
-            assert wait_for(lambda: env_stats(node, more[-1].id).cpu_quota <= 0.12, timeout=10)
+            assert node.provision_stats().totals.cpu_reservation_sum <= 1.0 + 1e-6
+            # its initial reservation (0.3) is held until the cool-down shows it idle
+            assert wait_for(lambda: env_stats(node, more[-1].id).cpu_reservation <= 0.12, timeout=10)
     assert len(node.list()) == 3 + len(more) >= 6  # static admission: 1 environment of 1 core
     assert any(e.kind == "admission" for e in node.provision_stats().events)
     for e in envs + more:
         node.destroy(e.id)
+
+
+def test_checks_between_passes_raise_at_once_what_waits(make_node):
+    """With no regular pass for an hour, the check every ``check_interval_s``
+    still raises a memory limit tasks wait at and a throttled CFS quota."""
+    node = make_node(interval_s=3600, check_interval_s=0.1, cpu_quota_at="reservation", cpu_initial=0.1)
+    env = node.create("task", resources=Resources(cpus=1.0, memory_bytes=2 * GIB, pids=256))
+    assert env_stats(node, env.id).memory_limit == 256 * MIB
+    r = node.exec(env.id, ALLOC.format(n=1, step=600 * MIB, pause=0, hold=0), timeout=120)
+    assert (r.exit_code, r.stdout) == (0, b"held\n")
+    s = env_stats(node, env.id)
+    assert s.oom_kills == 0 and s.memory_limit >= 600 * MIB
+    node.exec(env.id, BURST.format(s=1.0), timeout=60)
+    assert env_stats(node, env.id).cpu_quota > 0.1  # raised from the initial 0.1 while throttled
+    assert node.provisioner.passes >= 3
 
 
 BOMB = "python3 -c 'chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))\n    chunks[-1][::4096] = b\"x\" * (16384)'"

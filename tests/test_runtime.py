@@ -169,8 +169,10 @@ def test_bundle_config(tmp_path):
     assert wide["mounts"][-1]["source"] == "/usr/bin/tini-static"
 
     for bad in (dict(user="root"), dict(user="1:x"), dict(working_dir="rel"), dict(env={"A=B": "1"})):
-        with pytest.raises(InvalidInputError):
-            build_config(Path("/r"), RuntimeConfig(**bad), hostname="h", cgroups_path="/c")
+        with pytest.raises(ValueError):  # refused by the model (a template with it is never made) ...
+            RuntimeConfig(**bad)
+        with pytest.raises(InvalidInputError):  # ... and by build_config, should one get through
+            build_config(Path("/r"), RuntimeConfig.model_construct(**bad), hostname="h", cgroups_path="/c")
     with pytest.raises(InvalidInputError):
         build_config(Path("/r"), RuntimeConfig(), hostname="bad host", cgroups_path="/c")
 

@@ -21,17 +21,33 @@ capped at 4 × the mean) followed by one *burst*, in turn:
 
 - ``static``: every environment keeps its declared quota; admission by declared
   quota: the sum of declared cores and memory within capacity × overcommit (1).
-- ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes quotas from
-  usage; admission by the quotas held, within the same capacity × overcommit.
+- ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes reservations
+  from usage; admission by the reservations held, within the same capacity ×
+  overcommit.  The CFS quota is the declared ceiling (``cpu_quota_at``,
+  default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
+  whose CFS quota is the elastic value itself).
 
 Environments are created until the node has refused (``CapacityError``) for
 ``admit_wait_s`` (20 s; a refused create is retried every second, as a
-scheduler would) or ``max_envs`` run.  **Burst slowdown** is a burst's wall time over the median
-of the same burst run alone, unloaded and unlimited, before the two modes.
+scheduler would) or ``max_envs`` run.
+
+**Burst slowdown** is a burst's wall time (``exec`` included) over the median
+of the same burst run alone (provisioning off, the declared 1 core, nothing
+else of the benchmark running).  The machine is shared and its load drifts, so
+the unloaded runs are *bracketed*: measured before static, between the modes
+and after elastic, and each mode is compared with the runs just before and
+just after it.  What contention costs is reported apart: each burst's
+``concurrent`` is the most bursts of its mode in flight at once during it;
+with at most as many bursts as cores each could have had a core
+(``p95_burst_slowdown_uncontended``), above that the cores are shared and
+no provisioning can make every burst as fast as alone.  The host's busy cores
+(``/proc/stat``) and load average are sampled during every phase;
+``other_cpu_cores`` is the host's busy cores minus the environments' own.
 
 JSON ``summary``: ``static_envs``, ``elastic_envs``, ``density_ratio``, and per
 mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
-``throttled_s``.
+``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
+``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 from weenv.bench import machine
 from weenv.config import Paths
@@ -100,18 +117,87 @@ def _burst(node, env_id: str, kind: str) -> float:
     return r.duration_s
 
 
-def baseline(node, template: str, log) -> dict[str, float]:
-    """Median seconds of each burst alone (provisioning off, unlimited)."""
+def baseline(node, template: str, log, runs: int = 3) -> dict[str, list[float]]:
+    """Seconds of each burst alone, ``runs`` times after one warm-up (provisioning
+    off: the declared 1 core, nothing else of the benchmark running)."""
     info = node.create(template)
     try:
         out = {}
         for kind in BURSTS:
             _burst(node, info.id, kind)  # warm the page cache
-            out[kind] = statistics.median(_burst(node, info.id, kind) for _ in range(3))
-            log(f"  {kind}: {out[kind]:.2f} s")
+            out[kind] = [_burst(node, info.id, kind) for _ in range(runs)]
+            log(f"  {kind}: {statistics.median(out[kind]):.2f} s (runs {', '.join(f'{x:.2f}' for x in out[kind])})")
         return out
     finally:
         node.destroy(info.id)
+
+
+class HostLoad:
+    """Samples the host every ``every`` seconds while running: busy cores from
+    ``/proc/stat`` (all CPUs, busy = total - idle - iowait) and the 1-minute
+    load average.  Other engineers' tests share this machine; this says how
+    loaded it was."""
+
+    def __init__(self, every: float = 1.0):
+        self.every = every
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic, busy cores, loadavg1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _jiffies() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
+
+    def _run(self) -> None:
+        import os
+
+        hz = os.sysconf("SC_CLK_TCK")
+        t0, (tot0, idle0) = time.monotonic(), self._jiffies()
+        while not self._stop.wait(self.every):
+            t, (tot, idle) = time.monotonic(), self._jiffies()
+            with open("/proc/loadavg") as f:
+                load1 = float(f.read().split()[0])
+            self.samples.append((t, ((tot - tot0) - (idle - idle0)) / hz / (t - t0), load1))
+            t0, tot0, idle0 = t, tot, idle
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"host_busy_cores": None, "loadavg1_mean": None, "loadavg1_max": None}
+        return {
+            "host_busy_cores": statistics.fmean(b for _, b, _ in self.samples),
+            "loadavg1_mean": statistics.fmean(x for _, _, x in self.samples),
+            "loadavg1_max": max(x for _, _, x in self.samples),
+        }
+
+
+def _concurrency(bursts: list[dict]) -> None:
+    """Set each burst's ``concurrent``: the most bursts of the same mode in flight
+    at once during it (itself included)."""
+    edges = sorted([(b["start"], 1) for b in bursts] + [(b["end"], -1) for b in bursts])
+    for b in bursts:
+        n = sum(1 for o in bursts if o["start"] <= b["start"] < o["end"])  # in flight when it started
+        peak = n
+        for t, d in edges:
+            if b["start"] < t < b["end"]:
+                n += d
+                peak = max(peak, n)
+        b["concurrent"] = peak
+
+
+def p95(values: list[float]) -> float | None:
+    """Nearest-rank 95th percentile (None if empty)."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.95 * len(s)))] if s else None
 
 
 def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float, think_s: float,
@@ -146,6 +232,7 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
                     return
                 kind = kinds[k % len(kinds)]
                 k += 1
+                start = time.monotonic()
                 try:
                     d = _burst(node, env_id, kind)
                 except WeenvError as exc:
@@ -153,16 +240,18 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
                         errors.append(f"{env_id} {kind}: {exc}")
                     continue
                 with lock:
-                    bursts.append({"env": env_id, "kind": kind, "seconds": d, "slowdown": d / base[kind]})
+                    bursts.append({"env": env_id, "kind": kind, "seconds": d, "slowdown": d / base[kind],
+                                   "start": start - t0, "end": time.monotonic() - t0})  # fmt: skip
             with lock:
                 rollouts[i] += 1
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=agent, args=(i, e)) for i, e in enumerate(envs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with HostLoad() as load:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     wall = time.monotonic() - t0
     st = node.provision_stats()
     oom = sum(e.oom_kills for e in st.environments)
@@ -170,14 +259,35 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
     history = {e.id: [h.model_dump() for h in e.history] for e in st.environments}
     for env_id in envs:
         node.destroy(env_id)
-    slow = sorted(b["slowdown"] for b in bursts)
-    p95 = slow[min(len(slow) - 1, int(0.95 * len(slow)))] if slow else None
+    _concurrency(bursts)
+    cores = machine()["cpus"]
+    ours = sum(h["cpu_used"] for pts in history.values() for h in pts) * node.provisioner.config.interval_s / wall
+    host = load.summary()
     return {
         "mode": mode, "envs": len(envs), "wall_s": wall, "rollouts": sum(rollouts),
-        "rollouts_per_hour": sum(rollouts) / wall * 3600, "bursts": bursts, "p95_burst_slowdown": p95,
+        "rollouts_per_hour": sum(rollouts) / wall * 3600, "bursts": bursts,
+        "p95_burst_slowdown": p95([b["slowdown"] for b in bursts]),
+        "p50_burst_slowdown": statistics.median([b["slowdown"] for b in bursts]) if bursts else None,
+        # bursts during which at most `cores` bursts of this mode ran at once: each could have a core
+        "p95_burst_slowdown_uncontended": p95([b["slowdown"] for b in bursts if b["concurrent"] <= cores]),
+        "uncontended_bursts": sum(b["concurrent"] <= cores for b in bursts),
+        "env_cpu_cores": ours, **host,
+        "other_cpu_cores": None if host["host_busy_cores"] is None else max(0.0, host["host_busy_cores"] - ours),
         "oom_kills": oom, "throttled_s": throttled, "errors": errors, "history": history,
         "events": [e.model_dump() for e in st.events][-200:],
     }  # fmt: skip
+
+
+def _rescore(mode: dict, base: dict[str, float]) -> None:
+    """Slowdowns against ``base`` (seconds per burst kind) and their percentiles."""
+    cores = machine()["cpus"]
+    for b in mode["bursts"]:
+        b["slowdown"] = b["seconds"] / base[b["kind"]]
+    slow = [b["slowdown"] for b in mode["bursts"]]
+    mode["p95_burst_slowdown"] = p95(slow)
+    mode["p50_burst_slowdown"] = statistics.median(slow) if slow else None
+    mode["p95_burst_slowdown_uncontended"] = p95([b["slowdown"] for b in mode["bursts"] if b["concurrent"] <= cores])
+    mode["p95_by_kind"] = {k: p95([b["slowdown"] for b in mode["bursts"] if b["kind"] == k]) for k in BURSTS}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -211,7 +321,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | None = None,
-        duration_s: float | None = None, think_s: float | None = None, log=print) -> dict:  # fmt: skip
+        duration_s: float | None = None, think_s: float | None = None, log=print,
+        cpu_quota_at: str | None = None) -> dict:  # fmt: skip
     """Run the benchmark in a private home under ``$WEENV_HOME``; return the result
     (and write JSON + PNG when ``json_path`` is given)."""
     from weenv.node.node import Node
@@ -219,6 +330,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
     env = Paths.from_env()
     home = env.home / f"bench-provision-{int(time.time())}"
     paths = Paths(home=home, cache=env.cache, store_url=f"file://{home / 'store'}")
+    cpu_quota_at = cpu_quota_at or ProvisionConfig.from_env().cpu_quota_at
     home.mkdir(parents=True)
     cfg = {
         "label": "quick" if quick else "full",
@@ -229,7 +341,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         "think_distribution": "exponential, capped at 4 x mean, seeded",
         "declared": DECLARED.model_dump(),
         "overcommit": 1.0,
-        "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0},
+        "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at},
     }
     try:
         store = FileStore(home / "store")
@@ -237,26 +349,53 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         template = build(paths, store, home / "work", log)
         common = dict(cpu_overcommit=1.0, memory_overcommit=1.0)
         result: dict = {"config": cfg, "machine": machine()}
-        log("baseline: each burst alone, unlimited")
-        with Node(paths, store=store, provisioning=ProvisionConfig(mode="off")) as node:
-            result["baseline_s"] = base = baseline(node, template, log)
-        for mode, pc in (("static", ProvisionConfig(mode="static", **common)),
-                         ("elastic", ProvisionConfig(mode="elastic", interval_s=0.5, cpu_raise_factor=4.0,
-                                                     **common))):  # fmt: skip
+        runs = 3 if quick else 5
+
+        def measure_baseline(when: str) -> dict[str, list[float]]:
+            log(f"baseline ({when}): each burst alone")
+            with Node(paths, store=store, provisioning=ProvisionConfig(mode="off")) as node, HostLoad() as load:
+                out = baseline(node, template, log, runs=runs)
+            result.setdefault("baseline_load", {})[when] = load.summary()
+            return out
+
+        # Bracketed: the machine is shared, its load drifts; each mode is compared
+        # with the unloaded runs just before and just after it.
+        passes = [measure_baseline("before static")]
+        modes = (("static", ProvisionConfig(mode="static", **common)),
+                 ("elastic", ProvisionConfig(mode="elastic", interval_s=0.5, cpu_raise_factor=4.0,
+                                             cpu_quota_at=cfg["elastic"]["cpu_quota_at"], **common)))  # fmt: skip
+        for i, (mode, pc) in enumerate(modes):
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
+            # the baseline after this mode is not known yet: slowdowns are recomputed below
+            base = {k: statistics.median(v) for k, v in passes[-1].items()}
             with Node(paths, store=store, provisioning=pc) as node:
                 result[mode] = run_mode(node, template, mode=mode, max_envs=cfg["max_envs"],
                                         duration_s=cfg["duration_s"], think_s=cfg["think_s"],
                                         episodes=cfg["episodes"], base=base, seed=7, log=log)  # fmt: skip
+            passes.append(measure_baseline(f"after {mode}"))
+            around = {k: statistics.median(passes[-2][k] + passes[-1][k]) for k in BURSTS}
+            _rescore(result[mode], around)
+            result[mode]["baseline_s"] = around
+        result["baseline_runs_s"] = passes
+        result["baseline_s"] = {k: statistics.median([x for p in passes for x in p[k]]) for k in BURSTS}
         s, e = result["static"], result["elastic"]
+
+        def per_mode(key: str) -> dict:
+            return {"static": s[key], "elastic": e[key]}
+
         result["summary"] = {
             "static_envs": s["envs"],
             "elastic_envs": e["envs"],
             "density_ratio": e["envs"] / s["envs"] if s["envs"] else None,
-            "p95_burst_slowdown": {"static": s["p95_burst_slowdown"], "elastic": e["p95_burst_slowdown"]},
-            "oom_kills": {"static": s["oom_kills"], "elastic": e["oom_kills"]},
-            "rollouts_per_hour": {"static": s["rollouts_per_hour"], "elastic": e["rollouts_per_hour"]},
-            "throttled_s": {"static": s["throttled_s"], "elastic": e["throttled_s"]},
+            "p95_burst_slowdown": per_mode("p95_burst_slowdown"),
+            "oom_kills": per_mode("oom_kills"),
+            "rollouts_per_hour": per_mode("rollouts_per_hour"),
+            "throttled_s": per_mode("throttled_s"),
+            "p50_burst_slowdown": per_mode("p50_burst_slowdown"),
+            "p95_burst_slowdown_uncontended": per_mode("p95_burst_slowdown_uncontended"),
+            "uncontended_bursts": {m: f"{r['uncontended_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
+            "other_cpu_cores": per_mode("other_cpu_cores"),
+            "loadavg1_mean": per_mode("loadavg1_mean"),
         }
         if json_path is not None:
             json_path = Path(json_path)

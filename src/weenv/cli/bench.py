@@ -15,12 +15,17 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: weenv against th
 def update(
     templates: int = typer.Option(8, help="templates sharing base, runtime and tools"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    quick: bool = typer.Option(False, "--quick", help="a small runtime (one wheel), tools change only"),
+    base_change: Optional[bool] = typer.Option(
+        None, "--base-change/--no-base-change", help="also change one file of the base (default: unless --quick)"
+    ),
 ) -> None:
-    """Republish cost of a change to one shared component (weenv side; Docker's pending)."""
+    """Republish cost of a change to one shared component: weenv against Docker
+    (private dockerd + docker-registry on loopback), side by side."""
     from weenv.bench.update import run
     from weenv.cli.common import err
 
-    result = run(templates, json_path=json_path, log=err.print)
+    result = run(templates, json_path=json_path, quick=quick, base_change=base_change, log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -1,40 +1,107 @@
-"""The node chunk cache: verified plaintext chunks on local disk, by digest.
+"""The node chunk cache: verified plaintext chunks on local disk, by digest, bounded in bytes.
 
 Layout under ``root`` (separate from any store)::
 
     sha256/ab/abcdef...     plaintext of chunk sha256:abcdef... (bytes)
-    sha256/ab/.tmp-*        a write in progress (removed on failure)
+    sha256/ab/.tmp-*        a write in progress (removed on failure, and at start)
 
-A chunk enters the cache only through :meth:`ChunkCache.ensure`, which fetches
-it with :meth:`weenv.store.base.Store.get_chunk` (decompressed and sha256-checked
-there) and writes it atomically: temporary file, fsync, rename(2).  A file
-under its final name is therefore always complete and verified; the cache does
-not re-hash on read.
+A chunk enters the cache only through :meth:`ChunkCache.ensure` (or
+:meth:`~ChunkCache.read`), which fetches it with
+:meth:`weenv.store.base.Store.get_chunk` (decompressed and sha256-checked there)
+and writes it atomically: temporary file, fsync, rename(2).
 
-Fetches are *single-flight*: concurrent ``ensure`` calls for one missing chunk
-ask the store once; the others wait for that one result, an error included
-(nothing is cached then, and the next call tries again).  The only lock shared
-by all chunks guards a dict and a few counters; it is never held during a fetch
-or a disk write.
+Fetches are *single-flight*: concurrent calls for one missing chunk ask the
+store once; the others wait for that one result, an error included (nothing is
+cached then, and the next call tries again).  The lock shared by all chunks
+guards the index and a few counters; it is never held during a fetch or a
+chunk write (only during the unlink(2) of evicted chunks, so that an eviction
+never deletes a chunk fetched again meanwhile).
+
+**Bound and eviction.**  The cached plaintext never exceeds ``max_bytes``
+(room is reserved before a chunk is written).  The index is an LRU list (a use
+moves a chunk to the end); to make room, the least recently used chunks are
+unlinked.  The rule: *any* cached chunk may be evicted, including chunks of
+groups mounted through LazyFS, because every chunk in the cache came from the
+store, which serves it again on the next read (a content-addressed store never
+changes a chunk).  Groups that no longer depend on the cache (fully cached
+groups mounted directly from an assembled image, :mod:`weenv.node.groups`)
+read their own image file, not these chunks.  Chunks being fetched are never
+evicted; a reader that finds its chunk evicted between lookup and open fetches
+it again.  A chunk larger than ``max_bytes`` is served from memory, uncached.
+Prefetch (:mod:`weenv.node.prefetch`) stops before it would evict its own work.
+
+**Restarts.**  The index is rebuilt from disk at construction (LRU order by
+file mtime; leftover temporary files removed; over-bound chunks evicted), so a
+new daemon on the same home fetches nothing already here.  A chunk found on disk
+is *unverified* until its first use in this process, which hashes it (sha256 of
+up to one chunk, once): a truncated or corrupted file (a crash, a full disk, a
+tampering) is deleted and fetched again, never served.  Every read also checks
+the file's size against the :class:`ChunkRef`, so a chunk truncated while the
+daemon runs is fetched again too.
+
+**Full disk.**  A write that fails with ENOSPC/EDQUOT evicts least recently
+used chunks (at least twice the chunk, and a quarter of the cache) and retries
+once; if it fails again, :class:`~weenv.errors.CapacityError` names the cache
+(LazyFS answers the read with EIO).  Nothing waits for space to appear.
+
+**Priority.**  Fetches are *demand* (a reader waits) or *prefetch*
+(``prefetch=True``).  :meth:`ChunkCache.wait_demand_idle` lets background
+prefetch yield while any demand fetch runs.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import logging
 import os
+import re
 import shutil
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from weenv.errors import CapacityError, InvalidInputError
 from weenv.packaging.manifest import ChunkRef, check_digest
 from weenv.store.base import Store
 from weenv.store.file import atomic_write
 
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_MAX_BYTES_CAP = 10 * GiB
+DEFAULT_MAX_FRACTION = 0.20
+"""Default bound: 20% of the cache's file system, at most 10 GiB (``WEENV_CACHE_BYTES`` overrides)."""
+
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512M"``, ``"10GiB"`` -> bytes (binary units).
+    Raises :class:`InvalidInputError`."""
+    m = _SIZE.match(text or "")
+    if not m:
+        raise InvalidInputError(f"bad size {text!r}: want bytes, or a number with K, M, G or T")
+    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
+
+
+def default_max_bytes(root: str | os.PathLike[str]) -> int:
+    """``WEENV_CACHE_BYTES`` if set, else 20% of the file system holding ``root``
+    (which must exist), at most 10 GiB."""
+    env = os.environ.get("WEENV_CACHE_BYTES")
+    if env:
+        return parse_bytes(env)
+    st = os.statvfs(root)
+    return min(DEFAULT_MAX_BYTES_CAP, int(st.f_blocks * st.f_frsize * DEFAULT_MAX_FRACTION))
+
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters of a :class:`ChunkCache` since it was created (or :meth:`ChunkCache.reset_stats`)."""
+    """Counters of a :class:`ChunkCache` since it was created (or :meth:`ChunkCache.reset_stats`),
+    and its current size."""
 
     chunks_fetched: int
     """Chunks fetched from the store (a failed fetch does not count)."""
@@ -45,26 +112,111 @@ class CacheStats:
     """Plaintext bytes returned by :meth:`ChunkCache.read`."""
     fetch_errors: int
     """Fetches that raised (each counted once, however many callers waited)."""
+    chunks_evicted: int = 0
+    """Chunks removed to stay under the bound or after ENOSPC."""
+    chunks_prefetched: int = 0
+    """Of ``chunks_fetched``, those fetched with ``prefetch=True``."""
+    chunks_invalid: int = 0
+    """Cached chunks found truncated or corrupt (deleted and fetched again)."""
+    chunks_cached: int = 0
+    """Chunks in the cache now."""
+    bytes_cached: int = 0
+    """Plaintext bytes in the cache now (at most ``max_bytes``)."""
+    max_bytes: int = 0
+
+
+@dataclass
+class _Entry:
+    size: int
+    verified: bool
 
 
 class ChunkCache:
-    """Plaintext chunks in ``root``, fetched on demand from ``store``.
+    """Plaintext chunks in ``root``, fetched on demand from ``store``, at most
+    ``max_bytes`` of them (default :func:`default_max_bytes`).
 
     Thread-safe.  Errors: whatever ``store.get_chunk`` raises
     (:class:`~weenv.errors.NotFoundError`, :class:`~weenv.errors.DigestMismatchError`,
-    backend ``OSError``\\s), and ``OSError`` from the local disk.
+    :class:`~weenv.errors.StoreUnavailableError`, backend ``OSError``\\s),
+    :class:`~weenv.errors.CapacityError` when the disk stays full after eviction,
+    and ``OSError`` from the local disk.
     """
 
-    def __init__(self, root: str | os.PathLike[str], store: Store):
+    def __init__(self, root: str | os.PathLike[str], store: Store, *, max_bytes: int | None = None):
         self.root = Path(root).absolute()
         self.store = store
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()  # guards _inflight and the counters only
-        self._inflight: dict[str, Future[Path]] = {}
-        self._chunks_fetched = 0
-        self._bytes_fetched = 0
-        self._bytes_served = 0
-        self._fetch_errors = 0
+        self.max_bytes = default_max_bytes(self.root) if max_bytes is None else int(max_bytes)
+        if self.max_bytes < 0:
+            raise InvalidInputError(f"bad cache bound {max_bytes!r}: want bytes >= 0")
+        self._lock = threading.Lock()  # guards the index, _inflight and the counters
+        self._demand_idle = threading.Condition(self._lock)
+        self._inflight: dict[str, Future[Path | bytes]] = {}
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._bytes = 0  # indexed + reserved plaintext bytes
+        self._demand = 0  # demand fetches running
+        self.reset_stats()
+        self._load()
+
+    # --- the index ------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Rebuild the index from disk (a restart finds its chunks again)."""
+        base = self.root / "sha256"
+        found: list[tuple[int, str, int]] = []
+        if base.is_dir():
+            for sub in base.iterdir():
+                if not sub.is_dir():
+                    continue
+                for p in sub.iterdir():
+                    try:
+                        if p.name.startswith(".tmp-") or not _HEX.match(p.name) or p.name[:2] != sub.name:
+                            p.unlink()  # an interrupted write, or not ours
+                            continue
+                        st = p.stat()
+                    except OSError:
+                        continue
+                    found.append((st.st_mtime_ns, "sha256:" + p.name, st.st_size))
+        found.sort()
+        with self._lock:
+            for _mtime, digest, size in found:
+                self._index[digest] = _Entry(size, verified=False)
+                self._bytes += size
+            self._evict_locked(0)
+        if found:
+            log.info("chunk cache %s: %d chunks, %d bytes found on disk", self.root, len(found), self._bytes)
+
+    def _evict_locked(self, need: int, *, at_least: int = 0) -> int:
+        """Unlink LRU chunks until ``need`` more bytes fit under the bound (and at
+        least ``at_least`` bytes went).  Caller holds ``_lock``.  Returns bytes freed."""
+        freed = 0
+        for digest in list(self._index):
+            if self._bytes + need <= self.max_bytes and freed >= at_least:
+                break
+            if digest in self._inflight:
+                continue
+            entry = self._index.pop(digest)
+            self._bytes -= entry.size
+            freed += entry.size
+            self._evicted += 1
+            try:
+                os.unlink(self.path(digest))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot evict %s: %s", digest, exc)
+        return freed
+
+    def _forget(self, digest: str) -> None:
+        """Drop a chunk whose file is missing or bad (it will be fetched again)."""
+        with self._lock:
+            entry = self._index.pop(digest, None)
+            if entry is not None:
+                self._bytes -= entry.size
+                self._invalid += 1
+                try:
+                    os.unlink(self.path(digest))
+                except FileNotFoundError:
+                    pass
 
     # --- paths -------------------------------------------------------------------------
     def path(self, digest: str) -> Path:
@@ -73,64 +225,168 @@ class ChunkCache:
         return self.root / "sha256" / hexdigest[:2] / hexdigest
 
     def has(self, digest: str) -> bool:
-        """Whether chunk ``digest`` is cached (complete and verified)."""
-        return self.path(digest).is_file()
+        """Whether chunk ``digest`` is cached (an unverified chunk found at start counts)."""
+        with self._lock:
+            return check_digest(digest) in self._index
+
+    def has_all(self, digests) -> bool:
+        """Whether every chunk of ``digests`` is cached (one lock, no disk access)."""
+        with self._lock:
+            return all(d in self._index for d in digests)
 
     # --- fetching ----------------------------------------------------------------------
-    def ensure(self, chunk: ChunkRef | str) -> Path:
+    def ensure(self, chunk: ChunkRef | str, *, prefetch: bool = False) -> Path:
         """Path of the cached plaintext of ``chunk``, fetching it if missing.
 
         ``chunk`` is a :class:`ChunkRef` (preferred: its ``stored_size`` feeds
-        ``bytes_fetched``) or a bare digest.  Blocks while a fetch (this
-        caller's or another's) runs; raises the fetch's error to every waiter.
+        ``bytes_fetched`` and its ``size`` is checked) or a bare digest.  Blocks
+        while a fetch (this caller's or another's) runs; raises the fetch's
+        error to every waiter.  The file may be evicted once this returns; use
+        :meth:`read` to read it.  Raises :class:`CapacityError` for a chunk
+        larger than ``max_bytes`` (which :meth:`read` serves uncached).
         """
+        got = self._get(chunk, prefetch)
+        if isinstance(got, bytes):
+            raise CapacityError(f"chunk of {len(got)} bytes does not fit the cache bound of {self.max_bytes} bytes")
+        return got
+
+    def _get(self, chunk: ChunkRef | str, prefetch: bool = False) -> Path | bytes:
         digest = chunk.digest if isinstance(chunk, ChunkRef) else check_digest(chunk)
         path = self.path(digest)
-        if path.is_file():
-            return path
         with self._lock:
+            entry = self._index.get(digest)
+            if entry is not None and entry.verified:
+                self._index.move_to_end(digest)
+                return path
             future = self._inflight.get(digest)
             leader = future is None
             if leader:
-                # Checked under the lock: a leader renames the file into place
-                # before it leaves _inflight, so no finished fetch is missed.
-                if path.is_file():
-                    return path
                 future = self._inflight[digest] = Future()
+                if not prefetch:
+                    self._demand += 1
         if not leader:
             return future.result()
         try:
-            stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
-            plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
-            atomic_write(path, plaintext)
+            if entry is not None and self._verify(digest, chunk, path):
+                with self._lock:
+                    if digest in self._index:
+                        self._index[digest].verified = True
+                        self._index.move_to_end(digest)
+                result: Path | bytes = path
+            else:
+                if entry is not None:
+                    log.warning("cached chunk %s is truncated or corrupt; fetching it again", digest)
+                    self._forget(digest)
+                result = self._fetch(chunk, digest, path, prefetch)
         except BaseException as exc:
             with self._lock:
                 self._fetch_errors += 1
-                del self._inflight[digest]
+                self._end_flight(digest, prefetch)
             future.set_exception(exc)
             raise
-        stored = chunk.stored_size if isinstance(chunk, ChunkRef) else len(plaintext)
+        with self._lock:
+            self._end_flight(digest, prefetch)
+        future.set_result(result)
+        return result
+
+    def _end_flight(self, digest: str, prefetch: bool) -> None:  # caller holds _lock
+        del self._inflight[digest]
+        if not prefetch:
+            self._demand -= 1
+            if self._demand == 0:
+                self._demand_idle.notify_all()
+
+    @staticmethod
+    def _verify(digest: str, chunk: ChunkRef | str, path: Path) -> bool:
+        """Whether the file at ``path`` holds chunk ``digest`` (size, then sha256)."""
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return False
+        if isinstance(chunk, ChunkRef) and len(data) != chunk.size:
+            return False
+        return "sha256:" + hashlib.sha256(data).hexdigest() == digest
+
+    def _fetch(self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool) -> Path | bytes:
+        stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
+        plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
+        n = len(plaintext)
+        stored = chunk.stored_size if isinstance(chunk, ChunkRef) else n
         with self._lock:
             self._chunks_fetched += 1
             self._bytes_fetched += stored
-            del self._inflight[digest]
-        future.set_result(path)
+            if prefetch:
+                self._prefetched += 1
+            if n > self.max_bytes:
+                return plaintext  # served uncached
+            self._evict_locked(n)
+            self._bytes += n  # reserved: the bound holds while the write runs
+        try:
+            self._write(path, plaintext)
+        except BaseException:
+            with self._lock:
+                self._bytes -= n
+            raise
+        with self._lock:
+            self._index[digest] = _Entry(n, verified=True)
         return path
 
-    def read(self, chunk: ChunkRef | str, offset: int, size: int) -> bytes:
+    def _write(self, path: Path, data: bytes) -> None:
+        try:
+            atomic_write(path, data)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            with self._lock:
+                freed = self._evict_locked(0, at_least=max(2 * len(data), self._bytes // 4))
+            log.warning("chunk cache %s: disk full; evicted %d bytes and retrying", self.root, freed)
+        try:
+            atomic_write(path, data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise CapacityError(
+                f"the disk of the node chunk cache {self.root} is full even after evicting "
+                f"cached chunks ({os.strerror(exc.errno)}); free space or lower WEENV_CACHE_BYTES"
+            ) from exc
+
+    def read(self, chunk: ChunkRef | str, offset: int, size: int, *, prefetch: bool = False) -> bytes:
         """Up to ``size`` plaintext bytes of ``chunk`` from byte ``offset`` (fetching it if missing).
 
-        Returns fewer bytes only at the chunk's end.
+        Returns fewer bytes only at the chunk's end.  A cached file of the wrong
+        size (for a :class:`ChunkRef`), or one evicted since the lookup, is
+        fetched again.
         """
-        path = self.ensure(chunk)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.pread(fd, size, offset)
-        finally:
-            os.close(fd)
+        for _attempt in range(3):
+            got = self._get(chunk, prefetch)
+            if isinstance(got, bytes):
+                data = got[offset : offset + size]
+                break
+            try:
+                fd = os.open(got, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._forget(chunk.digest if isinstance(chunk, ChunkRef) else chunk)
+                continue
+            try:
+                if isinstance(chunk, ChunkRef) and os.fstat(fd).st_size != chunk.size:
+                    log.warning("cached chunk %s has the wrong size; fetching it again", chunk.digest)
+                    self._forget(chunk.digest)
+                    continue
+                data = os.pread(fd, size, offset)
+                break
+            finally:
+                os.close(fd)
+        else:
+            raise OSError(errno.EIO, f"chunk {chunk} keeps disappearing from the node cache {self.root}")
         with self._lock:
             self._bytes_served += len(data)
         return data
+
+    def wait_demand_idle(self, timeout: float) -> bool:
+        """Block until no demand fetch runs (or ``timeout`` seconds); whether idle."""
+        with self._demand_idle:
+            return self._demand_idle.wait_for(lambda: self._demand == 0, timeout)
 
     # --- bookkeeping -------------------------------------------------------------------
     @property
@@ -145,16 +401,23 @@ class ChunkCache:
     def bytes_served(self) -> int:
         return self._bytes_served
 
+    @property
+    def bytes_cached(self) -> int:
+        """Plaintext bytes in the cache (plus writes in progress)."""
+        return self._bytes
+
     def stats(self) -> CacheStats:
         """A consistent snapshot of the counters."""
         with self._lock:
             return CacheStats(
-                self._chunks_fetched, self._bytes_fetched, self._bytes_served, self._fetch_errors
-            )
+                self._chunks_fetched, self._bytes_fetched, self._bytes_served, self._fetch_errors,
+                self._evicted, self._prefetched, self._invalid, len(self._index), self._bytes, self.max_bytes,
+            )  # fmt: skip
 
     def reset_stats(self) -> None:
-        with self._lock:
+        with getattr(self, "_lock", threading.Lock()):
             self._chunks_fetched = self._bytes_fetched = self._bytes_served = self._fetch_errors = 0
+            self._evicted = self._prefetched = self._invalid = 0
 
     def cached_digests(self) -> list[str]:
         """Digests of every cached chunk (a directory walk; for tools and tests)."""
@@ -168,4 +431,7 @@ class ChunkCache:
     def clear(self) -> None:
         """Remove every cached chunk.  Do not call while chunks are being read or
         fetched (a reader may see a missing file; a fetch may land afterwards)."""
-        shutil.rmtree(self.root / "sha256", ignore_errors=True)
+        with self._lock:
+            shutil.rmtree(self.root / "sha256", ignore_errors=True)
+            self._index.clear()
+            self._bytes = 0

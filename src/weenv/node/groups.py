@@ -21,13 +21,28 @@ After each mount the bdis that appeared are set to ``read_ahead_kb``
 its end, so lazy fetching of small files is unchanged.  The kernel does not
 say which bdi belongs to which mount; concurrent mounts each set every new
 one, which is harmless since they all get the same value.
+
+Off the lazy path (direct mounts).  When every chunk of a group is in the node
+chunk cache, the group's image is assembled from the cache into
+``images/<hex>.img`` (a temporary file, fsync, rename(2): a file under its final
+name is complete) by a background thread, started when an acquire or release
+finds the group complete (or by :meth:`GroupMounts.assemble`).  From then on,
+the group is mounted for *new* environments straight from that file at
+``root/<hex>.direct`` (file-backed EROFS, no FUSE on the read path); mounts
+already in use stay as they are, and the lazy mount is unmounted when its last
+reference goes.  An image whose size is not the manifest's is deleted and
+assembled again; images stay across daemon restarts (outside the chunk cache's
+byte bound: an image is assembled only when the disk has room for it) and are
+removed by :meth:`GroupMounts.remove_images`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,25 +58,57 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    refs: int = 0
+    refs: int = 0  # references to the lazy mount
     users: int = 0  # acquires/unmounts in progress: the entry may not be dropped
-    mounted: bool = False
+    mounted: bool = False  # the lazy mount (through LazyFS)
+    direct_refs: int = 0
+    direct: bool = False  # the direct mount of the assembled image
+    manifest: GroupManifest | None = None
+
+    @property
+    def in_use(self) -> bool:
+        return bool(self.refs or self.direct_refs or self.mounted or self.direct)
 
 
 class GroupMounts:
     """The group mounts under ``root`` (a directory, created if missing)."""
 
-    def __init__(self, root: str | os.PathLike[str], lazyfs: LazyFS, *, read_ahead_kb: int | None = 1024):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        lazyfs: LazyFS,
+        *,
+        read_ahead_kb: int | None = 1024,
+        images: str | os.PathLike[str] | None = None,
+    ):
+        """``images``: where assembled group images go (None: no direct mounts)."""
         self.root = Path(root).absolute()
         self.lazyfs = lazyfs
         self.read_ahead_kb = read_ahead_kb
+        self.images = Path(images).absolute() if images is not None else None
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.images is not None:
+            self.images.mkdir(parents=True, exist_ok=True)
+            for leftover in self.images.glob(".tmp-*"):
+                leftover.unlink(missing_ok=True)
         self._lock = threading.Lock()  # guards _entries and the counts in it
         self._entries: dict[str, _Entry] = {}
+        self._assembling: dict[str, threading.Thread] = {}
+        self._closing = threading.Event()
 
     def path(self, digest: str) -> Path:
-        """Mount point of group ``digest``: ``root/<hex>``."""
+        """Mount point of group ``digest`` read through LazyFS: ``root/<hex>``."""
         return self.root / check_digest(digest).split(":", 1)[1]
+
+    def direct_path(self, digest: str) -> Path:
+        """Mount point of group ``digest`` mounted from its assembled image: ``root/<hex>.direct``."""
+        return self.root / (check_digest(digest).split(":", 1)[1] + ".direct")
+
+    def image_path(self, digest: str) -> Path | None:
+        """``images/<hex>.img`` (None when direct mounts are off)."""
+        if self.images is None:
+            return None
+        return self.images / (check_digest(digest).split(":", 1)[1] + ".img")
 
     def _enter(self, digest: str) -> _Entry:
         with self._lock:
@@ -72,11 +119,12 @@ class GroupMounts:
     def _leave(self, digest: str, entry: _Entry) -> None:
         with self._lock:
             entry.users -= 1
-            if entry.users == 0 and entry.refs == 0 and not entry.mounted:
+            if entry.users == 0 and not entry.in_use:
                 self._entries.pop(digest, None)
 
     def acquire(self, digest: str, manifest: GroupManifest) -> Path:
-        """Mount group ``digest`` if needed, take a reference, return its mount point.
+        """Mount group ``digest`` if needed, take a reference, return its mount point:
+        :meth:`direct_path` once its image is assembled, else :meth:`path`.
 
         Blocks while another thread mounts the same group.  Raises
         :class:`MountError` (nothing left behind: no mount, no directory, no
@@ -88,6 +136,17 @@ class GroupMounts:
         entry = self._enter(digest)
         try:
             with entry.lock:
+                entry.manifest = manifest
+                if not entry.direct and self._image_ready(digest, manifest):
+                    try:
+                        self._mount_direct(digest, manifest)
+                        entry.direct = True
+                    except MountError as exc:
+                        log.warning("direct mount of group %s failed (reading it through FUSE): %s", digest, exc)
+                if entry.direct:
+                    with self._lock:
+                        entry.direct_refs += 1
+                    return self.direct_path(digest)
                 if not entry.mounted:
                     self._mount(digest, manifest)
                     entry.mounted = True
@@ -95,7 +154,123 @@ class GroupMounts:
                     entry.refs += 1
         finally:
             self._leave(digest, entry)
+        self.assemble_if_complete(digest, manifest)
         return self.path(digest)
+
+    # --- direct mounts ----------------------------------------------------------------
+    def _image_ready(self, digest: str, manifest: GroupManifest) -> bool:
+        image = self.image_path(digest)
+        if image is None:
+            return False
+        try:
+            size = image.stat().st_size
+        except FileNotFoundError:
+            return False
+        if size != manifest.image_size:
+            log.warning("assembled image %s has %d bytes, not %d; removing it", image, size, manifest.image_size)
+            image.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _mount_direct(self, digest: str, manifest: GroupManifest) -> None:
+        target = self.direct_path(digest)
+        if is_mounted(target):
+            raise MountError(errno.EBUSY, f"{target} is already mounted (left by an earlier daemon?)")
+        target.mkdir(exist_ok=True)
+        try:
+            bdis = _erofs_bdis()
+            mount(erofs_spec(self.image_path(digest), target))
+        except BaseException:
+            try:
+                target.rmdir()
+            except OSError:
+                pass
+            raise
+        if self.read_ahead_kb:
+            _set_read_ahead(_erofs_bdis() - bdis, self.read_ahead_kb)
+        log.info("mounted group %s (%s) directly from %s", digest, manifest.name, self.image_path(digest))
+
+    def assemble_if_complete(self, digest: str, manifest: GroupManifest) -> bool:
+        """Start assembling group ``digest``'s image in the background if every
+        chunk of it is cached and no image exists; whether a thread started."""
+        if self.images is None or self._closing.is_set():
+            return False
+        if not self.lazyfs.cache.has_all(c.digest for c in manifest.chunks):
+            return False
+        with self._lock:
+            if digest in self._assembling or self._image_ready(digest, manifest):
+                return False
+            t = threading.Thread(target=self._assemble_quietly, args=(digest, manifest),
+                                 name=f"weenv-assemble-{digest[7:19]}", daemon=True)
+            self._assembling[digest] = t
+        t.start()
+        return True
+
+    def _assemble_quietly(self, digest: str, manifest: GroupManifest) -> None:
+        try:
+            self.assemble(digest, manifest)
+        except Exception as exc:
+            log.warning("cannot assemble group %s from the node cache: %s", digest, exc)
+        finally:
+            with self._lock:
+                self._assembling.pop(digest, None)
+
+    def assemble(self, digest: str, manifest: GroupManifest) -> Path | None:
+        """Write group ``digest``'s image from the chunk cache to :meth:`image_path`
+        (atomically); return its path, or None when direct mounts are off, the
+        disk lacks room (free space below 1.1 x the image) or the node closes.
+
+        Chunks missing from the cache are fetched (so call it when the group is
+        complete).  Raises what :meth:`ChunkCache.read` raises, ``OSError``.
+        """
+        image = self.image_path(digest)
+        if image is None:
+            return None
+        if self._image_ready(digest, manifest):
+            return image
+        st = os.statvfs(self.images)
+        if st.f_bavail * st.f_frsize < manifest.image_size * 1.1:
+            log.info("not assembling group %s: %d bytes free", digest, st.f_bavail * st.f_frsize)
+            return None
+        cache = self.lazyfs.cache
+        fd, tmp = tempfile.mkstemp(dir=self.images, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in manifest.chunks:
+                    if self._closing.is_set():
+                        os.unlink(tmp)
+                        return None
+                    data = cache.read(chunk, 0, chunk.size)
+                    if len(data) != chunk.size:
+                        raise OSError(errno.EIO, f"chunk {chunk.digest} is {len(data)} bytes, not {chunk.size}")
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, image)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        log.info("assembled group %s (%s) into %s", digest, manifest.name, image)
+        return image
+
+    def wait_assembled(self, timeout: float = 60.0) -> None:
+        """Wait for the background assemblies running now (for tests and close)."""
+        with self._lock:
+            threads = list(self._assembling.values())
+        for t in threads:
+            t.join(timeout)
+
+    def remove_images(self) -> None:
+        """Delete every assembled image not mounted (daemon idle; cold-start measurements)."""
+        if self.images is None:
+            return
+        self.wait_assembled()
+        with self._lock:
+            busy = {self.image_path(d).name for d, e in self._entries.items() if e.direct}
+        for image in self.images.glob("*.img"):
+            if image.name not in busy:
+                image.unlink(missing_ok=True)
 
     def _mount(self, digest: str, manifest: GroupManifest) -> None:
         target = self.path(digest)
@@ -121,49 +296,87 @@ class GroupMounts:
             _set_read_ahead(_erofs_bdis() - bdis, self.read_ahead_kb)
         log.info("mounted group %s (%s) at %s", digest, manifest.name, target)
 
-    def release(self, digest: str) -> None:
-        """Drop one reference to group ``digest``; the mount stays (for warm starts).
+    def release(self, digest: str, path: str | os.PathLike[str] | None = None) -> None:
+        """Drop one reference to group ``digest`` taken by the acquire that
+        returned ``path`` (None: the lazy mount's if it has one, else the direct
+        mount's); the mount stays (for warm starts), except a lazy mount
+        superseded by a direct one, unmounted with its last reference.
 
-        Raises :class:`MountError` (EINVAL) if ``digest`` holds no reference.
+        Raises :class:`MountError` (EINVAL) if ``digest`` holds no such reference.
         """
+        direct = path is not None and Path(path) == self.direct_path(digest)
         with self._lock:
             entry = self._entries.get(digest)
-            if entry is None or entry.refs == 0:
+            if entry is None:
                 raise MountError(errno.EINVAL, f"group {digest} is not acquired")
-            entry.refs -= 1
+            if not direct and path is None and entry.refs == 0:
+                direct = True
+            if (entry.direct_refs if direct else entry.refs) == 0:
+                raise MountError(errno.EINVAL, f"group {digest} is not acquired")
+            if direct:
+                entry.direct_refs -= 1
+            else:
+                entry.refs -= 1
+            retire = not direct and entry.refs == 0 and entry.direct and entry.mounted
+            manifest = entry.manifest
+        if retire:
+            try:
+                self._unmount(digest, force=False, lazy_only=True)
+            except MountError as exc:
+                log.warning("cannot unmount the superseded lazy mount of group %s: %s", digest, exc)
+        elif not direct and manifest is not None:
+            self.assemble_if_complete(digest, manifest)
 
     def mounted(self) -> dict[str, int]:
-        """``{digest: references}`` of every mounted group."""
+        """``{digest: references}`` of every mounted group (lazy and direct mounts together)."""
         with self._lock:
-            return {d: e.refs for d, e in self._entries.items() if e.mounted}
+            return {d: e.refs + e.direct_refs for d, e in self._entries.items() if e.mounted or e.direct}
 
-    def _unmount(self, digest: str, *, force: bool) -> bool:
+    def mounted_directly(self) -> dict[str, int]:
+        """``{digest: references}`` of the groups mounted from an assembled image."""
+        with self._lock:
+            return {d: e.direct_refs for d, e in self._entries.items() if e.direct}
+
+    def _unmount(self, digest: str, *, force: bool, lazy_only: bool = False) -> bool:
         entry = self._enter(digest)
         try:
             with entry.lock:
+                done = False
                 with self._lock:
-                    if not entry.mounted or (entry.refs and not force):
-                        return False
-                target = self.path(digest)
-                try:
-                    umount(target)
-                except MountError as exc:
-                    if not (force and exc.errno == errno.EBUSY):
-                        raise
-                    log.warning("group %s is busy at %s; detaching it (lazy unmount)", digest, target)
-                    umount(target, detach=True)
-                try:
-                    target.rmdir()
-                except OSError as exc:
-                    log.warning("cannot remove %s: %s", target, exc)
-                self.lazyfs.remove_group(digest)
-                with self._lock:
-                    entry.mounted = False
-                    entry.refs = 0
-                log.info("unmounted group %s", digest)
-                return True
+                    lazy = entry.mounted and (force or not entry.refs)
+                    direct = not lazy_only and entry.direct and (force or not entry.direct_refs)
+                if lazy:
+                    self._umount_point(digest, self.path(digest), force)
+                    self.lazyfs.remove_group(digest)
+                    with self._lock:
+                        entry.mounted = False
+                        entry.refs = 0
+                    done = True
+                if direct:
+                    self._umount_point(digest, self.direct_path(digest), force)
+                    with self._lock:
+                        entry.direct = False
+                        entry.direct_refs = 0
+                    done = True
+                if done:
+                    log.info("unmounted group %s%s", digest, " (lazy mount)" if lazy_only else "")
+                return done
         finally:
             self._leave(digest, entry)
+
+    @staticmethod
+    def _umount_point(digest: str, target: Path, force: bool) -> None:
+        try:
+            umount(target)
+        except MountError as exc:
+            if not (force and exc.errno == errno.EBUSY):
+                raise
+            log.warning("group %s is busy at %s; detaching it (lazy unmount)", digest, target)
+            umount(target, detach=True)
+        try:
+            target.rmdir()
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", target, exc)
 
     def unmount_unused(self) -> list[str]:
         """Unmount every group with no references; return their digests.
@@ -172,7 +385,8 @@ class GroupMounts:
         outside weenv's counts, such as a process with its cwd inside).
         """
         with self._lock:
-            digests = [d for d, e in self._entries.items() if e.mounted and e.refs == 0]
+            digests = [d for d, e in self._entries.items()
+                       if (e.mounted and e.refs == 0) or (e.direct and e.direct_refs == 0)]
         return [d for d in digests if self._unmount(d, force=False)]
 
     def unmount_all(self) -> None:
@@ -181,10 +395,12 @@ class GroupMounts:
         A group that is busy (an overlay or a process still uses it) is detached
         as a last resort (MNT_DETACH): gone from the namespace now, freed by the
         kernel when its last user goes, reads through it failing once LazyFS
-        stops.  Call before :meth:`LazyFS.stop`.
+        stops.  Call before :meth:`LazyFS.stop`.  Stops background assemblies first.
         """
+        self._closing.set()
+        self.wait_assembled()
         with self._lock:
-            digests = [d for d, e in self._entries.items() if e.mounted]
+            digests = [d for d, e in self._entries.items() if e.mounted or e.direct]
         for digest in digests:
             self._unmount(digest, force=True)
 

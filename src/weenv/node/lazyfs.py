@@ -101,6 +101,7 @@ class _Group:
     mtime_ns: int
     stats: GroupStats = field(default_factory=GroupStats)
     seen: set[int] = field(default_factory=set)
+    first_seq: list[int] = field(default_factory=list)  # LazyFS-wide sequence number of each first_read
 
 
 def check_manifest(digest: str, manifest: GroupManifest) -> None:
@@ -125,6 +126,7 @@ class LazyFS:
         self._names: dict[bytes, int] = {}  # file name -> inode of a registered group
         self._handles: dict[int, _Group] = {}  # open file handle -> group (survives remove_group)
         self._next_fh = 1
+        self._seq = 0  # first reads of chunks so far, all groups (orders them across groups)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -177,6 +179,25 @@ class LazyFS:
                 return GroupStats()
             s = group.stats
             return GroupStats(s.reads, s.bytes_read, s.errors, list(s.first_read), s.last_error)
+
+    def read_seq(self) -> int:
+        """How many first reads of a chunk (any group) happened so far: a mark for :meth:`first_reads`."""
+        with self._lock:
+            return self._seq
+
+    def first_reads(self, digests, since: int = 0) -> list[tuple[str, int]]:
+        """``(group digest, chunk index)`` of the first reads of chunks of the groups
+        ``digests`` after mark ``since`` (:meth:`read_seq`), in the order they
+        happened across those groups (a prefetch profile's raw material)."""
+        wanted = set(digests)
+        with self._lock:
+            picked = [
+                (seq, g.digest, idx)
+                for g in self._groups.values() if g.digest in wanted
+                for seq, idx in zip(g.first_seq, g.stats.first_read) if seq > since
+            ]  # fmt: skip
+        picked.sort()
+        return [(d, i) for _seq, d, i in picked]
 
     def last_error(self, digest: str) -> str | None:
         """The last read error of group ``digest`` (``"ExcType: message"``), or None."""
@@ -310,6 +331,8 @@ class LazyFS:
                 if i not in group.seen:
                     group.seen.add(i)
                     group.stats.first_read.append(i)
+                    self._seq += 1
+                    group.first_seq.append(self._seq)
         pieces = []
         for i in range(first, last + 1):
             start = max(off, i * cs)

@@ -41,6 +41,7 @@ from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
+from weenv.node.prefetch import Prefetcher
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -78,6 +79,8 @@ class _Environment:
         self.lock = threading.Lock()
         self.processes: dict[int, Process] = {}
         """Streamed and background commands by pid inside the environment."""
+        self.lowers: list[Path] = []
+        """The group mount points its overlay uses (lazy or direct), as the template lists its groups."""
 
     def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
         """A command's variables: the template's, then the create's, then its own."""
@@ -107,19 +110,27 @@ class Node:
         max_environments: int | None = None,
         output_retain_bytes: int = DEFAULT_RETAIN,
         provisioning: ProvisionConfig | None = None,
+        cache_bytes: int | None = None,
+        prefetch_workers: int = 2,
+        prefetch_record_s: float = 10.0,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
-        command that nobody reads (older output is dropped)."""
+        command that nobody reads (older output is dropped).  ``cache_bytes``:
+        the node chunk cache's bound (default ``WEENV_CACHE_BYTES``, else 20% of
+        its file system, at most 10 GiB).  ``prefetch_workers``,
+        ``prefetch_record_s``: see :mod:`weenv.node.prefetch`."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
         self.sink = PipeSink()
         self._pending = 0
         self.store = store or open_store(self.paths.store_url)
-        self.cache = ChunkCache(self.paths.chunk_cache, self.store)
+        self.cache = ChunkCache(self.paths.chunk_cache, self.store, max_bytes=cache_bytes)
         self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache)
-        self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs)
+        self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
+        self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
+                                   record_s=prefetch_record_s, on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
@@ -185,6 +196,7 @@ class Node:
                 log.exception("destroying %s on close", env_id)
                 errors.append(exc)
         self.provisioner.close()
+        self.prefetch.close()
         try:
             self.groups.unmount_all()
         finally:
@@ -280,11 +292,15 @@ class Node:
             env_dir.mkdir(parents=True)
             undo.callback(shutil.rmtree, env_dir, ignore_errors=True)
 
+            self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
+            undo.callback(self.prefetch.cancel, env_id)
+            undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
+
             t = time.perf_counter()
             lowers = []
             for g_digest, g_manifest in zip(manifest.groups, group_manifests):
                 lowers.append(self.groups.acquire(g_digest, g_manifest))
-                undo.callback(self.groups.release, g_digest)
+                undo.callback(self.groups.release, g_digest, lowers[-1])
             timing["groups_s"] = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -329,6 +345,7 @@ class Node:
                 metadata=metadata,
             )
             env = _Environment(info, manifest, env_dir)
+            env.lowers = lowers
             if first_command:
                 t = time.perf_counter()
                 result = self._exec(env, ["true"], timeout=60)
@@ -501,6 +518,7 @@ class Node:
             primary_reader=primary_reader,
         )  # fmt: skip
         p.wait_started(self.runc.command_timeout)
+        self.prefetch.watch_command(env_id, p.wait)
         if p.pid:
             with self._lock:
                 e.processes[p.pid] = p
@@ -540,6 +558,12 @@ class Node:
         is killed and :class:`OutputLimitError` raised, so a huge output never
         fills the daemon's memory or disk."""
         p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True)
+        return self.collect(p, max_output)
+
+    def collect(self, p: Process, max_output: int = 64 << 20) -> ExecResult:
+        """Wait for ``p`` (spawned with ``primary_reader``) and return its result
+        with its whole output, as :meth:`run` does (:class:`OutputLimitError`
+        past ``max_output`` bytes)."""
         out, err = bytearray(), bytearray()
         end = None
         for ev in p.log.follow(p.primary):
@@ -609,8 +633,9 @@ class Node:
                     p.wait(10)
                 _umount_quietly(e.rootfs)
             finally:
-                for g in e.template.groups:
-                    self.groups.release(g)
+                self.prefetch.cancel(env_id)
+                for g, lower in zip(e.template.groups, e.lowers):
+                    self.groups.release(g, lower)
                 shutil.rmtree(e.dir, ignore_errors=True)
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
@@ -633,6 +658,7 @@ class Node:
             if self._envs:
                 raise InvalidInputError("cannot drop the node cache while environments run")
             self.groups.unmount_unused()
+            self.groups.remove_images()
             self.cache.clear()
 
     # --- helpers --------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 **Reachable** = every template a ``templates/NAME`` ref points at, plus every
 template a running environment was created from; their group manifests; those
-groups' chunks (and a template's prefetch profile manifest).  :func:`collect`
+groups' chunks (and a template's prefetch profile manifest: its ``prefetch`` field
+or the ``prefetch/<hex>`` ref a node published).  :func:`collect`
 removes every other manifest and chunk from the store, every other chunk from
 the node chunk cache (``$WEENV_HOME/node/cache``), and the ``groups/`` and
-``buildcache/`` refs that pointed at removed manifests.
+``buildcache/`` and ``prefetch/`` refs that pointed at removed manifests.
 
 Running environments are asked of the node daemon of ``$WEENV_HOME`` when one
 runs (``NodeClient.list()``); if one runs but does not answer, gc refuses
@@ -107,6 +108,10 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
         reach.manifests.add(digest)
         if t.prefetch:
             reach.manifests.add(t.prefetch)
+        try:  # a profile recorded by a node (weenv.node.prefetch): prefetch/<hex of the template digest>
+            reach.manifests.add(store.get_ref("prefetch", digest.split(":", 1)[1]))
+        except (NotFoundError, InvalidInputError):
+            pass
         for g_digest in t.groups:
             if g_digest in reach.manifests:
                 continue
@@ -176,7 +181,7 @@ def collect(
         gone = set(doomed)
         refs = [
             (kind, name)
-            for kind in ("groups", "buildcache")
+            for kind in ("groups", "buildcache", "prefetch")
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
         ]

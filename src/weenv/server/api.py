@@ -16,7 +16,8 @@ ready, bytes base64-encoded)::
     GET    /v1/environments/{id}                      -> EnvironmentInfo
     DELETE /v1/environments/{id}                      -> 204
     POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
-    POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit)
+    POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit;
+                                                      killed if the client leaves)
     POST   /v1/environments/{id}/commands/stream      ExecRequest -> NDJSON ProcessEvent (killed if the client leaves)
     POST   /v1/environments/{id}/processes            ExecRequest -> 201 ProcessInfo (runs in the background)
     GET    /v1/environments/{id}/processes            -> [ProcessInfo]
@@ -189,10 +190,17 @@ def api_router(
                           stdin_open=req.stdin_open, tag=req.tag, primary_reader=primary)
 
     @r.post("/environments/{env_id}/commands")
-    def run_command(env_id: str, req: ExecRequest) -> ExecResult:
+    async def run_command(env_id: str, req: ExecRequest, request: Request) -> ExecResult:
         metrics.commands.labels("captured").inc()
-        return node.run(env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
-                        max_output=max_output)
+        p = await anyio.to_thread.run_sync(functools.partial(
+            node.spawn, env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
+            primary_reader=True))  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_kill_when_gone, request, p)  # a command does not outlive its caller
+            try:
+                return await anyio.to_thread.run_sync(node.collect, p, max_output)
+            finally:
+                tg.cancel_scope.cancel()
 
     @r.post("/environments/{env_id}/commands/stream", response_class=StreamingResponse,
             responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
@@ -317,6 +325,17 @@ def api_router(
 
 def _line(model) -> bytes:
     return model.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+async def _kill_when_gone(request: Request, p: Process, interval: float = 0.5) -> None:
+    """Kill ``p`` if the client of ``request`` disconnects while it runs."""
+    while p.running:
+        if await request.is_disconnected():
+            log.info("client of %s left: killing command %s", request.url.path, p.pid)
+            with contextlib.suppress(WeenvError):
+                p.kill()
+            return
+        await anyio.sleep(interval)
 
 
 async def _events(p: Process, reader: int, *, kill_on_close: bool) -> AsyncIterator[bytes]:

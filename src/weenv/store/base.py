@@ -8,7 +8,9 @@ A store keeps three things:
   canonical JSON bytes;
 - **refs**: names (``templates/NAME``, ``groups/NAME``) pointing at a manifest digest;
   ``buildcache/KEY`` maps a recipe component's cache key (hex) to the group
-  manifest built from it (:mod:`weenv.packaging.buildcache`).
+  manifest built from it (:mod:`weenv.packaging.buildcache`);
+  ``prefetch/<hex of a template digest>`` points at the template's prefetch
+  profile (:mod:`weenv.node.prefetch`).
 
 Compression and digest checks live here, once; a backend only moves bytes
 (``_put_blob`` / ``_get_blob`` ...).  Every read is verified: a chunk whose
@@ -26,7 +28,7 @@ import zstandard
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
-REF_KINDS = ("templates", "groups", "buildcache")
+REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
 ZSTD_LEVEL = 3
 
 

@@ -20,6 +20,7 @@ from weenv.node.cgroups.base import (
     CgroupError,
     LimitRefusedError,
     Limits,
+    Pressure,
     Usage,
 )
 from weenv.node.cgroups.v1 import CgroupV1
@@ -99,6 +100,7 @@ __all__ = [
     "Layout",
     "LimitRefusedError",
     "Limits",
+    "Pressure",
     "Usage",
     "detect",
     "open_cgroups",

@@ -95,6 +95,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Pressure:
+    """The few counters that say a group is stalled now (cheaper to read than :class:`Usage`)."""
+
+    cpu_periods: int
+    cpu_throttled_periods: int
+    memory_under_oom: bool
+    """Tasks wait at the memory limit (v1 with the OOM killer disabled; v2 never)."""
+
+
+@dataclass(frozen=True)
 class Limits:
     """The limits a cgroup has now.  ``None``: unlimited."""
 
@@ -173,6 +183,12 @@ class Cgroup(ABC):
     @abstractmethod
     def usage(self) -> Usage:
         """Read every counter.  Raises :class:`NotFoundError` if the group is gone."""
+
+    def pressure(self) -> Pressure:
+        """Throttling counters and whether tasks wait at the memory limit.
+        Raises :class:`NotFoundError` if the group is gone."""
+        u = self.usage()
+        return Pressure(u.cpu_periods, u.cpu_throttled_periods, u.memory_under_oom)
 
     @abstractmethod
     def limits(self) -> Limits:

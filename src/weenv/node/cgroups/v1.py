@@ -28,6 +28,7 @@ from weenv.node.cgroups.base import (
     CPU_PERIOD_US,
     Cgroup,
     Limits,
+    Pressure,
     Usage,
     parse_keyed,
     quota_us,
@@ -114,6 +115,11 @@ class CgroupV1(Cgroup):
             pids_current=pids,
             pids_failcnt=pids_events.get("max", 0),
         )
+
+    def pressure(self) -> Pressure:
+        cpu = parse_keyed(self._read(self._f("cpu", "cpu.stat"))) if "cpu" in self.mounts else {}
+        oom = parse_keyed(self._read(self._f("memory", "memory.oom_control"))) if "memory" in self.mounts else {}
+        return Pressure(cpu.get("nr_periods", 0), cpu.get("nr_throttled", 0), bool(oom.get("under_oom", 0)))
 
     def limits(self) -> Limits:
         quota, period = -1, CPU_PERIOD_US

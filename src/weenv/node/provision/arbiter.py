@@ -5,7 +5,8 @@ its policy wants, its priority) and the node's budget and returns the grants,
 the environments to freeze or thaw, whether new environments may be admitted,
 and the events to log.  Invariants it keeps (tested in ``tests/test_provisioner.py``):
 
-- the sum of granted CPU quotas is at most ``cpu_budget`` (capacity ×
+- the sum of granted CPU quotas (reservations when the CFS quota is the
+  ceiling, see :mod:`~weenv.node.provision.policy`) is at most ``cpu_budget`` (capacity ×
   overcommit); lowerings are always granted; raises are granted by priority
   (then smallest first), partly if only part fits;
 - the sum of granted memory limits is at most ``memory_budget`` whenever the

@@ -1,19 +1,23 @@
 """The provisioner: a thread of the node that reads every environment's cgroup,
 asks the policy and the arbiter, and writes quotas back (Linux only).
 
-Each pass (every ``interval_s``, default 1 s):
+Each pass (every ``interval_s``, default 1 s, or at once when a check every
+``check_interval_s`` (0.1 s) finds tasks waiting at a memory limit or, with
+``cpu_quota_at="reservation"``, throttled: raises are urgent, lowerings are not):
 
 1. read each environment's cgroup (:class:`~weenv.node.cgroups.Usage`) and
    turn the difference from the previous reading into an
    :class:`~weenv.node.provision.policy.Observation`;
 2. ask its :class:`~weenv.node.provision.policy.EnvPolicy` what it wants;
 3. fit all wants into the node (:func:`~weenv.node.provision.arbiter.arbitrate`);
-4. write the grants (CPU quota, memory limit; below the ceiling the OOM killer
+4. write the grants (the CPU reservation, and the CFS quota: the declared
+   ceiling, written once, with ``cpu_quota_at="ceiling"`` (default), the
+   reservation itself with ``"reservation"``; the memory limit: below the ceiling the OOM killer
    is disabled so that a task at the limit waits for the next pass), freeze
    and thaw, and record a :class:`~weenv.node.provision.models.UsagePoint`.
 
 Lifetime of an environment: :meth:`Provisioner.reserve` (admission; its
-initial quota counts against the node from then on), :meth:`attach` once its
+initial reservation counts against the node from then on), :meth:`attach` once its
 cgroup exists (writes the initial limits), :meth:`detach` before its cgroup is
 removed.  Every write to an environment happens under its lock after checking
 it is still attached, and cgroup writes never create a group, so an
@@ -32,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 
 from weenv.errors import CapacityError, NotFoundError, WeenvError
-from weenv.node.cgroups import Cgroup, LimitRefusedError, Usage, open_cgroups
+from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
 from weenv.node.provision.arbiter import Budget, Claim, admits, arbitrate
 from weenv.node.provision.models import (
     EnvironmentProvision,
@@ -72,6 +76,7 @@ class _Tracked:
         self.detached = False
         self.last: Usage | None = None
         self.last_obs: Observation | None = None
+        self.last_pressure: Pressure | None = None
         self.want = None
         self.frozen = False
         self.oom_killer: bool | None = None
@@ -79,8 +84,15 @@ class _Tracked:
         self.history: deque[UsagePoint] = deque(maxlen=policy.cfg.history)
 
     @property
-    def cpu_quota(self) -> float:
+    def cpu_reservation(self) -> float:
+        """What admission and the arbiter count (the policy's elastic value)."""
         return self.policy.cpu_quota
+
+    def cpu_quota(self, cfg: ProvisionConfig) -> float:
+        """The CFS quota this environment has (cores)."""
+        if cfg.mode != "elastic":
+            return self.resources.cpus
+        return self.policy.cpu_ceiling if cfg.cpu_quota_at == "ceiling" else self.policy.cpu_quota
 
     @property
     def memory_limit(self) -> int:
@@ -131,12 +143,44 @@ class Provisioner:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
+        cfg = self.config
+        check = min(cfg.check_interval_s, cfg.interval_s)
+        due = time.monotonic() + cfg.interval_s
+        while not self._stop.wait(min(check, max(0.0, due - time.monotonic()))):
             try:
-                self.tick()
+                if time.monotonic() >= due or self._urgent():
+                    self.tick()
+                    due = time.monotonic() + cfg.interval_s
             except Exception as exc:  # the loop must survive anything one pass meets
                 log.exception("provisioner pass failed")
                 self._event(None, "error", f"pass failed: {exc!r}")
+
+    def _urgent(self) -> bool:
+        """Whether an environment needs a raise now: tasks wait at its memory
+        limit (unless its growth was already refused), or (the CFS quota being
+        the reservation, below the ceiling) its periods since the previous
+        check were throttled.  Reads two files per
+        environment; any error is left to the next pass."""
+        if self.config.mode != "elastic":
+            return False
+        cpu = self.config.cpu_quota_at == "reservation"
+        with self._lock:
+            envs = [t for t in self._envs.values() if t.attached and not t.frozen]
+        urgent = False
+        for t in envs:
+            try:
+                p = t.cgroup.pressure()
+            except WeenvError:
+                continue
+            prev, t.last_pressure = t.last_pressure, p
+            if p.memory_under_oom and t.memory_limit < t.policy.memory_ceiling and t.env_id not in self._short:
+                urgent = True
+            elif cpu and prev is not None and t.cpu_reservation < t.policy.cpu_ceiling:
+                periods = p.cpu_periods - prev.cpu_periods
+                throttled = p.cpu_throttled_periods - prev.cpu_throttled_periods
+                if periods > 0 and throttled / periods >= max(self.config.cpu_throttle_trigger, 1e-9):
+                    urgent = True
+        return urgent
 
     @property
     def running(self) -> bool:
@@ -147,8 +191,8 @@ class Provisioner:
         """Admit a new environment (its initial quota counts from now on).
 
         Raises :class:`CapacityError` when the node cannot hold it: in
-        ``elastic`` mode by the quotas held now (which follow observed usage)
-        plus its initial quota, and the host's available memory; in
+        ``elastic`` mode by the reservations held now (which follow observed
+        usage) plus its initial one, and the host's available memory; in
         ``static`` mode by declared resources.
         """
         cfg = self.config
@@ -161,7 +205,7 @@ class Provisioner:
                 raise WeenvError(f"environment {env_id} is already provisioned")
             if cfg.mode != "off":
                 budget = self._budget()
-                cpu_sum = sum(e.cpu_quota for e in self._envs.values())
+                cpu_sum = sum(e.cpu_reservation for e in self._envs.values())
                 memory_sum = sum(e.memory_limit for e in self._envs.values())
                 if cfg.mode == "elastic":  # start with what is free, at least the floor
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
@@ -294,7 +338,7 @@ class Provisioner:
             t.want = w
             return Claim(
                 env_id=t.env_id, priority=t.priority,
-                cpu_quota=t.cpu_quota, cpu_want=w.cpu_quota, cpu_floor=t.policy.cpu_floor,
+                cpu_quota=t.cpu_reservation, cpu_want=w.cpu_quota, cpu_floor=t.policy.cpu_floor,
                 memory_limit=t.memory_limit, memory_want=w.memory_limit,
                 memory_pressure=w.memory_pressure, working_set=o.working_set, frozen=t.frozen,
             )  # fmt: skip
@@ -304,11 +348,14 @@ class Provisioner:
         Raises :class:`NotFoundError` if the cgroup is gone."""
         cg, p = t.cgroup, t.policy
         old_cpu, old_mem = (t.resources.cpus, t.resources.memory_bytes) if initial else (p.cpu_quota, p.memory_limit)
+        at_ceiling = self.config.cpu_quota_at == "ceiling"
         if initial or abs(cpu - old_cpu) > 1e-3:
-            cg.set_cpu(cpu)
+            if initial or not at_ceiling:  # at the ceiling the CFS quota is written once
+                cg.set_cpu(p.cpu_ceiling if at_ceiling else cpu)
             if not initial:
+                what = "cpu reservation" if at_ceiling else "cpu"
                 self._event(t.env_id, "raise" if cpu > old_cpu else "lower",
-                            f"cpu {old_cpu:.2f} -> {cpu:.2f} cores")  # fmt: skip
+                            f"{what} {old_cpu:.2f} -> {cpu:.2f} cores")  # fmt: skip
         else:
             cpu = old_cpu
         if memory > old_mem:  # raise the limit before re-enabling the OOM killer at the ceiling
@@ -344,7 +391,7 @@ class Provisioner:
         static = self.config.mode != "elastic"
         t.history.append(UsagePoint(
             t=time.time(), cpu_used=o.cpu_cores, throttled=o.throttled,
-            cpu_quota=t.resources.cpus if static else t.cpu_quota,
+            cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
             memory_usage=u.memory_usage, working_set=u.memory_working_set,
             memory_limit=t.resources.memory_bytes if static else t.memory_limit,
             pids=u.pids_current, frozen=t.frozen,
@@ -390,7 +437,7 @@ class Provisioner:
                 id=t.env_id, priority=t.priority,
                 cpu_ceiling=t.resources.cpus, memory_ceiling=t.resources.memory_bytes,
                 pids_limit=t.resources.pids,
-                cpu_quota=t.resources.cpus if static else t.cpu_quota,
+                cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
                 memory_limit=t.resources.memory_bytes if static else t.memory_limit,
                 frozen=t.frozen, oom_kills=u.oom_kills if u else 0,
                 throttled_s=u.cpu_throttled_s if u else 0.0, memory_refused=t.refused,
@@ -401,7 +448,8 @@ class Provisioner:
         totals = NodeTotals(
             cpu_capacity=self.cpu_capacity, memory_capacity=self.memory_capacity,
             cpu_budget=b.cpu, memory_budget=b.memory,
-            cpu_quota_sum=sum(t.cpu_quota for t in everything),
+            cpu_quota_sum=sum(t.cpu_quota(self.config) for t in everything),
+            cpu_reservation_sum=sum(t.cpu_reservation for t in everything),
             memory_limit_sum=sum(t.memory_limit for t in everything),
             cpu_used=sum(t.last_obs.cpu_cores for t in everything if t.last_obs),
             working_set=sum(t.last.memory_working_set for t in everything if t.last),

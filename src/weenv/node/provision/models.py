@@ -25,7 +25,7 @@ class ProvisionConfig(_Model):
     for seconds to minutes; the sources of each rule are in
     :mod:`weenv.node.provision.policy`.  ``from_env`` reads
     ``WEENV_PROVISION_MODE``, ``WEENV_PROVISION_INTERVAL``,
-    ``WEENV_CPU_OVERCOMMIT`` and ``WEENV_MEMORY_OVERCOMMIT``.
+    ``WEENV_CPU_OVERCOMMIT``, ``WEENV_MEMORY_OVERCOMMIT`` and ``WEENV_CPU_QUOTA_AT``.
     """
 
     mode: Literal["elastic", "static", "off"] = "elastic"
@@ -34,6 +34,12 @@ class ProvisionConfig(_Model):
     no admission check, no adjustment."""
     interval_s: float = Field(default=1.0, gt=0)
     """Time between two passes of the controller."""
+    check_interval_s: float = Field(default=0.1, gt=0)
+    """Between passes, every this long, a cheap check (two files per
+    environment) starts a pass at once when tasks wait at their memory limit
+    (v1) or, with ``cpu_quota_at="reservation"``, when the last check's
+    periods were throttled at least ``cpu_throttle_trigger``: raising is
+    urgent, lowering waits for the regular pass."""
 
     cpu_window_s: float = Field(default=30.0, gt=0)
     """Recent usage the CPU percentile is taken over."""
@@ -70,6 +76,17 @@ class ProvisionConfig(_Model):
     """Below its ceiling an environment that reaches its limit waits for the
     controller instead of being OOM-killed (cgroup v1 ``oom_kill_disable``)."""
 
+    cpu_quota_at: Literal["ceiling", "reservation"] = "ceiling"
+    """What the CFS quota of an elastic environment is.  ``ceiling`` (default):
+    its declared cores, always, so a burst never waits for the controller; the
+    elastic value (percentile + headroom, raised at once, lowered slowly) is
+    then its *reservation*: what admission and the arbiter count against
+    capacity × ``cpu_overcommit``, while contended cores are split by CFS
+    weights (equal).  ``reservation``: the elastic value is written as the CFS
+    quota, so a burst after idle runs at the idle quota until a pass raises it
+    (measured in ``weenv bench provision``: p95 burst slowdown 12.5× against
+    the unloaded run on 2 cores, most of it waiting for quota)."""
+
     cpu_capacity: float | None = Field(default=None, gt=0)
     """Cores the node gives environments (default: all online CPUs)."""
     memory_capacity: int | None = Field(default=None, gt=0)
@@ -93,6 +110,7 @@ class ProvisionConfig(_Model):
             "interval_s": "WEENV_PROVISION_INTERVAL",
             "cpu_overcommit": "WEENV_CPU_OVERCOMMIT",
             "memory_overcommit": "WEENV_MEMORY_OVERCOMMIT",
+            "cpu_quota_at": "WEENV_CPU_QUOTA_AT",
         }
         from pydantic import ValidationError
 
@@ -112,6 +130,9 @@ class UsagePoint(_Model):
     cpu_used: float
     """Cores used on average since the previous pass."""
     cpu_quota: float | None
+    """CFS quota written (cores)."""
+    cpu_reservation: float | None = None
+    """What admission and the arbiter count for it (cores; the elastic value)."""
     throttled: float
     """Share of the interval's CFS periods that were throttled."""
     memory_usage: int
@@ -128,6 +149,9 @@ class EnvironmentProvision(_Model):
     memory_ceiling: int
     pids_limit: int
     cpu_quota: float | None
+    """CFS quota written (cores)."""
+    cpu_reservation: float | None = None
+    """What admission and the arbiter count for it (cores)."""
     memory_limit: int | None
     frozen: bool
     oom_kills: int
@@ -149,9 +173,13 @@ class NodeTotals(_Model):
     cpu_capacity: float
     memory_capacity: int
     cpu_budget: float
-    """Capacity × overcommit: the sum of quotas stays within it."""
+    """Capacity × overcommit: the sum of reservations stays within it."""
     memory_budget: int
     cpu_quota_sum: float
+    """Sum of CFS quotas written; with ``cpu_quota_at="ceiling"`` it may exceed
+    the budget (a quota caps an environment, it reserves nothing)."""
+    cpu_reservation_sum: float = 0.0
+    """Sum of reservations (elastic values), within ``cpu_budget``."""
     memory_limit_sum: int
     cpu_used: float
     working_set: int

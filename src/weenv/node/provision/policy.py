@@ -52,6 +52,22 @@ The rules and where they come from:
   raise or of pressure, then at most ``memory_down_step`` (10 %) per pass.  A
   lowering the kernel refuses (it could not reclaim) leaves the limit where it
   was and restarts the hold (:meth:`EnvPolicy.refused`).
+- **The CFS quota is the ceiling; the elastic CPU value is a reservation**
+  (``ProvisionConfig.cpu_quota_at="ceiling"``, the default).  CPU is
+  compressible: a quota caps one environment but reserves nothing, so written
+  as the CFS quota the elastic value only makes every burst after idle start
+  throttled at the floor until a pass raises it (measured: p95 burst slowdown
+  12.5x on 2 cores).  Instead, as Kubernetes does with requests and limits
+  (the kubelet writes ``cpu.shares`` from the request and the CFS quota from
+  the limit: ``pkg/kubelet/cm/helpers_linux.go``; VPA's
+  ``controlledValues: RequestsOnly`` adjusts only the request) and as Borg
+  does with reservations and limits (Verma et al. §5.5: the scheduler admits
+  against reservations, tasks may use up to their limit), the CFS quota stays
+  at the declared ceiling, contended cores are shared by CFS weight (equal),
+  and the value computed here is what admission and the arbiter count against
+  the node's capacity × overcommit.  ``"reservation"`` keeps the elastic value
+  as the CFS quota (the rules above then throttle and unthrottle).  Memory is
+  not compressible: its limit always follows the rules above.
 - **Floor and ceiling.**  Never below ``cpu_floor`` / ``memory_floor`` (capped
   at the ceiling), never above the environment's declared resources.
 """

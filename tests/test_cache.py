@@ -1,0 +1,305 @@
+"""The node cache's bound, persistence and repair; prefetch; direct mounts of complete groups.
+
+Real FUSE, EROFS, runc environments and FileStores.  Tests that write to a
+store (prefetch profiles) use a hard-linked copy of the session's shared store,
+so the shared one never gains a profile other tests would replay.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from weenv.config import Paths
+from weenv.errors import CapacityError
+from weenv.node.cache import ChunkCache
+from weenv.node.node import Node
+from weenv.node.prefetch import REF_KIND, load_profile, ref_name
+from weenv.packaging.group import load_group
+from weenv.packaging.template import load_template
+from weenv.store.file import FileStore
+
+from test_lazy import LazyNode, build, drop_page_cache
+
+MiB = 1 << 20
+
+
+class CountingStore(FileStore):
+    """A real FileStore that records get_chunk calls in order, optionally slowed
+    down by ``delay`` seconds per chunk (a store across a network)."""
+
+    def __init__(self, root, delay: float = 0.0):
+        super().__init__(root)
+        self.delay = delay
+        self.order: list[str] = []
+        self._count_lock = threading.Lock()
+
+    @property
+    def calls(self) -> Counter:
+        with self._count_lock:
+            return Counter(self.order)
+
+    def get_chunk(self, digest: str, **hints) -> bytes:
+        with self._count_lock:
+            self.order.append(digest)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().get_chunk(digest, **hints)
+
+
+@pytest.fixture
+def private_store(tmp_path, shared_store) -> Path:
+    """A copy of the shared store (hard links: instant; writes replace files by rename)."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND)], check=True)  # profiles other tests recorded
+    return root
+
+
+def cache_bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "sha256").glob("*/*"))
+
+
+def template_groups(store, name="task"):
+    digest, t = load_template(store, name)
+    return digest, [(g, load_group(store, g)) for g in t.groups]
+
+
+def proc_mounts() -> list[tuple[str, str, str]]:
+    with open("/proc/mounts") as f:
+        return [tuple(line.split()[:3]) for line in f]
+
+
+# --- the bound -------------------------------------------------------------------------
+def test_eviction_under_a_small_bound(tmp_path, paths, leak_check):
+    """A 6 MiB cache under a 32 MiB group: every read is still correct, the
+    cache never holds more than its bound, the least recently used chunks go."""
+    store = CountingStore(paths.home / "store")
+    src, res = build(tmp_path, store)
+    n = LazyNode(paths, store)
+    n.cache = ChunkCache(paths.chunk_cache, store, max_bytes=6 * MiB)
+    n.fs.cache = n.cache
+    n.fs.start()
+    try:
+        mnt = n.mounts.acquire(res.digest, res.manifest)
+        for _round in range(2):
+            for f in sorted((src / "data").iterdir()):
+                assert (mnt / "data" / f.name).read_bytes() == f.read_bytes()
+                assert cache_bytes_on_disk(paths.chunk_cache) <= 6 * MiB
+                drop_page_cache(mnt / "data" / f.name)
+        s = n.cache.stats()
+        print(f"\nbound 6 MiB: {s.chunks_fetched} fetched, {s.chunks_evicted} evicted, {s.bytes_cached} cached")
+        assert s.bytes_cached <= 6 * MiB and s.chunks_evicted > 0
+        assert s.chunks_fetched > len(res.manifest.chunks)  # the second round refetched evicted chunks
+        n.mounts.release(res.digest)
+    finally:
+        n.close()
+
+
+def test_lru_order_and_restart_index(tmp_path, paths, store):
+    """Eviction takes the least recently *used* chunk; a new cache on the same
+    directory finds every chunk (no fetch) and keeps the bound."""
+    refs = [store.put_chunk(os.urandom(MiB))[0] for _ in range(4)]
+    cache = ChunkCache(paths.chunk_cache, store, max_bytes=3 * MiB)
+    for r in refs[:3]:
+        cache.ensure(r)
+    cache.read(refs[0], 0, 10)  # refs[1] is now the least recently used
+    cache.ensure(refs[3])
+    assert [cache.has(r.digest) for r in refs] == [True, False, True, True]
+    again = ChunkCache(paths.chunk_cache, store, max_bytes=3 * MiB)
+    assert [again.has(r.digest) for r in refs] == [True, False, True, True]
+    for r in (refs[0], refs[2], refs[3]):
+        assert again.read(r, 0, MiB) == store.get_chunk(r.digest)
+    assert again.chunks_fetched == 0
+    smaller = ChunkCache(paths.chunk_cache, store, max_bytes=MiB)  # a lower bound after a restart
+    assert smaller.stats().chunks_cached == 1 and cache_bytes_on_disk(paths.chunk_cache) <= MiB
+
+
+def test_full_disk_evicts_then_fails_clearly(tmp_path, paths, store, leak_check):
+    """ENOSPC: the cache evicts and retries; with nothing left to evict the
+    read fails at once with CapacityError (EIO through FUSE), never hangs."""
+    root = tmp_path / "small"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(root)], check=True)
+    try:
+        refs = [store.put_chunk(os.urandom(MiB))[0] for _ in range(6)]
+        cache = ChunkCache(root, store, max_bytes=1 << 30)  # the bound is not what stops it: the disk is
+        for r in refs:
+            assert cache.read(r, 0, MiB) == store.get_chunk(r.digest)
+        assert cache.stats().chunks_evicted > 0
+        cache.clear()
+        subprocess.run(["mount", "-o", "remount,size=512k", str(root)], check=True)
+        t = time.monotonic()
+        with pytest.raises(CapacityError, match="full"):
+            cache.read(refs[0], 0, 10)
+        assert time.monotonic() - t < 5
+        assert not list(root.rglob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+
+
+# --- restarts --------------------------------------------------------------------------
+def _read_some(node: Node, env_id: str) -> None:
+    r = node.exec(env_id, ["sh", "-c", "cat /workspace/hello.py; head -c 1000000 /workspace/big.bin | md5sum; python3 -c 'print(1)'"])
+    assert r.exit_code == 0 and b"hello from the task" in r.stdout, r
+
+
+def test_restart_without_refetching(tmp_path, paths, private_store, leak_check):
+    """A node started on the home of a closed one fetches nothing for the same
+    cold start; a truncated and a corrupted cached chunk are fetched again (once)
+    instead of breaking their group (a truncated chunk 0 made it unmountable)."""
+    shared_store = FileStore(private_store)
+    store = CountingStore(private_store)
+    with Node(paths, store=store) as n:
+        env = n.create("task")
+        _read_some(n, env.id)
+        n.destroy(env.id)
+        n.groups.wait_assembled()
+        n.groups.remove_images()  # reads below go through FUSE and the cache
+        first = sum(store.calls.values())
+    assert first > 0
+
+    store2 = CountingStore(private_store)
+    with Node(paths, store=store2) as n:
+        env = n.create("task")
+        _read_some(n, env.id)
+        assert sum(store2.calls.values()) == 0, store2.calls
+        n.destroy(env.id)
+        n.groups.wait_assembled()
+        n.groups.remove_images()
+
+    _digest, groups = template_groups(shared_store)
+    base = groups[0][1]
+    cache = ChunkCache(paths.chunk_cache, shared_store, max_bytes=1 << 40)
+    chunk0 = base.chunks[0]
+    chunk1 = next(c for c in base.chunks[1:] if cache.has(c.digest) and c.digest != chunk0.digest)
+    assert cache.has(chunk0.digest)
+    p0 = cache.path(chunk0.digest)
+    p0.write_bytes(p0.read_bytes()[: chunk0.size // 2])  # truncated (a crash mid-copy, a full disk)
+    p1 = cache.path(chunk1.digest)
+    data = bytearray(p1.read_bytes())
+    data[100] ^= 0xFF
+    p1.write_bytes(bytes(data))  # same size, other bytes
+
+    store3 = CountingStore(private_store)
+    with Node(paths, store=store3) as n:
+        env = n.create("task")
+        _read_some(n, env.id)
+        assert store3.calls == Counter({chunk0.digest: 1, chunk1.digest: 1})  # the same reads: only those two
+        assert n.cache.stats().chunks_invalid == 2
+    assert cache.path(chunk0.digest).read_bytes() == shared_store.get_chunk(chunk0.digest)
+
+
+# --- prefetch --------------------------------------------------------------------------
+def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_check):
+    """The first start records its first reads into prefetch/<template hex>;
+    a later cold start (empty cache, slow store) fetches that list in the
+    background, in order, once each, while its own reads still work."""
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        env = n.create("task")
+        _read_some(n, env.id)  # the first command: its end closes the window
+        deadline = time.monotonic() + 10
+        while n.prefetch.profile(digest) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        n.prefetch.wait_published()
+        profile = load_profile(store, digest)
+        assert profile is not None and store.get_ref(REF_KIND, ref_name(digest))
+        recorded = n.lazyfs.first_reads([g for g, _m in groups])
+        n.destroy(env.id)
+    assert profile.groups == [g for g, _m in groups]
+    assert len(profile.chunks) > 3
+    # what the window saw, in order (the whole node's first reads, since it started cold)
+    assert [(groups[gi][0], ci) for gi, ci in profile.chunks] == recorded[: len(profile.chunks)]
+    assert profile.chunks[0] == (0, 0)  # the base group's superblock comes first
+
+    for d in (paths.chunk_cache, paths.node / "images"):
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    slow = CountingStore(private_store, delay=0.02)
+    wanted = [groups[gi][1].chunks[ci] for gi, ci in profile.chunks]
+    with Node(paths, store=slow, prefetch_workers=1) as n:
+        t0 = time.perf_counter()
+        env = n.create("task")
+        job = n.prefetch.job(env.id)
+        assert job is not None
+        r = n.exec(env.id, ["cat", "/workspace/hello.py"])  # a read while prefetch runs
+        assert r.stdout == b"print('hello from the task')\n"
+        assert job.done.wait(120)
+        elapsed = time.perf_counter() - t0
+        assert not job.cancelled and job.errors == 0
+        assert job.fetched == sorted(job.fetched)  # in profile order
+        assert all(n.cache.has(c.digest) for c in wanted)
+        calls = slow.calls
+        assert all(calls[c.digest] == 1 for c in wanted)  # prefetch and demand never fetch twice
+        s = n.cache.stats()
+        print(f"\nprofile {len(wanted)} chunks; prefetched {s.chunks_prefetched}, demand "
+              f"{s.chunks_fetched - s.chunks_prefetched}; profile done {elapsed:.2f} s after the create began")
+        assert 0 < s.chunks_prefetched <= len(job.fetched)  # a demand read may have joined a prefetch, or won
+        _read_some(n, env.id)
+        n.destroy(env.id)
+
+
+def test_prefetch_stops_when_destroyed(tmp_path, paths, private_store, leak_check):
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        env = n.create("task")
+        _read_some(n, env.id)
+        n.destroy(env.id)
+        n.prefetch.wait_published()
+    assert load_profile(store, digest) is not None
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    slow = CountingStore(private_store, delay=0.3)
+    with Node(paths, store=slow, prefetch_workers=1) as n:
+        env = n.create("task", first_command=False)
+        job = n.prefetch.job(env.id)
+        assert job is not None
+        n.destroy(env.id)
+        assert job.done.wait(5) and job.cancelled
+        fetched = len(job.fetched)
+        time.sleep(1)
+        assert len(job.fetched) == fetched < len(job.chunks)
+
+
+# --- off the lazy path -----------------------------------------------------------------
+def test_direct_mount_once_complete(tmp_path, paths, shared_store, leak_check):
+    """Once every chunk of a group is cached, new environments mount its
+    assembled image directly (no FUSE); environments already running keep
+    their lazy mount, which goes with its last user."""
+    digest, groups = template_groups(shared_store)
+    task_digest, task = groups[1]
+    with Node(paths, store=shared_store) as n:
+        a = n.create("task")
+        lazy_point = str(n.groups.path(task_digest))
+        n.lazyfs.image_path(task_digest).read_bytes()  # every chunk of the task group into the cache
+        assert n.cache.has_all(c.digest for c in task.chunks)
+        b = n.create("task")  # finds the group complete: assembles its image in the background
+        n.groups.wait_assembled()
+        image = n.groups.image_path(task_digest)
+        assert image.stat().st_size == task.image_size
+        assert image.read_bytes() == b"".join(shared_store.get_chunk(c.digest) for c in task.chunks)
+        c = n.create("task")
+        direct_point = str(n.groups.direct_path(task_digest))
+        mounts = {point: (source, fstype) for source, point, fstype in proc_mounts()}
+        assert mounts[direct_point] == (str(image), "erofs")
+        assert mounts[lazy_point][0].startswith(str(paths.lazy_mountpoint))  # a and b keep theirs
+        assert n.groups.mounted_directly() == {task_digest: 1}
+        for env in (a, b, c):
+            assert n.exec(env.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
+            assert n.exec(env.id, ["sh", "-c", "md5sum < /workspace/big.bin"]).exit_code == 0
+        n.destroy(a.id)
+        n.destroy(b.id)
+        assert lazy_point not in {p for _s, p, _t in proc_mounts()}  # superseded, unused: gone
+        assert task_digest not in n.lazyfs.groups()
+        d = n.create("task")
+        assert n.groups.mounted_directly() == {task_digest: 2}
+        n.destroy(c.id)
+        n.destroy(d.id)
+    assert image.exists()  # kept for the next daemon
