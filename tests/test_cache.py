@@ -15,8 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_lazy import LazyNode, build, drop_page_cache
 
-from weenv.config import Paths
 from weenv.errors import CapacityError
 from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
@@ -24,8 +24,6 @@ from weenv.node.prefetch import REF_KIND, load_profile, ref_name
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 from weenv.store.file import FileStore
-
-from test_lazy import LazyNode, build, drop_page_cache
 
 MiB = 1 << 20
 

@@ -37,15 +37,22 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
-from weenv.packaging.manifest import ChunkRef, Digest, GroupManifest, canonical_json, utc_now
+from weenv.packaging.manifest import (
+    ChunkRef,
+    Digest,
+    GroupManifest,
+    canonical_json,
+    utc_now,
+)
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)

@@ -195,12 +195,18 @@ def api_router(
         p = await anyio.to_thread.run_sync(functools.partial(
             node.spawn, env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
             primary_reader=True))  # fmt: skip
+        error: Exception | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(_kill_when_gone, request, p)  # a command does not outlive its caller
             try:
-                return await anyio.to_thread.run_sync(node.collect, p, max_output)
+                result = await anyio.to_thread.run_sync(node.collect, p, max_output)
+            except Exception as exc:  # raised past the group, unwrapped (no ExceptionGroup)
+                error = exc
             finally:
                 tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
 
     @r.post("/environments/{env_id}/commands/stream", response_class=StreamingResponse,
             responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
