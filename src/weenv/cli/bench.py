@@ -44,3 +44,19 @@ def provision(
     result = run(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think,
                  log=err.print)
     print(json.dumps(result["summary"]))
+
+
+@bench_app.command("start")
+def start(
+    quick: bool = typer.Option(False, "--quick", help="a ~300 MB template, concurrency 1 and 16, fewer runs"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    concurrency: Optional[list[int]] = typer.Option(None, help="concurrency levels (repeat; default 1 16 [64])"),
+) -> None:
+    """Time from start request to the first command's output, cold and warm, weenv
+    (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
+    from weenv.bench.start import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
+                 log=err.print)
+    print(json.dumps(result["summary"]))

@@ -200,7 +200,7 @@ def api_router(
             tg.start_soon(_kill_when_gone, request, p)  # a command does not outlive its caller
             try:
                 result = await anyio.to_thread.run_sync(node.collect, p, max_output)
-            except Exception as exc:  # raised past the group, unwrapped (no ExceptionGroup)
+            except Exception as exc:  # noqa: BLE001 - re-raised past the group, unwrapped (no ExceptionGroup)
                 error = exc
             finally:
                 tg.cancel_scope.cancel()

@@ -21,7 +21,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from weenv.errors import InvalidInputError, NotFoundError, StoreUnavailableError, WeenvError
+from weenv.errors import (
+    InvalidInputError,
+    NotFoundError,
+    StoreUnavailableError,
+    WeenvError,
+)
 from weenv.packaging.manifest import check_digest
 from weenv.store.base import Store
 

@@ -1,0 +1,825 @@
+"""``weenv bench start``: time from a start request to the first command's output,
+weenv against Docker, side by side in one run on the same content.
+
+**Content.**  One template built from real input: the cached Debian bookworm
+minbase + python3 tree (:func:`~weenv.packaging.debootstrap.debian_rootfs`)
+and real PyPI wheels installed by ``pip install --target`` into
+``/usr/local/lib/python3.11/dist-packages`` (:data:`FULL_WHEELS`, about 1 GB
+in all; ``quick``: :data:`QUICK_WHEELS`, about 300 MB).  The installed tree is
+kept in ``$WEENV_CACHE/bench-start/`` and reused.
+
+- **weenv**: two groups (``base``: the Debian tree; ``packages``: the wheels'
+  tree) and a template over them, built into a file store and copied
+  (:func:`~weenv.store.transfer.copy_template`) into an ``oci://`` store on a
+  private docker-registry on loopback (:mod:`weenv.services.registry`).  A
+  :class:`~weenv.node.node.Node` in this process reads it from there, with its
+  own home (empty chunk cache) and provisioning off (no admission control,
+  as Docker has none).
+- **Docker**: ``docker import`` of the same Debian tree, then ``FROM`` it
+  ``COPY`` of the same packages tree (two layers, as weenv's two groups),
+  built by a private dockerd (Debian's docker.io, :mod:`weenv.services.dockerd`)
+  and pushed to the same registry.
+
+**One start** is: the request, then the first command (:data:`COMMANDS`:
+``echo ready``, the headline; also ``numpy``, Debian's python3 importing numpy
+from the template, at concurrency 1); the time is taken when its first line of
+output arrives.
+
+- weenv: ``Node.create(template, first_command=False)`` then ``Node.spawn`` of
+  the command, following its output;
+- Docker: ``docker run --rm --network none IMAGE CMD`` (which pulls the image
+  when it is missing), reading its stdout.
+
+**Cold**: weenv: node chunk cache empty and group mounts gone
+(:meth:`Node.drop_caches`), with the template's prefetch profile in the store
+(recorded by a first start, measured apart as ``first_start``); Docker: every
+image removed (``docker rmi``), so the start pulls all layers.  **Warm**: right
+after, with caches, mounts and images in place.  At each concurrency (1 and 16;
+64 too unless ``quick``) all starts of a round are released at once (a barrier);
+at concurrency 1 a phase repeats ``cold_runs``/``warm_runs`` times.
+
+Measured per phase: p50/p99 of the time to first output (seconds); bytes
+fetched (weenv: the node cache's counter of stored (zstd) bytes fetched from
+the store by the time the first output arrived, and after background prefetch
+settled; Docker: the image's compressed size from the registry manifest,
+layers + config, which a cold start pulls in full); CPU seconds and peak
+memory (resident, VmHWM, reset through ``/proc/PID/clear_refs`` at the phase's
+start) of the daemons: weenv's node runs in this process, so its figures are
+this process's threads plus its reaped children (runc); Docker's are dockerd's
+plus its containerd's (read from /proc), not the ``docker`` clients'.  The
+exec round trip of ``true``: weenv ``Node.run(env, ["true"])``, Docker
+``docker exec CID true`` (its client's start included), p50 over ``exec_runs``.
+
+``summary`` (the main template at concurrency 1): ``cold_p50_s``,
+``warm_p50_s``, ``docker_cold_p50_s``, ``docker_warm_p50_s``, ``cold_ratio``
+(Docker's cold over weenv's), ``fetched_fraction`` (weenv's bytes fetched by
+the first output over the template's stored bytes), ``exec_p50_s``.  The load
+(``/proc/loadavg``) is recorded before and after each phase: the machine may
+be shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Self
+
+from weenv.bench import machine
+from weenv.config import Paths
+from weenv.errors import InvalidInputError, RuntimeFailedError
+
+QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
+"""~80 MB installed: with the ~220 MB Debian tree, a ~300 MB template."""
+FULL_WHEELS = QUICK_WHEELS + (
+    "scipy==1.14.1", "pandas==2.2.3", "pyarrow==18.1.0", "scikit-learn==1.6.0", "polars==1.17.1",
+    "opencv-python-headless==4.10.0.84", "matplotlib==3.9.4", "pillow==11.0.0", "duckdb==1.1.3",
+    "lxml==5.3.0", "statsmodels==0.14.4",
+)  # fmt: skip
+"""~790 MB installed: with the Debian tree, a ~1 GB template."""
+SITE = "usr/local/lib/python3.11/dist-packages"
+"""Where Debian's python3 finds locally installed packages."""
+COMMANDS = {
+    "echo": (["echo", "ready"], b"ready"),
+    "numpy": (
+        [
+            "python3",
+            "-c",
+            "import numpy; print('numpy', numpy.__version__, flush=True)",
+        ],
+        b"numpy",
+    ),
+}
+"""First commands by name: argv and the start of their expected output.  ``echo``
+(coreutils' echo from the template) is the headline: the start itself; ``numpy``
+(Debian's python3 importing numpy from the template) adds a real first workload."""
+MAIN_COMMAND = "echo"
+DOCKER_BASE = "weenv-bench/start-base"
+DOCKERFILE = "FROM {base}\nCOPY packages/ /\n"
+SUMMARY_KEYS = ("cold_p50_s", "warm_p50_s", "docker_cold_p50_s", "docker_warm_p50_s", "cold_ratio",
+                "fetched_fraction", "exec_p50_s")  # fmt: skip
+
+
+# --- content -------------------------------------------------------------------------------
+def packages_tree(cache: Path, wheels: tuple[str, ...], log=print) -> Path:
+    """A directory holding ``usr/local/lib/python3.11/dist-packages`` with ``wheels``
+    installed (``pip install --no-deps --target``, byte-compiled), from real PyPI
+    wheels for CPython 3.11 on x86_64.  Built once under
+    ``cache/bench-start/tree-<hash of the list>`` (atomically renamed into place);
+    wheels are kept in ``cache/pip/wheels-start``.  Raises :class:`RuntimeFailedError`
+    if pip fails."""
+    key = hashlib.sha256("\n".join(wheels).encode()).hexdigest()[:16]
+    base = Path(cache) / "bench-start"
+    tree = base / f"tree-{key}"
+    if (tree / SITE).is_dir():
+        return tree
+    base.mkdir(parents=True, exist_ok=True)
+    wheel_dir = Path(cache) / "pip" / "wheels-start"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    log(f"pip download {len(wheels)} wheels into {wheel_dir} ...")
+    _run([*pip, "download", "--only-binary=:all:", "--no-deps", "--python-version", "3.11",
+          "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
+          "-d", str(wheel_dir), *wheels], "pip download")  # fmt: skip
+    files = []
+    for spec in wheels:
+        name, version = spec.split("==")
+        stem = name.replace("-", "_").lower() + "-" + version + "-"
+        found = [p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(stem)]
+        if not found:
+            raise RuntimeFailedError(f"no wheel for {spec} in {wheel_dir}")
+        files.append(str(found[0]))
+    tmp = Path(tempfile.mkdtemp(dir=base, prefix=".tmp-tree-"))
+    try:
+        log(f"pip install --target {len(files)} wheels ...")
+        _run(
+            [
+                *pip,
+                "install",
+                "--no-deps",
+                "--no-index",
+                "--target",
+                str(tmp / SITE),
+                *files,
+            ],
+            "pip install",
+        )
+        os.rename(tmp, tree)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tree
+
+
+def _run(argv: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
+    if proc.returncode != 0:
+        raise RuntimeFailedError(
+            f"{what} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-1200:]}"
+        )
+    return proc
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+# --- measurement helpers -------------------------------------------------------------------
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` in (0, 1] of ``values``."""
+    values = sorted(values)
+    return values[max(0, min(len(values), math.ceil(q * len(values))) - 1)]
+
+
+def _stats(values: list[float]) -> dict:
+    return {"n": len(values), "p50_s": round(statistics.median(values), 4),
+            "p99_s": round(_percentile(values, 0.99), 4), "max_s": round(max(values), 4)}  # fmt: skip
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages (``/proc/loadavg``)."""
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads), seconds; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_hwm(pid: int | str) -> int:
+    """Peak resident bytes of ``pid`` (VmHWM) since start or the last reset."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_hwm(pid: int | str) -> None:
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+class _SelfMeter:
+    """CPU and peak memory of this process (the in-process node) over a phase:
+    its threads plus the children it reaped meanwhile (runc and its helpers)."""
+
+    def __enter__(self) -> Self:
+        _reset_hwm("self")
+        t = os.times()
+        self._cpu = t.user + t.system + t.children_user + t.children_system
+        return self
+
+    def __exit__(self, *exc) -> None:
+        t = os.times()
+        self.cpu_s = t.user + t.system + t.children_user + t.children_system - self._cpu
+        self.peak_bytes = _proc_hwm("self")
+
+
+class _DaemonMeter:
+    """CPU and summed peak memory of dockerd and its containerd over a phase."""
+
+    def __init__(self, pids):
+        self.pids = pids  # callable returning the daemon pids
+
+    def __enter__(self) -> Self:
+        self._pids = self.pids()
+        for p in self._pids:
+            _reset_hwm(p)
+        self._cpu = {p: _proc_cpu_s(p) for p in self._pids}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpu_s = sum(max(0.0, _proc_cpu_s(p) - c) for p, c in self._cpu.items())
+        self.peak_bytes = sum(_proc_hwm(p) for p in self._pids)
+
+
+def _released_together(n: int, start) -> list:
+    """Run ``start()`` ``n`` times at once (threads released by one barrier);
+    return the results in completion order.  The first error is raised after all end."""
+    barrier = threading.Barrier(n)
+
+    def one(_i):
+        barrier.wait()
+        return start()
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, i) for i in range(n)]
+        return [f.result() for f in futures]
+
+
+# --- weenv side ----------------------------------------------------------------------------
+class _WeenvSide:
+    def __init__(self, node, template: str, stored_bytes: int, log):
+        self.node, self.template, self.stored_bytes, self.log = (
+            node,
+            template,
+            stored_bytes,
+            log,
+        )
+
+    def start(self, command: str = MAIN_COMMAND) -> dict:
+        """One start: create, spawn the first command, wait for its first output."""
+        from weenv.packaging.manifest import Resources
+
+        argv, expect = COMMANDS[command]
+
+        node = self.node
+        t0 = time.perf_counter()
+        info = node.create(
+            self.template,
+            first_command=False,
+            resources=Resources(cpus=float(os.cpu_count() or 1)),
+        )
+        created = time.perf_counter() - t0
+        p = node.spawn(info.id, argv, primary_reader=True)
+        first, out, err, code = None, b"", b"", None
+        for ev in p.log.follow(p.primary):
+            if ev.type == "stdout":
+                if first is None:
+                    first = time.perf_counter() - t0
+                    fetched = node.cache.bytes_fetched
+                out += ev.data or b""
+            elif ev.type == "stderr":
+                err += ev.data or b""
+            elif ev.type == "end":
+                code = ev.exit_code
+        if first is None or code != 0 or not out.startswith(expect):
+            raise RuntimeFailedError(
+                f"first command in weenv failed (exit {code}): {err.decode(errors='replace')[-600:]}"
+            )
+        return {"env": info.id, "seconds": first, "create_s": created, "fetched_at": fetched,
+                "output": out.decode().strip()}  # fmt: skip
+
+    def destroy(self, env_id: str) -> None:
+        job = self.node.prefetch.job(env_id)
+        self.node.destroy(env_id)
+        if job is not None:
+            job.done.wait(60)
+
+    def settle(self, env_ids: list[str], timeout: float = 120.0) -> None:
+        """Wait for the prefetch of ``env_ids`` to finish (it runs after the first output)."""
+        deadline = time.monotonic() + timeout
+        for env_id in env_ids:
+            job = self.node.prefetch.job(env_id)
+            if job is not None:
+                job.done.wait(max(0.0, deadline - time.monotonic()))
+
+    def phase(
+        self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND
+    ) -> dict:
+        """``rounds`` rounds of ``concurrency`` starts released together; cold
+        rounds drop caches first."""
+        times, fetched_first, fetched_total = [], [], []
+        with _SelfMeter() as meter:
+            loads = [loadavg()]
+            for _ in range(rounds):
+                if kind == "cold":
+                    self.node.drop_caches()
+                before = self.node.cache.bytes_fetched
+                results = _released_together(concurrency, lambda: self.start(command))
+                times += [r["seconds"] for r in results]
+                fetched_first.append(max(r["fetched_at"] for r in results) - before)
+                self.settle([r["env"] for r in results])
+                fetched_total.append(self.node.cache.bytes_fetched - before)
+                for r in results:
+                    self.destroy(r["env"])
+            loads.append(loadavg())
+        row = {
+            "system": "weenv", "command": command, "kind": kind, "concurrency": concurrency, **_stats(times),
+            "bytes_fetched": round(statistics.median(fetched_first)),
+            "bytes_fetched_after_prefetch": round(statistics.median(fetched_total)),
+            "fetched_fraction": round(statistics.median(fetched_first) / self.stored_bytes, 4),
+            "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+            "direct_mounts": len(self.node.groups.mounted_directly()),
+            "loadavg": loads, "times_s": [round(t, 4) for t in times],
+        }  # fmt: skip
+        self.log(f"weenv {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s, "
+                 f"fetched {row['bytes_fetched'] / 1e6:.1f} MB")  # fmt: skip
+        return row
+
+    def exec_rtt(self, runs: int) -> dict:
+        """p50 of ``Node.run(env, ["true"])`` in one started environment."""
+        r = self.start()
+        try:
+            times = []
+            for _ in range(runs):
+                t = time.perf_counter()
+                res = self.node.run(r["env"], ["true"])
+                times.append(time.perf_counter() - t)
+                if res.exit_code != 0:
+                    raise RuntimeFailedError(f"'true' exited {res.exit_code} in weenv")
+        finally:
+            self.settle([r["env"]])
+            self.destroy(r["env"])
+        return {
+            "system": "weenv",
+            "how": "Node.run(env, ['true']) in process",
+            **_stats(times),
+        }
+
+
+# --- Docker side ---------------------------------------------------------------------------
+class _DockerSide:
+    def __init__(self, dockerd, ref: str, image_bytes: int, log):
+        self.dockerd, self.ref, self.image_bytes, self.log = (
+            dockerd,
+            ref,
+            image_bytes,
+            log,
+        )
+
+    def daemon_pids(self) -> list[int]:
+        from weenv.services import process
+
+        pids = {self.dockerd.pid}
+        for pid in process.pids_mentioning(str(self.dockerd.root) + "/"):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm == "containerd":
+                pids.add(pid)
+        return sorted(p for p in pids if p)
+
+    def remove_images(self) -> None:
+        """``docker rmi`` every image (no container holds one: runs are ``--rm``)."""
+        ids = self.dockerd.docker("images", "-aq").stdout.decode().split()
+        if ids:
+            self.dockerd.docker("rmi", "-f", *sorted(set(ids)), timeout=300)
+        if self.dockerd.docker("images", "-aq").stdout.strip():
+            raise RuntimeFailedError("docker images remain after docker rmi")
+
+    def start(self, command: str = MAIN_COMMAND) -> dict:
+        from weenv.services.dockerd import DOCKER
+
+        argv, expect = COMMANDS[command]
+        with tempfile.TemporaryFile() as errf:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([DOCKER, "run", "--rm", "--network", "none", self.ref, *argv],
+                                    stdout=subprocess.PIPE, stderr=errf, env=self.dockerd.env())  # fmt: skip
+            line = proc.stdout.readline()
+            first = time.perf_counter() - t0
+            proc.stdout.read()
+            proc.stdout.close()
+            code = proc.wait(600)
+            errf.seek(0)
+            err = errf.read().decode(errors="replace")
+        if code != 0 or not line.startswith(expect):
+            raise RuntimeFailedError(f"docker run failed (exit {code}): {err[-600:]}")
+        return {"seconds": first, "output": line.decode().strip()}
+
+    def phase(
+        self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND
+    ) -> dict:
+        times = []
+        with _DaemonMeter(self.daemon_pids) as meter:
+            loads = [loadavg()]
+            for _ in range(rounds):
+                if kind == "cold":
+                    self.remove_images()
+                times += [
+                    r["seconds"]
+                    for r in _released_together(
+                        concurrency, lambda: self.start(command)
+                    )
+                ]
+            loads.append(loadavg())
+        row = {
+            "system": "docker", "command": command, "kind": kind, "concurrency": concurrency, **_stats(times),
+            "bytes_fetched": self.image_bytes if kind == "cold" else 0,
+            "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+            "loadavg": loads, "times_s": [round(t, 4) for t in times],
+        }  # fmt: skip
+        self.log(
+            f"docker {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s"
+        )
+        return row
+
+    def exec_rtt(self, runs: int) -> dict:
+        cid = (
+            self.dockerd.docker(
+                "run", "-d", "--network", "none", self.ref, "sleep", "infinity"
+            )
+            .stdout.decode()
+            .strip()
+        )
+        try:
+            times = []
+            for _ in range(runs):
+                t = time.perf_counter()
+                self.dockerd.docker("exec", cid, "true")
+                times.append(time.perf_counter() - t)
+        finally:
+            self.dockerd.docker("rm", "-f", cid, check=False)
+        return {
+            "system": "docker",
+            "how": "docker exec CID true (client start included)",
+            **_stats(times),
+        }
+
+
+def _registry_image_bytes(registry, repository: str, tag: str) -> int:
+    """Compressed layers + config of ``repository:tag`` (what a full pull downloads)."""
+    import httpx
+
+    accept = "application/vnd.docker.distribution.manifest.v2+json"
+    r = httpx.get(
+        f"{registry.url}/v2/{repository}/manifests/{tag}",
+        headers={"Accept": accept},
+        timeout=30,
+    )
+    r.raise_for_status()
+    m = r.json()
+    return sum(ly["size"] for ly in m["layers"]) + m["config"]["size"] + len(r.content)
+
+
+# --- the run -------------------------------------------------------------------------------
+def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
+        concurrency: tuple[int, ...] | None = None, cold_runs: int | None = None,
+        warm_runs: int | None = None, exec_runs: int | None = None, commands: tuple[str, ...] = ("numpy",),
+        log=print) -> dict:  # fmt: skip
+    """Run the benchmark; return the result dict (also written to ``json_path``
+    with a PNG beside it, ``.png`` for ``.json``).
+
+    ``quick``: the ~300 MB template, concurrency 1 and 16, fewer runs.
+    ``concurrency``: levels (default 1, 16, and 64 unless ``quick``).
+    ``cold_runs``/``warm_runs``: rounds at concurrency 1 (higher levels run one
+    round each).  ``work``: directory for the stores, the node's home and the
+    build context (default: a temporary one, removed).  Raises
+    :class:`ToolMissingError` without docker.io / docker-registry / debootstrap,
+    :class:`RuntimeFailedError` if a build, push or start fails.  The node is
+    closed, the dockerd and registry stopped by PID and their directories
+    removed in every case.
+    """
+    from weenv.node.node import Node
+    from weenv.node.provision import ProvisionConfig
+    from weenv.packaging.debootstrap import debian_rootfs
+    from weenv.packaging.group import build_group
+    from weenv.packaging.template import create_template
+    from weenv.services.dockerd import DOCKER, Dockerd
+    from weenv.services.registry import Registry
+    from weenv.store.file import FileStore
+    from weenv.store.oci import OciStore
+    from weenv.store.transfer import copy_template
+
+    levels = tuple(concurrency or ((1, 16) if quick else (1, 16, 64)))
+    cold_runs = cold_runs or (3 if quick else 5)
+    warm_runs = warm_runs or (5 if quick else 10)
+    exec_runs = exec_runs or (30 if quick else 100)
+    extra = tuple(c for c in commands if c != MAIN_COMMAND)
+    if any(c not in COMMANDS for c in extra):
+        raise InvalidInputError(f"unknown first command; known: {sorted(COMMANDS)}")
+    extra_cold = 2 if quick else 3
+    wheels = QUICK_WHEELS if quick else FULL_WHEELS
+    env_paths = Paths.from_env()
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-start-"))
+    t_run = time.monotonic()
+    load_start = loadavg()
+    try:
+        base_tree = debian_rootfs(env_paths.cache, log=log)
+        pkgs = packages_tree(env_paths.cache, wheels, log=log)
+        content = {
+            "base_bytes": _tree_bytes(base_tree),
+            "packages_bytes": _tree_bytes(pkgs),
+            "wheels": list(wheels),
+        }
+        content["tree_bytes"] = content["base_bytes"] + content["packages_bytes"]
+        name = "start-quick" if quick else "start-1g"
+
+        file_store = FileStore(work / "filestore")
+        t = time.monotonic()
+        base_g = build_group(base_tree, file_store, name="base", workdir=work)
+        pkgs_g = build_group(pkgs, file_store, name="packages", workdir=work)
+        create_template(file_store, name, ["base", "packages"])
+        weenv_build_s = time.monotonic() - t
+        groups = (base_g.manifest, pkgs_g.manifest)
+        template_bytes = sum(g.image_size for g in groups)
+        stored_bytes = sum(g.stored_size for g in groups)
+        log(f"weenv template {name}: {template_bytes / 1e6:.0f} MB image, {stored_bytes / 1e6:.0f} MB stored "
+            f"(built in {weenv_build_s:.1f} s)")  # fmt: skip
+
+        services: dict = {}
+        rows: list[dict] = []
+        execs: list[dict] = []
+        with contextlib.ExitStack() as stack:
+            registry = stack.enter_context(Registry(work / "registry"))
+            dockerd = stack.enter_context(
+                Dockerd(insecure_registries=[registry.address])
+            )
+            services = {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
+                        "dockerd_cgroup_parent": dockerd.cgroup_parent, "registry_pid": registry.pid}  # fmt: skip
+
+            # weenv: publish to the registry
+            oci = OciStore(f"oci://{registry.address}/bench/weenv")
+            stack.callback(oci.close)
+            t = time.monotonic()
+            copied = copy_template(file_store, oci, name)
+            weenv_push_s = time.monotonic() - t
+            log(
+                f"weenv: copied {copied.bytes_copied / 1e6:.0f} MB to the registry in {weenv_push_s:.1f} s"
+            )
+
+            # Docker: import + build + push the same trees
+            t = time.monotonic()
+            tar = subprocess.Popen(["tar", "-C", str(base_tree), "--xattrs", "--numeric-owner", "-c", "."],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+            try:
+                imp = subprocess.run([DOCKER, "import", "-", DOCKER_BASE], stdin=tar.stdout, capture_output=True,
+                                     env=dockerd.env(), check=False)  # fmt: skip
+            finally:
+                tar.stdout.close()
+                tar.wait()
+            if imp.returncode != 0 or tar.returncode != 0:
+                raise RuntimeFailedError(
+                    f"docker import failed: {imp.stderr.decode(errors='replace')[-600:]}"
+                )
+            context = work / "context"
+            context.mkdir()
+            proc = subprocess.run(
+                ["cp", "-a", "--link", str(pkgs), str(context / "packages")],
+                capture_output=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                shutil.copytree(pkgs, context / "packages", symlinks=True)
+            (context / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
+            ref = registry.reference("bench/start", name)
+            dockerd.docker("build", "-q", "-t", ref, str(context), timeout=1800)
+            docker_build_s = time.monotonic() - t
+            t = time.monotonic()
+            dockerd.docker("push", ref, timeout=1800)
+            docker_push_s = time.monotonic() - t
+            image_bytes = _registry_image_bytes(registry, "bench/start", name)
+            log(f"docker image: {image_bytes / 1e6:.0f} MB compressed (import+build {docker_build_s:.1f} s, "
+                f"push {docker_push_s:.1f} s)")  # fmt: skip
+            shutil.rmtree(context, ignore_errors=True)
+
+            docker = _DockerSide(dockerd, ref, image_bytes, log)
+            docker.remove_images()
+
+            # weenv phases
+            home = work / "home"
+            paths = Paths(home=home, cache=env_paths.cache, store_url=oci.url)
+            node = Node(
+                paths,
+                store=oci,
+                cache_bytes=8 << 30,
+                provisioning=ProvisionConfig(mode="off"),
+            )
+            node.start()
+            stack.callback(node.close)
+            side = _WeenvSide(node, name, stored_bytes, log)
+            with _SelfMeter() as meter:
+                first = side.start()
+                side.settle([first["env"]])
+                side.destroy(first["env"])
+                node.prefetch.wait_published()
+            first_row = {"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1, **_stats([first["seconds"]]),
+                         "bytes_fetched": first["fetched_at"], "daemon_cpu_s": round(meter.cpu_s, 2),
+                         "daemon_peak_bytes": meter.peak_bytes, "note": "no prefetch profile yet (it records one)"}  # fmt: skip
+            log(
+                f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s"
+            )
+            rows.append(first_row)
+            for c in levels:
+                rows.append(side.phase("cold", c, cold_runs if c == 1 else 1))
+                rows.append(side.phase("warm", c, warm_runs if c == 1 else 1))
+            for command in extra:
+                rows.append(side.phase("cold", 1, extra_cold, command))
+                rows.append(side.phase("warm", 1, warm_runs, command))
+            execs.append(side.exec_rtt(exec_runs))
+            node.close()
+
+            # Docker phases
+            for c in levels:
+                rows.append(
+                    docker.phase("cold", c, max(1, cold_runs - 1) if c == 1 else 1)
+                )
+                rows.append(docker.phase("warm", c, warm_runs if c == 1 else 1))
+            for command in extra:
+                rows.append(docker.phase("cold", 1, extra_cold, command))
+                rows.append(docker.phase("warm", 1, warm_runs, command))
+            execs.append(docker.exec_rtt(max(10, exec_runs // 3)))
+            docker.remove_images()
+
+        def row(system: str, kind: str, c: int = 1) -> dict:
+            return next(
+                r
+                for r in rows
+                if r["system"] == system
+                and r["kind"] == kind
+                and r["concurrency"] == c
+                and r["command"] == MAIN_COMMAND
+            )
+
+        cold, warm = row("weenv", "cold"), row("weenv", "warm")
+        d_cold, d_warm = row("docker", "cold"), row("docker", "warm")
+        result = {
+            "benchmark": "start",
+            "summary": {
+                "cold_p50_s": cold["p50_s"],
+                "warm_p50_s": warm["p50_s"],
+                "docker_cold_p50_s": d_cold["p50_s"],
+                "docker_warm_p50_s": d_warm["p50_s"],
+                "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1),
+                "fetched_fraction": cold["fetched_fraction"],
+                "exec_p50_s": execs[0]["p50_s"],
+                "docker_exec_p50_s": execs[1]["p50_s"],
+                "template": name,
+                "template_bytes": template_bytes,
+            },
+            "table": rows,
+            "exec": execs,
+            "template": {
+                "name": name,
+                "image_bytes": template_bytes,
+                "stored_bytes": stored_bytes,
+                "groups": [
+                    {
+                        "name": g.name,
+                        "image_bytes": g.image_size,
+                        "stored_bytes": g.stored_size,
+                        "chunks": len(g.chunks),
+                    }
+                    for g in groups
+                ],
+                "docker_image_bytes": image_bytes,
+                **content,
+                "first_command": COMMANDS[MAIN_COMMAND][0],
+                "first_output": first["output"],
+                "other_commands": {k: COMMANDS[k][0] for k in extra},
+            },
+            "publish": {
+                "weenv_build_s": round(weenv_build_s, 2),
+                "weenv_copy_to_registry_s": round(weenv_push_s, 2),
+                "weenv_bytes_copied": copied.bytes_copied,
+                "docker_import_build_s": round(docker_build_s, 2),
+                "docker_push_s": round(docker_push_s, 2),
+            },
+            "method": {
+                "start": "request to the first line of the first command's output",
+                "weenv": "in-process Node over oci:// (loopback docker-registry); cold = Node.drop_caches() "
+                "(chunk cache empty, group mounts and assembled images gone), prefetch profile present",
+                "docker": "docker run --rm --network none (private dockerd, overlay2); cold = docker rmi of every "
+                "image, so the run pulls all layers from the same registry",
+                "bytes_fetched": "weenv: stored (zstd) bytes fetched from the store by the first output "
+                "(median over rounds; all starts of a round); docker: compressed image size pulled",
+                "daemon": "weenv: this process (node + benchmark threads) + reaped children (runc); "
+                "docker: dockerd + containerd (/proc); peak = VmHWM after clear_refs",
+                "concurrency": "starts of a round released together by a barrier; concurrency 1 repeats rounds",
+            },
+            "levels": list(levels),
+            "not_run": []
+            if 64 in levels
+            else ["concurrency 64 (quick mode or not requested)"],
+            "docker_services": services,
+            "load": {"start": load_start, "end": loadavg(), "uptime": _uptime()},
+            "seconds": round(time.monotonic() - t_run, 1),
+            "machine": machine(),
+        }
+        if json_path is not None:
+            json_path = Path(json_path)
+            json_path.write_text(json.dumps(result, indent=2) + "\n")
+            plot(result, json_path.with_suffix(".png"))
+        return result
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _uptime() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+    return ""
+
+
+def plot(result: dict, png: Path) -> None:
+    """Bars of p50 time to first output (log scale, p99 as whiskers) per
+    phase and concurrency, weenv beside Docker; exec round trip in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["table"] if r["kind"] in ("cold", "warm")]
+    labels = sorted(
+        {(r["command"], r["kind"], r["concurrency"]) for r in rows},
+        key=lambda k: (k[0] != MAIN_COMMAND, k[0], k[1], k[2]),
+    )
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.38
+    for j, (system, color) in enumerate((("weenv", "#2a7"), ("docker", "#27a"))):
+        xs, p50, err = [], [], []
+        for i, (command, kind, c) in enumerate(labels):
+            r = next(
+                (
+                    r
+                    for r in rows
+                    if r["system"] == system
+                    and r["kind"] == kind
+                    and r["concurrency"] == c
+                    and r["command"] == command
+                ),
+                None,
+            )
+            if r is None:
+                continue
+            xs.append(i + (j - 0.5) * width)
+            p50.append(r["p50_s"])
+            err.append(max(0.0, r["p99_s"] - r["p50_s"]))
+        ax.bar(
+            xs,
+            p50,
+            width,
+            yerr=[[0] * len(err), err],
+            capsize=3,
+            label=system,
+            color=color,
+        )
+        for x, v in zip(xs, p50):
+            ax.annotate(
+                f"{v * 1000:.0f} ms" if v < 1 else f"{v:.1f} s",
+                (x, v),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xticks(
+        range(len(labels)), [f"{cmd}\n{k} x{c}" for cmd, k, c in labels], fontsize=8
+    )
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first output, s (p50; whisker p99)")
+    s = result["summary"]
+    ax.set_title(f"start of {s['template']} ({s['template_bytes'] / 1e9:.2f} GB): cold ratio {s['cold_ratio']}x, "
+                 f"fetched {s['fetched_fraction'] * 100:.1f}%, exec p50 {s['exec_p50_s'] * 1000:.1f} ms",
+                 fontsize=9)  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
