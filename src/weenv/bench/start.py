@@ -405,12 +405,14 @@ class _DockerSide:
         return sorted(p for p in pids if p)
 
     def remove_images(self) -> None:
-        """``docker rmi`` every image (no container holds one: runs are ``--rm``)."""
-        ids = self.dockerd.docker("images", "-aq").stdout.decode().split()
-        if ids:
-            self.dockerd.docker("rmi", "-f", *sorted(set(ids)), timeout=300)
+        """Remove every image (``docker image prune -a``: no container holds one,
+        runs are ``--rm``), so the next run pulls every layer."""
+        self.dockerd.docker("image", "prune", "-a", "-f", timeout=300)
+        left = self.dockerd.docker("images", "-aq").stdout.decode().split()
+        if left:
+            self.dockerd.docker("rmi", "-f", *left, timeout=300, check=False)
         if self.dockerd.docker("images", "-aq").stdout.strip():
-            raise RuntimeFailedError("docker images remain after docker rmi")
+            raise RuntimeFailedError("docker images remain after docker image prune -a")
 
     def start(self, command: str = MAIN_COMMAND) -> dict:
         from weenv.services.dockerd import DOCKER
