@@ -240,8 +240,12 @@ class Node:
         timeout: float | None = None,
         envs: dict[str, str] | None = None,
         metadata: dict[str, str] | None = None,
+        prefetch: bool = True,
     ) -> EnvironmentInfo:
         """Create and start an environment from ``template`` (name or digest).
+
+        ``prefetch``: record the template's prefetch profile on its first start
+        and replay it on later cold starts (off for transient build environments).
 
         ``timeout``: seconds from now after which :meth:`reap_expired` destroys
         it (default :data:`DEFAULT_TIMEOUT_S`).  ``envs``: variables of every
@@ -292,7 +296,8 @@ class Node:
             env_dir.mkdir(parents=True)
             undo.callback(shutil.rmtree, env_dir, ignore_errors=True)
 
-            self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
+            if prefetch:
+                self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
             undo.callback(self.prefetch.cancel, env_id)
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
 

@@ -357,7 +357,8 @@ def _build_in_environment(
         scratch_manifests.append(store.put_manifest(canonical_json(scratch)))
         progress(comp.name, "starting build environment")
         node.start()
-        info = node.create(scratch_manifests[-1], first_command=False, capabilities=DOCKER_DEFAULT_CAPS)
+        info = node.create(scratch_manifests[-1], first_command=False, capabilities=DOCKER_DEFAULT_CAPS,
+                           prefetch=False)
         root = Path(info.rootfs)
         for i, step in enumerate(comp.step, 1):
             progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
