@@ -273,12 +273,14 @@ class Node:
                 )
             self._pending += 1
         try:
-            return self._create(template, resources, first_command, capabilities, timeout, envs or {}, metadata or {})
+            return self._create(template, resources, first_command, capabilities, timeout, envs or {}, metadata or {},
+                                prefetch)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _create(self, template, resources, first_command, capabilities, timeout, envs, metadata) -> EnvironmentInfo:
+    def _create(self, template, resources, first_command, capabilities, timeout, envs, metadata,
+                prefetch) -> EnvironmentInfo:
         t0 = time.perf_counter()
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
