@@ -7,8 +7,11 @@ One module per benchmark (``update``, ``start``, ``provision``, ``rollout``);
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from collections.abc import Callable
+from pathlib import Path
 
 
 def machine() -> dict:
@@ -30,3 +33,11 @@ def machine() -> dict:
         "memory_bytes": mem,
         "python": platform.python_version(),
     }
+
+
+def write_report(result: dict, json_path: str | os.PathLike[str], plot: Callable[[dict, Path], None]) -> None:
+    """Write ``result`` as JSON to ``json_path`` and draw ``plot(result, PNG path)``
+    beside it (same name, ``.png``)."""
+    json_path = Path(json_path)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, json_path.with_suffix(".png"))

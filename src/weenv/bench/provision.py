@@ -52,7 +52,6 @@ mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import statistics
@@ -63,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Self
 
-from weenv.bench import machine
+from weenv.bench import machine, write_report
 from weenv.config import Paths
 from weenv.demo import deps_tree, sdist, task_tree
 from weenv.errors import CapacityError, WeenvError
@@ -398,9 +397,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "loadavg1_mean": per_mode("loadavg1_mean"),
         }
         if json_path is not None:
-            json_path = Path(json_path)
-            json_path.write_text(json.dumps(result, indent=2))
-            plot(result, json_path.with_suffix(".png"))
+            write_report(result, json_path, plot)
         return result
     finally:
         shutil.rmtree(home, ignore_errors=True)

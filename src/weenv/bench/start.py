@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -76,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Self
 
-from weenv.bench import machine
+from weenv.bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 
@@ -744,9 +743,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             "machine": machine(),
         }
         if json_path is not None:
-            json_path = Path(json_path)
-            json_path.write_text(json.dumps(result, indent=2) + "\n")
-            plot(result, json_path.with_suffix(".png"))
+            write_report(result, json_path, plot)
         return result
     finally:
         if own:

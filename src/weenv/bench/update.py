@@ -66,7 +66,7 @@ import threading
 import time
 from pathlib import Path
 
-from weenv.bench import machine
+from weenv.bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
 from weenv.packaging.builder import build_recipe, host_ca_bundle, pip_wheel
@@ -409,9 +409,7 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
             "machine": machine(),
         }  # fmt: skip
         if json_path is not None:
-            json_path = Path(json_path)
-            json_path.write_text(json.dumps(result, indent=2) + "\n")
-            plot(result, json_path.with_suffix(".png"))
+            write_report(result, json_path, plot)
         return result
     finally:
         if own:
