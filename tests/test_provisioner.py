@@ -4,6 +4,7 @@ environments (runc, cgroup v1 here) with a short interval and short cool-downs."
 from __future__ import annotations
 
 import random
+import contextlib
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from weenv.errors import CapacityError
 from weenv.node.cgroups import detect
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.arbiter import Budget, Claim, admits, arbitrate
+from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, predicted_cpu_peak
 from weenv.node.provision.policy import EnvPolicy, Observation, percentile
 from weenv.packaging.manifest import Resources
 
@@ -179,6 +180,52 @@ def test_admission_by_held_quotas_and_free_memory():
     assert "short" in admits(cpu_sum=0, memory_sum=0, cpu_new=0.1, memory_new=MIB, budget=b, admitting=False)
 
 
+def test_predicted_peak_grows_like_the_root_of_independent_bursts():
+    bursty = CpuMoments.prior(1.0, 0.25)  # 1 core busy a quarter of the time
+    assert (bursty.mean, bursty.variance) == (0.25, pytest.approx(0.1875))
+    assert predicted_cpu_peak([], 2.0) == 0.0
+    assert predicted_cpu_peak([bursty], 2.0) == 1.0  # capped: one environment uses at most its ceiling
+    # n of them: 0.25 n + 2 sqrt(0.1875 n): 4 -> 2.73, 16 -> 7.46 (against 4 and 16 at their ceilings)
+    assert predicted_cpu_peak([bursty] * 4, 2.0) == pytest.approx(1.0 + 2 * 0.75**0.5)
+    assert predicted_cpu_peak([bursty] * 16, 2.0) == pytest.approx(4.0 + 2 * 3**0.5)
+    steady = CpuMoments.of([0.5, 0.5, 0.5])  # no variance: the mean is its peak
+    assert predicted_cpu_peak([steady] * 3, 2.0) == pytest.approx(1.5)
+    idle = CpuMoments.of([0.0, 0.01, 0.0])  # bounded by what each used at most
+    assert predicted_cpu_peak([idle, idle, bursty], 2.0) == pytest.approx(1.02)
+    b = budget(cpu=8.0, memory=4 * GIB)
+    args = dict(cpu_sum=0.5, memory_sum=GIB, cpu_new=0.1, memory_new=GIB, budget=b, admitting=True)
+    assert admits(**args, cpu_peak=1.9, cpu_peak_budget=2.0) is None
+    assert "predicted CPU peak" in admits(**args, cpu_peak=2.1, cpu_peak_budget=2.0)
+
+
+def test_admission_counts_how_bursts_overlap(make_node):
+    """With ``admission="peak"`` an environment whose usage is unknown counts
+    as bursting a quarter of the time; an idle one counts its observed usage
+    (nothing); a busy one its mean and spread, so a node whose environments
+    burst refuses new ones until they calm down."""
+    node = make_node(cpu_capacity=1.5, admission="peak", admission_min_history_s=1.0, admission_window_s=2.0)
+    res = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
+    a = node.create("task", resources=res, first_command=False)
+    with pytest.raises(CapacityError, match="predicted CPU peak"):  # two unknowns: 0.5 + 2 x 0.61 > 1.5 cores
+        node.create("task", resources=res, first_command=False)
+    # a second of idle history: A counts what it used (~0), the newcomer at most its 1 core
+    b = None
+    deadline = time.monotonic() + 15
+    while b is None and time.monotonic() < deadline:
+        with contextlib.suppress(CapacityError):
+            b = node.create("task", resources=res, first_command=False)
+        time.sleep(0.2)
+    assert b is not None
+    assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted < 0.3, timeout=10)
+    node.exec(a.id, BUSY.format(s=4))  # A bursts: 1 core, + at most 1 for a newcomer (its prior: 1.12)
+    assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted > 0.9, timeout=10)
+    with pytest.raises(CapacityError, match="predicted CPU peak"):
+        node.create("task", resources=res, first_command=False)
+    assert any(e.kind == "admission" and "predicted" in e.message for e in node.provision_stats().events)
+    for e in (a, b):
+        node.destroy(e.id)
+
+
 # --- on real environments ---------------------------------------------------------------------
 FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0)
 
@@ -301,7 +348,7 @@ def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3)
+    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations")
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
     for e in envs:

@@ -25,10 +25,11 @@ app = typer.Typer()
 def totals_table(s: ProvisionStats) -> Table:
     t = s.totals
     table = Table(title=f"node ({s.mode}, every {s.interval_s:g} s)", show_header=True, header_style="bold")
-    for col in ("", "used", "quotas / limits", "budget", "capacity"):
+    for col in ("", "used", "reserved", "predicted peak", "quotas / limits", "budget", "capacity"):
         table.add_column(col, justify="right")
-    table.add_row("CPU (cores)", f"{t.cpu_used:.2f}", f"{t.cpu_quota_sum:.2f}", f"{t.cpu_budget:.2f}", f"{t.cpu_capacity:.2f}")
-    table.add_row("memory", human_bytes(t.working_set), human_bytes(t.memory_limit_sum),
+    table.add_row("CPU (cores)", f"{t.cpu_used:.2f}", f"{t.cpu_reservation_sum:.2f}", f"{t.cpu_peak_predicted:.2f}",
+                  f"{t.cpu_quota_sum:.2f}", f"{t.cpu_budget:.2f}", f"{t.cpu_capacity:.2f}")  # fmt: skip
+    table.add_row("memory", human_bytes(t.working_set), "", "", human_bytes(t.memory_limit_sum),
                   human_bytes(t.memory_budget), human_bytes(t.memory_capacity))  # fmt: skip
     table.caption = (f"{t.environments} environments, {t.frozen} frozen; host memory available "
                      f"{human_bytes(t.memory_available)}; admitting: {'yes' if t.admitting else 'no'}")  # fmt: skip
@@ -37,14 +38,15 @@ def totals_table(s: ProvisionStats) -> Table:
 
 def environments_table(s: ProvisionStats) -> Table:
     table = Table(show_header=True, header_style="bold")
-    for col in ("ID", "PRIO", "CPU USED", "CPU QUOTA", "CEILING", "THROTTLED", "WORKING SET", "MEM LIMIT",
-                "CEILING", "OOM KILLS", "STATE"):  # fmt: skip
+    for col in ("ID", "PRIO", "CPU USED", "RESERVED", "CPU QUOTA", "CEILING", "THROTTLED", "WORKING SET",
+                "MEM LIMIT", "CEILING", "OOM KILLS", "STATE"):  # fmt: skip
         table.add_column(col, justify="right" if col not in ("ID", "STATE") else "left", no_wrap=col == "ID")
     for e in s.environments:
         last = e.history[-1] if e.history else None
         table.add_row(
             e.id, str(e.priority),
             f"{last.cpu_used:.2f}" if last else "-",
+            "-" if e.cpu_reservation is None else f"{e.cpu_reservation:.2f}",
             "max" if e.cpu_quota is None else f"{e.cpu_quota:.2f}", f"{e.cpu_ceiling:g}",
             f"{e.throttled_s:.1f} s",
             human_bytes(last.working_set) if last else "-",
@@ -57,11 +59,12 @@ def environments_table(s: ProvisionStats) -> Table:
 def history_table(s: ProvisionStats, rows: int) -> Table:
     e = s.environments[0]
     table = Table(title=f"{e.id}: last {rows} passes", show_header=True, header_style="bold")
-    for col in ("TIME", "CPU USED", "QUOTA", "THROTTLED", "USAGE", "WORKING SET", "LIMIT", "PIDS"):
+    for col in ("TIME", "CPU USED", "RESERVED", "QUOTA", "THROTTLED", "USAGE", "WORKING SET", "LIMIT", "PIDS"):
         table.add_column(col, justify="right")
     for h in e.history[-rows:]:
         table.add_row(
             time.strftime("%H:%M:%S", time.localtime(h.t)), f"{h.cpu_used:.2f}",
+            "-" if h.cpu_reservation is None else f"{h.cpu_reservation:.2f}",
             "max" if h.cpu_quota is None else f"{h.cpu_quota:.2f}", f"{h.throttled:.0%}",
             human_bytes(h.memory_usage), human_bytes(h.working_set),
             "max" if h.memory_limit is None else human_bytes(h.memory_limit), str(h.pids),

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from weenv.errors import CapacityError, NotFoundError, WeenvError
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
-from weenv.node.provision.arbiter import Budget, Claim, admits, arbitrate
+from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, predicted_cpu_peak
 from weenv.node.provision.models import (
     EnvironmentProvision,
     NodeTotals,
@@ -97,6 +97,15 @@ class _Tracked:
     @property
     def memory_limit(self) -> int:
         return self.policy.memory_limit
+
+    def cpu_moments(self, cfg: ProvisionConfig, now: float) -> CpuMoments:
+        """Its per-pass CPU usage over the admission window (``now``: Unix
+        time), or the prior while it has less than the minimum history."""
+        ceiling = self.resources.cpus
+        recent = [h for h in self.history if h.t >= now - cfg.admission_window_s]
+        if not recent or now - recent[0].t < cfg.admission_min_history_s:
+            return CpuMoments.prior(ceiling, cfg.admission_prior_duty)
+        return CpuMoments.of([min(h.cpu_used, ceiling) for h in recent])
 
 
 class Provisioner:
@@ -210,11 +219,15 @@ class Provisioner:
                 if cfg.mode == "elastic":  # start with what is free, at least the floor
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
+                peak = None
+                if cfg.mode == "elastic" and cfg.admission == "peak":
+                    peak = self.predicted_cpu_peak(list(self._envs.values()), resources)
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
                     cpu_new=policy.cpu_quota, memory_new=policy.memory_limit,
                     budget=budget, admitting=self._admitting,
+                    cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
                 )  # fmt: skip
                 if why:
                     self._event(env_id, "admission", f"refused: {why}")
@@ -413,6 +426,14 @@ class Provisioner:
             critical_watermark=cfg.memory_critical_watermark,
         )
 
+    def predicted_cpu_peak(self, envs: list[_Tracked], new: Resources | None = None) -> float:
+        """Cores: the predicted CPU peak of ``envs`` (plus a ``new`` environment's prior)."""
+        cfg, now = self.config, time.time()
+        moments = [t.cpu_moments(cfg, now) for t in envs]
+        if new is not None:
+            moments.append(CpuMoments.prior(new.cpus, cfg.admission_prior_duty))
+        return predicted_cpu_peak(moments, cfg.admission_sigmas)
+
     def _event(self, env_id: str | None, kind: str, message: str) -> None:
         self._events.append(ProvisionEvent(t=time.time(), env_id=env_id, kind=kind, message=message))
         log.info("provision %s %s: %s", kind, env_id or "node", message)
@@ -450,6 +471,7 @@ class Provisioner:
             cpu_budget=b.cpu, memory_budget=b.memory,
             cpu_quota_sum=sum(t.cpu_quota(self.config) for t in everything),
             cpu_reservation_sum=sum(t.cpu_reservation for t in everything),
+            cpu_peak_predicted=self.predicted_cpu_peak(everything),
             memory_limit_sum=sum(t.memory_limit for t in everything),
             cpu_used=sum(t.last_obs.cpu_cores for t in everything if t.last_obs),
             working_set=sum(t.last.memory_working_set for t in everything if t.last),

@@ -25,7 +25,8 @@ class ProvisionConfig(_Model):
     for seconds to minutes; the sources of each rule are in
     :mod:`weenv.node.provision.policy`.  ``from_env`` reads
     ``WEENV_PROVISION_MODE``, ``WEENV_PROVISION_INTERVAL``,
-    ``WEENV_CPU_OVERCOMMIT``, ``WEENV_MEMORY_OVERCOMMIT`` and ``WEENV_CPU_QUOTA_AT``.
+    ``WEENV_CPU_OVERCOMMIT``, ``WEENV_MEMORY_OVERCOMMIT``, ``WEENV_CPU_QUOTA_AT``,
+    ``WEENV_ADMISSION`` and ``WEENV_ADMISSION_SIGMAS``.
     """
 
     mode: Literal["elastic", "static", "off"] = "elastic"
@@ -103,6 +104,26 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
+    admission: Literal["peak", "reservations"] = "peak"
+    """How a new environment is admitted in ``elastic`` mode, beside the sum
+    of reservations within capacity × ``cpu_overcommit`` (always checked).
+    ``peak`` (default) also counts how bursts overlap: the node's predicted CPU
+    peak with the new environment, Σ mean + ``admission_sigmas`` × √(Σ
+    variance) of each environment's per-pass usage over
+    ``admission_window_s`` (the N-sigma predictor of Bashir et al., "Take it
+    to the limit: peak prediction-driven resource overcommitment in
+    datacenters", EuroSys 2021), capped at the sum of ceilings, must stay
+    within ``cpu_capacity`` × ``admission_cpu_share``.  An environment with
+    less than ``admission_min_history_s`` of history counts as its ceiling
+    busy ``admission_prior_duty`` of the time (a Bernoulli prior).
+    ``reservations``: only the sum of reservations (idle environments weigh
+    their floor, however they burst)."""
+    admission_sigmas: float = Field(default=2.0, ge=0)
+    admission_window_s: float = Field(default=300.0, gt=0)
+    admission_min_history_s: float = Field(default=20.0, ge=0)
+    admission_prior_duty: float = Field(default=0.25, ge=0, le=1)
+    admission_cpu_share: float = Field(default=1.0, gt=0)
+
     @classmethod
     def from_env(cls) -> ProvisionConfig:
         keys = {
@@ -111,6 +132,8 @@ class ProvisionConfig(_Model):
             "cpu_overcommit": "WEENV_CPU_OVERCOMMIT",
             "memory_overcommit": "WEENV_MEMORY_OVERCOMMIT",
             "cpu_quota_at": "WEENV_CPU_QUOTA_AT",
+            "admission": "WEENV_ADMISSION",
+            "admission_sigmas": "WEENV_ADMISSION_SIGMAS",
         }
         from pydantic import ValidationError
 
@@ -180,6 +203,10 @@ class NodeTotals(_Model):
     the budget (a quota caps an environment, it reserves nothing)."""
     cpu_reservation_sum: float = 0.0
     """Sum of reservations (elastic values), within ``cpu_budget``."""
+    cpu_peak_predicted: float = 0.0
+    """The node's predicted CPU peak (cores) from its environments' usage,
+    which ``admission="peak"`` keeps within capacity (see
+    :func:`~weenv.node.provision.arbiter.predicted_cpu_peak`)."""
     memory_limit_sum: int
     cpu_used: float
     working_set: int
