@@ -503,6 +503,7 @@ def test_weenv_stats_table_and_plot(paths, shared_store, tmp_path, leak_check):
         time.sleep(1)
         table = weenv("stats")
         assert env_id in table and "elastic" in table and "admitting" in table
+        assert "RESERVED" in table and "predicted peak" in table
         png = tmp_path / "stats.png"
         one = weenv("stats", env_id, "--plot", str(png), "--rows", "5")
         assert "last 5 passes" in one and "WORKING SET" in one

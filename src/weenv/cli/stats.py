@@ -88,11 +88,14 @@ def plot(s: ProvisionStats, path: Path) -> Path:
         ts = [h.t - t0 for h in e.history]
         ax_cpu.plot(ts, [h.cpu_used for h in e.history], color=color, label=f"{e.id} used")
         ax_cpu.plot(ts, [h.cpu_quota or 0 for h in e.history], color=color, linestyle="--", label=f"{e.id} quota")
+        if any(h.cpu_reservation is not None for h in e.history):
+            ax_cpu.plot(ts, [h.cpu_reservation or 0 for h in e.history], color=color, linestyle=":",
+                        label=f"{e.id} reserved")  # fmt: skip
         ax_mem.plot(ts, [h.working_set / 2**20 for h in e.history], color=color, label=f"{e.id} working set")
         ax_mem.plot(ts, [(h.memory_limit or 0) / 2**20 for h in e.history], color=color, linestyle="--",
                     label=f"{e.id} limit")  # fmt: skip
     ax_cpu.set_ylabel("cores")
-    ax_cpu.set_title(f"weenv elastic provisioning ({s.mode}): solid = used, dashed = quota / limit")
+    ax_cpu.set_title(f"weenv elastic provisioning ({s.mode}): solid = used, dashed = quota / limit, dotted = reserved")
     ax_mem.set_ylabel("MiB")
     ax_mem.set_xlabel("seconds")
     for ax in (ax_cpu, ax_mem):
