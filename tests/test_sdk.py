@@ -149,6 +149,27 @@ def test_typed_errors(remote, monkeypatch):
     assert issubclass(CommandTimeoutError, TimeoutError) and issubclass(NotFoundError, LookupError)
 
 
+def test_priority_at_create_and_later(remote):
+    """The priority elastic provisioning uses goes through the API and reaches the provisioner."""
+    import httpx
+
+    def provisioned(env_id):
+        r = httpx.get(f"{remote.url}/v1/stats/provision", params={"env": env_id},
+                      headers={"Authorization": f"Bearer {remote.key}"})  # fmt: skip
+        return r.json()["environments"][0]["priority"]
+
+    with Sandbox.create("task", timeout=60, resources=SMALL, priority=5) as sb:
+        remote.track(sb.id)
+        assert sb.info.priority == 5 and provisioned(sb.id) == 5
+        sb.set_priority(-3)
+        assert sb.info.priority == -3 and provisioned(sb.id) == -3
+        assert Sandbox.connect(sb.id).info.priority == -3
+        with pytest.raises(InvalidInputError):
+            sb.set_priority(5000)
+    with pytest.raises(InvalidInputError):
+        Sandbox.create("task", priority=1001)
+
+
 def test_capacity_error(shared_store, tmp_path):
     d = start_daemon(tmp_path / "home", shared_store.url, "--max-environments", "1")
     try:

@@ -27,9 +27,13 @@ capped at 4 × the mean) followed by one *burst*, in turn:
   default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
   whose CFS quota is the elastic value itself).
 
-Environments are created until the node has refused (``CapacityError``) for
-``admit_wait_s`` (20 s; a refused create is retried every second, as a
-scheduler would) or ``max_envs`` run.
+Environments are admitted *while the workload runs*, as a trainer's rollout
+stage asks for them: every second a scheduler asks the node for one more (up
+to ``max_envs``), and each admitted environment starts its agent at once, so
+the node's admission sees the usage of those already running (elastic
+admission ``peak``, the default, counts how their bursts overlap; see
+:mod:`weenv.node.provision.arbiter`).  ``envs`` is the most held at once,
+``mean_envs`` the mean over the run.
 
 **Burst slowdown** is a burst's wall time (``exec`` included) over the median
 of the same burst run alone (provisioning off, the declared 1 core, nothing
@@ -200,25 +204,21 @@ def p95(values: list[float]) -> float | None:
 
 
 def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float, think_s: float,
-             episodes: int, base: dict[str, float], seed: int, log, admit_wait_s: float = 20.0) -> dict:  # fmt: skip
-    envs = []
-    refused_since = None
-    while len(envs) < max_envs:  # as a scheduler would: retry a refused create until admit_wait_s pass
-        try:
-            envs.append(node.create(template).id)
-            refused_since = None
-        except CapacityError as exc:
-            refused_since = refused_since or time.monotonic()
-            if time.monotonic() - refused_since > admit_wait_s:
-                log(f"  {mode}: admission stopped at {len(envs)}: {exc}")
-                break
-            time.sleep(1.0)
-    log(f"  {mode}: {len(envs)} environments held")
+             episodes: int, base: dict[str, float], seed: int, log, admit_every_s: float = 1.0) -> dict:  # fmt: skip
+    """Run the workload for ``duration_s``: a scheduler thread asks the node for
+    one more environment every ``admit_every_s`` (until ``max_envs`` are held),
+    as a trainer's rollout stage would, and each admitted environment starts
+    its agent at once, so later admissions see the earlier ones' usage."""
+    envs: list[str] = []
+    held: list[tuple[float, int]] = []  # (seconds since start, environments held)
+    refusals: list[str] = []
     bursts: list[dict] = []
-    rollouts = [0] * len(envs)
+    rollouts: dict[int, int] = {}
     errors: list[str] = []
-    deadline = time.monotonic() + duration_s
+    t0 = time.monotonic()
+    deadline = t0 + duration_s
     lock = threading.Lock()
+    threads: list[threading.Thread] = []
 
     def agent(i: int, env_id: str) -> None:
         rng = random.Random(seed * 1000 + i)
@@ -242,15 +242,28 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
                     bursts.append({"env": env_id, "kind": kind, "seconds": d, "slowdown": d / base[kind],
                                    "start": start - t0, "end": time.monotonic() - t0})  # fmt: skip
             with lock:
-                rollouts[i] += 1
+                rollouts[i] = rollouts.get(i, 0) + 1
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=agent, args=(i, e)) for i, e in enumerate(envs)]
     with HostLoad() as load:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        while time.monotonic() < deadline:
+            if len(envs) < max_envs:
+                try:
+                    env_id = node.create(template).id
+                except CapacityError as exc:
+                    if not refusals or refusals[-1] != str(exc):
+                        refusals.append(str(exc))
+                else:
+                    envs.append(env_id)
+                    log(f"  {mode}: {len(envs)} environments held at {time.monotonic() - t0:.0f} s")
+                    th = threading.Thread(target=agent, args=(len(envs) - 1, env_id))
+                    th.start()
+                    threads.append(th)
+            held.append((time.monotonic() - t0, len(envs)))
+            time.sleep(max(0.0, min(admit_every_s, deadline - time.monotonic())))
+        for th in threads:
+            th.join()
+    if refusals:
+        log(f"  {mode}: last refusal: {refusals[-1]}")
     wall = time.monotonic() - t0
     st = node.provision_stats()
     oom = sum(e.oom_kills for e in st.environments)
@@ -262,9 +275,11 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
     cores = machine()["cpus"]
     ours = sum(h["cpu_used"] for pts in history.values() for h in pts) * node.provisioner.config.interval_s / wall
     host = load.summary()
+    mean_held = sum(n for _, n in held) / len(held) if held else 0.0
     return {
-        "mode": mode, "envs": len(envs), "wall_s": wall, "rollouts": sum(rollouts),
-        "rollouts_per_hour": sum(rollouts) / wall * 3600, "bursts": bursts,
+        "mode": mode, "envs": len(envs), "mean_envs": mean_held, "held": held, "refusals": refusals[-20:],
+        "wall_s": wall, "rollouts": sum(rollouts.values()),
+        "rollouts_per_hour": sum(rollouts.values()) / wall * 3600, "bursts": bursts,
         "p95_burst_slowdown": p95([b["slowdown"] for b in bursts]),
         "p50_burst_slowdown": statistics.median([b["slowdown"] for b in bursts]) if bursts else None,
         # bursts during which at most `cores` bursts of this mode ran at once: each could have a core
@@ -329,7 +344,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
     env = Paths.from_env()
     home = env.home / f"bench-provision-{int(time.time())}"
     paths = Paths(home=home, cache=env.cache, store_url=f"file://{home / 'store'}")
-    cpu_quota_at = cpu_quota_at or ProvisionConfig.from_env().cpu_quota_at
+    from_env = ProvisionConfig.from_env()
+    cpu_quota_at = cpu_quota_at or from_env.cpu_quota_at
     home.mkdir(parents=True)
     cfg = {
         "label": "quick" if quick else "full",
@@ -340,7 +356,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         "think_distribution": "exponential, capped at 4 x mean, seeded",
         "declared": DECLARED.model_dump(),
         "overcommit": 1.0,
-        "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at},
+        "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at,
+                    "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas},
     }
     try:
         store = FileStore(home / "store")
@@ -361,8 +378,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         # with the unloaded runs just before and just after it.
         passes = [measure_baseline("before static")]
         modes = (("static", ProvisionConfig(mode="static", **common)),
-                 ("elastic", ProvisionConfig(mode="elastic", interval_s=0.5, cpu_raise_factor=4.0,
-                                             cpu_quota_at=cfg["elastic"]["cpu_quota_at"], **common)))  # fmt: skip
+                 ("elastic", ProvisionConfig(mode="elastic", **cfg["elastic"], **common)))
         for i, (mode, pc) in enumerate(modes):
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
             # the baseline after this mode is not known yet: slowdowns are recomputed below
@@ -386,6 +402,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "static_envs": s["envs"],
             "elastic_envs": e["envs"],
             "density_ratio": e["envs"] / s["envs"] if s["envs"] else None,
+            "mean_envs": per_mode("mean_envs"),
             "p95_burst_slowdown": per_mode("p95_burst_slowdown"),
             "oom_kills": per_mode("oom_kills"),
             "rollouts_per_hour": per_mode("rollouts_per_hour"),

@@ -58,6 +58,7 @@ def create(
     count: Annotated[int, typer.Option("--count", "-n", help="create this many at once (a batch)")] = 1,
     concurrency: Annotated[Optional[int], typer.Option(help="creates running at once in a batch")] = None,
     timings: Annotated[bool, typer.Option(help="print the create's phases")] = True,
+    priority: Annotated[int, typer.Option(help="elastic provisioning: higher grows first, is frozen last")] = 0,
 ) -> None:
     """Create and start environments; print their ids, one a line."""
     resources = None
@@ -72,12 +73,13 @@ def create(
         raise InvalidInputError(f"--count must be at least 1, not {count}")
     if count == 1:
         with client() as c:
-            info = c.create(template, resources=resources, timeout=timeout)
+            info = c.create(template, resources=resources, timeout=timeout, priority=priority)
         if timings:
             print_timing(info.timing, title=f"create {info.id}")
         print(info.id)
         return
-    _create_batch([CreateRequest(template=template, resources=resources, timeout=timeout)] * count, concurrency)
+    _create_batch([CreateRequest(template=template, resources=resources, timeout=timeout, priority=priority)] * count,
+                  concurrency)  # fmt: skip
 
 
 def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:

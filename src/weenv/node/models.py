@@ -63,6 +63,9 @@ class CreateRequest(_Model):
     """Variables of every command run inside (over the template's; a command's own win)."""
     metadata: dict[str, str] = Field(default_factory=dict)
     """Free-form labels kept with the environment and returned in its info."""
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    """Elastic provisioning: under memory shortage, higher priorities grow
+    first and are frozen last (see ``SetPriorityRequest``)."""
 
     _check_timeout = field_validator("timeout")(_finite)
 
@@ -103,6 +106,11 @@ class SetTimeoutRequest(_Model):
     _check_timeout = field_validator("timeout")(_finite)
 
 
+class SetPriorityRequest(_Model):
+    priority: int = Field(ge=-1000, le=1000)
+    """Higher: raised first, frozen last under shortage."""
+
+
 class TemplateInfo(_Model):
     name: str
     digest: str
@@ -133,6 +141,8 @@ class EnvironmentInfo(_Model):
     """Unix time after which the node's reaper destroys the environment."""
     envs: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, str] = Field(default_factory=dict)
+    priority: int = 0
+    """Its priority for elastic provisioning (at create or by ``set_priority``)."""
 
 
 class ExecRequest(_Model):
@@ -241,7 +251,7 @@ __all__ = [
     "BatchCreateEvent", "BatchCreateRequest", "CreateRequest", "CreateTiming", "EntryInfo",
     "EnvironmentInfo", "ErrorInfo", "ErrorResponse", "ExecRequest", "ExecResult", "KillRequest",
     "NodeStats", "ProcessEvent", "ProcessInfo", "ProcessStdin", "RenameRequest",
-    "SetTimeoutRequest", "TemplateInfo", "WriteInfo",
+    "SetPriorityRequest", "SetTimeoutRequest", "TemplateInfo", "WriteInfo",
 ]
 
 BatchCreateEvent.model_rebuild()

@@ -241,6 +241,7 @@ class Node:
         envs: dict[str, str] | None = None,
         metadata: dict[str, str] | None = None,
         prefetch: bool = True,
+        priority: int = 0,
     ) -> EnvironmentInfo:
         """Create and start an environment from ``template`` (name or digest).
 
@@ -249,7 +250,8 @@ class Node:
 
         ``timeout``: seconds from now after which :meth:`reap_expired` destroys
         it (default :data:`DEFAULT_TIMEOUT_S`).  ``envs``: variables of every
-        command run inside.  ``metadata``: labels kept in its info.  Raises
+        command run inside.  ``metadata``: labels kept in its info.
+        ``priority``: elastic provisioning's (higher grows first, is frozen last).  Raises
         :class:`CapacityError` when ``max_environments`` run or start.
 
         ``capabilities``: the processes' capability set (default runc's; build
@@ -274,13 +276,13 @@ class Node:
             self._pending += 1
         try:
             return self._create(template, resources, first_command, capabilities, timeout, envs or {}, metadata or {},
-                                prefetch)
+                                prefetch, priority)
         finally:
             with self._lock:
                 self._pending -= 1
 
     def _create(self, template, resources, first_command, capabilities, timeout, envs, metadata,
-                prefetch) -> EnvironmentInfo:
+                prefetch, priority) -> EnvironmentInfo:
         t0 = time.perf_counter()
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
@@ -293,7 +295,7 @@ class Node:
         env_dir = self.paths.environments / env_id
         res = resources or manifest.runtime.resources
         with contextlib.ExitStack() as undo:
-            self.provisioner.reserve(env_id, res)  # admission: CapacityError if the node is full
+            self.provisioner.reserve(env_id, res, priority=priority)  # admission: CapacityError if the node is full
             undo.callback(self.provisioner.detach, env_id)
             env_dir.mkdir(parents=True)
             undo.callback(shutil.rmtree, env_dir, ignore_errors=True)
@@ -350,6 +352,7 @@ class Node:
                 timeout_s=timeout,
                 envs=envs,
                 metadata=metadata,
+                priority=priority,
             )
             env = _Environment(info, manifest, env_dir)
             env.lowers = lowers
@@ -386,6 +389,14 @@ class Node:
         e = self._env(env_id)
         e.info.timeout_s = timeout
         e.info.expires_at = time.time() + timeout
+        return e.info
+
+    def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
+        """Set the environment's priority for elastic provisioning (higher: grows
+        first, frozen last).  Raises :class:`NotFoundError`."""
+        e = self._env(env_id)
+        self.provisioner.set_priority(env_id, priority)
+        e.info.priority = priority
         return e.info
 
     def reap_expired(self, now: float | None = None) -> list[str]:

@@ -289,14 +289,16 @@ class AsyncSandbox:
     @classmethod
     async def create(cls, template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
                metadata: dict[str, str] | None = None, resources: Any = None, api_url: str | None = None,
-               api_key: str | None = None, request_timeout: float | None = None) -> "AsyncSandbox":
+               api_key: str | None = None, request_timeout: float | None = None, priority: int = 0) -> "AsyncSandbox":
         """Create an environment from ``template``; ``timeout``: seconds it lives
         (default 300, see :meth:`set_timeout`); ``envs``: variables of every
         command; ``metadata``: labels; ``resources``: a
-        :class:`~weenv.packaging.manifest.Resources` or dict overriding the template's."""
+        :class:`~weenv.packaging.manifest.Resources` or dict overriding the template's;
+        ``priority``: for elastic provisioning (higher grows first, is frozen last)."""
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:
-            info = await conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources))
+            info = await conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata,
+                                                  resources=resources, priority=priority))
         except BaseException:
             await conn.release()
             raise
@@ -375,6 +377,10 @@ class AsyncSandbox:
     async def set_timeout(self, timeout: float) -> None:
         """Destroy the environment ``timeout`` seconds from now."""
         self.info = await self._drive(_core.set_timeout(self.id, timeout))
+
+    async def set_priority(self, priority: int) -> None:
+        """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
+        self.info = await self._drive(_core.set_priority(self.id, priority))
 
     async def kill(self) -> bool:
         """Destroy the environment (whether it still existed) and close the connection."""

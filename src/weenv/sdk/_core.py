@@ -61,6 +61,7 @@ from weenv.node.models import (
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
+    SetPriorityRequest,
     SetTimeoutRequest,
     TemplateInfo,
     WriteInfo,
@@ -278,15 +279,19 @@ def _env(env_id: str) -> str:
 
 
 def create(template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
-           metadata: dict[str, str] | None = None, resources: Resources | dict | None = None) -> Flow[EnvironmentInfo]:
-    req = create_request(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
+           metadata: dict[str, str] | None = None, resources: Resources | dict | None = None,
+           priority: int = 0) -> Flow[EnvironmentInfo]:
+    req = create_request(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources,
+                         priority=priority)  # fmt: skip
     reply = yield Call("POST", "/environments", json=req)
     return EnvironmentInfo.model_validate_json(reply.content)
 
 
-def create_request(template: str, *, timeout=None, envs=None, metadata=None, resources=None) -> CreateRequest:
+def create_request(template: str, *, timeout=None, envs=None, metadata=None, resources=None,
+                   priority: int = 0) -> CreateRequest:  # fmt: skip
     try:
         return CreateRequest(template=template, timeout=timeout, envs=envs or {}, metadata=metadata or {},
+                             priority=priority,
                              resources=Resources.model_validate(resources) if isinstance(resources, dict) else resources)
     except ValidationError as exc:
         raise InvalidInputError(f"bad create arguments: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
@@ -350,6 +355,15 @@ def kill(env_id: str, *, missing_ok: bool = True) -> Flow[bool]:
             raise
         return False
     return True
+
+
+def set_priority(env_id: str, priority: int) -> Flow[EnvironmentInfo]:
+    try:
+        req = SetPriorityRequest(priority=priority)
+    except ValidationError as exc:
+        raise InvalidInputError(f"bad priority {priority!r}: {exc.errors()[0]['msg']}") from None
+    reply = yield Call("POST", _env(env_id) + "/priority", json=req)
+    return EnvironmentInfo.model_validate_json(reply.content)
 
 
 def set_timeout(env_id: str, timeout: float) -> Flow[EnvironmentInfo]:

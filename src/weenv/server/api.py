@@ -16,6 +16,7 @@ ready, bytes base64-encoded)::
     GET    /v1/environments/{id}                      -> EnvironmentInfo
     DELETE /v1/environments/{id}                      -> 204
     POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
+    POST   /v1/environments/{id}/priority             SetPriorityRequest -> EnvironmentInfo
     POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit;
                                                       killed if the client leaves)
     POST   /v1/environments/{id}/commands/stream      ExecRequest -> NDJSON ProcessEvent (killed if the client leaves)
@@ -71,6 +72,7 @@ from weenv.node.models import (
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
+    SetPriorityRequest,
     SetTimeoutRequest,
     TemplateInfo,
     WriteInfo,
@@ -149,7 +151,8 @@ def api_router(
     def create_one(req: CreateRequest) -> EnvironmentInfo:
         try:
             info = node.create(req.template, resources=req.resources, first_command=req.first_command,
-                               timeout=req.timeout, envs=req.envs, metadata=req.metadata)
+                               timeout=req.timeout, envs=req.envs, metadata=req.metadata,
+                               priority=req.priority)
         except BaseException:
             metrics.creates.labels("error").inc()
             raise
@@ -183,6 +186,10 @@ def api_router(
     @r.post("/environments/{env_id}/timeout")
     def set_timeout(env_id: str, req: SetTimeoutRequest) -> EnvironmentInfo:
         return node.set_timeout(env_id, req.timeout)
+
+    @r.post("/environments/{env_id}/priority")
+    def set_priority(env_id: str, req: SetPriorityRequest) -> EnvironmentInfo:
+        return node.set_priority(env_id, req.priority)
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:

@@ -79,9 +79,9 @@ class NodeClient:
         return r
 
     def create(self, template: str, *, resources: Resources | None = None, first_command: bool = True,
-               timeout: float | None = None) -> EnvironmentInfo:
+               timeout: float | None = None, priority: int = 0) -> EnvironmentInfo:
         req = _build(CreateRequest, template=template, resources=resources, first_command=first_command,
-                     timeout=timeout)
+                     timeout=timeout, priority=priority)
         r = self._request("POST", "/environments", content=req.model_dump_json(), headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
 
