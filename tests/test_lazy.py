@@ -516,3 +516,46 @@ def test_clear_stale_after_a_crash(tmp_path, paths, store, leak_check):
     finally:
         n.close()
         clear_stale(paths.group_mounts, paths.lazy_mountpoint)  # if the test failed early
+
+
+WITHDRAWN_REQUEST = r"""
+import os, subprocess, sys, time
+from weenv.node.cache import ChunkCache
+from weenv.node.lazyfs import LazyFS
+from weenv.store.file import FileStore
+home = sys.argv[1]
+fs = LazyFS(home + "/node/lazy", ChunkCache(home + "/node/cache", FileStore(home + "/store")))
+fs.start()
+try:
+    # A caller of the file system, killed while its request waits to be read.
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import os, time; time.sleep(0.5); os.stat(sys.argv[1])".replace("sys.argv[1]", repr(home + "/node/lazy/nothing"))])
+    sys.setswitchinterval(100)  # this thread keeps the GIL: the FUSE thread, woken by the request, waits for it
+    t = time.monotonic()
+    while time.monotonic() - t < 1.0:  # pure Python: no I/O, the GIL is never released
+        pass
+    os.kill(child.pid, 9)  # (os.kill keeps the GIL) the kernel withdraws the unread LOOKUP
+    t = time.monotonic()
+    while time.monotonic() - t < 0.3:
+        pass
+    sys.setswitchinterval(0.005)
+    time.sleep(0.1)  # the FUSE thread takes the GIL and reads /dev/fuse: nothing there any more
+    child.wait()
+    print("resumed", flush=True)
+finally:
+    fs.stop()
+"""
+
+
+def test_a_withdrawn_request_does_not_stall_the_daemon(paths, store, leak_check):
+    """pyfuse3 reads /dev/fuse with the GIL held after poll said readable; a
+    request withdrawn in between (its caller killed) left the read blocked and
+    every other thread of the daemon waiting for the GIL, forever (seen in CI:
+    ``Node.close`` after a failed build step).  The ReadWaker wakes it."""
+    try:
+        out = subprocess.run([sys.executable, "-c", WITHDRAWN_REQUEST, str(paths.home)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    except subprocess.TimeoutExpired:  # killed: its FUSE mount stays behind, dead
+        clear_stale(paths.group_mounts, paths.lazy_mountpoint)
+        pytest.fail("the daemon stalled after a FUSE request was withdrawn")
+    assert out.returncode == 0 and out.stdout.strip() == "resumed", out.stderr

@@ -22,8 +22,11 @@ capped at 4 × the mean) followed by one *burst*, in turn:
 - ``static``: every environment keeps its declared quota; admission by declared
   quota: the sum of declared cores and memory within capacity × overcommit (1).
 - ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes reservations
-  from usage; admission by the reservations held, within the same capacity ×
-  overcommit.  The CFS quota is the declared ceiling (``cpu_quota_at``,
+  from usage; admission by the node's predicted CPU peak (how the running
+  environments' bursts overlap, within the cores: ``admission="peak"``,
+  ``WEENV_ADMISSION=reservations`` for the sum of reservations alone) and the
+  reservations held, within capacity × the node's default CPU overcommit
+  (memory: × 1, as static).  The CFS quota is the declared ceiling (``cpu_quota_at``,
   default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
   whose CFS quota is the elastic value itself).
 
@@ -355,7 +358,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         "episodes": 2 if quick else 4,
         "think_distribution": "exponential, capped at 4 x mean, seeded",
         "declared": DECLARED.model_dump(),
-        "overcommit": 1.0,
+        "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
         "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at,
                     "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas},
     }
@@ -378,7 +381,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         # with the unloaded runs just before and just after it.
         passes = [measure_baseline("before static")]
         modes = (("static", ProvisionConfig(mode="static", **common)),
-                 ("elastic", ProvisionConfig(mode="elastic", **cfg["elastic"], **common)))
+                 ("elastic", ProvisionConfig(mode="elastic", **cfg["elastic"], memory_overcommit=1.0)))
         for i, (mode, pc) in enumerate(modes):
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
             # the baseline after this mode is not known yet: slowdowns are recomputed below

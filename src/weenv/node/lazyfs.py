@@ -25,6 +25,10 @@ match its digest, a store that cannot be reached, a short chunk) answers the
 read with ``EIO``; wrong bytes are never returned.  The last error per group is
 kept for :meth:`LazyFS.last_error`.
 
+A read of ``/dev/fuse`` can block while holding the GIL (a request withdrawn
+between poll and read); :class:`~weenv.node.fusewake.ReadWaker`, a watcher
+process started with the file system, wakes it (see that module).
+
 pyfuse3 keeps its session in module globals: one :class:`LazyFS` can run per
 process at a time (:meth:`start` raises :class:`MountError` otherwise).
 
@@ -65,6 +69,7 @@ import trio
 
 from weenv.errors import InvalidInputError, MountError
 from weenv.node.cache import ChunkCache
+from weenv.node.fusewake import ReadWaker
 from weenv.node.mounts import is_mounted, umount
 from weenv.packaging.manifest import GroupManifest, check_digest
 
@@ -134,6 +139,8 @@ class LazyFS:
         self._scope: trio.CancelScope | None = None
         self._serving = False
         self._unmounted = False  # stop() took the mount down itself
+        self._tid: int | None = None  # the FUSE thread's native id
+        self._waker = ReadWaker(mountpoint)
 
     # --- the registry (any thread) -------------------------------------------------------
     def image_path(self, digest: str) -> Path:
@@ -237,6 +244,7 @@ class LazyFS:
             self._thread = None
             self._ready.clear()
             raise MountError(errno.EIO, f"FUSE mount at {self.mountpoint} failed: {error}") from error
+        self._waker.start(self._tid)
 
     def _run(self) -> None:
         try:
@@ -262,6 +270,7 @@ class LazyFS:
             _SESSION.release()
 
     async def _trio_main(self) -> None:
+        self._tid = threading.get_native_id()
         self._token = trio.lowlevel.current_trio_token()
         with trio.CancelScope() as scope:
             self._scope = scope
@@ -297,26 +306,33 @@ class LazyFS:
         if self.in_fuse_thread():
             raise MountError(errno.EDEADLK, "LazyFS.stop() called from the FUSE thread")
         with self._stop_lock:
-            thread = self._thread
-            if thread is None or not thread.is_alive():
-                return
             try:
-                umount(self.mountpoint)
-            except MountError as exc:
-                if exc.errno == errno.EBUSY:
-                    log.warning("lazyfs: %s is busy; detaching it (lazy unmount)", self.mountpoint)
-                    umount(self.mountpoint, detach=True)
-                elif exc.errno != errno.EINVAL:  # EINVAL: not mounted any more
-                    raise
-            self._unmounted = True
-            self._in_loop(self._terminate)
+                self._stop(timeout)
+            finally:
+                if self._thread is None or not self._thread.is_alive():
+                    self._waker.stop()
+
+    def _stop(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        try:
+            umount(self.mountpoint)
+        except MountError as exc:
+            if exc.errno == errno.EBUSY:
+                log.warning("lazyfs: %s is busy; detaching it (lazy unmount)", self.mountpoint)
+                umount(self.mountpoint, detach=True)
+            elif exc.errno != errno.EINVAL:  # EINVAL: not mounted any more
+                raise
+        self._unmounted = True
+        self._in_loop(self._terminate)
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("lazyfs: reads still running after %.0f s; cancelling them", timeout)
+            self._in_loop(self._scope.cancel)
             thread.join(timeout)
-            if thread.is_alive():
-                log.warning("lazyfs: reads still running after %.0f s; cancelling them", timeout)
-                self._in_loop(self._scope.cancel)
-                thread.join(timeout)
-            if thread.is_alive():
-                raise MountError(errno.EBUSY, f"LazyFS thread at {self.mountpoint} did not stop")
+        if thread.is_alive():
+            raise MountError(errno.EBUSY, f"LazyFS thread at {self.mountpoint} did not stop")
 
     # --- reads (trio thread) -------------------------------------------------------------
     async def _read(self, group: _Group, off: int, size: int) -> bytes:
