@@ -108,6 +108,24 @@ def test_create_list_connect_set_timeout_kill(daemon):
         Sandbox.connect(s.sandbox_id)
 
 
+def test_metrics(sbx):
+    """``get_metrics``: the provisioner's history of CPU and memory, and the disk the sandbox wrote."""
+    sbx.commands.run("head -c 3000000 /dev/urandom > /tmp/written && "
+                     "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < 2: pass'")
+    deadline = time.monotonic() + 20
+    while not (metrics := sbx.get_metrics()) or metrics[-1].disk_used < 3_000_000:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.5)
+    last = metrics[-1]
+    assert last.cpu_count >= 1 and 0 <= last.cpu_used_pct <= 100 * last.cpu_count
+    assert 0 < last.mem_used <= last.mem_total and last.disk_used < last.disk_total
+    assert max(m.cpu_used_pct for m in metrics) > 10  # the busy loop showed
+    stamps = [m.timestamp for m in metrics]
+    assert stamps == sorted(stamps) and (stamps[-1] - stamps[0]).total_seconds() >= 0
+    since = sbx.get_metrics(start=stamps[-1])
+    assert 1 <= len(since) <= 3
+
+
 def test_timeout_reaps_sandbox(daemon):
     s = Sandbox.create(TEMPLATE, timeout=300)
     s.set_timeout(1)

@@ -656,6 +656,24 @@ class Node:
                     self.groups.release(g, lower)
                 shutil.rmtree(e.dir, ignore_errors=True)
 
+    def disk_usage(self, env_id: str) -> tuple[int, int]:
+        """``(used, total)`` bytes: what the environment wrote (its overlay upper
+        dir, allocated blocks; hard links counted once) and the size of the file
+        system holding it.  Raises :class:`NotFoundError`."""
+        e = self._env(env_id)
+        used, seen = 0, set()
+        for root, dirs, files in os.walk(e.dir / "upper"):
+            for name in dirs + files:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    used += st.st_blocks * 512
+        fs = os.statvfs(e.dir)
+        return used, fs.f_blocks * fs.f_frsize
+
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         """Quotas, usage history and events of elastic provisioning (:class:`NotFoundError` for an unknown id)."""
         return self.provisioner.stats(env_id)

@@ -11,6 +11,7 @@ Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
     POST   /sandboxes/{id}/timeout            {"timeout": s} -> 204
     POST   /sandboxes/{id}/refreshes          {"duration": s} -> 204 (extends only)
     POST   /sandboxes/{id}/connect, /v2/...   {"timeout": s} -> Sandbox (200; extends only)
+    GET    /sandboxes/{id}/metrics?start=&end= -> [SandboxMetric] (one per provisioning pass)
     POST   /sandboxes/{id}/pause, .../resume  -> 501 (weenv does not pause sandboxes yet)
 
 Every request needs the API key in ``X-API-Key`` (E2B's header; the SDK sends
@@ -222,6 +223,11 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
         if body is not None and body.timeout:
             sb = sandboxes.set_timeout(sandbox_id, body.timeout, only_extend=True)
         return created_json(sb)
+
+    @router.get("/sandboxes/{sandbox_id}/metrics")
+    def metrics(sandbox_id: str, start: int | None = None, end: int | None = None) -> list[dict]:
+        running(sandbox_id)
+        return sandboxes.metrics(sandbox_id, start, end)
 
     @router.post("/sandboxes/{sandbox_id}/pause")
     @router.post("/sandboxes/{sandbox_id}/resume")

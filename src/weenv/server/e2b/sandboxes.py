@@ -97,6 +97,33 @@ class Sandboxes:
             info = self.node.set_timeout(sandbox_id, float(timeout))
         return self._view(info)
 
+    def metrics(self, sandbox_id: str, start: float | None = None, end: float | None = None) -> list[dict]:
+        """E2B's ``SandboxMetric`` list for ``sandbox_id`` between Unix times
+        ``start`` and ``end`` (seconds; default: its whole recorded history, one
+        point per provisioning pass, the last 900): CPU used as a percentage of
+        its cores, memory used (its cgroup's usage; ``memCache`` the part the
+        kernel may reclaim) of its limit, disk written (its overlay upper dir)
+        of the host file system holding it.  Raises :class:`NotFoundError`."""
+        import datetime
+        import math
+
+        stats = self.node.provision_stats(sandbox_id).environments[0]
+        disk_used, disk_total = self.node.disk_usage(sandbox_id)
+        cores = max(1, math.ceil(stats.cpu_ceiling))
+        out = []
+        for h in stats.history:
+            if (start is not None and h.t < start) or (end is not None and h.t > end):
+                continue
+            out.append({
+                "timestamp": datetime.datetime.fromtimestamp(h.t, datetime.UTC).isoformat().replace("+00:00", "Z"),
+                "timestampUnix": int(h.t), "cpuCount": cores,
+                "cpuUsedPct": round(100.0 * h.cpu_used / cores, 2),
+                "memUsed": h.memory_usage, "memTotal": h.memory_limit or stats.memory_ceiling,
+                "memCache": max(0, h.memory_usage - h.working_set),
+                "diskUsed": disk_used, "diskTotal": disk_total,
+            })  # fmt: skip
+        return out
+
     def kill(self, sandbox_id: str) -> None:
         """Destroy ``sandbox_id``; raises :class:`NotFoundError` if unknown."""
         self.node.destroy(sandbox_id)
