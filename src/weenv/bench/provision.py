@@ -339,7 +339,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | None = None,
         duration_s: float | None = None, think_s: float | None = None, log=print,
-        cpu_quota_at: str | None = None) -> dict:  # fmt: skip
+        cpu_quota_at: str | None = None, baseline_runs: int | None = None) -> dict:  # fmt: skip
     """Run the benchmark in a private home under ``$WEENV_HOME``; return the result
     (and write JSON + PNG when ``json_path`` is given)."""
     from weenv.node.node import Node
@@ -368,7 +368,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         template = build(paths, store, home / "work", log)
         common = dict(cpu_overcommit=1.0, memory_overcommit=1.0)
         result: dict = {"config": cfg, "machine": machine()}
-        runs = 3 if quick else 5
+        runs = baseline_runs or (3 if quick else 5)
 
         def measure_baseline(when: str) -> dict[str, list[float]]:
             log(f"baseline ({when}): each burst alone")

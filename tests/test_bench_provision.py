@@ -1,0 +1,32 @@
+"""``weenv bench provision``, trimmed: static then elastic provisioning of the same
+bursty workload on one node, environments admitted while it runs; the JSON's
+summary, the PNG, and nothing left behind (mounts, cgroups, processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from weenv.bench.provision import run
+
+SUMMARY = ("static_envs", "elastic_envs", "density_ratio", "p95_burst_slowdown", "oom_kills", "rollouts_per_hour")
+
+
+def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_check, tmp_path):
+    out = tmp_path / "provision.json"
+    result = run(quick=True, json_path=out, max_envs=3, duration_s=25, think_s=2.0, baseline_runs=1,
+                 log=lambda _msg: None)  # fmt: skip
+    written = json.loads(out.read_text())
+    s = written["summary"]
+    assert set(SUMMARY) <= set(s) and s == json.loads(json.dumps(result["summary"]))
+    assert s["static_envs"] == min(3, os.cpu_count())  # 1 declared core each, capacity x 1
+    assert 1 <= s["elastic_envs"] <= 3 and s["density_ratio"] == s["elastic_envs"] / s["static_envs"]
+    for mode in ("static", "elastic"):
+        m = written[mode]
+        assert m["bursts"] and not m["errors"], m["errors"]
+        assert s["p95_burst_slowdown"][mode] > 0 and s["rollouts_per_hour"][mode] > 0
+        assert s["oom_kills"][mode] == 0
+        assert [n for _t, n in m["held"]] == sorted(n for _t, n in m["held"])  # admitted over time, never dropped
+    assert written["config"]["elastic"]["admission"] == "peak"
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(paths.home.glob("bench-provision-*"))  # its private home is removed
