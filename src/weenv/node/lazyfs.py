@@ -162,7 +162,8 @@ class LazyFS:
         self._watcher: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._stopping = False
-        self._started = False
+        self._started = False  # serving (until stop)
+        self._ran = False  # start() succeeded once: a LazyFS runs once
 
     # --- the registry (any thread) -------------------------------------------------------
     def image_path(self, digest: str) -> Path:
@@ -249,7 +250,7 @@ class LazyFS:
         :meth:`add_group` of every group still mounted).  False (nothing taken)
         without ``run_dir``, without a holder, or when nothing is mounted at the
         mount point (a stale holder is stopped then)."""
-        if self.run_dir is None or self._started or self._fd is not None:
+        if self.run_dir is None or self._ran or self._fd is not None:
             return False
         if holder.pid_of(self.run_dir) is None:
             return False
@@ -279,7 +280,7 @@ class LazyFS:
         mounted at the mount point (and nothing was taken over), or the FUSE
         mount fails.
         """
-        if self._started:
+        if self._ran:
             raise MountError(errno.EBUSY, f"LazyFS at {self.mountpoint} was already started")
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         if self._fd is None:
@@ -292,7 +293,7 @@ class LazyFS:
             except OSError as exc:
                 self._close_fd()
                 raise MountError(exc.errno or errno.EIO, f"cannot serve the FUSE connection taken over: {exc}") from exc
-        self._started = True
+        self._started = self._ran = True
         if self.run_dir is not None:
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
             self._ensure_holder()
