@@ -282,10 +282,10 @@ class LazyFS:
         """
         if self._ran:
             raise MountError(errno.EBUSY, f"LazyFS at {self.mountpoint} was already started")
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
         if self._fd is None:
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
             self._mount()
-        else:
+        else:  # touch nothing under the mount point before serving: it would wait for us
             self._session = FuseSession(self._fd, _Ops(self), name="weenv-lazyfs")
             self._conn = connection_id(self.mountpoint)
             try:

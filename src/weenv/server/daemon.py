@@ -240,7 +240,9 @@ def _is_daemon(pid: int) -> bool:
 def _leftovers(paths: Paths) -> bool:
     from weenv.node import mounts
 
-    if mounts.mounts_under(paths.home):
+    from weenv.node.fuse import holder
+
+    if mounts.mounts_under(paths.home) or holder.pid_of(paths.run) is not None:
         return True
     if paths.environments.is_dir() and any(paths.environments.iterdir()):
         return True

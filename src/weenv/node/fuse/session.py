@@ -38,12 +38,14 @@ import errno
 import logging
 import os
 import queue
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from weenv.node.fuse import protocol as P
-from weenv.node.mounts import _unescape
+from weenv.errors import MountError
+from weenv.node.mounts import MountSpec, _unescape, mount, umount
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +195,25 @@ class FuseSession:
 
     def abort(self, conn: int | None) -> bool:
         """Abort connection ``conn`` (its fusectl number, :func:`connection_id`);
-        whether fusectl took it.  Every request pending or being served fails."""
+        whether it was.  Every request pending or being served fails (ENOTCONN).
+        Through ``/sys/fs/fuse/connections`` if fusectl is mounted there, else
+        through a private mount of fusectl, unmounted at once."""
         if conn is None:
             return False
+        if (FUSECTL / str(conn)).exists():
+            return _write_abort(FUSECTL, conn)
+        tmp = tempfile.mkdtemp(prefix="weenv-fusectl-")
         try:
-            (FUSECTL / str(conn) / "abort").write_text("1")
-            return True
-        except OSError as exc:
-            log.warning("fuse: cannot abort connection %s: %s", conn, exc)
+            mount(MountSpec("fusectl", "fusectl", tmp))
+        except MountError as exc:
+            log.warning("fuse: cannot abort connection %s (no fusectl): %s", conn, exc)
+            os.rmdir(tmp)
             return False
+        try:
+            return _write_abort(Path(tmp), conn)
+        finally:
+            umount(tmp, detach=True)
+            os.rmdir(tmp)
 
     # --- serving -------------------------------------------------------------------------
     def _reader(self) -> None:
@@ -327,6 +339,15 @@ class FuseSession:
         self.initialized.set()
         return P.INIT_OUT.pack(state.major, state.minor, state.max_readahead, state.flags, 0, 0,
                                state.max_write, 1, state.max_pages, 0, 0)
+
+
+def _write_abort(fusectl: Path, conn: int) -> bool:
+    try:
+        (fusectl / str(conn) / "abort").write_text("1")
+        return True
+    except OSError as exc:
+        log.warning("fuse: cannot abort connection %s: %s", conn, exc)
+        return False
 
 
 def open_device() -> int:
