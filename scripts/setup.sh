@@ -23,6 +23,6 @@ fi
 if ! .venv/bin/python -c 'import weenv, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.weenv-installed ]; then
   echo "setup: installing weenv into .venv" >&2
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, pytest, pyfuse3'
+  .venv/bin/python -c 'import weenv, pytest'
   touch .venv/.weenv-installed
 fi

@@ -25,6 +25,7 @@ import pytest
 
 from weenv.config import Paths
 from weenv.node.fuse import holder
+from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import create_template
@@ -62,12 +63,16 @@ def restart_home(tmp_path, shared_store, paths, monkeypatch, leak_check):
         assert holder.pid_of(p.run) is None
         for pid in home.pids:
             assert not _alive(pid), f"process {pid} left running"
+        mine = [str(c) for c in Path("/sys/fs/cgroup").glob("*/weenv-*") if c.name[6:] in home.env_ids]
+        assert not mine, f"cgroups left: {mine}"
+        assert not [p for _t, p in mounts_under(p.home)]
 
 
 class _Home:
     def __init__(self, paths: Paths, store: FileStore, data_digest: str, big_sha256: str):
         self.paths, self.store, self.data_digest, self.big_sha256 = paths, store, data_digest, big_sha256
         self.pids: list[int] = []
+        self.env_ids: set[str] = set()
         self.fifos: dict[Path, bytes] = {}
 
     def start(self) -> NodeClient:
@@ -77,7 +82,14 @@ class _Home:
         return client
 
     def daemon_pid(self) -> int:
-        return int(self.paths.pidfile.read_text())
+        pid = int(self.paths.pidfile.read_text())
+        self.pids.append(pid)
+        return pid
+
+    def create(self, client: NodeClient) -> str:
+        env_id = home.create(client)
+        self.env_ids.add(env_id)
+        return env_id
 
     def holder_pid(self) -> int:
         pid = holder.pid_of(self.paths.run)
@@ -167,8 +179,7 @@ def _sha256_in(client: NodeClient, env_id: str, path: str, timeout: float = 60) 
 def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, debian_root):
     home = restart_home
     client = home.start()
-    info = client.create("r")
-    env_id = info.id
+    env_id = home.create(client)
     r = client.exec(env_id, ["cat", "/data/small.txt"])
     assert r.stdout == b"small\n"
     init_pid = home.container_pid(env_id)
@@ -202,7 +213,7 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
 def test_read_in_flight_during_the_kill_is_answered_by_the_next_daemon(restart_home):
     home = restart_home
     client = home.start()
-    env_id = client.create("r").id
+    env_id = home.create(client)
     fifo = home.block_chunk(DATA_MIB // 2)  # a chunk in the middle of big.bin
     big = home.paths.environments / env_id / "rootfs" / "data" / "big.bin"
     result: dict = {}
@@ -238,7 +249,7 @@ def test_read_in_flight_during_the_kill_is_answered_by_the_next_daemon(restart_h
 def test_killed_holder_is_replaced_and_restart_still_works(restart_home):
     home = restart_home
     client = home.start()
-    env_id = client.create("r").id
+    env_id = home.create(client)
     first_holder = home.holder_pid()
     home.kill(first_holder)
     _wait_for(lambda: holder.pid_of(home.paths.run) not in (None, first_holder), 10, "a new holder")
@@ -258,7 +269,7 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     removes the environments and mounts left, and serves new ones."""
     home = restart_home
     client = home.start()
-    env_id = client.create("r").id
+    env_id = home.create(client)
     init_pid = home.container_pid(env_id)
     home.kill(home.holder_pid())
     home.kill(home.daemon_pid())
@@ -268,7 +279,7 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     assert client.list() == []
     assert not _alive(init_pid)
     assert not any((home.paths.environments).iterdir())
-    env2 = client.create("r").id
+    env2 = home.create(client)
     assert _sha256_in(client, env2, "/data/big.bin") == home.big_sha256
     client.destroy(env2)
     client.close()
@@ -279,7 +290,7 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     and holder all go (the stop takes the connection over, then closes it)."""
     home = restart_home
     client = home.start()
-    env_id = client.create("r").id
+    env_id = home.create(client)
     init_pid = home.container_pid(env_id)
     holder_pid = home.holder_pid()
     home.kill(home.daemon_pid())
@@ -287,5 +298,5 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     assert daemon.stop(home.paths) is False  # no daemon ran; its leftovers are cleared
     assert not _alive(init_pid) and not _alive(holder_pid)
     assert holder.pid_of(home.paths.run) is None
-    assert not [p for _t, p in __import__("weenv.node.mounts", fromlist=["x"]).mounts_under(home.paths.home)]
+    assert not [p for _t, p in mounts_under(home.paths.home)]
     shutil.rmtree(home.paths.environments, ignore_errors=True)

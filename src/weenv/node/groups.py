@@ -440,8 +440,9 @@ class GroupMounts:
         """Count a reference of a recovered environment whose overlay uses mount
         point ``path`` of group ``digest`` (:meth:`path` or :meth:`direct_path`).
         Raises :class:`MountError` (EINVAL) if that mount was not recovered."""
-        direct = Path(path) == self.direct_path(digest)
-        if not direct and Path(path) != self.path(digest):
+        real = os.path.realpath(path)  # the kernel shows resolved paths; ours may hold a symlink
+        direct = real == os.path.realpath(self.direct_path(digest))
+        if not direct and real != os.path.realpath(self.path(digest)):
             raise MountError(errno.EINVAL, f"{path} is not a mount point of group {digest}")
         with self._lock:
             entry = self._entries.get(digest)

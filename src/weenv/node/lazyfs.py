@@ -327,7 +327,10 @@ class LazyFS:
 
     def _close_fd(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            if self._session is not None:
+                self._session.close()
+            else:
+                os.close(self._fd)
             self._fd = None
 
     # --- the holder ----------------------------------------------------------------------

@@ -791,7 +791,7 @@ def _overlay_lowers(target: Path) -> list[Path] | None:
     """The lower dirs of the overlay mounted at ``target``, bottom to top (as
     :func:`~weenv.node.mounts.overlay_spec` takes them), from
     /proc/self/mountinfo; None if no overlay is mounted there."""
-    want = os.fspath(target.absolute())
+    want = os.path.realpath(target)  # the kernel shows resolved paths
     options = None
     with open("/proc/self/mountinfo") as f:
         for line in f:

@@ -134,7 +134,7 @@ class Operations:
 
 
 class FuseSession:
-    """Serves ``ops`` on the FUSE connection ``fd`` (not closed by the session)."""
+    """Serves ``ops`` on the FUSE connection ``fd`` (the session owns it: :meth:`close`)."""
 
     def __init__(self, fd: int, ops: Operations, *, name: str = "weenv-fuse", readers: int = 2,
                  max_workers: int = 64):
@@ -152,6 +152,9 @@ class FuseSession:
         self._idle = 0
         self._wlock = threading.Lock()
         self._ended = threading.Event()
+        self._fd_cond = threading.Condition()
+        self._fd_closed = False
+        self._writers = 0
 
     # --- life cycle ----------------------------------------------------------------------
     def start(self, resume: InitState | None = None) -> None:
@@ -264,12 +267,30 @@ class FuseSession:
                 self._idle += 1
 
     def _send(self, bufs: list[bytes]) -> None:
+        with self._fd_cond:
+            if self._fd_closed:  # a worker abandoned at stop: its descriptor number may be another file's now
+                return
+            self._writers += 1
         try:
             os.writev(self.fd, bufs)
         except OSError as exc:
             # ENOENT: the request was interrupted or aborted meanwhile; nobody waits.
             if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED):
                 log.error("fuse: writing a reply failed: %s", exc)
+        finally:
+            with self._fd_cond:
+                self._writers -= 1
+                self._fd_cond.notify_all()
+
+    def close(self) -> None:
+        """Close the descriptor (after :meth:`join`), once no reply is being
+        written; replies of workers still running are dropped.  Idempotent."""
+        with self._fd_cond:
+            if self._fd_closed:
+                return
+            self._fd_closed = True
+            self._fd_cond.wait_for(lambda: self._writers == 0)
+        os.close(self.fd)
 
     def _dispatch(self, opcode: int, unique: int, nodeid: int, body: bytes) -> None:
         if opcode in P.NO_REPLY:
