@@ -65,7 +65,7 @@ def restart_home(tmp_path, shared_store, paths, monkeypatch, leak_check):
             assert not _alive(pid), f"process {pid} left running"
         mine = [str(c) for c in Path("/sys/fs/cgroup").glob("*/weenv-*") if c.name[6:] in home.env_ids]
         assert not mine, f"cgroups left: {mine}"
-        assert not [p for _t, p in mounts_under(p.home)]
+        assert not mounts_under(p.home)
 
 
 class _Home:
@@ -87,7 +87,7 @@ class _Home:
         return pid
 
     def create(self, client: NodeClient) -> str:
-        env_id = home.create(client)
+        env_id = client.create("r").id
         self.env_ids.add(env_id)
         return env_id
 
@@ -298,5 +298,22 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     assert daemon.stop(home.paths) is False  # no daemon ran; its leftovers are cleared
     assert not _alive(init_pid) and not _alive(holder_pid)
     assert holder.pid_of(home.paths.run) is None
-    assert not [p for _t, p in mounts_under(home.paths.home)]
+    assert not mounts_under(home.paths.home)
     shutil.rmtree(home.paths.environments, ignore_errors=True)
+
+
+def test_overlay_lowers_read_back_from_the_kernel(tmp_path, leak_check):
+    """Recovery finds an environment's groups in its overlay's options, which the
+    kernel shows escaped twice (overlayfs's backslashes, then octal for ``,``)."""
+    from weenv.node import mounts
+    from weenv.node.node import _overlay_lowers
+
+    lowers = [tmp_path / name for name in ("plain", "with,comma", "with:colon", "back\\slash", "sp ace")]
+    for d in lowers + [tmp_path / "u", tmp_path / "w", tmp_path / "m"]:
+        d.mkdir()
+    assert _overlay_lowers(tmp_path / "m") is None
+    mounts.mount(mounts.overlay_spec(lowers, tmp_path / "u", tmp_path / "w", tmp_path / "m"))
+    try:
+        assert _overlay_lowers(tmp_path / "m") == lowers
+    finally:
+        mounts.umount(tmp_path / "m")

@@ -34,6 +34,13 @@ reference goes.  An image whose size is not the manifest's is deleted and
 assembled again; images stay across daemon restarts (outside the chunk cache's
 byte bound: an image is assembled only when the disk has room for it) and are
 removed by :meth:`GroupMounts.remove_images`.
+
+Daemon restarts.  The mounts outlive a daemon killed by SIGKILL (the kernel
+keeps them; the FUSE holder keeps the lazy ones readable).  The next daemon
+adopts them with :meth:`GroupMounts.recover` (lazy groups shown by LazyFS
+again) and counts the references of the environments it recovers with
+:meth:`GroupMounts.adopt`.  :func:`clear_stale` is for the other case: the
+FUSE connection died too, so the mounts cannot be read any more.
 """
 
 from __future__ import annotations
@@ -472,8 +479,8 @@ class GroupMounts:
 def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str]) -> list[str]:
     """Detach mounts an earlier daemon left behind; return their mount points.
 
-    After a daemon dies, its group mounts still point at a FUSE connection that
-    nobody serves (reads fail).  Call this at daemon start, before
+    After a daemon dies without a FUSE holder keeping its connection, its group
+    mounts point at a connection that is gone (reads fail).  Call this at daemon start, before
     :meth:`LazyFS.start`, never while a daemon uses these paths.  Mounts under
     ``group_root`` are detached deepest first (MNT_DETACH: their users keep
     failing reads, new lookups no longer see them), then the lazy mount point.

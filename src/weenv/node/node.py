@@ -9,6 +9,12 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
   a runc container in its own namespaces and cgroup.
 
+State needed after a restart lives on disk and in the kernel: ``env.json``,
+runc's state, the overlay and group mounts, the cgroups; the lazy file
+system's connection is kept by the FUSE holder (:mod:`weenv.node.fuse.holder`).
+A node started on a home whose previous node process was killed adopts its
+running environments (:meth:`Node.start`).
+
 Methods are blocking and thread-safe; the daemon calls them from worker threads.
 Create and destroy undo every step on failure: no mount, cgroup, process or
 directory of a failed environment remains.
