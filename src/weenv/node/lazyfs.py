@@ -43,18 +43,21 @@ end of data and zero-fills the rest (fs/erofs/fileio.c,
 end stops it) or with EIO.  When the kernel splits one EROFS request into
 several FUSE reads (a 2 MiB huge-page folio became two 1 MiB reads here), an
 error in any of them fails the whole request: FUSE's asynchronous direct I/O
-(``FUSE_ASYNC_DIO``, which libfuse enables by default and weenv asks for), reports the first error rather than the bytes
-before it (tests/test_lazy.py probes this with ``MADV_HUGEPAGE``).
+(``FUSE_ASYNC_DIO``, which libfuse enables by default and weenv asks for)
+reports the first error rather than the bytes before it (tests/test_lazy.py
+probes this with ``MADV_HUGEPAGE``).
 
 Options: entry/attr timeouts of a day (images are immutable by digest);
-``allow_other``; ``ro``; source ``weenv``, type ``fuse.weenv`` in /proc/mounts.  Files are opened with ``direct_io`` (the default), measured on
+``allow_other``; ``ro``; source ``weenv``, type ``fuse.weenv`` in /proc/mounts.
+Files are opened with ``direct_io`` (the default), measured on
 kernel 6.18 with 8 MiB files read through the EROFS mount: without it, EROFS
 reads the FUSE file through its page cache, so every byte read is cached twice
 (``fincore`` showed 16 MiB cached on the FUSE file after 16 MiB read through
 EROFS); with it, nothing is cached there and throughput is the same or better.
 The size of the reads LazyFS sees is set by EROFS's readahead (its
 ``erofs-N`` bdi, 128 KiB by default, raised by :mod:`weenv.node.groups`) and
-capped at 1 MiB by FUSE (``max_pages`` 256, as libfuse sets it); ``max_read`` plays no part.
+capped at 1 MiB by FUSE (``max_pages`` 256, as libfuse sets it); ``max_read``
+plays no part.
 ``keep_cache`` is set as well; it only matters with ``direct_io=False``.
 """
 
@@ -292,7 +295,8 @@ class LazyFS:
                 self._session.start(resume=self._resume)
             except OSError as exc:
                 self._close_fd()
-                raise MountError(exc.errno or errno.EIO, f"cannot serve the FUSE connection taken over: {exc}") from exc
+                raise MountError(exc.errno or errno.EIO,
+                                 f"cannot serve the FUSE connection taken over: {exc}") from exc
         self._started = self._ran = True
         if self.run_dir is not None:
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)

@@ -46,6 +46,7 @@ from weenv.errors import (
 from weenv.node import mounts
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
+from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.prefetch import Prefetcher
@@ -293,7 +294,8 @@ class Node:
             raise InvalidInputError(f"{rootfs} is not an overlay mount")
         _digest, template = load_template(self.store, info.template_digest)
         if len(lowers) != len(template.groups):
-            raise InvalidInputError(f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
+            raise InvalidInputError(
+                f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
         adopted: list[tuple[str, Path]] = []
         try:
             for g_digest, lower in zip(template.groups, lowers):
@@ -306,6 +308,11 @@ class Node:
         e = _Environment(info, template, env_dir)
         e.lowers = list(lowers)
         e.info.state = "running"
+        if runc_status == "paused":  # frozen by the dead node's provisioner (weenv pauses nothing else)
+            try:
+                open_cgroups(f"/{e.container_id}").thaw()
+            except Exception as exc:
+                log.warning("cannot thaw recovered environment %s: %s", info.id, exc)
         try:
             self.provisioner.reserve(info.id, info.resources)
             self.provisioner.attach(info.id, f"/{e.container_id}")
