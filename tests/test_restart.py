@@ -264,6 +264,23 @@ def test_killed_holder_is_replaced_and_restart_still_works(restart_home):
     client.close()
 
 
+def test_environment_frozen_at_the_kill_is_thawed(restart_home):
+    """The provisioner freezes environments; one frozen when its daemon died
+    runs again under the next daemon."""
+    from weenv.node.cgroups import open_cgroups
+
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    open_cgroups(f"/weenv-{env_id}").freeze()
+    home.kill(home.daemon_pid())
+    client.close()
+    client = home.start()
+    assert client.exec(env_id, ["cat", "/data/small.txt"], timeout=30).stdout == b"small\n"
+    client.destroy(env_id)
+    client.close()
+
+
 def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     """With the connection lost too, nothing can be served: the next daemon
     removes the environments and mounts left, and serves new ones."""
