@@ -189,7 +189,12 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     assert _alive(first_holder) and _alive(init_pid)
     client.close()
 
+    t0 = time.monotonic()
     client = home.start()
+    took = time.monotonic() - t0
+    rss = next(line.split()[1] for line in Path(f"/proc/{first_holder}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    print(f"\nrestart (new daemon answering, 1 environment recovered): {took:.2f} s; holder RSS {rss} KiB")
     assert home.daemon_pid() != first_daemon
     assert holder.pid_of(home.paths.run) == first_holder  # the same connection, kept by the same holder
     envs = {e.id: e for e in client.list()}
