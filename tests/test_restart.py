@@ -178,7 +178,9 @@ def _sha256_in(client: NodeClient, env_id: str, path: str, timeout: float = 60) 
 
 def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, debian_root):
     home = restart_home
+    t0 = time.monotonic()
     client = home.start()
+    first_start = time.monotonic() - t0
     env_id = home.create(client)
     r = client.exec(env_id, ["cat", "/data/small.txt"])
     assert r.stdout == b"small\n"
@@ -194,7 +196,8 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     took = time.monotonic() - t0
     rss = next(line.split()[1] for line in Path(f"/proc/{first_holder}/status").read_text().splitlines()
                if line.startswith("VmRSS:"))
-    print(f"\nrestart (new daemon answering, 1 environment recovered): {took:.2f} s; holder RSS {rss} KiB")
+    print(f"\nfirst start {first_start:.2f} s; restart (new daemon answering, 1 environment recovered) "
+          f"{took:.2f} s; holder RSS {rss} KiB")
     assert home.daemon_pid() != first_daemon
     assert holder.pid_of(home.paths.run) == first_holder  # the same connection, kept by the same holder
     envs = {e.id: e for e in client.list()}
