@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
-# weenv drives (runc, erofs-utils, fuse3, debootstrap, and what pyfuse3 builds
-# with), then a venv in .venv with weenv and its test tools.  Idempotent.
+# weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
+# registry for the benchmarks), then a venv in .venv with weenv and its test
+# tools.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(runc tini erofs-utils fuse3 libfuse3-dev pkg-config debootstrap util-linux libcap2-bin docker.io docker-registry skopeo)
+packages=(runc tini erofs-utils fuse3 debootstrap util-linux libcap2-bin docker.io docker-registry skopeo)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +24,6 @@ fi
 if ! .venv/bin/python -c 'import weenv, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.weenv-installed ]; then
   echo "setup: installing weenv into .venv" >&2
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, pytest, pyfuse3'
+  .venv/bin/python -c 'import weenv, pytest'
   touch .venv/.weenv-installed
 fi

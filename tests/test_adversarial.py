@@ -465,14 +465,17 @@ def test_exec_timeout_options_are_one_line(served):
 
 
 def test_recovery_after_the_daemon_is_killed(served):
+    """A new daemon takes the killed one's environments over (issue 4, item 7;
+    tests/test_restart.py has the details); ``weenv rm`` then clears them."""
     with NodeClient(served) as c:
         old = c.create("task").id
     pid = _pid(served)
     os.kill(pid, signal.SIGKILL)
     assert _wait_gone(pid, 10)
-    r = _weenv(served, "ps", timeout=120)  # starts a new daemon, which clears the old state
-    assert r.returncode == 0 and old not in r.stdout, r.stderr
-    _one_line_error(_weenv(served, "exec", old, "--", "true"))
+    r = _weenv(served, "ps", timeout=120)  # starts a new daemon, which recovers the old state
+    assert r.returncode == 0 and old in r.stdout, r.stderr
+    assert _weenv(served, "exec", old, "--", "true").returncode == 0
+    assert _weenv(served, "rm", old).returncode == 0
     assert mounts.mounts_under(served.environments) == []
     assert _containers(served) == []
 

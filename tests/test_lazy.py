@@ -429,8 +429,10 @@ def test_stop_leaves_no_fuse_mount(fusectl, paths, store, leak_check):
         assert any(str(paths.lazy_mountpoint) in line for line in fuse_mounts())
         assert set(os.listdir(fusectl)) - conns_before
         other = LazyFS(paths.home / "other", ChunkCache(paths.chunk_cache, store))
+        other.start()  # two file systems in one process are fine (no pyfuse3 globals)
+        other.stop()
         with pytest.raises(MountError):
-            other.start()  # pyfuse3: one session per process
+            other.start()  # a LazyFS runs once
         assert os.listdir(paths.lazy_mountpoint) == []
     finally:
         fs.stop()
@@ -548,10 +550,11 @@ finally:
 
 
 def test_a_withdrawn_request_does_not_stall_the_daemon(paths, store, leak_check):
-    """pyfuse3 reads /dev/fuse with the GIL held after poll said readable; a
-    request withdrawn in between (its caller killed) left the read blocked and
-    every other thread of the daemon waiting for the GIL, forever (seen in CI:
-    ``Node.close`` after a failed build step).  The ReadWaker wakes it."""
+    """A request withdrawn by the kernel between poll and read (its caller
+    killed) must not stall the daemon.  With pyfuse3, which read /dev/fuse
+    holding the GIL, the read blocked and every other thread waited for the
+    GIL forever (seen in CI: ``Node.close`` after a failed build step); weenv's
+    own FUSE session reads with the GIL released."""
     try:
         out = subprocess.run([sys.executable, "-c", WITHDRAWN_REQUEST, str(paths.home)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -34,6 +34,13 @@ reference goes.  An image whose size is not the manifest's is deleted and
 assembled again; images stay across daemon restarts (outside the chunk cache's
 byte bound: an image is assembled only when the disk has room for it) and are
 removed by :meth:`GroupMounts.remove_images`.
+
+Daemon restarts.  The mounts outlive a daemon killed by SIGKILL (the kernel
+keeps them; the FUSE holder keeps the lazy ones readable).  The next daemon
+adopts them with :meth:`GroupMounts.recover` (lazy groups shown by LazyFS
+again) and counts the references of the environments it recovers with
+:meth:`GroupMounts.adopt`.  :func:`clear_stale` is for the other case: the
+FUSE connection died too, so the mounts cannot be read any more.
 """
 
 from __future__ import annotations
@@ -389,6 +396,70 @@ class GroupMounts:
                        if (e.mounted and e.refs == 0) or (e.direct and e.direct_refs == 0)]
         return [d for d in digests if self._unmount(d, force=False)]
 
+    # --- after a daemon restart -------------------------------------------------------------
+    def recover(self, load) -> list[str]:
+        """Adopt the group mounts an earlier daemon of this home left under
+        ``root`` (it was killed; its FUSE connection was taken over:
+        :meth:`LazyFS.take_over`); return their digests.  Call before
+        :meth:`LazyFS.start`, so that the reads the kernel resends find their group.
+
+        ``load(digest) -> GroupManifest`` gives a group's manifest (from the
+        store).  Each lazy mount's group is shown by LazyFS again; references
+        start at 0 (:meth:`adopt` counts the environments').  A mount that is
+        not a group's (or whose manifest cannot be loaded) is detached; empty
+        mount point directories (a mount the dead daemon did not finish) are removed.
+        """
+        found = []
+        for fstype, point in mounts_under(self.root):
+            target = Path(point)
+            if target == self.root:
+                continue
+            name = target.name
+            direct = name.endswith(".direct")
+            digest = "sha256:" + name.removesuffix(".direct")
+            try:
+                if fstype != "erofs" or target.parent != self.root:
+                    raise MountError(errno.EINVAL, f"{fstype} mount {target} is not a group mount")
+                manifest = load(check_digest(digest))
+            except Exception as exc:
+                log.warning("detaching %s left by an earlier daemon: %s", target, exc)
+                with contextlib.suppress(MountError):
+                    umount(target, detach=True)
+                continue
+            with self._lock:
+                entry = self._entries.setdefault(digest, _Entry())
+                entry.manifest = manifest
+                if direct:
+                    entry.direct = True
+                else:
+                    entry.mounted = True
+            if not direct:
+                self.lazyfs.add_group(digest, manifest)
+            found.append(digest)
+            log.info("recovered the %s mount of group %s", "direct" if direct else "lazy", digest)
+        for child in self.root.iterdir():
+            if child.is_dir() and not is_mounted(child):
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+        return sorted(set(found))
+
+    def adopt(self, digest: str, path: str | os.PathLike[str]) -> None:
+        """Count a reference of a recovered environment whose overlay uses mount
+        point ``path`` of group ``digest`` (:meth:`path` or :meth:`direct_path`).
+        Raises :class:`MountError` (EINVAL) if that mount was not recovered."""
+        real = os.path.realpath(path)  # the kernel shows resolved paths; ours may hold a symlink
+        direct = real == os.path.realpath(self.direct_path(digest))
+        if not direct and real != os.path.realpath(self.path(digest)):
+            raise MountError(errno.EINVAL, f"{path} is not a mount point of group {digest}")
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None or not (entry.direct if direct else entry.mounted):
+                raise MountError(errno.EINVAL, f"group {digest} is not mounted at {path}")
+            if direct:
+                entry.direct_refs += 1
+            else:
+                entry.refs += 1
+
     def unmount_all(self) -> None:
         """Unmount every group, referenced or not (daemon stop).  Idempotent.
 
@@ -408,8 +479,8 @@ class GroupMounts:
 def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str]) -> list[str]:
     """Detach mounts an earlier daemon left behind; return their mount points.
 
-    After a daemon dies, its group mounts still point at a FUSE connection that
-    nobody serves (reads fail).  Call this at daemon start, before
+    After a daemon dies without a FUSE holder keeping its connection, its group
+    mounts point at a connection that is gone (reads fail).  Call this at daemon start, before
     :meth:`LazyFS.start`, never while a daemon uses these paths.  Mounts under
     ``group_root`` are detached deepest first (MNT_DETACH: their users keep
     failing reads, new lookups no longer see them), then the lazy mount point.

@@ -8,78 +8,94 @@ store (verified, single-flight).  The file is the source of a file-backed EROFS
 mount (:mod:`weenv.node.groups`), so the kernel parses metadata and keeps read
 ranges in its page cache; Python only sees reads of ranges not read before.
 
-Threads.  pyfuse3 runs on trio; :meth:`LazyFS.start` runs ``trio.run(pyfuse3.main)``
-in its own thread ("weenv-lazyfs").  Every cache access (fetch *and* local read)
-happens in a trio worker thread (``trio.to_thread.run_sync``), so the FUSE
-thread never blocks on the store or the disk.  The public methods may be
-called from any thread except the FUSE thread; they take one short lock.
-Never call mount(2) of an image, or anything else that reads through this
-file system, from the FUSE thread: it would wait for itself.  Nor touch an
-``mmap`` of a file under a group mount from Python in the daemon process: the
-page fault happens while the thread holds the GIL, which the FUSE thread needs
-to answer it (seen: a deadlock).  ``os.read``/``open().read()`` release the GIL
-and are fine; a subprocess may do anything.
+Serving.  weenv speaks the FUSE protocol itself (:mod:`weenv.node.fuse.session`:
+pyfuse3/libfuse cannot serve a connection that another process initialized,
+which a daemon restart needs).  Reader threads answer lookups and attributes
+from memory; each READ runs in a worker thread of the session (it may wait
+for the store).  The public methods may be called from any thread except the
+FUSE threads; they take one short lock.  Never call mount(2) of an image, or
+anything else that reads through this file system, from a FUSE thread: it
+would wait for itself.  Nor touch an ``mmap`` of a file under a group mount
+from Python in the daemon process: the page fault happens while the thread
+holds the GIL, which the FUSE threads need to answer it (seen: a deadlock).
+``os.read``/``open().read()`` release the GIL and are fine; a subprocess may
+do anything.
+
+Restarts.  Inode numbers and file handles derive from the group digest (the
+first 60 bits of its sha256, plus 2), so they mean the same to every daemon
+of a home.  With ``run_dir`` set, :meth:`LazyFS.start` also starts the home's
+FUSE holder (:mod:`weenv.node.fuse.holder`), which keeps the connection open
+if the daemon dies.  A new daemon calls :meth:`LazyFS.take_over` (the holder
+hands it the connection), registers the groups still mounted
+(:meth:`add_group`), then :meth:`LazyFS.start`: the kernel resends the reads
+the dead daemon never answered, and reads of the group mounts go on; they
+never see ENOTCONN.  While no daemon serves, reads wait.  If the daemon
+serving finds the holder gone (killed), it starts a new one.
 
 Errors.  Any failure to produce a range's bytes (a chunk whose content does not
 match its digest, a store that cannot be reached, a short chunk) answers the
 read with ``EIO``; wrong bytes are never returned.  The last error per group is
 kept for :meth:`LazyFS.last_error`.
 
-A read of ``/dev/fuse`` can block while holding the GIL (a request withdrawn
-between poll and read); :class:`~weenv.node.fusewake.ReadWaker`, a watcher
-process started with the file system, wakes it (see that module).
-
-pyfuse3 keeps its session in module globals: one :class:`LazyFS` can run per
-process at a time (:meth:`start` raises :class:`MountError` otherwise).
-
 Never a short read.  EROFS treats a short read of its backing file as the
 end of data and zero-fills the rest (fs/erofs/fileio.c,
 ``erofs_fileio_ki_complete``), so a read is answered in full (only the image's
 end stops it) or with EIO.  When the kernel splits one EROFS request into
 several FUSE reads (a 2 MiB huge-page folio became two 1 MiB reads here), an
-error in any of them fails the whole request: FUSE's asynchronous direct I/O,
-which libfuse enables by default, reports the first error rather than the bytes
-before it (tests/test_lazy.py probes this with ``MADV_HUGEPAGE``).
+error in any of them fails the whole request: FUSE's asynchronous direct I/O
+(``FUSE_ASYNC_DIO``, which libfuse enables by default and weenv asks for)
+reports the first error rather than the bytes before it (tests/test_lazy.py
+probes this with ``MADV_HUGEPAGE``).
 
 Options: entry/attr timeouts of a day (images are immutable by digest);
-``allow_other``; ``ro``; ``fsname=weenv``, ``subtype=weenv`` (``fuse.weenv`` in
-/proc/mounts).  Files are opened with ``direct_io`` (the default), measured on
+``allow_other``; ``ro``; source ``weenv``, type ``fuse.weenv`` in /proc/mounts.
+Files are opened with ``direct_io`` (the default), measured on
 kernel 6.18 with 8 MiB files read through the EROFS mount: without it, EROFS
 reads the FUSE file through its page cache, so every byte read is cached twice
 (``fincore`` showed 16 MiB cached on the FUSE file after 16 MiB read through
 EROFS); with it, nothing is cached there and throughput is the same or better.
 The size of the reads LazyFS sees is set by EROFS's readahead (its
 ``erofs-N`` bdi, 128 KiB by default, raised by :mod:`weenv.node.groups`) and
-capped at 1 MiB by FUSE (libfuse's 256 pages); ``max_read`` plays no part.
+capped at 1 MiB by FUSE (``max_pages`` 256, as libfuse sets it); ``max_read``
+plays no part.
 ``keep_cache`` is set as well; it only matters with ``direct_io=False``.
 """
+
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import select
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyfuse3
-import trio
-
 from weenv.errors import InvalidInputError, MountError
 from weenv.node.cache import ChunkCache
-from weenv.node.fusewake import ReadWaker
-from weenv.node.mounts import is_mounted, umount
+from weenv.node.fuse import holder
+from weenv.node.fuse import protocol as P
+from weenv.node.fuse.session import (
+    Attr,
+    FuseSession,
+    InitState,
+    Operations,
+    connection_id,
+    mount_options,
+    open_device,
+)
+from weenv.node.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, MountSpec, is_mounted, mount, umount
 from weenv.packaging.manifest import GroupManifest, check_digest
 
 log = logging.getLogger(__name__)
 
 TIMEOUT = 86400.0
 """Seconds the kernel may cache entries and attributes (images never change)."""
-
-_SESSION = threading.Lock()
-"""Held while a LazyFS runs: pyfuse3 supports one session per process."""
+MS_NOATIME = 0x400
+FSTYPE = "fuse.weenv"
 
 
 @dataclass
@@ -117,30 +133,40 @@ def check_manifest(digest: str, manifest: GroupManifest) -> None:
         raise InvalidInputError(f"group manifest has digest {manifest.digest()}, not {digest}")
 
 
-class LazyFS:
-    """The FUSE file system at ``mountpoint`` (a directory, created if missing)."""
+def inode_of(digest: str) -> int:
+    """The inode number (and file handle) of group ``digest``'s image: its first
+    60 bits plus 2 (never the root's 1), the same in every daemon."""
+    return int(check_digest(digest).split(":", 1)[1][:15], 16) + 2
 
-    def __init__(self, mountpoint: str | os.PathLike[str], cache: ChunkCache, *, direct_io: bool = True):
+
+class LazyFS:
+    """The FUSE file system at ``mountpoint`` (a directory, created if missing).
+
+    ``run_dir``: where the FUSE holder keeps its socket and pid file (None: no
+    holder; the connection dies with this process)."""
+
+    def __init__(self, mountpoint: str | os.PathLike[str], cache: ChunkCache, *, direct_io: bool = True,
+                 run_dir: str | os.PathLike[str] | None = None):
         self.mountpoint = Path(mountpoint).absolute()
         self.cache = cache
         self.direct_io = direct_io
+        self.run_dir = Path(run_dir).absolute() if run_dir is not None else None
         self._lock = threading.Lock()  # guards the registry and stats; never held across I/O
         self._stop_lock = threading.Lock()
-        self._groups: dict[int, _Group] = {}  # inode -> registered group
-        self._inodes: dict[str, int] = {}  # digest -> inode, never reused for other content
-        self._names: dict[bytes, int] = {}  # file name -> inode of a registered group
-        self._handles: dict[int, _Group] = {}  # open file handle -> group (survives remove_group)
-        self._next_fh = 1
+        self._groups: dict[int, _Group] = {}  # inode -> group shown in the directory
+        self._names: dict[bytes, int] = {}  # file name -> inode of a shown group
+        self._known: dict[int, _Group] = {}  # inode -> every group added (open files keep reading)
         self._seq = 0  # first reads of chunks so far, all groups (orders them across groups)
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._scope: trio.CancelScope | None = None
-        self._serving = False
-        self._unmounted = False  # stop() took the mount down itself
-        self._tid: int | None = None  # the FUSE thread's native id
-        self._waker = ReadWaker(mountpoint)
+        self._fd: int | None = None
+        self._resume: InitState | None = None
+        self._session: FuseSession | None = None
+        self._conn: int | None = None
+        self._holder: subprocess.Popen | None = None
+        self._watcher: threading.Thread | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._stopping = False
+        self._started = False  # serving (until stop)
+        self._ran = False  # start() succeeded once: a LazyFS runs once
 
     # --- the registry (any thread) -------------------------------------------------------
     def image_path(self, digest: str) -> Path:
@@ -153,12 +179,14 @@ class LazyFS:
         Raises :class:`InvalidInputError` if the manifest is not group ``digest``'s.
         """
         check_manifest(digest, manifest)
+        inode = inode_of(digest)
         with self._lock:
-            inode = self._inodes.setdefault(digest, pyfuse3.ROOT_INODE + 1 + len(self._inodes))
-            if inode not in self._groups:
+            group = self._known.get(inode)
+            if group is None:
                 name = self.image_path(digest).name.encode()
-                self._groups[inode] = _Group(digest, manifest, inode, name, time.time_ns())
-                self._names[name] = inode
+                group = self._known[inode] = _Group(digest, manifest, inode, name, time.time_ns())
+            self._groups[inode] = group
+            self._names[group.name] = inode
         return self.image_path(digest)
 
     def remove_group(self, digest: str) -> None:
@@ -166,8 +194,7 @@ class LazyFS:
         keep reading; the kernel may keep a cached name for up to :data:`TIMEOUT`,
         opening it then fails with ENOENT."""
         with self._lock:
-            inode = self._inodes.get(digest)
-            group = self._groups.pop(inode, None) if inode is not None else None
+            group = self._groups.pop(inode_of(digest), None)
             if group is not None:
                 self._names.pop(group.name, None)
 
@@ -178,10 +205,7 @@ class LazyFS:
     def stats(self, digest: str) -> GroupStats:
         """A copy of group ``digest``'s read counters (zeros if never added)."""
         with self._lock:
-            inode = self._inodes.get(digest)
-            group = self._groups.get(inode) if inode is not None else None
-            if group is None:
-                group = next((g for g in self._handles.values() if g.digest == digest), None)
+            group = self._known.get(inode_of(digest))
             if group is None:
                 return GroupStats()
             s = group.stats
@@ -213,129 +237,196 @@ class LazyFS:
     # --- life cycle ----------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._session is not None and self._session.running
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this LazyFS serves a connection taken over from an earlier daemon."""
+        return self._resume is not None
 
     def in_fuse_thread(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        return self._session is not None and self._session.owns_current_thread()
 
-    def _options(self) -> set[str]:
-        return {"fsname=weenv", "subtype=weenv", "ro", "allow_other", "default_permissions", "noatime"}
+    def take_over(self) -> bool:
+        """Take the connection an earlier daemon of this home left with the FUSE
+        holder; whether there was one to take (call :meth:`start` next, after
+        :meth:`add_group` of every group still mounted).  False (nothing taken)
+        without ``run_dir``, without a holder, or when nothing is mounted at the
+        mount point (a stale holder is stopped then)."""
+        if self.run_dir is None or self._ran or self._fd is not None:
+            return False
+        if holder.pid_of(self.run_dir) is None:
+            return False
+        if not _is_fuse_mount(self.mountpoint):
+            holder.release(self.run_dir)
+            return False
+        got = holder.take(self.run_dir)
+        if got is None:
+            return False
+        fd, state = got
+        try:
+            self._resume = InitState.from_dict(state)
+        except (KeyError, TypeError, ValueError):
+            os.close(fd)
+            log.warning("lazyfs: the FUSE holder's state is unreadable: %r", state)
+            return False
+        self._fd = fd
+        log.info("lazyfs: took over the FUSE connection of %s from its holder", self.mountpoint)
+        return True
 
     def start(self) -> None:
-        """Mount the file system and start its thread.
+        """Mount the file system (or serve the connection :meth:`take_over` took)
+        and start serving; with ``run_dir``, make sure a FUSE holder keeps the
+        connection.
 
-        Raises :class:`MountError` if this LazyFS already ran, another LazyFS runs
-        in this process, something is mounted at the mount point, or the FUSE
+        Raises :class:`MountError` if this LazyFS already ran, something is
+        mounted at the mount point (and nothing was taken over), or the FUSE
         mount fails.
         """
-        if self._thread is not None:
+        if self._ran:
             raise MountError(errno.EBUSY, f"LazyFS at {self.mountpoint} was already started")
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        if self._fd is None:
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
+            self._mount()
+        else:  # touch nothing under the mount point before serving: it would wait for us
+            self._session = FuseSession(self._fd, _Ops(self), name="weenv-lazyfs")
+            self._conn = connection_id(self.mountpoint)
+            try:
+                self._session.start(resume=self._resume)
+            except OSError as exc:
+                self._close_fd()
+                raise MountError(exc.errno or errno.EIO,
+                                 f"cannot serve the FUSE connection taken over: {exc}") from exc
+        self._started = self._ran = True
+        if self.run_dir is not None:
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+            self._ensure_holder()
+            self._watcher = threading.Thread(target=self._watch_holder, name="weenv-lazyfs-holder", daemon=True)
+            self._watcher.start()
+
+    def _mount(self) -> None:
         if is_mounted(self.mountpoint):
             raise MountError(errno.EBUSY, f"{self.mountpoint} is already a mount point (a stale weenv daemon?)")
-        if not _SESSION.acquire(blocking=False):
-            raise MountError(errno.EBUSY, "another LazyFS runs in this process (pyfuse3 allows one)")
-        self._thread = threading.Thread(target=self._run, name="weenv-lazyfs", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._start_error is not None:
-            error, self._start_error = self._start_error, None
-            self._thread.join()
-            self._thread = None
-            self._ready.clear()
-            raise MountError(errno.EIO, f"FUSE mount at {self.mountpoint} failed: {error}") from error
-        self._waker.start(self._tid)
-
-    def _run(self) -> None:
         try:
+            fd = open_device()
+        except OSError as exc:
+            raise MountError(exc.errno or errno.ENODEV, f"cannot open /dev/fuse: {exc}") from exc
+        self._fd = fd
+        try:
+            options = mount_options(fd, "default_permissions,allow_other")
+            mount(MountSpec(FSTYPE, "weenv", str(self.mountpoint), options,
+                            MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOATIME))
+        except MountError as exc:
+            self._close_fd()
+            raise MountError(exc.errno, f"FUSE mount at {self.mountpoint} failed: {exc}") from exc
+        self._conn = connection_id(self.mountpoint)
+        self._session = FuseSession(fd, _Ops(self), name="weenv-lazyfs")
+        self._session.start()
+        if not self._session.initialized.wait(10):
+            self._session.abort(self._conn)
+            umount(self.mountpoint, detach=True)
+            self._session.join(5)
+            self._close_fd()
+            raise MountError(errno.ETIMEDOUT, f"the kernel did not initialize the FUSE mount at {self.mountpoint}")
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            if self._session is not None:
+                self._session.close()
+            else:
+                os.close(self._fd)
+            self._fd = None
+
+    # --- the holder ----------------------------------------------------------------------
+    def _ensure_holder(self) -> None:
+        """Start a holder unless one runs (a taken-over connection keeps its own)."""
+        if holder.pid_of(self.run_dir) is not None:
+            return
+        try:
+            self._holder = holder.spawn(self.run_dir, self._fd, self._session.init.to_dict())
+        except OSError as exc:
+            log.warning("lazyfs: cannot start the FUSE holder (a daemon restart will lose the mounts): %s", exc)
+
+    def _watch_holder(self) -> None:
+        """Start a new holder whenever the one running dies (killed) while we serve."""
+        while not self._stopping:
+            pid = holder.pid_of(self.run_dir)
+            pidfd = None
+            if pid is not None:
+                try:
+                    pidfd = os.pidfd_open(pid)
+                except OSError:
+                    pidfd = None
             try:
-                pyfuse3.init(_Ops(self), str(self.mountpoint), self._options())
-            except BaseException as exc:
-                self._start_error = exc
-                if "fuse_session_mount" in str(exc):  # a session exists; free it
-                    pyfuse3.close(unmount=False)
+                watch = [self._wake_r] + ([pidfd] if pidfd is not None else [])
+                select.select(watch, [], [], None if pidfd is not None else 1.0)
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
+            if self._stopping:
                 return
-            try:
-                trio.run(self._trio_main)
-            except BaseException:
-                log.exception("lazyfs: FUSE main loop failed")
-            finally:
-                # Closing /dev/fuse aborts the connection: reads of a still-mounted
-                # group fail (EIO) from then on, never hang.  If the mount is still
-                # there (the loop died on its own), libfuse also detaches it
-                # (umount2 MNT_DETACH, as root).
-                pyfuse3.close(unmount=not self._unmounted)
-        finally:
-            self._ready.set()
-            _SESSION.release()
+            if self._holder is not None and self._holder.poll() is not None:
+                self._holder = None  # reaped
+            if holder.pid_of(self.run_dir) is None and self.running:
+                log.warning("lazyfs: the FUSE holder of %s is gone; starting a new one", self.mountpoint)
+                self._ensure_holder()
 
-    async def _trio_main(self) -> None:
-        self._tid = threading.get_native_id()
-        self._token = trio.lowlevel.current_trio_token()
-        with trio.CancelScope() as scope:
-            self._scope = scope
-            self._serving = True
-            self._ready.set()
-            try:
-                await pyfuse3.main(min_tasks=2, max_tasks=64)
-            finally:
-                self._serving = False
-
-    def _terminate(self) -> None:  # in the trio thread only
-        if self._serving:
-            pyfuse3.terminate()
-
-    def _in_loop(self, fn) -> None:
-        try:
-            trio.from_thread.run_sync(fn, trio_token=self._token)
-        except trio.RunFinishedError:
-            pass
+    def _stop_holder(self) -> None:
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
+        if self._watcher is not None:
+            self._watcher.join(10)
+        if self.run_dir is not None:
+            holder.release(self.run_dir)
+        if self._holder is not None:
+            self._holder.wait(10)
+            self._holder = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Unmount the file system and join its thread.  Idempotent.
+        """Unmount the file system, end the connection and the holder, stop serving.
+        Idempotent.
 
-        First a plain umount(2), while the loop still answers.  If something still
+        First a plain umount(2), which ends the connection.  If something still
         holds the file system (EBUSY: a group image still mounted or open), the
-        last resort is a lazy unmount (MNT_DETACH): the name disappears now, and
-        once the loop ends the connection is aborted, so reads of a still-mounted
-        group fail (ENOTCONN/EIO) instead of hanging; its FUSE connection is freed
-        when the last holder goes.  Unmount groups first to avoid that.  A read
-        stuck in a fetch for more than ``timeout`` seconds is cancelled.
-        Raises :class:`MountError` if the thread has not ended after ``2 * timeout``.
+        last resort is a lazy unmount (MNT_DETACH) and an abort of the
+        connection: the name disappears now, and reads of a still-mounted group
+        fail (ENOTCONN/EIO) instead of hanging.  Unmount groups first to avoid
+        that.  Raises :class:`MountError` if the FUSE threads have not ended
+        after ``timeout`` seconds.
         """
         if self.in_fuse_thread():
             raise MountError(errno.EDEADLK, "LazyFS.stop() called from the FUSE thread")
         with self._stop_lock:
+            if not self._started:
+                if self._fd is not None:  # taken over, never served: leave the connection to its holder
+                    self._close_fd()
+                return
+            self._stopping = True
+            aborted = False
             try:
-                self._stop(timeout)
-            finally:
-                if self._thread is None or not self._thread.is_alive():
-                    self._waker.stop()
+                umount(self.mountpoint)
+            except MountError as exc:
+                if exc.errno == errno.EBUSY:
+                    log.warning("lazyfs: %s is busy; detaching it (lazy unmount)", self.mountpoint)
+                    umount(self.mountpoint, detach=True)
+                    aborted = self._session.abort(self._conn)
+                elif exc.errno != errno.EINVAL:  # EINVAL: not mounted any more
+                    raise
+            self._stop_holder()
+            if not self._session.join(timeout) and not aborted:
+                self._session.abort(self._conn)
+                self._session.join(timeout)
+            if self._session.running:
+                raise MountError(errno.EBUSY, f"LazyFS threads at {self.mountpoint} did not stop")
+            self._close_fd()
+            self._started = False
 
-    def _stop(self, timeout: float) -> None:
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        try:
-            umount(self.mountpoint)
-        except MountError as exc:
-            if exc.errno == errno.EBUSY:
-                log.warning("lazyfs: %s is busy; detaching it (lazy unmount)", self.mountpoint)
-                umount(self.mountpoint, detach=True)
-            elif exc.errno != errno.EINVAL:  # EINVAL: not mounted any more
-                raise
-        self._unmounted = True
-        self._in_loop(self._terminate)
-        thread.join(timeout)
-        if thread.is_alive():
-            log.warning("lazyfs: reads still running after %.0f s; cancelling them", timeout)
-            self._in_loop(self._scope.cancel)
-            thread.join(timeout)
-        if thread.is_alive():
-            raise MountError(errno.EBUSY, f"LazyFS thread at {self.mountpoint} did not stop")
-
-    # --- reads (trio thread) -------------------------------------------------------------
-    async def _read(self, group: _Group, off: int, size: int) -> bytes:
+    # --- reads (worker threads) ----------------------------------------------------------
+    def _read(self, group: _Group, off: int, size: int) -> bytes:
         manifest = group.manifest
         size = max(0, min(size, manifest.image_size - off))
         if size == 0:
@@ -355,20 +446,23 @@ class LazyFS:
             end = min(off + size, (i + 1) * cs)
             pieces.append((manifest.chunks[i], start - i * cs, end - start))
         if len(pieces) == 1:
-            data = await trio.to_thread.run_sync(self.cache.read, *pieces[0], abandon_on_cancel=True)
-        else:
+            data = self.cache.read(*pieces[0])
+        else:  # the chunks of one read in parallel (each may be a store fetch)
             parts: list[bytes] = [b""] * len(pieces)
             errors: list[Exception] = []
 
-            async def one(k: int) -> None:
+            def one(k: int) -> None:
                 try:
-                    parts[k] = await trio.to_thread.run_sync(self.cache.read, *pieces[k], abandon_on_cancel=True)
-                except Exception as exc:  # reported below, without an ExceptionGroup around it
+                    parts[k] = self.cache.read(*pieces[k])
+                except Exception as exc:
                     errors.append(exc)
 
-            async with trio.open_nursery() as nursery:  # the chunks of one read in parallel
-                for k in range(len(pieces)):
-                    nursery.start_soon(one, k)
+            helpers = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(1, len(pieces))]
+            for t in helpers:
+                t.start()
+            one(0)
+            for t in helpers:
+                t.join()
             if errors:
                 raise errors[0]
             data = b"".join(parts)
@@ -376,91 +470,63 @@ class LazyFS:
             raise InvalidInputError(f"chunks of group {group.digest} are shorter than its manifest says")
         return data
 
-    def _attrs_root(self) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = pyfuse3.ROOT_INODE
-        a.st_mode = 0o040555
-        a.st_nlink = 2
-        a.entry_timeout = a.attr_timeout = 1.0  # the listing changes as groups come and go
-        return a
+    def _attrs_root(self) -> Attr:
+        return Attr(P.ROOT_ID, 0o040555, nlink=2, timeout=1.0)  # the listing changes as groups come and go
 
-    def _attrs(self, group: _Group) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = group.inode
-        a.st_mode = 0o100444
-        a.st_nlink = 1
-        a.st_size = group.manifest.image_size
-        a.st_blksize = group.manifest.block_size
-        a.st_blocks = (group.manifest.image_size + 511) // 512
-        a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = group.mtime_ns
-        a.entry_timeout = a.attr_timeout = TIMEOUT
-        return a
+    def _attrs(self, group: _Group) -> Attr:
+        m = group.manifest
+        return Attr(group.inode, 0o100444, size=m.image_size, blksize=m.block_size, mtime_ns=group.mtime_ns,
+                    timeout=TIMEOUT)
 
 
-class _Ops(pyfuse3.Operations):
-    """pyfuse3 handlers.  pyfuse3 lets only FUSEError out of a handler (anything
-    else ends the main loop), so each handler maps every error to an errno."""
+class _Ops(Operations):
+    """The file system's answers: the root directory and one file per group."""
 
     def __init__(self, fs: LazyFS):
-        super().__init__()
         self.fs = fs
 
-    def _group(self, inode: int) -> _Group:
+    def _group(self, inode: int, *, shown: bool = False) -> _Group:
         with self.fs._lock:
-            group = self.fs._groups.get(inode)
+            group = (self.fs._groups if shown else self.fs._known).get(inode)
         if group is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise OSError(errno.ENOENT, "no such group")
         return group
 
-    async def lookup(self, parent_inode, name, ctx=None):
-        if parent_inode != pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+    def lookup(self, parent: int, name: bytes) -> Attr:
+        if parent != P.ROOT_ID:
+            raise OSError(errno.ENOENT, "not a directory")
         if name in (b".", b".."):
             return self.fs._attrs_root()
         with self.fs._lock:
-            group = self.fs._groups.get(self.fs._names.get(name, 0))
-        if group is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)  # an error reply is not cached as a negative entry
-        return self.fs._attrs(group)
+            inode = self.fs._names.get(name, 0)
+        return self.fs._attrs(self._group(inode, shown=True))  # an error reply is not cached as a negative entry
 
-    async def getattr(self, inode, ctx=None):
-        if inode == pyfuse3.ROOT_INODE:
+    def getattr(self, ino: int) -> Attr:
+        if ino == P.ROOT_ID:
             return self.fs._attrs_root()
-        return self.fs._attrs(self._group(inode))
+        return self.fs._attrs(self._group(ino))
 
-    async def opendir(self, inode, ctx):
-        if inode != pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+    def opendir(self, ino: int) -> int:
+        if ino != P.ROOT_ID:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        return 0
 
-    async def readdir(self, fh, start_id, token):
+    def readdir(self, fh: int, offset: int) -> list[tuple[int, int, bytes, int]]:
         with self.fs._lock:
             groups = sorted(self.fs._groups.values(), key=lambda g: g.inode)
-        for group in groups:
-            if group.inode > start_id:  # next_id = inode: stable across adds and removes
-                if not pyfuse3.readdir_reply(token, group.name, self.fs._attrs(group), group.inode):
-                    break
+        # the cookie of an entry is its inode: stable across adds and removes
+        return [(g.inode, g.inode, g.name, P.DT_REG) for g in groups if g.inode > offset]
 
-    async def releasedir(self, fh):
-        pass
-
-    async def open(self, inode, flags, ctx):
+    def open(self, ino: int, flags: int) -> tuple[int, int]:
         if flags & os.O_ACCMODE != os.O_RDONLY:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        group = self._group(inode)
-        with self.fs._lock:
-            fh = self.fs._next_fh
-            self.fs._next_fh += 1
-            self.fs._handles[fh] = group
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=self.fs.direct_io)
+            raise OSError(errno.EROFS, "read-only")
+        group = self._group(ino, shown=True)
+        return group.inode, P.FOPEN_KEEP_CACHE | (P.FOPEN_DIRECT_IO if self.fs.direct_io else 0)
 
-    async def read(self, fh, off, size):
-        with self.fs._lock:
-            group = self.fs._handles.get(fh)
-        if group is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        group = self._group(fh)  # the handle is the inode: valid in every daemon
         try:
-            data = await self.fs._read(group, off, size)
+            data = self.fs._read(group, offset, size)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             with self.fs._lock:
@@ -469,19 +535,15 @@ class _Ops(pyfuse3.Operations):
                 repeated, group.stats.last_error = group.stats.last_error == message, message
             # The kernel retries failed reads; log an error once, not per retry.
             log.log(logging.DEBUG if repeated else logging.ERROR,
-                    "lazyfs: read of %s [%d, +%d) failed: %s", group.digest, off, size, message)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+                    "lazyfs: read of %s [%d, +%d) failed: %s", group.digest, offset, size, message)
+            raise OSError(errno.EIO, message) from None
         with self.fs._lock:
             group.stats.reads += 1
             group.stats.bytes_read += len(data)
         return data
 
-    async def release(self, fh):
-        with self.fs._lock:
-            self.fs._handles.pop(fh, None)
 
-    async def statfs(self, ctx):
-        s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_namemax = 255
-        return s
+def _is_fuse_mount(point: Path) -> bool:
+    from weenv.node.mounts import mounts_under
+
+    return any(t == FSTYPE and p == str(point) for t, p in mounts_under(point))

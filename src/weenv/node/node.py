@@ -9,6 +9,12 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
   a runc container in its own namespaces and cgroup.
 
+State needed after a restart lives on disk and in the kernel: ``env.json``,
+runc's state, the overlay and group mounts, the cgroups; the lazy file
+system's connection is kept by the FUSE holder (:mod:`weenv.node.fuse.holder`).
+A node started on a home whose previous node process was killed adopts its
+running environments (:meth:`Node.start`).
+
 Methods are blocking and thread-safe; the daemon calls them from worker threads.
 Create and destroy undo every step on failure: no mount, cgroup, process or
 directory of a failed environment remains.
@@ -20,6 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -39,6 +46,7 @@ from weenv.errors import (
 from weenv.node import mounts
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
+from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.prefetch import Prefetcher
@@ -127,7 +135,7 @@ class Node:
         self._pending = 0
         self.store = store or open_store(self.paths.store_url)
         self.cache = ChunkCache(self.paths.chunk_cache, self.store, max_bytes=cache_bytes)
-        self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache)
+        self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache, run_dir=self.paths.run)  # + the FUSE holder
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
         self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
                                    record_s=prefetch_record_s, on_group_complete=self.groups.assemble_if_complete)
@@ -140,8 +148,18 @@ class Node:
 
     # --- lifetime -------------------------------------------------------------------
     def start(self) -> "Node":
-        """Take the home, clear what a crashed node left there, start the FUSE
-        daemon.  Idempotent.
+        """Take the home, start the FUSE daemon, and either recover what an
+        earlier node process of this home left running (it was killed) or
+        clear it.  Idempotent.
+
+        Recovery: if the home's FUSE holder (:mod:`weenv.node.fuse.holder`)
+        still keeps the lazy file system's connection, this node takes it over
+        (reads that were waiting are served again), adopts the group mounts and
+        every environment whose container still runs (its pid 1, overlay,
+        cgroup and files stay as they are; exec, files and destroy work on it),
+        and removes the rest (environments half created or whose container
+        died).  Without a holder (both processes were killed, or none ran),
+        everything left is cleared as after a crash.
 
         One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
         until :meth:`close` (the daemon's node is that one).  Raises
@@ -153,8 +171,11 @@ class Node:
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
         try:
-            self._clean_stale()
-            self.lazyfs.start()
+            if self.lazyfs.take_over():
+                self._recover()
+            else:
+                self._clean_stale()
+                self.lazyfs.start()
             try:
                 self.provisioner.start()
             except BaseException:
@@ -228,6 +249,86 @@ class Node:
         if self.paths.environments.is_dir():
             for d in self.paths.environments.iterdir():
                 shutil.rmtree(d, ignore_errors=True)
+
+    def _recover(self) -> None:
+        """Adopt the group mounts and running environments of a killed node
+        process whose FUSE connection :meth:`LazyFS.take_over` took (see :meth:`start`)."""
+        try:
+            self.groups.recover(lambda digest: load_group(self.store, digest))
+        finally:
+            self.lazyfs.start()  # serve the taken connection in any case: readers wait on it
+        status = {s.get("id"): s.get("status") for s in self.runc.list()}
+        kept: set[str] = set()
+        for env_dir in sorted(p for p in self.paths.environments.iterdir() if p.is_dir()):
+            env_id = env_dir.name
+            try:
+                e = self._adopt(env_dir, status.get(CONTAINER_PREFIX + env_id))
+            except Exception as exc:
+                log.warning("cannot recover environment %s (removing it): %s", env_id, exc)
+                self._remove_leftover(env_dir)
+                continue
+            self._envs[env_id] = e
+            kept.add(e.container_id)
+            log.info("recovered environment %s (template %s)", env_id, e.info.template)
+        for cid, st in status.items():
+            if cid and cid.startswith(CONTAINER_PREFIX) and cid not in kept:
+                log.warning("removing container %s (%s) left without its environment", cid, st)
+                with contextlib.suppress(Exception):
+                    self.runc.delete(cid, force=True)
+
+    def _adopt(self, env_dir: Path, runc_status: str | None) -> _Environment:
+        """The environment in ``env_dir`` as a killed node process left it, its
+        references counted; raises if it cannot go on running (not fully
+        created, its container gone or stopped, its overlay not mounted)."""
+        info_path = env_dir / "env.json"
+        if not info_path.exists():
+            raise InvalidInputError("it was not fully created")
+        info = EnvironmentInfo.model_validate_json(info_path.read_text())
+        if info.id != env_dir.name:
+            raise InvalidInputError(f"its env.json names {info.id!r}")
+        if runc_status not in ("running", "paused"):
+            raise InvalidInputError(f"its container is {runc_status or 'gone'}")
+        rootfs = env_dir / "rootfs"
+        lowers = _overlay_lowers(rootfs)
+        if lowers is None:
+            raise InvalidInputError(f"{rootfs} is not an overlay mount")
+        _digest, template = load_template(self.store, info.template_digest)
+        if len(lowers) != len(template.groups):
+            raise InvalidInputError(
+                f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
+        adopted: list[tuple[str, Path]] = []
+        try:
+            for g_digest, lower in zip(template.groups, lowers):
+                self.groups.adopt(g_digest, lower)
+                adopted.append((g_digest, lower))
+        except BaseException:
+            for g_digest, lower in adopted:
+                self.groups.release(g_digest, lower)
+            raise
+        e = _Environment(info, template, env_dir)
+        e.lowers = list(lowers)
+        e.info.state = "running"
+        if runc_status == "paused":  # frozen by the dead node's provisioner (weenv pauses nothing else)
+            try:
+                open_cgroups(f"/{e.container_id}").thaw()
+            except Exception as exc:
+                log.warning("cannot thaw recovered environment %s: %s", info.id, exc)
+        try:
+            self.provisioner.reserve(info.id, info.resources)
+            self.provisioner.attach(info.id, f"/{e.container_id}")
+        except Exception as exc:  # it runs anyway, with the limits it had
+            log.warning("provisioning of recovered environment %s failed: %s", info.id, exc)
+            self.provisioner.detach(info.id)
+        return e
+
+    def _remove_leftover(self, env_dir: Path) -> None:
+        """Remove an environment directory not recovered: its container, overlay and files."""
+        self.provisioner.detach(env_dir.name)
+        with contextlib.suppress(Exception):
+            self._delete_container(CONTAINER_PREFIX + env_dir.name)
+        for _fstype, point in mounts.mounts_under(env_dir):
+            _umount_quietly(Path(point))
+        shutil.rmtree(env_dir, ignore_errors=True)
 
     # --- environments ---------------------------------------------------------------
     def create(
@@ -726,3 +827,34 @@ def _umount_quietly(target: Path) -> None:
         mounts.umount(target)
     except MountError:
         mounts.umount(target, detach=True)
+
+
+def _overlay_lowers(target: Path) -> list[Path] | None:
+    """The lower dirs of the overlay mounted at ``target``, bottom to top (as
+    :func:`~weenv.node.mounts.overlay_spec` takes them), from
+    /proc/self/mountinfo; None if no overlay is mounted there."""
+    want = os.path.realpath(target)  # the kernel shows resolved paths
+    options = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) > 4 and len(rfields) > 2 and mounts._unescape(fields[4]) == want:
+                options = rfields[2] if rfields[0] == "overlay" else None
+    if options is None:
+        return None
+    for option in options.split(","):  # the kernel shows a "," inside a value as \054
+        if option.startswith("lowerdir="):
+            value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir="):])
+            dirs, cur, chars = [], [], iter(value)
+            for ch in chars:  # overlayfs escapes: "\x" is x; an unescaped ":" separates
+                if ch == "\\":
+                    cur.append(next(chars, ""))
+                elif ch == ":":
+                    dirs.append("".join(cur))
+                    cur = []
+                else:
+                    cur.append(ch)
+            dirs.append("".join(cur))
+            return [Path(d) for d in reversed(dirs)]
+    return None

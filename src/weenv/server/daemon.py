@@ -10,6 +10,13 @@ picks), writes ``http://HOST:PORT`` to ``run/api-url`` and requires the API key
 of ``run/api-key`` there (:mod:`weenv.server.auth`).  SIGTERM, SIGINT and
 ``POST /v1/shutdown`` stop it cleanly: every environment is destroyed and every
 mount it made is unmounted.
+
+A daemon killed by SIGKILL (or crashed) leaves its environments running: the
+next daemon on the home (started on demand by the next client, or by
+``weenv serve``) takes over their FUSE connection from the home's FUSE holder
+(``run/fuse-holder.pid``, :mod:`weenv.node.fuse.holder`) and adopts them
+(:meth:`~weenv.node.node.Node.start`).  :func:`stop` with no daemon running
+does that too, then destroys them: nothing stays, the holder included.
 """
 
 from __future__ import annotations
@@ -163,7 +170,8 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
     that does not (its socket deleted) but holds the home's lock and runs
     ``weenv serve`` gets SIGTERM (its pid from the lock, :func:`lock_holder`).
     With no daemon left, what a killed one left (containers, mounts,
-    environment dirs) is cleared by starting and closing a node on the home.
+    environment dirs, its FUSE holder) is cleared by starting and closing a
+    node on the home.
     Raises :class:`DaemonError` if it does not stop within ``timeout`` seconds,
     or if the home is held by a process that is not a daemon (a program's own
     :class:`~weenv.node.node.Node`)."""
@@ -240,7 +248,9 @@ def _is_daemon(pid: int) -> bool:
 def _leftovers(paths: Paths) -> bool:
     from weenv.node import mounts
 
-    if mounts.mounts_under(paths.home):
+    from weenv.node.fuse import holder
+
+    if mounts.mounts_under(paths.home) or holder.pid_of(paths.run) is not None:
         return True
     if paths.environments.is_dir() and any(paths.environments.iterdir()):
         return True

@@ -1,0 +1,344 @@
+"""Daemon restart (issue 4, item 7): a weenv daemon process killed with SIGKILL
+and a new one started leaves running environments running and reachable, their
+lazy reads served again (no ENOTCONN), and reads that were in flight answered.
+
+The daemon runs as a user starts it (``start_background``, as ``weenv`` does on
+demand); processes are found by their pid files, never by name.  Each test
+builds its own store (hard links of the session's store plus a group holding a
+16 MiB random file), so that it can make one chunk of it a FIFO: a fetch of
+that chunk blocks until the test writes the chunk, which holds a read in
+flight for as long as the test wants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from weenv.config import Paths
+from weenv.node.fuse import holder
+from weenv.node.mounts import mounts_under
+from weenv.packaging.group import build_group, load_group
+from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.template import create_template
+from weenv.server import daemon
+from weenv.server.client import NodeClient
+from weenv.store.file import FileStore
+
+DATA_MIB = 16
+
+
+@pytest.fixture
+def restart_home(tmp_path, shared_store, paths, monkeypatch, leak_check):
+    """A home whose store holds template ``r`` (the session's base group + a
+    group with ``/data/big.bin``); the daemon and holder are stopped at the end
+    and must leave no process behind."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    store = FileStore(root)
+    src = tmp_path / "data"
+    (src / "data").mkdir(parents=True)
+    big = os.urandom(DATA_MIB << 20)
+    (src / "data" / "big.bin").write_bytes(big)
+    (src / "data" / "small.txt").write_text("small\n")
+    res = build_group(src, store, name="data")
+    create_template(store, "r", ["base", "data"], runtime=RuntimeConfig(working_dir="/data"))
+    monkeypatch.setenv("WEENV_STORE", store.url)
+    p = Paths.from_env()
+    p.run.mkdir(parents=True, exist_ok=True)
+    home = _Home(p, store, res.digest, hashlib.sha256(big).hexdigest())
+    try:
+        yield home
+    finally:
+        home.restore_chunks()
+        daemon.stop(p)
+        assert holder.pid_of(p.run) is None
+        for pid in home.pids:
+            assert not _alive(pid), f"process {pid} left running"
+        mine = [str(c) for c in Path("/sys/fs/cgroup").glob("*/weenv-*") if c.name[6:] in home.env_ids]
+        assert not mine, f"cgroups left: {mine}"
+        assert not mounts_under(p.home)
+
+
+class _Home:
+    def __init__(self, paths: Paths, store: FileStore, data_digest: str, big_sha256: str):
+        self.paths, self.store, self.data_digest, self.big_sha256 = paths, store, data_digest, big_sha256
+        self.pids: list[int] = []
+        self.env_ids: set[str] = set()
+        self.fifos: dict[Path, bytes] = {}
+
+    def start(self) -> NodeClient:
+        pid = daemon.start_background(self.paths)
+        self.pids.append(pid)
+        client = NodeClient(self.paths, autostart=False)
+        return client
+
+    def daemon_pid(self) -> int:
+        pid = int(self.paths.pidfile.read_text())
+        self.pids.append(pid)
+        return pid
+
+    def create(self, client: NodeClient) -> str:
+        env_id = client.create("r").id
+        self.env_ids.add(env_id)
+        return env_id
+
+    def holder_pid(self) -> int:
+        pid = holder.pid_of(self.paths.run)
+        assert pid is not None, "no FUSE holder runs"
+        self.pids.append(pid)
+        return pid
+
+    def kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"pid {pid} survived SIGKILL"
+            time.sleep(0.01)
+
+    def block_chunk(self, index: int) -> Path:
+        """Make chunk ``index`` of the data group a FIFO in the store (a fetch waits for :meth:`feed`)."""
+        chunk = load_group(self.store, self.data_digest).chunks[index]
+        path = self.store._path("chunks", chunk.digest)
+        frame = path.read_bytes()
+        path.unlink()
+        os.mkfifo(path)
+        self.fifos[path] = frame
+        return path
+
+    def feed(self, path: Path) -> None:
+        """Answer the fetch waiting on FIFO ``path`` with the chunk, then make it a file again."""
+        frame = self.fifos.pop(path)
+        fd = os.open(path, os.O_WRONLY)  # waits for the reader
+        try:
+            os.write(fd, frame)
+        finally:
+            os.close(fd)
+        path.unlink()
+        path.write_bytes(frame)
+
+    def restore_chunks(self) -> None:
+        for path, frame in list(self.fifos.items()):
+            try:  # a reader still waiting gets the chunk
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, frame)
+                os.close(fd)
+            except OSError:
+                pass
+            path.unlink(missing_ok=True)
+            path.write_bytes(frame)
+        self.fifos.clear()
+
+    def container_pid(self, env_id: str) -> int:
+        out = subprocess.run(["runc", "--root", str(self.paths.runc_root), "state", f"weenv-{env_id}"],
+                             capture_output=True, text=True, check=True).stdout
+        import json
+
+        return json.loads(out)["pid"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _fuse_waiting(pid: int) -> bool:
+    """Whether a thread of ``pid`` waits to open a FIFO (a fetch of a blocked chunk)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "wchan").read_text().strip() in ("wait_for_partner", "fifo_open"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _sha256_in(client: NodeClient, env_id: str, path: str, timeout: float = 60) -> str:
+    r = client.exec(env_id, ["sha256sum", path], timeout=timeout)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.decode().split()[0]
+
+
+def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, debian_root):
+    home = restart_home
+    t0 = time.monotonic()
+    client = home.start()
+    first_start = time.monotonic() - t0
+    env_id = home.create(client)
+    r = client.exec(env_id, ["cat", "/data/small.txt"])
+    assert r.stdout == b"small\n"
+    init_pid = home.container_pid(env_id)
+    first_daemon, first_holder = home.daemon_pid(), home.holder_pid()
+
+    home.kill(first_daemon)
+    assert _alive(first_holder) and _alive(init_pid)
+    client.close()
+
+    t0 = time.monotonic()
+    client = home.start()
+    took = time.monotonic() - t0
+    rss = next(line.split()[1] for line in Path(f"/proc/{first_holder}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    print(f"\nfirst start {first_start:.2f} s; restart (new daemon answering, 1 environment recovered) "
+          f"{took:.2f} s; holder RSS {rss} KiB")
+    assert home.daemon_pid() != first_daemon
+    assert holder.pid_of(home.paths.run) == first_holder  # the same connection, kept by the same holder
+    envs = {e.id: e for e in client.list()}
+    assert envs[env_id].state == "running"
+    assert home.container_pid(env_id) == init_pid
+    assert client.exec(env_id, ["true"]).exit_code == 0
+    # never-read files: cold chunks of both groups fetched by the new daemon
+    assert _sha256_in(client, env_id, "/data/big.bin") == home.big_sha256
+    libpython = next(p for p in (debian_root / "usr/bin").glob("python3.*") if p.is_file() and not p.is_symlink())
+    want = hashlib.sha256(libpython.read_bytes()).hexdigest()
+    assert _sha256_in(client, env_id, f"/usr/bin/{libpython.name}") == want
+    client.write_file(env_id, "/tmp/after", b"written after the restart")
+    assert client.read_file(env_id, "/tmp/after") == b"written after the restart"
+
+    client.destroy(env_id)
+    assert not _alive(init_pid)
+    assert client.list() == []
+    client.close()
+
+
+def test_read_in_flight_during_the_kill_is_answered_by_the_next_daemon(restart_home):
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    fifo = home.block_chunk(DATA_MIB // 2)  # a chunk in the middle of big.bin
+    big = home.paths.environments / env_id / "rootfs" / "data" / "big.bin"
+    result: dict = {}
+
+    def reader() -> None:
+        try:
+            result["sha256"] = hashlib.sha256(big.read_bytes()).hexdigest()
+        except OSError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    pid = home.daemon_pid()
+    _wait_for(lambda: _fuse_waiting(pid), 30, "the daemon to wait for the blocked chunk")
+    home.holder_pid()
+    home.kill(pid)
+    client.close()
+    time.sleep(0.5)
+    assert t.is_alive()  # nobody serves: the read waits (it does not fail)
+
+    client = home.start()
+    new = home.daemon_pid()
+    _wait_for(lambda: _fuse_waiting(new), 30, "the new daemon to fetch the chunk again (resent request)")
+    home.feed(fifo)
+    t.join(60)
+    assert not t.is_alive(), "the read in flight during the kill hangs"
+    assert result == {"sha256": home.big_sha256}
+    assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+    client.destroy(env_id)
+    client.close()
+
+
+def test_killed_holder_is_replaced_and_restart_still_works(restart_home):
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    first_holder = home.holder_pid()
+    home.kill(first_holder)
+    _wait_for(lambda: holder.pid_of(home.paths.run) not in (None, first_holder), 10, "a new holder")
+    home.holder_pid()
+    assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+
+    home.kill(home.daemon_pid())
+    client.close()
+    client = home.start()
+    assert _sha256_in(client, env_id, "/data/big.bin") == home.big_sha256
+    client.destroy(env_id)
+    client.close()
+
+
+def test_environment_frozen_at_the_kill_is_thawed(restart_home):
+    """The provisioner freezes environments; one frozen when its daemon died
+    runs again under the next daemon."""
+    from weenv.node.cgroups import open_cgroups
+
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    open_cgroups(f"/weenv-{env_id}").freeze()
+    home.kill(home.daemon_pid())
+    client.close()
+    client = home.start()
+    assert client.exec(env_id, ["cat", "/data/small.txt"], timeout=30).stdout == b"small\n"
+    client.destroy(env_id)
+    client.close()
+
+
+def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
+    """With the connection lost too, nothing can be served: the next daemon
+    removes the environments and mounts left, and serves new ones."""
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    init_pid = home.container_pid(env_id)
+    home.kill(home.holder_pid())
+    home.kill(home.daemon_pid())
+    client.close()
+
+    client = home.start()
+    assert client.list() == []
+    assert not _alive(init_pid)
+    assert not any((home.paths.environments).iterdir())
+    env2 = home.create(client)
+    assert _sha256_in(client, env2, "/data/big.bin") == home.big_sha256
+    client.destroy(env2)
+    client.close()
+
+
+def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
+    """``weenv stop`` after a SIGKILL: the environments, mounts, FUSE connection
+    and holder all go (the stop takes the connection over, then closes it)."""
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    init_pid = home.container_pid(env_id)
+    holder_pid = home.holder_pid()
+    home.kill(home.daemon_pid())
+    client.close()
+    assert daemon.stop(home.paths) is False  # no daemon ran; its leftovers are cleared
+    assert not _alive(init_pid) and not _alive(holder_pid)
+    assert holder.pid_of(home.paths.run) is None
+    assert not mounts_under(home.paths.home)
+    shutil.rmtree(home.paths.environments, ignore_errors=True)
+
+
+def test_overlay_lowers_read_back_from_the_kernel(tmp_path, leak_check):
+    """Recovery finds an environment's groups in its overlay's options, which the
+    kernel shows escaped twice (overlayfs's backslashes, then octal for ``,``)."""
+    from weenv.node import mounts
+    from weenv.node.node import _overlay_lowers
+
+    lowers = [tmp_path / name for name in ("plain", "with,comma", "with:colon", "back\\slash", "sp ace")]
+    for d in lowers + [tmp_path / "u", tmp_path / "w", tmp_path / "m"]:
+        d.mkdir()
+    assert _overlay_lowers(tmp_path / "m") is None
+    mounts.mount(mounts.overlay_spec(lowers, tmp_path / "u", tmp_path / "w", tmp_path / "m"))
+    try:
+        assert _overlay_lowers(tmp_path / "m") == lowers
+    finally:
+        mounts.umount(tmp_path / "m")
