@@ -216,7 +216,7 @@ def test_admission_counts_how_bursts_overlap(make_node):
             b = node.create("task", resources=res, first_command=False)
         time.sleep(0.2)
     assert b is not None
-    assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted < 0.3, timeout=10)
+    assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted < 0.5, timeout=20)
     node.exec(a.id, BUSY.format(s=4))  # A bursts: 1 core, + at most 1 for a newcomer (its prior: 1.12)
     assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted > 0.9, timeout=10)
     with pytest.raises(CapacityError, match="predicted CPU peak"):
@@ -315,8 +315,9 @@ def test_a_burst_after_idle_is_throttled_only_when_the_quota_follows_usage(make_
         assert any(h.cpu_reservation > 0.2 for h in env_stats(node, env.id).history)
         assert wait_for(lambda: env_stats(node, env.id).cpu_reservation <= 0.11, timeout=15)
         assert env_stats(node, env.id).cpu_quota == pytest.approx(1.0)
-    else:
-        assert throttled >= 2, throttled
+    else:  # throttled until a check raised the quota
+        assert throttled >= 1, throttled
+        assert any(e.kind == "raise" and e.message.startswith("cpu 0.1") for e in node.provision_stats(env.id).events)
 
 
 ALLOC = ("python3 -c 'import time\nchunks = []\n"
@@ -348,7 +349,7 @@ def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations")
+    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3)
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
     for e in envs:

@@ -23,8 +23,8 @@ capped at 4 × the mean) followed by one *burst*, in turn:
   quota: the sum of declared cores and memory within capacity × overcommit (1).
 - ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes reservations
   from usage; admission by the node's predicted CPU peak (how the running
-  environments' bursts overlap, within the cores: ``admission="peak"``,
-  ``WEENV_ADMISSION=reservations`` for the sum of reservations alone) and the
+  environments' bursts overlap, within the cores: ``admission="peak"`` here,
+  ``WEENV_ADMISSION=reservations`` for the node's default) and the
   reservations held, within capacity × the node's default CPU overcommit
   (memory: × 1, as static).  The CFS quota is the declared ceiling (``cpu_quota_at``,
   default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
@@ -34,7 +34,7 @@ Environments are admitted *while the workload runs*, as a trainer's rollout
 stage asks for them: every second a scheduler asks the node for one more (up
 to ``max_envs``), and each admitted environment starts its agent at once, so
 the node's admission sees the usage of those already running (elastic
-admission ``peak``, the default, counts how their bursts overlap; see
+admission ``peak``, used here, counts how their bursts overlap; see
 :mod:`weenv.node.provision.arbiter`).  ``envs`` is the most held at once,
 ``mean_envs`` the mean over the run.
 
@@ -59,6 +59,7 @@ mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import statistics
@@ -360,7 +361,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         "declared": DECLARED.model_dump(),
         "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
         "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at,
-                    "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas},
+                    "admission": os.environ.get("WEENV_ADMISSION") or "peak",
+                    "admission_sigmas": from_env.admission_sigmas},
     }
     try:
         store = FileStore(home / "store")

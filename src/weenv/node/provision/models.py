@@ -104,10 +104,12 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["peak", "reservations"] = "peak"
-    """How a new environment is admitted in ``elastic`` mode, beside the sum
-    of reservations within capacity × ``cpu_overcommit`` (always checked).
-    ``peak`` (default) also counts how bursts overlap: the node's predicted CPU
+    admission: Literal["reservations", "peak"] = "reservations"
+    """How a new environment is admitted in ``elastic`` mode.
+    ``reservations`` (default): the sum of reservations within capacity ×
+    ``cpu_overcommit`` (idle environments weigh their floor, however they
+    burst; a batch of new ones their initial reservations).  ``peak`` also
+    counts how bursts overlap: the node's predicted CPU
     peak with the new environment, Σ mean + ``admission_sigmas`` × √(Σ
     variance) of each environment's per-pass usage over
     ``admission_window_s`` (the N-sigma predictor of Bashir et al., "Take it
@@ -115,9 +117,11 @@ class ProvisionConfig(_Model):
     datacenters", EuroSys 2021), capped at the sum of ceilings, must stay
     within ``cpu_capacity`` × ``admission_cpu_share``.  An environment with
     less than ``admission_min_history_s`` of history counts as its ceiling
-    busy ``admission_prior_duty`` of the time (a Bernoulli prior).
-    ``reservations``: only the sum of reservations (idle environments weigh
-    their floor, however they burst)."""
+    busy ``admission_prior_duty`` of the time (a Bernoulli prior), so a batch
+    created at once is admitted only as far as its bursts could overlap
+    (3 new 1-core environments on 2 cores: 0.75 + 2 × 0.75 > 2); choose it
+    when burst latency matters more than admitting batches at once
+    (``weenv bench provision`` measures it)."""
     admission_sigmas: float = Field(default=2.0, ge=0)
     admission_window_s: float = Field(default=300.0, gt=0)
     admission_min_history_s: float = Field(default=20.0, ge=0)
