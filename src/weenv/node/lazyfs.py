@@ -20,6 +20,18 @@ page fault happens while the thread holds the GIL, which the FUSE thread needs
 to answer it (seen: a deadlock).  ``os.read``/``open().read()`` release the GIL
 and are fine; a subprocess may do anything.
 
+Concurrency.  A read stuck in a slow store fetch must not hold up reads the
+node cache can answer.  Three bounds sit in front of a read; each is sized so
+that stuck fetches cannot take all of it: the kernel's FUSE background queue
+(EROFS reads its backing file asynchronously, so its reads are FUSE
+*background* requests: at most ``max_background`` in flight, 12 by default;
+measured here, 12 reads stuck in the store stopped every other group's reads),
+raised to :data:`MAX_BACKGROUND` through the connection's ``fusectl`` files
+(:func:`set_connection_limits`); pyfuse3's request tasks (``max_tasks``, above
+that); and the worker threads, two pools: chunks already cached are read in
+:data:`LOCAL_THREADS` threads of their own, fetches wait in up to
+:data:`FETCH_THREADS` (trio's default is one pool of 40 for everything).
+
 Errors.  Any failure to produce a range's bytes (a chunk whose content does not
 match its digest, a store that cannot be reached, a short chunk) answers the
 read with ``EIO``; wrong bytes are never returned.  The last error per group is
@@ -55,6 +67,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,13 +78,20 @@ import trio
 
 from weenv.errors import InvalidInputError, MountError
 from weenv.node.cache import ChunkCache
-from weenv.node.mounts import is_mounted, umount
+from weenv.node.mounts import _unescape, is_mounted, umount
 from weenv.packaging.manifest import GroupManifest, check_digest
 
 log = logging.getLogger(__name__)
 
 TIMEOUT = 86400.0
 """Seconds the kernel may cache entries and attributes (images never change)."""
+
+MAX_BACKGROUND = 512
+"""FUSE background requests (reads) the kernel lets run at once on the connection."""
+FETCH_THREADS = 256
+"""Worker threads for reads that fetch from the store (they may block for long)."""
+LOCAL_THREADS = 16
+"""Worker threads for reads of chunks already in the node cache (local disk only)."""
 
 _SESSION = threading.Lock()
 """Held while a LazyFS runs: pyfuse3 supports one session per process."""
@@ -134,6 +154,8 @@ class LazyFS:
         self._scope: trio.CancelScope | None = None
         self._serving = False
         self._unmounted = False  # stop() took the mount down itself
+        self._fetch_threads: trio.CapacityLimiter | None = None  # made in the trio thread
+        self._local_threads: trio.CapacityLimiter | None = None
 
     # --- the registry (any thread) -------------------------------------------------------
     def image_path(self, digest: str) -> Path:
@@ -237,6 +259,7 @@ class LazyFS:
             self._thread = None
             self._ready.clear()
             raise MountError(errno.EIO, f"FUSE mount at {self.mountpoint} failed: {error}") from error
+        set_connection_limits(self.mountpoint, MAX_BACKGROUND)
 
     def _run(self) -> None:
         try:
@@ -263,12 +286,14 @@ class LazyFS:
 
     async def _trio_main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        self._fetch_threads = trio.CapacityLimiter(FETCH_THREADS)
+        self._local_threads = trio.CapacityLimiter(LOCAL_THREADS)
         with trio.CancelScope() as scope:
             self._scope = scope
             self._serving = True
             self._ready.set()
             try:
-                await pyfuse3.main(min_tasks=2, max_tasks=64)
+                await pyfuse3.main(min_tasks=2, max_tasks=MAX_BACKGROUND + 64)
             finally:
                 self._serving = False
 
@@ -338,15 +363,20 @@ class LazyFS:
             start = max(off, i * cs)
             end = min(off + size, (i + 1) * cs)
             pieces.append((manifest.chunks[i], start - i * cs, end - start))
+        def threads(chunk) -> trio.CapacityLimiter:  # cached chunks never wait behind fetches
+            return self._local_threads if self.cache.has(chunk.digest) else self._fetch_threads
+
         if len(pieces) == 1:
-            data = await trio.to_thread.run_sync(self.cache.read, *pieces[0], abandon_on_cancel=True)
+            data = await trio.to_thread.run_sync(self.cache.read, *pieces[0], abandon_on_cancel=True,
+                                                 limiter=threads(pieces[0][0]))
         else:
             parts: list[bytes] = [b""] * len(pieces)
             errors: list[Exception] = []
 
             async def one(k: int) -> None:
                 try:
-                    parts[k] = await trio.to_thread.run_sync(self.cache.read, *pieces[k], abandon_on_cancel=True)
+                    parts[k] = await trio.to_thread.run_sync(self.cache.read, *pieces[k], abandon_on_cancel=True,
+                                                             limiter=threads(pieces[k][0]))
                 except Exception as exc:  # reported below, without an ExceptionGroup around it
                     errors.append(exc)
 
@@ -469,3 +499,46 @@ class _Ops(pyfuse3.Operations):
         s.f_bsize = s.f_frsize = 4096
         s.f_namemax = 255
         return s
+
+
+_FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def set_connection_limits(mountpoint: str | os.PathLike[str], max_background: int) -> bool:
+    """Set the FUSE connection mounted at ``mountpoint`` to allow ``max_background``
+    background requests at once (``congestion_threshold``: three quarters of it,
+    the kernel's own ratio); whether it worked.
+
+    The connection's files are ``/sys/fs/fuse/connections/N/`` (fusectl, N the
+    minor device number of the mount, Linux ``Documentation/filesystems/fuse.rst``).
+    Where fusectl is not mounted (containers), it is mounted in a private mount
+    namespace of a short-lived ``unshare --mount`` child, so the host sees nothing.
+    Best effort (root only): a failure is logged and costs only concurrency.
+    """
+    target = os.fspath(Path(mountpoint).absolute())
+    minor = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if _unescape(fields[4]) == target:
+                minor = fields[2].split(":")[1]
+    if minor is None:
+        log.warning("lazyfs: %s is not mounted; FUSE limits left as they are", target)
+        return False
+    values = {"max_background": max_background, "congestion_threshold": max_background * 3 // 4}
+    conn = _FUSECTL / minor
+    try:
+        if conn.is_dir():
+            for name, value in values.items():
+                (conn / name).write_text(str(value))
+            return True
+        script = 'mount -t fusectl fusectl "$1" && cd "$1/$2" && echo "$3" > max_background && echo "$4" > congestion_threshold'
+        subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                        str(_FUSECTL), minor, *map(str, values.values())],
+                       check=True, capture_output=True, timeout=10)  # fmt: skip
+        return True
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("lazyfs: cannot raise the FUSE background limit of %s: %s %s", target, exc,
+                    detail.decode(errors="replace").strip())
+        return False
