@@ -302,3 +302,20 @@ def test_many_stuck_reads_hold_up_no_cached_read(store_root, paths, leak_check):
                 pool.shutdown(wait=True)
         assert all(f.result() == 4096 for f in readers)
         node.destroy(env.id)
+
+
+def test_a_cold_template_mounts_its_groups_in_parallel(store_root, paths, leak_check):
+    """The groups of a cold template wait for their superblocks' fetches at the
+    same time, not one after another (both fetches are held by the store at once)."""
+    store = GatedStore(store_root)
+    groups = group_manifests(store, "slow")
+    store.gated = {m.chunks[0].digest for _g, m in groups}
+    with Node(paths, store=store, provisioning=ProvisionConfig(mode="off")) as node:
+        call = _call(node.create, "slow", first_command=False, prefetch=False)  # only the mounts fetch
+        try:
+            assert store.wait_held(len(groups), timeout=BOUND_S), f"{store.held} of {len(groups)} fetches at once"
+        finally:
+            store.gate.set()
+            call[0].join(BOUND_S)
+        assert "error" not in call[1], call[1].get("error")
+        node.destroy(call[1]["result"].id)
