@@ -532,7 +532,8 @@ def set_connection_limits(mountpoint: str | os.PathLike[str], max_background: in
             for name, value in values.items():
                 (conn / name).write_text(str(value))
             return True
-        script = 'mount -t fusectl fusectl "$1" && cd "$1/$2" && echo "$3" > max_background && echo "$4" > congestion_threshold'
+        script = ('mount -t fusectl fusectl "$1" && cd "$1/$2" '
+                  '&& echo "$3" > max_background && echo "$4" > congestion_threshold')
         subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
                         str(_FUSECTL), minor, *map(str, values.values())],
                        check=True, capture_output=True, timeout=10)  # fmt: skip
