@@ -30,7 +30,7 @@ class CreateTiming(_Model):
     overlay_s: float = 0.0
     """Making the private upper/work dirs and mounting the overlay rootfs."""
     runtime_s: float = 0.0
-    """Writing the OCI bundle and ``runc create`` + ``runc start``."""
+    """Writing the OCI bundle and starting its container (``runc run --detach``)."""
     first_command_s: float | None = None
     """Running the first command (``true``) inside the environment, if asked."""
     total_s: float = 0.0

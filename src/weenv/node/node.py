@@ -31,6 +31,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 from weenv.config import Paths
@@ -75,6 +76,11 @@ CONTAINER_PREFIX = "weenv-"
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
+
+
+MANIFEST_CACHE = 64
+"""Template and group manifests a node keeps in memory, by digest (least recently used go;
+a group manifest of a 3 GB group is ~3,000 chunk refs, about 1-2 MB of Python objects)."""
 
 
 class _Environment:
@@ -143,6 +149,7 @@ class Node:
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
+        self._manifest_cache: OrderedDict[tuple[str, str], TemplateManifest | GroupManifest] = OrderedDict()
         self._started = False
         self._home_lock: int | None = None
 
@@ -388,8 +395,7 @@ class Node:
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
-        digest, manifest = load_template(self.store, template)
-        group_manifests: list[GroupManifest] = [load_group(self.store, g) for g in manifest.groups]
+        digest, manifest, group_manifests = self._manifests(template)
         timing["manifest_s"] = time.perf_counter() - t0
 
         env_id = secrets.token_hex(6)
@@ -407,10 +413,9 @@ class Node:
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
 
             t = time.perf_counter()
-            lowers = []
-            for g_digest, g_manifest in zip(manifest.groups, group_manifests):
-                lowers.append(self.groups.acquire(g_digest, g_manifest))
-                undo.callback(self.groups.release, g_digest, lowers[-1])
+            lowers = self.groups.acquire_all(list(zip(manifest.groups, group_manifests)))  # cold ones in parallel
+            for g_digest, lower in zip(manifest.groups, lowers):
+                undo.callback(self.groups.release, g_digest, lower)
             timing["groups_s"] = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -436,8 +441,7 @@ class Node:
                 capabilities=capabilities,
             )
             undo.callback(self._delete_container, container_id)
-            self.runc.create(container_id, bundle)
-            self.runc.start(container_id)
+            self.runc.run_detached(container_id, bundle)  # create + start in one runc process
             self.provisioner.attach(env_id, f"/{container_id}")
             timing["runtime_s"] = time.perf_counter() - t
 
@@ -481,6 +485,31 @@ class Node:
         with self._lock:
             self._envs[env_id] = env
         return info
+
+    def _manifests(self, template: str) -> tuple[str, TemplateManifest, list[GroupManifest]]:
+        """Template ``template`` (name or digest): its digest, manifest and group
+        manifests.  The name is resolved in the store on every call (a ref may
+        move); manifests are content-addressed, so the last
+        :data:`MANIFEST_CACHE` loaded are kept by digest (a warm start asks the
+        store one question instead of 2 + groups).  Raises as
+        :func:`load_template` and :func:`load_group` do."""
+        digest = self.store.resolve("templates", template)
+        manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
+        groups = [self._cached_manifest("group", g, lambda g=g: load_group(self.store, g)) for g in manifest.groups]
+        return digest, manifest, groups
+
+    def _cached_manifest(self, kind: str, digest: str, load):
+        with self._lock:
+            found = self._manifest_cache.get((kind, digest))
+            if found is not None:
+                self._manifest_cache.move_to_end((kind, digest))
+                return found
+        found = load()  # outside the lock: a store fetch
+        with self._lock:
+            self._manifest_cache[(kind, digest)] = found
+            while len(self._manifest_cache) > MANIFEST_CACHE:
+                self._manifest_cache.popitem(last=False)
+        return found
 
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         """Destroy the environment ``timeout`` seconds from now (instead of when
@@ -797,6 +826,7 @@ class Node:
             self.groups.unmount_unused()
             self.groups.remove_images()
             self.cache.clear()
+            self._manifest_cache.clear()
 
     # --- helpers --------------------------------------------------------------------
     def _env(self, env_id: str) -> _Environment:

@@ -131,6 +131,10 @@ class Runc:
         stdout and stderr (runc create would otherwise wait on pipes it passes on).
         Raises :class:`NotFoundError` without ``bundle/config.json``.
         """
+        self._launch(("create",), container_id, bundle)
+
+    def _launch(self, verb: tuple[str, ...], container_id: str, bundle: Path) -> None:
+        """``runc VERB... --bundle BUNDLE ID`` with the first process's stdio as :meth:`create` sets it."""
         _check_id(container_id)
         bundle = Path(bundle).absolute()
         if not (bundle / "config.json").is_file():
@@ -141,29 +145,30 @@ class Runc:
             offset = log.tell()
             try:
                 proc = subprocess.run(
-                    self._argv("create", "--bundle", str(bundle), container_id),
+                    self._argv(*verb, "--bundle", str(bundle), container_id),
                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                     timeout=self.command_timeout,
                 )  # fmt: skip
             except FileNotFoundError as exc:
                 raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
             except subprocess.TimeoutExpired as exc:
-                raise RuntimeFailedError(f"runc create {container_id}: hung") from exc
+                raise RuntimeFailedError(f"runc {verb[0]} {container_id}: hung") from exc
         if proc.returncode != 0:
             with open(log_path, "rb") as f:
                 f.seek(offset)
                 out = f.read(64 << 10).decode(errors="replace")
-            raise RuntimeFailedError(f"runc create {container_id}: {runc_message(out)}")
+            raise RuntimeFailedError(f"runc {verb[0]} {container_id}: {runc_message(out)}")
 
     def start(self, container_id: str) -> None:
         """``runc start``: run the first process of a created container."""
         self._run("start", container_id)
 
     def run_detached(self, container_id: str, bundle: Path) -> None:
-        """:meth:`create` then :meth:`start`; on failure nothing is left behind."""
-        self.create(container_id, bundle)
+        """``runc run --detach``: :meth:`create` and :meth:`start` in one runc
+        process (one Go runtime start and state load fewer: ~5-10 ms here); on
+        failure nothing is left behind."""
         try:
-            self.start(container_id)
+            self._launch(("run", "--detach"), container_id, bundle)
         except BaseException:
             self.delete(container_id, force=True)
             raise

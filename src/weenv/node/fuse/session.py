@@ -55,6 +55,12 @@ sets it: a direct-I/O read split into several requests reports the first error
 rather than the bytes before it (see :mod:`weenv.node.lazyfs`)."""
 MAX_PAGES = 256
 """Pages per request: reads of up to 1 MiB (libfuse's default, FUSE_MAX_MAX_PAGES)."""
+MAX_BACKGROUND = 256
+"""Background requests (EROFS reads its backing file asynchronously: every read
+of an image is one) the kernel lets run at once on the connection, set at INIT
+(the kernel's default is 12: measured, 12 reads stuck in a slow store fetch
+stopped every other read of every group).  The worker pool is as large, so a
+read the node cache can answer never queues behind reads stuck in the store."""
 MAX_WRITE = 4096
 """The file system is read-only: the kernel's minimum keeps read buffers small."""
 BUFFER_SIZE = 64 << 10
@@ -137,7 +143,7 @@ class FuseSession:
     """Serves ``ops`` on the FUSE connection ``fd`` (the session owns it: :meth:`close`)."""
 
     def __init__(self, fd: int, ops: Operations, *, name: str = "weenv-fuse", readers: int = 2,
-                 max_workers: int = 64):
+                 max_workers: int = MAX_BACKGROUND):
         self.fd = fd
         self.ops = ops
         self.name = name
@@ -358,7 +364,8 @@ class FuseSession:
                           flags & WANT_FLAGS, MAX_WRITE, MAX_PAGES)
         self.init = state
         self.initialized.set()
-        return P.INIT_OUT.pack(state.major, state.minor, state.max_readahead, state.flags, 0, 0,
+        return P.INIT_OUT.pack(state.major, state.minor, state.max_readahead, state.flags,
+                               MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4,  # congestion: the kernel's ratio
                                state.max_write, 1, state.max_pages, 0, 0)
 
 
