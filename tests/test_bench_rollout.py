@@ -16,6 +16,7 @@ from weenv.bench.rollout.systems import unwrap, wrap
 from weenv.bench.rollout.tasks import TASKS, TaskSpec, mutate, patch_command, prepare_task
 from weenv.bench.rollout.trajectory import STEPS, make_trajectory, patch_kind
 from weenv.bench.update import fetch_sdists
+from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node import mounts
 from weenv.services import process
@@ -37,12 +38,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
+def prepared():
     """The first four tasks prepared from their sdists (cached in WEENV_CACHE)."""
-    from tests.conftest import CACHE
-
     specs = TASKS[:4]
-    return [prepare_task(CACHE, s, src) for s, src in zip(specs, fetch_sdists(CACHE, tuple(s.sdist for s in specs)))]
+    cache = Paths.from_env().cache
+    return [prepare_task(cache, s, src) for s, src in zip(specs, fetch_sdists(cache, tuple(s.sdist for s in specs)))]
 
 
 def test_task_pool_is_real_and_distinct():

@@ -13,8 +13,9 @@ far; the daemon-side processes (for their memory).
   ``docker exec`` per command, ``docker rm -f``.
 
 **Exec overhead.**  Every command runs as ``bash -c`` of a wrapper
-(:func:`wrap`) that reads bash's ``$EPOCHREALTIME`` just before and just after
-the command and prints both on stderr's last line; :func:`unwrap` strips
+(:func:`wrap`) that reads bash's ``$EPOCHREALTIME`` just before the command
+and, from an ``EXIT`` trap (so an ``exit`` in the command is timed too), just
+after it, and prints both on stderr's last line; :func:`unwrap` strips
 them.  The command's own run time is their difference; the exec's wall time
 (the client's request to its result) minus it is the system's overhead for
 that command (the wrapper's own bash start included, the same on both).
@@ -81,8 +82,8 @@ class System(Protocol):
 
 def wrap(command: str) -> list[str]:
     """argv running ``command`` in bash with its own run time measured inside."""
-    script = (f"__t0=$EPOCHREALTIME\n{{ {command}\n}}\n__rc=$?\n__t1=$EPOCHREALTIME\n"
-              f"printf '\\n{MARK} %s %s\\n' \"$__t0\" \"$__t1\" >&2\nexit $__rc\n")  # fmt: skip
+    script = (f"__t0=$EPOCHREALTIME\ntrap 'printf \"\\\\n{MARK} %s %s\\\\n\" \"$__t0\" \"$EPOCHREALTIME\" >&2' EXIT\n"
+              f"{{ {command}\n}}\n")  # fmt: skip
     return ["bash", "-c", script]
 
 
@@ -90,12 +91,12 @@ def unwrap(exit_code: int, stdout: str, stderr: str, wall_s: float) -> ExecResul
     """The :class:`ExecResult` of a :func:`wrap`-ped command.  Raises
     :class:`RuntimeFailedError` if the timing line is missing (the wrapper did not
     run to its end: the exec itself failed)."""
-    head, sep, last = stderr.rstrip("\n").rpartition("\n")
+    head, _sep, last = stderr.rstrip("\n").rpartition("\n")  # the wrapper adds a newline + its line
     parts = last.split()
     if len(parts) != 3 or parts[0] != MARK:
         raise RuntimeFailedError(f"exec failed (exit {exit_code}), no timing line: {stderr[-400:]!r}")
     inner = float(parts[2].replace(",", ".")) - float(parts[1].replace(",", "."))
-    return ExecResult(exit_code, stdout, head + ("\n" if sep and head else ""), wall_s, inner)
+    return ExecResult(exit_code, stdout, head, wall_s, inner)
 
 
 def host_side(pids) -> list[int]:
