@@ -114,6 +114,33 @@ def test_exec_wrapper_measures_the_command_inside():
         unwrap(126, "", "exec failed: no such container", 0.1)
 
 
+def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_check, tmp_path):
+    """The build-time check runs the tests in weenv environments: a real bug
+    passes it; a "bug" that breaks none of the named tests is refused."""
+    import dataclasses
+
+    from weenv.bench.rollout import templates
+    from weenv.bench.rollout.tasks import runtime_tree
+    from weenv.packaging.manifest import Resources
+    from weenv.store.file import FileStore
+
+    good = prepared[1]  # idna
+    spec = dataclasses.replace(good.spec, name="idna-harmless", mutated="    if len(label) >  63:")
+    harmless = prepare_task(paths.cache, spec, fetch_sdists(paths.cache, (spec.sdist,))[0])
+    store = FileStore(tmp_path / "store")
+    built = templates.build_weenv(store, debian_root, runtime_tree(paths.cache), [good, harmless],
+                                  Resources(), tmp_path, log=lambda _m: None)  # fmt: skip
+    marks = tmp_path / "marks"
+    checks = templates.verify_tasks(store, {"idna": built["idna"]}, tmp_path / "home", marks=marks,
+                                    log=lambda _m: None)  # fmt: skip
+    assert {k: v["exit_code"] for k, v in checks["idna"].items()} == {"none": 1, "wrong": 1, "right": 0}
+    assert len(list(marks.iterdir())) == 1
+    with pytest.raises(RuntimeFailedError, match="idna-harmless.*exit 0, want 1"):
+        templates.verify_tasks(store, {"idna-harmless": built["idna-harmless"]}, tmp_path / "home2", marks=marks,
+                               log=lambda _m: None)  # fmt: skip
+    assert len(list(marks.iterdir())) == 1
+
+
 @needs_docker
 def test_quick_rollout_benchmark_weenv_against_docker(paths, debian_root, leak_check, tmp_path):
     out = tmp_path / "rollout.json"

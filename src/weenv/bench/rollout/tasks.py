@@ -312,10 +312,12 @@ def reward_command(spec: TaskSpec) -> str:
     return f"{PYTEST} " + " ".join(shlex.quote(t) for t in spec.tests)
 
 
-def patch_command(patch: str) -> str:
-    """A shell command applying ``patch`` (a unified diff) with ``patch -p1`` from
-    the project's directory, the diff given inline as a here-document."""
+def patch_command(patch: str, *, reverse: bool = False) -> str:
+    """A shell command applying ``patch`` (a unified diff; ``reverse``: undoing it)
+    with ``patch -p1`` from the project's directory, the diff given inline as a
+    here-document."""
     marker = "WEENV_PATCH_EOF"
     if marker in patch:
         raise InvalidInputError("the patch contains the here-document marker")
-    return f"patch -p1 --no-backup-if-mismatch <<'{marker}'\n{patch}{marker}\n"
+    flags = "-p1 --no-backup-if-mismatch" + (" -R" if reverse else "")
+    return f"patch {flags} <<'{marker}'\n{patch}{marker}\n"

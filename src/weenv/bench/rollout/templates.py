@@ -15,9 +15,9 @@
   local image is removed, so a run pulls what it uses.
 
 :func:`verify_tasks` starts each task's template in an in-process weenv node
-over the file store and checks that the task's tests fail (pytest exit 1),
-that the fixing patch applies and that they then pass; the wrong patch
-applies and leaves them failing.  A verified task is remembered under
+over the file store and checks, in one environment, that the task's tests fail
+(pytest exit 1), still fail once the wrong patch is applied, and pass once it
+is undone (``patch -R``) and the fixing patch applied.  A verified task is remembered under
 ``$WEENV_CACHE/bench-rollout/verified`` by its template digest.
 """
 
@@ -86,15 +86,19 @@ def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], res
     return out
 
 
-def verify_tasks(store, built: dict[str, Built], home: Path, log=print) -> dict[str, dict]:
+def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | None = None,
+                 log=print) -> dict[str, dict]:  # fmt: skip
     """Check every task's bug and patches inside weenv (see the module docstring);
-    return task name -> what was checked.  Raises :class:`RuntimeFailedError`
-    naming the task and the output when a check fails."""
+    return task name -> what was checked (pytest's exit code and seconds per
+    patch).  ``home``: the checking node's home; ``marks``: where verified
+    template digests are remembered (default ``$WEENV_CACHE/bench-rollout/verified``).
+    Raises :class:`RuntimeFailedError` naming the task and the output when a
+    check fails."""
     from weenv.node.node import Node
     from weenv.node.provision import ProvisionConfig
 
     cache = Paths.from_env().cache
-    marks = cache / "bench-rollout" / "verified"
+    marks = marks or cache / "bench-rollout" / "verified"
     marks.mkdir(parents=True, exist_ok=True)
     todo = [b for b in built.values() if not (marks / b.digest.replace(":", "-")).is_file()]
     out = {name: json.loads((marks / b.digest.replace(":", "-")).read_text())
@@ -105,27 +109,27 @@ def verify_tasks(store, built: dict[str, Built], home: Path, log=print) -> dict[
     paths = Paths(home=home, cache=cache, store_url=f"file://{home / 'unused-store'}")
     with Node(paths, store=store, provisioning=ProvisionConfig(mode="off")) as node:
         for b in todo:
-            spec = b.task.spec
+            spec, task = b.task.spec, b.task
             checks = {}
-            for patch in ("none", "wrong", "right"):
-                info = node.create(b.template, prefetch=False)
-                try:
-                    if patch != "none":
-                        text = b.task.fix_patch if patch == "right" else b.task.wrong_patch
-                        r = node.exec(info.id, ["bash", "-c", patch_command(text)], timeout=120)
+            info = node.create(b.template, prefetch=False)
+            try:
+                # bug; wrong patch; wrong patch undone and the fix applied
+                for label, patches, want in (("none", [], 1), ("wrong", [(task.wrong_patch, False)], 1),
+                                             ("right", [(task.wrong_patch, True), (task.fix_patch, False)], 0)):
+                    for text, reverse in patches:
+                        r = node.exec(info.id, ["bash", "-c", patch_command(text, reverse=reverse)], timeout=120)
                         if r.exit_code != 0:
-                            raise RuntimeFailedError(f"task {spec.name}: the {patch} patch does not apply: "
-                                                     f"{(r.stdout + r.stderr).decode(errors='replace')[-800:]}")  # fmt: skip
+                            raise RuntimeFailedError(f"task {spec.name}: a patch does not apply ({label}): "
+                                                     f"{(r.stdout + r.stderr).decode(errors='replace')[-800:]}")
                     r = node.exec(info.id, ["bash", "-c", reward_command(spec)], timeout=300)
-                finally:
-                    node.destroy(info.id)
-                want = 0 if patch == "right" else 1
-                if r.exit_code != want:
-                    raise RuntimeFailedError(
-                        f"task {spec.name}: with {patch} patch its tests exit {r.exit_code}, want {want}:\n"
-                        f"{(r.stdout + r.stderr).decode(errors='replace')[-1500:]}"
-                    )
-                checks[patch] = {"exit_code": r.exit_code, "seconds": round(r.duration_s, 3)}
+                    if r.exit_code != want:
+                        raise RuntimeFailedError(
+                            f"task {spec.name}: with patch {label!r} its tests exit {r.exit_code}, want {want}:\n"
+                            f"{(r.stdout + r.stderr).decode(errors='replace')[-1500:]}"
+                        )
+                    checks[label] = {"exit_code": r.exit_code, "seconds": round(r.duration_s, 3)}
+            finally:
+                node.destroy(info.id)
             (marks / b.digest.replace(":", "-")).write_text(json.dumps(checks))
             out[spec.name] = checks
             log(f"  {spec.name}: tests fail with the bug and the wrong patch, pass with the fix")
