@@ -134,7 +134,7 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["table"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     xs = range(len(rows))
     bottoms = [0.0] * len(rows)
     for key, label, color in PHASES:
@@ -149,7 +149,7 @@ def plot(result: dict, png: Path) -> None:
     s = result["summary"]
     ax.set_title(f"rollout stage: {s['rollouts']} rollouts ({s['tasks']} tasks x G={s['group']}), "
                  f"concurrency {s['concurrency']}, think x{s['think_scale']:g}", fontsize=9)  # fmt: skip
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
