@@ -135,6 +135,9 @@ def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_chec
                                     log=lambda _m: None)  # fmt: skip
     assert {k: v["exit_code"] for k, v in checks["idna"].items()} == {"none": 1, "wrong": 1, "right": 0}
     assert len(list(marks.iterdir())) == 1
+    again = templates.verify_tasks(store, {"idna": built["idna"]}, tmp_path / "unused-home", marks=marks,
+                                   log=lambda _m: None)  # fmt: skip
+    assert again == checks and not (tmp_path / "unused-home").exists()  # remembered: no node started
     with pytest.raises(RuntimeFailedError, match="idna-harmless.*exit 0, want 1"):
         templates.verify_tasks(store, {"idna-harmless": built["idna-harmless"]}, tmp_path / "home2", marks=marks,
                                log=lambda _m: None)  # fmt: skip

@@ -18,11 +18,13 @@
 over the file store and checks, in one environment, that the task's tests fail
 (pytest exit 1), still fail once the wrong patch is applied, and pass once it
 is undone (``patch -R``) and the fixing patch applied.  A verified task is remembered under
-``$WEENV_CACHE/bench-rollout/verified`` by its template digest.
+``$WEENV_CACHE/bench-rollout/verified`` by the digest of its template's inputs
+(trees, task spec, runtime settings).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -47,6 +49,9 @@ class Built:
     deps_tree: Path | None
     image_bytes: int
     stored_bytes: int
+    inputs: str = ""
+    """A digest of the trees and settings the template was built from (a group
+    manifest holds its build time, so the template's digest changes per build)."""
 
 
 def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], resources, work: Path,
@@ -80,8 +85,10 @@ def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], res
         runtime_cfg = RuntimeConfig(working_dir=spec.workdir, env={**RuntimeConfig().env, **spec.env},
                                     resources=resources)  # fmt: skip
         digest, _ = create_template(store, f"rollout-{spec.name}", groups, runtime=runtime_cfg)
+        inputs = hashlib.sha256(json.dumps([spec.key(), str(base), str(runtime), str(deps), spec.env,
+                                            runtime_cfg.model_dump(mode="json")]).encode()).hexdigest()[:32]
         out[spec.name] = Built(task, f"rollout-{spec.name}", digest, deps,
-                               sum(g.image_size for g in sizes), sum(g.stored_size for g in sizes))  # fmt: skip
+                               sum(g.image_size for g in sizes), sum(g.stored_size for g in sizes), inputs)  # fmt: skip
     log(f"weenv: {len(out)} templates built in {time.monotonic() - t0:.1f} s")
     return out
 
@@ -100,9 +107,8 @@ def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | No
     cache = Paths.from_env().cache
     marks = marks or cache / "bench-rollout" / "verified"
     marks.mkdir(parents=True, exist_ok=True)
-    todo = [b for b in built.values() if not (marks / b.digest.replace(":", "-")).is_file()]
-    out = {name: json.loads((marks / b.digest.replace(":", "-")).read_text())
-           for name, b in built.items() if b not in todo}  # fmt: skip
+    todo = [b for b in built.values() if not (marks / b.inputs).is_file()]
+    out = {name: json.loads((marks / b.inputs).read_text()) for name, b in built.items() if b not in todo}
     if not todo:
         return out
     log(f"verifying {len(todo)} tasks inside weenv environments ...")
@@ -130,7 +136,7 @@ def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | No
                     checks[label] = {"exit_code": r.exit_code, "seconds": round(r.duration_s, 3)}
             finally:
                 node.destroy(info.id)
-            (marks / b.digest.replace(":", "-")).write_text(json.dumps(checks))
+            (marks / b.inputs).write_text(json.dumps(checks))
             out[spec.name] = checks
             log(f"  {spec.name}: tests fail with the bug and the wrong patch, pass with the fix")
     return out
