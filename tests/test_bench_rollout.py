@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,23 @@ def test_exec_wrapper_measures_the_command_inside():
     assert unwrap(p.returncode, p.stdout, p.stderr, 1.0).stdout == "line\n"
     with pytest.raises(RuntimeFailedError):
         unwrap(126, "", "exec failed: no such container", 0.1)
+
+
+def test_daemon_side_processes_leave_out_other_mount_namespaces():
+    from weenv.bench.rollout.systems import descendants, host_side, rss_bytes
+
+    child = subprocess.Popen(["sleep", "30"])
+    inside = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
+    try:
+        time.sleep(0.2)
+        tree = descendants(os.getpid())
+        assert {child.pid, inside.pid} <= set(tree)
+        assert host_side(tree).count(child.pid) == 1 and inside.pid not in host_side(tree)
+        assert rss_bytes(child.pid) > 0 and rss_bytes(2**22 + 7) == 0
+    finally:
+        for p in (child, inside):
+            p.kill()
+            p.wait()
 
 
 def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_check, tmp_path):

@@ -22,10 +22,11 @@ that command (the wrapper's own bash start included, the same on both).
 
 **Daemon memory.**  :class:`MemorySampler` sums the resident memory (VmRSS)
 of a system's daemon-side processes every ``interval`` seconds and keeps the
-peak: weenv's daemon (its FUSE server is a thread of it) and its helper
-processes; dockerd, its containerd and the containerd shims.  Processes inside
-environments or containers (whose ``/proc/PID/root`` is not the host's) are
-left out on both sides.
+peak: weenv's daemon (its FUSE server is a thread of it) and the processes
+below it; dockerd, its containerd, the containerd shims and the processes below
+them.  Processes inside environments or containers (in a mount namespace of
+their own: the commands, their ``runc init``) are left out on both sides;
+``runc`` calls of either side count while they run.
 """
 
 from __future__ import annotations
@@ -100,26 +101,31 @@ def unwrap(exit_code: int, stdout: str, stderr: str, wall_s: float) -> ExecResul
 
 
 def host_side(pids) -> list[int]:
-    """The PIDs of ``pids`` whose root directory is the host's (not inside a container)."""
+    """The PIDs of ``pids`` in this process's mount namespace (not inside an
+    environment or container, which have their own)."""
+    own = os.readlink("/proc/self/ns/mnt")
     out = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/root") == "/":
+            if os.readlink(f"/proc/{pid}/ns/mnt") == own:
                 out.append(pid)
     return out
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (from ``/proc/*/stat`` parent ids)."""
+def descendants(*pids: int) -> list[int]:
+    """``pids`` and every process below them (from ``/proc/*/stat`` parent ids)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
+    out, todo, seen = [], list(pids), set()
     while todo:
         p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
         out.append(p)
         todo.extend(children.get(p, ()))
     return out
@@ -324,5 +330,5 @@ class DockerSystem:
     def daemon_pids(self) -> list[int]:
         from weenv.services import process
 
-        pids = {self.dockerd.pid} | set(process.pids_mentioning(str(self.dockerd.root) + "/"))
-        return host_side(sorted(p for p in pids if p))
+        roots = {self.dockerd.pid} | set(process.pids_mentioning(str(self.dockerd.root) + "/"))
+        return host_side(descendants(*sorted(p for p in roots if p)))
