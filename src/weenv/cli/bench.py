@@ -60,3 +60,25 @@ def start(
     result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
                  log=err.print)
     print(json.dumps(result["summary"]))
+
+
+@bench_app.command("rollout")
+def rollout(
+    quick: bool = typer.Option(False, "--quick", help="a few minutes: 3 of 6 tasks x G=4, think time x0.05"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    seed: int = typer.Option(0, help="seed of the task sample, trajectories and think times"),
+    pool: Optional[int] = typer.Option(None, help="tasks published (default 22; quick 6)"),
+    tasks: Optional[int] = typer.Option(None, help="tasks in the iteration (default 8; quick 3)"),
+    group: Optional[int] = typer.Option(None, "-G", "--group", help="rollouts per task (default 8; quick 4)"),
+    concurrency: Optional[int] = typer.Option(None, help="rollouts at once (default 32; quick 6)"),
+    think_scale: Optional[float] = typer.Option(None, help="factor on think time (default 1; quick 0.05)"),
+) -> None:
+    """The environment's share of an RL iteration's rollout stage on real tasks
+    (PyPI projects with injected bugs, replayed agent trajectories): weenv against
+    Docker, both from one loopback docker-registry."""
+    from weenv.bench.rollout import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, json_path=json_path, seed=seed, pool=pool, tasks=tasks, group=group,
+                 concurrency=concurrency, think_scale=think_scale, log=err.print)
+    print(json.dumps(result["summary"]))

@@ -1,0 +1,220 @@
+"""``weenv bench rollout``: the environment's share of an RL iteration's rollout
+stage on real tasks, weenv against Docker, side by side in one run.
+
+1. **Tasks** (:mod:`.tasks`): a pool of real projects from PyPI sdists, each
+   with an injected bug, the tests it breaks and its fixing patch; templates
+   (:mod:`.templates`) stack a shared Debian base, a shared runtime, the task's
+   deps and its source, and are checked inside weenv (the bug fails the tests,
+   the patch makes them pass).
+2. **Trajectories** (:mod:`.trajectory`): per task, G rollouts replaying 10-40
+   agent commands with lognormal think time between them (scaled by
+   ``think_scale``), half submitting the right patch; the reward is the task's
+   failing tests after the last step.
+3. **The iteration** (:mod:`.iteration`): ``tasks`` tasks sampled (by the seed)
+   from the pool, x G rollouts, run ``concurrency`` at a time: create, steps,
+   reward, destroy.
+4. **Both systems** (:mod:`.systems`): weenv (a daemon of its own, node cache
+   empty, the templates in an ``oci://`` store on a loopback docker-registry)
+   then Docker (a private dockerd, the same templates as images in the same
+   registry, none local at the start).  Every template of the pool is
+   published on both; an iteration touches a sample.
+5. **Report** (:mod:`.report`): per system the environment share, time to first
+   step, exec overhead, create/destroy, rewards, bytes fetched, daemon peak
+   memory; JSON ``summary`` with ``weenv_env_share``, ``docker_env_share``,
+   ``weenv_first_step_p50_s``, ``docker_first_step_p50_s``, ``rewards_match``;
+   a PNG of stacked bars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from weenv.bench import machine, write_report
+from weenv.config import Paths
+from weenv.errors import InvalidInputError
+
+DEFAULTS = {"pool": 22, "tasks": 8, "group": 8, "concurrency": 32, "think_scale": 1.0, "steps": (10, 40)}
+QUICK = {"pool": 6, "tasks": 3, "group": 4, "concurrency": 6, "think_scale": 0.05, "steps": (10, 16)}
+"""``quick``: a pool of 6 tasks, 3 of them x G=4, think time x0.05, 10-16 steps."""
+CPUS, MEMORY_BYTES, PIDS = 1.0, 2 << 30, 1024
+"""Limits of every environment and container."""
+SUMMARY_KEYS = ("weenv_env_share", "docker_env_share", "weenv_first_step_p50_s", "docker_first_step_p50_s",
+                "rewards_match")  # fmt: skip
+
+
+def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None, seed: int = 0,
+        pool: int | None = None, tasks: int | None = None, group: int | None = None,
+        concurrency: int | None = None, think_scale: float | None = None,
+        steps: tuple[int, int] | None = None, systems: tuple[str, ...] = ("weenv", "docker"),
+        log=print) -> dict:  # fmt: skip
+    """Run the benchmark; return the result dict (also written to ``json_path``
+    with a PNG beside it).
+
+    Settings default to :data:`DEFAULTS` (:data:`QUICK` with ``quick``); any
+    given one overrides.  ``pool``: tasks published (1..22, at least ``tasks``);
+    ``tasks``: tasks in the iteration; ``group``: rollouts per task (G);
+    ``steps``: (fewest, most) agent steps.  ``work``: directory for the stores,
+    homes and build context (default a temporary one, removed).  Raises
+    :class:`InvalidInputError` for bad settings, :class:`ToolMissingError`
+    without docker.io / docker-registry / debootstrap / mkfs.erofs,
+    :class:`RuntimeFailedError` if a download, build, check or push fails.
+    Every daemon this starts (weenv, dockerd, registry) is stopped by its PID
+    and its directories removed in every case.
+    """
+    from weenv.bench.rollout import iteration, report, templates
+    from weenv.bench.rollout.systems import DockerSystem, WeenvSystem
+    from weenv.bench.rollout.tasks import TASKS, prepare_task, runtime_tree
+    from weenv.bench.rollout.trajectory import make_trajectory
+    from weenv.bench.start import loadavg
+    from weenv.bench.update import fetch_sdists
+    from weenv.packaging.debootstrap import debian_rootfs
+    from weenv.packaging.manifest import Resources
+    from weenv.services.dockerd import Dockerd
+    from weenv.services.registry import Registry
+    from weenv.store.file import FileStore
+    from weenv.store.oci import OciStore
+    from weenv.store.transfer import copy_template
+
+    cfg = dict(QUICK if quick else DEFAULTS)
+    for key, value in (("pool", pool), ("tasks", tasks), ("group", group), ("concurrency", concurrency),
+                       ("think_scale", think_scale), ("steps", steps)):  # fmt: skip
+        if value is not None:
+            cfg[key] = value
+    if not 1 <= cfg["tasks"] <= cfg["pool"] <= len(TASKS):
+        raise InvalidInputError(f"want 1 <= tasks <= pool <= {len(TASKS)}, got tasks {cfg['tasks']}, pool {cfg['pool']}")
+    if cfg["group"] < 1 or cfg["concurrency"] < 1 or cfg["think_scale"] < 0:
+        raise InvalidInputError("group and concurrency must be >= 1, think_scale >= 0")
+    if not systems or any(s not in ("weenv", "docker") for s in systems):
+        raise InvalidInputError("systems: weenv and/or docker")
+    resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS)
+    env_paths = Paths.from_env()
+    cache = env_paths.cache
+    cache.mkdir(parents=True, exist_ok=True)
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-rollout-"))
+    t_run = time.monotonic()
+    load_start = loadavg()
+    try:
+        # --- tasks and templates ----------------------------------------------------------
+        specs = list(TASKS[: cfg["pool"]])
+        base = debian_rootfs(cache, log=log)
+        runtime = runtime_tree(cache, log=log)
+        sources = fetch_sdists(cache, tuple(s.sdist for s in specs))
+        prepared = [prepare_task(cache, s, src) for s, src in zip(specs, sources)]
+        file_store = FileStore(work / "filestore")
+        built = templates.build_weenv(file_store, base, runtime, prepared, resources, work, log=log)
+        verified = templates.verify_tasks(file_store, built, work / "verify-home", log=log)
+
+        rng = random.Random(seed)
+        chosen = rng.sample([p for p in prepared], cfg["tasks"])
+        trajectories = [make_trajectory(t, g, cfg["group"], seed=seed, think_scale=cfg["think_scale"],
+                                        steps=tuple(cfg["steps"]))
+                        for t in chosen for g in range(cfg["group"])]  # fmt: skip
+        log(f"iteration: {len(chosen)} tasks ({', '.join(t.spec.name for t in chosen)}) x G={cfg['group']} = "
+            f"{len(trajectories)} rollouts, {sum(len(t.steps) for t in trajectories)} steps, "
+            f"concurrency {cfg['concurrency']}, think x{cfg['think_scale']:g}")  # fmt: skip
+
+        iterations = []
+        services: dict = {}
+        with contextlib.ExitStack() as stack:
+            registry = stack.enter_context(Registry(work / "registry"))
+            oci = OciStore(f"oci://{registry.address}/bench/weenv")
+            stack.callback(oci.close)
+            t = time.monotonic()
+            copied = sum(copy_template(file_store, oci, b.template).bytes_copied for b in built.values())
+            weenv_publish_s = time.monotonic() - t
+            log(f"weenv: {len(built)} templates copied to the registry ({copied / 1e6:.0f} MB) in {weenv_publish_s:.1f} s")
+            services = {"registry_pid": registry.pid}
+            t = time.monotonic()
+            refs, layers = ({}, {})
+            if "docker" in systems:
+                dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
+                services.update(dockerd_pid=dockerd.pid, dockerd_root=str(dockerd.root))
+                refs, layers = templates.build_docker(dockerd, registry, base, runtime, built, work, log=log)
+            docker_publish_s = time.monotonic() - t
+
+            if "weenv" in systems:
+                log("weenv: iteration ...")
+                with WeenvSystem(work / "home", cache, oci.url, {n: b.template for n, b in built.items()},
+                                 resources) as weenv_sys:  # fmt: skip
+                    services["weenv_daemon_pid"] = weenv_sys.pid
+                    iterations.append(iteration.run_iteration(weenv_sys, trajectories, cfg["concurrency"], log=log))
+            if "docker" in systems:
+                log("docker: iteration ...")
+                iterations.append(iteration.run_iteration(DockerSystem(dockerd, refs, layers, resources),
+                                                          trajectories, cfg["concurrency"], log=log))  # fmt: skip
+
+        rows = [report.system_row(it) for it in iterations]
+        by = {r["system"]: r for r in rows}
+        rew = report.rewards(iterations)
+        summary = {
+            "weenv_env_share": by.get("weenv", {}).get("env_share"),
+            "docker_env_share": by.get("docker", {}).get("env_share"),
+            "weenv_first_step_p50_s": by.get("weenv", {}).get("first_step_p50_s"),
+            "docker_first_step_p50_s": by.get("docker", {}).get("first_step_p50_s"),
+            "rewards_match": rew["rewards_match"],
+            "rewards_correct": rew["rewards_correct"],
+            "env_share_ratio": (round(by["docker"]["env_share"] / by["weenv"]["env_share"], 1)
+                                if {"weenv", "docker"} <= by.keys() and by["weenv"]["env_share"] else None),
+            "tasks": cfg["tasks"], "group": cfg["group"], "rollouts": len(trajectories),
+            "concurrency": cfg["concurrency"], "think_scale": cfg["think_scale"], "pool": cfg["pool"],
+            "quick": quick, "seed": seed,
+        }  # fmt: skip
+        result = {
+            "benchmark": "rollout",
+            "summary": summary,
+            "table": rows,
+            "rewards": rew,
+            "rollouts": {it.system: [r.row() for r in it.rollouts] for it in iterations},
+            "tasks": {
+                "pool": [{"name": b.task.spec.name, "sdist": b.task.spec.sdist, "bug_file": b.task.spec.path,
+                          "tests": list(b.task.spec.tests), "deps": list(b.task.spec.deps),
+                          "template_image_bytes": b.image_bytes, "template_stored_bytes": b.stored_bytes,
+                          "docker_image": refs.get(b.task.spec.name), "verified": verified.get(b.task.spec.name)}
+                         for b in built.values()],
+                "iteration": [t.spec.name for t in chosen],
+            },  # fmt: skip
+            "settings": {**cfg, "steps": list(cfg["steps"]), "cpus": CPUS, "memory_bytes": MEMORY_BYTES, "pids": PIDS},
+            "think_time": _think_doc(),
+            "publish": {"weenv_copy_to_registry_s": round(weenv_publish_s, 2), "weenv_bytes_copied": copied,
+                        "docker_build_push_s": round(docker_publish_s, 2)},  # fmt: skip
+            "method": {
+                "env_share": "sum over rollouts of (create + destroy + exec overhead) / sum of rollout wall time "
+                             "(create request to destroy return); env_share_of_iteration: the same sum / "
+                             "(iteration wall x concurrency)",
+                "exec_overhead": "exec wall time at the client minus the command's own time measured inside "
+                                 "(bash $EPOCHREALTIME before/after the command)",
+                "first_step": "create + the first command's exec (think time excluded)",
+                "weenv": "weenv serve (own home, empty node cache, provisioning off) over oci:// on the loopback "
+                         "docker-registry; SDK Sandbox over its TCP API",
+                "docker": "private dockerd, images in the same registry, none local at the start; docker run -d "
+                          "--network none with the same limits, docker exec per step, docker rm -f",
+                "bytes_fetched": "weenv: node cache's stored bytes fetched from the store; docker: manifests + "
+                                 "configs of the images pulled + each distinct layer once (compressed)",
+                "daemon_peak": "peak of summed VmRSS sampled every 0.5 s: weenv daemon + its host-side helpers; "
+                               "dockerd + containerd + shims",
+            },  # fmt: skip
+            "docker_services": services,
+            "load": {"start": load_start, "end": loadavg()},
+            "seconds": round(time.monotonic() - t_run, 1),
+            "machine": machine(),
+        }
+        log(report.text_table(rows))
+        if json_path is not None:
+            write_report(result, json_path, report.plot)
+        return result
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _think_doc() -> dict:
+    from weenv.bench.rollout import trajectory as t
+
+    return {"distribution": "lognormal", "median_s": t.THINK_MEDIAN_S, "sigma": t.THINK_SIGMA,
+            "max_s": t.THINK_MAX_S, "scaled_by": "think_scale"}  # fmt: skip
