@@ -31,7 +31,10 @@ environments overlap rarely (:func:`predicted_cpu_peak`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from weenv.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,15 @@ class CpuMoments:
 
     @classmethod
     def of(cls, samples: list[float]) -> CpuMoments:
-        """From per-pass usage samples (cores, at least one); the population variance."""
+        """From per-pass usage samples (cores, at least one, else
+        :class:`InvalidInputError`); the population variance.  Samples that are
+        not finite are left out and negative ones count as 0 (a NaN would make
+        the predicted peak NaN, which every admission check lets through)."""
+        if not samples:
+            raise InvalidInputError("CPU moments need at least one usage sample")
+        samples = [max(0.0, x) for x in samples if math.isfinite(x)]
+        if not samples:
+            return cls(0.0, 0.0, 0.0)
         n = len(samples)
         mean = sum(samples) / n
         return cls(mean, sum((x - mean) ** 2 for x in samples) / n, max(samples))

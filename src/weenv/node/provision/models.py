@@ -29,6 +29,8 @@ class ProvisionConfig(_Model):
     ``WEENV_ADMISSION`` and ``WEENV_ADMISSION_SIGMAS``.
     """
 
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     mode: Literal["elastic", "static", "off"] = "elastic"
     """``elastic``: quotas follow usage, admission by usage; ``static``: each
     environment keeps its declared resources and is admitted by them; ``off``:
@@ -143,10 +145,14 @@ class ProvisionConfig(_Model):
 
         from weenv.errors import InvalidInputError
 
+        given = {k: os.environ[v] for k, v in keys.items() if os.environ.get(v)}
         try:
-            return cls(**{k: os.environ[v] for k, v in keys.items() if os.environ.get(v)})
+            return cls(**given)
         except ValidationError as exc:
-            raise InvalidInputError(f"bad provisioning setting in the environment: {exc}") from None
+            err = exc.errors()[0]
+            field = str(err["loc"][0]) if err.get("loc") else ""
+            var = keys.get(field, field)
+            raise InvalidInputError(f"bad {var}={given.get(field)!r} in the environment: {err['msg']}") from None
 
 
 class UsagePoint(_Model):

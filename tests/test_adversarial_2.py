@@ -1,0 +1,133 @@
+"""Bad input and hostile conditions against the features of the restart, priority,
+elastic admission, E2B metrics and rollout-benchmark work.
+
+Each test reproduces one problem found by trying to break them (it failed
+before its fix): what a user must see is a clear weenv error (one line from
+the CLI), state that survives a daemon restart, nothing leaked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from test_restart import restart_home  # noqa: F401  (fixture)
+
+from weenv.errors import InvalidInputError
+from weenv.node.provision.arbiter import CpuMoments, predicted_cpu_peak
+from weenv.node.provision.models import ProvisionConfig
+
+
+# --- elastic admission settings -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("var, value", [
+    ("WEENV_ADMISSION", "bogus"),
+    ("WEENV_ADMISSION", "PEAK"),
+    ("WEENV_ADMISSION_SIGMAS", "abc"),
+    ("WEENV_ADMISSION_SIGMAS", "-1"),
+    ("WEENV_ADMISSION_SIGMAS", "nan"),
+    ("WEENV_ADMISSION_SIGMAS", "inf"),
+    ("WEENV_ADMISSION_SIGMAS", "1e400"),
+])  # fmt: skip
+def test_bad_admission_setting_is_one_clear_line(monkeypatch, var, value):
+    """A bad value used to give pydantic's multi-line dump naming the field, not
+    the variable (and inf / 1e400 sigmas were taken)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(InvalidInputError) as exc:
+        ProvisionConfig.from_env()
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    assert var in msg and repr(value) in msg, msg
+    assert "pydantic" not in msg, msg
+
+
+def test_cpu_moments_ignore_non_finite_and_negative_samples():
+    """A NaN usage sample made the predicted peak NaN, and a NaN peak admits
+    everything (every comparison with NaN is false); a negative one lowered it."""
+    m = CpuMoments.of([float("nan"), 1.0, float("inf"), -3.0, 1.0])
+    assert all(math.isfinite(x) for x in (m.mean, m.variance, m.peak)), m
+    assert m == CpuMoments.of([1.0, 0.0, 1.0])
+    peak = predicted_cpu_peak([m, CpuMoments.prior(1.0, 0.25)], 2.0)
+    assert math.isfinite(peak) and peak > 0
+    assert CpuMoments.of([float("nan")]) == CpuMoments(0.0, 0.0, 0.0)
+    with pytest.raises(InvalidInputError):
+        CpuMoments.of([])
+
+
+# --- weenv bench rollout options ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_bench_rollout_non_finite_think_scale_is_one_line(paths, value):
+    """``--think-scale nan`` passed the ``think_scale < 0`` check and the benchmark
+    started (downloads, builds) to sleep NaN seconds later."""
+    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache), WEENV_STORE=paths.store_url)
+    proc = subprocess.run([sys.executable, "-m", "weenv", "bench", "rollout", "--quick", "--think-scale", value],
+                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith("weenv: error:") and "think_scale" in proc.stderr, proc.stderr[-2000:]
+    assert not list(paths.cache.glob("*")), "the benchmark started"
+
+
+# --- E2B metrics: disk usage of the upper dir ----------------------------------------------
+
+
+def test_disk_usage_of_a_very_deep_upper_dir(node):
+    """os.walk recursed once per directory level: an environment that made a
+    tree 1100 levels deep made ``disk_usage`` (E2B get_metrics) a RecursionError."""
+    env_id = node.create("task").id
+    try:
+        deep = "/tmp/" + "/".join(["d"] * 1100)
+        r = node.exec(env_id, ["python3", "-c", f"import os; os.makedirs({deep!r}); open({deep!r} + '/f', 'w').write('x' * 9000)"])
+        assert r.exit_code == 0, r.stderr
+        os.symlink(".", node._env(env_id).dir / "upper" / "tmp" / "loop")  # a symlink loop: not followed
+        used, total = node.disk_usage(env_id)
+        assert 1100 * 512 < used < total
+    finally:
+        node.destroy(env_id)
+
+
+# --- priority and timeout across a daemon restart ------------------------------------------
+
+
+def test_priority_and_timeout_survive_a_daemon_restart(restart_home):  # noqa: F811
+    """A recovered environment came back with the priority and expiry it had at
+    create (env.json was written once): a timeout extended before the kill let
+    the reaper destroy it early, and its provisioner priority was reset to 0."""
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    client._request("POST", f"/environments/{env_id}/priority", json={"priority": 7})
+    expires = client.set_timeout(env_id, 3600).expires_at
+    home.kill(home.daemon_pid())
+    client.close()
+
+    client = home.start()
+    try:
+        info = client.get(env_id)
+        assert info.priority == 7
+        assert abs(info.expires_at - expires) < 1
+        assert client.provision_stats(env_id).environments[0].priority == 7
+    finally:
+        client.destroy(env_id)
+        client.close()
+
+
+def test_node_refuses_a_priority_out_of_range(node):
+    """The HTTP API bounds priority to [-1000, 1000]; Node (the Python API) took anything."""
+    env_id = node.create("task").id
+    try:
+        for bad in (10**9, -1001, 1.5, "high", None):
+            with pytest.raises(InvalidInputError):
+                node.set_priority(env_id, bad)
+        assert node.set_priority(env_id, 1000).priority == 1000
+    finally:
+        node.destroy(env_id)
+    with pytest.raises(InvalidInputError):
+        node.create("task", priority=5000)
+    assert node.list() == []
