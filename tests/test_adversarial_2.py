@@ -77,19 +77,22 @@ def test_bench_rollout_non_finite_think_scale_is_one_line(paths, value):
 # --- E2B metrics: disk usage of the upper dir ----------------------------------------------
 
 
-def test_disk_usage_of_a_very_deep_upper_dir(node):
-    """os.walk recursed once per directory level: an environment that made a
-    tree 1100 levels deep made ``disk_usage`` (E2B get_metrics) a RecursionError."""
+def test_very_deep_upper_dir_is_measured_and_destroyed(node):
+    """os.walk and shutil.rmtree recurse once per directory level: an environment
+    that made a tree 1100 levels deep made ``disk_usage`` (E2B get_metrics) a
+    RecursionError, and its destroy too (its directory left on the host)."""
     env_id = node.create("task").id
+    env_dir = node._env(env_id).dir
     try:
         deep = "/tmp/" + "/".join(["d"] * 1100)
-        r = node.exec(env_id, ["python3", "-c", f"import os; os.makedirs({deep!r}); open({deep!r} + '/f', 'w').write('x' * 9000)"])
+        r = node.exec(env_id, ["sh", "-c", f"mkdir -p {deep} && head -c 9000 /dev/zero > {deep}/f"])
         assert r.exit_code == 0, r.stderr
         os.symlink(".", node._env(env_id).dir / "upper" / "tmp" / "loop")  # a symlink loop: not followed
         used, total = node.disk_usage(env_id)
         assert 1100 * 512 < used < total
     finally:
         node.destroy(env_id)
+    assert not env_dir.exists()
 
 
 # --- priority and timeout across a daemon restart ------------------------------------------

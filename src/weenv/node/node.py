@@ -29,6 +29,8 @@ import os
 import re
 import secrets
 import shutil
+import stat
+import subprocess
 import threading
 import time
 from collections import OrderedDict
@@ -255,7 +257,7 @@ class Node:
         clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
         if self.paths.environments.is_dir():
             for d in self.paths.environments.iterdir():
-                shutil.rmtree(d, ignore_errors=True)
+                _remove_tree(d)
 
     def _recover(self) -> None:
         """Adopt the group mounts and running environments of a killed node
@@ -321,7 +323,7 @@ class Node:
             except Exception as exc:
                 log.warning("cannot thaw recovered environment %s: %s", info.id, exc)
         try:
-            self.provisioner.reserve(info.id, info.resources)
+            self.provisioner.reserve(info.id, info.resources, priority=info.priority)
             self.provisioner.attach(info.id, f"/{e.container_id}")
         except Exception as exc:  # it runs anyway, with the limits it had
             log.warning("provisioning of recovered environment %s failed: %s", info.id, exc)
@@ -335,7 +337,7 @@ class Node:
             self._delete_container(CONTAINER_PREFIX + env_dir.name)
         for _fstype, point in mounts.mounts_under(env_dir):
             _umount_quietly(Path(point))
-        shutil.rmtree(env_dir, ignore_errors=True)
+        _remove_tree(env_dir)
 
     # --- environments ---------------------------------------------------------------
     def create(
@@ -372,6 +374,7 @@ class Node:
         """
         self._check_started()
         timeout = _check_timeout(DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        priority = _check_priority(priority)
         for key, value in (envs or {}).items():
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise InvalidInputError(f"bad environment variable {key!r}")
@@ -405,7 +408,7 @@ class Node:
             self.provisioner.reserve(env_id, res, priority=priority)  # admission: CapacityError if the node is full
             undo.callback(self.provisioner.detach, env_id)
             env_dir.mkdir(parents=True)
-            undo.callback(shutil.rmtree, env_dir, ignore_errors=True)
+            undo.callback(_remove_tree, env_dir)
 
             if prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
@@ -481,7 +484,7 @@ class Node:
             template_stored_bytes=sum(g.stored_size for g in group_manifests),
         )
         info.expires_at = time.time() + timeout
-        (env_dir / "env.json").write_text(info.model_dump_json(indent=2))
+        _save_info(env_dir, info)
         with self._lock:
             self._envs[env_id] = env
         return info
@@ -519,14 +522,18 @@ class Node:
         e = self._env(env_id)
         e.info.timeout_s = timeout
         e.info.expires_at = time.time() + timeout
+        _save_info(e.dir, e.info)  # a restarted node must not reap it at the old time
         return e.info
 
     def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
         """Set the environment's priority for elastic provisioning (higher: grows
-        first, frozen last).  Raises :class:`NotFoundError`."""
+        first, frozen last).  Raises :class:`NotFoundError`, or
+        :class:`InvalidInputError` for a priority not an int in [-1000, 1000]."""
+        priority = _check_priority(priority)
         e = self._env(env_id)
         self.provisioner.set_priority(env_id, priority)
         e.info.priority = priority
+        _save_info(e.dir, e.info)  # kept across a restart
         return e.info
 
     def reap_expired(self, now: float | None = None) -> list[str]:
@@ -784,7 +791,7 @@ class Node:
                 self.prefetch.cancel(env_id)
                 for g, lower in zip(e.template.groups, e.lowers):
                     self.groups.release(g, lower)
-                shutil.rmtree(e.dir, ignore_errors=True)
+                _remove_tree(e.dir)
 
     def disk_usage(self, env_id: str) -> tuple[int, int]:
         """``(used, total)`` bytes: what the environment wrote (its overlay upper
@@ -792,15 +799,25 @@ class Node:
         system holding it.  Raises :class:`NotFoundError`."""
         e = self._env(env_id)
         used, seen = 0, set()
-        for root, dirs, files in os.walk(e.dir / "upper"):
-            for name in dirs + files:
+        todo = [str(e.dir / "upper")]  # a stack, not recursion: the environment chooses the depth
+        while todo:
+            try:
+                with os.scandir(todo.pop()) as it:
+                    entries = list(it)
+            except OSError:  # removed meanwhile
+                continue
+            for entry in entries:
                 try:
-                    st = os.lstat(os.path.join(root, name))
+                    st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if (st.st_dev, st.st_ino) not in seen:
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(entry.path)
+                elif st.st_nlink > 1:  # only hard-linked files are remembered (memory: huge upper dirs)
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
                     seen.add((st.st_dev, st.st_ino))
-                    used += st.st_blocks * 512
+                used += st.st_blocks * 512
         fs = os.statvfs(e.dir)
         return used, fs.f_blocks * fs.f_frsize
 
@@ -848,6 +865,33 @@ def _check_timeout(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout <= MAX_TIMEOUT_S):
         raise InvalidInputError(f"bad timeout {timeout!r}: want seconds in (0, {MAX_TIMEOUT_S:.0f}]")
     return float(timeout)
+
+
+def _check_priority(priority: int) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise InvalidInputError(f"bad priority {priority!r}: want an integer in [-1000, 1000]")
+    return priority
+
+
+def _save_info(env_dir: Path, info: EnvironmentInfo) -> None:
+    """Write ``env_dir/env.json`` whole or not at all (a node killed mid-write
+    must not leave a file recovery cannot read)."""
+    tmp = env_dir / "env.json.tmp"
+    try:
+        tmp.write_text(info.model_dump_json(indent=2))
+        os.replace(tmp, env_dir / "env.json")
+    except FileNotFoundError:  # destroyed meanwhile
+        raise NotFoundError(f"no environment {info.id!r}") from None
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove the directory tree ``path``, ignoring errors, however deep an
+    environment made it (shutil.rmtree recurses once per level until Python 3.12)."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False,
+                       stdin=subprocess.DEVNULL, capture_output=True)  # fmt: skip
 
 
 def _umount_quietly(target: Path) -> None:
