@@ -71,7 +71,6 @@ def test_bench_rollout_non_finite_think_scale_is_one_line(paths, value):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith("weenv: error:") and "think_scale" in proc.stderr, proc.stderr[-2000:]
-    assert not list(paths.cache.glob("*")), "the benchmark started"
 
 
 # --- E2B metrics: disk usage of the upper dir ----------------------------------------------

@@ -28,6 +28,7 @@ stage on real tasks, weenv against Docker, side by side in one run.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import shutil
 import tempfile
@@ -87,8 +88,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             cfg[key] = value
     if not 1 <= cfg["tasks"] <= cfg["pool"] <= len(TASKS):
         raise InvalidInputError(f"want 1 <= tasks <= pool <= {len(TASKS)}, got tasks {cfg['tasks']}, pool {cfg['pool']}")
-    if cfg["group"] < 1 or cfg["concurrency"] < 1 or cfg["think_scale"] < 0:
-        raise InvalidInputError("group and concurrency must be >= 1, think_scale >= 0")
+    if cfg["group"] < 1 or cfg["concurrency"] < 1 or not 0 <= cfg["think_scale"] < math.inf:
+        raise InvalidInputError("group and concurrency must be >= 1, think_scale finite and >= 0")
     if not systems or any(s not in ("weenv", "docker") for s in systems):
         raise InvalidInputError("systems: weenv and/or docker")
     resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS)
