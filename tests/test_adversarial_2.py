@@ -133,3 +133,32 @@ def test_node_refuses_a_priority_out_of_range(node):
     with pytest.raises(InvalidInputError):
         node.create("task", priority=5000)
     assert node.list() == []
+
+
+# --- FUSE holder -----------------------------------------------------------------------------
+
+
+def test_holder_pid_file_naming_another_homes_holder(tmp_path):
+    """A damaged (or stale, pid reused) holder pid file naming another home's
+    holder: ``release`` (``weenv stop``, a daemon start) could not reach it by
+    its socket and SIGKILLed it, cutting the other home's FUSE connection."""
+    from weenv.node.fuse import holder
+
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    r, w = os.pipe()  # the "connection" b's holder keeps: gone when w closes
+    try:
+        other = holder.spawn(b, r, {"home": "b"})
+        try:
+            (a / holder.PIDFILE_NAME).write_text(f"{other.pid}\n")
+            assert holder.pid_of(a) is None
+            assert holder.release(a) is False
+            assert other.poll() is None, "another home's holder was killed"
+            assert holder.pid_of(b) == other.pid
+        finally:
+            assert holder.release(b)
+            other.wait(10)
+    finally:
+        os.close(r)
+        os.close(w)

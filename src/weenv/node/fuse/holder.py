@@ -53,7 +53,7 @@ def spawn(run_dir: str | os.PathLike[str], fd: int, state: dict, *, timeout: flo
 
     It runs in its own session, its output discarded.  Raises ``OSError`` if it
     exits or does not answer within ``timeout`` seconds (it is killed then)."""
-    run_dir = os.fspath(run_dir)
+    run_dir = os.path.abspath(run_dir)  # pid_of knows its holder by it
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), run_dir, str(fd), json.dumps(state)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -74,14 +74,16 @@ def spawn(run_dir: str | os.PathLike[str], fd: int, state: dict, *, timeout: flo
 
 
 def pid_of(run_dir: str | os.PathLike[str]) -> int | None:
-    """The pid in ``run_dir``'s holder pid file if that process runs the holder, else None."""
+    """The pid in ``run_dir``'s holder pid file if that process runs the holder
+    of ``run_dir`` (not another home's: the file may be stale or damaged), else None."""
     try:
         pid = int(open(os.path.join(run_dir, PIDFILE_NAME)).read())
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except (OSError, ValueError):
         return None
-    return pid if any(a.endswith(b"/holder.py") for a in argv) else None
+    mine = os.fsencode(os.path.abspath(run_dir))
+    return pid if any(a.endswith(b"/holder.py") and b == mine for a, b in zip(argv, argv[1:])) else None
 
 
 def _request(run_dir: str | os.PathLike[str], message: bytes, timeout: float) -> tuple[bytes, list[int]]:
