@@ -48,8 +48,9 @@ Where weenv differs from ``runc spec``, and why:
   counts against the pids limit until the environment is destroyed.
 - Optionally (``agent=``) the exec agent (:mod:`weenv.node.agent`), a static
   binary bind-mounted read-only at :data:`AGENT_PATH` (also in ``/dev``), in
-  front of the command: ``[INIT_PATH --] AGENT_PATH -- command...``.  It starts
-  its server and execs the command, which stays the first process.
+  front of everything: ``AGENT_PATH -- [INIT_PATH --] command...``.  It starts
+  its server and execs the init (or the command), which stays pid 1; the
+  server becomes the init's child.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid},
-            "args": ([INIT_PATH, "--"] if init is not None else []) + ([AGENT_PATH, "--"] if agent is not None else [])
+            "args": ([AGENT_PATH, "--"] if agent is not None else []) + ([INIT_PATH, "--"] if init is not None else [])
             + list(runtime.command),
             "env": [f"{k}={v}" for k, v in runtime.env.items()],
             "cwd": runtime.working_dir,

@@ -435,6 +435,8 @@ class Process:
                 poller.register(fd, select.POLLIN)
             exited = False
             while not exited:
+                if self.pid is None:  # (the launcher may know already, before any news)
+                    self._check_started(held)
                 for fd, _ev in poller.poll(proc.poll_ms if self.pid is None else None):
                     if fd == status_fd:
                         exited = proc.update()
@@ -445,8 +447,6 @@ class Process:
                         open_fds.discard(fd)
                     elif data:
                         self._emit(streams[fd], data, held)
-                if self.pid is None:
-                    self._check_started(held)
             for fd in list(open_fds):  # what the command wrote before it exited
                 total = 0
                 while total < DRAIN_CAP:

@@ -5,9 +5,9 @@ the container's namespaces, cgroup and seccomp filter anew).  Instead, every
 environment starts with a tiny static C program, the *agent* (``agent.c``),
 that is already inside: it is bind-mounted read-only at
 :data:`weenv.node.bundle.AGENT_PATH` (in the ``/dev`` tmpfs, so the root file
-system keeps no trace) and runs as ``init -- AGENT -- COMMAND...``.  It forks
-a server and execs the template's command, which stays the environment's first
-process.  Forked from what runc started, the server and every command it
+system keeps no trace) and runs as pid 1: ``AGENT -- INIT -- COMMAND...``.  It
+forks a server and execs the init (tini), which stays pid 1, runs the
+template's command and reaps the server if it dies.  Forked from what runc started, the server and every command it
 starts share the first process's namespaces, cgroup, capabilities, seccomp
 filter, no_new_privs, rlimits and user.
 

@@ -3,15 +3,16 @@
  * runtime process per command.  See weenv/node/agent/__init__.py for the design
  * and the wire protocol; this file is compiled with `cc -static -O2`.
  *
- * Usage (as the environment's first process, under tini):
+ * Usage (as the environment's first process, pid 1, in front of its init):
  *
- *     weenv-agent -- COMMAND [ARG...]
+ *     weenv-agent -- COMMAND [ARG...]      (COMMAND: e.g. tini -- sleep infinity)
  *
  * fd 0 is a listening Unix stream socket (the node passed it as runc create's
  * stdin).  The agent moves it off fd 0 (close-on-exec), puts /dev/null on
- * fd 0, forks a server (double fork: it is reparented to the environment's
- * init) and execs COMMAND, which stays the environment's first process.  If
- * fd 0 is not a listening socket, it just execs COMMAND.
+ * fd 0, forks a server (double fork: it is reparented to pid 1) and execs
+ * COMMAND, which stays pid 1 and reaps the server if it dies.  Only the server
+ * holds the socket, so once it is gone the node's connects are refused.  If
+ * fd 0 is not a listening socket, the agent just execs COMMAND.
  *
  * The server accepts connections; each gets its own handler process (a child
  * subreaper) that reads one request, forks and execs the command with the
@@ -338,12 +339,19 @@ static void serve(int lfd) {
                 continue;
             die("accept");
         }
-        pid_t pid = fork();
+        pid_t pid = -1;
+        for (int tries = 0; tries < 5 && pid < 0; tries++) {
+            pid = fork();
+            if (pid < 0 && errno != EAGAIN && errno != ENOMEM)
+                break;
+            if (pid < 0) /* at the pids or memory limit: give the environment a moment */
+                usleep(10000);
+        }
         if (pid == 0) {
             close(lfd);
             handle(conn);
         }
-        if (pid < 0) /* EAGAIN at the pids limit: the node sees the hang-up */
+        if (pid < 0) /* the node sees the hang-up and uses runc exec for this command */
             dprintf(2, "weenv-agent: fork: %s\n", strerror(errno));
         close(conn);
     }
