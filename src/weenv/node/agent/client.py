@@ -102,7 +102,8 @@ def spawn(
         for s in (cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items()))
     )
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    mine: list[int] = []  # descriptors to close here, whatever happens
+    theirs: list[int] = []  # the command's ends: closed here once sent (or on failure)
+    ours: list[BinaryIO] = []  # the node's ends: the caller's on success
     try:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the handler's host pid
         conn.settimeout(start_timeout)
@@ -111,48 +112,48 @@ def spawn(
                 conn.connect(addr)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise AgentUnavailable(f"no exec agent listens at {path}: {exc.strerror}", gone=True) from None
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        mine += [out_w, err_w]
-        stdout, stderr = open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)
+        stdout = _pipe(theirs, ours, read=True)
+        stderr = _pipe(theirs, ours, read=True)
         stdin_w: BinaryIO | None = None
         if stdin_pipe:
-            in_r, in_w = os.pipe2(os.O_CLOEXEC)
-            mine.append(in_r)
-            stdin_w = open(in_w, "wb", buffering=0)
+            stdin_w = _pipe(theirs, ours, read=False)
         elif stdin:
-            in_r = os.memfd_create("weenv-stdin", os.MFD_CLOEXEC)
-            mine.append(in_r)
-            _write_all(in_r, stdin)
-            os.lseek(in_r, 0, os.SEEK_SET)
+            theirs.append(os.memfd_create("weenv-stdin", os.MFD_CLOEXEC))
+            _write_all(theirs[-1], stdin)
+            os.lseek(theirs[-1], 0, os.SEEK_SET)
         else:
-            in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            mine.append(in_r)
+            theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
         spawned = AgentSpawned(conn, argv, cwd, stdin_w, stdout, stderr)
+        message = struct.pack("<I", len(payload)) + payload
         try:
-            message = struct.pack("<I", len(payload)) + payload
-            try:
-                sent = conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_r, out_w, err_w]))])
-                conn.sendall(message[sent:])
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                raise AgentUnavailable(f"the exec agent at {path} hung up: {exc.strerror}", gone=False) from None
-            except TimeoutError:
-                raise RuntimeFailedError(f"the exec agent at {path} does not read its requests") from None
-            conn.setblocking(False)
-            spawned._wait_forked(start_timeout)
-        except BaseException:
-            spawned.close()
-            for f in (stdout, stderr, stdin_w):
-                if f is not None:
-                    f.close()
-            raise
+            out_w, err_w, in_r = theirs
+            fds = array.array("i", [in_r, out_w, err_w])
+            sent = conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            conn.sendall(message[sent:])
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise AgentUnavailable(f"the exec agent at {path} hung up: {exc.strerror}", gone=False) from None
+        except TimeoutError:
+            raise RuntimeFailedError(f"the exec agent at {path} does not read its requests") from None
+        conn.setblocking(False)
+        spawned._wait_forked(start_timeout)
         return spawned
     except BaseException:
         conn.close()
+        for f in ours:
+            f.close()
         raise
     finally:
-        for fd in mine:
+        for fd in theirs:
             os.close(fd)
+
+
+def _pipe(theirs: list[int], ours: list[BinaryIO], *, read: bool) -> BinaryIO:
+    """A pipe: the command's end appended to ``theirs``, the node's end (read end
+    if ``read``) appended to ``ours`` and returned, unbuffered."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    theirs.append(w if read else r)
+    ours.append(open(r if read else w, "rb" if read else "wb", buffering=0))
+    return ours[-1]
 
 
 def _write_all(fd: int, data: bytes) -> None:
