@@ -498,7 +498,7 @@ class Node:
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
-        127/126 and runc's message on stderr).
+        127/126 and the reason on stderr, as runc words it).
 
         Its output streams through ``process.log`` (see :mod:`weenv.node.process`);
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;

@@ -18,8 +18,9 @@ child subreaper (prctl(2) ``PR_SET_CHILD_SUBREAPER``), runs ``runc exec
 that process.  The command's stdio are the helper's: an unlinked temporary file
 each for stdout and stderr (a big output never blocks; a background process
 keeps writing into the unlinked file, on the host's disk, until it exits: so the
-node runs commands through :meth:`Runc.spawn` and bounded pipes instead, and uses
-this only for an environment's first ``true``) and a file or /dev/null as stdin.  Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
+node does not use it, it runs commands through its exec agent or
+:meth:`Runc.spawn`, with bounded pipes) and a file or /dev/null as stdin.
+Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
 
 :meth:`Runc.spawn` is the Popen-based variant for streamed and background
 commands: the same helper, with pipes for stdout and stderr (and optionally
