@@ -66,6 +66,8 @@ from weenv.store import Store, open_store
 log = logging.getLogger(__name__)
 
 CONTAINER_PREFIX = "weenv-"
+AGENT_SOCKET = "agent.sock"
+"""The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
@@ -99,7 +101,7 @@ class _Environment:
     @property
     def agent_socket(self) -> Path:
         """The exec agent's listening socket (on the host, outside the rootfs)."""
-        return self.dir / "agent.sock"
+        return self.dir / AGENT_SOCKET
 
 
 class Node:
@@ -347,7 +349,7 @@ class Node:
                 capabilities=capabilities,
                 agent=agent,
             )
-            listener = agent_listen(env_dir / "agent.sock") if agent is not None else None
+            listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
             undo.callback(self._delete_container, container_id)
             try:
                 self.runc.create(container_id, bundle, stdin=None if listener is None else listener.fileno())
