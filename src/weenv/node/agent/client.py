@@ -293,8 +293,11 @@ class AgentSpawned(Spawned):
         subreaper: orphans of the command are in its tree too), then ask the
         handler to kill the command's process group (for when the host pid is
         unknown or the tree changed meanwhile)."""
-        if self._handler_fd >= 0 and not select.select([self._handler_fd], [], [], 0)[0]:
-            kill_descendants(self.handler_pid)  # type: ignore[arg-type]
+        if self._handler_fd >= 0 and self.handler_pid is not None:
+            alive = select.poll()
+            alive.register(self._handler_fd, select.POLLIN)  # a pidfd polls readable once the process exited
+            if not alive.poll(0):
+                kill_descendants(self.handler_pid)
         self._request(-9)
 
     def signal(self, sig: int) -> None:
