@@ -46,6 +46,11 @@ Where weenv differs from ``runc spec``, and why:
   pid 1 and, if it is ``sleep infinity``, never reaps: every process orphaned
   inside (a killed command's children, ``cmd &`` left behind) stays a zombie and
   counts against the pids limit until the environment is destroyed.
+- Optionally (``agent=``) the exec agent (:mod:`weenv.node.agent`), a static
+  binary bind-mounted read-only at :data:`AGENT_PATH` (also in ``/dev``), in
+  front of everything: ``AGENT_PATH -- [INIT_PATH --] command...``.  It starts
+  its server and execs the init (or the command), which stays pid 1; the
+  server becomes the init's child.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysr
 
 INIT_PATH = "/dev/weenv-init"
 """Where the optional init binary appears inside the environment."""
+AGENT_PATH = "/dev/weenv-agent"
+"""Where the optional exec agent binary appears inside the environment."""
 
 CLONE_NEWUSER = 0x10000000
 EPERM, ENOSYS = 1, 38
@@ -167,7 +174,13 @@ def seccomp_profile(machine: str | None = None) -> dict[str, Any]:
     return profile
 
 
-def _mounts(network: bool, init: Path | None) -> list[dict[str, Any]]:
+def _ro_binary(destination: str, source: Path) -> dict[str, Any]:
+    """A read-only bind mount of a host binary (executable, but no setuid or devices)."""
+    return {"destination": destination, "type": "bind", "source": os.fspath(Path(source).absolute()),
+            "options": ["bind", "ro", "nosuid", "nodev"]}  # fmt: skip
+
+
+def _mounts(network: bool, init: Path | None, agent: Path | None) -> list[dict[str, Any]]:
     nse = ["nosuid", "noexec", "nodev"]
     mounts = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -188,10 +201,9 @@ def _mounts(network: bool, init: Path | None) -> list[dict[str, Any]]:
              "options": ["rbind", "ro", *nse]}
         )  # fmt: skip
     if init is not None:
-        mounts.append(
-            {"destination": INIT_PATH, "type": "bind", "source": os.fspath(Path(init).absolute()),
-             "options": ["bind", "ro", "nosuid", "nodev"]}
-        )  # fmt: skip
+        mounts.append(_ro_binary(INIT_PATH, init))
+    if agent is not None:
+        mounts.append(_ro_binary(AGENT_PATH, agent))
     return mounts
 
 
@@ -206,6 +218,7 @@ def build_config(
     nofile: tuple[int, int] | None = None,
     init: Path | None = None,
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
+    agent: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -217,7 +230,10 @@ def build_config(
     static init binary on the host (e.g. ``/usr/bin/tini-static``) to run the
     command under as pid 1, default none (the command is pid 1);
     ``capabilities``: bounding/effective/permitted/ambient set, default
-    :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider).  Raises
+    :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider);
+    ``agent``: the exec agent binary on the host, run in front of the command
+    (its listening socket is the first process's stdin, see
+    :meth:`weenv.node.runc.Runc.create`), default none.  Raises
     :class:`InvalidInputError` for a bad user, hostname, working dir, command or
     environment variable name.
     """
@@ -258,7 +274,8 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid},
-            "args": ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
+            "args": ([AGENT_PATH, "--"] if agent is not None else []) + ([INIT_PATH, "--"] if init is not None else [])
+            + list(runtime.command),
             "env": [f"{k}={v}" for k, v in runtime.env.items()],
             "cwd": runtime.working_dir,
             "capabilities": {
@@ -269,7 +286,7 @@ def build_config(
         },
         "root": {"path": os.fspath(Path(rootfs).absolute()), "readonly": False},
         "hostname": hostname,
-        "mounts": _mounts(runtime.network, init),
+        "mounts": _mounts(runtime.network, init, agent),
         "linux": linux,
     }
 
@@ -285,6 +302,7 @@ def write_bundle(
     seccomp: bool = True,
     init: Path | None = None,
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
+    agent: Path | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -293,7 +311,7 @@ def write_bundle(
     """
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
-        resources=resources, seccomp=seccomp, init=init, capabilities=capabilities,
+        resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")

@@ -185,6 +185,12 @@ class NodeStats(_Model):
     """Group digest -> environments using its mount."""
     cache_chunks_fetched: int
     cache_bytes_fetched: int
+    exec_agent: int = 0
+    """Commands started through environments' exec agents (the fast path)."""
+    exec_runc: int = 0
+    """Commands started with ``runc exec`` (no agent in the environment, or it was gone)."""
+    exec_agent_error: str | None = None
+    """Why the node has no exec agent (e.g. no C compiler), None if it has one."""
 
 
 class ProcessInfo(_Model):

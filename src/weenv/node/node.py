@@ -7,7 +7,8 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
   group image as one file whose reads fetch missing chunks on demand;
 - one shared read-only EROFS mount per group (:class:`~weenv.node.groups.GroupMounts`);
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
-  a runc container in its own namespaces and cgroup.
+  a runc container in its own namespaces and cgroup, and an exec agent inside
+  it (:mod:`weenv.node.agent`) that starts commands without a ``runc exec`` each.
 
 State needed after a restart lives on disk and in the kernel: ``env.json``,
 runc's state, the overlay and group mounts, the cgroups; the lazy file
@@ -46,6 +47,7 @@ from weenv.errors import (
     NotFoundError,
     OutputLimitError,
 )
+from weenv.node.agent import AgentBinary, AgentUnavailable, listen as agent_listen, spawn as agent_spawn
 from weenv.node import mounts
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
@@ -63,9 +65,9 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
-from weenv.node.process import DEFAULT_RETAIN, PipeSink, Process
+from weenv.node.process import DEFAULT_RETAIN, PipeSink, Process, Spawned
 from weenv.node.rootfs import RootFS
-from weenv.node.runc import Runc
+from weenv.node.runc import Runc, exec_args
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import GroupManifest, Resources, TemplateManifest
@@ -75,6 +77,8 @@ from weenv.store import Store, open_store
 log = logging.getLogger(__name__)
 
 CONTAINER_PREFIX = "weenv-"
+AGENT_SOCKET = "agent.sock"
+"""The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
@@ -110,6 +114,11 @@ class _Environment:
     def rootfs(self) -> Path:
         return self.dir / "rootfs"
 
+    @property
+    def agent_socket(self) -> Path:
+        """The exec agent's listening socket (on the host, outside the rootfs)."""
+        return self.dir / AGENT_SOCKET
+
 
 class Node:
     """All environments of one machine.  Use as a context manager or call
@@ -129,13 +138,16 @@ class Node:
         cache_bytes: int | None = None,
         prefetch_workers: int = 2,
         prefetch_record_s: float = 10.0,
+        exec_agent: bool = True,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
         command that nobody reads (older output is dropped).  ``cache_bytes``:
         the node chunk cache's bound (default ``WEENV_CACHE_BYTES``, else 20% of
         its file system, at most 10 GiB).  ``prefetch_workers``,
-        ``prefetch_record_s``: see :mod:`weenv.node.prefetch`."""
+        ``prefetch_record_s``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
+        run commands through an agent inside each environment (built into
+        ``WEENV_CACHE`` on first use; False: always ``runc exec``)."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
@@ -148,6 +160,9 @@ class Node:
         self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
                                    record_s=prefetch_record_s, on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
+        self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)
+        self.exec_counts = {"agent": 0, "runc": 0}
+        """Commands started through each launcher (``runc``: the fallback)."""
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
@@ -433,6 +448,7 @@ class Node:
             container_id = CONTAINER_PREFIX + env_id
             bundle = env_dir / "bundle"
             bundle.mkdir()
+            agent = self.agent.get()
             write_bundle(
                 bundle,
                 rootfs,
@@ -442,9 +458,15 @@ class Node:
                 resources=res,
                 init=INIT if INIT.exists() else None,
                 capabilities=capabilities,
+                agent=agent,
             )
+            listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
             undo.callback(self._delete_container, container_id)
-            self.runc.run_detached(container_id, bundle)  # create + start in one runc process
+            try:  # create + start in one runc process
+                self.runc.run_detached(container_id, bundle, stdin=None if listener is None else listener.fileno())
+            finally:
+                if listener is not None:
+                    listener.close()  # the agent holds it now: when it dies, connects are refused
             self.provisioner.attach(env_id, f"/{container_id}")
             timing["runtime_s"] = time.perf_counter() - t
 
@@ -466,7 +488,7 @@ class Node:
             env.lowers = lowers
             if first_command:
                 t = time.perf_counter()
-                result = self._exec(env, ["true"], timeout=60)
+                result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
                 if result.exit_code != 0:
                     raise InvalidInputError(
                         f"template {template}: 'true' exited {result.exit_code} inside the "
@@ -610,27 +632,6 @@ class Node:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {env_id}")
         return r
 
-    def _exec(self, e: _Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
-              raise_on_timeout=False) -> ExecResult:
-        """A command through :meth:`Runc.exec` (output in temporary files): only for
-        the create's first command (``true``), before the environment is listed."""
-        if isinstance(command, list) and not command:
-            raise InvalidInputError("empty command")
-        if timeout is not None:
-            timeout = _check_timeout(timeout)
-        r = self.runc.exec(
-            e.container_id,
-            command,
-            env=e.env_for(env),
-            cwd=cwd or e.template.runtime.working_dir,
-            user=e.template.runtime.user,
-            timeout=timeout,
-            stdin=stdin,
-        )
-        if r.timed_out and raise_on_timeout:
-            raise CommandTimeoutError(f"command timed out after {timeout} s in {e.info.id}")
-        return r
-
     # --- streamed and background commands ------------------------------------------------
     def spawn(
         self,
@@ -647,7 +648,7 @@ class Node:
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
-        127/126 and runc's message on stderr).
+        127/126 and the reason on stderr, as runc words it).
 
         Its output streams through ``process.log`` (see :mod:`weenv.node.process`);
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
@@ -658,21 +659,8 @@ class Node:
         :class:`InvalidInputError` for a bad command, variable or directory.
         """
         e = self._env(env_id)
-        if isinstance(command, list) and not command:
-            raise InvalidInputError("empty command")
-        if timeout is not None:
-            _check_timeout(timeout)
-        wd = cwd or e.template.runtime.working_dir
-        spawned = self.runc.spawn(
-            e.container_id, command, env=e.env_for(env), cwd=wd, user=e.template.runtime.user,
-            stdin=None if stdin_open else stdin, stdin_pipe=stdin_open,
-        )  # fmt: skip
-        p = Process(
-            spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
-            stdin=stdin if stdin_open else None, retain_bytes=self.output_retain_bytes, sink=self.sink,
-            primary_reader=primary_reader,
-        )  # fmt: skip
-        p.wait_started(self.runc.command_timeout)
+        p = self._spawn(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
+                        tag=tag, primary_reader=primary_reader)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
         if p.pid:
             with self._lock:
@@ -681,6 +669,49 @@ class Node:
                 for pid in ended[: max(0, len(ended) - self.KEEP_FINISHED)]:
                     del e.processes[pid]
         return p
+
+    def _spawn(self, e: _Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
+               stdin_open=False, tag=None, primary_reader=False) -> Process:
+        """Start ``command`` in ``e`` (see :meth:`spawn`) and wait until it runs."""
+        if isinstance(command, list) and not command:
+            raise InvalidInputError("empty command")
+        if timeout is not None:
+            _check_timeout(timeout)
+        wd = cwd or e.template.runtime.working_dir
+        spawned = self._launch(e, command, e.env_for(env), wd, None if stdin_open else stdin, stdin_open)
+        p = Process(
+            spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
+            stdin=stdin if stdin_open else None, retain_bytes=self.output_retain_bytes, sink=self.sink,
+            primary_reader=primary_reader,
+        )  # fmt: skip
+        p.wait_started(self.runc.command_timeout)
+        return p
+
+    def _launch(self, e: _Environment, command, env: dict[str, str], cwd: str, stdin: bytes | None,
+                stdin_pipe: bool) -> Spawned:
+        """Start a command through the environment's exec agent, or through
+        ``runc exec`` when the agent is not there (logged once per environment)."""
+        _flags, argv = exec_args(command, env, cwd, e.template.runtime.user)  # raises for bad input
+        if e.agent_socket.exists():
+            try:
+                spawned = agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe)
+            except AgentUnavailable as exc:
+                if exc.gone:  # for good: later commands go straight to runc
+                    log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
+                    with contextlib.suppress(FileNotFoundError):
+                        e.agent_socket.unlink()
+                else:
+                    log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
+            else:
+                self._count_exec("agent")
+                return spawned
+        self._count_exec("runc")
+        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=e.template.runtime.user,
+                               stdin=stdin, stdin_pipe=stdin_pipe)  # fmt: skip
+
+    def _count_exec(self, launcher: str) -> None:
+        with self._lock:
+            self.exec_counts[launcher] += 1
 
     def process(self, env_id: str, pid: int) -> Process:
         """The streamed or background command ``pid`` of ``env_id``; :class:`NotFoundError` if unknown."""
@@ -831,6 +862,9 @@ class Node:
             groups_mounted=self.groups.mounted(),
             cache_chunks_fetched=self.cache.chunks_fetched,
             cache_bytes_fetched=self.cache.bytes_fetched,
+            exec_agent=self.exec_counts["agent"],
+            exec_runc=self.exec_counts["runc"],
+            exec_agent_error=self.agent.error,
         )
 
     def drop_caches(self) -> None:

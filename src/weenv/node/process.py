@@ -1,10 +1,13 @@
 """Commands whose output streams while they run (streamed and background runs).
 
-:meth:`weenv.node.runc.Runc.spawn` starts a command through the same exec
-helper as :meth:`~weenv.node.runc.Runc.exec`, with pipes for stdout and stderr.
+A command is started by one of two *launchers*, each giving a :class:`Spawned`:
+the exec agent inside the environment (:mod:`weenv.node.agent`, the fast path)
+or ``runc exec`` through an exec helper (:meth:`weenv.node.runc.Runc.spawn`,
+the fallback).  Either way its stdout and stderr are pipes the node reads.
 A :class:`Process` owns one such command: a *pump* thread reads both pipes and
-the helper's pidfd with poll(2) and appends :class:`ProcessEvent` s to an
-:class:`OutputLog`, in the order the bytes arrived:
+the launcher's status descriptor (:meth:`Spawned.fileno`) with poll(2) and
+appends :class:`ProcessEvent` s to an :class:`OutputLog`, in the order the
+bytes arrived:
 
     start (pid)  ->  stdout / stderr chunks  ->  end (exit code) | error
 
@@ -14,9 +17,9 @@ attached, the oldest ones) are dropped and counted; when an attached reader
 lags, the pump waits for it, so the command blocks on its full pipe
 (back-pressure) and a slow client never makes the daemon hold a huge output.
 
-Until the helper reports that the command runs (its ``.started`` file, a few
-tens of milliseconds), output is held back: bytes on stderr may be runc's own
-error message, which becomes a 127/126 exit as in :meth:`Runc.exec`.
+Until the launcher reports that the command runs (:meth:`Spawned.started`),
+output is held back: bytes on stderr may be runc's own error message, which
+becomes a 127/126 exit (:meth:`Spawned.fate`).
 
 When the command exits, the pump takes what it left in the pipes and hands
 the pipes to a :class:`PipeSink`: descendants it left running in the background
@@ -27,6 +30,7 @@ SIGPIPE.
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import logging
@@ -40,15 +44,66 @@ from typing import BinaryIO
 
 from weenv.errors import CommandTimeoutError, InvalidInputError, WeenvError
 from weenv.node.models import ErrorInfo, ExecResult, ProcessEvent, ProcessInfo
-from weenv.node.runc import EXIT_KILLED, Spawned, kill_descendants
 
 log = logging.getLogger(__name__)
+
+EXIT_NOT_FOUND, EXIT_CANNOT_RUN, EXIT_KILLED = 127, 126, 128 + 9
+"""Exit codes as shells report them: command not found, found but not
+runnable, killed by SIGKILL (a timeout or a kill)."""
 
 READ_SIZE = 64 << 10
 DRAIN_CAP = 4 << 20
 """Bytes read from each pipe after the command exited (what it wrote before exiting
 is in the pipe; descendants still writing are not waited for)."""
 DEFAULT_RETAIN = 8 << 20
+
+
+class Spawned(abc.ABC):
+    """A command a launcher started, as :class:`Process` drives it.
+
+    ``stdout``/``stderr``: the read ends of the command's pipes; ``stdin``: the
+    write end of its stdin pipe, or None when stdin is not a pipe.
+    ``poll_ms``: how often :meth:`started` must be polled until it answers
+    (None: :meth:`fileno` becomes readable when it changes).
+    """
+
+    stdin: BinaryIO | None
+    stdout: BinaryIO
+    stderr: BinaryIO
+    poll_ms: int | None = None
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """A descriptor that polls readable when :meth:`update` has news."""
+
+    @abc.abstractmethod
+    def update(self) -> bool:
+        """Take the news without blocking; True once the command's fate is known
+        (it ended, could not start, or its launcher died)."""
+
+    @abc.abstractmethod
+    def started(self) -> int | None:
+        """The command's pid inside the environment once it runs (0 if it was
+        gone too soon to see), else None."""
+
+    @abc.abstractmethod
+    def fate(self, stderr: bytes) -> tuple[int, bytes]:
+        """``(exit code, message)`` once :meth:`update` returned True.  When the
+        command never started, ``stderr`` is what it held back and the message
+        says why (exit 127 or 126).  Raises :class:`WeenvError` when the
+        launcher lost the command (the environment stopped, the agent died)."""
+
+    @abc.abstractmethod
+    def kill_tree(self) -> None:
+        """SIGKILL the command and every descendant still in its tree."""
+
+    @abc.abstractmethod
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the command alone (a command already gone is fine)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the launcher's resources (the pipes are the caller's)."""
 
 
 class OutputLog:
@@ -215,7 +270,7 @@ class PipeSink:
 
 
 class Process:
-    """One command started by :meth:`Runc.spawn` (see the module doc).
+    """One command a launcher started (see the module doc).
 
     ``command``/``tag``/``cwd``: what it was asked (for :meth:`info`).
     ``timeout``: seconds after which the command tree is SIGKILLed (exit 137,
@@ -248,7 +303,6 @@ class Process:
         self._t0 = time.monotonic()
         self.pid: int | None = None
         """Pid inside the environment (0: never started, or gone before it was seen)."""
-        self.host_pid: int | None = None
         self.exit_code: int | None = None
         self.timed_out = False
         self.duration_s: float | None = None
@@ -260,7 +314,7 @@ class Process:
         self._stdin_lock = threading.Lock()
         self._kill_lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._pump = threading.Thread(target=self._run, name=f"weenv-pump-{spawned.proc.pid}", daemon=True)
+        self._pump = threading.Thread(target=self._run, name="weenv-pump", daemon=True)
         self._pump.start()
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
@@ -316,10 +370,9 @@ class Process:
         with self._kill_lock:
             if sig == signals.SIGKILL:
                 self.log.abandon()
-                kill_descendants(self.spawned.proc.pid)
-            elif self.host_pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.host_pid, sig)
+                self.spawned.kill_tree()
+            elif self.pid:
+                self.spawned.signal(sig)
 
     def write_stdin(self, data: bytes, *, eof: bool = False, timeout: float = 30.0) -> None:
         """Write ``data`` to the command's stdin pipe (and close it with ``eof``).
@@ -328,7 +381,7 @@ class Process:
         ``stdin_open``) or is closed, :class:`CommandTimeoutError` if the command
         does not read it within ``timeout`` seconds."""
         with self._stdin_lock:
-            f = self.spawned.proc.stdin
+            f = self.spawned.stdin
             if f is None or f.closed:
                 raise InvalidInputError("the command's stdin is not open (start it with stdin_open, once)")
             fd = f.fileno()
@@ -351,6 +404,12 @@ class Process:
             if eof:
                 f.close()
 
+    @property
+    def stdin_open(self) -> bool:
+        """Whether the command's stdin is a pipe still open for :meth:`write_stdin`."""
+        f = self.spawned.stdin
+        return f is not None and not f.closed
+
     def _feed_stdin(self, data: bytes) -> None:
         with contextlib.suppress(WeenvError, OSError):
             self.write_stdin(data, timeout=3600)
@@ -362,24 +421,25 @@ class Process:
 
     # --- the pump --------------------------------------------------------------------
     def _run(self) -> None:
-        proc = self.spawned.proc
-        assert proc.stdout is not None and proc.stderr is not None
+        proc = self.spawned
         streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
         files = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr}
         held: list[ProcessEvent] = []
         open_fds = set(streams)
-        pidfd = os.pidfd_open(proc.pid)
         try:
             for fd in streams:
                 os.set_blocking(fd, False)
             poller = select.poll()
-            for fd in (*streams, pidfd):
+            status_fd = proc.fileno()
+            for fd in (*streams, status_fd):
                 poller.register(fd, select.POLLIN)
             exited = False
             while not exited:
-                for fd, _ev in poller.poll(5 if self.pid is None else None):
-                    if fd == pidfd:
-                        exited = True
+                if self.pid is None:  # (the launcher may know already, before any news)
+                    self._check_started(held)
+                for fd, _ev in poller.poll(proc.poll_ms if self.pid is None else None):
+                    if fd == status_fd:
+                        exited = proc.update()
                         continue
                     data = _read(fd)
                     if data == b"":
@@ -387,8 +447,6 @@ class Process:
                         open_fds.discard(fd)
                     elif data:
                         self._emit(streams[fd], data, held)
-                if self.pid is None:
-                    self._check_started(held)
             for fd in list(open_fds):  # what the command wrote before it exited
                 total = 0
                 while total < DRAIN_CAP:
@@ -399,7 +457,6 @@ class Process:
                         break
                     total += len(data)
                     self._emit(streams[fd], data, held)
-            rc = proc.wait()
             if self.pid is None:
                 self._check_started(held)
             self.duration_s = time.monotonic() - self._t0
@@ -407,15 +464,15 @@ class Process:
                 self.exit_code = EXIT_KILLED
                 for e in held:
                     self.log.append(e)
-            elif self.pid is None:  # runc could not start it: held stderr is runc's message
-                code, message = self.spawned.fate(rc, b"".join(e.data or b"" for e in held if e.type == "stderr"))
+            elif self.pid is None:  # it could not start: the held stderr may be runc's message
+                code, message = proc.fate(b"".join(e.data or b"" for e in held if e.type == "stderr"))
                 self.pid = 0
                 self.log.append(ProcessEvent(type="start", pid=0))
                 if message:
                     self.log.append(ProcessEvent(type="stderr", data=message))
                 self.exit_code = code
             else:
-                self.exit_code, _ = self.spawned.fate(rc, b"")
+                self.exit_code, _ = proc.fate(b"")
             self.log.append(ProcessEvent(type="end", pid=self.pid, exit_code=self.exit_code,
                                          timed_out=self.timed_out, duration_s=self.duration_s))
         except WeenvError as exc:
@@ -426,7 +483,6 @@ class Process:
             self.error = WeenvError(f"process pump failed: {exc}")
             self.log.append(ProcessEvent(type="error", pid=self.pid, error=ErrorInfo(kind="weenv", message=str(exc))))
         finally:
-            os.close(pidfd)
             if self._timer is not None:
                 self._timer.cancel()
             for fd, f in files.items():
@@ -438,10 +494,7 @@ class Process:
                 if proc.stdin is not None and not proc.stdin.closed:
                     with contextlib.suppress(OSError):
                         proc.stdin.close()
-            if proc.returncode is None:
-                proc.kill()
-                proc.wait()
-            self.spawned.cleanup()
+            proc.close()
             if self.pid is None:
                 self.pid = 0
             self._started.set()
@@ -461,7 +514,7 @@ class Process:
         started = self.spawned.started()
         if started is None:
             return
-        self.host_pid, self.pid = started
+        self.pid = started
         self.log.append(ProcessEvent(type="start", pid=self.pid))
         self._started.set()
         for e in held:

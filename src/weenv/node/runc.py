@@ -18,14 +18,17 @@ child subreaper (prctl(2) ``PR_SET_CHILD_SUBREAPER``), runs ``runc exec
 that process.  The command's stdio are the helper's: an unlinked temporary file
 each for stdout and stderr (a big output never blocks; a background process
 keeps writing into the unlinked file, on the host's disk, until it exits: so the
-node runs commands through :meth:`Runc.spawn` and bounded pipes instead, and uses
-this only for an environment's first ``true``) and a file or /dev/null as stdin.  Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
+node does not use it, it runs commands through its exec agent or
+:meth:`Runc.spawn`, with bounded pipes) and a file or /dev/null as stdin.
+Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
 
 :meth:`Runc.spawn` is the Popen-based variant for streamed and background
 commands: the same helper, with pipes for stdout and stderr (and optionally
-stdin), returning at once; the helper also writes ``STATUS.started`` (the
-command's host pid and its pid inside the container) once the command runs.
-:mod:`weenv.node.process` reads the pipes.
+stdin), returning at once (a :class:`RuncSpawned`); the helper also writes
+``STATUS.started`` (the command's host pid and its pid inside the container)
+once the command runs.  :mod:`weenv.node.process` reads the pipes.  The node
+uses it only when an environment's exec agent (:mod:`weenv.node.agent`, no
+runtime process per command) is not there.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ from weenv.errors import (
     ToolMissingError,
 )
 from weenv.node.models import ExecResult
+from weenv.node.process import EXIT_CANNOT_RUN, EXIT_KILLED, EXIT_NOT_FOUND, Spawned
 
 _ID_RE = re.compile(r"^[\w+.-]{1,1024}$")
 _USER_RE = re.compile(r"^\d+(:\d+)?$")
 _MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
-EXIT_NOT_FOUND, EXIT_CANNOT_RUN, EXIT_KILLED = 127, 126, 128 + 9
 
 # The parent of every command (run as ``python -I -S -c``; argv: STATUS_FILE
 # PID_FILE RUNC_ARGV...).  It makes itself a child subreaper (prctl
@@ -123,17 +126,18 @@ class Runc:
         self.command_timeout = command_timeout
 
     # --- container lifecycle ---------------------------------------------------------
-    def create(self, container_id: str, bundle: Path) -> None:
+    def create(self, container_id: str, bundle: Path, *, stdin: int | None = None) -> None:
         """``runc create``: set up the container from ``bundle/config.json``, its
         first process waiting to be started.
 
-        The first process gets ``/dev/null`` as stdin and ``bundle/init.log`` as
-        stdout and stderr (runc create would otherwise wait on pipes it passes on).
-        Raises :class:`NotFoundError` without ``bundle/config.json``.
+        The first process gets ``bundle/init.log`` as stdout and stderr (runc
+        create would otherwise wait on pipes it passes on) and ``stdin`` (a file
+        descriptor, e.g. the exec agent's listening socket) or ``/dev/null`` as
+        stdin.  Raises :class:`NotFoundError` without ``bundle/config.json``.
         """
-        self._launch(("create",), container_id, bundle)
+        self._launch(("create",), container_id, bundle, stdin)
 
-    def _launch(self, verb: tuple[str, ...], container_id: str, bundle: Path) -> None:
+    def _launch(self, verb: tuple[str, ...], container_id: str, bundle: Path, stdin: int | None) -> None:
         """``runc VERB... --bundle BUNDLE ID`` with the first process's stdio as :meth:`create` sets it."""
         _check_id(container_id)
         bundle = Path(bundle).absolute()
@@ -146,7 +150,7 @@ class Runc:
             try:
                 proc = subprocess.run(
                     self._argv(*verb, "--bundle", str(bundle), container_id),
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    stdin=subprocess.DEVNULL if stdin is None else stdin, stdout=log, stderr=log,
                     timeout=self.command_timeout,
                 )  # fmt: skip
             except FileNotFoundError as exc:
@@ -163,12 +167,13 @@ class Runc:
         """``runc start``: run the first process of a created container."""
         self._run("start", container_id)
 
-    def run_detached(self, container_id: str, bundle: Path) -> None:
+    def run_detached(self, container_id: str, bundle: Path, *, stdin: int | None = None) -> None:
         """``runc run --detach``: :meth:`create` and :meth:`start` in one runc
-        process (one Go runtime start and state load fewer: ~5-10 ms here); on
-        failure nothing is left behind."""
+        process (one Go runtime start and state load fewer: ~5-10 ms here), the
+        first process's stdio as :meth:`create` sets it; on failure nothing is
+        left behind."""
         try:
-            self._launch(("run", "--detach"), container_id, bundle)
+            self._launch(("run", "--detach"), container_id, bundle, stdin)
         except BaseException:
             self.delete(container_id, force=True)
             raise
@@ -226,7 +231,7 @@ class Runc:
         command's process tree (daemonized, reparented to the container's first
         process) are not killed.
         """
-        flags, command = _exec_args(argv, env, cwd, user)
+        flags, command = exec_args(argv, env, cwd, user)
         _check_id(container_id)
         with tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp, \
                 tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
@@ -273,7 +278,7 @@ class Runc:
         user: str | None = None,
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
-    ) -> "Spawned":
+    ) -> "RuncSpawned":
         """Start a command like :meth:`exec` and return at once (the Popen-based variant).
 
         The same exec helper runs it, but its stdout and stderr are pipes the
@@ -283,7 +288,7 @@ class Runc:
         error message; :meth:`Spawned.fate` sorts that out after the helper exits.
         Raises :class:`InvalidInputError` for bad arguments.
         """
-        flags, command = _exec_args(argv, env, cwd, user)
+        flags, command = exec_args(argv, env, cwd, user)
         _check_id(container_id)
         tmp = Path(tempfile.mkdtemp(prefix="weenv-exec-"))
         try:
@@ -297,7 +302,7 @@ class Runc:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return Spawned(self, container_id, proc, tmp)
+        return RuncSpawned(self, container_id, proc, tmp)
 
     # --- helpers -----------------------------------------------------------------------
     def _fate(self, container_id: str, status_file: Path, rc: int, stderr: bytes) -> tuple[int, bytes]:
@@ -335,34 +340,59 @@ class Runc:
         return proc.stdout.decode()
 
 
-class Spawned:
-    """A command started by :meth:`Runc.spawn`: the exec helper's ``proc`` (its
-    ``stdout``/``stderr``, and ``stdin`` if piped) and the helper's files in ``dir``."""
+class RuncSpawned(Spawned):
+    """A command started by :meth:`Runc.spawn`: the exec helper's ``proc`` (whose
+    ``stdout``/``stderr``, and ``stdin`` if piped, are the command's) and the
+    helper's files in ``dir``.  News comes from a pidfd of the helper, and the
+    start from its ``status.started`` file (polled every :attr:`poll_ms`)."""
+
+    poll_ms = 5
 
     def __init__(self, runc: Runc, container_id: str, proc: subprocess.Popen, dir: Path):
         self.runc = runc
         self.container_id = container_id
         self.proc = proc
         self.dir = dir
+        self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
+        self.host_pid: int | None = None
+        """The command's pid on the host, once it runs."""
+        self._pidfd = os.pidfd_open(proc.pid)
 
-    def started(self) -> tuple[int, int] | None:
-        """``(host pid, pid inside the container)`` once the command runs, else None
-        (the container pid is 0 if the command was gone too soon to see it)."""
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def update(self) -> bool:
+        return self.proc.poll() is not None
+
+    def started(self) -> int | None:
         try:
             host, ns = (self.dir / "status.started").read_text().split()
         except (FileNotFoundError, ValueError):
             return None
-        return int(host), int(ns)
+        self.host_pid = int(host)
+        return int(ns)
 
-    def fate(self, returncode: int, stderr: bytes) -> tuple[int, bytes]:
-        """``(exit code, stderr)`` after the helper exited with ``returncode``:
-        when runc could not start the command, ``stderr`` (what the helper's
+    def fate(self, stderr: bytes) -> tuple[int, bytes]:
+        """When runc could not start the command, ``stderr`` (what the helper's
         stderr carried, runc's message) becomes the message and the code 127 or
         126.  Raises as :meth:`Runc.exec` does when the container is gone."""
-        return self.runc._fate(self.container_id, self.dir / "status", returncode, stderr)
+        return self.runc._fate(self.container_id, self.dir / "status", self.proc.wait(), stderr)
 
-    def cleanup(self) -> None:
-        """Remove the helper's files (after it exited)."""
+    def kill_tree(self) -> None:
+        kill_descendants(self.proc.pid)
+
+    def signal(self, sig: int) -> None:
+        if self.host_pid is not None:
+            _send(self.host_pid, sig)
+
+    def close(self) -> None:
+        """Kill the helper if it still runs, wait for it, remove its files."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -403,8 +433,9 @@ MAX_EXEC_BYTES = os.sysconf("SC_ARG_MAX") - (64 << 10)
 the exec helper's and runc's own arguments)."""
 
 
-def _exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
-    """(runc exec flags, the command's argv).  Raises :class:`InvalidInputError`
+def exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
+    """(runc exec flags, the command's argv; a string becomes ``/bin/sh -c
+    STRING``).  Raises :class:`InvalidInputError`
     for what execve(2) could not take: a NUL byte in an argument, variable or
     the working dir, an argument longer than :data:`MAX_ARG_STRLEN`, or more
     than :data:`MAX_EXEC_BYTES` in all."""

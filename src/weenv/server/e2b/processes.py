@@ -215,8 +215,7 @@ class ProcessService:
     async def close_stdin(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
         p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
-        stdin = p.spawned.proc.stdin
-        if stdin is not None and not stdin.closed:
+        if p.stdin_open:
             await _write_stdin(p, b"", eof=True)
         return process_pb.CloseStdinResponse()
 

@@ -1,0 +1,392 @@
+/*
+ * weenv exec agent: runs commands inside a started environment without a new
+ * runtime process per command.  See weenv/node/agent/__init__.py for the design
+ * and the wire protocol; this file is compiled with `cc -static -O2`.
+ *
+ * Usage (as the environment's first process, pid 1, in front of its init):
+ *
+ *     weenv-agent -- COMMAND [ARG...]      (COMMAND: e.g. tini -- sleep infinity)
+ *
+ * fd 0 is a listening Unix stream socket (the node passed it as runc create's
+ * stdin).  The agent moves it off fd 0 (close-on-exec), puts /dev/null on
+ * fd 0, forks a server (double fork: it is reparented to pid 1) and execs
+ * COMMAND, which stays pid 1 and reaps the server if it dies.  Only the server
+ * holds the socket, so once it is gone the node's connects are refused.  If
+ * fd 0 is not a listening socket, the agent just execs COMMAND.
+ *
+ * The server accepts connections; each gets its own handler process (a child
+ * subreaper) that reads one request, forks and execs the command with the
+ * three passed descriptors as stdin/stdout/stderr, and reports on the
+ * connection.  Everything the environment's first process was given by runc
+ * (namespaces, cgroup, capabilities, seccomp filter, no_new_privs, rlimits,
+ * user) is inherited through fork and exec.
+ *
+ * Request (node -> handler): u32 little-endian payload length, then the
+ * payload: CWD \0 ARGC \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
+ * each), sent with SCM_RIGHTS carrying exactly 3 descriptors (stdin, stdout,
+ * stderr).  Afterwards: little-endian i32 signal requests: N > 0 sends N to the
+ * command, N < 0 sends -N to its process group.  End of file: SIGKILL to the
+ * command and its process group.
+ *
+ * Replies (handler -> node), text lines:
+ *     A PID          forked (sent by the handler: SO_PASSCRED shows its host pid)
+ *     P              the command runs (execve succeeded)
+ *     F STAGE ERRNO  it could not start (STAGE: chdir, exec, setup); then EOF
+ *     X STATUS       it ended; STATUS is waitpid(2)'s raw status; then EOF
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_REQUEST (8u << 20) /* bytes of payload; execve(2) takes less */
+#define STAGE_SETUP 1
+#define STAGE_CHDIR 2
+#define STAGE_EXEC 3
+
+extern char **environ;
+
+static void die(const char *what) {
+    dprintf(2, "weenv-agent: %s: %s\n", what, strerror(errno));
+    _exit(111);
+}
+
+/* Write all of buf (retrying on EINTR and partial writes); 0 or -1. */
+static int write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n < 0 && errno == ENOTSOCK)
+            n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Read exactly len bytes; 0, or -1 on error or early end of file. */
+static int read_all(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = read(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Send one reply line (best effort: a node that hung up gets nothing). */
+__attribute__((format(printf, 2, 3))) static void reply(int conn, const char *fmt, ...) {
+    char line[64];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (n > 0 && (size_t)n < sizeof line)
+        (void)write_all(conn, line, (size_t)n);
+}
+
+/* Read the request header with its 3 descriptors (received close-on-exec). */
+static int read_header(int conn, uint32_t *len, int fds[3]) {
+    unsigned char head[4];
+    char control[CMSG_SPACE(3 * sizeof(int))];
+    struct iovec iov = {head, sizeof head};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n;
+    do
+        n = recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    while (n < 0 && errno == EINTR);
+    if (n <= 0)
+        return -1;
+    int got = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int *passed = (int *)CMSG_DATA(c);
+        for (size_t i = 0; i < count; i++) {
+            if (got < 3)
+                fds[got++] = passed[i];
+            else
+                close(passed[i]);
+        }
+    }
+    if (got != 3 || (msg.msg_flags & MSG_CTRUNC))
+        return -1;
+    if ((size_t)n < sizeof head && read_all(conn, head + n, sizeof head - (size_t)n) < 0)
+        return -1;
+    *len = head[0] | head[1] << 8 | head[2] << 16 | (uint32_t)head[3] << 24;
+    return 0;
+}
+
+/* Split the payload into cwd, argv (NULL-terminated) and env (NULL-terminated). */
+static int parse(char *buf, uint32_t len, char **cwd, char ***argv, char ***env) {
+    if (len == 0 || buf[len - 1] != '\0')
+        return -1;
+    size_t count = 0;
+    for (uint32_t i = 0; i < len; i++)
+        count += buf[i] == '\0';
+    char **fields = calloc(count + 2, sizeof *fields);
+    if (!fields)
+        return -1;
+    size_t k = 0;
+    for (char *p = buf; p < buf + len; p += strlen(p) + 1)
+        fields[k++] = p;
+    if (k < 3)
+        return -1;
+    char *end;
+    errno = 0;
+    unsigned long argc = strtoul(fields[1], &end, 10);
+    if (errno || *end || argc == 0 || argc > k - 2)
+        return -1;
+    *cwd = fields[0];
+    *argv = fields + 2;
+    /* fields[2 + argc] starts the environment: shift it one slot right to
+       leave a NULL after argv (calloc gave one spare slot at the end). */
+    memmove(fields + 3 + argc, fields + 2 + argc, (k - 2 - argc) * sizeof *fields);
+    fields[2 + argc] = NULL;
+    *env = fields + 3 + argc;
+    return 0;
+}
+
+/* The command's environment: the request's variables, then the agent's own
+   (the environment's first process's, as runc set them: HOME etc.) whose
+   names the request does not set. */
+static char **merge_env(char **req) {
+    size_t nr = 0, na = 0;
+    while (req[nr])
+        nr++;
+    while (environ[na])
+        na++;
+    char **out = calloc(nr + na + 1, sizeof *out);
+    if (!out)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < nr; i++)
+        out[k++] = req[i];
+    for (size_t j = 0; j < na; j++) {
+        size_t name = strcspn(environ[j], "=");
+        int dup = 0;
+        for (size_t i = 0; i < nr && !dup; i++)
+            dup = strncmp(req[i], environ[j], name) == 0 && req[i][name] == '=';
+        if (!dup)
+            out[k++] = environ[j];
+    }
+    return out;
+}
+
+/* In the forked child: become the command or report why not on errpipe. */
+static void run_command(int fds[3], char *cwd, char **argv, char **env, int errpipe,
+                        const sigset_t *mask) {
+    int report[2] = {STAGE_SETUP, 0};
+    if (setsid() < 0)
+        goto fail;
+    for (int i = 0; i < 3; i++)
+        if (dup2(fds[i], i) < 0) /* the copies are not close-on-exec */
+            goto fail;
+    report[0] = STAGE_CHDIR;
+    if (chdir(cwd) < 0)
+        goto fail;
+    report[0] = STAGE_SETUP;
+    char **merged = merge_env(env);
+    if (!merged)
+        goto fail;
+    environ = merged; /* execvp searches the command's own PATH, as runc does */
+    if (sigprocmask(SIG_SETMASK, mask, NULL) < 0)
+        goto fail;
+    report[0] = STAGE_EXEC;
+    execvp(argv[0], argv);
+fail:
+    report[1] = errno;
+    (void)write_all(errpipe, report, sizeof report);
+    _exit(127);
+}
+
+/* One connection: one command.  Never returns. */
+static void handle(int conn) {
+    uint32_t len;
+    int fds[3];
+    signal(SIGCHLD, SIG_DFL);
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); /* orphans of the command come here */
+    prctl(PR_SET_NAME, "weenv-exec", 0, 0, 0);
+    if (read_header(conn, &len, fds) < 0 || len > MAX_REQUEST) {
+        reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
+        _exit(1);
+    }
+    char *buf = malloc(len ? len : 1), *cwd, **argv, **env;
+    if (!buf || read_all(conn, buf, len) < 0 || parse(buf, len, &cwd, &argv, &env) < 0) {
+        reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
+        _exit(1);
+    }
+    sigset_t chld, old;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    if (sigprocmask(SIG_BLOCK, &chld, &old) < 0)
+        die("sigprocmask");
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    int errpipe[2];
+    if (sfd < 0 || pipe2(errpipe, O_CLOEXEC) < 0) {
+        reply(conn, "F %d %d\n", STAGE_SETUP, errno);
+        _exit(1);
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        reply(conn, "F %d %d\n", STAGE_SETUP, errno);
+        _exit(1);
+    }
+    if (pid == 0) {
+        close(errpipe[0]);
+        run_command(fds, cwd, argv, env, errpipe[1], &old);
+    }
+    close(errpipe[1]);
+    for (int i = 0; i < 3; i++)
+        close(fds[i]); /* only the command holds them: its pipes end with it */
+    reply(conn, "A %d\n", (int)pid);
+
+    int report[2];
+    ssize_t n;
+    do
+        n = read(errpipe[0], report, sizeof report);
+    while (n < 0 && errno == EINTR);
+    close(errpipe[0]);
+    int started = n == 0; /* close-on-exec closed the pipe: execve succeeded */
+    if (started)
+        reply(conn, "P\n");
+    else if (n == (ssize_t)sizeof report)
+        reply(conn, "F %d %d\n", report[0], report[1]);
+    else
+        reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
+
+    /* Wait for the command, reaping adopted orphans too, and obey signal requests. */
+    struct pollfd pfd[2] = {{sfd, POLLIN, 0}, {started ? conn : -1, POLLIN, 0}};
+    unsigned char req[4];
+    size_t have = 0;
+    for (;;) {
+        int status;
+        pid_t r;
+        while ((r = waitpid(-1, &status, WNOHANG)) > 0) {
+            if (r == pid) {
+                if (started)
+                    reply(conn, "X %d\n", status);
+                _exit(0);
+            }
+        }
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            die("poll");
+        }
+        if (pfd[0].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0)
+                ;
+        }
+        if (pfd[1].revents) {
+            ssize_t m = read(conn, req + have, sizeof req - have);
+            if (m < 0 && errno == EINTR)
+                continue;
+            if (m <= 0) { /* the node hung up: the command goes with it */
+                kill(-pid, SIGKILL);
+                kill(pid, SIGKILL);
+                pfd[1].fd = -1;
+                continue;
+            }
+            have += (size_t)m;
+            if (have == sizeof req) {
+                int32_t sig = (int32_t)(req[0] | req[1] << 8 | req[2] << 16 | (uint32_t)req[3] << 24);
+                have = 0;
+                if (sig > 0 && sig < 65)
+                    kill(pid, sig);
+                else if (sig < 0 && sig > -65)
+                    kill(-pid, -sig);
+            }
+        }
+    }
+}
+
+static void serve(int lfd) {
+    signal(SIGCHLD, SIG_IGN); /* handlers are reaped by the kernel */
+    prctl(PR_SET_NAME, "weenv-agent", 0, 0, 0);
+    for (;;) {
+        int conn = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (conn < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
+                errno == ENOBUFS || errno == ENOMEM)
+                continue;
+            die("accept");
+        }
+        pid_t pid = -1;
+        for (int tries = 0; tries < 5 && pid < 0; tries++) {
+            pid = fork();
+            if (pid < 0 && errno != EAGAIN && errno != ENOMEM)
+                break;
+            if (pid < 0) /* at the pids or memory limit: give the environment a moment */
+                usleep(10000);
+        }
+        if (pid == 0) {
+            close(lfd);
+            handle(conn);
+        }
+        if (pid < 0) /* the node sees the hang-up and uses runc exec for this command */
+            dprintf(2, "weenv-agent: fork: %s\n", strerror(errno));
+        close(conn);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3 || strcmp(argv[1], "--") != 0) {
+        dprintf(2, "usage: weenv-agent -- COMMAND [ARG...]\n");
+        return 111;
+    }
+    int listening = 0;
+    socklen_t size = sizeof listening;
+    if (getsockopt(0, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0 && listening) {
+        int lfd = fcntl(0, F_DUPFD_CLOEXEC, 3);
+        int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (lfd < 0 || null < 0 || dup2(null, 0) < 0)
+            die("setting up");
+        close(null);
+        pid_t mid = fork();
+        if (mid < 0)
+            die("fork");
+        if (mid == 0) {
+            pid_t server = fork();
+            if (server == 0) {
+                setsid(); /* out of the command's process group and session */
+                serve(lfd);
+            }
+            _exit(server < 0);
+        }
+        close(lfd);
+        int status;
+        while (waitpid(mid, &status, 0) < 0 && errno == EINTR)
+            ;
+    }
+    execvp(argv[2], argv + 2);
+    dprintf(2, "weenv-agent: exec %s: %s\n", argv[2], strerror(errno));
+    return errno == ENOENT ? 127 : 126;
+}

@@ -1,0 +1,315 @@
+"""The node's side of the exec agent: its socket, and commands started through it.
+
+:func:`listen` makes an environment's listening socket (the node hands it to
+the environment's first process); :func:`spawn` connects to it, sends one
+request and returns an :class:`AgentSpawned` that :class:`weenv.node.process.Process`
+drives.  The wire protocol is described in ``agent.c``.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from weenv.errors import RuntimeFailedError
+from weenv.node.process import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Spawned
+from weenv.node.runc import kill_descendants
+
+START_TIMEOUT_S = 10.0
+"""Seconds the agent has to accept a request and fork the command."""
+MAX_REPLY = 4096
+"""Bytes of replies the node keeps before a line ends (the agent's lines are short)."""
+
+_STAGE_SETUP, _STAGE_CHDIR, _STAGE_EXEC = 1, 2, 3
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_MAX_PATH = 100  # sun_path holds 108 bytes; longer paths go through /proc/self/fd
+
+
+class AgentUnavailable(Exception):
+    """Nothing of the request ran: the agent is not listening (``gone``: it
+    died or never started) or hung up before forking (e.g. it could not fork at
+    the pids limit).  The node falls back to ``runc exec``."""
+
+    def __init__(self, message: str, *, gone: bool):
+        super().__init__(message)
+        self.gone = gone
+
+
+@contextlib.contextmanager
+def _address(path: Path) -> Iterator[str]:
+    """A sockaddr path for ``path``: itself, or ``/proc/self/fd/DIRFD/NAME`` when
+    it is too long for ``sun_path``."""
+    path = Path(path)
+    if len(os.fsencode(path)) <= _MAX_PATH:
+        yield str(path)
+        return
+    dirfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{dirfd}/{path.name}"
+    finally:
+        os.close(dirfd)
+
+
+def listen(path: Path, backlog: int = 128) -> socket.socket:
+    """A listening Unix stream socket bound at ``path`` (mode 0600; a stale file
+    there is replaced).  The caller passes it to the agent and closes its copy."""
+    path = Path(path)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        with _address(path) as addr:
+            sock.bind(addr)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def spawn(
+    path: Path,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    stdin: bytes | None = None,
+    stdin_pipe: bool = False,
+    start_timeout: float = START_TIMEOUT_S,
+) -> "AgentSpawned":
+    """Start ``argv`` (already checked, e.g. by :func:`weenv.node.runc.exec_args`)
+    through the agent listening at ``path``, in working dir ``cwd`` (absolute,
+    inside the environment) with ``env`` over the environment's own variables.
+
+    stdin: a pipe with ``stdin_pipe``, else a memfd holding ``stdin``, else
+    ``/dev/null``.  Returns once the agent forked the command (or refused it).
+    Raises :class:`AgentUnavailable` when nothing ran (fall back), and
+    :class:`RuntimeFailedError` when the agent does not answer within
+    ``start_timeout`` seconds.
+    """
+    payload = b"".join(
+        os.fsencode(s) + b"\0"
+        for s in (cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items()))
+    )
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    theirs: list[int] = []  # the command's ends: closed here once sent (or on failure)
+    ours: list[BinaryIO] = []  # the node's ends: the caller's on success
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the handler's host pid
+        conn.settimeout(start_timeout)
+        try:
+            with _address(path) as addr:
+                conn.connect(addr)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise AgentUnavailable(f"no exec agent listens at {path}: {exc.strerror}", gone=True) from None
+        stdout = _pipe(theirs, ours, read=True)
+        stderr = _pipe(theirs, ours, read=True)
+        stdin_w: BinaryIO | None = None
+        if stdin_pipe:
+            stdin_w = _pipe(theirs, ours, read=False)
+        elif stdin:
+            theirs.append(os.memfd_create("weenv-stdin", os.MFD_CLOEXEC))
+            _write_all(theirs[-1], stdin)
+            os.lseek(theirs[-1], 0, os.SEEK_SET)
+        else:
+            theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        spawned = AgentSpawned(conn, argv, cwd, stdin_w, stdout, stderr)
+        message = struct.pack("<I", len(payload)) + payload
+        try:
+            out_w, err_w, in_r = theirs
+            fds = array.array("i", [in_r, out_w, err_w])
+            sent = conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            conn.sendall(message[sent:])
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise AgentUnavailable(f"the exec agent at {path} hung up: {exc.strerror}", gone=False) from None
+        except TimeoutError:
+            raise RuntimeFailedError(f"the exec agent at {path} does not read its requests") from None
+        conn.setblocking(False)
+        spawned._wait_forked(start_timeout)
+        return spawned
+    except BaseException:
+        conn.close()
+        for f in ours:
+            f.close()
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+
+
+def _pipe(theirs: list[int], ours: list[BinaryIO], *, read: bool) -> BinaryIO:
+    """A pipe: the command's end appended to ``theirs``, the node's end (read end
+    if ``read``) appended to ``ours`` and returned, unbuffered."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    theirs.append(w if read else r)
+    ours.append(open(r if read else w, "rb" if read else "wb", buffering=0))
+    return ours[-1]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class AgentSpawned(Spawned):
+    """A command started through the exec agent: the connection to its handler
+    (the command's parent inside the environment) and the command's pipes.
+
+    News comes on the connection (readable when a reply arrives): ``A`` (forked;
+    the kernel's SCM_CREDENTIALS give the handler's host pid), ``P`` (runs),
+    ``F`` (could not start), ``X`` (ended), or end of file (the handler died).
+    """
+
+    def __init__(self, conn: socket.socket, argv: list[str], cwd: str,
+                 stdin: BinaryIO | None, stdout: BinaryIO, stderr: BinaryIO):
+        self.conn = conn
+        self.argv, self.cwd = argv, cwd
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.handler_pid: int | None = None
+        """The handler's host pid (from the kernel, not from the agent's words)."""
+        self._handler_fd = -1  # a pidfd: kill the tree only while the handler lives
+        self._forked_pid: int | None = None  # the command's pid inside the environment
+        self._running = False
+        self._failure: tuple[int, int] | None = None  # (stage, errno)
+        self._status: int | None = None
+        self._eof = False
+        self._buf = b""
+
+    # --- replies ---------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Read every reply available now (non-blocking) and parse whole lines."""
+        while not self._eof:
+            try:
+                data, ancdata, _flags, _addr = self.conn.recvmsg(MAX_REPLY, socket.CMSG_SPACE(_UCRED.size))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, ancdata = b"", []
+            for level, kind, cdata in ancdata:
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS) and self.handler_pid is None:
+                    pid = _UCRED.unpack(cdata[: _UCRED.size])[0]
+                    if pid > 0:
+                        self._adopt_handler(pid)
+            if not data:
+                self._eof = True
+                return
+            self._buf += data
+            *lines, self._buf = self._buf.split(b"\n")
+            if len(self._buf) > MAX_REPLY:
+                raise RuntimeFailedError("the exec agent sent a garbled reply")
+            for line in lines:
+                self._parse(line)
+
+    def _adopt_handler(self, pid: int) -> None:
+        self.handler_pid = pid
+        with contextlib.suppress(OSError):
+            self._handler_fd = os.pidfd_open(pid)
+
+    def _parse(self, line: bytes) -> None:
+        kind, _, rest = line.partition(b" ")
+        try:
+            fields = [int(x) for x in rest.split()]
+            if kind == b"A" and len(fields) == 1:
+                self._forked_pid = fields[0]
+            elif kind == b"P" and not fields:
+                self._running = True
+            elif kind == b"F" and len(fields) == 2:
+                self._failure = (fields[0], fields[1])
+            elif kind == b"X" and len(fields) == 1:
+                self._status = fields[0]
+            else:
+                raise ValueError
+        except ValueError:
+            raise RuntimeFailedError(f"the exec agent sent a garbled reply: {line[:80]!r}") from None
+
+    def _wait_forked(self, timeout: float) -> None:
+        """Block until the handler forked the command or refused it."""
+        deadline = time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self.conn.fileno(), select.POLLIN)
+        while True:
+            self._receive()
+            if self._forked_pid is not None or self._failure is not None:
+                return
+            if self._eof:
+                raise AgentUnavailable("the exec agent hung up before starting the command", gone=False)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeFailedError(f"the exec agent did not start the command within {timeout} s")
+            poller.poll(int(left * 1000) + 1)
+
+    # --- Spawned ---------------------------------------------------------------------
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def update(self) -> bool:
+        self._receive()
+        return self._eof or self._status is not None or self._failure is not None
+
+    def started(self) -> int | None:
+        return self._forked_pid if self._running else None
+
+    def fate(self, stderr: bytes) -> tuple[int, bytes]:
+        """The exit code (128 + N for signal N) once ended; for a command that
+        could not start, 127 (not found) or 126 and a message like runc's."""
+        if self._status is not None:
+            code = os.waitstatus_to_exitcode(self._status)
+            return (code if code >= 0 else 128 - code), b""
+        if self._failure is not None:
+            return self._failure_result(*self._failure)
+        raise RuntimeFailedError(
+            "lost the command: its exec agent handler went away (the environment stopped, "
+            "or a process inside killed the agent)"
+        )
+
+    def _failure_result(self, stage: int, err: int) -> tuple[int, bytes]:
+        reason = os.strerror(err).lower()
+        if stage == _STAGE_EXEC:
+            name = self.argv[0]
+            if err == errno.ENOENT:
+                if "/" not in name:
+                    return EXIT_NOT_FOUND, f'exec: "{name}": executable file not found in $PATH\n'.encode()
+                return EXIT_NOT_FOUND, f'exec: "{name}": {reason}\n'.encode()
+            return EXIT_CANNOT_RUN, f'exec: "{name}": {reason}\n'.encode()
+        if stage == _STAGE_CHDIR:
+            return EXIT_CANNOT_RUN, f'chdir to cwd ("{self.cwd}") failed: {reason}\n'.encode()
+        if err == errno.EPROTO:
+            raise RuntimeFailedError("the exec agent refused the request (protocol error)")
+        return EXIT_CANNOT_RUN, f"cannot start the command: {reason}\n".encode()
+
+    def kill_tree(self) -> None:
+        """SIGKILL the command's tree from the host (the handler is a child
+        subreaper: orphans of the command are in its tree too), then ask the
+        handler to kill the command's process group (for when the host pid is
+        unknown or the tree changed meanwhile)."""
+        if self._handler_fd >= 0 and self.handler_pid is not None:
+            alive = select.poll()
+            alive.register(self._handler_fd, select.POLLIN)  # a pidfd polls readable once the process exited
+            if not alive.poll(0):
+                kill_descendants(self.handler_pid)
+        self._request(-9)
+
+    def signal(self, sig: int) -> None:
+        self._request(sig)
+
+    def _request(self, value: int) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(struct.pack("<i", value))
+
+    def close(self) -> None:
+        """Hang up (a command still running is killed by its handler)."""
+        self.conn.close()
+        if self._handler_fd >= 0:
+            os.close(self._handler_fd)
+            self._handler_fd = -1
