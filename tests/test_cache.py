@@ -216,7 +216,8 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
     assert len(profile.chunks) > 3
     # what the window saw, in order (the whole node's first reads, since it started cold)
     assert [(groups[gi][0], ci) for gi, ci in profile.chunks] == recorded[: len(profile.chunks)]
-    assert profile.chunks[0] == (0, 0)  # the base group's superblock comes first
+    # the groups' superblocks come first (cold groups are mounted in parallel: in any order)
+    assert sorted(profile.chunks[: len(groups)]) == [(gi, 0) for gi in range(len(groups))]
 
     for d in (paths.chunk_cache, paths.node / "images"):
         subprocess.run(["rm", "-rf", str(d)], check=True)

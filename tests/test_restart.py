@@ -296,8 +296,9 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     client = home.start()
     env_id = home.create(client)
     init_pid = home.container_pid(env_id)
-    home.kill(home.holder_pid())
-    home.kill(home.daemon_pid())
+    holder = home.holder_pid()
+    home.kill(home.daemon_pid())  # the daemon first: alive, it replaces a killed holder
+    home.kill(holder)
     client.close()
 
     client = home.start()

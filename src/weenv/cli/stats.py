@@ -100,7 +100,7 @@ def plot(s: ProvisionStats, path: Path) -> Path:
     ax_mem.set_xlabel("seconds")
     for ax in (ax_cpu, ax_mem):
         ax.grid(alpha=0.3)
-        if len(s.environments) <= 6:
+        if len(s.environments) <= 6 and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     path = Path(path)
