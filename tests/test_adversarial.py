@@ -37,6 +37,7 @@ from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
+from weenv.services.process import alive
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -55,17 +56,10 @@ def _one_line_error(proc: subprocess.CompletedProcess) -> None:
     assert proc.stderr.strip().startswith("weenv: error:") or "Usage" in proc.stderr, tail
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.05)
     return False
@@ -108,7 +102,7 @@ def _shut_down(paths: Paths) -> None:
     with contextlib.suppress(Exception):
         daemon.stop(paths, timeout=60)
     pid = _pid(paths)
-    if pid is not None and _alive(pid):
+    if pid is not None and alive(pid):
         os.kill(pid, signal.SIGINT)
         if not _wait_gone(pid, 60):
             os.kill(pid, signal.SIGKILL)

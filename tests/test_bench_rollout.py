@@ -21,6 +21,7 @@ from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node import mounts
 from weenv.services import process
+from weenv.services.process import alive
 from weenv.services.dockerd import DOCKERD
 from weenv.services.registry import REGISTRY
 
@@ -28,14 +29,6 @@ needs_docker = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
     reason="needs Debian's docker.io and docker-registry",
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +200,7 @@ def test_quick_rollout_benchmark_weenv_against_docker(paths, debian_root, leak_c
     # nothing left behind: daemons, containers, containerd, mounts, cgroups
     services = written["docker_services"]
     for key in ("dockerd_pid", "registry_pid", "weenv_daemon_pid"):
-        assert not _alive(services[key]), key
+        assert not alive(services[key]), key
     root = services["dockerd_root"]
     assert not Path(root).exists() and not process.pids_mentioning(root + "/")
     assert not mounts.mounts_under(Path(root)) and not mounts.mounts_under(work)

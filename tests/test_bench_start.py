@@ -15,6 +15,7 @@ import pytest
 from weenv.bench.start import SUMMARY_KEYS, run
 from weenv.node import mounts
 from weenv.services import process
+from weenv.services.process import alive
 from weenv.services.dockerd import DOCKERD
 from weenv.services.registry import REGISTRY
 
@@ -22,14 +23,6 @@ pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
     reason="needs Debian's docker.io and docker-registry",
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def test_quick_start_benchmark_weenv_against_docker(
@@ -87,7 +80,7 @@ def test_quick_start_benchmark_weenv_against_docker(
 
     # nothing left behind: daemons, containerd, mounts, cgroups, the node's home
     services = written["docker_services"]
-    assert not _alive(services["dockerd_pid"]) and not _alive(services["registry_pid"])
+    assert not alive(services["dockerd_pid"]) and not alive(services["registry_pid"])
     root = services["dockerd_root"]
     assert not Path(root).exists()
     assert not process.pids_mentioning(root + "/")

@@ -14,6 +14,7 @@ import pytest
 from weenv.bench.update import SUMMARY_KEYS, run
 from weenv.node import mounts
 from weenv.services import process
+from weenv.services.process import alive
 from weenv.services.dockerd import DOCKERD
 from weenv.services.registry import REGISTRY
 
@@ -21,14 +22,6 @@ pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
     reason="needs Debian's docker.io and docker-registry",
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def test_quick_update_benchmark_weenv_against_docker(paths, debian_root, leak_check, tmp_path):
@@ -62,7 +55,7 @@ def test_quick_update_benchmark_weenv_against_docker(paths, debian_root, leak_ch
 
     # the services are gone: processes, mounts, cgroups, directories
     services = written["docker_services"]
-    assert not _alive(services["dockerd_pid"]) and not _alive(services["registry_pid"])
+    assert not alive(services["dockerd_pid"]) and not alive(services["registry_pid"])
     root = services["dockerd_root"]
     assert not Path(root).exists()
     assert not process.pids_mentioning(root + "/")

@@ -33,6 +33,7 @@ from weenv.packaging.importer.runtime import resolve_user
 from weenv.services.dockerd import Dockerd
 from weenv.services.registry import Registry
 from weenv.store.file import FileStore
+from weenv.services.process import alive
 
 BASE = "weenv-import-base:1"
 IMAGE = "weenv-import-test:1"
@@ -521,11 +522,6 @@ def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_pa
 
 
 # --- the services themselves ------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_path):
@@ -549,7 +545,7 @@ def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_pat
         d.docker("tag", "sleeper:1", reference)
         d.docker("push", reference)
         assert registry.blob_bytes() > 100_000
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     assert not mounts.mounts_under(root) and not root.exists() and not registry_root.exists()
     assert not pids_mentioning(str(root) + "/")
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{cgroup_parent}"))

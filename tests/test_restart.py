@@ -32,6 +32,7 @@ from weenv.packaging.template import create_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
+from weenv.services.process import alive
 
 DATA_MIB = 16
 
@@ -62,7 +63,7 @@ def restart_home(tmp_path, shared_store, paths, monkeypatch, leak_check):
         daemon.stop(p)
         assert holder.pid_of(p.run) is None
         for pid in home.pids:
-            assert not _alive(pid), f"process {pid} left running"
+            assert not alive(pid), f"process {pid} left running"
         mine = [str(c) for c in Path("/sys/fs/cgroup").glob("*/weenv-*") if c.name[6:] in home.env_ids]
         assert not mine, f"cgroups left: {mine}"
         assert not mounts_under(p.home)
@@ -100,7 +101,7 @@ class _Home:
     def kill(self, pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _alive(pid):
+        while alive(pid):
             assert time.monotonic() < deadline, f"pid {pid} survived SIGKILL"
             time.sleep(0.01)
 
@@ -145,13 +146,6 @@ class _Home:
         return json.loads(out)["pid"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _fuse_waiting(pid: int) -> bool:
     """Whether a thread of ``pid`` waits to open a FIFO (a fetch of a blocked chunk)."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -188,7 +182,7 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     first_daemon, first_holder = home.daemon_pid(), home.holder_pid()
 
     home.kill(first_daemon)
-    assert _alive(first_holder) and _alive(init_pid)
+    assert alive(first_holder) and alive(init_pid)
     client.close()
 
     t0 = time.monotonic()
@@ -213,7 +207,7 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     assert client.read_file(env_id, "/tmp/after") == b"written after the restart"
 
     client.destroy(env_id)
-    assert not _alive(init_pid)
+    assert not alive(init_pid)
     assert client.list() == []
     client.close()
 
@@ -303,7 +297,7 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
 
     client = home.start()
     assert client.list() == []
-    assert not _alive(init_pid)
+    assert not alive(init_pid)
     assert not any((home.paths.environments).iterdir())
     env2 = home.create(client)
     assert _sha256_in(client, env2, "/data/big.bin") == home.big_sha256
@@ -322,7 +316,7 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     home.kill(home.daemon_pid())
     client.close()
     assert daemon.stop(home.paths) is False  # no daemon ran; its leftovers are cleared
-    assert not _alive(init_pid) and not _alive(holder_pid)
+    assert not alive(init_pid) and not alive(holder_pid)
     assert holder.pid_of(home.paths.run) is None
     assert not mounts_under(home.paths.home)
     shutil.rmtree(home.paths.environments, ignore_errors=True)

@@ -520,7 +520,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     from weenv.packaging.debootstrap import debian_rootfs
     from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
-    from weenv.services.dockerd import DOCKER, Dockerd
+    from weenv.services.dockerd import Dockerd
     from weenv.services.registry import Registry
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
@@ -586,18 +586,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 
             # Docker: import + build + push the same trees
             t = time.monotonic()
-            tar = subprocess.Popen(["tar", "-C", str(base_tree), "--xattrs", "--numeric-owner", "-c", "."],
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
-            try:
-                imp = subprocess.run([DOCKER, "import", "-", DOCKER_BASE], stdin=tar.stdout, capture_output=True,
-                                     env=dockerd.env(), check=False)  # fmt: skip
-            finally:
-                tar.stdout.close()
-                tar.wait()
-            if imp.returncode != 0 or tar.returncode != 0:
-                raise RuntimeFailedError(
-                    f"docker import failed: {imp.stderr.decode(errors='replace')[-600:]}"
-                )
+            dockerd.import_tree(base_tree, DOCKER_BASE)
             context = work / "context"
             context.mkdir()
             proc = subprocess.run(

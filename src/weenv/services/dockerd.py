@@ -270,6 +270,22 @@ class Dockerd:
         return proc
 
 
+    def import_tree(self, tree: Path, ref: str) -> None:
+        """``docker import`` of directory ``tree`` (owners, modes and xattrs
+        kept: ``tar --xattrs --numeric-owner``) as image ``ref``.  Raises
+        :class:`RuntimeFailedError` with docker's message."""
+        tar = subprocess.Popen(["tar", "-C", str(tree), "--xattrs", "--numeric-owner", "-c", "."],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            imp = subprocess.run([DOCKER, "import", "-", ref], stdin=tar.stdout, capture_output=True,
+                                 env=self.env(), check=False)  # fmt: skip
+        finally:
+            tar.stdout.close()
+            tar.wait()
+        if imp.returncode != 0 or tar.returncode != 0:
+            raise RuntimeFailedError(f"docker import failed: {imp.stderr.decode(errors='replace')[-600:]}")
+
+
 def _rmdir_empty(path: Path) -> None:
     try:
         path.rmdir()

@@ -107,10 +107,10 @@ def kill_pids(pids: list[int], *, grace: float = 5.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -151,7 +151,8 @@ def umount_all_under(root: Path) -> None:
         raise MountError(f"mounts remain under {root}: {[p for _t, p in left]}")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (from ``/proc/PID/stat``)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

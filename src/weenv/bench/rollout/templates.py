@@ -147,19 +147,9 @@ def build_docker(dockerd, registry, base: Path, runtime: Path, built: dict[str, 
     """Import the base, build and push one image per task, remove every local
     image; return (task name -> reference, reference -> (manifest + config
     bytes, {layer digest: compressed bytes}))."""
-    from weenv.services.dockerd import DOCKER
 
     t0 = time.monotonic()
-    tar = subprocess.Popen(["tar", "-C", str(base), "--xattrs", "--numeric-owner", "-c", "."],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        imp = subprocess.run([DOCKER, "import", "-", DOCKER_BASE], stdin=tar.stdout, capture_output=True,
-                             env=dockerd.env(), check=False)  # fmt: skip
-    finally:
-        tar.stdout.close()
-        tar.wait()
-    if imp.returncode != 0 or tar.returncode != 0:
-        raise RuntimeFailedError(f"docker import failed: {imp.stderr.decode(errors='replace')[-600:]}")
+    dockerd.import_tree(base, DOCKER_BASE)
     context = work / "context"
     context.mkdir()
     _link_tree(runtime, context / "runtime")
