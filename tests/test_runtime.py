@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from weenv.node.bundle import (
 )
 from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.node.rootfs import RootFS
-from weenv.node.runc import Runc
+from weenv.node.runc import INIT_PID_FILE, Runc
 from weenv.packaging.manifest import Resources, RuntimeConfig
 
 pytestmark = pytest.mark.usefixtures("leak_check")
@@ -385,6 +386,36 @@ def test_delete_force_running(runc, overlay_root, tmp_path):
     e.sh("sleep 1000 & sleep 1000 &")
     runc.delete(e.id, force=True)
     assert runc.list() == [] and cgroup_dirs(e.cgroup_name) == []
+
+
+def test_delete_with_bundle_kills_through_the_init_pid(runc, overlay_root, tmp_path):
+    """delete(force, bundle=) kills the first process itself (the kernel takes the
+    rest of its pid namespace) and leaves nothing, background processes included."""
+    e = start(runc, overlay_root, tmp_path / "bundle")
+    e.sh("sleep 1000 & sleep 1000 &")
+    init = runc.state(e.id)["pid"]
+    assert int((e.bundle / INIT_PID_FILE).read_text()) == init
+    members = cgroup_procs(e.cgroup_name)
+    assert len(members) >= 3
+    runc.delete(e.id, force=True, bundle=e.bundle)
+    assert runc.list() == [] and cgroup_dirs(e.cgroup_name) == []
+    assert all(proc_state(p) in ("", "Z") for p in members)
+
+
+def test_stop_refuses_a_pid_outside_the_container(runc, overlay_root, tmp_path):
+    """A pid file naming a process of another cgroup (a reused pid) is not signalled."""
+    e = start(runc, overlay_root, tmp_path / "bundle")
+    stranger = subprocess.Popen(["sleep", "1000"])
+    try:
+        (e.bundle / INIT_PID_FILE).write_text(str(stranger.pid))
+        assert runc.stop(e.id, e.bundle) is False
+        assert stranger.poll() is None  # still alive
+        assert runc.state(e.id)["status"] == "running"
+        runc.delete(e.id, force=True, bundle=e.bundle)  # falls back to runc's own kill
+        assert runc.list() == [] and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_runc_failures(runc, tmp_path):

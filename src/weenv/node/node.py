@@ -349,7 +349,7 @@ class Node:
         """Remove an environment directory not recovered: its container, overlay and files."""
         self.provisioner.detach(env_dir.name)
         with contextlib.suppress(Exception):
-            self._delete_container(CONTAINER_PREFIX + env_dir.name)
+            self._delete_container(CONTAINER_PREFIX + env_dir.name, env_dir / "bundle")
         for _fstype, point in mounts.mounts_under(env_dir):
             _umount_quietly(Path(point))
         _remove_tree(env_dir)
@@ -461,7 +461,7 @@ class Node:
                 agent=agent,
             )
             listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
-            undo.callback(self._delete_container, container_id)
+            undo.callback(self._delete_container, container_id, bundle)
             try:  # create + start in one runc process
                 self.runc.run_detached(container_id, bundle, stdin=None if listener is None else listener.fileno())
             finally:
@@ -796,7 +796,7 @@ class Node:
         Idempotent.  Raises :class:`NotFoundError` if unknown."""
         e = self._env(env_id)
         with e.lock:
-            self._delete_container(e.container_id)
+            self._delete_container(e.container_id, e.dir / "bundle")
             _umount_quietly(e.rootfs)
             e.info.state = "stopped"
         return e.dir / "upper"
@@ -814,7 +814,7 @@ class Node:
                 p.log.abandon()
             try:
                 self.provisioner.detach(env_id)  # before the cgroup goes
-                self._delete_container(e.container_id)
+                self._delete_container(e.container_id, e.dir / "bundle")
                 for p in procs:  # their helpers exit with the container's processes
                     p.wait(10)
                 _umount_quietly(e.rootfs)
@@ -887,8 +887,8 @@ class Node:
             raise NotFoundError(f"no environment {env_id!r}")
         return e
 
-    def _delete_container(self, container_id: str) -> None:
-        self.runc.delete(container_id, force=True)
+    def _delete_container(self, container_id: str, bundle: Path) -> None:
+        self.runc.delete(container_id, force=True, bundle=bundle)
 
     def _check_started(self) -> None:
         if not self._started:

@@ -55,6 +55,8 @@ from weenv.errors import (
 from weenv.node.models import ExecResult
 from weenv.node.process import EXIT_CANNOT_RUN, EXIT_KILLED, EXIT_NOT_FOUND, Spawned
 
+INIT_PID_FILE = "init.pid"
+"""In a bundle: the host pid of the container's first process (``runc --pid-file``)."""
 _ID_RE = re.compile(r"^[\w+.-]{1,1024}$")
 _USER_RE = re.compile(r"^\d+(:\d+)?$")
 _MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
@@ -148,16 +150,19 @@ class Runc:
         with open(log_path, "ab") as log:
             offset = log.tell()
             try:
-                proc = subprocess.run(
-                    self._argv(*verb, "--bundle", str(bundle), container_id),
+                proc = subprocess.Popen(
+                    self._argv(*verb, "--bundle", str(bundle), "--pid-file", str(bundle / INIT_PID_FILE), container_id),
                     stdin=subprocess.DEVNULL if stdin is None else stdin, stdout=log, stderr=log,
-                    timeout=self.command_timeout,
                 )  # fmt: skip
             except FileNotFoundError as exc:
                 raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
+            try:
+                returncode = _wait(proc, self.command_timeout)  # not Popen.wait: it sleeps up to 50 ms
             except subprocess.TimeoutExpired as exc:
+                proc.kill()
+                proc.wait()
                 raise RuntimeFailedError(f"runc {verb[0]} {container_id}: hung") from exc
-        if proc.returncode != 0:
+        if returncode != 0:
             with open(log_path, "rb") as f:
                 f.seek(offset)
                 out = f.read(64 << 10).decode(errors="replace")
@@ -199,14 +204,51 @@ class Runc:
         _check_id(container_id)
         self._run("kill", *(["--all"] if all else []), container_id, str(signal), cid=container_id)
 
-    def delete(self, container_id: str, force: bool = True) -> None:
+    def delete(self, container_id: str, force: bool = True, *, bundle: Path | None = None) -> None:
         """``runc delete``: remove the container, its cgroup and its state.  With
-        ``force``, kill it first if it runs.  A missing container is fine."""
+        ``force``, kill it first if it runs.  A missing container is fine.
+
+        ``bundle``: the container's bundle (its :data:`INIT_PID_FILE` is read):
+        with ``force``, its first process is killed here first, see
+        :meth:`stop` (``runc delete --force`` of a running container sleeps in
+        steps of 100 ms until it has died)."""
         _check_id(container_id)
+        if force and bundle is not None:
+            self.stop(container_id, bundle)
         try:
             self._run("delete", *(["--force"] if force else []), container_id)
         except NotFoundError:
             pass
+
+    def stop(self, container_id: str, bundle: Path, *, timeout: float = 10.0) -> bool:
+        """SIGKILL the container's first process and wait (woken by a pidfd, at
+        most ``timeout`` seconds) until it has exited; True if it has.
+
+        The first process is the init of the container's pid namespace: when it
+        dies the kernel kills every other process of the namespace
+        (pid_namespaces(7)).  Its pid comes from ``bundle/``:data:`INIT_PID_FILE`
+        (written by :meth:`create` and :meth:`run_detached`), and it is signalled
+        only if that pid is still in the container's cgroup (the pid may have
+        been reused).  False when there is no such process (then ``runc delete
+        --force`` does the work)."""
+        _check_id(container_id)
+        try:
+            pid = int((Path(bundle) / INIT_PID_FILE).read_text().strip())
+            pidfd = os.pidfd_open(pid)
+        except (OSError, ValueError):
+            return False
+        try:
+            if not _in_cgroup(pid, container_id):  # checked after pidfd_open: the pidfd is that very process
+                return False
+            try:
+                signals.pidfd_send_signal(pidfd, signals.SIGKILL)
+            except ProcessLookupError:
+                return True
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            return bool(poller.poll(int(timeout * 1000)))
+        finally:
+            os.close(pidfd)
 
     # --- commands ----------------------------------------------------------------------
     def exec(
@@ -419,6 +461,16 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
     finally:
         os.close(pidfd)
     return proc.wait()
+
+
+def _in_cgroup(pid: int, container_id: str) -> bool:
+    """Whether ``pid`` is in a cgroup whose last path component is
+    ``container_id`` (``/proc/PID/cgroup``, cgroup v1 or v2)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return any(line.rstrip("\n").split(":", 2)[-1].endswith("/" + container_id) for line in f)
+    except OSError:
+        return False
 
 
 def _check_id(container_id: str) -> None:
