@@ -8,7 +8,8 @@ Layout under ``root`` (separate from any store)::
 A chunk enters the cache only through :meth:`ChunkCache.ensure` (or
 :meth:`~ChunkCache.read`), which fetches it with
 :meth:`weenv.store.base.Store.get_chunk` (decompressed and sha256-checked there)
-and writes it atomically: temporary file, fsync, rename(2).
+and writes it atomically: temporary file, rename(2).  No fsync(2): a chunk
+that a crash left short or empty is caught by the check below (**Restarts**).
 
 Fetches are *single-flight*: concurrent calls for one missing chunk ask the
 store once; the others wait for that one result, an error included (nothing is
@@ -333,7 +334,7 @@ class ChunkCache:
 
     def _write(self, path: Path, data: bytes) -> None:
         try:
-            atomic_write(path, data)
+            atomic_write(path, data, durable=False)
             return
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -342,7 +343,7 @@ class ChunkCache:
                 freed = self._evict_locked(0, at_least=max(2 * len(data), self._bytes // 4))
             log.warning("chunk cache %s: disk full; evicted %d bytes and retrying", self.root, freed)
         try:
-            atomic_write(path, data)
+            atomic_write(path, data, durable=False)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise

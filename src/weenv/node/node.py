@@ -35,6 +35,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weenv.config import Paths
@@ -136,7 +137,7 @@ class Node:
         output_retain_bytes: int = DEFAULT_RETAIN,
         provisioning: ProvisionConfig | None = None,
         cache_bytes: int | None = None,
-        prefetch_workers: int = 2,
+        prefetch_workers: int = 4,
         prefetch_record_s: float = 10.0,
         exec_agent: bool = True,
     ):
@@ -520,6 +521,12 @@ class Node:
         :func:`load_template` and :func:`load_group` do."""
         digest = self.store.resolve("templates", template)
         manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
+        with self._lock:
+            missing = [g for g in dict.fromkeys(manifest.groups) if ("group", g) not in self._manifest_cache]
+        if len(missing) > 1:  # a cold template: ask the store for them at once (a registry answers in ~5 ms each)
+            with ThreadPoolExecutor(min(len(missing), 8), thread_name_prefix="weenv-manifest") as pool:
+                for g, found in zip(missing, pool.map(lambda g: load_group(self.store, g), missing)):
+                    self._cached_manifest("group", g, lambda found=found: found)
         groups = [self._cached_manifest("group", g, lambda g=g: load_group(self.store, g)) for g in manifest.groups]
         return digest, manifest, groups
 

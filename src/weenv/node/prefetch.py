@@ -18,9 +18,10 @@ the template, in a background thread:
   ``TemplateManifest.prefetch`` stays for profiles baked in at build time).
 
 **Replay.**  A create that finds a profile, and groups not fully cached, starts
-a :class:`PrefetchJob`: ``workers`` threads (default 2) shared by all jobs fetch
-the profile's chunks in order (chunks already cached are skipped) with
-``prefetch=True``, and before each fetch wait while any *demand* fetch runs
+a :class:`PrefetchJob`: ``workers`` threads (default 4: from a registry a chunk
+costs ~2 ms of the registry's time and ~5 ms of this process's, so a few in
+flight keep both busy) shared by all jobs fetch the profile's chunks in order
+(chunks already cached are skipped) with ``prefetch=True``, and before each fetch wait while any *demand* fetch runs
 (:meth:`ChunkCache.wait_demand_idle`), so on-demand reads go first.  A job ends
 when its list is done, when its environment is destroyed (:meth:`Prefetcher.cancel`),
 or when it has fetched half of the cache's byte bound (it would otherwise evict
@@ -136,7 +137,7 @@ class Prefetcher:
         store: Store,
         lazyfs: LazyFS,
         *,
-        workers: int = 2,
+        workers: int = 4,
         record_s: float = 10.0,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
     ):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from weenv.errors import InvalidInputError
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import (
+    check_digest,
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
@@ -61,7 +62,10 @@ def load_template(store: Store, name_or_digest: str) -> tuple[str, TemplateManif
     name or digest or if the digest names a group manifest,
     :class:`DigestMismatchError` if the stored manifest is corrupt.
     """
-    digest = store.resolve("templates", name_or_digest)
+    if name_or_digest.startswith("sha256:"):  # get_manifest checks it and raises NotFoundError itself
+        digest = check_digest(name_or_digest)
+    else:
+        digest = store.resolve("templates", name_or_digest)
     data = store.get_manifest(digest)
     kind = manifest_kind(data)
     if kind != "template":

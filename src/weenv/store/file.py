@@ -33,15 +33,22 @@ from weenv.store.base import Store
 log = logging.getLogger(__name__)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file + rename)."""
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file + rename).
+
+    ``durable``: fsync(2) the file before the rename, so that after a crash the
+    name holds the whole content or is absent.  Without it a crash may leave
+    the name with a short or empty file: only for files whose readers check
+    them (the node chunk cache hashes a chunk found on disk before its first
+    use)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:
         try:
