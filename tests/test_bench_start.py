@@ -67,6 +67,8 @@ def test_quick_start_benchmark_weenv_against_docker(
                 )
                 assert 0 < r["p50_s"] <= r["p99_s"]
                 assert r["daemon_cpu_s"] >= 0 and r["daemon_peak_bytes"] > 0
+    assert {r["template"] for r in written["table"]} == {"start-quick"} == {t["name"] for t in written["templates"]}
+    assert any("3 GB" in n for n in written["not_run"])  # quick: no large template
     assert rows[("weenv", "warm", 1)]["bytes_fetched"] == 0  # warm: nothing fetched
     assert rows[("weenv", "cold", 16)]["bytes_fetched"] > 0
     assert (

@@ -1,12 +1,16 @@
 """``weenv bench start``: time from a start request to the first command's output,
 weenv against Docker, side by side in one run on the same content.
 
-**Content.**  One template built from real input: the cached Debian bookworm
+**Content.**  Templates built from real input: the cached Debian bookworm
 minbase + python3 tree (:func:`~weenv.packaging.debootstrap.debian_rootfs`)
 and real PyPI wheels installed by ``pip install --target`` into
-``/usr/local/lib/python3.11/dist-packages`` (:data:`FULL_WHEELS`, about 1 GB
-in all; ``quick``: :data:`QUICK_WHEELS`, about 300 MB).  The installed tree is
-kept in ``$WEENV_CACHE/bench-start/`` and reused.
+``/usr/local/lib/python3.11/dist-packages``: ``start-1g`` (:data:`FULL_WHEELS`,
+about 1 GB in all, measured at every concurrency) and ``start-3g``
+(:data:`LARGE_WHEELS`, torch and jax added, about 3 GB, at concurrency 1);
+``quick``: ``start-quick`` only (:data:`QUICK_WHEELS`, about 300 MB).  The
+installed trees are kept in ``$WEENV_CACHE/bench-start/`` and reused.  The
+templates are measured one after the other, each from an empty node cache and
+no Docker image present, through the same registry and dockerd.
 
 - **weenv**: two groups (``base``: the Debian tree; ``packages``: the wheels'
   tree) and a template over them, built into a file store and copied
@@ -72,6 +76,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
@@ -87,6 +92,8 @@ FULL_WHEELS = QUICK_WHEELS + (
     "lxml==5.3.0", "statsmodels==0.14.4",
 )  # fmt: skip
 """~790 MB installed: with the Debian tree, a ~1 GB template."""
+LARGE_WHEELS = FULL_WHEELS + ("torch==2.5.1", "jax==0.4.35", "jaxlib==0.4.35")
+"""~2.9 GB installed (torch's wheel alone ~1.75 GB): with the Debian tree, a ~3 GB template."""
 SITE = "usr/local/lib/python3.11/dist-packages"
 """Where Debian's python3 finds locally installed packages."""
 COMMANDS = {
@@ -501,40 +508,36 @@ def _registry_image_bytes(registry, repository: str, tag: str) -> int:
 def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
         concurrency: tuple[int, ...] | None = None, cold_runs: int | None = None,
         warm_runs: int | None = None, exec_runs: int | None = None, commands: tuple[str, ...] = ("numpy",),
-        log=print) -> dict:  # fmt: skip
+        large: bool | None = None, log=print) -> dict:  # fmt: skip
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
     ``quick``: the ~300 MB template, concurrency 1 and 16, fewer runs.
     ``concurrency``: levels (default 1, 16, and 64 unless ``quick``).
     ``cold_runs``/``warm_runs``: rounds at concurrency 1 (higher levels run one
-    round each).  ``work``: directory for the stores, the node's home and the
-    build context (default: a temporary one, removed).  Raises
-    :class:`ToolMissingError` without docker.io / docker-registry / debootstrap,
-    :class:`RuntimeFailedError` if a build, push or start fails.  The node is
-    closed, the dockerd and registry stopped by PID and their directories
-    removed in every case.
+    round each).  ``large``: also the ~3 GB template (:data:`LARGE_WHEELS`), at
+    concurrency 1 only (default: unless ``quick``).  ``work``: directory for
+    the stores, the node's home and the build context (default: a temporary
+    one, removed).  Raises :class:`ToolMissingError` without docker.io /
+    docker-registry / debootstrap, :class:`RuntimeFailedError` if a build, push
+    or start fails.  The node is closed, the dockerd and registry stopped by
+    PID and their directories removed in every case.
     """
-    from weenv.node.node import Node
-    from weenv.node.provision import ProvisionConfig
     from weenv.packaging.debootstrap import debian_rootfs
-    from weenv.packaging.group import build_group
-    from weenv.packaging.template import create_template
     from weenv.services.dockerd import Dockerd
     from weenv.services.registry import Registry
-    from weenv.store.file import FileStore
-    from weenv.store.oci import OciStore
-    from weenv.store.transfer import copy_template
 
     levels = tuple(concurrency or ((1, 16) if quick else (1, 16, 64)))
-    cold_runs = cold_runs or (3 if quick else 5)
-    warm_runs = warm_runs or (5 if quick else 10)
-    exec_runs = exec_runs or (30 if quick else 100)
+    runs = _Runs(
+        cold=cold_runs or (3 if quick else 5),
+        warm=warm_runs or (5 if quick else 10),
+        exec=exec_runs or (30 if quick else 100),
+        extra_cold=2 if quick else 3,
+    )
     extra = tuple(c for c in commands if c != MAIN_COMMAND)
     if any(c not in COMMANDS for c in extra):
         raise InvalidInputError(f"unknown first command; known: {sorted(COMMANDS)}")
-    extra_cold = 2 if quick else 3
-    wheels = QUICK_WHEELS if quick else FULL_WHEELS
+    large = not quick if large is None else large
     env_paths = Paths.from_env()
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-start-"))
@@ -542,129 +545,25 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     load_start = loadavg()
     try:
         base_tree = debian_rootfs(env_paths.cache, log=log)
-        pkgs = packages_tree(env_paths.cache, wheels, log=log)
-        content = {
-            "base_bytes": _tree_bytes(base_tree),
-            "packages_bytes": _tree_bytes(pkgs),
-            "wheels": list(wheels),
-        }
-        content["tree_bytes"] = content["base_bytes"] + content["packages_bytes"]
-        name = "start-quick" if quick else "start-1g"
-
-        file_store = FileStore(work / "filestore")
-        t = time.monotonic()
-        base_g = build_group(base_tree, file_store, name="base", workdir=work)
-        pkgs_g = build_group(pkgs, file_store, name="packages", workdir=work)
-        create_template(file_store, name, ["base", "packages"])
-        weenv_build_s = time.monotonic() - t
-        groups = (base_g.manifest, pkgs_g.manifest)
-        template_bytes = sum(g.image_size for g in groups)
-        stored_bytes = sum(g.stored_size for g in groups)
-        log(f"weenv template {name}: {template_bytes / 1e6:.0f} MB image, {stored_bytes / 1e6:.0f} MB stored "
-            f"(built in {weenv_build_s:.1f} s)")  # fmt: skip
-
-        services: dict = {}
-        rows: list[dict] = []
-        execs: list[dict] = []
+        plan = [("start-quick", QUICK_WHEELS, levels, extra)] if quick else [("start-1g", FULL_WHEELS, levels, extra)]
+        if large:
+            plan.append(("start-3g", LARGE_WHEELS, (1,), ()))
         with contextlib.ExitStack() as stack:
             registry = stack.enter_context(Registry(work / "registry"))
-            dockerd = stack.enter_context(
-                Dockerd(insecure_registries=[registry.address])
-            )
+            dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
             services = {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
                         "dockerd_cgroup_parent": dockerd.cgroup_parent, "registry_pid": registry.pid}  # fmt: skip
-
-            # weenv: publish to the registry
-            oci = OciStore(f"oci://{registry.address}/bench/weenv")
-            stack.callback(oci.close)
-            t = time.monotonic()
-            copied = copy_template(file_store, oci, name)
-            weenv_push_s = time.monotonic() - t
-            log(
-                f"weenv: copied {copied.bytes_copied / 1e6:.0f} MB to the registry in {weenv_push_s:.1f} s"
-            )
-
-            # Docker: import + build + push the same trees
-            t = time.monotonic()
-            dockerd.import_tree(base_tree, DOCKER_BASE)
-            context = work / "context"
-            context.mkdir()
-            proc = subprocess.run(
-                ["cp", "-a", "--link", str(pkgs), str(context / "packages")],
-                capture_output=True,
-                check=False,
-            )
-            if proc.returncode != 0:
-                shutil.copytree(pkgs, context / "packages", symlinks=True)
-            (context / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
-            ref = registry.reference("bench/start", name)
-            dockerd.docker("build", "-q", "-t", ref, str(context), timeout=1800)
-            docker_build_s = time.monotonic() - t
-            t = time.monotonic()
-            dockerd.docker("push", ref, timeout=1800)
-            docker_push_s = time.monotonic() - t
-            image_bytes = _registry_image_bytes(registry, "bench/start", name)
-            log(f"docker image: {image_bytes / 1e6:.0f} MB compressed (import+build {docker_build_s:.1f} s, "
-                f"push {docker_push_s:.1f} s)")  # fmt: skip
-            shutil.rmtree(context, ignore_errors=True)
-
-            docker = _DockerSide(dockerd, ref, image_bytes, log)
-            docker.remove_images()
-
-            # weenv phases
-            home = work / "home"
-            paths = Paths(home=home, cache=env_paths.cache, store_url=oci.url)
-            node = Node(
-                paths,
-                store=oci,
-                cache_bytes=8 << 30,
-                provisioning=ProvisionConfig(mode="off"),
-            )
-            node.start()
-            stack.callback(node.close)
-            side = _WeenvSide(node, name, stored_bytes, log)
-            with _SelfMeter() as meter:
-                first = side.start()
-                side.settle([first["env"]])
-                side.destroy(first["env"])
-                node.prefetch.wait_published()
-            first_row = {"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1, **_stats([first["seconds"]]),
-                         "bytes_fetched": first["fetched_at"], "daemon_cpu_s": round(meter.cpu_s, 2),
-                         "daemon_peak_bytes": meter.peak_bytes, "note": "no prefetch profile yet (it records one)"}  # fmt: skip
-            log(
-                f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s"
-            )
-            rows.append(first_row)
-            for c in levels:
-                rows.append(side.phase("cold", c, cold_runs if c == 1 else 1))
-                rows.append(side.phase("warm", c, warm_runs if c == 1 else 1))
-            for command in extra:
-                rows.append(side.phase("cold", 1, extra_cold, command))
-                rows.append(side.phase("warm", 1, warm_runs, command))
-            execs.append(side.exec_rtt(exec_runs))
-            node.close()
-
-            # Docker phases
-            for c in levels:
-                rows.append(
-                    docker.phase("cold", c, max(1, cold_runs - 1) if c == 1 else 1)
-                )
-                rows.append(docker.phase("warm", c, warm_runs if c == 1 else 1))
-            for command in extra:
-                rows.append(docker.phase("cold", 1, extra_cold, command))
-                rows.append(docker.phase("warm", 1, warm_runs, command))
-            execs.append(docker.exec_rtt(max(10, exec_runs // 3)))
-            docker.remove_images()
+            measured = [
+                _measure_template(name, base_tree, wheels, lv, ex, runs, registry=registry, dockerd=dockerd,
+                                  work=work / name, env_paths=env_paths, log=log)
+                for name, wheels, lv, ex in plan
+            ]  # fmt: skip
+        main = measured[0]
+        rows = [r for m in measured for r in m["rows"]]
 
         def row(system: str, kind: str, c: int = 1) -> dict:
-            return next(
-                r
-                for r in rows
-                if r["system"] == system
-                and r["kind"] == kind
-                and r["concurrency"] == c
-                and r["command"] == MAIN_COMMAND
-            )
+            return next(r for r in main["rows"] if r["system"] == system and r["kind"] == kind
+                        and r["concurrency"] == c and r["command"] == MAIN_COMMAND)  # fmt: skip
 
         cold, warm = row("weenv", "cold"), row("weenv", "warm")
         d_cold, d_warm = row("docker", "cold"), row("docker", "warm")
@@ -677,39 +576,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "docker_warm_p50_s": d_warm["p50_s"],
                 "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1),
                 "fetched_fraction": cold["fetched_fraction"],
-                "exec_p50_s": execs[0]["p50_s"],
-                "docker_exec_p50_s": execs[1]["p50_s"],
-                "template": name,
-                "template_bytes": template_bytes,
+                "exec_p50_s": main["exec"][0]["p50_s"],
+                "docker_exec_p50_s": main["exec"][1]["p50_s"],
+                "template": main["template"]["name"],
+                "template_bytes": main["template"]["image_bytes"],
             },
             "table": rows,
-            "exec": execs,
-            "template": {
-                "name": name,
-                "image_bytes": template_bytes,
-                "stored_bytes": stored_bytes,
-                "groups": [
-                    {
-                        "name": g.name,
-                        "image_bytes": g.image_size,
-                        "stored_bytes": g.stored_size,
-                        "chunks": len(g.chunks),
-                    }
-                    for g in groups
-                ],
-                "docker_image_bytes": image_bytes,
-                **content,
-                "first_command": COMMANDS[MAIN_COMMAND][0],
-                "first_output": first["output"],
-                "other_commands": {k: COMMANDS[k][0] for k in extra},
-            },
-            "publish": {
-                "weenv_build_s": round(weenv_build_s, 2),
-                "weenv_copy_to_registry_s": round(weenv_push_s, 2),
-                "weenv_bytes_copied": copied.bytes_copied,
-                "docker_import_build_s": round(docker_build_s, 2),
-                "docker_push_s": round(docker_push_s, 2),
-            },
+            "exec": main["exec"],
+            "template": main["template"],
+            "templates": [m["template"] for m in measured],
+            "publish": main["publish"],
             "method": {
                 "start": "request to the first line of the first command's output",
                 "weenv": "in-process Node over oci:// (loopback docker-registry); cold = Node.drop_caches() "
@@ -721,11 +597,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "daemon": "weenv: this process (node + benchmark threads) + reaped children (runc); "
                 "docker: dockerd + containerd (/proc); peak = VmHWM after clear_refs",
                 "concurrency": "starts of a round released together by a barrier; concurrency 1 repeats rounds",
+                "templates": "the summary is the first template's; rows name their template",
             },
             "levels": list(levels),
-            "not_run": []
-            if 64 in levels
-            else ["concurrency 64 (quick mode or not requested)"],
+            "not_run": ([] if 64 in levels else ["concurrency 64 (quick mode or not requested)"])
+            + ([] if large else ["the ~3 GB template (quick mode or not requested)"]),
             "docker_services": services,
             "load": {"start": load_start, "end": loadavg(), "uptime": _uptime()},
             "seconds": round(time.monotonic() - t_run, 1),
@@ -737,6 +613,145 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    cold: int
+    """Rounds of cold starts at concurrency 1 (weenv; Docker one fewer: each pulls the whole image)."""
+    warm: int
+    """Rounds of warm starts at concurrency 1."""
+    exec: int
+    """Round trips of ``true`` (Docker: a third of them, at least 10)."""
+    extra_cold: int
+    """Cold rounds of the other first commands."""
+
+
+def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], levels: tuple[int, ...],
+                      extra: tuple[str, ...], runs: _Runs, *, registry, dockerd, work: Path,
+                      env_paths: Paths, log) -> dict:  # fmt: skip
+    """Build template ``name`` (the Debian tree + ``wheels``) for both systems,
+    publish both to ``registry``, and measure both; return ``{"rows", "exec",
+    "template", "publish"}`` (rows carry ``template``).  The node, the build
+    context and the images are gone afterwards."""
+    from weenv.node.node import Node
+    from weenv.node.provision import ProvisionConfig
+    from weenv.packaging.group import build_group
+    from weenv.packaging.template import create_template
+    from weenv.store.file import FileStore
+    from weenv.store.oci import OciStore
+    from weenv.store.transfer import copy_template
+
+    work.mkdir(parents=True, exist_ok=True)
+    pkgs = packages_tree(env_paths.cache, wheels, log=log)
+    content = {"base_bytes": _tree_bytes(base_tree), "packages_bytes": _tree_bytes(pkgs), "wheels": list(wheels)}
+    content["tree_bytes"] = content["base_bytes"] + content["packages_bytes"]
+
+    file_store = FileStore(work / "filestore")
+    t = time.monotonic()
+    base_g = build_group(base_tree, file_store, name="base", workdir=work)
+    pkgs_g = build_group(pkgs, file_store, name="packages", workdir=work)
+    create_template(file_store, name, ["base", "packages"])
+    weenv_build_s = time.monotonic() - t
+    groups = (base_g.manifest, pkgs_g.manifest)
+    template_bytes = sum(g.image_size for g in groups)
+    stored_bytes = sum(g.stored_size for g in groups)
+    log(f"weenv template {name}: {template_bytes / 1e6:.0f} MB image, {stored_bytes / 1e6:.0f} MB stored "
+        f"(built in {weenv_build_s:.1f} s)")  # fmt: skip
+
+    rows: list[dict] = []
+    execs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        # weenv: publish to the registry
+        oci = OciStore(f"oci://{registry.address}/bench/weenv")
+        stack.callback(oci.close)
+        t = time.monotonic()
+        copied = copy_template(file_store, oci, name)
+        weenv_push_s = time.monotonic() - t
+        log(f"weenv: copied {copied.bytes_copied / 1e6:.0f} MB to the registry in {weenv_push_s:.1f} s")
+        shutil.rmtree(work / "filestore", ignore_errors=True)
+
+        # Docker: import + build + push the same trees
+        t = time.monotonic()
+        dockerd.import_tree(base_tree, DOCKER_BASE)
+        context = work / "context"
+        context.mkdir()
+        proc = subprocess.run(["cp", "-a", "--link", str(pkgs), str(context / "packages")],
+                              capture_output=True, check=False)  # fmt: skip
+        if proc.returncode != 0:
+            shutil.copytree(pkgs, context / "packages", symlinks=True)
+        (context / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
+        ref = registry.reference("bench/start", name)
+        dockerd.docker("build", "-q", "-t", ref, str(context), timeout=1800)
+        docker_build_s = time.monotonic() - t
+        t = time.monotonic()
+        dockerd.docker("push", ref, timeout=1800)
+        docker_push_s = time.monotonic() - t
+        image_bytes = _registry_image_bytes(registry, "bench/start", name)
+        log(f"docker image: {image_bytes / 1e6:.0f} MB compressed (import+build {docker_build_s:.1f} s, "
+            f"push {docker_push_s:.1f} s)")  # fmt: skip
+        shutil.rmtree(context, ignore_errors=True)
+
+        docker = _DockerSide(dockerd, ref, image_bytes, log)
+        docker.remove_images()
+
+        # weenv phases
+        paths = Paths(home=work / "home", cache=env_paths.cache, store_url=oci.url)
+        node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"))
+        node.start()
+        stack.callback(node.close)
+        side = _WeenvSide(node, name, stored_bytes, log)
+        with _SelfMeter() as meter:
+            first = side.start()
+            side.settle([first["env"]])
+            side.destroy(first["env"])
+            node.prefetch.wait_published()
+        rows.append({"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1,
+                     **_stats([first["seconds"]]), "bytes_fetched": first["fetched_at"],
+                     "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+                     "note": "no prefetch profile yet (it records one)"})  # fmt: skip
+        log(f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s")
+        for c in levels:
+            rows.append(side.phase("cold", c, runs.cold if c == 1 else 1))
+            rows.append(side.phase("warm", c, runs.warm if c == 1 else 1))
+        for command in extra:
+            rows.append(side.phase("cold", 1, runs.extra_cold, command))
+            rows.append(side.phase("warm", 1, runs.warm, command))
+        execs.append(side.exec_rtt(runs.exec))
+        node.close()
+
+        # Docker phases
+        for c in levels:
+            rows.append(docker.phase("cold", c, max(1, runs.cold - 1) if c == 1 else 1))
+            rows.append(docker.phase("warm", c, runs.warm if c == 1 else 1))
+        for command in extra:
+            rows.append(docker.phase("cold", 1, runs.extra_cold, command))
+            rows.append(docker.phase("warm", 1, runs.warm, command))
+        execs.append(docker.exec_rtt(max(10, runs.exec // 3)))
+        docker.remove_images()
+        dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
+
+    for r in rows:
+        r["template"] = name
+    return {
+        "rows": rows,
+        "exec": execs,
+        "template": {
+            "name": name, "image_bytes": template_bytes, "stored_bytes": stored_bytes,
+            "groups": [{"name": g.name, "image_bytes": g.image_size, "stored_bytes": g.stored_size,
+                        "chunks": len(g.chunks)} for g in groups],
+            "docker_image_bytes": image_bytes, **content,
+            "first_command": COMMANDS[MAIN_COMMAND][0], "first_output": first["output"],
+            "other_commands": {k: COMMANDS[k][0] for k in extra},
+        },  # fmt: skip
+        "publish": {
+            "weenv_build_s": round(weenv_build_s, 2),
+            "weenv_copy_to_registry_s": round(weenv_push_s, 2),
+            "weenv_bytes_copied": copied.bytes_copied,
+            "docker_import_build_s": round(docker_build_s, 2),
+            "docker_push_s": round(docker_push_s, 2),
+        },
+    }
 
 
 def _uptime() -> str:
@@ -756,26 +771,18 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["table"] if r["kind"] in ("cold", "warm")]
+    order = {t["name"]: i for i, t in enumerate(result.get("templates", [result["template"]]))}
     labels = sorted(
-        {(r["command"], r["kind"], r["concurrency"]) for r in rows},
-        key=lambda k: (k[0] != MAIN_COMMAND, k[0], k[1], k[2]),
+        {(r.get("template", ""), r["command"], r["kind"], r["concurrency"]) for r in rows},
+        key=lambda k: (order.get(k[0], 0), k[1] != MAIN_COMMAND, k[1], k[2], k[3]),
     )
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(max(9, 0.8 * len(labels)), 4.8))
     width = 0.38
     for j, (system, color) in enumerate((("weenv", "#2a7"), ("docker", "#27a"))):
         xs, p50, err = [], [], []
-        for i, (command, kind, c) in enumerate(labels):
-            r = next(
-                (
-                    r
-                    for r in rows
-                    if r["system"] == system
-                    and r["kind"] == kind
-                    and r["concurrency"] == c
-                    and r["command"] == command
-                ),
-                None,
-            )
+        for i, (template, command, kind, c) in enumerate(labels):
+            r = next((r for r in rows if r["system"] == system and r.get("template", "") == template
+                      and r["kind"] == kind and r["concurrency"] == c and r["command"] == command), None)  # fmt: skip
             if r is None:
                 continue
             xs.append(i + (j - 0.5) * width)
@@ -798,9 +805,8 @@ def plot(result: dict, png: Path) -> None:
                 va="bottom",
                 fontsize=7,
             )
-    ax.set_xticks(
-        range(len(labels)), [f"{cmd}\n{k} x{c}" for cmd, k, c in labels], fontsize=8
-    )
+    ax.set_xticks(range(len(labels)), [f"{t.removeprefix('start-')}\n{cmd}\n{k} x{c}" for t, cmd, k, c in labels],
+                  fontsize=7)  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylabel("time to first output, s (p50; whisker p99)")
     s = result["summary"]

@@ -51,6 +51,8 @@ def start(
     quick: bool = typer.Option(False, "--quick", help="a ~300 MB template, concurrency 1 and 16, fewer runs"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
     concurrency: Optional[list[int]] = typer.Option(None, help="concurrency levels (repeat; default 1 16 [64])"),
+    large: Optional[bool] = typer.Option(None, "--large/--no-large",
+                                         help="also the ~3 GB template, at concurrency 1 (default: unless --quick)"),
 ) -> None:
     """Time from start request to the first command's output, cold and warm, weenv
     (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
@@ -58,7 +60,7 @@ def start(
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
-                 log=err.print)
+                 large=large, log=err.print)
     print(json.dumps(result["summary"]))
 
 
