@@ -29,8 +29,9 @@ MiB = 1 << 20
 
 
 class CountingStore(FileStore):
-    """A real FileStore that records get_chunk calls in order, optionally slowed
-    down by ``delay`` seconds per chunk (a store across a network)."""
+    """A real FileStore that records get_chunk calls in order (``calls`` counts
+    them), optionally slowed down by ``delay`` seconds per chunk (a store across
+    a network), and get_manifest calls as ``manifest:DIGEST`` in ``order``."""
 
     def __init__(self, root, delay: float = 0.0):
         super().__init__(root)
@@ -41,7 +42,7 @@ class CountingStore(FileStore):
     @property
     def calls(self) -> Counter:
         with self._count_lock:
-            return Counter(self.order)
+            return Counter(x for x in self.order if not x.startswith("manifest:"))
 
     def get_chunk(self, digest: str, **hints) -> bytes:
         with self._count_lock:
@@ -49,6 +50,13 @@ class CountingStore(FileStore):
         if self.delay:
             time.sleep(self.delay)
         return super().get_chunk(digest, **hints)
+
+    def get_manifest(self, digest: str) -> bytes:
+        """Recorded as ``manifest:DIGEST`` in ``order``; slowed by ``manifest_delay`` once set."""
+        with self._count_lock:
+            self.order.append("manifest:" + digest)
+        time.sleep(getattr(self, "manifest_delay", 0.0))
+        return super().get_manifest(digest)
 
 
 @pytest.fixture
@@ -242,6 +250,36 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
               f"{s.chunks_fetched - s.chunks_prefetched}; profile done {elapsed:.2f} s after the create began")
         assert 0 < s.chunks_prefetched <= len(job.fetched)  # a demand read may have joined a prefetch, or won
         _read_some(n, env.id)
+        n.destroy(env.id)
+
+
+def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_store, leak_check):
+    """A profile keeps its chunks' refs; a node that knows it starts a cold
+    start's prefetch right after resolving the template, while the (slow)
+    group manifests load, and the environment works."""
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        env = n.create("task")
+        _read_some(n, env.id)
+        n.destroy(env.id)
+        n.prefetch.wait_published()
+        profile = n.prefetch.profile(digest)
+        assert profile.refs == [groups[gi][1].chunks[ci] for gi, ci in profile.chunks]
+        assert load_profile(store, digest).refs == profile.refs  # published with them
+
+        n.drop_caches()  # cold: chunks and manifests gone, the profile known
+        store.manifest_delay = 0.2
+        store.order.clear()
+        env = n.create("task")
+        order = list(store.order)
+        group_loads = [i for i, x in enumerate(order) if x in {"manifest:" + g for g, _m in groups}]
+        first_chunk = order.index(profile.refs[0].digest)
+        assert group_loads and first_chunk < group_loads[-1]  # fetched while the manifests loaded
+        assert n.exec(env.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
+        job = n.prefetch.job(env.id)
+        assert job is None or job.done.wait(60)
+        assert all(n.cache.has(r.digest) for r in profile.refs)
         n.destroy(env.id)
 
 

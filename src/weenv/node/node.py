@@ -414,13 +414,22 @@ class Node:
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
-        digest, manifest, group_manifests = self._manifests(template)
+        env_id = secrets.token_hex(6)
+        digest = self.store.resolve("templates", template)
+        early = prefetch and self.prefetch.begin_early(env_id, digest)  # chunks flow while manifests load
+        try:
+            manifest, group_manifests = self._manifests(digest)
+        except BaseException:
+            if early:
+                self.prefetch.cancel(env_id)
+            raise
         timing["manifest_s"] = time.perf_counter() - t0
 
-        env_id = secrets.token_hex(6)
         env_dir = self.paths.environments / env_id
         res = resources or manifest.runtime.resources
         with contextlib.ExitStack() as undo:
+            if early:
+                undo.callback(self.prefetch.cancel, env_id)
             self.provisioner.reserve(env_id, res, priority=priority)  # admission: CapacityError if the node is full
             undo.callback(self.provisioner.detach, env_id)
             env_dir.mkdir(parents=True)
@@ -512,14 +521,13 @@ class Node:
             self._envs[env_id] = env
         return info
 
-    def _manifests(self, template: str) -> tuple[str, TemplateManifest, list[GroupManifest]]:
-        """Template ``template`` (name or digest): its digest, manifest and group
-        manifests.  The name is resolved in the store on every call (a ref may
-        move); manifests are content-addressed, so the last
+    def _manifests(self, digest: str) -> tuple[TemplateManifest, list[GroupManifest]]:
+        """The manifest and group manifests of the template ``digest`` (which the
+        caller resolved from a name in the store on this create: a ref may
+        move).  Manifests are content-addressed, so the last
         :data:`MANIFEST_CACHE` loaded are kept by digest (a warm start asks the
-        store one question instead of 2 + groups).  Raises as
+        store one question, the resolve, instead of 3 + 2 per group).  Raises as
         :func:`load_template` and :func:`load_group` do."""
-        digest = self.store.resolve("templates", template)
         manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
         with self._lock:
             missing = [g for g in dict.fromkeys(manifest.groups) if ("group", g) not in self._manifest_cache]
@@ -528,7 +536,7 @@ class Node:
                 for g, found in zip(missing, pool.map(lambda g: load_group(self.store, g), missing)):
                     self._cached_manifest("group", g, lambda found=found: found)
         groups = [self._cached_manifest("group", g, lambda g=g: load_group(self.store, g)) for g in manifest.groups]
-        return digest, manifest, groups
+        return manifest, groups
 
     def _cached_manifest(self, kind: str, digest: str, load):
         with self._lock:

@@ -21,11 +21,15 @@ the template, in a background thread:
 a :class:`PrefetchJob`: ``workers`` threads (default 4: from a registry a chunk
 costs ~2 ms of the registry's time and ~5 ms of this process's, so a few in
 flight keep both busy) shared by all jobs fetch the profile's chunks in order
-(chunks already cached are skipped) with ``prefetch=True``, and before each fetch wait while any *demand* fetch runs
-(:meth:`ChunkCache.wait_demand_idle`), so on-demand reads go first.  A job ends
-when its list is done, when its environment is destroyed (:meth:`Prefetcher.cancel`),
-or when it has fetched half of the cache's byte bound (it would otherwise evict
-its own work).  When a job ends, groups it completed are handed to
+(chunks already cached are skipped) with ``prefetch=True``, and before each
+fetch wait while any *demand* fetch runs (:meth:`ChunkCache.wait_demand_idle`),
+so on-demand reads go first.  A profile keeps its chunks' refs, so when the
+node already knows it the job starts as soon as the create has resolved the
+template's digest (:meth:`Prefetcher.begin_early`), while the group manifests
+load and the mounts and the runtime are set up.  A job ends when its list is
+done, when its environment is destroyed (:meth:`Prefetcher.cancel`), or when it
+has fetched half of the cache's byte bound (it would otherwise evict its own
+work).  When a job ends, groups it completed are handed to
 ``on_group_complete`` (the node assembles their image for direct mounts).
 
 This is the ordering idea of eStargz's prioritized files and of REAP (record and
@@ -74,6 +78,10 @@ class PrefetchProfile(BaseModel):
     """The template's group digests, bottom to top (what ``chunks`` indexes)."""
     chunks: list[tuple[int, int]]
     """``(index into groups, chunk index in that group)`` in first-read order."""
+    refs: list[ChunkRef] = Field(default_factory=list)
+    """The same chunks, in the same order, as chunk refs: a replay can start
+    fetching before the group manifests are loaded (empty in profiles recorded
+    before weenv kept them)."""
     window_s: float
     """How long the recording ran (seconds)."""
     created: str = Field(default_factory=utc_now)
@@ -122,6 +130,8 @@ class PrefetchJob:
         self.started = time.monotonic()
         self.ended: float | None = None
         self.done = threading.Event()
+        self.groups: dict[str, GroupManifest] | None = None
+        """The template's groups, handed to ``on_group_complete`` at the end (None until known)."""
 
     @property
     def exhausted(self) -> bool:
@@ -152,16 +162,46 @@ class Prefetcher:
         self._recording: dict[str, dict] = {}  # env id -> recording state
         self._recorded: set[str] = set()  # templates this node records or recorded
         self._jobs: dict[str, PrefetchJob] = {}  # env id -> job
+        self._early: dict[str, PrefetchJob] = {}  # env id -> job begin_early started, until begin
         self._queue: deque[PrefetchJob] = deque()
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weenv-prefetch-publish")
 
     # --- the create's hooks ----------------------------------------------------------
-    def begin(self, env_id: str, template_digest: str, groups: list[tuple[str, GroupManifest]]) -> None:
-        """At a create's start: replay the template's profile if it has one, else
-        record one.  Never raises for store trouble (prefetch is an optimization)."""
+    def begin_early(self, env_id: str, template_digest: str) -> bool:
+        """As soon as a create knows its template's digest: if this node knows
+        the template's profile and it carries chunk refs, start replaying it now,
+        before the group manifests are loaded (on a cold node the first chunks
+        arrive while the manifests, the mounts and the runtime are set up).
+        True if a job started; :meth:`begin` then completes it.  Never raises."""
         if self._closed:
+            return False
+        with self._lock:
+            profile = self._profiles.get(template_digest)
+        if profile is None or not profile.refs or len(profile.refs) != len(profile.chunks):
+            return False
+        try:
+            chunks = [(profile.groups[gi], ref) for (gi, _ci), ref in zip(profile.chunks, profile.refs)]
+        except IndexError:
+            return False
+        job = self._start_job(env_id, chunks, groups=None)
+        if job is None:
+            return False
+        with self._lock:
+            self._early[env_id] = job
+        return True
+
+    def begin(self, env_id: str, template_digest: str, groups: list[tuple[str, GroupManifest]]) -> None:
+        """At a create's start, with the group manifests: replay the template's
+        profile if it has one (or complete the job :meth:`begin_early` started),
+        else record one.  Never raises for store trouble (prefetch is an optimization)."""
+        if self._closed:
+            return
+        with self._lock:
+            early = self._early.pop(env_id, None)
+        if early is not None:
+            self._adopt_groups(early, groups)
             return
         with self._lock:
             known = template_digest in self._profiles
@@ -180,7 +220,7 @@ class Prefetcher:
             timer = threading.Timer(self.record_s, self.end_recording, (env_id,))
             timer.daemon = True
             self._recording[env_id] = {
-                "template": template_digest, "groups": [d for d, _m in groups],
+                "template": template_digest, "groups": [d for d, _m in groups], "manifests": [m for _d, m in groups],
                 "mark": self.lazyfs.read_seq(), "start": time.monotonic(), "timer": timer,
             }  # fmt: skip
         timer.start()
@@ -205,7 +245,8 @@ class Prefetcher:
             with self._lock:
                 self._recorded.discard(rec["template"])  # nothing read through FUSE: try another time
             return
-        profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks,
+        refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
+        profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
                                   window_s=round(time.monotonic() - rec["start"], 3))
         with self._lock:
             self._profiles[rec["template"]] = profile
@@ -240,6 +281,7 @@ class Prefetcher:
         """The environment goes: stop its prefetch, close its recording (publishing it)."""
         self.end_recording(env_id)
         with self._lock:
+            self._early.pop(env_id, None)
             job = self._jobs.get(env_id)
             if job is not None:
                 job.cancelled = True
@@ -269,13 +311,20 @@ class Prefetcher:
         for gi, ci in profile.chunks:
             if 0 <= gi < len(groups) and 0 <= ci < len(groups[gi][1].chunks):
                 chunks.append((groups[gi][0], groups[gi][1].chunks[ci]))
+        self._start_job(env_id, chunks, groups=groups)
+
+    def _start_job(self, env_id: str, chunks: list[tuple[str, ChunkRef]],
+                   groups: list[tuple[str, GroupManifest]] | None) -> PrefetchJob | None:
+        """Queue a job fetching ``chunks`` unless all are cached; the job if queued.
+        ``groups`` (None: not known yet, see :meth:`_adopt_groups`) are handed to
+        ``on_group_complete`` when the job ends."""
         if self.cache.has_all(c.digest for _d, c in chunks):
-            return
+            return None
         job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
-        job.groups = dict(groups)
+        job.groups = dict(groups) if groups is not None else None
         with self._lock:
-            if self._closed:
-                return
+            if self._closed or env_id in self._jobs:
+                return None
             self._jobs[env_id] = job
             self._queue.append(job)
             while len(self._threads) < self.workers:
@@ -283,6 +332,16 @@ class Prefetcher:
                 self._threads.append(t)
                 t.start()
             self._lock.notify_all()
+        return job
+
+    def _adopt_groups(self, job: PrefetchJob, groups: list[tuple[str, GroupManifest]]) -> None:
+        """Give an early job its group manifests; if it already ended, hand its
+        groups to ``on_group_complete`` now (it could not at its end)."""
+        with self._lock:
+            job.groups = dict(groups)
+            ended = job.done.is_set() and not job.cancelled
+        if ended:
+            self._hand_over(job)
 
     def _take(self) -> tuple[PrefetchJob, int] | None:
         """The next (job, position) to fetch, oldest job first; None once closed."""
@@ -332,7 +391,12 @@ class Prefetcher:
         job.ended = time.monotonic()
         job.done.set()
         self._jobs.pop(job.env_id, None)
-        if job.cancelled or self.on_group_complete is None:
+        if job.cancelled or job.groups is None:  # early job: _adopt_groups hands them over
+            return
+        self._hand_over(job)
+
+    def _hand_over(self, job: PrefetchJob) -> None:
+        if self.on_group_complete is None:
             return
         for digest, manifest in job.groups.items():
             threading.Thread(target=self._complete, args=(digest, manifest), daemon=True).start()
