@@ -253,6 +253,14 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
         n.destroy(env.id)
 
 
+def _record_profile(n: Node) -> None:
+    """A first start of ``task`` on ``n`` (its first command closes the recording); wait until published."""
+    env = n.create("task")
+    _read_some(n, env.id)
+    n.destroy(env.id)
+    n.prefetch.wait_published()
+
+
 def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_store, leak_check):
     """A profile keeps its chunks' refs; a node that knows it starts a cold
     start's prefetch right after resolving the template, while the (slow)
@@ -260,10 +268,7 @@ def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_stor
     store = CountingStore(private_store)
     digest, groups = template_groups(store)
     with Node(paths, store=store, prefetch_record_s=30) as n:
-        env = n.create("task")
-        _read_some(n, env.id)
-        n.destroy(env.id)
-        n.prefetch.wait_published()
+        _record_profile(n)
         profile = n.prefetch.profile(digest)
         assert profile.refs == [groups[gi][1].chunks[ci] for gi, ci in profile.chunks]
         assert load_profile(store, digest).refs == profile.refs  # published with them
@@ -287,10 +292,7 @@ def test_prefetch_stops_when_destroyed(tmp_path, paths, private_store, leak_chec
     store = CountingStore(private_store)
     digest, groups = template_groups(store)
     with Node(paths, store=store, prefetch_record_s=30) as n:
-        env = n.create("task")
-        _read_some(n, env.id)
-        n.destroy(env.id)
-        n.prefetch.wait_published()
+        _record_profile(n)
     assert load_profile(store, digest) is not None
     subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
     slow = CountingStore(private_store, delay=0.3)
