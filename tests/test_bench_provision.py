@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 
-from weenv.bench.provision import run
+from weenv.bench.provision import BURSTS, run
 
 SUMMARY = ("static_envs", "elastic_envs", "density_ratio", "p95_burst_slowdown", "oom_kills", "rollouts_per_hour")
 
 
 def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_check, tmp_path):
     out = tmp_path / "provision.json"
-    result = run(quick=True, json_path=out, max_envs=3, duration_s=25, think_s=2.0, baseline_runs=1,
+    result = run(quick=True, json_path=out, max_envs=3, duration_s=25, think_s=2.0, steps=4, baseline_runs=1,
                  log=lambda _msg: None)  # fmt: skip
     written = json.loads(out.read_text())
     s = written["summary"]
@@ -27,6 +27,8 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
         assert s["p95_burst_slowdown"][mode] > 0 and s["rollouts_per_hour"][mode] > 0
         assert s["oom_kills"][mode] == 0
         assert [n for _t, n in m["held"]] == sorted(n for _t, n in m["held"])  # admitted over time, never dropped
-    assert written["config"]["elastic"]["admission"] == "peak"
+    assert written["config"]["elastic"]["admission"] == "burst"
+    assert 1.0 <= s["p95_unloaded"]  # the unloaded runs' own spread (p95 over the median)
+    assert {b["base"] for b in written["static"]["bursts"]} & {f"{k}:cold" for k in BURSTS}  # first of a kind
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(paths.home.glob("bench-provision-*"))  # its private home is removed

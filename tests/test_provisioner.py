@@ -4,7 +4,6 @@ environments (runc, cgroup v1 here) with a short interval and short cool-downs."
 from __future__ import annotations
 
 import random
-import contextlib
 import time
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import pytest
 from weenv.errors import CapacityError
 from weenv.node.cgroups import detect
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, predicted_cpu_peak
+from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, burst_contention
+from weenv.node.provision.arbiter import predicted_cpu_peak
 from weenv.node.provision.policy import EnvPolicy, Observation, percentile
 from weenv.packaging.manifest import Resources
 
@@ -198,6 +198,62 @@ def test_predicted_peak_grows_like_the_root_of_independent_bursts():
     assert "predicted CPU peak" in admits(**args, cpu_peak=2.1, cpu_peak_budget=2.0)
 
 
+def create_once_admitted(node, res, timeout=15.0):
+    """Create an environment, retrying while admission refuses it (at most ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return node.create("task", resources=res, first_command=False)
+        except CapacityError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+def test_burst_contention_is_the_share_of_bursts_meeting_others_beyond_the_cores():
+    """Each environment busy at its ceiling ``mean / peak`` of the time; another
+    is busy during a burst with twice that probability (the overlap window)."""
+    tenth = CpuMoments.prior(1.0, 0.1)  # busy 10 %: during a burst of another, 20 %
+    assert burst_contention([], 2.0) == 0.0
+    assert burst_contention([tenth] * 2, 2.0) == 0.0  # two 1-core bursts fit 2 cores
+    assert burst_contention([tenth] * 3, 2.0) == pytest.approx(0.2 * 0.2)  # both others busy
+    assert burst_contention([tenth] * 4, 2.0) == pytest.approx(3 * 0.2**2 * 0.8 + 0.2**3)  # 2 of 3 others
+    assert burst_contention([tenth] * 4, 2.0) > 0.05 > predicted_cpu_peak([tenth] * 4, 2.0) - 2.0  # peak: 1.6 cores
+    idle = CpuMoments.of([0.0, 0.0, 0.0])
+    assert burst_contention([tenth, tenth, idle, idle], 2.0) == 0.0  # idle ones never contend
+    big = CpuMoments.prior(2.0, 0.1)  # a 2-core burst meets any other burst on 2 cores
+    assert burst_contention([big, tenth], 2.0) == pytest.approx(0.2)
+    always = CpuMoments.of([1.0, 1.0])  # busy all the time (duty 1)
+    assert burst_contention([always] * 3, 2.0) == pytest.approx(1.0)
+    b = budget(cpu=8.0, memory=4 * GIB)
+    args = dict(cpu_sum=0.5, memory_sum=GIB, cpu_new=0.1, memory_new=GIB, budget=b, admitting=True)
+    assert admits(**args, burst_risk=0.019, burst_risk_budget=0.02) is None
+    assert "of bursts would meet others" in admits(**args, burst_risk=0.021, burst_risk_budget=0.02)
+
+
+def test_burst_admission_waits_for_history_then_counts_what_bursts_do(make_node):
+    """With ``admission="burst"`` on 2 cores two 1-core environments always fit;
+    a third is refused while nothing is known (prior: busy a quarter of the
+    time, so both others are busy during a burst a quarter of the time), admitted
+    once the two have idle history (the newcomer counts as busy as they are),
+    and a fourth is refused while they burst."""
+    node = make_node(cpu_capacity=2.0, admission="burst", admission_min_history_s=1.0, admission_window_s=3.0)
+    res = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
+    a = node.create("task", resources=res, first_command=False)
+    b = node.create("task", resources=res, first_command=False)
+    with pytest.raises(CapacityError, match="of bursts would meet others"):
+        node.create("task", resources=res, first_command=False)
+    c = create_once_admitted(node, res)
+    for e in (a, b):
+        node.exec(e.id, BUSY.format(s=5))  # both burst: 1 core each, in the background
+    assert wait_for(lambda: node.provision_stats().totals.cpu_used > 1.2, timeout=10)
+    time.sleep(1.5)  # half of the 3 s window busy: each is busy during a burst with probability ~1
+    with pytest.raises(CapacityError, match="of bursts would meet others"):
+        node.create("task", resources=res, first_command=False)
+    for e in (a, b, c):
+        node.destroy(e.id)
+
+
 def test_admission_counts_how_bursts_overlap(make_node):
     """With ``admission="peak"`` an environment whose usage is unknown counts
     as bursting a quarter of the time; an idle one counts its observed usage
@@ -209,13 +265,7 @@ def test_admission_counts_how_bursts_overlap(make_node):
     with pytest.raises(CapacityError, match="predicted CPU peak"):  # two unknowns: 0.5 + 2 x 0.61 > 1.5 cores
         node.create("task", resources=res, first_command=False)
     # a second of idle history: A counts what it used (~0), the newcomer at most its 1 core
-    b = None
-    deadline = time.monotonic() + 15
-    while b is None and time.monotonic() < deadline:
-        with contextlib.suppress(CapacityError):
-            b = node.create("task", resources=res, first_command=False)
-        time.sleep(0.2)
-    assert b is not None
+    b = create_once_admitted(node, res)
     assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted < 0.5, timeout=20)
     node.exec(a.id, BUSY.format(s=4))  # A bursts: 1 core, + at most 1 for a newcomer (its prior: 1.12)
     assert wait_for(lambda: node.provision_stats().totals.cpu_peak_predicted > 0.9, timeout=10)

@@ -7,9 +7,14 @@ at ``/wheels``.  Each environment declares the peak it may need: 1 core,
 1.5 GiB, 1024 pids.
 
 **Workload.**  Each environment runs rollouts back to back until the mode's
-time is up; a rollout is ``episodes`` episodes of *think* (idle, the agent
-waiting for its model: exponentially distributed with mean ``think_s``, seeded,
-capped at 4 × the mean) followed by one *burst*, in turn:
+time is up; a rollout is ``steps`` agent steps, each a *think* (idle, the
+agent waiting for its model: lognormal with median ``think_s`` (4 s), shape
+0.8 (mean 5.5 s), capped at 60 s, seeded: the think time of ``weenv bench
+rollout``, :mod:`weenv.bench.rollout.trajectory`) followed by one command.
+One step in ``burst_every`` (4, drawn) is a *burst*, the others a light
+command (``cat``, ``grep``, ``ls`` of the task's files: milliseconds), as in
+the replayed trajectories of ``weenv bench rollout``, where about one step in
+4-7 runs tests or Python; bursts come in turn:
 
 - ``tests``: idna's test suite (``pytest tests/test_idna.py tests/test_intranges.py``);
 - ``pip``: ``pip install --no-index`` of ``six`` and ``idna`` wheels into a fresh target;
@@ -17,14 +22,18 @@ capped at 4 × the mean) followed by one *burst*, in turn:
   template has no gcc, so this stands in for a compiler's CPU-bound work);
 - ``memory``: a transient spike, 600 MiB touched and held for 1 s.
 
+So a burst comes every ~22 s of think time per environment and lasts 0.2-1.5 s
+unloaded: an environment is busy a few per cent of the time.
+
 **Modes** (one after the other on the same node, each with a fresh Node):
 
 - ``static``: every environment keeps its declared quota; admission by declared
   quota: the sum of declared cores and memory within capacity × overcommit (1).
 - ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes reservations
   from usage; admission by the node's predicted CPU peak (how the running
-  environments' bursts overlap, within the cores: ``admission="peak"`` here,
-  ``WEENV_ADMISSION=reservations`` for the node's default) and the
+  environments' bursts overlap: ``admission="burst"`` here, at most 2 % of
+  bursts meeting others beyond the cores; ``WEENV_ADMISSION=peak`` for the
+  N-sigma peak, ``reservations`` for the node's default) and the
   reservations held, within capacity × the node's default CPU overcommit
   (memory: × 1, as static).  The CFS quota is the declared ceiling (``cpu_quota_at``,
   default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
@@ -34,13 +43,19 @@ Environments are admitted *while the workload runs*, as a trainer's rollout
 stage asks for them: every second a scheduler asks the node for one more (up
 to ``max_envs``), and each admitted environment starts its agent at once, so
 the node's admission sees the usage of those already running (elastic
-admission ``peak``, used here, counts how their bursts overlap; see
+admission ``burst``, used here, counts how their bursts overlap; see
 :mod:`weenv.node.provision.arbiter`).  ``envs`` is the most held at once,
 ``mean_envs`` the mean over the run.
 
 **Burst slowdown** is a burst's wall time (``exec`` included) over the median
 of the same burst run alone (provisioning off, the declared 1 core, nothing
-else of the benchmark running).  The machine is shared and its load drifts, so
+else of the benchmark running), in the same state: the first burst of a kind
+in an environment is compared with first runs in fresh environments (``cold``:
+pytest rewrites and caches its plugins' and the tests' bytecode in each
+environment's overlay, ~0.5-1 s), later ones with repeated runs.  The unloaded
+runs' own spread is the noise floor no provisioning can beat:
+``p95_unloaded`` is the p95 of each unloaded repeated run over the median of
+its kind.  The machine is shared and its load drifts, so
 the unloaded runs are *bracketed*: measured before static, between the modes
 and after elastic, and each mode is compared with the runs just before and
 just after it.  What contention costs is reported apart: each burst's
@@ -54,11 +69,13 @@ no provisioning can make every burst as fast as alone.  The host's busy cores
 JSON ``summary``: ``static_envs``, ``elastic_envs``, ``density_ratio``, and per
 mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 ``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
-``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``.
+``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``; and
+``p95_unloaded``.
 """
 
 from __future__ import annotations
 
+import compileall
 import os
 import random
 import shutil
@@ -71,6 +88,7 @@ from pathlib import Path
 from typing import Self
 
 from weenv.bench import machine, write_report
+from weenv.bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 from weenv.config import Paths
 from weenv.demo import deps_tree, sdist, task_tree
 from weenv.errors import CapacityError, WeenvError
@@ -91,6 +109,9 @@ BURSTS = {
                "/usr/lib/python3.11/xml",
     "memory": "python3 -c 'import time; b = bytearray(600 << 20); b[::4096] = b\"x\" * (len(b) // 4096); time.sleep(1)'",
 }  # fmt: skip
+LIGHT = ("cat README.rst > /dev/null", "grep -rn 'def ' idna/core.py | head -n 30 > /dev/null",
+         "ls -la . tests > /dev/null", "head -n 80 idna/codec.py > /dev/null")  # fmt: skip
+"""An agent's other steps: reading, searching, listing (milliseconds)."""
 
 
 def _wheels(cache: Path) -> Path:
@@ -108,6 +129,9 @@ def build(paths: Paths, store: FileStore, work: Path, log) -> str:
     deps = deps_tree(paths.cache, ["pytest", "hypothesis"])
     root, project = task_tree(work, sdist(paths.cache, "idna==3.20"))
     shutil.copytree(_wheels(paths.cache), root / "wheels")
+    # Ship the task's bytecode, as pip does for the deps group (else each new
+    # environment's first import of idna compiles its data tables).
+    compileall.compile_dir(root / "workspace", quiet=1)
     for name, tree in (("base", base), ("deps", deps), ("task", root)):
         t = time.monotonic()
         build_group(tree, store, name=name)
@@ -125,18 +149,35 @@ def _burst(node, env_id: str, kind: str) -> float:
 
 
 def baseline(node, template: str, log, runs: int = 3) -> dict[str, list[float]]:
-    """Seconds of each burst alone, ``runs`` times after one warm-up (provisioning
-    off: the declared 1 core, nothing else of the benchmark running)."""
+    """Seconds of each burst alone (provisioning off: the declared 1 core,
+    nothing else of the benchmark running): ``KIND``, ``runs`` times after one
+    warm-up; ``KIND:cold``, the first run of each kind in each of ``runs``
+    fresh environments (the node's page cache warm)."""
+    out: dict[str, list[float]] = {}
     info = node.create(template)
     try:
-        out = {}
         for kind in BURSTS:
             _burst(node, info.id, kind)  # warm the page cache
             out[kind] = [_burst(node, info.id, kind) for _ in range(runs)]
             log(f"  {kind}: {statistics.median(out[kind]):.2f} s (runs {', '.join(f'{x:.2f}' for x in out[kind])})")
-        return out
     finally:
         node.destroy(info.id)
+    for _ in range(runs):
+        info = node.create(template)
+        try:
+            for kind in BURSTS:
+                out.setdefault(f"{kind}:cold", []).append(_burst(node, info.id, kind))
+        finally:
+            node.destroy(info.id)
+    log("  first in a fresh environment: "
+        + ", ".join(f"{k} {statistics.median(out[k + ':cold']):.2f} s" for k in BURSTS))  # fmt: skip
+    return out
+
+
+def p95_unloaded(passes: list[dict[str, list[float]]]) -> float | None:
+    """The noise floor: the p95 of every unloaded repeated run over the median
+    of its kind in its pass."""
+    return p95([x / statistics.median(p[k]) for p in passes for k in BURSTS for x in p[k]])
 
 
 class HostLoad:
@@ -208,7 +249,8 @@ def p95(values: list[float]) -> float | None:
 
 
 def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float, think_s: float,
-             episodes: int, base: dict[str, float], seed: int, log, admit_every_s: float = 1.0) -> dict:  # fmt: skip
+             steps: int, burst_every: int, base: dict[str, float], seed: int, log,
+             admit_every_s: float = 1.0) -> dict:  # fmt: skip
     """Run the workload for ``duration_s``: a scheduler thread asks the node for
     one more environment every ``admit_every_s`` (until ``max_envs`` are held),
     as a trainer's rollout stage would, and each admitted environment starts
@@ -228,11 +270,19 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
         rng = random.Random(seed * 1000 + i)
         kinds = list(BURSTS)
         k = i
+        done: set[str] = set()
         while time.monotonic() < deadline:
-            for _ in range(episodes):
-                time.sleep(min(rng.expovariate(1 / think_s), 4 * think_s))
+            for _ in range(steps):
+                time.sleep(think_time(rng, think_s / THINK_MEDIAN_S))
                 if time.monotonic() >= deadline:
                     return
+                if rng.random() >= 1 / burst_every:
+                    try:
+                        node.exec(env_id, rng.choice(LIGHT), timeout=60)
+                    except WeenvError as exc:
+                        with lock:
+                            errors.append(f"{env_id} light: {exc}")
+                    continue
                 kind = kinds[k % len(kinds)]
                 k += 1
                 start = time.monotonic()
@@ -242,8 +292,10 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
                     with lock:
                         errors.append(f"{env_id} {kind}: {exc}")
                     continue
+                key = kind if kind in done else f"{kind}:cold"
+                done.add(kind)
                 with lock:
-                    bursts.append({"env": env_id, "kind": kind, "seconds": d, "slowdown": d / base[kind],
+                    bursts.append({"env": env_id, "kind": kind, "base": key, "seconds": d, "slowdown": d / base[key],
                                    "start": start - t0, "end": time.monotonic() - t0})  # fmt: skip
             with lock:
                 rollouts[i] = rollouts.get(i, 0) + 1
@@ -300,7 +352,7 @@ def _rescore(mode: dict, base: dict[str, float]) -> None:
     """Slowdowns against ``base`` (seconds per burst kind) and their percentiles."""
     cores = machine()["cpus"]
     for b in mode["bursts"]:
-        b["slowdown"] = b["seconds"] / base[b["kind"]]
+        b["slowdown"] = b["seconds"] / base[b["base"]]
     slow = [b["slowdown"] for b in mode["bursts"]]
     mode["p95_burst_slowdown"] = p95(slow)
     mode["p50_burst_slowdown"] = statistics.median(slow) if slow else None
@@ -340,7 +392,7 @@ def plot(result: dict, path: Path) -> None:
 
 def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | None = None,
         duration_s: float | None = None, think_s: float | None = None, log=print,
-        cpu_quota_at: str | None = None, baseline_runs: int | None = None) -> dict:  # fmt: skip
+        cpu_quota_at: str | None = None, baseline_runs: int | None = None, steps: int | None = None) -> dict:  # fmt: skip
     """Run the benchmark in a private home under ``$WEENV_HOME``; return the result
     (and write JSON + PNG when ``json_path`` is given)."""
     from weenv.node.node import Node
@@ -354,15 +406,18 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
     cfg = {
         "label": "quick" if quick else "full",
         "max_envs": max_envs or (8 if quick else 16),
-        "duration_s": duration_s or (120.0 if quick else 900.0),
-        "think_s": think_s or (8.0 if quick else 20.0),
-        "episodes": 2 if quick else 4,
-        "think_distribution": "exponential, capped at 4 x mean, seeded",
+        "duration_s": duration_s or (180.0 if quick else 900.0),
+        "think_s": think_s or THINK_MEDIAN_S,
+        "steps": steps or (12 if quick else 24),
+        "burst_every": 4,
+        "think_distribution": f"lognormal, median think_s, sigma {THINK_SIGMA}, capped at {THINK_MAX_S:g} s "
+                              f"x think_s / {THINK_MEDIAN_S:g}, seeded (weenv bench rollout's)",
         "declared": DECLARED.model_dump(),
         "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
         "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at,
-                    "admission": os.environ.get("WEENV_ADMISSION") or "peak",
-                    "admission_sigmas": from_env.admission_sigmas},
+                    "admission": os.environ.get("WEENV_ADMISSION") or "burst",
+                    "admission_sigmas": from_env.admission_sigmas, "admission_burst_risk": 0.02,
+                    "admission_min_history_s": 60.0},
     }
     try:
         store = FileStore(home / "store")
@@ -390,14 +445,14 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             base = {k: statistics.median(v) for k, v in passes[-1].items()}
             with Node(paths, store=store, provisioning=pc) as node:
                 result[mode] = run_mode(node, template, mode=mode, max_envs=cfg["max_envs"],
-                                        duration_s=cfg["duration_s"], think_s=cfg["think_s"],
-                                        episodes=cfg["episodes"], base=base, seed=7, log=log)  # fmt: skip
+                                        duration_s=cfg["duration_s"], think_s=cfg["think_s"], steps=cfg["steps"],
+                                        burst_every=cfg["burst_every"], base=base, seed=7, log=log)  # fmt: skip
             passes.append(measure_baseline(f"after {mode}"))
-            around = {k: statistics.median(passes[-2][k] + passes[-1][k]) for k in BURSTS}
+            around = {k: statistics.median(passes[-2][k] + passes[-1][k]) for k in passes[-1]}
             _rescore(result[mode], around)
             result[mode]["baseline_s"] = around
         result["baseline_runs_s"] = passes
-        result["baseline_s"] = {k: statistics.median([x for p in passes for x in p[k]]) for k in BURSTS}
+        result["baseline_s"] = {k: statistics.median([x for p in passes for x in p[k]]) for k in passes[0]}
         s, e = result["static"], result["elastic"]
 
         def per_mode(key: str) -> dict:
@@ -417,6 +472,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "uncontended_bursts": {m: f"{r['uncontended_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
             "other_cpu_cores": per_mode("other_cpu_cores"),
             "loadavg1_mean": per_mode("loadavg1_mean"),
+            "p95_unloaded": p95_unloaded(passes),
         }
         if json_path is not None:
             write_report(result, json_path, plot)

@@ -31,11 +31,11 @@ def update(
 
 @bench_app.command("provision")
 def provision(
-    quick: bool = typer.Option(False, "--quick", help="a few minutes: 8 environments at most, 2 min per mode"),
+    quick: bool = typer.Option(False, "--quick", help="a few minutes: 8 environments at most, 3 min per mode"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
     max_envs: Optional[int] = typer.Option(None, help="environments to try to hold at once"),
     duration: Optional[float] = typer.Option(None, help="seconds of workload per mode"),
-    think: Optional[float] = typer.Option(None, help="mean think time between bursts, seconds"),
+    think: Optional[float] = typer.Option(None, help="median think time per agent step, seconds (default 4)"),
 ) -> None:
     """Static against elastic provisioning: environments held, rollouts/hour, burst slowdown, OOM kills."""
     from weenv.bench.provision import run

@@ -37,7 +37,8 @@ from collections.abc import Callable
 
 from weenv.errors import CapacityError, NotFoundError, WeenvError
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
-from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, predicted_cpu_peak
+from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate
+from weenv.node.provision.arbiter import burst_contention, predicted_cpu_peak
 from weenv.node.provision.models import (
     EnvironmentProvision,
     NodeTotals,
@@ -101,10 +102,16 @@ class _Tracked:
     def cpu_moments(self, cfg: ProvisionConfig, now: float) -> CpuMoments:
         """Its per-pass CPU usage over the admission window (``now``: Unix
         time), or the prior while it has less than the minimum history."""
+        seen = self.observed_moments(cfg, now)
+        return seen if seen is not None else CpuMoments.prior(self.resources.cpus, cfg.admission_prior_duty)
+
+    def observed_moments(self, cfg: ProvisionConfig, now: float) -> CpuMoments | None:
+        """Its per-pass CPU usage over the admission window, or None while it
+        has less than ``admission_min_history_s`` of history."""
         ceiling = self.resources.cpus
         recent = [h for h in self.history if h.t >= now - cfg.admission_window_s]
         if not recent or now - recent[0].t < cfg.admission_min_history_s:
-            return CpuMoments.prior(ceiling, cfg.admission_prior_duty)
+            return None
         return CpuMoments.of([min(h.cpu_used, ceiling) for h in recent])
 
 
@@ -219,15 +226,18 @@ class Provisioner:
                 if cfg.mode == "elastic":  # start with what is free, at least the floor
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
-                peak = None
+                peak = risk = None
                 if cfg.mode == "elastic" and cfg.admission == "peak":
                     peak = self.predicted_cpu_peak(list(self._envs.values()), resources)
+                if cfg.mode == "elastic" and cfg.admission == "burst":
+                    risk = self.burst_risk(list(self._envs.values()), resources)
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
                     cpu_new=policy.cpu_quota, memory_new=policy.memory_limit,
                     budget=budget, admitting=self._admitting,
                     cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
+                    burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,
                 )  # fmt: skip
                 if why:
                     self._event(env_id, "admission", f"refused: {why}")
@@ -433,6 +443,24 @@ class Provisioner:
         if new is not None:
             moments.append(CpuMoments.prior(new.cpus, cfg.admission_prior_duty))
         return predicted_cpu_peak(moments, cfg.admission_sigmas)
+
+    def burst_risk(self, envs: list[_Tracked], new: Resources | None = None) -> float:
+        """The share of bursts that would meet contention among ``envs`` (plus a
+        ``new`` environment): see ``ProvisionConfig.admission`` (``burst``)."""
+        cfg, now = self.config, time.time()
+        seen: list[tuple[float, float]] = []  # (ceiling, duty) of those with enough history
+        unseen: list[float] = []  # ceilings of the others
+        for t in envs:
+            m = t.observed_moments(cfg, now)
+            if m is None:
+                unseen.append(t.resources.cpus)
+            else:
+                seen.append((t.resources.cpus, min(1.0, m.mean / t.resources.cpus)))
+        if new is not None:
+            unseen.append(new.cpus)
+        pooled = (sum(c * d for c, d in seen) / sum(c for c, _ in seen)) if seen else cfg.admission_prior_duty
+        moments = [CpuMoments.prior(c, d) for c, d in seen] + [CpuMoments.prior(c, pooled) for c in unseen]
+        return burst_contention(moments, self.cpu_capacity * cfg.admission_cpu_share)
 
     def _event(self, env_id: str | None, kind: str, message: str) -> None:
         self._events.append(ProvisionEvent(t=time.time(), env_id=env_id, kind=kind, message=message))

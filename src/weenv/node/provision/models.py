@@ -106,7 +106,7 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["reservations", "peak"] = "reservations"
+    admission: Literal["reservations", "peak", "burst"] = "reservations"
     """How a new environment is admitted in ``elastic`` mode.
     ``reservations`` (default): the sum of reservations within capacity ×
     ``cpu_overcommit`` (idle environments weigh their floor, however they
@@ -122,13 +122,26 @@ class ProvisionConfig(_Model):
     busy ``admission_prior_duty`` of the time (a Bernoulli prior), so a batch
     created at once is admitted only as far as its bursts could overlap
     (3 new 1-core environments on 2 cores: 0.75 + 2 × 0.75 > 2); choose it
-    when burst latency matters more than admitting batches at once
-    (``weenv bench provision`` measures it)."""
+    when burst latency matters more than admitting batches at once.
+    ``burst`` bounds instead the share of *bursts* that meet contention, the
+    latency objective itself: each environment is busy at its ceiling a share
+    (its mean use over ``admission_window_s`` / its ceiling) of the time,
+    and the probability that a burst of any of them meets others using more
+    than the remaining cores (:func:`~weenv.node.provision.arbiter.burst_contention`)
+    must stay within ``admission_burst_risk``; an environment with less than
+    ``admission_min_history_s`` of history, the new one included, counts as
+    busy as the node's environments with that history are on average
+    (Autopilot sizes a new task from its job's history, Rzadca et al. §3),
+    or ``admission_prior_duty`` when none has (``weenv bench provision``
+    measures ``peak`` and ``burst``)."""
     admission_sigmas: float = Field(default=2.0, ge=0)
     admission_window_s: float = Field(default=300.0, gt=0)
     admission_min_history_s: float = Field(default=20.0, ge=0)
     admission_prior_duty: float = Field(default=0.25, ge=0, le=1)
     admission_cpu_share: float = Field(default=1.0, gt=0)
+    admission_burst_risk: float = Field(default=0.02, gt=0, le=1)
+    """``admission="burst"``: the largest share of bursts allowed to meet
+    contention (below 5 % for a p95 burst latency near the unloaded one)."""
 
     @classmethod
     def from_env(cls) -> ProvisionConfig:
