@@ -26,6 +26,7 @@ from weenv.node.bundle import (
     build_config,
     write_bundle,
 )
+from weenv.node.cgroups import open_cgroups
 from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import INIT_PID_FILE, Runc
@@ -416,6 +417,19 @@ def test_stop_refuses_a_pid_outside_the_container(runc, overlay_root, tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_delete_of_a_frozen_container(runc, overlay_root, tmp_path):
+    """A frozen container ignores SIGKILL until thawed: stop() gives up after its
+    short timeout (it waited 10 s before) and delete(force) still removes it all."""
+    e = start(runc, overlay_root, tmp_path / "bundle")
+    e.sh("sleep 1000 &")
+    open_cgroups(f"/{e.cgroup_name}").freeze()
+    t = time.monotonic()
+    assert runc.stop(e.id, e.bundle) is False  # frozen: not dead yet
+    assert time.monotonic() - t < 5
+    runc.delete(e.id, force=True, bundle=e.bundle)
+    assert runc.list() == [] and cgroup_dirs(e.cgroup_name) == []
 
 
 def test_runc_failures(runc, tmp_path):

@@ -589,7 +589,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             "method": {
                 "start": "request to the first line of the first command's output",
                 "weenv": "in-process Node over oci:// (loopback docker-registry); cold = Node.drop_caches() "
-                "(chunk cache empty, group mounts and assembled images gone), prefetch profile present",
+                "(chunk cache empty, group mounts and assembled images gone), prefetch profile present and known to "
+                "the node (its replay starts before the group manifests load)",
                 "docker": "docker run --rm --network none (private dockerd, overlay2); cold = docker rmi of every "
                 "image, so the run pulls all layers from the same registry",
                 "bytes_fetched": "weenv: stored (zstd) bytes fetched from the store by the first output "

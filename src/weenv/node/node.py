@@ -416,7 +416,8 @@ class Node:
 
         env_id = secrets.token_hex(6)
         digest = self.store.resolve("templates", template)
-        early = prefetch and self.prefetch.begin_early(env_id, digest)  # chunks flow while manifests load
+        # chunks flow while the manifests load (not on a node that refuses new environments)
+        early = prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest)
         try:
             manifest, group_manifests = self._manifests(digest)
         except BaseException:
@@ -526,7 +527,7 @@ class Node:
         caller resolved from a name in the store on this create: a ref may
         move).  Manifests are content-addressed, so the last
         :data:`MANIFEST_CACHE` loaded are kept by digest (a warm start asks the
-        store one question, the resolve, instead of 3 + 2 per group).  Raises as
+        store one question, the resolve, instead of 2 + 2 per group).  Raises as
         :func:`load_template` and :func:`load_group` do."""
         manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
         with self._lock:

@@ -170,11 +170,14 @@ class Prefetcher:
 
     # --- the create's hooks ----------------------------------------------------------
     def begin_early(self, env_id: str, template_digest: str) -> bool:
-        """As soon as a create knows its template's digest: if this node knows
-        the template's profile and it carries chunk refs, start replaying it now,
-        before the group manifests are loaded (on a cold node the first chunks
-        arrive while the manifests, the mounts and the runtime are set up).
-        True if a job started; :meth:`begin` then completes it.  Never raises."""
+        """As soon as a create knows its template's digest: if this node already
+        holds the template's profile in memory (an earlier start of it here) and
+        the profile carries chunk refs, start replaying it now, before the group
+        manifests are loaded: when the chunks are not cached (evicted, or
+        dropped) the first ones arrive while the manifests, the mounts and the
+        runtime are set up.  A node that never started the template loads its
+        profile later, in :meth:`begin`.  True if a job started; :meth:`begin`
+        then completes it.  Never raises."""
         if self._closed:
             return False
         with self._lock:

@@ -130,7 +130,8 @@ class Runc:
     # --- container lifecycle ---------------------------------------------------------
     def create(self, container_id: str, bundle: Path, *, stdin: int | None = None) -> None:
         """``runc create``: set up the container from ``bundle/config.json``, its
-        first process waiting to be started.
+        first process waiting to be started; that process's host pid goes to
+        ``bundle/``:data:`INIT_PID_FILE`.
 
         The first process gets ``bundle/init.log`` as stdout and stderr (runc
         create would otherwise wait on pipes it passes on) and ``stdin`` (a file
@@ -158,10 +159,12 @@ class Runc:
                 raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
             try:
                 returncode = _wait(proc, self.command_timeout)  # not Popen.wait: it sleeps up to 50 ms
-            except subprocess.TimeoutExpired as exc:
+            except BaseException as exc:  # a timeout, or an interrupt: runc goes too
                 proc.kill()
                 proc.wait()
-                raise RuntimeFailedError(f"runc {verb[0]} {container_id}: hung") from exc
+                if isinstance(exc, subprocess.TimeoutExpired):
+                    raise RuntimeFailedError(f"runc {verb[0]} {container_id}: hung") from exc
+                raise
         if returncode != 0:
             with open(log_path, "rb") as f:
                 f.seek(offset)
@@ -220,9 +223,11 @@ class Runc:
         except NotFoundError:
             pass
 
-    def stop(self, container_id: str, bundle: Path, *, timeout: float = 10.0) -> bool:
+    def stop(self, container_id: str, bundle: Path, *, timeout: float = 1.0) -> bool:
         """SIGKILL the container's first process and wait (woken by a pidfd, at
-        most ``timeout`` seconds) until it has exited; True if it has.
+        most ``timeout`` seconds) until it has exited; True if it has.  A
+        container frozen by its freezer cgroup does not die until thawed: after
+        ``timeout`` it is left to ``runc delete --force``, which thaws it.
 
         The first process is the init of the container's pid namespace: when it
         dies the kernel kills every other process of the namespace

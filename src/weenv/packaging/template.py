@@ -11,10 +11,10 @@ from __future__ import annotations
 from weenv.errors import InvalidInputError
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import (
-    check_digest,
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
+    check_digest,
     check_name,
     manifest_kind,
     parse_template_manifest,

@@ -38,6 +38,8 @@ def _copy_chunk(src: Store, dst: Store, ref: ChunkRef) -> int:
     if dst.has_chunk(ref.digest):
         return 0
     frame = src._get_frame(ref.digest, ref.stored_digest)
+    if sha256_digest(frame) != ref.stored_digest:  # the destination addresses it by that digest
+        raise DigestMismatchError(f"chunk {ref.digest} in {src.url}: its frame is not {ref.stored_digest}")
     try:
         plaintext = zstandard.ZstdDecompressor().decompress(frame)
     except zstandard.ZstdError as exc:

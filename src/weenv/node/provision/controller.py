@@ -203,6 +203,11 @@ class Provisioner:
         return self._thread is not None and self._thread.is_alive()
 
     # --- environments ------------------------------------------------------------------
+    @property
+    def admitting(self) -> bool:
+        """False while the arbiter has stopped admitting (memory short); creates are refused then."""
+        return self._admitting
+
     def reserve(self, env_id: str, resources: Resources, *, priority: int = 0) -> None:
         """Admit a new environment (its initial quota counts from now on).
 
