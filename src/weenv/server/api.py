@@ -51,6 +51,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import anyio
@@ -168,7 +169,7 @@ def api_router(
             responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}})
     async def create_batch(req: BatchCreateRequest) -> StreamingResponse:
         workers = req.concurrency or min(DEFAULT_BATCH_CONCURRENCY, len(req.items))
-        return StreamingResponse(_batch(create_one, node, req.items, workers), media_type=NDJSON)
+        return _ClosingStream(_batch(create_one, node, req.items, workers), media_type=NDJSON)
 
     @r.get("/environments")
     def list_environments() -> list[EnvironmentInfo]:
@@ -371,14 +372,33 @@ async def _events(p: Process, reader: int, *, kill_on_close: bool) -> AsyncItera
                 p.kill()
 
 
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its async generator when the stream ends
+    in any way.  When the client has gone, Starlette's ``send`` raises and the
+    generator is left suspended at a ``yield``: its ``finally`` (the batch's
+    undo) would run only when the garbage collector finds it."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: Node,
                  items: list[CreateRequest], workers: int) -> AsyncIterator[bytes]:
     """NDJSON :class:`BatchCreateEvent` lines in the order creates finish.
-    Environments created for a client that left before receiving them are destroyed."""
+    Environments created for a client that left before receiving them are
+    destroyed: those still being created, and those done but not yet written.
+    A line written to the connection counts as received: the server cannot
+    tell it from one the client read before it went."""
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weenv-create")
     submitted = [pool.submit(create_one, item) for item in items]
     futures = {asyncio.wrap_future(cf): i for i, cf in enumerate(submitted)}
     pending = set(futures)
+    delivered: set[int] = set()
     try:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -392,16 +412,25 @@ async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: N
                     if not isinstance(exc, WeenvError):
                         log.error("batch create item %d failed", i, exc_info=exc)
                     yield _line(BatchCreateEvent(index=i, error=ErrorInfo(kind=kind, message=str(exc))))
+                delivered.add(i)  # the response came back for more: it sent this one
     finally:
-        for f in pending:  # the client left: undo what it will never hear of
-            cf = submitted[futures[f]]
-            cf.cancel()  # one not started yet never runs
-            cf.add_done_callback(functools.partial(_destroy_result, node))
+        # the client left: undo what it will never hear of, those still running and
+        # those done but not sent (several creates can finish at once)
+        for i, cf in enumerate(submitted):
+            if i not in delivered:
+                cf.cancel()  # one not started yet never runs
+                cf.add_done_callback(functools.partial(_destroy_result, node))
         pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _destroy_result(node: Node, f: concurrent.futures.Future) -> None:
+    """Destroy the environment ``f`` created, if it did, in a thread of its own (a
+    future already done runs this at once, on the event loop's thread)."""
     if f.cancelled() or f.exception() is not None:
         return
-    with contextlib.suppress(WeenvError):
-        node.destroy(f.result().id)
+
+    def destroy() -> None:
+        with contextlib.suppress(WeenvError):
+            node.destroy(f.result().id)
+
+    threading.Thread(target=destroy, name="weenv-batch-undo", daemon=True).start()
