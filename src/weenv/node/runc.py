@@ -249,9 +249,7 @@ class Runc:
                 signals.pidfd_send_signal(pidfd, signals.SIGKILL)
             except ProcessLookupError:
                 return True
-            poller = select.poll()
-            poller.register(pidfd, select.POLLIN)
-            return bool(poller.poll(int(timeout * 1000)))
+            return _pidfd_exited(pidfd, timeout)
         finally:
             os.close(pidfd)
 
@@ -452,20 +450,27 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
         pidfd = os.pidfd_open(proc.pid)
     except (AttributeError, OSError):  # Linux < 5.3
         return proc.wait(timeout)
-    deadline = time.monotonic() + timeout
     try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        while True:
-            left = deadline - time.monotonic()
-            # poll(2) takes an int of ms: wait in slices of at most a day
-            if poller.poll(max(0, min(int(left * 1000 + 0.999), 86_400_000))):
-                break
-            if left <= 0 or time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(proc.args, timeout)
+        if not _pidfd_exited(pidfd, timeout):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
     finally:
         os.close(pidfd)
     return proc.wait()
+
+
+def _pidfd_exited(pidfd: int, timeout: float) -> bool:
+    """Wait until the process of ``pidfd`` exits (the pidfd turns readable), at
+    most ``timeout`` seconds; whether it did."""
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        # poll(2) takes an int of ms: wait in slices of at most a day
+        if poller.poll(max(0, min(int(left * 1000 + 0.999), 86_400_000))):
+            return True
+        if left <= 0 or time.monotonic() >= deadline:
+            return False
 
 
 def _in_cgroup(pid: int, container_id: str) -> bool:
