@@ -117,7 +117,7 @@ class Sandboxes:
             out.append({
                 "timestamp": datetime.datetime.fromtimestamp(h.t, datetime.UTC).isoformat().replace("+00:00", "Z"),
                 "timestampUnix": int(h.t), "cpuCount": cores,
-                "cpuUsedPct": round(100.0 * h.cpu_used / cores, 2),
+                "cpuUsedPct": round(min(100.0, 100.0 * h.cpu_used / cores), 2),  # sampling jitter: never above its cores
                 "memUsed": h.memory_usage, "memTotal": h.memory_limit or stats.memory_ceiling,
                 "memCache": max(0, h.memory_usage - h.working_set),
                 "diskUsed": disk_used, "diskTotal": disk_total,
