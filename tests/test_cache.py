@@ -15,12 +15,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import zstandard
 from test_lazy import LazyNode, build, drop_page_cache
 
 from weenv.errors import CapacityError
 from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
-from weenv.node.prefetch import REF_KIND, load_profile, ref_name
+from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 from weenv.store.file import FileStore
@@ -31,7 +32,8 @@ MiB = 1 << 20
 class CountingStore(FileStore):
     """A real FileStore that records get_chunk calls in order (``calls`` counts
     them), optionally slowed down by ``delay`` seconds per chunk (a store across
-    a network), and get_manifest calls as ``manifest:DIGEST`` in ``order``."""
+    a network); in ``order`` as well: get_manifest calls as ``manifest:DIGEST``
+    when they return, and stream_pack calls as ``pack:DIGEST`` when they begin."""
 
     def __init__(self, root, delay: float = 0.0):
         super().__init__(root)
@@ -52,11 +54,18 @@ class CountingStore(FileStore):
         return super().get_chunk(digest, **hints)
 
     def get_manifest(self, digest: str) -> bytes:
-        """Recorded as ``manifest:DIGEST`` in ``order``; slowed by ``manifest_delay`` once set."""
-        with self._count_lock:
-            self.order.append("manifest:" + digest)
+        """Slowed by ``manifest_delay`` once set."""
         time.sleep(getattr(self, "manifest_delay", 0.0))
-        return super().get_manifest(digest)
+        try:
+            return super().get_manifest(digest)
+        finally:
+            with self._count_lock:
+                self.order.append("manifest:" + digest)
+
+    def stream_pack(self, digest: str):
+        with self._count_lock:
+            self.order.append("pack:" + digest)
+        return super().stream_pack(digest)
 
 
 @pytest.fixture
@@ -202,6 +211,22 @@ def test_restart_without_refetching(tmp_path, paths, private_store, leak_check):
     assert cache.path(chunk0.digest).read_bytes() == shared_store.get_chunk(chunk0.digest)
 
 
+def test_drop_caches_makes_the_next_start_cold(tmp_path, paths, shared_store, leak_check):
+    """After drop_caches a start fetches what the first start fetched: the
+    kernel's cached pages of the group images (EROFS reads its metadata through
+    them, and they outlive an unmount) are dropped too."""
+    with Node(paths, store=shared_store) as n:
+        fetched = []
+        for _round in range(2):
+            n.drop_caches()
+            before = n.cache.chunks_fetched
+            env = n.create("task", prefetch=False)
+            _read_some(n, env.id)
+            fetched.append(n.cache.chunks_fetched - before)
+            n.destroy(env.id)
+        assert fetched[0] > 0 and fetched[1] == fetched[0], fetched
+
+
 # --- prefetch --------------------------------------------------------------------------
 def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_check):
     """The first start records its first reads into prefetch/<template hex>;
@@ -209,7 +234,7 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
     background, in order, once each, while its own reads still work."""
     store = CountingStore(private_store)
     digest, groups = template_groups(store)
-    with Node(paths, store=store, prefetch_record_s=30) as n:
+    with Node(paths, store=store, prefetch_record_s=30, prefetch_pack_bytes=0) as n:  # one by one: no pack
         env = n.create("task")
         _read_some(n, env.id)  # the first command: its end closes the window
         deadline = time.monotonic() + 10
@@ -218,6 +243,7 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
         n.prefetch.wait_published()
         profile = load_profile(store, digest)
         assert profile is not None and store.get_ref(REF_KIND, ref_name(digest))
+        assert profile.pack is None and list(store.list_packs()) == []
         recorded = n.lazyfs.first_reads([g for g, _m in groups])
         n.destroy(env.id)
     assert profile.groups == [g for g, _m in groups]
@@ -273,25 +299,117 @@ def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_stor
         assert profile.refs == [groups[gi][1].chunks[ci] for gi, ci in profile.chunks]
         assert load_profile(store, digest).refs == profile.refs  # published with them
 
+        assert profile.pack is not None  # published with its pack
+
         n.drop_caches()  # cold: chunks and manifests gone, the profile known
         store.manifest_delay = 0.2
         store.order.clear()
         env = n.create("task")
-        order = list(store.order)
-        group_loads = [i for i, x in enumerate(order) if x in {"manifest:" + g for g, _m in groups}]
-        first_chunk = order.index(profile.refs[0].digest)
-        assert group_loads and first_chunk < group_loads[-1]  # fetched while the manifests loaded
+        _pack_streamed_before_the_groups_loaded(store.order, profile, groups)
         assert n.exec(env.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
         job = n.prefetch.job(env.id)
         assert job is None or job.done.wait(60)
         assert all(n.cache.has(r.digest) for r in profile.refs)
         n.destroy(env.id)
 
+    # a node that never started the template looks its profile up beside the manifests
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    fresh = CountingStore(private_store)
+    fresh.manifest_delay = 0.2
+    with Node(paths, store=fresh) as n:
+        env = n.create("task")
+        _pack_streamed_before_the_groups_loaded(fresh.order, profile, groups)
+        assert n.exec(env.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
+        n.destroy(env.id)
+
+
+def _pack_streamed_before_the_groups_loaded(order: list[str], profile, groups) -> None:
+    order = list(order)
+    group_loads = [i for i, x in enumerate(order) if x in {"manifest:" + g for g, _m in groups}]
+    assert len(group_loads) == len(groups)
+    assert order.index("pack:" + profile.pack.digest) < group_loads[-1]  # streamed while the manifests loaded
+
+
+def test_prefetch_pack(tmp_path, paths, private_store, leak_check):
+    """The published profile comes with a pack of its chunks' frames, in
+    profile order; a cold start on another node fetches the profile's chunks
+    through that one stream, not chunk by chunk, and reads correct content."""
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+    profile = load_profile(store, digest)
+    assert profile.pack is not None and store.has_pack(profile.pack.digest)
+    data = b"".join(store.stream_pack(profile.pack.digest))
+    assert len(data) == profile.pack.size and len(profile.pack.frames) == len(profile.refs)
+    at = 0
+    for ref, n_bytes in zip(profile.refs, profile.pack.frames):
+        assert zstandard.ZstdDecompressor().decompress(data[at : at + n_bytes]) == store.get_chunk(ref.digest)
+        at += n_bytes
+
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    slow = CountingStore(private_store, delay=0.05)  # a chunk on its own costs a round trip
+    with Node(paths, store=slow) as n:
+        env = n.create("task")
+        _wait_cached(n, profile.refs)
+        _read_some(n, env.id)
+        assert slow.order.count("pack:" + profile.pack.digest) == 1
+        from_store = sum(slow.calls[r.digest] for r in profile.refs)
+        assert from_store <= 2  # the mounts' own first reads may come before the pack
+        print(f"\npack {profile.pack.size} bytes: {len(profile.refs) - from_store} of {len(profile.refs)} "
+              f"chunks from it, {from_store} on their own")
+        n.destroy(env.id)
+
+
+def _wait_cached(n: Node, refs, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not n.cache.has_all(r.digest for r in refs):
+        assert time.monotonic() < deadline, "the profile's chunks never all arrived"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "short"])
+def test_prefetch_without_its_pack(tmp_path, paths, private_store, leak_check, damage):
+    """A pack that is gone, holds other bytes, or is cut short: the replay
+    fetches the chunks one by one instead, caches only verified content, and
+    the environment works."""
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+    profile = load_profile(store, digest)
+    pack_file = store._path("packs", profile.pack.digest)
+    data = pack_file.read_bytes()
+    if damage == "missing":
+        store.delete_pack(profile.pack.digest)
+    elif damage == "corrupt":  # the second frame's bytes replaced by the first one's
+        a, b = profile.pack.frames[:2]
+        pack_file.write_bytes(data[:a] + (data[:a] + os.urandom(b))[:b] + data[a + b :])
+    else:
+        pack_file.write_bytes(data[: len(data) // 2])
+
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    fresh = CountingStore(private_store)
+    with Node(paths, store=fresh) as n:
+        env = n.create("task")
+        _wait_cached(n, profile.refs)
+        _read_some(n, env.id)
+        for r in profile.refs:  # every cached chunk is the right one
+            assert n.cache.path(r.digest).read_bytes() == store.get_chunk(r.digest)
+        one_by_one = [r for r in profile.refs if fresh.calls[r.digest]]
+        if damage == "missing":
+            assert len(one_by_one) == len(profile.refs)
+        elif damage == "corrupt":
+            assert profile.refs[1] in one_by_one and len(one_by_one) < len(profile.refs)
+        else:
+            assert 0 < len(one_by_one) < len(profile.refs)
+        n.destroy(env.id)
+
 
 def test_prefetch_stops_when_destroyed(tmp_path, paths, private_store, leak_check):
     store = CountingStore(private_store)
     digest, groups = template_groups(store)
-    with Node(paths, store=store, prefetch_record_s=30) as n:
+    with Node(paths, store=store, prefetch_record_s=30, prefetch_pack_bytes=0) as n:  # one by one, slowly
         _record_profile(n)
     assert load_profile(store, digest) is not None
     subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from weenv.node.node import Node
-from weenv.node.prefetch import REF_KIND
+from weenv.packaging.profile import REF_KIND
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig

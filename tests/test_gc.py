@@ -15,6 +15,7 @@ from weenv.packaging.buildcache import store_lock
 from weenv.packaging.gc import collect, dedupe_report
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
 from weenv.packaging.template import create_template, load_template
 from weenv.packaging.update import update_component
 from weenv.server import daemon
@@ -84,6 +85,29 @@ def test_gc_keeps_referenced_and_removes_unreferenced(populated, store, paths, t
     # a second run finds nothing
     again = collect(store, paths, in_use=[])
     assert (again.manifests_removed, again.chunks_removed, again.cache_chunks_removed) == ([], 0, 0)
+
+
+def test_gc_keeps_the_packs_of_kept_profiles(populated, store, paths, tmp_path):
+    """A prefetch profile's pack lives as long as its template; packs of removed
+    templates' profiles, and packs no profile names, go."""
+    p = populated
+    packs = {}
+    for name, template in (("t2", store.get_ref("templates", "t2")), ("t1_old", p["t1_old"])):
+        _, t = load_template(store, template)
+        refs = [load_group(store, t.groups[0]).chunks[0], load_group(store, t.groups[1]).chunks[0]]  # task: its own
+        data, frames = build_pack(store.get_chunk(r.digest) for r in refs)
+        packs[name] = PrefetchPack(digest=store.put_pack(data), frames=frames)
+        publish_profile(store, PrefetchProfile(template=template, groups=t.groups, chunks=[(0, 0), (1, 0)],
+                                               refs=refs, pack=packs[name], window_s=1.0))  # fmt: skip
+    assert packs["t2"] != packs["t1_old"]
+    loose = store.put_pack(b"no profile names this")
+    update_component(store, "t1", "task1", _tree(tmp_path / "t1b", {"w/a2": os.urandom(1 << 20)}), paths=paths)
+
+    r = collect(store, paths, in_use=[])
+    assert r.packs_removed == 2
+    assert sorted(store.list_packs()) == [packs["t2"].digest]
+    assert not store.has_pack(loose) and not store.has_pack(packs["t1_old"].digest)
+    assert load_profile(store, store.get_ref("templates", "t2")).pack == packs["t2"]
 
 
 def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tmp_path, leak_check):

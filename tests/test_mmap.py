@@ -23,7 +23,7 @@ import pytest
 
 from weenv.errors import StoreUnavailableError
 from weenv.node.node import Node
-from weenv.node.prefetch import REF_KIND
+from weenv.packaging.profile import REF_KIND
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig

@@ -45,6 +45,9 @@ class FileBackend:
         st = store._path(space, digest).stat()
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
+    def corrupt_manifest(self, store: FileStore, digest: str, data: bytes) -> None:
+        store._put("manifests", digest, data)
+
 
 class OciBackend:
     """``oci://`` stores: a fresh repository of the session's docker-registry."""
@@ -65,6 +68,11 @@ class OciBackend:
         blob_st = self.registry.blob_data(blob["digest"]).stat()
         tag_st = self.registry.tag_link(store.repository, store._space_tag(space, digest)).stat()
         return (blob_st.st_ino, blob_st.st_mtime_ns, tag_st.st_ino, tag_st.st_mtime_ns)
+
+    def corrupt_manifest(self, store: OciStore, digest: str, data: bytes) -> None:
+        """Other bytes in the blob under ``digest`` (what the store reads a manifest
+        from; a registry never writes such a blob itself)."""
+        self.registry.blob_data(digest).write_bytes(data)
 
 
 BACKENDS = [FileBackend(), OciBackend()]
@@ -174,6 +182,28 @@ class TestStore:
             store.get_chunk(ref.digest)
         assert store.put_chunk(b"short-lived")[1] is True
 
+    # --- packs ---------------------------------------------------------------------------
+
+    def test_pack_round_trip_streamed(self, store):
+        data = os.urandom(3 * MIB + 17)
+        digest = store.put_pack(data)
+        assert digest == sha256_digest(data)
+        assert store.put_pack(data) == digest  # idempotent
+        assert store.has_pack(digest) and list(store.list_packs()) == [digest]
+        pieces = list(store.stream_pack(digest))
+        assert b"".join(pieces) == data
+        assert len(pieces) > 1  # streamed, not read whole first
+        assert not store.has_chunk(digest) and not store.has_manifest(digest)  # a space of its own
+
+        store.delete_pack(digest)
+        store.delete_pack(digest)  # absent: no error
+        assert not store.has_pack(digest) and list(store.list_packs()) == []
+        with pytest.raises(NotFoundError):
+            next(store.stream_pack("sha256:" + "cd" * 32))
+        for bad in BAD_DIGESTS:
+            with pytest.raises(InvalidInputError):
+                store.stream_pack(bad)
+
     # --- unknown and malformed digests ---------------------------------------------------
 
     def test_unknown_digests_are_not_found(self, store):
@@ -210,7 +240,7 @@ class TestStore:
 
     # --- manifests -----------------------------------------------------------------------
 
-    def test_manifest_round_trip_and_verification(self, store):
+    def test_manifest_round_trip_and_verification(self, store, backend):
         m = _manifest(store)
         data = canonical_json(m)
         digest = store.put_manifest(data)
@@ -222,10 +252,11 @@ class TestStore:
         assert list(store.list_manifests()) == [digest]
 
         other = canonical_json(_manifest(store, "other"))
-        store._put("manifests", digest, other)
+        backend.corrupt_manifest(store, digest, other)
         with pytest.raises(DigestMismatchError):
             store.get_manifest(digest)
-        store._put("manifests", digest, data)
+        backend.corrupt_manifest(store, digest, data)
+        assert store.get_manifest(digest) == data
         store.delete_manifest(digest)
         assert not store.has_manifest(digest)
 

@@ -97,7 +97,7 @@ def gc(
     verb = "would remove" if dry_run else "removed"
     err.print(
         f"{verb} {len(r.manifests_removed)} manifests, {r.chunks_removed} chunks "
-        f"({human_bytes(r.bytes_freed)}) from the store, {r.cache_chunks_removed} chunks "
+        f"({human_bytes(r.bytes_freed)}) and {r.packs_removed} prefetch packs from the store, {r.cache_chunks_removed} chunks "
         f"({human_bytes(r.cache_bytes_freed)}) from the node cache, {len(r.refs_removed)} refs"
         + (f"; kept {len(r.kept_for_running)} manifests that running environments use" if r.kept_for_running else "")
     )

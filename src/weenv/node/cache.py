@@ -66,7 +66,7 @@ from pathlib import Path
 
 from weenv.errors import CapacityError, InvalidInputError
 from weenv.packaging.manifest import ChunkRef, check_digest
-from weenv.store.base import Store
+from weenv.store.base import Store, decode_frame
 from weenv.store.file import atomic_write
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,19 @@ class ChunkCache:
             raise CapacityError(f"chunk of {len(got)} bytes does not fit the cache bound of {self.max_bytes} bytes")
         return got
 
-    def _get(self, chunk: ChunkRef | str, prefetch: bool = False) -> Path | bytes:
+    def put_frame(self, chunk: ChunkRef, frame: bytes) -> bool:
+        """Cache ``chunk`` from ``frame``, its zstd frame as a prefetch pack
+        holds it (:mod:`weenv.packaging.profile`), as a prefetch fetch: checked
+        against the chunk's digest (:class:`DigestMismatchError` if it is not
+        that chunk's), counted in ``chunks_fetched``/``bytes_fetched``.  False,
+        and nothing done, when the chunk is cached or being fetched already."""
+        with self._lock:
+            if chunk.digest in self._index or chunk.digest in self._inflight:
+                return False
+        self._get(chunk, prefetch=True, frame=frame)
+        return True
+
+    def _get(self, chunk: ChunkRef | str, prefetch: bool = False, frame: bytes | None = None) -> Path | bytes:
         digest = chunk.digest if isinstance(chunk, ChunkRef) else check_digest(chunk)
         path = self.path(digest)
         with self._lock:
@@ -278,7 +290,7 @@ class ChunkCache:
                 if entry is not None:
                     log.warning("cached chunk %s is truncated or corrupt; fetching it again", digest)
                     self._forget(digest)
-                result = self._fetch(chunk, digest, path, prefetch)
+                result = self._fetch(chunk, digest, path, prefetch, frame)
         except BaseException as exc:
             with self._lock:
                 self._fetch_errors += 1
@@ -308,11 +320,16 @@ class ChunkCache:
             return False
         return "sha256:" + hashlib.sha256(data).hexdigest() == digest
 
-    def _fetch(self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool) -> Path | bytes:
-        stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
-        plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
+    def _fetch(self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool,
+               frame: bytes | None = None) -> Path | bytes:  # fmt: skip
+        if frame is not None:
+            plaintext = decode_frame(digest, frame, where="a prefetch pack")
+            stored = len(frame)
+        else:
+            stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
+            plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
+            stored = chunk.stored_size if isinstance(chunk, ChunkRef) else len(plaintext)
         n = len(plaintext)
-        stored = chunk.stored_size if isinstance(chunk, ChunkRef) else n
         with self._lock:
             self._chunks_fetched += 1
             self._bytes_fetched += stored

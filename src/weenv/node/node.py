@@ -55,7 +55,7 @@ from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
-from weenv.node.prefetch import Prefetcher
+from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -139,6 +139,7 @@ class Node:
         cache_bytes: int | None = None,
         prefetch_workers: int = 4,
         prefetch_record_s: float = 10.0,
+        prefetch_pack_bytes: int = PACK_BYTES,
         exec_agent: bool = True,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
@@ -146,7 +147,7 @@ class Node:
         command that nobody reads (older output is dropped).  ``cache_bytes``:
         the node chunk cache's bound (default ``WEENV_CACHE_BYTES``, else 20% of
         its file system, at most 10 GiB).  ``prefetch_workers``,
-        ``prefetch_record_s``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
+        ``prefetch_record_s``, ``prefetch_pack_bytes``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
         run commands through an agent inside each environment (built into
         ``WEENV_CACHE`` on first use; False: always ``runc exec``)."""
         self.paths = paths or Paths.from_env()
@@ -159,7 +160,8 @@ class Node:
         self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache, run_dir=self.paths.run)  # + the FUSE holder
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
         self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
-                                   record_s=prefetch_record_s, on_group_complete=self.groups.assemble_if_complete)
+                                   record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
+                                   on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
         self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)
         self.exec_counts = {"agent": 0, "runc": 0}
@@ -884,14 +886,15 @@ class Node:
         )
 
     def drop_caches(self) -> None:
-        """Unmount groups no environment uses and empty the node chunk cache
-        (for cold-start measurements).  Raises :class:`InvalidInputError` while
+        """Unmount groups no environment uses, empty the node chunk cache and
+        the kernel's page cache of the group images (for cold-start measurements).  Raises :class:`InvalidInputError` while
         any environment runs."""
         with self._lock:
             if self._envs:
                 raise InvalidInputError("cannot drop the node cache while environments run")
             self.groups.unmount_unused()
             self.groups.remove_images()
+            self.lazyfs.drop_page_cache()
             self.cache.clear()
             self._manifest_cache.clear()
 

@@ -9,28 +9,32 @@ window runs from the create's start until the environment's first command
 makes in the same groups during the window are included (they are reads of
 the same content); chunks first read *before* the window (a group already
 mounted and read by another template) are not.  The profile is published beside
-the template, in a background thread:
-
-- its canonical JSON as a manifest (:class:`PrefetchProfile`,
-  media type ``application/vnd.weenv.prefetch.v1+json``);
-- the ref ``prefetch/<hex of the template digest>`` pointing at it (templates are
-  content-addressed, so the profile cannot be a field of the template itself;
-  ``TemplateManifest.prefetch`` stays for profiles baked in at build time).
+the template, in a background thread (the format: :mod:`weenv.packaging.profile`):
+first its **pack**, the frames of its first ``pack_bytes`` of plaintext as one
+blob (built from the node cache, where the recorded chunks just arrived), then
+the profile naming it, then the ref ``prefetch/<hex of the template digest>``.
 
 **Replay.**  A create that finds a profile, and groups not fully cached, starts
-a :class:`PrefetchJob`: ``workers`` threads (default 4: from a registry a chunk
-costs ~2 ms of the registry's time and ~5 ms of this process's, so a few in
-flight keep both busy) shared by all jobs fetch the profile's chunks in order
-(chunks already cached are skipped) with ``prefetch=True``, and before each
-fetch wait while any *demand* fetch runs (:meth:`ChunkCache.wait_demand_idle`),
-so on-demand reads go first.  A profile keeps its chunks' refs, so when the
-node already knows it the job starts as soon as the create has resolved the
-template's digest (:meth:`Prefetcher.begin_early`), while the group manifests
-load and the mounts and the runtime are set up.  A job ends when its list is
-done, when its environment is destroyed (:meth:`Prefetcher.cancel`), or when it
-has fetched half of the cache's byte bound (it would otherwise evict its own
-work).  When a job ends, groups it completed are handed to
-``on_group_complete`` (the node assembles their image for direct mounts).
+a :class:`PrefetchJob`.  With a pack, one thread streams it (one request for
+the whole working set) and hands each frame, as it arrives, to the ``workers``
+threads, which check and cache it (:meth:`ChunkCache.put_frame`; zstd and
+sha256 release the GIL, so two cores decode two frames at once).  Chunks past
+the pack, and every chunk of a profile without one (or whose pack fails:
+missing, cut off, a bad frame), are fetched one by one, in order, by the same
+workers (from a registry a chunk then costs ~3 ms of the registry's time and
+~3 ms of this process's, so a few in flight keep both busy), each first waiting
+while any *demand* fetch runs (:meth:`ChunkCache.wait_demand_idle`), so
+on-demand reads go first.  A chunk a demand read fetched first is skipped.
+
+The job starts as soon as the create has resolved the template's digest
+(:meth:`Prefetcher.begin_early`), while the group manifests load and the
+mounts and the runtime are set up: at once when the node holds the profile,
+else after looking it up in the store (two requests, beside the manifests').
+A job ends when its list is done, when its environment is destroyed
+(:meth:`Prefetcher.cancel`), or when it has fetched half of the cache's byte
+bound (it would otherwise evict its own work).  When a job ends, groups it
+completed are handed to ``on_group_complete`` (the node assembles their image
+for direct mounts).
 
 This is the ordering idea of eStargz's prioritized files and of REAP (record and
 prefetch the working set of a first start).
@@ -43,86 +47,46 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.errors import DigestMismatchError, InvalidInputError
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
-from weenv.packaging.manifest import (
-    ChunkRef,
-    Digest,
-    GroupManifest,
-    canonical_json,
-    utc_now,
-)
+from weenv.packaging.manifest import ChunkRef, GroupManifest
+from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
 
-REF_KIND = "prefetch"
-PROFILE_MEDIA_TYPE = "application/vnd.weenv.prefetch.v1+json"
-
-
-class PrefetchProfile(BaseModel):
-    """The chunks a template's first start read, in the order it read them."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    schema_version: Literal[1] = 1
-    media_type: Literal["application/vnd.weenv.prefetch.v1+json"] = PROFILE_MEDIA_TYPE
-    template: Digest
-    groups: list[Digest] = Field(min_length=1)
-    """The template's group digests, bottom to top (what ``chunks`` indexes)."""
-    chunks: list[tuple[int, int]]
-    """``(index into groups, chunk index in that group)`` in first-read order."""
-    refs: list[ChunkRef] = Field(default_factory=list)
-    """The same chunks, in the same order, as chunk refs: a replay can start
-    fetching before the group manifests are loaded (empty in profiles recorded
-    before weenv kept them)."""
-    window_s: float
-    """How long the recording ran (seconds)."""
-    created: str = Field(default_factory=utc_now)
-
-
-def ref_name(template_digest: str) -> str:
-    return template_digest.split(":", 1)[1]
-
-
-def load_profile(store: Store, template_digest: str) -> PrefetchProfile | None:
-    """The published profile of ``template_digest``, or None (none, or unreadable)."""
-    try:
-        digest = store.get_ref(REF_KIND, ref_name(template_digest))
-        profile = PrefetchProfile.model_validate_json(store.get_manifest(digest))
-    except NotFoundError:
-        return None
-    except (ValueError, WeenvError) as exc:
-        log.warning("prefetch profile of %s unreadable: %s", template_digest, exc)
-        return None
-    return profile if profile.template == template_digest else None
-
-
-def publish_profile(store: Store, profile: PrefetchProfile) -> str:
-    """Store ``profile`` and point ``prefetch/<hex>`` at it; return its digest."""
-    digest = store.put_manifest(canonical_json(profile))
-    store.set_ref(REF_KIND, ref_name(profile.template), digest)
-    return digest
-
+PACK_BYTES = 64 << 20
+"""Default plaintext bytes a published pack holds (the profile's first chunks):
+what a start reads is usually far less; building holds the pack in memory."""
+PACK_BUFFER_FRAMES = 32
+"""Frames a pack's reader gets ahead of the workers before it waits."""
 
 class PrefetchJob:
     """The background prefetch of one environment's profile."""
 
-    def __init__(self, env_id: str, chunks: list[tuple[str, ChunkRef]], budget: int):
+    def __init__(self, env_id: str, chunks: list[tuple[str, ChunkRef]], budget: int,
+                 pack: PrefetchPack | None = None):  # fmt: skip
         self.env_id = env_id
         self.chunks = chunks
         """``(group digest, chunk)`` in profile order."""
         self.budget = budget
+        self.pack = pack
+        """The profile's pack (None: every chunk is fetched on its own)."""
+        self.pack_end = len(pack.frames) if pack is not None else 0
+        """Positions below this come from the pack (it drops to :attr:`received` if the pack fails)."""
+        self.frames: dict[int, bytes] = {}
+        """Frames the pack's reader received and no worker took yet, by position."""
+        self.received = 0
+        """How many of the pack's frames arrived."""
         self.next = 0
         self.pending = 0
         self.fetched: list[int] = []
-        """Positions in ``chunks`` this job fetched from the store, in the order the fetches started."""
+        """Positions in ``chunks`` this job fetched from the store one by one, in the order the fetches started."""
+        self.from_pack = 0
+        """Chunks this job cached from the pack."""
         self.skipped = 0
         self.errors = 0
         self.bytes = 0
@@ -137,9 +101,20 @@ class PrefetchJob:
     def exhausted(self) -> bool:
         return self.cancelled or self.next >= len(self.chunks) or self.bytes >= self.budget
 
+    @property
+    def ready(self) -> bool:
+        """Whether position :attr:`next` can be taken now (its frame is here, or it is fetched on its own)."""
+        return self.next >= self.pack_end or self.next in self.frames
+
 
 class Prefetcher:
-    """Records profiles and replays them for one node.  Thread-safe."""
+    """Records profiles and replays them for one node.  Thread-safe.
+
+    ``workers``: threads that fetch and cache chunks (shared by all jobs).
+    ``record_s``: the longest recording window (seconds).  ``pack_bytes``:
+    plaintext bytes of the profile's first chunks a published pack holds (0: no
+    packs).  ``on_group_complete(digest, manifest)``: called (in a thread) for
+    each group of a finished job."""
 
     def __init__(
         self,
@@ -149,13 +124,15 @@ class Prefetcher:
         *,
         workers: int = 4,
         record_s: float = 10.0,
+        pack_bytes: int = PACK_BYTES,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
     ):
-        if workers < 1 or record_s <= 0:
-            raise InvalidInputError("prefetch wants workers >= 1 and record_s > 0")
+        if workers < 1 or record_s <= 0 or pack_bytes < 0:
+            raise InvalidInputError("prefetch wants workers >= 1, record_s > 0 and pack_bytes >= 0")
         self.cache, self.store, self.lazyfs = cache, store, lazyfs
         self.workers = workers
         self.record_s = record_s
+        self.pack_bytes = pack_bytes
         self.on_group_complete = on_group_complete
         self._lock = threading.Condition()
         self._profiles: dict[str, PrefetchProfile | None] = {}  # template digest -> profile (cached lookups)
@@ -163,32 +140,60 @@ class Prefetcher:
         self._recorded: set[str] = set()  # templates this node records or recorded
         self._jobs: dict[str, PrefetchJob] = {}  # env id -> job
         self._early: dict[str, PrefetchJob] = {}  # env id -> job begin_early started, until begin
+        self._lookups: dict[str, Future] = {}  # env id -> begin_early's profile lookup, until begin
         self._queue: deque[PrefetchJob] = deque()
         self._threads: list[threading.Thread] = []
+        self._readers: list[threading.Thread] = []
         self._closed = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weenv-prefetch-publish")
 
     # --- the create's hooks ----------------------------------------------------------
     def begin_early(self, env_id: str, template_digest: str) -> bool:
-        """As soon as a create knows its template's digest: if this node already
-        holds the template's profile in memory (an earlier start of it here) and
-        the profile carries chunk refs, start replaying it now, before the group
-        manifests are loaded: when the chunks are not cached (evicted, or
-        dropped) the first ones arrive while the manifests, the mounts and the
-        runtime are set up.  A node that never started the template loads its
-        profile later, in :meth:`begin`.  True if a job started; :meth:`begin`
-        then completes it.  Never raises."""
+        """As soon as a create knows its template's digest, before the group
+        manifests are loaded: start replaying the template's profile (when its
+        chunks are not cached: evicted, or dropped), so that the first chunks
+        arrive while the manifests, the mounts and the runtime are set up.  A
+        profile this node holds starts at once; one it has not looked up yet is
+        looked up in a background thread, which starts the job if the create
+        has not reached :meth:`begin` by then.  True if a job or a lookup
+        started (:meth:`begin` completes it; :meth:`cancel` if the create
+        fails before).  Never raises."""
         if self._closed:
             return False
         with self._lock:
+            known = template_digest in self._profiles
             profile = self._profiles.get(template_digest)
+        if known:
+            return self._start_early(env_id, profile)
+        lookup: Future = Future()
+        with self._lock:
+            self._lookups[env_id] = lookup
+        threading.Thread(target=self._look_up, args=(env_id, template_digest, lookup),
+                         name="weenv-prefetch-lookup", daemon=True).start()  # fmt: skip
+        return True
+
+    def _look_up(self, env_id: str, template_digest: str, lookup: Future) -> None:
+        profile = None
+        try:
+            profile = load_profile(self.store, template_digest)
+            with self._lock:
+                self._profiles.setdefault(template_digest, profile)
+                waiting = self._lookups.get(env_id) is lookup  # begin (or cancel) has not come yet
+            if waiting:
+                self._start_early(env_id, profile)
+        except Exception as exc:  # prefetch is an optimization
+            log.warning("looking up the prefetch profile of %s: %s", template_digest, exc)
+        finally:
+            lookup.set_result(profile)
+
+    def _start_early(self, env_id: str, profile: PrefetchProfile | None) -> bool:
         if profile is None or not profile.refs or len(profile.refs) != len(profile.chunks):
             return False
         try:
             chunks = [(profile.groups[gi], ref) for (gi, _ci), ref in zip(profile.chunks, profile.refs)]
         except IndexError:
             return False
-        job = self._start_job(env_id, chunks, groups=None)
+        job = self._start_job(env_id, chunks, groups=None, pack=profile.pack)
         if job is None:
             return False
         with self._lock:
@@ -201,6 +206,10 @@ class Prefetcher:
         else record one.  Never raises for store trouble (prefetch is an optimization)."""
         if self._closed:
             return
+        with self._lock:
+            lookup = self._lookups.pop(env_id, None)
+        if lookup is not None:
+            lookup.result()  # never raises; the lookup may have started the job
         with self._lock:
             early = self._early.pop(env_id, None)
         if early is not None:
@@ -259,10 +268,36 @@ class Prefetcher:
 
     def _publish(self, profile: PrefetchProfile) -> None:
         try:
+            profile = self._with_pack(profile)
             digest = publish_profile(self.store, profile)
-            log.info("published prefetch profile %s of %s: %d chunks", digest, profile.template, len(profile.chunks))
+            log.info("published prefetch profile %s of %s: %d chunks, %s", digest, profile.template,
+                     len(profile.chunks), f"a pack of {len(profile.pack.frames)}" if profile.pack else "no pack")
         except Exception as exc:
             log.warning("cannot publish the prefetch profile of %s: %s", profile.template, exc)
+
+    def _with_pack(self, profile: PrefetchProfile) -> PrefetchProfile:
+        """``profile`` with a pack of its first ``pack_bytes`` of chunks, stored
+        (the chunks read from the node cache); ``profile`` itself if packs are
+        off or the pack cannot be made."""
+        refs, total = [], 0
+        for ref in profile.refs:
+            if total + ref.size > self.pack_bytes:
+                break
+            refs.append(ref)
+            total += ref.size
+        if not refs:
+            return profile
+        try:
+            data, frames = build_pack(self.cache.read(ref, 0, ref.size, prefetch=True) for ref in refs)
+            pack = PrefetchPack(digest=self.store.put_pack(data), frames=frames)
+        except Exception as exc:
+            log.warning("no prefetch pack for %s: %s", profile.template, exc)
+            return profile
+        packed = profile.model_copy(update={"pack": pack})
+        with self._lock:
+            if self._profiles.get(profile.template) is profile:
+                self._profiles[profile.template] = packed
+        return packed
 
     def watch_command(self, env_id: str, wait: Callable[[float], object]) -> None:
         """A command started in ``env_id``; if it is recording, the window closes
@@ -284,11 +319,14 @@ class Prefetcher:
         """The environment goes: stop its prefetch, close its recording (publishing it)."""
         self.end_recording(env_id)
         with self._lock:
+            self._lookups.pop(env_id, None)
             self._early.pop(env_id, None)
             job = self._jobs.get(env_id)
             if job is not None:
                 job.cancelled = True
+                job.frames.clear()
                 self._finish_locked(job)
+                self._lock.notify_all()
 
     def job(self, env_id: str) -> PrefetchJob | None:
         with self._lock:
@@ -314,16 +352,18 @@ class Prefetcher:
         for gi, ci in profile.chunks:
             if 0 <= gi < len(groups) and 0 <= ci < len(groups[gi][1].chunks):
                 chunks.append((groups[gi][0], groups[gi][1].chunks[ci]))
-        self._start_job(env_id, chunks, groups=groups)
+        pack = profile.pack if len(chunks) == len(profile.chunks) else None  # positions must match the frames
+        self._start_job(env_id, chunks, groups=groups, pack=pack)
 
     def _start_job(self, env_id: str, chunks: list[tuple[str, ChunkRef]],
-                   groups: list[tuple[str, GroupManifest]] | None) -> PrefetchJob | None:
-        """Queue a job fetching ``chunks`` unless all are cached; the job if queued.
-        ``groups`` (None: not known yet, see :meth:`_adopt_groups`) are handed to
-        ``on_group_complete`` when the job ends."""
+                   groups: list[tuple[str, GroupManifest]] | None,
+                   pack: PrefetchPack | None = None) -> PrefetchJob | None:  # fmt: skip
+        """Queue a job fetching ``chunks`` (the first ones from ``pack``) unless
+        all are cached; the job if queued.  ``groups`` (None: not known yet, see
+        :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job ends."""
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
-        job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
+        job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2, pack=pack)
         job.groups = dict(groups) if groups is not None else None
         with self._lock:
             if self._closed or env_id in self._jobs:
@@ -334,8 +374,52 @@ class Prefetcher:
                 t = threading.Thread(target=self._work, name=f"weenv-prefetch-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
                 t.start()
+            if pack is not None:
+                reader = threading.Thread(target=self._read_pack, args=(job,), name="weenv-prefetch-pack", daemon=True)
+                self._readers = [t for t in self._readers if t.is_alive()] + [reader]
+                job.pending += 1  # the reader's: the job ends after it
+                reader.start()
             self._lock.notify_all()
         return job
+
+    def _read_pack(self, job: PrefetchJob) -> None:
+        """Stream ``job``'s pack, cutting it into frames for the workers; on any
+        failure, the positions not received fall back to one-by-one fetches."""
+        frames = job.pack.frames
+        buf = bytearray()
+        got = 0
+        try:
+            pieces = self.store.stream_pack(job.pack.digest)
+            try:
+                for piece in pieces:
+                    buf += piece
+                    while got < len(frames) and len(buf) >= frames[got]:
+                        n = frames[got]
+                        with self._lock:
+                            while (len(job.frames) >= PACK_BUFFER_FRAMES and not job.cancelled
+                                   and not self._closed):  # fmt: skip
+                                self._lock.wait()
+                            if job.cancelled or self._closed:
+                                return
+                            if got >= job.next:  # not taken (and fetched on its own) meanwhile
+                                job.frames[got] = bytes(buf[:n])
+                            got += 1
+                            job.received = got
+                            self._lock.notify_all()
+                        del buf[:n]
+            finally:
+                pieces.close()
+            if got < len(frames) or buf:
+                raise DigestMismatchError(f"pack {job.pack.digest} is {'short' if got < len(frames) else 'too long'}")
+        except Exception as exc:
+            log.warning("prefetch pack %s of %s: %s; fetching chunk by chunk", job.pack.digest, job.env_id, exc)
+        finally:
+            with self._lock:
+                job.pack_end = got
+                job.pending -= 1
+                if job.exhausted and job.pending == 0:
+                    self._finish_locked(job)
+                self._lock.notify_all()
 
     def _adopt_groups(self, job: PrefetchJob, groups: list[tuple[str, GroupManifest]]) -> None:
         """Give an early job its group manifests; if it already ended, hand its
@@ -346,30 +430,44 @@ class Prefetcher:
         if ended:
             self._hand_over(job)
 
-    def _take(self) -> tuple[PrefetchJob, int] | None:
-        """The next (job, position) to fetch, oldest job first; None once closed."""
+    def _take(self) -> tuple[PrefetchJob, int, bytes | None] | None:
+        """The next (job, position, frame or None) to do, oldest job first (a job
+        waiting for its pack's next frame lets younger jobs go); None once closed."""
         with self._lock:
             while True:
                 if self._closed:
                     return None
                 while self._queue and self._queue[0].exhausted:
                     self._queue.popleft()
-                if self._queue:
-                    job = self._queue[0]
+                for job in self._queue:
+                    if job.exhausted or not job.ready:
+                        continue
                     pos = job.next
                     job.next += 1
                     job.pending += 1
-                    return job, pos
+                    frame = job.frames.pop(pos, None)
+                    if frame is not None:
+                        self._lock.notify_all()  # room in the reader's buffer
+                    return job, pos, frame
                 self._lock.wait()
 
     def _work(self) -> None:
         while (item := self._take()) is not None:
-            job, pos = item
+            job, pos, frame = item
             _group, chunk = job.chunks[pos]
             try:
                 if self.cache.has(chunk.digest):
                     job.skipped += 1
                     continue
+                if frame is not None:  # in hand: checking it costs less than waiting
+                    try:
+                        if self.cache.put_frame(chunk, frame):
+                            with self._lock:
+                                job.from_pack += 1
+                                job.bytes += chunk.size
+                        continue
+                    except DigestMismatchError as exc:
+                        log.warning("prefetch pack %s: %s", job.pack.digest, exc)
                 while not self.cache.wait_demand_idle(0.1):  # on-demand reads go first
                     if job.cancelled or self._closed:
                         break
@@ -412,14 +510,17 @@ class Prefetcher:
 
     # --- life cycle --------------------------------------------------------------------
     def close(self, timeout: float = 30.0) -> None:
-        """Cancel every job, end every recording without publishing, join the workers."""
+        """Cancel every job, end every recording without publishing, join the workers
+        and the pack readers."""
         with self._lock:
             self._closed = True
             for job in self._jobs.values():
                 job.cancelled = True
+                job.frames.clear()
             recording = list(self._recording)
             self._lock.notify_all()
-            threads, self._threads = self._threads, []
+            threads, self._threads = self._threads + self._readers, []
+            self._readers = []
         for env_id in recording:
             self.end_recording(env_id, publish=False)
         for t in threads:

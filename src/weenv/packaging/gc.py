@@ -3,8 +3,8 @@
 **Reachable** = every template a ``templates/NAME`` ref points at, plus every
 template a running environment was created from; their group manifests; those
 groups' chunks (and a template's prefetch profile manifest: its ``prefetch`` field
-or the ``prefetch/<hex>`` ref a node published).  :func:`collect`
-removes every other manifest and chunk from the store, every other chunk from
+or the ``prefetch/<hex>`` ref a node published; and that profile's pack).  :func:`collect`
+removes every other manifest, chunk and pack from the store, every other chunk from
 the node chunk cache (``$WEENV_HOME/node/cache``), and the ``groups/`` and
 ``buildcache/`` and ``prefetch/`` refs that pointed at removed manifests.
 
@@ -34,6 +34,7 @@ from weenv.packaging.manifest import (
     parse_group_manifest,
     parse_template_manifest,
 )
+from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
 
 
@@ -72,6 +73,7 @@ class GcResult:
 
     manifests_removed: list[str] = field(default_factory=list)
     chunks_removed: int = 0
+    packs_removed: int = 0
     bytes_freed: int = 0
     """Stored bytes of removed chunks whose size a manifest told (orphans without one count 0)."""
     cache_chunks_removed: int = 0
@@ -87,6 +89,7 @@ class GcResult:
 class _Reach:
     manifests: set[str] = field(default_factory=set)
     chunks: set[str] = field(default_factory=set)
+    packs: set[str] = field(default_factory=set)
 
 
 def _load(store: Store, digest: str) -> TemplateManifest | GroupManifest | None:
@@ -98,6 +101,14 @@ def _load(store: Store, digest: str) -> TemplateManifest | GroupManifest | None:
         return None
 
 
+def _pack_of(store: Store, profile_digest: str) -> str | None:
+    """The digest of the pack of prefetch profile ``profile_digest``, if it has one."""
+    try:
+        return PrefetchProfile.model_validate_json(store.get_manifest(profile_digest)).pack.digest
+    except (NotFoundError, InvalidInputError, ValueError, AttributeError):
+        return None
+
+
 def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
     for digest in templates:
         if digest in reach.manifests:
@@ -106,12 +117,16 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
         if not isinstance(t, TemplateManifest):
             continue  # a dangling ref: nothing to keep
         reach.manifests.add(digest)
-        if t.prefetch:
-            reach.manifests.add(t.prefetch)
+        profiles = [t.prefetch] if t.prefetch else []
         try:  # a profile recorded by a node (weenv.node.prefetch): prefetch/<hex of the template digest>
-            reach.manifests.add(store.get_ref("prefetch", digest.split(":", 1)[1]))
+            profiles.append(store.get_ref("prefetch", digest.split(":", 1)[1]))
         except (NotFoundError, InvalidInputError):
             pass
+        for p_digest in profiles:
+            reach.manifests.add(p_digest)
+            pack = _pack_of(store, p_digest)
+            if pack is not None:
+                reach.packs.add(pack)
         for g_digest in t.groups:
             if g_digest in reach.manifests:
                 continue
@@ -165,7 +180,7 @@ def collect(
         running = list(in_use) if in_use is not None else running_templates(paths)
         by_ref = _Reach()
         _reach(store, store.list_refs("templates").values(), by_ref)
-        reach = _Reach(set(by_ref.manifests), set(by_ref.chunks))
+        reach = _Reach(set(by_ref.manifests), set(by_ref.chunks), set(by_ref.packs))
         _reach(store, running, reach)
 
         sizes: dict[str, int] = {}
@@ -178,6 +193,7 @@ def collect(
             if isinstance(g, GroupManifest):
                 sizes.update((c.digest, c.stored_size) for c in g.chunks)
         chunks = [d for d in store.list_chunks() if d not in reach.chunks]
+        packs = [d for d in store.list_packs() if d not in reach.packs]
         gone = set(doomed)
         refs = [
             (kind, name)
@@ -194,11 +210,14 @@ def collect(
                 store.delete_manifest(digest)
             for digest in chunks:
                 store.delete_chunk(digest)
+            for digest in packs:
+                store.delete_pack(digest)
             for p in cache_files:
                 p.unlink(missing_ok=True)
         return GcResult(
             manifests_removed=sorted(doomed),
             chunks_removed=len(chunks),
+            packs_removed=len(packs),
             bytes_freed=sum(sizes.get(d, 0) for d in chunks),
             cache_chunks_removed=len(cache_files),
             cache_bytes_freed=cache_bytes,

@@ -1,11 +1,13 @@
 """The Store interface: content-addressed chunks and manifests, plus name refs.
 
-A store keeps three things:
+A store keeps four things:
 
 - **chunks**: zstd frames addressed by the sha256 of their *plaintext*
   (see :class:`weenv.packaging.manifest.ChunkRef`);
 - **manifests**: group and template manifests addressed by the sha256 of their
   canonical JSON bytes;
+- **packs**: prefetch packs, several chunks' zstd frames in one blob, addressed
+  by the sha256 of their bytes (:class:`weenv.packaging.profile.PrefetchPack`);
 - **refs**: names (``templates/NAME``, ``groups/NAME``) pointing at a manifest digest;
   ``buildcache/KEY`` maps a recipe component's cache key (hex) to the group
   manifest built from it (:mod:`weenv.packaging.buildcache`);
@@ -29,6 +31,7 @@ from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
 REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
+SPACES = ("chunks", "manifests", "packs")
 ZSTD_LEVEL = 3
 
 
@@ -41,7 +44,7 @@ class Store(abc.ABC):
     # --- what a backend implements -------------------------------------------------
     @abc.abstractmethod
     def _has(self, space: str, digest: str) -> bool:
-        """Whether blob ``digest`` exists in ``space`` ("chunks" or "manifests")."""
+        """Whether blob ``digest`` exists in ``space`` (one of :data:`SPACES`)."""
 
     @abc.abstractmethod
     def _put(self, space: str, digest: str, data: bytes) -> None:
@@ -50,6 +53,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _get(self, space: str, digest: str) -> bytes:
         """Bytes of blob ``digest``; raise :class:`NotFoundError` if absent."""
+
+    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+        """Bytes of blob ``digest`` in pieces as they arrive (default: one
+        piece, :meth:`_get`); :class:`NotFoundError` if absent."""
+        yield self._get(space, digest)
 
     @abc.abstractmethod
     def _list(self, space: str) -> Iterator[str]:
@@ -124,13 +132,7 @@ class Store(abc.ABC):
             frame = self._get("chunks", digest)
         else:
             frame = self._get_frame(digest, check_digest(stored_digest))
-        try:
-            plaintext = zstandard.ZstdDecompressor().decompress(frame)
-        except zstandard.ZstdError as exc:
-            raise DigestMismatchError(f"chunk {digest} in {self.url} is not a zstd frame: {exc}") from exc
-        if sha256_digest(plaintext) != digest:
-            raise DigestMismatchError(f"chunk {digest} in {self.url} has other content")
-        return plaintext
+        return decode_frame(digest, frame, where=self.url)
 
     def has_chunk(self, digest: str) -> bool:
         return self._has("chunks", check_digest(digest))
@@ -140,6 +142,33 @@ class Store(abc.ABC):
 
     def delete_chunk(self, digest: str) -> None:
         self._delete("chunks", check_digest(digest))
+
+    # --- packs ---------------------------------------------------------------------------
+    def put_pack(self, data: bytes) -> str:
+        """Store a prefetch pack; return the sha256 digest of its bytes."""
+        digest = sha256_digest(data)
+        if not self._has("packs", digest):
+            self._put("packs", digest, data)
+        return digest
+
+    def stream_pack(self, digest: str) -> Iterator[bytes]:
+        """The bytes of pack ``digest`` in pieces as they arrive, for a reader
+        that decodes frames while the rest is on its way.  Not verified as a
+        whole: the reader checks each frame against its chunk's digest
+        (:func:`decode_frame`), so a damaged pack fails at its first bad frame.
+        Raises :class:`NotFoundError` (at the first piece) if absent, and the
+        backend's errors (:class:`~weenv.errors.StoreUnavailableError`) when a
+        read fails midway."""
+        return self._stream("packs", check_digest(digest))
+
+    def has_pack(self, digest: str) -> bool:
+        return self._has("packs", check_digest(digest))
+
+    def list_packs(self) -> Iterator[str]:
+        return self._list("packs")
+
+    def delete_pack(self, digest: str) -> None:
+        self._delete("packs", check_digest(digest))
 
     # --- manifests ---------------------------------------------------------------------
     def put_manifest(self, data: bytes) -> str:
@@ -184,3 +213,16 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release connections (nothing for local stores)."""
+
+
+def decode_frame(digest: str, frame: bytes, *, where: str = "the store") -> bytes:
+    """The plaintext of chunk ``digest`` from its zstd ``frame``, checked against
+    ``digest``.  Raises :class:`DigestMismatchError` (naming ``where``) if the
+    frame is not zstd or decodes to other bytes."""
+    try:
+        plaintext = zstandard.ZstdDecompressor().decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise DigestMismatchError(f"chunk {digest} in {where} is not a zstd frame: {exc}") from exc
+    if sha256_digest(plaintext) != digest:
+        raise DigestMismatchError(f"chunk {digest} in {where} has other content")
+    return plaintext

@@ -4,9 +4,11 @@ Layout under the root::
 
     chunks/sha256/ab/abcdef...      zstd frame of a chunk (address: plaintext sha256)
     manifests/sha256/abcdef...      canonical JSON of a manifest
+    packs/sha256/abcdef...          a prefetch pack (address: sha256 of these bytes)
     refs/templates/NAME             a digest, one line
     refs/groups/NAME
     refs/buildcache/KEY
+    refs/prefetch/HEX               a template's prefetch profile
 
 Writes are atomic: a temporary file in the same directory, fsync'd data, then
 rename(2) over the final name.
@@ -31,6 +33,9 @@ from weenv.packaging.manifest import check_digest
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
+
+STREAM_PIECE = 1 << 20
+"""Bytes per piece of :meth:`FileStore._stream`."""
 
 
 def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
@@ -92,8 +97,8 @@ class FileStore(Store):
         hexdigest = check_digest(digest).split(":", 1)[1]
         if space == "chunks":
             return self.root / "chunks" / "sha256" / hexdigest[:2] / hexdigest
-        if space == "manifests":
-            return self.root / "manifests" / "sha256" / hexdigest
+        if space in ("manifests", "packs"):
+            return self.root / space / "sha256" / hexdigest
         raise InvalidInputError(f"unknown store space {space!r}")
 
     def _has(self, space: str, digest: str) -> bool:
@@ -110,6 +115,16 @@ class FileStore(Store):
                 return self._path(space, digest).read_bytes()
         except FileNotFoundError:
             raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}") from None
+
+    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+        try:
+            with self._os_errors("read"):
+                f = self._path(space, digest).open("rb")
+        except FileNotFoundError:
+            raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}") from None
+        with f, self._os_errors("read"):
+            while piece := f.read(STREAM_PIECE):
+                yield piece
 
     def _list(self, space: str) -> Iterator[str]:
         base = self.root / space / "sha256"

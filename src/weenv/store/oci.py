@@ -16,6 +16,9 @@ Layout in repository ``REPO`` (``HEX`` = the 64 hex digits of a weenv digest)::
                         layers = the group's chunk frames (so the registry's garbage
                         collector keeps them and OCI tools copy a group whole), or the
                         empty descriptor for a template
+    tag pack-HEX        artifact manifest, artifactType application/vnd.weenv.pack.v1,
+                        config = the empty descriptor, layers = [the pack blob]
+                        (HEX = the pack's own digest, also its blob's)
     tag template-NAME   a copy of the manifest-HEX manifest plus annotation
     tag group-NAME        vnd.weenv.ref = KIND/NAME (distinct bytes: deleting a manifest
                         by digest, which drops every tag on those bytes, leaves refs alone)
@@ -27,6 +30,11 @@ kept by the registry itself (no side file to go stale), and lets
 ``has``/``list``/``delete`` work by plaintext digest.  The node's hot path never
 uses it: a group manifest carries each chunk's ``stored_digest``, and
 :meth:`Store.get_chunk` passes it down, so a chunk fetch is one blob ``GET``.
+A weenv manifest's bytes are its config blob, whose blob digest is the weenv
+digest itself, so :meth:`Store.get_manifest` is one blob ``GET`` as well (the
+``manifest-HEX`` tag is read only if that blob is not in the repository).  So a
+deleted chunk or manifest stays readable by digest until the registry's garbage
+collector frees its blob; ``has``/``list`` follow the tags at once.
 
 Failures.  Each registry exchange (a blob read, a blob upload, a manifest read
 or write, a tag listing) runs under a deadline (``timeout``, seconds); each of
@@ -99,11 +107,13 @@ EMPTY_DESCRIPTOR = {
 }
 CHUNK_ARTIFACT_TYPE = "application/vnd.weenv.chunk.v1"
 CHUNK_MEDIA_TYPE = "application/vnd.weenv.chunk.v1+zstd"
+PACK_ARTIFACT_TYPE = "application/vnd.weenv.pack.v1"
+PACK_MEDIA_TYPE = "application/vnd.weenv.pack.v1+zstd"
 UNKNOWN_MANIFEST_TYPE = "application/vnd.weenv.unknown.v1+json"
 ANNOTATION_DIGEST = "vnd.weenv.digest"
 ANNOTATION_REF = "vnd.weenv.ref"
 
-SPACE_TAG_PREFIX = {"chunks": "chunk-", "manifests": "manifest-"}
+SPACE_TAG_PREFIX = {"chunks": "chunk-", "manifests": "manifest-", "packs": "pack-"}
 REF_TAG_PREFIX = {"templates": "template-", "groups": "group-"}  # other kinds: "KIND-"
 MAX_TAG = 128
 MAX_BACKOFF = 2.0
@@ -500,11 +510,13 @@ class OciStore(Store):
         tag = self._space_tag(space, digest)
         blob = self._ensure_blob(data)
         descriptor = {"digest": blob, "size": len(data)}
-        if space == "chunks":
+        if space in ("chunks", "packs"):
+            artifact_type, media_type = (
+                (CHUNK_ARTIFACT_TYPE, CHUNK_MEDIA_TYPE) if space == "chunks" else (PACK_ARTIFACT_TYPE, PACK_MEDIA_TYPE)
+            )
             self._ensure_empty_blob()
             manifest = _artifact(
-                CHUNK_ARTIFACT_TYPE, EMPTY_DESCRIPTOR,
-                [{"mediaType": CHUNK_MEDIA_TYPE, **descriptor}], {ANNOTATION_DIGEST: digest},
+                artifact_type, EMPTY_DESCRIPTOR, [{"mediaType": media_type, **descriptor}], {ANNOTATION_DIGEST: digest}
             )
         else:
             media_type, layers = self._manifest_layers(data)
@@ -539,16 +551,65 @@ class OciStore(Store):
         return media_type, [EMPTY_DESCRIPTOR]
 
     def _get(self, space: str, digest: str) -> bytes:
+        if space == "manifests":  # its bytes are a blob under its own digest: one request, not two
+            try:
+                return self._get_blob(digest, verify=False)  # get_manifest checks them
+            except NotFoundError:
+                pass  # not under that digest here: the tag knows where
         tag = self._space_tag(space, digest)
         manifest = self._get_manifest_json(tag)
         if manifest is None:
             raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}")
         try:
-            blob = manifest["layers"][0] if space == "chunks" else manifest["config"]
+            blob = manifest["layers"][0] if space in ("chunks", "packs") else manifest["config"]
             blob_digest = check_digest(blob["digest"])
         except (KeyError, IndexError, TypeError, InvalidInputError) as exc:
             raise DigestMismatchError(f"manifest {tag} in {self.url} is not a weenv artifact: {exc!r}") from None
         return self._get_blob(blob_digest)
+
+    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+        """A pack streamed in one ``GET`` of its blob (its digest is the blob's);
+        other spaces: :meth:`_get`.  Opening the response is retried like any
+        exchange; a read failing midway raises :class:`StoreUnavailableError`
+        (each read waits at most ``read_timeout``; no overall deadline, so a
+        large pack on a slow link is not cut off)."""
+        if space != "packs":
+            yield self._get(space, digest)
+            return
+        url = self._path("blobs", digest)
+
+        def attempt(deadline: float) -> httpx.Response:
+            self._count("requests")
+            request = self._client.build_request(
+                "GET", url, headers={"Accept-Encoding": "identity"}, timeout=self._timeout(deadline)
+            )
+            try:
+                r = self._client.send(request, stream=True, follow_redirects=True)
+            except httpx.TransportError as exc:
+                raise _Retry(_describe(exc)) from exc
+            if r.status_code == 200:
+                return r
+            try:
+                r.read()  # an error's body (small), for _refused
+            except httpx.HTTPError:
+                pass
+            finally:
+                r.close()
+            if r.status_code == 404:
+                raise NotFoundError(f"no pack {digest} in {self.url}")
+            if r.status_code == 429 or r.status_code >= 500:
+                raise _Retry(f"HTTP {r.status_code} from GET blob")
+            raise self._refused(r, f"GET pack {digest}")
+
+        response = self._call(f"reading pack {digest}", attempt)
+        try:
+            for piece in response.iter_raw():
+                self._count("bytes_received", len(piece))
+                yield piece
+        except httpx.TransportError as exc:
+            raise StoreUnavailableError(f"reading pack {digest} at {self.url} failed: {_describe(exc)}") from exc
+        finally:
+            response.close()
 
     def _get_frame(self, digest: str, stored_digest: str) -> bytes:
         try:  # no hash of the frame: get_chunk checks the plaintext's

@@ -56,6 +56,10 @@ FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 
 # --- notifications (enum fuse_notify_code) ---------------------------------------------
+NOTIFY_INVAL_INODE = 2
+"""Drop an inode's cached pages (and attributes) in the kernel: ``fuse_notify_inval_inode_out``."""
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")
+"""fuse_notify_inval_inode_out: ino, off, len (``len`` <= 0: to the end)."""
 NOTIFY_RESEND = 7
 """Linux >= 6.9: every request the server has read but not answered goes back to
 the pending queue, to be read again (its ``unique`` then has :data:`UNIQUE_RESEND` set)."""
@@ -105,6 +109,13 @@ def reply(unique: int, payload: bytes = b"", error: int = 0) -> list[bytes]:
 
 def notify_resend() -> bytes:
     return OUT_HEADER.pack(OUT_HEADER.size, NOTIFY_RESEND, 0)
+
+
+def notify_inval_inode(ino: int, offset: int = 0, length: int = 0) -> list[bytes]:
+    """The buffers of ``FUSE_NOTIFY_INVAL_INODE`` for ``ino``'s pages from
+    ``offset`` (``length`` 0: to the end)."""
+    body = NOTIFY_INVAL_INODE_OUT.pack(ino, offset, length)
+    return [OUT_HEADER.pack(OUT_HEADER.size + len(body), NOTIFY_INVAL_INODE, 0), body]
 
 
 def dirent(ino: int, next_off: int, name: bytes, dtype: int) -> bytes:

@@ -272,6 +272,26 @@ class FuseSession:
             with self._wlock:
                 self._idle += 1
 
+    def invalidate_inode(self, ino: int) -> bool:
+        """Ask the kernel to drop inode ``ino``'s cached pages
+        (``FUSE_NOTIFY_INVAL_INODE``); False if the kernel does not know the
+        inode (ENOENT) or the connection is gone.  Raises other ``OSError``\\s."""
+        with self._fd_cond:
+            if self._fd_closed:
+                return False
+            self._writers += 1
+        try:
+            os.writev(self.fd, P.notify_inval_inode(ino))
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED):
+                return False
+            raise
+        finally:
+            with self._fd_cond:
+                self._writers -= 1
+                self._fd_cond.notify_all()
+
     def _send(self, bufs: list[bytes]) -> None:
         with self._fd_cond:
             if self._fd_closed:  # a worker abandoned at stop: its descriptor number may be another file's now
