@@ -360,6 +360,23 @@ def test_prefetch_pack(tmp_path, paths, private_store, leak_check):
               f"chunks from it, {from_store} on their own")
         n.destroy(env.id)
 
+        # concurrent cold starts of the template read its pack once
+        n.drop_caches()
+        slow.order.clear()
+        envs = []
+        threads = [threading.Thread(target=lambda: envs.append(n.create("task"))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(envs) == 4
+        _wait_cached(n, profile.refs)
+        assert slow.order.count("pack:" + profile.pack.digest) == 1
+        assert sum(slow.calls[r.digest] for r in profile.refs) <= 2
+        for env in envs:
+            _read_some(n, env.id)
+            n.destroy(env.id)
+
 
 def _wait_cached(n: Node, refs, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout

@@ -64,29 +64,37 @@ what a start reads is usually far less; building holds the pack in memory."""
 PACK_BUFFER_FRAMES = 32
 """Frames a pack's reader gets ahead of the workers before it waits."""
 
+class PackStream:
+    """One pack being read, shared by every job replaying it (concurrent cold
+    starts of one template read their pack once)."""
+
+    def __init__(self, pack: PrefetchPack):
+        self.pack = pack
+        self.frames: dict[int, bytes] = {}
+        """Frames received that no worker took yet, by position."""
+        self.received = 0
+        """How many frames arrived (positions below it were handed out, or are here)."""
+        self.ended = False
+        """The reader stopped: all received, or failed (the rest is fetched one by one), or nobody waits."""
+        self.jobs: list[PrefetchJob] = []
+
+
 class PrefetchJob:
     """The background prefetch of one environment's profile."""
 
-    def __init__(self, env_id: str, chunks: list[tuple[str, ChunkRef]], budget: int,
-                 pack: PrefetchPack | None = None):  # fmt: skip
+    def __init__(self, env_id: str, chunks: list[tuple[str, ChunkRef]], budget: int):
         self.env_id = env_id
         self.chunks = chunks
         """``(group digest, chunk)`` in profile order."""
         self.budget = budget
-        self.pack = pack
-        """The profile's pack (None: every chunk is fetched on its own)."""
-        self.pack_end = len(pack.frames) if pack is not None else 0
-        """Positions below this come from the pack (it drops to :attr:`received` if the pack fails)."""
-        self.frames: dict[int, bytes] = {}
-        """Frames the pack's reader received and no worker took yet, by position."""
-        self.received = 0
-        """How many of the pack's frames arrived."""
+        self.stream: PackStream | None = None
+        """The stream of the profile's pack (None: every chunk is fetched on its own)."""
         self.next = 0
         self.pending = 0
         self.fetched: list[int] = []
         """Positions in ``chunks`` this job fetched from the store one by one, in the order the fetches started."""
         self.from_pack = 0
-        """Chunks this job cached from the pack."""
+        """Chunks this job's workers cached from the pack."""
         self.skipped = 0
         self.errors = 0
         self.bytes = 0
@@ -103,8 +111,10 @@ class PrefetchJob:
 
     @property
     def ready(self) -> bool:
-        """Whether position :attr:`next` can be taken now (its frame is here, or it is fetched on its own)."""
-        return self.next >= self.pack_end or self.next in self.frames
+        """Whether position :attr:`next` can be taken now: past the pack, or its
+        frame arrived (here, or taken by another job), or the pack's reader stopped."""
+        s = self.stream
+        return s is None or self.next >= len(s.pack.frames) or self.next < s.received or s.ended
 
 
 class Prefetcher:
@@ -143,6 +153,7 @@ class Prefetcher:
         self._lookups: dict[str, Future] = {}  # env id -> begin_early's profile lookup, until begin
         self._queue: deque[PrefetchJob] = deque()
         self._threads: list[threading.Thread] = []
+        self._streams: dict[str, PackStream] = {}  # pack digest -> the stream reading it
         self._readers: list[threading.Thread] = []
         self._closed = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weenv-prefetch-publish")
@@ -324,7 +335,6 @@ class Prefetcher:
             job = self._jobs.get(env_id)
             if job is not None:
                 job.cancelled = True
-                job.frames.clear()
                 self._finish_locked(job)
                 self._lock.notify_all()
 
@@ -363,7 +373,7 @@ class Prefetcher:
         :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job ends."""
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
-        job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2, pack=pack)
+        job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
         job.groups = dict(groups) if groups is not None else None
         with self._lock:
             if self._closed or env_id in self._jobs:
@@ -375,50 +385,56 @@ class Prefetcher:
                 self._threads.append(t)
                 t.start()
             if pack is not None:
-                reader = threading.Thread(target=self._read_pack, args=(job,), name="weenv-prefetch-pack", daemon=True)
-                self._readers = [t for t in self._readers if t.is_alive()] + [reader]
-                job.pending += 1  # the reader's: the job ends after it
-                reader.start()
+                job.stream = self._streams.get(pack.digest)
+                if job.stream is None:  # the first job of this pack: read it
+                    job.stream = self._streams[pack.digest] = PackStream(pack)
+                    reader = threading.Thread(target=self._read_pack, args=(job.stream,),
+                                              name="weenv-prefetch-pack", daemon=True)  # fmt: skip
+                    self._readers = [t for t in self._readers if t.is_alive()] + [reader]
+                    reader.start()
+                job.stream.jobs.append(job)
             self._lock.notify_all()
         return job
 
-    def _read_pack(self, job: PrefetchJob) -> None:
-        """Stream ``job``'s pack, cutting it into frames for the workers; on any
-        failure, the positions not received fall back to one-by-one fetches."""
-        frames = job.pack.frames
+    def _read_pack(self, stream: PackStream) -> None:
+        """Read ``stream``'s pack, cutting it into frames for the workers, until
+        every frame arrived or no job waits for it any more; on a failure, the
+        positions not received are fetched one by one."""
+        digest, frames = stream.pack.digest, stream.pack.frames
         buf = bytearray()
         got = 0
+
+        def wanted() -> bool:  # caller holds _lock
+            return not self._closed and any(not j.cancelled for j in stream.jobs)
+
         try:
-            pieces = self.store.stream_pack(job.pack.digest)
+            pieces = self.store.stream_pack(digest)
             try:
                 for piece in pieces:
                     buf += piece
                     while got < len(frames) and len(buf) >= frames[got]:
                         n = frames[got]
                         with self._lock:
-                            while (len(job.frames) >= PACK_BUFFER_FRAMES and not job.cancelled
-                                   and not self._closed):  # fmt: skip
+                            while len(stream.frames) >= PACK_BUFFER_FRAMES and wanted():
                                 self._lock.wait()
-                            if job.cancelled or self._closed:
+                            if not wanted():
                                 return
-                            if got >= job.next:  # not taken (and fetched on its own) meanwhile
-                                job.frames[got] = bytes(buf[:n])
+                            stream.frames[got] = bytes(buf[:n])
                             got += 1
-                            job.received = got
+                            stream.received = got
                             self._lock.notify_all()
                         del buf[:n]
             finally:
                 pieces.close()
             if got < len(frames) or buf:
-                raise DigestMismatchError(f"pack {job.pack.digest} is {'short' if got < len(frames) else 'too long'}")
+                raise DigestMismatchError(f"pack {digest} is {'short' if got < len(frames) else 'too long'}")
         except Exception as exc:
-            log.warning("prefetch pack %s of %s: %s; fetching chunk by chunk", job.pack.digest, job.env_id, exc)
+            log.warning("prefetch pack %s: %s; fetching the rest chunk by chunk", digest, exc)
         finally:
             with self._lock:
-                job.pack_end = got
-                job.pending -= 1
-                if job.exhausted and job.pending == 0:
-                    self._finish_locked(job)
+                stream.ended = True
+                if self._streams.get(digest) is stream:
+                    del self._streams[digest]
                 self._lock.notify_all()
 
     def _adopt_groups(self, job: PrefetchJob, groups: list[tuple[str, GroupManifest]]) -> None:
@@ -431,8 +447,10 @@ class Prefetcher:
             self._hand_over(job)
 
     def _take(self) -> tuple[PrefetchJob, int, bytes | None] | None:
-        """The next (job, position, frame or None) to do, oldest job first (a job
-        waiting for its pack's next frame lets younger jobs go); None once closed."""
+        """The next (job, position, frame) to do, oldest job first (a job waiting
+        for its pack's next frame lets younger jobs go); None once closed.  The
+        frame is None for a position fetched one by one, ``b""`` for one whose
+        frame another job's worker took."""
         with self._lock:
             while True:
                 if self._closed:
@@ -445,8 +463,9 @@ class Prefetcher:
                     pos = job.next
                     job.next += 1
                     job.pending += 1
-                    frame = job.frames.pop(pos, None)
-                    if frame is not None:
+                    frame = None
+                    if job.stream is not None and pos < job.stream.received:
+                        frame = job.stream.frames.pop(pos, b"")
                         self._lock.notify_all()  # room in the reader's buffer
                     return job, pos, frame
                 self._lock.wait()
@@ -456,7 +475,7 @@ class Prefetcher:
             job, pos, frame = item
             _group, chunk = job.chunks[pos]
             try:
-                if self.cache.has(chunk.digest):
+                if self.cache.has(chunk.digest) or frame == b"":  # cached, or another job's worker has it
                     job.skipped += 1
                     continue
                 if frame is not None:  # in hand: checking it costs less than waiting
@@ -467,7 +486,7 @@ class Prefetcher:
                                 job.bytes += chunk.size
                         continue
                     except DigestMismatchError as exc:
-                        log.warning("prefetch pack %s: %s", job.pack.digest, exc)
+                        log.warning("prefetch pack %s: %s", job.stream.pack.digest, exc)
                 while not self.cache.wait_demand_idle(0.1):  # on-demand reads go first
                     if job.cancelled or self._closed:
                         break
@@ -516,7 +535,6 @@ class Prefetcher:
             self._closed = True
             for job in self._jobs.values():
                 job.cancelled = True
-                job.frames.clear()
             recording = list(self._recording)
             self._lock.notify_all()
             threads, self._threads = self._threads + self._readers, []
