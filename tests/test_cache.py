@@ -18,7 +18,7 @@ import pytest
 import zstandard
 from test_lazy import LazyNode, build, drop_page_cache
 
-from weenv.errors import CapacityError
+from weenv.errors import CapacityError, DigestMismatchError
 from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
 from weenv.packaging.profile import REF_KIND, load_profile, ref_name
@@ -73,7 +73,7 @@ def private_store(tmp_path, shared_store) -> Path:
     """A copy of the shared store (hard links: instant; writes replace files by rename)."""
     root = tmp_path / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
-    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND)], check=True)  # profiles other tests recorded
+    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)  # profiles other tests recorded
     return root
 
 
@@ -383,6 +383,72 @@ def _wait_cached(n: Node, refs, timeout: float = 60.0) -> None:
     while not n.cache.has_all(r.digest for r in refs):
         assert time.monotonic() < deadline, "the profile's chunks never all arrived"
         time.sleep(0.02)
+
+
+def test_prefetch_pack_of_the_first_chunks(tmp_path, paths, private_store, leak_check):
+    """A pack bounded below the profile's size holds its first chunks; the
+    published profile loads on another node, whose cold start takes those from
+    the pack and the rest one by one."""
+    store = CountingStore(private_store)
+    digest, groups = template_groups(store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+        sizes = [r.size for r in n.prefetch.profile(digest).refs]
+    assert len(sizes) > 3
+    subprocess.run(["rm", "-rf", str(private_store / "refs" / REF_KIND), str(private_store / "packs"),
+                    str(paths.chunk_cache), str(paths.node / "images")], check=True)  # fmt: skip
+    with Node(paths, store=store, prefetch_record_s=30, prefetch_pack_bytes=sum(sizes[:2])) as n:
+        _record_profile(n)
+    profile = load_profile(store, digest)  # what another node reads
+    assert profile is not None and profile.pack is not None and len(profile.pack.frames) == 2
+
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    fresh = CountingStore(private_store)
+    with Node(paths, store=fresh) as n:
+        env = n.create("task")
+        _wait_cached(n, profile.refs)
+        _read_some(n, env.id)
+        assert fresh.order.count("pack:" + profile.pack.digest) == 1
+        assert all(fresh.calls[r.digest] == 1 for r in profile.refs[2:])
+        n.destroy(env.id)
+
+
+def test_put_frame(tmp_path, paths):
+    """A pack's frame is checked before it takes the chunk's fetch slot: a bad
+    one raises and leaves nothing behind; a chunk being fetched is left to that
+    fetch (no waiting for it)."""
+    store = CountingStore(paths.home / "store", delay=0.5)
+    ref, _ = store.put_chunk(os.urandom(MiB))
+    other, _ = store.put_chunk(os.urandom(MiB))
+    frame = store._get("chunks", ref.digest)
+    cache = ChunkCache(paths.chunk_cache, store)
+    with pytest.raises(DigestMismatchError):
+        cache.put_frame(ref, store._get("chunks", other.digest))
+    assert not cache.has(ref.digest) and cache.chunks_fetched == 0
+    reader = threading.Thread(target=cache.ensure, args=(ref,))
+    reader.start()
+    time.sleep(0.1)  # the reader's fetch runs (0.5 s)
+    t0 = time.monotonic()
+    assert cache.put_frame(ref, frame) is False
+    assert time.monotonic() - t0 < 0.3
+    reader.join()
+    assert cache.has(ref.digest) and store.calls[ref.digest] == 1
+    assert cache.put_frame(ref, frame) is False  # cached
+    assert cache.put_frame(other, store._get("chunks", other.digest)) is True
+    assert cache.path(other.digest).read_bytes() == store.get_chunk(other.digest)
+    assert cache.chunks_fetched == 2 and store.calls[other.digest] == 1  # the frame, not a fetch
+
+    # a reader arriving while a bad frame is being checked gets the chunk, not the frame's error
+    third, _ = store.put_chunk(os.urandom(MiB))
+    slow_bad = zstandard.ZstdCompressor().compress(bytes(128 * MiB))  # ~0.1 s to decode and hash
+    errors = []
+    checker = threading.Thread(target=lambda: errors.append(pytest.raises(DigestMismatchError, cache.put_frame,
+                                                                          third, slow_bad)))  # fmt: skip
+    checker.start()
+    time.sleep(0.01)
+    assert cache.read(third, 0, MiB) == store.get_chunk(third.digest)
+    checker.join()
+    assert len(errors) == 1
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "short"])

@@ -87,7 +87,7 @@ def store_root(tmp_path_factory, shared_store) -> Path:
     tmp = tmp_path_factory.mktemp("concurrency")
     root = tmp / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
-    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND)], check=True)  # profiles other tests recorded
+    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)  # profiles other tests recorded
     store = FileStore(root)
     tree = tmp / "slow"
     (tree / "data").mkdir(parents=True)
@@ -266,7 +266,7 @@ def test_many_stuck_reads_hold_up_no_cached_read(store_root, paths, leak_check):
         node.destroy(warm.id)
         node.groups.unmount_unused()  # chunks stay in the node cache; page cache gone with the mounts
         assert node.groups.mounted() == {}
-        env = node.create("slow", first_command=False)  # mounts group slow (its metadata is fetched now)
+        env = node.create("slow", first_command=False, prefetch=False)  # mounts group slow (its metadata is fetched now)
         store.gated = {c.digest for c in slow[slow_digest].chunks if not node.cache.has(c.digest)}
         big = node.groups.path(slow_digest) / "data" / "big.bin"
         readers = []

@@ -79,7 +79,7 @@ def mapped(tmp_path_factory, shared_store):
     tmp = tmp_path_factory.mktemp("mmap")
     root = tmp / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
-    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND)], check=True)
+    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)
     store = FileStore(root)
     tree = tmp / "mapped"
     (tree / "data").mkdir(parents=True)

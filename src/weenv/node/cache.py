@@ -253,21 +253,27 @@ class ChunkCache:
 
     def put_frame(self, chunk: ChunkRef, frame: bytes) -> bool:
         """Cache ``chunk`` from ``frame``, its zstd frame as a prefetch pack
-        holds it (:mod:`weenv.packaging.profile`), as a prefetch fetch: checked
-        against the chunk's digest (:class:`DigestMismatchError` if it is not
-        that chunk's), counted in ``chunks_fetched``/``bytes_fetched``.  False,
-        and nothing done, when the chunk is cached or being fetched already."""
-        with self._lock:
-            if chunk.digest in self._index or chunk.digest in self._inflight:
-                return False
-        self._get(chunk, prefetch=True, frame=frame)
-        return True
+        holds it (:mod:`weenv.packaging.profile`), as a prefetch fetch counted
+        in ``chunks_fetched``/``bytes_fetched``.  The frame is decoded and
+        checked before the chunk's fetch slot is taken, so a bad frame raises
+        :class:`DigestMismatchError` here and never fails a reader waiting for
+        the chunk.  False, and nothing done, when the chunk is cached (or found
+        on disk) or another fetch of it runs."""
+        plaintext = decode_frame(chunk.digest, frame, where="a prefetch pack")
+        return self._get(chunk, prefetch=True, plaintext=(plaintext, len(frame))) is not None
 
-    def _get(self, chunk: ChunkRef | str, prefetch: bool = False, frame: bytes | None = None) -> Path | bytes:
+    def _get(self, chunk: ChunkRef | str, prefetch: bool = False,
+             plaintext: tuple[bytes, int] | None = None) -> Path | bytes | None:  # fmt: skip
+        """The chunk's path (or its bytes when over the bound), fetched if
+        missing.  With ``plaintext`` (verified bytes, and the stored bytes they
+        came as) they are written instead of a fetch, and only by a leader:
+        None if the chunk is cached, on disk or in flight."""
         digest = chunk.digest if isinstance(chunk, ChunkRef) else check_digest(chunk)
         path = self.path(digest)
         with self._lock:
             entry = self._index.get(digest)
+            if plaintext is not None and (entry is not None or digest in self._inflight):
+                return None
             if entry is not None and entry.verified:
                 self._index.move_to_end(digest)
                 return path
@@ -290,7 +296,7 @@ class ChunkCache:
                 if entry is not None:
                     log.warning("cached chunk %s is truncated or corrupt; fetching it again", digest)
                     self._forget(digest)
-                result = self._fetch(chunk, digest, path, prefetch, frame)
+                result = self._fetch(chunk, digest, path, prefetch, plaintext)
         except BaseException as exc:
             with self._lock:
                 self._fetch_errors += 1
@@ -321,10 +327,9 @@ class ChunkCache:
         return "sha256:" + hashlib.sha256(data).hexdigest() == digest
 
     def _fetch(self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool,
-               frame: bytes | None = None) -> Path | bytes:  # fmt: skip
-        if frame is not None:
-            plaintext = decode_frame(digest, frame, where="a prefetch pack")
-            stored = len(frame)
+               given: tuple[bytes, int] | None = None) -> Path | bytes:  # fmt: skip
+        if given is not None:
+            plaintext, stored = given
         else:
             stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
             plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)

@@ -56,6 +56,7 @@ from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
+from weenv.packaging.buildcache import store_lock
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -161,6 +162,7 @@ class Node:
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
         self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
                                    record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
+                                   publish_lock=lambda: store_lock(self.paths, exclusive=False),
                                    on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
         self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)

@@ -42,6 +42,7 @@ prefetch the working set of a first start).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -61,8 +62,9 @@ log = logging.getLogger(__name__)
 PACK_BYTES = 64 << 20
 """Default plaintext bytes a published pack holds (the profile's first chunks):
 what a start reads is usually far less; building holds the pack in memory."""
-PACK_BUFFER_FRAMES = 32
-"""Frames a pack's reader gets ahead of the workers before it waits."""
+PACK_BUFFER_BYTES = 16 << 20
+"""Bytes of frames a pack's reader gets ahead of the workers before it waits."""
+
 
 class PackStream:
     """One pack being read, shared by every job replaying it (concurrent cold
@@ -72,11 +74,23 @@ class PackStream:
         self.pack = pack
         self.frames: dict[int, bytes] = {}
         """Frames received that no worker took yet, by position."""
+        self.buffered = 0
+        """Bytes in :attr:`frames`."""
         self.received = 0
         """How many frames arrived (positions below it were handed out, or are here)."""
         self.ended = False
         """The reader stopped: all received, or failed (the rest is fetched one by one), or nobody waits."""
         self.jobs: list[PrefetchJob] = []
+
+    def take(self, pos: int) -> bytes:
+        """Frame ``pos`` (``b""`` if another job's worker took it).  Caller holds the Prefetcher's lock."""
+        frame = self.frames.pop(pos, b"")
+        self.buffered -= len(frame)
+        return frame
+
+    def wanted(self) -> bool:
+        """Whether a job still waits for frames.  Caller holds the Prefetcher's lock."""
+        return not self.ended and any(not j.exhausted for j in self.jobs)
 
 
 class PrefetchJob:
@@ -120,11 +134,15 @@ class PrefetchJob:
 class Prefetcher:
     """Records profiles and replays them for one node.  Thread-safe.
 
-    ``workers``: threads that fetch and cache chunks (shared by all jobs).
-    ``record_s``: the longest recording window (seconds).  ``pack_bytes``:
-    plaintext bytes of the profile's first chunks a published pack holds (0: no
-    packs).  ``on_group_complete(digest, manifest)``: called (in a thread) for
-    each group of a finished job."""
+    ``workers``: threads that fetch and cache chunks (shared by all jobs); as
+    many packs are streamed at once at most (a job beyond fetches chunk by
+    chunk).  ``record_s``: the longest recording window (seconds).
+    ``pack_bytes``: plaintext bytes of the profile's first chunks a published
+    pack holds (0: no packs).  ``publish_lock()``: a context manager held while
+    a profile and its pack are published (the node's shared store lock, so that
+    ``weenv gc`` never removes a pack between its upload and its profile's).
+    ``on_group_complete(digest, manifest)``: called (in a thread) for each group
+    of a finished job."""
 
     def __init__(
         self,
@@ -135,6 +153,7 @@ class Prefetcher:
         workers: int = 4,
         record_s: float = 10.0,
         pack_bytes: int = PACK_BYTES,
+        publish_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
     ):
         if workers < 1 or record_s <= 0 or pack_bytes < 0:
@@ -143,6 +162,7 @@ class Prefetcher:
         self.workers = workers
         self.record_s = record_s
         self.pack_bytes = pack_bytes
+        self.publish_lock = publish_lock
         self.on_group_complete = on_group_complete
         self._lock = threading.Condition()
         self._profiles: dict[str, PrefetchProfile | None] = {}  # template digest -> profile (cached lookups)
@@ -154,7 +174,7 @@ class Prefetcher:
         self._queue: deque[PrefetchJob] = deque()
         self._threads: list[threading.Thread] = []
         self._streams: dict[str, PackStream] = {}  # pack digest -> the stream reading it
-        self._readers: list[threading.Thread] = []
+        self._readers: list[threading.Thread] = []  # pack readers and profile lookups (joined at close)
         self._closed = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weenv-prefetch-publish")
 
@@ -177,10 +197,19 @@ class Prefetcher:
         if known:
             return self._start_early(env_id, profile)
         lookup: Future = Future()
+        thread = threading.Thread(target=self._look_up, args=(env_id, template_digest, lookup),
+                                  name="weenv-prefetch-lookup", daemon=True)  # fmt: skip
         with self._lock:
             self._lookups[env_id] = lookup
-        threading.Thread(target=self._look_up, args=(env_id, template_digest, lookup),
-                         name="weenv-prefetch-lookup", daemon=True).start()  # fmt: skip
+            self._readers = [t for t in self._readers if t.is_alive()] + [thread]
+        try:
+            thread.start()
+        except Exception as exc:  # no thread to be had: begin looks it up itself
+            log.warning("cannot look up the prefetch profile of %s early: %s", template_digest, exc)
+            with self._lock:
+                self._lookups.pop(env_id, None)
+            lookup.set_result(None)
+            return False
         return True
 
     def _look_up(self, env_id: str, template_digest: str, lookup: Future) -> None:
@@ -189,27 +218,22 @@ class Prefetcher:
             profile = load_profile(self.store, template_digest)
             with self._lock:
                 self._profiles.setdefault(template_digest, profile)
-                waiting = self._lookups.get(env_id) is lookup  # begin (or cancel) has not come yet
-            if waiting:
-                self._start_early(env_id, profile)
+            self._start_early(env_id, profile, lookup=lookup)
         except Exception as exc:  # prefetch is an optimization
             log.warning("looking up the prefetch profile of %s: %s", template_digest, exc)
         finally:
             lookup.set_result(profile)
 
-    def _start_early(self, env_id: str, profile: PrefetchProfile | None) -> bool:
+    def _start_early(self, env_id: str, profile: PrefetchProfile | None, lookup: Future | None = None) -> bool:
+        """Start ``profile``'s job as the early one of ``env_id`` (and only if
+        ``lookup`` is still that create's: begin or cancel did not come yet)."""
         if profile is None or not profile.refs or len(profile.refs) != len(profile.chunks):
             return False
         try:
             chunks = [(profile.groups[gi], ref) for (gi, _ci), ref in zip(profile.chunks, profile.refs)]
         except IndexError:
             return False
-        job = self._start_job(env_id, chunks, groups=None, pack=profile.pack)
-        if job is None:
-            return False
-        with self._lock:
-            self._early[env_id] = job
-        return True
+        return self._start_job(env_id, chunks, groups=None, pack=profile.pack, early=True, lookup=lookup) is not None
 
     def begin(self, env_id: str, template_digest: str, groups: list[tuple[str, GroupManifest]]) -> None:
         """At a create's start, with the group manifests: replay the template's
@@ -279,8 +303,9 @@ class Prefetcher:
 
     def _publish(self, profile: PrefetchProfile) -> None:
         try:
-            profile = self._with_pack(profile)
-            digest = publish_profile(self.store, profile)
+            with self.publish_lock():
+                profile = self._with_pack(profile)
+                digest = publish_profile(self.store, profile)
             log.info("published prefetch profile %s of %s: %d chunks, %s", digest, profile.template,
                      len(profile.chunks), f"a pack of {len(profile.pack.frames)}" if profile.pack else "no pack")
         except Exception as exc:
@@ -329,7 +354,7 @@ class Prefetcher:
     def cancel(self, env_id: str) -> None:
         """The environment goes: stop its prefetch, close its recording (publishing it)."""
         self.end_recording(env_id)
-        with self._lock:
+        with self._lock:  # one hold: a job the early start registers is seen here, or never starts
             self._lookups.pop(env_id, None)
             self._early.pop(env_id, None)
             job = self._jobs.get(env_id)
@@ -366,11 +391,13 @@ class Prefetcher:
         self._start_job(env_id, chunks, groups=groups, pack=pack)
 
     def _start_job(self, env_id: str, chunks: list[tuple[str, ChunkRef]],
-                   groups: list[tuple[str, GroupManifest]] | None,
-                   pack: PrefetchPack | None = None) -> PrefetchJob | None:  # fmt: skip
+                   groups: list[tuple[str, GroupManifest]] | None, pack: PrefetchPack | None = None,
+                   *, early: bool = False, lookup: Future | None = None) -> PrefetchJob | None:  # fmt: skip
         """Queue a job fetching ``chunks`` (the first ones from ``pack``) unless
         all are cached; the job if queued.  ``groups`` (None: not known yet, see
-        :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job ends."""
+        :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job
+        ends.  ``early``: register it as ``env_id``'s early job, in the same
+        lock hold as the check that ``lookup`` (if given) is still pending."""
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
         job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
@@ -378,7 +405,11 @@ class Prefetcher:
         with self._lock:
             if self._closed or env_id in self._jobs:
                 return None
+            if lookup is not None and self._lookups.get(env_id) is not lookup:
+                return None  # begin or cancel came first
             self._jobs[env_id] = job
+            if early:
+                self._early[env_id] = job
             self._queue.append(job)
             while len(self._threads) < self.workers:
                 t = threading.Thread(target=self._work, name=f"weenv-prefetch-{len(self._threads)}", daemon=True)
@@ -386,56 +417,64 @@ class Prefetcher:
                 t.start()
             if pack is not None:
                 job.stream = self._streams.get(pack.digest)
-                if job.stream is None:  # the first job of this pack: read it
+                if job.stream is None and len(self._streams) < self.workers:  # the first job of this pack: read it
                     job.stream = self._streams[pack.digest] = PackStream(pack)
                     reader = threading.Thread(target=self._read_pack, args=(job.stream,),
                                               name="weenv-prefetch-pack", daemon=True)  # fmt: skip
                     self._readers = [t for t in self._readers if t.is_alive()] + [reader]
                     reader.start()
-                job.stream.jobs.append(job)
+                if job.stream is not None:
+                    job.stream.jobs.append(job)
             self._lock.notify_all()
         return job
 
     def _read_pack(self, stream: PackStream) -> None:
         """Read ``stream``'s pack, cutting it into frames for the workers, until
-        every frame arrived or no job waits for it any more; on a failure, the
-        positions not received are fetched one by one."""
+        every frame arrived, no job waits for it any more, or a frame turned out
+        bad; on a failure, the positions not received are fetched one by one."""
         digest, frames = stream.pack.digest, stream.pack.frames
         buf = bytearray()
         got = 0
-
-        def wanted() -> bool:  # caller holds _lock
-            return not self._closed and any(not j.cancelled for j in stream.jobs)
-
         try:
             pieces = self.store.stream_pack(digest)
             try:
                 for piece in pieces:
                     buf += piece
+                    with self._lock:
+                        if self._closed or not stream.wanted():
+                            return
                     while got < len(frames) and len(buf) >= frames[got]:
                         n = frames[got]
                         with self._lock:
-                            while len(stream.frames) >= PACK_BUFFER_FRAMES and wanted():
+                            while stream.buffered >= PACK_BUFFER_BYTES and not self._closed and stream.wanted():
                                 self._lock.wait()
-                            if not wanted():
+                            if self._closed or not stream.wanted():
                                 return
                             stream.frames[got] = bytes(buf[:n])
+                            stream.buffered += n
                             got += 1
                             stream.received = got
                             self._lock.notify_all()
                         del buf[:n]
+                    if got == len(frames) and buf:
+                        raise DigestMismatchError(f"pack {digest} is longer than its {len(frames)} frames")
             finally:
                 pieces.close()
-            if got < len(frames) or buf:
-                raise DigestMismatchError(f"pack {digest} is {'short' if got < len(frames) else 'too long'}")
+            if got < len(frames):
+                raise DigestMismatchError(f"pack {digest} ends after {got} of its {len(frames)} frames")
         except Exception as exc:
             log.warning("prefetch pack %s: %s; fetching the rest chunk by chunk", digest, exc)
         finally:
             with self._lock:
-                stream.ended = True
-                if self._streams.get(digest) is stream:
-                    del self._streams[digest]
-                self._lock.notify_all()
+                self._end_stream_locked(stream)
+
+    def _end_stream_locked(self, stream: PackStream) -> None:
+        """No more frames come from ``stream`` (the positions not received are
+        fetched one by one); a later job of its pack starts a new one."""
+        stream.ended = True
+        if self._streams.get(stream.pack.digest) is stream:
+            del self._streams[stream.pack.digest]
+        self._lock.notify_all()
 
     def _adopt_groups(self, job: PrefetchJob, groups: list[tuple[str, GroupManifest]]) -> None:
         """Give an early job its group manifests; if it already ended, hand its
@@ -465,7 +504,7 @@ class Prefetcher:
                     job.pending += 1
                     frame = None
                     if job.stream is not None and pos < job.stream.received:
-                        frame = job.stream.frames.pop(pos, b"")
+                        frame = job.stream.take(pos)
                         self._lock.notify_all()  # room in the reader's buffer
                     return job, pos, frame
                 self._lock.wait()
@@ -476,17 +515,24 @@ class Prefetcher:
             _group, chunk = job.chunks[pos]
             try:
                 if self.cache.has(chunk.digest) or frame == b"":  # cached, or another job's worker has it
-                    job.skipped += 1
+                    with self._lock:
+                        job.skipped += 1
                     continue
                 if frame is not None:  # in hand: checking it costs less than waiting
                     try:
-                        if self.cache.put_frame(chunk, frame):
-                            with self._lock:
+                        cached = self.cache.put_frame(chunk, frame)
+                    except DigestMismatchError as exc:  # the pack is bad: the rest comes one by one
+                        log.warning("prefetch pack %s: %s", job.stream.pack.digest, exc)
+                        with self._lock:
+                            self._end_stream_locked(job.stream)
+                    else:
+                        with self._lock:
+                            if cached:
                                 job.from_pack += 1
                                 job.bytes += chunk.size
+                            else:
+                                job.skipped += 1
                         continue
-                    except DigestMismatchError as exc:
-                        log.warning("prefetch pack %s: %s", job.stream.pack.digest, exc)
                 while not self.cache.wait_demand_idle(0.1):  # on-demand reads go first
                     if job.cancelled or self._closed:
                         break
@@ -497,7 +543,8 @@ class Prefetcher:
                     job.bytes += chunk.size
                 self.cache.ensure(chunk, prefetch=True)
             except Exception as exc:
-                job.errors += 1
+                with self._lock:
+                    job.errors += 1
                 log.debug("prefetch of %s failed: %s", chunk.digest, exc)
             finally:
                 with self._lock:
@@ -533,8 +580,9 @@ class Prefetcher:
         and the pack readers."""
         with self._lock:
             self._closed = True
-            for job in self._jobs.values():
+            for job in list(self._jobs.values()):
                 job.cancelled = True
+                self._finish_locked(job)  # those no worker holds end now
             recording = list(self._recording)
             self._lock.notify_all()
             threads, self._threads = self._threads + self._readers, []

@@ -40,16 +40,18 @@ PACK_ZSTD_LEVEL = 3
 
 
 class PrefetchPack(BaseModel):
-    """A profile's chunks as one stored blob: one zstd frame per entry of the
-    profile's ``refs``, concatenated in that order (a chunk read twice in a
-    profile, by two groups, appears twice)."""
+    """A profile's first chunks as one stored blob: one zstd frame per entry of
+    the profile's ``refs``, from the first on, concatenated in that order (a
+    chunk read twice in a profile, by two groups, appears twice).  It may hold
+    only a prefix of ``refs`` (a node packs at most ``pack_bytes`` of
+    plaintext); the rest is fetched chunk by chunk."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     digest: Digest
     """sha256 of the pack's bytes (how the store addresses it)."""
     frames: list[int] = Field(min_length=1)
-    """Bytes of each frame, in order (each frame decompresses to its ref's plaintext)."""
+    """Bytes of each frame, in order (frame i decompresses to ``refs[i]``'s plaintext)."""
 
     @property
     def size(self) -> int:
@@ -74,7 +76,7 @@ class PrefetchProfile(BaseModel):
     fetching before the group manifests are loaded (empty in profiles recorded
     before weenv kept them)."""
     pack: PrefetchPack | None = None
-    """The frames of ``refs`` as one blob (None: fetch them one by one)."""
+    """The frames of the first ``len(pack.frames)`` refs as one blob (None: fetch them one by one)."""
     window_s: float
     """How long the recording ran (seconds)."""
     created: str = Field(default_factory=utc_now)
@@ -83,7 +85,7 @@ class PrefetchProfile(BaseModel):
     def _pack_matches_refs(self) -> PrefetchProfile:
         if self.refs and len(self.refs) != len(self.chunks):
             raise ValueError(f"{len(self.refs)} refs for {len(self.chunks)} chunks")
-        if self.pack is not None and len(self.pack.frames) != len(self.refs):
+        if self.pack is not None and len(self.pack.frames) > len(self.refs):
             raise ValueError(f"a pack of {len(self.pack.frames)} frames for {len(self.refs)} refs")
         return self
 

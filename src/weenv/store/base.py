@@ -179,7 +179,10 @@ class Store(abc.ABC):
         return digest
 
     def get_manifest(self, digest: str) -> bytes:
-        """Manifest bytes, verified; :class:`NotFoundError`, :class:`DigestMismatchError`."""
+        """Manifest bytes, verified; :class:`NotFoundError`, :class:`DigestMismatchError`.
+        A deleted manifest is gone from ``has``/``list`` at once; an ``oci://``
+        store may still read it by digest until the registry's garbage collector
+        frees its blob (content-addressed: the bytes are still the right ones)."""
         check_digest(digest)
         data = self._get("manifests", digest)
         if sha256_digest(data) != digest:
