@@ -7,6 +7,7 @@ so the shared one never gains a profile other tests would replay.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -402,14 +403,23 @@ def test_prefetch_pack_of_the_first_chunks(tmp_path, paths, private_store, leak_
     profile = load_profile(store, digest)  # what another node reads
     assert profile is not None and profile.pack is not None and len(profile.pack.frames) == 2
 
+    with _cold_start_on_a_fresh_node(paths, private_store, profile) as (_n, fresh):
+        assert fresh.order.count("pack:" + profile.pack.digest) == 1
+        assert all(fresh.calls[r.digest] == 1 for r in profile.refs[2:])
+
+
+@contextlib.contextmanager
+def _cold_start_on_a_fresh_node(paths, store_root: Path, profile):
+    """A node with an empty cache on ``paths`` (a new CountingStore of
+    ``store_root``) that created ``task`` and has ``profile``'s chunks cached:
+    yields (node, store); the environment is destroyed after."""
     subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
-    fresh = CountingStore(private_store)
+    fresh = CountingStore(store_root)
     with Node(paths, store=fresh) as n:
         env = n.create("task")
         _wait_cached(n, profile.refs)
         _read_some(n, env.id)
-        assert fresh.order.count("pack:" + profile.pack.digest) == 1
-        assert all(fresh.calls[r.digest] == 1 for r in profile.refs[2:])
+        yield n, fresh
         n.destroy(env.id)
 
 
@@ -471,12 +481,7 @@ def test_prefetch_without_its_pack(tmp_path, paths, private_store, leak_check, d
     else:
         pack_file.write_bytes(data[: len(data) // 2])
 
-    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
-    fresh = CountingStore(private_store)
-    with Node(paths, store=fresh) as n:
-        env = n.create("task")
-        _wait_cached(n, profile.refs)
-        _read_some(n, env.id)
+    with _cold_start_on_a_fresh_node(paths, private_store, profile) as (n, fresh):
         for r in profile.refs:  # every cached chunk is the right one
             assert n.cache.path(r.digest).read_bytes() == store.get_chunk(r.digest)
         one_by_one = [r for r in profile.refs if fresh.calls[r.digest]]
@@ -486,7 +491,6 @@ def test_prefetch_without_its_pack(tmp_path, paths, private_store, leak_check, d
             assert profile.refs[1] in one_by_one and len(one_by_one) < len(profile.refs)
         else:
             assert 0 < len(one_by_one) < len(profile.refs)
-        n.destroy(env.id)
 
 
 def test_prefetch_stops_when_destroyed(tmp_path, paths, private_store, leak_check):
