@@ -259,7 +259,7 @@ class ChunkCache:
         :class:`DigestMismatchError` here and never fails a reader waiting for
         the chunk.  False, and nothing done, when the chunk is cached (or found
         on disk) or another fetch of it runs."""
-        plaintext = decode_frame(chunk.digest, frame, where="a prefetch pack")
+        plaintext = decode_frame(chunk.digest, frame, size=chunk.size, where="a prefetch pack")
         return self._get(chunk, prefetch=True, plaintext=(plaintext, len(frame))) is not None
 
     def _get(self, chunk: ChunkRef | str, prefetch: bool = False,
@@ -331,8 +331,10 @@ class ChunkCache:
         if given is not None:
             plaintext, stored = given
         else:
-            stored_digest = chunk.stored_digest if isinstance(chunk, ChunkRef) else None
-            plaintext = self.store.get_chunk(digest, stored_digest=stored_digest)
+            if isinstance(chunk, ChunkRef):
+                plaintext = self.store.get_chunk(digest, stored_digest=chunk.stored_digest, size=chunk.size)
+            else:
+                plaintext = self.store.get_chunk(digest)
             stored = chunk.stored_size if isinstance(chunk, ChunkRef) else len(plaintext)
         n = len(plaintext)
         with self._lock:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from weenv.errors import NotFoundError, WeenvError
 from weenv.packaging.manifest import ChunkRef, Digest, canonical_json, utc_now
@@ -50,8 +50,9 @@ class PrefetchPack(BaseModel):
 
     digest: Digest
     """sha256 of the pack's bytes (how the store addresses it)."""
-    frames: list[int] = Field(min_length=1)
-    """Bytes of each frame, in order (frame i decompresses to ``refs[i]``'s plaintext)."""
+    frames: list[PositiveInt] = Field(min_length=1)
+    """Bytes of each frame, in order (frame i decompresses to ``refs[i]``'s
+    plaintext; never more than zstd's bound for that size, :func:`frame_bound`)."""
 
     @property
     def size(self) -> int:
@@ -85,9 +86,19 @@ class PrefetchProfile(BaseModel):
     def _pack_matches_refs(self) -> PrefetchProfile:
         if self.refs and len(self.refs) != len(self.chunks):
             raise ValueError(f"{len(self.refs)} refs for {len(self.chunks)} chunks")
-        if self.pack is not None and len(self.pack.frames) > len(self.refs):
-            raise ValueError(f"a pack of {len(self.pack.frames)} frames for {len(self.refs)} refs")
+        if self.pack is not None:
+            if len(self.pack.frames) > len(self.refs):
+                raise ValueError(f"a pack of {len(self.pack.frames)} frames for {len(self.refs)} refs")
+            for i, (n, ref) in enumerate(zip(self.pack.frames, self.refs)):
+                if n > frame_bound(ref.size):
+                    raise ValueError(f"pack frame {i} has {n} bytes, more than a frame of {ref.size} can")
         return self
+
+
+def frame_bound(size: int) -> int:
+    """The most bytes a zstd frame of ``size`` plaintext bytes takes (above
+    ``ZSTD_COMPRESSBOUND``: size + size/256 + 64, plus the frame header)."""
+    return size + (size >> 8) + 128
 
 
 def ref_name(template_digest: str) -> str:

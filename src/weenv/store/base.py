@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import zstandard
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
+from weenv.packaging.manifest import MAX_CHUNK_SIZE, ChunkRef, check_digest, check_name, sha256_digest
 
 REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
 SPACES = ("chunks", "manifests", "packs")
@@ -116,13 +116,14 @@ class Store(abc.ABC):
         """
         return self._get("chunks", digest)
 
-    def get_chunk(self, digest: str, *, stored_digest: str | None = None) -> bytes:
+    def get_chunk(self, digest: str, *, stored_digest: str | None = None, size: int | None = None) -> bytes:
         """Plaintext of chunk ``digest``, verified.
 
         ``stored_digest`` (``ChunkRef.stored_digest``, the sha256 of the zstd
         frame), when the caller knows it, is a hint: stores that address blobs by
         their stored bytes fetch the frame in one request.  The result is checked
-        against ``digest`` either way.
+        against ``digest`` either way.  ``size`` (``ChunkRef.size``): the
+        plaintext's bytes, checked before the frame is decoded (:func:`decode_frame`).
 
         Raises :class:`NotFoundError` if absent, :class:`DigestMismatchError` if
         the stored frame does not decompress to bytes with that digest.
@@ -132,7 +133,7 @@ class Store(abc.ABC):
             frame = self._get("chunks", digest)
         else:
             frame = self._get_frame(digest, check_digest(stored_digest))
-        return decode_frame(digest, frame, where=self.url)
+        return decode_frame(digest, frame, size=size, where=self.url)
 
     def has_chunk(self, digest: str) -> bool:
         return self._has("chunks", check_digest(digest))
@@ -218,12 +219,21 @@ class Store(abc.ABC):
         """Release connections (nothing for local stores)."""
 
 
-def decode_frame(digest: str, frame: bytes, *, where: str = "the store") -> bytes:
+def decode_frame(digest: str, frame: bytes, *, size: int | None = None, where: str = "the store") -> bytes:
     """The plaintext of chunk ``digest`` from its zstd ``frame``, checked against
-    ``digest``.  Raises :class:`DigestMismatchError` (naming ``where``) if the
-    frame is not zstd or decodes to other bytes."""
+    ``digest``.  ``size``: the plaintext's bytes when the caller knows them (a
+    :class:`ChunkRef`'s); at most :data:`MAX_CHUNK_SIZE` either way, checked
+    against the frame's header before anything is decoded, so a small frame
+    declaring gigabytes costs nothing.  Raises :class:`DigestMismatchError`
+    (naming ``where``) if the frame is not zstd, declares another size, or
+    decodes to other bytes."""
+    limit = MAX_CHUNK_SIZE if size is None else size
     try:
-        plaintext = zstandard.ZstdDecompressor().decompress(frame)
+        declared = zstandard.frame_content_size(frame)
+        if declared > limit or (size is not None and declared not in (size, -1)):
+            raise DigestMismatchError(f"chunk {digest} in {where}: its frame declares {declared} bytes, "
+                                      f"not {size if size is not None else f'at most {limit}'}")  # fmt: skip
+        plaintext = zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise DigestMismatchError(f"chunk {digest} in {where} is not a zstd frame: {exc}") from exc
     if sha256_digest(plaintext) != digest:

@@ -1,0 +1,284 @@
+"""Prefetch packs under bad input and bad timing: malformed frame lists, frames
+declaring huge plaintexts, stalled streams, more templates than pack readers,
+a cache bound below the pack.
+
+Unit-level tests drive a :class:`Prefetcher` directly over a FileStore (no
+environment); node-level tests create environments."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from test_cache import CountingStore, _read_some, _record_profile, _wait_cached, private_store  # noqa: F401
+
+from weenv.node.cache import ChunkCache
+from weenv.node.node import Node
+from weenv.node.prefetch import Prefetcher
+from weenv.packaging.group import build_group
+from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, frame_bound, load_profile
+from weenv.packaging.template import create_template, load_template
+from weenv.store.file import FileStore
+
+MiB = 1 << 20
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+class _NoLazy:
+    def read_seq(self):
+        return 0
+
+    def first_reads(self, *a):
+        return []
+
+
+def _prefetcher(tmp_path, n=6, **kw):
+    store = FileStore(tmp_path / "store")
+    plains = [os.urandom(MiB) for _ in range(n)]
+    refs = [store.put_chunk(p)[0] for p in plains]
+    cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
+    return store, cache, Prefetcher(cache, store, _NoLazy(), **kw), refs, plains
+
+
+def _job(pf, refs, pack):
+    return pf._start_job("e", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
+
+
+# --- the pack's frame list ------------------------------------------------------------------
+def test_frame_sizes_must_be_positive_and_within_zstd_bound(tmp_path):
+    """A frame list with a 0, a negative size, or a frame larger than any zstd
+    frame of its chunk is not a pack: the profile does not load."""
+    store, cache, pf, refs, plains = _prefetcher(tmp_path, n=2)
+    pf.close()
+    data, frames = build_pack(plains)
+    digest = store.put_pack(data)
+    for bad in ([0, frames[1]], [-5, frames[1]], [frames[0], frame_bound(refs[1].size) + 1]):
+        with pytest.raises(ValidationError):
+            PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
+                            refs=refs, pack={"digest": digest, "frames": bad}, window_s=1.0)  # fmt: skip
+    PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
+                    refs=refs, pack={"digest": digest, "frames": frames}, window_s=1.0)  # fmt: skip
+
+
+def test_a_pack_of_wrong_frames_is_not_read_again(tmp_path):
+    """Frames that decode to other chunks: every chunk still arrives (one by
+    one), and the next job of that pack does not stream it again."""
+    store, cache, pf, refs, plains = _prefetcher(tmp_path)
+    try:
+        data, frames = build_pack(plains[1:] + plains[:1])  # rotated: frame i is chunk i+1's
+        pack = PrefetchPack(digest=store.put_pack(data), frames=frames)
+        job = _job(pf, refs, pack)
+        assert job.done.wait(30)
+        assert [cache.path(r.digest).read_bytes() for r in refs] == plains
+        assert job.from_pack == 0 and job.stream is not None
+        cache.clear()
+        again = pf._start_job("f", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
+        assert again.stream is None and again.done.wait(30)
+        assert all(cache.has(r.digest) for r in refs)
+    finally:
+        pf.close()
+
+
+def test_frame_declaring_a_huge_plaintext_is_not_decoded(tmp_path):
+    """A 64 KiB frame in a pack declaring (and holding) 1 GiB of zeros for a
+    1 MiB chunk is rejected from its header, not decoded first (it took 1 GiB
+    of memory per worker before the check)."""
+    script = textwrap.dedent(f"""
+        import os, resource, sys, zstandard
+        sys.path.insert(0, {SRC!r})
+        from pathlib import Path
+        from weenv.node.cache import ChunkCache
+        from weenv.store.file import FileStore
+        from weenv.errors import DigestMismatchError
+        root = Path(sys.argv[1])
+        store = FileStore(root / "store")
+        ref, _ = store.put_chunk(os.urandom(1 << 20))
+        bomb = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(1 << 30))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            ChunkCache(root / "cache", store).put_frame(ref, bomb)
+        except DigestMismatchError:
+            pass
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    grew_mib = int(out.stdout.split()[-1])
+    assert grew_mib < 256, f"checking one bad 64 KiB frame grew the RSS by {grew_mib} MiB"
+
+
+# --- a stalled stream -----------------------------------------------------------------------
+class StallingStore(CountingStore):
+    """A pack stream that sends its first MiB, then stalls until ``release`` is set
+    (a registry or a network file system that stops answering)."""
+
+    def __init__(self, root, **kw):
+        super().__init__(root, **kw)
+        self.release = threading.Event()
+        self.stalled = threading.Event()
+
+    def stream_pack(self, digest):
+        inner = super().stream_pack(digest)
+
+        def gen():
+            data = b"".join(inner)
+            yield data[:MiB]
+            self.stalled.set()
+            self.release.wait(120)
+            yield data[MiB:]
+
+        return gen()
+
+
+def test_close_while_a_pack_stream_is_stalled(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """Node.close while a pack's reader is blocked in a store read that does not
+    return: close does not wait for it (it waited 30 s), and the reader ends
+    as soon as that read returns (an oci:// store's read timeout)."""
+    store = CountingStore(private_store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    stalling = StallingStore(private_store)
+    n = Node(paths, store=stalling).start()
+    try:
+        env = n.create("task")
+        assert stalling.stalled.wait(30)
+        r = n.exec(env.id, ["cat", "/workspace/hello.py"])  # demand reads still work
+        assert r.stdout == b"print('hello from the task')\n"
+    finally:
+        t0 = time.monotonic()
+        n.close()
+        took = time.monotonic() - t0
+        stalling.release.set()
+    assert took < 5, f"Node.close took {took:.1f} s"
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name == "weenv-prefetch-pack"]:
+        assert time.monotonic() < deadline, "the pack reader outlived its read"
+        time.sleep(0.05)
+
+
+# --- node level -----------------------------------------------------------------------------
+def _templates(store: FileStore, tmp_path: Path, count: int) -> list[str]:
+    names = []
+    for i in range(count):
+        src = tmp_path / f"t{i}"
+        (src / "workspace").mkdir(parents=True)
+        (src / "workspace" / "hello.py").write_text("print('hello from the task')\n")
+        (src / "workspace" / "big.bin").write_bytes(os.urandom(3 * MiB))
+        (src / "workspace" / "id").write_text(f"{i}\n")
+        build_group(src, store, name=f"g{i}")
+        create_template(store, f"t{i}", ["base", f"g{i}"], runtime=RuntimeConfig(working_dir="/workspace"))
+        names.append(f"t{i}")
+    return names
+
+
+def test_many_templates_cold_at_once(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """Seven templates with packs cold-start at once on 4 workers (3 have no
+    stream slot); every environment reads correct content, every job ends,
+    close leaves no prefetch thread."""
+    store = CountingStore(private_store)
+    names = _templates(store, tmp_path, 7)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        for name in names:
+            env = n.create(name)
+            _read_some(n, env.id)
+            n.destroy(env.id)
+        n.prefetch.wait_published()
+        profiles = [load_profile(store, load_template(store, name)[0]) for name in names]
+        assert all(p is not None and p.pack is not None for p in profiles)
+        n.drop_caches()
+        store.order.clear()
+        envs, errors = {}, []
+
+        def start(name):
+            try:
+                envs[name] = n.create(name)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        for i, name in enumerate(names):
+            r = n.exec(envs[name].id, ["sh", "-c", "cat id; md5sum big.bin; python3 -c 'print(1)'"])
+            assert r.exit_code == 0 and r.stdout.startswith(f"{i}\n".encode()), r
+        for p in profiles:
+            _wait_cached(n, p.refs)
+        packs = sum(1 for x in store.order if x.startswith("pack:"))
+        print(f"\n{packs} packs streamed for {len(names)} templates")
+        for name in names:
+            n.destroy(envs[name].id)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("weenv-prefetch")]
+    assert not left, left
+
+
+def test_cache_bound_below_the_pack(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """A node cache bound of 3 MiB, below the profile's pack: the job stops at
+    its budget, reads stay correct."""
+    store = CountingStore(private_store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+    digest = load_template(store, "task")[0]
+    profile = load_profile(store, digest)
+    assert profile.pack is not None and profile.pack.size > 3 * MiB
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    with Node(paths, store=CountingStore(private_store), cache_bytes=3 * MiB) as n:
+        env = n.create("task")
+        job = n.prefetch.job(env.id)
+        _read_some(n, env.id)
+        assert job is None or job.done.wait(30)
+        assert n.cache.bytes_cached <= 3 * MiB
+        n.destroy(env.id)
+
+
+def test_drop_caches_right_after_destroy_keeps_the_bound(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """drop_caches just after destroy: a prefetch worker of the cancelled job
+    still fetching lands its chunk after ChunkCache.clear reset the byte
+    count (clear's docstring forbids concurrent fetches); the count must
+    still match what the cache holds."""
+    store = CountingStore(private_store)
+    with Node(paths, store=store, prefetch_record_s=30, prefetch_pack_bytes=0) as n:
+        _record_profile(n)
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    slow = CountingStore(private_store, delay=0.5)
+    with Node(paths, store=slow) as n:
+        env = n.create("task", first_command=False)
+        job = n.prefetch.job(env.id)
+        assert job is not None
+        time.sleep(0.2)
+        n.destroy(env.id)
+        n.drop_caches()
+        time.sleep(1.5)  # the in-flight fetches land
+        on_disk = sum(p.stat().st_size for p in (paths.chunk_cache / "sha256").glob("*/*") if p.is_file()) \
+            if (paths.chunk_cache / "sha256").exists() else 0
+        st = n.cache.stats()
+        assert st.bytes_cached == on_disk, f"cache counts {st.bytes_cached} bytes, holds {on_disk} on disk"
+
+
+def test_destroy_while_a_pack_stream_is_stalled(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """Destroying the environment whose pack stream stalls: destroy returns at
+    once and the job ends (the reader is left until its next piece)."""
+    store = CountingStore(private_store)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    stalling = StallingStore(private_store)
+    with Node(paths, store=stalling) as n:
+        env = n.create("task")
+        assert stalling.stalled.wait(30)
+        job = n.prefetch.job(env.id)
+        t0 = time.monotonic()
+        n.destroy(env.id)
+        assert time.monotonic() - t0 < 5
+        assert job is None or job.done.wait(5)
+        stalling.release.set()  # let the reader see nobody wants it
