@@ -183,6 +183,42 @@ def test_failed_creates_leave_nothing(private_store, paths, leak_check):
         assert _runc_ids(node) == []
 
 
+def test_a_name_that_moves_or_goes_between_creates(private_store, paths, tmp_path, leak_check):
+    """A node starts a name's last digest while it asks the store what the name
+    is now: a create after the name moved runs the new template (the
+    speculative start is undone), also when the old one's manifests are gone;
+    after the name is deleted, create raises NotFoundError and leaves nothing."""
+    (tmp_path / "v2" / "workspace").mkdir(parents=True)
+    (tmp_path / "v2" / "workspace" / "which").write_text("two\n")
+    build_group(tmp_path / "v2", private_store, name="v2")
+    one, _ = create_template(private_store, "moving", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    with Node(paths, store=private_store) as node:
+        env = node.create("moving")  # the node learns moving -> one
+        assert env.template_digest == one
+        node.destroy(env.id)
+
+        two, _ = create_template(private_store, "moving", ["base", "v2"], runtime=RuntimeConfig(working_dir="/workspace"))
+        env = node.create("moving")
+        assert env.template_digest == two
+        assert node.exec(env.id, ["cat", "which"]).stdout == b"two\n"
+        node.destroy(env.id)
+
+        node.drop_caches()  # the manifests of two out of the node, and out of the store:
+        private_store.delete_manifest(two)
+        private_store.set_ref("templates", "moving", one)
+        node._remember_resolved("moving", two)  # the node still believes moving -> two
+        env = node.create("moving")
+        assert env.template_digest == one
+        assert node.exec(env.id, ["test", "-f", "big.bin"]).exit_code == 0
+        node.destroy(env.id)
+
+        private_store.delete_ref("templates", "moving")
+        with pytest.raises(NotFoundError):
+            node.create("moving")
+        assert node.list() == [] and _runc_ids(node) == []
+        assert list(paths.environments.iterdir()) == []
+
+
 def test_close_destroys_running_environments(paths, shared_store, leak_check):
     node = Node(paths, store=shared_store).start()
     ids = [node.create("task").id for _ in range(2)]

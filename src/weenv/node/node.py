@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from weenv.config import Paths
@@ -172,6 +172,7 @@ class Node:
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
         self._manifest_cache: OrderedDict[tuple[str, str], TemplateManifest | GroupManifest] = OrderedDict()
+        self._resolved: OrderedDict[str, str] = OrderedDict()  # template name -> the digest it last resolved to
         self._started = False
         self._home_lock: int | None = None
 
@@ -406,20 +407,28 @@ class Node:
                 )
             self._pending += 1
         try:
-            return self._create(template, resources, first_command, capabilities, timeout, envs or {}, metadata or {},
-                                prefetch, priority)
+            t0 = time.perf_counter()
+            args = (template, resources, first_command, capabilities, timeout, envs or {}, metadata or {}, prefetch,
+                    priority)  # fmt: skip
+            digest, resolving = self._resolve(template)
+            try:
+                return self._create(t0, digest, resolving, *args)
+            except Exception:
+                current = self._moved(template, digest, resolving)
+                if current is None:
+                    raise
+            # it started the digest the name had before; the name moved meanwhile (undone): start the new one
+            return self._create(t0, current, None, *args)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _create(self, template, resources, first_command, capabilities, timeout, envs, metadata,
+    def _create(self, t0, digest, resolving, template, resources, first_command, capabilities, timeout, envs, metadata,
                 prefetch, priority) -> EnvironmentInfo:
-        t0 = time.perf_counter()
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
         env_id = secrets.token_hex(6)
-        digest = self.store.resolve("templates", template)
         # chunks flow while the manifests load (not on a node that refuses new environments)
         early = prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest)
         try:
@@ -484,6 +493,8 @@ class Node:
                     listener.close()  # the agent holds it now: when it dies, connects are refused
             self.provisioner.attach(env_id, f"/{container_id}")
             timing["runtime_s"] = time.perf_counter() - t
+            if resolving is not None and self._resolved_now(template, resolving) != digest:
+                raise _RefMoved(template)  # undone; create starts the new digest
 
             info = EnvironmentInfo(
                 id=env_id,
@@ -525,6 +536,63 @@ class Node:
         with self._lock:
             self._envs[env_id] = env
         return info
+
+    def _resolve(self, template: str) -> tuple[str, Future | None]:
+        """The digest to create ``template`` from, and None when it is the one
+        the store names now; or, for a name this node resolved before, that
+        digest (started speculatively) and a Future of the store's answer,
+        asked in a thread: an ``oci://`` resolve is a registry request
+        (~3 ms), which then overlaps the create instead of preceding it.
+        :meth:`_resolved_now` checks the guess before the create completes."""
+        with self._lock:
+            guess = None if template.startswith("sha256:") else self._resolved.get(template)
+        if guess is None:
+            digest = self.store.resolve("templates", template)
+            if not template.startswith("sha256:"):
+                self._remember_resolved(template, digest)
+            return digest, None
+        future: Future = Future()
+
+        def ask() -> None:
+            try:
+                future.set_result(self.store.resolve("templates", template))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=ask, name="weenv-resolve", daemon=True).start()
+        return guess, future
+
+    def _resolved_now(self, template: str, resolving: Future) -> str:
+        """What the store named ``template`` during this create (remembered for
+        the next one); raises the store's error (:class:`NotFoundError` if the
+        ref is gone: forgotten), which undoes the create."""
+        try:
+            digest = resolving.result()
+        except NotFoundError:
+            with self._lock:
+                self._resolved.pop(template, None)
+            raise
+        self._remember_resolved(template, digest)
+        return digest
+
+    def _moved(self, template: str, digest: str, resolving: Future | None) -> str | None:
+        """After a failed create of ``digest`` guessed for ``template``: the
+        digest the name has now if that is another (the failure may be the
+        old one's, e.g. its manifests collected), else None."""
+        if resolving is None:
+            return None
+        try:
+            current = self._resolved_now(template, resolving)
+        except Exception:  # the store's own error: the create's says more
+            return None
+        return current if current != digest else None
+
+    def _remember_resolved(self, template: str, digest: str) -> None:
+        with self._lock:
+            self._resolved[template] = digest
+            self._resolved.move_to_end(template)
+            while len(self._resolved) > MANIFEST_CACHE:
+                self._resolved.popitem(last=False)
 
     def _manifests(self, digest: str) -> tuple[TemplateManifest, list[GroupManifest]]:
         """The manifest and group manifests of the template ``digest`` (which the
@@ -899,6 +967,7 @@ class Node:
             self.lazyfs.drop_page_cache()
             self.cache.clear()
             self._manifest_cache.clear()
+            self._resolved.clear()
 
     # --- helpers --------------------------------------------------------------------
     def _env(self, env_id: str) -> _Environment:
@@ -914,6 +983,10 @@ class Node:
     def _check_started(self) -> None:
         if not self._started:
             raise InvalidInputError("node is not started")
+
+
+class _RefMoved(Exception):
+    """A create started a template name's previous digest; the name moved."""
 
 
 def _check_timeout(timeout: float) -> float:
