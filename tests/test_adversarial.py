@@ -292,7 +292,9 @@ def test_state_follows_the_first_process(node):
     (and ``weenv ps``) must not keep saying 'running'.  Today ``info.state`` is set
     once at create and never refreshed (node.Node.get/list)."""
     info = node.create("task")
-    node.exec(info.id, "kill -9 $(pidof sleep)")
+    # killed from the background, after this exec returned: the kill takes the
+    # whole pid namespace, an exec agent answering for it included
+    node.exec(info.id, "(sleep 0.2; kill -9 $(pidof sleep)) >/dev/null 2>&1 &")
     cid = CONTAINER_PREFIX + info.id
     deadline = time.monotonic() + 10
     while node.runc.state(cid)["status"] != "stopped" and time.monotonic() < deadline:
