@@ -56,7 +56,6 @@ from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
-from weenv.packaging.buildcache import store_lock
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -71,6 +70,7 @@ from weenv.node.process import DEFAULT_RETAIN, PipeSink, Process, Spawned
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc, exec_args
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
+from weenv.packaging.buildcache import store_lock
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import GroupManifest, Resources, TemplateManifest
 from weenv.packaging.template import load_template
@@ -956,9 +956,10 @@ class Node:
         )
 
     def drop_caches(self) -> None:
-        """Unmount groups no environment uses, empty the node chunk cache and
-        the kernel's page cache of the group images (for cold-start measurements).  Raises :class:`InvalidInputError` while
-        any environment runs."""
+        """Unmount groups no environment uses, empty the node chunk cache, the
+        kernel's page cache of the group images and the names resolved (for
+        cold-start measurements).  Raises :class:`InvalidInputError` while any
+        environment runs."""
         with self._lock:
             if self._envs:
                 raise InvalidInputError("cannot drop the node cache while environments run")
