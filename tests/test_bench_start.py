@@ -70,6 +70,11 @@ def test_quick_start_benchmark_weenv_against_docker(
     assert {r["template"] for r in written["table"]} == {"start-quick"} == {t["name"] for t in written["templates"]}
     assert any("3 GB" in n for n in written["not_run"])  # quick: no large template
     assert rows[("weenv", "warm", 1)]["bytes_fetched"] == 0  # warm: nothing fetched
+    # warm x1 right after cold x1: the second create fills the warm pool, the third starts that one
+    assert rows[("weenv", "warm", 1)]["pooled_starts"] >= 1 and rows[("weenv", "warm", 1)]["pool_size"] == 1
+    no_pool = rows[("weenv", "warm-no-pool", 1)]
+    assert (no_pool["n"], no_pool["pooled_starts"], no_pool["pool_size"]) == (3, 0, 0)
+    assert s["warm_no_pool_p50_s"] == no_pool["p50_s"] > 0
     assert rows[("weenv", "cold", 16)]["bytes_fetched"] > 0
     assert (
         rows[("docker", "cold", 1)]["bytes_fetched"]

@@ -519,7 +519,7 @@ def test_direct_mount_once_complete(tmp_path, paths, shared_store, leak_check):
     their lazy mount, which goes with its last user."""
     digest, groups = template_groups(shared_store)
     task_digest, task = groups[1]
-    with Node(paths, store=shared_store) as n:
+    with Node(paths, store=shared_store, pool_size=0) as n:  # the pool's own case: tests/test_pool.py
         a = n.create("task")
         lazy_point = str(n.groups.path(task_digest))
         n.lazyfs.image_path(task_digest).read_bytes()  # every chunk of the task group into the cache

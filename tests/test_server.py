@@ -300,6 +300,9 @@ def test_batch_create_64_streams_each_as_ready(daemon, api):
     metrics = api.get("/metrics").text
     assert "weenv_environments " in metrics and 'weenv_creates_total{result="ok"}' in metrics
     assert "weenv_create_seconds_bucket" in metrics and "weenv_bytes_fetched_total" in metrics
+    takes = {r: float(line.split()[-1]) for line in metrics.splitlines() for r in ("hit", "miss")
+             if line.startswith(f'weenv_pool_takes_total{{result="{r}"}}')}
+    assert takes["hit"] + takes["miss"] >= 63 and "weenv_pool_ready " in metrics  # every create looked
     for e in ok:
         assert api.delete(f"/environments/{e['environment']['id']}").status_code == 204
     assert error_of(api.post("/environments/batch", json={"items": []})) == (400, "invalid_input")

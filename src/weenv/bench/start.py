@@ -113,6 +113,8 @@ COMMANDS = {
 MAIN_COMMAND = "echo"
 DOCKER_BASE = "weenv-bench/start-base"
 DOCKERFILE = "FROM {base}\nCOPY packages/ /\n"
+NO_POOL = "warm-no-pool"
+"""The kind of the rows of warm starts with weenv's warm pool off."""
 SUMMARY_KEYS = ("cold_p50_s", "warm_p50_s", "docker_cold_p50_s", "docker_warm_p50_s", "cold_ratio",
                 "fetched_fraction", "exec_p50_s")  # fmt: skip
 
@@ -317,7 +319,7 @@ class _WeenvSide:
                 f"first command in weenv failed (exit {code}): {err.decode(errors='replace')[-600:]}"
             )
         return {"env": info.id, "seconds": first, "create_s": created, "fetched_at": fetched,
-                "output": out.decode().strip()}  # fmt: skip
+                "output": out.decode().strip(), "pooled": info.timing.pooled}  # fmt: skip
 
     def destroy(self, env_id: str) -> None:
         job = self.node.prefetch.job(env_id)
@@ -338,7 +340,7 @@ class _WeenvSide:
     ) -> dict:
         """``rounds`` rounds of ``concurrency`` starts released together; cold
         rounds drop caches first."""
-        times, fetched_first, fetched_total = [], [], []
+        times, fetched_first, fetched_total, pooled = [], [], [], 0
         with _SelfMeter() as meter:
             loads = [loadavg()]
             for _ in range(rounds):
@@ -347,6 +349,7 @@ class _WeenvSide:
                 before = self.node.cache.bytes_fetched
                 results = _released_together(concurrency, lambda: self.start(command))
                 times += [r["seconds"] for r in results]
+                pooled += sum(r["pooled"] for r in results)
                 fetched_first.append(max(r["fetched_at"] for r in results) - before)
                 self.settle([r["env"] for r in results])
                 fetched_total.append(self.node.cache.bytes_fetched - before)
@@ -360,6 +363,7 @@ class _WeenvSide:
             "fetched_fraction": round(statistics.median(fetched_first) / self.stored_bytes, 4),
             "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
             "direct_mounts": len(self.node.groups.mounted_directly()),
+            "pooled_starts": pooled, "pool_size": self.node.pool.size,
             "loadavg": loads, "times_s": [round(t, 4) for t in times],
         }  # fmt: skip
         self.log(f"weenv {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s, "
@@ -565,13 +569,14 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             return next(r for r in main["rows"] if r["system"] == system and r["kind"] == kind
                         and r["concurrency"] == c and r["command"] == MAIN_COMMAND)  # fmt: skip
 
-        cold, warm = row("weenv", "cold"), row("weenv", "warm")
+        cold, warm, no_pool = row("weenv", "cold"), row("weenv", "warm"), row("weenv", NO_POOL)
         d_cold, d_warm = row("docker", "cold"), row("docker", "warm")
         result = {
             "benchmark": "start",
             "summary": {
                 "cold_p50_s": cold["p50_s"],
                 "warm_p50_s": warm["p50_s"],
+                "warm_no_pool_p50_s": no_pool["p50_s"],
                 "docker_cold_p50_s": d_cold["p50_s"],
                 "docker_warm_p50_s": d_warm["p50_s"],
                 "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1),
@@ -598,6 +603,10 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "daemon": "weenv: this process (node + benchmark threads) + reaped children (runc); "
                 "docker: dockerd + containerd (/proc); peak = VmHWM after clear_refs",
                 "concurrency": "starts of a round released together by a barrier; concurrency 1 repeats rounds",
+                "pool": "weenv's warm pool at its default size (weenv.node.pool): a template created twice gets "
+                "environments created ahead (runc create), which later creates start (runc start); rows count "
+                f"them in pooled_starts. {NO_POOL}: the warm starts at concurrency 1 again with the pool off "
+                "(pool size 0), every create running runc run",
                 "templates": "the summary is the first template's; rows name their template",
             },
             "levels": list(levels),
@@ -715,6 +724,11 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         for c in levels:
             rows.append(side.phase("cold", c, runs.cold if c == 1 else 1))
             rows.append(side.phase("warm", c, runs.warm if c == 1 else 1))
+            if c == 1:  # the same warm starts without the warm pool: every one runs runc run
+                pool_size = node.pool.size
+                node.pool.configure(size=0)
+                rows.append(side.phase(NO_POOL, 1, runs.warm))
+                node.pool.configure(size=pool_size)
         for command in extra:
             rows.append(side.phase("cold", 1, runs.extra_cold, command))
             rows.append(side.phase("warm", 1, runs.warm, command))
@@ -771,7 +785,7 @@ def plot(result: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["table"] if r["kind"] in ("cold", "warm")]
+    rows = [r for r in result["table"] if r["kind"] in ("cold", "warm", NO_POOL)]
     order = {t["name"]: i for i, t in enumerate(result.get("templates", [result["template"]]))}
     labels = sorted(
         {(r.get("template", ""), r["command"], r["kind"], r["concurrency"]) for r in rows},

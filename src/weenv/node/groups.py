@@ -201,6 +201,11 @@ class GroupMounts:
         return points  # type: ignore[return-value]
 
     # --- direct mounts ----------------------------------------------------------------
+    def has_image(self, digest: str, manifest: GroupManifest) -> bool:
+        """Whether group ``digest``'s assembled image is ready: an :meth:`acquire`
+        now mounts it directly, and its lazy mount is superseded."""
+        return self._image_ready(digest, manifest)
+
     def _image_ready(self, digest: str, manifest: GroupManifest) -> bool:
         image = self.image_path(digest)
         if image is None:

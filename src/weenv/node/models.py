@@ -33,6 +33,9 @@ class CreateTiming(_Model):
     """Writing the OCI bundle and starting its container (``runc run --detach``)."""
     first_command_s: float | None = None
     """Running the first command (``true``) inside the environment, if asked."""
+    pooled: bool = False
+    """The warm pool had created it ahead (:mod:`weenv.node.pool`): ``runtime_s``
+    is ``runc start`` alone, and the groups and overlay phases took place before."""
     total_s: float = 0.0
     bytes_fetched: int = 0
     """Stored (zstd) bytes fetched from the store during this create (node-wide counter delta)."""
@@ -191,6 +194,12 @@ class NodeStats(_Model):
     """Commands started with ``runc exec`` (no agent in the environment, or it was gone)."""
     exec_agent_error: str | None = None
     """Why the node has no exec agent (e.g. no C compiler), None if it has one."""
+    pool_ready: int = 0
+    """Environments the warm pool holds created ahead (:mod:`weenv.node.pool`)."""
+    pool_hits: int = 0
+    """Creates that started an environment of the warm pool."""
+    pool_misses: int = 0
+    """Creates that found none ready (they created theirs)."""
 
 
 class ProcessInfo(_Model):

@@ -35,6 +35,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from weenv.errors import (
     MountError,
     NotFoundError,
     OutputLimitError,
+    RuntimeFailedError,
 )
 from weenv.node.agent import AgentBinary, AgentUnavailable, listen as agent_listen, spawn as agent_spawn
 from weenv.node import mounts
@@ -55,6 +57,7 @@ from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
+from weenv.node.pool import PoolKey, Pooled, WarmPool, pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
@@ -142,6 +145,7 @@ class Node:
         prefetch_record_s: float = 10.0,
         prefetch_pack_bytes: int = PACK_BYTES,
         exec_agent: bool = True,
+        pool_size: int | None = None,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
@@ -150,7 +154,10 @@ class Node:
         its file system, at most 10 GiB).  ``prefetch_workers``,
         ``prefetch_record_s``, ``prefetch_pack_bytes``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
         run commands through an agent inside each environment (built into
-        ``WEENV_CACHE`` on first use; False: always ``runc exec``)."""
+        ``WEENV_CACHE`` on first use; False: always ``runc exec``).  ``pool_size``:
+        environments the warm pool keeps created ahead per template created
+        twice recently (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``,
+        else 1; 0: no pool)."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
@@ -175,6 +182,9 @@ class Node:
         self._resolved: OrderedDict[str, str] = OrderedDict()  # template name -> the digest it last resolved to
         self._started = False
         self._home_lock: int | None = None
+        self.pool = WarmPool(self._prepare_pooled, may_fill=self._may_pool,
+                             size=pool_size_from_env() if pool_size is None else pool_size)
+        """Environments created ahead (:mod:`weenv.node.pool`)."""
 
     # --- lifetime -------------------------------------------------------------------
     def start(self) -> "Node":
@@ -239,6 +249,7 @@ class Node:
         release the home.  Idempotent."""
         if not self._started:
             return
+        self.pool.close()  # its fills use the groups and runc
         errors = []
         for env_id in list(self._envs):
             try:
@@ -408,93 +419,67 @@ class Node:
             self._pending += 1
         try:
             t0 = time.perf_counter()
-            args = (template, resources, first_command, capabilities, timeout, envs or {}, metadata or {}, prefetch,
-                    priority)  # fmt: skip
+            req = _Request(template, resources, first_command, tuple(capabilities), timeout, envs or {},
+                           metadata or {}, prefetch, priority)  # fmt: skip
             digest, resolving = self._resolve(template)
             try:
-                return self._create(t0, digest, resolving, *args)
+                return self._create(t0, digest, resolving, req)
             except Exception:
                 current = self._moved(template, digest, resolving)
                 if current is None:
                     raise
             # it started the digest the name had before; the name moved meanwhile (undone): start the new one
-            return self._create(t0, current, None, *args)
+            return self._create(t0, current, None, req)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _create(self, t0, digest, resolving, template, resources, first_command, capabilities, timeout, envs, metadata,
-                prefetch, priority) -> EnvironmentInfo:
+    def _create(self, t0: float, digest: str, resolving: Future | None, req: _Request) -> EnvironmentInfo:
+        if not req.prefetch:  # transient (build) environments: never from the warm pool, never filling it
+            return self._create_env(t0, digest, resolving, req, None)
+        key = PoolKey(digest, None if req.resources is None else req.resources.model_dump_json(), req.capabilities)
+        pooled = self.pool.take(key)  # a container of this request created ahead, or None
+        created = False
+        try:
+            info = self._create_env(t0, digest, resolving, req, pooled)
+            created = True
+            return info
+        finally:
+            self.pool.done(key, created)
+
+    def _create_env(self, t0: float, digest: str, resolving: Future | None, req: _Request,
+                    pooled: Pooled | None) -> EnvironmentInfo:
+        """:meth:`create` of ``digest``, starting ``pooled`` (taken from the
+        warm pool, owned now) if given, else creating the environment anew."""
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
-        env_id = secrets.token_hex(6)
-        # chunks flow while the manifests load (not on a node that refuses new environments)
-        early = prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest)
-        try:
-            manifest, group_manifests = self._manifests(digest)
-        except BaseException:
-            if early:
-                self.prefetch.cancel(env_id)
-            raise
-        timing["manifest_s"] = time.perf_counter() - t0
-
-        env_dir = self.paths.environments / env_id
-        res = resources or manifest.runtime.resources
         with contextlib.ExitStack() as undo:
-            if early:
+            if pooled is not None:
+                undo.enter_context(pooled.undo)
+            env_id = pooled.env_id if pooled is not None else secrets.token_hex(6)
+            # chunks flow while the manifests load (not on a node that refuses new environments)
+            if req.prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest):
                 undo.callback(self.prefetch.cancel, env_id)
-            self.provisioner.reserve(env_id, res, priority=priority)  # admission: CapacityError if the node is full
-            undo.callback(self.provisioner.detach, env_id)
-            env_dir.mkdir(parents=True)
-            undo.callback(_remove_tree, env_dir)
+            manifest, group_manifests = self._manifests(digest)
+            timing["manifest_s"] = time.perf_counter() - t0
 
-            if prefetch:
+            res = req.resources or manifest.runtime.resources
+            self.provisioner.reserve(env_id, res, priority=req.priority)  # admission: CapacityError if the node is full
+            undo.callback(self.provisioner.detach, env_id)
+            if req.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
             undo.callback(self.prefetch.cancel, env_id)
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
 
-            t = time.perf_counter()
-            lowers = self.groups.acquire_all(list(zip(manifest.groups, group_manifests)))  # cold ones in parallel
-            for g_digest, lower in zip(manifest.groups, lowers):
-                undo.callback(self.groups.release, g_digest, lower)
-            timing["groups_s"] = time.perf_counter() - t
-
-            t = time.perf_counter()
-            upper, work, rootfs = env_dir / "upper", env_dir / "work", env_dir / "rootfs"
-            for d in (upper, work, rootfs):
-                d.mkdir()
-            mounts.mount(mounts.overlay_spec(lowers, upper, work, rootfs))
-            undo.callback(_umount_quietly, rootfs)
-            timing["overlay_s"] = time.perf_counter() - t
-
-            t = time.perf_counter()
+            env_dir = self.paths.environments / env_id
             container_id = CONTAINER_PREFIX + env_id
-            bundle = env_dir / "bundle"
-            bundle.mkdir()
-            agent = self.agent.get()
-            write_bundle(
-                bundle,
-                rootfs,
-                manifest.runtime,
-                hostname=f"weenv-{env_id}",
-                cgroups_path=f"/{container_id}",
-                resources=res,
-                init=INIT if INIT.exists() else None,
-                capabilities=capabilities,
-                agent=agent,
-            )
-            listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
-            undo.callback(self._delete_container, container_id, bundle)
-            try:  # create + start in one runc process
-                self.runc.run_detached(container_id, bundle, stdin=None if listener is None else listener.fileno())
-            finally:
-                if listener is not None:
-                    listener.close()  # the agent holds it now: when it dies, connects are refused
+            lowers = self._start_pooled(pooled, manifest, group_manifests, timing) if pooled is not None else None
+            if lowers is None:
+                lowers = self._prepare(env_id, manifest, group_manifests, res, req.capabilities, undo, timing, start=True)
             self.provisioner.attach(env_id, f"/{container_id}")
-            timing["runtime_s"] = time.perf_counter() - t
-            if resolving is not None and self._resolved_now(template, resolving) != digest:
-                raise _RefMoved(template)  # undone; create starts the new digest
+            if resolving is not None and self._resolved_now(req.template, resolving) != digest:
+                raise _RefMoved(req.template)  # undone; create starts the new digest
 
             info = EnvironmentInfo(
                 id=env_id,
@@ -502,22 +487,22 @@ class Node:
                 template_digest=digest,
                 created_at=time.time(),
                 state="running",
-                rootfs=str(rootfs),
+                rootfs=str(env_dir / "rootfs"),
                 resources=res,
                 timing=CreateTiming(),
-                timeout_s=timeout,
-                envs=envs,
-                metadata=metadata,
-                priority=priority,
+                timeout_s=req.timeout,
+                envs=req.envs,
+                metadata=req.metadata,
+                priority=req.priority,
             )
             env = _Environment(info, manifest, env_dir)
             env.lowers = lowers
-            if first_command:
+            if req.first_command:
                 t = time.perf_counter()
                 result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
                 if result.exit_code != 0:
                     raise InvalidInputError(
-                        f"template {template}: 'true' exited {result.exit_code} inside the "
+                        f"template {req.template}: 'true' exited {result.exit_code} inside the "
                         f"environment: {result.stderr.decode(errors='replace').strip()}"
                     )
                 timing["first_command_s"] = time.perf_counter() - t
@@ -531,11 +516,110 @@ class Node:
             template_bytes=sum(g.image_size for g in group_manifests),
             template_stored_bytes=sum(g.stored_size for g in group_manifests),
         )
-        info.expires_at = time.time() + timeout
+        info.expires_at = time.time() + req.timeout
         _save_info(env_dir, info)
         with self._lock:
             self._envs[env_id] = env
         return info
+
+    def _start_pooled(self, pooled: Pooled, manifest: TemplateManifest, group_manifests: list[GroupManifest],
+                      timing: dict) -> list[Path] | None:
+        """Start the pooled environment (``runc start``) and return its overlay's
+        lower dirs; or remove it and return None if it cannot serve: a group it
+        reads through FUSE has an assembled image now (new environments mount
+        that directly), or its container does not start (e.g. its waiting
+        process was killed)."""
+        for g, g_manifest, lower in zip(manifest.groups, group_manifests, pooled.lowers):
+            if lower == self.groups.path(g) and self.groups.has_image(g, g_manifest):
+                log.info("pooled environment %s reads group %s through FUSE, superseded; creating it anew",
+                         pooled.env_id, g)
+                pooled.undo.close()
+                return None
+        t = time.perf_counter()
+        try:
+            self.runc.start(CONTAINER_PREFIX + pooled.env_id)
+        except (RuntimeFailedError, NotFoundError) as exc:
+            log.warning("pooled environment %s did not start (%s); creating it anew", pooled.env_id, exc)
+            pooled.undo.close()
+            return None
+        timing["runtime_s"] = time.perf_counter() - t
+        timing["pooled"] = True
+        return pooled.lowers
+
+    def _prepare(self, env_id: str, manifest: TemplateManifest, group_manifests: list[GroupManifest],
+                 res: Resources, capabilities: tuple[str, ...], undo: contextlib.ExitStack,
+                 timing: dict, *, start: bool) -> list[Path]:
+        """Make environment ``env_id``'s directory, group mounts, overlay rootfs,
+        bundle and container (``start``: running, ``runc run --detach``; else
+        created and waiting, ``runc create``), each step's undo pushed on
+        ``undo``; the phases' seconds go to ``timing``.  Returns the overlay's
+        lower dirs (group mount points, as the template lists its groups)."""
+        env_dir = self.paths.environments / env_id
+        env_dir.mkdir(parents=True)
+        undo.callback(_remove_tree, env_dir)
+
+        t = time.perf_counter()
+        lowers = self.groups.acquire_all(list(zip(manifest.groups, group_manifests)))  # cold ones in parallel
+        for g_digest, lower in zip(manifest.groups, lowers):
+            undo.callback(self.groups.release, g_digest, lower)
+        timing["groups_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        upper, work, rootfs = env_dir / "upper", env_dir / "work", env_dir / "rootfs"
+        for d in (upper, work, rootfs):
+            d.mkdir()
+        mounts.mount(mounts.overlay_spec(lowers, upper, work, rootfs))
+        undo.callback(_umount_quietly, rootfs)
+        timing["overlay_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        container_id = CONTAINER_PREFIX + env_id
+        bundle = env_dir / "bundle"
+        bundle.mkdir()
+        agent = self.agent.get()
+        write_bundle(
+            bundle,
+            rootfs,
+            manifest.runtime,
+            hostname=f"weenv-{env_id}",
+            cgroups_path=f"/{container_id}",
+            resources=res,
+            init=INIT if INIT.exists() else None,
+            capabilities=capabilities,
+            agent=agent,
+        )
+        listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
+        undo.callback(self._delete_container, container_id, bundle)
+        stdin = None if listener is None else listener.fileno()
+        try:
+            if start:  # create + start in one runc process
+                self.runc.run_detached(container_id, bundle, stdin=stdin)
+            else:
+                self.runc.create(container_id, bundle, stdin=stdin)
+        finally:
+            if listener is not None:
+                listener.close()  # the agent holds it now: when it dies, connects are refused
+        timing["runtime_s"] = time.perf_counter() - t
+        return lowers
+
+    def _prepare_pooled(self, key: PoolKey) -> Pooled:
+        """One environment of ``key`` for the warm pool: created, not started."""
+        env_id = secrets.token_hex(6)
+        manifest, group_manifests = self._manifests(key.digest)
+        res = Resources.model_validate_json(key.resources) if key.resources else manifest.runtime.resources
+        with contextlib.ExitStack() as undo:
+            lowers = self._prepare(env_id, manifest, group_manifests, res, key.capabilities, undo, {}, start=False)
+            return Pooled(key, env_id, self.paths.environments / env_id, lowers, undo.pop_all())
+
+    def _may_pool(self, ready: int) -> bool:
+        """Whether the warm pool, holding ``ready`` environments, may create another now."""
+        if not self._started or not self.provisioner.admitting:
+            return False
+        if self.max_environments is None:
+            return True
+        with self._lock:
+            held = len(self._envs) + self._pending
+        return held + ready < self.max_environments
 
     def _resolve(self, template: str) -> tuple[str, Future | None]:
         """The digest to create ``template`` from, and None when it is the one
@@ -945,6 +1029,7 @@ class Node:
         return self.provisioner.stats(env_id)
 
     def stats(self) -> NodeStats:
+        pool = self.pool.stats()
         return NodeStats(
             environments=len(self._envs),
             groups_mounted=self.groups.mounted(),
@@ -953,6 +1038,9 @@ class Node:
             exec_agent=self.exec_counts["agent"],
             exec_runc=self.exec_counts["runc"],
             exec_agent_error=self.agent.error,
+            pool_ready=pool.ready,
+            pool_hits=pool.hits,
+            pool_misses=pool.misses,
         )
 
     def drop_caches(self) -> None:
@@ -960,9 +1048,10 @@ class Node:
         kernel's page cache of the group images and the names resolved (for
         cold-start measurements).  Raises :class:`InvalidInputError` while any
         environment runs."""
+        self._check_idle()  # before the pool is drained for nothing
+        self.pool.drain()  # its environments hold group mounts
         with self._lock:
-            if self._envs:
-                raise InvalidInputError("cannot drop the node cache while environments run")
+            self._check_idle(locked=True)
             self.groups.unmount_unused()
             self.groups.remove_images()
             self.lazyfs.drop_page_cache()
@@ -981,9 +1070,29 @@ class Node:
     def _delete_container(self, container_id: str, bundle: Path) -> None:
         self.runc.delete(container_id, force=True, bundle=bundle)
 
+    def _check_idle(self, locked: bool = False) -> None:
+        with contextlib.nullcontext() if locked else self._lock:
+            if self._envs:
+                raise InvalidInputError("cannot drop the node cache while environments run")
+
     def _check_started(self) -> None:
         if not self._started:
             raise InvalidInputError("node is not started")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What :meth:`Node.create` was asked (its arguments, checked)."""
+
+    template: str
+    resources: Resources | None
+    first_command: bool
+    capabilities: tuple[str, ...]
+    timeout: float
+    envs: dict[str, str]
+    metadata: dict[str, str]
+    prefetch: bool
+    priority: int
 
 
 class _RefMoved(Exception):

@@ -10,12 +10,14 @@ Exposed at ``GET /v1/metrics`` in the text format::
     weenv_reaped_total                  counter  environments destroyed when their timeout passed
     weenv_bytes_fetched_total           counter  stored bytes fetched from the store (chunk cache misses)
     weenv_chunks_fetched_total          counter  chunks fetched from the store
+    weenv_pool_ready                    gauge    environments the warm pool holds created ahead
+    weenv_pool_takes_total{result}      counter  creates that looked in the warm pool: hit, miss
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from weenv.node.node import Node
@@ -35,6 +37,14 @@ class _NodeCollector:
                                   value=self.node.cache.bytes_fetched)
         yield CounterMetricFamily("weenv_chunks_fetched", "Chunks fetched from the store",
                                   value=self.node.cache.chunks_fetched)
+        pool = self.node.pool.stats()
+        yield GaugeMetricFamily("weenv_pool_ready", "Environments the warm pool holds created ahead",
+                                value=pool.ready)
+        takes = CounterMetricFamily("weenv_pool_takes", "Creates that looked in the warm pool, by result",
+                                    labels=["result"])
+        takes.add_metric(["hit"], pool.hits)
+        takes.add_metric(["miss"], pool.misses)
+        yield takes
 
 
 class Metrics:

@@ -1,0 +1,284 @@
+"""The warm pool (weenv.node.pool): environments created ahead with ``runc
+create``, started by the next create of their template; real runc, overlay
+and group mounts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weenv.errors import InvalidInputError
+from weenv.node import mounts
+from weenv.node.node import Node, _overlay_lowers
+from weenv.node.pool import pool_size_from_env
+from weenv.packaging.group import load_group
+from weenv.packaging.manifest import Resources
+from weenv.packaging.template import load_template
+
+
+def _containers(node) -> dict[str, str]:
+    """runc's containers of ``node``: id -> status."""
+    return {s["id"]: s["status"] for s in node.runc.list()}
+
+
+def _wait_ready(node, n: int = 1, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while node.pool.stats().ready < n:
+        assert time.monotonic() < deadline, f"the pool holds {node.pool.stats()} after {timeout} s"
+        time.sleep(0.01)
+
+
+def _overlays(paths) -> list[str]:
+    return [p for t, p in mounts.mounts_under(paths.environments) if t == "overlay"]
+
+
+@pytest.fixture
+def pooled_node(paths, shared_store, leak_check):
+    n = Node(paths, store=shared_store, pool_size=1).start()
+    try:
+        yield n
+    finally:
+        n.close()
+        assert not _overlays(paths)
+        assert not _containers(n)
+
+
+def _warm_up(node, template: str = "task", **kwargs) -> None:
+    """Two creates of ``template`` (destroyed): the pool then fills it."""
+    for _ in range(2):
+        node.destroy(node.create(template, **kwargs).id)
+
+
+def test_second_create_fills_the_pool_and_the_next_create_starts_the_pooled_environment(pooled_node, paths):
+    node = pooled_node
+    first = node.create("task")
+    assert not first.timing.pooled
+    node.destroy(first.id)
+    time.sleep(0.3)
+    assert node.pool.stats().ready == 0 and not _containers(node)  # created once: nothing ahead
+
+    _warm_up(node)
+    _wait_ready(node)
+    (cid, status), = _containers(node).items()
+    assert status == "created" and node.list() == []  # waiting in runc's exec FIFO, not an environment yet
+    pid = json.loads(subprocess.run(["runc", "--root", str(paths.runc_root), "state", cid],
+                                    capture_output=True, text=True, check=True).stdout)["pid"]
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[:2] == [b"runc", b"init"]  # nothing of the template ran yet
+
+    hits = node.stats().pool_hits
+    info = node.create("task")
+    assert info.timing.pooled and info.timing.first_command_s is not None
+    assert cid == f"weenv-{info.id}" and [e.id for e in node.list()] == [info.id]
+    assert _containers(node)[cid] == "running"
+    r = node.exec(info.id, "hostname; pwd; python3 hello.py")
+    assert r.stdout == f"weenv-{info.id}\n/workspace\nhello from the task\n".encode()
+    stats = node.stats()
+    assert (stats.pool_hits, stats.environments) == (hits + 1, 1)
+    node.destroy(info.id)
+    _wait_ready(node)  # taken: filled again
+
+
+def test_a_pooled_environment_is_new_never_a_reused_one(pooled_node):
+    node = pooled_node
+    _warm_up(node)
+    seen = set()
+    for i in range(3):
+        _wait_ready(node)
+        info = node.create("task")
+        assert info.timing.pooled and info.id not in seen
+        seen.add(info.id)
+        r = node.exec(info.id, "find /root /tmp -mindepth 1 -newer /etc/hostname")
+        assert (r.exit_code, r.stdout) == (0, b""), r.stdout  # nothing an earlier one wrote
+        assert node.exec(info.id, "ls /root/mine /tmp/t*").exit_code != 0
+        node.exec(info.id, f"echo {i} > /root/mine; touch /tmp/t{i}")
+        node.destroy(info.id)
+
+
+def test_only_an_identical_request_takes_a_pooled_environment(pooled_node):
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    ahead = set(_containers(node))
+
+    other = node.create("task", resources=Resources(cpus=0.5, memory_bytes=256 << 20))
+    assert not other.timing.pooled
+    assert node.exec(other.id, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes").stdout == b"268435456\n"
+    node.destroy(other.id)
+    caps = node.create("task", capabilities=("CAP_KILL",))
+    assert not caps.timing.pooled
+    node.destroy(caps.id)
+    build = node.create("task", prefetch=False)  # transient (build) environments never use the pool
+    assert not build.timing.pooled
+    node.destroy(build.id)
+    assert ahead <= set(_containers(node))  # still there for the next plain create
+    assert node.create("task").timing.pooled
+
+
+def test_drop_caches_removes_the_pool_and_the_next_start_is_cold(pooled_node, paths):
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    node.drop_caches()
+    assert node.pool.stats().ready == 0 and not _containers(node) and not _overlays(paths)
+    assert not any(paths.environments.iterdir())
+    info = node.create("task")
+    assert not info.timing.pooled and info.timing.chunks_fetched > 0
+    node.destroy(info.id)
+    time.sleep(0.3)
+    assert not _containers(node)  # drop_caches forgot the uses: one create is not enough
+
+
+def test_a_pooled_environment_whose_process_died_is_created_anew(pooled_node, paths):
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    (cid,) = _containers(node)
+    pid = int((paths.environments / cid.removeprefix("weenv-") / "bundle" / "init.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    info = node.create("task")
+    assert not info.timing.pooled and info.id == cid.removeprefix("weenv-")
+    assert node.exec(info.id, ["python3", "hello.py"]).stdout == b"hello from the task\n"
+    node.destroy(info.id)
+
+
+def test_a_pooled_environment_on_a_superseded_lazy_mount_is_not_started(pooled_node, paths, shared_store):
+    """Once a group's image is assembled, new environments mount it directly:
+    one pooled before, reading that group through FUSE, is removed instead."""
+    node = pooled_node
+    task_digest = load_template(shared_store, "task")[1].groups[1]
+    _warm_up(node)
+    _wait_ready(node)
+    (cid,) = _containers(node)
+    node.lazyfs.image_path(task_digest).read_bytes()  # every chunk of the task group into the cache
+    assert node.groups.assemble_if_complete(task_digest, load_group(shared_store, task_digest))
+    node.groups.wait_assembled()
+    info = node.create("task")  # under the pooled one's id, made anew
+    assert not info.timing.pooled and cid == f"weenv-{info.id}"
+    assert node.groups.direct_path(task_digest) in _overlay_lowers(Path(info.rootfs))
+    node.destroy(info.id)
+
+
+def test_a_failed_fill_leaves_nothing_and_waits(paths, shared_store, leak_check):
+    with Node(paths, store=shared_store, pool_size=0) as node:
+        _warm_up(node)  # created twice, nothing ahead yet
+        binary, node.runc.binary = node.runc.binary, str(paths.home / "no-runc")
+        try:
+            node.pool.configure(size=1)  # the fill starts and fails: runc is gone
+            deadline = time.monotonic() + 30
+            while node.pool.stats().failed == 0:
+                assert time.monotonic() < deadline, node.pool.stats()
+                time.sleep(0.01)
+        finally:
+            node.runc.binary = binary
+        assert not _overlays(paths) and not any(paths.environments.iterdir()) and not _containers(node)
+        info = node.create("task")  # the failed key backs off: a create neither waits nor finds one
+        assert not info.timing.pooled
+        node.destroy(info.id)
+        time.sleep(0.3)
+        assert node.pool.stats().ready == 0 and not _containers(node)
+
+
+def test_idle_and_least_recent_keys_are_removed(pooled_node, paths, shared_store):
+    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.packaging.template import create_template
+
+    node = pooled_node
+    create_template(shared_store, "task-copy", ["base", "task"], runtime=RuntimeConfig(working_dir="/tmp"))
+    node.pool.configure(max_templates=1)
+    _warm_up(node, "task")
+    _wait_ready(node)
+    (first,) = _containers(node)
+    _warm_up(node, "task-copy")
+    deadline = time.monotonic() + 30
+    while first in _containers(node) or len(_containers(node)) != 1:
+        assert time.monotonic() < deadline, _containers(node)
+        time.sleep(0.01)
+    assert len(_containers(node)) == 1  # only the most recently created key keeps one
+
+    node.pool.configure(idle_s=0.5)
+    deadline = time.monotonic() + 10
+    while _containers(node):
+        assert time.monotonic() < deadline, _containers(node)
+        time.sleep(0.05)
+    assert not _overlays(paths) and node.pool.stats().removed == 2
+
+
+def test_concurrent_creates_share_one_pooled_environment(pooled_node, paths):
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(lambda _: node.create("task"), range(8)))
+    assert sum(i.timing.pooled for i in infos) >= 1  # the ready one, and maybe fills that followed
+    assert len({i.id for i in infos}) == 8
+    for i in infos:
+        assert node.exec(i.id, ["true"]).exit_code == 0
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(node.destroy, [i.id for i in infos]))
+    node.pool.drain()
+    assert not _containers(node) and not _overlays(paths)
+
+
+def test_pool_size_zero_creates_nothing_ahead(paths, shared_store, leak_check):
+    with Node(paths, store=shared_store, pool_size=0) as node:
+        _warm_up(node)
+        _warm_up(node)
+        time.sleep(0.3)
+        assert not _containers(node) and node.pool.stats().filled == 0
+
+
+def test_the_pool_respects_max_environments(paths, shared_store, leak_check):
+    with Node(paths, store=shared_store, pool_size=1, max_environments=2) as node:
+        _warm_up(node)
+        _wait_ready(node)
+        a = node.create("task")  # takes it; 1 running + 1 ahead = 2: allowed
+        _wait_ready(node)
+        b = node.create("task")
+        time.sleep(0.5)
+        assert node.pool.stats().ready == 0 and len(_containers(node)) == 2  # 2 running: none ahead
+        node.destroy(a.id)
+        node.destroy(b.id)
+
+
+def test_pool_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WEENV_POOL_SIZE", "3")
+    assert pool_size_from_env() == 3
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv("WEENV_POOL_SIZE", bad)
+        with pytest.raises(InvalidInputError, match="WEENV_POOL_SIZE"):
+            pool_size_from_env()
+
+
+def test_a_killed_node_leaves_its_pooled_environments_to_the_next(paths, shared_store, leak_check, tmp_path):
+    """A node process killed with pooled environments: the next node on the
+    home removes them (they never had an env.json)."""
+    script = tmp_path / "node.py"
+    script.write_text(
+        "import sys, time\n"
+        "from weenv.config import Paths\nfrom weenv.node.node import Node\nfrom weenv.store.file import FileStore\n"
+        "node = Node(Paths.from_env(), store=FileStore(sys.argv[1]), pool_size=1).start()\n"
+        "for _ in range(2):\n    node.destroy(node.create('task').id)\n"
+        "while node.pool.stats().ready < 1:\n    time.sleep(0.01)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script), str(shared_store.root)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    node = Node(paths, store=shared_store, pool_size=0)
+    pooled = [s["id"] for s in node.runc.list() if s["status"] == "created"]
+    assert len(pooled) == 1 and _overlays(paths)
+    with node:
+        assert not _containers(node) and not _overlays(paths) and not any(paths.environments.iterdir())
+        assert not list(Path("/sys/fs/cgroup/memory").glob(pooled[0]))
