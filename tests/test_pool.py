@@ -187,22 +187,19 @@ def test_a_failed_fill_leaves_nothing_and_waits(paths, shared_store, leak_check)
         assert node.pool.stats().ready == 0 and not _containers(node)
 
 
-def test_idle_and_least_recent_keys_are_removed(pooled_node, paths, shared_store):
-    from weenv.packaging.manifest import RuntimeConfig
-    from weenv.packaging.template import create_template
-
+def test_idle_and_least_recent_keys_are_removed(pooled_node, paths):
     node = pooled_node
-    create_template(shared_store, "task-copy", ["base", "task"], runtime=RuntimeConfig(working_dir="/tmp"))
     node.pool.configure(max_templates=1)
-    _warm_up(node, "task")
+    _warm_up(node)
     _wait_ready(node)
     (first,) = _containers(node)
-    _warm_up(node, "task-copy")
+    _warm_up(node, resources=Resources(cpus=1.0))  # another key: the same template with other resources
     deadline = time.monotonic() + 30
     while first in _containers(node) or len(_containers(node)) != 1:
         assert time.monotonic() < deadline, _containers(node)
         time.sleep(0.01)
-    assert len(_containers(node)) == 1  # only the most recently created key keeps one
+    time.sleep(0.3)
+    assert len(_containers(node)) == 1 and node.pool.stats().filled == 2  # no churn between the two keys
 
     node.pool.configure(idle_s=0.5)
     deadline = time.monotonic() + 10
@@ -282,3 +279,94 @@ def test_a_killed_node_leaves_its_pooled_environments_to_the_next(paths, shared_
     with node:
         assert not _containers(node) and not _overlays(paths) and not any(paths.environments.iterdir())
         assert not list(Path("/sys/fs/cgroup/memory").glob(pooled[0]))
+
+
+def test_a_create_refused_after_taking_gives_the_pooled_environment_back(paths, shared_store, leak_check):
+    """Admission refuses a create that already took a pooled environment: it
+    goes back to the pool untouched (not removed, nothing made again)."""
+    from weenv.errors import CapacityError
+    from weenv.node.provision import ProvisionConfig
+
+    cores = os.cpu_count()
+    big = Resources(cpus=float(cores), memory_bytes=256 << 20)  # one fills the node's budget
+    config = ProvisionConfig(mode="static", cpu_overcommit=1.0)
+    with Node(paths, store=shared_store, pool_size=1, provisioning=config) as node:
+        _warm_up(node, resources=big)
+        _wait_ready(node)
+        a = node.create("task", resources=big)
+        assert a.timing.pooled
+        _wait_ready(node)
+        (ahead,) = set(_containers(node)) - {f"weenv-{a.id}"}
+        before = node.pool.stats()
+        for _ in range(3):
+            with pytest.raises(CapacityError):
+                node.create("task", resources=big)
+        after = node.pool.stats()
+        assert (after.ready, after.removed, after.filled, after.hits) == (1, before.removed, before.filled, before.hits)
+        assert _containers(node)[ahead] == "created"
+        node.destroy(a.id)
+        b = node.create("task", resources=big)
+        assert b.timing.pooled and f"weenv-{b.id}" == ahead
+        node.destroy(b.id)
+
+
+def test_a_create_waiting_for_a_fill_gets_what_it_makes(pooled_node):
+    """Creates arriving while a fill is under way: the first waits for it and
+    gets it, whatever arrives meanwhile."""
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    for _ in range(5):
+        a = node.create("task")  # takes the ready one; its fill starts when it ends
+        assert a.timing.pooled
+        deadline = time.monotonic() + 10
+        while not node.pool._inflight:  # the fill is under way
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            infos = list(pool.map(lambda _: node.create("task"), range(3)))
+        assert sum(i.timing.pooled for i in infos) >= 1
+        for i in [a, *infos]:
+            node.destroy(i.id)
+        _wait_ready(node)
+
+
+def test_drain_returns_once_everything_is_removed(pooled_node, paths):
+    node = pooled_node
+    _warm_up(node)
+    _wait_ready(node)
+    node.pool.configure(idle_s=0.05)  # the fill thread removes it by itself...
+    node.pool.drain()  # ...and drain waits for that removal too
+    assert not _containers(node) and not _overlays(paths) and not any(paths.environments.iterdir())
+    assert node.pool.stats().ready == 0
+
+
+def test_a_moved_name_forgets_the_old_templates_pooled_environments(private_store_for_pool, paths):
+    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.packaging.template import create_template
+
+    store = private_store_for_pool
+    with Node(paths, store=store, pool_size=1) as node:
+        _warm_up(node, "moving")
+        _wait_ready(node)
+        (old,) = _containers(node)
+        create_template(store, "moving", ["base", "task"], runtime=RuntimeConfig(working_dir="/tmp"))
+        info = node.create("moving")  # starts the old one speculatively, undoes it, starts the new
+        assert node.exec(info.id, ["pwd"]).stdout == b"/tmp\n"
+        time.sleep(0.3)
+        assert old not in _containers(node) and node.pool.stats().ready == 0  # not made again either
+        node.destroy(info.id)
+
+
+@pytest.fixture
+def private_store_for_pool(tmp_path, shared_store, leak_check):
+    """The shared store's files (hard links) and a template ``moving`` of its own."""
+    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.packaging.template import create_template
+    from weenv.store.file import FileStore
+
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    store = FileStore(root)
+    create_template(store, "moving", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    return store

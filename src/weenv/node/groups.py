@@ -70,6 +70,7 @@ class _Entry:
     mounted: bool = False  # the lazy mount (through LazyFS)
     direct_refs: int = 0
     direct: bool = False  # the direct mount of the assembled image
+    direct_failed: bool = False  # it was tried and failed (reads go through FUSE)
     manifest: GroupManifest | None = None
 
     @property
@@ -149,6 +150,7 @@ class GroupMounts:
                         self._mount_direct(digest, manifest)
                         entry.direct = True
                     except MountError as exc:
+                        entry.direct_failed = True
                         log.warning("direct mount of group %s failed (reading it through FUSE): %s", digest, exc)
                 if entry.direct:
                     with self._lock:
@@ -201,10 +203,16 @@ class GroupMounts:
         return points  # type: ignore[return-value]
 
     # --- direct mounts ----------------------------------------------------------------
-    def has_image(self, digest: str, manifest: GroupManifest) -> bool:
-        """Whether group ``digest``'s assembled image is ready: an :meth:`acquire`
-        now mounts it directly, and its lazy mount is superseded."""
-        return self._image_ready(digest, manifest)
+    def superseded(self, digest: str, point: Path, manifest: GroupManifest) -> bool:
+        """Whether ``point`` is group ``digest``'s lazy mount and an :meth:`acquire`
+        now would return its direct mount instead (mounted, or its image is
+        assembled and mounting it has not failed)."""
+        if point != self.path(digest):
+            return False
+        with self._lock:
+            entry = self._entries.get(digest)
+            direct, failed = (entry.direct, entry.direct_failed) if entry is not None else (False, False)
+        return direct or (not failed and self._image_ready(digest, manifest))
 
     def _image_ready(self, digest: str, manifest: GroupManifest) -> bool:
         image = self.image_path(digest)

@@ -210,6 +210,7 @@ class Node:
         for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
+        self.pool.open()
         try:
             if self.lazyfs.take_over():
                 self._recover()
@@ -428,6 +429,7 @@ class Node:
                 current = self._moved(template, digest, resolving)
                 if current is None:
                     raise
+                self.pool.forget(_pool_key(digest, req))  # its name means another template now
             # it started the digest the name had before; the name moved meanwhile (undone): start the new one
             return self._create(t0, current, None, req)
         finally:
@@ -437,10 +439,10 @@ class Node:
     def _create(self, t0: float, digest: str, resolving: Future | None, req: _Request) -> EnvironmentInfo:
         if not req.prefetch:  # transient (build) environments: never from the warm pool, never filling it
             return self._create_env(t0, digest, resolving, req, None)
-        key = PoolKey(digest, None if req.resources is None else req.resources.model_dump_json(), req.capabilities)
-        pooled = self.pool.take(key)  # a container of this request created ahead, or None
+        key = _pool_key(digest, req)
         created = False
         try:
+            pooled = self.pool.take(key)  # a container of this request created ahead, or None
             info = self._create_env(t0, digest, resolving, req, pooled)
             created = True
             return info
@@ -454,9 +456,10 @@ class Node:
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
+        pooled_tried = False  # once its start was tried, a pooled environment is removed, not given back
         with contextlib.ExitStack() as undo:
-            if pooled is not None:
-                undo.enter_context(pooled.undo)
+            if pooled is not None:  # a create refused before it (e.g. CapacityError) returns it untouched
+                undo.callback(lambda: pooled.undo.close() if pooled_tried else self.pool.give_back(pooled))
             env_id = pooled.env_id if pooled is not None else secrets.token_hex(6)
             # chunks flow while the manifests load (not on a node that refuses new environments)
             if req.prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest):
@@ -474,7 +477,10 @@ class Node:
 
             env_dir = self.paths.environments / env_id
             container_id = CONTAINER_PREFIX + env_id
-            lowers = self._start_pooled(pooled, manifest, group_manifests, timing) if pooled is not None else None
+            lowers = None
+            if pooled is not None:
+                pooled_tried = True
+                lowers = self._start_pooled(pooled, manifest, group_manifests, timing)
             if lowers is None:
                 lowers = self._prepare(env_id, manifest, group_manifests, res, req.capabilities, undo, timing, start=True)
             self.provisioner.attach(env_id, f"/{container_id}")
@@ -530,7 +536,7 @@ class Node:
         that directly), or its container does not start (e.g. its waiting
         process was killed)."""
         for g, g_manifest, lower in zip(manifest.groups, group_manifests, pooled.lowers):
-            if lower == self.groups.path(g) and self.groups.has_image(g, g_manifest):
+            if self.groups.superseded(g, lower, g_manifest):
                 log.info("pooled environment %s reads group %s through FUSE, superseded; creating it anew",
                          pooled.env_id, g)
                 pooled.undo.close()
@@ -609,17 +615,15 @@ class Node:
         res = Resources.model_validate_json(key.resources) if key.resources else manifest.runtime.resources
         with contextlib.ExitStack() as undo:
             lowers = self._prepare(env_id, manifest, group_manifests, res, key.capabilities, undo, {}, start=False)
-            return Pooled(key, env_id, self.paths.environments / env_id, lowers, undo.pop_all())
+            return Pooled(key, env_id, lowers, undo.pop_all())
 
     def _may_pool(self, ready: int) -> bool:
-        """Whether the warm pool, holding ``ready`` environments, may create another now."""
+        """Whether the warm pool may hold ``ready`` environments now: the node
+        admits environments and, with ``max_environments``, they fit beside
+        the running and starting ones (read without the node's lock: a hint)."""
         if not self._started or not self.provisioner.admitting:
             return False
-        if self.max_environments is None:
-            return True
-        with self._lock:
-            held = len(self._envs) + self._pending
-        return held + ready < self.max_environments
+        return self.max_environments is None or len(self._envs) + self._pending + ready <= self.max_environments
 
     def _resolve(self, template: str) -> tuple[str, Future | None]:
         """The digest to create ``template`` from, and None when it is the one
@@ -995,6 +999,7 @@ class Node:
                 for g, lower in zip(e.template.groups, e.lowers):
                     self.groups.release(g, lower)
                 _remove_tree(e.dir)
+                self.pool.wake()  # room for the pool, if max_environments held it back
 
     def disk_usage(self, env_id: str) -> tuple[int, int]:
         """``(used, total)`` bytes: what the environment wrote (its overlay upper
@@ -1044,9 +1049,9 @@ class Node:
         )
 
     def drop_caches(self) -> None:
-        """Unmount groups no environment uses, empty the node chunk cache, the
-        kernel's page cache of the group images and the names resolved (for
-        cold-start measurements).  Raises :class:`InvalidInputError` while any
+        """Remove the warm pool's environments, unmount groups no environment
+        uses, empty the node chunk cache, the kernel's page cache of the group
+        images and the names resolved (for cold-start measurements).  Raises :class:`InvalidInputError` while any
         environment runs."""
         self._check_idle()  # before the pool is drained for nothing
         self.pool.drain()  # its environments hold group mounts
@@ -1078,6 +1083,10 @@ class Node:
     def _check_started(self) -> None:
         if not self._started:
             raise InvalidInputError("node is not started")
+
+
+def _pool_key(digest: str, req: _Request) -> PoolKey:
+    return PoolKey(digest, None if req.resources is None else req.resources.model_dump_json(), req.capabilities)
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -70,12 +70,10 @@ class Pooled:
 
     key: PoolKey
     env_id: str
-    dir: Path
     lowers: list[Path]
     """Its overlay's group mount points, as the template lists its groups."""
     undo: contextlib.ExitStack
     """Removes it: container, cgroup, overlay, group references, directory."""
-    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -83,14 +81,22 @@ class PoolStats:
     ready: int = 0
     """Environments created ahead and waiting."""
     hits: int = 0
-    """Creates that started a pooled environment."""
+    """Creates given a pooled environment (one they could not start was then removed: see the node's log)."""
     misses: int = 0
-    """Creates that found none (each created its environment itself)."""
+    """Creates given none (each created its environment itself)."""
     filled: int = 0
     failed: int = 0
     """Fills that raised (the key then waits :data:`FAILURE_BACKOFF_S`)."""
     removed: int = 0
-    """Ready environments removed unused (idle, evicted, drained, closed)."""
+    """Pooled environments removed unused (idle, evicted, drained, closed, or made when no longer wanted)."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A create waiting for the fill under way for its key."""
+
+    pooled: Pooled | None = None
+    done: bool = False
 
 
 class WarmPool:
@@ -98,8 +104,9 @@ class WarmPool:
 
     ``prepare(key)``: create one environment for ``key`` without starting it
     (the node's; raises on failure, leaving nothing).  ``may_fill(ready)``:
-    whether the node takes another environment now, with ``ready`` already
-    waiting in the pool (False: no fill).
+    whether the node may hold ``ready`` pooled environments now (False: the
+    pool makes no more, and removes the least recently wanted until it may;
+    called without the pool's lock).
     """
 
     def __init__(
@@ -120,11 +127,11 @@ class WarmPool:
         self._cond = threading.Condition()
         self._ready: dict[PoolKey, list[Pooled]] = {}
         self._inflight: dict[PoolKey, int] = {}
-        self._claims: dict[PoolKey, int] = {}  # creates waiting for an environment being filled
-        self._fills_done: dict[PoolKey, int] = {}  # fills of a key ended (added, failed or removed)
+        self._waiters: dict[PoolKey, deque[_Waiter]] = {}  # oldest first; at most one per fill under way
         self._active: dict[PoolKey, int] = {}  # creates of a key under way (between take and done)
         self._uses: OrderedDict[PoolKey, tuple[int, float]] = OrderedDict()  # creates, last (monotonic); LRU order
         self._backoff: dict[PoolKey, float] = {}
+        self._removing = 0  # pooled environments being removed outside the lock
         self._generation = 0  # drain() bumps it: fills begun before are removed when they finish
         self._closed = False
         self._worker: threading.Thread | None = None
@@ -132,34 +139,44 @@ class WarmPool:
 
     # --- the create's side -------------------------------------------------------------
     def take(self, key: PoolKey) -> Pooled | None:
-        """A ready environment for ``key`` (the caller now owns it: start it or
-        close its ``undo``), or None.
+        """A ready environment for ``key`` (the caller now owns it: start it,
+        :meth:`give_back` it unstarted, or close its ``undo``), or None.
 
-        With none ready but one being created for ``key`` and not yet claimed,
-        it waits for that one: it began earlier than a new one would, so it is
-        ready sooner (if its fill fails, None).
+        With none ready but a fill of ``key`` under way that no other create
+        waits for, it waits for that fill and gets what it makes (None if it
+        fails): it began earlier than a new environment would, so it is ready
+        sooner.
 
         Every take must be followed by :meth:`done` when the create ends: a
         key is filled only while none of its creates runs (between bursts,
         not against them)."""
         with self._cond:
             self._active[key] = self._active.get(key, 0) + 1
-            if self.size and not self._ready.get(key) and self._inflight.get(key, 0) > self._claims.get(key, 0):
-                self._claims[key] = self._claims.get(key, 0) + 1  # wait for the next fill of key to end
-                done, generation = self._fills_done.get(key, 0), self._generation
-                while (not self._ready.get(key) and self._fills_done.get(key, 0) == done
-                       and generation == self._generation and not self._closed):
+            pooled = self._pop_ready_locked(key)
+            if pooled is None and self.size and self._inflight.get(key, 0) > len(self._waiters.get(key, ())):
+                waiter = _Waiter()
+                self._waiters.setdefault(key, deque()).append(waiter)
+                while not waiter.done:
                     self._cond.wait()
-                self._claims[key] -= 1
-            ready = self._ready.get(key)
-            pooled = ready.pop(0) if ready else None
-            if ready is not None and not ready:
-                del self._ready[key]
+                pooled = waiter.pooled
             if pooled is None:
                 self._stats.misses += 1
             else:
                 self._stats.hits += 1
             return pooled
+
+    def give_back(self, pooled: Pooled) -> None:
+        """Return an environment :meth:`take` gave, unstarted and untouched
+        (its create was refused before using it); kept if still wanted."""
+        with self._cond:
+            keep = self._wanted_locked(pooled.key) and len(self._ready.get(pooled.key, ())) < self.size
+            if keep:
+                self._ready.setdefault(pooled.key, []).insert(0, pooled)
+                self._stats.hits -= 1
+                self._stats.misses += 1
+                self._cond.notify_all()
+        if not keep:
+            self._remove([pooled])
 
     def done(self, key: PoolKey, created: bool) -> None:
         """A create that called :meth:`take` with ``key`` ended; ``created``:
@@ -173,13 +190,23 @@ class WarmPool:
             self._active[key] -= 1
             if not self._active[key]:
                 del self._active[key]
-                if self.size and not self._closed:  # the fill thread makes up for what was taken
-                    self._start_worker()
-                    self._cond.notify_all()
+                self._wake_locked()  # the fill thread makes up for what was taken
+
+    def forget(self, key: PoolKey) -> None:
+        """``key`` will not be asked again (its template's name moved on): remove its ready environments."""
+        with self._cond:
+            self._uses.pop(key, None)
+            gone = self._ready.pop(key, [])
+        self._remove(gone)
+
+    def wake(self) -> None:
+        """Something :meth:`may_fill` depends on changed (e.g. an environment went)."""
+        with self._cond:
+            self._wake_locked()
 
     def stats(self) -> PoolStats:
         with self._cond:
-            return PoolStats(**{**self._stats.__dict__, "ready": sum(len(v) for v in self._ready.values())})
+            return PoolStats(**{**self._stats.__dict__, "ready": self._ready_count_locked()})
 
     # --- control -----------------------------------------------------------------------
     def configure(self, *, size: int | None = None, max_templates: int | None = None,
@@ -198,123 +225,185 @@ class WarmPool:
             for ready in self._ready.values():
                 del ready[size:]
             self._ready = {k: v for k, v in self._ready.items() if v}
-            if size and not self._closed:
-                self._start_worker()
-            self._cond.notify_all()
+            self._wake_locked()
         self._remove(extra)
 
     def drain(self) -> None:
-        """Remove every ready environment, wait for the fills under way (they
-        are removed too) and forget every use: the pool starts empty."""
+        """Remove every ready environment, wait for the fills and removals
+        under way (what the fills make is removed too) and forget every use:
+        the pool is empty when this returns."""
         with self._cond:
             self._generation += 1
             gone = [p for ready in self._ready.values() for p in ready]
             self._ready.clear()
             self._uses.clear()
             self._backoff.clear()
+            self._cond.notify_all()
         self._remove(gone)
         with self._cond:
-            while any(self._inflight.values()):
+            while self._inflight or self._removing:
                 self._cond.wait()
+
+    def open(self) -> None:
+        """Fill again after :meth:`close` (a node started anew)."""
+        with self._cond:
+            self._closed = False
 
     def close(self) -> None:
         """Stop filling and remove every ready environment.  Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            worker = self._worker
+            worker, self._worker = self._worker, None
         if worker is not None:
             worker.join()
         self.drain()
 
     # --- the fill thread -------------------------------------------------------------
-    def _start_worker(self) -> None:
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._run, name="weenv-pool", daemon=True)
-            self._worker.start()
+    def _wake_locked(self) -> None:
+        if self.size and not self._closed:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name="weenv-pool", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while True:
-                    if self._closed:
-                        return
-                    stale = self._stale_locked(time.monotonic())
-                    if stale:
-                        break
-                    key = self._next_locked()
-                    if key is not None:
-                        self._inflight[key] = self._inflight.get(key, 0) + 1
-                        generation = self._generation
-                        break
-                    self._cond.wait(timeout=min(self.idle_s, 30.0))
-            if stale:
-                self._remove(stale)
-                continue
-            self._fill(key, generation)
+                if self._closed:
+                    return
+                ready, want = self._ready_count_locked(), self._next_locked() is not None
+            may_hold = self._may_fill(ready) if ready else True  # outside the lock: it takes the node's
+            may_add = want and may_hold and self._may_fill(ready + 1)
+            with self._cond:
+                if self._closed:
+                    return
+                gone = self._stale_locked(time.monotonic(), over=not may_hold)
+                key = self._next_locked() if may_add and not gone else None
+                if key is not None:
+                    self._inflight[key] = self._inflight.get(key, 0) + 1
+                    generation = self._generation
+                elif not gone:
+                    self._cond.wait(timeout=self._sleep_locked())
+                    continue
+            if gone:
+                self._remove(gone)
+            else:
+                self._fill(key, generation)
+
+    def _sleep_locked(self) -> float:
+        """Seconds until the fill thread has something to check: the next idle
+        key or backoff end (at most 30 s)."""
+        now = time.monotonic()
+        ends = [last + self.idle_s for _c, last in self._uses.values()] + list(self._backoff.values())
+        return min([30.0] + [max(0.05, end - now) for end in ends])
 
     def _fill(self, key: PoolKey, generation: int) -> None:
-        """Create one environment for ``key``; keep it if the pool still wants
-        it.  The fill counts as under way until what it made is kept or gone
+        """Create one environment for ``key``; hand it to the oldest create
+        waiting for it, or keep it if the pool still wants it.  The fill
+        counts as under way until what it made is handed, kept or gone
         (:meth:`drain` waits for that)."""
         pooled = None
         try:
             pooled = self._prepare(key)
-        except Exception as exc:
+        except BaseException as exc:  # the pool's own thread: log, back off, go on
             log.warning("warm pool: creating an environment of %s ahead failed: %s", key.digest[:19], exc)
         with self._cond:
-            keep = (pooled is not None and not self._closed and generation == self._generation
-                    and key in self._uses and len(self._ready.get(key, ())) < self.size)  # fmt: skip
+            current = not self._closed and generation == self._generation
+            waiters = self._waiters.get(key)
+            waiter = waiters.popleft() if waiters else None
+            if waiters is not None and not waiters:
+                del self._waiters[key]
+            if waiter is not None:  # it waited for this fill: it gets what it made, or nothing
+                waiter.pooled, waiter.done = (pooled if current else None), True
+            keep = pooled is not None and current and (
+                waiter is not None or (self._wanted_locked(key) and len(self._ready.get(key, ())) < self.size))
             if keep:
-                self._ready.setdefault(key, []).append(pooled)
                 self._stats.filled += 1
+                if waiter is None:
+                    self._ready.setdefault(key, []).append(pooled)
             elif pooled is None:
                 self._stats.failed += 1
                 self._backoff[key] = time.monotonic() + FAILURE_BACKOFF_S
+            self._cond.notify_all()
         if pooled is not None and not keep:
             self._remove([pooled])
         with self._cond:
             self._inflight[key] -= 1
-            self._fills_done[key] = self._fills_done.get(key, 0) + 1
+            if not self._inflight[key]:
+                del self._inflight[key]
             self._cond.notify_all()
 
+    def _wanted_locked(self, key: PoolKey) -> bool:
+        """Whether ``key`` is among the :attr:`max_templates` most recently
+        created keys that were created twice within :attr:`idle_s`."""
+        return key in self._wanted_keys_locked()
+
+    def _wanted_keys_locked(self) -> list[PoolKey]:
+        return [key for key in reversed(self._uses) if self._uses[key][0] >= 2][: self.max_templates]
+
     def _next_locked(self) -> PoolKey | None:
-        """The most recently created key, of the :attr:`max_templates` most
-        recent created twice, that wants an environment and has no create
-        under way; or None."""
-        if not self.size or not self._may_fill(sum(len(v) for v in self._ready.values())):
+        """The most recent wanted key short of :attr:`size` ready, with no
+        create under way and not backing off; or None."""
+        if not self.size:
             return None
         now = time.monotonic()
-        wanted = [key for key in reversed(self._uses) if self._uses[key][0] >= 2][: self.max_templates]
-        for key in wanted:
+        for key in self._wanted_keys_locked():
             if key in self._active or self._backoff.get(key, 0.0) > now:
                 continue
             if len(self._ready.get(key, ())) + self._inflight.get(key, 0) < self.size:
                 return key
         return None
 
-    def _stale_locked(self, now: float) -> list[Pooled]:
-        """Forget keys idle past :attr:`idle_s`; take out the ready environments
-        of keys :meth:`_next_locked` would not fill (idle, or beyond the
-        :attr:`max_templates` most recent)."""
+    def _stale_locked(self, now: float, *, over: bool) -> list[Pooled]:
+        """Forget keys idle past :attr:`idle_s` and ended backoffs; take out the
+        ready environments of keys no longer wanted, and (``over``: the node
+        may not hold them all) the least recently wanted one."""
         for key, (_count, last) in list(self._uses.items()):
             if now - last > self.idle_s:
                 del self._uses[key]
-        wanted = set([key for key in reversed(self._uses) if self._uses[key][0] >= 2][: self.max_templates])
+        for key, end in list(self._backoff.items()):
+            if end <= now:
+                del self._backoff[key]
+        wanted = self._wanted_keys_locked()
         gone = []
         for key in [k for k in self._ready if k not in wanted]:
             gone += self._ready.pop(key)
+        if over and not gone and self._ready:
+            key = min(self._ready, key=lambda k: -wanted.index(k))  # the least recently created
+            gone.append(self._ready[key].pop())
+            if not self._ready[key]:
+                del self._ready[key]
         return gone
 
+    def _pop_ready_locked(self, key: PoolKey) -> Pooled | None:
+        ready = self._ready.get(key)
+        if not ready:
+            return None
+        pooled = ready.pop(0)
+        if not ready:
+            del self._ready[key]
+        return pooled
+
+    def _ready_count_locked(self) -> int:
+        return sum(len(v) for v in self._ready.values())
+
     def _remove(self, pooled: list[Pooled]) -> None:
-        for p in pooled:
-            try:
-                p.undo.close()
-            except Exception:  # keep going: the others must go too
-                log.exception("warm pool: removing environment %s", p.env_id)
-        if pooled:
+        if not pooled:
+            return
+        with self._cond:
+            self._removing += len(pooled)
+        try:
+            for p in pooled:
+                try:
+                    p.undo.close()
+                except Exception:  # keep going: the others must go too
+                    log.exception("warm pool: removing environment %s", p.env_id)
+        finally:
             with self._cond:
+                self._removing -= len(pooled)
                 self._stats.removed += len(pooled)
+                self._cond.notify_all()
 
 
 def _check(size: int, max_templates: int, idle_s: float) -> None:
