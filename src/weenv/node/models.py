@@ -197,9 +197,9 @@ class NodeStats(_Model):
     pool_ready: int = 0
     """Environments the warm pool holds created ahead (:mod:`weenv.node.pool`)."""
     pool_hits: int = 0
-    """Creates that started an environment of the warm pool."""
+    """Creates given an environment of the warm pool (created ahead)."""
     pool_misses: int = 0
-    """Creates that found none ready (they created theirs)."""
+    """Creates given none (they created theirs)."""
 
 
 class ProcessInfo(_Model):

@@ -8,7 +8,9 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
 - one shared read-only EROFS mount per group (:class:`~weenv.node.groups.GroupMounts`);
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
   a runc container in its own namespaces and cgroup, and an exec agent inside
-  it (:mod:`weenv.node.agent`) that starts commands without a ``runc exec`` each.
+  it (:mod:`weenv.node.agent`) that starts commands without a ``runc exec`` each;
+- the warm pool (:mod:`weenv.node.pool`): environments of recently repeated
+  creates made ahead up to ``runc create``, which a matching create only starts.
 
 State needed after a restart lives on disk and in the kernel: ``env.json``,
 runc's state, the overlay and group mounts, the cgroups; the lazy file

@@ -1,30 +1,40 @@
 """The warm pool: environments created ahead, so a create only starts one.
 
 A create spends most of its time in ``runc run`` (~25-30 ms on a 2-core VM:
-namespaces, cgroup, the rootfs's mounts, the first process).  For a template
-that was created at least twice within :attr:`WarmPool.idle_s`, the pool keeps
-:attr:`WarmPool.size` environments of it *created but not started*: group
-mounts taken, overlay rootfs mounted, bundle written, ``runc create`` done,
-the first process waiting in runc's exec FIFO.  A create that matches one
-(:class:`PoolKey`: same template digest, same resources asked, same
-capabilities) takes it and runs ``runc start`` (~7 ms) instead.  Nothing of an
-environment ever runs before a create takes it, and no environment is reused:
-a pooled one is used once or removed.
+namespaces, cgroup, the rootfs's mounts, the first process).  For a request
+(:class:`PoolKey`: template digest, resources asked, capabilities) that
+created an environment twice within :attr:`WarmPool.idle_s`, the pool keeps
+:attr:`WarmPool.size` environments *created but not started*: group mounts
+taken, overlay rootfs mounted, bundle written, ``runc create`` done, the first
+process waiting in runc's exec FIFO.  The next create with that key takes one
+and runs ``runc start`` (~7 ms) instead.  Nothing of an environment runs
+before a create takes it, and no environment is reused: a pooled one is
+started once or removed.
 
 This is the warm pool of serverless platforms (AWS Lambda's provisioned
-concurrency, Modal's warm containers) with one difference: it fills itself
-from observed creates, not from a setting per function.
+concurrency, Modal's warm containers), filled from observed creates rather
+than from a setting per function.
+
+When: one background thread fills a key while none of its creates is under
+way (between bursts, not against them); a create that finds none ready but a
+fill under way waits for that fill (it began earlier than a new environment
+would).  A create refused after taking one (e.g. admission's
+:class:`~weenv.errors.CapacityError`) gives it back untouched.
 
 Costs: per pooled environment, one waiting ``runc init`` (~10 MB RSS, ~2 MB
-anonymous), a cgroup, a network namespace and an overlay mount.  One
-background thread fills the pool; a fill costs what a create costs.
+anonymous), a cgroup, a network namespace and an overlay mount; a fill costs
+what a create costs.
 
-Removal: an entry goes when its key was not created for :attr:`WarmPool.idle_s`,
-when more than :attr:`WarmPool.max_templates` keys have entries (the least
-recently created goes), on :meth:`WarmPool.drain` (the node's ``drop_caches``)
-and on :meth:`WarmPool.close`.  After a node process is killed, its pooled
-environments have no ``env.json``: the next node removes them like any
-half-created environment.
+Removal: a key's environments go when it was not created for
+:attr:`WarmPool.idle_s`, when it is not among the :attr:`WarmPool.max_templates`
+most recent keys, when its template's name moved (:meth:`WarmPool.forget`),
+when the node may not hold them (``may_fill``: ``max_environments``, or
+admission stopped under memory pressure), on :meth:`WarmPool.drain` (the
+node's ``drop_caches``) and :meth:`WarmPool.close`.  The node does not start
+one that reads a group through FUSE once that group's assembled image can be
+mounted directly.  After a node process is killed, its pooled environments
+have no ``env.json``: the next node removes them like any half-created
+environment.
 """
 
 from __future__ import annotations
