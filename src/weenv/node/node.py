@@ -91,6 +91,9 @@ INIT = Path("/usr/bin/tini-static")
 backgrounded processes do not pile up as zombies against the pids limit."""
 
 
+POOLED_START_TIMEOUT_S = 2.0
+"""Seconds a create gives ``runc start`` of a pooled environment before making its own."""
+
 MANIFEST_CACHE = 64
 """Template and group manifests a node keeps in memory, by digest (least recently used go;
 a group manifest of a 3 GB group is ~3,000 chunk refs, about 1-2 MB of Python objects)."""
@@ -183,6 +186,7 @@ class Node:
         self._manifest_cache: OrderedDict[tuple[str, str], TemplateManifest | GroupManifest] = OrderedDict()
         self._resolved: OrderedDict[str, str] = OrderedDict()  # template name -> the digest it last resolved to
         self._started = False
+        self._closing = False  # close() runs: creates are refused, those under way are waited for
         self._home_lock: int | None = None
         self.pool = WarmPool(self._prepare_pooled, may_fill=self._may_pool,
                              size=pool_size_from_env() if pool_size is None else pool_size)
@@ -212,6 +216,7 @@ class Node:
         for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
+        self._closing = False
         self.pool.open()
         try:
             if self.lazyfs.take_over():
@@ -252,7 +257,11 @@ class Node:
         release the home.  Idempotent."""
         if not self._started:
             return
-        self.pool.close()  # its fills use the groups and runc
+        with self._lock:
+            self._closing = True
+        self.pool.close()  # its fills use the groups and runc; a create waiting for one goes on without
+        while self._pending:  # creates under way end (their environments are destroyed below)
+            time.sleep(0.01)
         errors = []
         for env_id in list(self._envs):
             try:
@@ -414,6 +423,8 @@ class Node:
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise InvalidInputError(f"bad environment variable {key!r}")
         with self._lock:
+            if self._closing:  # checked with the count close() waits on
+                raise InvalidInputError("node is closing")
             if self.max_environments is not None and len(self._envs) + self._pending >= self.max_environments:
                 raise CapacityError(
                     f"the node runs {len(self._envs)} environments (+{self._pending} starting) "
@@ -448,6 +459,9 @@ class Node:
             info = self._create_env(t0, digest, resolving, req, pooled)
             created = True
             return info
+        except NotFoundError:  # the template (or its name) is gone: make no more of it
+            self.pool.forget(key)
+            raise
         finally:
             self.pool.done(key, created)
 
@@ -535,19 +549,26 @@ class Node:
         """Start the pooled environment (``runc start``) and return its overlay's
         lower dirs; or remove it and return None if it cannot serve: a group it
         reads through FUSE has an assembled image now (new environments mount
-        that directly), or its container does not start (e.g. its waiting
-        process was killed)."""
+        that directly), its overlay is no longer mounted on the host (the
+        node's file access goes through it), or its container does not start
+        (e.g. its waiting process was killed)."""
+        why = None
         for g, g_manifest, lower in zip(manifest.groups, group_manifests, pooled.lowers):
             if self.groups.superseded(g, lower, g_manifest):
-                log.info("pooled environment %s reads group %s through FUSE, superseded; creating it anew",
-                         pooled.env_id, g)
-                pooled.undo.close()
-                return None
+                why = f"it reads group {g} through FUSE, which is mounted directly now"
+        if why is None and not mounts.is_mounted(self.paths.environments / pooled.env_id / "rootfs"):
+            why = "its overlay is not mounted"
+        if why is not None:
+            log.info("pooled environment %s not used (%s); creating it anew", pooled.env_id, why)
+            self.pool.unusable()
+            pooled.undo.close()
+            return None
         t = time.perf_counter()
-        try:
-            self.runc.start(CONTAINER_PREFIX + pooled.env_id)
+        try:  # ~7 ms; one that waits longer is stuck (e.g. its process stopped): made anew instead
+            self.runc.start(CONTAINER_PREFIX + pooled.env_id, timeout=POOLED_START_TIMEOUT_S)
         except (RuntimeFailedError, NotFoundError) as exc:
             log.warning("pooled environment %s did not start (%s); creating it anew", pooled.env_id, exc)
+            self.pool.unusable()
             pooled.undo.close()
             return None
         timing["runtime_s"] = time.perf_counter() - t
@@ -1085,6 +1106,8 @@ class Node:
     def _check_started(self) -> None:
         if not self._started:
             raise InvalidInputError("node is not started")
+        if self._closing:
+            raise InvalidInputError("node is closing")
 
 
 def _pool_key(digest: str, req: _Request) -> PoolKey:

@@ -91,9 +91,9 @@ class PoolStats:
     ready: int = 0
     """Environments created ahead and waiting."""
     hits: int = 0
-    """Creates given a pooled environment (one they could not start was then removed: see the node's log)."""
+    """Creates that started a pooled environment."""
     misses: int = 0
-    """Creates given none (each created its environment itself)."""
+    """Creates that made their environment themselves (none was ready, or the one given could not start)."""
     filled: int = 0
     failed: int = 0
     """Fills that raised (the key then waits :data:`FAILURE_BACKOFF_S`)."""
@@ -185,8 +185,17 @@ class WarmPool:
                 self._stats.hits -= 1
                 self._stats.misses += 1
                 self._cond.notify_all()
+            else:
+                self._removing += 1
         if not keep:
-            self._remove([pooled])
+            self._remove([pooled], counted=True)
+
+    def unusable(self) -> None:
+        """An environment :meth:`take` gave could not be started (the caller
+        removed it and created anew): count that create as a miss."""
+        with self._cond:
+            self._stats.hits -= 1
+            self._stats.misses += 1
 
     def done(self, key: PoolKey, created: bool) -> None:
         """A create that called :meth:`take` with ``key`` ended; ``created``:
@@ -207,7 +216,8 @@ class WarmPool:
         with self._cond:
             self._uses.pop(key, None)
             gone = self._ready.pop(key, [])
-        self._remove(gone)
+            self._removing += len(gone)
+        self._remove(gone, counted=True)
 
     def wake(self) -> None:
         """Something :meth:`may_fill` depends on changed (e.g. an environment went)."""
@@ -235,8 +245,9 @@ class WarmPool:
             for ready in self._ready.values():
                 del ready[size:]
             self._ready = {k: v for k, v in self._ready.items() if v}
+            self._removing += len(extra)
             self._wake_locked()
-        self._remove(extra)
+        self._remove(extra, counted=True)
 
     def drain(self) -> None:
         """Remove every ready environment, wait for the fills and removals
@@ -263,8 +274,8 @@ class WarmPool:
         """Stop filling and remove every ready environment.  Idempotent."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
             worker, self._worker = self._worker, None
+            self._cond.notify_all()
         if worker is not None:
             worker.join()
         self.drain()
@@ -289,6 +300,7 @@ class WarmPool:
                 if self._closed:
                     return
                 gone = self._stale_locked(time.monotonic(), over=not may_hold)
+                self._removing += len(gone)
                 key = self._next_locked() if may_add and not gone else None
                 if key is not None:
                     self._inflight[key] = self._inflight.get(key, 0) + 1
@@ -297,7 +309,7 @@ class WarmPool:
                     self._cond.wait(timeout=self._sleep_locked())
                     continue
             if gone:
-                self._remove(gone)
+                self._remove(gone, counted=True)
             else:
                 self._fill(key, generation)
 
@@ -310,9 +322,11 @@ class WarmPool:
 
     def _fill(self, key: PoolKey, generation: int) -> None:
         """Create one environment for ``key``; hand it to the oldest create
-        waiting for it, or keep it if the pool still wants it.  The fill
-        counts as under way until what it made is handed, kept or gone
-        (:meth:`drain` waits for that)."""
+        waiting for it, or keep it if the pool still wants it, or remove it.
+        The fill stops counting as under way in the same lock hold that pops
+        its waiter (so every waiter has a fill under way), and what it
+        removes counts as being removed from then on (:meth:`drain` waits
+        for both)."""
         pooled = None
         try:
             pooled = self._prepare(key)
@@ -335,14 +349,14 @@ class WarmPool:
             elif pooled is None:
                 self._stats.failed += 1
                 self._backoff[key] = time.monotonic() + FAILURE_BACKOFF_S
-            self._cond.notify_all()
-        if pooled is not None and not keep:
-            self._remove([pooled])
-        with self._cond:
+            else:
+                self._removing += 1
             self._inflight[key] -= 1
             if not self._inflight[key]:
                 del self._inflight[key]
             self._cond.notify_all()
+        if pooled is not None and not keep:
+            self._remove([pooled], counted=True)
 
     def _wanted_locked(self, key: PoolKey) -> bool:
         """Whether ``key`` is among the :attr:`max_templates` most recently
@@ -398,11 +412,14 @@ class WarmPool:
     def _ready_count_locked(self) -> int:
         return sum(len(v) for v in self._ready.values())
 
-    def _remove(self, pooled: list[Pooled]) -> None:
+    def _remove(self, pooled: list[Pooled], *, counted: bool = False) -> None:
+        """Remove ``pooled`` (outside the lock), counted in ``_removing`` until
+        done (``counted``: the caller counted them already, under the lock)."""
         if not pooled:
             return
-        with self._cond:
-            self._removing += len(pooled)
+        if not counted:
+            with self._cond:
+                self._removing += len(pooled)
         try:
             for p in pooled:
                 try:

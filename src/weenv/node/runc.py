@@ -171,9 +171,11 @@ class Runc:
                 out = f.read(64 << 10).decode(errors="replace")
             raise RuntimeFailedError(f"runc {verb[0]} {container_id}: {runc_message(out)}")
 
-    def start(self, container_id: str) -> None:
-        """``runc start``: run the first process of a created container."""
-        self._run("start", container_id)
+    def start(self, container_id: str, *, timeout: float | None = None) -> None:
+        """``runc start``: run the first process of a created container.
+        ``timeout``: seconds (default :attr:`command_timeout`) after which
+        runc is killed and :class:`RuntimeFailedError` raised."""
+        self._run("start", container_id, timeout=timeout)
 
     def run_detached(self, container_id: str, bundle: Path, *, stdin: int | None = None) -> None:
         """``runc run --detach``: :meth:`create` and :meth:`start` in one runc
@@ -367,16 +369,16 @@ class Runc:
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), *args]
 
-    def _run(self, *args: str, cid: str | None = None) -> str:
+    def _run(self, *args: str, cid: str | None = None, timeout: float | None = None) -> str:
+        timeout = self.command_timeout if timeout is None else timeout
         try:
             proc = subprocess.run(
-                self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True,
-                timeout=self.command_timeout,
+                self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
             )  # fmt: skip
         except FileNotFoundError as exc:
             raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeFailedError(f"runc {' '.join(args)}: no answer in {self.command_timeout} s") from exc
+            raise RuntimeFailedError(f"runc {' '.join(args)}: no answer in {timeout} s") from exc
         if proc.returncode != 0:
             msg = runc_message(proc.stderr.decode(errors="replace"))
             if "does not exist" in msg:
