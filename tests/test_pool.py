@@ -258,21 +258,7 @@ def test_pool_size_from_the_environment(monkeypatch):
 def test_a_killed_node_leaves_its_pooled_environments_to_the_next(paths, shared_store, leak_check, tmp_path):
     """A node process killed with pooled environments: the next node on the
     home removes them (they never had an env.json)."""
-    script = tmp_path / "node.py"
-    script.write_text(
-        "import sys, time\n"
-        "from weenv.config import Paths\nfrom weenv.node.node import Node\nfrom weenv.store.file import FileStore\n"
-        "node = Node(Paths.from_env(), store=FileStore(sys.argv[1]), pool_size=1).start()\n"
-        "for _ in range(2):\n    node.destroy(node.create('task').id)\n"
-        "while node.pool.stats().ready < 1:\n    time.sleep(0.01)\n"
-        "print('ready', flush=True)\ntime.sleep(600)\n"
-    )
-    proc = subprocess.Popen([sys.executable, str(script), str(shared_store.root)], stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline() == b"ready\n"
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_a_node_holding_a_pooled_environment(paths, shared_store, tmp_path)
     node = Node(paths, store=shared_store, pool_size=0)
     pooled = [s["id"] for s in node.runc.list() if s["status"] == "created"]
     assert len(pooled) == 1 and _overlays(paths)
@@ -370,3 +356,28 @@ def private_store_for_pool(tmp_path, shared_store, leak_check):
     store = FileStore(root)
     create_template(store, "moving", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
     return store
+
+
+def kill_a_node_holding_a_pooled_environment(paths, store, tmp_path) -> int | None:
+    """Run a node in a process of its own on ``paths``'s home until its pool
+    holds an environment, then SIGKILL that process; the pid of its FUSE
+    holder (which outlives it), if one runs."""
+    script = tmp_path / "node.py"
+    script.write_text(
+        "import sys, time\n"
+        "from weenv.config import Paths\nfrom weenv.node.node import Node\nfrom weenv.store.file import FileStore\n"
+        "node = Node(Paths.from_env(), store=FileStore(sys.argv[1]), pool_size=1).start()\n"
+        "for _ in range(2):\n    node.destroy(node.create('task').id)\n"
+        "while node.pool.stats().ready < 1:\n    time.sleep(0.01)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script), str(store.root)], stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        from weenv.node.fuse import holder
+
+        return holder.pid_of(paths.run)
+    finally:
+        proc.kill()
+        proc.wait()
