@@ -340,7 +340,18 @@ def test_a_pooled_environment_whose_overlay_was_unmounted_is_not_started(paths, 
 
 
 # --- templates that move -----------------------------------------------------------------
-def test_a_moved_template_name_does_not_keep_its_old_digest_warm(paths, shared_store, home, tmp_path):
+@pytest.fixture
+def own_store(tmp_path, shared_store):
+    """The shared store's files, hard-linked into a store of the test's own
+    (templates made, moved or deleted here stay out of the session's store)."""
+    from weenv.store.file import FileStore
+
+    root = tmp_path / "own-store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    return FileStore(root)
+
+
+def test_a_moved_template_name_does_not_keep_its_old_digest_warm(paths, own_store, home, tmp_path):
     """Fixed (it failed before).  Scenario: template ``moving`` is warm (pooled); its name is
     then moved to a new digest (a new version published).  The next create of
     the name starts the old digest's pooled environment (the name's last
@@ -351,12 +362,12 @@ def test_a_moved_template_name_does_not_keep_its_old_digest_warm(paths, shared_s
     runc init, cgroup) until idle_s (5 minutes).  Expected: once the name
     moved and was created twice, only its current digest is kept ready."""
     name = f"moving-{tmp_path.name[-12:]}"
-    create_template(shared_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
-    node = _start(home, paths, shared_store, pool_size=1)
+    create_template(own_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    node = _start(home, paths, own_store, pool_size=1)
     _warm_up(node, name)
     _wait_ready(node)
-    create_template(shared_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/tmp"))  # moves it
-    new_digest = load_template(shared_store, name)[0]
+    create_template(own_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/tmp"))  # moves it
+    new_digest = load_template(own_store, name)[0]
     for _ in range(2):
         info = node.create(name)
         assert info.template_digest == new_digest
@@ -369,7 +380,7 @@ def test_a_moved_template_name_does_not_keep_its_old_digest_warm(paths, shared_s
     assert cwds == ["/tmp"], f"pooled environments by working dir (old: /workspace, new: /tmp): {cwds}"
 
 
-def test_a_deleted_template_is_not_created_ahead_again(paths, shared_store, home, tmp_path):
+def test_a_deleted_template_is_not_created_ahead_again(paths, own_store, home, tmp_path):
     """Fixed (it failed before).  Scenario: template ``deleted-*`` is warm (pooled), then deleted
     from the store (its ref and manifest, as gc would remove them).  The next
     create of the name starts the pooled environment of the deleted template
@@ -379,14 +390,14 @@ def test_a_deleted_template_is_not_created_ahead_again(paths, shared_store, home
     memory) and keep it ready until idle_s.  Expected: no environment of a
     template the store no longer has is created ahead."""
     name = f"deleted-{tmp_path.name[-12:]}"
-    create_template(shared_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/srv"))
-    digest = load_template(shared_store, name)[0]
-    node = _start(home, paths, shared_store, pool_size=1)
+    create_template(own_store, name, ["base", "task"], runtime=RuntimeConfig(working_dir="/srv"))
+    digest = load_template(own_store, name)[0]
+    node = _start(home, paths, own_store, pool_size=1)
     _warm_up(node, name)
     _wait_ready(node)
     (first,) = _created(paths)
-    shared_store.delete_ref("templates", name)
-    shared_store.delete_manifest(digest)
+    own_store.delete_ref("templates", name)
+    own_store.delete_manifest(digest)
     with pytest.raises(NotFoundError):
         node.create(name)
     time.sleep(1.5)  # the fill thread does what it does

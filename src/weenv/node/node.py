@@ -37,8 +37,8 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.config import Paths
@@ -160,9 +160,9 @@ class Node:
         ``prefetch_record_s``, ``prefetch_pack_bytes``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
         run commands through an agent inside each environment (built into
         ``WEENV_CACHE`` on first use; False: always ``runc exec``).  ``pool_size``:
-        environments the warm pool keeps created ahead per template created
-        twice recently (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``,
-        else 1; 0: no pool)."""
+        environments the warm pool keeps created ahead per template (with the
+        same resources and capabilities) created twice recently
+        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool)."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
