@@ -394,7 +394,7 @@ class WarmPool:
         for key in [k for k in self._ready if k not in wanted]:
             gone += self._ready.pop(key)
         if over and not gone and self._ready:
-            key = min(self._ready, key=lambda k: -wanted.index(k))  # the least recently created
+            key = max(self._ready, key=wanted.index)  # the least recently created (wanted: most recent first)
             gone.append(self._ready[key].pop())
             if not self._ready[key]:
                 del self._ready[key]
