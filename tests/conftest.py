@@ -1,4 +1,5 @@
-"""Shared fixtures.  Tests run as root with real mounts, FUSE and runc.
+"""Shared fixtures.  Two tiers: ``tests/unit/`` (marker ``unit``) runs as any
+user in seconds; every other test runs as root with real mounts, FUSE and runc.
 
 Every test gets its own ``WEENV_HOME`` under a temporary directory; big
 downloads (debootstrap output) are shared through ``WEENV_CACHE``
@@ -20,10 +21,17 @@ from weenv.store.file import FileStore
 CACHE = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv"))
 
 
+UNIT = Path(__file__).parent / "unit"
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.geteuid() != 0:
-        skip = pytest.mark.skip(reason="weenv's tests need root (mounts, FUSE, runc)")
-        for item in items:
+    """Tests under ``tests/unit/`` get the ``unit`` marker (they need no root);
+    every other test is the integration tier and is skipped without root."""
+    skip = pytest.mark.skip(reason="weenv's integration tests need root (mounts, FUSE, runc)")
+    for item in items:
+        if item.path.is_relative_to(UNIT):
+            item.add_marker(pytest.mark.unit)
+        elif os.geteuid() != 0:
             item.add_marker(skip)
 
 

@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.importer import default_name, import_image, plan_groups
-from weenv.packaging.importer.runtime import resolve_user
+from weenv.packaging.importer import import_image
 from weenv.services.dockerd import Dockerd
 from weenv.services.registry import Registry
 from weenv.store.file import FileStore
@@ -279,32 +278,6 @@ def test_image_user_and_config(images, import_store):
     assert rt.user == "65534:65534" and rt.env["HOME"] == "/nonexistent"
     assert rt.working_dir == "/data" and rt.default_command == ["/bin/sh", "-c", "echo hello"]
     assert len(r.groups) == 6  # USER adds no layer
-
-
-def test_resolve_user():
-    files = {"/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nsvc:x:1001:1002::/srv:/bin/false\n",
-             "/etc/group": b"root:x:0:\nstaff:x:50:\n"}
-    read = files.get
-    assert resolve_user("", read) == (0, 0, "/root")
-    assert resolve_user("svc", read) == (1001, 1002, "/srv")
-    assert resolve_user("svc:staff", read) == (1001, 50, "/srv")
-    assert resolve_user("4242", read) == (4242, 0, "/")
-    assert resolve_user("4242:7", read) == (4242, 7, "/")
-    with pytest.raises(InvalidInputError, match="ghost"):
-        resolve_user("ghost", read)
-    with pytest.raises(InvalidInputError, match="nogroup"):
-        resolve_user("svc:nogroup", read)
-
-
-def test_plan_groups_and_names():
-    assert plan_groups([5, 5, 5]) == [[0], [1], [2]]
-    assert plan_groups([100, 1, 2, 3, 100, 4], merge_small=10) == [[0], [1, 2, 3], [4], [5]]
-    assert plan_groups([6, 6, 6], merge_small=10) == [[0], [1], [2]]
-    assert plan_groups([4, 4, 4], merge_small=10) == [[0, 1], [2]]
-    with pytest.raises(InvalidInputError):
-        plan_groups([1], merge_small=0)
-    assert default_name("docker://127.0.0.1:5000/team/My_Image:3.1") == "my_image"
-    assert default_name("/x/python-3.11.tar") == "python-3.11"
 
 
 def test_cli_import(images, paths):

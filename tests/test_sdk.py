@@ -4,13 +4,11 @@ on loopback, reached by WEENV_API_URL + WEENV_API_KEY, and by the Unix socket.""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import time
 
 import pytest
 
-import weenv
 from daemon_fixture import start_daemon
 from weenv import AsyncSandbox, Sandbox
 from weenv.sdk import (
@@ -21,7 +19,6 @@ from weenv.sdk import (
     InvalidInputError,
     NotFoundError,
 )
-from weenv.sdk import _async, _sync
 
 SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
 
@@ -222,16 +219,3 @@ def test_async_face(remote):
     asyncio.run(main())
 
 
-def test_sync_and_async_faces_match():
-    """One logic, two faces: the same public methods with the same parameters."""
-    pairs = [(_sync.Sandbox, _async.AsyncSandbox), (_sync.Commands, _async.AsyncCommands),
-             (_sync.Files, _async.AsyncFiles), (_sync.CommandHandle, _async.AsyncCommandHandle)]
-    for s, a in pairs:
-        names = {n for n in dir(s) if not n.startswith("_")}
-        assert names == {n for n in dir(a) if not n.startswith("_")}, (s, a)
-        for n in names:
-            fs, fa = getattr(s, n), getattr(a, n)
-            if callable(fs) and not isinstance(fs, type):
-                assert list(inspect.signature(fs).parameters) == list(inspect.signature(fa).parameters), n
-                assert inspect.iscoroutinefunction(fa) != inspect.iscoroutinefunction(fs) or n == "pid", n
-    assert weenv.Sandbox is Sandbox and weenv.AsyncSandbox is AsyncSandbox
