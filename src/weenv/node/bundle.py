@@ -123,7 +123,7 @@ _SECCOMP_ARCHES = {
     "x86_64": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
     "aarch64": ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
 }
-_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})$")
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,62})\Z")
 
 
 def parse_user(user: str) -> tuple[int, int]:

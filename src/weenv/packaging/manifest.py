@@ -26,8 +26,8 @@ MAX_CHUNK_SIZE = 256 << 20
 """Largest chunk a build makes: a chunk is read, compressed and fetched whole, in memory."""
 EROFS_BLOCK_SIZE = 4096
 
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 
 
 def check_digest(value: str) -> str:
@@ -149,7 +149,7 @@ MAX_MEMORY_BYTES = 1 << 50
 """Largest memory limit (1 PiB)."""
 MAX_PIDS = 1 << 22
 """Largest pids limit (the kernel's PID_MAX_LIMIT)."""
-_USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?$")
+_USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?\Z")
 
 
 class Resources(_Model):

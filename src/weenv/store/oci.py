@@ -119,9 +119,9 @@ MAX_TAG = 128
 MAX_BACKOFF = 2.0
 
 # distribution-spec: repository name components, and tags.
-_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\Z")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _LINK_RE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')
 
 T = TypeVar("T")

@@ -79,7 +79,7 @@ LAYER_TYPES = {
     "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
 }
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 

@@ -34,7 +34,7 @@ from weenv.server.e2b.api import install_error_handlers, key_checker, make_api
 from weenv.server.e2b.envd import Envd
 from weenv.server.e2b.sandboxes import Sandboxes
 
-KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}$")
+KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}\Z")
 """The form of an E2B API key: ``e2b_`` and hex digits (the daemon's key spelled
 for E2B clients is :attr:`weenv.server.auth.ApiKey.e2b`)."""
 
