@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-ROOT_FIXTURES = {"debian_root", "shared_store", "node", "leak_check", "daemon", "oci_registry", "dockerd"}
+ROOT_FIXTURES = {"debian_root", "shared_store", "node", "leak_check"}
+"""Fixtures of ``tests/conftest.py`` that need root (debootstrap, mounts, runc, host-wide checks)."""
 
 
 def pytest_runtest_setup(item):
-    wanted = ROOT_FIXTURES & set(getattr(item, "fixturenames", ()))
-    if wanted:
-        pytest.fail(f"{item.nodeid}: a unit test may not use the root tier's fixtures {sorted(wanted)}; "
+    defs = getattr(item, "_fixtureinfo", None)
+    used = {name for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ())
+            if name in ROOT_FIXTURES and fixturedefs[-1].baseid in ("", "tests")}
+    if used:
+        pytest.fail(f"{item.nodeid}: a unit test may not use the root tier's fixtures {sorted(used)}; "
                     "move it out of tests/unit/", pytrace=False)
