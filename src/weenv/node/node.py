@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.config import Paths
+from weenv.config import PRIVATE_MODE, Paths, private_dir
 from weenv.errors import (
     CapacityError,
     CommandTimeoutError,
@@ -213,7 +213,9 @@ class Node:
         :class:`Node` directly) runs on this home, before touching anything of it."""
         if self._started:
             return self
-        for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
+        for d in (self.paths.node, self.paths.run):  # closed to other users: see weenv.config
+            private_dir(d)
+        for d in (self.paths.environments, self.paths.group_mounts):
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
         self._closing = False
@@ -584,7 +586,7 @@ class Node:
         ``undo``; the phases' seconds go to ``timing``.  Returns the overlay's
         lower dirs (group mount points, as the template lists its groups)."""
         env_dir = self.paths.environments / env_id
-        env_dir.mkdir(parents=True)
+        env_dir.mkdir(mode=PRIVATE_MODE)
         undo.callback(_remove_tree, env_dir)
 
         t = time.perf_counter()
