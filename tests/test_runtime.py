@@ -159,8 +159,12 @@ def test_bundle_config(tmp_path):
     assert dests == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys", "/sys/fs/cgroup"]
 
     net = build_config(Path("/r"), RuntimeConfig(network=True), hostname="h", cgroups_path="/c",
-                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False)
-    assert "network" not in {n["type"] for n in net["linux"]["namespaces"]}
+                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False,
+                       netns=Path("/e/netns"))  # fmt: skip
+    assert {"type": "network", "path": "/e/netns"} in net["linux"]["namespaces"]  # never the host's
+    for network, netns in ((True, None), (False, Path("/e/netns"))):
+        with pytest.raises(InvalidInputError):
+            build_config(Path("/r"), RuntimeConfig(network=network), hostname="h", cgroups_path="/c", netns=netns)
     assert net["mounts"][-1]["destination"] == "/etc/resolv.conf" and "ro" in net["mounts"][-1]["options"]
     assert net["linux"]["resources"]["cpu"]["quota"] == 250000 and "seccomp" not in net["linux"]
     assert net["linux"]["resources"]["pids"] == {"limit": 7}
@@ -342,19 +346,6 @@ def test_cgroup_limits(env):
     assert env.sh("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max").stdout == b"200\n"
     r = env.sh("python3 -c 'import os; [os.fork() or os.execvp(\"sleep\", [\"sleep\", \"2\"]) for _ in range(300)]'")
     assert r.exit_code != 0 and b"BlockingIOError" in r.stderr  # fork fails at the pids limit
-
-
-def test_network_mode(runc, overlay_root, tmp_path):
-    if not Path("/etc/resolv.conf").is_file():
-        pytest.skip("the host has no /etc/resolv.conf")
-    e = start(runc, overlay_root, tmp_path / "bundle", RuntimeConfig(network=True))
-    try:
-        host = sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:])
-        lines = e.runc.exec(e.id, ["cat", "/proc/net/dev"]).stdout.decode().splitlines()[2:]
-        assert sorted(line.split(":")[0].strip() for line in lines) == host
-        assert e.runc.exec(e.id, ["cat", "/etc/resolv.conf"]).stdout == Path("/etc/resolv.conf").read_bytes()
-    finally:
-        runc.delete(e.id, force=True)
 
 
 # --- runc: lifecycle ----------------------------------------------------------------------

@@ -8,9 +8,11 @@ touches anything else on the host.
 What an environment gets (the defaults of ``runc spec`` from runc 1.1.5 unless
 said otherwise):
 
-- its own pid, mount, ipc and uts namespaces, and its own network namespace
-  (loopback only) unless ``runtime.network`` is true; then the host's network
-  and a read-only bind of the host's ``/etc/resolv.conf``;
+- its own pid, mount, ipc, uts and network namespaces, never the host's: a new
+  network namespace holding only loopback, or with ``runtime.network`` the one
+  at ``netns`` (made by :mod:`weenv.node.network`: a veth pair to the host,
+  NATed out, the host and other environments unreachable) and a read-only bind
+  of the host's ``/etc/resolv.conf``;
 - runc's default capabilities (:data:`RUNC_DEFAULT_CAPS`: ``CAP_AUDIT_WRITE``,
   ``CAP_KILL``, ``CAP_NET_BIND_SERVICE``; ``capabilities=`` chooses others, e.g.
   :data:`DOCKER_DEFAULT_CAPS`), ``noNewPrivileges``;
@@ -219,6 +221,7 @@ def build_config(
     init: Path | None = None,
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
     agent: Path | None = None,
+    netns: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -233,9 +236,11 @@ def build_config(
     :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider);
     ``agent``: the exec agent binary on the host, run in front of the command
     (its listening socket is the first process's stdin, see
-    :meth:`weenv.node.runc.Runc.create`), default none.  Raises
-    :class:`InvalidInputError` for a bad user, hostname, working dir, command or
-    environment variable name.
+    :meth:`weenv.node.runc.Runc.create`), default none; ``netns``: the
+    network namespace file the environment joins, required with
+    ``runtime.network`` and refused without it.  Raises
+    :class:`InvalidInputError` for a bad user, hostname, working dir, command,
+    environment variable name or network namespace.
     """
     uid, gid = parse_user(runtime.user)
     if not _HOSTNAME_RE.match(hostname):
@@ -252,9 +257,10 @@ def build_config(
     res = resources or runtime.resources
     soft, hard = nofile or default_nofile()
     caps = list(capabilities)
+    if runtime.network != (netns is not None):
+        raise InvalidInputError("a network namespace (netns=) is given with runtime.network, and only then")
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-    if not runtime.network:
-        namespaces.append({"type": "network"})
+    namespaces.append({"type": "network", "path": os.fspath(Path(netns).absolute())} if netns else {"type": "network"})
     linux: dict[str, Any] = {
         "cgroupsPath": cgroups_path,
         "resources": {
@@ -303,6 +309,7 @@ def write_bundle(
     init: Path | None = None,
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
     agent: Path | None = None,
+    netns: Path | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -312,6 +319,7 @@ def write_bundle(
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
         resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
+        netns=netns,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")
