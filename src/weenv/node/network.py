@@ -183,12 +183,6 @@ def teardown(env_id: str, env_dir: Path) -> None:
         netns.unlink()
 
 
-def stray_interfaces(env_ids: set[str]) -> list[str]:
-    """Host interfaces named like a weenv veth whose environment is not in ``env_ids``."""
-    known = {host_ifname(i) for i in env_ids}
-    return sorted(n for n in os.listdir("/sys/class/net") if n.startswith(IF_PREFIX) and n not in known)
-
-
 def _free_subnet(cidr: ipaddress.IPv4Network) -> tuple[ipaddress.IPv4Interface, ipaddress.IPv4Interface]:
     used = set()
     for link in json.loads(_run(["ip", "-j", "-4", "addr", "show"]).stdout or "[]"):
