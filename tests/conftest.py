@@ -58,8 +58,10 @@ def store(paths) -> FileStore:
 
 
 def system_snapshot(prefix: Path) -> dict:
-    """What a test may leak, seen from the host: mounts below ``prefix``, loop
-    devices, cgroups named weenv, runc containers and FUSE connections."""
+    """What a test may leak, seen from the host: mounts below ``prefix`` (an
+    environment's network namespace file is one), loop devices, cgroups named
+    weenv, runc containers, FUSE connections and network interfaces named weenv
+    (environments' veths)."""
     mounts = []
     with open("/proc/mounts") as f:
         for line in f:
@@ -71,13 +73,14 @@ def system_snapshot(prefix: Path) -> dict:
         str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
     )
     fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
-    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns}
+    veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.network's
+    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths}
 
 
 @pytest.fixture
 def leak_check(tmp_path):
-    """Fails the test if mounts, loop devices, weenv cgroups or FUSE connections
-    remain at its end that were not there at its start."""
+    """Fails the test if mounts, loop devices, weenv cgroups, FUSE connections
+    or weenv network interfaces remain at its end that were not there at its start."""
     before = system_snapshot(tmp_path)
     yield
     after = system_snapshot(tmp_path)

@@ -296,19 +296,6 @@ def test_cgroup_limits(env):
     assert r.exit_code != 0 and b"BlockingIOError" in r.stderr  # fork fails at the pids limit
 
 
-def test_network_mode(runc, overlay_root, tmp_path):
-    if not Path("/etc/resolv.conf").is_file():
-        pytest.skip("the host has no /etc/resolv.conf")
-    e = start(runc, overlay_root, tmp_path / "bundle", RuntimeConfig(network=True))
-    try:
-        host = sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:])
-        lines = e.runc.exec(e.id, ["cat", "/proc/net/dev"]).stdout.decode().splitlines()[2:]
-        assert sorted(line.split(":")[0].strip() for line in lines) == host
-        assert e.runc.exec(e.id, ["cat", "/etc/resolv.conf"]).stdout == Path("/etc/resolv.conf").read_bytes()
-    finally:
-        runc.delete(e.id, force=True)
-
-
 # --- runc: lifecycle ----------------------------------------------------------------------
 def test_kill_delete_leaves_nothing(runc, overlay_root, tmp_path):
     e = start(runc, overlay_root, tmp_path / "bundle")

@@ -38,8 +38,12 @@ def test_bundle_config(tmp_path):
     assert dests == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys", "/sys/fs/cgroup"]
 
     net = build_config(Path("/r"), RuntimeConfig(network=True), hostname="h", cgroups_path="/c",
-                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False)
-    assert "network" not in {n["type"] for n in net["linux"]["namespaces"]}
+                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False,
+                       netns=Path("/e/netns"))  # fmt: skip
+    assert {"type": "network", "path": "/e/netns"} in net["linux"]["namespaces"]  # never the host's
+    for network, netns in ((True, None), (False, Path("/e/netns"))):
+        with pytest.raises(InvalidInputError):
+            build_config(Path("/r"), RuntimeConfig(network=network), hostname="h", cgroups_path="/c", netns=netns)
     assert net["mounts"][-1]["destination"] == "/etc/resolv.conf" and "ro" in net["mounts"][-1]["options"]
     assert net["linux"]["resources"]["cpu"]["quota"] == 250000 and "seccomp" not in net["linux"]
     assert net["linux"]["resources"]["pids"] == {"limit": 7}

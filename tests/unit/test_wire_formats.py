@@ -11,7 +11,7 @@ import pytest
 
 from weenv.errors import ERROR_KINDS, InvalidInputError, MountError, NotFoundError
 from weenv.node.fuse import protocol as fp
-from weenv.node.mounts import MS_NODEV, MS_RDONLY, erofs_spec, overlay_escape, overlay_spec
+from weenv.node.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, erofs_spec, overlay_escape, overlay_spec
 from weenv.server.e2b import connect
 from weenv.server.e2b.proto import build, filesystem_pb, process_pb
 
@@ -36,7 +36,8 @@ def _unescape_split(text: str, sep: str, *, keep_escapes: bool = False) -> list[
 
 def test_overlay_lists_the_top_group_first():
     spec = overlay_spec(["/g/base", "/g/deps", "/g/task"], "/e/upper", "/e/work", "/e/root")
-    assert (spec.fstype, spec.source, spec.target, spec.flags) == ("overlay", "overlay", "/e/root", 0)
+    # nosuid,nodev on the host side: a setuid file or device node made inside is inert outside
+    assert (spec.fstype, spec.source, spec.target, spec.flags) == ("overlay", "overlay", "/e/root", MS_NOSUID | MS_NODEV)
     opts = dict(o.split("=", 1) for o in spec.options.split(","))
     assert opts == {"lowerdir": "/g/task:/g/deps:/g/base", "upperdir": "/e/upper", "workdir": "/e/work"}
 
@@ -63,7 +64,7 @@ def test_overlay_escape_and_a_plan_without_lowers():
 def test_an_erofs_plan_is_read_only_and_nodev():
     spec = erofs_spec(Path("/img/g.erofs"), Path("/mnt/g"))
     assert (spec.fstype, spec.source, spec.target) == ("erofs", "/img/g.erofs", "/mnt/g")
-    assert spec.flags & MS_RDONLY and spec.flags & MS_NODEV
+    assert spec.flags & MS_RDONLY and spec.flags & MS_NODEV and spec.flags & MS_NOSUID
 
 
 # --- FUSE structs ------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ class CreateTiming(_Model):
     overlay_s: float = 0.0
     """Making the private upper/work dirs and mounting the overlay rootfs."""
     runtime_s: float = 0.0
-    """Writing the OCI bundle and starting its container (``runc run --detach``)."""
+    """Writing the OCI bundle and starting its container (``runc run --detach``); with
+    ``runtime.network``, making its network namespace and veth pair first."""
     first_command_s: float | None = None
     """Running the first command (``true``) inside the environment, if asked."""
     pooled: bool = False

@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.config import Paths
+from weenv.config import PRIVATE_MODE, Paths, private_dir
 from weenv.errors import (
     CapacityError,
     CommandTimeoutError,
@@ -53,7 +53,7 @@ from weenv.errors import (
     RuntimeFailedError,
 )
 from weenv.node.agent import AgentBinary, AgentUnavailable, listen as agent_listen, spawn as agent_spawn
-from weenv.node import mounts
+from weenv.node import mounts, network
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
@@ -177,6 +177,8 @@ class Node:
                                    publish_lock=lambda: store_lock(self.paths, exclusive=False),
                                    on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
+        self.net_cidr = network.cidr_from_env()
+        """Where environments with network get their /30 (``WEENV_NET_CIDR``, :mod:`weenv.node.network`)."""
         self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)
         self.exec_counts = {"agent": 0, "runc": 0}
         """Commands started through each launcher (``runc``: the fallback)."""
@@ -213,7 +215,9 @@ class Node:
         :class:`Node` directly) runs on this home, before touching anything of it."""
         if self._started:
             return self
-        for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
+        for d in (self.paths.node, self.paths.run):  # closed to other users: see weenv.config
+            private_dir(d)
+        for d in (self.paths.environments, self.paths.group_mounts):
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
         self._closing = False
@@ -301,6 +305,7 @@ class Node:
         clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
         if self.paths.environments.is_dir():
             for d in self.paths.environments.iterdir():
+                network.teardown(d.name, d)
                 _remove_tree(d)
 
     def _recover(self) -> None:
@@ -379,6 +384,7 @@ class Node:
         self.provisioner.detach(env_dir.name)
         with contextlib.suppress(Exception):
             self._delete_container(CONTAINER_PREFIX + env_dir.name, env_dir / "bundle")
+        network.teardown(env_dir.name, env_dir)
         for _fstype, point in mounts.mounts_under(env_dir):
             _umount_quietly(Path(point))
         _remove_tree(env_dir)
@@ -584,7 +590,7 @@ class Node:
         ``undo``; the phases' seconds go to ``timing``.  Returns the overlay's
         lower dirs (group mount points, as the template lists its groups)."""
         env_dir = self.paths.environments / env_id
-        env_dir.mkdir(parents=True)
+        env_dir.mkdir(mode=PRIVATE_MODE)
         undo.callback(_remove_tree, env_dir)
 
         t = time.perf_counter()
@@ -602,6 +608,7 @@ class Node:
         timing["overlay_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        netns = self._network(env_id, env_dir, manifest.runtime.network, undo)
         container_id = CONTAINER_PREFIX + env_id
         bundle = env_dir / "bundle"
         bundle.mkdir()
@@ -616,6 +623,7 @@ class Node:
             init=INIT if INIT.exists() else None,
             capabilities=capabilities,
             agent=agent,
+            netns=netns,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self._delete_container, container_id, bundle)
@@ -630,6 +638,15 @@ class Node:
                 listener.close()  # the agent holds it now: when it dies, connects are refused
         timing["runtime_s"] = time.perf_counter() - t
         return lowers
+
+    def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack) -> Path | None:
+        """With ``wanted`` (the template's ``runtime.network``): environment
+        ``env_id``'s own network namespace and link (:mod:`weenv.node.network`),
+        its teardown pushed on ``undo``; the namespace file, or None."""
+        if not wanted:
+            return None
+        undo.callback(network.teardown, env_id, env_dir)
+        return network.setup(env_id, env_dir, self.net_cidr).netns
 
     def _prepare_pooled(self, key: PoolKey) -> Pooled:
         """One environment of ``key`` for the warm pool: created, not started."""
@@ -997,6 +1014,7 @@ class Node:
         with e.lock:
             self._delete_container(e.container_id, e.dir / "bundle")
             _umount_quietly(e.rootfs)
+            network.teardown(env_id, e.dir)
             e.info.state = "stopped"
         return e.dir / "upper"
 
@@ -1021,6 +1039,7 @@ class Node:
                 self.prefetch.cancel(env_id)
                 for g, lower in zip(e.template.groups, e.lowers):
                     self.groups.release(g, lower)
+                network.teardown(env_id, e.dir)
                 _remove_tree(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
 

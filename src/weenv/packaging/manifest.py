@@ -212,7 +212,9 @@ class RuntimeConfig(_Model):
     """``UID:GID`` (numeric) the processes run as."""
     resources: Resources = Field(default_factory=Resources)
     network: bool = False
-    """Whether the environment gets the host's network (default: its own namespace, loopback only)."""
+    """Whether the environment reaches out: its own network namespace with a veth pair
+    to the host, NATed, the host itself unreachable (:mod:`weenv.node.network`); default:
+    its own namespace, loopback only.  Never the host's network namespace."""
     default_command: Annotated[list[str] | None, AfterValidator(_check_argv)] = None
     """The command an imported image would run (its Entrypoint + Cmd), kept for
     ``weenv run TEMPLATE`` without a command; never the first process, since an
