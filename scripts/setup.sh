@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
 # weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
-# registry for the benchmarks), then a venv in .venv with weenv and its test
-# tools.  Idempotent.
+# registry for the benchmarks), then a venv in .venv with weenv, its test
+# tools and matplotlib, and the benchmarks (benchmarks/, weenv-bench), both
+# editable.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,9 +22,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import weenv, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.weenv-installed ]; then
-  echo "setup: installing weenv into .venv" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, pytest'
+stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then
+  echo "setup: installing weenv and its benchmarks into .venv" >&2
+  # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/python -c 'import weenv, weenv_bench, pytest'
   touch .venv/.weenv-installed
 fi

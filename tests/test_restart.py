@@ -32,7 +32,7 @@ from weenv.packaging.template import create_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
-from weenv.services.process import alive
+from weenv_bench.services.process import alive
 
 DATA_MIB = 16
 

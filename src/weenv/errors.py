@@ -9,7 +9,7 @@
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
     ├── CommandTimeoutError(TimeoutError) a command ran past its timeout and was killed
-    ├── ToolMissingError(RuntimeError)    a host program weenv needs is not installed
+    ├── ToolMissingError(RuntimeError)    a host program (or an optional part) weenv needs is not installed
     ├── StoreUnavailableError(OSError)    a store is unreachable, timed out, failed or refused (a remote
     │                                     one), or cannot be written or read (a local one: full, read-only)
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error

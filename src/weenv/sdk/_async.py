@@ -1,10 +1,12 @@
 """The asyncio face of the SDK: :class:`AsyncSandbox` on ``httpx.AsyncClient``.
 
 Only the I/O edge lives here (the driver and one-line methods); the logic is in
-:mod:`weenv.sdk._core`, shared with :mod:`weenv.sdk._sync`, which this module
-mirrors method for method (``tests/test_sdk.py`` checks the two faces offer
-the same methods with the same parameters).  Callbacks may be plain functions
-or coroutine functions.
+:mod:`weenv.sdk._core`.  This is the one source of both faces: the blocking one,
+:mod:`weenv.sdk._sync`, is generated from it by ``scripts/gen_sync.py``
+(unasync: ``async``/``await`` dropped, ``AsyncSandbox`` -> ``Sandbox``,
+``aclose`` -> ``close``, ...); edit this module, then run the script
+(``tests/unit/test_sdk_generated.py`` fails while the copy is stale).  Callbacks
+may be plain functions or coroutine functions.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class _Connection:
                         value = await self._next_line(lines)
                     elif isinstance(effect, Invoke):
                         value = effect.fn(*effect.args)
-                        if inspect.isawaitable(value):
+                        if inspect.isawaitable(value):  # a coroutine function's (the sync face: nothing to do)
                             value = await value
                     else:
                         raise TypeError(f"unknown effect {effect!r}")
@@ -143,16 +145,20 @@ class _Connection:
 
 
 def _body(content: Any) -> Any:
-    """bytes as they are; a binary file object or an iterable as an async iterator."""
+    """bytes as they are; a binary file object read in ``CHUNK`` pieces; an
+    iterable of bytes streamed as it is (on the async face an async one too, or an
+    async file object)."""
     if isinstance(content, (bytes, bytearray, memoryview)):
         return bytes(content)
+    if hasattr(content, "read") and not inspect.iscoroutinefunction(content.read):
+        return _aiter(iter(lambda: content.read(CHUNK), b""))
     if hasattr(content, "__aiter__"):
         return content
-    chunks = iter(lambda: content.read(CHUNK), b"") if hasattr(content, "read") else iter(content)
-    return _aiter(chunks)
+    return _aiter(content)
 
 
-async def _aiter(chunks) -> AsyncIterator[bytes]:
+async def _aiter(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` one by one, as the iterator kind this face's httpx client sends."""
     for chunk in chunks:
         yield chunk
 
@@ -323,14 +329,14 @@ class AsyncSandbox:
 
         def ready(i: int, info: EnvironmentInfo):
             made[i] = cls(info, conn.retain())
-            return on_ready(i, made[i]) if on_ready is not None else None  # awaited by the driver if a coroutine
+            return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
         try:
             results = await conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
                                                    return_exceptions=return_exceptions))
         except BaseException:
             for s in made.values():
-                await s.close()
+                await s.aclose()
             raise
         finally:
             await conn.release()
@@ -387,9 +393,9 @@ class AsyncSandbox:
         try:
             return await self._drive(_core.kill(self.id))
         finally:
-            await self.close()
+            await self.aclose()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Let go of the connection; the environment lives on until killed or timed out.  Idempotent."""
         if not self._closed:
             self._closed = True
@@ -402,7 +408,7 @@ class AsyncSandbox:
         await self.kill()
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, template={self.info.template!r})"
+        return f"{type(self).__name__}(id={self.id!r}, template={self.info.template!r})"
 
 
 def _templates(templates: str | list[str], count: int | None) -> list[str]:

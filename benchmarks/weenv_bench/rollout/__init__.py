@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from weenv.bench import machine, write_report
+from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
 
@@ -67,16 +67,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     Every daemon this starts (weenv, dockerd, registry) is stopped by its PID
     and its directories removed in every case.
     """
-    from weenv.bench.rollout import iteration, report, templates
-    from weenv.bench.rollout.systems import DockerSystem, WeenvSystem
-    from weenv.bench.rollout.tasks import TASKS, prepare_task, runtime_tree
-    from weenv.bench.rollout.trajectory import make_trajectory
-    from weenv.bench.start import loadavg
-    from weenv.bench.update import fetch_sdists
+    from weenv_bench.rollout import iteration, report, templates
+    from weenv_bench.rollout.systems import DockerSystem, WeenvSystem
+    from weenv_bench.rollout.tasks import TASKS, prepare_task, runtime_tree
+    from weenv_bench.rollout.trajectory import make_trajectory
+    from weenv_bench.start import loadavg
+    from weenv_bench.update import fetch_sdists
     from weenv.packaging.debootstrap import debian_rootfs
     from weenv.packaging.manifest import Resources
-    from weenv.services.dockerd import Dockerd
-    from weenv.services.registry import Registry
+    from weenv_bench.services.dockerd import Dockerd
+    from weenv_bench.services.registry import Registry
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
     from weenv.store.transfer import copy_template
@@ -215,7 +215,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 
 
 def _think_doc() -> dict:
-    from weenv.bench.rollout import trajectory as t
+    from weenv_bench.rollout import trajectory as t
 
     return {"distribution": "lognormal", "median_s": t.THINK_MEDIAN_S, "sigma": t.THINK_SIGMA,
             "max_s": t.THINK_MAX_S, "scaled_by": "think_scale"}  # fmt: skip
