@@ -454,7 +454,7 @@ class Prefetcher:
         buf = bytearray()
         got = 0
         try:
-            pieces = self.store.stream_pack(digest)
+            pieces = self.store.stream_pack(digest, stream.pack.size)
             try:
                 for piece in pieces:
                     buf += piece
