@@ -28,7 +28,7 @@ from typing import Literal
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from weenv.errors import NotFoundError, WeenvError
+from weenv.errors import NotFoundError, StoreUnavailableError, WeenvError
 from weenv.packaging.limits import MAX_PACK_BYTES, MAX_PROFILE_CHUNKS, MAX_TEMPLATE_GROUPS, frame_bound
 from weenv.packaging.manifest import ChunkRef, Digest, canonical_json, utc_now
 from weenv.store.base import Store
@@ -117,12 +117,15 @@ def build_pack(plaintexts: Iterable[bytes], *, level: int = PACK_ZSTD_LEVEL) -> 
 
 def load_profile(store: Store, template_digest: str) -> PrefetchProfile | None:
     """The published profile of ``template_digest``, or None (none, or
-    unreadable, or past the limits of :mod:`weenv.packaging.limits`: logged)."""
+    unreadable, or past the limits of :mod:`weenv.packaging.limits`: logged).
+    Raises :class:`StoreUnavailableError` when the store does not answer."""
     try:
         digest = store.get_ref(REF_KIND, ref_name(template_digest))
         profile = PrefetchProfile.model_validate_json(store.get_manifest(digest))
     except NotFoundError:
         return None
+    except StoreUnavailableError:  # not known either way: the caller may ask again later
+        raise
     except (ValueError, WeenvError) as exc:
         log.warning("prefetch profile of %s unreadable: %s", template_digest, exc)
         return None
