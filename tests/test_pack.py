@@ -36,8 +36,8 @@ class StallingStore(CountingStore):
         self.release = threading.Event()
         self.stalled = threading.Event()
 
-    def stream_pack(self, digest):
-        inner = super().stream_pack(digest)
+    def stream_pack(self, digest, size=None):
+        inner = super().stream_pack(digest, size)
 
         def gen():
             data = b"".join(inner)

@@ -6,6 +6,7 @@
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
+    │   └── ContentLimitError             store content past a read limit (:mod:`weenv.packaging.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
     ├── CommandTimeoutError(TimeoutError) a command ran past its timeout and was killed
@@ -41,6 +42,15 @@ class InvalidInputError(WeenvError, ValueError):
 
 class DigestMismatchError(WeenvError, OSError):
     kind = "digest_mismatch"
+
+
+class ContentLimitError(DigestMismatchError):
+    """Content a store holds under a digest is larger than weenv reads
+    (:mod:`weenv.packaging.limits`): a chunk's frame or plaintext, a manifest,
+    a ref, a pack.  Refused before it is read whole; no weenv build writes such
+    content, so it is a kind of bad content (HTTP 502)."""
+
+    kind = "content_limit"
 
 
 class MountError(WeenvError, OSError):
@@ -92,6 +102,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         NotFoundError,
         InvalidInputError,
         DigestMismatchError,
+        ContentLimitError,
         MountError,
         RuntimeFailedError,
         CommandTimeoutError,

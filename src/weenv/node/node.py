@@ -36,8 +36,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from weenv.errors import (
     NotFoundError,
     OutputLimitError,
     RuntimeFailedError,
+    StoreUnavailableError,
 )
 from weenv.node.agent import AgentBinary, AgentUnavailable, listen as agent_listen, spawn as agent_spawn
 from weenv.node import mounts, network
@@ -59,6 +59,7 @@ from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
+from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.pool import PoolKey, Pooled, WarmPool, pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.models import (
@@ -94,9 +95,9 @@ backgrounded processes do not pile up as zombies against the pids limit."""
 POOLED_START_TIMEOUT_S = 2.0
 """Seconds a create gives ``runc start`` of a pooled environment before making its own."""
 
-MANIFEST_CACHE = 64
-"""Template and group manifests a node keeps in memory, by digest (least recently used go;
-a group manifest of a 3 GB group is ~3,000 chunk refs, about 1-2 MB of Python objects)."""
+RESOLVE_WAIT_S = 1.0
+"""Seconds from the start of a store's lookup of a template name after which a
+create that is otherwise ready starts the name's last known digest (see :meth:`Node._resolve`)."""
 
 
 class _Environment:
@@ -185,8 +186,11 @@ class Node:
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
-        self._manifest_cache: OrderedDict[tuple[str, str], TemplateManifest | GroupManifest] = OrderedDict()
-        self._resolved: OrderedDict[str, str] = OrderedDict()  # template name -> the digest it last resolved to
+        self.manifests = NodeManifests(self.paths.node / "known", self.store)
+        """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
+        self.names = KnownNames(self.paths.node / "known", self.store.url)
+        """The digest each template name last resolved to, in the node's home."""
+        self._asking: dict[str, Future] = {}  # template name -> the store lookup under way
         self._started = False
         self._closing = False  # close() runs: creates are refused, those under way are waited for
         self._home_lock: int | None = None
@@ -312,7 +316,7 @@ class Node:
         """Adopt the group mounts and running environments of a killed node
         process whose FUSE connection :meth:`LazyFS.take_over` took (see :meth:`start`)."""
         try:
-            self.groups.recover(lambda digest: load_group(self.store, digest))
+            self.groups.recover(self.manifests.group)
         finally:
             self.lazyfs.start()  # serve the taken connection in any case: readers wait on it
         status = {s.get("id"): s.get("status") for s in self.runc.list()}
@@ -350,7 +354,7 @@ class Node:
         lowers = _overlay_lowers(rootfs)
         if lowers is None:
             raise InvalidInputError(f"{rootfs} is not an overlay mount")
-        _digest, template = load_template(self.store, info.template_digest)
+        template = self.manifests.template(info.template_digest)
         if len(lowers) != len(template.groups):
             raise InvalidInputError(
                 f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
@@ -667,40 +671,90 @@ class Node:
 
     def _resolve(self, template: str) -> tuple[str, Future | None]:
         """The digest to create ``template`` from, and None when it is the one
-        the store names now; or, for a name this node resolved before, that
+        the store names now; or, for a name this node resolved before (also
+        before a restart: :class:`~weenv.node.manifests.KnownNames`), that
         digest (started speculatively) and a Future of the store's answer,
-        asked in a thread: an ``oci://`` resolve is a registry request
-        (~3 ms), which then overlaps the create instead of preceding it.
-        :meth:`_resolved_now` checks the guess before the create completes."""
-        with self._lock:
-            guess = None if template.startswith("sha256:") else self._resolved.get(template)
-        if guess is None:
-            digest = self.store.resolve("templates", template)
-            if not template.startswith("sha256:"):
-                self._remember_resolved(template, digest)
+        asked in a thread (one per name at a time): an ``oci://`` resolve is a
+        registry request (~3 ms), which then overlaps the create instead of
+        preceding it.  :meth:`_resolved_now` checks the guess before the create
+        completes.
+
+        Staleness rule: the store is asked on every create, and its answer wins
+        whenever it gives one (a moved name restarts the create on the new
+        digest; a deleted one fails it).  The node's last known digest is used
+        *instead* only when the store fails with :class:`StoreUnavailableError`
+        (unreachable, timed out, or known to be down) or has not answered
+        :data:`RESOLVE_WAIT_S` after it was asked and the create is otherwise
+        ready; the create then logs a warning naming the digest and when the
+        store last named it.  A store outage so stops publishing, not
+        starting, for templates whose manifests and chunks are on the node.  A
+        name this node never resolved, or a digest whose manifest it lacks,
+        fails with :class:`StoreUnavailableError`."""
+        if template.startswith("sha256:"):
+            try:
+                return self.store.resolve("templates", template), None
+            except StoreUnavailableError as exc:
+                if not self.manifests.has(template):
+                    raise
+                log.warning("template %s: the store did not answer (%s); its manifest is on the node", template, exc)
+                return template, None
+        known = self.names.get(template)
+        if known is None:
+            try:
+                digest = self.store.resolve("templates", template)
+            except StoreUnavailableError as exc:
+                raise StoreUnavailableError(
+                    f"cannot resolve template {template!r}: {exc}; this node never started it, "
+                    "so it cannot without the store"
+                ) from exc
+            self.names.remember(template, digest)
             return digest, None
-        future: Future = Future()
+        return known[0], self._ask(template)
+
+    def _ask(self, template: str) -> Future:
+        """The store's answer for name ``template``, asked in a thread unless a
+        lookup of it is under way already (shared: a frozen store holds one
+        thread per name, not one per create).  ``future.asked`` is its start (monotonic)."""
+        with self._lock:
+            future = self._asking.get(template)
+            if future is not None:
+                return future
+            future = self._asking[template] = Future()
+            future.asked = time.monotonic()
 
         def ask() -> None:
             try:
                 future.set_result(self.store.resolve("templates", template))
             except BaseException as exc:
                 future.set_exception(exc)
+            finally:
+                with self._lock:
+                    if self._asking.get(template) is future:
+                        del self._asking[template]
 
         threading.Thread(target=ask, name="weenv-resolve", daemon=True).start()
-        return guess, future
+        return future
 
     def _resolved_now(self, template: str, resolving: Future) -> str:
         """What the store named ``template`` during this create (remembered for
         the next one); raises the store's error (:class:`NotFoundError` if the
-        ref is gone: forgotten), which undoes the create."""
+        ref is gone: forgotten), which undoes the create.  When the store is
+        unavailable or slow (:meth:`_resolve`'s staleness rule): the name's
+        last known digest, with a warning."""
         try:
-            digest = resolving.result()
+            digest = resolving.result(timeout=max(0.0, resolving.asked + RESOLVE_WAIT_S - time.monotonic()))
         except NotFoundError:
-            with self._lock:
-                self._resolved.pop(template, None)
+            self.names.forget(template)
             raise
-        self._remember_resolved(template, digest)
+        except (StoreUnavailableError, FutureTimeout) as exc:
+            known = self.names.get(template)
+            if known is None:
+                raise
+            why = str(exc) or f"no answer within {RESOLVE_WAIT_S:g} s"
+            log.warning("template %r: the store did not answer (%s); starting %s, which it named %.0f s ago",
+                        template, why, known[0], time.time() - known[1])  # fmt: skip
+            return known[0]
+        self.names.remember(template, digest)
         return digest
 
     def _moved(self, template: str, digest: str, resolving: Future | None) -> str | None:
@@ -716,41 +770,17 @@ class Node:
         return current if current != digest else None
 
     def _remember_resolved(self, template: str, digest: str) -> None:
-        with self._lock:
-            self._resolved[template] = digest
-            self._resolved.move_to_end(template)
-            while len(self._resolved) > MANIFEST_CACHE:
-                self._resolved.popitem(last=False)
+        self.names.remember(template, digest)
 
     def _manifests(self, digest: str) -> tuple[TemplateManifest, list[GroupManifest]]:
         """The manifest and group manifests of the template ``digest`` (which the
         caller resolved from a name in the store on this create: a ref may
-        move).  Manifests are content-addressed, so the last
-        :data:`MANIFEST_CACHE` loaded are kept by digest (a warm start asks the
-        store one question, the resolve, instead of 2 + 2 per group).  Raises as
-        :func:`load_template` and :func:`load_group` do."""
-        manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
-        with self._lock:
-            missing = [g for g in dict.fromkeys(manifest.groups) if ("group", g) not in self._manifest_cache]
-        if len(missing) > 1:  # a cold template: ask the store for them at once (a registry answers in ~5 ms each)
-            with ThreadPoolExecutor(min(len(missing), 8), thread_name_prefix="weenv-manifest") as pool:
-                for g, found in zip(missing, pool.map(lambda g: load_group(self.store, g), missing)):
-                    self._cached_manifest("group", g, lambda found=found: found)
-        groups = [self._cached_manifest("group", g, lambda g=g: load_group(self.store, g)) for g in manifest.groups]
-        return manifest, groups
-
-    def _cached_manifest(self, kind: str, digest: str, load):
-        with self._lock:
-            found = self._manifest_cache.get((kind, digest))
-            if found is not None:
-                self._manifest_cache.move_to_end((kind, digest))
-                return found
-        found = load()  # outside the lock: a store fetch
-        with self._lock:
-            self._manifest_cache[(kind, digest)] = found
-            while len(self._manifest_cache) > MANIFEST_CACHE:
-                self._manifest_cache.popitem(last=False)
-        return found
+        move), from the node when it has them (:mod:`weenv.node.manifests`:
+        content-addressed, so a warm start asks the store one question, the
+        resolve, instead of 2 + 2 per group, and none when the store is down),
+        else from the store.  Raises as :func:`load_template` and :func:`load_group` do."""
+        manifest = self.manifests.template(digest)
+        return manifest, self.manifests.groups(manifest.groups)
 
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         """Destroy the environment ``timeout`` seconds from now (instead of when
@@ -1093,7 +1123,7 @@ class Node:
     def drop_caches(self) -> None:
         """Remove the warm pool's environments, unmount groups no environment
         uses, empty the node chunk cache, the kernel's page cache of the group
-        images and the names resolved (for cold-start measurements).  Raises :class:`InvalidInputError` while any
+        images and the manifests and names the node knows (for cold-start measurements).  Raises :class:`InvalidInputError` while any
         environment runs."""
         self._check_idle()  # before the pool is drained for nothing
         self.pool.drain()  # its environments hold group mounts
@@ -1103,8 +1133,8 @@ class Node:
             self.groups.remove_images()
             self.lazyfs.drop_page_cache()
             self.cache.clear()
-            self._manifest_cache.clear()
-            self._resolved.clear()
+            self.manifests.clear()
+            self.names.clear()
 
     # --- helpers --------------------------------------------------------------------
     def _env(self, env_id: str) -> _Environment:

@@ -16,14 +16,19 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from weenv.errors import InvalidInputError
+from weenv.errors import ContentLimitError, InvalidInputError
+from weenv.packaging.limits import (
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS,
+    MAX_MANIFEST_BYTES,
+    MAX_TEMPLATE_GROUPS,
+    frame_bound,
+)
 
 SCHEMA_VERSION = 1
 GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
 TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
 DEFAULT_CHUNK_SIZE = 1 << 20
-MAX_CHUNK_SIZE = 256 << 20
-"""Largest chunk a build makes: a chunk is read, compressed and fetched whole, in memory."""
 EROFS_BLOCK_SIZE = 4096
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
@@ -90,12 +95,19 @@ class ChunkRef(_Model):
 
     digest: Digest
     """sha256 of the chunk's plaintext: the chunk's address in stores and caches."""
-    size: int = Field(ge=0)
-    """Plaintext size in bytes (the chunk size, or less for the last chunk)."""
-    stored_size: int = Field(ge=0)
-    """Size in bytes of the zstd frame a store keeps."""
+    size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
+    """Plaintext size in bytes (the chunk size, or less for the last chunk; at most
+    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`)."""
+    stored_size: int = Field(ge=0, le=frame_bound(MAX_CHUNK_SIZE))
+    """Size in bytes of the zstd frame a store keeps (at most :func:`~weenv.packaging.limits.frame_bound` of ``size``)."""
     stored_digest: Digest
     """sha256 of the zstd frame, for stores that address blobs by their stored bytes (OCI)."""
+
+    @model_validator(mode="after")
+    def _frame_fits(self) -> "ChunkRef":
+        if self.stored_size > frame_bound(self.size):
+            raise ValueError(f"a frame of {self.stored_size} bytes for a chunk of {self.size}: more than zstd makes")
+        return self
 
 
 class GroupManifest(_Model):
@@ -110,8 +122,8 @@ class GroupManifest(_Model):
     version: str = "latest"
     image_size: int = Field(ge=0, description="bytes of the EROFS image")
     block_size: int = EROFS_BLOCK_SIZE
-    chunk_size: int = Field(gt=0, description="bytes per chunk (the last may be shorter)")
-    chunks: list[ChunkRef]
+    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE, description="bytes per chunk (the last may be shorter)")
+    chunks: list[ChunkRef] = Field(max_length=MAX_CHUNKS)
     file_count: int = Field(ge=0, description="inodes in the image (files, dirs, links, nodes)")
     source: dict[str, str] = Field(default_factory=dict, description="provenance")
     created: str = Field(default_factory=utc_now)
@@ -236,7 +248,7 @@ class TemplateManifest(_Model):
     media_type: Literal["application/vnd.weenv.template.v1+json"] = TEMPLATE_MEDIA_TYPE
     name: Name
     version: str = "latest"
-    groups: list[Digest] = Field(min_length=1)
+    groups: list[Digest] = Field(min_length=1, max_length=MAX_TEMPLATE_GROUPS)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     prefetch: Digest | None = None
     created: str = Field(default_factory=utc_now)
@@ -245,8 +257,20 @@ class TemplateManifest(_Model):
         return sha256_digest(canonical_json(self))
 
 
+def check_manifest_size(data: bytes, what: str = "manifest") -> bytes:
+    """``data`` if it has at most :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`;
+    else :class:`ContentLimitError` (``what`` names it: a digest, a path)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ContentLimitError(f"{what} has {len(data)} bytes, more than a manifest may ({MAX_MANIFEST_BYTES})")
+    return data
+
+
 def parse_group_manifest(data: bytes) -> GroupManifest:
-    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or
+    fields (past :data:`~weenv.packaging.limits.MAX_CHUNKS` chunks, chunks past
+    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`), :class:`ContentLimitError`
+    past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    check_manifest_size(data, "group manifest")
     try:
         return GroupManifest.model_validate_json(data)
     except ValueError as exc:
@@ -254,7 +278,10 @@ def parse_group_manifest(data: bytes) -> GroupManifest:
 
 
 def parse_template_manifest(data: bytes) -> TemplateManifest:
-    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or
+    fields (past :data:`~weenv.packaging.limits.MAX_TEMPLATE_GROUPS` groups),
+    :class:`ContentLimitError` past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    check_manifest_size(data, "template manifest")
     try:
         return TemplateManifest.model_validate_json(data)
     except ValueError as exc:

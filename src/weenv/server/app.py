@@ -46,6 +46,7 @@ STATUS = {
     "timeout": 408,
     "output_limit": 413,
     "digest_mismatch": 502,
+    "content_limit": 502,
     "mount": 500,
     "runtime": 500,
     "tool_missing": 500,
