@@ -23,7 +23,7 @@ from weenv.sdk import (
 )
 from weenv.sdk import _async, _sync
 
-SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128, "disk_bytes": 64 << 20}
+SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
 
 
 @pytest.fixture(scope="module")

@@ -299,7 +299,7 @@ def test_put_past_the_disk_limit_is_refused(daemon, api):
 
 # --- batch create, lifetimes, metrics --------------------------------------------------------
 def test_batch_create_64_streams_each_as_ready(daemon, api):
-    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128, "disk_bytes": 64 << 20}  # 64 of them fit the node's admission
+    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}  # 64 of them fit the node's admission
     items = [{"template": "task", "timeout": 600, "metadata": {"i": str(i)}, "resources": small} for i in range(64)]
     items[5] = {"template": "no-such-template"}
     seen = []
@@ -350,7 +350,7 @@ def test_a_batch_whose_client_leaves_leaks_nothing(daemon, api):
     lines be written before the client leaves (the server counts a written
     line as received), which made this test flaky."""
     before = {e["id"] for e in api.get("/environments").json()}
-    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128, "disk_bytes": 64 << 20}
+    small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
     items = [{"template": "task", "timeout": 600, "resources": small} for _ in range(6)]
     with api.stream("POST", "/environments/batch", json={"items": items, "concurrency": 1}) as s:
         first = json.loads(next(s.iter_lines()))

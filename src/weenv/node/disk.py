@@ -329,8 +329,8 @@ class NodeDisk:
 
     def usage(self, env_dir: Path) -> tuple[int, int]:
         """``(used, limit)`` bytes of the environment's quota: what it references
-        (data and metadata, committed or reserved for dirty pages) and its limit
-        (0: none).  Raises :class:`FileNotFoundError` if it has no subvolume."""
+        (data and metadata as of the last commit, btrfs commits every 30 s or on
+        sync, plus data reserved for dirty pages) and its limit (0: none).  Raises :class:`FileNotFoundError` if it has no subvolume."""
         assert self._qgroups is not None, "the disk is not open"
         q = self._qgroups / f"0_{self._subvolume_id(env_dir)}"
 
