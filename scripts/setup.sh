@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(runc tini erofs-utils fuse3 debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
+packages=(runc tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -19,6 +19,10 @@ from weenv.packaging.debootstrap import debian_rootfs
 from weenv.store.file import FileStore
 
 CACHE = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv"))
+os.environ.setdefault("WEENV_DISK_BYTES", "1T")
+"""Every test node's environments' disk (:mod:`weenv.node.disk`): a sparse 1 TiB image, so that the
+many environments of default resources (10 GiB of disk each) some tests create at once are admitted;
+tests of the disk limit and its admission choose their own sizes."""
 
 
 UNIT = Path(__file__).parent / "unit"

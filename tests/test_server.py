@@ -273,6 +273,30 @@ def test_100mb_upload_and_download_streamed(daemon, api, env, tmp_path):
     assert daemon.rss_peak_kib() - peak0 < 60 << 10
 
 
+def test_put_past_the_disk_limit_is_refused(daemon, api):
+    """Issue 13, finding 5: a file write through the API hits the environment's disk limit."""
+    r = api.post("/environments", json={"template": "task", "timeout": 600, "resources": {
+        "cpus": 0.5, "memory_bytes": 256 << 20, "pids": 256, "disk_bytes": 64 << 20}})
+    assert r.status_code == 201, r.text
+    env = r.json()["id"]
+    daemon.track(env)
+    files = f"/environments/{env}/files"
+    r = api.put(files, params={"path": "/tmp/big"}, content=b"x" * (100 << 20))  # its length says it cannot fit
+    assert error_of(r) == (507, "disk_full") and "disk limit of 67108864 bytes" in r.json()["error"]["message"]
+    assert api.get(files + "/stat", params={"path": "/tmp/big"}).status_code == 404  # nothing was written
+
+    def body():  # no length: refused when the kernel says so
+        for _ in range(100):
+            yield b"y" * (1 << 20)
+
+    r = api.put(files, params={"path": "/tmp/big"}, content=body())
+    assert error_of(r) == (507, "disk_full") and "Disk quota exceeded" in r.json()["error"]["message"]
+    assert api.delete(files, params={"path": "/tmp/big"}).status_code == 204
+    assert api.put(files, params={"path": "/tmp/ok"}, content=b"z" * (1 << 20)).json()["size"] == 1 << 20
+    used = api.get(f"/environments/{env}").json()
+    assert api.delete(f"/environments/{env}").status_code == 204, used
+
+
 # --- batch create, lifetimes, metrics --------------------------------------------------------
 def test_batch_create_64_streams_each_as_ready(daemon, api):
     small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}  # 64 of them fit the node's admission

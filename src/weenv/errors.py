@@ -16,6 +16,7 @@
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
+    ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
     └── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
@@ -91,6 +92,13 @@ class CapacityError(WeenvError, RuntimeError):
     kind = "capacity"
 
 
+class DiskFullError(WeenvError, OSError):
+    """A write into an environment reached its disk limit (``EDQUOT``) or the
+    node's disk is full (``ENOSPC``); ``errno`` is kept."""
+
+    kind = "disk_full"
+
+
 class OutputLimitError(WeenvError, ValueError):
     kind = "output_limit"
 
@@ -111,6 +119,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         DaemonError,
         AuthenticationError,
         CapacityError,
+        DiskFullError,
         OutputLimitError,
     )
 }

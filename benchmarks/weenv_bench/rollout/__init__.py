@@ -43,6 +43,8 @@ DEFAULTS = {"pool": 22, "tasks": 8, "group": 8, "concurrency": 32, "think_scale"
 QUICK = {"pool": 6, "tasks": 3, "group": 4, "concurrency": 6, "think_scale": 0.05, "steps": (10, 16)}
 """``quick``: a pool of 6 tasks, 3 of them x G=4, think time x0.05, 10-16 steps."""
 CPUS, MEMORY_BYTES, PIDS = 1.0, 2 << 30, 1024
+DISK_BYTES = 1 << 30
+"""Each rollout's disk limit: ``concurrency`` of them fit the node's disk (a task writes far less)."""
 """Limits of every environment and container."""
 SUMMARY_KEYS = ("weenv_env_share", "docker_env_share", "weenv_first_step_p50_s", "docker_first_step_p50_s",
                 "rewards_match")  # fmt: skip
@@ -92,7 +94,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
         raise InvalidInputError("group and concurrency must be >= 1, think_scale finite and >= 0")
     if not systems or any(s not in ("weenv", "docker") for s in systems):
         raise InvalidInputError("systems: weenv and/or docker")
-    resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS)
+    resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS, disk_bytes=DISK_BYTES)
     env_paths = Paths.from_env()
     cache = env_paths.cache
     cache.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,20 @@ def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return found
 
 
+def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:
+    """``(fstype, source, super options)`` of the mount at ``target`` (the top
+    one), from /proc/self/mountinfo; None if nothing is mounted there."""
+    want = os.path.realpath(target)  # the kernel shows resolved paths
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) > 4 and len(rfields) > 2 and _unescape(fields[4]) == want:
+                found = (rfields[0], _unescape(rfields[1]), rfields[2])
+    return found
+
+
 def is_mounted(target: str | os.PathLike[str]) -> bool:
     target = os.fspath(Path(target).absolute())
     return any(point == target for _t, point in mounts_under(target))

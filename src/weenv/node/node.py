@@ -6,6 +6,9 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
 - the lazy FUSE file system (:class:`~weenv.node.lazyfs.LazyFS`) that shows each
   group image as one file whose reads fetch missing chunks on demand;
 - one shared read-only EROFS mount per group (:class:`~weenv.node.groups.GroupMounts`);
+- the environments' disk (:mod:`weenv.node.disk`): a btrfs file system of its
+  own holding every environment's directory, each upper dir a subvolume with
+  a quota (its declared ``disk_bytes``);
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
   a runc container in its own namespaces and cgroup, and an exec agent inside
   it (:mod:`weenv.node.agent`) that starts commands without a ``runc exec`` each;
@@ -32,7 +35,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import subprocess
 import threading
 import time
@@ -57,6 +59,7 @@ from weenv.node import mounts, network
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
+from weenv.node.disk import NodeDisk
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
@@ -126,6 +129,11 @@ class _Environment:
         return self.dir / "rootfs"
 
     @property
+    def upper(self) -> Path:
+        """Its overlay upper dir (its own changes), on the node's disk."""
+        return NodeDisk.upper(self.dir)
+
+    @property
     def agent_socket(self) -> Path:
         """The exec agent's listening socket (on the host, outside the rootfs)."""
         return self.dir / AGENT_SOCKET
@@ -152,6 +160,7 @@ class Node:
         prefetch_pack_bytes: int = PACK_BYTES,
         exec_agent: bool = True,
         pool_size: int | None = None,
+        disk_bytes: int | None = None,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
@@ -163,7 +172,10 @@ class Node:
         ``WEENV_CACHE`` on first use; False: always ``runc exec``).  ``pool_size``:
         environments the warm pool keeps created ahead per template (with the
         same resources and capabilities) created twice recently
-        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool)."""
+        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool).
+        ``disk_bytes``: the size of the environments' disk, which bounds the sum
+        of their declared disk limits (:mod:`weenv.node.disk`; default
+        ``WEENV_DISK_BYTES``, else 80% of the home file system's free space)."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
@@ -180,6 +192,7 @@ class Node:
         self.runc = Runc(self.paths.runc_root)
         self.net_cidr = network.cidr_from_env()
         """Where environments with network get their /30 (``WEENV_NET_CIDR``, :mod:`weenv.node.network`)."""
+        self.disk = NodeDisk(self.paths.node / "disk.img", self.paths.environments, size=disk_bytes)
         self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)
         self.exec_counts = {"agent": 0, "runc": 0}
         """Commands started through each launcher (``runc``: the fallback)."""
@@ -225,6 +238,12 @@ class Node:
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
         self._closing = False
+        try:
+            self.disk.open()  # adopted with the environments on it, or made
+        except BaseException:
+            self._release_home()
+            raise
+        self.provisioner.disk_capacity = self.disk.size
         self.pool.open()
         try:
             if self.lazyfs.take_over():
@@ -238,6 +257,8 @@ class Node:
                 self.lazyfs.stop()
                 raise
         except BaseException:
+            with contextlib.suppress(Exception):
+                self.disk.close()
             self._release_home()
             raise
         self._started = True
@@ -286,6 +307,7 @@ class Node:
                 self.lazyfs.stop()
                 self.sink.close()
                 self.sink = PipeSink()
+                self.disk.close()  # every environment is gone: its directory, subvolume and overlay
             finally:
                 self._started = False
                 self._release_home()
@@ -305,12 +327,13 @@ class Node:
                 with contextlib.suppress(Exception):
                     self.runc.delete(state["id"], force=True)
         for _fstype, point in mounts.mounts_under(self.paths.environments):
-            _umount_quietly(Path(point))
+            if Path(point) != self.paths.environments:  # the disk itself stays
+                _umount_quietly(Path(point))
         clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
         if self.paths.environments.is_dir():
             for d in self.paths.environments.iterdir():
                 network.teardown(d.name, d)
-                _remove_tree(d)
+                self._remove_env_dir(d)
 
     def _recover(self) -> None:
         """Adopt the group mounts and running environments of a killed node
@@ -391,6 +414,11 @@ class Node:
         network.teardown(env_dir.name, env_dir)
         for _fstype, point in mounts.mounts_under(env_dir):
             _umount_quietly(Path(point))
+        self._remove_env_dir(env_dir)
+
+    def _remove_env_dir(self, env_dir: Path) -> None:
+        """Remove an environment's directory, its disk's subvolume first (at once, however big)."""
+        self.disk.remove(env_dir)
         _remove_tree(env_dir)
 
     # --- environments ---------------------------------------------------------------
@@ -595,7 +623,7 @@ class Node:
         lower dirs (group mount points, as the template lists its groups)."""
         env_dir = self.paths.environments / env_id
         env_dir.mkdir(mode=PRIVATE_MODE)
-        undo.callback(_remove_tree, env_dir)
+        undo.callback(self._remove_env_dir, env_dir)
 
         t = time.perf_counter()
         lowers = self.groups.acquire_all(list(zip(manifest.groups, group_manifests)))  # cold ones in parallel
@@ -604,9 +632,9 @@ class Node:
         timing["groups_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        upper, work, rootfs = env_dir / "upper", env_dir / "work", env_dir / "rootfs"
-        for d in (upper, work, rootfs):
-            d.mkdir()
+        self.disk.make(env_dir, res.disk_bytes)  # upper and work dirs, with the disk limit
+        upper, work, rootfs = NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs"
+        rootfs.mkdir()
         mounts.mount(mounts.overlay_spec(lowers, upper, work, rootfs))
         undo.callback(_umount_quietly, rootfs)
         timing["overlay_s"] = time.perf_counter() - t
@@ -1046,7 +1074,7 @@ class Node:
             _umount_quietly(e.rootfs)
             network.teardown(env_id, e.dir)
             e.info.state = "stopped"
-        return e.dir / "upper"
+        return e.upper
 
     def destroy(self, env_id: str) -> None:
         """Kill the environment's processes and remove its container, cgroup,
@@ -1070,36 +1098,19 @@ class Node:
                 for g, lower in zip(e.template.groups, e.lowers):
                     self.groups.release(g, lower)
                 network.teardown(env_id, e.dir)
-                _remove_tree(e.dir)
+                self._remove_env_dir(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
 
     def disk_usage(self, env_id: str) -> tuple[int, int]:
-        """``(used, total)`` bytes: what the environment wrote (its overlay upper
-        dir, allocated blocks; hard links counted once) and the size of the file
-        system holding it.  Raises :class:`NotFoundError`."""
+        """``(used, total)`` bytes: what the environment wrote (its upper dir's
+        quota usage: data and metadata, counted by the kernel) and its disk
+        limit (``resources.disk_bytes``).  Raises :class:`NotFoundError`."""
         e = self._env(env_id)
-        used, seen = 0, set()
-        todo = [str(e.dir / "upper")]  # a stack, not recursion: the environment chooses the depth
-        while todo:
-            try:
-                with os.scandir(todo.pop()) as it:
-                    entries = list(it)
-            except OSError:  # removed meanwhile
-                continue
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    todo.append(entry.path)
-                elif st.st_nlink > 1:  # only hard-linked files are remembered (memory: huge upper dirs)
-                    if (st.st_dev, st.st_ino) in seen:
-                        continue
-                    seen.add((st.st_dev, st.st_ino))
-                used += st.st_blocks * 512
-        fs = os.statvfs(e.dir)
-        return used, fs.f_blocks * fs.f_frsize
+        try:
+            used, limit = self.disk.usage(e.dir)
+        except FileNotFoundError:  # destroyed meanwhile
+            raise NotFoundError(f"no environment {env_id!r}") from None
+        return used, limit or e.info.resources.disk_bytes
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         """Quotas, usage history and events of elastic provisioning (:class:`NotFoundError` for an unknown id)."""
@@ -1228,16 +1239,10 @@ def _overlay_lowers(target: Path) -> list[Path] | None:
     """The lower dirs of the overlay mounted at ``target``, bottom to top (as
     :func:`~weenv.node.mounts.overlay_spec` takes them), from
     /proc/self/mountinfo; None if no overlay is mounted there."""
-    want = os.path.realpath(target)  # the kernel shows resolved paths
-    options = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if len(fields) > 4 and len(rfields) > 2 and mounts._unescape(fields[4]) == want:
-                options = rfields[2] if rfields[0] == "overlay" else None
-    if options is None:
+    found = mounts.mount_info(target)
+    if found is None or found[0] != "overlay":
         return None
+    options = found[2]
     for option in options.split(","):  # the kernel shows a "," inside a value as \054
         if option.startswith("lowerdir="):
             value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir="):])

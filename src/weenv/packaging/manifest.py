@@ -78,7 +78,7 @@ def sha256_digest(data: bytes) -> str:
 def canonical_json(model: BaseModel) -> bytes:
     """Canonical JSON of a manifest: sorted keys, no whitespace, UTF-8."""
     return json.dumps(
-        model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        model.model_dump(mode="json", context={"canonical": True}), sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode()
 
 
@@ -161,21 +161,41 @@ MAX_MEMORY_BYTES = 1 << 50
 """Largest memory limit (1 PiB)."""
 MAX_PIDS = 1 << 22
 """Largest pids limit (the kernel's PID_MAX_LIMIT)."""
+DEFAULT_DISK_BYTES = 10 << 30
+"""An environment's disk limit unless declared (10 GiB)."""
+MIN_DISK_BYTES = 16 << 20
+"""Smallest disk limit: room for the overlay's work dir and a few files."""
+MAX_DISK_BYTES = 1 << 50
+"""Largest disk limit (1 PiB)."""
 _USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?\Z")
 
 
 class Resources(_Model):
-    """Default limits of an environment (cgroup quota and limits).
+    """Default limits of an environment (cgroup quota and limits, disk quota).
 
     ``cpus``: finite, in (0, :data:`MAX_CPUS`]; ``memory_bytes``: in
     [:data:`MIN_MEMORY_BYTES`, :data:`MAX_MEMORY_BYTES`]; ``pids``: in [1,
-    :data:`MAX_PIDS`].  Anything else fails validation (a ``ValueError``)."""
+    :data:`MAX_PIDS`]; ``disk_bytes``: in [:data:`MIN_DISK_BYTES`,
+    :data:`MAX_DISK_BYTES`].  Anything else fails validation (a ``ValueError``)."""
 
     cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False,
                         description="CPU quota in cores (quota/period)")
     memory_bytes: int = Field(default=2 << 30, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
                               description="memory limit in bytes")
     pids: int = Field(default=1024, ge=1, le=MAX_PIDS, description="pids limit")
+    disk_bytes: int = Field(default=DEFAULT_DISK_BYTES, ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES,
+                            description="disk limit in bytes: what the environment may write (its overlay "
+                            "upper dir, data and metadata; see weenv.node.disk)")
+    """Left out of a manifest's canonical JSON when it is the default, so
+    templates made before it existed keep their digests."""
+
+    @model_serializer(mode="wrap")
+    def _omit_default_disk(self, handler, info):
+        data = handler(self)
+        if (isinstance(data, dict) and info.context and info.context.get("canonical")
+                and data.get("disk_bytes") == DEFAULT_DISK_BYTES):
+            data.pop("disk_bytes", None)
+        return data
 
 
 def _check_user(value: str) -> str:

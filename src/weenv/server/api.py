@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -58,7 +59,7 @@ import anyio
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from weenv.errors import AuthenticationError, WeenvError
+from weenv.errors import AuthenticationError, DiskFullError, WeenvError
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -281,6 +282,12 @@ def api_router(
         "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
     async def upload(env_id: str, path: str, request: Request) -> WriteInfo:
         fs = node.files(env_id)
+        length = request.headers.get("content-length", "")
+        if length.isdigit():  # a body that can never fit is refused before a byte is written
+            _used, limit = await anyio.to_thread.run_sync(node.disk_usage, env_id)
+            if int(length) > limit:
+                raise DiskFullError(errno.EDQUOT, f"{path}: {length} bytes do not fit the environment's "
+                                                  f"disk limit of {limit} bytes (resources.disk_bytes)")
         f = await anyio.to_thread.run_sync(fs.open_write, path)
         size = 0
         buf = bytearray()

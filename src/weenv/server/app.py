@@ -51,6 +51,7 @@ STATUS = {
     "runtime": 500,
     "tool_missing": 500,
     "capacity": 503,
+    "disk_full": 507,
     "store_unavailable": 503,
 }
 WORKER_THREADS = 512
