@@ -15,7 +15,8 @@
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
-    └── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    ├── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    └── RequestTooLargeError(ValueError)  a request body passed the daemon's limit (HTTP 413)
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
 mapped to these at one boundary each, with ``raise ... from exc``.  Over HTTP the
@@ -85,6 +86,10 @@ class OutputLimitError(WeenvError, ValueError):
     kind = "output_limit"
 
 
+class RequestTooLargeError(WeenvError, ValueError):
+    kind = "too_large"
+
+
 ERROR_KINDS: dict[str, type[WeenvError]] = {
     cls.kind: cls
     for cls in (
@@ -101,5 +106,6 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         AuthenticationError,
         CapacityError,
         OutputLimitError,
+        RequestTooLargeError,
     )
 }
