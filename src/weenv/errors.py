@@ -17,7 +17,8 @@
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
     ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
-    └── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    ├── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    └── RequestTooLargeError(ValueError)  a request body passed the daemon's limit (HTTP 413)
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
 mapped to these at one boundary each, with ``raise ... from exc``.  Over HTTP the
@@ -103,6 +104,10 @@ class OutputLimitError(WeenvError, ValueError):
     kind = "output_limit"
 
 
+class RequestTooLargeError(WeenvError, ValueError):
+    kind = "too_large"
+
+
 ERROR_KINDS: dict[str, type[WeenvError]] = {
     cls.kind: cls
     for cls in (
@@ -121,5 +126,6 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         CapacityError,
         DiskFullError,
         OutputLimitError,
+        RequestTooLargeError,
     )
 }

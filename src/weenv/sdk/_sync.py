@@ -91,7 +91,7 @@ class _Connection:
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
         if call.json is not None:
-            kw["content"] = call.json.model_dump_json().encode()
+            kw["content"] = _core.json_body(call.json)
             kw["headers"] = {"content-type": "application/json"}
         elif call.content is not None:
             kw["content"] = _body(call.content)
@@ -173,7 +173,8 @@ class CommandHandle:
     def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
              ) -> CommandResult:
         """Follow its output (kept output first) until it ends; its result.
-        Raises :class:`CommandTimeoutError` if its timeout killed it."""
+        Raises :class:`CommandTimeoutError` if its timeout killed it, and
+        :class:`OutputLimitError` past 64 MiB of output (the command runs on)."""
         return self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
 
     def kill(self, signal: str | int = "KILL") -> bool:
@@ -199,7 +200,11 @@ class Commands:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
-        (seconds) kills the command: :class:`CommandTimeoutError`."""
+        (seconds) kills the command: :class:`CommandTimeoutError`.  The result
+        keeps at most 64 MiB of output (stdout and stderr together,
+        ``_core.MAX_OUTPUT``), callbacks or not: past it the command is killed
+        and :class:`OutputLimitError` raised, so the client's memory stays
+        bounded; redirect bigger output to a file inside and read that."""
         req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
                                  stdin_open=stdin_open, tag=tag)
         if background:

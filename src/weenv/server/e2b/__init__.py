@@ -22,6 +22,8 @@ Connect protocol (connectrpc.com/docs/protocol).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Iterable
 
@@ -51,7 +53,9 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     keys = list(api_keys)
     if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
         raise InvalidInputError("E2B API keys are 'e2b_' followed by 32 to 128 lowercase hex digits")
-    sandboxes = Sandboxes(node)
+    # envd access tokens keyed by the first API key: stable across restarts, new with a new key
+    secret = hmac.new(keys[0].encode(), b"weenv envd access token", hashlib.sha256).digest()
+    sandboxes = Sandboxes(node, token_secret=secret)
     app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(make_api(sandboxes, key_checker(keys)))
