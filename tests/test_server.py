@@ -430,6 +430,36 @@ def test_oversized_requests_are_refused_before_they_are_read(daemon, api, env):
     assert api.get("/environments").status_code == 200 and len(api.get("/environments").content) < 1 << 20
 
 
+def test_a_keyless_request_may_not_send_a_big_body(daemon, env):
+    """Without credentials a body is refused past 64 KiB, before any route (the
+    key is checked by the route, after the body is read): a keyless flood holds
+    at most 64 KiB per connection.  With the key, or an envd access token, the
+    same body passes the limit."""
+    from weenv.server.limits import ANONYMOUS_BODY
+
+    body = b'{"template": "task", "metadata": {"k": "' + b"v" * (1 << 20) + b'"}}'
+    keyless = httpx.post(daemon.url + "/v1/environments", content=body, headers={"content-type": "application/json"})
+    assert error_of(keyless) == (413, "too_large") and str(ANONYMOUS_BODY) in keyless.text
+    small = httpx.post(daemon.url + "/v1/environments", json={"template": "task"})
+    assert error_of(small) == (401, "authentication")
+    wrong = httpx.post(daemon.url + "/v1/environments", content=body,
+                       headers={"content-type": "application/json", "x-api-key": "0" * 40})
+    assert error_of(wrong) == (413, "too_large")
+    with daemon.http() as keyed:  # past the anonymous limit, refused by the model (metadata), not by size
+        assert error_of(keyed.post("/environments", content=body, headers={"content-type": "application/json"})) \
+            == (400, "invalid_input")
+    for path in ("/e2b/envd/files?path=/tmp/up", "/e2b/envd/process.Process/Start"):  # envd: its access token
+        assert httpx.post(daemon.url + path, content=b"x" * (1 << 20),
+                          headers={"e2b-sandbox-id": env}).status_code == 413
+    token = httpx.get(f"{daemon.url}/e2b/sandboxes/{env}", headers={"x-api-key": "e2b_" + daemon.key}).json()
+    files = {"file": ("up", b"x" * (1 << 20))}
+    r = httpx.post(daemon.url + "/e2b/envd/files?path=/tmp/up", files=files,
+                   headers={"e2b-sandbox-id": env, "x-access-token": token["envdAccessToken"]})
+    assert r.status_code == 200, r.text
+    with daemon.http() as keyed:
+        assert keyed.get(f"/environments/{env}/files/stat", params={"path": "/tmp/up"}).json()["size"] == 1 << 20
+
+
 def test_names_that_are_not_utf8_list_and_round_trip(api, env):
     r = api.post(f"/environments/{env}/commands",
                  json={"command": "mkdir -p /tmp/n && touch \"$(printf '/tmp/n/\\377x')\" /tmp/n/ok"})

@@ -30,12 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weenv.errors import WeenvError
 from weenv.node.node import Node
 from weenv.server.api import PREFIX, NamesJSONResponse, api_router
-from weenv.server.auth import ApiKey
+from weenv.server.auth import ApiKey, presented_key
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
 
@@ -105,7 +106,22 @@ def create_app(
 
     app = FastAPI(title="weenv node", version="1", lifespan=lifespan,
                   description="Environments for agentic RL: templates, environments, commands, files.")
-    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload)
+
+    def credentialed(scope: dict) -> bool:
+        """Whether a request carries valid credentials (checked before its body
+        is read, :class:`~weenv.server.limits.BodyLimit`): it came on the
+        trusted Unix socket, carries the API key, or an envd access token that
+        ``app.state.envd_credentialed`` (set by the daemon) accepts."""
+        server = scope.get("server")
+        if trusted_socket is not None and server and server[1] is None and server[0] == trusted_socket:
+            return True
+        headers = Headers(scope=scope)
+        if api_key is not None and api_key.matches(presented_key(headers)):
+            return True
+        envd = getattr(app.state, "envd_credentialed", None)
+        return envd is not None and envd(headers)
+
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
     app.state.node = node
     app.state.metrics = metrics
     app.state.api_key = api_key  # for other routers (E2B): ApiKey.matches accepts "e2b_" + the key

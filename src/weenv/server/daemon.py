@@ -100,7 +100,9 @@ def serve(
 
         app = create_app(node, on_shutdown=stop, api_key=api_key, trusted_socket=str(paths.socket),
                          reap_interval=reap_interval)
-        app.mount("/e2b", create_e2b_app(node, api_keys=[api_key.e2b]))
+        e2b = create_e2b_app(node, api_keys=[api_key.e2b])
+        app.mount("/e2b", e2b)
+        app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
                                 http=limits.tcp_protocol(limits.tcp_connection_cap(nofile)),
                                 timeout_keep_alive=limits.IDLE_TIMEOUT_S)

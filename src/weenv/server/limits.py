@@ -28,6 +28,12 @@ connections, request bodies.
   "message"}``).  A body announced larger than 64 MiB is not read at all: a
   client that does not read the answer while it sends (or send ``Expect:
   100-continue``) sees the connection reset instead.
+- **Bodies before credentials.**  Routes check the API key (or an envd access
+  token) after the body is read, so :class:`BodyLimit` checks credentials
+  first (``credentialed``): a request without valid ones may send at most
+  :data:`ANONYMOUS_BODY` bytes, enough for the route to answer 401.  A flood of
+  keyless TCP connections thus holds at most ``MAX_TCP_CONNECTIONS`` ×
+  64 KiB, not × :data:`MAX_BODY`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import json
 import re
 import resource
 import socket
+from collections.abc import Callable
 
 import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -47,6 +54,8 @@ MAX_BODY = 8 << 20
 ``stdin`` inline, a batch of creates)."""
 MAX_UPLOAD = 8 << 30
 """Largest file upload, bytes."""
+ANONYMOUS_BODY = 64 << 10
+"""Largest request body of a client without valid credentials, bytes."""
 MAX_TCP_CONNECTIONS = 1024
 """TCP connections served at once (at most a quarter of the descriptor limit, see :func:`tcp_connection_cap`)."""
 DRAIN_BYTES = 64 << 20
@@ -131,12 +140,16 @@ def _too_large(path: str, limit: int) -> tuple[int, bytes]:
 
 class BodyLimit:
     """ASGI middleware bounding request bodies (see the module docstring):
-    ``max_body`` bytes, ``max_upload`` for the file upload routes."""
+    ``max_body`` bytes, ``max_upload`` for the file upload routes, and
+    :data:`ANONYMOUS_BODY` for a request ``credentialed(scope)`` finds without
+    valid credentials (None: every request is taken as credentialed)."""
 
-    def __init__(self, app, *, max_body: int = MAX_BODY, max_upload: int = MAX_UPLOAD):
+    def __init__(self, app, *, max_body: int = MAX_BODY, max_upload: int = MAX_UPLOAD,
+                 credentialed: Callable[[dict], bool] | None = None):
         self.app = app
         self.max_body = max_body
         self.max_upload = max_upload
+        self.credentialed = credentialed
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -145,6 +158,8 @@ class BodyLimit:
         path = scope.get("path", "")
         upload = any(scope["method"] == m and r.match(path) for m, r in _UPLOADS)
         limit = self.max_upload if upload else self.max_body
+        if self.credentialed is not None and not self.credentialed(scope):
+            limit = min(limit, ANONYMOUS_BODY)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             if length.isdigit() and int(length) <= DRAIN_BYTES:

@@ -33,7 +33,7 @@ from starlette.routing import Mount
 from weenv.errors import InvalidInputError
 from weenv.node.node import Node
 from weenv.server.e2b.api import install_error_handlers, key_checker, make_api
-from weenv.server.e2b.envd import Envd
+from weenv.server.e2b.envd import Envd, sandbox_id_in
 from weenv.server.e2b.sandboxes import Sandboxes
 
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}\Z")
@@ -61,7 +61,14 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     app.include_router(make_api(sandboxes, key_checker(keys)))
     app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
     app.state.sandboxes = sandboxes
+    app.state.envd_credentialed = lambda headers: _envd_credentialed(sandboxes, headers)
     return app
+
+
+def _envd_credentialed(sandboxes: Sandboxes, headers) -> bool:
+    """Whether ``headers`` carry the envd access token of the sandbox they name."""
+    sid = sandbox_id_in(headers)
+    return bool(sid) and sandboxes.token_matches(sid, headers.get("x-access-token"))
 
 
 __all__ = ["check_api_key", "create_e2b_app", "load_or_create_api_key", "new_api_key"]

@@ -54,10 +54,15 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def sandbox_id_of(request: Request) -> str | None:
     """The sandbox a request names: ``E2b-Sandbox-Id``, else ``PORT-ID.`` in ``Host``."""
-    sid = request.headers.get("e2b-sandbox-id")
+    return sandbox_id_in(request.headers)
+
+
+def sandbox_id_in(headers) -> str | None:
+    """:func:`sandbox_id_of` from a request's headers (a mapping with ``get``)."""
+    sid = headers.get("e2b-sandbox-id")
     if sid:
         return sid
-    m = _HOST_RE.match(request.headers.get("host", ""))
+    m = _HOST_RE.match(headers.get("host", ""))
     return m.group(1) if m else None
 
 
