@@ -473,7 +473,7 @@ def test_recovery_after_the_daemon_is_killed(served):
     assert r.returncode == 0 and old in r.stdout, r.stderr
     assert _weenv(served, "exec", old, "--", "true").returncode == 0
     assert _weenv(served, "rm", old).returncode == 0
-    assert mounts.mounts_under(served.environments) == []
+    assert [p for t, p in mounts.mounts_under(served.environments) if t != "btrfs"] == []  # the disk stays
     assert _containers(served) == []
 
 
@@ -535,7 +535,7 @@ def test_concurrent_destroys_of_one_environment(served):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = sorted(pool.map(lambda _: destroy(), range(2)))
     assert results == ["not found", "ok"]
-    assert mounts.mounts_under(served.environments) == []
+    assert [p for t, p in mounts.mounts_under(served.environments) if t != "btrfs"] == []  # the disk stays
 
 
 def test_long_commands_do_not_block_the_api(served):
