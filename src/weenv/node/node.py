@@ -893,7 +893,8 @@ class Node:
         _flags, argv = exec_args(command, env, cwd, e.template.runtime.user)  # raises for bad input
         if e.agent_socket.exists():
             try:
-                spawned = agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe)
+                spawned = agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
+                                      cgroup=f"/{e.container_id}")
             except AgentUnavailable as exc:
                 if exc.gone:  # for good: later commands go straight to runc
                     log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
