@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -320,6 +321,35 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     assert holder.pid_of(home.paths.run) is None
     assert not mounts_under(home.paths.home)
     shutil.rmtree(home.paths.environments, ignore_errors=True)
+
+
+def test_stop_interrupted_by_a_kill_reports_honestly_and_finishes(restart_home):
+    """``weenv stop`` whose daemon is SIGKILLed while it destroys its
+    environments (issue 13, finding 11): stop finishes the job itself and says
+    "stopped" (exit 0) only when no mount, cgroup, container, environment dir
+    or holder of the home is left."""
+    home = restart_home
+    client = home.start()
+    ids = [home.create(client) for _ in range(6)]
+    inits = [home.container_pid(i) for i in ids]
+    holder_pid = home.holder_pid()
+    daemon_pid = home.daemon_pid()
+    client.close()
+    stop = subprocess.Popen([sys.executable, "-m", "weenv", "stop"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    envs = home.paths.environments
+    _wait_for(lambda: len(list(envs.iterdir())) < len(ids), 60, "the stop's first destroy")
+    home.kill(daemon_pid)
+    left_at_kill = len(list(envs.iterdir()))
+    out, err = stop.communicate(timeout=120)
+    assert left_at_kill > 0, "the daemon had finished before the kill: nothing was interrupted"
+    assert stop.returncode == 0 and "weenv daemon stopped" in err, (stop.returncode, err)
+    assert not any(alive(p) for p in [*inits, holder_pid])
+    assert holder.pid_of(home.paths.run) is None
+    assert not mounts_under(home.paths.home)
+    assert not [c for i in ids for c in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
+    assert not any(envs.iterdir()) and not any(home.paths.runc_root.iterdir())
+    assert daemon._leftovers(home.paths) == []
 
 
 def test_overlay_lowers_read_back_from_the_kernel(tmp_path, leak_check):
