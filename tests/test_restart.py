@@ -29,7 +29,7 @@ from weenv.node.fuse import holder
 from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig
-from weenv.packaging.template import create_template
+from weenv.packaging.template import create_template, load_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
@@ -303,6 +303,53 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     env2 = home.create(client)
     assert _sha256_in(client, env2, "/data/big.bin") == home.big_sha256
     client.destroy(env2)
+    client.close()
+
+
+def test_daemon_and_holder_killed_keep_environments_on_direct_mounts(restart_home, tmp_path):
+    """Issue 13, finding 15: an environment whose every group is mounted
+    directly (its assembled image, no FUSE) does not need the lost connection:
+    the next daemon keeps it (exec and files work, bytes intact) and removes,
+    without leaks, the one that read a group lazily."""
+    home = restart_home
+    client = home.start()
+    template = load_template(home.store, "r")[1]
+    first = home.create(client)  # mounts base and data lazily
+    for g in template.groups:  # every chunk into the node cache, through the daemon's FUSE
+        (home.paths.lazy_mountpoint / (g.split(":", 1)[1] + ".img")).read_bytes()
+    images = [home.paths.node / "images" / (g.split(":", 1)[1] + ".img") for g in template.groups]
+    home.create(client)  # finds the groups complete: assembles their images
+    _wait_for(lambda: all(i.exists() for i in images), 60, "the assembled images")
+    direct = home.create(client)
+    points = [str(home.paths.group_mounts / (g.split(":", 1)[1] + ".direct")) for g in template.groups]
+    assert set(points) <= {p for _t, p in mounts_under(home.paths.group_mounts)}
+    src = tmp_path / "lazy"
+    (src / "lazy").mkdir(parents=True)
+    (src / "lazy" / "x.txt").write_text("lazy\n")
+    build_group(src, home.store, name="lazy")
+    create_template(home.store, "lazy", ["base", "lazy"], runtime=RuntimeConfig(working_dir="/"))
+    lazy = client.create("lazy").id  # base direct, the new group through FUSE
+    home.env_ids.add(lazy)
+    assert client.exec(lazy, ["cat", "/lazy/x.txt"]).stdout == b"lazy\n"
+    client.exec(direct, ["sh", "-c", "echo mine > /data/mine.txt"])
+    lazy_init, direct_init = home.container_pid(lazy), home.container_pid(direct)
+    holder_pid = home.holder_pid()
+    home.kill(home.daemon_pid())
+    home.kill(holder_pid)
+    client.close()
+
+    client = home.start()
+    kept = {e.id for e in client.list()}
+    assert direct in kept and lazy not in kept and first not in kept
+    assert alive(direct_init) and not alive(lazy_init)
+    assert client.exec(direct, ["cat", "/data/small.txt", "/data/mine.txt"]).stdout == b"small\nmine\n"
+    assert _sha256_in(client, direct, "/data/big.bin") == home.big_sha256
+    assert not (home.paths.environments / lazy).exists()
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/weenv-{lazy}"))
+    groups_root = str(home.paths.group_mounts)
+    assert [p for _t, p in mounts_under(groups_root) if p != groups_root and not p.endswith(".direct")] == []
+    for env in kept:
+        client.destroy(env)
     client.close()
 
 

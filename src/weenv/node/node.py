@@ -205,7 +205,10 @@ class Node:
         cgroup and files stay as they are; exec, files and destroy work on it),
         and removes the rest (environments half created or whose container
         died).  Without a holder (both processes were killed, or none ran),
-        everything left is cleared as after a crash.
+        the lazy file system's connection is gone: environments reading any
+        group through it are removed with the lazy mounts, and those whose
+        every group is mounted directly from its assembled image (no FUSE on
+        their read path) are adopted as above.
 
         One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
         until :meth:`close` (the daemon's node is that one).  Raises
@@ -222,8 +225,7 @@ class Node:
             if self.lazyfs.take_over():
                 self._recover()
             else:
-                self._clean_stale()
-                self.lazyfs.start()
+                self._recover_direct()
             try:
                 self.provisioner.start()
             except BaseException:
@@ -290,19 +292,6 @@ class Node:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _clean_stale(self) -> None:
-        """Remove what a previous node process of this home left (after a crash)."""
-        for state in self.runc.list():
-            if state.get("id", "").startswith(CONTAINER_PREFIX):
-                with contextlib.suppress(Exception):
-                    self.runc.delete(state["id"], force=True)
-        for _fstype, point in mounts.mounts_under(self.paths.environments):
-            _umount_quietly(Path(point))
-        clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
-        if self.paths.environments.is_dir():
-            for d in self.paths.environments.iterdir():
-                _remove_tree(d)
-
     def _recover(self) -> None:
         """Adopt the group mounts and running environments of a killed node
         process whose FUSE connection :meth:`LazyFS.take_over` took (see :meth:`start`)."""
@@ -310,9 +299,34 @@ class Node:
             self.groups.recover(lambda digest: load_group(self.store, digest))
         finally:
             self.lazyfs.start()  # serve the taken connection in any case: readers wait on it
+        self._adopt_all()
+
+    def _recover_direct(self) -> None:
+        """After a crash without the FUSE holder (or on a clean home): remove
+        every environment with a lower dir that is not a direct group mount
+        (its lazy reads can no longer be served), detach the dead lazy mounts,
+        then adopt the direct group mounts and the environments on them only
+        (see :meth:`start`)."""
+        for env_dir in self._env_dirs():
+            lowers = _overlay_lowers(env_dir / "rootfs")
+            if not lowers or not all(self.groups.is_direct_point(p) for p in lowers):
+                log.warning("removing environment %s: %s", env_dir.name,
+                            "it read through the lost FUSE connection" if lowers else "it has no overlay")
+                self._remove_leftover(env_dir)
+        clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint, keep_direct=True)
+        self.groups.recover(lambda digest: load_group(self.store, digest))
+        self.lazyfs.start()
+        self._adopt_all()
+
+    def _env_dirs(self) -> list[Path]:
+        return sorted(p for p in self.paths.environments.iterdir() if p.is_dir())
+
+    def _adopt_all(self) -> None:
+        """Adopt every environment left in the home that can go on running;
+        remove the others and every container left without its environment."""
         status = {s.get("id"): s.get("status") for s in self.runc.list()}
         kept: set[str] = set()
-        for env_dir in sorted(p for p in self.paths.environments.iterdir() if p.is_dir()):
+        for env_dir in self._env_dirs():
             env_id = env_dir.name
             try:
                 e = self._adopt(env_dir, status.get(CONTAINER_PREFIX + env_id))
