@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from weenv.config import Paths
+from weenv.errors import WeenvError
 from weenv.node.fuse import holder
+from weenv.node.models import CreateRequest
 from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import RuntimeConfig
@@ -351,6 +353,44 @@ def test_daemon_and_holder_killed_keep_environments_on_direct_mounts(restart_hom
     for env in kept:
         client.destroy(env)
     client.close()
+
+
+def test_batch_interrupted_by_a_crash_keeps_only_what_the_client_received(restart_home):
+    """Issue 13, finding 12: a daemon SIGKILLed mid-batch; the next one removes
+    every environment whose answer line was not written (created, or being
+    created, at the kill) and keeps those the client received."""
+    home = restart_home
+    client = home.start()
+    daemon_pid = home.daemon_pid()
+    items = [CreateRequest(template="r")] * 16
+    received: list[str] = []
+    with pytest.raises(WeenvError):
+        for ev in client.create_many(items, concurrency=4):
+            assert ev.environment is not None, ev.error
+            received.append(ev.environment.id)
+            home.env_ids.add(ev.environment.id)
+            if len(received) == 3:
+                home.kill(daemon_pid)
+    client.close()
+    envs = home.paths.environments
+    on_disk = {d.name for d in envs.iterdir()}
+    home.env_ids |= on_disk
+    assert len(received) == 3 and set(received) <= on_disk
+    assert len(on_disk) > 3, "no create was under way or done unsent at the kill: nothing to check"
+
+    client = home.start()
+    assert sorted(e.id for e in client.list()) == sorted(received)
+    assert {d.name for d in envs.iterdir()} == set(received)
+    for env_id in received:
+        assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+    assert len(runc_ids(home.paths)) == len(received)
+    for env_id in received:
+        client.destroy(env_id)
+    client.close()
+
+
+def runc_ids(paths) -> list[str]:
+    return [d.name for d in paths.runc_root.iterdir()] if paths.runc_root.is_dir() else []
 
 
 def test_stop_without_a_daemon_clears_a_killed_one(restart_home):

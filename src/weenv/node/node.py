@@ -86,6 +86,10 @@ log = logging.getLogger(__name__)
 CONTAINER_PREFIX = "weenv-"
 AGENT_SOCKET = "agent.sock"
 """The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
+UNDELIVERED = "undelivered"
+"""A file in an environment's directory while the answer naming it has not
+reached its client (:meth:`Node.create` ``undelivered``); recovery removes such
+an environment."""
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
@@ -353,6 +357,8 @@ class Node:
         info = EnvironmentInfo.model_validate_json(info_path.read_text())
         if info.id != env_dir.name:
             raise InvalidInputError(f"its env.json names {info.id!r}")
+        if (env_dir / UNDELIVERED).exists():
+            raise InvalidInputError("the answer of its create never reached its client")
         if runc_status not in ("running", "paused"):
             raise InvalidInputError(f"its container is {runc_status or 'gone'}")
         rootfs = env_dir / "rootfs"
@@ -410,8 +416,14 @@ class Node:
         metadata: dict[str, str] | None = None,
         prefetch: bool = True,
         priority: int = 0,
+        undelivered: bool = False,
     ) -> EnvironmentInfo:
         """Create and start an environment from ``template`` (name or digest).
+
+        ``undelivered``: the caller hands the environment on (a server's
+        answer) and calls :meth:`delivered` once it has; until then a node
+        recovering after a crash removes it instead of adopting it (nobody
+        would know its id).
 
         ``prefetch``: record the template's prefetch profile on its first start
         and replay it on later cold starts (off for transient build environments).
@@ -448,7 +460,7 @@ class Node:
         try:
             t0 = time.perf_counter()
             req = _Request(template, resources, first_command, tuple(capabilities), timeout, envs or {},
-                           metadata or {}, prefetch, priority)  # fmt: skip
+                           metadata or {}, prefetch, priority, undelivered)  # fmt: skip
             digest, resolving = self._resolve(template)
             try:
                 return self._create(t0, digest, resolving, req)
@@ -533,6 +545,8 @@ class Node:
             )
             env = _Environment(info, manifest, env_dir)
             env.lowers = lowers
+            if req.undelivered:  # before env.json: recovery never adopts it without the mark
+                (env_dir / UNDELIVERED).touch()
             if req.first_command:
                 t = time.perf_counter()
                 result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
@@ -1015,6 +1029,12 @@ class Node:
             e.info.state = "stopped"
         return e.dir / "upper"
 
+    def delivered(self, env_id: str) -> None:
+        """The environment created ``undelivered`` reached its client: a
+        recovering node adopts it from now on.  A gone environment is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.paths.environments / env_id / UNDELIVERED).unlink()
+
     def destroy(self, env_id: str) -> None:
         """Kill the environment's processes and remove its container, cgroup,
         overlay and directory.  Raises :class:`NotFoundError` if unknown."""
@@ -1142,6 +1162,7 @@ class _Request:
     metadata: dict[str, str]
     prefetch: bool
     priority: int
+    undelivered: bool = False
 
 
 class _RefMoved(Exception):
