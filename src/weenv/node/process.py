@@ -318,12 +318,13 @@ class Process:
         self._stdin_lock = threading.Lock()
         self._kill_lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._pump = threading.Thread(target=self._run, name="weenv-pump", daemon=True)
-        self._pump.start()
-        if timeout is not None:
+        if timeout is not None:  # made before the pump runs: a pump that ends at once must find it to cancel it
             self._timer = threading.Timer(timeout, self._on_timeout)
             self._timer.daemon = True
-            self._timer.start()
+        self._pump = threading.Thread(target=self._run, name="weenv-pump", daemon=True)
+        self._pump.start()
+        if self._timer is not None:
+            self._timer.start()  # one cancelled meanwhile ends at once
         if stdin:
             threading.Thread(target=self._feed_stdin, args=(stdin,), daemon=True).start()
 
