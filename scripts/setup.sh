@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
 # weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
-# registry for the benchmarks), then a venv in .venv with weenv and its test
-# tools.  Idempotent.
+# registry for the benchmarks), then a venv in .venv with weenv, its test
+# tools and matplotlib, and the benchmarks (benchmarks/, weenv-bench), both
+# editable.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(runc tini erofs-utils fuse3 debootstrap util-linux libcap2-bin docker.io docker-registry skopeo gcc libc6-dev)
+packages=(runc tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,9 +22,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import weenv, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.weenv-installed ]; then
-  echo "setup: installing weenv into .venv" >&2
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, pytest'
+stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then
+  echo "setup: installing weenv and its benchmarks into .venv" >&2
+  # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/python -c 'import weenv, weenv_bench, pytest'
   touch .venv/.weenv-installed
 fi

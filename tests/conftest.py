@@ -1,4 +1,5 @@
-"""Shared fixtures.  Tests run as root with real mounts, FUSE and runc.
+"""Shared fixtures.  Two tiers: ``tests/unit/`` (marker ``unit``) runs as any
+user in seconds; every other test runs as root with real mounts, FUSE and runc.
 
 Every test gets its own ``WEENV_HOME`` under a temporary directory; big
 downloads (debootstrap output) are shared through ``WEENV_CACHE``
@@ -18,12 +19,23 @@ from weenv.packaging.debootstrap import debian_rootfs
 from weenv.store.file import FileStore
 
 CACHE = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv"))
+os.environ.setdefault("WEENV_DISK_BYTES", "1T")
+"""Every test node's environments' disk (:mod:`weenv.node.disk`): a sparse 1 TiB image, so that the
+many environments of default resources (10 GiB of disk each) some tests create at once are admitted;
+tests of the disk limit and its admission choose their own sizes."""
+
+
+UNIT = Path(__file__).parent / "unit"
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.geteuid() != 0:
-        skip = pytest.mark.skip(reason="weenv's tests need root (mounts, FUSE, runc)")
-        for item in items:
+    """Tests under ``tests/unit/`` get the ``unit`` marker (they need no root);
+    every other test is the integration tier and is skipped without root."""
+    skip = pytest.mark.skip(reason="weenv's integration tests need root (mounts, FUSE, runc)")
+    for item in items:
+        if item.path.is_relative_to(UNIT):
+            item.add_marker(pytest.mark.unit)
+        elif os.geteuid() != 0:
             item.add_marker(skip)
 
 
@@ -50,8 +62,10 @@ def store(paths) -> FileStore:
 
 
 def system_snapshot(prefix: Path) -> dict:
-    """What a test may leak, seen from the host: mounts below ``prefix``, loop
-    devices, cgroups named weenv, runc containers and FUSE connections."""
+    """What a test may leak, seen from the host: mounts below ``prefix`` (an
+    environment's network namespace file is one), loop devices, cgroups named
+    weenv, runc containers, FUSE connections and network interfaces named weenv
+    (environments' veths)."""
     mounts = []
     with open("/proc/mounts") as f:
         for line in f:
@@ -63,13 +77,14 @@ def system_snapshot(prefix: Path) -> dict:
         str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
     )
     fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
-    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns}
+    veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.network's
+    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths}
 
 
 @pytest.fixture
 def leak_check(tmp_path):
-    """Fails the test if mounts, loop devices, weenv cgroups or FUSE connections
-    remain at its end that were not there at its start."""
+    """Fails the test if mounts, loop devices, weenv cgroups, FUSE connections
+    or weenv network interfaces remain at its end that were not there at its start."""
     before = system_snapshot(tmp_path)
     yield
     after = system_snapshot(tmp_path)

@@ -10,6 +10,7 @@ no cgroup of an environment the tests saw.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -76,8 +77,14 @@ class Daemon:
         assert not self.paths.socket.exists()
 
 
-def start_daemon(home: Path, store_url: str, *args: str) -> Daemon:
-    """Start ``weenv serve --port 0 ARGS`` over ``store_url`` with home ``home``."""
+def start_daemon(home: Path, store_url: str, *args: str, nofile: int | None = None) -> Daemon:
+    """Start ``weenv serve --port 0 ARGS`` over ``store_url`` with home ``home``;
+    ``nofile``: the soft RLIMIT_NOFILE it inherits (as a service manager's 1,024)."""
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
     home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, WEENV_HOME=str(home), WEENV_STORE=store_url, WEENV_CACHE=str(CACHE))
     env.pop("WEENV_API_URL", None)
@@ -86,6 +93,7 @@ def start_daemon(home: Path, store_url: str, *args: str) -> Daemon:
         proc = subprocess.Popen(
             [sys.executable, "-m", "weenv", "serve", "--port", "0", *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+            preexec_fn=limit if nofile is not None else None,
         )
     url_file = home / "run" / "api-url"
     deadline = time.monotonic() + 60

@@ -37,7 +37,7 @@ from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
-from weenv.services.process import alive
+from weenv_bench.services.process import alive
 
 # --- helpers ----------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ the CLI), state that survives a daemon restart, nothing leaked.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -17,45 +16,8 @@ import pytest
 from test_restart import restart_home  # noqa: F401  (fixture)
 
 from weenv.errors import InvalidInputError
-from weenv.node.provision.arbiter import CpuMoments, predicted_cpu_peak
-from weenv.node.provision.models import ProvisionConfig
 
 
-# --- elastic admission settings -------------------------------------------------------------
-
-
-@pytest.mark.parametrize("var, value", [
-    ("WEENV_ADMISSION", "bogus"),
-    ("WEENV_ADMISSION", "PEAK"),
-    ("WEENV_ADMISSION_SIGMAS", "abc"),
-    ("WEENV_ADMISSION_SIGMAS", "-1"),
-    ("WEENV_ADMISSION_SIGMAS", "nan"),
-    ("WEENV_ADMISSION_SIGMAS", "inf"),
-    ("WEENV_ADMISSION_SIGMAS", "1e400"),
-])  # fmt: skip
-def test_bad_admission_setting_is_one_clear_line(monkeypatch, var, value):
-    """A bad value used to give pydantic's multi-line dump naming the field, not
-    the variable (and inf / 1e400 sigmas were taken)."""
-    monkeypatch.setenv(var, value)
-    with pytest.raises(InvalidInputError) as exc:
-        ProvisionConfig.from_env()
-    msg = str(exc.value)
-    assert "\n" not in msg, msg
-    assert var in msg and repr(value) in msg, msg
-    assert "pydantic" not in msg, msg
-
-
-def test_cpu_moments_ignore_non_finite_and_negative_samples():
-    """A NaN usage sample made the predicted peak NaN, and a NaN peak admits
-    everything (every comparison with NaN is false); a negative one lowered it."""
-    m = CpuMoments.of([float("nan"), 1.0, float("inf"), -3.0, 1.0])
-    assert all(math.isfinite(x) for x in (m.mean, m.variance, m.peak)), m
-    assert m == CpuMoments.of([1.0, 0.0, 1.0])
-    peak = predicted_cpu_peak([m, CpuMoments.prior(1.0, 0.25)], 2.0)
-    assert math.isfinite(peak) and peak > 0
-    assert CpuMoments.of([float("nan")]) == CpuMoments(0.0, 0.0, 0.0)
-    with pytest.raises(InvalidInputError):
-        CpuMoments.of([])
 
 
 # --- weenv bench rollout options ------------------------------------------------------------
@@ -86,9 +48,10 @@ def test_very_deep_upper_dir_is_measured_and_destroyed(node):
         deep = "/tmp/" + "/".join(["d"] * 1100)
         r = node.exec(env_id, ["sh", "-c", f"mkdir -p {deep} && head -c 9000 /dev/zero > {deep}/f"])
         assert r.exit_code == 0, r.stderr
-        os.symlink(".", node._env(env_id).dir / "upper" / "tmp" / "loop")  # a symlink loop: not followed
+        os.symlink(".", node._env(env_id).upper / "tmp" / "loop")  # a symlink loop: not followed
+        node.exec(env_id, ["sync"])  # the disk's quota counts metadata once committed (btrfs: 30 s at most)
         used, total = node.disk_usage(env_id)
-        assert 1100 * 512 < used < total
+        assert 1100 * 200 < used < total, used
     finally:
         node.destroy(env_id)
     assert not env_dir.exists()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from weenv.bench.provision import BURSTS, run
+from weenv_bench.provision import BURSTS, run
 
 SUMMARY = ("static_envs", "elastic_envs", "density_ratio", "p95_burst_slowdown", "oom_kills", "rollouts_per_hour")
 

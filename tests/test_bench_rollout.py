@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from weenv.bench.rollout import SUMMARY_KEYS, run
-from weenv.bench.rollout.systems import unwrap, wrap
-from weenv.bench.rollout.tasks import TASKS, TaskSpec, mutate, patch_command, prepare_task
-from weenv.bench.rollout.trajectory import STEPS, make_trajectory, patch_kind
-from weenv.bench.update import fetch_sdists
+from weenv_bench.rollout import SUMMARY_KEYS, run
+from weenv_bench.rollout.systems import unwrap, wrap
+from weenv_bench.rollout.tasks import TASKS, TaskSpec, mutate, patch_command, prepare_task
+from weenv_bench.rollout.trajectory import STEPS, make_trajectory, patch_kind
+from weenv_bench.update import fetch_sdists
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node import mounts
-from weenv.services import process
-from weenv.services.process import alive
-from weenv.services.dockerd import DOCKERD
-from weenv.services.registry import REGISTRY
+from weenv_bench.services import process
+from weenv_bench.services.process import alive
+from weenv_bench.services.dockerd import DOCKERD
+from weenv_bench.services.registry import REGISTRY
 
 needs_docker = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
@@ -109,7 +109,7 @@ def test_exec_wrapper_measures_the_command_inside():
 
 
 def test_daemon_side_processes_leave_out_other_mount_namespaces():
-    from weenv.bench.rollout.systems import descendants, host_side, rss_bytes
+    from weenv_bench.rollout.systems import descendants, host_side, rss_bytes
 
     child = subprocess.Popen(["sleep", "30"])
     inside = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
@@ -130,8 +130,8 @@ def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_chec
     passes it; a "bug" that breaks none of the named tests is refused."""
     import dataclasses
 
-    from weenv.bench.rollout import templates
-    from weenv.bench.rollout.tasks import runtime_tree
+    from weenv_bench.rollout import templates
+    from weenv_bench.rollout.tasks import runtime_tree
     from weenv.packaging.manifest import Resources
     from weenv.store.file import FileStore
 

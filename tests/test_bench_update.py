@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from weenv.bench.update import SUMMARY_KEYS, run
+from weenv_bench.update import SUMMARY_KEYS, run
 from weenv.node import mounts
-from weenv.services import process
-from weenv.services.process import alive
-from weenv.services.dockerd import DOCKERD
-from weenv.services.registry import REGISTRY
+from weenv_bench.services import process
+from weenv_bench.services.process import alive
+from weenv_bench.services.dockerd import DOCKERD
+from weenv_bench.services.registry import REGISTRY
 
 pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),

@@ -63,10 +63,10 @@ class CountingStore(FileStore):
             with self._count_lock:
                 self.order.append("manifest:" + digest)
 
-    def stream_pack(self, digest: str):
+    def stream_pack(self, digest: str, size=None):
         with self._count_lock:
             self.order.append("pack:" + digest)
-        return super().stream_pack(digest)
+        return super().stream_pack(digest, size)
 
 
 @pytest.fixture

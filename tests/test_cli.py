@@ -94,6 +94,7 @@ def test_run_create_exec_ps_rm_stop(cli_home):
         (["template", "create", "t2", "sha256:zz"], "not a sha256 digest"),
         (["exec", "nosuchenv", "--", "true"], "no environment"),
         (["create", "t", "--memory", "lots"], "not a size"),
+        (["rm", "../../etc"], "bad environment id"),
     ],
 )
 def test_user_mistakes_are_one_clear_line(cli_home, args, message):

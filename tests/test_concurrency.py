@@ -55,7 +55,7 @@ class GatedStore(FileStore):
         """Reads waiting at the gate now."""
         self._count = threading.Lock()
 
-    def _get(self, space: str, digest: str) -> bytes:
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
         if space == "chunks":
             with self._count:
                 self.reads[digest] += 1
@@ -69,7 +69,7 @@ class GatedStore(FileStore):
                         self.held -= 1
             if self.delay:
                 time.sleep(self.delay)
-        return super()._get(space, digest)
+        return super()._get(space, digest, max_bytes)
 
     def wait_held(self, n: int, timeout: float = BOUND_S) -> bool:
         deadline = time.monotonic() + timeout

@@ -269,9 +269,8 @@ def test_paths_stay_inside_the_sandbox(sbx, tmp_path):
 
 def test_envd_routing_and_token(daemon, sbx):
     base = daemon.sandbox_url
-    assert httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id}).status_code == 204
-    r = httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": "000000000000"})
-    assert r.status_code == 502 and "was not found" in r.json()["message"]
+    token = {"X-Access-Token": sbx._envd_access_token}
+    assert httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id, **token}).status_code == 204
     r = httpx.get(f"{base}/files", params={"path": "/etc/hostname"}, headers={"E2b-Sandbox-Id": sbx.sandbox_id})
     assert r.status_code == 401
     with pytest.raises(AuthenticationException):
@@ -279,6 +278,45 @@ def test_envd_routing_and_token(daemon, sbx):
             sandbox_id=sbx.sandbox_id, sandbox_domain=None, envd_version=sbx._envd_version,
             envd_access_token="wrong", connection_config=_config(sbx, "wrong"),
         ).files.list("/")  # fmt: skip
+
+
+def test_envd_is_no_existence_oracle(daemon, sbx):
+    """Without a sandbox's token, a live sandbox and an unknown id get the same
+    answer (status and body) in about the same time; with the token of a sandbox
+    that is gone, the SDK learns it is not running."""
+    base = daemon.sandbox_url
+    probes = [("GET", "/health", None), ("GET", "/files?path=/etc/hostname", None),
+              ("POST", "/filesystem.Filesystem/ListDir", {"path": "/"})]
+
+    def answers(sid: str, headers: dict) -> list[tuple[int, str]]:
+        out = []
+        for method, path, body in probes:
+            r = httpx.request(method, base + path, json=body, headers={"E2b-Sandbox-Id": sid, **headers})
+            out.append((r.status_code, r.text.replace(sid, "ID")))
+        return out
+
+    for headers in ({}, {"X-Access-Token": "0" * 32}, {"X-Access-Token": sbx._envd_access_token[:-1]}):
+        live, unknown = answers(sbx.sandbox_id, headers), answers("0123456789ab", headers)
+        assert live == unknown and {status for status, _ in live} == {401}, (live, unknown)
+
+    def median_ms(sid: str) -> float:
+        with httpx.Client(headers={"E2b-Sandbox-Id": sid}) as c:
+            times = []
+            for _ in range(40):
+                t = time.perf_counter()
+                c.get(f"{base}/health")
+                times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2] * 1000
+
+    live_ms, unknown_ms = median_ms(sbx.sandbox_id), median_ms("0123456789ab")
+    assert abs(live_ms - unknown_ms) < 2.0, (live_ms, unknown_ms)
+
+    gone = Sandbox.create(TEMPLATE, timeout=60)
+    gone_token = {"X-Access-Token": gone._envd_access_token}
+    gone.kill()
+    r = httpx.get(f"{base}/health", headers={"E2b-Sandbox-Id": gone.sandbox_id, **gone_token})
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+    assert gone.is_running() is False
 
 
 def _config(sbx, token):
@@ -351,3 +389,10 @@ def test_async_sdk(daemon):
             await s.kill()
 
     asyncio.run(main())
+
+
+def test_a_name_that_is_not_utf8_leaves_its_directory_listable(sbx):
+    sbx.commands.run("mkdir -p /tmp/bad && touch \"$(printf '/tmp/bad/\\377x')\" /tmp/bad/ok")
+    names = sorted(e.name for e in sbx.files.list("/tmp/bad"))
+    assert names == ["ok", "\ufffdx"]  # protobuf strings are UTF-8: the byte 0xFF as U+FFFD
+    sbx.commands.run("rm -rf /tmp/bad")

@@ -177,12 +177,3 @@ def test_dedupe_report(store, tmp_path):
     assert r.dedupe_ratio == r.logical_bytes / r.unique_bytes > 2.4 and r.ratio > 2.4
 
 
-def test_file_store_delete_ref(store):
-    digest = "sha256:" + "0" * 64
-    store.set_ref("buildcache", "ab" * 32, digest)
-    assert store.get_ref("buildcache", "ab" * 32) == digest
-    store.delete_ref("buildcache", "ab" * 32)
-    store.delete_ref("buildcache", "ab" * 32)  # absent: fine
-    assert store.list_refs("buildcache") == {}
-    with pytest.raises(InvalidInputError):
-        store.delete_ref("nonsense", "x")

@@ -28,12 +28,11 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.importer import default_name, import_image, plan_groups
-from weenv.packaging.importer.runtime import resolve_user
-from weenv.services.dockerd import Dockerd
-from weenv.services.registry import Registry
+from weenv.packaging.importer import import_image
+from weenv_bench.services.dockerd import Dockerd
+from weenv_bench.services.registry import Registry
 from weenv.store.file import FileStore
-from weenv.services.process import alive
+from weenv_bench.services.process import alive
 
 BASE = "weenv-import-base:1"
 IMAGE = "weenv-import-test:1"
@@ -281,32 +280,6 @@ def test_image_user_and_config(images, import_store):
     assert len(r.groups) == 6  # USER adds no layer
 
 
-def test_resolve_user():
-    files = {"/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nsvc:x:1001:1002::/srv:/bin/false\n",
-             "/etc/group": b"root:x:0:\nstaff:x:50:\n"}
-    read = files.get
-    assert resolve_user("", read) == (0, 0, "/root")
-    assert resolve_user("svc", read) == (1001, 1002, "/srv")
-    assert resolve_user("svc:staff", read) == (1001, 50, "/srv")
-    assert resolve_user("4242", read) == (4242, 0, "/")
-    assert resolve_user("4242:7", read) == (4242, 7, "/")
-    with pytest.raises(InvalidInputError, match="ghost"):
-        resolve_user("ghost", read)
-    with pytest.raises(InvalidInputError, match="nogroup"):
-        resolve_user("svc:nogroup", read)
-
-
-def test_plan_groups_and_names():
-    assert plan_groups([5, 5, 5]) == [[0], [1], [2]]
-    assert plan_groups([100, 1, 2, 3, 100, 4], merge_small=10) == [[0], [1, 2, 3], [4], [5]]
-    assert plan_groups([6, 6, 6], merge_small=10) == [[0], [1], [2]]
-    assert plan_groups([4, 4, 4], merge_small=10) == [[0, 1], [2]]
-    with pytest.raises(InvalidInputError):
-        plan_groups([1], merge_small=0)
-    assert default_name("docker://127.0.0.1:5000/team/My_Image:3.1") == "my_image"
-    assert default_name("/x/python-3.11.tar") == "python-3.11"
-
-
 def test_cli_import(images, paths):
     from test_cli import weenv
 
@@ -527,7 +500,7 @@ def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_pa
 def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_path):
     """A container still running when dockerd stops: no process, mount, cgroup or file stays."""
     from weenv.node import mounts
-    from weenv.services.process import pids_mentioning
+    from weenv_bench.services.process import pids_mentioning
 
     files = ["./usr/bin/sleep", "./usr/lib/x86_64-linux-gnu/libc.so.6", "./lib64/ld-linux-x86-64.so.2",
              "./usr/lib64/ld-linux-x86-64.so.2"]

@@ -61,14 +61,14 @@ class FailingStore(FileStore):
         self.failed = 0
         self._lock = threading.Lock()
 
-    def _get(self, space: str, digest: str) -> bytes:
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
         if space == "chunks" and digest in self.failing:
             with self._lock:
                 self.failed += 1
             if self.mode == "timeout":
                 time.sleep(self.delay)
             raise StoreUnavailableError(f"{self.url}: chunk {digest} unreachable ({self.mode})")
-        return super()._get(space, digest)
+        return super()._get(space, digest, max_bytes)
 
 
 @pytest.fixture(scope="module")

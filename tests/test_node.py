@@ -117,7 +117,7 @@ def test_eight_at_once_share_one_mount_per_group(node, paths):
     assert outs == [b"hello from the task\n"] * 8
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: node.destroy(i.id), infos))
-    assert [p for t, p in mounts.mounts_under(paths.environments)] == []
+    assert [p for t, p in mounts.mounts_under(paths.environments) if t != "btrfs"] == []  # the disk stays
     assert _runc_ids(node) == []
 
 
@@ -171,7 +171,7 @@ def test_failed_creates_leave_nothing(private_store, paths, leak_check):
         assert node.list() == [] and _runc_ids(node) == []
         assert list(paths.environments.iterdir()) == []
         base_hex = private_store.get_ref("groups", "base").split(":")[1]
-        assert [p for t, p in mounts.mounts_under(paths.environments)] == []
+        assert [p for t, p in mounts.mounts_under(paths.environments) if t != "btrfs"] == []  # the disk stays
 
         # a group whose first chunk (the EROFS superblock) is corrupt cannot mount
         task = load_group(private_store, private_store.get_ref("groups", "task"))

@@ -29,7 +29,8 @@ from weenv.store.file import FileStore
 from weenv.store.oci import CHUNK_ARTIFACT_TYPE, CHUNK_MEDIA_TYPE, OciStore
 from weenv.store.transfer import copy_template
 
-FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05, "cooldown": 1}
+FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05, "probe_interval": 1,
+        "probe_timeout": 0.5}
 
 
 # --- a TCP fault injector between the store and the registry ------------------------------------
@@ -323,7 +324,7 @@ def test_retries_outlast_a_registry_restart(registry):
 
 
 def test_registry_killed_mid_read_is_an_error_within_the_timeout(registry):
-    s = OciStore(registry.url("weenv/dies"), **(FAST | {"cooldown": 0}))  # every call really tries
+    s = OciStore(registry.url("weenv/dies"), **(FAST | {"probe_interval": 0}))  # every call really tries
     ref, _ = s.put_chunk(os.urandom(DEFAULT_CHUNK_SIZE))
     registry.pause()  # the request below is sent and waits for an answer...
     outcome: dict = {}
@@ -354,25 +355,35 @@ def test_registry_killed_mid_read_is_an_error_within_the_timeout(registry):
     s.close()
 
 
-def test_a_hung_registry_times_out(registry):
+def test_a_hung_registry_times_out_then_fails_fast_until_a_probe_is_answered(registry):
     s = OciStore(registry.url("weenv/hangs"), **FAST)
-    ref, _ = s.put_chunk(b"never answered")
+    refs = [s.put_chunk(os.urandom(1000))[0] for _ in range(5)]
     registry.pause()
     try:
         started = time.monotonic()
         with pytest.raises(StoreUnavailableError, match="Timeout"):
-            s.get_chunk(ref.digest, stored_digest=ref.stored_digest)
+            s.get_chunk(refs[0].digest, stored_digest=refs[0].stored_digest)
         elapsed = time.monotonic() - started
         assert FAST["read_timeout"] <= elapsed < FAST["timeout"] + 0.5
-        # during the cooldown that follows, operations fail at once
+        # the breaker is open: every read fails at once, however long the outage lasts
         started = time.monotonic()
-        with pytest.raises(StoreUnavailableError, match="not tried"):
-            s.has_chunk(ref.digest)
-        assert time.monotonic() - started < 0.1
+        failures = 0
+        while time.monotonic() - started < 3 * FAST["probe_interval"]:
+            for ref in refs:
+                with pytest.raises(StoreUnavailableError, match="not tried"):
+                    s.get_chunk(ref.digest, stored_digest=ref.stored_digest)
+                failures += 1
+            time.sleep(0.05)
+        assert failures > 50
+        assert s.breaker.probes >= 2  # one probe every interval, each within its own timeout
     finally:
         registry.resume()
-    time.sleep(FAST["cooldown"])
-    assert s.get_chunk(ref.digest, stored_digest=ref.stored_digest) == b"never answered"
+    # back: the next probe closes the breaker
+    deadline = time.monotonic() + FAST["probe_interval"] + FAST["probe_timeout"] + 1
+    while s.breaker.is_open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not s.breaker.is_open
+    assert s.get_chunk(refs[0].digest, stored_digest=refs[0].stored_digest) == s.get_chunk(refs[0].digest)
     s.close()
 
 
@@ -398,10 +409,10 @@ def test_registry_death_gives_eio_in_the_environment_and_the_node_serves_on(
         r = node.exec(a.id, read_big, timeout=120)
         elapsed = time.monotonic() - started
         assert r.exit_code == 1 and b"OSError: [Errno 5] Input/output error" in r.stderr, r
-        # one store timeout (the kernel's retries of the read fail at once: cooldown)
+        # one store timeout (the kernel's retries of the read fail at once: the breaker is open)
         assert elapsed < FAST["timeout"] + 1.5, elapsed
         registry.resume()
-        time.sleep(FAST["cooldown"])
+        time.sleep(FAST["probe_interval"] + FAST["probe_timeout"] + 0.5)  # a probe closes the breaker
 
         registry.kill()  # dies: connections refused
         started = time.monotonic()

@@ -2,116 +2,28 @@
 declaring huge plaintexts, stalled streams, more templates than pack readers,
 a cache bound below the pack.
 
-Unit-level tests drive a :class:`Prefetcher` directly over a FileStore (no
-environment); node-level tests create environments."""
+Node-level tests create environments; the frame-list checks, which drive a
+:class:`Prefetcher` directly over a FileStore, are in ``tests/unit/test_pack_frames.py``."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
-import pytest
-from pydantic import ValidationError
 from test_cache import CountingStore, _read_some, _record_profile, _wait_cached, private_store  # noqa: F401
 
-from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
-from weenv.node.prefetch import Prefetcher
 from weenv.packaging.group import build_group
 from weenv.packaging.manifest import RuntimeConfig
-from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, frame_bound, load_profile
+from weenv.packaging.profile import load_profile
 from weenv.packaging.template import create_template, load_template
 from weenv.store.file import FileStore
 
 MiB = 1 << 20
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-class _NoLazy:
-    def read_seq(self):
-        return 0
-
-    def first_reads(self, *a):
-        return []
-
-
-def _prefetcher(tmp_path, n=6, **kw):
-    store = FileStore(tmp_path / "store")
-    plains = [os.urandom(MiB) for _ in range(n)]
-    refs = [store.put_chunk(p)[0] for p in plains]
-    cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
-    return store, cache, Prefetcher(cache, store, _NoLazy(), **kw), refs, plains
-
-
-def _job(pf, refs, pack):
-    return pf._start_job("e", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
-
-
-# --- the pack's frame list ------------------------------------------------------------------
-def test_frame_sizes_must_be_positive_and_within_zstd_bound(tmp_path):
-    """A frame list with a 0, a negative size, or a frame larger than any zstd
-    frame of its chunk is not a pack: the profile does not load."""
-    store, cache, pf, refs, plains = _prefetcher(tmp_path, n=2)
-    pf.close()
-    data, frames = build_pack(plains)
-    digest = store.put_pack(data)
-    for bad in ([0, frames[1]], [-5, frames[1]], [frames[0], frame_bound(refs[1].size) + 1]):
-        with pytest.raises(ValidationError):
-            PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
-                            refs=refs, pack={"digest": digest, "frames": bad}, window_s=1.0)  # fmt: skip
-    PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
-                    refs=refs, pack={"digest": digest, "frames": frames}, window_s=1.0)  # fmt: skip
-
-
-def test_a_pack_of_wrong_frames_is_not_read_again(tmp_path):
-    """Frames that decode to other chunks: every chunk still arrives (one by
-    one), and the next job of that pack does not stream it again."""
-    store, cache, pf, refs, plains = _prefetcher(tmp_path)
-    try:
-        data, frames = build_pack(plains[1:] + plains[:1])  # rotated: frame i is chunk i+1's
-        pack = PrefetchPack(digest=store.put_pack(data), frames=frames)
-        job = _job(pf, refs, pack)
-        assert job.done.wait(30)
-        assert [cache.path(r.digest).read_bytes() for r in refs] == plains
-        assert job.from_pack == 0 and job.stream is not None
-        cache.clear()
-        again = pf._start_job("f", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
-        assert again.stream is None and again.done.wait(30)
-        assert all(cache.has(r.digest) for r in refs)
-    finally:
-        pf.close()
-
-
-def test_frame_declaring_a_huge_plaintext_is_not_decoded(tmp_path):
-    """A 64 KiB frame in a pack declaring (and holding) 1 GiB of zeros for a
-    1 MiB chunk is rejected from its header, not decoded first (it took 1 GiB
-    of memory per worker before the check)."""
-    script = textwrap.dedent(f"""
-        import os, resource, sys, zstandard
-        sys.path.insert(0, {SRC!r})
-        from pathlib import Path
-        from weenv.node.cache import ChunkCache
-        from weenv.store.file import FileStore
-        from weenv.errors import DigestMismatchError
-        root = Path(sys.argv[1])
-        store = FileStore(root / "store")
-        ref, _ = store.put_chunk(os.urandom(1 << 20))
-        bomb = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(1 << 30))
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        try:
-            ChunkCache(root / "cache", store).put_frame(ref, bomb)
-        except DigestMismatchError:
-            pass
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
-    """)
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
-    grew_mib = int(out.stdout.split()[-1])
-    assert grew_mib < 256, f"checking one bad 64 KiB frame grew the RSS by {grew_mib} MiB"
 
 
 # --- a stalled stream -----------------------------------------------------------------------
@@ -124,8 +36,8 @@ class StallingStore(CountingStore):
         self.release = threading.Event()
         self.stalled = threading.Event()
 
-    def stream_pack(self, digest):
-        inner = super().stream_pack(digest)
+    def stream_pack(self, digest, size=None):
+        inner = super().stream_pack(digest, size)
 
         def gen():
             data = b"".join(inner)

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import InvalidInputError
 from weenv.node import mounts
 from weenv.node.node import Node, _overlay_lowers
-from weenv.node.pool import pool_size_from_env
 from weenv.packaging.group import load_group
 from weenv.packaging.manifest import Resources
 from weenv.packaging.template import load_template
@@ -244,15 +242,6 @@ def test_the_pool_respects_max_environments(paths, shared_store, leak_check):
         assert node.pool.stats().ready == 0 and len(_containers(node)) == 2  # 2 running: none ahead
         node.destroy(a.id)
         node.destroy(b.id)
-
-
-def test_pool_size_from_the_environment(monkeypatch):
-    monkeypatch.setenv("WEENV_POOL_SIZE", "3")
-    assert pool_size_from_env() == 3
-    for bad in ("-1", "two", "1.5"):
-        monkeypatch.setenv("WEENV_POOL_SIZE", bad)
-        with pytest.raises(InvalidInputError, match="WEENV_POOL_SIZE"):
-            pool_size_from_env()
 
 
 def test_a_killed_node_leaves_its_pooled_environments_to_the_next(paths, shared_store, leak_check, tmp_path):

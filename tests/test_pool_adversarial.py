@@ -421,7 +421,7 @@ def test_a_pooled_container_deleted_from_outside_is_created_anew(paths, shared_s
     assert node.exec(info.id, ["python3", "hello.py"]).stdout == b"hello from the task\n"
     node.destroy(info.id)
     node.pool.drain()
-    assert not _containers(paths) and not [m for m in _mounts(paths) if m.startswith(str(paths.environments))]
+    assert not _containers(paths) and not [m for m in _mounts(paths) if m.startswith(str(paths.environments) + "/")]
 
 
 def test_close_during_a_slow_fill_waits_for_it_and_leaves_nothing(paths, shared_store, home, tmp_path):
@@ -499,7 +499,7 @@ def test_a_killed_node_and_fuse_holder_leave_their_pooled_environments_to_the_ne
     _wait_for(lambda: holder.pid_of(paths.run) is None, "the holder gone")
     (pooled,) = _created(paths)
     node = _start(home, paths, shared_store, pool_size=1)
-    assert not _containers(paths) and not [m for m in _mounts(paths) if m.startswith(str(paths.environments))]
+    assert not _containers(paths) and not [m for m in _mounts(paths) if m.startswith(str(paths.environments) + "/")]
     assert not [c for c in _weenv_cgroups() if c.endswith(pooled)]
     _warm_up(node)
     _wait_ready(node)

@@ -3,7 +3,6 @@ lifetimes (timeouts, the reaper) and capacity, without the HTTP server."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from weenv.errors import CapacityError, InvalidInputError, NotFoundError, OutputLimitError
 from weenv.node.cgroups import open_cgroups
 from weenv.node.node import CONTAINER_PREFIX, Node
-from weenv.node.process import OutputLog
 from weenv.node.models import ProcessEvent
 from weenv.packaging.manifest import Resources
 
@@ -95,17 +93,6 @@ def test_run_output_limit_kills_and_raises(node):
     r = node.run(info.id, ["head", "-c", "300000", "/dev/zero"], max_output=1 << 20)
     assert len(r.stdout) == 300000
     assert node.run(info.id, "true").exit_code == 0  # still usable
-
-
-def test_output_log_drops_unread_and_waits_for_readers():
-    log = OutputLog(retain_bytes=10)
-    for i in range(5):
-        log.append(ProcessEvent(type="stdout", data=b"12345"))
-    assert log.dropped == 15
-    r = log.attach()
-    assert [e.data for e in log.read(r, 0)] == [b"12345", b"12345"]
-    log.close()
-    assert log.read(r, 0) is None
 
 
 def test_timeouts_reap_and_capacity(paths, shared_store, leak_check):

@@ -1,5 +1,6 @@
-"""Recipes: parsing, real builds (tree steps, run and pip steps in real build
-environments), the per-component build cache, failures, and ``weenv update``."""
+"""Recipes: real builds (tree steps, run and pip steps in real build
+environments), the per-component build cache, failures, and ``weenv update``.
+Parsing is in ``tests/unit/test_recipe_parsing.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from weenv.node import mounts
 from weenv.node.node import Node
 from weenv.packaging.builder import StepFailedError, build_recipe
 from weenv.packaging.group import load_group
-from weenv.packaging.recipe import load_recipe, parse_recipe
+from weenv.packaging.recipe import load_recipe
 from weenv.packaging.template import load_template
 from weenv.packaging.update import update_component
 from weenv.packaging.upperdir import clean_upper
@@ -37,50 +38,6 @@ def group_names(store, template):
     return [load_group(store, g).name for g in t.groups]
 
 
-# --- parsing -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("[template\nname=1", "not valid TOML"),
-        ('[template]\nname = "t"\n', "component: Field required"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "frobnicate"\n',
-         "component 1 ('a'), step 1 (frobnicate): Input tag 'frobnicate'"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\n'
-         'commands = "true"\ncolour = "red"\n', "component 1 ('a'), step 1 (run), colour: Extra inputs"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "copy"\n'
-         'src = "x"\ndest = "relative"\n', "not an absolute path"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "pip"\n',
-         "needs requirements"),
-        ('[template]\nname = "T!"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n',
-         "template, name"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n'
-         '[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "y"\n', "repeated: a"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\nstep = []\n', "component 1 ('a'), step"),
-    ],
-)  # fmt: skip
-def test_malformed_recipes_give_clear_errors(text, expected):
-    with pytest.raises(InvalidInputError) as info:
-        parse_recipe(text, origin="r.toml")
-    assert expected in str(info.value)
-    assert str(info.value).startswith("r.toml: ")
-
-
-def test_recipe_runtime_env_is_merged_over_the_defaults(tmp_path):
-    r = parse_recipe(
-        '[template]\nname = "t"\n[template.runtime]\nworking_dir = "/w"\nenv = { A = "1" }\n'
-        '[[component]]\nname = "a"\n[[component.step]]\nkind = "from_dir"\npath = "d"\n',
-        base_dir=tmp_path,
-    )
-    assert r.template.runtime.env["A"] == "1" and r.template.runtime.env["PATH"].startswith("/usr/local")
-    assert r.path("d") == tmp_path / "d"
-    assert not r.component[0].needs_environment
-
-
-def test_unreadable_recipe(tmp_path):
-    with pytest.raises(InvalidInputError, match="cannot read recipe"):
-        load_recipe(tmp_path / "missing.toml")
 
 
 # --- tree components: cache and update -----------------------------------------------------

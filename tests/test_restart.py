@@ -30,12 +30,12 @@ from weenv.node.fuse import holder
 from weenv.node.models import CreateRequest
 from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
-from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.manifest import Resources, RuntimeConfig
 from weenv.packaging.template import create_template, load_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
-from weenv.services.process import alive
+from weenv_bench.services.process import alive
 
 DATA_MIB = 16
 
@@ -213,6 +213,34 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     assert not alive(init_pid)
     assert client.list() == []
     client.close()
+
+
+def test_sigkill_daemon_keeps_the_environments_disk(restart_home):
+    """Issue 13, finding 5: the environments' disk (a loop-mounted btrfs) stays
+    mounted across a daemon kill; the next daemon adopts it, with the files an
+    environment wrote and its disk limit, and ``weenv stop`` unmounts it."""
+    home = restart_home
+    client = home.start()
+    res = Resources(cpus=0.5, memory_bytes=256 << 20, pids=256, disk_bytes=64 << 20)
+    env_id = client.create("r", resources=res).id
+    home.env_ids.add(env_id)
+    assert client.exec(env_id, ["sh", "-c", "echo kept > /tmp/mine && head -c 32M /dev/zero > /tmp/fill"]).exit_code == 0
+    home.kill(home.daemon_pid())
+    client.close()
+    assert [t for t, p in mounts_under(home.paths.home) if p == str(home.paths.environments)] == ["btrfs"]
+
+    client = home.start()
+    assert client.read_file(env_id, "/tmp/mine") == b"kept\n"
+    r = client.exec(env_id, ["dd", "if=/dev/zero", "of=/tmp/more", "bs=1M", "count=64"])
+    assert r.exit_code != 0 and b"Disk quota exceeded" in r.stderr  # the limit holds after the restart
+    other = client.create("r", resources=res).id  # new environments on the adopted disk
+    home.env_ids.add(other)
+    assert client.exec(other, ["sh", "-c", "head -c 32M /dev/zero > /tmp/f && echo ok"]).stdout == b"ok\n"
+    client.close()
+    assert daemon.stop(home.paths) is True
+    assert not mounts_under(home.paths.home) and not (home.paths.node / "disk.img").exists()
+    out = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert str(home.paths.node) not in out
 
 
 def test_read_in_flight_during_the_kill_is_answered_by_the_next_daemon(restart_home):

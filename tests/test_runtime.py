@@ -5,7 +5,6 @@ Real runc containers on an overlay over the cached Debian tree; no mocks.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -20,10 +19,8 @@ import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.node.bundle import (
-    DOCKER_DEFAULT_CAPS,
     MASKED_PATHS,
     RUNC_DEFAULT_CAPS,
-    build_config,
     write_bundle,
 )
 from weenv.node.cgroups import open_cgroups
@@ -132,51 +129,6 @@ def proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-
-
-# --- bundle -------------------------------------------------------------------------------
-def test_bundle_config(tmp_path):
-    rt = RuntimeConfig(user="1000:100", env={"A": "1", "PATH": "/bin"}, working_dir="/work")
-    path = write_bundle(tmp_path, Path("rel/rootfs"), rt, hostname="h1", cgroups_path="/weenv-x")
-    assert path == tmp_path / "config.json" and sorted(os.listdir(tmp_path)) == ["config.json"]
-    c = json.loads(path.read_text())
-    p = c["process"]
-    assert p["args"] == ["sleep", "infinity"] and p["terminal"] is False
-    assert p["user"] == {"uid": 1000, "gid": 100} and p["cwd"] == "/work"
-    assert p["env"] == ["A=1", "PATH=/bin"] and p["noNewPrivileges"] is True
-    assert all(p["capabilities"][k] == list(RUNC_DEFAULT_CAPS) for k in ("bounding", "effective", "permitted"))
-    assert p["rlimits"][0]["type"] == "RLIMIT_NOFILE"
-    assert c["root"] == {"path": str(Path("rel/rootfs").absolute()), "readonly": False}
-    assert c["hostname"] == "h1"
-    lx = c["linux"]
-    assert lx["cgroupsPath"] == "/weenv-x"
-    assert {n["type"] for n in lx["namespaces"]} == {"pid", "mount", "ipc", "uts", "network"}
-    assert lx["resources"]["cpu"] == {"quota": 100000, "period": 100000}
-    assert lx["resources"]["memory"] == {"limit": 2 << 30} and lx["resources"]["pids"] == {"limit": 1024}
-    assert "/proc/kcore" in lx["maskedPaths"] and "/proc/sys" in lx["readonlyPaths"]
-    assert lx["seccomp"]["defaultAction"] == "SCMP_ACT_ALLOW"
-    dests = [m["destination"] for m in c["mounts"]]
-    assert dests == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys", "/sys/fs/cgroup"]
-
-    net = build_config(Path("/r"), RuntimeConfig(network=True), hostname="h", cgroups_path="/c",
-                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False)
-    assert "network" not in {n["type"] for n in net["linux"]["namespaces"]}
-    assert net["mounts"][-1]["destination"] == "/etc/resolv.conf" and "ro" in net["mounts"][-1]["options"]
-    assert net["linux"]["resources"]["cpu"]["quota"] == 250000 and "seccomp" not in net["linux"]
-    assert net["linux"]["resources"]["pids"] == {"limit": 7}
-    wide = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c",
-                        capabilities=DOCKER_DEFAULT_CAPS, init=Path("/usr/bin/tini-static"))
-    assert "CAP_CHOWN" in wide["process"]["capabilities"]["effective"]
-    assert wide["process"]["args"] == ["/dev/weenv-init", "--", "sleep", "infinity"]
-    assert wide["mounts"][-1]["source"] == "/usr/bin/tini-static"
-
-    for bad in (dict(user="root"), dict(user="1:x"), dict(working_dir="rel"), dict(env={"A=B": "1"})):
-        with pytest.raises(ValueError):  # refused by the model (a template with it is never made) ...
-            RuntimeConfig(**bad)
-        with pytest.raises(InvalidInputError):  # ... and by build_config, should one get through
-            build_config(Path("/r"), RuntimeConfig.model_construct(**bad), hostname="h", cgroups_path="/c")
-    with pytest.raises(InvalidInputError):
-        build_config(Path("/r"), RuntimeConfig(), hostname="bad host", cgroups_path="/c")
 
 
 # --- runc: commands -----------------------------------------------------------------------
@@ -342,19 +294,6 @@ def test_cgroup_limits(env):
     assert env.sh("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max").stdout == b"200\n"
     r = env.sh("python3 -c 'import os; [os.fork() or os.execvp(\"sleep\", [\"sleep\", \"2\"]) for _ in range(300)]'")
     assert r.exit_code != 0 and b"BlockingIOError" in r.stderr  # fork fails at the pids limit
-
-
-def test_network_mode(runc, overlay_root, tmp_path):
-    if not Path("/etc/resolv.conf").is_file():
-        pytest.skip("the host has no /etc/resolv.conf")
-    e = start(runc, overlay_root, tmp_path / "bundle", RuntimeConfig(network=True))
-    try:
-        host = sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:])
-        lines = e.runc.exec(e.id, ["cat", "/proc/net/dev"]).stdout.decode().splitlines()[2:]
-        assert sorted(line.split(":")[0].strip() for line in lines) == host
-        assert e.runc.exec(e.id, ["cat", "/etc/resolv.conf"]).stdout == Path("/etc/resolv.conf").read_bytes()
-    finally:
-        runc.delete(e.id, force=True)
 
 
 # --- runc: lifecycle ----------------------------------------------------------------------

@@ -4,13 +4,11 @@ on loopback, reached by WEENV_API_URL + WEENV_API_KEY, and by the Unix socket.""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import time
 
 import pytest
 
-import weenv
 from daemon_fixture import start_daemon
 from weenv import AsyncSandbox, Sandbox
 from weenv.sdk import (
@@ -21,7 +19,6 @@ from weenv.sdk import (
     InvalidInputError,
     NotFoundError,
 )
-from weenv.sdk import _async, _sync
 
 SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
 
@@ -222,16 +219,64 @@ def test_async_face(remote):
     asyncio.run(main())
 
 
-def test_sync_and_async_faces_match():
-    """One logic, two faces: the same public methods with the same parameters."""
-    pairs = [(_sync.Sandbox, _async.AsyncSandbox), (_sync.Commands, _async.AsyncCommands),
-             (_sync.Files, _async.AsyncFiles), (_sync.CommandHandle, _async.AsyncCommandHandle)]
-    for s, a in pairs:
-        names = {n for n in dir(s) if not n.startswith("_")}
-        assert names == {n for n in dir(a) if not n.startswith("_")}, (s, a)
-        for n in names:
-            fs, fa = getattr(s, n), getattr(a, n)
-            if callable(fs) and not isinstance(fs, type):
-                assert list(inspect.signature(fs).parameters) == list(inspect.signature(fa).parameters), n
-                assert inspect.iscoroutinefunction(fa) != inspect.iscoroutinefunction(fs) or n == "pid", n
-    assert weenv.Sandbox is Sandbox and weenv.AsyncSandbox is AsyncSandbox
+def test_output_past_the_cap_is_an_error_the_command_killed_the_client_bounded(remote, tmp_path):
+    """256 MiB of stdout through ``commands.run``: the client keeps at most 64 MiB
+    (its peak RSS stays far below the output), raises OutputLimitError, and the
+    command is killed.  Run in a subprocess to measure that client alone."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "client.py"
+    script.write_text(
+        "import resource, sys, time, weenv\n"
+        "from weenv.sdk import OutputLimitError\n"
+        "sb = weenv.Sandbox.create('task', timeout=120)\n"
+        "print(sb.id, flush=True)\n"
+        "print('rss0', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "import tracemalloc; tracemalloc.start()\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    sb.commands.run('head -c 268435456 /dev/zero; sleep 30; touch /tmp/survived')\n"
+        "    print('no error')\n"
+        "except OutputLimitError as exc:\n"
+        "    print('limit', time.monotonic() - t, str(exc))\n"
+        "print('traced', tracemalloc.get_traced_memory()[1]); tracemalloc.stop()\n"
+        "time.sleep(0.5)\n"
+        "r = sb.commands.run('ps -eo args | grep -c \"^head\\\\|^sleep 30\" || true')\n"
+        "print('left', r.stdout.strip())\n"
+        "print('rss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sb.kill()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines()[1:])
+    remote.track(out.stdout.split()[0])
+    assert "limit" in lines, out.stdout
+    assert "67108864 bytes" in lines["limit"]
+    assert lines["left"] == "0", out.stdout  # neither head nor the sleep after it runs on
+    traced_mib = int(lines["traced"]) / 2**20
+    grown_mib = (int(lines["rss"]) - int(lines["rss0"])) / 1024
+    print(f"client: Python allocations peak {traced_mib:.0f} MiB, peak RSS grew {grown_mib:.0f} MiB "
+          f"during the run; error after {lines['limit'].split()[0]} s")
+    assert traced_mib < 64 + 32, traced_mib  # the 64 MiB kept and a few chunks in flight
+    assert grown_mib < 64 + 64, grown_mib
+
+
+def test_names_that_are_not_utf8_round_trip_through_the_sdk(remote):
+    with Sandbox.create("task", timeout=120) as sb:
+        remote.track(sb.id)
+        assert sb.commands.run("mkdir -p /tmp/n && printf old > \"$(printf '/tmp/n/\\377x')\"").exit_code == 0
+        [entry] = sb.files.list("/tmp/n")
+        assert entry.name == "\udcffx" == os.fsdecode(b"\xffx")
+        path = "/tmp/n/" + entry.name
+        assert sb.files.read(path) == "old" and sb.files.stat(path).size == 3
+        sb.files.write(path, "new")
+        assert sb.commands.run("cat \"$(printf '/tmp/n/\\377x')\"").stdout == "new"
+        sb.files.rename(path, "/tmp/n/\udcfey")
+        assert sb.files.exists("/tmp/n/\udcfey") and not sb.files.exists(path)
+        with pytest.raises(NotFoundError) as exc:
+            sb.files.read(path)
+        assert "x" in str(exc.value)
+        sb.files.remove("/tmp/n/\udcfey")
+        assert sb.files.list("/tmp/n") == []

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -67,13 +68,14 @@ def test_api_key_required_on_tcp_not_on_the_socket(daemon):
         assert c.get("/environments").status_code == 200
     with daemon.http() as c:
         assert c.get("/environments").status_code == 200
-    with daemon.http(key=None) as c:  # open: health, the OpenAPI document
-        assert c.get("/health").json()["status"] == "ok"
+    with daemon.http(key=None) as c:  # open: health (without the node's state), the OpenAPI document
+        assert c.get("/health").json() == {"status": "ok"}
         doc = httpx.get(daemon.url + "/openapi.json").json()
         assert "/v1/environments/batch" in doc["paths"] and "/v1/environments/{env_id}/files" in doc["paths"]
         assert error_of(c.post("/shutdown")) == (401, "authentication")
     with daemon.unix_http() as c:  # the socket is trusted by its file mode
         assert c.get("/environments").status_code == 200
+        assert "environments" in c.get("/health").json()
 
 
 # --- environments ------------------------------------------------------------------------
@@ -273,6 +275,30 @@ def test_100mb_upload_and_download_streamed(daemon, api, env, tmp_path):
     assert daemon.rss_peak_kib() - peak0 < 60 << 10
 
 
+def test_put_past_the_disk_limit_is_refused(daemon, api):
+    """Issue 13, finding 5: a file write through the API hits the environment's disk limit."""
+    r = api.post("/environments", json={"template": "task", "timeout": 600, "resources": {
+        "cpus": 0.5, "memory_bytes": 256 << 20, "pids": 256, "disk_bytes": 64 << 20}})
+    assert r.status_code == 201, r.text
+    env = r.json()["id"]
+    daemon.track(env)
+    files = f"/environments/{env}/files"
+    r = api.put(files, params={"path": "/tmp/big"}, content=b"x" * (100 << 20))  # its length says it cannot fit
+    assert error_of(r) == (507, "disk_full") and "disk limit of 67108864 bytes" in r.json()["error"]["message"]
+    assert api.get(files + "/stat", params={"path": "/tmp/big"}).status_code == 404  # nothing was written
+
+    def body():  # no length: refused when the kernel says so
+        for _ in range(100):
+            yield b"y" * (1 << 20)
+
+    r = api.put(files, params={"path": "/tmp/big"}, content=body())
+    assert error_of(r) == (507, "disk_full") and "Disk quota exceeded" in r.json()["error"]["message"]
+    assert api.delete(files, params={"path": "/tmp/big"}).status_code == 204
+    assert api.put(files, params={"path": "/tmp/ok"}, content=b"z" * (1 << 20)).json()["size"] == 1 << 20
+    used = api.get(f"/environments/{env}").json()
+    assert api.delete(f"/environments/{env}").status_code == 204, used
+
+
 # --- batch create, lifetimes, metrics --------------------------------------------------------
 def test_batch_create_64_streams_each_as_ready(daemon, api):
     small = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}  # 64 of them fit the node's admission
@@ -341,3 +367,172 @@ def test_a_batch_whose_client_leaves_leaks_nothing(daemon, api):
             break
         time.sleep(0.2)
     assert now == before
+
+
+# --- limits (issue 13: #4 descriptors and connections, #9 requests, #10 names) ----------------------
+def _raw_request(url: str, head: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``head`` (request line and headers, no body) on a new connection; the answer's bytes."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        return data
+
+
+def test_oversized_requests_are_refused_before_they_are_read(daemon, api, env):
+    from weenv.server.limits import MAX_BODY
+
+    # a 100 MB body announced: 413 at once, without reading it (nothing of it is sent)
+    t = time.monotonic()
+    for path in (b"/v1/environments", b"/v1/no/such/route", b"/e2b/v2/sandboxes"):
+        answer = _raw_request(daemon.url, b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                              b"x-api-key: " + daemon.key.encode() + b"\r\ncontent-length: 100000000\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert time.monotonic() - t < 5
+    # streamed (chunked, no length) past the limit: 413, and the daemon kept at most about the limit
+    rss = daemon.rss_peak_kib()
+    r = api.post("/environments", content=(b" " * (1 << 20) for _ in range(64)), headers={"content-type": "application/json"})
+    assert error_of(r) == (413, "too_large") and str(MAX_BODY) in r.text
+    assert daemon.rss_peak_kib() - rss < 48 << 10
+    # metadata, envs and resources bounded (the models' limits, the node's capacity)
+    cases = [
+        ({"metadata": {"k": "v" * (20 << 20)}}, 413, "too_large", "larger than"),
+        ({"metadata": {f"k{i}": "v" for i in range(65)}}, 400, "invalid_input", "metadata"),
+        ({"metadata": {"k" * 257: "v"}}, 400, "invalid_input", "metadata"),
+        ({"metadata": {"k": "v" * 4097}}, 400, "invalid_input", "metadata"),
+        ({"envs": {"V": "x" * ((128 << 10) + 1)}}, 400, "invalid_input", "envs"),
+        ({"envs": {f"V{i}": "x" * 4000 for i in range(300)}}, 400, "invalid_input", "more than"),
+        ({"resources": {"memory_bytes": 10**12}}, 400, "invalid_input", "memory_bytes"),
+        ({"resources": {"cpus": 512}}, 400, "invalid_input", "cores"),
+        ({"resources": {"pids": (1 << 22)}}, 400, "invalid_input", "pid_max"),
+    ]
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    for extra, status, kind, words in cases:
+        if "pids" in extra.get("resources", {}) and pid_max >= 1 << 22:
+            continue
+        r = api.post("/environments", json={"template": "task", **extra})
+        assert error_of(r) == (status, kind), (extra.keys(), r.text[:300])
+        assert words in r.json()["error"]["message"], r.text[:300]
+    r = api.post("/environments/batch", json={"items": [{"template": "task"}, {"template": "task",
+                                                          "resources": {"memory_bytes": 10**12}}]})
+    assert error_of(r) == (400, "invalid_input") and "items.1.resources.memory_bytes" in r.text
+    r = api.post(f"/environments/{env}/commands", json={"command": "true", "env": {"": "x"}})
+    assert error_of(r) == (400, "invalid_input")
+    # E2B's create too
+    h = {"X-API-Key": "e2b_" + daemon.key}
+    r = httpx.post(daemon.url + "/e2b/v2/sandboxes", headers=h, json={"templateID": "task", "metadata": {"k": "v" * 5000}})
+    assert r.status_code == 400 and "metadata" in r.json()["message"]
+    assert api.get("/environments").status_code == 200 and len(api.get("/environments").content) < 1 << 20
+
+
+def test_a_keyless_request_may_not_send_a_big_body(daemon, env):
+    """Without credentials a body is refused past 64 KiB, before any route (the
+    key is checked by the route, after the body is read): a keyless flood holds
+    at most 64 KiB per connection.  With the key, or an envd access token, the
+    same body passes the limit."""
+    from weenv.server.limits import ANONYMOUS_BODY
+
+    body = b'{"template": "task", "metadata": {"k": "' + b"v" * (1 << 20) + b'"}}'
+    keyless = httpx.post(daemon.url + "/v1/environments", content=body, headers={"content-type": "application/json"})
+    assert error_of(keyless) == (413, "too_large") and str(ANONYMOUS_BODY) in keyless.text
+    small = httpx.post(daemon.url + "/v1/environments", json={"template": "task"})
+    assert error_of(small) == (401, "authentication")
+    wrong = httpx.post(daemon.url + "/v1/environments", content=body,
+                       headers={"content-type": "application/json", "x-api-key": "0" * 40})
+    assert error_of(wrong) == (413, "too_large")
+    with daemon.http() as keyed:  # past the anonymous limit, refused by the model (metadata), not by size
+        assert error_of(keyed.post("/environments", content=body, headers={"content-type": "application/json"})) \
+            == (400, "invalid_input")
+    for path in ("/e2b/envd/files?path=/tmp/up", "/e2b/envd/process.Process/Start"):  # envd: its access token
+        assert httpx.post(daemon.url + path, content=b"x" * (1 << 20),
+                          headers={"e2b-sandbox-id": env}).status_code == 413
+    token = httpx.get(f"{daemon.url}/e2b/sandboxes/{env}", headers={"x-api-key": "e2b_" + daemon.key}).json()
+    files = {"file": ("up", b"x" * (1 << 20))}
+    r = httpx.post(daemon.url + "/e2b/envd/files?path=/tmp/up", files=files,
+                   headers={"e2b-sandbox-id": env, "x-access-token": token["envdAccessToken"]})
+    assert r.status_code == 200, r.text
+    with daemon.http() as keyed:
+        assert keyed.get(f"/environments/{env}/files/stat", params={"path": "/tmp/up"}).json()["size"] == 1 << 20
+
+
+def test_names_that_are_not_utf8_list_and_round_trip(api, env):
+    r = api.post(f"/environments/{env}/commands",
+                 json={"command": "mkdir -p /tmp/n && touch \"$(printf '/tmp/n/\\377x')\" /tmp/n/ok"})
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+    r = api.get(f"/environments/{env}/files/list", params={"path": "/tmp/n"})
+    assert r.status_code == 200, r.text
+    assert b'"\\udcffx"' in r.content  # the byte 0xFF as a JSON surrogate escape
+    assert sorted(e["name"] for e in json.loads(r.content)) == ["ok", "\udcffx"]
+    # the same bytes percent-encoded name the file
+    url = f"{daemon_url(api)}/environments/{env}/files"
+    assert api.put(url + "?path=/tmp/n/%FFx", content=b"bytes").status_code == 200
+    assert api.get(url + "?path=/tmp/n/%FFx").content == b"bytes"
+    r = api.get(f"/environments/{env}/files/stat?path=/tmp/n/%FFx")
+    assert r.status_code == 200 and json.loads(r.content)["name"] == "\udcffx" and json.loads(r.content)["size"] == 5
+    r = api.post(f"/environments/{env}/commands", json={"command": "cat \"$(printf '/tmp/n/\\377x')\""})
+    assert base64.b64decode(r.json()["stdout"]) == b"bytes"
+    assert error_of(api.get(url + "?path=/tmp/n/%FEx")) == (404, "not_found")
+
+
+def daemon_url(api: httpx.Client) -> str:
+    return str(api.base_url).rstrip("/")
+
+
+def test_a_flood_of_idle_tcp_connections_leaves_the_socket_answering(shared_store, tmp_path):
+    """1,100 idle TCP connections (no key, loopback) against a daemon that inherited
+    a soft descriptor limit of 1,024: over the Unix socket a create and an exec
+    still answer within seconds; connections past the cap are refused at once,
+    idle ones are closed by the daemon, nothing stays open."""
+    import resource
+    import socket
+    import urllib.parse
+
+    from weenv.server.limits import IDLE_TIMEOUT_S, MAX_TCP_CONNECTIONS
+
+    flood = 1100
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < flood + 256:
+        pytest.skip(f"the test process may open only {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, flood + 256), hard))
+    d = start_daemon(tmp_path / "home", shared_store.url, nofile=1024)
+    conns: list[socket.socket] = []
+    try:
+        u = urllib.parse.urlsplit(d.url)
+        t0 = time.monotonic()
+        for _ in range(flood):
+            conns.append(socket.create_connection((u.hostname, u.port), timeout=5))
+        opened = time.monotonic() - t0
+        with d.unix_http() as c:
+            t = time.monotonic()
+            r = c.post("/environments", json={"template": "task", "timeout": 120}, timeout=10)
+            assert r.status_code == 201, r.text
+            env_id = r.json()["id"]
+            d.track(env_id)
+            r = c.post(f"/environments/{env_id}/commands", json={"command": "echo alive"}, timeout=10)
+            assert r.status_code == 200 and base64.b64decode(r.json()["stdout"]) == b"alive\n"
+            answered = time.monotonic() - t
+            assert answered < 5, answered
+            # past the cap: answered 503 and closed as accepted
+            refused = 0
+            for s in conns:
+                s.settimeout(IDLE_TIMEOUT_S + 3)
+                data = s.recv(4096)
+                refused += data.startswith(b"HTTP/1.1 503")
+            assert refused >= flood - MAX_TCP_CONNECTIONS, refused
+            # every other one was closed by the daemon for its silence (recv above saw b"")
+            assert c.delete(f"/environments/{env_id}").status_code == 204
+        # and TCP serves again
+        with d.http() as c:
+            assert c.get("/environments").status_code == 200
+        limits = Path(f"/proc/{d.proc.pid}/limits").read_text()
+        assert f"{hard}" in [line for line in limits.splitlines() if "open files" in line][0]
+        print(f"opened {flood} connections in {opened:.2f} s; create+exec over the socket {answered:.2f} s")
+    finally:
+        for s in conns:
+            s.close()
+        d.stop()

@@ -23,8 +23,8 @@ from weenv.packaging.manifest import (
     parse_group_manifest,
     sha256_digest,
 )
-from weenv.store import Store, open_store
-from weenv.store.file import FileStore, atomic_write
+from weenv.store import Store
+from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
 
 MIB = 1 << 20
@@ -284,26 +284,3 @@ class TestStore:
             store.set_ref(kind, name, digest)
         with pytest.raises(InvalidInputError):
             store.get_ref(kind, name)
-
-
-# --- file:// specifics -------------------------------------------------------------------
-
-
-def test_atomic_write_failure_leaves_no_temporary_file(tmp_path):
-    target = tmp_path / "d" / "blob"
-    target.mkdir(parents=True)  # rename(2) of a file over a directory fails
-    with pytest.raises(IsADirectoryError):
-        atomic_write(target, b"data")
-    assert sorted(p.name for p in target.parent.iterdir()) == ["blob"]
-    atomic_write(tmp_path / "d" / "ok", b"data")
-    assert (tmp_path / "d" / "ok").read_bytes() == b"data"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["blob", "ok"]
-
-
-def test_open_store(tmp_path):
-    s = open_store(f"file://{tmp_path}/s1")
-    assert isinstance(s, FileStore) and s.root == tmp_path / "s1" and s.url == f"file://{tmp_path}/s1"
-    assert isinstance(open_store(str(tmp_path / "s2")), FileStore)
-    for url in ("relative/path", "ftp://host/x", "nosuch://x"):
-        with pytest.raises(InvalidInputError):
-            open_store(url)

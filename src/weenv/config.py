@@ -7,6 +7,12 @@ Environment variables:
 - ``WEENV_CACHE`` (default ``/var/cache/weenv``): big downloads that are slow to
   redo and safe to share between homes (debootstrap output, PyPI files).
 - ``WEENV_STORE`` (default ``file://$WEENV_HOME/store``): the store URL.
+
+``node/`` and ``run/`` are closed to other users (mode 0700, :func:`private_dir`):
+below them are environments' root file systems and upper dirs (which hold what
+code inside wrote, setuid files and device nodes included), the chunk cache,
+runc's state, the daemon's socket and API key.  Only root (weenv, runc, the FUSE
+holder) goes through them.
 """
 
 from __future__ import annotations
@@ -14,6 +20,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+PRIVATE_MODE = 0o700
+
+
+def private_dir(path: Path) -> Path:
+    """Make directory ``path`` (and missing parents) and set its mode to
+    :data:`PRIVATE_MODE` (an existing one too); return it."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, PRIVATE_MODE)
+    return path
 
 
 @dataclass(frozen=True)

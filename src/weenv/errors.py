@@ -6,16 +6,19 @@
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
+    │   └── ContentLimitError             store content past a read limit (:mod:`weenv.packaging.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
     ├── CommandTimeoutError(TimeoutError) a command ran past its timeout and was killed
-    ├── ToolMissingError(RuntimeError)    a host program weenv needs is not installed
+    ├── ToolMissingError(RuntimeError)    a host program (or an optional part) weenv needs is not installed
     ├── StoreUnavailableError(OSError)    a store is unreachable, timed out, failed or refused (a remote
     │                                     one), or cannot be written or read (a local one: full, read-only)
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
-    └── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
+    ├── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
+    └── RequestTooLargeError(ValueError)  a request body passed the daemon's limit (HTTP 413)
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
 mapped to these at one boundary each, with ``raise ... from exc``.  Over HTTP the
@@ -41,6 +44,15 @@ class InvalidInputError(WeenvError, ValueError):
 
 class DigestMismatchError(WeenvError, OSError):
     kind = "digest_mismatch"
+
+
+class ContentLimitError(DigestMismatchError):
+    """Content a store holds under a digest is larger than weenv reads
+    (:mod:`weenv.packaging.limits`): a chunk's frame or plaintext, a manifest,
+    a ref, a pack.  Refused before it is read whole; no weenv build writes such
+    content, so it is a kind of bad content (HTTP 502)."""
+
+    kind = "content_limit"
 
 
 class MountError(WeenvError, OSError):
@@ -81,8 +93,19 @@ class CapacityError(WeenvError, RuntimeError):
     kind = "capacity"
 
 
+class DiskFullError(WeenvError, OSError):
+    """A write into an environment reached its disk limit (``EDQUOT``) or the
+    node's disk is full (``ENOSPC``); ``errno`` is kept."""
+
+    kind = "disk_full"
+
+
 class OutputLimitError(WeenvError, ValueError):
     kind = "output_limit"
+
+
+class RequestTooLargeError(WeenvError, ValueError):
+    kind = "too_large"
 
 
 ERROR_KINDS: dict[str, type[WeenvError]] = {
@@ -92,6 +115,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         NotFoundError,
         InvalidInputError,
         DigestMismatchError,
+        ContentLimitError,
         MountError,
         RuntimeFailedError,
         CommandTimeoutError,
@@ -100,6 +124,8 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         DaemonError,
         AuthenticationError,
         CapacityError,
+        DiskFullError,
         OutputLimitError,
+        RequestTooLargeError,
     )
 }

@@ -54,6 +54,7 @@ def create(
     cpus: Annotated[Optional[float], typer.Option(help="CPU quota in cores")] = None,
     memory: Annotated[Optional[str], typer.Option(help="memory limit, e.g. 2G")] = None,
     pids: Annotated[Optional[int], typer.Option(help="pids limit")] = None,
+    disk: Annotated[Optional[str], typer.Option(help="disk limit (what it may write), e.g. 10G")] = None,
     timeout: Annotated[float, typer.Option(help="seconds until the daemon destroys it")] = 3600.0,
     count: Annotated[int, typer.Option("--count", "-n", help="create this many at once (a batch)")] = 1,
     concurrency: Annotated[Optional[int], typer.Option(help="creates running at once in a batch")] = None,
@@ -62,12 +63,13 @@ def create(
 ) -> None:
     """Create and start environments; print their ids, one a line."""
     resources = None
-    if cpus is not None or memory is not None or pids is not None:
+    if cpus is not None or memory is not None or pids is not None or disk is not None:
         d = Resources()
         resources = Resources(
             cpus=cpus if cpus is not None else d.cpus,
             memory_bytes=parse_size(memory) if memory is not None else d.memory_bytes,
             pids=pids if pids is not None else d.pids,
+            disk_bytes=parse_size(disk) if disk is not None else d.disk_bytes,
         )
     if count < 1:
         raise InvalidInputError(f"--count must be at least 1, not {count}")

@@ -51,6 +51,7 @@ def template_create(
     cpus: Annotated[float, typer.Option(help="CPU quota in cores")] = 1.0,
     memory: Annotated[str, typer.Option(help="memory limit, e.g. 2G")] = "2G",
     pids: Annotated[int, typer.Option(help="pids limit")] = 1024,
+    disk: Annotated[str, typer.Option(help="disk limit (what an environment may write), e.g. 10G")] = "10G",
     version: Annotated[str, typer.Option(help="version label")] = "latest",
 ) -> None:
     """Compose a template from groups and publish it."""
@@ -62,7 +63,7 @@ def template_create(
         env={**base.env, **parse_env(env)},
         working_dir=workdir,
         user=user,
-        resources=Resources(cpus=cpus, memory_bytes=parse_size(memory), pids=pids),
+        resources=Resources(cpus=cpus, memory_bytes=parse_size(memory), pids=pids, disk_bytes=parse_size(disk)),
     )
     digest, _ = create_template(store(), name, groups, runtime=runtime, version=version)
     print(digest)

@@ -4,7 +4,8 @@ The data is the node daemon's (``GET /v1/stats/provision``, the same
 :class:`~weenv.node.provision.models.ProvisionStats` that
 :meth:`Node.provision_stats <weenv.node.node.Node.provision_stats>` returns in
 Python).  ``--plot PATH`` draws CPU (used vs quota) and memory (working set vs
-limit) over time as a PNG (matplotlib).
+limit) over time as a PNG; it needs matplotlib (``weenv[plot]``), which a plain
+install leaves out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typer
 from rich.table import Table
 
 from weenv.cli.common import client, err, human_bytes, out
+from weenv.errors import ToolMissingError
 from weenv.node.provision.models import ProvisionStats
 
 app = typer.Typer()
@@ -72,12 +74,23 @@ def history_table(s: ProvisionStats, rows: int) -> Table:
     return table
 
 
-def plot(s: ProvisionStats, path: Path) -> Path:
-    """CPU and memory of every environment over time, as a PNG at ``path``."""
-    import matplotlib
-
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend; :class:`ToolMissingError` if matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ToolMissingError("--plot needs matplotlib: pip install 'weenv[plot]'") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(s: ProvisionStats, path: Path) -> Path:
+    """CPU and memory of every environment over time, as a PNG at ``path``.
+
+    Raises :class:`~weenv.errors.ToolMissingError` if matplotlib is not installed."""
+    plt = _pyplot()
 
     fig, (ax_cpu, ax_mem) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     t0 = min((e.history[0].t for e in s.environments if e.history), default=time.time())
@@ -116,6 +129,8 @@ def stats(
     rows: Annotated[int, typer.Option(help="history rows shown for one environment")] = 20,
 ) -> None:
     """Usage and quotas of environments over time, and the node's totals."""
+    if plot_path is not None:
+        _pyplot()  # no matplotlib: say so before asking the daemon
     with client() as c:
         s = c.provision_stats(env_id)
     out.print(totals_table(s))

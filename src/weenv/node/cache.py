@@ -76,7 +76,7 @@ DEFAULT_MAX_BYTES_CAP = 10 * GiB
 DEFAULT_MAX_FRACTION = 0.20
 """Default bound: 20% of the cache's file system, at most 10 GiB (``WEENV_CACHE_BYTES`` overrides)."""
 
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+_HEX = re.compile(r"^[0-9a-f]{64}\Z")
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 

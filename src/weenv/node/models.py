@@ -4,9 +4,9 @@ HTTP server and its client (one set of models for every face, as SWE-ReX does)."
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from weenv.node.rootfs import EntryInfo
 from weenv.packaging.manifest import Resources, RuntimeConfig
@@ -14,6 +14,44 @@ from weenv.packaging.manifest import Resources, RuntimeConfig
 DEFAULT_TIMEOUT_S = 300.0
 """An environment's lifetime when its create does not say (seconds)."""
 MAX_TIMEOUT_S = 7 * 86400.0
+
+MAX_METADATA_ENTRIES = 64
+"""Labels an environment may carry; each key 1..:data:`MAX_METADATA_KEY`
+characters, each value at most :data:`MAX_METADATA_VALUE` (every list of
+environments returns them)."""
+MAX_METADATA_KEY = 256
+MAX_METADATA_VALUE = 4096
+MAX_ENV_ENTRIES = 1024
+"""Variables one create or command may set; each name 1..:data:`MAX_ENV_KEY`
+characters, each value at most :data:`MAX_ENV_VALUE` (Linux's
+``MAX_ARG_STRLEN``), all together at most :data:`MAX_ENV_TOTAL` characters."""
+MAX_ENV_KEY = 1024
+MAX_ENV_VALUE = 128 << 10
+MAX_ENV_TOTAL = 1 << 20
+MAX_PATH = 4096
+"""Longest path (a working directory), characters (Linux's ``PATH_MAX``)."""
+
+
+def _env_total(value: dict[str, str]) -> dict[str, str]:
+    total = sum(len(k) + len(v) + 2 for k, v in value.items())
+    if total > MAX_ENV_TOTAL:
+        raise ValueError(f"variables of {total} characters in all, more than {MAX_ENV_TOTAL}")
+    return value
+
+
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_KEY)],
+         Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]],
+    Field(max_length=MAX_METADATA_ENTRIES),
+]
+"""An environment's labels, bounded (:data:`MAX_METADATA_ENTRIES`)."""
+Envs = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ENV_KEY)],
+         Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE)]],
+    Field(max_length=MAX_ENV_ENTRIES),
+    AfterValidator(_env_total),
+]
+"""Environment variables of a create or a command, bounded (:data:`MAX_ENV_ENTRIES`)."""
 
 
 class _Model(BaseModel):
@@ -30,7 +68,8 @@ class CreateTiming(_Model):
     overlay_s: float = 0.0
     """Making the private upper/work dirs and mounting the overlay rootfs."""
     runtime_s: float = 0.0
-    """Writing the OCI bundle and starting its container (``runc run --detach``)."""
+    """Writing the OCI bundle and starting its container (``runc run --detach``); with
+    ``runtime.network``, making its network namespace and veth pair first."""
     first_command_s: float | None = None
     """Running the first command (``true``) inside the environment, if asked."""
     pooled: bool = False
@@ -62,10 +101,12 @@ class CreateRequest(_Model):
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """Seconds from now after which the node destroys the environment (default
     :data:`DEFAULT_TIMEOUT_S`); see ``SetTimeoutRequest``."""
-    envs: dict[str, str] = Field(default_factory=dict)
-    """Variables of every command run inside (over the template's; a command's own win)."""
-    metadata: dict[str, str] = Field(default_factory=dict)
-    """Free-form labels kept with the environment and returned in its info."""
+    envs: Envs = Field(default_factory=dict)
+    """Variables of every command run inside (over the template's; a command's own win);
+    bounded as :data:`Envs` says."""
+    metadata: Metadata = Field(default_factory=dict)
+    """Free-form labels kept with the environment and returned in its info; at
+    most :data:`MAX_METADATA_ENTRIES`, keys and values bounded."""
     priority: int = Field(default=0, ge=-1000, le=1000)
     """Elastic provisioning: under memory shortage, higher priorities grow
     first and are frozen last (see ``SetPriorityRequest``)."""
@@ -151,8 +192,8 @@ class EnvironmentInfo(_Model):
 class ExecRequest(_Model):
     command: list[str] | str
     """argv, or a shell string run with ``/bin/sh -c``."""
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
+    env: Envs = Field(default_factory=dict)
+    cwd: str | None = Field(default=None, max_length=MAX_PATH)
     timeout: float | None = Field(default=None, gt=0)
     """Seconds; the command and its children are killed after it."""
     stdin: bytes | None = None

@@ -40,8 +40,9 @@ class MountSpec:
 
 
 def erofs_spec(image: str | os.PathLike[str], target: str | os.PathLike[str]) -> MountSpec:
-    """A read-only, file-backed EROFS mount of the image file ``image`` at ``target``."""
-    return MountSpec("erofs", os.fspath(image), os.fspath(target), "", MS_RDONLY | MS_NODEV)
+    """A read-only, file-backed EROFS mount of the image file ``image`` at ``target``,
+    ``nosuid,nodev``: a setuid file or a device node in a group is neither on the host."""
+    return MountSpec("erofs", os.fspath(image), os.fspath(target), "", MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def overlay_spec(
@@ -55,12 +56,18 @@ def overlay_spec(
     ``lowers_bottom_to_top`` lists group mount points as a template lists its groups;
     overlayfs wants the top one first (Documentation/filesystems/overlayfs.rst).
     Paths are escaped (:func:`overlay_escape`), so a home holding ``,`` or ``:`` works.
+
+    Mounted ``nosuid,nodev``: a setuid file or a device node the environment
+    makes is neither when reached from the host through the mount point.  Inside
+    nothing changes: runc's bind of the rootfs keeps the flags, and the
+    environment's ``noNewPrivileges`` already ignores setuid bits, its device
+    cgroup already refuses device nodes but runc's defaults (on its own ``/dev``).
     """
     if not lowers_bottom_to_top:
         raise MountError("an overlay needs at least one lower dir")
     lower = ":".join(overlay_escape(p) for p in reversed(lowers_bottom_to_top))
     options = f"lowerdir={lower},upperdir={overlay_escape(upper)},workdir={overlay_escape(work)}"
-    return MountSpec("overlay", "overlay", os.fspath(target), options, 0)
+    return MountSpec("overlay", "overlay", os.fspath(target), options, MS_NOSUID | MS_NODEV)
 
 
 def overlay_escape(path: str | os.PathLike[str]) -> str:
@@ -107,6 +114,20 @@ def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
             point = _unescape(fields[1])
             if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
                 found.append((fields[2], point))
+    return found
+
+
+def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:
+    """``(fstype, source, super options)`` of the mount at ``target`` (the top
+    one), from /proc/self/mountinfo; None if nothing is mounted there."""
+    want = os.path.realpath(target)  # the kernel shows resolved paths
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) > 4 and len(rfields) > 2 and _unescape(fields[4]) == want:
+                found = (rfields[0], _unescape(rfields[1]), rfields[2])
     return found
 
 

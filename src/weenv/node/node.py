@@ -6,6 +6,9 @@ A :class:`Node` owns, for one ``WEENV_HOME``:
 - the lazy FUSE file system (:class:`~weenv.node.lazyfs.LazyFS`) that shows each
   group image as one file whose reads fetch missing chunks on demand;
 - one shared read-only EROFS mount per group (:class:`~weenv.node.groups.GroupMounts`);
+- the environments' disk (:mod:`weenv.node.disk`): a btrfs file system of its
+  own holding every environment's directory, each upper dir a subvolume with
+  a quota (its declared ``disk_bytes``);
 - per environment: an overlay rootfs with a private upper dir, an OCI bundle,
   a runc container in its own namespaces and cgroup, and an exec agent inside
   it (:mod:`weenv.node.agent`) that starts commands without a ``runc exec`` each;
@@ -32,16 +35,14 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import subprocess
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.config import Paths
+from weenv.config import PRIVATE_MODE, Paths, private_dir
 from weenv.errors import (
     CapacityError,
     CommandTimeoutError,
@@ -51,14 +52,17 @@ from weenv.errors import (
     NotFoundError,
     OutputLimitError,
     RuntimeFailedError,
+    StoreUnavailableError,
 )
 from weenv.node.agent import AgentBinary, AgentUnavailable, listen as agent_listen, spawn as agent_spawn
-from weenv.node import mounts
+from weenv.node import mounts, network
 from weenv.node.bundle import RUNC_DEFAULT_CAPS, write_bundle
 from weenv.node.cache import ChunkCache
 from weenv.node.cgroups import open_cgroups
+from weenv.node.disk import NodeDisk
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
+from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.pool import PoolKey, Pooled, WarmPool, pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.models import (
@@ -98,9 +102,9 @@ backgrounded processes do not pile up as zombies against the pids limit."""
 POOLED_START_TIMEOUT_S = 2.0
 """Seconds a create gives ``runc start`` of a pooled environment before making its own."""
 
-MANIFEST_CACHE = 64
-"""Template and group manifests a node keeps in memory, by digest (least recently used go;
-a group manifest of a 3 GB group is ~3,000 chunk refs, about 1-2 MB of Python objects)."""
+RESOLVE_WAIT_S = 1.0
+"""Seconds from the start of a store's lookup of a template name after which a
+create that is otherwise ready starts the name's last known digest (see :meth:`Node._resolve`)."""
 
 
 class _Environment:
@@ -129,6 +133,11 @@ class _Environment:
         return self.dir / "rootfs"
 
     @property
+    def upper(self) -> Path:
+        """Its overlay upper dir (its own changes), on the node's disk."""
+        return NodeDisk.upper(self.dir)
+
+    @property
     def agent_socket(self) -> Path:
         """The exec agent's listening socket (on the host, outside the rootfs)."""
         return self.dir / AGENT_SOCKET
@@ -155,6 +164,7 @@ class Node:
         prefetch_pack_bytes: int = PACK_BYTES,
         exec_agent: bool = True,
         pool_size: int | None = None,
+        disk_bytes: int | None = None,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
@@ -166,7 +176,10 @@ class Node:
         ``WEENV_CACHE`` on first use; False: always ``runc exec``).  ``pool_size``:
         environments the warm pool keeps created ahead per template (with the
         same resources and capabilities) created twice recently
-        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool)."""
+        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool).
+        ``disk_bytes``: the size of the environments' disk, which bounds the sum
+        of their declared disk limits (:mod:`weenv.node.disk`; default
+        ``WEENV_DISK_BYTES``, else 80% of the home file system's free space)."""
         self.paths = paths or Paths.from_env()
         self.max_environments = max_environments
         self.output_retain_bytes = output_retain_bytes
@@ -181,14 +194,20 @@ class Node:
                                    publish_lock=lambda: store_lock(self.paths, exclusive=False),
                                    on_group_complete=self.groups.assemble_if_complete)
         self.runc = Runc(self.paths.runc_root)
+        self.net_cidr = network.cidr_from_env()
+        """Where environments with network get their /30 (``WEENV_NET_CIDR``, :mod:`weenv.node.network`)."""
+        self.disk = NodeDisk(self.paths.node / "disk.img", self.paths.environments, size=disk_bytes)
         self.agent = AgentBinary(self.paths.cache, enabled=exec_agent)
         self.exec_counts = {"agent": 0, "runc": 0}
         """Commands started through each launcher (``runc``: the fallback)."""
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
         self._envs: dict[str, _Environment] = {}
         self._lock = threading.Lock()
-        self._manifest_cache: OrderedDict[tuple[str, str], TemplateManifest | GroupManifest] = OrderedDict()
-        self._resolved: OrderedDict[str, str] = OrderedDict()  # template name -> the digest it last resolved to
+        self.manifests = NodeManifests(self.paths.node / "known", self.store)
+        """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
+        self.names = KnownNames(self.paths.node / "known", self.store.url)
+        """The digest each template name last resolved to, in the node's home."""
+        self._asking: dict[str, Future] = {}  # template name -> the store lookup under way
         self._started = False
         self._closing = False  # close() runs: creates are refused, those under way are waited for
         self._home_lock: int | None = None
@@ -220,10 +239,18 @@ class Node:
         :class:`Node` directly) runs on this home, before touching anything of it."""
         if self._started:
             return self
-        for d in (self.paths.node, self.paths.environments, self.paths.group_mounts, self.paths.run):
+        for d in (self.paths.node, self.paths.run):  # closed to other users: see weenv.config
+            private_dir(d)
+        for d in (self.paths.environments, self.paths.group_mounts):
             d.mkdir(parents=True, exist_ok=True)
         self._take_home()
         self._closing = False
+        try:
+            self.disk.open()  # adopted with the environments on it, or made
+        except BaseException:
+            self._release_home()
+            raise
+        self.provisioner.disk_capacity = self.disk.size
         self.pool.open()
         try:
             if self.lazyfs.take_over():
@@ -236,6 +263,8 @@ class Node:
                 self.lazyfs.stop()
                 raise
         except BaseException:
+            with contextlib.suppress(Exception):
+                self.disk.close()
             self._release_home()
             raise
         self._started = True
@@ -284,6 +313,7 @@ class Node:
                 self.lazyfs.stop()
                 self.sink.close()
                 self.sink = PipeSink()
+                self.disk.close()  # every environment is gone: its directory, subvolume and overlay
             finally:
                 self._started = False
                 self._release_home()
@@ -300,7 +330,7 @@ class Node:
         """Adopt the group mounts and running environments of a killed node
         process whose FUSE connection :meth:`LazyFS.take_over` took (see :meth:`start`)."""
         try:
-            self.groups.recover(lambda digest: load_group(self.store, digest))
+            self.groups.recover(self.manifests.group)
         finally:
             self.lazyfs.start()  # serve the taken connection in any case: readers wait on it
         self._adopt_all()
@@ -318,7 +348,7 @@ class Node:
                             "it read through the lost FUSE connection" if lowers else "it has no overlay")
                 self._remove_leftover(env_dir)
         clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint, keep_direct=True)
-        self.groups.recover(lambda digest: load_group(self.store, digest))
+        self.groups.recover(self.manifests.group)  # the node's copies: recovery needs no store
         self.lazyfs.start()
         self._adopt_all()
 
@@ -365,7 +395,7 @@ class Node:
         lowers = _overlay_lowers(rootfs)
         if lowers is None:
             raise InvalidInputError(f"{rootfs} is not an overlay mount")
-        _digest, template = load_template(self.store, info.template_digest)
+        template = self.manifests.template(info.template_digest)
         if len(lowers) != len(template.groups):
             raise InvalidInputError(
                 f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
@@ -399,8 +429,14 @@ class Node:
         self.provisioner.detach(env_dir.name)
         with contextlib.suppress(Exception):
             self._delete_container(CONTAINER_PREFIX + env_dir.name, env_dir / "bundle")
+        network.teardown(env_dir.name, env_dir)
         for _fstype, point in mounts.mounts_under(env_dir):
             _umount_quietly(Path(point))
+        self._remove_env_dir(env_dir)
+
+    def _remove_env_dir(self, env_dir: Path) -> None:
+        """Remove an environment's directory, its disk's subvolume first (at once, however big)."""
+        self.disk.remove(env_dir)
         _remove_tree(env_dir)
 
     # --- environments ---------------------------------------------------------------
@@ -612,8 +648,8 @@ class Node:
         ``undo``; the phases' seconds go to ``timing``.  Returns the overlay's
         lower dirs (group mount points, as the template lists its groups)."""
         env_dir = self.paths.environments / env_id
-        env_dir.mkdir(parents=True)
-        undo.callback(_remove_tree, env_dir)
+        env_dir.mkdir(mode=PRIVATE_MODE)
+        undo.callback(self._remove_env_dir, env_dir)
 
         t = time.perf_counter()
         lowers = self.groups.acquire_all(list(zip(manifest.groups, group_manifests)))  # cold ones in parallel
@@ -622,14 +658,15 @@ class Node:
         timing["groups_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        upper, work, rootfs = env_dir / "upper", env_dir / "work", env_dir / "rootfs"
-        for d in (upper, work, rootfs):
-            d.mkdir()
+        self.disk.make(env_dir, res.disk_bytes)  # upper and work dirs, with the disk limit
+        upper, work, rootfs = NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs"
+        rootfs.mkdir()
         mounts.mount(mounts.overlay_spec(lowers, upper, work, rootfs))
         undo.callback(_umount_quietly, rootfs)
         timing["overlay_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        netns = self._network(env_id, env_dir, manifest.runtime.network, undo)
         container_id = CONTAINER_PREFIX + env_id
         bundle = env_dir / "bundle"
         bundle.mkdir()
@@ -644,6 +681,7 @@ class Node:
             init=INIT if INIT.exists() else None,
             capabilities=capabilities,
             agent=agent,
+            netns=netns,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self._delete_container, container_id, bundle)
@@ -658,6 +696,15 @@ class Node:
                 listener.close()  # the agent holds it now: when it dies, connects are refused
         timing["runtime_s"] = time.perf_counter() - t
         return lowers
+
+    def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack) -> Path | None:
+        """With ``wanted`` (the template's ``runtime.network``): environment
+        ``env_id``'s own network namespace and link (:mod:`weenv.node.network`),
+        its teardown pushed on ``undo``; the namespace file, or None."""
+        if not wanted:
+            return None
+        undo.callback(network.teardown, env_id, env_dir)
+        return network.setup(env_id, env_dir, self.net_cidr).netns
 
     def _prepare_pooled(self, key: PoolKey) -> Pooled:
         """One environment of ``key`` for the warm pool: created, not started."""
@@ -678,40 +725,90 @@ class Node:
 
     def _resolve(self, template: str) -> tuple[str, Future | None]:
         """The digest to create ``template`` from, and None when it is the one
-        the store names now; or, for a name this node resolved before, that
+        the store names now; or, for a name this node resolved before (also
+        before a restart: :class:`~weenv.node.manifests.KnownNames`), that
         digest (started speculatively) and a Future of the store's answer,
-        asked in a thread: an ``oci://`` resolve is a registry request
-        (~3 ms), which then overlaps the create instead of preceding it.
-        :meth:`_resolved_now` checks the guess before the create completes."""
-        with self._lock:
-            guess = None if template.startswith("sha256:") else self._resolved.get(template)
-        if guess is None:
-            digest = self.store.resolve("templates", template)
-            if not template.startswith("sha256:"):
-                self._remember_resolved(template, digest)
+        asked in a thread (one per name at a time): an ``oci://`` resolve is a
+        registry request (~3 ms), which then overlaps the create instead of
+        preceding it.  :meth:`_resolved_now` checks the guess before the create
+        completes.
+
+        Staleness rule: the store is asked on every create, and its answer wins
+        whenever it gives one (a moved name restarts the create on the new
+        digest; a deleted one fails it).  The node's last known digest is used
+        *instead* only when the store fails with :class:`StoreUnavailableError`
+        (unreachable, timed out, or known to be down) or has not answered
+        :data:`RESOLVE_WAIT_S` after it was asked and the create is otherwise
+        ready; the create then logs a warning naming the digest and when the
+        store last named it.  A store outage so stops publishing, not
+        starting, for templates whose manifests and chunks are on the node.  A
+        name this node never resolved, or a digest whose manifest it lacks,
+        fails with :class:`StoreUnavailableError`."""
+        if template.startswith("sha256:"):
+            try:
+                return self.store.resolve("templates", template), None
+            except StoreUnavailableError as exc:
+                if not self.manifests.has(template):
+                    raise
+                log.warning("template %s: the store did not answer (%s); its manifest is on the node", template, exc)
+                return template, None
+        known = self.names.get(template)
+        if known is None:
+            try:
+                digest = self.store.resolve("templates", template)
+            except StoreUnavailableError as exc:
+                raise StoreUnavailableError(
+                    f"cannot resolve template {template!r}: {exc}; this node never started it, "
+                    "so it cannot without the store"
+                ) from exc
+            self.names.remember(template, digest)
             return digest, None
-        future: Future = Future()
+        return known[0], self._ask(template)
+
+    def _ask(self, template: str) -> Future:
+        """The store's answer for name ``template``, asked in a thread unless a
+        lookup of it is under way already (shared: a frozen store holds one
+        thread per name, not one per create).  ``future.asked`` is its start (monotonic)."""
+        with self._lock:
+            future = self._asking.get(template)
+            if future is not None:
+                return future
+            future = self._asking[template] = Future()
+            future.asked = time.monotonic()
 
         def ask() -> None:
             try:
                 future.set_result(self.store.resolve("templates", template))
             except BaseException as exc:
                 future.set_exception(exc)
+            finally:
+                with self._lock:
+                    if self._asking.get(template) is future:
+                        del self._asking[template]
 
         threading.Thread(target=ask, name="weenv-resolve", daemon=True).start()
-        return guess, future
+        return future
 
     def _resolved_now(self, template: str, resolving: Future) -> str:
         """What the store named ``template`` during this create (remembered for
         the next one); raises the store's error (:class:`NotFoundError` if the
-        ref is gone: forgotten), which undoes the create."""
+        ref is gone: forgotten), which undoes the create.  When the store is
+        unavailable or slow (:meth:`_resolve`'s staleness rule): the name's
+        last known digest, with a warning."""
         try:
-            digest = resolving.result()
+            digest = resolving.result(timeout=max(0.0, resolving.asked + RESOLVE_WAIT_S - time.monotonic()))
         except NotFoundError:
-            with self._lock:
-                self._resolved.pop(template, None)
+            self.names.forget(template)
             raise
-        self._remember_resolved(template, digest)
+        except (StoreUnavailableError, FutureTimeout) as exc:
+            known = self.names.get(template)
+            if known is None:
+                raise
+            why = str(exc) or f"no answer within {RESOLVE_WAIT_S:g} s"
+            log.warning("template %r: the store did not answer (%s); starting %s, which it named %.0f s ago",
+                        template, why, known[0], time.time() - known[1])  # fmt: skip
+            return known[0]
+        self.names.remember(template, digest)
         return digest
 
     def _moved(self, template: str, digest: str, resolving: Future | None) -> str | None:
@@ -727,41 +824,17 @@ class Node:
         return current if current != digest else None
 
     def _remember_resolved(self, template: str, digest: str) -> None:
-        with self._lock:
-            self._resolved[template] = digest
-            self._resolved.move_to_end(template)
-            while len(self._resolved) > MANIFEST_CACHE:
-                self._resolved.popitem(last=False)
+        self.names.remember(template, digest)
 
     def _manifests(self, digest: str) -> tuple[TemplateManifest, list[GroupManifest]]:
         """The manifest and group manifests of the template ``digest`` (which the
         caller resolved from a name in the store on this create: a ref may
-        move).  Manifests are content-addressed, so the last
-        :data:`MANIFEST_CACHE` loaded are kept by digest (a warm start asks the
-        store one question, the resolve, instead of 2 + 2 per group).  Raises as
-        :func:`load_template` and :func:`load_group` do."""
-        manifest = self._cached_manifest("template", digest, lambda: load_template(self.store, digest)[1])
-        with self._lock:
-            missing = [g for g in dict.fromkeys(manifest.groups) if ("group", g) not in self._manifest_cache]
-        if len(missing) > 1:  # a cold template: ask the store for them at once (a registry answers in ~5 ms each)
-            with ThreadPoolExecutor(min(len(missing), 8), thread_name_prefix="weenv-manifest") as pool:
-                for g, found in zip(missing, pool.map(lambda g: load_group(self.store, g), missing)):
-                    self._cached_manifest("group", g, lambda found=found: found)
-        groups = [self._cached_manifest("group", g, lambda g=g: load_group(self.store, g)) for g in manifest.groups]
-        return manifest, groups
-
-    def _cached_manifest(self, kind: str, digest: str, load):
-        with self._lock:
-            found = self._manifest_cache.get((kind, digest))
-            if found is not None:
-                self._manifest_cache.move_to_end((kind, digest))
-                return found
-        found = load()  # outside the lock: a store fetch
-        with self._lock:
-            self._manifest_cache[(kind, digest)] = found
-            while len(self._manifest_cache) > MANIFEST_CACHE:
-                self._manifest_cache.popitem(last=False)
-        return found
+        move), from the node when it has them (:mod:`weenv.node.manifests`:
+        content-addressed, so a warm start asks the store one question, the
+        resolve, instead of 2 + 2 per group, and none when the store is down),
+        else from the store.  Raises as :func:`load_template` and :func:`load_group` do."""
+        manifest = self.manifests.template(digest)
+        return manifest, self.manifests.groups(manifest.groups)
 
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         """Destroy the environment ``timeout`` seconds from now (instead of when
@@ -1026,8 +1099,9 @@ class Node:
         with e.lock:
             self._delete_container(e.container_id, e.dir / "bundle")
             _umount_quietly(e.rootfs)
+            network.teardown(env_id, e.dir)
             e.info.state = "stopped"
-        return e.dir / "upper"
+        return e.upper
 
     def delivered(self, env_id: str) -> None:
         """The environment created ``undelivered`` reached its client: a
@@ -1056,36 +1130,20 @@ class Node:
                 self.prefetch.cancel(env_id)
                 for g, lower in zip(e.template.groups, e.lowers):
                     self.groups.release(g, lower)
-                _remove_tree(e.dir)
+                network.teardown(env_id, e.dir)
+                self._remove_env_dir(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
 
     def disk_usage(self, env_id: str) -> tuple[int, int]:
-        """``(used, total)`` bytes: what the environment wrote (its overlay upper
-        dir, allocated blocks; hard links counted once) and the size of the file
-        system holding it.  Raises :class:`NotFoundError`."""
+        """``(used, total)`` bytes: what the environment wrote (its upper dir's
+        quota usage: data and metadata, counted by the kernel) and its disk
+        limit (``resources.disk_bytes``).  Raises :class:`NotFoundError`."""
         e = self._env(env_id)
-        used, seen = 0, set()
-        todo = [str(e.dir / "upper")]  # a stack, not recursion: the environment chooses the depth
-        while todo:
-            try:
-                with os.scandir(todo.pop()) as it:
-                    entries = list(it)
-            except OSError:  # removed meanwhile
-                continue
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    todo.append(entry.path)
-                elif st.st_nlink > 1:  # only hard-linked files are remembered (memory: huge upper dirs)
-                    if (st.st_dev, st.st_ino) in seen:
-                        continue
-                    seen.add((st.st_dev, st.st_ino))
-                used += st.st_blocks * 512
-        fs = os.statvfs(e.dir)
-        return used, fs.f_blocks * fs.f_frsize
+        try:
+            used, limit = self.disk.usage(e.dir)
+        except FileNotFoundError:  # destroyed meanwhile
+            raise NotFoundError(f"no environment {env_id!r}") from None
+        return used, limit or e.info.resources.disk_bytes
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         """Quotas, usage history and events of elastic provisioning (:class:`NotFoundError` for an unknown id)."""
@@ -1109,7 +1167,7 @@ class Node:
     def drop_caches(self) -> None:
         """Remove the warm pool's environments, unmount groups no environment
         uses, empty the node chunk cache, the kernel's page cache of the group
-        images and the names resolved (for cold-start measurements).  Raises :class:`InvalidInputError` while any
+        images and the manifests and names the node knows (for cold-start measurements).  Raises :class:`InvalidInputError` while any
         environment runs."""
         self._check_idle()  # before the pool is drained for nothing
         self.pool.drain()  # its environments hold group mounts
@@ -1119,8 +1177,8 @@ class Node:
             self.groups.remove_images()
             self.lazyfs.drop_page_cache()
             self.cache.clear()
-            self._manifest_cache.clear()
-            self._resolved.clear()
+            self.manifests.clear()
+            self.names.clear()
 
     # --- helpers --------------------------------------------------------------------
     def _env(self, env_id: str) -> _Environment:
@@ -1215,16 +1273,10 @@ def _overlay_lowers(target: Path) -> list[Path] | None:
     """The lower dirs of the overlay mounted at ``target``, bottom to top (as
     :func:`~weenv.node.mounts.overlay_spec` takes them), from
     /proc/self/mountinfo; None if no overlay is mounted there."""
-    want = os.path.realpath(target)  # the kernel shows resolved paths
-    options = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            if len(fields) > 4 and len(rfields) > 2 and mounts._unescape(fields[4]) == want:
-                options = rfields[2] if rfields[0] == "overlay" else None
-    if options is None:
+    found = mounts.mount_info(target)
+    if found is None or found[0] != "overlay":
         return None
+    options = found[2]
     for option in options.split(","):  # the kernel shows a "," inside a value as \054
         if option.startswith("lowerdir="):
             value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir="):])

@@ -22,8 +22,8 @@ would).  A create refused after taking one (e.g. admission's
 :class:`~weenv.errors.CapacityError`) gives it back untouched.
 
 Costs: per pooled environment, one waiting ``runc init`` (~10 MB RSS, ~2 MB
-anonymous), a cgroup, a network namespace and an overlay mount; a fill costs
-what a create costs.
+anonymous), a cgroup, a network namespace (with ``network``, its veth pair and
+/30) and an overlay mount; a fill costs what a create costs.
 
 Removal: a key's environments go when it was not created for
 :attr:`WarmPool.idle_s`, when it is not among the :attr:`WarmPool.max_templates`

@@ -52,9 +52,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 
-from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
 from weenv.packaging.manifest import ChunkRef, GroupManifest
@@ -72,6 +72,9 @@ READER_JOIN_S = 1.0
 """How long :meth:`Prefetcher.close` waits for a pack reader blocked in a store
 read (it ends by itself once the read returns or times out: the store's read
 timeout)."""
+LOOKUP_WAIT_S = 1.0
+"""How long :meth:`Prefetcher.begin` waits for the profile lookup :meth:`Prefetcher.begin_early`
+started (a frozen store must not hold a create; the lookup's answer still serves later creates)."""
 TAKEN = object()
 """What :meth:`Prefetcher._take` hands out for a pack position whose frame
 another job's worker took."""
@@ -254,13 +257,20 @@ class Prefetcher:
     def begin(self, env_id: str, template_digest: str, groups: list[tuple[str, GroupManifest]]) -> None:
         """At a create's start, with the group manifests: replay the template's
         profile if it has one (or complete the job :meth:`begin_early` started),
-        else record one.  Never raises for store trouble (prefetch is an optimization)."""
+        else record one.  Never raises for store trouble (prefetch is an optimization);
+        a profile lookup still unanswered after :data:`LOOKUP_WAIT_S` is left behind
+        (no replay and no recording for this create)."""
         if self._closed:
             return
         with self._lock:
             lookup = self._lookups.pop(env_id, None)
         if lookup is not None:
-            lookup.result()  # never raises; the lookup may have started the job
+            try:
+                lookup.result(timeout=LOOKUP_WAIT_S)  # never raises; the lookup may have started the job
+            except FutureTimeout:  # a slow or frozen store: this create goes on without prefetch
+                log.info("no prefetch for %s: the store did not answer its profile's lookup in %g s",
+                         env_id, LOOKUP_WAIT_S)  # fmt: skip
+                return
         with self._lock:
             early = self._early.pop(env_id, None)
         if early is not None:
@@ -270,7 +280,11 @@ class Prefetcher:
             known = template_digest in self._profiles
             profile = self._profiles.get(template_digest)
         if not known:
-            profile = load_profile(self.store, template_digest)
+            try:
+                profile = load_profile(self.store, template_digest)
+            except StoreUnavailableError as exc:  # neither replay nor record: the store cannot take a profile
+                log.info("no prefetch for %s: %s", env_id, exc)
+                return
             with self._lock:
                 self._profiles[template_digest] = profile
         if profile is not None:
@@ -388,7 +402,10 @@ class Prefetcher:
         with self._lock:
             if template_digest in self._profiles:
                 return self._profiles[template_digest]
-        return load_profile(self.store, template_digest)
+        try:
+            return load_profile(self.store, template_digest)
+        except StoreUnavailableError:
+            return None
 
     def wait_published(self) -> None:
         """Wait for the profiles being published (tests)."""
@@ -454,7 +471,7 @@ class Prefetcher:
         buf = bytearray()
         got = 0
         try:
-            pieces = self.store.stream_pack(digest)
+            pieces = self.store.stream_pack(digest, stream.pack.size)
             try:
                 for piece in pieces:
                     buf += piece

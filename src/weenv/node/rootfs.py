@@ -17,8 +17,10 @@ Paths are strings as seen inside the environment; relative ones are taken from
 ``/`` (callers join the working directory first).  Errors: a missing path ->
 :class:`NotFoundError`; a path of the wrong kind (a directory where a file is
 expected, a file as a parent, an existing entry, a magic link, too many links)
--> :class:`InvalidInputError`.  Other ``OSError`` (``ENOSPC``, ``EIO``)
-propagate unchanged.
+-> :class:`InvalidInputError`; the environment's disk limit reached
+(``EDQUOT``, or ``ENOSPC`` of the node's disk, :mod:`weenv.node.disk`), on any
+call or on a write to a file :meth:`RootFS.open_write` returned ->
+:class:`DiskFullError`.  Other ``OSError`` (``EIO``) propagate unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import io
 import os
 import shutil
 import stat as st
@@ -34,7 +37,7 @@ from typing import BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import DiskFullError, InvalidInputError, NotFoundError
 
 SYS_OPENAT2 = 437  # the same number on every architecture (include/uapi/asm-generic/unistd.h)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -90,6 +93,9 @@ _INVALID = {
 
 
 def _mapped(exc: OSError, path: str) -> Exception:
+    if exc.errno in (errno.EDQUOT, errno.ENOSPC):
+        return DiskFullError(exc.errno, f"{path}: the environment's disk is full ({os.strerror(exc.errno)}): "
+                                        "its disk limit (resources.disk_bytes) is reached")
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{path}: no such file or directory")
     if exc.errno in _INVALID:
@@ -109,6 +115,26 @@ def _split(path: str) -> tuple[str, str]:
     if not parts or parts[-1] in (".", ".."):
         raise InvalidInputError(f"{path!r} does not name an entry")
     return "/" + "/".join(parts[:-1]), parts[-1]
+
+
+class _Writer(io.FileIO):
+    """A file open for writing, unbuffered: :meth:`write` writes all of its
+    bytes or raises (mapped like :class:`RootFS`'s errors: a write short of
+    the disk limit is followed by the one that says why)."""
+
+    def __init__(self, fd: int, path: str):
+        super().__init__(fd, "wb")
+        self.path = path
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += super().write(view[done:])
+        except OSError as exc:
+            raise _mapped(exc, self.path) from exc
+        return done
 
 
 class RootFS:
@@ -236,7 +262,7 @@ class RootFS:
             except BaseException:
                 os.close(wfd)
                 raise
-            return open(wfd, "wb")
+            return _Writer(wfd, target)
         raise InvalidInputError(f"{path}: too many symbolic links")
 
     def make_dir(

@@ -57,8 +57,8 @@ from weenv.node.process import EXIT_CANNOT_RUN, EXIT_KILLED, EXIT_NOT_FOUND, Spa
 
 INIT_PID_FILE = "init.pid"
 """In a bundle: the host pid of the container's first process (``runc --pid-file``)."""
-_ID_RE = re.compile(r"^[\w+.-]{1,1024}$")
-_USER_RE = re.compile(r"^\d+(:\d+)?$")
+_ID_RE = re.compile(r"^[\w+.-]{1,1024}\Z")
+_USER_RE = re.compile(r"^\d+(:\d+)?\Z")
 _MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
 
 # The parent of every command (run as ``python -I -S -c``; argv: STATUS_FILE

@@ -12,7 +12,8 @@ store (nothing is rebuilt or written).  A miss builds the component's tree:
   in-process :class:`~weenv.node.node.Node` (its own home under
   ``$WEENV_HOME/build``, so it never touches the daemon's environments) from
   a scratch template of the groups below (an empty group if there are none),
-  with the host's network, Docker's default capabilities and root as the user.
+  with network (its own namespace, NATed out: :mod:`weenv.node.network`), Docker's
+  default capabilities and root as the user.
   Tree steps copy into its root through the overlay, confined to it (the
   destination directory is opened with openat2 ``RESOLVE_IN_ROOT``); commands
   run with :meth:`Node.exec`.  Then the environment is stopped, and its overlay

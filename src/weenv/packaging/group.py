@@ -20,10 +20,10 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError
 from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
+from weenv.packaging.limits import MAX_CHUNK_SIZE
 from weenv.packaging.manifest import (
     DEFAULT_CHUNK_SIZE,
     EROFS_BLOCK_SIZE,
-    MAX_CHUNK_SIZE,
     ChunkRef,
     GroupManifest,
     canonical_json,
@@ -157,7 +157,7 @@ def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLik
     try:
         with os.fdopen(fd, "wb") as f:
             for ref in manifest.chunks:
-                data = store.get_chunk(ref.digest, stored_digest=ref.stored_digest)
+                data = store.get_chunk(ref.digest, stored_digest=ref.stored_digest, size=ref.size)
                 if len(data) != ref.size:
                     raise InvalidInputError(
                         f"chunk {ref.digest} has {len(data)} bytes, the manifest says {ref.size}"

@@ -16,18 +16,23 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from weenv.errors import InvalidInputError
+from weenv.errors import ContentLimitError, InvalidInputError
+from weenv.packaging.limits import (
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS,
+    MAX_MANIFEST_BYTES,
+    MAX_TEMPLATE_GROUPS,
+    frame_bound,
+)
 
 SCHEMA_VERSION = 1
 GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
 TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
 DEFAULT_CHUNK_SIZE = 1 << 20
-MAX_CHUNK_SIZE = 256 << 20
-"""Largest chunk a build makes: a chunk is read, compressed and fetched whole, in memory."""
 EROFS_BLOCK_SIZE = 4096
 
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 
 
 def check_digest(value: str) -> str:
@@ -73,7 +78,7 @@ def sha256_digest(data: bytes) -> str:
 def canonical_json(model: BaseModel) -> bytes:
     """Canonical JSON of a manifest: sorted keys, no whitespace, UTF-8."""
     return json.dumps(
-        model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        model.model_dump(mode="json", context={"canonical": True}), sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode()
 
 
@@ -90,12 +95,19 @@ class ChunkRef(_Model):
 
     digest: Digest
     """sha256 of the chunk's plaintext: the chunk's address in stores and caches."""
-    size: int = Field(ge=0)
-    """Plaintext size in bytes (the chunk size, or less for the last chunk)."""
-    stored_size: int = Field(ge=0)
-    """Size in bytes of the zstd frame a store keeps."""
+    size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
+    """Plaintext size in bytes (the chunk size, or less for the last chunk; at most
+    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`)."""
+    stored_size: int = Field(ge=0, le=frame_bound(MAX_CHUNK_SIZE))
+    """Size in bytes of the zstd frame a store keeps (at most :func:`~weenv.packaging.limits.frame_bound` of ``size``)."""
     stored_digest: Digest
     """sha256 of the zstd frame, for stores that address blobs by their stored bytes (OCI)."""
+
+    @model_validator(mode="after")
+    def _frame_fits(self) -> "ChunkRef":
+        if self.stored_size > frame_bound(self.size):
+            raise ValueError(f"a frame of {self.stored_size} bytes for a chunk of {self.size}: more than zstd makes")
+        return self
 
 
 class GroupManifest(_Model):
@@ -110,8 +122,8 @@ class GroupManifest(_Model):
     version: str = "latest"
     image_size: int = Field(ge=0, description="bytes of the EROFS image")
     block_size: int = EROFS_BLOCK_SIZE
-    chunk_size: int = Field(gt=0, description="bytes per chunk (the last may be shorter)")
-    chunks: list[ChunkRef]
+    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE, description="bytes per chunk (the last may be shorter)")
+    chunks: list[ChunkRef] = Field(max_length=MAX_CHUNKS)
     file_count: int = Field(ge=0, description="inodes in the image (files, dirs, links, nodes)")
     source: dict[str, str] = Field(default_factory=dict, description="provenance")
     created: str = Field(default_factory=utc_now)
@@ -149,21 +161,41 @@ MAX_MEMORY_BYTES = 1 << 50
 """Largest memory limit (1 PiB)."""
 MAX_PIDS = 1 << 22
 """Largest pids limit (the kernel's PID_MAX_LIMIT)."""
-_USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?$")
+DEFAULT_DISK_BYTES = 10 << 30
+"""An environment's disk limit unless declared (10 GiB)."""
+MIN_DISK_BYTES = 16 << 20
+"""Smallest disk limit: room for the overlay's work dir and a few files."""
+MAX_DISK_BYTES = 1 << 50
+"""Largest disk limit (1 PiB)."""
+_USER_RE = re.compile(r"^\d{1,10}(:\d{1,10})?\Z")
 
 
 class Resources(_Model):
-    """Default limits of an environment (cgroup quota and limits).
+    """Default limits of an environment (cgroup quota and limits, disk quota).
 
     ``cpus``: finite, in (0, :data:`MAX_CPUS`]; ``memory_bytes``: in
     [:data:`MIN_MEMORY_BYTES`, :data:`MAX_MEMORY_BYTES`]; ``pids``: in [1,
-    :data:`MAX_PIDS`].  Anything else fails validation (a ``ValueError``)."""
+    :data:`MAX_PIDS`]; ``disk_bytes``: in [:data:`MIN_DISK_BYTES`,
+    :data:`MAX_DISK_BYTES`].  Anything else fails validation (a ``ValueError``)."""
 
     cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False,
                         description="CPU quota in cores (quota/period)")
     memory_bytes: int = Field(default=2 << 30, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
                               description="memory limit in bytes")
     pids: int = Field(default=1024, ge=1, le=MAX_PIDS, description="pids limit")
+    disk_bytes: int = Field(default=DEFAULT_DISK_BYTES, ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES,
+                            description="disk limit in bytes: what the environment may write (its overlay "
+                            "upper dir, data and metadata; see weenv.node.disk)")
+    """Left out of a manifest's canonical JSON when it is the default, so
+    templates made before it existed keep their digests."""
+
+    @model_serializer(mode="wrap")
+    def _omit_default_disk(self, handler, info):
+        data = handler(self)
+        if (isinstance(data, dict) and info.context and info.context.get("canonical")
+                and data.get("disk_bytes") == DEFAULT_DISK_BYTES):
+            data.pop("disk_bytes", None)
+        return data
 
 
 def _check_user(value: str) -> str:
@@ -212,7 +244,9 @@ class RuntimeConfig(_Model):
     """``UID:GID`` (numeric) the processes run as."""
     resources: Resources = Field(default_factory=Resources)
     network: bool = False
-    """Whether the environment gets the host's network (default: its own namespace, loopback only)."""
+    """Whether the environment reaches out: its own network namespace with a veth pair
+    to the host, NATed, the host itself unreachable (:mod:`weenv.node.network`); default:
+    its own namespace, loopback only.  Never the host's network namespace."""
     default_command: Annotated[list[str] | None, AfterValidator(_check_argv)] = None
     """The command an imported image would run (its Entrypoint + Cmd), kept for
     ``weenv run TEMPLATE`` without a command; never the first process, since an
@@ -234,7 +268,7 @@ class TemplateManifest(_Model):
     media_type: Literal["application/vnd.weenv.template.v1+json"] = TEMPLATE_MEDIA_TYPE
     name: Name
     version: str = "latest"
-    groups: list[Digest] = Field(min_length=1)
+    groups: list[Digest] = Field(min_length=1, max_length=MAX_TEMPLATE_GROUPS)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     prefetch: Digest | None = None
     created: str = Field(default_factory=utc_now)
@@ -243,8 +277,20 @@ class TemplateManifest(_Model):
         return sha256_digest(canonical_json(self))
 
 
+def check_manifest_size(data: bytes, what: str = "manifest") -> bytes:
+    """``data`` if it has at most :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`;
+    else :class:`ContentLimitError` (``what`` names it: a digest, a path)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ContentLimitError(f"{what} has {len(data)} bytes, more than a manifest may ({MAX_MANIFEST_BYTES})")
+    return data
+
+
 def parse_group_manifest(data: bytes) -> GroupManifest:
-    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or
+    fields (past :data:`~weenv.packaging.limits.MAX_CHUNKS` chunks, chunks past
+    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`), :class:`ContentLimitError`
+    past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    check_manifest_size(data, "group manifest")
     try:
         return GroupManifest.model_validate_json(data)
     except ValueError as exc:
@@ -252,7 +298,10 @@ def parse_group_manifest(data: bytes) -> GroupManifest:
 
 
 def parse_template_manifest(data: bytes) -> TemplateManifest:
-    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or fields."""
+    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or
+    fields (past :data:`~weenv.packaging.limits.MAX_TEMPLATE_GROUPS` groups),
+    :class:`ContentLimitError` past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    check_manifest_size(data, "template manifest")
     try:
         return TemplateManifest.model_validate_json(data)
     except ValueError as exc:

@@ -28,7 +28,8 @@ from typing import Literal
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from weenv.errors import NotFoundError, WeenvError
+from weenv.errors import NotFoundError, StoreUnavailableError, WeenvError
+from weenv.packaging.limits import MAX_PACK_BYTES, MAX_PROFILE_CHUNKS, MAX_TEMPLATE_GROUPS, frame_bound
 from weenv.packaging.manifest import ChunkRef, Digest, canonical_json, utc_now
 from weenv.store.base import Store
 
@@ -50,9 +51,16 @@ class PrefetchPack(BaseModel):
 
     digest: Digest
     """sha256 of the pack's bytes (how the store addresses it)."""
-    frames: list[PositiveInt] = Field(min_length=1)
+    frames: list[PositiveInt] = Field(min_length=1, max_length=MAX_PROFILE_CHUNKS)
     """Bytes of each frame, in order (frame i decompresses to ``refs[i]``'s
-    plaintext; never more than zstd's bound for that size, :func:`frame_bound`)."""
+    plaintext; never more than zstd's bound for that size, :func:`frame_bound`);
+    at most :data:`~weenv.packaging.limits.MAX_PACK_BYTES` in all."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> PrefetchPack:
+        if self.size > MAX_PACK_BYTES:
+            raise ValueError(f"a pack of {self.size} bytes, more than {MAX_PACK_BYTES}")
+        return self
 
     @property
     def size(self) -> int:
@@ -68,11 +76,11 @@ class PrefetchProfile(BaseModel):
     schema_version: Literal[1] = 1
     media_type: Literal["application/vnd.weenv.prefetch.v1+json"] = PROFILE_MEDIA_TYPE
     template: Digest
-    groups: list[Digest] = Field(min_length=1)
+    groups: list[Digest] = Field(min_length=1, max_length=MAX_TEMPLATE_GROUPS)
     """The template's group digests, bottom to top (what ``chunks`` indexes)."""
-    chunks: list[tuple[int, int]]
+    chunks: list[tuple[int, int]] = Field(max_length=MAX_PROFILE_CHUNKS)
     """``(index into groups, chunk index in that group)`` in first-read order."""
-    refs: list[ChunkRef] = Field(default_factory=list)
+    refs: list[ChunkRef] = Field(default_factory=list, max_length=MAX_PROFILE_CHUNKS)
     """The same chunks, in the same order, as chunk refs: a replay can start
     fetching before the group manifests are loaded (empty in profiles recorded
     before weenv kept them)."""
@@ -95,12 +103,6 @@ class PrefetchProfile(BaseModel):
         return self
 
 
-def frame_bound(size: int) -> int:
-    """The most bytes a zstd frame of ``size`` plaintext bytes takes (above
-    ``ZSTD_COMPRESSBOUND``: size + size/256 + 64, plus the frame header)."""
-    return size + (size >> 8) + 128
-
-
 def ref_name(template_digest: str) -> str:
     return template_digest.split(":", 1)[1]
 
@@ -114,12 +116,16 @@ def build_pack(plaintexts: Iterable[bytes], *, level: int = PACK_ZSTD_LEVEL) -> 
 
 
 def load_profile(store: Store, template_digest: str) -> PrefetchProfile | None:
-    """The published profile of ``template_digest``, or None (none, or unreadable: logged)."""
+    """The published profile of ``template_digest``, or None (none, or
+    unreadable, or past the limits of :mod:`weenv.packaging.limits`: logged).
+    Raises :class:`StoreUnavailableError` when the store does not answer."""
     try:
         digest = store.get_ref(REF_KIND, ref_name(template_digest))
         profile = PrefetchProfile.model_validate_json(store.get_manifest(digest))
     except NotFoundError:
         return None
+    except StoreUnavailableError:  # not known either way: the caller may ask again later
+        raise
     except (ValueError, WeenvError) as exc:
         log.warning("prefetch profile of %s unreadable: %s", template_digest, exc)
         return None

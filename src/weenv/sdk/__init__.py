@@ -15,8 +15,10 @@ by ``api_url``/``api_key`` arguments, else ``WEENV_API_URL`` and ``WEENV_API_KEY
 (TCP), else the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
 
 One implementation of the logic serves both faces (:mod:`weenv.sdk._core`:
-generator flows free of I/O); :mod:`weenv.sdk._sync` and :mod:`weenv.sdk._async`
-only drive them with ``httpx.Client`` or ``httpx.AsyncClient``.  Errors are
+generator flows free of I/O); :mod:`weenv.sdk._async` and :mod:`weenv.sdk._sync`
+only drive them with ``httpx.AsyncClient`` or ``httpx.Client``, and the second is
+generated from the first (``scripts/gen_sync.py``).  The async face closes with
+``aclose()`` where the blocking one has ``close()``.  Errors are
 those of :mod:`weenv.errors`, re-exported here.
 """
 

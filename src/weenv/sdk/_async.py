@@ -1,10 +1,12 @@
 """The asyncio face of the SDK: :class:`AsyncSandbox` on ``httpx.AsyncClient``.
 
 Only the I/O edge lives here (the driver and one-line methods); the logic is in
-:mod:`weenv.sdk._core`, shared with :mod:`weenv.sdk._sync`, which this module
-mirrors method for method (``tests/test_sdk.py`` checks the two faces offer
-the same methods with the same parameters).  Callbacks may be plain functions
-or coroutine functions.
+:mod:`weenv.sdk._core`.  This is the one source of both faces: the blocking one,
+:mod:`weenv.sdk._sync`, is generated from it by ``scripts/gen_sync.py``
+(unasync: ``async``/``await`` dropped, ``AsyncSandbox`` -> ``Sandbox``,
+``aclose`` -> ``close``, ...); edit this module, then run the script
+(``tests/unit/test_sdk_generated.py`` fails while the copy is stale).  Callbacks
+may be plain functions or coroutine functions.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class _Connection:
                         value = await self._next_line(lines)
                     elif isinstance(effect, Invoke):
                         value = effect.fn(*effect.args)
-                        if inspect.isawaitable(value):
+                        if inspect.isawaitable(value):  # a coroutine function's (the sync face: nothing to do)
                             value = await value
                     else:
                         raise TypeError(f"unknown effect {effect!r}")
@@ -93,7 +95,7 @@ class _Connection:
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
         if call.json is not None:
-            kw["content"] = call.json.model_dump_json().encode()
+            kw["content"] = _core.json_body(call.json)
             kw["headers"] = {"content-type": "application/json"}
         elif call.content is not None:
             kw["content"] = _body(call.content)
@@ -143,16 +145,20 @@ class _Connection:
 
 
 def _body(content: Any) -> Any:
-    """bytes as they are; a binary file object or an iterable as an async iterator."""
+    """bytes as they are; a binary file object read in ``CHUNK`` pieces; an
+    iterable of bytes streamed as it is (on the async face an async one too, or an
+    async file object)."""
     if isinstance(content, (bytes, bytearray, memoryview)):
         return bytes(content)
+    if hasattr(content, "read") and not inspect.iscoroutinefunction(content.read):
+        return _aiter(iter(lambda: content.read(CHUNK), b""))
     if hasattr(content, "__aiter__"):
         return content
-    chunks = iter(lambda: content.read(CHUNK), b"") if hasattr(content, "read") else iter(content)
-    return _aiter(chunks)
+    return _aiter(content)
 
 
-async def _aiter(chunks) -> AsyncIterator[bytes]:
+async def _aiter(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` one by one, as the iterator kind this face's httpx client sends."""
     for chunk in chunks:
         yield chunk
 
@@ -171,7 +177,8 @@ class AsyncCommandHandle:
     async def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
              ) -> CommandResult:
         """Follow its output (kept output first) until it ends; its result.
-        Raises :class:`CommandTimeoutError` if its timeout killed it."""
+        Raises :class:`CommandTimeoutError` if its timeout killed it, and
+        :class:`OutputLimitError` past 64 MiB of output (the command runs on)."""
         return await self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
 
     async def kill(self, signal: str | int = "KILL") -> bool:
@@ -197,7 +204,11 @@ class AsyncCommands:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
-        (seconds) kills the command: :class:`CommandTimeoutError`."""
+        (seconds) kills the command: :class:`CommandTimeoutError`.  The result
+        keeps at most 64 MiB of output (stdout and stderr together,
+        ``_core.MAX_OUTPUT``), callbacks or not: past it the command is killed
+        and :class:`OutputLimitError` raised, so the client's memory stays
+        bounded; redirect bigger output to a file inside and read that."""
         req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
                                  stdin_open=stdin_open, tag=tag)
         if background:
@@ -323,14 +334,14 @@ class AsyncSandbox:
 
         def ready(i: int, info: EnvironmentInfo):
             made[i] = cls(info, conn.retain())
-            return on_ready(i, made[i]) if on_ready is not None else None  # awaited by the driver if a coroutine
+            return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
         try:
             results = await conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
                                                    return_exceptions=return_exceptions))
         except BaseException:
             for s in made.values():
-                await s.close()
+                await s.aclose()
             raise
         finally:
             await conn.release()
@@ -387,9 +398,9 @@ class AsyncSandbox:
         try:
             return await self._drive(_core.kill(self.id))
         finally:
-            await self.close()
+            await self.aclose()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Let go of the connection; the environment lives on until killed or timed out.  Idempotent."""
         if not self._closed:
             self._closed = True
@@ -402,7 +413,7 @@ class AsyncSandbox:
         await self.kill()
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, template={self.info.template!r})"
+        return f"{type(self).__name__}(id={self.id!r}, template={self.info.template!r})"
 
 
 def _templates(templates: str | list[str], count: int | None) -> list[str]:

@@ -24,6 +24,7 @@ invalid_input       400                               InvalidInputError
 authentication      401                               AuthenticationError
 timeout             408                               CommandTimeoutError
 output_limit        413                               OutputLimitError
+too_large           413                               RequestTooLargeError
 capacity            503                               CapacityError
 (transport)         connection refused, reset...      DaemonError
 (transport)         httpx timeout                     CommandTimeoutError
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from weenv.errors import (
     ERROR_KINDS,
@@ -46,6 +49,7 @@ from weenv.errors import (
     DaemonError,
     InvalidInputError,
     NotFoundError,
+    OutputLimitError,
     WeenvError,
 )
 from weenv.node.models import (
@@ -71,6 +75,9 @@ from weenv.packaging.manifest import Resources
 T = TypeVar("T")
 API_PREFIX = "/v1"
 DEFAULT_REQUEST_TIMEOUT = 600.0
+MAX_OUTPUT = 64 << 20
+"""Bytes of a command's output (stdout and stderr together) the SDK keeps for
+its result, as the daemon's captured commands (``POST .../commands``) do."""
 
 
 # --- effects ---------------------------------------------------------------------------
@@ -158,13 +165,60 @@ class ConnectionConfig:
 
 # --- the error boundary ----------------------------------------------------------------
 def error_for_reply(status: int, content: bytes) -> WeenvError:
-    """The weenv error for an error answer (``{"error": {"kind", "message"}}``)."""
+    """The weenv error for an error answer (``{"error": {"kind", "message"}}``);
+    an answer of another shape (a proxy's, a route outside the API) becomes
+    one line naming its status and its message or first line of text."""
     try:
-        err = ErrorResponse.model_validate_json(content).error
-    except ValidationError:
-        text = content[:500].decode(errors="replace")
-        return DaemonError(f"the weenv daemon answered {status}: {text}")
+        err = parse(ErrorResponse, content).error
+    except (ValidationError, ValueError):
+        return DaemonError(f"the weenv daemon answered {status}: {_one_line(content)}")
     return error_for_kind(err.kind, err.message)
+
+
+def _one_line(content: bytes) -> str:
+    import json
+
+    text = content[:2000].decode(errors="replace")
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        for key in ("message", "detail", "error"):
+            if isinstance(doc.get(key), str):
+                text = doc[key]
+                break
+    line = " ".join(text.split())
+    return (line[:300] + "...") if len(line) > 300 else (line or "(no body)")
+
+
+def parse(model: type[T], content: bytes | str) -> T:
+    """``model`` from a JSON answer, read by Python's ``json`` (which keeps the
+    ``\\udcXX`` escapes of names that are not UTF-8; pydantic's parser refuses them)."""
+    import json
+
+    return model.model_validate(json.loads(content))  # type: ignore[attr-defined]
+
+
+def json_body(model: BaseModel) -> bytes:
+    """``model`` as a JSON request body; a string holding surrogate escapes (a
+    path that is not UTF-8) is sent as ``\\udcXX`` escapes."""
+    try:
+        return model.model_dump_json().encode()
+    except PydanticSerializationError:
+        import json
+
+        return json.dumps(model.model_dump(mode="json"), ensure_ascii=True).encode()
+
+
+def path_query(path: str) -> str:
+    """``path=P`` for a URL: ``path``'s bytes (UTF-8, surrogate escapes as the
+    bytes they stand for) percent-encoded, so any file name round-trips."""
+    import urllib.parse
+
+    if not isinstance(path, str):
+        raise InvalidInputError(f"bad path {path!r}")
+    return "path=" + urllib.parse.quote(path.encode("utf-8", "surrogateescape"), safe="/")
 
 
 def error_for_kind(kind: str, message: str) -> WeenvError:
@@ -217,10 +271,13 @@ class CommandResult:
 @dataclass
 class _Output:
     """Folds a command's events into a result; decodes chunks for callbacks
-    (incrementally: a UTF-8 character split between chunks stays whole)."""
+    (incrementally: a UTF-8 character split between chunks stays whole).
+    Keeps at most ``limit`` bytes of output: the event that would pass it
+    raises :class:`OutputLimitError` (before its bytes are kept or given to a callback)."""
 
     on_stdout: Callable[[str], Any] | None = None
     on_stderr: Callable[[str], Any] | None = None
+    limit: int = MAX_OUTPUT
     out: bytearray = field(default_factory=bytearray)
     err: bytearray = field(default_factory=bytearray)
     end: ProcessEvent | None = None
@@ -236,6 +293,11 @@ class _Output:
             self.pid = e.pid or 0
         elif e.type in ("stdout", "stderr"):
             data = e.data or b""
+            if len(self.out) + len(self.err) + len(data) > self.limit:
+                raise OutputLimitError(
+                    f"the command wrote more than {self.limit} bytes of output, more than the SDK keeps "
+                    "(redirect it to a file in the sandbox and read that, or run it in the background)"
+                )
             (self.out if e.type == "stdout" else self.err).extend(data)
             cb = self.on_stdout if e.type == "stdout" else self.on_stderr
             text = self._dec[e.type].decode(data)
@@ -272,10 +334,19 @@ def _follow(out: _Output, first: Any) -> Flow[None]:
 
 
 # --- flows: environments ---------------------------------------------------------------
-def _env(env_id: str) -> str:
-    if not env_id or "/" in env_id:
-        raise InvalidInputError(f"bad sandbox id {env_id!r}")
+ENV_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+"""What an environment id may be (the node makes 12 hex digits)."""
+
+
+def env_path(env_id: str) -> str:
+    """``/environments/ID``; :class:`InvalidInputError` for an id that is not one
+    (``../../etc``: it would name another route)."""
+    if not isinstance(env_id, str) or not ENV_ID_RE.match(env_id):
+        raise InvalidInputError(f"bad environment id {env_id!r}: want letters, digits, '-' or '_'")
     return f"/environments/{env_id}"
+
+
+_env = env_path
 
 
 def create(template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
@@ -395,10 +466,23 @@ def exec_request(cmd: str | list[str], *, envs=None, cwd=None, timeout=None, std
 
 
 def run(env_id: str, req: ExecRequest, *, on_stdout=None, on_stderr=None) -> Flow[CommandResult]:
-    """A foreground command: its output streamed to the callbacks as it comes."""
+    """A foreground command: its output streamed to the callbacks as it comes,
+    and kept for the result up to :data:`MAX_OUTPUT` bytes; past that the
+    command is killed and :class:`OutputLimitError` raised (callbacks do not
+    lift the cap: the result holds the output too)."""
     out = _Output(on_stdout, on_stderr)
     first = yield Call("POST", _env(env_id) + "/commands/stream", json=req, stream=True, timeout=None)
-    yield from _follow(out, first)
+    try:
+        yield from _follow(out, first)
+    except OutputLimitError:
+        # The next request closes the stream (the daemon kills a streamed command
+        # whose client leaves); kill it by its pid as well, not to rely on that alone.
+        if out.pid:
+            try:
+                yield Call("POST", _env(env_id) + f"/processes/{out.pid}/kill", json=KillRequest(signal="KILL"))
+            except WeenvError:
+                pass  # it ended already
+        raise
     return out.result()
 
 
@@ -409,7 +493,9 @@ def start(env_id: str, req: ExecRequest) -> Flow[ProcessInfo]:
 
 def wait(env_id: str, info: ProcessInfo, *, on_stdout=None, on_stderr=None,
          raise_on_timeout: bool = True) -> Flow[CommandResult]:
-    """A background command's output (what is kept, then live) until it ends."""
+    """A background command's output (what is kept, then live) until it ends;
+    :class:`OutputLimitError` past :data:`MAX_OUTPUT` bytes (the command is
+    left running: it is the handle's to kill)."""
     if info.pid == 0:  # never started: nothing to follow
         return CommandResult(exit_code=info.exit_code if info.exit_code is not None else 127)
     out = _Output(on_stdout, on_stderr)
@@ -447,7 +533,7 @@ def send_stdin(env_id: str, pid: int, data: bytes | str, *, eof: bool = False) -
 
 # --- flows: files ----------------------------------------------------------------------
 def read_file(env_id: str, path: str, *, format: Literal["text", "bytes"] = "text") -> Flow[str | bytes]:
-    reply = yield Call("GET", _env(env_id) + "/files", params={"path": path}, timeout=None)
+    reply = yield Call("GET", _env(env_id) + "/files?" + path_query(path), timeout=None)
     return reply.content.decode() if format == "text" else reply.content
 
 
@@ -455,20 +541,22 @@ def write_file(env_id: str, path: str, data: Any) -> Flow[WriteInfo]:
     """``data``: str (UTF-8), bytes, a binary file object or an iterable of bytes (streamed)."""
     if isinstance(data, str):
         data = data.encode()
-    reply = yield Call("PUT", _env(env_id) + "/files", params={"path": path}, content=data, timeout=None)
-    return WriteInfo.model_validate_json(reply.content)
+    reply = yield Call("PUT", _env(env_id) + "/files?" + path_query(path), content=data, timeout=None)
+    return parse(WriteInfo, reply.content)
 
 
 def list_dir(env_id: str, path: str) -> Flow[list[EntryInfo]]:
+    """The entries of ``path``; a name that is not UTF-8 is a ``str`` with
+    surrogate escapes (as ``os.listdir`` gives it), usable as a path as it is."""
     import json
 
-    reply = yield Call("GET", _env(env_id) + "/files/list", params={"path": path})
+    reply = yield Call("GET", _env(env_id) + "/files/list?" + path_query(path))
     return [EntryInfo.model_validate(e) for e in json.loads(reply.content)]
 
 
 def stat(env_id: str, path: str) -> Flow[EntryInfo]:
-    reply = yield Call("GET", _env(env_id) + "/files/stat", params={"path": path})
-    return EntryInfo.model_validate_json(reply.content)
+    reply = yield Call("GET", _env(env_id) + "/files/stat?" + path_query(path))
+    return parse(EntryInfo, reply.content)
 
 
 def exists(env_id: str, path: str) -> Flow[bool]:
@@ -480,7 +568,7 @@ def exists(env_id: str, path: str) -> Flow[bool]:
 
 
 def remove(env_id: str, path: str) -> Flow[None]:
-    yield Call("DELETE", _env(env_id) + "/files", params={"path": path})
+    yield Call("DELETE", _env(env_id) + "/files?" + path_query(path))
 
 
 def rename(env_id: str, src: str, dst: str) -> Flow[None]:
@@ -488,9 +576,9 @@ def rename(env_id: str, src: str, dst: str) -> Flow[None]:
 
 
 def make_dir(env_id: str, path: str) -> Flow[None]:
-    yield Call("POST", _env(env_id) + "/files/mkdir", params={"path": path})
+    yield Call("POST", _env(env_id) + "/files/mkdir?" + path_query(path))
 
 
-def download_path(env_id: str, path: str) -> tuple[str, dict[str, str]]:
-    """URL path and params of a file's streamed download (for the drivers' ``download``)."""
-    return _env(env_id) + "/files", {"path": path}
+def download_path(env_id: str, path: str) -> tuple[str, dict[str, str] | None]:
+    """URL path (with its query) and params of a file's streamed download (for the drivers' ``download``)."""
+    return _env(env_id) + "/files?" + path_query(path), None

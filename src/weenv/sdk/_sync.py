@@ -1,15 +1,16 @@
+# Generated from _async.py by scripts/gen_sync.py: do not edit; edit _async.py and run it.
 """The blocking face of the SDK: :class:`Sandbox` on ``httpx.Client``.
 
-Only the I/O edge lives here (the driver and one-line methods); the logic is in
-:mod:`weenv.sdk._core`, shared with :mod:`weenv.sdk._async`, which mirrors this
-module method for method.
+Generated from :mod:`weenv.sdk._async` (the one source of both faces) by
+``scripts/gen_sync.py``; the logic is in :mod:`weenv.sdk._core`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterator, Callable, Iterable
 from typing import Any, BinaryIO, Literal
 
 import httpx
@@ -70,6 +71,8 @@ class _Connection:
                         value = self._next_line(lines)
                     elif isinstance(effect, Invoke):
                         value = effect.fn(*effect.args)
+                        if inspect.isawaitable(value):  # a coroutine function's (the sync face: nothing to do)
+                            value = value
                     else:
                         raise TypeError(f"unknown effect {effect!r}")
                 except httpx.HTTPError as exc:
@@ -88,7 +91,7 @@ class _Connection:
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
         if call.json is not None:
-            kw["content"] = call.json.model_dump_json().encode()
+            kw["content"] = _core.json_body(call.json)
             kw["headers"] = {"content-type": "application/json"}
         elif call.content is not None:
             kw["content"] = _body(call.content)
@@ -138,12 +141,22 @@ class _Connection:
 
 
 def _body(content: Any) -> Any:
-    """bytes as they are; a binary file object read in chunks; an iterable as it is."""
+    """bytes as they are; a binary file object read in ``CHUNK`` pieces; an
+    iterable of bytes streamed as it is (on the async face an async one too, or an
+    async file object)."""
     if isinstance(content, (bytes, bytearray, memoryview)):
         return bytes(content)
-    if hasattr(content, "read"):
-        return iter(lambda: content.read(CHUNK), b"")
-    return content
+    if hasattr(content, "read") and not inspect.iscoroutinefunction(content.read):
+        return _iter(iter(lambda: content.read(CHUNK), b""))
+    if hasattr(content, "__iter__"):
+        return content
+    return _iter(content)
+
+
+def _iter(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """``chunks`` one by one, as the iterator kind this face's httpx client sends."""
+    for chunk in chunks:
+        yield chunk
 
 
 class CommandHandle:
@@ -160,7 +173,8 @@ class CommandHandle:
     def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
              ) -> CommandResult:
         """Follow its output (kept output first) until it ends; its result.
-        Raises :class:`CommandTimeoutError` if its timeout killed it."""
+        Raises :class:`CommandTimeoutError` if its timeout killed it, and
+        :class:`OutputLimitError` past 64 MiB of output (the command runs on)."""
         return self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
 
     def kill(self, signal: str | int = "KILL") -> bool:
@@ -186,7 +200,11 @@ class Commands:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
-        (seconds) kills the command: :class:`CommandTimeoutError`."""
+        (seconds) kills the command: :class:`CommandTimeoutError`.  The result
+        keeps at most 64 MiB of output (stdout and stderr together,
+        ``_core.MAX_OUTPUT``), callbacks or not: past it the command is killed
+        and :class:`OutputLimitError` raised, so the client's memory stays
+        bounded; redirect bigger output to a file inside and read that."""
         req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
                                  stdin_open=stdin_open, tag=tag)
         if background:
@@ -312,7 +330,7 @@ class Sandbox:
 
         def ready(i: int, info: EnvironmentInfo):
             made[i] = cls(info, conn.retain())
-            return on_ready(i, made[i]) if on_ready is not None else None
+            return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
         try:
             results = conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
@@ -391,7 +409,7 @@ class Sandbox:
         self.kill()
 
     def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, template={self.info.template!r})"
+        return f"{type(self).__name__}(id={self.id!r}, template={self.info.template!r})"
 
 
 def _templates(templates: str | list[str], count: int | None) -> list[str]:

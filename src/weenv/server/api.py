@@ -4,7 +4,8 @@ JSON bodies are the models of :mod:`weenv.node.models`; streamed answers are
 NDJSON (``application/x-ndjson``: one JSON object per line, sent as it is
 ready, bytes base64-encoded)::
 
-    GET    /v1/health                                 -> {"status": "ok", "environments": N}   (no key needed)
+    GET    /v1/health                                 -> {"status": "ok", "environments": N}   (no key needed;
+                                                      without one, only {"status": "ok"})
     GET    /v1/metrics                                -> Prometheus text format
     GET    /v1/stats                                  -> NodeStats
     GET    /v1/stats/provision?env=ID                 -> ProvisionStats (quotas, usage history, events)
@@ -37,6 +38,16 @@ ready, bytes base64-encoded)::
     POST   /v1/cache/drop                             -> 204
     POST   /v1/shutdown                               -> 202
 
+File names are bytes on Linux and need not be UTF-8.  In a URL (``?path=``)
+a path is its bytes percent-encoded (``%FF`` for the byte 0xFF); in JSON (the
+answers of ``files/list``, ``files/stat``, ``PUT files`` and errors, the body
+of ``files/rename``) a name that is not UTF-8 is the string ``os.fsdecode``
+makes of it, each byte that is not UTF-8 a lone surrogate ``\udc80``-``\udcff``,
+written as a JSON escape (``"\udcff"``).  Python's ``json`` reads and writes
+these as they are (the SDK does), so a name read from a listing names the same
+file when it is sent back; JSON parsers that refuse lone surrogates (Rust's,
+pydantic's) or replace them (Go's) do not round-trip such names.
+
 Errors: ``{"error": {"kind": KIND, "message": TEXT}}`` (:class:`ErrorResponse`)
 with the status of :data:`weenv.server.app.STATUS`.  A failure after a stream
 began is its last line: ``{"type": "error", "error": {...}}`` for commands,
@@ -48,17 +59,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
+import json
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 
 import anyio
 from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from weenv.errors import AuthenticationError, WeenvError
+from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -79,14 +93,17 @@ from weenv.node.models import (
     WriteInfo,
 )
 from weenv.node.node import Node
-from weenv.node.provision import ProvisionStats
 from weenv.node.process import Process
+from weenv.node.provision import ProvisionStats
+from weenv.packaging.manifest import Resources
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1"
+PATH_DOC = ("a path inside the environment; its bytes percent-encoded as UTF-8 "
+            "(a name that is not UTF-8: its own bytes, e.g. %FF)")
 NDJSON = "application/x-ndjson"
 FILE_CHUNK = 1 << 20
 DEFAULT_BATCH_CONCURRENCY = 8
@@ -124,7 +141,11 @@ def api_router(
     r = APIRouter(dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
 
     @open_r.get("/health")
-    def health() -> dict:
+    def health(request: Request) -> dict:
+        try:
+            require_key(request)
+        except AuthenticationError:  # open, but it tells nothing of the node without the key
+            return {"status": "ok"}
         return {"status": "ok", "environments": node.count()}
 
     @r.get("/metrics", response_class=Response)
@@ -151,6 +172,7 @@ def api_router(
     # --- environments ----------------------------------------------------------------
     def create_one(req: CreateRequest) -> EnvironmentInfo:
         """``node.create`` of ``req``, marked undelivered (:meth:`Node.delivered` once answered)."""
+        check_capacity(node, req.resources)
         try:
             info = node.create(req.template, resources=req.resources, first_command=req.first_command,
                                timeout=req.timeout, envs=req.envs, metadata=req.metadata,
@@ -171,6 +193,8 @@ def api_router(
     @r.post("/environments/batch", response_class=StreamingResponse,
             responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}})
     async def create_batch(req: BatchCreateRequest) -> StreamingResponse:
+        for i, item in enumerate(req.items):  # refuse the whole batch before any create starts
+            check_capacity(node, item.resources, where=f"items.{i}.resources")
         workers = req.concurrency or min(DEFAULT_BATCH_CONCURRENCY, len(req.items))
         return _ClosingStream(_batch(create_one, node, req.items, workers), media_type=NDJSON)
 
@@ -266,7 +290,7 @@ def api_router(
     # --- files -----------------------------------------------------------------------
     @r.get("/environments/{env_id}/files", response_class=StreamingResponse,
            responses={200: {"content": {"application/octet-stream": {}}}})
-    def download(env_id: str, path: str) -> StreamingResponse:
+    def download(env_id: str, path: str = Depends(fs_path)) -> StreamingResponse:
         f = node.files(env_id).open_read(path)
         size = os.fstat(f.fileno()).st_size
 
@@ -280,10 +304,16 @@ def api_router(
         return StreamingResponse(chunks(), media_type="application/octet-stream",
                                  headers={"content-length": str(size)})
 
-    @r.put("/environments/{env_id}/files", openapi_extra={
+    @r.put("/environments/{env_id}/files", response_class=NamesJSONResponse, openapi_extra={
         "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def upload(env_id: str, path: str, request: Request) -> WriteInfo:
+    async def upload(env_id: str, request: Request, path: str = Depends(fs_path)) -> WriteInfo:
         fs = node.files(env_id)
+        length = request.headers.get("content-length", "")
+        if length.isdigit():  # a body that can never fit is refused before a byte is written
+            _used, limit = await anyio.to_thread.run_sync(node.disk_usage, env_id)
+            if int(length) > limit:
+                raise DiskFullError(errno.EDQUOT, f"{path}: {length} bytes do not fit the environment's "
+                                                  f"disk limit of {limit} bytes (resources.disk_bytes)")
         f = await anyio.to_thread.run_sync(fs.open_write, path)
         size = 0
         buf = bytearray()
@@ -302,24 +332,24 @@ def api_router(
         return WriteInfo(path=path, size=size)
 
     @r.delete("/environments/{env_id}/files", status_code=204)
-    def remove(env_id: str, path: str) -> Response:
+    def remove(env_id: str, path: str = Depends(fs_path)) -> Response:
         node.files(env_id).remove(path)
         return Response(status_code=204)
 
-    @r.get("/environments/{env_id}/files/stat")
-    def stat(env_id: str, path: str) -> EntryInfo:
+    @r.get("/environments/{env_id}/files/stat", response_class=NamesJSONResponse)
+    def stat(env_id: str, path: str = Depends(fs_path)) -> EntryInfo:
         return node.files(env_id).stat(path)
 
-    @r.get("/environments/{env_id}/files/list")
-    def list_dir(env_id: str, path: str = "/") -> list[EntryInfo]:
+    @r.get("/environments/{env_id}/files/list", response_class=NamesJSONResponse)
+    def list_dir(env_id: str, path: str = Depends(fs_path_or_root)) -> list[EntryInfo]:
         return node.files(env_id).list_dir(path)
 
     @r.post("/environments/{env_id}/files/mkdir", status_code=204)
-    def make_dir(env_id: str, path: str) -> Response:
+    def make_dir(env_id: str, path: str = Depends(fs_path)) -> Response:
         node.files(env_id).make_dir(path)
         return Response(status_code=204)
 
-    @r.post("/environments/{env_id}/files/rename", status_code=204)
+    @r.post("/environments/{env_id}/files/rename", status_code=204)  # JSON src/dst: \udcXX escapes kept
     def rename(env_id: str, req: RenameRequest) -> Response:
         node.files(env_id).rename(req.src, req.dst)
         return Response(status_code=204)
@@ -338,6 +368,60 @@ def api_router(
 
     open_r.include_router(r)
     return open_r
+
+
+class NamesJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped (``ensure_ascii``), so a name
+    that is not UTF-8 (a ``str`` holding surrogate escapes, as ``os.fsdecode``
+    makes it) is sent as ``\\udcXX`` escapes instead of failing to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _query_path(request: Request) -> str | None:
+    """The ``path`` query parameter, percent-decoded as UTF-8 with surrogate
+    escapes (``%FF`` -> ``"\\udcff"``): lossless for any byte string, where
+    Starlette's own decoding replaces bytes that are not UTF-8."""
+    raw = request.scope.get("query_string", b"").decode("utf-8", "surrogateescape")
+    for key, value in urllib.parse.parse_qsl(raw, keep_blank_values=True, encoding="utf-8", errors="surrogateescape"):
+        if key == "path":
+            return value
+    return None
+
+
+def fs_path(request: Request, path: str = Query(description=PATH_DOC)) -> str:
+    return _query_path(request) or path
+
+
+def fs_path_or_root(request: Request, path: str = Query("/", description=PATH_DOC)) -> str:
+    return _query_path(request) or path
+
+
+def check_capacity(node: Node, resources: Resources | None, *, where: str = "resources") -> None:
+    """Refuse ``resources`` one environment of this node could never have:
+    ``cpus`` above the node's cores, ``memory_bytes`` above the memory it gives
+    environments (the provisioner's capacity: MemTotal minus its reserve),
+    ``pids`` above the kernel's ``pid_max``.  Raises :class:`InvalidInputError` (400)."""
+    if resources is None:
+        return
+    cpus, memory = node.provisioner.cpu_capacity, node.provisioner.memory_capacity
+    if resources.cpus > cpus:
+        raise InvalidInputError(f"{where}.cpus: {resources.cpus:g} is more than the node's {cpus:g} cores")
+    if resources.memory_bytes > memory:
+        raise InvalidInputError(f"{where}.memory_bytes: {resources.memory_bytes} is more than the "
+                                f"{memory} bytes the node gives environments")  # fmt: skip
+    pid_max = _pid_max()
+    if resources.pids > pid_max:
+        raise InvalidInputError(f"{where}.pids: {resources.pids} is more than the kernel's pid_max ({pid_max})")
+
+
+def _pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 22
 
 
 def _line(model) -> bytes:

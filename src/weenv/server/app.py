@@ -8,7 +8,8 @@ its :class:`~weenv.node.node.Node`.
 
 Errors of ``/v1`` requests are ``{"error": {"kind": KIND, "message": TEXT}}``
 with a status from the kind (:data:`STATUS`); malformed JSON and invalid fields
-are ``invalid_input`` (400), unknown routes ``not_found`` (404).  Requests to
+are ``invalid_input`` (400), unknown routes ``not_found`` (404), bodies past
+the limits of :mod:`weenv.server.limits` ``too_large`` (413).  Requests to
 other routers keep FastAPI's default error bodies.
 
 While the app runs, a reaper task destroys environments whose timeout passed
@@ -29,12 +30,14 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weenv.errors import WeenvError
 from weenv.node.node import Node
-from weenv.server.api import PREFIX, api_router
-from weenv.server.auth import ApiKey
+from weenv.server.api import PREFIX, NamesJSONResponse, api_router
+from weenv.server.auth import ApiKey, presented_key
+from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -45,11 +48,14 @@ STATUS = {
     "authentication": 401,
     "timeout": 408,
     "output_limit": 413,
+    "too_large": 413,
     "digest_mismatch": 502,
+    "content_limit": 502,
     "mount": 500,
     "runtime": 500,
     "tool_missing": 500,
     "capacity": 503,
+    "disk_full": 507,
     "store_unavailable": 503,
 }
 WORKER_THREADS = 512
@@ -59,8 +65,9 @@ streams wait on commands)."""
 
 def error_response(kind: str, message: str, status: int | None = None) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if kind == "authentication" else None
-    return JSONResponse(status_code=status or STATUS.get(kind, 500),
-                        content={"error": {"kind": kind, "message": message}}, headers=headers)
+    # NamesJSONResponse: a message may name a path that is not UTF-8
+    return NamesJSONResponse(status_code=status or STATUS.get(kind, 500),
+                             content={"error": {"kind": kind, "message": message}}, headers=headers)
 
 
 def create_app(
@@ -71,13 +78,17 @@ def create_app(
     trusted_socket: str | None = None,
     reap_interval: float = 1.0,
     max_output: int = 64 << 20,
+    max_body: int = MAX_BODY,
+    max_upload: int = MAX_UPLOAD,
 ) -> FastAPI:
     """The app over ``node``: it starts the node when it starts and closes it
     when it stops; ``on_shutdown`` is called by ``POST /v1/shutdown``.
 
     ``api_key``: the key TCP clients must send; ``trusted_socket``: the Unix
     socket path whose clients need none.  ``reap_interval``: seconds between
-    reaper passes.  ``max_output``: bytes a captured command may write."""
+    reaper passes.  ``max_output``: bytes a captured command may write.
+    ``max_body``, ``max_upload``: bytes of a request body, of a file upload
+    (:class:`~weenv.server.limits.BodyLimit`, for every router mounted on the app)."""
     metrics = Metrics(node)
 
     @asynccontextmanager
@@ -95,6 +106,22 @@ def create_app(
 
     app = FastAPI(title="weenv node", version="1", lifespan=lifespan,
                   description="Environments for agentic RL: templates, environments, commands, files.")
+
+    def credentialed(scope: dict) -> bool:
+        """Whether a request carries valid credentials (checked before its body
+        is read, :class:`~weenv.server.limits.BodyLimit`): it came on the
+        trusted Unix socket, carries the API key, or an envd access token that
+        ``app.state.envd_credentialed`` (set by the daemon) accepts."""
+        server = scope.get("server")
+        if trusted_socket is not None and server and server[1] is None and server[0] == trusted_socket:
+            return True
+        headers = Headers(scope=scope)
+        if api_key is not None and api_key.matches(presented_key(headers)):
+            return True
+        envd = getattr(app.state, "envd_credentialed", None)
+        return envd is not None and envd(headers)
+
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
     app.state.node = node
     app.state.metrics = metrics
     app.state.api_key = api_key  # for other routers (E2B): ApiKey.matches accepts "e2b_" + the key

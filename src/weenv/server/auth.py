@@ -20,7 +20,7 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError
 
-_KEY_RE = re.compile(r"^[0-9a-f]{32,128}$")
+_KEY_RE = re.compile(r"^[0-9a-f]{32,128}\Z")
 E2B_PREFIX = "e2b_"
 
 

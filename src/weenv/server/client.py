@@ -26,6 +26,7 @@ from weenv.node.models import (
 )
 from weenv.node.provision import ProvisionStats
 from weenv.packaging.manifest import Resources
+from weenv.sdk._core import env_path, path_query
 from weenv.server import daemon
 
 _JSON = {"content-type": "application/json"}
@@ -103,29 +104,29 @@ class NodeClient:
             raise DaemonError(f"weenv daemon at {self.paths.socket}: {exc}") from exc
 
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
-        r = self._request("POST", f"/environments/{env_id}/timeout", content=f'{{"timeout": {timeout}}}', headers=_JSON)
+        r = self._request("POST", env_path(env_id) + "/timeout", content=f'{{"timeout": {timeout}}}', headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
 
     def list(self) -> list[EnvironmentInfo]:
         return [EnvironmentInfo.model_validate(e) for e in self._request("GET", "/environments").json()]
 
     def get(self, env_id: str) -> EnvironmentInfo:
-        return EnvironmentInfo.model_validate_json(self._request("GET", f"/environments/{env_id}").content)
+        return EnvironmentInfo.model_validate_json(self._request("GET", env_path(env_id)).content)
 
     def destroy(self, env_id: str) -> None:
-        self._request("DELETE", f"/environments/{env_id}")
+        self._request("DELETE", env_path(env_id))
 
     def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
              cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
         req = _build(ExecRequest, command=command, env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin)
-        r = self._request("POST", f"/environments/{env_id}/commands", content=req.model_dump_json(), headers=_JSON)
+        r = self._request("POST", env_path(env_id) + "/commands", content=req.model_dump_json(), headers=_JSON)
         return ExecResult.model_validate_json(r.content)
 
     def read_file(self, env_id: str, path: str) -> bytes:
-        return self._request("GET", f"/environments/{env_id}/files", params={"path": path}).content
+        return self._request("GET", env_path(env_id) + "/files?" + path_query(path)).content
 
     def write_file(self, env_id: str, path: str, data: bytes) -> None:
-        self._request("PUT", f"/environments/{env_id}/files", params={"path": path}, content=data)
+        self._request("PUT", env_path(env_id) + "/files?" + path_query(path), content=data)
 
     def stats(self) -> NodeStats:
         return NodeStats.model_validate_json(self._request("GET", "/stats").content)

@@ -11,6 +11,12 @@ of ``run/api-key`` there (:mod:`weenv.server.auth`).  SIGTERM, SIGINT and
 ``POST /v1/shutdown`` stop it cleanly: every environment is destroyed and every
 mount it made is unmounted.
 
+At start it raises its soft descriptor limit to the hard one; it serves at
+most :func:`~weenv.server.limits.tcp_connection_cap` TCP connections at once
+(more are answered 503 and closed at accept; the Unix socket is never
+refused), closes connections silent for 5 s, and bounds request bodies
+(:mod:`weenv.server.limits`).
+
 A daemon killed by SIGKILL (or crashed) leaves its environments running: the
 next daemon on the home (started on demand by the next client, or by
 ``weenv serve``) takes over their FUSE connection from the home's FUSE holder
@@ -55,8 +61,13 @@ def serve(
     from weenv.server.e2b import create_e2b_app
     from weenv.server.auth import ApiKey
 
+    from weenv.server import limits
+
     paths = paths or Paths.from_env()
     paths.run.mkdir(parents=True, exist_ok=True)
+    nofile_before, nofile = limits.raise_nofile_limit()
+    if nofile_before != nofile:
+        log.info("raised the soft RLIMIT_NOFILE from %d to %d", nofile_before, nofile)
     # The node takes the home's lock (Node.start) before anything of a running
     # daemon (its socket, pid file, environments) is touched.
     node = Node(paths, max_environments=max_environments)
@@ -89,8 +100,12 @@ def serve(
 
         app = create_app(node, on_shutdown=stop, api_key=api_key, trusted_socket=str(paths.socket),
                          reap_interval=reap_interval)
-        app.mount("/e2b", create_e2b_app(node, api_keys=[api_key.e2b]))
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        e2b = create_e2b_app(node, api_keys=[api_key.e2b])
+        app.mount("/e2b", e2b)
+        app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                                http=limits.tcp_protocol(limits.tcp_connection_cap(nofile)),
+                                timeout_keep_alive=limits.IDLE_TIMEOUT_S)
         server = uvicorn.Server(config)
         # uvicorn handles SIGTERM/SIGINT while it runs, shuts down cleanly, then
         # raises the signal again under the previous handler: make that an exit 0.

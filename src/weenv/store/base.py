@@ -18,6 +18,11 @@ Compression and digest checks live here, once; a backend only moves bytes
 (``_put_blob`` / ``_get_blob`` ...).  Every read is verified: a chunk whose
 plaintext does not hash to its digest raises :class:`DigestMismatchError`,
 never returns wrong bytes.
+
+Every read is bounded (:mod:`weenv.packaging.limits`): a backend is given the
+most bytes the blob may have (a chunk's frame: :func:`frame_bound` of its
+plaintext size; a manifest: ``MAX_MANIFEST_BYTES``; a pack: its declared size)
+and raises :class:`ContentLimitError` naming the digest before it reads more.
 """
 
 from __future__ import annotations
@@ -27,12 +32,25 @@ from collections.abc import Iterator
 
 import zstandard
 
-from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.manifest import MAX_CHUNK_SIZE, ChunkRef, check_digest, check_name, sha256_digest
+from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.packaging.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
+from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
 REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
 SPACES = ("chunks", "manifests", "packs")
 ZSTD_LEVEL = 3
+SPACE_LIMITS = {"chunks": frame_bound(MAX_CHUNK_SIZE), "manifests": MAX_MANIFEST_BYTES, "packs": MAX_PACK_BYTES}
+"""The most bytes a blob of each space may have, unless the reader knows a smaller bound."""
+
+
+def read_limit(space: str, max_bytes: int | None) -> int:
+    """``max_bytes``, or the space's own limit (:data:`SPACE_LIMITS`) when None."""
+    return SPACE_LIMITS[space] if max_bytes is None else max_bytes
+
+
+def too_large(what: str, size: int, limit: int) -> ContentLimitError:
+    """The error for blob ``what`` (its kind, digest and store) of ``size`` bytes past ``limit``."""
+    return ContentLimitError(f"{what} has {size} bytes, more than the {limit} weenv reads of it")
 
 
 class Store(abc.ABC):
@@ -51,13 +69,16 @@ class Store(abc.ABC):
         """Write ``data`` atomically as blob ``digest`` of ``space``."""
 
     @abc.abstractmethod
-    def _get(self, space: str, digest: str) -> bytes:
-        """Bytes of blob ``digest``; raise :class:`NotFoundError` if absent."""
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
+        """Bytes of blob ``digest``; raise :class:`NotFoundError` if absent,
+        :class:`ContentLimitError` (before reading it whole) if it has more than
+        ``max_bytes`` (None: :func:`read_limit` of ``space``)."""
 
-    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+    def _stream(self, space: str, digest: str, max_bytes: int | None = None) -> Iterator[bytes]:
         """Bytes of blob ``digest`` in pieces as they arrive (default: one
-        piece, :meth:`_get`); :class:`NotFoundError` if absent."""
-        yield self._get(space, digest)
+        piece, :meth:`_get`); :class:`NotFoundError` if absent,
+        :class:`ContentLimitError` past ``max_bytes`` as :meth:`_get`."""
+        yield self._get(space, digest, max_bytes)
 
     @abc.abstractmethod
     def _list(self, space: str) -> Iterator[str]:
@@ -107,14 +128,15 @@ class Store(abc.ABC):
         self._put("chunks", digest, frame)
         return ref, True
 
-    def _get_frame(self, digest: str, stored_digest: str) -> bytes:
-        """The zstd frame of chunk ``digest`` whose own sha256 is ``stored_digest``.
+    def _get_frame(self, digest: str, stored_digest: str, max_bytes: int | None = None) -> bytes:
+        """The zstd frame of chunk ``digest`` whose own sha256 is ``stored_digest``
+        (at most ``max_bytes``, as :meth:`_get`).
 
         A backend that addresses blobs by their stored bytes (OCI registries)
         overrides this to fetch the frame directly, skipping its plaintext-digest
         index; the default reads ``_get("chunks", digest)``.
         """
-        return self._get("chunks", digest)
+        return self._get("chunks", digest, max_bytes)
 
     def get_chunk(self, digest: str, *, stored_digest: str | None = None, size: int | None = None) -> bytes:
         """Plaintext of chunk ``digest``, verified.
@@ -123,16 +145,20 @@ class Store(abc.ABC):
         frame), when the caller knows it, is a hint: stores that address blobs by
         their stored bytes fetch the frame in one request.  The result is checked
         against ``digest`` either way.  ``size`` (``ChunkRef.size``): the
-        plaintext's bytes, checked before the frame is decoded (:func:`decode_frame`).
+        plaintext's bytes, checked before the frame is decoded (:func:`decode_frame`);
+        the frame is read only up to :func:`frame_bound` of it (of
+        ``MAX_CHUNK_SIZE`` without it).
 
         Raises :class:`NotFoundError` if absent, :class:`DigestMismatchError` if
-        the stored frame does not decompress to bytes with that digest.
+        the stored frame does not decompress to bytes with that digest,
+        :class:`ContentLimitError` for a frame past its bound.
         """
         check_digest(digest)
+        limit = frame_bound(MAX_CHUNK_SIZE if size is None else min(size, MAX_CHUNK_SIZE))
         if stored_digest is None:
-            frame = self._get("chunks", digest)
+            frame = self._get("chunks", digest, limit)
         else:
-            frame = self._get_frame(digest, check_digest(stored_digest))
+            frame = self._get_frame(digest, check_digest(stored_digest), limit)
         return decode_frame(digest, frame, size=size, where=self.url)
 
     def has_chunk(self, digest: str) -> bool:
@@ -152,15 +178,18 @@ class Store(abc.ABC):
             self._put("packs", digest, data)
         return digest
 
-    def stream_pack(self, digest: str) -> Iterator[bytes]:
+    def stream_pack(self, digest: str, size: int | None = None) -> Iterator[bytes]:
         """The bytes of pack ``digest`` in pieces as they arrive, for a reader
         that decodes frames while the rest is on its way.  Not verified as a
         whole: the reader checks each frame against its chunk's digest
         (:func:`decode_frame`), so a damaged pack fails at its first bad frame.
+        ``size``: the pack's bytes (``PrefetchPack.size``); a longer blob raises
+        :class:`ContentLimitError` before its first piece when the store knows
+        its length, else once past it (at most ``MAX_PACK_BYTES`` either way).
         Raises :class:`NotFoundError` (at the first piece) if absent, and the
         backend's errors (:class:`~weenv.errors.StoreUnavailableError`) when a
         read fails midway."""
-        return self._stream("packs", check_digest(digest))
+        return self._stream("packs", check_digest(digest), min(size or MAX_PACK_BYTES, MAX_PACK_BYTES))
 
     def has_pack(self, digest: str) -> bool:
         return self._has("packs", check_digest(digest))
@@ -180,12 +209,13 @@ class Store(abc.ABC):
         return digest
 
     def get_manifest(self, digest: str) -> bytes:
-        """Manifest bytes, verified; :class:`NotFoundError`, :class:`DigestMismatchError`.
+        """Manifest bytes, verified; :class:`NotFoundError`, :class:`DigestMismatchError`,
+        :class:`ContentLimitError` past ``MAX_MANIFEST_BYTES`` (before it is read whole).
         A deleted manifest is gone from ``has``/``list`` at once; an ``oci://``
         store may still read it by digest until the registry's garbage collector
         frees its blob (content-addressed: the bytes are still the right ones)."""
         check_digest(digest)
-        data = self._get("manifests", digest)
+        data = self._get("manifests", digest, MAX_MANIFEST_BYTES)
         if sha256_digest(data) != digest:
             raise DigestMismatchError(f"manifest {digest} in {self.url} has other content")
         return data
@@ -227,7 +257,7 @@ def decode_frame(digest: str, frame: bytes, *, size: int | None = None, where: s
     declaring gigabytes costs nothing.  Raises :class:`DigestMismatchError`
     (naming ``where``) if the frame is not zstd, declares another size, or
     decodes to other bytes."""
-    limit = MAX_CHUNK_SIZE if size is None else size
+    limit = MAX_CHUNK_SIZE if size is None else min(size, MAX_CHUNK_SIZE)
     try:
         declared = zstandard.frame_content_size(frame)
         if declared > limit or (size is not None and declared not in (size, -1)):

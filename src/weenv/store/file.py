@@ -29,8 +29,9 @@ from weenv.errors import (
     StoreUnavailableError,
     WeenvError,
 )
+from weenv.packaging.limits import MAX_REF_BYTES
 from weenv.packaging.manifest import check_digest
-from weenv.store.base import Store
+from weenv.store.base import Store, read_limit, too_large
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,12 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``path`` (a longer file is damaged: its parse fails)."""
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
 
 
 class FileStore(Store):
@@ -109,21 +116,40 @@ class FileStore(Store):
         with self._os_errors("write to"):
             atomic_write(self._path(space, digest), data)
 
-    def _get(self, space: str, digest: str) -> bytes:
-        try:
-            with self._os_errors("read"):
-                return self._path(space, digest).read_bytes()
-        except FileNotFoundError:
-            raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}") from None
-
-    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+    def _open(self, space: str, digest: str, limit: int):
+        """The blob's file, open, after checking its size against ``limit``."""
         try:
             with self._os_errors("read"):
                 f = self._path(space, digest).open("rb")
         except FileNotFoundError:
             raise NotFoundError(f"no {space[:-1]} {digest} in {self.url}") from None
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError as exc:
+            f.close()
+            raise self._unavailable("read", exc) from exc
+        if size > limit:
+            f.close()
+            raise too_large(f"{space[:-1]} {digest} in {self.url}", size, limit)
+        return f
+
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
+        limit = read_limit(space, max_bytes)
+        with self._open(space, digest, limit) as f, self._os_errors("read"):
+            data = f.read(limit + 1)  # it may have grown since the fstat
+        if len(data) > limit:
+            raise too_large(f"{space[:-1]} {digest} in {self.url}", len(data), limit)
+        return data
+
+    def _stream(self, space: str, digest: str, max_bytes: int | None = None) -> Iterator[bytes]:
+        limit = read_limit(space, max_bytes)
+        f = self._open(space, digest, limit)
+        got = 0
         with f, self._os_errors("read"):
             while piece := f.read(STREAM_PIECE):
+                got += len(piece)
+                if got > limit:
+                    raise too_large(f"{space[:-1]} {digest} in {self.url}", got, limit)
                 yield piece
 
     def _list(self, space: str) -> Iterator[str]:
@@ -151,7 +177,7 @@ class FileStore(Store):
     def get_ref(self, kind: str, name: str) -> str:
         path = self._ref_path(kind, name)
         try:
-            data = path.read_bytes()
+            data = _read_capped(path, MAX_REF_BYTES)
         except FileNotFoundError:
             raise NotFoundError(f"no {kind[:-1]} named {name!r} in {self.url}") from None
         except IsADirectoryError:
@@ -184,7 +210,7 @@ class FileStore(Store):
                 if not p.is_file() or p.name.startswith(".tmp-"):
                     continue
                 try:
-                    refs[p.name] = self._parse_ref(kind, p.name, p.read_bytes())
+                    refs[p.name] = self._parse_ref(kind, p.name, _read_capped(p, MAX_REF_BYTES))
                 except InvalidInputError as exc:
                     log.warning("%s", exc)
                 except FileNotFoundError:  # deleted meanwhile

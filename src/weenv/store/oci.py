@@ -43,11 +43,19 @@ chunk fetch by ``stored_digest`` (the node's) is one exchange; a store call
 makes at most three.  Connection errors, timeouts, 429 and 5xx answers are
 retried with exponential backoff (``backoff`` seconds, doubling, at most
 ``retries`` times, never past the deadline); then :class:`StoreUnavailableError`
-is raised, and for ``cooldown`` seconds after that every new exchange fails at
-once (a circuit breaker: the kernel retries a failed read of a lazy file two or
-three times, which would otherwise make a process wait several timeouts for its
-EIO).  A blob ``GET`` cut short is resumed with ``Range: bytes=N-`` (206)
-instead of starting over.
+is raised, and a circuit breaker opens (:mod:`weenv.store.breaker`): every new
+exchange fails at once until a probe (``GET /v2/`` within ``probe_timeout``,
+every ``probe_interval`` seconds) is answered.  The kernel retries a failed
+read of a lazy file two or three times, and an environment reads many files:
+without it each read would wait a whole timeout for its EIO.  A blob ``GET``
+cut short is resumed with ``Range: bytes=N-`` (206) instead of starting over.
+
+Limits (:mod:`weenv.packaging.limits`).  Every answer is read up to a bound,
+checked against its ``Content-Length`` first and counted while it streams: a
+blob up to what its reader allows (a chunk's frame, a manifest, a pack), any
+JSON answer (an OCI manifest, a tags page, an error) up to
+``MAX_REGISTRY_JSON_BYTES``; past it, :class:`ContentLimitError` naming the blob.
+Bodies are asked for uncompressed (``Accept-Encoding: identity``).
 A 404 is :class:`NotFoundError`; a refusal (401, 403, 405, other 4xx) is
 :class:`StoreUnavailableError` with the registry's error code.
 
@@ -94,7 +102,9 @@ from weenv.packaging.manifest import (
     parse_group_manifest,
     sha256_digest,
 )
-from weenv.store.base import Store
+from weenv.packaging.limits import MAX_REGISTRY_JSON_BYTES
+from weenv.store.base import Store, read_limit, too_large
+from weenv.store.breaker import CircuitBreaker
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
@@ -119,9 +129,9 @@ MAX_TAG = 128
 MAX_BACKOFF = 2.0
 
 # distribution-spec: repository name components, and tags.
-_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\Z")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _LINK_RE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')
 
 T = TypeVar("T")
@@ -143,11 +153,12 @@ class OciOptions(BaseModel):
     """Retries after a connection error, timeout, 429 or 5xx."""
     backoff: float = Field(default=0.1, ge=0)
     """Seconds before the first retry; doubles each retry (at most 2 s), with jitter."""
-    cooldown: float = Field(default=2.0, ge=0)
-    """Seconds during which, after an operation gave up on an unreachable registry,
-    further operations fail at once instead of waiting out their own timeout
-    (0: never).  A kernel retrying a failed read then gets its error in one
-    timeout, not several; any success ends the cooldown."""
+    probe_interval: float = Field(default=2.0, ge=0)
+    """Seconds between probes of a registry that an operation gave up on; until
+    one is answered, operations fail at once instead of waiting out their own
+    timeout (:mod:`weenv.store.breaker`; 0: no breaker, every operation tries)."""
+    probe_timeout: float = Field(default=2.0, gt=0)
+    """Seconds a probe (``GET /v2/``, no retry) waits for its answer."""
     tls: bool | None = None
     """HTTPS (True) or HTTP (False); default: HTTP for loopback hosts, HTTPS otherwise."""
 
@@ -227,14 +238,14 @@ class OciStore(Store):
             base_url=base_url,
             timeout=httpx.Timeout(self.options.read_timeout, connect=self.options.connect_timeout),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-            headers={"User-Agent": "weenv"},
+            headers={"User-Agent": "weenv", "Accept-Encoding": "identity"},
         )
-        self._lock = threading.Lock()  # guards the counters and the cooldown
+        self._lock = threading.Lock()  # guards the counters
         self._counts = {"requests": 0, "retries": 0, "resumed": 0, "bytes_received": 0, "bytes_sent": 0}
         self._empty_lock = threading.Lock()  # guards _empty_pushed
         self._empty_pushed = False
-        self._down_until = 0.0  # monotonic time the cooldown ends (0: none)
-        self._down_reason = ""
+        self.breaker = CircuitBreaker(self.url, self._probe, self.options.probe_interval)
+        """Open while the registry is known to be down (:mod:`weenv.store.breaker`)."""
         try:
             self._check_registry()
         except BaseException:
@@ -260,16 +271,10 @@ class OciStore(Store):
 
     def _call(self, what: str, attempt: Callable[[float], T]) -> T:
         """``attempt(deadline)``, repeated on :class:`_Retry` with backoff until
-        ``options.retries`` or the deadline runs out; then StoreUnavailableError
-        (at once while a cooldown runs, see :attr:`OciOptions.cooldown`)."""
+        ``options.retries`` or the deadline runs out; then StoreUnavailableError,
+        and the breaker opens (while it is open: at once, see :mod:`weenv.store.breaker`)."""
+        self.breaker.check(what)
         start = time.monotonic()
-        with self._lock:
-            down_until, down_reason = self._down_until, self._down_reason
-        if start < down_until:
-            raise StoreUnavailableError(
-                f"{what} at {self.url} not tried: the registry was unreachable "
-                f"{start - (down_until - self.options.cooldown):.1f} s ago ({down_reason})"
-            )
         deadline = start + self.options.timeout
         tries = 0
         while True:
@@ -280,9 +285,7 @@ class OciStore(Store):
                 delay = min(self.options.backoff * 2 ** (tries - 1), MAX_BACKOFF)
                 delay *= random.uniform(0.5, 1.0)
                 if tries > self.options.retries or time.monotonic() + delay >= deadline:
-                    with self._lock:
-                        self._down_until = time.monotonic() + self.options.cooldown
-                        self._down_reason = str(exc)
+                    self.breaker.failed(str(exc))
                     raise StoreUnavailableError(
                         f"{what} at {self.url} failed: {exc} "
                         f"({tries} attempt{'s' if tries > 1 else ''} in {time.monotonic() - start:.1f} s)"
@@ -290,21 +293,31 @@ class OciStore(Store):
                 self._count("retries")
                 time.sleep(delay)
             else:
-                if self._down_until:  # the registry answered: end a cooldown
-                    with self._lock:
-                        self._down_until = 0.0
+                self.breaker.succeeded()  # the registry answered
                 return result
 
+    def _probe(self) -> None:
+        """One ``GET /v2/`` within ``probe_timeout``, no retry: returns if the
+        registry answers (any status below 500), raises otherwise."""
+        r = self._send("GET", "/v2/", time.monotonic() + self.options.probe_timeout)
+        if r.status_code >= 500:
+            raise _Retry(f"HTTP {r.status_code} from GET /v2/")
+
     def _send(self, method: str, url: str | httpx.URL, deadline: float, **kwargs: Any) -> httpx.Response:
-        """One request (body read); transport errors, 429 and 5xx raise :class:`_Retry`."""
+        """One request, its body read (at most ``MAX_REGISTRY_JSON_BYTES``, else
+        :class:`ContentLimitError`); transport errors, 429 and 5xx raise :class:`_Retry`."""
         self._count("requests")
         try:
-            response = self._client.request(method, url, timeout=self._timeout(deadline), **kwargs)
+            with self._client.stream(method, url, timeout=self._timeout(deadline), **kwargs) as r:
+                if r.status_code == 429 or r.status_code >= 500:
+                    raise _Retry(f"HTTP {r.status_code} from {method} {r.url.path}")
+                if method == "HEAD":
+                    r.read()  # no body; its Content-Length is the blob's
+                else:
+                    _read_capped(r, MAX_REGISTRY_JSON_BYTES, f"{method} {r.url.path}")
         except httpx.TransportError as exc:
             raise _Retry(_describe(exc)) from exc
-        if response.status_code == 429 or response.status_code >= 500:
-            raise _Retry(f"HTTP {response.status_code} from {method} {response.url.path}")
-        return response
+        return r
 
     def _refused(self, response: httpx.Response, what: str) -> StoreUnavailableError:
         """The error for an answer the registry should not have given."""
@@ -415,11 +428,14 @@ class OciStore(Store):
         self._call(f"writing blob {digest}", attempt)
         return digest
 
-    def _get_blob(self, digest: str, *, verify: bool = True) -> bytes:
+    def _get_blob(self, digest: str, *, verify: bool = True, max_bytes: int) -> bytes:
         """Bytes of blob ``digest``, verified against it (unless ``verify`` is
         False: for a caller that checks what the bytes decode to).  A body cut
-        short is resumed with a ``Range`` request; :class:`NotFoundError` if absent."""
+        short is resumed with a ``Range`` request; :class:`NotFoundError` if
+        absent, :class:`ContentLimitError` if it has more than ``max_bytes``
+        (told by its ``Content-Length`` before it is read, else once past it)."""
         received = bytearray()
+        what = f"blob {digest} in {self.url}"
         url = self._path("blobs", digest)
 
         def attempt(deadline: float) -> None:
@@ -445,11 +461,14 @@ class OciStore(Store):
                     elif r.status_code == 200:
                         received.clear()
                     else:
-                        r.read()
+                        _read_capped(r, MAX_REGISTRY_JSON_BYTES, f"GET {r.url.path}")
                         raise self._refused(r, f"GET blob {digest}")
+                    _check_length(r, max_bytes - len(received), what, offset=len(received))
                     for piece in r.iter_raw():
                         received.extend(piece)
                         self._count("bytes_received", len(piece))
+                        if len(received) > max_bytes:
+                            raise too_large(what, len(received), max_bytes)
                         if time.monotonic() > deadline:
                             raise _Retry("deadline passed during a blob read")
             except httpx.TransportError as exc:
@@ -550,10 +569,11 @@ class OciStore(Store):
         self._ensure_empty_blob()
         return media_type, [EMPTY_DESCRIPTOR]
 
-    def _get(self, space: str, digest: str) -> bytes:
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
+        limit = read_limit(space, max_bytes)
         if space == "manifests":  # its bytes are a blob under its own digest: one request, not two
             try:
-                return self._get_blob(digest, verify=False)  # get_manifest checks them
+                return self._get_blob(digest, verify=False, max_bytes=limit)  # get_manifest checks them
             except NotFoundError:
                 pass  # not under that digest here: the tag knows where
         tag = self._space_tag(space, digest)
@@ -565,17 +585,21 @@ class OciStore(Store):
             blob_digest = check_digest(blob["digest"])
         except (KeyError, IndexError, TypeError, InvalidInputError) as exc:
             raise DigestMismatchError(f"manifest {tag} in {self.url} is not a weenv artifact: {exc!r}") from None
-        return self._get_blob(blob_digest)
+        return self._get_blob(blob_digest, max_bytes=limit)
 
-    def _stream(self, space: str, digest: str) -> Iterator[bytes]:
+    def _stream(self, space: str, digest: str, max_bytes: int | None = None) -> Iterator[bytes]:
         """A pack streamed in one ``GET`` of its blob (its digest is the blob's);
         other spaces: :meth:`_get`.  Opening the response is retried like any
         exchange; a read failing midway raises :class:`StoreUnavailableError`
         (each read waits at most ``read_timeout``; no overall deadline, so a
-        large pack on a slow link is not cut off)."""
+        large pack on a slow link is not cut off).  Past ``max_bytes``:
+        :class:`ContentLimitError` (before the first piece when the answer's
+        ``Content-Length`` tells)."""
         if space != "packs":
-            yield self._get(space, digest)
+            yield self._get(space, digest, max_bytes)
             return
+        limit = read_limit(space, max_bytes)
+        what = f"pack {digest} in {self.url}"
         url = self._path("blobs", digest)
 
         def attempt(deadline: float) -> httpx.Response:
@@ -588,9 +612,14 @@ class OciStore(Store):
             except httpx.TransportError as exc:
                 raise _Retry(_describe(exc)) from exc
             if r.status_code == 200:
+                try:
+                    _check_length(r, limit, what)
+                except BaseException:
+                    r.close()
+                    raise
                 return r
             try:
-                r.read()  # an error's body (small), for _refused
+                _read_capped(r, MAX_REGISTRY_JSON_BYTES, f"GET {r.url.path}")  # an error's body, for _refused
             except httpx.HTTPError:
                 pass
             finally:
@@ -602,20 +631,24 @@ class OciStore(Store):
             raise self._refused(r, f"GET pack {digest}")
 
         response = self._call(f"reading pack {digest}", attempt)
+        got = 0
         try:
             for piece in response.iter_raw():
                 self._count("bytes_received", len(piece))
+                got += len(piece)
+                if got > limit:
+                    raise too_large(what, got, limit)
                 yield piece
         except httpx.TransportError as exc:
             raise StoreUnavailableError(f"reading pack {digest} at {self.url} failed: {_describe(exc)}") from exc
         finally:
             response.close()
 
-    def _get_frame(self, digest: str, stored_digest: str) -> bytes:
+    def _get_frame(self, digest: str, stored_digest: str, max_bytes: int | None = None) -> bytes:
         try:  # no hash of the frame: get_chunk checks the plaintext's
-            return self._get_blob(stored_digest, verify=False)
+            return self._get_blob(stored_digest, verify=False, max_bytes=read_limit("chunks", max_bytes))
         except NotFoundError:  # not under that digest here: ask the index
-            return self._get("chunks", digest)
+            return self._get("chunks", digest, max_bytes)
 
     def _list(self, space: str) -> Iterator[str]:
         prefix = SPACE_TAG_PREFIX[space]
@@ -696,7 +729,8 @@ class OciStore(Store):
         self._delete_tag(tag)
 
     def close(self) -> None:
-        """Close the connection pool.  Idempotent."""
+        """Stop the breaker's probes, close the connection pool.  Idempotent."""
+        self.breaker.close()
         self._client.close()
 
 
@@ -713,6 +747,27 @@ def _artifact(artifact_type: str, config: dict, layers: list[dict], annotations:
         "layers": layers,
         "annotations": annotations,
     }
+
+
+def _check_length(response: httpx.Response, limit: int, what: str, offset: int = 0) -> None:
+    """Raise :class:`ContentLimitError` if ``response``'s ``Content-Length`` passes ``limit``
+    (``offset``: bytes of the blob before this answer's, for the message)."""
+    length = response.headers.get("Content-Length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(what, offset + int(length), offset + limit)
+
+
+def _read_capped(response: httpx.Response, limit: int, what: str) -> bytes:
+    """The body of streamed ``response``, at most ``limit`` bytes (else
+    :class:`ContentLimitError`); also kept as its content, for ``.json()``."""
+    _check_length(response, limit, what)
+    body = bytearray()
+    for piece in response.iter_bytes():
+        body += piece
+        if len(body) > limit:
+            raise too_large(what, len(body), limit)
+    response._content = bytes(body)  # noqa: SLF001 (httpx has no public way to set a streamed body)
+    return bytes(body)
 
 
 def _registry_error(response: httpx.Response) -> str:

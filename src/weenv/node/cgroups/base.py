@@ -43,7 +43,7 @@ MIN_CPU_QUOTA_US = 1_000
 """The kernel refuses a CFS quota below 1 ms."""
 MIN_CPU_PERIOD_US, MAX_CPU_PERIOD_US = 1_000, 1_000_000
 
-_PATH_RE = re.compile(r"^(/[A-Za-z0-9_.:@+-]+)+$")
+_PATH_RE = re.compile(r"^(/[A-Za-z0-9_.:@+-]+)+\Z")
 
 
 class CgroupError(WeenvError, OSError):

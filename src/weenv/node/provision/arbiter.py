@@ -64,6 +64,8 @@ class Budget:
     """Share of capacity under which admission stops."""
     critical_watermark: float
     """Share of capacity under which the lowest-priority environment is frozen."""
+    disk: int | None = None
+    """Bytes of declared disk limits the node holds: its disk's size × overcommit (None: not counted)."""
 
 
 @dataclass
@@ -254,6 +256,8 @@ def admits(
     cpu_peak_budget: float | None = None,
     burst_risk: float | None = None,
     burst_risk_budget: float | None = None,
+    disk_sum: int = 0,
+    disk_new: int = 0,
 ) -> str | None:
     """Why a new environment asking ``cpu_new`` cores and ``memory_new`` bytes
     cannot be admitted now, or None if it can.  ``cpu_sum`` / ``memory_sum``:
@@ -262,7 +266,13 @@ def admits(
     peak with the new environment (:func:`predicted_cpu_peak`), checked
     against ``cpu_peak_budget`` cores when both are given.  ``burst_risk``:
     the probability that a burst meets contention with the new environment
-    (:func:`burst_contention`), checked against ``burst_risk_budget``."""
+    (:func:`burst_contention`), checked against ``burst_risk_budget``.
+    ``disk_sum`` / ``disk_new``: declared disk limits (bytes) held now and
+    asked, checked against ``budget.disk``."""
+    if budget.disk is not None and disk_sum + disk_new > budget.disk:
+        return (f"disk limits would reach {(disk_sum + disk_new) / (1 << 30):.1f} GiB "
+                f"of the node's {budget.disk / (1 << 30):.1f} GiB disk "
+                f"(declare a smaller disk_bytes, or set WEENV_DISK_BYTES / WEENV_DISK_OVERCOMMIT)")
     if not admitting:
         return "memory is short on this node (admission stopped)"
     if cpu_sum + cpu_new > budget.cpu + 1e-9:

@@ -142,6 +142,8 @@ class Provisioner:
         self.memory_capacity = self.config.memory_capacity or max(
             1 << 30, mem.get("MemTotal", 0) - self.config.memory_reserve
         )
+        self.disk_capacity: int | None = None
+        """Bytes of the node's disk for environments (the node sets it once its disk is open; None: not counted)."""
 
     # --- lifetime ----------------------------------------------------------------------
     def start(self) -> Provisioner:
@@ -214,7 +216,9 @@ class Provisioner:
         Raises :class:`CapacityError` when the node cannot hold it: in
         ``elastic`` mode by the reservations held now (which follow observed
         usage) plus its initial one, and the host's available memory; in
-        ``static`` mode by declared resources.
+        ``static`` mode by declared resources.  In both, the declared disk
+        limits (``disk_bytes``) must fit the node's disk (:attr:`disk_capacity`
+        × ``disk_overcommit``).
         """
         cfg = self.config
         policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, time.monotonic())
@@ -243,6 +247,8 @@ class Provisioner:
                     budget=budget, admitting=self._admitting,
                     cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
                     burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,
+                    disk_sum=sum(e.resources.disk_bytes for e in self._envs.values()),
+                    disk_new=resources.disk_bytes,
                 )  # fmt: skip
                 if why:
                     self._event(env_id, "admission", f"refused: {why}")
@@ -439,6 +445,7 @@ class Provisioner:
             memory_available=meminfo().get("MemAvailable", self.memory_capacity),
             low_watermark=cfg.memory_low_watermark,
             critical_watermark=cfg.memory_critical_watermark,
+            disk=None if self.disk_capacity is None else int(self.disk_capacity * cfg.disk_overcommit),
         )
 
     def predicted_cpu_peak(self, envs: list[_Tracked], new: Resources | None = None) -> float:

@@ -99,6 +99,15 @@ class ProvisionConfig(_Model):
     """CPU is compressible (a quota short of demand throttles, never kills), so
     the sum of CPU quotas may exceed the cores; memory is not (default 1)."""
     memory_overcommit: float = Field(default=1.0, gt=0)
+    disk_overcommit: float = Field(default=4.0, gt=0)
+    """The sum of the environments' declared disk limits (``disk_bytes``, hard
+    quotas) stays within the node disk's size × this (:mod:`weenv.node.disk`).
+    Above 1 the disk is thin-provisioned, as cloud block storage is: default 4,
+    since a rollout writes a small share of its declared disk, and a node of
+    10 GiB environments on a 60 GiB disk would otherwise hold six.  The host is
+    guarded either way (the node disk is an image of a fixed size); environments
+    filling it together get ``ENOSPC`` before their own limits.  At 1 an
+    environment always gets the bytes it declared."""
     memory_low_watermark: float = Field(default=0.10, ge=0, le=1)
     """Host MemAvailable below this share of capacity: stop admitting."""
     memory_critical_watermark: float = Field(default=0.05, ge=0, le=1)
@@ -150,6 +159,7 @@ class ProvisionConfig(_Model):
             "interval_s": "WEENV_PROVISION_INTERVAL",
             "cpu_overcommit": "WEENV_CPU_OVERCOMMIT",
             "memory_overcommit": "WEENV_MEMORY_OVERCOMMIT",
+            "disk_overcommit": "WEENV_DISK_OVERCOMMIT",
             "cpu_quota_at": "WEENV_CPU_QUOTA_AT",
             "admission": "WEENV_ADMISSION",
             "admission_sigmas": "WEENV_ADMISSION_SIGMAS",

@@ -54,10 +54,11 @@ from weenv.errors import (
     RuntimeFailedError,
     ToolMissingError,
 )
+from weenv.packaging.limits import MAX_IMAGE_JSON_BYTES
 
 SKOPEO = "skopeo"
-MAX_JSON_BYTES = 16 << 20
-"""A manifest, index or config larger than this (bytes) is refused."""
+MAX_JSON_BYTES = MAX_IMAGE_JSON_BYTES
+"""A manifest, index or config larger than this (bytes) is refused (:mod:`weenv.packaging.limits`)."""
 
 INDEX_TYPES = {
     "application/vnd.oci.image.index.v1+json",
@@ -79,7 +80,7 @@ LAYER_TYPES = {
     "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
 }
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
-_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 
@@ -353,7 +354,10 @@ class TarArchive(_LayoutMixin, ImageSource):
     def _read_docker(self, ref: str | None) -> Image:
         with self.open_blob("manifest.json", "manifest.json") as f:
             try:
-                entries = json.loads(f.read(MAX_JSON_BYTES))
+                data = f.read(MAX_JSON_BYTES + 1)
+                if len(data) > MAX_JSON_BYTES:
+                    raise InvalidInputError(f"{self.reference}: manifest.json is larger than {MAX_JSON_BYTES} bytes")
+                entries = json.loads(data)
             except (ValueError, OSError, tarfile.TarError, EOFError) as exc:
                 raise InvalidInputError(f"{self.reference}: bad manifest.json: {exc}") from exc
         if not isinstance(entries, list) or not entries:

@@ -22,6 +22,8 @@ Connect protocol (connectrpc.com/docs/protocol).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Iterable
 
@@ -31,10 +33,10 @@ from starlette.routing import Mount
 from weenv.errors import InvalidInputError
 from weenv.node.node import Node
 from weenv.server.e2b.api import install_error_handlers, key_checker, make_api
-from weenv.server.e2b.envd import Envd
+from weenv.server.e2b.envd import Envd, sandbox_id_in
 from weenv.server.e2b.sandboxes import Sandboxes
 
-KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}$")
+KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}\Z")
 """The form of an E2B API key: ``e2b_`` and hex digits (the daemon's key spelled
 for E2B clients is :attr:`weenv.server.auth.ApiKey.e2b`)."""
 
@@ -51,13 +53,22 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     keys = list(api_keys)
     if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
         raise InvalidInputError("E2B API keys are 'e2b_' followed by 32 to 128 lowercase hex digits")
-    sandboxes = Sandboxes(node)
+    # envd access tokens keyed by the first API key: stable across restarts, new with a new key
+    secret = hmac.new(keys[0].encode(), b"weenv envd access token", hashlib.sha256).digest()
+    sandboxes = Sandboxes(node, token_secret=secret)
     app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(make_api(sandboxes, key_checker(keys)))
     app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
     app.state.sandboxes = sandboxes
+    app.state.envd_credentialed = lambda headers: _envd_credentialed(sandboxes, headers)
     return app
+
+
+def _envd_credentialed(sandboxes: Sandboxes, headers) -> bool:
+    """Whether ``headers`` carry the envd access token of the sandbox they name."""
+    sid = sandbox_id_in(headers)
+    return bool(sid) and sandboxes.token_matches(sid, headers.get("x-access-token"))
 
 
 __all__ = ["check_api_key", "create_e2b_app", "load_or_create_api_key", "new_api_key"]

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from weenv.errors import WeenvError
+from weenv.node.models import Envs, Metadata
 from weenv.server.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -51,7 +52,8 @@ CLIENT_ID = "weenv"
 
 KIND_STATUS = {
     "not_found": 404, "invalid_input": 400, "timeout": 408, "authentication": 401,
-    "capacity": 503, "store_unavailable": 503, "output_limit": 413,
+    "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
+    "too_large": 413,
 }  # fmt: skip
 
 
@@ -71,8 +73,8 @@ class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1)
     timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
     """Seconds the sandbox lives (0: the default)."""
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    metadata: Metadata | None = None
+    env_vars: Envs | None = Field(default=None, alias="envVars")
     auto_pause: bool = Field(default=False, alias="autoPause")
 
 

@@ -52,6 +52,7 @@ KIND_CODES = {
     "invalid_input": "invalid_argument",
     "timeout": "deadline_exceeded",
     "daemon": "unavailable",
+    "disk_full": "resource_exhausted",
 }
 """weenv error kind -> Connect code (other kinds: ``internal``)."""
 

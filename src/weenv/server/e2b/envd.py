@@ -4,12 +4,13 @@ E2B runs an ``envd`` inside each sandbox behind a proxy that picks the sandbox
 by the ``E2b-Sandbox-Id`` header (the SDK sets it, with ``E2b-Sandbox-Port``, when
 ``E2B_SANDBOX_URL`` names one URL for all sandboxes) or by the host name
 ``PORT-SANDBOXID.DOMAIN``.  weenv serves them itself, on the host, routing each
-request the same way.  Every request but ``/health`` must carry the sandbox's
-access token (``X-Access-Token``, from the create/connect answer).
+request the same way.  Every request, ``/health`` included, must carry the
+sandbox's access token (``X-Access-Token``, from the create/connect answer; the
+SDK sends it on every envd request).
 
 Endpoints (under this app's prefix)::
 
-    GET  /health                              204
+    GET  /health                              204 (the sandbox runs)
     GET  /files?path=P                        the file's bytes
     POST /files?path=P                        multipart/form-data (``file`` parts; the part's
                                               file name is the path when ``path`` is absent)
@@ -19,14 +20,15 @@ Endpoints (under this app's prefix)::
     POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}
 
 The RPCs speak the Connect protocol (:mod:`weenv.server.e2b.connect`).  Errors
-of the HTTP endpoints and of routing are envd's ``{"code": STATUS, "message"}``;
-an unknown sandbox is a 502 whose message says it "was not found", which the SDK
-turns into ``SandboxNotRunningException``.
+of the HTTP endpoints and of routing are envd's ``{"code": STATUS, "message"}``.
+No existence oracle: a missing or wrong token is 401 whether the sandbox exists
+or not; only with its right token (a client that had it) is a sandbox that is
+gone a 502 whose message says it "was not found", which the SDK turns into
+``SandboxNotRunningException``.
 """
 
 from __future__ import annotations
 
-import hmac
 import re
 import zlib
 
@@ -35,16 +37,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.errors import InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
 from weenv.server.e2b import files
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
 from weenv.server.e2b.proto import filesystem_pb, process_pb
 from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
+from weenv.server.limits import MAX_UPLOAD
 
 _HOST_RE = re.compile(r"^\d+-([A-Za-z0-9]+)\.")
-MAX_UPLOAD = 8 << 30
-"""Largest file body accepted, in bytes."""
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -53,10 +54,15 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def sandbox_id_of(request: Request) -> str | None:
     """The sandbox a request names: ``E2b-Sandbox-Id``, else ``PORT-ID.`` in ``Host``."""
-    sid = request.headers.get("e2b-sandbox-id")
+    return sandbox_id_in(request.headers)
+
+
+def sandbox_id_in(headers) -> str | None:
+    """:func:`sandbox_id_of` from a request's headers (a mapping with ``get``)."""
+    sid = headers.get("e2b-sandbox-id")
     if sid:
         return sid
-    m = _HOST_RE.match(request.headers.get("host", ""))
+    m = _HOST_RE.match(headers.get("host", ""))
     return m.group(1) if m else None
 
 
@@ -98,21 +104,24 @@ class Envd:
         ]
 
     # --- routing ----------------------------------------------------------------------
-    async def _sandbox(self, request: Request, *, token: bool = True) -> Sandbox | Response:
+    async def _sandbox(self, request: Request) -> Sandbox | Response:
+        """The sandbox the request names, or the error answer.  The access
+        token is checked before the sandbox is looked up, and a token is
+        checkable for any id (:meth:`Sandboxes.token_matches`): without the
+        right token, a live sandbox and an unknown one get the same 401 after
+        the same work, so the answer tells nothing of which ids exist."""
         sid = sandbox_id_of(request)
         if not sid:
             return _error(400, "no sandbox named: send the E2b-Sandbox-Id header")
+        if not self.sandboxes.token_matches(sid, request.headers.get("x-access-token")):
+            return _error(401, "missing or wrong access token (X-Access-Token)")
         sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
         if sb is None:
             return _error(502, f"The sandbox {sid} was not found")
-        if token:
-            presented = request.headers.get("x-access-token", "")
-            if not hmac.compare_digest(presented.encode(), sb.access_token.encode()):
-                return _error(401, "missing or wrong access token (X-Access-Token)")
         return sb
 
     async def health(self, request: Request) -> Response:
-        sb = await self._sandbox(request, token=False)
+        sb = await self._sandbox(request)
         return sb if isinstance(sb, Response) else Response(status_code=204)
 
     async def rpc(self, request: Request) -> Response:
@@ -141,6 +150,8 @@ class Envd:
             return JSONResponse(await self._upload(request, sb, path))
         except NotFoundError as exc:
             return _error(404, str(exc))
+        except RequestTooLargeError as exc:
+            return _error(413, str(exc))
         except (InvalidInputError, RpcError) as exc:
             return _error(400, str(exc))
         except WeenvError as exc:
@@ -183,8 +194,8 @@ class Envd:
                     except zlib.error as exc:
                         raise InvalidInputError(f"bad gzip body: {exc}") from exc
                 size += len(chunk)
-                if size > MAX_UPLOAD:
-                    raise InvalidInputError(f"upload larger than {MAX_UPLOAD} bytes")
+                if size > MAX_UPLOAD:  # the body is bounded before (limits.BodyLimit), a gzipped one inflated here
+                    raise RequestTooLargeError(f"upload larger than {MAX_UPLOAD} bytes")
                 await anyio.to_thread.run_sync(f.write, chunk)
         finally:
             await anyio.to_thread.run_sync(f.close)

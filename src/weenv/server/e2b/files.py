@@ -8,6 +8,9 @@ link itself in ``is_symlink``/``symlink_target``; ``ListDir`` walks ``depth``
 levels without following links; ``MakeDir`` answers ``already_exists`` for an
 existing directory; ``Move`` creates the destination's parents; ``Remove``
 removes a tree and succeeds when nothing is there (``os.RemoveAll``).
+A name that is not UTF-8 is listed with U+FFFD for its bad bytes (protobuf
+strings are UTF-8), so such a file never makes its directory unlistable; it
+cannot be named through this face (weenv's own API can, losslessly).
 All calls block (run them in a worker thread).
 """
 
@@ -112,7 +115,7 @@ def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> M
     A symbolic link gets its target's type (``FILE_TYPE_SYMLINK`` if it points
     nowhere), ``is_symlink`` and ``symlink_target``."""
     e = filesystem_pb.EntryInfo(
-        name=posixpath.basename(path) or "/", path=path, size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
+        name=_text(posixpath.basename(path) or "/"), path=_text(path), size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
         permissions=st.filemode(lst.st_mode), owner=names.user(lst.st_uid), group=names.group(lst.st_gid),
     )  # fmt: skip
     e.modified_time.FromNanoseconds(lst.st_mtime_ns)
@@ -121,12 +124,19 @@ def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> M
         e.is_symlink = True
         target = fs.readlink(path)
         if target is not None:
-            e.symlink_target = target
+            e.symlink_target = _text(target)
         try:
             e.type = _file_type(fs.stat_target(path).st_mode)
         except (NotFoundError, InvalidInputError):
             e.type = FT.Value("FILE_TYPE_SYMLINK")
     return e
+
+
+def _text(name: str) -> str:
+    """``name`` as valid UTF-8 for a protobuf string: each byte of a name that
+    is not UTF-8 (a surrogate escape) becomes U+FFFD.  Lossy: E2B's protocol
+    has only UTF-8 strings for names; weenv's own API keeps such names whole."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _mapped(exc: Exception) -> RpcError:

@@ -5,11 +5,20 @@ Everything else lives in the node: a sandbox is an environment, its lifetime is
 the environment's timeout (the daemon's reaper destroys it), its metadata and
 default command variables are the environment's ``metadata`` and ``envs``, its
 commands are the node's streamed processes.  Environments created through
-weenv's own API are sandboxes too (a token is made on first use).
+weenv's own API are sandboxes too.
+
+A sandbox's access token is ``HMAC-SHA256(secret, sandbox id)`` (32 hex
+digits): nothing is stored per sandbox, a token can be checked for an id
+whether or not that sandbox exists (so envd answers a wrong token the same for
+a live sandbox and an unknown one, :mod:`weenv.server.e2b.envd`), and the
+daemon derives ``secret`` from its API key, so tokens outlive a daemon restart
+(its environments are adopted) and change when the key is rotated.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import threading
 from dataclasses import dataclass
@@ -59,9 +68,11 @@ class Sandbox:
 class Sandboxes:
     """The node's environments as E2B sandboxes.  Thread-safe; blocking calls."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, *, token_secret: bytes | None = None):
+        """``token_secret``: the key of the access tokens (default: random, so
+        tokens last as long as this object)."""
         self.node = node
-        self._tokens: dict[str, str] = {}
+        self._secret = token_secret or secrets.token_bytes(32)
         self._runtimes: dict[str, RuntimeConfig] = {}
         self._lock = threading.Lock()
 
@@ -80,8 +91,6 @@ class Sandboxes:
         try:
             return self.get(sandbox_id)
         except NotFoundError:
-            with self._lock:
-                self._tokens.pop(sandbox_id, None)
             return None
 
     def list(self) -> list[Sandbox]:
@@ -127,12 +136,19 @@ class Sandboxes:
     def kill(self, sandbox_id: str) -> None:
         """Destroy ``sandbox_id``; raises :class:`NotFoundError` if unknown."""
         self.node.destroy(sandbox_id)
-        with self._lock:
-            self._tokens.pop(sandbox_id, None)
+
+    def access_token(self, sandbox_id: str) -> str:
+        """The envd access token of ``sandbox_id`` (32 hex digits), whether or not it exists."""
+        return hmac.new(self._secret, sandbox_id.encode(errors="surrogateescape"), hashlib.sha256).hexdigest()[:32]
+
+    def token_matches(self, sandbox_id: str, presented: str | None) -> bool:
+        """Whether ``presented`` is the access token of ``sandbox_id``, in constant time."""
+        return hmac.compare_digest((presented or "").encode(errors="surrogateescape"),
+                                   self.access_token(sandbox_id).encode())
 
     def _view(self, info: EnvironmentInfo) -> Sandbox:
+        token = self.access_token(info.id)
         with self._lock:
-            token = self._tokens.setdefault(info.id, secrets.token_hex(16))
             runtime = self._runtimes.get(info.template_digest)
         if runtime is None:
             _, manifest = load_template(self.node.store, info.template_digest)

@@ -11,7 +11,7 @@ N templates (default 8) share three components and differ in a fourth:
 **weenv**: the N recipes are built into a private file store.  **Docker**: the
 same N templates as Dockerfiles, built by a private ``dockerd`` (Debian's
 docker.io, classic builder: one layer per ``RUN``/``COPY``) and pushed to a
-private ``docker-registry`` on loopback (:mod:`weenv.services`), one repository
+private ``docker-registry`` on loopback (:mod:`weenv_bench.services`), one repository
 per template::
 
     FROM weenv-bench/base          # `docker import` of the same Debian tree
@@ -66,7 +66,7 @@ import threading
 import time
 from pathlib import Path
 
-from weenv.bench import machine, write_report
+from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
 from weenv.packaging.builder import build_recipe, host_ca_bundle, pip_wheel
@@ -226,7 +226,7 @@ class _DockerSide:
 
     @property
     def _docker(self) -> str:
-        from weenv.services.dockerd import DOCKER
+        from weenv_bench.services.dockerd import DOCKER
 
         return DOCKER
 
@@ -308,8 +308,8 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
     :class:`RuntimeFailedError` if a build or push fails.  The dockerd and the
     registry are stopped (by PID) and their directories removed in every case.
     """
-    from weenv.services.dockerd import Dockerd
-    from weenv.services.registry import Registry
+    from weenv_bench.services.dockerd import Dockerd
+    from weenv_bench.services.registry import Registry
 
     if not 1 <= templates <= len(SDISTS):
         raise ValueError(f"templates must be 1..{len(SDISTS)}")

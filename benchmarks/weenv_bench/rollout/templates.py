@@ -1,7 +1,7 @@
 """The task templates on both systems, from the same trees.
 
 - **weenv**: groups ``base`` (the cached Debian tree), ``runtime``
-  (:func:`~weenv.bench.rollout.tasks.runtime_tree`), ``deps-NAME`` (the task's
+  (:func:`~weenv_bench.rollout.tasks.runtime_tree`), ``deps-NAME`` (the task's
   test requirements, :func:`weenv.demo.deps_tree`, when it has any) and
   ``src-NAME`` (the buggy source at ``/workspace/NAME``), built with
   :func:`~weenv.packaging.group.build_group` into a file store; template
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.bench.rollout.tasks import PreparedTask, patch_command, reward_command
+from weenv_bench.rollout.tasks import PreparedTask, patch_command, reward_command
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
 

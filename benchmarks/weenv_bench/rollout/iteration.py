@@ -10,7 +10,7 @@ takes the next rollout when its current one is destroyed.
 Per rollout, seconds: ``create_s`` (request to a running environment, a pull
 included on Docker), ``first_step_s`` (create + the first command's exec),
 each step's exec wall time and the command's own run time (see
-:mod:`weenv.bench.rollout.systems`), think time slept, the reward command
+:mod:`weenv_bench.rollout.systems`), think time slept, the reward command
 alike, ``destroy_s``, and ``wall_s`` from the create request to the destroy's
 return.  A rollout that fails (an exec or create error) keeps its error and
 gets no reward.
@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from weenv.bench.rollout.systems import ExecResult, MemorySampler, System
-from weenv.bench.rollout.trajectory import Trajectory
+from weenv_bench.rollout.systems import ExecResult, MemorySampler, System
+from weenv_bench.rollout.trajectory import Trajectory
 
 STEP_TIMEOUT_S = 300.0
 
@@ -138,7 +138,7 @@ def run_iteration(system: System, trajectories: list[Trajectory], concurrency: i
     """Run every trajectory on ``system``, ``concurrency`` at a time; return the
     results in batch order with the iteration's wall time, the bytes the system
     fetched meanwhile and its daemons' peak memory."""
-    from weenv.bench.start import loadavg
+    from weenv_bench.start import loadavg
 
     results: list[RolloutResult | None] = [None] * len(trajectories)
     done = [0]

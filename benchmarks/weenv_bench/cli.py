@@ -1,4 +1,8 @@
-"""``weenv bench ...``: one subcommand per benchmark (see :mod:`weenv.bench`)."""
+"""``weenv bench ...`` (and ``weenv-bench ...``): one subcommand per benchmark (see :mod:`weenv_bench`).
+
+The product's CLI (:mod:`weenv.cli`) adds :data:`bench_app` as ``weenv bench``
+when this package is importable; :func:`main` runs it alone as ``weenv-bench``.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ def update(
 ) -> None:
     """Republish cost of a change to one shared component: weenv against Docker
     (private dockerd + docker-registry on loopback), side by side."""
-    from weenv.bench.update import run
+    from weenv_bench.update import run
     from weenv.cli.common import err
 
     result = run(templates, json_path=json_path, quick=quick, base_change=base_change, log=err.print)
@@ -38,7 +42,7 @@ def provision(
     think: Optional[float] = typer.Option(None, help="median think time per agent step, seconds (default 4)"),
 ) -> None:
     """Static against elastic provisioning: environments held, rollouts/hour, burst slowdown, OOM kills."""
-    from weenv.bench.provision import run
+    from weenv_bench.provision import run
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think,
@@ -56,7 +60,7 @@ def start(
 ) -> None:
     """Time from start request to the first command's output, cold and warm, weenv
     (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
-    from weenv.bench.start import run
+    from weenv_bench.start import run
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
@@ -78,9 +82,16 @@ def rollout(
     """The environment's share of an RL iteration's rollout stage on real tasks
     (PyPI projects with injected bugs, replayed agent trajectories): weenv against
     Docker, both from one loopback docker-registry."""
-    from weenv.bench.rollout import run
+    from weenv_bench.rollout import run
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, seed=seed, pool=pool, tasks=tasks, group=group,
                  concurrency=concurrency, think_scale=think_scale, log=err.print)
     print(json.dumps(result["summary"]))
+
+
+def main() -> None:
+    """``weenv-bench ...``: the same commands, with the product's one-line errors."""
+    from weenv.cli import run_app
+
+    run_app(bench_app)

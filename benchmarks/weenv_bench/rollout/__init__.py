@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from weenv.bench import machine, write_report
+from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
 
@@ -43,6 +43,8 @@ DEFAULTS = {"pool": 22, "tasks": 8, "group": 8, "concurrency": 32, "think_scale"
 QUICK = {"pool": 6, "tasks": 3, "group": 4, "concurrency": 6, "think_scale": 0.05, "steps": (10, 16)}
 """``quick``: a pool of 6 tasks, 3 of them x G=4, think time x0.05, 10-16 steps."""
 CPUS, MEMORY_BYTES, PIDS = 1.0, 2 << 30, 1024
+DISK_BYTES = 1 << 30
+"""Each rollout's disk limit: ``concurrency`` of them fit the node's disk (a task writes far less)."""
 """Limits of every environment and container."""
 SUMMARY_KEYS = ("weenv_env_share", "docker_env_share", "weenv_first_step_p50_s", "docker_first_step_p50_s",
                 "rewards_match")  # fmt: skip
@@ -67,16 +69,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     Every daemon this starts (weenv, dockerd, registry) is stopped by its PID
     and its directories removed in every case.
     """
-    from weenv.bench.rollout import iteration, report, templates
-    from weenv.bench.rollout.systems import DockerSystem, WeenvSystem
-    from weenv.bench.rollout.tasks import TASKS, prepare_task, runtime_tree
-    from weenv.bench.rollout.trajectory import make_trajectory
-    from weenv.bench.start import loadavg
-    from weenv.bench.update import fetch_sdists
+    from weenv_bench.rollout import iteration, report, templates
+    from weenv_bench.rollout.systems import DockerSystem, WeenvSystem
+    from weenv_bench.rollout.tasks import TASKS, prepare_task, runtime_tree
+    from weenv_bench.rollout.trajectory import make_trajectory
+    from weenv_bench.start import loadavg
+    from weenv_bench.update import fetch_sdists
     from weenv.packaging.debootstrap import debian_rootfs
     from weenv.packaging.manifest import Resources
-    from weenv.services.dockerd import Dockerd
-    from weenv.services.registry import Registry
+    from weenv_bench.services.dockerd import Dockerd
+    from weenv_bench.services.registry import Registry
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
     from weenv.store.transfer import copy_template
@@ -92,7 +94,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
         raise InvalidInputError("group and concurrency must be >= 1, think_scale finite and >= 0")
     if not systems or any(s not in ("weenv", "docker") for s in systems):
         raise InvalidInputError("systems: weenv and/or docker")
-    resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS)
+    resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS, disk_bytes=DISK_BYTES)
     env_paths = Paths.from_env()
     cache = env_paths.cache
     cache.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 
 
 def _think_doc() -> dict:
-    from weenv.bench.rollout import trajectory as t
+    from weenv_bench.rollout import trajectory as t
 
     return {"distribution": "lognormal", "median_s": t.THINK_MEDIAN_S, "sigma": t.THINK_SIGMA,
             "max_s": t.THINK_MAX_S, "scaled_by": "think_scale"}  # fmt: skip

@@ -15,13 +15,13 @@ no Docker image present, through the same registry and dockerd.
 - **weenv**: two groups (``base``: the Debian tree; ``packages``: the wheels'
   tree) and a template over them, built into a file store and copied
   (:func:`~weenv.store.transfer.copy_template`) into an ``oci://`` store on a
-  private docker-registry on loopback (:mod:`weenv.services.registry`).  A
+  private docker-registry on loopback (:mod:`weenv_bench.services.registry`).  A
   :class:`~weenv.node.node.Node` in this process reads it from there, with its
   own home (empty chunk cache) and provisioning off (no admission control,
   as Docker has none).
 - **Docker**: ``docker import`` of the same Debian tree, then ``FROM`` it
   ``COPY`` of the same packages tree (two layers, as weenv's two groups),
-  built by a private dockerd (Debian's docker.io, :mod:`weenv.services.dockerd`)
+  built by a private dockerd (Debian's docker.io, :mod:`weenv_bench.services.dockerd`)
   and pushed to the same registry.
 
 **One start** is: the request, then the first command (:data:`COMMANDS`:
@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from weenv.bench import machine, write_report
+from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 
@@ -402,7 +402,7 @@ class _DockerSide:
         )
 
     def daemon_pids(self) -> list[int]:
-        from weenv.services import process
+        from weenv_bench.services import process
 
         pids = {self.dockerd.pid}
         for pid in process.pids_mentioning(str(self.dockerd.root) + "/"):
@@ -425,7 +425,7 @@ class _DockerSide:
             raise RuntimeFailedError("docker images remain after docker image prune -a")
 
     def start(self, command: str = MAIN_COMMAND) -> dict:
-        from weenv.services.dockerd import DOCKER
+        from weenv_bench.services.dockerd import DOCKER
 
         argv, expect = COMMANDS[command]
         with tempfile.TemporaryFile() as errf:
@@ -528,8 +528,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     PID and their directories removed in every case.
     """
     from weenv.packaging.debootstrap import debian_rootfs
-    from weenv.services.dockerd import Dockerd
-    from weenv.services.registry import Registry
+    from weenv_bench.services.dockerd import Dockerd
+    from weenv_bench.services.registry import Registry
 
     levels = tuple(concurrency or ((1, 16) if quick else (1, 16, 64)))
     runs = _Runs(

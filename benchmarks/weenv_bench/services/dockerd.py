@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from weenv.errors import CommandTimeoutError, InvalidInputError, RuntimeFailedError
-from weenv.services import process
+from weenv_bench.services import process
 
 DOCKERD = "/usr/sbin/dockerd"
 DOCKER = "/usr/bin/docker"

@@ -8,7 +8,7 @@ sessions): look around (``ls``, ``find``), run the failing test, read files
 name from the buggy line, ``grep -n "def "``), try the code (``python3 -c``),
 then edit with a patch (``patch -p1`` of a here-document), rerun the test and
 look at the result.  The **reward** follows the last step: the task's failing
-tests run once more (:func:`~weenv.bench.rollout.tasks.reward_command`); exit 0
+tests run once more (:func:`~weenv_bench.rollout.tasks.reward_command`); exit 0
 is reward 1.
 
 GRPO-style groups: of a task's G rollouts, the first half apply the right
@@ -38,7 +38,7 @@ import shlex
 from dataclasses import dataclass
 
 from weenv.errors import InvalidInputError
-from weenv.bench.rollout.tasks import PYTEST, PreparedTask, patch_command, reward_command
+from weenv_bench.rollout.tasks import PYTEST, PreparedTask, patch_command, reward_command
 
 THINK_MEDIAN_S = 4.0
 THINK_SIGMA = 0.8

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from weenv.errors import InvalidInputError
-from weenv.services import process
+from weenv_bench.services import process
 
 REGISTRY = "/usr/bin/docker-registry"
 PACKAGE = "docker-registry"

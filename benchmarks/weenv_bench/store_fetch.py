@@ -4,7 +4,7 @@ Input: real bytes, the files under ``/usr/lib/x86_64-linux-gnu`` (shared
 libraries, data) concatenated and cut into 1 MiB chunks (``--chunks``, default
 128), stored once in a :class:`~weenv.store.file.FileStore` and copied frame for
 frame into an :class:`~weenv.store.oci.OciStore` on a docker-registry started
-here (:mod:`weenv.services.registry`).  Both stores' files are in the page
+here (:mod:`weenv_bench.services.registry`).  Both stores' files are in the page
 cache (each chunk is read once before timing), so the numbers compare the
 access paths, not the disk.
 
@@ -12,7 +12,7 @@ Measured per store, for ``get_chunk(digest, stored_digest=...)`` (the node's
 call, verified and decompressed): latency of one fetch at a time (p50, p99, ms)
 and plaintext throughput (MiB/s) with 1 and ``--threads`` (default 8) fetchers.
 
-Run: ``python -m weenv.bench.store_fetch [--json PATH]``.
+Run: ``python -m weenv_bench.store_fetch [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from weenv.bench import machine
+from weenv_bench import machine
 from weenv.packaging.manifest import ChunkRef
-from weenv.services.registry import Registry
+from weenv_bench.services.registry import Registry
 from weenv.store.base import Store
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore

@@ -15,7 +15,7 @@ sdist's tree with the bug applied at ``tree/workspace/NAME`` (the task's source
 group), ``fix.patch`` (unified diff, ``patch -p1`` from the project's
 directory, undoing the mutation) and ``wrong.patch`` (a patch of the same file
 that applies cleanly and does not fix it: what a wrong agent submits).  Sdists
-come from :func:`weenv.bench.update.fetch_sdists` (pip, cached).
+come from :func:`weenv_bench.update.fetch_sdists` (pip, cached).
 
 The template of a task stacks four groups: the shared Debian base
 (:func:`~weenv.packaging.debootstrap.debian_rootfs`, as ``weenv demo``), the

@@ -10,7 +10,7 @@ at ``/wheels``.  Each environment declares the peak it may need: 1 core,
 time is up; a rollout is ``steps`` agent steps, each a *think* (idle, the
 agent waiting for its model: lognormal with median ``think_s`` (4 s), shape
 0.8 (mean 5.5 s), capped at 60 s, seeded: the think time of ``weenv bench
-rollout``, :mod:`weenv.bench.rollout.trajectory`) followed by one command.
+rollout``, :mod:`weenv_bench.rollout.trajectory`) followed by one command.
 One step in ``burst_every`` (4, drawn) is a *burst*, the others a light
 command (``cat``, ``grep``, ``ls`` of the task's files: milliseconds), as in
 the replayed trajectories of ``weenv bench rollout``, where about one step in
@@ -87,8 +87,8 @@ import time
 from pathlib import Path
 from typing import Self
 
-from weenv.bench import machine, write_report
-from weenv.bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
+from weenv_bench import machine, write_report
+from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 from weenv.config import Paths
 from weenv.demo import deps_tree, sdist, task_tree
 from weenv.errors import CapacityError, WeenvError

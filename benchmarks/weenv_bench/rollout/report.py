@@ -3,7 +3,7 @@ rewards, a text table and the PNG (stacked bars of where rollout time goes).
 
 **Environment share** (``env_share``): over all rollouts of the iteration, the
 environment's time (create + destroy + exec overhead, see
-:mod:`weenv.bench.rollout.systems`) over the rollouts' wall time (create
+:mod:`weenv_bench.rollout.systems`) over the rollouts' wall time (create
 request to destroy return), i.e. the fraction of the rollout workers' time the
 environment took; ``env_share_of_iteration`` divides the same sum by the
 iteration's wall time times its concurrency (workers idle at the batch's tail
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from weenv.bench.rollout.iteration import IterationResult
+from weenv_bench.rollout.iteration import IterationResult
 
 PHASES = (
     ("create_s", "create", "#c44"),

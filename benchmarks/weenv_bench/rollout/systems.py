@@ -7,7 +7,7 @@ far; the daemon-side processes (for their memory).
   provisioning off so quotas stay what was asked, as Docker's) reached through
   the SDK (:class:`weenv.Sandbox`) over its TCP API with its key, as a trainer
   on another host would.  ``Sandbox.create``, ``commands.run``, ``kill``.
-- :class:`DockerSystem`: a private dockerd (:mod:`weenv.services.dockerd`) with
+- :class:`DockerSystem`: a private dockerd (:mod:`weenv_bench.services.dockerd`) with
   no image present; ``docker run -d --network none`` with the same CPU, memory
   and pids limits (pulling the image from the same registry when missing),
   ``docker exec`` per command, ``docker rm -f``.
@@ -63,7 +63,7 @@ class ExecResult:
 
 
 class System(Protocol):
-    """What :mod:`weenv.bench.rollout.iteration` needs from a system."""
+    """What :mod:`weenv_bench.rollout.iteration` needs from a system."""
 
     name: str
 
@@ -193,7 +193,7 @@ class WeenvSystem:
 
     def __enter__(self) -> WeenvSystem:
         from weenv.server import daemon
-        from weenv.services import process
+        from weenv_bench.services import process
 
         self.paths.run.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, WEENV_HOME=str(self.paths.home), WEENV_CACHE=str(self.paths.cache),
@@ -216,7 +216,7 @@ class WeenvSystem:
 
     def __exit__(self, *exc) -> None:
         from weenv.server import daemon
-        from weenv.services import process
+        from weenv_bench.services import process
 
         for env_id in list(self._sandboxes):
             with contextlib.suppress(Exception):
@@ -270,7 +270,7 @@ class WeenvSystem:
 
 # --- Docker ----------------------------------------------------------------------------------
 class DockerSystem:
-    """A started :class:`~weenv.services.dockerd.Dockerd`; ``images``: task name ->
+    """A started :class:`~weenv_bench.services.dockerd.Dockerd`; ``images``: task name ->
     image reference in the registry; ``image_layers``: reference -> (bytes of the
     manifest + config, {layer digest: compressed bytes}), what a pull downloads."""
 
@@ -284,7 +284,7 @@ class DockerSystem:
 
     def _docker(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         from weenv.errors import CommandTimeoutError
-        from weenv.services.dockerd import DOCKER
+        from weenv_bench.services.dockerd import DOCKER
 
         try:
             return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
@@ -328,7 +328,7 @@ class DockerSystem:
         return total + sum(layers.values())
 
     def daemon_pids(self) -> list[int]:
-        from weenv.services import process
+        from weenv_bench.services import process
 
         roots = {self.dockerd.pid} | set(process.pids_mentioning(str(self.dockerd.root) + "/"))
         return host_side(descendants(*sorted(p for p in roots if p)))

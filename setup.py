@@ -1,0 +1,29 @@
+"""The extras of the ``weenv`` distribution (the rest is pyproject.toml).
+
+``bench`` is the benchmarks' distribution, ``weenv-bench`` (``benchmarks/``).
+Built from a checkout that has ``benchmarks/`` (``pip install '.[bench]'``), the
+extra names it by this checkout's absolute path (PEP 508 has no relative paths,
+so it cannot be written in pyproject.toml); built elsewhere (from an sdist, for
+an index) it names ``weenv-bench`` from the index.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+
+MATPLOTLIB = "matplotlib>=3.8"
+BENCHMARKS = Path(__file__).resolve().parent / "benchmarks"
+
+
+def bench_requirement() -> str:
+    """``weenv-bench``: this checkout's ``benchmarks/`` if it is here, else from the index."""
+    if (BENCHMARKS / "pyproject.toml").is_file():
+        return f"weenv-bench @ {BENCHMARKS.as_uri()}"
+    return "weenv-bench"
+
+
+setup(extras_require={
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6"],
+    "plot": [MATPLOTLIB],
+    "bench": [bench_requirement(), MATPLOTLIB],
+})

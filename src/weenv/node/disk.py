@@ -1,0 +1,342 @@
+"""The environments' disk: a btrfs file system of the node's own, with a quota per environment (Linux only).
+
+Every environment's writable layer (its overlay upper and work dirs) lives in a
+btrfs subvolume of its own, ``ENV_DIR/disk`` (``upper/`` and ``work/`` in it),
+with a simple-quota (squota, Linux >= 6.7) limit on the bytes it references:
+its declared ``Resources.disk_bytes``.  Data and metadata both count (a million
+empty files reach the limit too).  A write past the limit fails with
+``EDQUOT`` ("Disk quota exceeded") inside the environment and through the files
+API alike; the node, its other environments and the host's file system are
+unaffected.
+
+The file system is one sparse image file per node home (``node/disk.img``),
+attached to a loop device (``LOOP_CONFIGURE``, direct I/O: no second copy of
+the data in the host's page cache; autoclear: the device goes with the last
+unmount) and mounted ``nosuid,nodev,discard=async`` on the environments'
+directory (``node/envs``), so every environment directory is on it and
+:meth:`Node.destroy`'s removal of a directory frees its blocks in the image
+(discards punch holes in the file).  Its size: ``size=`` or
+``WEENV_DISK_BYTES``, else :data:`DEFAULT_SHARE` of the free space of the file
+system holding the home when it is made; grown (never shrunk) when a node
+adopts it with a larger size asked.  Made at :meth:`NodeDisk.open` if not
+mounted, unmounted and deleted at :meth:`NodeDisk.close`; a node process that
+was killed leaves it mounted, and the next one adopts it with its environments.
+
+Why btrfs and not XFS project quotas: this kernel is built without
+``CONFIG_XFS_QUOTA`` ("XFS: quota support not available in this kernel").
+btrfs gives what the fork/snapshot work needs as well: reflink copies
+(``cp --reflink``) across subvolumes and subvolume snapshots.  Why ``EDQUOT``
+and not ``ENOSPC``: a quota limit is reported so by btrfs (ext4's project
+quotas do the same); only a file system per environment would say
+``ENOSPC``, at the price of a mkfs and a loop device per create.
+
+Every btrfs operation is an ioctl made here from Python (``BTRFS_IOC_*``,
+include/uapi/linux/btrfs.h): no ``btrfs`` program runs after ``mkfs.btrfs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import uuid
+from pathlib import Path
+
+from weenv.errors import CapacityError, MountError, ToolMissingError
+from weenv.node import mounts
+from weenv.node.cache import parse_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARE = 0.8
+"""Share of the home file system's free space a new image gets by default (it
+is sparse: the host's space is used only as environments write)."""
+MIN_IMAGE_BYTES = 256 << 20
+"""Smallest image (``mkfs.btrfs`` wants ~114 MiB; below this few environments fit)."""
+SUBVOLUME = "disk"
+"""The environment's subvolume, in its directory: ``upper/`` and ``work/`` inside."""
+MOUNT_OPTIONS = "discard=async"
+
+# --- ioctls ----------------------------------------------------------------------------
+
+
+def _ioc(direction: int, kind: int, nr: int, size: int) -> int:
+    return (direction << 30) | (size << 16) | (kind << 8) | nr
+
+
+_W, _R = 1, 2
+_BTRFS = 0x94
+SUBVOL_CREATE = _ioc(_W, _BTRFS, 14, 4096)  # struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}
+SNAP_DESTROY = _ioc(_W, _BTRFS, 15, 4096)
+RESIZE = _ioc(_W, _BTRFS, 3, 4096)
+INO_LOOKUP = _ioc(_W | _R, _BTRFS, 18, 4096)  # {u64 treeid; u64 objectid; char name[4080]}
+FS_INFO = _ioc(_R, _BTRFS, 31, 1024)  # fsid at offset 16
+QUOTA_CTL = _ioc(_W | _R, _BTRFS, 40, 16)  # {u64 cmd; u64 status}
+QGROUP_LIMIT = _ioc(_R, _BTRFS, 43, 48)  # {u64 qgroupid; {u64 flags, max_rfer, max_excl, rsv_rfer, rsv_excl}}
+QUOTA_CTL_ENABLE_SIMPLE_QUOTA = 4
+QGROUP_LIMIT_MAX_RFER = 1
+FIRST_FREE_OBJECTID = 256  # the root directory inode of every subvolume
+
+LOOP_CTL_GET_FREE = 0x4C82
+LOOP_CONFIGURE = 0x4C0A
+LOOP_SET_CAPACITY = 0x4C07
+LO_FLAGS_AUTOCLEAR = 4
+LO_FLAGS_DIRECT_IO = 16
+
+
+def _vol_args(name: str) -> bytearray:
+    args = bytearray(4096)
+    raw = name.encode()
+    args[8:8 + len(raw)] = raw
+    return args
+
+
+def _loop_config(fd: int, flags: int, name: str) -> bytes:
+    """struct loop_config (include/uapi/linux/loop.h): fd, block_size, loop_info64, reserved."""
+    return struct.pack("=II5Q4I64s64s32s2Q64x", fd, 4096, 0, 0, 0, 0, 0, 0, 0, 0, flags,
+                       name.encode()[:63], b"", b"", 0, 0)
+
+
+def attach_loop(image: Path) -> tuple[int, str]:
+    """Attach ``image`` to a free loop device with autoclear and direct I/O;
+    return ``(fd, device)``: the device goes when ``fd`` and every mount of it
+    are closed.  Raises :class:`MountError`."""
+    backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for _try in range(20):  # another process may take the free device first
+                n = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
+                dev = f"/dev/loop{n}"
+                fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    fcntl.ioctl(fd, LOOP_CONFIGURE,
+                                _loop_config(backing, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, str(image)))
+                except OSError as exc:
+                    os.close(fd)
+                    if exc.errno == errno.EBUSY:
+                        continue
+                    raise MountError(exc.errno, f"loop device for {image}: {exc.strerror}") from exc
+                return fd, dev
+            raise MountError(errno.EBUSY, f"no free loop device for {image}")
+        finally:
+            os.close(ctl)
+    except OSError as exc:
+        if isinstance(exc, MountError):
+            raise
+        raise MountError(exc.errno, f"loop device for {image}: {exc.strerror}") from exc
+    finally:
+        os.close(backing)
+
+
+class NodeDisk:
+    """The btrfs file system at ``mountpoint`` in the image ``image`` (see the module doc).
+
+    ``size``: the image's bytes (default ``WEENV_DISK_BYTES``, else
+    :data:`DEFAULT_SHARE` of the free space).  Thread-safe: every method is
+    one or a few ioctls on paths of one environment."""
+
+    def __init__(self, image: Path, mountpoint: Path, size: int | None = None):
+        self.image = Path(image)
+        self.mountpoint = Path(mountpoint)
+        env = os.environ.get("WEENV_DISK_BYTES")
+        if size is None and env:
+            size = parse_bytes(env)  # "64G" or bytes
+        if size is not None and size < MIN_IMAGE_BYTES:
+            raise CapacityError(f"a node disk of {size} bytes is too small (at least {MIN_IMAGE_BYTES >> 20} MiB)")
+        self.asked = size
+        self.size = 0
+        """Bytes of the file system once open (what admission counts disk limits against)."""
+        self._qgroups: Path | None = None
+
+    # --- lifetime ----------------------------------------------------------------------
+    def open(self) -> None:
+        """Adopt the file system mounted at the mount point (grown to the size
+        asked, if larger), or make and mount a new one.  Raises
+        :class:`MountError`, :class:`ToolMissingError` (no ``mkfs.btrfs``), or
+        :class:`CapacityError` (the home's file system has too little room)."""
+        found = mounts.mount_info(self.mountpoint)
+        if found is not None:
+            if found[0] != "btrfs":
+                raise MountError(errno.EINVAL, f"{self.mountpoint} is a {found[0]} mount, not weenv's disk")
+            if self.asked is not None and self.asked > self.image.stat().st_size:
+                self._grow(found[1], self.asked)
+        else:
+            self._make()
+        self._read_fs()
+
+    def close(self) -> None:
+        """Unmount the file system (its loop device goes with it) and delete
+        the image.  Idempotent.  Raises :class:`MountError` if it stays busy
+        (the image is kept then)."""
+        if mounts.mount_info(self.mountpoint) is not None:
+            try:
+                mounts.umount(self.mountpoint)
+            except MountError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                mounts.umount(self.mountpoint, detach=True)  # gone once its last user is
+                raise MountError(errno.EBUSY, f"{self.mountpoint} was busy: detached, image kept") from exc
+        self.image.unlink(missing_ok=True)
+        self._qgroups = None
+
+    def _make(self) -> None:
+        if self.mountpoint.is_dir() and any(self.mountpoint.iterdir()):
+            log.warning("removing %s: left on the host file system by a node without its disk", self.mountpoint)
+            for _fstype, point in reversed(mounts.mounts_under(self.mountpoint)):
+                mounts.umount(point, detach=True)
+            shutil.rmtree(self.mountpoint, ignore_errors=True)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        size = self.asked if self.asked is not None else self.default_size()
+        mkfs = shutil.which("mkfs.btrfs")
+        if mkfs is None:
+            raise ToolMissingError("mkfs.btrfs is not installed (Debian: apt-get install btrfs-progs)")
+        self.image.unlink(missing_ok=True)  # an image not mounted: what it held is gone with its node
+        with open(self.image, "wb") as f:
+            f.truncate(size)
+        try:
+            r = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single", str(self.image)],
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
+            if r.returncode != 0:
+                raise MountError(errno.EIO, f"mkfs.btrfs {self.image}: {r.stderr.strip()}")
+            fd, dev = attach_loop(self.image)
+            try:
+                mounts.mount(mounts.MountSpec("btrfs", dev, str(self.mountpoint), MOUNT_OPTIONS,
+                                              mounts.MS_NOSUID | mounts.MS_NODEV))  # fmt: skip
+            finally:
+                os.close(fd)  # the mount holds the device now (autoclear once unmounted)
+        except BaseException:
+            self.image.unlink(missing_ok=True)
+            raise
+        try:
+            root = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(root, QUOTA_CTL, bytearray(struct.pack("=QQ", QUOTA_CTL_ENABLE_SIMPLE_QUOTA, 0)))
+            finally:
+                os.close(root)
+            os.chmod(self.mountpoint, 0o700)
+        except OSError as exc:
+            self.close()
+            raise MountError(exc.errno, f"enabling quotas on {self.mountpoint}: {exc.strerror}") from exc
+
+    def default_size(self) -> int:
+        """:data:`DEFAULT_SHARE` of the free bytes of the file system holding the
+        image, in whole MiB; :class:`CapacityError` if below :data:`MIN_IMAGE_BYTES`."""
+        st = os.statvfs(self.image.parent)
+        size = int(st.f_bavail * st.f_frsize * DEFAULT_SHARE) >> 20 << 20
+        if size < MIN_IMAGE_BYTES:
+            raise CapacityError(f"{self.image.parent} has {st.f_bavail * st.f_frsize >> 20} MiB free: "
+                                f"too little for the environments' disk (WEENV_DISK_BYTES)")
+        return size
+
+    def _grow(self, device: str, size: int) -> None:
+        with open(self.image, "r+b") as f:
+            f.truncate(size)
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, LOOP_SET_CAPACITY, 0)
+        finally:
+            os.close(fd)
+        root = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(root, RESIZE, _vol_args("max"))
+        finally:
+            os.close(root)
+        log.info("grew the environments' disk %s to %d MiB", self.image, size >> 20)
+
+    def _read_fs(self) -> None:
+        st = os.statvfs(self.mountpoint)
+        self.size = st.f_blocks * st.f_frsize
+        root = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            info = bytearray(1024)
+            fcntl.ioctl(root, FS_INFO, info)
+        finally:
+            os.close(root)
+        self._qgroups = Path("/sys/fs/btrfs") / str(uuid.UUID(bytes=bytes(info[16:32]))) / "qgroups"
+
+    # --- environments ------------------------------------------------------------------
+    @staticmethod
+    def upper(env_dir: Path) -> Path:
+        """The environment's overlay upper dir (its own changes)."""
+        return env_dir / SUBVOLUME / "upper"
+
+    @staticmethod
+    def work(env_dir: Path) -> Path:
+        """The overlay work dir (on the same subvolume: copy-up renames from it into ``upper``)."""
+        return env_dir / SUBVOLUME / "work"
+
+    def make(self, env_dir: Path, limit: int) -> None:
+        """Make the environment's subvolume in ``env_dir`` (on this disk) with
+        ``upper/`` and ``work/``, its quota ``limit`` bytes.  Raises :class:`MountError`."""
+        parent = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.ioctl(parent, SUBVOL_CREATE, _vol_args(SUBVOLUME))
+            except OSError as exc:
+                raise MountError(exc.errno, f"subvolume {env_dir / SUBVOLUME}: {exc.strerror}") from exc
+        finally:
+            os.close(parent)
+        try:
+            self._limit(env_dir, limit)
+            self.upper(env_dir).mkdir()
+            self.work(env_dir).mkdir()
+        except BaseException:
+            self.remove(env_dir)
+            raise
+
+    def _subvolume_id(self, env_dir: Path) -> int:
+        fd = os.open(env_dir / SUBVOLUME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            args = bytearray(struct.pack("=QQ", 0, FIRST_FREE_OBJECTID) + bytes(4080))
+            fcntl.ioctl(fd, INO_LOOKUP, args)
+            return struct.unpack_from("=Q", args)[0]
+        finally:
+            os.close(fd)
+
+    def _limit(self, env_dir: Path, limit: int) -> None:
+        try:
+            sid = self._subvolume_id(env_dir)
+            fd = os.open(env_dir / SUBVOLUME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(fd, QGROUP_LIMIT,
+                            bytearray(struct.pack("=6Q", sid, QGROUP_LIMIT_MAX_RFER, limit, 0, 0, 0)))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise MountError(exc.errno, f"quota of {env_dir / SUBVOLUME}: {exc.strerror}") from exc
+
+    def remove(self, env_dir: Path) -> None:
+        """Delete the environment's subvolume and all in it (its blocks and its
+        quota group are freed by the kernel's cleaner shortly after).  Fine if
+        there is none; errors are logged (the directory's removal then takes it)."""
+        try:
+            parent = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.ioctl(parent, SNAP_DESTROY, _vol_args(SUBVOLUME))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EINVAL):  # EINVAL: a plain directory, not a subvolume
+                log.warning("cannot delete subvolume %s: %s", env_dir / SUBVOLUME, exc)
+        finally:
+            os.close(parent)
+
+    def usage(self, env_dir: Path) -> tuple[int, int]:
+        """``(used, limit)`` bytes of the environment's quota: what it references
+        (data and metadata as of the last commit, btrfs commits every 30 s or on
+        sync, plus data reserved for dirty pages) and its limit (0: none).  Raises :class:`FileNotFoundError` if it has no subvolume."""
+        assert self._qgroups is not None, "the disk is not open"
+        q = self._qgroups / f"0_{self._subvolume_id(env_dir)}"
+
+        def read(name: str) -> int:
+            with contextlib.suppress(FileNotFoundError):
+                return int((q / name).read_text())
+            return 0
+
+        return read("referenced") + read("rsv_data"), read("max_referenced")

@@ -1,0 +1,236 @@
+"""The daemon's limits on what clients may hold: file descriptors, TCP
+connections, request bodies.
+
+- **File descriptors.**  :func:`raise_nofile_limit` raises the soft
+  ``RLIMIT_NOFILE`` to the hard one at daemon start (the soft limit a shell or
+  service manager hands down is often 1,024, less than the environments,
+  mounts, pipes and connections of a busy node need).
+- **TCP connections** (:func:`tcp_protocol`): at most ``max_connections``
+  connections on TCP at once; one past it is answered ``503`` and closed as it
+  is accepted, so its descriptor is freed at once.  The Unix socket is not
+  counted and never refused: a flood of TCP connections cannot starve it, nor
+  the environments' commands and files served through it.  A connection,
+  TCP or Unix, that sends nothing for ``idle_timeout`` seconds, before its
+  first request or between two, is closed (uvicorn's keep-alive timeout, here
+  also armed when the connection is made).  uvicorn's own
+  ``limit_concurrency`` is not used: it counts the connections of every
+  listener together, so a TCP flood would make it refuse the Unix socket too.
+- **Request bodies** (:class:`BodyLimit`): at most :data:`MAX_BODY` bytes, a
+  file upload (``PUT /v1/environments/{id}/files``, ``POST /e2b/envd/files``)
+  at most :data:`MAX_UPLOAD`.  A ``Content-Length`` above the limit is answered
+  413 before any of the body is kept; a body without one (chunked) is counted
+  as it arrives: past the limit, a JSON request is answered 413 having kept at
+  most the limit, an upload fails with :class:`RequestTooLargeError` (413)
+  from the route reading it.  Before a JSON request is refused, what the
+  client still sends is read and dropped (at most 64 MiB, for 2 s), so it
+  reads the answer rather than a connection reset.  Errors are the error body of the API the path belongs
+  to (weenv's ``{"error": {"kind": "too_large", ...}}`` or E2B's ``{"code",
+  "message"}``).  A body announced larger than 64 MiB is not read at all: a
+  client that does not read the answer while it sends (or send ``Expect:
+  100-continue``) sees the connection reset instead.
+- **Bodies before credentials.**  Routes check the API key (or an envd access
+  token) after the body is read, so :class:`BodyLimit` checks credentials
+  first (``credentialed``): a request without valid ones may send at most
+  :data:`ANONYMOUS_BODY` bytes, enough for the route to answer 401.  A flood of
+  keyless TCP connections thus holds at most ``MAX_TCP_CONNECTIONS`` ×
+  64 KiB, not × :data:`MAX_BODY`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import socket
+from collections.abc import Callable
+
+import anyio
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from weenv.errors import RequestTooLargeError
+
+MAX_BODY = 8 << 20
+"""Largest request body but a file upload, bytes (JSON requests: a command's
+``stdin`` inline, a batch of creates)."""
+MAX_UPLOAD = 8 << 30
+"""Largest file upload, bytes."""
+ANONYMOUS_BODY = 64 << 10
+"""Largest request body of a client without valid credentials, bytes."""
+MAX_TCP_CONNECTIONS = 1024
+"""TCP connections served at once (at most a quarter of the descriptor limit, see :func:`tcp_connection_cap`)."""
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 2.0
+"""What is read and dropped of a body refused mid-stream before the connection closes."""
+IDLE_TIMEOUT_S = 5
+"""Seconds a connection may stay silent (before its first request or between requests)."""
+
+_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^/e2b/envd/files$")))
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; the soft
+    limit ``(before, after)``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return soft, target
+    return soft, soft
+
+
+def tcp_connection_cap(nofile: int | None = None) -> int:
+    """TCP connections to serve at once with a soft descriptor limit ``nofile``
+    (default: this process's): :data:`MAX_TCP_CONNECTIONS`, but at most a
+    quarter of ``nofile`` and at least 16."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(16, min(MAX_TCP_CONNECTIONS, nofile // 4))
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+         b"content-length: %d\r\n\r\n%s")
+
+
+def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> type[H11Protocol]:
+    """uvicorn's h11 protocol (pass as ``uvicorn.Config(http=...)``) bounded as
+    the module docstring says: at most ``max_connections`` TCP connections
+    (the count is this class's: make one class per server), every connection
+    closed after ``idle_timeout`` seconds of silence."""
+    open_tcp: set[object] = set()
+    body = json.dumps({"error": {"kind": "capacity", "message":
+                      f"the daemon serves {max_connections} TCP connections already"}}).encode()  # fmt: skip
+    busy = _BUSY % (len(body), body)
+
+    class BoundedH11Protocol(H11Protocol):
+        _refused = False
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                if len(open_tcp) >= max_connections:
+                    self._refused = True
+                    transport.write(busy)
+                    transport.close()
+                    return
+                open_tcp.add(self)
+            super().connection_made(transport)
+            # uvicorn arms this timer only after a response: arm it for the first request too
+            self.timeout_keep_alive_task = self.loop.call_later(idle_timeout, self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            open_tcp.discard(self)
+            super().connection_lost(exc)
+
+    BoundedH11Protocol.open_tcp = open_tcp  # type: ignore[attr-defined]  # for tests and stats
+    return BoundedH11Protocol
+
+
+def _too_large(path: str, limit: int) -> tuple[int, bytes]:
+    message = f"request body larger than {limit} bytes"
+    if path.startswith("/e2b/"):
+        return 413, json.dumps({"code": 413, "message": message}).encode()
+    return 413, json.dumps({"error": {"kind": RequestTooLargeError.kind, "message": message}}).encode()
+
+
+class BodyLimit:
+    """ASGI middleware bounding request bodies (see the module docstring):
+    ``max_body`` bytes, ``max_upload`` for the file upload routes, and
+    :data:`ANONYMOUS_BODY` for a request ``credentialed(scope)`` finds without
+    valid credentials (None: every request is taken as credentialed)."""
+
+    def __init__(self, app, *, max_body: int = MAX_BODY, max_upload: int = MAX_UPLOAD,
+                 credentialed: Callable[[dict], bool] | None = None):
+        self.app = app
+        self.max_body = max_body
+        self.max_upload = max_upload
+        self.credentialed = credentialed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        upload = any(scope["method"] == m and r.match(path) for m, r in _UPLOADS)
+        limit = self.max_upload if upload else self.max_body
+        if self.credentialed is not None and not self.credentialed(scope):
+            limit = min(limit, ANONYMOUS_BODY)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            if length.isdigit() and int(length) <= DRAIN_BYTES:
+                await _drain(receive, True)  # dropped, not kept: so the client reads the answer
+            await self._refuse(send, path, limit)
+            return
+        if upload:
+            await self.app(scope, _counting(receive, limit), send)
+            return
+        # Read the body here (the routes read it whole anyway), at most the limit, then replay it.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)  # the client left: let the app see it
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                await _drain(receive, more)  # before answering: the answer completes the request
+                await self._refuse(send, path, limit)
+                return
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+    @staticmethod
+    async def _refuse(send, path: str, limit: int) -> None:
+        status, body = _too_large(path, limit)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive, more: bool, *, budget: int = DRAIN_BYTES, seconds: float = DRAIN_S) -> None:
+    """Read and drop what the client still sends of a refused body, at most
+    ``budget`` bytes for at most ``seconds``: closing with unread data makes the
+    kernel reset the connection, and the client would lose the 413 answer."""
+    with anyio.move_on_after(seconds):
+        while more and budget > 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            budget -= len(message.get("body", b""))
+            more = message.get("more_body", False)
+
+
+def _replay(messages: list[dict], receive):
+    """A ``receive`` that gives ``messages`` first, then what ``receive`` gives."""
+    pending = list(messages)
+
+    async def replayed() -> dict:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def _counting(receive, limit: int):
+    """A ``receive`` raising :class:`RequestTooLargeError` once the body passes ``limit`` bytes."""
+    seen = 0
+
+    async def counted() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise RequestTooLargeError(f"request body larger than {limit} bytes")
+        return message
+
+    return counted
