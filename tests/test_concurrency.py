@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from weenv.node.fuse.session import MAX_BACKGROUND
 from weenv.node.node import Node
 from weenv.packaging.profile import REF_KIND
 from weenv.node.provision import ProvisionConfig
@@ -320,3 +321,27 @@ def test_a_cold_template_mounts_its_groups_in_parallel(store_root, paths, leak_c
             call[0].join(BOUND_S)
         assert "error" not in call[1], call[1].get("error")
         node.destroy(call[1]["result"].id)
+
+
+def test_threads_return_to_the_baseline_after_a_burst(node):
+    """Issue 13, finding 16: a burst of create/exec/destroy cycles (8 at once)
+    leaves no thread behind (each create's first command had a 60 s timeout
+    timer that a fast pump missed to cancel: one thread per create for a minute)."""
+    def cycle(_):
+        e = node.create("task")
+        node.exec(e.id, ["true"], timeout=30)
+        node.destroy(e.id)
+
+    def others() -> int:  # FUSE read workers are a bounded pool of their own (checked below)
+        return sum(not t.name.startswith("weenv-lazyfs-w") for t in threading.enumerate())
+
+    cycle(0)  # the node's own threads (pool, provisioner, pipe sink) are up
+    baseline = others()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(cycle, range(120)))
+    deadline = time.monotonic() + 3
+    while others() > baseline + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = Counter(t.name.rstrip("0123456789") for t in threading.enumerate())
+    assert others() <= baseline + 3, f"{others()} threads (baseline {baseline}): {left}"
+    assert left["weenv-lazyfs-w"] <= MAX_BACKGROUND

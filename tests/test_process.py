@@ -8,8 +8,10 @@ import time
 import pytest
 
 from weenv.errors import CapacityError, InvalidInputError, NotFoundError, OutputLimitError
-from weenv.node.node import Node
+from weenv.node.cgroups import open_cgroups
+from weenv.node.node import CONTAINER_PREFIX, Node
 from weenv.node.models import ProcessEvent
+from weenv.packaging.manifest import Resources
 
 
 def _events(p):
@@ -110,3 +112,81 @@ def test_timeouts_reap_and_capacity(paths, shared_store, leak_check):
         with pytest.raises(NotFoundError):
             node.set_timeout(a.id, 10)
         node.create("task")  # room again
+
+
+# --- a kill reaches every process the command started (issue 13, finding 8) ------------------
+def _pids(env_id: str) -> int:
+    return open_cgroups(f"/{CONTAINER_PREFIX}{env_id}").usage().pids_current
+
+
+def _settles(env_id: str, bound: int, within: float = 2.0) -> bool:
+    deadline = time.monotonic() + within
+    while _pids(env_id) > bound:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_kill_of_a_fork_bomb_frees_its_pids(node):
+    """A bomb whose first shell returns at once leaves its forks reparented to
+    the environment's init: the kill must still reach them (its cgroup)."""
+    info = node.create("task", resources=Resources(pids=256))
+    baseline = _pids(info.id)
+    bomb = node.spawn(info.id, ["bash", "-c", "f(){ f | f & }; f"])
+    assert bomb.wait(10) and not bomb.running  # its first process is gone; its forks are not
+    deadline = time.monotonic() + 10
+    while _pids(info.id) < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pids(info.id) >= 200  # the bomb is at the limit
+    bomb.kill()
+    assert _settles(info.id, baseline + 2), f"{_pids(info.id)} pids 2 s after the kill (baseline {baseline})"
+    assert node.exec(info.id, ["echo", "ok"]).stdout == b"ok\n"
+    # a bomb still running is killed whole too, by a timeout as by a kill
+    r = node.exec(info.id, ["bash", "-c", "f(){ f | f & }; f; sleep 60"], timeout=2)
+    assert r.timed_out
+    assert _settles(info.id, baseline + 2)
+
+
+def _sleeps(node, env_id: str) -> list[str]:
+    """The command lines of the ``sleep`` processes commands started, sorted."""
+    r = node.exec(env_id, ["python3", "-c", _SLEEPS])
+    return r.stdout.decode().splitlines()
+
+
+_SLEEPS = """
+import os
+out = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[:-1]
+    except OSError:
+        continue
+    if argv[:1] == [b"sleep"] and argv[1:2] != [b"infinity"]:  # not the environment's own
+        out.append(b" ".join(argv).decode())
+print("\\n".join(sorted(out)))
+"""
+
+
+def test_kill_reaches_setsid_and_double_forked_children_and_spares_other_commands(node):
+    info = node.create("task")
+    other = node.spawn(info.id, ["sleep", "1000"], tag="other")
+    cmd = node.spawn(info.id, "setsid sleep 1001 & (sleep 1002 &) ; exec sleep 1003")
+    deadline = time.monotonic() + 10
+    ps = lambda: _sleeps(node, info.id)
+    while time.monotonic() < deadline and len(ps()) < 4:
+        time.sleep(0.05)
+    assert ps() == ["sleep 1000", "sleep 1001", "sleep 1002", "sleep 1003"]
+    cmd.kill()
+    assert cmd.wait(10) and cmd.exit_code == 137
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and ps() != ["sleep 1000"]:
+        time.sleep(0.05)
+    assert ps() == ["sleep 1000"]
+    assert other.running
+    # a command that returned at once: its setsid'd child is killed by a kill of the ended command
+    gone = node.spawn(info.id, "setsid sleep 1004 &")
+    assert gone.wait(10) and gone.exit_code == 0
+    assert "sleep 1004" in ps()
+    gone.kill()
+    assert "sleep 1004" not in ps() and other.running

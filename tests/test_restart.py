@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from weenv.config import Paths
+from weenv.errors import WeenvError
 from weenv.node.fuse import holder
+from weenv.node.models import CreateRequest
 from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import Resources, RuntimeConfig
-from weenv.packaging.template import create_template
+from weenv.packaging.template import create_template, load_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
@@ -333,6 +336,91 @@ def test_daemon_and_holder_killed_restart_clears_everything(restart_home):
     client.close()
 
 
+def test_daemon_and_holder_killed_keep_environments_on_direct_mounts(restart_home, tmp_path):
+    """Issue 13, finding 15: an environment whose every group is mounted
+    directly (its assembled image, no FUSE) does not need the lost connection:
+    the next daemon keeps it (exec and files work, bytes intact) and removes,
+    without leaks, the one that read a group lazily."""
+    home = restart_home
+    client = home.start()
+    template = load_template(home.store, "r")[1]
+    first = home.create(client)  # mounts base and data lazily
+    for g in template.groups:  # every chunk into the node cache, through the daemon's FUSE
+        (home.paths.lazy_mountpoint / (g.split(":", 1)[1] + ".img")).read_bytes()
+    images = [home.paths.node / "images" / (g.split(":", 1)[1] + ".img") for g in template.groups]
+    home.create(client)  # finds the groups complete: assembles their images
+    _wait_for(lambda: all(i.exists() for i in images), 60, "the assembled images")
+    direct = home.create(client)
+    points = [str(home.paths.group_mounts / (g.split(":", 1)[1] + ".direct")) for g in template.groups]
+    assert set(points) <= {p for _t, p in mounts_under(home.paths.group_mounts)}
+    src = tmp_path / "lazy"
+    (src / "lazy").mkdir(parents=True)
+    (src / "lazy" / "x.txt").write_text("lazy\n")
+    build_group(src, home.store, name="lazy")
+    create_template(home.store, "lazy", ["base", "lazy"], runtime=RuntimeConfig(working_dir="/"))
+    lazy = client.create("lazy").id  # base direct, the new group through FUSE
+    home.env_ids.add(lazy)
+    assert client.exec(lazy, ["cat", "/lazy/x.txt"]).stdout == b"lazy\n"
+    client.exec(direct, ["sh", "-c", "echo mine > /data/mine.txt"])
+    lazy_init, direct_init = home.container_pid(lazy), home.container_pid(direct)
+    holder_pid = home.holder_pid()
+    home.kill(home.daemon_pid())
+    home.kill(holder_pid)
+    client.close()
+
+    client = home.start()
+    kept = {e.id for e in client.list()}
+    assert direct in kept and lazy not in kept and first not in kept
+    assert alive(direct_init) and not alive(lazy_init)
+    assert client.exec(direct, ["cat", "/data/small.txt", "/data/mine.txt"]).stdout == b"small\nmine\n"
+    assert _sha256_in(client, direct, "/data/big.bin") == home.big_sha256
+    assert not (home.paths.environments / lazy).exists()
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/weenv-{lazy}"))
+    groups_root = str(home.paths.group_mounts)
+    assert [p for _t, p in mounts_under(groups_root) if p != groups_root and not p.endswith(".direct")] == []
+    for env in kept:
+        client.destroy(env)
+    client.close()
+
+
+def test_batch_interrupted_by_a_crash_keeps_only_what_the_client_received(restart_home):
+    """Issue 13, finding 12: a daemon SIGKILLed mid-batch; the next one removes
+    every environment whose answer line was not written (created, or being
+    created, at the kill) and keeps those the client received."""
+    home = restart_home
+    client = home.start()
+    daemon_pid = home.daemon_pid()
+    items = [CreateRequest(template="r")] * 16
+    received: list[str] = []
+    with pytest.raises(WeenvError):
+        for ev in client.create_many(items, concurrency=4):
+            assert ev.environment is not None, ev.error
+            received.append(ev.environment.id)
+            home.env_ids.add(ev.environment.id)
+            if len(received) == 3:
+                home.kill(daemon_pid)
+    client.close()
+    envs = home.paths.environments
+    on_disk = {d.name for d in envs.iterdir()}
+    home.env_ids |= on_disk
+    assert len(received) == 3 and set(received) <= on_disk
+    assert len(on_disk) > 3, "no create was under way or done unsent at the kill: nothing to check"
+
+    client = home.start()
+    assert sorted(e.id for e in client.list()) == sorted(received)
+    assert {d.name for d in envs.iterdir()} == set(received)
+    for env_id in received:
+        assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+    assert len(runc_ids(home.paths)) == len(received)
+    for env_id in received:
+        client.destroy(env_id)
+    client.close()
+
+
+def runc_ids(paths) -> list[str]:
+    return [d.name for d in paths.runc_root.iterdir()] if paths.runc_root.is_dir() else []
+
+
 def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     """``weenv stop`` after a SIGKILL: the environments, mounts, FUSE connection
     and holder all go (the stop takes the connection over, then closes it)."""
@@ -348,6 +436,35 @@ def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
     assert holder.pid_of(home.paths.run) is None
     assert not mounts_under(home.paths.home)
     shutil.rmtree(home.paths.environments, ignore_errors=True)
+
+
+def test_stop_interrupted_by_a_kill_reports_honestly_and_finishes(restart_home):
+    """``weenv stop`` whose daemon is SIGKILLed while it destroys its
+    environments (issue 13, finding 11): stop finishes the job itself and says
+    "stopped" (exit 0) only when no mount, cgroup, container, environment dir
+    or holder of the home is left."""
+    home = restart_home
+    client = home.start()
+    ids = [home.create(client) for _ in range(6)]
+    inits = [home.container_pid(i) for i in ids]
+    holder_pid = home.holder_pid()
+    daemon_pid = home.daemon_pid()
+    client.close()
+    stop = subprocess.Popen([sys.executable, "-m", "weenv", "stop"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    envs = home.paths.environments
+    _wait_for(lambda: len(list(envs.iterdir())) < len(ids), 60, "the stop's first destroy")
+    home.kill(daemon_pid)
+    left_at_kill = len(list(envs.iterdir()))
+    out, err = stop.communicate(timeout=120)
+    assert left_at_kill > 0, "the daemon had finished before the kill: nothing was interrupted"
+    assert stop.returncode == 0 and "weenv daemon stopped" in err, (stop.returncode, err)
+    assert not any(alive(p) for p in [*inits, holder_pid])
+    assert holder.pid_of(home.paths.run) is None
+    assert not mounts_under(home.paths.home)
+    assert not [c for i in ids for c in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
+    assert not any(envs.iterdir()) and not any(home.paths.runc_root.iterdir())
+    assert daemon._leftovers(home.paths) == []
 
 
 def test_overlay_lowers_read_back_from_the_kernel(tmp_path, leak_check):

@@ -93,17 +93,20 @@ def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
     with client() as c, Progress(TextColumn("creating"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err) as bar:
         task = bar.add_task("create", total=len(items), note="")
-        for ev in c.create_many(items, concurrency=concurrency):
-            if ev.environment is not None:
-                ids[ev.index] = ev.environment.id
-                note = f"{ev.environment.id} in {ev.environment.timing.total_s:.2f} s"
-            else:
-                failures.append(f"#{ev.index}: {ev.error.message if ev.error else '?'}")
-                note = f"#{ev.index} failed"
-            bar.update(task, advance=1, note=note)
-    for env_id in ids:
-        if env_id is not None:
-            print(env_id)
+        try:
+            for ev in c.create_many(items, concurrency=concurrency):
+                if ev.environment is not None:
+                    ids[ev.index] = ev.environment.id
+                    note = f"{ev.environment.id} in {ev.environment.timing.total_s:.2f} s"
+                else:
+                    failures.append(f"#{ev.index}: {ev.error.message if ev.error else '?'}")
+                    note = f"#{ev.index} failed"
+                bar.update(task, advance=1, note=note)
+        finally:  # the ids received are printed even when the answer broke off (the daemon died)
+            bar.stop()
+            for env_id in ids:
+                if env_id is not None:
+                    print(env_id, flush=True)
     if failures:
         raise InvalidInputError(f"{len(failures)} of {len(items)} creates failed: " + "; ".join(failures[:5]))
 

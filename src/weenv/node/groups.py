@@ -112,6 +112,13 @@ class GroupMounts:
         """Mount point of group ``digest`` mounted from its assembled image: ``root/<hex>.direct``."""
         return self.root / (check_digest(digest).split(":", 1)[1] + ".direct")
 
+    def is_direct_point(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` is the mount point of a group mounted directly
+        (``root/<hex>.direct``, read without FUSE) and something is mounted there."""
+        real = Path(os.path.realpath(path))
+        return (real.parent == Path(os.path.realpath(self.root)) and real.name.endswith(".direct")
+                and is_mounted(real))
+
     def image_path(self, digest: str) -> Path | None:
         """``images/<hex>.img`` (None when direct mounts are off)."""
         if self.images is None:
@@ -525,18 +532,22 @@ class GroupMounts:
             self._unmount(digest, force=True)
 
 
-def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str]) -> list[str]:
+def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str], *,
+                keep_direct: bool = False) -> list[str]:
     """Detach mounts an earlier daemon left behind; return their mount points.
 
-    After a daemon dies without a FUSE holder keeping its connection, its group
-    mounts point at a connection that is gone (reads fail).  Call this at daemon start, before
+    After a daemon dies without a FUSE holder keeping its connection, its lazy
+    group mounts point at a connection that is gone (reads fail).  Call this at daemon start, before
     :meth:`LazyFS.start`, never while a daemon uses these paths.  Mounts under
     ``group_root`` are detached deepest first (MNT_DETACH: their users keep
     failing reads, new lookups no longer see them), then the lazy mount point.
+    ``keep_direct``: leave the direct mounts (``<hex>.direct``, of assembled
+    images: they never read through FUSE) for :meth:`GroupMounts.recover`.
     Empty group mount point directories are removed.
     """
     group_root, lazy_mountpoint = Path(group_root).absolute(), Path(lazy_mountpoint).absolute()
-    points = [p for _t, p in mounts_under(group_root) if p != str(group_root)]
+    points = [p for t, p in mounts_under(group_root) if p != str(group_root)
+              and not (keep_direct and t == "erofs" and Path(p).parent == group_root and p.endswith(".direct"))]
     points += [p for _t, p in mounts_under(lazy_mountpoint) if p != str(lazy_mountpoint)]
     points.sort(key=lambda p: p.count("/"), reverse=True)
     if is_mounted(lazy_mountpoint):

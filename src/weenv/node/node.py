@@ -90,6 +90,10 @@ log = logging.getLogger(__name__)
 CONTAINER_PREFIX = "weenv-"
 AGENT_SOCKET = "agent.sock"
 """The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
+UNDELIVERED = "undelivered"
+"""A file in an environment's directory while the answer naming it has not
+reached its client (:meth:`Node.create` ``undelivered``); recovery removes such
+an environment."""
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
@@ -224,7 +228,10 @@ class Node:
         cgroup and files stay as they are; exec, files and destroy work on it),
         and removes the rest (environments half created or whose container
         died).  Without a holder (both processes were killed, or none ran),
-        everything left is cleared as after a crash.
+        the lazy file system's connection is gone: environments reading any
+        group through it are removed with the lazy mounts, and those whose
+        every group is mounted directly from its assembled image (no FUSE on
+        their read path) are adopted as above.
 
         One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
         until :meth:`close` (the daemon's node is that one).  Raises
@@ -249,8 +256,7 @@ class Node:
             if self.lazyfs.take_over():
                 self._recover()
             else:
-                self._clean_stale()
-                self.lazyfs.start()
+                self._recover_direct()
             try:
                 self.provisioner.start()
             except BaseException:
@@ -320,21 +326,6 @@ class Node:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _clean_stale(self) -> None:
-        """Remove what a previous node process of this home left (after a crash)."""
-        for state in self.runc.list():
-            if state.get("id", "").startswith(CONTAINER_PREFIX):
-                with contextlib.suppress(Exception):
-                    self.runc.delete(state["id"], force=True)
-        for _fstype, point in mounts.mounts_under(self.paths.environments):
-            if Path(point) != self.paths.environments:  # the disk itself stays
-                _umount_quietly(Path(point))
-        clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint)
-        if self.paths.environments.is_dir():
-            for d in self.paths.environments.iterdir():
-                network.teardown(d.name, d)
-                self._remove_env_dir(d)
-
     def _recover(self) -> None:
         """Adopt the group mounts and running environments of a killed node
         process whose FUSE connection :meth:`LazyFS.take_over` took (see :meth:`start`)."""
@@ -342,9 +333,34 @@ class Node:
             self.groups.recover(self.manifests.group)
         finally:
             self.lazyfs.start()  # serve the taken connection in any case: readers wait on it
+        self._adopt_all()
+
+    def _recover_direct(self) -> None:
+        """After a crash without the FUSE holder (or on a clean home): remove
+        every environment with a lower dir that is not a direct group mount
+        (its lazy reads can no longer be served), detach the dead lazy mounts,
+        then adopt the direct group mounts and the environments on them only
+        (see :meth:`start`)."""
+        for env_dir in self._env_dirs():
+            lowers = _overlay_lowers(env_dir / "rootfs")
+            if not lowers or not all(self.groups.is_direct_point(p) for p in lowers):
+                log.warning("removing environment %s: %s", env_dir.name,
+                            "it read through the lost FUSE connection" if lowers else "it has no overlay")
+                self._remove_leftover(env_dir)
+        clear_stale(self.paths.group_mounts, self.paths.lazy_mountpoint, keep_direct=True)
+        self.groups.recover(self.manifests.group)  # the node's copies: recovery needs no store
+        self.lazyfs.start()
+        self._adopt_all()
+
+    def _env_dirs(self) -> list[Path]:
+        return sorted(p for p in self.paths.environments.iterdir() if p.is_dir())
+
+    def _adopt_all(self) -> None:
+        """Adopt every environment left in the home that can go on running;
+        remove the others and every container left without its environment."""
         status = {s.get("id"): s.get("status") for s in self.runc.list()}
         kept: set[str] = set()
-        for env_dir in sorted(p for p in self.paths.environments.iterdir() if p.is_dir()):
+        for env_dir in self._env_dirs():
             env_id = env_dir.name
             try:
                 e = self._adopt(env_dir, status.get(CONTAINER_PREFIX + env_id))
@@ -371,6 +387,8 @@ class Node:
         info = EnvironmentInfo.model_validate_json(info_path.read_text())
         if info.id != env_dir.name:
             raise InvalidInputError(f"its env.json names {info.id!r}")
+        if (env_dir / UNDELIVERED).exists():
+            raise InvalidInputError("the answer of its create never reached its client")
         if runc_status not in ("running", "paused"):
             raise InvalidInputError(f"its container is {runc_status or 'gone'}")
         rootfs = env_dir / "rootfs"
@@ -434,8 +452,14 @@ class Node:
         metadata: dict[str, str] | None = None,
         prefetch: bool = True,
         priority: int = 0,
+        undelivered: bool = False,
     ) -> EnvironmentInfo:
         """Create and start an environment from ``template`` (name or digest).
+
+        ``undelivered``: the caller hands the environment on (a server's
+        answer) and calls :meth:`delivered` once it has; until then a node
+        recovering after a crash removes it instead of adopting it (nobody
+        would know its id).
 
         ``prefetch``: record the template's prefetch profile on its first start
         and replay it on later cold starts (off for transient build environments).
@@ -472,7 +496,7 @@ class Node:
         try:
             t0 = time.perf_counter()
             req = _Request(template, resources, first_command, tuple(capabilities), timeout, envs or {},
-                           metadata or {}, prefetch, priority)  # fmt: skip
+                           metadata or {}, prefetch, priority, undelivered)  # fmt: skip
             digest, resolving = self._resolve(template)
             try:
                 return self._create(t0, digest, resolving, req)
@@ -557,6 +581,8 @@ class Node:
             )
             env = _Environment(info, manifest, env_dir)
             env.lowers = lowers
+            if req.undelivered:  # before env.json: recovery never adopts it without the mark
+                (env_dir / UNDELIVERED).touch()
             if req.first_command:
                 t = time.perf_counter()
                 result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
@@ -968,7 +994,8 @@ class Node:
         _flags, argv = exec_args(command, env, cwd, e.template.runtime.user)  # raises for bad input
         if e.agent_socket.exists():
             try:
-                spawned = agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe)
+                spawned = agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
+                                      cgroup=f"/{e.container_id}")
             except AgentUnavailable as exc:
                 if exc.gone:  # for good: later commands go straight to runc
                     log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
@@ -1075,6 +1102,12 @@ class Node:
             network.teardown(env_id, e.dir)
             e.info.state = "stopped"
         return e.upper
+
+    def delivered(self, env_id: str) -> None:
+        """The environment created ``undelivered`` reached its client: a
+        recovering node adopts it from now on.  A gone environment is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.paths.environments / env_id / UNDELIVERED).unlink()
 
     def destroy(self, env_id: str) -> None:
         """Kill the environment's processes and remove its container, cgroup,
@@ -1187,6 +1220,7 @@ class _Request:
     metadata: dict[str, str]
     prefetch: bool
     priority: int
+    undelivered: bool = False
 
 
 class _RefMoved(Exception):

@@ -97,6 +97,10 @@ class Spawned(abc.ABC):
     def kill_tree(self) -> None:
         """SIGKILL the command and every descendant still in its tree."""
 
+    def kill_leftovers(self) -> None:
+        """Once the command ended: SIGKILL what it left running, where the
+        launcher can tell (the exec agent's command cgroup); else nothing."""
+
     @abc.abstractmethod
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the command alone (a command already gone is fine)."""
@@ -314,12 +318,13 @@ class Process:
         self._stdin_lock = threading.Lock()
         self._kill_lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._pump = threading.Thread(target=self._run, name="weenv-pump", daemon=True)
-        self._pump.start()
-        if timeout is not None:
+        if timeout is not None:  # made before the pump runs: a pump that ends at once must find it to cancel it
             self._timer = threading.Timer(timeout, self._on_timeout)
             self._timer.daemon = True
-            self._timer.start()
+        self._pump = threading.Thread(target=self._run, name="weenv-pump", daemon=True)
+        self._pump.start()
+        if self._timer is not None:
+            self._timer.start()  # one cancelled meanwhile ends at once
         if stdin:
             threading.Thread(target=self._feed_stdin, args=(stdin,), daemon=True).start()
 
@@ -362,10 +367,16 @@ class Process:
     # --- control ---------------------------------------------------------------------
     def kill(self, signal: str | int = "KILL") -> None:
         """Send ``signal`` to the command; ``KILL`` (the default) kills its whole
-        tree as a timeout does.  Raises :class:`InvalidInputError` for an unknown
-        signal; a command that already ended is left alone."""
+        tree as a timeout does, with what escaped it (``setsid``, double forks:
+        every process the command started, through the launcher's command
+        cgroup).  Raises :class:`InvalidInputError` for an unknown signal.  A
+        command that already ended gets no signal; ``KILL`` still kills what it
+        left running (e.g. a fork bomb whose first process returned)."""
         sig = _signal_number(signal)
         if not self.running:
+            if sig == signals.SIGKILL:
+                with self._kill_lock:
+                    self.spawned.kill_leftovers()
             return
         with self._kill_lock:
             if sig == signals.SIGKILL:

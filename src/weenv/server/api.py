@@ -69,7 +69,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
@@ -171,11 +171,12 @@ def api_router(
 
     # --- environments ----------------------------------------------------------------
     def create_one(req: CreateRequest) -> EnvironmentInfo:
+        """``node.create`` of ``req``, marked undelivered (:meth:`Node.delivered` once answered)."""
         check_capacity(node, req.resources)
         try:
             info = node.create(req.template, resources=req.resources, first_command=req.first_command,
                                timeout=req.timeout, envs=req.envs, metadata=req.metadata,
-                               priority=req.priority)
+                               priority=req.priority, undelivered=True)
         except BaseException:
             metrics.creates.labels("error").inc()
             raise
@@ -184,8 +185,10 @@ def api_router(
         return info
 
     @r.post("/environments", status_code=201)
-    def create(req: CreateRequest) -> EnvironmentInfo:
-        return create_one(req)
+    def create(req: CreateRequest, background: BackgroundTasks) -> EnvironmentInfo:
+        info = create_one(req)
+        background.add_task(node.delivered, info.id)  # runs once the answer is written
+        return info
 
     @r.post("/environments/batch", response_class=StreamingResponse,
             responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}})
@@ -477,7 +480,11 @@ async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: N
     Environments created for a client that left before receiving them are
     destroyed: those still being created, and those done but not yet written.
     A line written to the connection counts as received: the server cannot
-    tell it from one the client read before it went."""
+    tell it from one the client read before it went.  Until its line is
+    handed to the connection, an environment is marked undelivered on disk
+    (:meth:`Node.delivered`), so a node restarted after a crash removes what no
+    client heard of (a crash in the instant between the mark and the write
+    leaves one environment to its timeout)."""
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weenv-create")
     submitted = [pool.submit(create_one, item) for item in items]
     futures = {asyncio.wrap_future(cf): i for i, cf in enumerate(submitted)}
@@ -490,6 +497,9 @@ async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: N
                 i = futures[f]
                 exc = f.exception()
                 if exc is None:
+                    # marked just before its line goes out: the middleware may write the line and the
+                    # client act on it (even kill this daemon) before this generator runs again
+                    node.delivered(f.result().id)
                     yield _line(BatchCreateEvent(index=i, environment=f.result()))
                 else:
                     kind = exc.kind if isinstance(exc, WeenvError) else "weenv"

@@ -179,23 +179,29 @@ def start_background(paths: Paths, *, timeout: float = 60.0) -> int:
 
 
 def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
-    """Stop the home's daemon and wait until it has; return whether one was running.
+    """Stop the home's daemon and wait until it has, and until nothing of the
+    home is left; return whether a daemon was running.
 
     A daemon that answers on its socket is asked (``POST /v1/shutdown``); one
     that does not (its socket deleted) but holds the home's lock and runs
     ``weenv serve`` gets SIGTERM (its pid from the lock, :func:`lock_holder`).
-    With no daemon left, what a killed one left (containers, mounts,
-    environment dirs, its FUSE holder) is cleared by starting and closing a
-    node on the home.
-    Raises :class:`DaemonError` if it does not stop within ``timeout`` seconds,
-    or if the home is held by a process that is not a daemon (a program's own
-    :class:`~weenv.node.node.Node`)."""
+    Once no daemon is left, whatever remains (a daemon killed before or during
+    its stop leaves containers, mounts, environment dirs, cgroups, its FUSE
+    holder) is cleared here by starting and closing a node on the home.
+    Raises :class:`DaemonError` if the daemon does not stop within ``timeout``
+    seconds, if something of the home is still there after the clearing
+    (naming what), or if the home is held by a process that is not a daemon
+    (a program's own :class:`~weenv.node.node.Node`)."""
+    was_running = False
     if is_running(paths):
+        was_running = True
         pid = _read_pid(paths)
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=10) as c:
-            c.post("http://weenv/v1/shutdown")
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=10) as c:
+                c.post("http://weenv/v1/shutdown")
+        except httpx.HTTPError as exc:  # it died meanwhile (or is dying): what it left is cleared below
+            log.info("the daemon did not answer its shutdown: %s", exc)
         _wait_exit(pid, timeout)
-        return True
     holder = lock_holder(paths)
     if holder is not None:
         if not _is_daemon(holder):
@@ -203,15 +209,21 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
                 f"WEENV_HOME={paths.home} is held by pid {holder} ({' '.join(_cmdline(holder))[:200]}), "
                 "which is not a weenv daemon: stop that program"
             )
+        was_running = True
         os.kill(holder, signal.SIGTERM)
         _wait_exit(holder, timeout)
-        return True
     if _leftovers(paths):
         from weenv.node.node import Node
 
         log.info("clearing what a killed daemon left in %s", paths.home)
-        Node(paths).start().close()  # start clears a crashed node's state
-    return False
+        try:
+            Node(paths).start().close()  # start adopts (or clears) a killed node's state; close destroys it
+        except DaemonError:  # a daemon started on demand took the home meanwhile
+            raise DaemonError(f"a weenv daemon started on {paths.home} while it was being stopped") from None
+    left = _leftovers(paths)
+    if left:
+        raise DaemonError(f"weenv daemon stopped, but {paths.home} still has {'; '.join(left)}")
+    return was_running
 
 
 def _wait_exit(pid: int | None, timeout: float) -> None:
@@ -260,16 +272,43 @@ def _is_daemon(pid: int) -> bool:
     return "serve" in argv and any(a == "weenv" or a.endswith("/weenv") for a in argv)
 
 
-def _leftovers(paths: Paths) -> bool:
+def _leftovers(paths: Paths) -> list[str]:
+    """What of the home outlives its daemon, in words (``[]``: nothing): mounts
+    below it, its FUSE holder, environment dirs, runc containers and the
+    cgroups of the environments those name."""
     from weenv.node import mounts
-
     from weenv.node.fuse import holder
 
-    if mounts.mounts_under(paths.home) or holder.pid_of(paths.run) is not None:
-        return True
-    if paths.environments.is_dir() and any(paths.environments.iterdir()):
-        return True
-    return paths.runc_root.is_dir() and any(paths.runc_root.iterdir())
+    left = []
+    points = mounts.mounts_under(paths.home)
+    if points:
+        left.append(f"{len(points)} mounts")
+    pid = holder.pid_of(paths.run)
+    if pid is not None:
+        left.append(f"its FUSE holder (pid {pid})")
+    ids = set()
+    if paths.environments.is_dir():
+        ids |= {d.name for d in paths.environments.iterdir()}
+        if ids:
+            left.append(f"{len(ids)} environment dirs")
+    if paths.runc_root.is_dir():
+        containers = [d.name for d in paths.runc_root.iterdir()]
+        if containers:
+            left.append(f"{len(containers)} containers")
+        ids |= {c.removeprefix("weenv-") for c in containers}
+    cgroups = [c for i in sorted(ids) for c in _cgroups_of(i)]
+    if cgroups:
+        left.append(f"{len(cgroups)} cgroups")
+    return left
+
+
+def _cgroups_of(env_id: str) -> list[str]:
+    """The cgroup directories of environment ``env_id`` (``weenv-<id>`` in any hierarchy)."""
+    import glob
+
+    if not env_id or "/" in env_id or "*" in env_id:
+        return []
+    return glob.glob(f"/sys/fs/cgroup/*/weenv-{glob.escape(env_id)}") + glob.glob(f"/sys/fs/cgroup/weenv-{glob.escape(env_id)}")
 
 
 def _read_pid(paths: Paths) -> int | None:

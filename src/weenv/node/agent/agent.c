@@ -24,12 +24,16 @@
  * Request (node -> handler): u32 little-endian payload length, then the
  * payload: CWD \0 ARGC \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
  * each), sent with SCM_RIGHTS carrying exactly 3 descriptors (stdin, stdout,
- * stderr).  Afterwards: little-endian i32 signal requests: N > 0 sends N to the
+ * stderr).  The handler answers H and waits for one i32 0 ("go": meanwhile the
+ * node moved the handler, whose host pid H's credentials show, into the
+ * command's own cgroup, so the command and all it starts are born there).
+ * Afterwards: little-endian i32 signal requests: N > 0 sends N to the
  * command, N < 0 sends -N to its process group.  End of file: SIGKILL to the
  * command and its process group.
  *
  * Replies (handler -> node), text lines:
- *     A PID          forked (sent by the handler: SO_PASSCRED shows its host pid)
+ *     H              the request is read; waiting for "go" (SO_PASSCRED shows the handler's host pid)
+ *     A PID          forked
  *     P              the command runs (execve succeeded)
  *     F STAGE ERRNO  it could not start (STAGE: chdir, exec, setup); then EOF
  *     X STATUS       it ended; STATUS is waitpid(2)'s raw status; then EOF
@@ -242,6 +246,10 @@ static void handle(int conn) {
         reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
         _exit(1);
     }
+    reply(conn, "H\n");
+    unsigned char go[4];
+    if (read_all(conn, go, sizeof go) < 0 || (go[0] | go[1] | go[2] | go[3]) != 0)
+        _exit(1); /* the node hung up (or broke the protocol): nothing ran */
     sigset_t chld, old;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import logging
 import os
 import select
 import socket
@@ -20,9 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from weenv.errors import RuntimeFailedError
+from weenv.errors import RuntimeFailedError, WeenvError
+from weenv.node.cgroups.commands import CommandGroup
 from weenv.node.process import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Spawned
 from weenv.node.runc import kill_descendants
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 """Seconds the agent has to accept a request and fork the command."""
@@ -86,13 +90,18 @@ def spawn(
     stdin: bytes | None = None,
     stdin_pipe: bool = False,
     start_timeout: float = START_TIMEOUT_S,
+    cgroup: str | None = None,
 ) -> "AgentSpawned":
     """Start ``argv`` (already checked, e.g. by :func:`weenv.node.runc.exec_args`)
     through the agent listening at ``path``, in working dir ``cwd`` (absolute,
     inside the environment) with ``env`` over the environment's own variables.
 
     stdin: a pipe with ``stdin_pipe``, else a memfd holding ``stdin``, else
-    ``/dev/null``.  Returns once the agent forked the command (or refused it).
+    ``/dev/null``.  ``cgroup``: the environment's cgroup (``"/weenv-<id>"``):
+    the command runs in a :class:`~weenv.node.cgroups.commands.CommandGroup`
+    of its own below it, which :meth:`AgentSpawned.kill_tree` kills whole
+    (None, or a group that cannot be made: its process tree is killed instead).
+    Returns once the agent forked the command (or refused it).
     Raises :class:`AgentUnavailable` when nothing ran (fall back), and
     :class:`RuntimeFailedError` when the agent does not answer within
     ``start_timeout`` seconds.
@@ -123,7 +132,7 @@ def spawn(
             os.lseek(theirs[-1], 0, os.SEEK_SET)
         else:
             theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-        spawned = AgentSpawned(conn, argv, cwd, stdin_w, stdout, stderr)
+        spawned = AgentSpawned(conn, argv, cwd, stdin_w, stdout, stderr, cgroup=cgroup)
         message = struct.pack("<I", len(payload)) + payload
         try:
             out_w, err_w, in_r = theirs
@@ -172,8 +181,11 @@ class AgentSpawned(Spawned):
     """
 
     def __init__(self, conn: socket.socket, argv: list[str], cwd: str,
-                 stdin: BinaryIO | None, stdout: BinaryIO, stderr: BinaryIO):
+                 stdin: BinaryIO | None, stdout: BinaryIO, stderr: BinaryIO, *, cgroup: str | None = None):
         self.conn = conn
+        self._cgroup = cgroup
+        self.group: CommandGroup | None = None
+        """The command's own cgroup, once the handler is in it (see :func:`spawn`)."""
         self.argv, self.cwd = argv, cwd
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.handler_pid: int | None = None
@@ -220,7 +232,9 @@ class AgentSpawned(Spawned):
         kind, _, rest = line.partition(b" ")
         try:
             fields = [int(x) for x in rest.split()]
-            if kind == b"A" and len(fields) == 1:
+            if kind == b"H" and not fields:
+                self._go()
+            elif kind == b"A" and len(fields) == 1:
                 self._forked_pid = fields[0]
             elif kind == b"P" and not fields:
                 self._running = True
@@ -288,17 +302,51 @@ class AgentSpawned(Spawned):
             raise RuntimeFailedError("the exec agent refused the request (protocol error)")
         return EXIT_CANNOT_RUN, f"cannot start the command: {reason}\n".encode()
 
+    def _go(self) -> None:
+        """The handler read the request (``H``): move it into the command's own
+        cgroup, then let it fork (the command and all it starts are born there)."""
+        if self._cgroup is not None and self.handler_pid is not None and self.group is None:
+            group = CommandGroup(self._cgroup)
+            try:
+                group.create()
+                try:
+                    group.add(self.handler_pid)
+                except BaseException:
+                    group.remove()
+                    raise
+                self.group = group
+            except (WeenvError, OSError) as exc:  # the command runs anyway; a kill walks its tree
+                log.warning("no cgroup of its own for command %s: %s", self.argv[:1], exc)
+        self._request(0)
+
+    def _handler_alive(self) -> bool:
+        if self._handler_fd < 0:
+            return False
+        alive = select.poll()
+        alive.register(self._handler_fd, select.POLLIN)  # a pidfd polls readable once the process exited
+        return not alive.poll(0)
+
     def kill_tree(self) -> None:
-        """SIGKILL the command's tree from the host (the handler is a child
-        subreaper: orphans of the command are in its tree too), then ask the
-        handler to kill the command's process group (for when the host pid is
-        unknown or the tree changed meanwhile)."""
-        if self._handler_fd >= 0 and self.handler_pid is not None:
-            alive = select.poll()
-            alive.register(self._handler_fd, select.POLLIN)  # a pidfd polls readable once the process exited
-            if not alive.poll(0):
-                kill_descendants(self.handler_pid)
+        """SIGKILL the command and everything it started: its cgroup (see
+        :func:`spawn`) but the handler, which reports the command's exit; or,
+        without one, its tree from the host (the handler is a child subreaper:
+        orphans of the command are in its tree too).  Then ask the handler to
+        kill the command's process group (for when neither is known)."""
+        group = self.group
+        if group is not None:
+            group.kill(exclude=frozenset({self.handler_pid}) if self._handler_alive() else frozenset())
+        elif self._handler_alive() and self.handler_pid is not None:
+            kill_descendants(self.handler_pid)
         self._request(-9)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what the ended command left running (``cmd &``, a fork bomb
+        whose first process returned, a ``setsid``'d daemon): its whole cgroup,
+        which is removed then."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.kill()
+            group.remove()
 
     def signal(self, sig: int) -> None:
         self._request(sig)
@@ -308,8 +356,24 @@ class AgentSpawned(Spawned):
             self.conn.send(struct.pack("<i", value))
 
     def close(self) -> None:
-        """Hang up (a command still running is killed by its handler)."""
+        """Hang up (a command still running is killed by its handler) and
+        remove the command's cgroup once the handler left it (it exits right
+        after its ``X``); a group still holding processes the command left
+        running stays for :meth:`kill_leftovers` (or the environment's end)."""
         self.conn.close()
+        group = self.group
+        if group is not None:
+            if self._handler_fd >= 0:
+                _pidfd_wait(self._handler_fd, 1.0)
+            if group.remove():
+                self.group = None
         if self._handler_fd >= 0:
             os.close(self._handler_fd)
             self._handler_fd = -1
+
+
+def _pidfd_wait(pidfd: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the process of ``pidfd`` to exit; whether it has."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(int(timeout * 1000)))

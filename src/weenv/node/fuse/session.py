@@ -61,6 +61,8 @@ of an image is one) the kernel lets run at once on the connection, set at INIT
 (the kernel's default is 12: measured, 12 reads stuck in a slow store fetch
 stopped every other read of every group).  The worker pool is as large, so a
 read the node cache can answer never queues behind reads stuck in the store."""
+WORKER_IDLE_S = 30.0
+"""Seconds a read worker waits for a read before it exits."""
 MAX_WRITE = 4096
 """The file system is read-only: the kernel's minimum keeps read buffers small."""
 BUFFER_SIZE = 64 << 10
@@ -263,9 +265,19 @@ class FuseSession:
             threading.Thread(target=self._worker, name=f"{self.name}-w{self._workers}", daemon=True).start()
 
     def _worker(self) -> None:
+        """Serve reads; exit after :data:`WORKER_IDLE_S` seconds without one (a
+        burst's workers do not stay for good)."""
         self._local.mine = True
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=WORKER_IDLE_S)
+            except queue.Empty:
+                with self._wlock:
+                    if self._idle > 0:  # no job was handed to an idle worker meanwhile: leave as one of them
+                        self._idle -= 1
+                        self._workers -= 1
+                        return
+                continue
             if job is None:
                 return
             self._dispatch(P.READ, *job)
