@@ -169,7 +169,7 @@ class Node:
         self.output_retain_bytes = output_retain_bytes
         self.sink = PipeSink()
         self._pending = 0
-        self.store = store or open_store(self.paths.store_url)
+        self.store = store or open_store(self.paths.store_url, check=False)  # starts while the store is down
         self.cache = ChunkCache(self.paths.chunk_cache, self.store, max_bytes=cache_bytes)
         self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache, run_dir=self.paths.run)  # + the FUSE holder
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
