@@ -1,5 +1,6 @@
-"""A store that is down: cached templates still start (issue 13, finding 13), and
-lazy reads fail fast instead of stalling a timeout each (finding 14).
+"""A store that is down: cached templates still start (issue 13, finding 13), also
+on a daemon started during the outage, and lazy reads fail fast instead of
+stalling a timeout each (finding 14).
 
 The registry is the test's own process: killed (SIGKILL: connections refused)
 or frozen (SIGSTOP: connections accepted, nothing answered; SIGCONT at the end).
@@ -9,15 +10,18 @@ or frozen (SIGSTOP: connections accepted, nothing answered; SIGCONT at the end).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import time
 
 import pytest
+from daemon_fixture import start_daemon
 from registry_fixture import registry  # noqa: F401 (fixture)
 
-from weenv.errors import StoreUnavailableError
+from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
+from weenv.node.prefetch import LOOKUP_WAIT_S, Prefetcher
 from weenv.packaging.group import build_group
 from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import create_template
@@ -31,42 +35,82 @@ HELLO = ["python3", "hello.py"]
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_a_cached_template_starts_while_the_store_is_down(paths, shared_store, registry, leak_check, fault):
+def test_a_daemon_started_while_the_store_is_down_starts_cached_templates(paths, shared_store, registry, leak_check,
+                                                                          monkeypatch, fault):  # fmt: skip
+    """A node learns template "task" (its manifests, chunks and name); with the
+    registry then killed or frozen, a daemon started on that home starts (its
+    store sends nothing when it opens), creates "task" quickly from the name's
+    last known digest and says so in the answer, and refuses a name it never knew."""
     url = registry.url("weenv/outage")
     oci = OciStore(url, **FAST)
     copy_template(shared_store, oci, "task")
-    with Node(paths, store=oci, pool_size=0) as node:  # a first daemon starts it: chunks and manifests arrive
+    learning = time.time()
+    with Node(paths, store=oci, pool_size=0) as node:  # a first node starts it: chunks and manifests arrive
         for _ in range(2):
             e = node.create("task")
+            assert (e.timing.resolved_from, e.timing.resolved_age_s) == ("store", None)
             assert node.exec(e.id, HELLO).stdout == b"hello from the task\n"
             node.destroy(e.id)
         node.prefetch.wait_published()
     oci.close()
+    learned = time.time()
 
-    oci = OciStore(url, **FAST)
+    monkeypatch.setenv("WEENV_POOL_SIZE", "0")
+    if fault == "killed":
+        registry.kill()
+    else:
+        registry.pause()
     try:
-        with Node(paths, store=oci, pool_size=0) as node:  # restarted: it knows "task" from its home only
-            if fault == "killed":
-                registry.kill()
-            else:
-                registry.pause()
-            try:
+        started = time.monotonic()
+        daemon = start_daemon(paths.home, registry.url("weenv/outage", **FAST))
+        assert time.monotonic() - started < 10, "the daemon took its store's timeout to start"
+        try:
+            with daemon.http() as api:
                 for _ in range(2):
                     started = time.monotonic()
-                    e = node.create("task")
+                    r = api.post("/environments", json={"template": "task"})
                     elapsed = time.monotonic() - started
+                    assert r.status_code == 201, r.text
+                    info = r.json()
+                    daemon.track(info["id"])
                     assert elapsed < 5, f"a create with the store {fault} took {elapsed:.1f} s"
-                    assert node.exec(e.id, HELLO).stdout == b"hello from the task\n"
-                    node.destroy(e.id)
+                    timing = info["timing"]
+                    assert timing["resolved_from"] == "node", timing  # the answer says the digest may be stale
+                    assert time.time() - learned <= timing["resolved_age_s"] <= time.time() - learning, timing
+                    out = api.post(f"/environments/{info['id']}/commands", json={"command": HELLO}).json()
+                    assert base64.b64decode(out["stdout"]) == b"hello from the task\n", out
+                    assert api.delete(f"/environments/{info['id']}").status_code == 204
                 started = time.monotonic()
-                with pytest.raises(StoreUnavailableError, match="'never-seen'.*never started it"):
-                    node.create("never-seen")
+                r = api.post("/environments", json={"template": "never-seen"})
+                assert r.status_code == 503 and r.json()["error"]["kind"] == "store_unavailable", r.text
+                assert "'never-seen'" in r.json()["error"]["message"] and "never started it" in r.text
                 assert time.monotonic() - started < FAST["timeout"] + 1
-                assert node.list() == []
-            finally:
-                if fault == "frozen":
-                    registry.resume()
+                assert api.get("/environments").json() == []
+        finally:
+            daemon.stop()  # checks that it left no mount, container or cgroup
     finally:
+        if fault == "frozen":
+            registry.resume()
+
+
+def test_a_profile_lookup_without_begin_early_waits_at_most_its_bound(paths, registry):
+    """Prefetcher.begin of a template whose profile it never looked up (no
+    begin_early before it) returns within LOOKUP_WAIT_S with the registry frozen
+    (it waited the store's timeout)."""
+    oci = OciStore(registry.url("weenv/lookup"), **FAST)
+    template = "sha256:" + "ab" * 32
+    prefetch = Prefetcher(ChunkCache(paths.home / "chunks", oci), oci, lazyfs=None)  # no recording reaches lazyfs
+    registry.pause()
+    try:
+        assert not oci.breaker.is_open  # the store is not known to be down yet: the lookup must wait
+        started = time.monotonic()
+        prefetch.begin("env-1", template, [])
+        elapsed = time.monotonic() - started
+        assert elapsed < LOOKUP_WAIT_S + 0.5, f"begin waited {elapsed:.1f} s for a frozen store"
+        assert template not in prefetch._profiles  # no answer is not 'no profile'
+    finally:
+        registry.resume()
+        prefetch.close()
         oci.close()
 
 

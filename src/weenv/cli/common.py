@@ -79,6 +79,9 @@ def print_timing(t: CreateTiming, *, title: str = "create") -> None:
     ):
         table.add_row(label, "-" if value is None else f"{value:.3f}")
     err.print(table)
+    if t.resolved_from == "node":
+        age = "" if t.resolved_age_s is None else f", which it named {t.resolved_age_s:.0f} s ago"
+        err.print(f"[yellow]the store did not answer: started the node's last known digest{age}[/yellow]")
     share = t.bytes_fetched / t.template_stored_bytes if t.template_stored_bytes else 0.0
     err.print(
         f"fetched {human_bytes(t.bytes_fetched)} ({t.chunks_fetched} chunks) of a template of "

@@ -8,9 +8,10 @@ Layout under ``root`` (``$WEENV_HOME/node/known``)::
     names.json               {"store": URL, "names": {NAME: {"digest": DIGEST, "at": UNIX TIME}}}
 
 **Manifests** are content-addressed, so a copy is as good as the store's: a
-node reads one from memory (the last :data:`MEMORY_MANIFESTS`), else from
-disk (the last :data:`DISK_MANIFESTS` fetched or used, by file time), else
-from the store (then writes it to both).  A file read back is checked like
+node reads one from memory (the most recently used, up to
+:data:`MEMORY_MANIFEST_BYTES` of their JSON), else from disk (the last
+:data:`DISK_MANIFESTS` fetched or used, by file time), else from the store
+(then writes it to both).  A file read back is checked like
 the store's bytes (size limit, sha256, kind, fields); a bad one is removed and
 fetched again.
 
@@ -49,9 +50,12 @@ from weenv.store.file import atomic_write
 
 log = logging.getLogger(__name__)
 
-MEMORY_MANIFESTS = 64
-"""Template and group manifests a node keeps in memory, by digest (least recently used go;
-a group manifest of a 3 GB group is ~3,000 chunk refs, about 1-2 MB of Python objects)."""
+MEMORY_MANIFEST_BYTES = 64 << 20
+"""Bytes of manifest JSON whose parsed manifests a node keeps in memory, by digest
+(least recently used go).  Parsed, a manifest takes ~3.8 times its JSON (a group
+manifest of :data:`~weenv.packaging.limits.MAX_CHUNKS` chunks: 13.8 MB of JSON,
+52 MB of Python objects), so this is ~250 MiB; a manifest larger than it is
+kept alone, until the next one is read."""
 DISK_MANIFESTS = 1024
 """Manifests a node keeps on disk (least recently fetched or used go)."""
 NAME_TOUCH_S = 60.0
@@ -63,16 +67,24 @@ _PARSE = {"template": parse_template_manifest, "group": parse_group_manifest}
 
 
 class NodeManifests:
-    """Manifests of ``store`` kept in memory and under ``root`` (created).  Thread-safe."""
+    """Manifests of ``store`` kept in memory (up to ``memory_bytes`` of their
+    JSON) and under ``root`` (created; up to ``disk`` files).  Thread-safe."""
 
-    def __init__(self, root: str | os.PathLike[str], store: Store, *, memory: int = MEMORY_MANIFESTS,
-                 disk: int = DISK_MANIFESTS):  # fmt: skip
+    def __init__(self, root: str | os.PathLike[str], store: Store, *,
+                 memory_bytes: int = MEMORY_MANIFEST_BYTES, disk: int = DISK_MANIFESTS):  # fmt: skip
         self.root = Path(root) / "manifests" / "sha256"
         self.root.mkdir(parents=True, exist_ok=True)
         self.store = store
-        self.memory, self.disk = memory, disk
+        self.memory_bytes, self.disk = memory_bytes, disk
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, TemplateManifest | GroupManifest] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[TemplateManifest | GroupManifest, int]] = OrderedDict()
+        self._cached_bytes = 0  # the JSON sizes of what _cache holds
+
+    @property
+    def memory_used(self) -> tuple[int, int]:
+        """``(manifests, bytes of their JSON)`` kept in memory."""
+        with self._lock:
+            return len(self._cache), self._cached_bytes
 
     def template(self, digest: str) -> TemplateManifest:
         """Template manifest ``digest``.  Raises what :func:`weenv.packaging.template.load_template`
@@ -105,23 +117,34 @@ class NodeManifests:
     def _get(self, kind: str, digest: str):
         check_digest(digest)
         with self._lock:
-            found = self._cache.get(digest)
-            if found is not None:
+            cached = self._cache.get(digest)
+            if cached is not None:
                 self._cache.move_to_end(digest)
-        if found is None:
-            found = self._from_disk(kind, digest)
+        if cached is not None:
+            found = cached[0]
+            if not isinstance(found, GroupManifest if kind == "group" else TemplateManifest):
+                raise InvalidInputError(f"{digest} is not a {kind} manifest")
+            return found
+        found, size = self._from_disk(kind, digest)
         if found is None:
             data = self.store.get_manifest(digest)  # verified, at most MAX_MANIFEST_BYTES
-            found = self._parse(kind, digest, data)
+            found, size = self._parse(kind, digest, data), len(data)
             self._to_disk(digest, data)
-        elif not isinstance(found, GroupManifest if kind == "group" else TemplateManifest):
-            raise InvalidInputError(f"{digest} is not a {kind} manifest")
-        with self._lock:
-            self._cache[digest] = found
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self.memory:
-                self._cache.popitem(last=False)
+        self._keep(digest, found, size)
         return found
+
+    def _keep(self, digest: str, manifest: TemplateManifest | GroupManifest, size: int) -> None:
+        """Keep ``manifest`` (``size`` bytes of JSON) in memory; the least recently
+        used go while more than ``memory_bytes`` are kept (never the newest)."""
+        with self._lock:
+            old = self._cache.pop(digest, None)
+            if old is not None:  # another thread read it meanwhile
+                self._cached_bytes -= old[1]
+            self._cache[digest] = (manifest, size)
+            self._cached_bytes += size
+            while self._cached_bytes > self.memory_bytes and len(self._cache) > 1:
+                _digest, (_manifest, gone) = self._cache.popitem(last=False)
+                self._cached_bytes -= gone
 
     @staticmethod
     def _parse(kind: str, digest: str, data: bytes):
@@ -130,7 +153,8 @@ class NodeManifests:
             raise InvalidInputError(f"{digest} is a {actual} manifest, not a {kind}")
         return _PARSE[kind](data)
 
-    def _from_disk(self, kind: str, digest: str):
+    def _from_disk(self, kind: str, digest: str) -> tuple[TemplateManifest | GroupManifest | None, int]:
+        """The node's copy of manifest ``digest`` and its size, or ``(None, 0)``."""
         path = self._path(digest)
         try:
             with open(path, "rb") as f:
@@ -138,15 +162,15 @@ class NodeManifests:
             with contextlib.suppress(OSError):
                 os.utime(path)  # recently used: pruned last
         except FileNotFoundError:
-            return None
+            return None, 0
         except OSError as exc:
             log.warning("cannot read the node's copy of manifest %s: %s", digest, exc)
-            return None
+            return None, 0
         if len(data) > MAX_MANIFEST_BYTES or sha256_digest(data) != digest:
             log.warning("the node's copy of manifest %s is damaged; fetching it again", digest)
             path.unlink(missing_ok=True)
-            return None
-        return self._parse(kind, digest, data)  # a wrong kind or bad fields: what the store's copy would raise
+            return None, 0
+        return self._parse(kind, digest, data), len(data)  # a bad kind or fields: what the store's copy would raise
 
     def _to_disk(self, digest: str, data: bytes) -> None:
         try:
@@ -170,6 +194,7 @@ class NodeManifests:
         """Forget every manifest (memory and disk)."""
         with self._lock:
             self._cache.clear()
+            self._cached_bytes = 0
             for p in self.root.iterdir():
                 p.unlink(missing_ok=True)
 

@@ -76,6 +76,13 @@ class CreateTiming(_Model):
     """The warm pool had created it ahead (:mod:`weenv.node.pool`): ``runtime_s``
     is ``runc start`` alone, and the groups and overlay phases took place before."""
     total_s: float = 0.0
+    resolved_from: Literal["store", "node"] = "store"
+    """Who named the template's digest: ``store``, which answered during this
+    create; or ``node``: the store did not answer (down, or slower than 1 s), and
+    the node started the digest the store named the last time it answered
+    (for a template given by digest: the manifest the node keeps)."""
+    resolved_age_s: float | None = None
+    """With ``resolved_from="node"`` for a template name: seconds since the store last named that digest."""
     bytes_fetched: int = 0
     """Stored (zstd) bytes fetched from the store during this create (node-wide counter delta)."""
     chunks_fetched: int = 0

@@ -41,6 +41,7 @@ import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from weenv.config import PRIVATE_MODE, Paths, private_dir
 from weenv.errors import (
@@ -185,7 +186,7 @@ class Node:
         self.output_retain_bytes = output_retain_bytes
         self.sink = PipeSink()
         self._pending = 0
-        self.store = store or open_store(self.paths.store_url)
+        self.store = store or open_store(self.paths.store_url, check=False)  # starts while the store is down
         self.cache = ChunkCache(self.paths.chunk_cache, self.store, max_bytes=cache_bytes)
         self.lazyfs = LazyFS(self.paths.lazy_mountpoint, self.cache, run_dir=self.paths.run)  # + the FUSE holder
         self.groups = GroupMounts(self.paths.group_mounts, self.lazyfs, images=self.paths.node / "images")
@@ -497,28 +498,28 @@ class Node:
             t0 = time.perf_counter()
             req = _Request(template, resources, first_command, tuple(capabilities), timeout, envs or {},
                            metadata or {}, prefetch, priority, undelivered)  # fmt: skip
-            digest, resolving = self._resolve(template)
+            resolved = self._resolve(template)
             try:
-                return self._create(t0, digest, resolving, req)
+                return self._create(t0, resolved, req)
             except Exception:
-                current = self._moved(template, digest, resolving)
+                current = self._moved(template, resolved)
                 if current is None:
                     raise
-                self.pool.forget(_pool_key(digest, req))  # its name means another template now
+                self.pool.forget(_pool_key(resolved.digest, req))  # its name means another template now
             # it started the digest the name had before; the name moved meanwhile (undone): start the new one
-            return self._create(t0, current, None, req)
+            return self._create(t0, _Resolved(current), req)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _create(self, t0: float, digest: str, resolving: Future | None, req: _Request) -> EnvironmentInfo:
+    def _create(self, t0: float, resolved: _Resolved, req: _Request) -> EnvironmentInfo:
         if not req.prefetch:  # transient (build) environments: never from the warm pool, never filling it
-            return self._create_env(t0, digest, resolving, req, None)
-        key = _pool_key(digest, req)
+            return self._create_env(t0, resolved, req, None)
+        key = _pool_key(resolved.digest, req)
         created = False
         try:
             pooled = self.pool.take(key)  # a container of this request created ahead, or None
-            info = self._create_env(t0, digest, resolving, req, pooled)
+            info = self._create_env(t0, resolved, req, pooled)
             created = True
             return info
         except NotFoundError:  # the template (or its name) is gone: make no more of it
@@ -527,10 +528,10 @@ class Node:
         finally:
             self.pool.done(key, created)
 
-    def _create_env(self, t0: float, digest: str, resolving: Future | None, req: _Request,
-                    pooled: Pooled | None) -> EnvironmentInfo:
-        """:meth:`create` of ``digest``, starting ``pooled`` (taken from the
+    def _create_env(self, t0: float, resolved: _Resolved, req: _Request, pooled: Pooled | None) -> EnvironmentInfo:
+        """:meth:`create` of ``resolved.digest``, starting ``pooled`` (taken from the
         warm pool, owned now) if given, else creating the environment anew."""
+        digest = resolved.digest
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         timing: dict[str, float | None] = {}
 
@@ -562,7 +563,7 @@ class Node:
             if lowers is None:
                 lowers = self._prepare(env_id, manifest, group_manifests, res, req.capabilities, undo, timing, start=True)
             self.provisioner.attach(env_id, f"/{container_id}")
-            if resolving is not None and self._resolved_now(req.template, resolving) != digest:
+            if resolved.asking is not None and self._resolved_now(req.template, resolved) != digest:
                 raise _RefMoved(req.template)  # undone; create starts the new digest
 
             info = EnvironmentInfo(
@@ -596,6 +597,8 @@ class Node:
 
         info.timing = CreateTiming(
             **timing,
+            resolved_from=resolved.source,
+            resolved_age_s=resolved.age_s,
             total_s=time.perf_counter() - t0,
             bytes_fetched=self.cache.bytes_fetched - fetched0,
             chunks_fetched=self.cache.chunks_fetched - chunks0,
@@ -723,12 +726,12 @@ class Node:
             return False
         return self.max_environments is None or len(self._envs) + self._pending + ready <= self.max_environments
 
-    def _resolve(self, template: str) -> tuple[str, Future | None]:
-        """The digest to create ``template`` from, and None when it is the one
-        the store names now; or, for a name this node resolved before (also
-        before a restart: :class:`~weenv.node.manifests.KnownNames`), that
-        digest (started speculatively) and a Future of the store's answer,
-        asked in a thread (one per name at a time): an ``oci://`` resolve is a
+    def _resolve(self, template: str) -> _Resolved:
+        """The digest to create ``template`` from: the one the store names now;
+        or, for a name this node resolved before (also before a restart:
+        :class:`~weenv.node.manifests.KnownNames`), that digest (started
+        speculatively) with ``asking``, a Future of the store's answer, asked
+        in a thread (one per name at a time): an ``oci://`` resolve is a
         registry request (~3 ms), which then overlaps the create instead of
         preceding it.  :meth:`_resolved_now` checks the guess before the create
         completes.
@@ -740,18 +743,19 @@ class Node:
         (unreachable, timed out, or known to be down) or has not answered
         :data:`RESOLVE_WAIT_S` after it was asked and the create is otherwise
         ready; the create then logs a warning naming the digest and when the
-        store last named it.  A store outage so stops publishing, not
+        store last named it, and its answer says so (``timing.resolved_from``
+        ``"node"``, ``timing.resolved_age_s``).  A store outage so stops publishing, not
         starting, for templates whose manifests and chunks are on the node.  A
         name this node never resolved, or a digest whose manifest it lacks,
         fails with :class:`StoreUnavailableError`."""
         if template.startswith("sha256:"):
             try:
-                return self.store.resolve("templates", template), None
+                return _Resolved(self.store.resolve("templates", template))
             except StoreUnavailableError as exc:
                 if not self.manifests.has(template):
                     raise
                 log.warning("template %s: the store did not answer (%s); its manifest is on the node", template, exc)
-                return template, None
+                return _Resolved(template, source="node")
         known = self.names.get(template)
         if known is None:
             try:
@@ -762,8 +766,8 @@ class Node:
                     "so it cannot without the store"
                 ) from exc
             self.names.remember(template, digest)
-            return digest, None
-        return known[0], self._ask(template)
+            return _Resolved(digest)
+        return _Resolved(known[0], asking=self._ask(template))
 
     def _ask(self, template: str) -> Future:
         """The store's answer for name ``template``, asked in a thread unless a
@@ -789,14 +793,15 @@ class Node:
         threading.Thread(target=ask, name="weenv-resolve", daemon=True).start()
         return future
 
-    def _resolved_now(self, template: str, resolving: Future) -> str:
+    def _resolved_now(self, template: str, resolved: _Resolved) -> str:
         """What the store named ``template`` during this create (remembered for
         the next one); raises the store's error (:class:`NotFoundError` if the
         ref is gone: forgotten), which undoes the create.  When the store is
         unavailable or slow (:meth:`_resolve`'s staleness rule): the name's
-        last known digest, with a warning."""
+        last known digest, with a warning, and ``resolved`` says so (``source``, ``age_s``)."""
+        asking = resolved.asking
         try:
-            digest = resolving.result(timeout=max(0.0, resolving.asked + RESOLVE_WAIT_S - time.monotonic()))
+            digest = asking.result(timeout=max(0.0, asking.asked + RESOLVE_WAIT_S - time.monotonic()))
         except NotFoundError:
             self.names.forget(template)
             raise
@@ -805,23 +810,24 @@ class Node:
             if known is None:
                 raise
             why = str(exc) or f"no answer within {RESOLVE_WAIT_S:g} s"
+            resolved.source, resolved.age_s = "node", max(0.0, time.time() - known[1])
             log.warning("template %r: the store did not answer (%s); starting %s, which it named %.0f s ago",
-                        template, why, known[0], time.time() - known[1])  # fmt: skip
+                        template, why, known[0], resolved.age_s)  # fmt: skip
             return known[0]
         self.names.remember(template, digest)
         return digest
 
-    def _moved(self, template: str, digest: str, resolving: Future | None) -> str | None:
-        """After a failed create of ``digest`` guessed for ``template``: the
+    def _moved(self, template: str, resolved: _Resolved) -> str | None:
+        """After a failed create of ``resolved.digest`` guessed for ``template``: the
         digest the name has now if that is another (the failure may be the
         old one's, e.g. its manifests collected), else None."""
-        if resolving is None:
+        if resolved.asking is None:
             return None
         try:
-            current = self._resolved_now(template, resolving)
+            current = self._resolved_now(template, resolved)
         except Exception:  # the store's own error: the create's says more
             return None
-        return current if current != digest else None
+        return current if current != resolved.digest else None
 
     def _remember_resolved(self, template: str, digest: str) -> None:
         self.names.remember(template, digest)
@@ -1221,6 +1227,19 @@ class _Request:
     prefetch: bool
     priority: int
     undelivered: bool = False
+
+
+@dataclass
+class _Resolved:
+    """The digest a create starts and who named it (:meth:`Node._resolve`)."""
+
+    digest: str
+    asking: Future | None = None
+    """The store's answer for the name, under way (checked by :meth:`Node._resolved_now`); None: the store named it."""
+    source: Literal["store", "node"] = "store"
+    """``node``: the store did not answer; the node's last known digest (or manifest) is started."""
+    age_s: float | None = None
+    """With ``node`` for a name: seconds since the store last named ``digest``."""
 
 
 class _RefMoved(Exception):

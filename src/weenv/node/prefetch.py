@@ -73,8 +73,9 @@ READER_JOIN_S = 1.0
 read (it ends by itself once the read returns or times out: the store's read
 timeout)."""
 LOOKUP_WAIT_S = 1.0
-"""How long :meth:`Prefetcher.begin` waits for the profile lookup :meth:`Prefetcher.begin_early`
-started (a frozen store must not hold a create; the lookup's answer still serves later creates)."""
+"""How long :meth:`Prefetcher.begin` waits for a template's profile lookup (the one
+:meth:`Prefetcher.begin_early` started, or its own): a frozen store must not hold
+a create; the lookup's answer, when it comes, still serves later creates."""
 TAKEN = object()
 """What :meth:`Prefetcher._take` hands out for a pack position whose frame
 another job's worker took."""
@@ -215,30 +216,42 @@ class Prefetcher:
             profile = self._profiles.get(template_digest)
         if known:
             return self._start_early(env_id, profile)
+        return self._look_up(template_digest, env_id) is not None
+
+    def _look_up(self, template_digest: str, env_id: str | None = None) -> Future | None:
+        """Look up ``template_digest``'s profile in a thread of its own; the
+        Future is done when the lookup is (its result: the profile or None,
+        never an exception), and the answer is in ``_profiles`` unless the
+        store did not give one.  With ``env_id`` (:meth:`begin_early`'s): the
+        create's lookup, which starts its early job.  None if no thread could
+        be started."""
         lookup: Future = Future()
-        thread = threading.Thread(target=self._look_up, args=(env_id, template_digest, lookup),
+        thread = threading.Thread(target=self._run_lookup, args=(template_digest, env_id, lookup),
                                   name="weenv-prefetch-lookup", daemon=True)  # fmt: skip
         with self._lock:
-            self._lookups[env_id] = lookup
+            if env_id is not None:
+                self._lookups[env_id] = lookup
             self._readers = [t for t in self._readers if t.is_alive()] + [thread]
         try:
             thread.start()
-        except Exception as exc:  # no thread to be had: begin looks it up itself
-            log.warning("cannot look up the prefetch profile of %s early: %s", template_digest, exc)
+        except Exception as exc:  # no thread to be had: no prefetch for this create
+            log.warning("cannot look up the prefetch profile of %s: %s", template_digest, exc)
             with self._lock:
-                self._lookups.pop(env_id, None)
+                if env_id is not None:
+                    self._lookups.pop(env_id, None)
             lookup.set_result(None)
-            return False
-        return True
+            return None
+        return lookup
 
-    def _look_up(self, env_id: str, template_digest: str, lookup: Future) -> None:
+    def _run_lookup(self, template_digest: str, env_id: str | None, lookup: Future) -> None:
         profile = None
         try:
             profile = load_profile(self.store, template_digest)
             with self._lock:
                 self._profiles.setdefault(template_digest, profile)
-            self._start_early(env_id, profile, lookup=lookup)
-        except Exception as exc:  # prefetch is an optimization
+            if env_id is not None:
+                self._start_early(env_id, profile, lookup=lookup)
+        except Exception as exc:  # prefetch is an optimization; the store's trouble is not 'no profile'
             log.warning("looking up the prefetch profile of %s: %s", template_digest, exc)
         finally:
             lookup.set_result(profile)
@@ -258,12 +271,17 @@ class Prefetcher:
         """At a create's start, with the group manifests: replay the template's
         profile if it has one (or complete the job :meth:`begin_early` started),
         else record one.  Never raises for store trouble (prefetch is an optimization);
-        a profile lookup still unanswered after :data:`LOOKUP_WAIT_S` is left behind
-        (no replay and no recording for this create)."""
+        waits at most :data:`LOOKUP_WAIT_S` for the profile's lookup (begin_early's,
+        or its own, in a thread, when begin_early did not run): one still
+        unanswered then, or that the store did not answer, is left behind (no
+        replay and no recording for this create)."""
         if self._closed:
             return
         with self._lock:
             lookup = self._lookups.pop(env_id, None)
+            known = template_digest in self._profiles
+        if lookup is None and not known:
+            lookup = self._look_up(template_digest)
         if lookup is not None:
             try:
                 lookup.result(timeout=LOOKUP_WAIT_S)  # never raises; the lookup may have started the job
@@ -279,14 +297,9 @@ class Prefetcher:
         with self._lock:
             known = template_digest in self._profiles
             profile = self._profiles.get(template_digest)
-        if not known:
-            try:
-                profile = load_profile(self.store, template_digest)
-            except StoreUnavailableError as exc:  # neither replay nor record: the store cannot take a profile
-                log.info("no prefetch for %s: %s", env_id, exc)
-                return
-            with self._lock:
-                self._profiles[template_digest] = profile
+        if not known:  # neither replay nor record: the store did not answer (it could not take a profile)
+            log.info("no prefetch for %s: the store did not answer its profile's lookup", env_id)
+            return
         if profile is not None:
             self._replay(env_id, profile, groups)
             return

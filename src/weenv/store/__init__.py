@@ -6,7 +6,7 @@ from weenv.errors import InvalidInputError
 from weenv.store.base import Store
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, check: bool = True) -> Store:
     """Open the store at ``url``.
 
     Supported: ``file:///absolute/path`` (or a bare absolute path) and
@@ -14,6 +14,8 @@ def open_store(url: str) -> Store:
     ``oci+http://``/``oci+https://`` force the scheme).  Raises :class:`InvalidInputError`
     for other schemes, and what the store raises when it opens
     (:class:`~weenv.errors.StoreUnavailableError` for an unreachable registry).
+    ``check=False``: an ``oci://`` store sends nothing when it opens; its first
+    operation checks the registry (a node starts while its registry is down).
     """
     if url.startswith("file://"):
         from weenv.store.file import FileStore
@@ -26,7 +28,7 @@ def open_store(url: str) -> Store:
     if url.startswith(("oci://", "oci+http://", "oci+https://")):
         from weenv.store.oci import OciStore
 
-        return OciStore(url)
+        return OciStore(url, check=check)
     raise InvalidInputError(f"unsupported store URL {url!r} (supported: file:///path, oci://host:port/repo)")
 
 

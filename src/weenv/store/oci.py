@@ -49,6 +49,9 @@ every ``probe_interval`` seconds) is answered.  The kernel retries a failed
 read of a lazy file two or three times, and an environment reads many files:
 without it each read would wait a whole timeout for its EIO.  A blob ``GET``
 cut short is resumed with ``Range: bytes=N-`` (206) instead of starting over.
+The registry check (``GET /v2/`` answers 200) runs when the store opens, or,
+opened with ``check=False`` (a node's store: a daemon starts while the
+registry is down), as the first request of the first exchange.
 
 Limits (:mod:`weenv.packaging.limits`).  Every answer is read up to a bound,
 checked against its ``Content-Length`` first and counted while it streams: a
@@ -76,6 +79,7 @@ sends them and filters by prefix itself, so listing refs reads every tag
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import random
@@ -223,15 +227,18 @@ class OciStore(Store):
 
     ``url`` is ``oci://HOST[:PORT]/REPO`` (``oci+http://`` / ``oci+https://`` force
     the scheme), optionally with :class:`OciOptions` fields as query parameters;
-    ``options`` (the same fields as keyword arguments) override them.  Opening
-    checks ``GET /v2/`` and raises :class:`StoreUnavailableError` if the registry
-    cannot be reached (within ``options.timeout``), asks for authentication, or
-    is not a registry;
+    ``options`` (the same fields as keyword arguments) override them.  The
+    registry check (``GET /v2/``) raises :class:`StoreUnavailableError` if the
+    registry cannot be reached (within ``options.timeout``), asks for
+    authentication, or is not a registry; with ``check`` (the default) it runs
+    when the store opens, else (``check=False``: a node, which must start while
+    the registry is down) within the deadline of the first operation, which
+    then raises it, and the opening itself sends nothing.
     :class:`InvalidInputError` for a malformed URL.  Thread-safe (one pooled
     httpx client).  Call :meth:`close` when done.
     """
 
-    def __init__(self, url: str, **options: Any):
+    def __init__(self, url: str, *, check: bool = True, **options: Any):
         base_url, self.host, self.repository, self.options = _parse_url(url, options)
         self.url = f"oci://{self.host}/{self.repository}"
         self._client = httpx.Client(
@@ -246,11 +253,13 @@ class OciStore(Store):
         self._empty_pushed = False
         self.breaker = CircuitBreaker(self.url, self._probe, self.options.probe_interval)
         """Open while the registry is known to be down (:mod:`weenv.store.breaker`)."""
-        try:
-            self._check_registry()
-        except BaseException:
-            self._client.close()
-            raise
+        self._checked = False  # the registry answered the check once
+        if check:
+            try:
+                self._call("opening the store", lambda deadline: None)
+            except BaseException:
+                self._client.close()
+                raise
 
     # --- HTTP with deadlines and retries ---------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -274,6 +283,8 @@ class OciStore(Store):
         ``options.retries`` or the deadline runs out; then StoreUnavailableError,
         and the breaker opens (while it is open: at once, see :mod:`weenv.store.breaker`)."""
         self.breaker.check(what)
+        if not self._checked:  # the first operation checks the registry first, within its deadline
+            attempt = functools.partial(self._check_then, attempt)
         start = time.monotonic()
         deadline = start + self.options.timeout
         tries = 0
@@ -295,6 +306,11 @@ class OciStore(Store):
             else:
                 self.breaker.succeeded()  # the registry answered
                 return result
+
+    def _check_then(self, attempt: Callable[[float], T], deadline: float) -> T:
+        self._check_registry(deadline)
+        self._checked = True
+        return attempt(deadline)
 
     def _probe(self) -> None:
         """One ``GET /v2/`` within ``probe_timeout``, no retry: returns if the
@@ -332,17 +348,14 @@ class OciStore(Store):
     def _path(self, kind: str, ref: str) -> str:
         return f"/v2/{self.repository}/{kind}/{ref}"
 
-    def _check_registry(self) -> None:
-        def attempt(deadline: float) -> None:
-            r = self._send("GET", "/v2/", deadline)
-            if r.status_code == 401:
-                raise self._refused(r, "opening the store")
-            if r.status_code != 200:
-                raise StoreUnavailableError(
-                    f"{self.url} is not an OCI registry: GET /v2/ answered HTTP {r.status_code}"
-                )
-
-        self._call("opening the store", attempt)
+    def _check_registry(self, deadline: float) -> None:
+        """``GET /v2/``: returns if it answers 200; :class:`_Retry` as :meth:`_send`;
+        :class:`StoreUnavailableError` for a refusal or a server that is not a registry."""
+        r = self._send("GET", "/v2/", deadline)
+        if r.status_code == 401:
+            raise self._refused(r, "opening the store")
+        if r.status_code != 200:
+            raise StoreUnavailableError(f"{self.url} is not an OCI registry: GET /v2/ answered HTTP {r.status_code}")
 
     def _head_manifest(self, tag: str, deadline: float) -> str | None:
         """The digest of the manifest tagged ``tag``, or None if there is none."""
