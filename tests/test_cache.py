@@ -314,7 +314,8 @@ def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_stor
         n.destroy(env.id)
 
     # a node that never started the template looks its profile up beside the manifests
-    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images")], check=True)
+    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images"), str(paths.node / "known")],
+                   check=True)  # its chunks, images and kept manifests and names
     fresh = CountingStore(private_store)
     fresh.manifest_delay = 0.2
     with Node(paths, store=fresh) as n:

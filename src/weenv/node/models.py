@@ -300,8 +300,19 @@ class KillRequest(_Model):
 
 
 class RenameRequest(_Model):
-    src: str = Field(min_length=1)
-    dst: str = Field(min_length=1)
+    """Paths may hold surrogate escapes (names that are not UTF-8, as
+    ``os.fsdecode`` gives them): plain ``str`` fields keep them, where a
+    length-constrained ``str`` refuses them (pydantic-core 2.50)."""
+
+    src: str
+    dst: str
+
+    @field_validator("src", "dst")
+    @classmethod
+    def _not_empty(cls, path: str) -> str:
+        if not path:
+            raise ValueError("a path is not empty")
+        return path
 
 
 class WriteInfo(_Model):

@@ -69,7 +69,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Callable
 
 import anyio
-from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
@@ -185,9 +185,12 @@ def api_router(
         return info
 
     @r.post("/environments", status_code=201)
-    def create(req: CreateRequest, background: BackgroundTasks) -> EnvironmentInfo:
+    def create(req: CreateRequest) -> EnvironmentInfo:
         info = create_one(req)
-        background.add_task(node.delivered, info.id)  # runs once the answer is written
+        # Delivered as the answer goes out, not after it: a crash in between
+        # leaves one environment to its timeout, where a mark removed after
+        # the answer could make recovery destroy one its client holds.
+        node.delivered(info.id)
         return info
 
     @r.post("/environments/batch", response_class=StreamingResponse,
