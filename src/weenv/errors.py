@@ -16,9 +16,19 @@
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
+    ├── ClosedError(RuntimeError)         the node (or the object) was closed, or is not started (HTTP 503)
+    ├── BusyError(RuntimeError)           concurrent misuse: the thing is held by another user (HTTP 409)
+    ├── BrokenError(RuntimeError)         something outside failed under it, cause attached (HTTP 502)
+    ├── CgroupError(OSError)              a cgroup file could not be read or written
+    │   └── LimitRefusedError             the kernel refused to lower a memory limit (EBUSY)
     ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
     ├── OutputLimitError(ValueError)      a captured command's output passed the limit; it was killed (HTTP 413)
     └── RequestTooLargeError(ValueError)  a request body passed the daemon's limit (HTTP 413)
+
+Closed, busy and broken are trio's distinction (``trio.ClosedResourceError``,
+``BusyResourceError``, ``BrokenResourceError``): you closed it; someone else
+holds it; something outside failed.  A client can tell them from its own bad
+input (``invalid_input``, 400): retry elsewhere, wait, or report.
 
 Backend errors (``OSError`` from syscalls, ``subprocess.CalledProcessError``) are
 mapped to these at one boundary each, with ``raise ... from exc``.  Over HTTP the
@@ -93,6 +103,40 @@ class CapacityError(WeenvError, RuntimeError):
     kind = "capacity"
 
 
+class ClosedError(WeenvError, RuntimeError):
+    """The node was closed (or is closing), or never started: nothing is wrong
+    with the request; send it to a node that runs (HTTP 503)."""
+
+    kind = "closed"
+
+
+class BusyError(WeenvError, RuntimeError):
+    """Concurrent misuse: what the call needs is held by another user (a home
+    served by another node, for one) (HTTP 409)."""
+
+    kind = "busy"
+
+
+class BrokenError(WeenvError, RuntimeError):
+    """Something outside weenv failed under a call that was right (an exec
+    agent killed from inside, for one); the cause is attached (HTTP 502)."""
+
+    kind = "broken"
+
+
+class CgroupError(WeenvError, OSError):
+    """A cgroup file could not be read or written (cause attached)."""
+
+    kind = "cgroup"
+
+
+class LimitRefusedError(CgroupError):
+    """The kernel refused to lower a memory limit (``EBUSY``: usage cannot be
+    reclaimed below it).  The limit is unchanged."""
+
+    kind = "limit_refused"
+
+
 class DiskFullError(WeenvError, OSError):
     """A write into an environment reached its disk limit (``EDQUOT``) or the
     node's disk is full (``ENOSPC``); ``errno`` is kept."""
@@ -124,6 +168,11 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         DaemonError,
         AuthenticationError,
         CapacityError,
+        ClosedError,
+        BusyError,
+        BrokenError,
+        CgroupError,
+        LimitRefusedError,
         DiskFullError,
         OutputLimitError,
         RequestTooLargeError,

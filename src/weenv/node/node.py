@@ -45,9 +45,11 @@ from typing import Literal
 
 from weenv.config import PRIVATE_MODE, Paths, private_dir
 from weenv.errors import (
+    BrokenError,
+    BusyError,
     CapacityError,
+    ClosedError,
     CommandTimeoutError,
-    DaemonError,
     InvalidInputError,
     MountError,
     NotFoundError,
@@ -236,7 +238,7 @@ class Node:
 
         One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
         until :meth:`close` (the daemon's node is that one).  Raises
-        :class:`DaemonError` if another node (a daemon, or a program using
+        :class:`BusyError` if another node (a daemon, or a program using
         :class:`Node` directly) runs on this home, before touching anything of it."""
         if self._started:
             return self
@@ -264,7 +266,7 @@ class Node:
                 self.lazyfs.stop()
                 raise
         except BaseException:
-            with contextlib.suppress(Exception):
+            with _logged("closing the node's disk after a failed start"):
                 self.disk.close()
             self._release_home()
             raise
@@ -277,7 +279,7 @@ class Node:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise DaemonError(
+            raise BusyError(
                 f"a weenv node already serves WEENV_HOME={self.paths.home}; use its daemon "
                 "(NodeClient / weenv.Sandbox) or another WEENV_HOME"
             ) from None
@@ -375,7 +377,7 @@ class Node:
         for cid, st in status.items():
             if cid and cid.startswith(CONTAINER_PREFIX) and cid not in kept:
                 log.warning("removing container %s (%s) left without its environment", cid, st)
-                with contextlib.suppress(Exception):
+                with _logged(f"removing container {cid}"):
                     self.runc.delete(cid, force=True)
 
     def _adopt(self, env_dir: Path, runc_status: str | None) -> _Environment:
@@ -428,7 +430,7 @@ class Node:
     def _remove_leftover(self, env_dir: Path) -> None:
         """Remove an environment directory not recovered: its container, overlay and files."""
         self.provisioner.detach(env_dir.name)
-        with contextlib.suppress(Exception):
+        with _logged(f"removing the container of leftover environment {env_dir.name}"):
             self._delete_container(CONTAINER_PREFIX + env_dir.name, env_dir / "bundle")
         network.teardown(env_dir.name, env_dir)
         for _fstype, point in mounts.mounts_under(env_dir):
@@ -487,7 +489,7 @@ class Node:
                 raise InvalidInputError(f"bad environment variable {key!r}")
         with self._lock:
             if self._closing:  # checked with the count close() waits on
-                raise InvalidInputError("node is closing")
+                raise ClosedError("node is closing")
             if self.max_environments is not None and len(self._envs) + self._pending >= self.max_environments:
                 raise CapacityError(
                     f"the node runs {len(self._envs)} environments (+{self._pending} starting) "
@@ -586,7 +588,13 @@ class Node:
                 (env_dir / UNDELIVERED).touch()
             if req.first_command:
                 t = time.perf_counter()
-                result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
+                try:
+                    result = self.collect(self._spawn(env, ["true"], timeout=60, primary_reader=True))
+                except BrokenError as exc:  # the container ended under its first command: the runtime's failure
+                    raise RuntimeFailedError(
+                        f"template {req.template}: the environment stopped as it started (does its "
+                        f"command {list(manifest.runtime.command)!r} exist and keep running?): {exc}"
+                    ) from exc
                 if result.exit_code != 0:
                     raise InvalidInputError(
                         f"template {req.template}: 'true' exited {result.exit_code} inside the "
@@ -1204,9 +1212,9 @@ class Node:
 
     def _check_started(self) -> None:
         if not self._started:
-            raise InvalidInputError("node is not started")
+            raise ClosedError("node is not started")
         if self._closing:
-            raise InvalidInputError("node is closing")
+            raise ClosedError("node is closing")
 
 
 def _pool_key(digest: str, req: _Request) -> PoolKey:
@@ -1267,6 +1275,16 @@ def _save_info(env_dir: Path, info: EnvironmentInfo) -> None:
         os.replace(tmp, env_dir / "env.json")
     except FileNotFoundError:  # destroyed meanwhile
         raise NotFoundError(f"no environment {info.id!r}") from None
+
+
+@contextlib.contextmanager
+def _logged(what: str):
+    """Go on past any failure of ``what`` (crash cleanup must release all it
+    can), but say so in the log, with the traceback: never swallow silently."""
+    try:
+        yield
+    except Exception:
+        log.warning("%s failed; going on", what, exc_info=True)
 
 
 def _remove_tree(path: Path) -> None:

@@ -55,6 +55,11 @@ STATUS = {
     "runtime": 500,
     "tool_missing": 500,
     "capacity": 503,
+    "closed": 503,
+    "busy": 409,
+    "broken": 502,
+    "cgroup": 500,
+    "limit_refused": 409,
     "disk_full": 507,
     "store_unavailable": 503,
 }

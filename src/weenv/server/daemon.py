@@ -39,7 +39,7 @@ import httpx
 import uvicorn
 
 from weenv.config import Paths
-from weenv.errors import DaemonError
+from weenv.errors import BusyError, DaemonError
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def serve(
     node = Node(paths, max_environments=max_environments)
     try:
         node.start()
-    except DaemonError:
+    except BusyError:
         raise DaemonError(f"a weenv daemon already serves {paths.home}") from None
     sockets: list[socket.socket] = []
     try:
@@ -218,7 +218,7 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
         log.info("clearing what a killed daemon left in %s", paths.home)
         try:
             Node(paths).start().close()  # start adopts (or clears) a killed node's state; close destroys it
-        except DaemonError:  # a daemon started on demand took the home meanwhile
+        except BusyError:  # a daemon started on demand took the home meanwhile
             raise DaemonError(f"a weenv daemon started on {paths.home} while it was being stopped") from None
     left = _leftovers(paths)
     if left:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from weenv.errors import RuntimeFailedError, WeenvError
+from weenv.errors import BrokenError, RuntimeFailedError, WeenvError
 from weenv.node.cgroups.commands import CommandGroup
 from weenv.node.process import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Spawned
 from weenv.node.runc import kill_descendants
@@ -282,7 +282,7 @@ class AgentSpawned(Spawned):
             return (code if code >= 0 else 128 - code), b""
         if self._failure is not None:
             return self._failure_result(*self._failure)
-        raise RuntimeFailedError(
+        raise BrokenError(
             "lost the command: its exec agent handler went away (the environment stopped, "
             "or a process inside killed the agent)"
         )

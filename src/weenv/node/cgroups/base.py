@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.errors import CgroupError, InvalidInputError, LimitRefusedError, NotFoundError, WeenvError
+
 
 CPU_PERIOD_US = 100_000
 """Default CFS period (µs)."""
@@ -44,19 +45,6 @@ MIN_CPU_QUOTA_US = 1_000
 MIN_CPU_PERIOD_US, MAX_CPU_PERIOD_US = 1_000, 1_000_000
 
 _PATH_RE = re.compile(r"^(/[A-Za-z0-9_.:@+-]+)+\Z")
-
-
-class CgroupError(WeenvError, OSError):
-    """A cgroup file could not be read or written (cause attached)."""
-
-    kind = "cgroup"
-
-
-class LimitRefusedError(CgroupError):
-    """The kernel refused to lower a memory limit (``EBUSY``: usage cannot be
-    reclaimed below it).  The limit is unchanged."""
-
-    kind = "limit_refused"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from weenv.errors import CapacityError, NotFoundError, WeenvError
+from weenv.errors import BusyError, CapacityError, NotFoundError, WeenvError
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
 from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate
 from weenv.node.provision.arbiter import burst_contention, predicted_cpu_peak
@@ -227,7 +227,7 @@ class Provisioner:
             policy.cpu_quota, policy.memory_limit = resources.cpus, resources.memory_bytes
         with self._lock:
             if env_id in self._envs:
-                raise WeenvError(f"environment {env_id} is already provisioned")
+                raise BusyError(f"environment {env_id} is already provisioned")
             if cfg.mode != "off":
                 budget = self._budget()
                 cpu_sum = sum(e.cpu_reservation for e in self._envs.values())

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,7 +53,7 @@ CLIENT_ID = "weenv"
 KIND_STATUS = {
     "not_found": 404, "invalid_input": 400, "timeout": 408, "authentication": 401,
     "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
-    "too_large": 413,
+    "too_large": 413, "closed": 503, "busy": 409, "broken": 502,
 }  # fmt: skip
 
 
@@ -152,12 +152,14 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
 
     @router.post("/sandboxes", status_code=201)
     @router.post("/v2/sandboxes", status_code=201)
-    async def create(body: NewSandbox) -> dict:
+    async def create(body: NewSandbox, background: BackgroundTasks) -> dict:
         def create_blocking() -> Sandbox:
             return sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
-                                    metadata=body.metadata or {}, envs=body.env_vars or {})
+                                    metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True)
 
-        return created_json(await anyio.to_thread.run_sync(create_blocking))
+        sb = await anyio.to_thread.run_sync(create_blocking)
+        background.add_task(sandboxes.node.delivered, sb.info.id)  # once the answer is written (Node.create)
+        return created_json(sb)
 
     @router.get("/sandboxes")
     def list_v1() -> list[dict]:

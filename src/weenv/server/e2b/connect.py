@@ -53,6 +53,9 @@ KIND_CODES = {
     "timeout": "deadline_exceeded",
     "daemon": "unavailable",
     "disk_full": "resource_exhausted",
+    "closed": "unavailable",
+    "capacity": "unavailable",
+    "busy": "aborted",
 }
 """weenv error kind -> Connect code (other kinds: ``internal``)."""
 

@@ -76,10 +76,13 @@ class Sandboxes:
         self._runtimes: dict[str, RuntimeConfig] = {}
         self._lock = threading.Lock()
 
-    def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str]) -> Sandbox:
-        """A new environment from ``template`` living ``timeout`` seconds.
+    def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
+               undelivered: bool = False) -> Sandbox:
+        """A new environment from ``template`` living ``timeout`` seconds
+        (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``).
         Raises what :meth:`Node.create` raises."""
-        info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata)
+        info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
+                                undelivered=undelivered)
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:
