@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -152,14 +152,14 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
 
     @router.post("/sandboxes", status_code=201)
     @router.post("/v2/sandboxes", status_code=201)
-    async def create(body: NewSandbox, background: BackgroundTasks) -> dict:
+    async def create(body: NewSandbox) -> dict:
         def create_blocking() -> Sandbox:
-            return sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
-                                    metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True)
+            sb = sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
+                                  metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True)
+            sandboxes.node.delivered(sb.info.id)  # as the answer goes out (see weenv's own create)
+            return sb
 
-        sb = await anyio.to_thread.run_sync(create_blocking)
-        background.add_task(sandboxes.node.delivered, sb.info.id)  # once the answer is written (Node.create)
-        return created_json(sb)
+        return created_json(await anyio.to_thread.run_sync(create_blocking))
 
     @router.get("/sandboxes")
     def list_v1() -> list[dict]:
