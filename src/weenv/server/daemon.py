@@ -203,6 +203,13 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
             log.info("the daemon did not answer its shutdown: %s", exc)
         _wait_exit(pid, timeout)
     holder = lock_holder(paths)
+    # A flock names the pid that took it; a daemon killed while it forked a
+    # child (the child holds the descriptor until it execs, O_CLOEXEC) leaves
+    # it held for a moment under a pid that is dead or a zombie: wait for that.
+    deadline = time.monotonic() + LOCK_RELEASE_WAIT_S
+    while holder is not None and not _alive(holder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        holder = lock_holder(paths)
     if holder is not None:
         if not _is_daemon(holder):
             raise DaemonError(
@@ -232,6 +239,10 @@ def _wait_exit(pid: int | None, timeout: float) -> None:
         if time.monotonic() >= deadline:
             raise DaemonError(f"weenv daemon (pid {pid}) did not stop within {timeout:.0f} s")
         time.sleep(0.05)
+
+
+LOCK_RELEASE_WAIT_S = 5.0
+"""Seconds :func:`stop` waits for a home lock named by a dead pid to be released."""
 
 
 def lock_holder(paths: Paths) -> int | None:
