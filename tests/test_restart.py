@@ -403,8 +403,9 @@ def test_batch_interrupted_by_a_crash_keeps_only_what_the_client_received(restar
     envs = home.paths.environments
     on_disk = {d.name for d in envs.iterdir()}
     home.env_ids |= on_disk
-    assert len(received) == 3 and set(received) <= on_disk
-    assert len(on_disk) > 3, "no create was under way or done unsent at the kill: nothing to check"
+    # lines the daemon wrote before it died still reach the client after the kill (buffered): received, too
+    assert len(received) >= 3 and set(received) <= on_disk
+    assert len(on_disk) > len(received), "no create was under way or done unsent at the kill: nothing to check"
 
     client = home.start()
     assert sorted(e.id for e in client.list()) == sorted(received)

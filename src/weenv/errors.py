@@ -9,6 +9,7 @@
     │   └── ContentLimitError             store content past a read limit (:mod:`weenv.packaging.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
+    │   └── BrokenError                   something outside failed under a right call (HTTP 502)
     ├── CommandTimeoutError(TimeoutError) a command ran past its timeout and was killed
     ├── ToolMissingError(RuntimeError)    a host program (or an optional part) weenv needs is not installed
     ├── StoreUnavailableError(OSError)    a store is unreachable, timed out, failed or refused (a remote
@@ -18,7 +19,6 @@
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
     ├── ClosedError(RuntimeError)         the node (or the object) was closed, or is not started (HTTP 503)
     ├── BusyError(RuntimeError)           concurrent misuse: the thing is held by another user (HTTP 409)
-    ├── BrokenError(RuntimeError)         something outside failed under it, cause attached (HTTP 502)
     ├── CgroupError(OSError)              a cgroup file could not be read or written
     │   └── LimitRefusedError             the kernel refused to lower a memory limit (EBUSY)
     ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
@@ -117,9 +117,10 @@ class BusyError(WeenvError, RuntimeError):
     kind = "busy"
 
 
-class BrokenError(WeenvError, RuntimeError):
+class BrokenError(RuntimeFailedError):
     """Something outside weenv failed under a call that was right (an exec
-    agent killed from inside, for one); the cause is attached (HTTP 502)."""
+    agent killed from inside, for one); the cause is attached (HTTP 502).  A
+    kind of runtime failure: the environment's runtime broke under the call."""
 
     kind = "broken"
 

@@ -19,7 +19,7 @@ fetched again.
 store answered, and when (``at``).  The file is rewritten (atomically) when a
 name's digest changes, or its time is older than :data:`NAME_TOUCH_S`; a file
 written for another store URL is ignored.  How a create uses it (the staleness
-rule) is :meth:`weenv.node.node.Node._resolve`'s.
+rule) is :meth:`weenv.node.resolver.Resolver.resolve`'s.
 """
 
 from __future__ import annotations

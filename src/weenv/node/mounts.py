@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,3 +135,28 @@ def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:
 def is_mounted(target: str | os.PathLike[str]) -> bool:
     target = os.fspath(Path(target).absolute())
     return any(point == target for _t, point in mounts_under(target))
+
+
+def overlay_lowers(target: Path) -> list[Path] | None:
+    """The lower dirs of the overlay mounted at ``target``, bottom to top (as
+    :func:`~weenv.node.mounts.overlay_spec` takes them), from
+    /proc/self/mountinfo; None if no overlay is mounted there."""
+    found = mount_info(target)
+    if found is None or found[0] != "overlay":
+        return None
+    options = found[2]
+    for option in options.split(","):  # the kernel shows a "," inside a value as \054
+        if option.startswith("lowerdir="):
+            value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir="):])
+            dirs, cur, chars = [], [], iter(value)
+            for ch in chars:  # overlayfs escapes: "\x" is x; an unescaped ":" separates
+                if ch == "\\":
+                    cur.append(next(chars, ""))
+                elif ch == ":":
+                    dirs.append("".join(cur))
+                    cur = []
+                else:
+                    cur.append(ch)
+            dirs.append("".join(cur))
+            return [Path(d) for d in reversed(dirs)]
+    return None

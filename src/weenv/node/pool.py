@@ -84,6 +84,8 @@ class Pooled:
     """Its overlay's group mount points, as the template lists its groups."""
     undo: contextlib.ExitStack
     """Removes it: container, cgroup, overlay, group references, directory."""
+    tried: bool = False
+    """A create tried to start it: if that create fails, it is removed, not given back."""
 
 
 @dataclass

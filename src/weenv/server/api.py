@@ -174,9 +174,7 @@ def api_router(
         """``node.create`` of ``req``, marked undelivered (:meth:`Node.delivered` once answered)."""
         check_capacity(node, req.resources)
         try:
-            info = node.create(req.template, resources=req.resources, first_command=req.first_command,
-                               timeout=req.timeout, envs=req.envs, metadata=req.metadata,
-                               priority=req.priority, undelivered=True)
+            info = node.create(req, undelivered=True)
         except BaseException:
             metrics.creates.labels("error").inc()
             raise

@@ -1,0 +1,104 @@
+"""Launchers: how a command starts inside an environment.
+
+A :class:`Launcher` starts one command (argv, variables, working dir, stdin)
+in a running environment and returns its :class:`~weenv.node.process.Spawned`,
+which :class:`~weenv.node.process.Process` drives the same way whatever
+started it.  Two backends:
+
+- :class:`AgentLauncher`: the exec agent inside the environment
+  (:mod:`weenv.node.agent`), one connect per command, no runc process;
+- :class:`RuncLauncher`: ``runc exec`` (:mod:`weenv.node.runc`).
+
+:class:`Launchers` picks one per command: the agent when its socket is there,
+``runc exec`` otherwise or when the agent does not answer (for this command,
+or from now on when it is gone for good), and counts what each started.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import threading
+
+from weenv.node.agent import AgentUnavailable, spawn as agent_spawn
+from weenv.node.process import Spawned
+from weenv.node.runc import Runc, exec_args
+from weenv.node.table import Environment
+
+log = logging.getLogger(__name__)
+
+
+class Launcher(abc.ABC):
+    """Starts commands inside running environments."""
+
+    name: str
+    """Its key in :attr:`Launchers.counts` (and ``NodeStats.exec_*``)."""
+
+    @abc.abstractmethod
+    def spawn(self, e: Environment, argv: list[str], env: dict[str, str], cwd: str,
+              stdin: bytes | None, stdin_pipe: bool) -> Spawned:
+        """Start ``argv`` (checked by :func:`~weenv.node.runc.exec_args`) in ``e``
+        with exactly the variables ``env``, in ``cwd``, as the template's user;
+        ``stdin``: bytes written then closed, or ``stdin_pipe``: a pipe kept open.
+        A command that cannot start still returns (its pid 0, ended 127/126)."""
+
+
+class AgentLauncher(Launcher):
+    """Through the exec agent; raises :class:`AgentUnavailable` when it does not answer."""
+
+    name = "agent"
+
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
+        return agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
+                           cgroup=f"/{e.container_id}")  # fmt: skip
+
+
+class RuncLauncher(Launcher):
+    """Through ``runc exec``."""
+
+    name = "runc"
+
+    def __init__(self, runc: Runc):
+        self.runc = runc
+
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
+        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=e.template.runtime.user,
+                               stdin=stdin, stdin_pipe=stdin_pipe)  # fmt: skip
+
+
+class Launchers:
+    """The agent where it answers, ``runc exec`` otherwise (see the module's doc)."""
+
+    def __init__(self, runc: Runc):
+        self.agent = AgentLauncher()
+        self.runc = RuncLauncher(runc)
+        self.counts = {"agent": 0, "runc": 0}
+        """Commands started through each launcher (``runc``: the fallback)."""
+        self._lock = threading.Lock()
+
+    def launch(self, e: Environment, command: list[str] | str, env: dict[str, str], cwd: str,
+               stdin: bytes | None, stdin_pipe: bool, *, only: Launcher | None = None) -> Spawned:
+        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e``; raises
+        :class:`InvalidInputError` for a bad command, variable or directory.
+        ``only``: through that launcher, with no fallback (its own errors raised)."""
+        _flags, argv = exec_args(command, env, cwd, e.template.runtime.user)  # raises for bad input
+        if only is not None:
+            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe)
+        if e.agent_socket.exists():
+            try:
+                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe)
+            except AgentUnavailable as exc:
+                if exc.gone:  # for good: later commands go straight to runc
+                    log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
+                    with contextlib.suppress(FileNotFoundError):
+                        e.agent_socket.unlink()
+                else:
+                    log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
+        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe)
+
+    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
+        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe)
+        with self._lock:
+            self.counts[launcher.name] += 1
+        return spawned

@@ -1,0 +1,193 @@
+"""The environment table: what the node keeps of each environment, by id, with
+their timeouts (the reaper) and their saved info (``env.json``).
+
+An :class:`Environment` is one running (or stopped) environment: its info, its
+template, its directory and the commands started in it.  The
+:class:`EnvironmentTable` holds them under one lock; every other part of the
+node reaches an environment through it (:meth:`EnvironmentTable.get` raises
+:class:`NotFoundError` for an unknown id).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from weenv.errors import InvalidInputError, NotFoundError
+from weenv.node.disk import NodeDisk
+from weenv.node.models import MAX_TIMEOUT_S, EnvironmentInfo
+from weenv.node.process import Process
+from weenv.packaging.manifest import TemplateManifest
+
+log = logging.getLogger(__name__)
+
+CONTAINER_PREFIX = "weenv-"
+"""An environment's container id is this and its id."""
+AGENT_SOCKET = "agent.sock"
+"""The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
+UNDELIVERED = "undelivered"
+"""A file in an environment's directory while the answer naming it has not
+reached its client (:meth:`Node.create` ``undelivered``); recovery removes such
+an environment."""
+
+
+def container_id(env_id: str) -> str:
+    """The runc container id of environment ``env_id``."""
+    return CONTAINER_PREFIX + env_id
+
+
+class Environment:
+    """What the node keeps of one environment."""
+
+    def __init__(self, info: EnvironmentInfo, template: TemplateManifest, dir: Path):
+        self.info = info
+        self.template = template
+        self.dir = dir
+        self.lock = threading.Lock()
+        self.processes: dict[int, Process] = {}
+        """Streamed and background commands by pid inside the environment (under the table's lock)."""
+        self.lowers: list[Path] = []
+        """The group mount points its overlay uses (lazy or direct), as the template lists its groups."""
+
+    def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
+        """A command's variables: the template's, then the create's, then its own."""
+        return {**self.template.runtime.env, **self.info.envs, **(env or {})}
+
+    @property
+    def container_id(self) -> str:
+        return container_id(self.info.id)
+
+    @property
+    def rootfs(self) -> Path:
+        return self.dir / "rootfs"
+
+    @property
+    def upper(self) -> Path:
+        """Its overlay upper dir (its own changes), on the node's disk."""
+        return NodeDisk.upper(self.dir)
+
+    @property
+    def agent_socket(self) -> Path:
+        """The exec agent's listening socket (on the host, outside the rootfs)."""
+        return self.dir / AGENT_SOCKET
+
+
+class EnvironmentTable:
+    """Environments by id.  Thread-safe: :attr:`lock` guards the table and
+    every environment's :attr:`Environment.processes`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._envs: dict[str, Environment] = {}
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._envs)
+
+    def count_locked(self) -> int:
+        """How many, with :attr:`lock` held by the caller."""
+        return len(self._envs)
+
+    def get(self, env_id: str) -> Environment:
+        """Raises :class:`NotFoundError` for an unknown id."""
+        with self.lock:
+            e = self._envs.get(env_id)
+        if e is None:
+            raise NotFoundError(f"no environment {env_id!r}")
+        return e
+
+    def add(self, e: Environment) -> None:
+        with self.lock:
+            self._envs[e.info.id] = e
+
+    def pop(self, env_id: str) -> Environment:
+        """Take ``env_id`` out (its destroy begins); :class:`NotFoundError` if unknown."""
+        with self.lock:
+            e = self._envs.pop(env_id, None)
+        if e is None:
+            raise NotFoundError(f"no environment {env_id!r}")
+        return e
+
+    def all(self) -> list[Environment]:
+        with self.lock:
+            return list(self._envs.values())
+
+    def ids(self) -> list[str]:
+        with self.lock:
+            return list(self._envs)
+
+    def infos(self, status: Callable[[], dict[str | None, str | None]]) -> list[EnvironmentInfo]:
+        """Every environment's info, ``state`` followed from ``status()``
+        (container id -> runc status; called once, only if one runs)."""
+        envs = self.all()
+        if any(e.info.state == "running" for e in envs):
+            states = status()
+            for e in envs:
+                follow(e, states.get(e.container_id))
+        return [e.info for e in envs]
+
+    def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
+        """Destroy the environment ``timeout`` seconds from now (saved: a restarted
+        node must not reap it at the old time).  Raises :class:`NotFoundError`, or
+        :class:`InvalidInputError` for a timeout not in (0, 7 days]."""
+        timeout = check_timeout(timeout)
+        e = self.get(env_id)
+        e.info.timeout_s = timeout
+        e.info.expires_at = time.time() + timeout
+        save_info(e.dir, e.info)
+        return e.info
+
+    def expired(self, now: float) -> list[str]:
+        """Ids of the environments whose ``expires_at`` is at or before ``now`` (time.time())."""
+        with self.lock:
+            return [i for i, e in self._envs.items() if e.info.expires_at <= now]
+
+    def reap(self, destroy: Callable[[str], None], now: float | None = None) -> list[str]:
+        """``destroy`` every environment whose timeout passed; their ids (one
+        destroyed meanwhile by another caller is left out)."""
+        reaped = []
+        for env_id in self.expired(time.time() if now is None else now):
+            try:
+                destroy(env_id)
+            except NotFoundError:  # destroyed meanwhile
+                continue
+            log.info("reaped environment %s (its timeout passed)", env_id)
+            reaped.append(env_id)
+        return reaped
+
+
+def follow(e: Environment, runc_status: str | None) -> None:
+    """A running environment whose container stopped (its first process
+    died) or vanished is ``"stopped"``: commands can no longer run in it."""
+    if e.info.state == "running" and runc_status in (None, "stopped"):
+        e.info.state = "stopped"
+
+
+def check_timeout(timeout: float) -> float:
+    """``timeout`` as float seconds; :class:`InvalidInputError` unless in (0, :data:`MAX_TIMEOUT_S`]."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout <= MAX_TIMEOUT_S):
+        raise InvalidInputError(f"bad timeout {timeout!r}: want seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+    return float(timeout)
+
+
+def check_priority(priority: int) -> int:
+    """``priority``; :class:`InvalidInputError` unless an int in [-1000, 1000]."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise InvalidInputError(f"bad priority {priority!r}: want an integer in [-1000, 1000]")
+    return priority
+
+
+def save_info(env_dir: Path, info: EnvironmentInfo) -> None:
+    """Write ``env_dir/env.json`` whole or not at all (a node killed mid-write
+    must not leave a file recovery cannot read).  :class:`NotFoundError` if the
+    directory is gone (destroyed meanwhile)."""
+    tmp = env_dir / "env.json.tmp"
+    try:
+        tmp.write_text(info.model_dump_json(indent=2))
+        os.replace(tmp, env_dir / "env.json")
+    except FileNotFoundError:  # destroyed meanwhile
+        raise NotFoundError(f"no environment {info.id!r}") from None
