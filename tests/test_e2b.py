@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -333,6 +334,78 @@ def test_large_file_round_trip(sbx):
     back = sbx.files.read("/tmp/large.bin", format="bytes")
     assert len(back) == len(blob) and bytes(back) == blob
     sbx.files.remove("/tmp/large.bin")
+
+
+def test_a_gzip_bomb_upload_inflates_in_small_pieces(daemon, sbx):
+    """A gzipped octet-stream upload of 256 MiB of zeros (about 256 KB on the
+    wire, each 64 KiB of it 64 MiB inflated) is written whole while the
+    daemon's peak memory grows by less than 32 MiB (issue 13, #9)."""
+    import zlib
+
+    size = 256 << 20
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)
+    body = deflate.compress(bytes(size)) + deflate.flush()
+    pid = daemon.daemon.proc.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5\n")  # reset the peak (VmHWM) to the current RSS
+    before = daemon.daemon.rss_peak_kib()
+    r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/bomb.bin"}, content=body, timeout=60,
+                   headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
+                            "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    grown = daemon.daemon.rss_peak_kib() - before
+    assert r.status_code == 200, r.text
+    assert sbx.commands.run("stat -c %s /tmp/bomb.bin").stdout == f"{size}\n"
+    sbx.files.remove("/tmp/bomb.bin")
+    assert grown < 32 << 10, f"the daemon's peak grew {grown >> 10} MiB"
+
+
+def test_a_multipart_upload_of_many_files_is_streamed_into_the_sandbox(daemon, sbx):
+    """200 file parts of 1 MiB in one multipart upload (as ``write_files``
+    sends them) are written with the daemon's peak memory growing by less than
+    48 MiB: each part streamed to its file, none kept whole until the body ends
+    (starlette's form parser kept each part, up to 1 MiB, in memory)."""
+    count = 200
+    parts = [("file", (f"/tmp/many/{i}.bin", bytes([i % 256]) * (1 << 20))) for i in range(count)]
+    parts.insert(1, ("note", (None, b"a field, not a file: dropped")))
+    pid = daemon.daemon.proc.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5\n")  # reset the peak (VmHWM) to the current RSS
+    before = daemon.daemon.rss_peak_kib()
+    r = httpx.post(f"{daemon.sandbox_url}/files", files=parts, timeout=120,
+                   headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token})
+    grown = daemon.daemon.rss_peak_kib() - before
+    assert r.status_code == 200, r.text
+    assert [e["path"] for e in r.json()] == [f"/tmp/many/{i}.bin" for i in range(count)]
+    sums = sbx.commands.run("cd /tmp/many && for i in 0 7 199; do od -An -tu1 -N1 $i.bin; stat -c %s $i.bin; done")
+    assert sums.stdout.split() == ["0", str(1 << 20), "7", str(1 << 20), "199", str(1 << 20)]
+    sbx.commands.run("rm -rf /tmp/many")
+    assert grown < 48 << 10, f"the daemon's peak grew {grown >> 10} MiB"
+    # one path and two files, and a body cut short: 400
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+    r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/one"}, files=parts[:3], headers=h)
+    assert r.status_code == 400 and "several files" in r.json()["message"]
+    req = httpx.Request("POST", f"{daemon.sandbox_url}/files", files=parts[:1], headers=h)
+    r = httpx.post(f"{daemon.sandbox_url}/files", content=req.read()[:-200], timeout=30,
+                   headers={**h, "content-type": req.headers["content-type"]})
+    assert r.status_code == 400 and "closing boundary" in r.json()["message"], r.text
+
+
+def test_an_upload_past_the_disk_limit_is_507(daemon):
+    """envd answers a write past the sandbox's disk limit 507 ("not enough disk
+    space", as E2B's envd), multipart or not."""
+    with daemon.daemon.http() as c:
+        r = c.post("/environments", json={"template": TEMPLATE, "timeout": 120, "resources": {"disk_bytes": 64 << 20}})
+        assert r.status_code == 201, r.text
+        env = r.json()["id"]
+        try:
+            token = httpx.get(f"{daemon.api_url}/sandboxes/{env}", headers={"X-API-Key": daemon.key}).json()
+            h = {"E2b-Sandbox-Id": env, "X-Access-Token": token["envdAccessToken"]}
+            blob = b"x" * (100 << 20)
+            r = httpx.post(f"{daemon.sandbox_url}/files", files={"file": ("/tmp/big", blob)}, headers=h, timeout=60)
+            assert r.status_code == 507 and "disk" in r.json()["message"], r.text
+            r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/big2"}, content=blob, headers=h,
+                           timeout=60)
+            assert r.status_code == 507, r.text
+        finally:
+            assert c.delete(f"/environments/{env}").status_code == 204
 
 
 def test_connect_protocol_details(daemon, sbx):

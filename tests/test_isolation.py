@@ -243,6 +243,20 @@ def test_network_environment_reaches_out_through_nat_but_never_the_host(node, ne
     assert r.stdout == Path("/etc/resolv.conf").read_bytes()
 
 
+def test_a_stale_or_flushed_table_is_made_whole_by_the_next_create(node, net_template, host_server):
+    """The table ``inet weenv`` was only made when missing: one whose rules were
+    flushed (a firewall reload) or left by an older weenv kept its gaps, and a
+    new environment reached the host.  Every create with network makes it anew."""
+    subprocess.run(["nft", "flush", "chain", "inet", network.TABLE, "input"], check=True)
+    subprocess.run(["nft", "add", "chain", "inet", network.TABLE, "stale"], check=True)
+    env = node.create(net_template)
+    host_end = str(env_address(env.id) - 1)
+    assert connect_from(node, env.id, host_end, host_server) == "TimeoutError"
+    listed = subprocess.run(["nft", "list", "table", "inet", network.TABLE], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    assert 'iifname "weenv*" drop' in listed.split("chain forward")[0] and "chain stale" not in listed, listed
+
+
 def test_network_environment_sees_no_host_abstract_socket_and_binds_no_host_port(node, net_template):
     name = f"weenv-test-{os.getpid()}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as host_sock:

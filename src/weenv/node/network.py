@@ -17,9 +17,9 @@ An environment never shares the host's network namespace.  Without
   under a machine-wide lock (:data:`LOCK`) among those no interface holds;
 - IPv4 only: IPv6 is disabled on the host end.
 
-Then nftables' table ``inet weenv`` (:func:`ruleset`, created once,
-idempotently, the same for every node of the machine; it names interfaces by
-the ``weenv*`` prefix, so it holds nothing per environment):
+Then nftables' table ``inet weenv`` (:func:`ruleset`, made anew at every
+setup, the same for every node of the machine; it names interfaces by the
+``weenv*`` prefix, so it holds nothing per environment):
 
 - *input*: everything from a weenv veth to the host is dropped: the daemon's
   TCP API, services on 127.0.0.1 (the environment's own loopback is its own
@@ -132,10 +132,15 @@ def ruleset() -> str:
 
 
 def ensure_rules() -> None:
-    """Create the table ``inet weenv`` if it is missing and turn IPv4
-    forwarding on.  Call with :data:`LOCK` held."""
-    if _run(["nft", "list", "table", "inet", TABLE], check=False).returncode != 0:
-        _run(["nft", "-f", "-"], input=ruleset())
+    """Make the table ``inet weenv`` exactly :func:`ruleset` and turn IPv4
+    forwarding on.  Call with :data:`LOCK` held.
+
+    The table is replaced whole, in one atomic transaction (made if missing,
+    deleted, made anew: no packet sees it half made), not only made when
+    missing: a table left by an older weenv, or one whose rules were flushed
+    (a firewall reload), would otherwise keep its gaps for every environment
+    made after it.  One ``nft`` call, as the check for it cost."""
+    _run(["nft", "-f", "-"], input=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n" + ruleset())
     fwd = Path("/proc/sys/net/ipv4/ip_forward")
     if fwd.read_text().strip() != "1":
         fwd.write_text("1\n")

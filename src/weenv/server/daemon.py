@@ -105,7 +105,9 @@ def serve(
         app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
                                 http=limits.tcp_protocol(limits.tcp_connection_cap(nofile)),
-                                timeout_keep_alive=limits.IDLE_TIMEOUT_S)
+                                # no WebSocket upgrade: it would swap the bounded protocol for one that
+                                # the connection cap never sees close (and weenv has no WebSocket route)
+                                ws="none", timeout_keep_alive=limits.IDLE_TIMEOUT_S)
         server = uvicorn.Server(config)
         # uvicorn handles SIGTERM/SIGINT while it runs, shuts down cleanly, then
         # raises the signal again under the previous handler: make that an exit 0.

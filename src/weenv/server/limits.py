@@ -10,9 +10,13 @@ connections, request bodies.
   is accepted, so its descriptor is freed at once.  The Unix socket is not
   counted and never refused: a flood of TCP connections cannot starve it, nor
   the environments' commands and files served through it.  A connection,
-  TCP or Unix, that sends nothing for ``idle_timeout`` seconds, before its
-  first request or between two, is closed (uvicorn's keep-alive timeout, here
-  also armed when the connection is made).  uvicorn's own
+  TCP or Unix, that has not sent a whole request head (request line and
+  headers) ``idle_timeout`` seconds after it was made or after its last
+  answer is closed, however it trickles bytes: uvicorn's keep-alive timeout
+  stops at the first byte, so a client sending one header byte every few
+  seconds would hold its connection, and 1,024 such clients the whole TCP
+  cap, for ever (slowloris).  A request's body, and the time its route
+  takes, are not timed here (a keyless body is, :class:`BodyLimit`).  uvicorn's own
   ``limit_concurrency`` is not used: it counts the connections of every
   listener together, so a TCP flood would make it refuse the Unix socket too.
 - **Request bodies** (:class:`BodyLimit`): at most :data:`MAX_BODY` bytes, a
@@ -31,20 +35,25 @@ connections, request bodies.
 - **Bodies before credentials.**  Routes check the API key (or an envd access
   token) after the body is read, so :class:`BodyLimit` checks credentials
   first (``credentialed``): a request without valid ones may send at most
-  :data:`ANONYMOUS_BODY` bytes, enough for the route to answer 401.  A flood of
-  keyless TCP connections thus holds at most ``MAX_TCP_CONNECTIONS`` ×
-  64 KiB, not × :data:`MAX_BODY`.
+  :data:`ANONYMOUS_BODY` bytes, enough for the route to answer 401, within
+  :data:`ANONYMOUS_BODY_S` seconds (else 408 and the connection closed: a
+  keyless body trickled a byte at a time must not hold its connection).  A
+  flood of keyless TCP connections thus holds at most ``MAX_TCP_CONNECTIONS`` ×
+  64 KiB, not × :data:`MAX_BODY`, and each for seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import re
 import resource
 import socket
 from collections.abc import Callable
 
 import anyio
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from weenv.errors import RequestTooLargeError
@@ -56,6 +65,8 @@ MAX_UPLOAD = 8 << 30
 """Largest file upload, bytes."""
 ANONYMOUS_BODY = 64 << 10
 """Largest request body of a client without valid credentials, bytes."""
+ANONYMOUS_BODY_S = 5.0
+"""Seconds a client without valid credentials has to send its whole body."""
 MAX_TCP_CONNECTIONS = 1024
 """TCP connections served at once (at most a quarter of the descriptor limit, see :func:`tcp_connection_cap`)."""
 DRAIN_BYTES = 64 << 20
@@ -103,6 +114,7 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
 
     class BoundedH11Protocol(H11Protocol):
         _refused = False
+        _head_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             sock = transport.get_extra_info("socket")
@@ -114,16 +126,35 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
                     return
                 open_tcp.add(self)
             super().connection_made(transport)
-            # uvicorn arms this timer only after a response: arm it for the first request too
-            self.timeout_keep_alive_task = self.loop.call_later(idle_timeout, self.timeout_keep_alive_handler)
+            self._arm_head_deadline()
+
+        def _arm_head_deadline(self) -> None:
+            """Close the connection unless a whole request head arrives within
+            ``idle_timeout`` seconds (not pushed back by the bytes that come)."""
+            self._cancel_head_deadline()
+            self._head_deadline = self.loop.call_later(idle_timeout, self.timeout_keep_alive_handler)
+
+        def _cancel_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
-                super().data_received(data)
+            if self._refused:
+                return
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a request's head is in: its route runs untimed
+                self._cancel_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_head_deadline()  # the next request's head, unless one came pipelined
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return
+            self._cancel_head_deadline()
             open_tcp.discard(self)
             super().connection_lost(exc)
 
@@ -131,22 +162,33 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
     return BoundedH11Protocol
 
 
-def _too_large(path: str, limit: int) -> tuple[int, bytes]:
-    message = f"request body larger than {limit} bytes"
+def _error_body(path: str, status: int, kind: str, message: str) -> tuple[int, bytes]:
+    """``(status, body)``: the error body of the API ``path`` belongs to (E2B's or weenv's)."""
     if path.startswith("/e2b/"):
-        return 413, json.dumps({"code": 413, "message": message}).encode()
-    return 413, json.dumps({"error": {"kind": RequestTooLargeError.kind, "message": message}}).encode()
+        return status, json.dumps({"code": status, "message": message}).encode()
+    return status, json.dumps({"error": {"kind": kind, "message": message}}).encode()
+
+
+def _too_large(path: str, limit: int) -> tuple[int, bytes]:
+    return _error_body(path, 413, RequestTooLargeError.kind, f"request body larger than {limit} bytes")
+
+
+def _too_slow(path: str, seconds: float) -> tuple[int, bytes]:
+    return _error_body(path, 408, "timeout",
+                       f"request body not sent within {seconds:g} s (a request without credentials)")
 
 
 class BodyLimit:
     """ASGI middleware bounding request bodies (see the module docstring):
     ``max_body`` bytes, ``max_upload`` for the file upload routes, and
     :data:`ANONYMOUS_BODY` for a request ``credentialed(scope)`` finds without
-    valid credentials (None: every request is taken as credentialed)."""
+    valid credentials (None: every request is taken as credentialed), which
+    must send its body within ``anonymous_body_s`` seconds."""
 
     def __init__(self, app, *, max_body: int = MAX_BODY, max_upload: int = MAX_UPLOAD,
-                 credentialed: Callable[[dict], bool] | None = None):
+                 credentialed: Callable[[dict], bool] | None = None, anonymous_body_s: float = ANONYMOUS_BODY_S):
         self.app = app
+        self.anonymous_body_s = anonymous_body_s
         self.max_body = max_body
         self.max_upload = max_upload
         self.credentialed = credentialed
@@ -158,7 +200,8 @@ class BodyLimit:
         path = scope.get("path", "")
         upload = any(scope["method"] == m and r.match(path) for m, r in _UPLOADS)
         limit = self.max_upload if upload else self.max_body
-        if self.credentialed is not None and not self.credentialed(scope):
+        anonymous = self.credentialed is not None and not self.credentialed(scope)
+        if anonymous:
             limit = min(limit, ANONYMOUS_BODY)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -170,25 +213,32 @@ class BodyLimit:
             await self.app(scope, _counting(receive, limit), send)
             return
         # Read the body here (the routes read it whole anyway), at most the limit, then replay it.
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message], receive), send)  # the client left: let the app see it
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > limit:
-                await _drain(receive, more)  # before answering: the answer completes the request
-                await self._refuse(send, path, limit)
-                return
+        chunks, size, more, left = [], 0, True, None
+        with anyio.move_on_after(self.anonymous_body_s if anonymous else math.inf) as deadline:
+            while more and size <= limit:
+                message = await receive()
+                if message["type"] != "http.request":
+                    left = message
+                    break
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+        if left is not None:
+            await self.app(scope, _replay([left], receive), send)  # the client left: let the app see it
+            return
+        if deadline.cancelled_caught:
+            await self._refuse(send, path, limit, slow=self.anonymous_body_s)
+            return
+        if size > limit:
+            await _drain(receive, more)  # before answering: the answer completes the request
+            await self._refuse(send, path, limit)
+            return
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([whole], receive), send)
 
     @staticmethod
-    async def _refuse(send, path: str, limit: int) -> None:
-        status, body = _too_large(path, limit)
+    async def _refuse(send, path: str, limit: int, *, slow: float | None = None) -> None:
+        status, body = _too_slow(path, slow) if slow is not None else _too_large(path, limit)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip

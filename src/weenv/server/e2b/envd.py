@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Iterator
+from functools import partial
 
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from weenv.errors import InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
-from weenv.server.e2b import files
+from weenv.errors import DiskFullError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
+from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
 from weenv.server.e2b.proto import filesystem_pb, process_pb
@@ -154,6 +156,8 @@ class Envd:
             return _error(413, str(exc))
         except (InvalidInputError, RpcError) as exc:
             return _error(400, str(exc))
+        except DiskFullError as exc:  # envd's "not enough disk space"
+            return _error(507, str(exc))
         except WeenvError as exc:
             return _error(500, str(exc))
         except OSError as exc:
@@ -163,23 +167,8 @@ class Envd:
         """Write the files of an upload; the answer's entries."""
         node = self.sandboxes.node
         ctype = request.headers.get("content-type", "")
-        if ctype.startswith("multipart/form-data"):
-            form = await request.form(max_files=10_000)
-            try:
-                parts = [v for k, v in form.multi_items() if k == "file" and not isinstance(v, str)]
-                if not parts:
-                    raise InvalidInputError("no 'file' part in the upload")
-                if len(parts) > 1 and path:
-                    raise InvalidInputError("several files with one path")
-                written = []
-                for part in parts:
-                    target = path or part.filename
-                    if not target:
-                        raise InvalidInputError("a file part without a path (file name)")
-                    written.append(await anyio.to_thread.run_sync(files.copy_in, node, sb, target, part.file))
-                return written
-            finally:
-                await form.close()
+        if ctype.startswith("multipart/form-data"):  # streamed part by part into the sandbox
+            return await multipart.write_parts(ctype, request.stream(), partial(files.open_write, node, sb), path)
         if not path:
             raise InvalidInputError("an octet-stream upload needs the path parameter")
         gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
@@ -188,18 +177,35 @@ class Envd:
             inflate = zlib.decompressobj(wbits=31) if gzipped else None
             size = 0
             async for chunk in request.stream():
-                if inflate is not None:
-                    try:
-                        chunk = inflate.decompress(chunk)
-                    except zlib.error as exc:
-                        raise InvalidInputError(f"bad gzip body: {exc}") from exc
-                size += len(chunk)
-                if size > MAX_UPLOAD:  # the body is bounded before (limits.BodyLimit), a gzipped one inflated here
-                    raise RequestTooLargeError(f"upload larger than {MAX_UPLOAD} bytes")
-                await anyio.to_thread.run_sync(f.write, chunk)
+                for piece in inflated(inflate, chunk) if inflate is not None else (chunk,):
+                    size += len(piece)
+                    if size > MAX_UPLOAD:  # the body is bounded before (limits.BodyLimit), a gzipped one inflated here
+                        raise RequestTooLargeError(f"upload larger than {MAX_UPLOAD} bytes")
+                    await anyio.to_thread.run_sync(f.write, piece)
         finally:
             await anyio.to_thread.run_sync(f.close)
         return [entry]
+
+
+INFLATE_PIECE = 1 << 20
+"""Most bytes one step of a gzipped upload's inflation makes (its memory per upload)."""
+
+
+def inflated(inflate, chunk: bytes, piece: int = INFLATE_PIECE) -> Iterator[bytes]:
+    """What the ``zlib`` decompressor ``inflate`` makes of ``chunk``, in pieces
+    of at most ``piece`` bytes: a 64 KiB chunk of a gzip bomb inflates to
+    64 MiB, which one ``decompress`` call would hold at once.  Raises
+    :class:`InvalidInputError` for bytes that are not gzip."""
+    try:
+        while True:
+            out = inflate.decompress(chunk, piece)
+            chunk = inflate.unconsumed_tail
+            if out:
+                yield out
+            if not chunk and len(out) < piece:  # a full piece may leave output inside zlib
+                return
+    except zlib.error as exc:
+        raise InvalidInputError(f"bad gzip body: {exc}") from exc
 
 
 async def _chunks(f, size: int = 1 << 20):

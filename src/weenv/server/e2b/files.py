@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import shutil
 import stat as st
 from typing import BinaryIO
 
@@ -243,11 +242,3 @@ def open_write(node, sb: Sandbox, path: str) -> tuple[BinaryIO, dict[str, str]]:
     full = resolve(sb, path)
     f = fs_of(node, sb).open_write(full, owner=sb.owner)
     return f, {"name": posixpath.basename(full), "type": "file", "path": full}
-
-
-def copy_in(node, sb: Sandbox, path: str, src: BinaryIO) -> dict[str, str]:
-    """Write the content of ``src`` to ``path``; the ``/files`` answer entry."""
-    f, entry = open_write(node, sb, path)
-    with f:
-        shutil.copyfileobj(src, f, 1 << 20)
-    return entry
