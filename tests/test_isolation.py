@@ -247,6 +247,7 @@ def test_a_stale_or_flushed_table_is_made_whole_by_the_next_create(node, net_tem
     """The table ``inet weenv`` was only made when missing: one whose rules were
     flushed (a firewall reload) or left by an older weenv kept its gaps, and a
     new environment reached the host.  Every create with network makes it anew."""
+    subprocess.run(["nft", "-f", "-"], input=network.ruleset(), text=True, check=True)  # as a running node made it
     subprocess.run(["nft", "flush", "chain", "inet", network.TABLE, "input"], check=True)
     subprocess.run(["nft", "add", "chain", "inet", network.TABLE, "stale"], check=True)
     env = node.create(net_template)
@@ -288,6 +289,28 @@ def test_network_environments_do_not_reach_each_other(node, net_template):
         assert connect_from(node, b.id, addr_a, 8082) == "TimeoutError"
     finally:
         p.kill()
+
+
+def _weenv_table() -> bool:
+    return subprocess.run(["nft", "list", "table", "inet", "weenv"], capture_output=True).returncode == 0
+
+
+def test_the_table_lives_as_long_as_an_environment_with_network(node, net_template):
+    """The rules are made by the first environment with network and deleted
+    with the machine's last one (none is ever without them): nothing of weenv
+    stays in the host's firewall."""
+    # without prefetch: never from the warm pool, never filling it (a pooled one holds a veth too)
+    a, b = (node.create(net_template, prefetch=False) for _ in range(2))
+    assert _weenv_table()
+    node.destroy(a.id)
+    assert _weenv_table()  # b still runs behind it
+    assert connect_from(node, b.id, str(env_address(b.id) - 1), 22) == "TimeoutError"  # the host end: dropped
+    node.destroy(b.id)
+    assert not _weenv_table()
+    c = node.create(net_template, prefetch=False)  # made again
+    assert _weenv_table()
+    node.destroy(c.id)
+    assert not _weenv_table()
 
 
 def test_environment_without_network_has_loopback_only(node):

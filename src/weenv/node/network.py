@@ -39,6 +39,9 @@ on a host address (e.g. systemd-resolved's 127.0.0.53) is not reachable.
 Teardown (:func:`teardown`): the host end is deleted (which deletes the pair)
 and the nsfs file unmounted; idempotent, and what a crash leaves goes the same
 way (the namespace also dies with its last process and mount, taking its veth).
+The teardown that deletes the machine's last weenv veth (of any node) also
+deletes the table, under :data:`LOCK`: the next setup makes it again, and no
+environment is ever without it.
 """
 
 from __future__ import annotations
@@ -177,7 +180,10 @@ def teardown(env_id: str, env_dir: Path) -> None:
     (idempotent; after the container is gone)."""
     host_if = host_ifname(env_id)
     if Path("/sys/class/net", host_if).exists():
-        _run(["ip", "link", "del", host_if], check=False)
+        with _machine_lock():  # against a setup between the last veth's going and the table's
+            _run(["ip", "link", "del", host_if], check=False)
+            if not _weenv_links():  # the last environment with network on this machine: no rule is needed
+                _run(["nft", "delete", "table", "inet", TABLE], check=False)
     netns = env_dir / NETNS_FILE
     if mounts.is_mounted(netns):
         try:
@@ -186,6 +192,11 @@ def teardown(env_id: str, env_dir: Path) -> None:
             mounts.umount(netns, detach=True)
     with contextlib.suppress(FileNotFoundError):
         netns.unlink()
+
+
+def _weenv_links() -> list[str]:
+    """Host ends of environments' veths on this machine (any node's)."""
+    return [name for name in os.listdir("/sys/class/net") if name.startswith(IF_PREFIX)]
 
 
 def _free_subnet(cidr: ipaddress.IPv4Network) -> tuple[ipaddress.IPv4Interface, ipaddress.IPv4Interface]:
