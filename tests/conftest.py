@@ -98,7 +98,7 @@ def shared_store(tmp_path_factory, debian_root):
     """A store holding the Debian base group, a small task group and template
     ``task`` (base + task, working dir /workspace), built once per session."""
     from weenv.packaging.group import build_group
-    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
 
     root = tmp_path_factory.mktemp("shared-store")

@@ -29,11 +29,11 @@ from weenv.errors import (
     NotFoundError,
     WeenvError,
 )
+from weenv.formats.manifest import Resources
 from weenv.node import mounts
 from weenv.node.node import CONTAINER_PREFIX, Node
 from weenv.node.runc import Runc, children
 from weenv.packaging.group import build_group
-from weenv.packaging.manifest import Resources
 from weenv.server import daemon
 from weenv.server.client import NodeClient
 from weenv.store.file import FileStore

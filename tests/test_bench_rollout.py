@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from weenv.config import Paths
+from weenv.errors import InvalidInputError, RuntimeFailedError
+from weenv.node import mounts
 from weenv_bench.rollout import SUMMARY_KEYS, run
 from weenv_bench.rollout.systems import unwrap, wrap
 from weenv_bench.rollout.tasks import TASKS, TaskSpec, mutate, patch_command, prepare_task
 from weenv_bench.rollout.trajectory import STEPS, make_trajectory, patch_kind
-from weenv_bench.update import fetch_sdists
-from weenv.config import Paths
-from weenv.errors import InvalidInputError, RuntimeFailedError
-from weenv.node import mounts
 from weenv_bench.services import process
-from weenv_bench.services.process import alive
 from weenv_bench.services.dockerd import DOCKERD
+from weenv_bench.services.process import alive
 from weenv_bench.services.registry import REGISTRY
+from weenv_bench.update import fetch_sdists
 
 needs_docker = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
@@ -132,7 +132,7 @@ def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_chec
 
     from weenv_bench.rollout import templates
     from weenv_bench.rollout.tasks import runtime_tree
-    from weenv.packaging.manifest import Resources
+    from weenv.formats.manifest import Resources
     from weenv.store.file import FileStore
 
     good = prepared[1]  # idna

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.fuse.session import MAX_BACKGROUND
 from weenv.node.node import Node
-from weenv.packaging.profile import REF_KIND
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import build_group, load_group
-from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.profile import REF_KIND
 from weenv.packaging.template import create_template, load_template
 from weenv.store.file import FileStore
 

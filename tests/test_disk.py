@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import CapacityError, DiskFullError
+from weenv.formats.manifest import Resources
 from weenv.node import mounts
 from weenv.node.node import Node
-from weenv.packaging.manifest import Resources
 
 MiB = 1 << 20
 SMALL = Resources(cpus=0.5, memory_bytes=256 * MiB, pids=256, disk_bytes=64 * MiB)

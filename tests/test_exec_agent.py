@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError, OutputLimitError, RuntimeFailedError
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node import agent
 from weenv.node.bundle import AGENT_PATH, INIT_PATH, build_config
 from weenv.node.node import Node
 from weenv.node.runc import children
-from weenv.packaging.manifest import RuntimeConfig
 
 # Prints, for this process, pid 1 (tini) and the environment's command (pid 1's
 # child that is not the agent): namespaces, cgroups, capabilities, seccomp, no_new_privs.

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import DaemonError, InvalidInputError
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.cache import ChunkCache
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.gc import collect, dedupe_report
 from weenv.packaging.group import assemble_image, build_group, load_group
-from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
 from weenv.packaging.template import create_template, load_template
 from weenv.packaging.update import update_component

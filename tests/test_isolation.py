@@ -26,8 +26,8 @@ import pytest
 from test_restart import restart_home  # noqa: F401  (fixture)
 
 from weenv.node import network
-from weenv.node.mounts import mounts_under
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS
+from weenv.node.mounts import mounts_under
 
 AS_NOBODY = ["runuser", "-u", "nobody", "--"]
 """An unprivileged host user (setpriv --reuid keeps its capabilities until the execve, which then finds
@@ -160,7 +160,7 @@ def host_addresses() -> list[str]:
 @pytest.fixture
 def net_template(shared_store):
     """The digest of template ``task`` with ``network: true`` (no ref: the session's store lists none more)."""
-    from weenv.packaging.manifest import canonical_json
+    from weenv.formats.manifest import canonical_json
     from weenv.packaging.template import load_template
 
     _digest, m = load_template(shared_store, "task")
@@ -323,7 +323,7 @@ def test_failed_create_with_network_leaves_no_namespace_veth_or_rule(node, share
     """A create failing after its network was made (runc cannot start its
     command) leaves no veth, namespace file or mount."""
     from weenv.errors import RuntimeFailedError
-    from weenv.packaging.manifest import canonical_json
+    from weenv.formats.manifest import canonical_json
     from weenv.packaging.template import load_template
 
     _digest, m = load_template(shared_store, "task")
@@ -356,7 +356,7 @@ def test_network_after_daemon_crash_recovery_and_stop(restart_home, outside):
     """A killed daemon's successor keeps a running environment's network; with
     the FUSE holder killed too it removes it; ``weenv stop`` removes the rest:
     no veth, namespace file or mount is left."""
-    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
     from weenv.server import daemon
     from weenv.node.fuse import holder

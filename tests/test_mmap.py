@@ -22,11 +22,11 @@ import time
 import pytest
 
 from weenv.errors import StoreUnavailableError
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.node import Node
-from weenv.packaging.profile import REF_KIND
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import assemble_image, build_group, load_group
-from weenv.packaging.manifest import RuntimeConfig
+from weenv.packaging.profile import REF_KIND
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 

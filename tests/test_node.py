@@ -15,10 +15,10 @@ from weenv.errors import (
     NotFoundError,
     RuntimeFailedError,
 )
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node import mounts
 from weenv.node.node import Node
 from weenv.packaging.group import assemble_image, build_group, load_group
-from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import create_template, load_template
 from weenv.store.file import FileStore
 

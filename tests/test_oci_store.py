@@ -20,14 +20,14 @@ import pytest
 from registry_fixture import Registry, free_port, new_repository, oci_registry, registry  # noqa: F401 (fixtures)
 
 from weenv.errors import InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.formats.manifest import DEFAULT_CHUNK_SIZE, GROUP_MEDIA_TYPE, sha256_digest
 from weenv.node.node import Node
 from weenv.packaging.group import assemble_image, build_group, load_group
-from weenv.packaging.manifest import DEFAULT_CHUNK_SIZE, GROUP_MEDIA_TYPE, sha256_digest
 from weenv.packaging.template import create_template, load_template
+from weenv.packaging.transfer import copy_template
 from weenv.store import open_store
 from weenv.store.file import FileStore
 from weenv.store.oci import CHUNK_ARTIFACT_TYPE, CHUNK_MEDIA_TYPE, OciStore
-from weenv.store.transfer import copy_template
 
 FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05, "probe_interval": 1,
         "probe_timeout": 0.5}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from test_cache import CountingStore, _read_some, _record_profile, _wait_cached, private_store  # noqa: F401
 
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.node import Node
 from weenv.packaging.group import build_group
-from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.profile import load_profile
 from weenv.packaging.template import create_template, load_template
 from weenv.store.file import FileStore

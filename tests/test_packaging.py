@@ -21,10 +21,7 @@ from weenv.errors import (
     RuntimeFailedError,
     ToolMissingError,
 )
-from weenv.node.mounts import erofs_spec, mount, umount
-from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
-from weenv.packaging.group import assemble_image, build_group, load_group
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
@@ -32,6 +29,9 @@ from weenv.packaging.manifest import (
     parse_template_manifest,
     sha256_digest,
 )
+from weenv.node.mounts import erofs_spec, mount, umount
+from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
+from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template
 
 KIB = 1024

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from weenv.formats.manifest import Resources
 from weenv.node import mounts
 from weenv.node.node import Node, _overlay_lowers
 from weenv.packaging.group import load_group
-from weenv.packaging.manifest import Resources
 from weenv.packaging.template import load_template
 
 
@@ -317,7 +317,7 @@ def test_drain_returns_once_everything_is_removed(pooled_node, paths):
 
 
 def test_a_moved_name_forgets_the_old_templates_pooled_environments(private_store_for_pool, paths):
-    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
 
     store = private_store_for_pool
@@ -336,7 +336,7 @@ def test_a_moved_name_forgets_the_old_templates_pooled_environments(private_stor
 @pytest.fixture
 def private_store_for_pool(tmp_path, shared_store, leak_check):
     """The shared store's files (hard links) and a template ``moving`` of its own."""
-    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
     from weenv.store.file import FileStore
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import CapacityError, MountError, NotFoundError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.fuse import holder
 from weenv.node.node import Node, _overlay_lowers
 from weenv.node.provision import ProvisionConfig
-from weenv.packaging.manifest import Resources, RuntimeConfig
 from weenv.packaging.template import create_template, load_template
 
 from test_pool import kill_a_node_holding_a_pooled_environment

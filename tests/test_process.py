@@ -8,10 +8,10 @@ import time
 import pytest
 
 from weenv.errors import CapacityError, InvalidInputError, NotFoundError, OutputLimitError
+from weenv.formats.manifest import Resources
 from weenv.node.cgroups import open_cgroups
-from weenv.node.node import CONTAINER_PREFIX, Node
 from weenv.node.models import ProcessEvent
-from weenv.packaging.manifest import Resources
+from weenv.node.node import CONTAINER_PREFIX, Node
 
 
 def _events(p):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import CapacityError
+from weenv.formats.manifest import Resources
 from weenv.node.cgroups import detect
 from weenv.node.provision import ProvisionConfig
-from weenv.packaging.manifest import Resources
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -26,11 +26,11 @@ import pytest
 
 from weenv.config import Paths
 from weenv.errors import WeenvError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.fuse import holder
 from weenv.node.models import CreateRequest
 from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
-from weenv.packaging.manifest import Resources, RuntimeConfig
 from weenv.packaging.template import create_template, load_template
 from weenv.server import daemon
 from weenv.server.client import NodeClient

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.bundle import (
     MASKED_PATHS,
     RUNC_DEFAULT_CAPS,
@@ -27,7 +28,6 @@ from weenv.node.cgroups import open_cgroups
 from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import INIT_PID_FILE, Runc
-from weenv.packaging.manifest import Resources, RuntimeConfig
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -17,7 +17,7 @@ import zstandard
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     GroupManifest,
     canonical_json,
     parse_group_manifest,

@@ -1,4 +1,4 @@
-"""Store content past the read limits (weenv.packaging.limits): refused when a node
+"""Store content past the read limits (weenv.formats.limits): refused when a node
 reads it, before it is read whole, with an error naming the digest.
 
 Each oversized kind is crafted in a file store (written beside the store's own
@@ -26,10 +26,10 @@ import zstandard
 from registry_fixture import new_repository, oci_registry  # noqa: F401 (fixtures)
 
 from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError
+from weenv.formats.limits import MAX_CHUNKS, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
+from weenv.formats.manifest import TemplateManifest, canonical_json, sha256_digest
 from weenv.node.node import Node
 from weenv.packaging.group import load_group
-from weenv.packaging.limits import MAX_CHUNKS, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
-from weenv.packaging.manifest import TemplateManifest, canonical_json, sha256_digest
 from weenv.packaging.profile import PrefetchPack, PrefetchProfile, load_profile, ref_name
 from weenv.packaging.template import load_template
 from weenv.store.file import FileStore
@@ -150,7 +150,7 @@ def test_a_group_manifest_of_too_many_chunks_is_refused(store):
 def test_a_group_manifest_with_giant_chunks_is_refused():
     data = _group_json(1, chunk_size=1 << 40)
     with pytest.raises(InvalidInputError, match="chunk_size"):
-        from weenv.packaging.manifest import parse_group_manifest
+        from weenv.formats.manifest import parse_group_manifest
 
         parse_group_manifest(data)
 

@@ -19,15 +19,15 @@ import pytest
 from daemon_fixture import start_daemon
 from registry_fixture import registry  # noqa: F401 (fixture)
 
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.cache import ChunkCache
 from weenv.node.node import Node
 from weenv.node.prefetch import LOOKUP_WAIT_S, Prefetcher
 from weenv.packaging.group import build_group
-from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import create_template
+from weenv.packaging.transfer import copy_template
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
-from weenv.store.transfer import copy_template
 
 FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05,
         "probe_interval": 1, "probe_timeout": 0.5}  # fmt: skip

@@ -87,17 +87,17 @@ import time
 from pathlib import Path
 from typing import Self
 
-from weenv_bench import machine, write_report
-from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 from weenv.config import Paths
 from weenv.demo import deps_tree, sdist, task_tree
 from weenv.errors import CapacityError, WeenvError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
-from weenv.packaging.manifest import Resources, RuntimeConfig
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
+from weenv_bench import machine, write_report
+from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 
 DECLARED = Resources(cpus=1.0, memory_bytes=1536 << 20, pids=1024)
 WHEELS = ("pip==24.3.1", "six==1.17.0", "idna==3.20")

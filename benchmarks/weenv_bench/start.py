@@ -14,7 +14,7 @@ no Docker image present, through the same registry and dockerd.
 
 - **weenv**: two groups (``base``: the Debian tree; ``packages``: the wheels'
   tree) and a template over them, built into a file store and copied
-  (:func:`~weenv.store.transfer.copy_template`) into an ``oci://`` store on a
+  (:func:`~weenv.packaging.transfer.copy_template`) into an ``oci://`` store on a
   private docker-registry on loopback (:mod:`weenv_bench.services.registry`).  A
   :class:`~weenv.node.node.Node` in this process reads it from there, with its
   own home (empty chunk cache) and provisioning off (no admission control,
@@ -80,9 +80,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
+from weenv_bench import machine, write_report
 
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
 """~80 MB installed: with the ~220 MB Debian tree, a ~300 MB template."""
@@ -290,7 +290,7 @@ class _WeenvSide:
 
     def start(self, command: str = MAIN_COMMAND) -> dict:
         """One start: create, spawn the first command, wait for its first output."""
-        from weenv.packaging.manifest import Resources
+        from weenv.formats.manifest import Resources
 
         argv, expect = COMMANDS[command]
 
@@ -650,7 +650,7 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
     from weenv.packaging.template import create_template
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
-    from weenv.store.transfer import copy_template
+    from weenv.packaging.transfer import copy_template
 
     work.mkdir(parents=True, exist_ok=True)
     pkgs = packages_tree(env_paths.cache, wheels, log=log)

@@ -27,12 +27,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from weenv_bench import machine
-from weenv.packaging.manifest import ChunkRef
-from weenv_bench.services.registry import Registry
+from weenv.formats.manifest import ChunkRef
 from weenv.store.base import Store
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
+from weenv_bench import machine
+from weenv_bench.services.registry import Registry
 
 MIB = 1 << 20
 SOURCE = Path("/usr/lib/x86_64-linux-gnu")

@@ -27,9 +27,9 @@ from rich.table import Table
 
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
-from weenv.packaging.manifest import Resources, RuntimeConfig
 from weenv.packaging.template import create_template
 from weenv.store import open_store
 

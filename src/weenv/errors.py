@@ -6,7 +6,7 @@
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
-    │   └── ContentLimitError             store content past a read limit (:mod:`weenv.packaging.limits`)
+    │   └── ContentLimitError             store content past a read limit (:mod:`weenv.formats.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
     ├── RuntimeFailedError(RuntimeError)  runc (the OCI runtime) failed
     │   └── BrokenError                   something outside failed under a right call (HTTP 502)
@@ -58,7 +58,7 @@ class DigestMismatchError(WeenvError, OSError):
 
 class ContentLimitError(DigestMismatchError):
     """Content a store holds under a digest is larger than weenv reads
-    (:mod:`weenv.packaging.limits`): a chunk's frame or plaintext, a manifest,
+    (:mod:`weenv.formats.limits`): a chunk's frame or plaintext, a manifest,
     a ref, a pack.  Refused before it is read whole; no weenv build writes such
     content, so it is a kind of bad content (HTTP 502)."""
 

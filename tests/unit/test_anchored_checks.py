@@ -14,11 +14,11 @@ import pytest
 from pydantic import ValidationError
 
 from weenv.errors import InvalidInputError
+from weenv.formats.manifest import RuntimeConfig, TemplateManifest, check_digest, check_name
 from weenv.node.bundle import build_config
 from weenv.node.cgroups import CgroupV2
 from weenv.node.runc import exec_args
 from weenv.packaging.importer.source import check_blob_digest
-from weenv.packaging.manifest import RuntimeConfig, TemplateManifest, check_digest, check_name
 
 DIGEST = "sha256:" + "ab" * 32
 

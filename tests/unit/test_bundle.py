@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, build_config, write_bundle
-from weenv.packaging.manifest import Resources, RuntimeConfig
 
 
 def test_bundle_config(tmp_path):

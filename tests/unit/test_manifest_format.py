@@ -1,4 +1,4 @@
-"""The manifest formats (:mod:`weenv.packaging.manifest`): digests of canonical
+"""The manifest formats (:mod:`weenv.formats.manifest`): digests of canonical
 JSON, schema versions and media types, names, resources, runtime config and
 the errors bad input gets."""
 
@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     GROUP_MEDIA_TYPE,
     MAX_CPUS,
     MAX_MEMORY_BYTES,

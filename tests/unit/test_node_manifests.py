@@ -7,9 +7,9 @@ import functools
 import hashlib
 import time
 
+from weenv.formats.limits import MAX_CHUNKS
+from weenv.formats.manifest import ChunkRef, GroupManifest, canonical_json
 from weenv.node.manifests import MEMORY_MANIFEST_BYTES, NodeManifests
-from weenv.packaging.limits import MAX_CHUNKS
-from weenv.packaging.manifest import ChunkRef, GroupManifest, canonical_json
 from weenv.store.file import FileStore
 
 CHUNK = 1 << 20

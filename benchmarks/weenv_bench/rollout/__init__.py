@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
+from weenv_bench import machine, write_report
 
 DEFAULTS = {"pool": 22, "tasks": 8, "group": 8, "concurrency": 32, "think_scale": 1.0, "steps": (10, 40)}
 QUICK = {"pool": 6, "tasks": 3, "group": 4, "concurrency": 6, "think_scale": 0.05, "steps": (10, 16)}
@@ -76,12 +76,12 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     from weenv_bench.start import loadavg
     from weenv_bench.update import fetch_sdists
     from weenv.packaging.debootstrap import debian_rootfs
-    from weenv.packaging.manifest import Resources
+    from weenv.formats.manifest import Resources
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
-    from weenv.store.transfer import copy_template
+    from weenv.packaging.transfer import copy_template
 
     cfg = dict(QUICK if quick else DEFAULTS)
     for key, value in (("pool", pool), ("tasks", tasks), ("group", group), ("concurrency", concurrency),

@@ -7,7 +7,7 @@
   :func:`~weenv.packaging.group.build_group` into a file store; template
   ``rollout-NAME`` over them (working dir the project, ``PYTHONPATH`` its
   import root, the benchmark's resources).  Copied to the registry's
-  ``oci://`` store with :func:`~weenv.store.transfer.copy_template`.
+  ``oci://`` store with :func:`~weenv.packaging.transfer.copy_template`.
 - **Docker**: ``docker import`` of the same Debian tree, then per task
   ``FROM`` it ``COPY`` of the runtime, deps and source trees (one layer per
   weenv group), ``WORKDIR`` and ``ENV`` as the template's, built by the
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv_bench.rollout.tasks import PreparedTask, patch_command, reward_command
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
+from weenv_bench.rollout.tasks import PreparedTask, patch_command, reward_command
 
 DOCKER_BASE = "weenv-bench/rollout-base"
 
@@ -59,7 +59,7 @@ def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], res
     """Build every group and template into ``store``; return task name -> :class:`Built`."""
     from weenv.demo import deps_tree
     from weenv.packaging.group import build_group
-    from weenv.packaging.manifest import RuntimeConfig
+    from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
 
     t0 = time.monotonic()

@@ -19,8 +19,8 @@ from weenv.cli.common import (
     print_timing,
 )
 from weenv.errors import InvalidInputError
+from weenv.formats.manifest import Resources
 from weenv.node.models import CreateRequest
-from weenv.packaging.manifest import Resources
 
 app = typer.Typer()
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from weenv.cli.common import err, human_bytes, parse_env, parse_size, store
-from weenv.packaging.manifest import Resources, RuntimeConfig
+from weenv.formats.manifest import Resources, RuntimeConfig
 
 group_app = typer.Typer(no_args_is_help=True, help="Build and list layer groups.")
 template_app = typer.Typer(no_args_is_help=True, help="Compose and list templates.")

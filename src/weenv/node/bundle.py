@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.manifest import Resources, RuntimeConfig
+from weenv.formats.manifest import Resources, RuntimeConfig
 
 OCI_VERSION = "1.0.2-dev"
 CPU_PERIOD_US = 100_000

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.errors import CapacityError, InvalidInputError
-from weenv.packaging.manifest import ChunkRef, check_digest
+from weenv.formats.manifest import ChunkRef, check_digest
 from weenv.store.base import Store, decode_frame
 from weenv.store.file import atomic_write
 

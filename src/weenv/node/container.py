@@ -13,12 +13,12 @@ import contextlib
 import time
 from pathlib import Path
 
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node import network
 from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node.bundle import write_bundle
 from weenv.node.runc import Runc
 from weenv.node.table import AGENT_SOCKET, container_id
-from weenv.packaging.manifest import Resources, RuntimeConfig
 
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and

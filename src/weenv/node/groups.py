@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weenv.errors import MountError
+from weenv.formats.manifest import GroupManifest, check_digest
 from weenv.node.lazyfs import LazyFS
 from weenv.node.mounts import erofs_spec, is_mounted, mount, mounts_under, umount
-from weenv.packaging.manifest import GroupManifest, check_digest
 
 log = logging.getLogger(__name__)
 

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weenv.errors import InvalidInputError, MountError
+from weenv.formats.manifest import GroupManifest, check_digest
 from weenv.node.cache import ChunkCache
 from weenv.node.fuse import holder
 from weenv.node.fuse import protocol as P
@@ -88,7 +89,6 @@ from weenv.node.fuse.session import (
     open_device,
 )
 from weenv.node.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, MountSpec, is_mounted, mount, umount
-from weenv.packaging.manifest import GroupManifest, check_digest
 
 log = logging.getLogger(__name__)
 

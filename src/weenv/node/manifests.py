@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weenv.errors import InvalidInputError, WeenvError
-from weenv.packaging.limits import MAX_MANIFEST_BYTES
-from weenv.packaging.manifest import (
+from weenv.formats.limits import MAX_MANIFEST_BYTES
+from weenv.formats.manifest import (
     GroupManifest,
     TemplateManifest,
     check_digest,
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 MEMORY_MANIFEST_BYTES = 64 << 20
 """Bytes of manifest JSON whose parsed manifests a node keeps in memory, by digest
 (least recently used go).  Parsed, a manifest takes ~3.8 times its JSON (a group
-manifest of :data:`~weenv.packaging.limits.MAX_CHUNKS` chunks: 13.8 MB of JSON,
+manifest of :data:`~weenv.formats.limits.MAX_CHUNKS` chunks: 13.8 MB of JSON,
 52 MB of Python objects), so this is ~250 MiB; a manifest larger than it is
 kept alone, until the next one is read."""
 DISK_MANIFESTS = 1024

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 
 from weenv.config import Paths, private_dir
 from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.formats.manifest import Resources, TemplateManifest
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
 from weenv.node.bundle import RUNC_DEFAULT_CAPS
@@ -90,7 +91,6 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
 )
 from weenv.node.warm import WarmStarts, pool_key
 from weenv.packaging.buildcache import store_lock
-from weenv.packaging.manifest import Resources, TemplateManifest
 from weenv.store import Store, open_store
 
 log = logging.getLogger(__name__)

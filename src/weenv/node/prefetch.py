@@ -55,9 +55,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.formats.manifest import ChunkRef, GroupManifest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
-from weenv.packaging.manifest import ChunkRef, GroupManifest
 from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
 from weenv.store.base import Store
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from weenv.errors import NotFoundError, StoreUnavailableError
+from weenv.formats.manifest import GroupManifest, TemplateManifest
 from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.models import TemplateInfo
 from weenv.packaging.group import load_group
-from weenv.packaging.manifest import GroupManifest, TemplateManifest
 from weenv.packaging.template import load_template
 from weenv.store import Store
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from weenv.config import PRIVATE_MODE
 from weenv.errors import MountError
+from weenv.formats.manifest import GroupManifest
 from weenv.node import mounts
 from weenv.node.disk import NodeDisk
 from weenv.node.groups import GroupMounts
 from weenv.node.mounts import MountSpec
-from weenv.packaging.manifest import GroupManifest
 
 
 def rootfs_mounts(env_dir: Path, lowers: list[Path]) -> list[MountSpec]:

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 from weenv.errors import InvalidInputError, NotFoundError
+from weenv.formats.manifest import TemplateManifest
 from weenv.node.disk import NodeDisk
 from weenv.node.models import MAX_TIMEOUT_S, EnvironmentInfo
 from weenv.node.process import Process
-from weenv.packaging.manifest import TemplateManifest
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from weenv.errors import NotFoundError, RuntimeFailedError
+from weenv.formats.manifest import GroupManifest, Resources, TemplateManifest
 from weenv.node.container import Containers
 from weenv.node.groups import GroupMounts
 from weenv.node.pool import PoolKey, Pooled, WarmPool
 from weenv.node.resolver import Resolver
 from weenv.node.snapshotter import Snapshotter
-from weenv.packaging.manifest import GroupManifest, Resources, TemplateManifest
 
 log = logging.getLogger(__name__)
 

@@ -64,18 +64,18 @@ from weenv.errors import (
     RuntimeFailedError,
     ToolMissingError,
 )
+from weenv.formats.manifest import (
+    Resources,
+    RuntimeConfig,
+    TemplateManifest,
+    canonical_json,
+)
 from weenv.node import mounts
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS
 from weenv.node.rootfs import RootFS
 from weenv.packaging import buildcache
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import BuildResult, build_group, load_group
-from weenv.packaging.manifest import (
-    Resources,
-    RuntimeConfig,
-    TemplateManifest,
-    canonical_json,
-)
 from weenv.packaging.recipe import (
     Component,
     Copy,

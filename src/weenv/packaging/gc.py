@@ -26,14 +26,14 @@ from pathlib import Path
 
 from weenv.config import Paths
 from weenv.errors import DaemonError, InvalidInputError, NotFoundError, WeenvError
-from weenv.packaging.buildcache import store_lock
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     GroupManifest,
     TemplateManifest,
     manifest_kind,
     parse_group_manifest,
     parse_template_manifest,
 )
+from weenv.packaging.buildcache import store_lock
 from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
 

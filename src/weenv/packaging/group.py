@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
-from weenv.packaging.limits import MAX_CHUNK_SIZE
-from weenv.packaging.manifest import (
+from weenv.formats.limits import MAX_CHUNK_SIZE
+from weenv.formats.manifest import (
     DEFAULT_CHUNK_SIZE,
     EROFS_BLOCK_SIZE,
     ChunkRef,
@@ -32,6 +31,7 @@ from weenv.packaging.manifest import (
     manifest_kind,
     parse_group_manifest,
 )
+from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
 from weenv.store.base import Store
 
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")

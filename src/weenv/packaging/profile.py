@@ -29,8 +29,8 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from weenv.errors import NotFoundError, StoreUnavailableError, WeenvError
-from weenv.packaging.limits import MAX_PACK_BYTES, MAX_PROFILE_CHUNKS, MAX_TEMPLATE_GROUPS, frame_bound
-from weenv.packaging.manifest import ChunkRef, Digest, canonical_json, utc_now
+from weenv.formats.limits import MAX_PACK_BYTES, MAX_PROFILE_CHUNKS, MAX_TEMPLATE_GROUPS, frame_bound
+from weenv.formats.manifest import ChunkRef, Digest, canonical_json, utc_now
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class PrefetchPack(BaseModel):
     frames: list[PositiveInt] = Field(min_length=1, max_length=MAX_PROFILE_CHUNKS)
     """Bytes of each frame, in order (frame i decompresses to ``refs[i]``'s
     plaintext; never more than zstd's bound for that size, :func:`frame_bound`);
-    at most :data:`~weenv.packaging.limits.MAX_PACK_BYTES` in all."""
+    at most :data:`~weenv.formats.limits.MAX_PACK_BYTES` in all."""
 
     @model_validator(mode="after")
     def _bounded(self) -> PrefetchPack:
@@ -117,7 +117,7 @@ def build_pack(plaintexts: Iterable[bytes], *, level: int = PACK_ZSTD_LEVEL) -> 
 
 def load_profile(store: Store, template_digest: str) -> PrefetchProfile | None:
     """The published profile of ``template_digest``, or None (none, or
-    unreadable, or past the limits of :mod:`weenv.packaging.limits`: logged).
+    unreadable, or past the limits of :mod:`weenv.formats.limits`: logged).
     Raises :class:`StoreUnavailableError` when the store does not answer."""
     try:
         digest = store.get_ref(REF_KIND, ref_name(template_digest))

@@ -5,7 +5,7 @@ A recipe is a TOML file (read with :mod:`tomllib`)::
     [template]
     name = "py-task"
     version = "1"                       # optional label, default "latest"
-    [template.runtime]                  # weenv.packaging.manifest.RuntimeConfig;
+    [template.runtime]                  # weenv.formats.manifest.RuntimeConfig;
     working_dir = "/workspace"          # env is merged over the defaults (PATH, HOME, LANG)
     env = { PYTHONUNBUFFERED = "1" }
 
@@ -57,7 +57,7 @@ from pydantic import (
 )
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.manifest import Name, RuntimeConfig
+from weenv.formats.manifest import Name, RuntimeConfig
 
 
 class _Model(BaseModel):

@@ -9,8 +9,7 @@ publishes the template's canonical JSON and points ``templates/NAME`` at it.
 from __future__ import annotations
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.group import load_group
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     RuntimeConfig,
     TemplateManifest,
     canonical_json,
@@ -19,6 +18,7 @@ from weenv.packaging.manifest import (
     manifest_kind,
     parse_template_manifest,
 )
+from weenv.packaging.group import load_group
 from weenv.store.base import Store
 
 

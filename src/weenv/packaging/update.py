@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
+from weenv.formats.manifest import TemplateManifest, canonical_json, utc_now
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.group import build_group, load_group
-from weenv.packaging.manifest import TemplateManifest, canonical_json, utc_now
 from weenv.packaging.template import load_template
 from weenv.store.base import Store
 

@@ -304,7 +304,7 @@ class AsyncSandbox:
         """Create an environment from ``template``; ``timeout``: seconds it lives
         (default 300, see :meth:`set_timeout`); ``envs``: variables of every
         command; ``metadata``: labels; ``resources``: a
-        :class:`~weenv.packaging.manifest.Resources` or dict overriding the template's;
+        :class:`~weenv.formats.manifest.Resources` or dict overriding the template's;
         ``priority``: for elastic provisioning (higher grows first, is frozen last)."""
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:

@@ -52,6 +52,7 @@ from weenv.errors import (
     OutputLimitError,
     WeenvError,
 )
+from weenv.formats.manifest import Resources
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -70,7 +71,6 @@ from weenv.node.models import (
     TemplateInfo,
     WriteInfo,
 )
-from weenv.packaging.manifest import Resources
 
 T = TypeVar("T")
 API_PREFIX = "/v1"

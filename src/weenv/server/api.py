@@ -73,6 +73,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
+from weenv.formats.manifest import Resources
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -95,7 +96,6 @@ from weenv.node.models import (
 from weenv.node.node import Node
 from weenv.node.process import Process
 from weenv.node.provision import ProvisionStats
-from weenv.packaging.manifest import Resources
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.metrics import CONTENT_TYPE, Metrics
 

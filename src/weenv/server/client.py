@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from weenv.config import Paths
 from weenv.errors import DaemonError, InvalidInputError
+from weenv.formats.manifest import Resources
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -25,7 +26,6 @@ from weenv.node.models import (
     NodeStats,
 )
 from weenv.node.provision import ProvisionStats
-from weenv.packaging.manifest import Resources
 from weenv.sdk._core import env_path, path_query
 from weenv.server import daemon
 

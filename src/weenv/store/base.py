@@ -3,7 +3,7 @@
 A store keeps four things:
 
 - **chunks**: zstd frames addressed by the sha256 of their *plaintext*
-  (see :class:`weenv.packaging.manifest.ChunkRef`);
+  (see :class:`weenv.formats.manifest.ChunkRef`);
 - **manifests**: group and template manifests addressed by the sha256 of their
   canonical JSON bytes;
 - **packs**: prefetch packs, several chunks' zstd frames in one blob, addressed
@@ -19,7 +19,7 @@ Compression and digest checks live here, once; a backend only moves bytes
 plaintext does not hash to its digest raises :class:`DigestMismatchError`,
 never returns wrong bytes.
 
-Every read is bounded (:mod:`weenv.packaging.limits`): a backend is given the
+Every read is bounded (:mod:`weenv.formats.limits`): a backend is given the
 most bytes the blob may have (a chunk's frame: :func:`frame_bound` of its
 plaintext size; a manifest: ``MAX_MANIFEST_BYTES``; a pack: its declared size)
 and raises :class:`ContentLimitError` naming the digest before it reads more.
@@ -33,8 +33,8 @@ from collections.abc import Iterator
 import zstandard
 
 from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError, NotFoundError
-from weenv.packaging.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
-from weenv.packaging.manifest import ChunkRef, check_digest, check_name, sha256_digest
+from weenv.formats.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
+from weenv.formats.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
 REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
 SPACES = ("chunks", "manifests", "packs")

@@ -29,8 +29,8 @@ from weenv.errors import (
     StoreUnavailableError,
     WeenvError,
 )
-from weenv.packaging.limits import MAX_REF_BYTES
-from weenv.packaging.manifest import check_digest
+from weenv.formats.limits import MAX_REF_BYTES
+from weenv.formats.manifest import check_digest
 from weenv.store.base import Store, read_limit, too_large
 
 log = logging.getLogger(__name__)

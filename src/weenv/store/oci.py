@@ -53,7 +53,7 @@ The registry check (``GET /v2/`` answers 200) runs when the store opens, or,
 opened with ``check=False`` (a node's store: a daemon starts while the
 registry is down), as the first request of the first exchange.
 
-Limits (:mod:`weenv.packaging.limits`).  Every answer is read up to a bound,
+Limits (:mod:`weenv.formats.limits`).  Every answer is read up to a bound,
 checked against its ``Content-Length`` first and counted while it streams: a
 blob up to what its reader allows (a chunk's frame, a manifest, a pack), any
 JSON answer (an OCI manifest, a tags page, an error) up to
@@ -100,13 +100,13 @@ from weenv.errors import (
     NotFoundError,
     StoreUnavailableError,
 )
-from weenv.packaging.manifest import (
+from weenv.formats.limits import MAX_REGISTRY_JSON_BYTES
+from weenv.formats.manifest import (
     GROUP_MEDIA_TYPE,
     check_digest,
     parse_group_manifest,
     sha256_digest,
 )
-from weenv.packaging.limits import MAX_REGISTRY_JSON_BYTES
 from weenv.store.base import Store, read_limit, too_large
 from weenv.store.breaker import CircuitBreaker
 

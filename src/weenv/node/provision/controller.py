@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 
 from weenv.errors import BusyError, CapacityError, NotFoundError, WeenvError
+from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
 from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate
 from weenv.node.provision.arbiter import burst_contention, predicted_cpu_peak
@@ -48,7 +49,6 @@ from weenv.node.provision.models import (
     UsagePoint,
 )
 from weenv.node.provision.policy import EnvPolicy, Observation
-from weenv.packaging.manifest import Resources
 
 log = logging.getLogger(__name__)
 

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.group import BuildResult, build_group
-from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
-from weenv.packaging.importer.runtime import runtime_from_config
-from weenv.packaging.importer.source import Image, ImageSource, open_source
-from weenv.packaging.manifest import (
+from weenv.formats.manifest import (
     DEFAULT_CHUNK_SIZE,
     RuntimeConfig,
     TemplateManifest,
     check_name,
 )
+from weenv.packaging.group import BuildResult, build_group
+from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
+from weenv.packaging.importer.runtime import runtime_from_config
+from weenv.packaging.importer.source import Image, ImageSource, open_source
 from weenv.packaging.template import create_template
 from weenv.store.base import Store
 

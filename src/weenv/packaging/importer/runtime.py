@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.manifest import RuntimeConfig
+from weenv.formats.manifest import RuntimeConfig
 
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ReadFile = Callable[[str], "bytes | None"]

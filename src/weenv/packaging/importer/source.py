@@ -54,11 +54,11 @@ from weenv.errors import (
     RuntimeFailedError,
     ToolMissingError,
 )
-from weenv.packaging.limits import MAX_IMAGE_JSON_BYTES
+from weenv.formats.limits import MAX_IMAGE_JSON_BYTES
 
 SKOPEO = "skopeo"
 MAX_JSON_BYTES = MAX_IMAGE_JSON_BYTES
-"""A manifest, index or config larger than this (bytes) is refused (:mod:`weenv.packaging.limits`)."""
+"""A manifest, index or config larger than this (bytes) is refused (:mod:`weenv.formats.limits`)."""
 
 INDEX_TYPES = {
     "application/vnd.oci.image.index.v1+json",

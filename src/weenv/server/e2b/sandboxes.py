@@ -24,9 +24,9 @@ import threading
 from dataclasses import dataclass
 
 from weenv.errors import NotFoundError
+from weenv.formats.manifest import RuntimeConfig
 from weenv.node.models import EnvironmentInfo
 from weenv.node.node import Node
-from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import load_template
 
 DEFAULT_TIMEOUT_S = 300

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from weenv.errors import ContentLimitError, InvalidInputError
-from weenv.packaging.limits import (
+from weenv.formats.limits import (
     MAX_CHUNK_SIZE,
     MAX_CHUNKS,
     MAX_MANIFEST_BYTES,
@@ -97,9 +97,9 @@ class ChunkRef(_Model):
     """sha256 of the chunk's plaintext: the chunk's address in stores and caches."""
     size: int = Field(ge=0, le=MAX_CHUNK_SIZE)
     """Plaintext size in bytes (the chunk size, or less for the last chunk; at most
-    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`)."""
+    :data:`~weenv.formats.limits.MAX_CHUNK_SIZE`)."""
     stored_size: int = Field(ge=0, le=frame_bound(MAX_CHUNK_SIZE))
-    """Size in bytes of the zstd frame a store keeps (at most :func:`~weenv.packaging.limits.frame_bound` of ``size``)."""
+    """Size in bytes of the zstd frame a store keeps (at most :func:`~weenv.formats.limits.frame_bound` of ``size``)."""
     stored_digest: Digest
     """sha256 of the zstd frame, for stores that address blobs by their stored bytes (OCI)."""
 
@@ -278,7 +278,7 @@ class TemplateManifest(_Model):
 
 
 def check_manifest_size(data: bytes, what: str = "manifest") -> bytes:
-    """``data`` if it has at most :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`;
+    """``data`` if it has at most :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`;
     else :class:`ContentLimitError` (``what`` names it: a digest, a path)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ContentLimitError(f"{what} has {len(data)} bytes, more than a manifest may ({MAX_MANIFEST_BYTES})")
@@ -287,9 +287,9 @@ def check_manifest_size(data: bytes, what: str = "manifest") -> bytes:
 
 def parse_group_manifest(data: bytes) -> GroupManifest:
     """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or
-    fields (past :data:`~weenv.packaging.limits.MAX_CHUNKS` chunks, chunks past
-    :data:`~weenv.packaging.limits.MAX_CHUNK_SIZE`), :class:`ContentLimitError`
-    past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    fields (past :data:`~weenv.formats.limits.MAX_CHUNKS` chunks, chunks past
+    :data:`~weenv.formats.limits.MAX_CHUNK_SIZE`), :class:`ContentLimitError`
+    past :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
     check_manifest_size(data, "group manifest")
     try:
         return GroupManifest.model_validate_json(data)
@@ -299,8 +299,8 @@ def parse_group_manifest(data: bytes) -> GroupManifest:
 
 def parse_template_manifest(data: bytes) -> TemplateManifest:
     """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or
-    fields (past :data:`~weenv.packaging.limits.MAX_TEMPLATE_GROUPS` groups),
-    :class:`ContentLimitError` past :data:`~weenv.packaging.limits.MAX_MANIFEST_BYTES`."""
+    fields (past :data:`~weenv.formats.limits.MAX_TEMPLATE_GROUPS` groups),
+    :class:`ContentLimitError` past :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
     check_manifest_size(data, "template manifest")
     try:
         return TemplateManifest.model_validate_json(data)

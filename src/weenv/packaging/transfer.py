@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from weenv.errors import DigestMismatchError
+from weenv.formats.limits import frame_bound
+from weenv.formats.manifest import ChunkRef, sha256_digest
 from weenv.packaging.group import load_group
-from weenv.packaging.limits import frame_bound
-from weenv.packaging.manifest import ChunkRef, sha256_digest
 from weenv.packaging.template import load_template
 from weenv.store.base import Store, decode_frame
 

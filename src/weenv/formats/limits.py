@@ -13,7 +13,7 @@ Where each is checked:
   checks the file's size (``file://``) or the answer's ``Content-Length``
   (``oci://``) first and stops reading past the bound either way;
 - a chunk's plaintext: the zstd frame's declared content size and the decoder's
-  output are held to the :class:`~weenv.packaging.manifest.ChunkRef`'s ``size``
+  output are held to the :class:`~weenv.formats.manifest.ChunkRef`'s ``size``
   (:func:`weenv.store.base.decode_frame`);
 - a manifest's fields (chunk size and count, groups of a template, a profile's
   chunks and pack) by its model's validators.
