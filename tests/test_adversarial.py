@@ -30,7 +30,7 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.formats.manifest import Resources
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.node import CONTAINER_PREFIX, Node
 from weenv.node.runc import Runc, children
 from weenv.packaging.group import build_group

@@ -14,7 +14,7 @@ import pytest
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv_bench.rollout import SUMMARY_KEYS, run
 from weenv_bench.rollout.systems import unwrap, wrap
 from weenv_bench.rollout.tasks import TASKS, TaskSpec, mutate, patch_command, prepare_task

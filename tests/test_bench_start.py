@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from weenv_bench.start import SUMMARY_KEYS, run
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv_bench.services import process
-from weenv_bench.services.process import alive
 from weenv_bench.services.dockerd import DOCKERD
+from weenv_bench.services.process import alive
 from weenv_bench.services.registry import REGISTRY
+from weenv_bench.start import SUMMARY_KEYS, run
 
 pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),

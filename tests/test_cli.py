@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weenv.node import mounts
+from weenv.host import mounts
 
 
 def weenv(paths, *args, check=True, input=None, timeout=300):

@@ -248,7 +248,7 @@ def create_and_run(node: Node, template: str, command: list[str]):
 
 
 def _erofs(paths):
-    from weenv.node.mounts import mounts_under
+    from weenv.host.mounts import mounts_under
 
     return [(t, p) for t, p in mounts_under(paths.group_mounts) if t == "erofs"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from weenv.errors import CapacityError, DiskFullError
 from weenv.formats.manifest import Resources
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.node import Node
 
 MiB = 1 << 20

@@ -119,7 +119,7 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
         with NodeClient(paths, autostart=False) as client:
             env = client.create("t")
             update_component(store, "t", "task", _tree(tmp_path / "v2", {"workspace/v": b"two\n"}), paths=paths)
-            r = collect(store, paths)  # asks the daemon
+            r = collect(store, paths, in_use=lambda: daemon.running_templates(paths))  # asks the daemon
             assert r.manifests_removed == []
             assert sorted(r.kept_for_running) == sorted([old_t, old_task.digest])
             assert store.has_manifest(old_task.digest)
@@ -128,7 +128,7 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
             client.destroy(env.id)
             time.sleep(0.5)  # the daemon publishes the template's prefetch profile in the background
             profile = store.list_refs("prefetch").get(old_t.split(":", 1)[1])  # weenv.node.prefetch
-            r = collect(store, paths)
+            r = collect(store, paths, in_use=lambda: daemon.running_templates(paths))
             assert sorted(r.manifests_removed) == sorted([old_t, old_task.digest] + ([profile] if profile else []))
             env = client.create("t")
             assert client.exec(env.id, ["cat", "v"]).stdout == b"two\n"
@@ -145,13 +145,13 @@ def test_gc_refuses_when_it_cannot_tell_what_runs(populated, store, paths):
         paths.pidfile.write_text(str(sleeper.pid))
         manifests = set(store.list_manifests())
         with pytest.raises(DaemonError, match="does not answer"):
-            collect(store, paths)
+            collect(store, paths, in_use=lambda: daemon.running_templates(paths))
         assert set(store.list_manifests()) == manifests
     finally:
         sleeper.kill()
         sleeper.wait()
         paths.pidfile.unlink()
-    collect(store, paths, dry_run=True)  # a dead pid is no daemon
+    collect(store, paths, in_use=lambda: daemon.running_templates(paths), dry_run=True)  # a dead pid is no daemon
 
 
 def test_gc_refuses_while_a_build_runs(populated, store, paths):

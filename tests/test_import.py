@@ -29,10 +29,10 @@ import pytest
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
-from weenv_bench.services.dockerd import Dockerd
-from weenv_bench.services.registry import Registry
 from weenv.store.file import FileStore
+from weenv_bench.services.dockerd import Dockerd
 from weenv_bench.services.process import alive
+from weenv_bench.services.registry import Registry
 
 BASE = "weenv-import-base:1"
 IMAGE = "weenv-import-test:1"
@@ -499,7 +499,7 @@ def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_pa
 
 def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_path):
     """A container still running when dockerd stops: no process, mount, cgroup or file stays."""
-    from weenv.node import mounts
+    from weenv.host import mounts
     from weenv_bench.services.process import pids_mentioning
 
     files = ["./usr/bin/sleep", "./usr/lib/x86_64-linux-gnu/libc.so.6", "./lib64/ld-linux-x86-64.so.2",

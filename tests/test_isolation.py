@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from test_restart import restart_home  # noqa: F401  (fixture)
 
+from weenv.host.mounts import mounts_under
 from weenv.node import network
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS
-from weenv.node.mounts import mounts_under
 
 AS_NOBODY = ["runuser", "-u", "nobody", "--"]
 """An unprivileged host user (setpriv --reuid keeps its capabilities until the execve, which then finds

@@ -22,10 +22,10 @@ import pytest
 import zstandard
 
 from weenv.errors import DigestMismatchError, MountError
+from weenv.host.mounts import mounts_under
 from weenv.node.cache import ChunkCache
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
-from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group
 from weenv.store.file import FileStore
 

@@ -16,7 +16,7 @@ from weenv.errors import (
     RuntimeFailedError,
 )
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.node import Node
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template

@@ -29,7 +29,7 @@ from weenv.formats.manifest import (
     parse_template_manifest,
     sha256_digest,
 )
-from weenv.node.mounts import erofs_spec, mount, umount
+from weenv.host.mounts import erofs_spec, mount, umount
 from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from weenv.formats.manifest import Resources
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.node import Node, _overlay_lowers
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError
-from weenv.node import mounts
+from weenv.host import mounts
+from weenv.node.buildenv import NodeBuildEnvironments
 from weenv.node.node import Node
 from weenv.packaging.builder import StepFailedError, build_recipe
 from weenv.packaging.group import load_group
@@ -30,7 +31,7 @@ def write_recipe(directory: Path, text: str) -> Path:
 
 
 def build(store, paths, recipe_path):
-    return build_recipe(load_recipe(recipe_path), store, paths)
+    return build_recipe(load_recipe(recipe_path), store, paths, environments=NodeBuildEnvironments())
 
 
 def group_names(store, template):

@@ -27,9 +27,9 @@ import pytest
 from weenv.config import Paths
 from weenv.errors import WeenvError
 from weenv.formats.manifest import Resources, RuntimeConfig
+from weenv.host.mounts import mounts_under
 from weenv.node.fuse import holder
 from weenv.node.models import CreateRequest
-from weenv.node.mounts import mounts_under
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.template import create_template, load_template
 from weenv.server import daemon
@@ -481,7 +481,7 @@ def test_stop_interrupted_by_a_kill_reports_honestly_and_finishes(restart_home):
 def test_overlay_lowers_read_back_from_the_kernel(tmp_path, leak_check):
     """Recovery finds an environment's groups in its overlay's options, which the
     kernel shows escaped twice (overlayfs's backslashes, then octal for ``,``)."""
-    from weenv.node import mounts
+    from weenv.host import mounts
     from weenv.node.node import _overlay_lowers
 
     lowers = [tmp_path / name for name in ("plain", "with,comma", "with:colon", "back\\slash", "sp ace")]

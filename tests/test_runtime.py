@@ -19,14 +19,14 @@ import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import Resources, RuntimeConfig
+from weenv.host.mounts import MountSpec, mount, overlay_spec, umount
+from weenv.host.rootfs import RootFS
 from weenv.node.bundle import (
     MASKED_PATHS,
     RUNC_DEFAULT_CAPS,
     write_bundle,
 )
 from weenv.node.cgroups import open_cgroups
-from weenv.node.mounts import MountSpec, mount, overlay_spec, umount
-from weenv.node.rootfs import RootFS
 from weenv.node.runc import INIT_PID_FILE, Runc
 
 pytestmark = pytest.mark.usefixtures("leak_check")

@@ -69,6 +69,7 @@ from pathlib import Path
 from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
+from weenv.node.buildenv import NodeBuildEnvironments
 from weenv.packaging.builder import build_recipe, host_ca_bundle, pip_wheel
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.recipe import parse_recipe
@@ -349,7 +350,7 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
         def weenv_round(label: str) -> tuple[list[dict], float]:
             rows, t0 = [], time.monotonic()
             for recipe in recipes:
-                r = build_recipe(recipe, store, paths)
+                r = build_recipe(recipe, store, paths, environments=NodeBuildEnvironments())
                 rows.append({"template": r.template, "rebuilt": r.rebuilt, "bytes": r.bytes_published,
                              "seconds": round(r.seconds, 3)})  # fmt: skip
             total = time.monotonic() - t0

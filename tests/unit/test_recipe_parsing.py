@@ -49,3 +49,23 @@ def test_recipe_runtime_env_is_merged_over_the_defaults(tmp_path):
 def test_unreadable_recipe(tmp_path):
     with pytest.raises(InvalidInputError, match="cannot read recipe"):
         load_recipe(tmp_path / "missing.toml")
+
+
+def test_a_run_step_without_build_environments_is_refused_before_any_build(tmp_path):
+    """packaging does not import the node: build_recipe is handed the runtime of
+    ``run``/``pip`` steps (``weenv.node.buildenv.NodeBuildEnvironments``); without
+    one it refuses such a recipe in one line, before anything is built or written."""
+    from weenv.config import Paths
+    from weenv.packaging.builder import build_recipe
+    from weenv.store.file import FileStore
+
+    (tmp_path / "tree").mkdir()
+    recipe = parse_recipe(
+        '[template]\nname = "t"\n[[component]]\nname = "base"\n[[component.step]]\nkind = "from_dir"\n'
+        'path = "tree"\n[[component]]\nname = "deps"\n[[component.step]]\nkind = "run"\ncommands = "true"\n',
+        base_dir=tmp_path)  # fmt: skip
+    store = FileStore(tmp_path / "store")
+    paths = Paths(home=tmp_path / "home", cache=tmp_path / "cache", store_url=str(tmp_path / "store"))
+    with pytest.raises(InvalidInputError, match=r"\['deps'\] have run/pip steps: build_recipe needs environments"):
+        build_recipe(recipe, store, paths)
+    assert list(store.list_manifests()) == [] and not (tmp_path / "home").exists()

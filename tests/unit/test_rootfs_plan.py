@@ -1,5 +1,5 @@
 """The snapshotter's mount plan (weenv.node.snapshotter.rootfs_mounts): data,
-computed without touching the system (mounting it is weenv.node.mounts')."""
+computed without touching the system (mounting it is weenv.host.mounts')."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import MountError
-from weenv.node.mounts import MS_NODEV, MS_NOSUID
+from weenv.host.mounts import MS_NODEV, MS_NOSUID
 from weenv.node.snapshotter import rootfs_mounts
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import ERROR_KINDS, InvalidInputError, MountError, NotFoundError
+from weenv.host.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, erofs_spec, overlay_escape, overlay_spec
 from weenv.node.fuse import protocol as fp
-from weenv.node.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, erofs_spec, overlay_escape, overlay_spec
 from weenv.server.e2b import connect
 from weenv.server.e2b.proto import build, filesystem_pb, process_pb
 

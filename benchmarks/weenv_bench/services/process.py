@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weenv.errors import MountError, RuntimeFailedError, ToolMissingError
-from weenv.node import mounts
+from weenv.host import mounts
 
 LOG_TAIL_LINES = 15
 

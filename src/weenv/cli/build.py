@@ -20,6 +20,7 @@ def build(
     recipe: Annotated[Path, typer.Argument(help="the recipe (TOML)")],
 ) -> None:
     """Build every component of RECIPE (cached per component) and publish the template."""
+    from weenv.node.buildenv import NodeBuildEnvironments
     from weenv.packaging.builder import build_recipe
     from weenv.packaging.recipe import load_recipe
 
@@ -33,7 +34,8 @@ def build(
             bar.update(tasks[component], description=status, **({"total": 1, "completed": 1} if done else {}))
 
         try:
-            result = build_recipe(parsed, store(), Paths.from_env(), progress=progress)
+            result = build_recipe(parsed, store(), Paths.from_env(), progress=progress,
+                                  environments=NodeBuildEnvironments())
         except Exception:
             for task in bar.tasks:
                 if not task.finished:
@@ -91,9 +93,11 @@ def gc(
     """Remove groups, templates and chunks no template ref or running environment reaches,
     from the store and the node chunk cache."""
     from weenv.packaging.gc import collect, dedupe_report
+    from weenv.server import daemon
 
     s = store()
-    r = collect(s, Paths.from_env(), dry_run=dry_run)
+    paths = Paths.from_env()
+    r = collect(s, paths, in_use=lambda: daemon.running_templates(paths), dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     err.print(
         f"{verb} {len(r.manifests_removed)} manifests, {r.chunks_removed} chunks "

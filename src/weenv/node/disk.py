@@ -48,7 +48,7 @@ import uuid
 from pathlib import Path
 
 from weenv.errors import CapacityError, MountError, ToolMissingError
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.cache import parse_bytes
 
 log = logging.getLogger(__name__)

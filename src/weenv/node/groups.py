@@ -56,8 +56,8 @@ from pathlib import Path
 
 from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest, check_digest
+from weenv.host.mounts import erofs_spec, is_mounted, mount, mounts_under, umount
 from weenv.node.lazyfs import LazyFS
-from weenv.node.mounts import erofs_spec, is_mounted, mount, mounts_under, umount
 
 log = logging.getLogger(__name__)
 

@@ -76,6 +76,7 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError, MountError
 from weenv.formats.manifest import GroupManifest, check_digest
+from weenv.host.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, MountSpec, is_mounted, mount, umount
 from weenv.node.cache import ChunkCache
 from weenv.node.fuse import holder
 from weenv.node.fuse import protocol as P
@@ -88,7 +89,6 @@ from weenv.node.fuse.session import (
     mount_options,
     open_device,
 )
-from weenv.node.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, MountSpec, is_mounted, mount, umount
 
 log = logging.getLogger(__name__)
 
@@ -563,6 +563,6 @@ class _Ops(Operations):
 
 
 def _is_fuse_mount(point: Path) -> bool:
-    from weenv.node.mounts import mounts_under
+    from weenv.host.mounts import mounts_under
 
     return any(t == FSTYPE and p == str(point) for t, p in mounts_under(point))

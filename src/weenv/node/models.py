@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.node.rootfs import EntryInfo
+from weenv.host.rootfs import EntryInfo
 
 DEFAULT_TIMEOUT_S = 300.0
 """An environment's lifetime when its create does not say (seconds)."""

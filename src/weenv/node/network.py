@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.errors import CapacityError, InvalidInputError, MountError, RuntimeFailedError, ToolMissingError
-from weenv.node import mounts
+from weenv.host import mounts
 
 CIDR_ENV = "WEENV_NET_CIDR"
 DEFAULT_CIDR = "10.200.0.0/16"

@@ -11,7 +11,7 @@ below and runs each operation as a short script over them:
 - admission (:mod:`weenv.node.admission`, and the provisioner's reservations);
 - the snapshotter (:mod:`weenv.node.snapshotter`): each environment's directory,
   its upper dir (a subvolume with a quota on the node's disk, :mod:`weenv.node.disk`)
-  and its overlay rootfs, planned apart from mounted (:mod:`weenv.node.mounts`);
+  and its overlay rootfs, planned apart from mounted (:mod:`weenv.host.mounts`);
 - the container service (:mod:`weenv.node.container`): bundle, network
   namespace, runc container with an exec agent inside (:mod:`weenv.node.agent`);
 - commands (:mod:`weenv.node.commands`) started through a launcher
@@ -47,6 +47,8 @@ from pydantic import ValidationError
 from weenv.config import Paths, private_dir
 from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import Resources, TemplateManifest
+from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
+from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
 from weenv.node.bundle import RUNC_DEFAULT_CAPS
@@ -69,14 +71,12 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
-from weenv.node.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.node.recovery import Recovery, logged
 from weenv.node.resolver import Resolved, Resolver
-from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 
 from weenv.errors import InvalidInputError
-from weenv.node import mounts
+from weenv.host import mounts
 from weenv.node.cgroups import open_cgroups
 from weenv.node.container import Containers
 from weenv.node.groups import GroupMounts, clear_stale

@@ -9,7 +9,7 @@ shared read-only) under its private upper dir.
 
 As containerd's snapshotter does, computing the mounts (:func:`rootfs_mounts`,
 no system call) is apart from performing them (:meth:`Snapshotter.prepare`
-through :mod:`weenv.node.mounts`, the mounter).
+through :mod:`weenv.host.mounts`, the mounter).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 from weenv.config import PRIVATE_MODE
 from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
-from weenv.node import mounts
+from weenv.host import mounts
+from weenv.host.mounts import MountSpec
 from weenv.node.disk import NodeDisk
 from weenv.node.groups import GroupMounts
-from weenv.node.mounts import MountSpec
 
 
 def rootfs_mounts(env_dir: Path, lowers: list[Path]) -> list[MountSpec]:

@@ -8,15 +8,17 @@ store (nothing is rebuilt or written).  A miss builds the component's tree:
   staging directory on the host (a single ``from_dir``/``debootstrap`` at ``/`` is
   used in place), which becomes the group.  Such a component never sees the
   groups below.
-- **With ``run``/``pip`` steps**: a *build environment* is started on a private
-  in-process :class:`~weenv.node.node.Node` (its own home under
+- **With ``run``/``pip`` steps**: a *build environment* is started by the
+  :class:`~weenv.packaging.buildenv.BuildEnvironments` the caller gives
+  (the node's: :class:`weenv.node.buildenv.NodeBuildEnvironments`, a private
+  in-process :class:`~weenv.node.node.Node` whose home is under
   ``$WEENV_HOME/build``, so it never touches the daemon's environments) from
   a scratch template of the groups below (an empty group if there are none),
   with network (its own namespace, NATed out: :mod:`weenv.node.network`), Docker's
   default capabilities and root as the user.
   Tree steps copy into its root through the overlay, confined to it (the
   destination directory is opened with openat2 ``RESOLVE_IN_ROOT``); commands
-  run with :meth:`Node.exec`.  Then the environment is stopped, and its overlay
+  run with :meth:`BuildEnvironment.exec`.  Then the environment is stopped, and its overlay
   upper dir — exactly what the steps changed, deletions as whiteouts and
   replaced directories as opaque — is cleaned (:func:`~weenv.packaging.upperdir.clean_upper`)
   and becomes the group.
@@ -70,10 +72,10 @@ from weenv.formats.manifest import (
     TemplateManifest,
     canonical_json,
 )
-from weenv.node import mounts
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS
-from weenv.node.rootfs import RootFS
+from weenv.host import mounts
+from weenv.host.rootfs import RootFS
 from weenv.packaging import buildcache
+from weenv.packaging.buildenv import BuildEnvironment, BuildEnvironments
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import BuildResult, build_group, load_group
 from weenv.packaging.recipe import (
@@ -153,14 +155,22 @@ def build_recipe(
     paths: Paths | None = None,
     *,
     progress: Progress | None = None,
+    environments: BuildEnvironments | None = None,
 ) -> RecipeResult:
     """Build and publish every component of ``recipe`` and its template.
 
-    Raises :class:`InvalidInputError` (a missing source, a bad tree),
+    ``environments`` starts the build environments of components with
+    ``run``/``pip`` steps (:class:`weenv.node.buildenv.NodeBuildEnvironments`).
+    Raises :class:`InvalidInputError` (a missing source, a bad tree, such a
+    component without ``environments``, before anything is built),
     :class:`StepFailedError` (a step exited non-zero or timed out),
     :class:`ToolMissingError`, :class:`RuntimeFailedError` and the store's errors.
     """
     paths = paths or Paths.from_env()
+    needing = [c.name for c in recipe.component if c.needs_environment]
+    if needing and environments is None:
+        raise InvalidInputError(f"components {needing} have run/pip steps: build_recipe needs environments "
+                                "(weenv.node.buildenv.NodeBuildEnvironments)")
     say = progress or (lambda _c, _s: None)
     t0 = time.monotonic()
     results: list[ComponentResult] = []
@@ -176,7 +186,7 @@ def build_recipe(
                                                image_size=load_group(store, hit).image_size))
             else:
                 t = time.monotonic()
-                r = build_component(recipe, comp, below, store, paths, say, cache_key=key)
+                r = build_component(recipe, comp, below, store, paths, say, cache_key=key, environments=environments)
                 buildcache.record(store, key, r.digest)
                 written = r.bytes_written + len(canonical_json(r.manifest))
                 results.append(ComponentResult(
@@ -214,6 +224,7 @@ def build_component(
     progress: Progress,
     *,
     cache_key: str = "",
+    environments: BuildEnvironments | None = None,
 ) -> BuildResult:
     """Build one component over the groups ``below`` and publish its group by digest
     (no ref).  Errors as :func:`build_recipe`; nothing is left behind on failure."""
@@ -222,7 +233,10 @@ def build_component(
     provenance = {"type": "recipe", "path": str(recipe.base_dir), "component": comp.name, "cache_key": cache_key}
     try:
         if comp.needs_environment:
-            return _build_in_environment(recipe, comp, below, store, paths, work, progress, provenance)
+            if environments is None:
+                raise InvalidInputError(f"component {comp.name!r} has run/pip steps: give environments")
+            return _build_in_environment(recipe, comp, below, store, paths, work, progress, provenance,
+                                         environments)  # fmt: skip
         source = _in_place_source(recipe, comp, paths)
         if source is None:
             source = work / "tree"
@@ -332,14 +346,12 @@ def _copy_step(recipe: Recipe, step: Copy, root: Path, stage: Path, where: str) 
 
 def _build_in_environment(
     recipe: Recipe, comp: Component, below: list[str], store: Store, paths: Paths,
-    work: Path, progress: Progress, provenance: dict[str, str],
+    work: Path, progress: Progress, provenance: dict[str, str], environments: BuildEnvironments,
 ) -> BuildResult:  # fmt: skip
-    from weenv.node.node import Node  # the runtime: only builds with commands need it
-
     token = work.name
     scratch_manifests: list[str] = []
     scratch_chunks: list[str] = []
-    node = Node(Paths(home=work / "node", cache=paths.cache, store_url=store.url), store=store)
+    env: BuildEnvironment | None = None
     try:
         lowers = list(below)
         if not lowers:  # overlayfs needs a lower dir: an empty group
@@ -357,29 +369,29 @@ def _build_in_environment(
         scratch = TemplateManifest(name=f"build-{token}", groups=lowers, runtime=runtime)
         scratch_manifests.append(store.put_manifest(canonical_json(scratch)))
         progress(comp.name, "starting build environment")
-        node.start()
-        info = node.create(scratch_manifests[-1], first_command=False, capabilities=DOCKER_DEFAULT_CAPS,
-                           prefetch=False)
-        root = Path(info.rootfs)
+        env = environments.start(Paths(home=work / "node", cache=paths.cache, store_url=store.url), store,
+                                 scratch_manifests[-1])
+        root = env.root
         for i, step in enumerate(comp.step, 1):
             progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
             if isinstance(step, Run):
                 for command in step.commands:
-                    _check(node.exec(info.id, ["/bin/sh", "-c", "exec 2>&1\n" + command], env=step.env,
-                                     cwd=step.workdir, timeout=step.timeout),
+                    _check(env.exec(["/bin/sh", "-c", "exec 2>&1\n" + command], env=step.env,
+                                    cwd=step.workdir, timeout=step.timeout),
                            comp.name, i, step.kind, command, step.timeout)  # fmt: skip
             elif isinstance(step, Pip):
-                _pip_step(recipe, step, node, info.id, root, paths, comp.name, i, token)
+                _pip_step(recipe, step, env, root, paths, comp.name, i, token)
             else:
                 _apply_tree_step(recipe, step, root, paths, work, comp.name, i)
         progress(comp.name, "collecting changes")
-        upper = node.stop(info.id)
+        upper = env.stop()
         clean_upper(upper)
         progress(comp.name, "publishing")
         return build_group(upper, store, name=comp.name, version=comp.version,
                            source=provenance, workdir=work, ref=False)  # fmt: skip
     finally:
-        node.close()
+        if env is not None:
+            env.close()
         for digest in scratch_manifests:
             store.delete_manifest(digest)
         for digest in scratch_chunks:  # named after this build's token: no one else has them
@@ -399,7 +411,7 @@ def _check(result, comp: str, index: int, kind: str, command: str, timeout: floa
     )  # fmt: skip
 
 
-def _pip_step(recipe: Recipe, step: Pip, node, env_id: str, root: Path, paths: Paths,
+def _pip_step(recipe: Recipe, step: Pip, env: BuildEnvironment, root: Path, paths: Paths,
               comp: str, index: int, token: str) -> None:  # fmt: skip
     wheel = pip_wheel(paths.cache)
     fs = RootFS(root)
@@ -420,7 +432,7 @@ def _pip_step(recipe: Recipe, step: Pip, node, env_id: str, root: Path, paths: P
                 raise InvalidInputError(f"component {comp!r}, step {index} (pip): {path} does not exist")
             fs.write_file(f"{tmp}/requirements.txt", path.read_bytes())
             argv += ["-r", f"{tmp}/requirements.txt"]
-        result = node.exec(env_id, ["/bin/sh", "-c", 'exec "$@" 2>&1', "pip", *argv], timeout=step.timeout)
+        result = env.exec(["/bin/sh", "-c", 'exec "$@" 2>&1', "pip", *argv], timeout=step.timeout)
         _check(result, comp, index, "pip", " ".join(["pip install", *step.options, *step.requirements]), step.timeout)
     finally:
         with contextlib.suppress(NotFoundError):

@@ -8,10 +8,11 @@ removes every other manifest, chunk and pack from the store, every other chunk f
 the node chunk cache (``$WEENV_HOME/node/cache``), and the ``groups/`` and
 ``buildcache/`` and ``prefetch/`` refs that pointed at removed manifests.
 
-Running environments are asked of the node daemon of ``$WEENV_HOME`` when one
-runs (``NodeClient.list()``); if one runs but does not answer, gc refuses
-(:class:`DaemonError`) rather than guess.  Environments of in-process nodes are
-passed by the caller (``in_use``).  Builds of the same home hold the store lock
+The running environments' templates are the caller's to give (``in_use``):
+the CLI asks the node daemon of ``$WEENV_HOME``
+(:func:`weenv.server.daemon.running_templates`, which refuses with
+:class:`DaemonError` rather than guess when a daemon runs but does not answer);
+in-process nodes give their own.  Builds of the same home hold the store lock
 shared (:func:`weenv.packaging.buildcache.store_lock`); gc takes it exclusive and
 refuses while a build runs.  Publishers outside this home (another machine
 sharing the store) are not seen: run gc where nothing else publishes.
@@ -20,12 +21,12 @@ sharing the store) are not seen: run gc where nothing else publishes.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from weenv.config import Paths
-from weenv.errors import DaemonError, InvalidInputError, NotFoundError, WeenvError
+from weenv.errors import InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
     TemplateManifest,
@@ -136,48 +137,24 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
                 reach.chunks.update(c.digest for c in g.chunks)
 
 
-def running_templates(paths: Paths) -> list[str]:
-    """Template digests of the environments the daemon of ``paths.home`` runs
-    (empty if no daemon runs).  Raises :class:`DaemonError` if one runs (its
-    pidfile names a live process) and does not answer."""
-    from weenv.server import daemon
-    from weenv.server.client import NodeClient
-
-    if not daemon.is_running(paths):
-        pid = daemon._read_pid(paths)
-        if pid is not None and daemon._alive(pid):
-            raise DaemonError(
-                f"the weenv daemon of {paths.home} (pid {pid}) runs but does not answer on "
-                f"{paths.socket}; gc cannot tell which environments run and refuses"
-            )
-        return []
-    try:
-        with NodeClient(paths, autostart=False, timeout=30.0) as client:
-            return sorted({e.template_digest for e in client.list()})
-    except WeenvError as exc:
-        raise DaemonError(
-            f"a weenv daemon runs for {paths.home} but cannot say which environments run "
-            f"({exc}); gc refuses to guess — stop it (weenv stop) or retry"
-        ) from exc
-
-
 def collect(
     store: Store,
     paths: Paths | None = None,
     *,
-    in_use: Iterable[str] | None = None,
+    in_use: Iterable[str] | Callable[[], Iterable[str]],
     dry_run: bool = False,
 ) -> GcResult:
     """Remove what no template ref nor running environment reaches (module docstring).
 
-    ``in_use``: template digests of running environments; default: asked of the
-    daemon (:func:`running_templates`).  ``dry_run``: only report.  Raises
-    :class:`DaemonError` (daemon running, not answering) and
-    :class:`InvalidInputError` (a build is running).
+    ``in_use``: template digests of running environments, or a function
+    returning them, called once the store lock is held (the CLI's:
+    :func:`weenv.server.daemon.running_templates`).  ``dry_run``: only report.
+    Raises :class:`InvalidInputError` (a build is running) and what ``in_use``
+    raises (:class:`DaemonError`: a daemon running, not answering).
     """
     paths = paths or Paths.from_env()
     with store_lock(paths, exclusive=True):
-        running = list(in_use) if in_use is not None else running_templates(paths)
+        running = list(in_use() if callable(in_use) else in_use)
         by_ref = _Reach()
         _reach(store, store.list_refs("templates").values(), by_ref)
         reach = _Reach(set(by_ref.manifests), set(by_ref.chunks), set(by_ref.packs))

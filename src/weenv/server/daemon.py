@@ -39,7 +39,7 @@ import httpx
 import uvicorn
 
 from weenv.config import Paths
-from weenv.errors import BusyError, DaemonError
+from weenv.errors import BusyError, DaemonError, WeenvError
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,31 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
     return was_running
 
 
+def running_templates(paths: Paths) -> list[str]:
+    """Template digests of the environments the daemon of ``paths.home`` runs
+    (empty if no daemon runs): what ``weenv gc`` keeps (the ``in_use`` of
+    :func:`weenv.packaging.gc.collect`).  Raises :class:`DaemonError` if one runs
+    (its pidfile names a live process) and does not answer."""
+    from weenv.server.client import NodeClient
+
+    if not is_running(paths):
+        pid = _read_pid(paths)
+        if pid is not None and _alive(pid):
+            raise DaemonError(
+                f"the weenv daemon of {paths.home} (pid {pid}) runs but does not answer on "
+                f"{paths.socket}; gc cannot tell which environments run and refuses"
+            )
+        return []
+    try:
+        with NodeClient(paths, autostart=False, timeout=30.0) as client:
+            return sorted({e.template_digest for e in client.list()})
+    except WeenvError as exc:
+        raise DaemonError(
+            f"a weenv daemon runs for {paths.home} but cannot say which environments run "
+            f"({exc}); gc refuses to guess — stop it (weenv stop) or retry"
+        ) from exc
+
+
 def _wait_exit(pid: int | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while pid is not None and _alive(pid):
@@ -289,7 +314,7 @@ def _leftovers(paths: Paths) -> list[str]:
     """What of the home outlives its daemon, in words (``[]``: nothing): mounts
     below it, its FUSE holder, environment dirs, runc containers and the
     cgroups of the environments those name."""
-    from weenv.node import mounts
+    from weenv.host import mounts
     from weenv.node.fuse import holder
 
     left = []

@@ -43,9 +43,9 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from weenv.node.fuse import protocol as P
 from weenv.errors import MountError
-from weenv.node.mounts import MountSpec, _unescape, mount, umount
+from weenv.host.mounts import MountSpec, _unescape, mount, umount
+from weenv.node.fuse import protocol as P
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """envd's filesystem service (``filesystem.Filesystem``) and its ``/files`` endpoint,
-over a sandbox's confined root (:class:`weenv.node.rootfs.RootFS`).
+over a sandbox's confined root (:class:`weenv.host.rootfs.RootFS`).
 
 Behaviour follows E2B's envd: relative paths start at the sandbox's working
 directory (weenv: the template's ``working_dir``; E2B: the user's home), ``~``
@@ -24,7 +24,7 @@ from typing import BinaryIO
 from google.protobuf.message import Message
 
 from weenv.errors import InvalidInputError, NotFoundError
-from weenv.node.rootfs import RootFS
+from weenv.host.rootfs import RootFS
 from weenv.server.e2b.connect import RpcError
 from weenv.server.e2b.proto import filesystem_pb
 from weenv.server.e2b.sandboxes import Sandbox

@@ -139,7 +139,7 @@ def is_mounted(target: str | os.PathLike[str]) -> bool:
 
 def overlay_lowers(target: Path) -> list[Path] | None:
     """The lower dirs of the overlay mounted at ``target``, bottom to top (as
-    :func:`~weenv.node.mounts.overlay_spec` takes them), from
+    :func:`~weenv.host.mounts.overlay_spec` takes them), from
     /proc/self/mountinfo; None if no overlay is mounted there."""
     found = mount_info(target)
     if found is None or found[0] != "overlay":
