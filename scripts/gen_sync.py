@@ -33,6 +33,7 @@ REPLACEMENTS = {
     "AsyncCommands": "Commands",
     "AsyncCommandHandle": "CommandHandle",
     "AsyncFiles": "Files",
+    "AsyncNodeClient": "NodeClient",
     # httpx's pairs
     "AsyncClient": "Client",
     "AsyncHTTPTransport": "HTTPTransport",

@@ -35,7 +35,6 @@ from weenv.node.node import CONTAINER_PREFIX, Node
 from weenv.node.runc import Runc, children
 from weenv.packaging.group import build_group
 from weenv.server import daemon
-from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
 from weenv_bench.services.process import alive
 
@@ -429,7 +428,7 @@ def test_client_raises_the_error_kind_the_daemon_sent(served):
     """Today an 'invalid_input' answer becomes DaemonError("weenv daemon answered
     400: {json}"): InvalidInputError is a ValueError, and client._request raises it
     inside ``try: ... except (ValueError, KeyError, TypeError)``."""
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         with pytest.raises(InvalidInputError):
             c.create("Bad Name")
         info = c.create("task")
@@ -446,7 +445,7 @@ def test_client_works_after_an_internal_error(served):
     """After the daemon answered 500, the next request on the same client fails
     with 'Connection reset by peer' today (uvicorn closes the connection after an
     unhandled exception; httpx reuses it)."""
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         info = c.create("task")
         with pytest.raises(WeenvError):
             c.exec(info.id, ["echo", "a\0b"])
@@ -455,7 +454,7 @@ def test_client_works_after_an_internal_error(served):
 
 def test_exec_timeout_options_are_one_line(served):
     # today: pydantic ValidationError traceback from ExecRequest in client.exec
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         env_id = c.create("task").id
     for value in ("0", "-1", "nan"):
         _one_line_error(_weenv(served, "exec", env_id, "--timeout", value, "--", "true"))
@@ -464,7 +463,7 @@ def test_exec_timeout_options_are_one_line(served):
 def test_recovery_after_the_daemon_is_killed(served):
     """A new daemon takes the killed one's environments over (issue 4, item 7;
     tests/test_restart.py has the details); ``weenv rm`` then clears them."""
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         old = c.create("task").id
     pid = _pid(served)
     os.kill(pid, signal.SIGKILL)
@@ -482,7 +481,7 @@ def test_stop_after_the_daemon_was_killed_cleans_up(served):
     running' and exits 0, leaving the container (and its processes), the overlay,
     the group mounts and a dead FUSE mount (server.daemon.stop only asks the
     socket).  It should clear them, as a daemon start does."""
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         c.create("task")
     pid = _pid(served)
     os.kill(pid, signal.SIGKILL)
@@ -521,11 +520,11 @@ def test_second_serve_is_refused(served):
 
 
 def test_concurrent_destroys_of_one_environment(served):
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         env_id = c.create("task").id
 
     def destroy():
-        with NodeClient(served, autostart=False) as c:
+        with daemon.connect(served, autostart=False) as c:
             try:
                 c.destroy(env_id)
                 return "ok"
@@ -543,12 +542,12 @@ def test_long_commands_do_not_block_the_api(served):
     default); an exec holds one for its whole run.  Today 40 long commands make
     /health (and so ``weenv ps``, ``rm``, ``create``) wait for them: the client's
     2-second health check fails and it tries to start a second daemon."""
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         env_id = c.create("task").id
     n = 45
 
     def long_command():
-        with NodeClient(served, autostart=False) as c:
+        with daemon.connect(served, autostart=False) as c:
             return c.exec(env_id, ["sleep", "15"]).exit_code
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -565,7 +564,7 @@ def test_exec_is_killed_when_its_client_goes_away(served):
     as a streamed one is: it must not run on to its timeout for nobody."""
     import httpx
 
-    with NodeClient(served) as c:
+    with daemon.connect(served) as c:
         env_id = c.create("task").id
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weenv/v1",
                       timeout=3) as h:  # fmt: skip
@@ -578,5 +577,5 @@ def test_exec_is_killed_when_its_client_goes_away(served):
             break
         time.sleep(0.1)
     assert not [p for p in _descendants(init) if _cmdline(p) == ["sleep", "60"]]
-    with NodeClient(served, autostart=False) as c:
+    with daemon.connect(served, autostart=False) as c:
         assert c.exec(env_id, ["echo", "ok"]).stdout == b"ok\n"

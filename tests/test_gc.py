@@ -19,7 +19,6 @@ from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, l
 from weenv.packaging.template import create_template, load_template
 from weenv.packaging.update import update_component
 from weenv.server import daemon
-from weenv.server.client import NodeClient
 
 
 def _tree(root: Path, files: dict[str, bytes]) -> Path:
@@ -116,7 +115,7 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
     old_t, _ = create_template(store, "t", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
     daemon.start_background(paths)
     try:
-        with NodeClient(paths, autostart=False) as client:
+        with daemon.connect(paths, autostart=False) as client:
             env = client.create("t")
             update_component(store, "t", "task", _tree(tmp_path / "v2", {"workspace/v": b"two\n"}), paths=paths)
             r = collect(store, paths, in_use=lambda: daemon.running_templates(paths))  # asks the daemon

@@ -32,8 +32,8 @@ from weenv.node.fuse import holder
 from weenv.node.models import CreateRequest
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.template import create_template, load_template
+from weenv.sdk import NodeClient
 from weenv.server import daemon
-from weenv.server.client import NodeClient
 from weenv.store.file import FileStore
 from weenv_bench.services.process import alive
 
@@ -82,7 +82,7 @@ class _Home:
     def start(self) -> NodeClient:
         pid = daemon.start_background(self.paths)
         self.pids.append(pid)
-        client = NodeClient(self.paths, autostart=False)
+        client = daemon.connect(self.paths, autostart=False)
         return client
 
     def daemon_pid(self) -> int:
@@ -398,13 +398,16 @@ def test_batch_interrupted_by_a_crash_keeps_only_what_the_client_received(restar
         daemon_pid = home.daemon_pid()
         items = [CreateRequest(template="r")] * 16
         received: list[str] = []
+
+        def done(ev):
+            assert ev.environment is not None, ev.error
+            received.append(ev.environment.id)
+            home.env_ids.add(ev.environment.id)
+            if len(received) == 3:
+                home.kill(daemon_pid)
+
         with pytest.raises(WeenvError):
-            for ev in client.create_many(items, concurrency=4):
-                assert ev.environment is not None, ev.error
-                received.append(ev.environment.id)
-                home.env_ids.add(ev.environment.id)
-                if len(received) == 3:
-                    home.kill(daemon_pid)
+            client.create_many(items, concurrency=4, on_event=done)
         client.close()
         envs = home.paths.environments
         on_disk = {d.name for d in envs.iterdir()}

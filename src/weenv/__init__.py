@@ -2,12 +2,18 @@
 
 Layout (a map of the architecture):
 
-- ``weenv.packaging``: layer groups (EROFS image, chunks, manifests) and templates.
+- ``weenv.formats``: the manifests, digests and read limits every layer shares.
+- ``weenv.host``: the host's mount table and mount(2), file access confined under a root.
 - ``weenv.store``: content-addressed stores of chunks and manifests (``file://``).
+- ``weenv.packaging``: layer groups (EROFS image, chunks) and templates, builds, gc.
 - ``weenv.node``: one machine: chunk cache, lazy FUSE daemon, mounts, runc, environments.
-- ``weenv.server``: the node daemon's HTTP API and its client.
-- ``weenv.sdk``: the Python SDK (``weenv.Sandbox``, ``weenv.AsyncSandbox``).
+- ``weenv.sdk``: the Python SDK (``weenv.Sandbox``, ``weenv.AsyncSandbox``), and
+  the node's API as records (``weenv.sdk.NodeClient``).
+- ``weenv.server``: the node daemon's HTTP API, and starting and stopping it.
 - ``weenv.cli``: the ``weenv`` command.
+
+Each imports only from those above it in this list (and ``errors``, ``config``):
+``tests/unit/test_layers.py``.
 """
 
 __version__ = "0.1.0"

@@ -114,7 +114,6 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
              keep_daemon: bool = False, console: Console | None = None) -> int:
     """Run the demo; return 0 if the test suite passed in both starts."""
     from weenv.server import daemon
-    from weenv.server.client import NodeClient
 
     console = console or Console(stderr=True)
     paths.cache.mkdir(parents=True, exist_ok=True)
@@ -149,7 +148,7 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
     console.print(f"  template [bold]{template}[/bold] {digest[:19]}: {' + '.join(built)}")
 
     started_here = not daemon.is_running(paths)
-    client = NodeClient(paths)
+    client = daemon.connect(paths)
     ok = True
     try:
         client.drop_cache()

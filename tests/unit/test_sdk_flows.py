@@ -353,3 +353,59 @@ def test_async_callbacks_may_be_coroutines(daemon):
         return seen
 
     assert "".join(asyncio.run(main())) == "ab cd"
+
+
+# --- the node client (what the CLI uses) ------------------------------------------------------
+def test_node_client_batch_reports_each_event_as_it_comes_and_keeps_failures(daemon):
+    from weenv.node.models import CreateRequest
+    from weenv.sdk import NodeClient
+
+    seen = []
+    with NodeClient() as c:
+        events = c.create_many([CreateRequest(template="a"), CreateRequest(template="missing")], concurrency=2,
+                               on_event=lambda ev: seen.append(ev.index))  # fmt: skip
+    assert seen == [1, 0] and [e.index for e in events] == [1, 0]  # the daemon's order
+    assert events[0].error.kind == "not_found" and events[1].environment.template == "a"
+    assert list(daemon.envs) == ["e0"]  # a failed item destroys nothing
+    assert json.loads(daemon.requests[0].content)["concurrency"] == 2
+
+
+def test_node_client_records_commands_stats_and_admin(daemon):
+    from weenv.node.models import ExecResult
+    from weenv.sdk import AsyncNodeClient, NodeClient
+
+    ran = ExecResult(exit_code=0, stdout=b"out\xff", stderr=b"", duration_s=0.1)
+    daemon.answers[("POST", "/v1/environments/e0/commands")] = httpx.Response(200, content=ran.model_dump_json())
+    daemon.answers[("GET", "/v1/health")] = httpx.Response(200, json={"ok": True})
+    daemon.answers[("POST", "/v1/cache/drop")] = httpx.Response(204)
+    daemon.answers[("POST", "/v1/shutdown")] = httpx.Response(202, json={})
+    with NodeClient() as c:
+        info = c.create("task", first_command=False, priority=3)
+        assert json.loads(daemon.requests[-1].content)["first_command"] is False
+        assert c.exec(info.id, ["echo", "out"], env={"A": "1"}) == ran
+        assert json.loads(daemon.requests[-1].content)["env"] == {"A": "1"}
+        assert c.health() is True
+        c.drop_cache()
+        c.shutdown()
+        c.destroy(info.id)
+        with pytest.raises(NotFoundError):
+            c.destroy(info.id)  # a record client: a missing environment is an error
+        with pytest.raises(InvalidInputError):
+            c.exec("../../etc", ["true"])
+
+    daemon.answers[("GET", "/v1/health")] = httpx.Response(200, json={"ok": True})  # an answer is read once
+
+    async def main():
+        async with AsyncNodeClient() as c:
+            return await c.health()
+
+    assert asyncio.run(main()) is True
+
+
+def test_node_client_on_a_socket_ignores_the_environments_url(daemon, tmp_path):
+    """``socket=``: the given home's daemon, even with WEENV_API_URL set (the daemon helpers' own client)."""
+    from weenv.sdk import NodeClient
+
+    with NodeClient(socket=tmp_path / "weenv.sock") as c:
+        assert c.where == f"unix:{tmp_path / 'weenv.sock'}"
+        assert c._conn.config.headers == {}

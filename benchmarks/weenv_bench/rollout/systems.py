@@ -228,9 +228,9 @@ class WeenvSystem:
             self._proc = None
 
     def _stats(self):
-        from weenv.server.client import NodeClient
+        from weenv.server import daemon
 
-        with NodeClient(self.paths, autostart=False) as client:
+        with daemon.connect(self.paths, autostart=False) as client:
             return client.stats()
 
     @property

@@ -56,9 +56,10 @@ def command_from(args: list[str]) -> list[str] | str:
 
 
 def client():
-    from weenv.server.client import NodeClient
+    """The SDK's :class:`~weenv.sdk.NodeClient` on this home's daemon (started if none runs)."""
+    from weenv.server import daemon
 
-    return NodeClient(Paths.from_env())
+    return daemon.connect(Paths.from_env())
 
 
 def store():

@@ -20,7 +20,7 @@ from weenv.cli.common import (
 )
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources
-from weenv.node.models import CreateRequest
+from weenv.node.models import BatchCreateEvent, CreateRequest
 
 app = typer.Typer()
 
@@ -93,15 +93,18 @@ def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
     with client() as c, Progress(TextColumn("creating"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err) as bar:
         task = bar.add_task("create", total=len(items), note="")
+
+        def done(ev: BatchCreateEvent) -> None:
+            if ev.environment is not None:
+                ids[ev.index] = ev.environment.id
+                note = f"{ev.environment.id} in {ev.environment.timing.total_s:.2f} s"
+            else:
+                failures.append(f"#{ev.index}: {ev.error.message if ev.error else '?'}")
+                note = f"#{ev.index} failed"
+            bar.update(task, advance=1, note=note)
+
         try:
-            for ev in c.create_many(items, concurrency=concurrency):
-                if ev.environment is not None:
-                    ids[ev.index] = ev.environment.id
-                    note = f"{ev.environment.id} in {ev.environment.timing.total_s:.2f} s"
-                else:
-                    failures.append(f"#{ev.index}: {ev.error.message if ev.error else '?'}")
-                    note = f"#{ev.index} failed"
-                bar.update(task, advance=1, note=note)
+            c.create_many(items, concurrency=concurrency, on_event=done)
         finally:  # the ids received are printed even when the answer broke off (the daemon died)
             bar.stop()
             for env_id in ids:

@@ -26,7 +26,7 @@ class HomeLock:
             os.close(fd)
             raise BusyError(
                 f"a weenv node already serves WEENV_HOME={self.paths.home}; use its daemon "
-                "(NodeClient / weenv.Sandbox) or another WEENV_HOME"
+                "(weenv.Sandbox / weenv.sdk.NodeClient) or another WEENV_HOME"
             ) from None
         self._fd = fd
 

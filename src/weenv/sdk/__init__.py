@@ -13,6 +13,9 @@
 :class:`AsyncSandbox` offers the same calls as coroutines.  The daemon is found
 by ``api_url``/``api_key`` arguments, else ``WEENV_API_URL`` and ``WEENV_API_KEY``
 (TCP), else the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
+:class:`NodeClient` (and :class:`AsyncNodeClient`) is the node's API as records
+(environments by id, captured commands, stats, the cache, shutdown), what the
+``weenv`` command uses.
 
 One implementation of the logic serves both faces (:mod:`weenv.sdk._core`:
 generator flows free of I/O); :mod:`weenv.sdk._async` and :mod:`weenv.sdk._sync`
@@ -32,12 +35,12 @@ from weenv.errors import (
     OutputLimitError,
     WeenvError,
 )
-from weenv.sdk._async import AsyncCommandHandle, AsyncSandbox
+from weenv.sdk._async import AsyncCommandHandle, AsyncNodeClient, AsyncSandbox
 from weenv.sdk._core import CommandResult
-from weenv.sdk._sync import CommandHandle, Sandbox
+from weenv.sdk._sync import CommandHandle, NodeClient, Sandbox
 
 __all__ = [
-    "AsyncCommandHandle", "AsyncSandbox", "AuthenticationError", "CapacityError", "CommandHandle",
-    "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NotFoundError",
-    "OutputLimitError", "Sandbox", "WeenvError",
+    "AsyncCommandHandle", "AsyncNodeClient", "AsyncSandbox", "AuthenticationError", "CapacityError",
+    "CommandHandle", "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NodeClient",
+    "NotFoundError", "OutputLimitError", "Sandbox", "WeenvError",
 ]

@@ -20,7 +20,18 @@ from typing import Any, BinaryIO, Literal
 import httpx
 
 from weenv.errors import WeenvError
-from weenv.node.models import EntryInfo, EnvironmentInfo, ProcessInfo, TemplateInfo, WriteInfo
+from weenv.node.models import (
+    BatchCreateEvent,
+    CreateRequest,
+    EntryInfo,
+    EnvironmentInfo,
+    ExecResult,
+    NodeStats,
+    ProcessInfo,
+    TemplateInfo,
+    WriteInfo,
+)
+from weenv.node.provision.models import ProvisionStats
 from weenv.sdk import _core
 from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
 
@@ -422,3 +433,89 @@ def _templates(templates: str | list[str], count: int | None) -> list[str]:
     if count is not None:
         raise _core.InvalidInputError("give count with one template, not with a list")
     return list(templates)
+
+
+class AsyncNodeClient:
+    """The node's API as records, one request a method, for the CLI and
+    operators (:meth:`weenv.server.daemon.connect` makes one for a home,
+    starting its daemon if asked): environments by id, commands run to their
+    end with their output captured, the node's stats, its chunk cache, its
+    shutdown.  It takes and returns the node's models (:mod:`weenv.node.models`).
+
+    Where the daemon is: ``socket`` (a Unix socket, needing no key), else as a
+    sandbox finds it.  ``request_timeout``: seconds a request may wait for its
+    answer.  Errors as a sandbox's (:class:`DaemonError` when the daemon cannot
+    be reached).
+    """
+
+    def __init__(self, *, socket: str | os.PathLike | None = None, api_url: str | None = None,
+                 api_key: str | None = None, request_timeout: float | None = None):
+        self._conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout, socket=socket))
+        self._closed = False
+
+    @property
+    def where(self) -> str:
+        return self._conn.config.where
+
+    async def health(self) -> bool:
+        return await self._conn.drive(_core.health())
+
+    async def create(self, template: str, *, resources: Any = None, first_command: bool = True,
+               timeout: float | None = None, priority: int = 0) -> EnvironmentInfo:
+        return await self._conn.drive(_core.create(template, resources=resources, first_command=first_command,
+                                                   timeout=timeout, priority=priority))
+
+    async def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None,
+                    on_event: Callable[[BatchCreateEvent], Any] | None = None) -> list[BatchCreateEvent]:
+        """One batch create; ``on_event(event)`` as each item is done (a failed
+        item is an event); every event, in the order they came."""
+        return await self._conn.drive(_core.batch_events(items, concurrency=concurrency, on_event=on_event))
+
+    async def get(self, env_id: str) -> EnvironmentInfo:
+        return await self._conn.drive(_core.get(env_id))
+
+    async def list(self) -> list[EnvironmentInfo]:
+        return await self._conn.drive(_core.list_environments())
+
+    async def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
+        return await self._conn.drive(_core.set_timeout(env_id, timeout))
+
+    async def destroy(self, env_id: str) -> None:
+        """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""
+        await self._conn.drive(_core.kill(env_id, missing_ok=False))
+
+    async def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
+             cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
+        """Run ``command`` (argv, or a shell string) to its end; its exit code and captured output."""
+        req = _core.exec_request(command, envs=env, cwd=cwd, timeout=timeout, stdin=stdin)
+        return await self._conn.drive(_core.exec_captured(env_id, req))
+
+    async def read_file(self, env_id: str, path: str) -> bytes:
+        return await self._conn.drive(_core.read_file(env_id, path, format="bytes"))
+
+    async def write_file(self, env_id: str, path: str, data: bytes) -> WriteInfo:
+        return await self._conn.drive(_core.write_file(env_id, path, data))
+
+    async def stats(self) -> NodeStats:
+        return await self._conn.drive(_core.node_stats())
+
+    async def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
+        return await self._conn.drive(_core.provision_stats(env_id))
+
+    async def drop_cache(self) -> None:
+        await self._conn.drive(_core.drop_cache())
+
+    async def shutdown(self) -> None:
+        await self._conn.drive(_core.shutdown())
+
+    async def aclose(self) -> None:
+        """Close the connection.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            await self._conn.release()
+
+    async def __aenter__(self) -> "AsyncNodeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

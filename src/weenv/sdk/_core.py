@@ -61,7 +61,9 @@ from weenv.node.models import (
     EnvironmentInfo,
     ErrorResponse,
     ExecRequest,
+    ExecResult,
     KillRequest,
+    NodeStats,
     ProcessEvent,
     ProcessInfo,
     ProcessStdin,
@@ -71,6 +73,7 @@ from weenv.node.models import (
     TemplateInfo,
     WriteInfo,
 )
+from weenv.node.provision.models import ProvisionStats
 
 T = TypeVar("T")
 API_PREFIX = "/v1"
@@ -136,14 +139,18 @@ class ConnectionConfig:
 
     @classmethod
     def resolve(cls, api_url: str | None = None, api_key: str | None = None,
-                request_timeout: float | None = None) -> "ConnectionConfig":
+                request_timeout: float | None = None, socket: str | os.PathLike | None = None) -> "ConnectionConfig":
         """Arguments first, then ``WEENV_API_URL`` and ``WEENV_API_KEY``; with no
-        URL, the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``)."""
+        URL, the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
+        ``socket``: that Unix socket (a given home's daemon), whatever the
+        environment names; it needs no key."""
         from weenv.config import Paths
 
+        timeout = DEFAULT_REQUEST_TIMEOUT if request_timeout is None else request_timeout
+        if socket is not None:
+            return cls(socket=str(socket), api_key=api_key, request_timeout=timeout)
         api_url = api_url or os.environ.get("WEENV_API_URL") or None
         api_key = api_key or os.environ.get("WEENV_API_KEY") or None
-        timeout = DEFAULT_REQUEST_TIMEOUT if request_timeout is None else request_timeout
         if api_url:
             if not api_url.startswith(("http://", "https://")):
                 raise InvalidInputError(f"WEENV_API_URL {api_url!r} is not an http(s) URL")
@@ -351,18 +358,18 @@ _env = env_path
 
 def create(template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
            metadata: dict[str, str] | None = None, resources: Resources | dict | None = None,
-           priority: int = 0) -> Flow[EnvironmentInfo]:
+           priority: int = 0, first_command: bool = True) -> Flow[EnvironmentInfo]:
     req = create_request(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources,
-                         priority=priority)  # fmt: skip
+                         priority=priority, first_command=first_command)  # fmt: skip
     reply = yield Call("POST", "/environments", json=req)
     return EnvironmentInfo.model_validate_json(reply.content)
 
 
 def create_request(template: str, *, timeout=None, envs=None, metadata=None, resources=None,
-                   priority: int = 0) -> CreateRequest:  # fmt: skip
+                   priority: int = 0, first_command: bool = True) -> CreateRequest:  # fmt: skip
     try:
         return CreateRequest(template=template, timeout=timeout, envs=envs or {}, metadata=metadata or {},
-                             priority=priority,
+                             priority=priority, first_command=first_command,
                              resources=Resources.model_validate(resources) if isinstance(resources, dict) else resources)
     except ValidationError as exc:
         raise InvalidInputError(f"bad create arguments: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
@@ -403,6 +410,26 @@ def create_many(items: list[CreateRequest], *, concurrency: int | None = None,
                     pass
         raise failed[0]
     return results  # type: ignore[return-value]
+
+
+def batch_events(items: list[CreateRequest], *, concurrency: int | None = None,
+                 on_event: Callable[[BatchCreateEvent], Any] | None = None) -> Flow[list[BatchCreateEvent]]:
+    """Create ``items`` in one batch: ``on_event(event)`` as the daemon finishes
+    each item, then every event in the order they came.  A failed item is an
+    event (nothing else is destroyed); a broken answer raises (:class:`DaemonError`)."""
+    try:
+        req = BatchCreateRequest(items=items, concurrency=concurrency)
+    except ValidationError as exc:
+        raise InvalidInputError(f"bad batch: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+    events: list[BatchCreateEvent] = []
+    line = yield Call("POST", "/environments/batch", json=req, stream=True, timeout=None)
+    while line is not END:
+        if line is not None:
+            events.append(BatchCreateEvent.model_validate(line))
+            if on_event is not None:
+                yield Invoke(on_event, (events[-1],))
+        line = yield NEXT
+    return events
 
 
 def get(env_id: str) -> Flow[EnvironmentInfo]:
@@ -451,6 +478,40 @@ def templates() -> Flow[list[TemplateInfo]]:
 
     reply = yield Call("GET", "/templates")
     return [TemplateInfo.model_validate(t) for t in json.loads(reply.content)]
+
+
+# --- flows: the node -------------------------------------------------------------------
+def health() -> Flow[bool]:
+    """Whether the daemon answers ``GET /health`` with 200."""
+    reply = yield Call("GET", "/health")
+    return reply.status == 200
+
+
+def shutdown() -> Flow[None]:
+    """Ask the daemon to stop (it destroys every environment, then exits)."""
+    yield Call("POST", "/shutdown")
+
+
+def node_stats() -> Flow[NodeStats]:
+    reply = yield Call("GET", "/stats")
+    return NodeStats.model_validate_json(reply.content)
+
+
+def provision_stats(env_id: str | None = None) -> Flow[ProvisionStats]:
+    """Quotas, usage history and events of every environment (or of ``env_id``)."""
+    reply = yield Call("GET", "/stats/provision", params={"env": env_id} if env_id else None)
+    return ProvisionStats.model_validate_json(reply.content)
+
+
+def drop_cache() -> Flow[None]:
+    """Empty the node's chunk cache (what no environment uses)."""
+    yield Call("POST", "/cache/drop")
+
+
+def exec_captured(env_id: str, req: ExecRequest) -> Flow[ExecResult]:
+    """A command run to its end, its output captured by the daemon (``POST .../commands``)."""
+    reply = yield Call("POST", _env(env_id) + "/commands", json=req)
+    return ExecResult.model_validate_json(reply.content)
 
 
 # --- flows: commands -------------------------------------------------------------------

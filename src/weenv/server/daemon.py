@@ -35,11 +35,11 @@ import subprocess
 import sys
 import time
 
-import httpx
 import uvicorn
 
 from weenv.config import Paths
 from weenv.errors import BusyError, DaemonError, WeenvError
+from weenv.sdk import NodeClient
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,24 @@ def is_running(paths: Paths) -> bool:
     if not paths.socket.exists():
         return False
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=2) as c:
-            return c.get("http://weenv/v1/health").status_code == 200
-    except httpx.HTTPError:
+        with NodeClient(socket=paths.socket, request_timeout=2) as c:
+            return c.health()
+    except WeenvError:
         return False
+
+
+def connect(paths: Paths | None = None, *, autostart: bool = True, timeout: float = 900.0) -> NodeClient:
+    """The SDK's :class:`~weenv.sdk.NodeClient` on the socket of the daemon of
+    ``paths.home`` (default: ``$WEENV_HOME``); with ``autostart``, a daemon is
+    started (:func:`start_background`) if none answers.  ``timeout``: seconds a
+    request may wait for its answer.  Raises :class:`DaemonError` when no daemon
+    answers and ``autostart`` is off, or one cannot be started."""
+    paths = paths or Paths.from_env()
+    if not is_running(paths):
+        if not autostart:
+            raise DaemonError(f"no weenv daemon serves {paths.home} (start one: weenv serve)")
+        start_background(paths)
+    return NodeClient(socket=paths.socket, request_timeout=timeout)
 
 
 def start_background(paths: Paths, *, timeout: float = 60.0) -> int:
@@ -199,9 +213,9 @@ def stop(paths: Paths, *, timeout: float = 120.0) -> bool:
         was_running = True
         pid = _read_pid(paths)
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)), timeout=10) as c:
-                c.post("http://weenv/v1/shutdown")
-        except httpx.HTTPError as exc:  # it died meanwhile (or is dying): what it left is cleared below
+            with NodeClient(socket=paths.socket, request_timeout=10) as c:
+                c.shutdown()
+        except WeenvError as exc:  # it died meanwhile (or is dying): what it left is cleared below
             log.info("the daemon did not answer its shutdown: %s", exc)
         _wait_exit(pid, timeout)
     holder = lock_holder(paths)
@@ -240,8 +254,6 @@ def running_templates(paths: Paths) -> list[str]:
     (empty if no daemon runs): what ``weenv gc`` keeps (the ``in_use`` of
     :func:`weenv.packaging.gc.collect`).  Raises :class:`DaemonError` if one runs
     (its pidfile names a live process) and does not answer."""
-    from weenv.server.client import NodeClient
-
     if not is_running(paths):
         pid = _read_pid(paths)
         if pid is not None and _alive(pid):
@@ -251,7 +263,7 @@ def running_templates(paths: Paths) -> list[str]:
             )
         return []
     try:
-        with NodeClient(paths, autostart=False, timeout=30.0) as client:
+        with connect(paths, autostart=False, timeout=30.0) as client:
             return sorted({e.template_digest for e in client.list()})
     except WeenvError as exc:
         raise DaemonError(
