@@ -5,6 +5,7 @@
     WeenvError
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
+    │   └── UnknownUserError              a user the environment's /etc/passwd does not name
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
     │   └── ContentLimitError             store content past a read limit (:mod:`weenv.packaging.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
@@ -50,6 +51,12 @@ class NotFoundError(WeenvError, LookupError):
 
 class InvalidInputError(WeenvError, ValueError):
     kind = "invalid_input"
+
+
+class UnknownUserError(InvalidInputError):
+    """A command or file call named a user the environment does not have (HTTP 400)."""
+
+    kind = "unknown_user"
 
 
 class DigestMismatchError(WeenvError, OSError):
@@ -159,6 +166,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         WeenvError,
         NotFoundError,
         InvalidInputError,
+        UnknownUserError,
         DigestMismatchError,
         ContentLimitError,
         MountError,

@@ -16,7 +16,9 @@ from pathlib import Path
 from weenv.node import network
 from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node.bundle import write_bundle
+from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
+from weenv.node.users import lookup as lookup_user
 from weenv.node.table import AGENT_SOCKET, container_id
 from weenv.packaging.manifest import Resources, RuntimeConfig
 
@@ -47,6 +49,10 @@ class Containers:
         bundle = env_dir / "bundle"
         bundle.mkdir()
         agent = self.agent.get()
+        agent_user = None
+        if agent is not None:  # the template's user with its groups, from the environment's own files
+            who = lookup_user(RootFS(env_dir / "rootfs"), runtime.user)
+            agent_user = f"{who.spec}:{','.join(map(str, who.groups))}"
         write_bundle(
             bundle,
             env_dir / "rootfs",
@@ -58,6 +64,7 @@ class Containers:
             capabilities=capabilities,
             agent=agent,
             netns=netns,
+            agent_user=agent_user,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self.delete, env_id, env_dir)

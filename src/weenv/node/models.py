@@ -210,6 +210,9 @@ class ExecRequest(_Model):
     and background commands."""
     tag: str | None = Field(default=None, max_length=256)
     """A label to find a background command by (returned in its ``ProcessInfo``)."""
+    user: str | None = Field(default=None, min_length=1, max_length=256)
+    """Who it runs as: a user of the environment's ``/etc/passwd`` or ``"UID[:GID]"``
+    (default: the template's user), with that user's groups and ``HOME``."""
 
     _check_timeout = field_validator("timeout")(_finite)
 

@@ -78,6 +78,7 @@ from weenv.node.resolver import Resolved, Resolver
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
 from weenv.node.snapshotter import Snapshotter
+from weenv.node.users import Identity
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
     CONTAINER_PREFIX,
     UNDELIVERED,
@@ -458,6 +459,7 @@ class Node:
         stdin: bytes | None = None,
         raise_on_timeout: bool = False,
         max_output: int = 64 << 20,
+        user: str | None = None,
     ) -> ExecResult:
         """Run ``command`` (argv, or a ``/bin/sh -c`` string) in environment ``env_id``.
 
@@ -470,7 +472,8 @@ class Node:
         descendant (``cmd &``) writes after the command returned goes to the
         node's :class:`~weenv.node.process.PipeSink`, never to a file on the host.
         """
-        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output)
+        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output,
+                     user=user)
         if r.timed_out and raise_on_timeout:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {env_id}")
         return r
@@ -487,6 +490,7 @@ class Node:
         stdin_open: bool = False,
         tag: str | None = None,
         primary_reader: bool = False,
+        user: str | Identity | None = None,
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
@@ -496,13 +500,19 @@ class Node:
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
         ``primary_reader`` attaches a reader that sees every event (a foreground
         stream; read it to the end or detach it).  The process is kept under
-        its pid (:meth:`process`) while it runs and a while after.  Raises
-        :class:`NotFoundError` for an unknown environment and
-        :class:`InvalidInputError` for a bad command, variable or directory.
+        its pid (:meth:`process`) while it runs and a while after.
+
+        ``user``: who it runs as, a name of the environment's ``/etc/passwd``
+        or ``"UID[:GID]"`` (default: the template's user), with that user's
+        gid, supplementary groups (``/etc/group``) and ``HOME``/``USER``/
+        ``LOGNAME`` (:mod:`weenv.node.users`).  Raises :class:`NotFoundError`
+        for an unknown environment, :class:`UnknownUserError` for a user it
+        does not have and :class:`InvalidInputError` for a bad command,
+        variable, directory or user.
         """
         e = self.table.get(env_id)
         p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
-                                tag=tag, primary_reader=primary_reader)  # fmt: skip
+                                tag=tag, primary_reader=primary_reader, user=user)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
         self.commands.keep(e, p)
         return p
@@ -524,12 +534,14 @@ class Node:
         timeout: float | None = None,
         stdin: bytes | None = None,
         max_output: int = 64 << 20,
+        user: str | None = None,
     ) -> ExecResult:
         """Like :meth:`exec`, through a streamed process whose output is counted
         as it comes: past ``max_output`` bytes (stdout + stderr) the command tree
         is killed and :class:`OutputLimitError` raised, so a huge output never
         fills the daemon's memory or disk."""
-        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True)
+        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True,
+                       user=user)
         return collect(p, max_output)
 
     def collect(self, p: Process, max_output: int = 64 << 20) -> ExecResult:
@@ -550,6 +562,12 @@ class Node:
     def files(self, env_id: str) -> RootFS:
         """File access inside the environment's root (paths cannot escape it)."""
         return RootFS(self.table.get(env_id).rootfs)
+
+    def user(self, env_id: str, user: str | None = None) -> Identity:
+        """``user`` (a name or ``"UID[:GID]"``; None: the template's) inside the
+        environment: uid, gid, groups, home.  Raises :class:`NotFoundError`,
+        :class:`UnknownUserError` or :class:`InvalidInputError`."""
+        return self.commands.identity(self.table.get(env_id), user)
 
     # --- stop and destroy -------------------------------------------------------------
     def stop(self, env_id: str) -> Path:
@@ -587,6 +605,7 @@ class Node:
                     p.wait(10)
                 self.snapshotter.unmount(e.dir)
             finally:
+                self.commands.users.forget(RootFS(e.rootfs))
                 self.prefetch.cancel(env_id)
                 self.snapshotter.release(e.template.groups, e.lowers)
                 self.containers.teardown_network(env_id, e.dir)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from weenv.errors import NotFoundError
 from weenv.node.models import EnvironmentInfo
 from weenv.node.node import Node
+from weenv.node.users import Identity
 from weenv.packaging.manifest import RuntimeConfig
 from weenv.packaging.template import load_template
 
@@ -48,21 +49,12 @@ class Sandbox:
     def id(self) -> str:
         return self.info.id
 
-    @property
-    def workdir(self) -> str:
-        """Where relative paths and commands start (E2B: the user's home)."""
-        return self.runtime.working_dir or "/"
-
-    @property
-    def home(self) -> str:
-        return self.runtime.env.get("HOME", "/root")
-
-    @property
-    def owner(self) -> tuple[int, int] | None:
-        """``(uid, gid)`` of files this face creates (None: root)."""
-        uid, _, gid = self.runtime.user.partition(":")
-        owner = (int(uid), int(gid or uid))
-        return None if owner == (0, 0) else owner
+    def start_dir(self, who: Identity) -> str:
+        """Where relative paths and commands of the user ``who`` start: the
+        template's working directory if it names one (envd's default workdir),
+        else the user's home (envd's)."""
+        wd = self.runtime.working_dir or "/"
+        return wd if wd != "/" else who.home
 
 
 class Sandboxes:
