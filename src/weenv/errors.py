@@ -17,6 +17,7 @@
     │                                     one), or cannot be written or read (a local one: full, read-only)
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
+    ├── NetworkForbiddenError(PermissionError)  network asked of a node whose policy forbids it (HTTP 403)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
     ├── ClosedError(RuntimeError)         the node (or the object) was closed, or is not started (HTTP 503)
     ├── BusyError(RuntimeError)           concurrent misuse: the thing is held by another user (HTTP 409)
@@ -106,6 +107,12 @@ class AuthenticationError(WeenvError, PermissionError):
     kind = "authentication"
 
 
+class NetworkForbiddenError(WeenvError, PermissionError):
+    """A create asked for network on a node whose policy (``WEENV_NETWORK=off``) forbids it."""
+
+    kind = "network_forbidden"
+
+
 class CapacityError(WeenvError, RuntimeError):
     kind = "capacity"
 
@@ -167,6 +174,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         NotFoundError,
         InvalidInputError,
         UnknownUserError,
+        NetworkForbiddenError,
         DigestMismatchError,
         ContentLimitError,
         MountError,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
+from weenv.node import network
 from weenv.node.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
@@ -91,7 +93,7 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
 )
 from weenv.node.warm import WarmStarts, pool_key
 from weenv.packaging.buildcache import store_lock
-from weenv.packaging.manifest import Resources, TemplateManifest
+from weenv.packaging.manifest import Resources, RuntimeConfig, TemplateManifest
 from weenv.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -332,7 +334,9 @@ class Node:
 
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
-        if not c.prefetch:  # transient (build) environments: never from the warm pool, never filling it
+        req = c.request
+        if not c.prefetch or req.network is not None or req.allow_out or req.deny_out:
+            # transient (build) environments and networks of the create's own: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
             return self._create_env(t0, resolved, c, pooled)
@@ -358,15 +362,20 @@ class Node:
             undo.callback(self.prefetch.cancel, env_id)
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
             lowers = self.warm.start(pooled, manifest, group_manifests, timing) if pooled is not None else None
+            runtime, egress = _network(req, manifest.runtime)
+            if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
+                network.check_policy(self.containers.network_allowed)
             if lowers is None:
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, timing)
-                self.containers.make(env_id, self.snapshotter.dir(env_id), manifest.runtime, res, c.capabilities,
-                                     undo, timing, start=True)  # fmt: skip
+                self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
+                                     undo, timing, start=True, egress=egress)  # fmt: skip
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
             self.resolver.check(req.template, resolved)  # RefMoved: undone; create starts the new digest
             env_dir = self.snapshotter.dir(env_id)
             e = Environment(_info(env_id, manifest, digest, res, req, env_dir), manifest, env_dir)
             e.lowers = lowers
+            if runtime.network:
+                e.info.address = network.env_address(env_id)
             if c.undelivered:  # before env.json: recovery never adopts it without the mark
                 (e.dir / UNDELIVERED).touch()
             if req.first_command:
@@ -563,6 +572,19 @@ class Node:
         """File access inside the environment's root (paths cannot escape it)."""
         return RootFS(self.table.get(env_id).rootfs)
 
+    def open_port(self, env_id: str, port: int) -> "socket.socket":
+        """A TCP connection to ``port`` on the environment's own loopback (inside
+        its network namespace, with or without network; E2B's ``get_host``).
+        Raises :class:`NotFoundError` (unknown or stopped), ``OSError`` (nothing listens)."""
+        e = self.table.get(env_id)
+        netns = e.dir / network.NETNS_FILE
+        if not netns.exists():
+            state = self.runc.state(e.container_id)
+            if not state or not state.get("pid"):
+                raise NotFoundError(f"environment {env_id!r} is not running")
+            netns = Path(f"/proc/{state['pid']}/ns/net")
+        return network.open_in(netns, port, timeout=5.0)
+
     def user(self, env_id: str, user: str | None = None) -> Identity:
         """``user`` (a name or ``"UID[:GID]"``; None: the template's) inside the
         environment: uid, gid, groups, home.  Raises :class:`NotFoundError`,
@@ -682,6 +704,18 @@ def _request(request: CreateRequest | str, fields: dict) -> CreateRequest:
         if not key or "=" in key or "\0" in key or "\0" in value:
             raise InvalidInputError(f"bad environment variable {key!r}")
     return request
+
+
+def _network(req: CreateRequest, runtime: RuntimeConfig) -> tuple[RuntimeConfig, network.Egress]:
+    """The runtime config and egress limits of a create: ``req.network`` (None:
+    the template's) or a non-empty ``allow_out`` gives it network; without
+    ``network`` True only ``allow_out`` is reachable (E2B: internet off is
+    ``denyOut 0.0.0.0/0``, and allowed entries win)."""
+    internet = runtime.network if req.network is None else req.network
+    on = internet or bool(req.allow_out)
+    if on != runtime.network:
+        runtime = runtime.model_copy(update={"network": on})
+    return runtime, network.Egress(internet=internet, allow=tuple(req.allow_out), deny=tuple(req.deny_out))
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -69,12 +69,15 @@ class Sandboxes:
         self._lock = threading.Lock()
 
     def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
-               undelivered: bool = False) -> Sandbox:
+               undelivered: bool = False, network: bool | None = None, allow_out: list[str] | None = None,
+               deny_out: list[str] | None = None) -> Sandbox:
         """A new environment from ``template`` living ``timeout`` seconds
-        (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``).
+        (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``;
+        ``network``, ``allow_out``, ``deny_out``: as ``CreateRequest``'s).
         Raises what :meth:`Node.create` raises."""
         info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
-                                undelivered=undelivered)
+                                undelivered=undelivered, network=network, allow_out=allow_out or None,
+                                deny_out=deny_out or None)
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:
