@@ -20,8 +20,11 @@ from weenv.errors import InvalidInputError, OutputLimitError, RuntimeFailedError
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node import agent
 from weenv.node.bundle import AGENT_PATH, INIT_PATH, build_config
+from weenv.node.commands import collect
 from weenv.node.node import Node
 from weenv.node.runc import children
+from weenv.node.table import AGENT_SOCKET
+from weenv.formats.manifest import RuntimeConfig
 
 # Prints, for this process, pid 1 (tini) and the environment's command (pid 1's
 # child that is not the agent): namespaces, cgroups, capabilities, seccomp, no_new_privs.
@@ -70,9 +73,11 @@ def test_fast_path_has_the_first_process_isolation(node):
     assert status["Seccomp"] == "2" and int(status["Seccomp_filters"]) >= 1 and status["NoNewPrivs"] == "1"
     assert status["CapEff"] == status["CapBnd"] == "0000000020000420"  # runc's default set
 
-    # and the same as a command started by runc exec (the fallback)
+    # and the same as a command started by runc exec (the fallback: the environment's set, not the
+    # first process's, which also holds the agent's CAP_SETUID, CAP_SETGID and CAP_SETPCAP)
     e = node._env(info.id)
-    via_runc = node.runc.exec(e.container_id, ["python3", "-c", PROBE])
+    via_runc = collect(node.commands.start(e, ["python3", "-c", PROBE], launcher=node.launchers.runc,
+                                           primary_reader=True))
     assert via_runc.exit_code == 0, via_runc.stderr
     runc_self = json.loads(via_runc.stdout)["self"]
     assert _isolation(runc_self) == _isolation(seen["self"])
@@ -223,7 +228,7 @@ def test_destroy_leaves_no_process_descriptor_or_file(node, paths):
     fds_before = _fds()
     info = node.create("task")
     env_dir = node._env(info.id).dir
-    assert (env_dir / "agent.sock").exists()
+    assert (env_dir / AGENT_SOCKET).exists()
     node.exec(info.id, "sleep 300 > /dev/null 2>&1 & (while true; do echo tick; sleep 0.05; done) & echo bg")
     bg = node.spawn(info.id, ["sleep", "300"])
     agents = _agent_pids(node, info.id, "weenv-agent") + _agent_pids(node, info.id, "weenv-exec")
@@ -250,7 +255,11 @@ def test_node_without_agent_uses_runc(paths, shared_store, leak_check):
 def test_bundle_and_build(tmp_path):
     config = build_config(tmp_path, RuntimeConfig(command=["sleep", "1"]), hostname="h", cgroups_path="/x",
                           init=Path("/usr/bin/tini-static"), agent=tmp_path / "agent")  # fmt: skip
-    assert config["process"]["args"] == [AGENT_PATH, "--", INIT_PATH, "--", "sleep", "1"]
+    # the agent runs as root with the set and the three it needs to switch users, and becomes 0:0 (the template's)
+    assert config["process"]["args"] == [AGENT_PATH, "-u", "0:0", "-c", "20000420", "--", INIT_PATH, "--", "sleep", "1"]
+    assert config["process"]["user"] == {"uid": 0, "gid": 0}
+    assert set(config["process"]["capabilities"]["permitted"]) == {
+        "CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"}
     (m,) = [m for m in config["mounts"] if m["destination"] == AGENT_PATH]
     assert m["source"] == str(tmp_path / "agent") and "ro" in m["options"] and "nosuid" in m["options"]
     first = agent.build_agent(tmp_path / "cache")

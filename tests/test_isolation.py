@@ -193,35 +193,43 @@ def host_server():
         srv.close()
 
 
-@pytest.fixture
-def outside(tmp_path):
-    """A network namespace standing in for the internet, linked to the host by
-    a veth of its own (not a weenv one), serving TCP on :data:`OUTSIDE`'s far
-    end; each connection is answered with ``outside PEER_ADDRESS``."""
-    host_end, far_end, port = OUTSIDE
-    ns = tmp_path / "outside-netns"
+@contextlib.contextmanager
+def far_host(ns: Path, link: str, host_end: str, far_end: str, port: int, word: str):
+    """A network namespace (its file ``ns``) linked to the host by the veth
+    ``link`` (not a weenv one), ``host_end`` on the host and ``far_end``
+    inside, serving TCP on the far end's ``port``: each connection is answered
+    with ``WORD PEER_ADDRESS``.  Yields the far address; removes it all after."""
     ns.touch()
-    name = f"wvtout{os.getpid() % 100000}"
     subprocess.run(["unshare", f"--net={ns}", "true"], check=True)
     server = None
     try:
-        subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", str(ns)],
+        subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(ns)],
                        check=True)  # fmt: skip
-        subprocess.run(["ip", "-b", "-"], input=f"addr add {host_end} dev {name}\nlink set {name} up\n",
+        subprocess.run(["ip", "-b", "-"], input=f"addr add {host_end} dev {link}\nlink set {link} up\n",
                        text=True, check=True)  # fmt: skip
         subprocess.run(["nsenter", f"--net={ns}", "ip", "-b", "-"], text=True, check=True,
                        input=f"link set lo up\naddr add {far_end} dev eth0\nlink set eth0 up\n")  # fmt: skip
         server = subprocess.Popen(["nsenter", f"--net={ns}", sys.executable, "-c", ANSWER_PEER,
-                                   far_end.split("/")[0], str(port), "outside"],
+                                   far_end.split("/")[0], str(port), word],
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert server.stdout.readline() == "ready\n"
-        yield far_end.split("/")[0], port
+        yield far_end.split("/")[0]
     finally:
         if server is not None:
             server.kill()
             server.wait()
-        subprocess.run(["ip", "link", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["umount", str(ns)], check=True)
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A network namespace standing in for the internet (:func:`far_host` on
+    :data:`OUTSIDE`); each connection is answered with ``outside PEER_ADDRESS``."""
+    host_end, far_end, port = OUTSIDE
+    with far_host(tmp_path / "outside-netns", f"wvtout{os.getpid() % 100000}", host_end, far_end, port,
+                   "outside") as far:  # fmt: skip
+        yield far, port
 
 
 def test_network_environment_reaches_out_through_nat_but_never_the_host(node, net_template, host_server,

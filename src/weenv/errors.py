@@ -5,6 +5,7 @@
     WeenvError
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
+    │   └── UnknownUserError              a user the environment's /etc/passwd does not name
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
     │   └── ContentLimitError             store content past a read limit (:mod:`weenv.formats.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
@@ -16,6 +17,7 @@
     │                                     one), or cannot be written or read (a local one: full, read-only)
     ├── DaemonError(ConnectionError)      the node daemon is unreachable or answered an error
     ├── AuthenticationError(PermissionError)  no API key, or a wrong one (HTTP 401)
+    ├── NetworkForbiddenError(PermissionError)  network asked of a node whose policy forbids it (HTTP 403)
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
     ├── ClosedError(RuntimeError)         the node (or the object) was closed, or is not started (HTTP 503)
     ├── BusyError(RuntimeError)           concurrent misuse: the thing is held by another user (HTTP 409)
@@ -50,6 +52,12 @@ class NotFoundError(WeenvError, LookupError):
 
 class InvalidInputError(WeenvError, ValueError):
     kind = "invalid_input"
+
+
+class UnknownUserError(InvalidInputError):
+    """A command or file call named a user the environment does not have (HTTP 400)."""
+
+    kind = "unknown_user"
 
 
 class DigestMismatchError(WeenvError, OSError):
@@ -97,6 +105,12 @@ class DaemonError(WeenvError, ConnectionError):
 
 class AuthenticationError(WeenvError, PermissionError):
     kind = "authentication"
+
+
+class NetworkForbiddenError(WeenvError, PermissionError):
+    """A create asked for network on a node whose policy (``WEENV_NETWORK=off``) forbids it."""
+
+    kind = "network_forbidden"
 
 
 class CapacityError(WeenvError, RuntimeError):
@@ -159,6 +173,8 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         WeenvError,
         NotFoundError,
         InvalidInputError,
+        UnknownUserError,
+        NetworkForbiddenError,
         DigestMismatchError,
         ContentLimitError,
         MountError,

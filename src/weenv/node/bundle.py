@@ -99,6 +99,37 @@ DOCKER_DEFAULT_CAPS = (
 """Docker's (moby ``oci/caps/defaults.go``) default set, for ``capabilities=``:
 what package managers and installers running as root expect."""
 
+CAP_NAMES = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
+    "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN",
+    "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+)  # fmt: skip
+"""Linux capability names by bit number (``linux/capability.h``)."""
+AGENT_CAPS = ("CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP")
+"""What the exec agent holds beyond the environment's set, to run each command
+as the user it names; every command (and the template's own) drops them."""
+
+
+CAPS_ANNOTATION = "org.weenv.capabilities"
+"""The bundle's annotation naming the environment's capability set (its
+commands' set; the first process may hold :data:`AGENT_CAPS` besides)."""
+
+
+def cap_mask(names: tuple[str, ...] | list[str]) -> int:
+    """The bit mask of capability ``names``; :class:`InvalidInputError` for an unknown one."""
+    mask = 0
+    for name in names:
+        if name not in CAP_NAMES:
+            raise InvalidInputError(f"unknown capability {name!r}")
+        mask |= 1 << CAP_NAMES.index(name)
+    return mask
+
+
 MASKED_PATHS = (
     "/proc/acpi",
     "/proc/asound",
@@ -234,6 +265,7 @@ def build_config(
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
     agent: Path | None = None,
     netns: Path | None = None,
+    agent_user: str | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -248,7 +280,10 @@ def build_config(
     :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider);
     ``agent``: the exec agent binary on the host, run in front of the command
     (its listening socket is the first process's stdin, see
-    :meth:`weenv.node.runc.Runc.create`), default none; ``netns``: the
+    :meth:`weenv.node.runc.Runc.create`), default none: it runs as root with
+    ``capabilities`` and :data:`AGENT_CAPS`, and becomes ``agent_user``
+    (``"UID:GID[:G1,G2...]"``, the template's user with its groups; default
+    ``runtime.user``) before it starts the command; ``netns``: the
     network namespace file the environment joins, required with
     ``runtime.network`` and refused without it.  Raises
     :class:`InvalidInputError` for a bad user, hostname, working dir, command,
@@ -269,6 +304,12 @@ def build_config(
     res = resources or runtime.resources
     soft, hard = nofile or default_nofile()
     caps = list(capabilities)
+    mask = cap_mask(caps)
+    prefix: list[str] = []
+    if agent is not None:  # root, to run each command as its own user (see weenv.node.agent)
+        prefix = [AGENT_PATH, "-u", agent_user or f"{uid}:{gid}", "-c", f"{mask:x}", "--"]
+        uid = gid = 0
+        caps += [c for c in AGENT_CAPS if c not in caps]
     if runtime.network != (netns is not None):
         raise InvalidInputError("a network namespace (netns=) is given with runtime.network, and only then")
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
@@ -292,8 +333,7 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid},
-            "args": ([AGENT_PATH, "--"] if agent is not None else []) + ([INIT_PATH, "--"] if init is not None else [])
-            + list(runtime.command),
+            "args": prefix + ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
             "env": [f"{k}={v}" for k, v in runtime.env.items()],
             "cwd": runtime.working_dir,
             "capabilities": {
@@ -303,6 +343,7 @@ def build_config(
             "noNewPrivileges": True,
         },
         "root": {"path": os.fspath(Path(rootfs).absolute()), "readonly": False},
+        "annotations": {CAPS_ANNOTATION: ",".join(capabilities)},
         "hostname": hostname,
         "mounts": _mounts(runtime.network, init, agent),
         "linux": linux,
@@ -322,6 +363,7 @@ def write_bundle(
     capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
     agent: Path | None = None,
     netns: Path | None = None,
+    agent_user: str | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -331,7 +373,7 @@ def write_bundle(
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
         resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
-        netns=netns,
+        netns=netns, agent_user=agent_user,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")

@@ -7,7 +7,9 @@ from weenv.errors import InvalidInputError, NotFoundError, OutputLimitError
 from weenv.node.launcher import Launcher, Launchers
 from weenv.node.models import ExecResult, ProcessInfo
 from weenv.node.process import PipeSink, Process
+from weenv.host.rootfs import RootFS
 from weenv.node.table import Environment, EnvironmentTable, check_timeout
+from weenv.node.users import Identity, Users
 
 KEEP_FINISHED = 64
 """Ended processes kept per environment (for their exit code and output)."""
@@ -26,23 +28,32 @@ class Commands:
         self.start_timeout = start_timeout
         self.sink = PipeSink()
         """Where what background descendants write after their command returned goes."""
+        self.users = Users()
+        """Each environment's users, from its own ``/etc/passwd`` and ``/etc/group``."""
 
     def reset(self) -> None:
         """Close the pipe sink (the node closes) and make a fresh one for a next start."""
         self.sink.close()
         self.sink = PipeSink()
 
+    def identity(self, e: Environment, user: str | None = None) -> Identity:
+        """``user`` (a name or ``UID[:GID]``; None: the template's) inside ``e``;
+        raises :class:`UnknownUserError` or :class:`InvalidInputError`."""
+        return self.users.lookup(RootFS(e.rootfs), user or e.template.runtime.user)
+
     def start(self, e: Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
-              stdin_open=False, tag=None, primary_reader=False, launcher: Launcher | None = None) -> Process:
+              stdin_open=False, tag=None, primary_reader=False, launcher: Launcher | None = None,
+              user: str | Identity | None = None) -> Process:
         """Start ``command`` in ``e`` (see :meth:`Node.spawn`) and wait until it
         runs; ``launcher``: through that one alone (:meth:`Launchers.launch`'s ``only``)."""
         if isinstance(command, list) and not command:
             raise InvalidInputError("empty command")
         if timeout is not None:
             check_timeout(timeout)
+        who = user if isinstance(user, Identity) else self.identity(e, user)
         wd = cwd or e.template.runtime.working_dir
-        spawned = self.launchers.launch(e, command, e.env_for(env), wd, None if stdin_open else stdin, stdin_open,
-                                        only=launcher)
+        spawned = self.launchers.launch(e, command, _variables(e, who, env), wd, None if stdin_open else stdin,
+                                        stdin_open, who, only=launcher)
         p = Process(
             spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
             stdin=stdin if stdin_open else None, retain_bytes=self.retain_bytes, sink=self.sink,
@@ -72,6 +83,14 @@ class Commands:
         with self.table.lock:
             procs = list(e.processes.values())
         return [p.info() for p in procs]
+
+
+def _variables(e: Environment, who: Identity, env: dict[str, str] | None) -> dict[str, str]:
+    """A command's variables as ``who``: the template's, then ``HOME``,
+    ``USER``, ``LOGNAME`` of the user (a template's ``HOME`` is often
+    ``RuntimeConfig``'s default ``/root`` whatever its user), then the
+    create's, then the command's own."""
+    return {**e.template.runtime.env, **who.env(), **e.info.envs, **(env or {})}
 
 
 def collect(p: Process, max_output: int = 64 << 20) -> ExecResult:

@@ -17,7 +17,9 @@ from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node import network
 from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node.bundle import write_bundle
+from weenv.host.rootfs import RootFS
 from weenv.node.runc import Runc
+from weenv.node.users import lookup as lookup_user
 from weenv.node.table import AGENT_SOCKET, container_id
 
 INIT = Path("/usr/bin/tini-static")
@@ -33,20 +35,33 @@ class Containers:
         self.agent = agent
         self.net_cidr = network.cidr_from_env()
         """Where environments with network get their /30 (``WEENV_NET_CIDR``, :mod:`weenv.node.network`)."""
+        self.network_allowed = network.policy_from_env()
+        """The node's policy (``WEENV_NETWORK``): False refuses environments with network."""
 
     def make(self, env_id: str, env_dir: Path, runtime: RuntimeConfig, resources: Resources,
-             capabilities: tuple[str, ...], undo: contextlib.ExitStack, timing: dict, *, start: bool) -> None:
-        """Environment ``env_id``'s network (if ``runtime.network``), bundle
-        and container over ``env_dir/rootfs`` (``start``: running, ``runc run
-        --detach``; else created and waiting, ``runc create``), each undo
-        pushed on ``undo``; its seconds go to ``timing["runtime_s"]``.  Raises
-        :class:`RuntimeFailedError` when runc fails."""
+             capabilities: tuple[str, ...], undo: contextlib.ExitStack, timing: dict, *, start: bool,
+             egress: network.Egress = network.Egress()) -> str | None:
+        """Environment ``env_id``'s network (if ``runtime.network``, limited
+        by ``egress``), bundle and container over ``env_dir/rootfs``
+        (``start``: running, ``runc run --detach``; else created and waiting,
+        ``runc create``), each undo pushed on ``undo``; its seconds go to
+        ``timing["runtime_s"]``.  Returns its address (None without network).
+        Raises :class:`NetworkForbiddenError` (network on a node whose policy
+        forbids it, before anything is made), :class:`RuntimeFailedError`
+        when runc fails."""
         t = time.perf_counter()
-        netns = self._network(env_id, env_dir, runtime.network, undo)
+        if runtime.network:
+            network.check_policy(self.network_allowed)
+        link = self._network(env_id, env_dir, runtime.network, undo, egress)
+        netns = link.netns if link is not None else None
         cid = container_id(env_id)
         bundle = env_dir / "bundle"
         bundle.mkdir()
         agent = self.agent.get()
+        agent_user = None
+        if agent is not None:  # the template's user with its groups, from the environment's own files
+            who = lookup_user(RootFS(env_dir / "rootfs"), runtime.user)
+            agent_user = f"{who.spec}:{','.join(map(str, who.groups))}"
         write_bundle(
             bundle,
             env_dir / "rootfs",
@@ -58,6 +73,7 @@ class Containers:
             capabilities=capabilities,
             agent=agent,
             netns=netns,
+            agent_user=agent_user,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self.delete, env_id, env_dir)
@@ -71,6 +87,7 @@ class Containers:
             if listener is not None:
                 listener.close()  # the agent holds it now: when it dies, connects are refused
         timing["runtime_s"] = time.perf_counter() - t
+        return str(link.env_addr.ip) if link is not None else None
 
     def start(self, env_id: str, timeout: float) -> None:
         """``runc start`` of a container :meth:`make` created unstarted; raises
@@ -94,10 +111,11 @@ class Containers:
         state = self.runc.state(container_id(env_id))
         return state["status"] if state else None
 
-    def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack) -> Path | None:
-        """With ``wanted``: environment ``env_id``'s own network namespace and
-        link, its teardown pushed on ``undo``; the namespace file, or None."""
+    def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack,
+                 egress: network.Egress) -> network.Link | None:
+        """With ``wanted``: environment ``env_id``'s own network namespace,
+        link and egress table, its teardown pushed on ``undo``; its link, or None."""
         if not wanted:
             return None
         undo.callback(network.teardown, env_id, env_dir)
-        return network.setup(env_id, env_dir, self.net_cidr).netns
+        return network.setup(env_id, env_dir, self.net_cidr, egress)

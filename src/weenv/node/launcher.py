@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import logging
 import threading
 
 from weenv.node.agent import AgentUnavailable, spawn as agent_spawn
+from weenv.node.bundle import CAPS_ANNOTATION
 from weenv.node.process import Spawned
 from weenv.node.runc import Runc, exec_args
 from weenv.node.table import Environment
+from weenv.node.users import Identity
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +40,12 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def spawn(self, e: Environment, argv: list[str], env: dict[str, str], cwd: str,
-              stdin: bytes | None, stdin_pipe: bool) -> Spawned:
+              stdin: bytes | None, stdin_pipe: bool, user: Identity) -> Spawned:
         """Start ``argv`` (checked by :func:`~weenv.node.runc.exec_args`) in ``e``
-        with exactly the variables ``env``, in ``cwd``, as the template's user;
-        ``stdin``: bytes written then closed, or ``stdin_pipe``: a pipe kept open.
-        A command that cannot start still returns (its pid 0, ended 127/126)."""
+        with exactly the variables ``env``, in ``cwd``, as ``user`` (its uid,
+        gid and supplementary groups); ``stdin``: bytes written then closed, or
+        ``stdin_pipe``: a pipe kept open.  A command that cannot start still
+        returns (its pid 0, ended 127/126)."""
 
 
 class AgentLauncher(Launcher):
@@ -49,22 +53,42 @@ class AgentLauncher(Launcher):
 
     name = "agent"
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
+        ident = f"{user.spec}:{','.join(map(str, user.groups))}"
         return agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
-                           cgroup=f"/{e.container_id}")  # fmt: skip
+                           cgroup=f"/{e.container_id}", ident=ident)  # fmt: skip
 
 
 class RuncLauncher(Launcher):
-    """Through ``runc exec``."""
+    """Through ``runc exec``, with a process of the environment's capability set
+    (its bundle's :data:`~weenv.node.bundle.CAPS_ANNOTATION`: the first
+    process also holds the agent's) and the user's groups."""
 
     name = "runc"
 
     def __init__(self, runc: Runc):
         self.runc = runc
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
-        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=e.template.runtime.user,
-                               stdin=stdin, stdin_pipe=stdin_pipe)  # fmt: skip
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
+        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=user.spec, stdin=stdin,
+                               stdin_pipe=stdin_pipe, process=_process(e, user))  # fmt: skip
+
+
+def _process(e: Environment, user: Identity) -> dict | None:
+    """The OCI process for a ``runc exec`` in ``e`` as ``user``: its bundle's,
+    with the environment's capabilities and ``user``'s groups (None without a
+    readable bundle: runc's own defaults)."""
+    try:
+        config = json.loads((e.dir / "bundle" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    process = dict(config.get("process") or {})
+    caps = (config.get("annotations") or {}).get(CAPS_ANNOTATION)
+    if caps is not None:
+        names = [c for c in caps.split(",") if c]
+        process["capabilities"] = {k: names for k in ("bounding", "effective", "permitted", "ambient")}
+    process["user"] = {"uid": user.uid, "gid": user.gid, "additionalGids": list(user.groups[1:])}
+    return process
 
 
 class Launchers:
@@ -78,16 +102,16 @@ class Launchers:
         self._lock = threading.Lock()
 
     def launch(self, e: Environment, command: list[str] | str, env: dict[str, str], cwd: str,
-               stdin: bytes | None, stdin_pipe: bool, *, only: Launcher | None = None) -> Spawned:
-        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e``; raises
+               stdin: bytes | None, stdin_pipe: bool, user: Identity, *, only: Launcher | None = None) -> Spawned:
+        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``; raises
         :class:`InvalidInputError` for a bad command, variable or directory.
         ``only``: through that launcher, with no fallback (its own errors raised)."""
-        _flags, argv = exec_args(command, env, cwd, e.template.runtime.user)  # raises for bad input
+        _flags, argv = exec_args(command, env, cwd, user.spec)  # raises for bad input
         if only is not None:
-            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe)
+            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe, user)
         if e.agent_socket.exists():
             try:
-                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe)
+                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe, user)
             except AgentUnavailable as exc:
                 if exc.gone:  # for good: later commands go straight to runc
                     log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
@@ -95,10 +119,10 @@ class Launchers:
                         e.agent_socket.unlink()
                 else:
                     log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
-        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe)
+        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe, user)
 
-    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe) -> Spawned:
-        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe)
+    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
+        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe, user)
         with self._lock:
             self.counts[launcher.name] += 1
         return spawned

@@ -98,6 +98,24 @@ def _finite(v: float | None) -> float | None:
     return v
 
 
+MAX_NET_RULES = 1024
+"""Most CIDRs in one of a create's ``allow_out`` / ``deny_out`` lists."""
+
+
+def _cidr(value: str) -> str:
+    """``value`` as a normalized IPv4 network (``"10.0.0.1"`` -> ``"10.0.0.1/32"``);
+    ValueError naming it for anything else (host bits set included)."""
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=True) if isinstance(value, str) and len(value) <= 64 else None
+    except ValueError:
+        net = None
+    if net is None or net.version != 4:
+        raise ValueError(f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24 or an address such as 10.1.2.3")
+    return str(net)
+
+
 class CreateRequest(_Model):
     template: str = Field(min_length=1)
     """Template name (a ref in the store) or digest."""
@@ -117,8 +135,19 @@ class CreateRequest(_Model):
     priority: int = Field(default=0, ge=-1000, le=1000)
     """Elastic provisioning: under memory shortage, higher priorities grow
     first and are frozen last (see ``SetPriorityRequest``)."""
+    network: bool | None = None
+    """Outbound network (its own namespace, veth and NAT: :mod:`weenv.node.network`):
+    True on, False off, None the template's ``runtime.network``.  A node whose
+    ``WEENV_NETWORK`` is ``off`` refuses environments with network."""
+    allow_out: list[str] = Field(default_factory=list, max_length=MAX_NET_RULES)
+    """IPv4 CIDRs (or addresses) always reachable, whatever ``deny_out`` says
+    (E2B's ``allowOut``: allowed entries take precedence); non-empty turns the
+    network on, and with ``network`` not True only these are reachable."""
+    deny_out: list[str] = Field(default_factory=list, max_length=MAX_NET_RULES)
+    """IPv4 CIDRs (or addresses) refused (E2B's ``denyOut``); ``0.0.0.0/0``: all but ``allow_out``."""
 
     _check_timeout = field_validator("timeout")(_finite)
+    _check_cidrs = field_validator("allow_out", "deny_out")(lambda v: [_cidr(c) for c in v])
 
 
 class BatchCreateRequest(_Model):
@@ -194,6 +223,8 @@ class EnvironmentInfo(_Model):
     metadata: dict[str, str] = Field(default_factory=dict)
     priority: int = 0
     """Its priority for elastic provisioning (at create or by ``set_priority``)."""
+    address: str | None = None
+    """Its IPv4 address on its veth, when it has network (:mod:`weenv.node.network`)."""
 
 
 class ExecRequest(_Model):
@@ -210,6 +241,9 @@ class ExecRequest(_Model):
     and background commands."""
     tag: str | None = Field(default=None, max_length=256)
     """A label to find a background command by (returned in its ``ProcessInfo``)."""
+    user: str | None = Field(default=None, min_length=1, max_length=256)
+    """Who it runs as: a user of the environment's ``/etc/passwd`` or ``"UID[:GID]"``
+    (default: the template's user), with that user's groups and ``HOME``."""
 
     _check_timeout = field_validator("timeout")(_finite)
 

@@ -31,6 +31,20 @@ setup, the same for every node of the machine; it names interfaces by the
 - *postrouting*: traffic from a weenv veth leaving by another interface is
   masqueraded.
 
+Per environment, its egress lists (:class:`Egress`, a create's ``allow_out``
+/ ``deny_out``, E2B's ``allowOut`` / ``denyOut``) are a table of its own,
+``inet weenv-<first 10 hex of the id>`` (:func:`egress_ruleset`): interval
+sets ``allow`` and ``deny`` and a forward chain after the shared one's
+(priority ``filter - 5``) that, for packets from its veth, accepts ``allow``,
+drops ``deny`` and, without internet (``Egress.internet`` False), drops the
+rest; allowed entries take precedence, as E2B documents.  The shared table's
+drops run first and stay final: no list opens the host, another environment
+or link-local addresses.  :func:`teardown` deletes the environment's table.
+
+The node's policy, ``WEENV_NETWORK`` (:func:`policy_from_env`): ``on``
+(default) or ``off``; with ``off`` every create that asks for network is
+refused (:class:`NetworkForbiddenError`) before anything is made.
+
 Forwarding must be on: :func:`ensure_rules` sets ``net.ipv4.ip_forward`` to 1
 (as Docker does), which makes the host route between its other interfaces
 too.  DNS: the environment gets the host's ``/etc/resolv.conf``; a name server
@@ -47,17 +61,27 @@ environment is ever without it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import ipaddress
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import CapacityError, InvalidInputError, MountError, RuntimeFailedError, ToolMissingError
+from weenv.errors import (
+    CapacityError,
+    InvalidInputError,
+    MountError,
+    NetworkForbiddenError,
+    RuntimeFailedError,
+    ToolMissingError,
+)
 from weenv.host import mounts
 
 CIDR_ENV = "WEENV_NET_CIDR"
@@ -72,6 +96,65 @@ NETNS_FILE = "netns"
 """The environment's network namespace file, in its directory (outside its rootfs)."""
 LINK_LOCAL = "169.254.0.0/16"
 TIMEOUT_S = 30.0
+
+
+POLICY_ENV = "WEENV_NETWORK"
+"""The node's network policy: ``on`` (default) or ``off`` (creates with network are refused)."""
+
+
+def policy_from_env() -> bool:
+    """Whether :data:`POLICY_ENV` lets environments have network; raises
+    :class:`InvalidInputError` naming the variable for a value not on/off."""
+    value = os.environ.get(POLICY_ENV, "on").strip().lower()
+    if value in ("on", "1", "true", "yes", ""):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise InvalidInputError(f"{POLICY_ENV}={value!r}: want on or off")
+
+
+def check_policy(allowed: bool) -> None:
+    """Raise :class:`NetworkForbiddenError` unless ``allowed`` (the node's policy)."""
+    if not allowed:
+        raise NetworkForbiddenError(
+            f"this node's policy forbids network for environments ({POLICY_ENV}=off): "
+            "create without network, allow_out or allow_internet_access, or use another node")
+
+
+@dataclass(frozen=True)
+class Egress:
+    """What an environment with network may reach (beyond the shared table's limits)."""
+
+    internet: bool = True
+    """Whether a destination in neither list is reachable."""
+    allow: tuple[str, ...] = ()
+    """IPv4 CIDRs always reachable (precedence over ``deny``)."""
+    deny: tuple[str, ...] = ()
+    """IPv4 CIDRs refused."""
+
+    @property
+    def plain(self) -> bool:
+        """No lists and internet: the shared table alone says it all."""
+        return self.internet and not self.allow and not self.deny
+
+
+def env_table(env_id: str) -> str:
+    """The name of environment ``env_id``'s own table (family ``inet``)."""
+    return f"{TABLE}-{env_id[:10]}"
+
+
+def egress_ruleset(env_id: str, egress: Egress) -> str:
+    """Environment ``env_id``'s own table as an ``nft -f`` script (see the module docstring)."""
+    veth = f'"{host_ifname(env_id)}"'
+
+    def nft_set(name: str, cidrs: tuple[str, ...]) -> str:
+        elements = f"\n    elements = {{ {', '.join(str(ipaddress.IPv4Network(c)) for c in cidrs)} }}" if cidrs else ""
+        return f"  set {name} {{\n    type ipv4_addr; flags interval; auto-merge;{elements}\n  }}\n"
+
+    rest = "" if egress.internet else f"    iifname {veth} drop\n"
+    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow", egress.allow) + nft_set("deny", egress.deny)
+            + "  chain egress {\n    type filter hook forward priority filter - 5; policy accept;\n"
+            f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n")
 
 
 @dataclass(frozen=True)
@@ -115,6 +198,7 @@ def ruleset() -> str:
     return f"""table inet {TABLE} {{
   chain input {{
     type filter hook input priority filter - 10; policy accept;
+    iifname {veth} ct state established,related accept
     iifname {veth} drop
   }}
   chain forward {{
@@ -149,9 +233,10 @@ def ensure_rules() -> None:
         fwd.write_text("1\n")
 
 
-def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network) -> Link:
+def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress()) -> Link:
     """Make environment ``env_id``'s namespace (``env_dir/netns``), veth pair,
-    addresses and routes (see the module docstring); return its :class:`Link`.
+    addresses, routes and, unless ``egress`` is plain, its own table (see
+    the module docstring); return its :class:`Link`.
     On failure nothing is left (:func:`teardown`) and :class:`RuntimeFailedError`
     (a command failed), :class:`ToolMissingError` (no ``ip``, ``nft`` or
     ``unshare``) or :class:`CapacityError` (no free /30 in ``cidr``) is raised."""
@@ -161,7 +246,10 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network) -> Link:
         with _machine_lock():
             ensure_rules()
             host_addr, env_addr = _free_subnet(cidr)
-            netns.touch(mode=0o600)
+            netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
+            if not egress.plain:  # before its veth exists: no packet of it passes unfiltered
+                _run(["nft", "-f", "-"], input=f"table inet {env_table(env_id)} {{}}\n"
+                     f"delete table inet {env_table(env_id)}\n" + egress_ruleset(env_id, egress))
             _run(["unshare", f"--net={netns}", "true"])
             _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
             Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1\n")
@@ -179,12 +267,13 @@ def teardown(env_id: str, env_dir: Path) -> None:
     """Remove environment ``env_id``'s veth pair and namespace file, if any
     (idempotent; after the container is gone)."""
     host_if = host_ifname(env_id)
-    if Path("/sys/class/net", host_if).exists():
+    netns = env_dir / NETNS_FILE
+    if Path("/sys/class/net", host_if).exists() or netns.exists():
         with _machine_lock():  # against a setup between the last veth's going and the table's
             _run(["ip", "link", "del", host_if], check=False)
+            _run(["nft", "delete", "table", "inet", env_table(env_id)], check=False)  # if it has one
             if not _weenv_links():  # the last environment with network on this machine: no rule is needed
                 _run(["nft", "delete", "table", "inet", TABLE], check=False)
-    netns = env_dir / NETNS_FILE
     if mounts.is_mounted(netns):
         try:
             mounts.umount(netns)
@@ -192,6 +281,55 @@ def teardown(env_id: str, env_dir: Path) -> None:
             mounts.umount(netns, detach=True)
     with contextlib.suppress(FileNotFoundError):
         netns.unlink()
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def open_in(netns: Path, port: int, host: str = "127.0.0.1", timeout: float = TIMEOUT_S) -> socket.socket:
+    """A TCP connection to ``host:port`` inside the network namespace ``netns``
+    (a namespace file: an environment's ``netns``, or ``/proc/PID/ns/net``).
+    The socket is made in a short-lived thread that joins the namespace (a
+    thread of the daemon never stays in it), then connected from the caller's
+    thread.  Raises ``OSError`` (refused, timed out, no such namespace)."""
+    made: list = []
+
+    def make() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {netns}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+            made.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+        except OSError as exc:
+            made.append(exc)
+
+    t = threading.Thread(target=make, name="weenv-netns-socket")
+    t.start()
+    t.join()
+    if isinstance(made[0], OSError):
+        raise made[0]
+    sock = made[0]
+    try:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def env_address(env_id: str) -> str | None:
+    """Environment ``env_id``'s address (the ``.2`` of its host end's /30), None without a link."""
+    out = _run(["ip", "-j", "-4", "addr", "show", "dev", host_ifname(env_id)], check=False).stdout
+    for link in json.loads(out or "[]"):
+        for a in link.get("addr_info", []):
+            return str(ipaddress.IPv4Address(a["local"]) + 1)
+    return None
 
 
 def _weenv_links() -> list[str]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ from pydantic import ValidationError
 
 from weenv.config import Paths, private_dir
 from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
-from weenv.formats.manifest import Resources, TemplateManifest
+from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
@@ -61,6 +62,7 @@ from weenv.node.home import HomeLock
 from weenv.node.launcher import Launchers
 from weenv.node.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
+from weenv.node import network
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     CreateRequest,
@@ -79,6 +81,7 @@ from weenv.node.recovery import Recovery, logged
 from weenv.node.resolver import Resolved, Resolver
 from weenv.node.runc import Runc
 from weenv.node.snapshotter import Snapshotter
+from weenv.node.users import Identity
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
     CONTAINER_PREFIX,
     UNDELIVERED,
@@ -331,7 +334,9 @@ class Node:
 
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
-        if not c.prefetch:  # transient (build) environments: never from the warm pool, never filling it
+        req = c.request
+        if not c.prefetch or req.network is not None or req.allow_out or req.deny_out:
+            # transient (build) environments and networks of the create's own: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
             return self._create_env(t0, resolved, c, pooled)
@@ -357,15 +362,20 @@ class Node:
             undo.callback(self.prefetch.cancel, env_id)
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
             lowers = self.warm.start(pooled, manifest, group_manifests, timing) if pooled is not None else None
+            runtime, egress = _network(req, manifest.runtime)
+            if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
+                network.check_policy(self.containers.network_allowed)
             if lowers is None:
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, timing)
-                self.containers.make(env_id, self.snapshotter.dir(env_id), manifest.runtime, res, c.capabilities,
-                                     undo, timing, start=True)  # fmt: skip
+                self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
+                                     undo, timing, start=True, egress=egress)  # fmt: skip
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
             self.resolver.check(req.template, resolved)  # RefMoved: undone; create starts the new digest
             env_dir = self.snapshotter.dir(env_id)
             e = Environment(_info(env_id, manifest, digest, res, req, env_dir), manifest, env_dir)
             e.lowers = lowers
+            if runtime.network:
+                e.info.address = network.env_address(env_id)
             if c.undelivered:  # before env.json: recovery never adopts it without the mark
                 (e.dir / UNDELIVERED).touch()
             if req.first_command:
@@ -458,6 +468,7 @@ class Node:
         stdin: bytes | None = None,
         raise_on_timeout: bool = False,
         max_output: int = 64 << 20,
+        user: str | None = None,
     ) -> ExecResult:
         """Run ``command`` (argv, or a ``/bin/sh -c`` string) in environment ``env_id``.
 
@@ -470,7 +481,8 @@ class Node:
         descendant (``cmd &``) writes after the command returned goes to the
         node's :class:`~weenv.node.process.PipeSink`, never to a file on the host.
         """
-        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output)
+        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output,
+                     user=user)
         if r.timed_out and raise_on_timeout:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {env_id}")
         return r
@@ -487,6 +499,7 @@ class Node:
         stdin_open: bool = False,
         tag: str | None = None,
         primary_reader: bool = False,
+        user: str | Identity | None = None,
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
@@ -496,13 +509,19 @@ class Node:
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
         ``primary_reader`` attaches a reader that sees every event (a foreground
         stream; read it to the end or detach it).  The process is kept under
-        its pid (:meth:`process`) while it runs and a while after.  Raises
-        :class:`NotFoundError` for an unknown environment and
-        :class:`InvalidInputError` for a bad command, variable or directory.
+        its pid (:meth:`process`) while it runs and a while after.
+
+        ``user``: who it runs as, a name of the environment's ``/etc/passwd``
+        or ``"UID[:GID]"`` (default: the template's user), with that user's
+        gid, supplementary groups (``/etc/group``) and ``HOME``/``USER``/
+        ``LOGNAME`` (:mod:`weenv.node.users`).  Raises :class:`NotFoundError`
+        for an unknown environment, :class:`UnknownUserError` for a user it
+        does not have and :class:`InvalidInputError` for a bad command,
+        variable, directory or user.
         """
         e = self.table.get(env_id)
         p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
-                                tag=tag, primary_reader=primary_reader)  # fmt: skip
+                                tag=tag, primary_reader=primary_reader, user=user)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
         self.commands.keep(e, p)
         return p
@@ -524,12 +543,14 @@ class Node:
         timeout: float | None = None,
         stdin: bytes | None = None,
         max_output: int = 64 << 20,
+        user: str | None = None,
     ) -> ExecResult:
         """Like :meth:`exec`, through a streamed process whose output is counted
         as it comes: past ``max_output`` bytes (stdout + stderr) the command tree
         is killed and :class:`OutputLimitError` raised, so a huge output never
         fills the daemon's memory or disk."""
-        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True)
+        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True,
+                       user=user)
         return collect(p, max_output)
 
     def collect(self, p: Process, max_output: int = 64 << 20) -> ExecResult:
@@ -550,6 +571,25 @@ class Node:
     def files(self, env_id: str) -> RootFS:
         """File access inside the environment's root (paths cannot escape it)."""
         return RootFS(self.table.get(env_id).rootfs)
+
+    def open_port(self, env_id: str, port: int) -> "socket.socket":
+        """A TCP connection to ``port`` on the environment's own loopback (inside
+        its network namespace, with or without network; E2B's ``get_host``).
+        Raises :class:`NotFoundError` (unknown or stopped), ``OSError`` (nothing listens)."""
+        e = self.table.get(env_id)
+        netns = e.dir / network.NETNS_FILE
+        if not netns.exists():
+            state = self.runc.state(e.container_id)
+            if not state or not state.get("pid"):
+                raise NotFoundError(f"environment {env_id!r} is not running")
+            netns = Path(f"/proc/{state['pid']}/ns/net")
+        return network.open_in(netns, port, timeout=5.0)
+
+    def user(self, env_id: str, user: str | None = None) -> Identity:
+        """``user`` (a name or ``"UID[:GID]"``; None: the template's) inside the
+        environment: uid, gid, groups, home.  Raises :class:`NotFoundError`,
+        :class:`UnknownUserError` or :class:`InvalidInputError`."""
+        return self.commands.identity(self.table.get(env_id), user)
 
     # --- stop and destroy -------------------------------------------------------------
     def stop(self, env_id: str) -> Path:
@@ -587,6 +627,7 @@ class Node:
                     p.wait(10)
                 self.snapshotter.unmount(e.dir)
             finally:
+                self.commands.users.forget(RootFS(e.rootfs))
                 self.prefetch.cancel(env_id)
                 self.snapshotter.release(e.template.groups, e.lowers)
                 self.containers.teardown_network(env_id, e.dir)
@@ -663,6 +704,18 @@ def _request(request: CreateRequest | str, fields: dict) -> CreateRequest:
         if not key or "=" in key or "\0" in key or "\0" in value:
             raise InvalidInputError(f"bad environment variable {key!r}")
     return request
+
+
+def _network(req: CreateRequest, runtime: RuntimeConfig) -> tuple[RuntimeConfig, network.Egress]:
+    """The runtime config and egress limits of a create: ``req.network`` (None:
+    the template's) or a non-empty ``allow_out`` gives it network; without
+    ``network`` True only ``allow_out`` is reachable (E2B: internet off is
+    ``denyOut 0.0.0.0/0``, and allowed entries win)."""
+    internet = runtime.network if req.network is None else req.network
+    on = internet or bool(req.allow_out)
+    if on != runtime.network:
+        runtime = runtime.model_copy(update={"network": on})
+    return runtime, network.Egress(internet=internet, allow=tuple(req.allow_out), deny=tuple(req.deny_out))
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -325,6 +325,7 @@ class Runc:
         user: str | None = None,
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
+        process: dict | None = None,
     ) -> "RuncSpawned":
         """Start a command like :meth:`exec` and return at once (the Popen-based variant).
 
@@ -333,12 +334,27 @@ class Runc:
         ``stdin_pipe`` so is its stdin (else ``stdin`` bytes or ``/dev/null``).
         Until :meth:`Spawned.started` answers, bytes on stderr may be runc's own
         error message; :meth:`Spawned.fate` sorts that out after the helper exits.
+        ``process``: an OCI process object (``runc exec --process``) that
+        replaces the container's own, the command's argv, ``env``, ``cwd``
+        and ``user`` filled into it (its capabilities and additional groups
+        are its own, not the first process's).
         Raises :class:`InvalidInputError` for bad arguments.
         """
         flags, command = exec_args(argv, env, cwd, user)
         _check_id(container_id)
         tmp = Path(tempfile.mkdtemp(prefix="weenv-exec-"))
         try:
+            if process is not None:
+                spec = {**process, "args": command, "terminal": False}
+                if env is not None:
+                    spec["env"] = [f"{k}={v}" for k, v in env.items()]
+                if cwd is not None:
+                    spec["cwd"] = cwd
+                if user is not None:
+                    uid, _, gid = user.partition(":")
+                    spec["user"] = {**spec.get("user", {}), "uid": int(uid), "gid": int(gid or uid)}
+                (tmp / "process.json").write_text(json.dumps(spec))
+                flags, command = ["--process", str(tmp / "process.json")], []
             runc = self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
             with _stdin_file(None if stdin_pipe else stdin) as inp:
                 proc = subprocess.Popen(

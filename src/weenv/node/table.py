@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 CONTAINER_PREFIX = "weenv-"
 """An environment's container id is this and its id."""
-AGENT_SOCKET = "agent.sock"
-"""The exec agent's listening socket, in the environment's directory (outside its rootfs)."""
+AGENT_SOCKET = "agent2.sock"
+"""The exec agent's listening socket, in the environment's directory (outside its rootfs).
+``2``: its requests name a user; an environment adopted from an older weenv has
+``agent.sock`` and runs its commands through ``runc exec``."""
 UNDELIVERED = "undelivered"
 """A file in an environment's directory while the answer naming it has not
 reached its client (:meth:`Node.create` ``undelivered``); recovery removes such

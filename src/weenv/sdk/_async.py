@@ -211,7 +211,7 @@ class AsyncCommands:
             on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
             timeout: float | None = None, envs: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | str | None = None, stdin_open: bool = False, tag: str | None = None,
-            ) -> Any:
+            user: str | None = None) -> Any:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
@@ -219,9 +219,11 @@ class AsyncCommands:
         keeps at most 64 MiB of output (stdout and stderr together,
         ``_core.MAX_OUTPUT``), callbacks or not: past it the command is killed
         and :class:`OutputLimitError` raised, so the client's memory stays
-        bounded; redirect bigger output to a file inside and read that."""
+        bounded; redirect bigger output to a file inside and read that.  ``user``:
+        who it runs as (a user of the environment or ``"UID[:GID]"``; default the
+        template's user): :class:`UnknownUserError` for one it does not have."""
         req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
-                                 stdin_open=stdin_open, tag=tag)
+                                 stdin_open=stdin_open, tag=tag, user=user)
         if background:
             return AsyncCommandHandle(self._s, await self._s._drive(_core.start(self._s.id, req)))
         return await self._s._drive(_core.run(self._s.id, req, on_stdout=on_stdout, on_stderr=on_stderr))
@@ -246,8 +248,10 @@ class AsyncFiles:
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> Any:
         return await self._s._drive(_core.read_file(self._s.id, path, format=format))
 
-    async def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes]) -> WriteInfo:
-        return await self._s._drive(_core.write_file(self._s.id, path, data))
+    async def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes], *,
+                    user: str | None = None) -> WriteInfo:
+        """``user``: who owns the file and the parents made for it (default root)."""
+        return await self._s._drive(_core.write_file(self._s.id, path, data, user))
 
     async def upload(self, local_path: str | os.PathLike, path: str) -> WriteInfo:
         """Stream the local file ``local_path`` to ``path`` inside."""
@@ -275,8 +279,8 @@ class AsyncFiles:
     async def rename(self, src: str, dst: str) -> None:
         await self._s._drive(_core.rename(self._s.id, src, dst))
 
-    async def make_dir(self, path: str) -> None:
-        await self._s._drive(_core.make_dir(self._s.id, path))
+    async def make_dir(self, path: str, *, user: str | None = None) -> None:
+        await self._s._drive(_core.make_dir(self._s.id, path, user))
 
 
 class AsyncSandbox:

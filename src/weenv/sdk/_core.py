@@ -516,12 +516,12 @@ def exec_captured(env_id: str, req: ExecRequest) -> Flow[ExecResult]:
 
 # --- flows: commands -------------------------------------------------------------------
 def exec_request(cmd: str | list[str], *, envs=None, cwd=None, timeout=None, stdin=None,
-                 stdin_open=False, tag=None) -> ExecRequest:
+                 stdin_open=False, tag=None, user=None) -> ExecRequest:
     if isinstance(stdin, str):
         stdin = stdin.encode()
     try:
         return ExecRequest(command=cmd, env=envs or {}, cwd=cwd, timeout=timeout, stdin=stdin,
-                           stdin_open=stdin_open, tag=tag)
+                           stdin_open=stdin_open, tag=tag, user=user)
     except ValidationError as exc:
         raise InvalidInputError(f"bad command arguments: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
@@ -598,11 +598,19 @@ def read_file(env_id: str, path: str, *, format: Literal["text", "bytes"] = "tex
     return reply.content.decode() if format == "text" else reply.content
 
 
-def write_file(env_id: str, path: str, data: Any) -> Flow[WriteInfo]:
-    """``data``: str (UTF-8), bytes, a binary file object or an iterable of bytes (streamed)."""
+def _user_query(user: str | None) -> str:
+    import urllib.parse
+
+    return "" if user is None else "&user=" + urllib.parse.quote(user, safe="")
+
+
+def write_file(env_id: str, path: str, data: Any, user: str | None = None) -> Flow[WriteInfo]:
+    """``data``: str (UTF-8), bytes, a binary file object or an iterable of bytes (streamed);
+    ``user``: who owns the file and the parents made for it (default root)."""
     if isinstance(data, str):
         data = data.encode()
-    reply = yield Call("PUT", _env(env_id) + "/files?" + path_query(path), content=data, timeout=None)
+    reply = yield Call("PUT", _env(env_id) + "/files?" + path_query(path) + _user_query(user), content=data,
+                       timeout=None)
     return parse(WriteInfo, reply.content)
 
 
@@ -636,8 +644,8 @@ def rename(env_id: str, src: str, dst: str) -> Flow[None]:
     yield Call("POST", _env(env_id) + "/files/rename", json=RenameRequest(src=src, dst=dst))
 
 
-def make_dir(env_id: str, path: str) -> Flow[None]:
-    yield Call("POST", _env(env_id) + "/files/mkdir?" + path_query(path))
+def make_dir(env_id: str, path: str, user: str | None = None) -> Flow[None]:
+    yield Call("POST", _env(env_id) + "/files/mkdir?" + path_query(path) + _user_query(user))
 
 
 def download_path(env_id: str, path: str) -> tuple[str, dict[str, str] | None]:

@@ -223,14 +223,14 @@ def api_router(
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
         return node.spawn(env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
-                          stdin_open=req.stdin_open, tag=req.tag, primary_reader=primary)
+                          stdin_open=req.stdin_open, tag=req.tag, primary_reader=primary, user=req.user)
 
     @r.post("/environments/{env_id}/commands")
     async def run_command(env_id: str, req: ExecRequest, request: Request) -> ExecResult:
         metrics.commands.labels("captured").inc()
         p = await anyio.to_thread.run_sync(functools.partial(
             node.spawn, env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
-            primary_reader=True))  # fmt: skip
+            primary_reader=True, user=req.user))  # fmt: skip
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(_kill_when_gone, request, p)  # a command does not outlive its caller
@@ -307,15 +307,18 @@ def api_router(
 
     @r.put("/environments/{env_id}/files", response_class=NamesJSONResponse, openapi_extra={
         "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def upload(env_id: str, request: Request, path: str = Depends(fs_path)) -> WriteInfo:
+    async def upload(env_id: str, request: Request, path: str = Depends(fs_path),
+                     user: str | None = Query(default=None, min_length=1, max_length=256,
+                                              description=USER_DOC)) -> WriteInfo:
         fs = node.files(env_id)
+        owner = await anyio.to_thread.run_sync(_owner, node, env_id, user)
         length = request.headers.get("content-length", "")
         if length.isdigit():  # a body that can never fit is refused before a byte is written
             _used, limit = await anyio.to_thread.run_sync(node.disk_usage, env_id)
             if int(length) > limit:
                 raise DiskFullError(errno.EDQUOT, f"{path}: {length} bytes do not fit the environment's "
                                                   f"disk limit of {limit} bytes (resources.disk_bytes)")
-        f = await anyio.to_thread.run_sync(fs.open_write, path)
+        f = await anyio.to_thread.run_sync(functools.partial(fs.open_write, path, owner=owner))
         size = 0
         buf = bytearray()
         try:
@@ -346,8 +349,9 @@ def api_router(
         return node.files(env_id).list_dir(path)
 
     @r.post("/environments/{env_id}/files/mkdir", status_code=204)
-    def make_dir(env_id: str, path: str = Depends(fs_path)) -> Response:
-        node.files(env_id).make_dir(path)
+    def make_dir(env_id: str, path: str = Depends(fs_path),
+                 user: str | None = Query(default=None, min_length=1, max_length=256, description=USER_DOC)) -> Response:
+        node.files(env_id).make_dir(path, owner=_owner(node, env_id, user))
         return Response(status_code=204)
 
     @r.post("/environments/{env_id}/files/rename", status_code=204)  # JSON src/dst: \udcXX escapes kept
@@ -378,6 +382,18 @@ class NamesJSONResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+USER_DOC = ("Who owns what is created: a user of the environment's /etc/passwd or 'UID[:GID]' "
+            "(default: as written, root's)")
+
+
+def _owner(node: Node, env_id: str, user: str | None) -> tuple[int, int] | None:
+    """``(uid, gid)`` of ``user`` in the environment (None: no user named)."""
+    if user is None:
+        return None
+    who = node.user(env_id, user)
+    return (who.uid, who.gid)
 
 
 def _query_path(request: Request) -> str | None:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 STATUS = {
     "not_found": 404,
     "invalid_input": 400,
+    "unknown_user": 400,
+    "network_forbidden": 403,
     "authentication": 401,
     "timeout": 408,
     "output_limit": 413,

@@ -103,6 +103,9 @@ def serve(
         e2b = create_e2b_app(node, api_keys=[api_key.e2b])
         app.mount("/e2b", e2b)
         app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
+        from weenv.server.e2b.ports import PortProxy
+
+        app.add_middleware(PortProxy, node=node)  # outermost: E2B's PORT-ID. hosts to sandbox ports
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
                                 http=limits.tcp_protocol(limits.tcp_connection_cap(nofile)),
                                 # no WebSocket upgrade: it would swap the bounded protocol for one that

@@ -5,7 +5,16 @@
  *
  * Usage (as the environment's first process, pid 1, in front of its init):
  *
- *     weenv-agent -- COMMAND [ARG...]      (COMMAND: e.g. tini -- sleep infinity)
+ *     weenv-agent [-u IDENT] [-c CAPS] -- COMMAND [ARG...]   (COMMAND: e.g. tini -- sleep infinity)
+ *
+ * IDENT is "UID:GID" or "UID:GID:G1,G2,..." (supplementary groups), CAPS the
+ * environment's capability set as a hex bit mask.  With them the agent runs as
+ * root holding CAPS plus CAP_SETUID, CAP_SETGID and CAP_SETPCAP (the node's
+ * bundle gives it those) and *becomes* IDENT before it execs COMMAND, and
+ * every command becomes the identity its request names: the bounding set is
+ * cut to CAPS, the groups, gid and uid are set, and a root identity keeps
+ * exactly CAPS (permitted and effective; a non-root one keeps none, as runc
+ * leaves a non-root process after execve).  The server itself stays root.
  *
  * fd 0 is a listening Unix stream socket (the node passed it as runc create's
  * stdin).  The agent moves it off fd 0 (close-on-exec), puts /dev/null on
@@ -22,7 +31,7 @@
  * user) is inherited through fork and exec.
  *
  * Request (node -> handler): u32 little-endian payload length, then the
- * payload: CWD \0 ARGC \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
+ * payload: IDENT \0 CWD \0 ARGC \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
  * each), sent with SCM_RIGHTS carrying exactly 3 descriptors (stdin, stdout,
  * stderr).  The handler answers H and waits for one i32 0 ("go": meanwhile the
  * node moved the handler, whose host pid H's credentials show, into the
@@ -35,7 +44,7 @@
  *     H              the request is read; waiting for "go" (SO_PASSCRED shows the handler's host pid)
  *     A PID          forked
  *     P              the command runs (execve succeeded)
- *     F STAGE ERRNO  it could not start (STAGE: chdir, exec, setup); then EOF
+ *     F STAGE ERRNO  it could not start (STAGE: chdir, exec, setup, user); then EOF
  *     X STATUS       it ended; STATUS is waitpid(2)'s raw status; then EOF
  */
 #define _GNU_SOURCE
@@ -48,7 +57,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -58,6 +70,12 @@
 #define STAGE_SETUP 1
 #define STAGE_CHDIR 2
 #define STAGE_EXEC 3
+#define STAGE_USER 4
+#define MAX_GROUPS 1024
+
+/* -c: the environment's capability set (have_caps: given, so identities can be switched). */
+static uint64_t env_caps;
+static int have_caps;
 
 extern char **environ;
 
@@ -147,8 +165,8 @@ static int read_header(int conn, uint32_t *len, int fds[3]) {
     return 0;
 }
 
-/* Split the payload into cwd, argv (NULL-terminated) and env (NULL-terminated). */
-static int parse(char *buf, uint32_t len, char **cwd, char ***argv, char ***env) {
+/* Split the payload into ident, cwd, argv (NULL-terminated) and env (NULL-terminated). */
+static int parse(char *buf, uint32_t len, char **ident, char **cwd, char ***argv, char ***env) {
     if (len == 0 || buf[len - 1] != '\0')
         return -1;
     size_t count = 0;
@@ -160,20 +178,21 @@ static int parse(char *buf, uint32_t len, char **cwd, char ***argv, char ***env)
     size_t k = 0;
     for (char *p = buf; p < buf + len; p += strlen(p) + 1)
         fields[k++] = p;
-    if (k < 3)
+    if (k < 4)
         return -1;
     char *end;
     errno = 0;
-    unsigned long argc = strtoul(fields[1], &end, 10);
-    if (errno || *end || argc == 0 || argc > k - 2)
+    unsigned long argc = strtoul(fields[2], &end, 10);
+    if (errno || *end || argc == 0 || argc > k - 3)
         return -1;
-    *cwd = fields[0];
-    *argv = fields + 2;
-    /* fields[2 + argc] starts the environment: shift it one slot right to
+    *ident = fields[0];
+    *cwd = fields[1];
+    *argv = fields + 3;
+    /* fields[3 + argc] starts the environment: shift it one slot right to
        leave a NULL after argv (calloc gave one spare slot at the end). */
-    memmove(fields + 3 + argc, fields + 2 + argc, (k - 2 - argc) * sizeof *fields);
-    fields[2 + argc] = NULL;
-    *env = fields + 3 + argc;
+    memmove(fields + 4 + argc, fields + 3 + argc, (k - 3 - argc) * sizeof *fields);
+    fields[3 + argc] = NULL;
+    *env = fields + 4 + argc;
     return 0;
 }
 
@@ -203,8 +222,68 @@ static char **merge_env(char **req) {
     return out;
 }
 
+/* Parse IDENT ("UID:GID" or "UID:GID:G1,G2,...").  0, or -1 if malformed. */
+static int parse_ident(const char *s, uid_t *uid, gid_t *gid, gid_t *groups, size_t *ngroups) {
+    char *end;
+    errno = 0;
+    unsigned long long u = strtoull(s, &end, 10);
+    if (errno || end == s || *end != ':' || u > 0xfffffffeull)
+        return -1;
+    s = end + 1;
+    unsigned long long g = strtoull(s, &end, 10);
+    if (errno || end == s || (*end != ':' && *end != '\0') || g > 0xfffffffeull)
+        return -1;
+    *uid = (uid_t)u;
+    *gid = (gid_t)g;
+    *ngroups = 0;
+    if (*end == '\0')
+        return 0;
+    s = end + 1;
+    while (*s) {
+        unsigned long long x = strtoull(s, &end, 10);
+        if (errno || end == s || (*end != ',' && *end != '\0') || x > 0xfffffffeull || *ngroups >= MAX_GROUPS)
+            return -1;
+        groups[(*ngroups)++] = (gid_t)x;
+        s = *end ? end + 1 : end;
+    }
+    return 0;
+}
+
+/* Become IDENT (see the top of the file); 0, or -1 with errno. */
+static int become(const char *ident) {
+    static gid_t groups[MAX_GROUPS];
+    uid_t uid;
+    gid_t gid;
+    size_t n;
+    if (!ident || !*ident)
+        return 0; /* no identity named: stay as runc made us */
+    if (!have_caps) {
+        errno = EPERM;
+        return -1;
+    }
+    if (parse_ident(ident, &uid, &gid, groups, &n) < 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (int c = 0; c < 64; c++) /* needs CAP_SETPCAP, dropped with the rest below */
+        if (!(env_caps >> c & 1) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
+            return -1;
+    if (setgroups(n, groups) < 0 || setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
+        return -1;
+    if (uid == 0) { /* root keeps the environment's set, not the agent's extra three */
+        struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+        struct __user_cap_data_struct data[2];
+        memset(data, 0, sizeof data);
+        data[0].effective = data[0].permitted = (uint32_t)env_caps;
+        data[1].effective = data[1].permitted = (uint32_t)(env_caps >> 32);
+        if (syscall(SYS_capset, &head, data) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* In the forked child: become the command or report why not on errpipe. */
-static void run_command(int fds[3], char *cwd, char **argv, char **env, int errpipe,
+static void run_command(int fds[3], const char *ident, char *cwd, char **argv, char **env, int errpipe,
                         const sigset_t *mask) {
     int report[2] = {STAGE_SETUP, 0};
     if (setsid() < 0)
@@ -212,6 +291,9 @@ static void run_command(int fds[3], char *cwd, char **argv, char **env, int errp
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0) /* the copies are not close-on-exec */
             goto fail;
+    report[0] = STAGE_USER;
+    if (become(ident) < 0)
+        goto fail;
     report[0] = STAGE_CHDIR;
     if (chdir(cwd) < 0)
         goto fail;
@@ -241,8 +323,8 @@ static void handle(int conn) {
         reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
         _exit(1);
     }
-    char *buf = malloc(len ? len : 1), *cwd, **argv, **env;
-    if (!buf || read_all(conn, buf, len) < 0 || parse(buf, len, &cwd, &argv, &env) < 0) {
+    char *buf = malloc(len ? len : 1), *ident, *cwd, **argv, **env;
+    if (!buf || read_all(conn, buf, len) < 0 || parse(buf, len, &ident, &cwd, &argv, &env) < 0) {
         reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
         _exit(1);
     }
@@ -268,7 +350,7 @@ static void handle(int conn) {
     }
     if (pid == 0) {
         close(errpipe[0]);
-        run_command(fds, cwd, argv, env, errpipe[1], &old);
+        run_command(fds, ident, cwd, argv, env, errpipe[1], &old);
     }
     close(errpipe[1]);
     for (int i = 0; i < 3; i++)
@@ -366,10 +448,27 @@ static void serve(int lfd) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 3 || strcmp(argv[1], "--") != 0) {
-        dprintf(2, "usage: weenv-agent -- COMMAND [ARG...]\n");
+    const char *ident = NULL;
+    int i = 1;
+    for (; i + 1 < argc && argv[i][0] == '-' && argv[i][1] && !argv[i][2]; i += 2) {
+        if (argv[i][1] == 'u') {
+            ident = argv[i + 1];
+        } else if (argv[i][1] == 'c') {
+            char *end;
+            errno = 0;
+            env_caps = strtoull(argv[i + 1], &end, 16);
+            if (errno || !*argv[i + 1] || *end)
+                break;
+            have_caps = 1;
+        } else {
+            break;
+        }
+    }
+    if (argc - i < 2 || strcmp(argv[i], "--") != 0) {
+        dprintf(2, "usage: weenv-agent [-u UID:GID[:GROUPS]] [-c CAPS] -- COMMAND [ARG...]\n");
         return 111;
     }
+    argv += i - 1; /* argv[1] is "--" from here on */
     int listening = 0;
     socklen_t size = sizeof listening;
     if (getsockopt(0, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0 && listening) {
@@ -394,6 +493,8 @@ int main(int argc, char **argv) {
         while (waitpid(mid, &status, 0) < 0 && errno == EINTR)
             ;
     }
+    if (become(ident) < 0)
+        die("becoming the environment's user");
     execvp(argv[2], argv + 2);
     dprintf(2, "weenv-agent: exec %s: %s\n", argv[2], strerror(errno));
     return errno == ENOENT ? 127 : 126;

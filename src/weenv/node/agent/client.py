@@ -33,7 +33,7 @@ START_TIMEOUT_S = 10.0
 MAX_REPLY = 4096
 """Bytes of replies the node keeps before a line ends (the agent's lines are short)."""
 
-_STAGE_SETUP, _STAGE_CHDIR, _STAGE_EXEC = 1, 2, 3
+_STAGE_SETUP, _STAGE_CHDIR, _STAGE_EXEC, _STAGE_USER = 1, 2, 3, 4
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_PATH = 100  # sun_path holds 108 bytes; longer paths go through /proc/self/fd
 
@@ -91,6 +91,7 @@ def spawn(
     stdin_pipe: bool = False,
     start_timeout: float = START_TIMEOUT_S,
     cgroup: str | None = None,
+    ident: str = "",
 ) -> "AgentSpawned":
     """Start ``argv`` (already checked, e.g. by :func:`weenv.node.runc.exec_args`)
     through the agent listening at ``path``, in working dir ``cwd`` (absolute,
@@ -101,6 +102,9 @@ def spawn(
     the command runs in a :class:`~weenv.node.cgroups.commands.CommandGroup`
     of its own below it, which :meth:`AgentSpawned.kill_tree` kills whole
     (None, or a group that cannot be made: its process tree is killed instead).
+    ``ident``: who the command runs as, ``"UID:GID[:G1,G2...]"`` (supplementary
+    groups; ``""``: as the agent itself runs); an agent started without ``-c``
+    refuses it (the command could not start, ``EPERM``).
     Returns once the agent forked the command (or refused it).
     Raises :class:`AgentUnavailable` when nothing ran (fall back), and
     :class:`RuntimeFailedError` when the agent does not answer within
@@ -108,7 +112,7 @@ def spawn(
     """
     payload = b"".join(
         os.fsencode(s) + b"\0"
-        for s in (cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items()))
+        for s in (ident, cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items()))
     )
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     theirs: list[int] = []  # the command's ends: closed here once sent (or on failure)
@@ -298,6 +302,8 @@ class AgentSpawned(Spawned):
             return EXIT_CANNOT_RUN, f'exec: "{name}": {reason}\n'.encode()
         if stage == _STAGE_CHDIR:
             return EXIT_CANNOT_RUN, f'chdir to cwd ("{self.cwd}") failed: {reason}\n'.encode()
+        if stage == _STAGE_USER:
+            return EXIT_CANNOT_RUN, f"cannot become the command's user: {reason}\n".encode()
         if err == errno.EPROTO:
             raise RuntimeFailedError("the exec agent refused the request (protocol error)")
         return EXIT_CANNOT_RUN, f"cannot start the command: {reason}\n".encode()

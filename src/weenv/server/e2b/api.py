@@ -51,7 +51,7 @@ features by it (default user 0.4.0, stdin close 0.5.2, octet-stream uploads
 CLIENT_ID = "weenv"
 
 KIND_STATUS = {
-    "not_found": 404, "invalid_input": 400, "timeout": 408, "authentication": 401,
+    "not_found": 404, "invalid_input": 400, "unknown_user": 400, "network_forbidden": 403, "timeout": 408, "authentication": 401,
     "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
     "too_large": 413, "closed": 503, "busy": 409, "broken": 502,
 }  # fmt: skip
@@ -69,6 +69,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+class NetworkConfig(_Body):
+    """E2B's ``SandboxNetworkConfig`` (the parts weenv enforces: IPv4 CIDRs or addresses)."""
+
+    allow_out: list[str] = Field(default_factory=list, alias="allowOut", max_length=1024)
+    deny_out: list[str] = Field(default_factory=list, alias="denyOut", max_length=1024)
+
+
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1)
     timeout: int = Field(default=DEFAULT_TIMEOUT_S, ge=0, le=MAX_TIMEOUT_S)
@@ -76,6 +83,9 @@ class NewSandbox(_Body):
     metadata: Metadata | None = None
     env_vars: Envs | None = Field(default=None, alias="envVars")
     auto_pause: bool = Field(default=False, alias="autoPause")
+    allow_internet_access: bool | None = None
+    """Outbound network (weenv: none unless asked or the template's default)."""
+    network: NetworkConfig | None = None
 
 
 class TimeoutBody(_Body):
@@ -154,8 +164,11 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
     @router.post("/v2/sandboxes", status_code=201)
     async def create(body: NewSandbox) -> dict:
         def create_blocking() -> Sandbox:
+            net = body.network or NetworkConfig()
             sb = sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
-                                  metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True)
+                                  metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
+                                  network=body.allow_internet_access, allow_out=net.allow_out,
+                                  deny_out=net.deny_out)  # fmt: skip
             sandboxes.node.delivered(sb.info.id)  # as the answer goes out (see weenv's own create)
             return sb
 

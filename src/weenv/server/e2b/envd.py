@@ -29,6 +29,8 @@ gone a 502 whose message says it "was not found", which the SDK turns into
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import zlib
 from collections.abc import Iterator
@@ -39,7 +41,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from weenv.errors import DiskFullError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
+from weenv.errors import (
+    DiskFullError,
+    InvalidInputError,
+    NotFoundError,
+    RequestTooLargeError,
+    UnknownUserError,
+    WeenvError,
+)
+from weenv.node.users import Identity
 from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
@@ -57,6 +67,19 @@ def _error(status: int, message: str) -> JSONResponse:
 def sandbox_id_of(request: Request) -> str | None:
     """The sandbox a request names: ``E2b-Sandbox-Id``, else ``PORT-ID.`` in ``Host``."""
     return sandbox_id_in(request.headers)
+
+
+def basic_user(headers) -> str | None:
+    """The user an envd RPC names: the user name of ``Authorization: Basic``
+    (the SDK sends ``USER:``), None without one (the template's user)."""
+    auth = headers.get("authorization", "")
+    if auth[:6].lower() != "basic ":
+        return None
+    try:
+        decoded = base64.b64decode(auth[6:].strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise RpcError("unauthenticated", "bad basic authorization header") from None
+    return decoded.partition(":")[0] or None
 
 
 def sandbox_id_in(headers) -> str | None:
@@ -79,7 +102,7 @@ class Envd:
 
         def fs_call(fn):
             async def handler(req, ctx):
-                return await anyio.to_thread.run_sync(fn, node, ctx.state["sandbox"], req)
+                return await anyio.to_thread.run_sync(fn, node, ctx.state["sandbox"], req, ctx.state["user"])
 
             return handler
 
@@ -135,7 +158,22 @@ class Envd:
         sb = await self._sandbox(request)
         if isinstance(sb, Response):
             return sb
-        return await serve(request, method, {"sandbox": sb})
+        try:  # as envd's authentication middleware: an unknown user is refused before the call
+            name = basic_user(request.headers)
+            who = await anyio.to_thread.run_sync(self._user, sb, name)
+        except UnknownUserError:
+            return error_response(RpcError("unauthenticated", f"invalid username: '{name}'"), streaming=streaming)
+        except InvalidInputError as exc:
+            return error_response(RpcError("unauthenticated", str(exc)), streaming=streaming)
+        except RpcError as exc:
+            return error_response(exc, streaming=streaming)
+        except NotFoundError:
+            return _error(502, f"The sandbox {sb.id} was not found")
+        return await serve(request, method, {"sandbox": sb, "user": who})
+
+    def _user(self, sb: Sandbox, name: str | None) -> Identity:
+        """The sandbox's user ``name`` (None: the template's); raises as :meth:`Node.user`."""
+        return self.sandboxes.node.user(sb.id, name)
 
     # --- /files -------------------------------------------------------------------------
     async def files(self, request: Request) -> Response:
@@ -143,13 +181,22 @@ class Envd:
         if isinstance(sb, Response):
             return sb
         path = request.query_params.get("path")
+        name = request.query_params.get("username") or None
+        try:
+            who = await anyio.to_thread.run_sync(self._user, sb, name)
+        except UnknownUserError:  # envd's words and status (the SDK raises AuthenticationException)
+            return _error(401, f"error looking up user '{name}': user: unknown user {name}")
+        except InvalidInputError as exc:
+            return _error(401, f"error looking up user '{name}': {exc}")
+        except NotFoundError:
+            return _error(502, f"The sandbox {sb.id} was not found")
         try:
             if request.method == "GET":
                 if not path:
                     return _error(400, "missing path")
-                f = await anyio.to_thread.run_sync(files.open_read, self.sandboxes.node, sb, path)
+                f = await anyio.to_thread.run_sync(files.open_read, self.sandboxes.node, sb, path, who)
                 return StreamingResponse(_chunks(f), media_type="application/octet-stream")
-            return JSONResponse(await self._upload(request, sb, path))
+            return JSONResponse(await self._upload(request, sb, path, who))
         except NotFoundError as exc:
             return _error(404, str(exc))
         except RequestTooLargeError as exc:
@@ -163,16 +210,18 @@ class Envd:
         except OSError as exc:
             return _error(507 if exc.errno == 28 else 500, f"{exc.strerror or exc}")
 
-    async def _upload(self, request: Request, sb: Sandbox, path: str | None) -> list[dict[str, str]]:
-        """Write the files of an upload; the answer's entries."""
+    async def _upload(self, request: Request, sb: Sandbox, path: str | None, who: Identity) -> list[dict[str, str]]:
+        """Write the files of an upload as ``who`` (its files and new parents are
+        its own); the answer's entries."""
         node = self.sandboxes.node
         ctype = request.headers.get("content-type", "")
+        write = partial(_open_write_as, node, sb, who)
         if ctype.startswith("multipart/form-data"):  # streamed part by part into the sandbox
-            return await multipart.write_parts(ctype, request.stream(), partial(files.open_write, node, sb), path)
+            return await multipart.write_parts(ctype, request.stream(), write, path)
         if not path:
             raise InvalidInputError("an octet-stream upload needs the path parameter")
         gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
-        f, entry = await anyio.to_thread.run_sync(files.open_write, node, sb, path)
+        f, entry = await anyio.to_thread.run_sync(write, path)
         try:
             inflate = zlib.decompressobj(wbits=31) if gzipped else None
             size = 0
@@ -185,6 +234,10 @@ class Envd:
         finally:
             await anyio.to_thread.run_sync(f.close)
         return [entry]
+
+
+def _open_write_as(node, sb: Sandbox, who: Identity, path: str):
+    return files.open_write(node, sb, path, who)
 
 
 INFLATE_PIECE = 1 << 20

@@ -1,9 +1,14 @@
 """envd's filesystem service (``filesystem.Filesystem``) and its ``/files`` endpoint,
 over a sandbox's confined root (:class:`weenv.host.rootfs.RootFS`).
 
-Behaviour follows E2B's envd: relative paths start at the sandbox's working
-directory (weenv: the template's ``working_dir``; E2B: the user's home), ``~``
-is the template's ``HOME``; ``Stat`` follows symbolic links and reports the
+Every call is made as the user it names (:class:`~weenv.node.users.Identity`:
+the RPC's basic-auth user, ``/files``' ``username``, default the template's).
+Behaviour follows E2B's envd: ``~`` is the user's home; relative paths start
+at the template's working directory when it names one (not ``/``), else at
+the user's home (envd: always the home); files and parent directories an
+upload or ``MakeDir`` creates belong to the user (envd writes as root and
+chowns them: mode bits do not limit what a user's file calls reach, as
+anyone who may call envd may also name ``root``); ``Stat`` follows symbolic links and reports the
 link itself in ``is_symlink``/``symlink_target``; ``ListDir`` walks ``depth``
 levels without following links; ``MakeDir`` answers ``already_exists`` for an
 existing directory; ``Move`` creates the destination's parents; ``Remove``
@@ -25,6 +30,7 @@ from google.protobuf.message import Message
 
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.host.rootfs import RootFS
+from weenv.node.users import Identity
 from weenv.server.e2b.connect import RpcError
 from weenv.server.e2b.proto import filesystem_pb
 from weenv.server.e2b.sandboxes import Sandbox
@@ -84,15 +90,20 @@ def _id_names(fs: RootFS, path: str) -> dict[int, str]:
     return out
 
 
-def resolve(sb: Sandbox, path: str) -> str:
-    """The absolute, normalized path ``path`` names inside ``sb``."""
+def resolve(sb: Sandbox, path: str, who: Identity) -> str:
+    """The absolute, normalized path ``path`` names inside ``sb`` for the user ``who``."""
     if not isinstance(path, str) or "\0" in path:
         raise RpcError("invalid_argument", f"bad path {path!r}")
     if path == "~" or path.startswith("~/"):
-        path = sb.home + path[1:]
+        path = who.home + path[1:]
     elif not path.startswith("/"):
-        path = posixpath.join(sb.workdir, path)
+        path = posixpath.join(sb.start_dir(who), path)
     return posixpath.normpath(path).replace("//", "/") or "/"
+
+
+def owner(who: Identity) -> tuple[int, int] | None:
+    """``(uid, gid)`` of what a call as ``who`` creates (None: root's, as written)."""
+    return None if (who.uid, who.gid) == (0, 0) else (who.uid, who.gid)
 
 
 def fs_of(node, sb: Sandbox) -> SandboxFS:
@@ -151,8 +162,8 @@ def _mapped(exc: Exception) -> RpcError:
 
 
 # --- filesystem.Filesystem --------------------------------------------------------------
-def stat(node, sb: Sandbox, req) -> Message:
-    path = resolve(sb, req.path)
+def stat(node, sb: Sandbox, req, who: Identity) -> Message:
+    path = resolve(sb, req.path, who)
     fs = fs_of(node, sb)
     try:
         lst = fs.lstat(path)
@@ -163,9 +174,9 @@ def stat(node, sb: Sandbox, req) -> Message:
         raise _mapped(exc) from exc
 
 
-def list_dir(node, sb: Sandbox, req) -> Message:
+def list_dir(node, sb: Sandbox, req, who: Identity) -> Message:
     depth = req.depth or 1
-    path = resolve(sb, req.path)
+    path = resolve(sb, req.path, who)
     fs = fs_of(node, sb)
     try:
         if not st.S_ISDIR(fs.stat_target(path).st_mode):
@@ -188,8 +199,8 @@ def list_dir(node, sb: Sandbox, req) -> Message:
         raise _mapped(exc) from exc
 
 
-def make_dir(node, sb: Sandbox, req) -> Message:
-    path = resolve(sb, req.path)
+def make_dir(node, sb: Sandbox, req, who: Identity) -> Message:
+    path = resolve(sb, req.path, who)
     fs = fs_of(node, sb)
     try:
         try:
@@ -200,26 +211,26 @@ def make_dir(node, sb: Sandbox, req) -> Message:
             if st.S_ISDIR(mode):
                 raise RpcError("already_exists", f"directory already exists: {path}")
             raise RpcError("invalid_argument", f"path already exists but it is not a directory: {path}")
-        fs.make_dir(path, owner=sb.owner)
+        fs.make_dir(path, owner=owner(who))
         e = filesystem_pb.EntryInfo(name=posixpath.basename(path), type=FT.Value("FILE_TYPE_DIRECTORY"), path=path)
         return filesystem_pb.MakeDirResponse(entry=e)
     except Exception as exc:
         raise _mapped(exc) from exc
 
 
-def move(node, sb: Sandbox, req) -> Message:
-    src, dst = resolve(sb, req.source), resolve(sb, req.destination)
+def move(node, sb: Sandbox, req, who: Identity) -> Message:
+    src, dst = resolve(sb, req.source, who), resolve(sb, req.destination, who)
     fs = fs_of(node, sb)
     try:
-        fs.make_dir(posixpath.dirname(dst) or "/", owner=sb.owner)
+        fs.make_dir(posixpath.dirname(dst) or "/", owner=owner(who))
         fs.rename(src, dst)
         return filesystem_pb.MoveResponse(entry=entry_info(fs, dst, fs.lstat(dst), Names(fs)))
     except Exception as exc:
         raise _mapped(exc) from exc
 
 
-def remove(node, sb: Sandbox, req) -> Message:
-    path = resolve(sb, req.path)
+def remove(node, sb: Sandbox, req, who: Identity) -> Message:
+    path = resolve(sb, req.path, who)
     fs = fs_of(node, sb)
     try:
         fs.remove(path)
@@ -231,14 +242,14 @@ def remove(node, sb: Sandbox, req) -> Message:
 
 
 # --- the /files endpoint ------------------------------------------------------------------
-def open_read(node, sb: Sandbox, path: str) -> BinaryIO:
+def open_read(node, sb: Sandbox, path: str, who: Identity) -> BinaryIO:
     """The file ``path`` open for reading; NotFoundError / InvalidInputError / RpcError."""
-    return fs_of(node, sb).open_read(resolve(sb, path))
+    return fs_of(node, sb).open_read(resolve(sb, path, who))
 
 
-def open_write(node, sb: Sandbox, path: str) -> tuple[BinaryIO, dict[str, str]]:
-    """The file ``path`` truncated or created (parents too) and open for writing,
-    and the ``/files`` answer entry for it."""
-    full = resolve(sb, path)
-    f = fs_of(node, sb).open_write(full, owner=sb.owner)
+def open_write(node, sb: Sandbox, path: str, who: Identity) -> tuple[BinaryIO, dict[str, str]]:
+    """The file ``path`` truncated or created (parents too, owned by ``who``)
+    and open for writing, and the ``/files`` answer entry for it."""
+    full = resolve(sb, path, who)
+    f = fs_of(node, sb).open_write(full, owner=owner(who))
     return f, {"name": posixpath.basename(full), "type": "file", "path": full}

@@ -9,10 +9,11 @@ killed then, not when the client goes away); without it the command runs until
 it ends or is killed.  Idle streams get a keepalive event every
 ``Keepalive-Ping-Interval`` seconds.
 
-As in envd, the command's variables are the template's, then the sandbox's
-(create ``envs``), then the call's; ``cwd`` defaults to the template's working
-directory and must exist.  Commands run as the template's user (E2B's ``user``
-option, sent as HTTP basic auth, is not mapped to other users).
+As in envd, a command runs as the user the call names (E2B's ``user``, sent as
+HTTP basic auth; default the template's user) with that user's groups and
+``HOME``/``USER``/``LOGNAME``; its variables are those, the template's, the
+sandbox's (create ``envs``), then the call's; ``cwd`` defaults to the
+template's working directory, else the user's home, and must exist.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from google.protobuf.message import Message
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.node.process import Process
+from weenv.node.users import Identity
 from weenv.server.e2b.connect import CallContext, RpcError
 from weenv.server.e2b.files import fs_of, resolve
 from weenv.server.e2b.proto import process_pb
@@ -60,14 +62,14 @@ def _selected(node: Node, sb: Sandbox, selector) -> Process:
     return p
 
 
-def _start(node: Node, sb: Sandbox, req, timeout: float | None) -> Process:
+def _start(node: Node, sb: Sandbox, req, timeout: float | None, who: Identity) -> Process:
     """Spawn the command of ``req`` (blocking: a worker thread); raises RpcError."""
     cfg = req.process
     if not cfg.cmd:
         raise RpcError("invalid_argument", "no command (process.cmd)")
     if req.HasField("pty"):
         raise RpcError("unimplemented", "PTY sessions are not supported by weenv yet")
-    cwd = resolve(sb, cfg.cwd) if cfg.HasField("cwd") and cfg.cwd else sb.workdir
+    cwd = resolve(sb, cfg.cwd, who) if cfg.HasField("cwd") and cfg.cwd else sb.start_dir(who)
     if not fs_of(node, sb).exists(cwd):
         raise RpcError("invalid_argument", f"cwd '{cwd}' does not exist")
     stdin_open = req.stdin if req.HasField("stdin") else True  # envd: a pipe unless disabled
@@ -75,6 +77,7 @@ def _start(node: Node, sb: Sandbox, req, timeout: float | None) -> Process:
         return node.spawn(
             sb.id, [cfg.cmd, *cfg.args], env=dict(cfg.envs), cwd=cwd, timeout=timeout,
             stdin_open=stdin_open, tag=req.tag if req.HasField("tag") else None, primary_reader=True,
+            user=who,
         )  # fmt: skip
     except InvalidInputError as exc:
         raise RpcError("invalid_argument", str(exc)) from exc
@@ -157,7 +160,7 @@ class ProcessService:
 
     async def start(self, req, ctx: CallContext) -> AsyncIterator[Message]:
         sb: Sandbox = ctx.state["sandbox"]
-        p = await anyio.to_thread.run_sync(_start, self.node, sb, req, ctx.timeout)
+        p = await anyio.to_thread.run_sync(_start, self.node, sb, req, ctx.timeout, ctx.state["user"])
         assert p.primary is not None
         async for item in _follow(p, p.primary, ctx, lambda ev: process_pb.StartResponse(event=ev)):
             yield item

@@ -27,6 +27,8 @@ from weenv.errors import NotFoundError
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node.models import EnvironmentInfo
 from weenv.node.node import Node
+from weenv.node.users import Identity
+from weenv.formats.manifest import RuntimeConfig
 from weenv.packaging.template import load_template
 
 DEFAULT_TIMEOUT_S = 300
@@ -48,21 +50,12 @@ class Sandbox:
     def id(self) -> str:
         return self.info.id
 
-    @property
-    def workdir(self) -> str:
-        """Where relative paths and commands start (E2B: the user's home)."""
-        return self.runtime.working_dir or "/"
-
-    @property
-    def home(self) -> str:
-        return self.runtime.env.get("HOME", "/root")
-
-    @property
-    def owner(self) -> tuple[int, int] | None:
-        """``(uid, gid)`` of files this face creates (None: root)."""
-        uid, _, gid = self.runtime.user.partition(":")
-        owner = (int(uid), int(gid or uid))
-        return None if owner == (0, 0) else owner
+    def start_dir(self, who: Identity) -> str:
+        """Where relative paths and commands of the user ``who`` start: the
+        template's working directory if it names one (envd's default workdir),
+        else the user's home (envd's)."""
+        wd = self.runtime.working_dir or "/"
+        return wd if wd != "/" else who.home
 
 
 class Sandboxes:
@@ -77,12 +70,15 @@ class Sandboxes:
         self._lock = threading.Lock()
 
     def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
-               undelivered: bool = False) -> Sandbox:
+               undelivered: bool = False, network: bool | None = None, allow_out: list[str] | None = None,
+               deny_out: list[str] | None = None) -> Sandbox:
         """A new environment from ``template`` living ``timeout`` seconds
-        (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``).
+        (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``;
+        ``network``, ``allow_out``, ``deny_out``: as ``CreateRequest``'s).
         Raises what :meth:`Node.create` raises."""
         info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
-                                undelivered=undelivered)
+                                undelivered=undelivered, network=network, allow_out=allow_out or None,
+                                deny_out=deny_out or None)
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:

@@ -1,0 +1,177 @@
+"""Network on request (a create's ``network``/``allow_out``/``deny_out``, E2B's
+``allow_internet_access`` and ``network.allowOut``/``denyOut``), each
+environment's egress table, the node's ``WEENV_NETWORK=off``, and E2B's
+``get_host`` through the daemon.
+
+Test hosts are network namespaces made here (RFC 2544's 198.18.0.0/15, on
+this machine's veths only), each serving TCP with its own name; no packet goes
+to an address outside this machine.  After each test: no weenv veth, no
+``weenv-*`` table, no namespace mount (``leak_check`` and :func:`_no_tables`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from conftest import system_snapshot
+from daemon_fixture import start_daemon
+from test_isolation import ANSWER_PEER, connect_from, env_address, host_server, far_host  # noqa: F401
+from weenv.errors import InvalidInputError, NetworkForbiddenError
+from weenv.node import network
+from weenv.node.node import Node
+
+HOSTS = {"one": ("198.19.7.1/30", "198.19.7.2/30"), "two": ("198.19.7.5/30", "198.19.7.6/30")}
+PORT = 8090
+
+
+def _tables() -> list[str]:
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.split()[-1].startswith("weenv")]
+
+
+@pytest.fixture
+def no_leak(leak_check):
+    """``leak_check``, and no weenv nft table left (each environment's, or the shared one)."""
+    before = _tables()
+    yield
+    assert _tables() == [t for t in before if t != "weenv"] or _tables() == before, _tables()
+
+
+@pytest.fixture
+def far_hosts(tmp_path):
+    """Two namespaces beyond the host (``one``, ``two``), each answering
+    ``NAME PEER`` on :data:`PORT`; name -> address."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}",
+                                                   host_end, far_end, PORT, name))
+               for name, (host_end, far_end) in HOSTS.items()}
+
+
+def _reach(node, env_id: str, hosts: dict[str, str]) -> dict[str, bool]:
+    return {name: connect_from(node, env_id, addr, PORT).startswith("connected") for name, addr in hosts.items()}
+
+
+def test_network_on_request_and_egress_lists(node, far_hosts, host_server, no_leak):  # noqa: F811
+    one, two = far_hosts["one"], far_hosts["two"]
+    plain = node.create("task")  # the template has no network, and none was asked
+    assert plain.address is None and _reach(node, plain.id, far_hosts) == {"one": False, "two": False}
+    on = node.create("task", network=True)
+    assert on.address == str(env_address(on.id)) and _reach(node, on.id, far_hosts) == {"one": True, "two": True}
+    denied = node.create("task", network=True, deny_out=[f"{two}/32"])
+    assert _reach(node, denied.id, far_hosts) == {"one": True, "two": False}
+    only = node.create("task", allow_out=[one])  # a list alone: network, that list only
+    assert _reach(node, only.id, far_hosts) == {"one": True, "two": False}
+    # allowed entries take precedence over denied ones (E2B's rule): all denied, one allowed
+    both = node.create("task", network=True, allow_out=["198.19.7.0/30"], deny_out=["0.0.0.0/0"])
+    assert _reach(node, both.id, far_hosts) == {"one": True, "two": False}
+    # no list opens the host or another environment: the shared table's drops stay final
+    host_end = str(env_address(both.id) - 1)
+    opened = node.create("task", allow_out=[host_end, f"{env_address(on.id)}/32", "198.19.7.0/29"])
+    assert connect_from(node, opened.id, host_end, host_server) == "TimeoutError"
+    p = node.spawn(on.id, ["python3", "-c", ANSWER_PEER, "0.0.0.0", "8082", "on"])
+    try:
+        assert connect_from(node, opened.id, str(env_address(on.id)), 8082) == "TimeoutError"
+    finally:
+        p.kill()
+    tables = _tables()
+    assert network.env_table(plain.id) not in tables and network.env_table(on.id) not in tables  # plain: none
+    assert {network.env_table(e.id) for e in (denied, only, both, opened)} <= set(tables)
+    for e in (plain, on, denied, only, both, opened):
+        node.destroy(e.id)
+    assert not [t for t in _tables() if t.startswith("weenv-")]
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.0/33", "example.com", "10.0.0.1/8", "::1/128", ""])
+def test_a_list_entry_that_is_not_a_cidr_is_refused_before_anything_is_made(node, bad, no_leak):
+    with pytest.raises(InvalidInputError, match="not an IPv4 CIDR"):
+        node.create("task", allow_out=[bad])
+    with pytest.raises(InvalidInputError, match="not an IPv4 CIDR"):
+        node.create("task", deny_out=["10.0.0.0/8", bad])
+    assert node.count() == 0
+
+
+def test_a_node_whose_policy_forbids_network_refuses_it(paths, shared_store, monkeypatch, no_leak):
+    monkeypatch.setenv(network.POLICY_ENV, "off")
+    with Node(paths, store=shared_store, pool_size=0) as node:
+        for fields in ({"network": True}, {"allow_out": ["198.19.7.2"]}):
+            with pytest.raises(NetworkForbiddenError, match="WEENV_NETWORK=off"):
+                node.create("task", **fields)
+        assert node.count() == 0 and not os.listdir(paths.environments)
+        assert node.create("task").address is None  # without network: fine
+    monkeypatch.setenv(network.POLICY_ENV, "sometimes")
+    with pytest.raises(InvalidInputError, match="want on or off"):
+        Node(paths, store=shared_store)
+
+
+def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts):
+    e2b = pytest.importorskip("e2b")
+    from e2b import Sandbox
+    from e2b.exceptions import InvalidArgumentException, SandboxException
+
+    home = tmp_path_factory.mktemp("net-e2b-home")
+    before = system_snapshot(home)
+    daemon = start_daemon(home, shared_store.url)
+    url = daemon.url
+    one, two = far_hosts["one"], far_hosts["two"]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("E2B_API_URL", url + "/e2b")
+            mp.setenv("E2B_SANDBOX_URL", url + "/e2b/envd")
+            mp.setenv("E2B_API_KEY", "e2b_" + daemon.key)
+            probe = f"import socket,sys\ntry:\n socket.create_connection((sys.argv[1], {PORT}), timeout=1.5)\n" \
+                    " print('ok')\nexcept OSError as e:\n print(type(e).__name__)"
+
+            def reach(sbx, addr):
+                return sbx.commands.run(f"python3 -c \"{probe}\" {addr}").stdout.strip()
+
+            sbx = Sandbox.create("task", allow_internet_access=True, timeout=120)
+            lists = Sandbox.create("task", allow_internet_access=False, timeout=120,
+                                   network={"allow_out": [f"{one}/32"]})
+            closed = Sandbox.create("task", timeout=120)
+            try:
+                assert reach(sbx, one) == "ok" and reach(sbx, two) == "ok"
+                assert reach(lists, one) == "ok" and reach(lists, two) == "TimeoutError"
+                assert reach(closed, one) != "ok"  # no network unless asked
+                # get_host: PORT-ID.DOMAIN, proxied by the daemon to the port inside the sandbox
+                sbx.commands.run("cd /tmp && echo served > index.html && python3 -m http.server 8000 "
+                                 ">/dev/null 2>&1", background=True)
+                host = sbx.get_host(8000)
+                assert host.startswith(f"8000-{sbx.sandbox_id}.")
+                deadline = time.monotonic() + 20
+                while True:
+                    r = httpx.get(url + "/index.html", headers={"Host": host}, timeout=5)
+                    if r.status_code == 200 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                assert r.status_code == 200 and r.text == "served\n"
+                posted = httpx.post(url + "/nothing", headers={"Host": host}, content=b"x" * 100_000, timeout=5)
+                assert posted.status_code == 501  # http.server's answer to POST, relayed
+                closed_port = httpx.get(url + "/", headers={"Host": f"8001-{sbx.sandbox_id}.e2b.app"}, timeout=5)
+                assert closed_port.status_code == 502 and "port is not open" in closed_port.text
+                unknown = httpx.get(url + "/", headers={"Host": "8000-0123456789ab.e2b.app"}, timeout=5)
+                assert unknown.status_code == 502 and "not found" in unknown.text
+                # a sandbox without network is reachable the same way (inside its own namespace)
+                closed.commands.run("cd /tmp && echo closed > index.html && python3 -m http.server 8000 "
+                                    ">/dev/null 2>&1", background=True)
+                deadline = time.monotonic() + 20
+                while (r := httpx.get(url + "/index.html", headers={"Host": closed.get_host(8000)}, timeout=5)
+                       ).status_code != 200 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert r.text == "closed\n"
+            finally:
+                for s in (sbx, lists, closed):
+                    s.kill()
+            with pytest.raises((InvalidArgumentException, SandboxException), match="not an IPv4 CIDR"):
+                Sandbox.create("task", timeout=60, network={"deny_out": ["not-a-cidr"]})
+    finally:
+        daemon.stop()
+    after = system_snapshot(home)
+    for kind in after:
+        assert not set(after[kind]) - set(before[kind]), f"leaked {kind}"
+    assert not [t for t in _tables() if t.startswith("weenv-")]
