@@ -12,13 +12,14 @@ Layout (a map of the architecture):
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncSandbox", "Sandbox", "__version__"]
+__all__ = ["AsyncSandbox", "Sandbox", "__version__", "meter"]
 
 
 def __getattr__(name: str):
-    """``weenv.Sandbox`` and ``weenv.AsyncSandbox``, imported on first use (the CLI
-    does not pay for the SDK's imports)."""
-    if name in ("Sandbox", "AsyncSandbox"):
+    """``weenv.Sandbox``, ``weenv.AsyncSandbox`` and ``weenv.meter`` (the
+    environment tax of a batch, :mod:`weenv.sdk._meter`), imported on first use
+    (the CLI does not pay for the SDK's imports)."""
+    if name in ("Sandbox", "AsyncSandbox", "meter"):
         from weenv import sdk
 
         return getattr(sdk, name)

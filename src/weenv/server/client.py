@@ -135,5 +135,10 @@ class NodeClient:
         params = {"env": env_id} if env_id else {}
         return ProvisionStats.model_validate_json(self._request("GET", "/stats/provision", params=params).content)
 
+    def tax(self) -> "TaxReport":
+        from weenv.tax import TaxReport
+
+        return TaxReport.model_validate_json(self._request("GET", "/tax").content)
+
     def drop_cache(self) -> None:
         self._request("POST", "/cache/drop")
