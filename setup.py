@@ -25,5 +25,8 @@ def bench_requirement() -> str:
 setup(extras_require={
     "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6"],
     "plot": [MATPLOTLIB],
+    # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
+    "minisweagent": ["mini-swe-agent>=2.4"],
+    "nemo": ["nemo-gym>=0.4; python_version >= '3.12'"],
     "bench": [bench_requirement(), MATPLOTLIB],
 })

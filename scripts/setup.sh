@@ -2,8 +2,11 @@
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
 # weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
 # registry for the benchmarks), then a venv in .venv with weenv, its test
-# tools and matplotlib, and the benchmarks (benchmarks/, weenv-bench), both
-# editable.  Idempotent.
+# tools, matplotlib and mini-swe-agent (weenv[minisweagent]), and the
+# benchmarks (benchmarks/, weenv-bench), both editable; and NeMo Gym's venv,
+# /work/venvs/nemo (Python 3.12 from pyenv; $WEENV_NEMO_VENV to move it), with
+# nemo-gym and this checkout's weenv editable ('.[nemo]'), for
+# tests/test_adapters_nemo.py.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +29,27 @@ stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" 
 if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
   .venv/bin/python -c 'import weenv, weenv_bench, pytest'
   touch .venv/.weenv-installed
+fi
+
+# NeMo Gym needs Python >= 3.12: a venv of its own (about 2 minutes the first time)
+nemo=${WEENV_NEMO_VENV:-/work/venvs/nemo}
+py312=$(ls -d /root/.pyenv/versions/3.12*/bin/python 2>/dev/null | sort -V | tail -1 || true)
+here_src="$PWD/src/weenv/__init__.py"
+if [ -n "$py312" ]; then
+  if [ ! -x "$nemo/bin/python" ]; then
+    mkdir -p "$(dirname "$nemo")"
+    "$py312" -m venv "$nemo"
+  fi
+  if [ "$("$nemo/bin/python" -c 'import nemo_gym, weenv; print(weenv.__file__)' 2>/dev/null)" != "$here_src" ] \
+      || [ pyproject.toml -nt "$nemo/.weenv-installed" ]; then
+    echo "setup: installing nemo-gym and weenv into $nemo" >&2
+    "$nemo/bin/pip" install --quiet --disable-pip-version-check -e '.[nemo]' 2>&1 | grep -v 'is ignored' || true
+    "$nemo/bin/python" -c 'import nemo_gym, weenv.adapters.nemo'
+    touch "$nemo/.weenv-installed"
+  fi
+else
+  echo "setup: no Python 3.12 under /root/.pyenv: NeMo Gym's venv not made (its test is skipped)" >&2
 fi

@@ -2,7 +2,7 @@
 
 Layout (a map of the architecture):
 
-- ``weenv.formats``: the manifests, digests and read limits every layer shares.
+- ``weenv.formats``: the manifests, digests, read limits and environment-tax records every layer shares.
 - ``weenv.host``: the host's mount table and mount(2), file access confined under a root.
 - ``weenv.store``: content-addressed stores of chunks and manifests (``file://``).
 - ``weenv.packaging``: layer groups (EROFS image, chunks) and templates, builds, gc.
@@ -10,6 +10,7 @@ Layout (a map of the architecture):
 - ``weenv.sdk``: the Python SDK (``weenv.Sandbox``, ``weenv.AsyncSandbox``), and
   the node's API as records (``weenv.sdk.NodeClient``).
 - ``weenv.server``: the node daemon's HTTP API, and starting and stopping it.
+- ``weenv.adapters``: harnesses on weenv (mini-swe-agent, NeMo Gym).
 - ``weenv.cli``: the ``weenv`` command.
 
 Each imports only from those above it in this list (and ``errors``, ``config``):
@@ -18,13 +19,14 @@ Each imports only from those above it in this list (and ``errors``, ``config``):
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncSandbox", "Sandbox", "__version__"]
+__all__ = ["AsyncSandbox", "Sandbox", "__version__", "meter"]
 
 
 def __getattr__(name: str):
-    """``weenv.Sandbox`` and ``weenv.AsyncSandbox``, imported on first use (the CLI
-    does not pay for the SDK's imports)."""
-    if name in ("Sandbox", "AsyncSandbox"):
+    """``weenv.Sandbox``, ``weenv.AsyncSandbox`` and ``weenv.meter`` (the
+    environment tax of a batch, :mod:`weenv.sdk._meter`), imported on first use
+    (the CLI does not pay for the SDK's imports)."""
+    if name in ("Sandbox", "AsyncSandbox", "meter"):
         from weenv import sdk
 
         return getattr(sdk, name)

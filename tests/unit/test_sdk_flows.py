@@ -120,7 +120,11 @@ class FakeDaemon:
 @pytest.fixture
 def daemon(monkeypatch):
     """A FakeDaemon every SDK client of this test reaches (sync and async)."""
-    fake = FakeDaemon()
+    return serve(monkeypatch, FakeDaemon())
+
+
+def serve(monkeypatch, fake: FakeDaemon) -> FakeDaemon:
+    """Make ``fake`` the daemon every SDK client reaches, sync and async, by WEENV_API_URL."""
     transport = httpx.MockTransport(fake)
     client, async_client = httpx.Client, httpx.AsyncClient
     monkeypatch.setattr(httpx, "Client", lambda **kw: client(**{**kw, "transport": transport}))

@@ -1,5 +1,10 @@
 """``weenv stats [ID]``: each environment's usage and quota over time, and the node's totals.
 
+``weenv stats --tax``: the environment tax instead (:mod:`weenv.formats.tax`): one row
+per rollout batch an SDK meter reported (``weenv.meter()``), seconds by phase
+against the rollouts' time, and the node's own measure of the environment
+operations it served (``GET /v1/tax``).
+
 The data is the node daemon's (``GET /v1/stats/provision``, the same
 :class:`~weenv.node.provision.models.ProvisionStats` that
 :meth:`Node.provision_stats <weenv.node.node.Node.provision_stats>` returns in
@@ -18,8 +23,9 @@ import typer
 from rich.table import Table
 
 from weenv.cli.common import client, err, human_bytes, out
-from weenv.errors import ToolMissingError
+from weenv.errors import InvalidInputError, ToolMissingError
 from weenv.node.provision.models import ProvisionStats
+from weenv.formats.tax import PHASES, TaxReport
 
 app = typer.Typer()
 
@@ -71,6 +77,24 @@ def history_table(s: ProvisionStats, rows: int) -> Table:
             human_bytes(h.memory_usage), human_bytes(h.working_set),
             "max" if h.memory_limit is None else human_bytes(h.memory_limit), str(h.pids),
         )  # fmt: skip
+    return table
+
+
+def tax_table(report: TaxReport, rows: int) -> Table:
+    """The newest ``rows`` batches, then the node's totals."""
+    table = Table(title="environment tax (seconds)", show_header=True, header_style="bold")
+    for col in ("BATCH", "STARTED", "ENVS", "WALL", "ROLLOUTS", *(p.upper() for p in PHASES), "COMMANDS",
+                "NON-ENV", "SHARE"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "BATCH" else "right", no_wrap=col == "BATCH")
+    for b in report.batches[-rows:]:
+        table.add_row(b.name, time.strftime("%H:%M:%S", time.localtime(b.started_at)), str(b.environments),
+                      f"{b.wall_s:.2f}", f"{b.rollout_s:.2f}", *(f"{b.phases[p]:.3f}" for p in PHASES),
+                      f"{b.command_s:.2f}", f"{b.other_s:.2f}", f"{b.share:.1%}")  # fmt: skip
+    table.add_row("node (all clients)", "", "", "", "", *(f"{report.node[p]:.3f}" for p in PHASES), "", "", "",
+                  style="dim")  # fmt: skip
+    table.caption = ("phases: seconds the rollouts waited on the environment (exec: beyond the commands' own "
+                     "run time); share = their sum / the rollouts' time; node: what the node measured itself, "
+                     f"over {sum(report.requests.values())} requests")
     return table
 
 
@@ -126,9 +150,16 @@ def plot(s: ProvisionStats, path: Path) -> Path:
 def stats(
     env_id: Annotated[str | None, typer.Argument(metavar="[ID]", help="one environment")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="draw a PNG here")] = None,
-    rows: Annotated[int, typer.Option(help="history rows shown for one environment")] = 20,
+    rows: Annotated[int, typer.Option(help="history rows shown for one environment (with --tax: batches)")] = 20,
+    tax: Annotated[bool, typer.Option("--tax", help="the environment tax per rollout batch instead")] = False,
 ) -> None:
     """Usage and quotas of environments over time, and the node's totals."""
+    if tax:
+        if env_id is not None or plot_path is not None:
+            raise InvalidInputError("--tax shows batches: give it without an ID or --plot")
+        with client() as c:
+            out.print(tax_table(c.tax(), rows))
+        return
     if plot_path is not None:
         _pyplot()  # no matplotlib: say so before asking the daemon
     with client() as c:

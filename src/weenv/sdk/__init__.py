@@ -10,6 +10,10 @@
         sb.files.write("/workspace/data.bin", b"\\x00\\x01")
         sandboxes = Sandbox.create_many("task", count=64)   # one request, created concurrently
 
+    with weenv.meter("iteration-1") as tally:                 # the environment tax of a batch
+        ...
+    print(tally.share, tally.phases)                          # weenv.formats.tax.Tally
+
 :class:`AsyncSandbox` offers the same calls as coroutines.  The daemon is found
 by ``api_url``/``api_key`` arguments, else ``WEENV_API_URL`` and ``WEENV_API_KEY``
 (TCP), else the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
@@ -37,10 +41,11 @@ from weenv.errors import (
 )
 from weenv.sdk._async import AsyncCommandHandle, AsyncNodeClient, AsyncSandbox
 from weenv.sdk._core import CommandResult
+from weenv.sdk._meter import meter
 from weenv.sdk._sync import CommandHandle, NodeClient, Sandbox
 
 __all__ = [
     "AsyncCommandHandle", "AsyncNodeClient", "AsyncSandbox", "AuthenticationError", "CapacityError",
     "CommandHandle", "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NodeClient",
-    "NotFoundError", "OutputLimitError", "Sandbox", "WeenvError",
+    "NotFoundError", "OutputLimitError", "Sandbox", "WeenvError", "meter",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, BinaryIO, Literal
 
@@ -32,7 +33,9 @@ from weenv.node.models import (
     WriteInfo,
 )
 from weenv.node.provision.models import ProvisionStats
+from weenv.formats.tax import TaxReport
 from weenv.sdk import _core
+from weenv.sdk import _meter as meter
 from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
 
 CHUNK = 1 << 20
@@ -63,9 +66,16 @@ class _Connection:
             await self.http.aclose()
 
     async def drive(self, flow: Flow[Any]) -> Any:
-        """Run ``flow``, performing its effects (see :mod:`weenv.sdk._core`)."""
+        """Run ``flow``, performing its effects (see :mod:`weenv.sdk._core`).
+        While a meter is open (:mod:`weenv.sdk.meter`), the seconds waited
+        (callbacks left out) count for the phase of the flow's first request."""
         stream = None
         lines = None
+        started = time.monotonic()
+        in_callbacks = 0.0
+        first: Call | None = None
+        outcome: Any = None
+        failure: BaseException | None = None
         try:
             effect = next(flow)
             while True:
@@ -73,6 +83,7 @@ class _Connection:
                 error: WeenvError | None = None
                 try:
                     if isinstance(effect, Call):
+                        first = first or effect
                         if stream is not None:
                             await stream.aclose()
                             stream = None
@@ -85,9 +96,13 @@ class _Connection:
                     elif effect is NEXT:
                         value = await self._next_line(lines)
                     elif isinstance(effect, Invoke):
-                        value = effect.fn(*effect.args)
-                        if inspect.isawaitable(value):  # a coroutine function's (the sync face: nothing to do)
-                            value = await value
+                        called = time.monotonic()
+                        try:
+                            value = effect.fn(*effect.args)
+                            if inspect.isawaitable(value):  # a coroutine function's (the sync face: nothing to do)
+                                value = await value
+                        finally:
+                            in_callbacks += time.monotonic() - called
                     else:
                         raise TypeError(f"unknown effect {effect!r}")
                 except httpx.HTTPError as exc:
@@ -97,11 +112,18 @@ class _Connection:
                     error = exc
                 effect = flow.throw(error) if error is not None else flow.send(value)
         except StopIteration as stop:
+            outcome = stop.value
             return stop.value
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             if stream is not None:
                 await stream.aclose()
             flow.close()
+            if first is not None and meter.metering():
+                meter.record_call(self.config, first.method, first.path, started,
+                                  time.monotonic() - started - in_callbacks, outcome=outcome, error=failure)
 
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
@@ -141,6 +163,7 @@ class _Connection:
         return END
 
     async def download(self, path: str, params: dict, dest: BinaryIO) -> int:
+        started = time.monotonic()
         try:
             async with self.http.stream("GET", path, params=params, timeout=httpx.Timeout(None, connect=10.0)) as r:
                 if r.status_code >= 400:
@@ -153,6 +176,9 @@ class _Connection:
                 return n
         except httpx.HTTPError as exc:
             raise _core.error_for_transport(exc, self.config.where) from exc
+        finally:
+            if meter.metering():
+                meter.record_call(self.config, "GET", path, started, time.monotonic() - started)
 
 
 def _body(content: Any) -> Any:
@@ -308,6 +334,11 @@ class AsyncSandbox:
 
     sandbox_id = id
 
+    @property
+    def node(self) -> str:
+        """The node it runs on: its daemon's address (``http://HOST:PORT`` or ``unix:SOCKET``)."""
+        return self._conn.config.where
+
     async def _drive(self, flow: Flow[Any]) -> Any:
         return await self._conn.drive(flow)
 
@@ -346,8 +377,10 @@ class AsyncSandbox:
                  for t in _templates(templates, count)]
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         made: dict[int, AsyncSandbox] = {}
+        started = time.monotonic()
 
         def ready(i: int, info: EnvironmentInfo):
+            meter.note_created(conn.config, info.id, started)
             made[i] = cls(info, conn.retain())
             return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
@@ -505,6 +538,9 @@ class AsyncNodeClient:
 
     async def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         return await self._conn.drive(_core.provision_stats(env_id))
+
+    async def tax(self) -> TaxReport:
+        return await self._conn.drive(_core.tax_report())
 
     async def drop_cache(self) -> None:
         await self._conn.drive(_core.drop_cache())

@@ -74,6 +74,7 @@ from weenv.node.models import (
     WriteInfo,
 )
 from weenv.node.provision.models import ProvisionStats
+from weenv.formats.tax import TaxReport
 
 T = TypeVar("T")
 API_PREFIX = "/v1"
@@ -501,6 +502,12 @@ def provision_stats(env_id: str | None = None) -> Flow[ProvisionStats]:
     """Quotas, usage history and events of every environment (or of ``env_id``)."""
     reply = yield Call("GET", "/stats/provision", params={"env": env_id} if env_id else None)
     return ProvisionStats.model_validate_json(reply.content)
+
+
+def tax_report() -> Flow[TaxReport]:
+    """The node's environment seconds by phase and the batches meters posted (:mod:`weenv.formats.tax`)."""
+    reply = yield Call("GET", "/tax")
+    return TaxReport.model_validate_json(reply.content)
 
 
 def drop_cache() -> Flow[None]:

@@ -35,6 +35,8 @@ ready, bytes base64-encoded)::
     GET    /v1/environments/{id}/files/list?path=P    -> [EntryInfo]
     POST   /v1/environments/{id}/files/mkdir?path=P   -> 204 (parents too; fine if it exists)
     POST   /v1/environments/{id}/files/rename         RenameRequest -> 204
+    POST   /v1/tax                                    TaxBatch -> 204 (an SDK meter's batch, weenv.formats.tax)
+    GET    /v1/tax                                    -> TaxReport (the node's seconds by phase, the batches)
     POST   /v1/cache/drop                             -> 204
     POST   /v1/shutdown                               -> 202
 
@@ -98,6 +100,8 @@ from weenv.node.process import Process
 from weenv.node.provision import ProvisionStats
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.metrics import CONTENT_TYPE, Metrics
+from weenv.server.tax import COMMAND_KEY
+from weenv.formats.tax import TaxBatch, TaxReport
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,15 @@ def api_router(
     @r.get("/stats")
     def stats() -> NodeStats:
         return node.stats()
+
+    @r.post("/tax", status_code=204)
+    def report_tax(batch: TaxBatch) -> Response:
+        metrics.tax.report_batch(batch)
+        return Response(status_code=204)
+
+    @r.get("/tax")
+    def tax() -> TaxReport:
+        return metrics.tax.report()
 
     @r.get("/stats/provision")
     def provision_stats(env: str | None = None) -> ProvisionStats:
@@ -231,6 +244,7 @@ def api_router(
         p = await anyio.to_thread.run_sync(functools.partial(
             node.spawn, env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
             primary_reader=True, user=req.user))  # fmt: skip
+        request.scope[COMMAND_KEY] = p  # its run time is not the node's overhead (weenv.server.tax)
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(_kill_when_gone, request, p)  # a command does not outlive its caller
@@ -246,8 +260,9 @@ def api_router(
 
     @r.post("/environments/{env_id}/commands/stream", response_class=StreamingResponse,
             responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
-    async def stream_command(env_id: str, req: ExecRequest) -> StreamingResponse:
+    async def stream_command(env_id: str, req: ExecRequest, request: Request) -> StreamingResponse:
         p = await anyio.to_thread.run_sync(functools.partial(spawn, env_id, req, primary=True))
+        request.scope[COMMAND_KEY] = p
         metrics.commands.labels("stream").inc()
         assert p.primary is not None
         return StreamingResponse(_events(p, p.primary, kill_on_close=True), media_type=NDJSON)
@@ -268,13 +283,16 @@ def api_router(
 
     @r.get("/environments/{env_id}/processes/{pid}/output", response_class=StreamingResponse,
            responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
-    def process_output(env_id: str, pid: int) -> StreamingResponse:
+    def process_output(env_id: str, pid: int, request: Request) -> StreamingResponse:
         p = node.process(env_id, pid)
+        request.scope[COMMAND_KEY] = p
         return StreamingResponse(_events(p, p.log.attach(), kill_on_close=False), media_type=NDJSON)
 
     @r.post("/environments/{env_id}/processes/{pid}/wait")
-    def wait_process(env_id: str, pid: int, timeout: float = Query(default=60.0, gt=0, le=3600)) -> ProcessInfo:
+    def wait_process(env_id: str, pid: int, request: Request,
+                     timeout: float = Query(default=60.0, gt=0, le=3600)) -> ProcessInfo:
         p = node.process(env_id, pid)
+        request.scope[COMMAND_KEY] = p
         p.wait(timeout)
         return p.info()
 

@@ -39,6 +39,7 @@ from weenv.server.api import PREFIX, NamesJSONResponse, api_router
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
+from weenv.server.tax import EnvSeconds
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def create_app(
         return envd is not None and envd(headers)
 
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
+    app.add_middleware(EnvSeconds, book=metrics.tax)  # outermost: a request's whole time, limits included
     app.state.node = node
     app.state.metrics = metrics
     app.state.api_key = api_key  # for other routers (E2B): ApiKey.matches accepts "e2b_" + the key

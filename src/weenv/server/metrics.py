@@ -12,6 +12,9 @@ Exposed at ``GET /v1/metrics`` in the text format::
     weenv_chunks_fetched_total          counter  chunks fetched from the store
     weenv_pool_ready                    gauge    environments the warm pool holds created ahead
     weenv_pool_takes_total{result}      counter  creates that looked in the warm pool: hit, miss
+    weenv_env_seconds_total{phase}      counter  seconds of environment operations the node served, by
+                                                 phase: create, exec (beyond the commands' own run time),
+                                                 files, destroy, other (:mod:`weenv.server.tax`)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from weenv.node.node import Node
+from weenv.server.tax import TaxBook
 
 CREATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -29,8 +33,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _NodeCollector:
     """Counters the node keeps itself (the chunk cache's), read at scrape time."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, tax: TaxBook):
         self.node = node
+        self.tax = tax
 
     def collect(self):
         yield CounterMetricFamily("weenv_bytes_fetched", "Stored bytes fetched from the store",
@@ -45,6 +50,11 @@ class _NodeCollector:
         takes.add_metric(["hit"], pool.hits)
         takes.add_metric(["miss"], pool.misses)
         yield takes
+        env = CounterMetricFamily("weenv_env_seconds", "Seconds of environment operations served, by phase",
+                                  labels=["phase"])
+        for phase, seconds in self.tax.report().node.items():
+            env.add_metric([phase], seconds)
+        yield env
 
 
 class Metrics:
@@ -57,7 +67,8 @@ class Metrics:
                                         buckets=CREATE_BUCKETS, registry=r)
         self.commands = Counter("weenv_commands", "Commands run, by mode", ["mode"], registry=r)
         self.reaped = Counter("weenv_reaped", "Environments destroyed when their timeout passed", registry=r)
-        r.register(_NodeCollector(node))
+        self.tax = TaxBook()
+        r.register(_NodeCollector(node, self.tax))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
