@@ -20,7 +20,11 @@ below and runs each operation as a short script over them:
 - the warm pool (:mod:`weenv.node.pool`, :mod:`weenv.node.warm`): environments of
   recently repeated creates made ahead up to ``runc create``, which a matching
   create only starts;
-- crash recovery (:mod:`weenv.node.recovery`).
+- crash recovery (:mod:`weenv.node.recovery`);
+- state: captures of an environment's file system and snapshots published
+  from them (:mod:`weenv.node.snapshot`), forks (:mod:`weenv.node.fork`),
+  resets in place (:mod:`weenv.node.reset`), pause and resume with the cgroup
+  freezer (:mod:`weenv.node.pause`).
 
 State needed after a restart lives on disk and in the kernel: ``env.json``,
 runc's state, the overlay and group mounts, the cgroups; the lazy file
@@ -45,7 +49,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from weenv.config import Paths, private_dir
-from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.errors import (
+    BrokenError,
+    CommandTimeoutError,
+    InvalidInputError,
+    NotFoundError,
+    RuntimeFailedError,
+    StateError,
+)
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
 from weenv.node.bundle import RUNC_DEFAULT_CAPS
@@ -53,6 +64,7 @@ from weenv.node.cache import ChunkCache
 from weenv.node.commands import KEEP_FINISHED, Commands, collect
 from weenv.node.container import Containers
 from weenv.node.disk import NodeDisk
+from weenv.node.fork import ForkResult, Forks
 from weenv.node.groups import GroupMounts
 from weenv.node.home import HomeLock
 from weenv.node.launcher import Launchers
@@ -68,15 +80,18 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
+from weenv.node.pause import Pauses, check_running
 from weenv.node.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.node.recovery import Recovery, logged
+from weenv.node.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
 from weenv.node.rootfs import RootFS
 from weenv.node.runc import Runc
+from weenv.node.snapshot import Capture, Captures, SnapshotInfo, delete_snapshot, list_snapshots, new_snapshot_name
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
     CONTAINER_PREFIX,
@@ -104,6 +119,8 @@ class _Create:
     capabilities: tuple[str, ...]
     prefetch: bool
     undelivered: bool
+    upper_from: Path | None = None
+    """A capture's subvolume its upper dir starts from (a fork child), else empty."""
 
 
 class Node:
@@ -178,6 +195,10 @@ class Node:
                                  groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
                                  lazy_mountpoint=paths.lazy_mountpoint)
+        self.captures = Captures(paths.environments)
+        self.pauses = Pauses(self.provisioner)
+        self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
+        self.forks = Forks(self.captures, self._create_child)
 
     @property
     def max_environments(self) -> int | None:
@@ -224,6 +245,7 @@ class Node:
             self.home.release()
             raise
         self.provisioner.disk_capacity = self.disk.size
+        self.captures.open()  # an earlier node process's captures are gone with it
         self.pool.open()
         try:
             if self.lazyfs.take_over():
@@ -266,6 +288,7 @@ class Node:
             try:
                 self.lazyfs.stop()
                 self.commands.reset()
+                self.captures.close()
                 self.disk.close()  # every environment is gone: its directory, subvolume and overlay
             finally:
                 self.admission.started = False
@@ -315,7 +338,9 @@ class Node:
         when a step fails; every step already done is undone first.
         """
         self.admission.check_started()
-        c = _Create(_request(request, fields), tuple(capabilities), prefetch, undelivered)
+        return self._admitted_create(_Create(_request(request, fields), tuple(capabilities), prefetch, undelivered))
+
+    def _admitted_create(self, c: _Create) -> EnvironmentInfo:
         with self.admission.admit():
             t0 = time.perf_counter()
             resolved = self.resolver.resolve(c.request.template)
@@ -331,7 +356,7 @@ class Node:
 
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
-        if not c.prefetch:  # transient (build) environments: never from the warm pool, never filling it
+        if not c.prefetch or c.upper_from is not None:  # build and fork children: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
             return self._create_env(t0, resolved, c, pooled)
@@ -358,7 +383,8 @@ class Node:
             undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
             lowers = self.warm.start(pooled, manifest, group_manifests, timing) if pooled is not None else None
             if lowers is None:
-                lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, timing)
+                lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
+                                                  timing, upper_from=c.upper_from)  # fmt: skip
                 self.containers.make(env_id, self.snapshotter.dir(env_id), manifest.runtime, res, c.capabilities,
                                      undo, timing, start=True)  # fmt: skip
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
@@ -501,6 +527,7 @@ class Node:
         :class:`InvalidInputError` for a bad command, variable or directory.
         """
         e = self.table.get(env_id)
+        check_running(e)
         p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
                                 tag=tag, primary_reader=primary_reader)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
@@ -582,6 +609,7 @@ class Node:
                 p.log.abandon()
             try:
                 self.provisioner.detach(env_id)  # before the cgroup goes
+                self.pauses.thaw_for_destroy(e)  # a frozen process dies once thawed
                 self.containers.delete(env_id, e.dir)
                 for p in procs:  # their helpers exit with the container's processes
                     p.wait(10)
@@ -592,6 +620,96 @@ class Node:
                 self.containers.teardown_network(env_id, e.dir)
                 self.snapshotter.remove_dir(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
+
+    # --- state: snapshot, fork, reset, pause ------------------------------------------
+    def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
+        """Capture environment ``env_id``'s file system (it is frozen for
+        milliseconds) and publish it as snapshot ``name`` (a template: its
+        template's groups + the capture as a group; default
+        ``snapshot-<hex>``), which any node reaching the store starts lazily
+        (:meth:`create`); the capture stays on this node for :meth:`reset`.
+        Raises :class:`NotFoundError`, :class:`StateError` (not running or
+        paused), :class:`InvalidInputError` (bad name), :class:`MountError`
+        (the disk is full: the environment runs on, its files kept) and what
+        publishing raises (nothing is kept then)."""
+        name = name or new_snapshot_name()
+        e = self.table.get(env_id)
+        c = self._capture(e)
+        try:
+            info = self.captures.publish(c, self.store, name, workdir=self.paths.node,
+                                         publish_lock=lambda: store_lock(self.paths, exclusive=False))  # fmt: skip
+        except BaseException:
+            self.captures.drop(c)
+            raise
+        self.captures.keep(name, c)
+        return info
+
+    def _capture(self, e: Environment) -> Capture:
+        with e.lock:
+            if e.info.state not in ("running", "paused") or not e.dir.exists():
+                raise StateError(f"environment {e.info.id} is {e.info.state}: cannot snapshot it")
+            return self.captures.take(e)
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot in the store (:func:`~weenv.node.snapshot.list_snapshots`)."""
+        return list_snapshots(self.store)
+
+    def delete_snapshot(self, name: str) -> None:
+        """Remove snapshot ``name`` from the store (gc takes its data) and its
+        capture from this node.  Raises :class:`NotFoundError`, or
+        :class:`InvalidInputError` for a template that is not a snapshot."""
+        delete_snapshot(self.store, name)
+        self.captures.forget(name)
+
+    def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResult:
+        """``count`` new environments whose file systems start as environment
+        ``env_id``'s is now (:mod:`weenv.node.fork`); the parent is frozen only
+        for the capture.  Raises :class:`NotFoundError`,
+        :class:`InvalidInputError` (count not in [1, ``WEENV_MAX_FORK``]),
+        :class:`StateError`; each child's error is in the result."""
+        self.admission.check_started()
+        return self.forks.fork(self.table.get(env_id), count, timeout)
+
+    def _create_child(self, c: Capture, timeout: float | None) -> EnvironmentInfo:
+        info = c.info
+        req = CreateRequest(template=c.template_digest, resources=info.resources, envs=info.envs,
+                            metadata=info.metadata, priority=info.priority,
+                            timeout=info.timeout_s if timeout is None else timeout)  # fmt: skip
+        return self._admitted_create(_Create(req, RUNC_DEFAULT_CAPS, False, False, upper_from=c.path))
+
+    def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
+        """Return environment ``env_id`` in place to its template's state, or to
+        snapshot ``snapshot``'s (taken on this node, of the same template): a
+        fresh upper dir, its first process started again, the same id, resources
+        and network (:mod:`weenv.node.reset`).  Its info's ``timing.total_s`` is
+        the reset's seconds.  Raises :class:`NotFoundError` (unknown environment,
+        or no such snapshot on this node), :class:`InvalidInputError` (the
+        snapshot is of another template), :class:`MountError`,
+        :class:`RuntimeFailedError`."""
+        e = self.table.get(env_id)
+        upper_from = None
+        if snapshot is not None:
+            c = self.captures.named(snapshot)
+            if c.template_digest != e.info.template_digest:
+                raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
+                                        f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
+            upper_from = c.path
+        seconds = self.resets.reset(e, upper_from)
+        e.info.timing = CreateTiming(total_s=seconds)
+        return e.info
+
+    def pause(self, env_id: str) -> EnvironmentInfo:
+        """Freeze environment ``env_id`` (:mod:`weenv.node.pause`: processes and
+        memory kept, no CPU used).  Raises :class:`NotFoundError`,
+        :class:`StateError` (not running)."""
+        return self.pauses.pause(self.table.get(env_id))
+
+    def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
+        """Thaw the paused environment ``env_id``; its timeout ``timeout``
+        seconds from now (default its ``timeout_s``).  Raises
+        :class:`NotFoundError`, :class:`StateError` (not paused),
+        :class:`CapacityError` (it stays paused)."""
+        return self.pauses.resume(self.table.get(env_id), timeout)
 
     # --- stats and caches -------------------------------------------------------------
     def disk_usage(self, env_id: str) -> tuple[int, int]:

@@ -53,7 +53,7 @@ CLIENT_ID = "weenv"
 KIND_STATUS = {
     "not_found": 404, "invalid_input": 400, "timeout": 408, "authentication": 401,
     "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
-    "too_large": 413, "closed": 503, "busy": 409, "broken": 502,
+    "too_large": 413, "closed": 503, "busy": 409, "state": 409, "broken": 502,
 }  # fmt: skip
 
 

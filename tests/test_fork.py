@@ -1,0 +1,165 @@
+"""Snapshot, fork, reset and pause/resume of running environments (issue 16),
+with real mounts, btrfs snapshots, runc and the cgroup freezer."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from weenv.config import Paths
+from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.node.node import Node
+from weenv.node.snapshot import CAPTURES
+from weenv.store.file import FileStore
+
+# the parent's changes to the template: a new file, a changed one, a deleted base
+# file (a whiteout), a lower directory replaced by a new one (an opaque dir)
+SETUP = (
+    "set -e; mkdir -p /workspace/new && echo one > /workspace/new/a.txt"
+    " && echo changed > /workspace/hello.py && rm /etc/hostname"
+    " && rm -rf /usr/share/doc && mkdir /usr/share/doc && echo mine > /usr/share/doc/only.txt"
+)
+TREE = "cat /workspace/new/a.txt /workspace/hello.py /usr/share/doc/only.txt; ls /usr/share/doc; test -e /etc/hostname && echo hostname || echo no-hostname"
+EXPECTED = b"one\nchanged\nmine\nonly.txt\nno-hostname\n"
+
+
+@pytest.fixture
+def store(tmp_path, shared_store) -> FileStore:
+    """A private copy of the shared store (hard links; writes replace files by rename)."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    return FileStore(root)
+
+
+@pytest.fixture
+def node(paths, store, leak_check):
+    n = Node(paths, store=store, pool_size=0).start()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def sh(node: Node, env_id: str, script: str) -> bytes:
+    r = node.exec(env_id, ["sh", "-c", script])
+    assert r.exit_code == 0, r.stderr
+    return r.stdout
+
+
+def captures(paths: Paths) -> list[str]:
+    return sorted(p.name for p in (paths.environments / CAPTURES).iterdir())
+
+
+def test_snapshot_starts_on_a_fresh_home_lazily_with_the_same_tree(node, paths, store, tmp_path):
+    parent = node.create("task")
+    sh(node, parent.id, SETUP)
+    assert sh(node, parent.id, TREE) == EXPECTED
+    snap = node.snapshot(parent.id, "snap-one")
+    assert snap.name == "snap-one" and snap.capture_s < 1.0
+    assert [s.name for s in node.snapshots()] == ["snap-one"]
+    # the parent runs on, unchanged, and keeps writing
+    assert sh(node, parent.id, TREE) == EXPECTED
+    sh(node, parent.id, "echo later > /workspace/later.txt")
+
+    other = Paths(tmp_path / "home2", paths.cache, store.url)
+    with Node(other, store=store, pool_size=0) as second:
+        info = second.create("snap-one")
+        assert info.timing.bytes_fetched < info.timing.template_bytes  # lazy: not the whole template
+        assert sh(second, info.id, TREE) == EXPECTED
+        assert sh(second, info.id, "test -e /workspace/later.txt && echo yes || echo no") == b"no\n"
+        second.destroy(info.id)
+    node.delete_snapshot("snap-one")
+    assert node.snapshots() == []
+    with pytest.raises(NotFoundError):
+        node.delete_snapshot("snap-one")
+    with pytest.raises(InvalidInputError):
+        node.delete_snapshot("task")  # a template, not a snapshot
+    node.destroy(parent.id)
+    with pytest.raises(NotFoundError):
+        node.snapshot(parent.id)
+
+
+def test_fork_children_see_the_parent_and_diverge_apart(node, paths):
+    parent = node.create("task")
+    sh(node, parent.id, SETUP)
+    result = node.fork(parent.id, 4)
+    assert result.pause_s < 1.0
+    children = result.children
+    assert all(not isinstance(c, Exception) for c in children), children
+    assert len({c.id for c in children}) == 4 and parent.id not in {c.id for c in children}
+    for i, c in enumerate(children):
+        assert c.template == "task" and c.template_digest == parent.template_digest
+        assert sh(node, c.id, TREE) == EXPECTED
+        sh(node, c.id, f"echo {i} > /workspace/mine.txt && rm /workspace/new/a.txt")
+    sh(node, parent.id, "echo parent > /workspace/mine.txt")
+    for i, c in enumerate(children):
+        assert sh(node, c.id, "cat /workspace/mine.txt; ls /workspace/new") == f"{i}\n".encode()
+    assert sh(node, parent.id, "cat /workspace/mine.txt /workspace/new/a.txt") == b"parent\none\n"
+    assert captures(paths) == []  # the capture went once the children had their upper dirs
+    for c in children:
+        node.destroy(c.id)
+    node.destroy(parent.id)
+
+
+def test_fork_counts_outside_the_bounds_are_refused(node):
+    parent = node.create("task")
+    for count in (0, -1, node.forks.maximum + 1, True, 1.5):
+        with pytest.raises(InvalidInputError):
+            node.fork(parent.id, count)
+    with pytest.raises(NotFoundError):
+        node.fork("nope", 1)
+    assert node.count() == 1
+    node.destroy(parent.id)
+
+
+def test_reset_restores_the_template_or_the_snapshot_in_place(node, paths):
+    e = node.create("task")
+    sh(node, e.id, SETUP)
+    node.snapshot(e.id, "after-setup")
+    sh(node, e.id, "echo episode > /workspace/episode.txt && rm /workspace/new/a.txt")
+    pid1 = sh(node, e.id, "sleep 1000 & echo $!")
+    info = node.reset(e.id, "after-setup")
+    assert info.id == e.id and info.state == "running" and info.resources == e.resources
+    assert sh(node, e.id, TREE) == EXPECTED
+    assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no") == b"no\n"
+    assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n", pid1
+    info = node.reset(e.id)  # the template's state
+    assert sh(node, e.id, "cat /workspace/hello.py; test -e /etc/hostname && echo hostname") \
+        == b"print('hello from the task')\nhostname\n"
+    print(f"\nreset: {info.timing.total_s * 1000:.1f} ms")
+    with pytest.raises(NotFoundError):
+        node.reset(e.id, "no-such-snapshot")
+    node.destroy(e.id)
+    node.delete_snapshot("after-setup")
+
+
+def test_pause_stops_cpu_and_resume_keeps_pid_and_memory(node):
+    e = node.create("task")
+    # a counter in memory (a shell variable) printed to a file every 10 ms
+    p = node.spawn(e.id, ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.01; done"])
+    time.sleep(0.3)
+    root = Path(node.get(e.id).rootfs)
+    info = node.pause(e.id)
+    assert info.state == "paused" and node.get(e.id).state == "paused"
+    assert [i.state for i in node.list()] == ["paused"]
+    n0 = int((root / "tmp/n").read_text())
+    time.sleep(0.3)
+    assert int((root / "tmp/n").read_text()) == n0  # no progress while frozen
+    with pytest.raises(StateError):
+        node.exec(e.id, ["true"])
+    with pytest.raises(StateError):
+        node.pause(e.id)
+    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    node.resume(e.id)
+    time.sleep(0.3)
+    n1 = int((root / "tmp/n").read_text())
+    assert n1 > n0 and p.running  # the same process went on counting from where it was (its memory)
+    assert sh(node, e.id, f"cat /proc/{p.pid}/cmdline | tr '\\0' ' '").startswith(b"sh -c i=0")  # same pid
+    with pytest.raises(StateError):
+        node.resume(e.id)
+    node.pause(e.id)
+    node.destroy(e.id)  # a paused environment is destroyed at once
+    assert node.count() == 0
