@@ -46,7 +46,7 @@ from pathlib import Path
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
-from weenv.node.models import EnvironmentInfo
+from weenv.node.models import EnvironmentInfo, SnapshotInfo
 from weenv.node.table import Environment
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.manifest import TemplateManifest, canonical_json, check_name
@@ -77,27 +77,6 @@ class Capture:
     """The environment's info when captured (a copy)."""
     pause_s: float
     """Seconds the environment was frozen for it (0 if it was paused already)."""
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """A snapshot published to the store (see the module doc)."""
-
-    name: str
-    """Its template name (E2B's snapshot id)."""
-    digest: str
-    """Its template manifest's digest."""
-    group: str
-    """The digest of its top group (the capture)."""
-    environment: str
-    """The environment it was taken of."""
-    template: str
-    """The digest of that environment's template."""
-    bytes_published: int = 0
-    """Stored bytes of the chunks the store did not have."""
-    capture_s: float = 0.0
-    """Seconds the environment was frozen for the capture."""
-    publish_s: float = 0.0
 
 
 def new_snapshot_name() -> str:
@@ -216,9 +195,9 @@ class Captures:
                 NodeDisk.delete_subvolume(self.root, scratch)
             except Exception as exc:
                 log.warning("cannot delete %s: %s", self.root / scratch, exc)
-        return SnapshotInfo(name, digest, result.digest, info.id, c.template_digest,
-                            bytes_published=result.bytes_written, capture_s=c.pause_s,
-                            publish_s=time.perf_counter() - t)  # fmt: skip
+        return SnapshotInfo(name=name, digest=digest, group=result.digest, environment=info.id,
+                            template=c.template_digest, bytes_published=result.bytes_written,
+                            capture_s=c.pause_s, publish_s=time.perf_counter() - t)  # fmt: skip
 
 
 def snapshot_of(store: Store, name: str) -> SnapshotInfo:
@@ -229,8 +208,8 @@ def snapshot_of(store: Store, name: str) -> SnapshotInfo:
     top = load_group(store, manifest.groups[-1])
     if top.source.get("type") != SNAPSHOT_SOURCE:
         raise InvalidInputError(f"template {name!r} is not a snapshot")
-    return SnapshotInfo(manifest.name, digest, manifest.groups[-1], top.source.get("environment", ""),
-                        top.source.get("template", ""))  # fmt: skip
+    return SnapshotInfo(name=manifest.name, digest=digest, group=manifest.groups[-1],
+                        environment=top.source.get("environment", ""), template=top.source.get("template", ""))
 
 
 def list_snapshots(store: Store) -> list[SnapshotInfo]:

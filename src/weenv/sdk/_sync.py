@@ -16,7 +16,7 @@ from typing import Any, BinaryIO, Literal
 import httpx
 
 from weenv.errors import WeenvError
-from weenv.node.models import EntryInfo, EnvironmentInfo, ProcessInfo, TemplateInfo, WriteInfo
+from weenv.node.models import EntryInfo, EnvironmentInfo, ProcessInfo, SnapshotInfo, TemplateInfo, WriteInfo
 from weenv.sdk import _core
 from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
 
@@ -388,6 +388,53 @@ class Sandbox:
     def set_priority(self, priority: int) -> None:
         """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
         self.info = self._drive(_core.set_priority(self.id, priority))
+
+    # --- state: snapshot, fork, reset, pause --------------------------------------------
+    def create_snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Capture the environment's file system (it is frozen for milliseconds)
+        and publish it as a template named ``name`` (default ``snapshot-<hex>``):
+        :meth:`create` of that name starts it, on any node of the store."""
+        return self._drive(_core.snapshot(self.id, name))
+
+    snapshot = create_snapshot
+
+    @classmethod
+    def list_snapshots(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[SnapshotInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.list_snapshots())
+        finally:
+            conn.release()
+
+    @classmethod
+    def delete_snapshot(cls, name: str, *, api_url: str | None = None, api_key: str | None = None) -> bool:
+        """Remove snapshot ``name`` from the store; whether it existed."""
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.delete_snapshot(name))
+        finally:
+            conn.release()
+
+    def fork(self, count: int = 1, *, timeout: float | None = None) -> list[Any]:
+        """``count`` new sandboxes whose file systems start as this one's is now
+        (each one's first process starts anew); each child or the error that
+        kept it from starting, in order.  ``timeout``: each child's (default this one's)."""
+        children = self._drive(_core.fork(self.id, count, timeout=timeout))
+        return [type(self)(c, self._conn.retain()) if isinstance(c, EnvironmentInfo) else c for c in children]
+
+    def reset(self, snapshot: str | None = None) -> None:
+        """Back to the template's state, or to snapshot ``snapshot``'s (taken on
+        its node), in place: a fresh file system, the first process started
+        again, the same id and resources."""
+        self.info = self._drive(_core.reset(self.id, snapshot))
+
+    def pause(self) -> None:
+        """Freeze every process (memory kept, no CPU used) until :meth:`resume`."""
+        self.info = self._drive(_core.pause(self.id))
+
+    def resume(self, *, timeout: float | None = None) -> None:
+        """Thaw it; its timeout ``timeout`` seconds from now (default its own)."""
+        self.info = self._drive(_core.resume(self.id, timeout))
 
     def kill(self) -> bool:
         """Destroy the environment (whether it still existed) and close the connection."""

@@ -22,7 +22,13 @@ from weenv.node.models import (
     EnvironmentInfo,
     ExecRequest,
     ExecResult,
+    ForkRequest,
+    ForkResponse,
     NodeStats,
+    ResetRequest,
+    ResumeRequest,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 from weenv.node.provision import ProvisionStats
 from weenv.packaging.manifest import Resources
@@ -106,6 +112,26 @@ class NodeClient:
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         r = self._request("POST", env_path(env_id) + "/timeout", content=f'{{"timeout": {timeout}}}', headers=_JSON)
         return EnvironmentInfo.model_validate_json(r.content)
+
+    def _post(self, env_id: str, verb: str, req=None) -> bytes:
+        body = req.model_dump_json() if req is not None else None
+        return self._request("POST", env_path(env_id) + verb, content=body, headers=_JSON).content
+
+    def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
+        return SnapshotInfo.model_validate_json(self._post(env_id, "/snapshots", _build(SnapshotRequest, name=name)))
+
+    def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResponse:
+        req = _build(ForkRequest, count=count, timeout=timeout)
+        return ForkResponse.model_validate_json(self._post(env_id, "/fork", req))
+
+    def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
+        return EnvironmentInfo.model_validate_json(self._post(env_id, "/reset", _build(ResetRequest, snapshot=snapshot)))
+
+    def pause(self, env_id: str) -> EnvironmentInfo:
+        return EnvironmentInfo.model_validate_json(self._post(env_id, "/pause"))
+
+    def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
+        return EnvironmentInfo.model_validate_json(self._post(env_id, "/resume", _build(ResumeRequest, timeout=timeout)))
 
     def list(self) -> list[EnvironmentInfo]:
         return [EnvironmentInfo.model_validate(e) for e in self._request("GET", "/environments").json()]
