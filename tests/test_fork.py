@@ -4,6 +4,7 @@ with real mounts, btrfs snapshots, runc and the cgroup freezer."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,3 +164,90 @@ def test_pause_stops_cpu_and_resume_keeps_pid_and_memory(node):
     node.pause(e.id)
     node.destroy(e.id)  # a paused environment is destroyed at once
     assert node.count() == 0
+
+
+def test_a_fork_past_capacity_lists_each_failed_child_and_leaves_nothing(paths, store, leak_check):
+    """Two of four children do not fit (``max_environments``): the others run,
+    the result names each failure, and the failed ones left nothing (the
+    leak check: mounts, cgroups, subvolumes, processes)."""
+    from weenv.errors import CapacityError
+
+    with Node(paths, store=store, pool_size=0, max_environments=3) as node:
+        parent = node.create("task")
+        sh(node, parent.id, "echo p > /workspace/p.txt")
+        result = node.fork(parent.id, 4)
+        ok = [c for c in result.children if not isinstance(c, Exception)]
+        failed = [c for c in result.children if isinstance(c, Exception)]
+        assert len(ok) == 2 and len(failed) == 2 and all(isinstance(f, CapacityError) for f in failed), result
+        for c in ok:
+            assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
+        assert sorted(node.snapshotter.dirs()) == sorted(node.snapshotter.dir(i) for i in [parent.id, *(c.id for c in ok)])
+        assert captures(paths) == []
+        for c in ok:
+            node.destroy(c.id)
+        node.destroy(parent.id)
+        assert node.snapshotter.dirs() == []
+
+
+def test_a_fork_while_the_parent_writes_gives_every_child_one_state(node):
+    """The parent rewrites two files in turn as fast as it can; the freeze
+    makes one instant of its file system the state of every child."""
+    parent = node.create("task")
+    node.spawn(parent.id, ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/a; echo $i > /tmp/b; done"])
+    time.sleep(0.3)
+    result = node.fork(parent.id, 4)
+    states = set()
+    for c in result.children:
+        assert not isinstance(c, Exception), c
+        states.add(sh(node, c.id, "cat /tmp/a /tmp/b"))
+        node.destroy(c.id)
+    assert len(states) == 1, states  # one instant for all (frozen maybe between a write's truncate and data)
+    values = [int(x) for x in states.pop().split()]
+    assert values and max(values) - min(values) <= 1, values
+    a = max(values)
+    assert node.get(parent.id).state == "running"  # thawed: it goes on
+    a2 = int(sh(node, parent.id, "cat /tmp/a"))
+    assert a2 > a
+    node.destroy(parent.id)
+
+
+def test_fork_and_snapshot_of_a_paused_environment_keep_it_paused(node):
+    e = node.create("task")
+    sh(node, e.id, "echo x > /workspace/x.txt")
+    node.pause(e.id)
+    result = node.fork(e.id, 1)
+    (child,) = result.children
+    assert result.pause_s == 0.0 and node.get(e.id).state == "paused"
+    assert sh(node, child.id, "cat /workspace/x.txt") == b"x\n"
+    node.snapshot(e.id, "paused-snap")
+    assert node.get(e.id).state == "paused"
+    node.resume(e.id)
+    node.destroy(child.id)
+    node.destroy(e.id)
+    node.delete_snapshot("paused-snap")
+
+
+def test_a_paused_environment_stays_paused_across_a_node_restart(paths, store, leak_check):
+    """A node process killed while an environment is paused: the next adopts it
+    paused (its processes kept), and resume goes on."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+from weenv.node.node import Node
+from weenv.store.file import FileStore
+from weenv.config import Paths
+n = Node(Paths.from_env(), store=FileStore({str(store.root)!r}), pool_size=0).start()
+e = n.create("task")
+started = n.exec(e.id, ["cut", "-d ", "-f22", "/proc/1/stat"]).stdout.decode().strip()  # pid 1's start time
+n.pause(e.id)
+print(e.id, started, flush=True)
+os._exit(0)  # killed: no close
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    env_id, started = r.stdout.split()
+    with Node(paths, store=store, pool_size=0) as node:
+        assert node.get(env_id).state == "paused"
+        node.resume(env_id)
+        assert sh(node, env_id, "cut -d' ' -f22 /proc/1/stat").decode().strip() == started  # the same first process
+        node.destroy(env_id)
