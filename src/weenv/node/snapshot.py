@@ -13,7 +13,8 @@ replaced a lower one) at one instant.  Taking one (:meth:`Captures.take`):
 
 The environment is stopped only for steps 1-3 (``pause_s``, milliseconds).
 Captures live on the node's disk in ``envs/.captures/<id>`` (a subvolume with
-``upper/`` and ``work/``, as an environment's); a new environment's upper dir
+``upper/`` and ``work/``, as an environment's; the directory is there only
+while a capture is); a new environment's upper dir
 made from one (:meth:`NodeDisk.clone`) shares its extents, so a fork child or a
 reset costs metadata, not a copy of what the parent wrote.  They are the
 node's own: they go with its disk, and a node started on a home removes those
@@ -94,15 +95,21 @@ class Captures:
         """Captures kept under a snapshot's name (:meth:`keep`): what reset goes back to."""
 
     def open(self) -> None:
-        """Make the captures' directory on the (open) node disk, removing what
-        an earlier node process of this home left there."""
-        self.root.mkdir(mode=0o700, exist_ok=True)
-        for leftover in self.root.iterdir():
-            log.info("removing capture %s left by an earlier node process", leftover.name)
-            with contextlib.suppress(Exception):
-                NodeDisk.delete_subvolume(self.root, leftover.name)
+        """Remove the captures an earlier node process of this home left on the (open) node disk."""
         with self._lock:
             self._named.clear()
+            if not self.root.is_dir():
+                return
+            for leftover in self.root.iterdir():
+                log.info("removing capture %s left by an earlier node process", leftover.name)
+                with contextlib.suppress(Exception):
+                    NodeDisk.delete_subvolume(self.root, leftover.name)
+            self._remove_root()
+
+    def _remove_root(self) -> None:
+        """Remove the captures' directory if no capture is left in it (under ``_lock``)."""
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
     def close(self) -> None:
         """Drop every capture (the disk goes next)."""
@@ -124,7 +131,13 @@ class Captures:
         if not frozen_before:
             cg.freeze(timeout=self.freeze_timeout)
         try:
-            NodeDisk.snapshot(e.dir / SUBVOLUME, self.root, cid, readonly=True)
+            with self._lock:
+                self.root.mkdir(mode=0o700, exist_ok=True)
+                try:
+                    NodeDisk.snapshot(e.dir / SUBVOLUME, self.root, cid, readonly=True)
+                except BaseException:
+                    self._remove_root()
+                    raise
         finally:
             if not frozen_before:
                 cg.thaw()
@@ -134,10 +147,12 @@ class Captures:
 
     def drop(self, c: Capture) -> None:
         """Delete capture ``c`` (environments made from it keep their files: extents are shared)."""
-        try:
-            NodeDisk.delete_subvolume(self.root, c.id)
-        except Exception as exc:
-            log.warning("cannot delete capture %s: %s", c.id, exc)
+        with self._lock:
+            try:
+                NodeDisk.delete_subvolume(self.root, c.id)
+            except Exception as exc:
+                log.warning("cannot delete capture %s: %s", c.id, exc)
+            self._remove_root()
 
     # --- named captures: what reset returns to ---------------------------------------
     def keep(self, name: str, c: Capture) -> None:
