@@ -39,7 +39,7 @@ from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 
 MiB = 1 << 20
-SMALL = Resources(cpus=0.05, memory_bytes=256 * MiB, pids=256, disk_bytes=1 << 30)
+SMALL = Resources(cpus=0.05, memory_bytes=128 * MiB, pids=256, disk_bytes=1 << 30)
 """Each environment's resources (children get the parent's): small, so 100 fit the node's admission."""
 
 
