@@ -253,3 +253,24 @@ os._exit(0)  # killed: no close
         node.resume(env_id)
         assert sh(node, env_id, "cut -d' ' -f22 /proc/1/stat").decode().strip() == started  # the same first process
         node.destroy(env_id)
+
+
+def test_a_fork_of_100_leaves_nothing_after_its_children_go(paths, store, leak_check):
+    """100 children answer; once destroyed, no mount, cgroup, container,
+    subvolume or capture of theirs is left (the leak check and the disk)."""
+    from weenv.packaging.manifest import Resources
+
+    tiny = Resources(cpus=0.02, memory_bytes=64 << 20, pids=64, disk_bytes=64 << 20)
+    with Node(paths, store=store, pool_size=0) as node:
+        parent = node.create("task", resources=tiny)
+        sh(node, parent.id, "echo p > /workspace/p.txt")
+        result = node.fork(parent.id, 100)
+        kids = [c for c in result.children if not isinstance(c, Exception)]
+        assert len(kids) == 100, [c for c in result.children if isinstance(c, Exception)][:3]
+        print(f"\nfork 100: {result.total_s:.2f} s, parent paused {result.pause_s * 1000:.1f} ms")
+        assert sh(node, kids[-1].id, "cat /workspace/p.txt") == b"p\n"
+        for c in kids:
+            node.destroy(c.id)
+        assert node.snapshotter.dirs() == [node.snapshotter.dir(parent.id)] and captures(paths) == []
+        assert [i.id for i in node.list()] == [parent.id]
+        node.destroy(parent.id)

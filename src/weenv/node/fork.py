@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from weenv.errors import InvalidInputError, RuntimeFailedError, StateError, WeenvError
+from weenv.errors import InvalidInputError, RuntimeFailedError, WeenvError
 from weenv.node.models import EnvironmentInfo
 from weenv.node.snapshot import Capture, Captures
 from weenv.node.table import Environment
@@ -89,10 +89,7 @@ class Forks:
         own failure is in the result instead."""
         count = check_count(count, self.maximum)
         t = time.perf_counter()
-        with e.lock:
-            if e.info.state not in ("running", "paused") or not e.dir.exists():
-                raise StateError(f"environment {e.info.id} is {e.info.state}: cannot fork it")
-            capture = self.captures.take(e)
+        capture = self.captures.take(e)
         result = ForkResult(e.info.id, pause_s=capture.pause_s)
         try:
             with ThreadPoolExecutor(min(count, self.workers), thread_name_prefix=f"fork-{e.info.id}") as pool:

@@ -49,14 +49,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from weenv.config import Paths, private_dir
-from weenv.errors import (
-    BrokenError,
-    CommandTimeoutError,
-    InvalidInputError,
-    NotFoundError,
-    RuntimeFailedError,
-    StateError,
-)
+from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
 from weenv.node.bundle import RUNC_DEFAULT_CAPS
@@ -621,20 +614,16 @@ class Node:
                 self.snapshotter.remove_dir(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
 
-    # --- state: snapshot, fork, reset, pause ------------------------------------------
+    # --- state: snapshot, fork, reset, pause (the mechanisms: snapshot.py, fork.py, reset.py, pause.py) ---
     def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
-        """Capture environment ``env_id``'s file system (it is frozen for
-        milliseconds) and publish it as snapshot ``name`` (a template: its
-        template's groups + the capture as a group; default
-        ``snapshot-<hex>``), which any node reaching the store starts lazily
-        (:meth:`create`); the capture stays on this node for :meth:`reset`.
-        Raises :class:`NotFoundError`, :class:`StateError` (not running or
-        paused), :class:`InvalidInputError` (bad name), :class:`MountError`
-        (the disk is full: the environment runs on, its files kept) and what
-        publishing raises (nothing is kept then)."""
+        """Capture environment ``env_id``'s file system (frozen for milliseconds)
+        and publish it as template ``name`` (default ``snapshot-<hex>``); the
+        capture stays on this node for :meth:`reset`.  Raises :class:`NotFoundError`,
+        :class:`StateError` (not running or paused), :class:`InvalidInputError`
+        (bad name), :class:`MountError` (disk full: it runs on, files kept) and
+        what publishing raises (nothing is kept then)."""
         name = name or new_snapshot_name()
-        e = self.table.get(env_id)
-        c = self._capture(e)
+        c = self.captures.take(self.table.get(env_id))
         try:
             info = self.captures.publish(c, self.store, name, workdir=self.paths.node,
                                          publish_lock=lambda: store_lock(self.paths, exclusive=False))  # fmt: skip
@@ -644,29 +633,20 @@ class Node:
         self.captures.keep(name, c)
         return info
 
-    def _capture(self, e: Environment) -> Capture:
-        with e.lock:
-            if e.info.state not in ("running", "paused") or not e.dir.exists():
-                raise StateError(f"environment {e.info.id} is {e.info.state}: cannot snapshot it")
-            return self.captures.take(e)
-
     def snapshots(self) -> list[SnapshotInfo]:
-        """Every snapshot in the store (:func:`~weenv.node.snapshot.list_snapshots`)."""
+        """Every snapshot in the store."""
         return list_snapshots(self.store)
 
     def delete_snapshot(self, name: str) -> None:
-        """Remove snapshot ``name`` from the store (gc takes its data) and its
-        capture from this node.  Raises :class:`NotFoundError`, or
-        :class:`InvalidInputError` for a template that is not a snapshot."""
+        """Remove snapshot ``name`` from the store (gc takes its data) and its capture from this node.
+        Raises :class:`NotFoundError`, or :class:`InvalidInputError` for a template that is not a snapshot."""
         delete_snapshot(self.store, name)
         self.captures.forget(name)
 
     def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResult:
-        """``count`` new environments whose file systems start as environment
-        ``env_id``'s is now (:mod:`weenv.node.fork`); the parent is frozen only
-        for the capture.  Raises :class:`NotFoundError`,
-        :class:`InvalidInputError` (count not in [1, ``WEENV_MAX_FORK``]),
-        :class:`StateError`; each child's error is in the result."""
+        """``count`` new environments starting from environment ``env_id``'s file
+        system as it is now.  Raises :class:`NotFoundError`, :class:`InvalidInputError`
+        (count not in [1, ``WEENV_MAX_FORK``]), :class:`StateError`; each child's error is in the result."""
         self.admission.check_started()
         return self.forks.fork(self.table.get(env_id), count, timeout)
 
@@ -678,14 +658,11 @@ class Node:
         return self._admitted_create(_Create(req, RUNC_DEFAULT_CAPS, False, False, upper_from=c.path))
 
     def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
-        """Return environment ``env_id`` in place to its template's state, or to
-        snapshot ``snapshot``'s (taken on this node, of the same template): a
-        fresh upper dir, its first process started again, the same id, resources
-        and network (:mod:`weenv.node.reset`).  Its info's ``timing.total_s`` is
-        the reset's seconds.  Raises :class:`NotFoundError` (unknown environment,
-        or no such snapshot on this node), :class:`InvalidInputError` (the
-        snapshot is of another template), :class:`MountError`,
-        :class:`RuntimeFailedError`."""
+        """Environment ``env_id`` back in place to its template's state, or to
+        snapshot ``snapshot``'s (taken on this node, of the same template); its
+        ``timing.total_s`` is the reset's seconds.  Raises :class:`NotFoundError`
+        (also: no such snapshot here), :class:`InvalidInputError` (another
+        template's snapshot), :class:`MountError`, :class:`RuntimeFailedError`."""
         e = self.table.get(env_id)
         upper_from = None
         if snapshot is not None:
@@ -694,21 +671,16 @@ class Node:
                 raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
                                         f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
             upper_from = c.path
-        seconds = self.resets.reset(e, upper_from)
-        e.info.timing = CreateTiming(total_s=seconds)
+        e.info.timing = CreateTiming(total_s=self.resets.reset(e, upper_from))
         return e.info
 
     def pause(self, env_id: str) -> EnvironmentInfo:
-        """Freeze environment ``env_id`` (:mod:`weenv.node.pause`: processes and
-        memory kept, no CPU used).  Raises :class:`NotFoundError`,
-        :class:`StateError` (not running)."""
+        """Freeze environment ``env_id`` (processes and memory kept).  Raises :class:`NotFoundError`, :class:`StateError`."""
         return self.pauses.pause(self.table.get(env_id))
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
-        """Thaw the paused environment ``env_id``; its timeout ``timeout``
-        seconds from now (default its ``timeout_s``).  Raises
-        :class:`NotFoundError`, :class:`StateError` (not paused),
-        :class:`CapacityError` (it stays paused)."""
+        """Thaw the paused ``env_id``, its timeout ``timeout`` s from now (default its own).
+        Raises :class:`NotFoundError`, :class:`StateError`, :class:`CapacityError` (it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)
 
     # --- stats and caches -------------------------------------------------------------

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError, StateError
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
 from weenv.node.models import EnvironmentInfo, SnapshotInfo
@@ -122,8 +122,15 @@ class Captures:
         """Capture environment ``e``'s file system (see the module doc).  Its
         processes are frozen meanwhile (and stay so if it was paused, or frozen
         by the provisioner).  Raises :class:`BrokenError` (its cgroup is gone or
-        did not freeze), :class:`MountError` (the disk is full: nothing is left
-        and the environment runs on with its files)."""
+        did not freeze), :class:`StateError` (it is not running or paused),
+        :class:`MountError` (the disk is full: nothing is left and the
+        environment runs on with its files)."""
+        with e.lock:  # not while it is destroyed or reset
+            if e.info.state not in ("running", "paused") or not e.dir.exists():
+                raise StateError(f"environment {e.info.id} is {e.info.state}: cannot capture it")
+            return self._take(e)
+
+    def _take(self, e: Environment) -> Capture:
         cid = secrets.token_hex(6)
         cg = open_cgroups(f"/{e.container_id}")
         t = time.perf_counter()
