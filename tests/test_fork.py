@@ -274,3 +274,35 @@ def test_a_fork_of_100_leaves_nothing_after_its_children_go(paths, store, leak_c
         assert node.snapshotter.dirs() == [node.snapshotter.dir(parent.id)] and captures(paths) == []
         assert [i.id for i in node.list()] == [parent.id]
         node.destroy(parent.id)
+
+
+def test_children_failing_after_their_upper_dir_was_made_are_undone(node, paths, monkeypatch):
+    """Every other child's container fails to start (after its group mounts,
+    cloned upper dir and overlay were made): those are undone, subvolume and
+    mounts included, and the others run."""
+    from weenv.errors import RuntimeFailedError
+
+    real = node.containers.make
+    calls = []
+
+    def make(env_id, env_dir, *args, **kw):
+        calls.append(env_id)
+        assert (env_dir / "disk" / "upper" / "workspace" / "p.txt").exists()  # the clone is there
+        if len(calls) % 2 == 0:
+            raise RuntimeFailedError(f"injected: container of {env_id} does not start")
+        return real(env_id, env_dir, *args, **kw)
+
+    parent = node.create("task")
+    sh(node, parent.id, "echo p > /workspace/p.txt")
+    monkeypatch.setattr(node.containers, "make", make)
+    result = node.fork(parent.id, 4)
+    monkeypatch.setattr(node.containers, "make", real)
+    ok = [c for c in result.children if not isinstance(c, Exception)]
+    failed = [c for c in result.children if isinstance(c, Exception)]
+    assert len(ok) == 2 and len(failed) == 2 and all("injected" in str(f) for f in failed)
+    assert sorted(d.name for d in node.snapshotter.dirs()) == sorted([parent.id, *(c.id for c in ok)])
+    assert captures(paths) == []
+    for c in ok:
+        assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
+        node.destroy(c.id)
+    node.destroy(parent.id)
