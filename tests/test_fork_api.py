@@ -63,6 +63,9 @@ def test_sdk_snapshot_fork_reset_pause(remote):
         assert not sb.files.exists("/workspace/state.txt") and sb.files.exists("/workspace/hello.py")
         sb.pause()
         assert sb.info.state == "paused"
+        with remote.http() as c:
+            assert "weenv_environments_paused 1.0" in c.get("/metrics").text
+            assert [e["state"] for e in c.get("/environments").json() if e["id"] == sb.id] == ["paused"]
         with pytest.raises(StateError):
             sb.commands.run("true")
         with pytest.raises(StateError):
