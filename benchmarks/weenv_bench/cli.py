@@ -90,6 +90,23 @@ def rollout(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("fork")
+def fork(
+    quick: bool = typer.Option(False, "--quick", help="a 20 MB parent, 1 and 4 children, 3 repeats"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    counts: Optional[list[int]] = typer.Option(None, "--count", help="children per fork (repeat; default 1 4 16)"),
+    parent_mb: Optional[int] = typer.Option(None, help="MB the parent writes first (default 100; quick 20)"),
+) -> None:
+    """Fork into N children, snapshot (and a cold create from it), reset against
+    destroy + create, pause and resume, of one running environment."""
+    from weenv_bench.fork import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, json_path=json_path, counts=tuple(counts) if counts else None,
+                 parent_mb=parent_mb, log=err.print)
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     """``weenv-bench ...``: the same commands, with the product's one-line errors."""
     from weenv.cli import run_app

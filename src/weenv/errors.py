@@ -21,6 +21,8 @@
     ├── CapacityError(RuntimeError)       the node runs as many environments as it may (HTTP 503)
     ├── ClosedError(RuntimeError)         the node (or the object) was closed, or is not started (HTTP 503)
     ├── BusyError(RuntimeError)           concurrent misuse: the thing is held by another user (HTTP 409)
+    ├── StateError(RuntimeError)          the environment is not in the state the call needs (paused, not
+    │                                     paused) (HTTP 409)
     ├── CgroupError(OSError)              a cgroup file could not be read or written
     │   └── LimitRefusedError             the kernel refused to lower a memory limit (EBUSY)
     ├── DiskFullError(OSError)            a write reached the environment's disk limit (HTTP 507)
@@ -131,6 +133,13 @@ class BusyError(WeenvError, RuntimeError):
     kind = "busy"
 
 
+class StateError(WeenvError, RuntimeError):
+    """The environment is not in the state the call needs: a command or a fork
+    of a paused one, a resume of one that is not paused (HTTP 409)."""
+
+    kind = "state"
+
+
 class BrokenError(RuntimeFailedError):
     """Something outside weenv failed under a call that was right (an exec
     agent killed from inside, for one); the cause is attached (HTTP 502).  A
@@ -187,6 +196,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         CapacityError,
         ClosedError,
         BusyError,
+        StateError,
         BrokenError,
         CgroupError,
         LimitRefusedError,

@@ -72,6 +72,13 @@ class Commands:
             for pid in ended[: max(0, len(ended) - KEEP_FINISHED)]:
                 del e.processes[pid]
 
+    def forget(self, e: Environment) -> list[Process]:
+        """Take every command of ``e`` out of its table (its container is being
+        replaced: new commands may get the same pids); them."""
+        with self.table.lock:
+            procs, e.processes = list(e.processes.values()), {}
+        return procs
+
     def get(self, e: Environment, pid: int) -> Process:
         with self.table.lock:
             p = e.processes.get(pid)

@@ -89,6 +89,20 @@ class Containers:
         timing["runtime_s"] = time.perf_counter() - t
         return str(link.env_addr.ip) if link is not None else None
 
+    def restart(self, env_id: str, env_dir: Path) -> None:
+        """Run environment ``env_id``'s container again from its bundle (its
+        first process anew over the rootfs mounted at ``env_dir/rootfs``, the
+        same network namespace, a new exec agent); the old container must be
+        deleted (:meth:`delete`).  Raises :class:`RuntimeFailedError`."""
+        agent = self.agent.get()
+        listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
+        try:
+            self.runc.run_detached(container_id(env_id), env_dir / "bundle",
+                                   stdin=None if listener is None else listener.fileno())  # fmt: skip
+        finally:
+            if listener is not None:
+                listener.close()
+
     def start(self, env_id: str, timeout: float) -> None:
         """``runc start`` of a container :meth:`make` created unstarted; raises
         :class:`RuntimeFailedError` or :class:`NotFoundError` (``timeout`` seconds)."""

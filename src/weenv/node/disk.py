@@ -73,6 +73,8 @@ _W, _R = 1, 2
 _BTRFS = 0x94
 SUBVOL_CREATE = _ioc(_W, _BTRFS, 14, 4096)  # struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}
 SNAP_DESTROY = _ioc(_W, _BTRFS, 15, 4096)
+SNAP_CREATE_V2 = _ioc(_W, _BTRFS, 23, 4096)  # {s64 fd; u64 transid; u64 flags; u64 unused[4]; char name[4040]}
+SUBVOL_RDONLY = 1 << 1
 RESIZE = _ioc(_W, _BTRFS, 3, 4096)
 INO_LOOKUP = _ioc(_W | _R, _BTRFS, 18, 4096)  # {u64 treeid; u64 objectid; char name[4080]}
 FS_INFO = _ioc(_R, _BTRFS, 31, 1024)  # fsid at offset 16
@@ -93,6 +95,14 @@ def _vol_args(name: str) -> bytearray:
     args = bytearray(4096)
     raw = name.encode()
     args[8:8 + len(raw)] = raw
+    return args
+
+
+def _snap_args(source_fd: int, name: str, flags: int) -> bytearray:
+    args = bytearray(4096)
+    struct.pack_into("=qQQ", args, 0, source_fd, 0, flags)
+    raw = name.encode()
+    args[56:56 + len(raw)] = raw
     return args
 
 
@@ -290,6 +300,58 @@ class NodeDisk:
             self.remove(env_dir)
             raise
 
+    def clone(self, source: Path, env_dir: Path, limit: int) -> None:
+        """Make the environment's subvolume in ``env_dir`` as a snapshot of the
+        subvolume ``source`` (a capture, :meth:`snapshot`): its ``upper/`` as
+        the capture holds it, sharing every data extent (no data is copied), a
+        fresh empty ``work/``, its quota ``limit`` bytes (simple quotas count the
+        extents a subvolume writes itself: the shared ones are the capture's
+        owner's).  Raises :class:`MountError`."""
+        self.snapshot(source, env_dir, SUBVOLUME, readonly=False)
+        try:
+            self._limit(env_dir, limit)
+            work = self.work(env_dir)
+            shutil.rmtree(work, ignore_errors=True)  # overlayfs's scratch of the parent: copy-ups under way
+            work.mkdir()
+        except BaseException:
+            self.remove(env_dir)
+            raise
+
+    @staticmethod
+    def snapshot(source: Path, parent: Path, name: str, *, readonly: bool) -> None:
+        """Snapshot the subvolume ``source`` as ``parent/name`` (a subvolume on
+        the same disk; ``readonly``: a read-only one).  The kernel writes back
+        the source's dirty data first and the snapshot is atomic: it holds the
+        source as it was at one instant.  O(metadata), however much the source
+        holds.  Raises :class:`MountError` (``ENOSPC``/``EDQUOT`` when the disk
+        or quota is full, ``EEXIST``)."""
+        src = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dest = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(dest, SNAP_CREATE_V2, _snap_args(src, name, SUBVOL_RDONLY if readonly else 0))
+            except OSError as exc:
+                raise MountError(exc.errno, f"snapshot of {source} as {parent / name}: {exc.strerror}") from exc
+            finally:
+                os.close(dest)
+        finally:
+            os.close(src)
+
+    @staticmethod
+    def delete_subvolume(parent: Path, name: str) -> None:
+        """Delete the subvolume ``parent/name`` (read-only or not); fine if it is gone."""
+        try:
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.ioctl(fd, SNAP_DESTROY, _vol_args(name))
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise MountError(exc.errno, f"deleting subvolume {parent / name}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+
     def _subvolume_id(self, env_dir: Path) -> int:
         fd = os.open(env_dir / SUBVOLUME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -316,16 +378,10 @@ class NodeDisk:
         quota group are freed by the kernel's cleaner shortly after).  Fine if
         there is none; errors are logged (the directory's removal then takes it)."""
         try:
-            parent = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            fcntl.ioctl(parent, SNAP_DESTROY, _vol_args(SUBVOLUME))
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.EINVAL):  # EINVAL: a plain directory, not a subvolume
+            self.delete_subvolume(env_dir, SUBVOLUME)
+        except MountError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: a plain directory, not a subvolume
                 log.warning("cannot delete subvolume %s: %s", env_dir / SUBVOLUME, exc)
-        finally:
-            os.close(parent)
 
     def usage(self, env_dir: Path) -> tuple[int, int]:
         """``(used, limit)`` bytes of the environment's quota: what it references

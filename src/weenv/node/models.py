@@ -191,6 +191,70 @@ class SetPriorityRequest(_Model):
     """Higher: raised first, frozen last under shortage."""
 
 
+class SnapshotRequest(_Model):
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    """The snapshot's template name (default ``snapshot-<hex>``)."""
+
+
+class SnapshotInfo(_Model):
+    """A snapshot published to the store: a template whose top group is an
+    environment's captured file system (:mod:`weenv.node.snapshot`)."""
+
+    name: str
+    """Its template name (E2B's snapshot id): ``create`` starts it."""
+    digest: str
+    """Its template manifest's digest."""
+    group: str
+    """The digest of its top group (the capture)."""
+    environment: str
+    """The environment it was taken of."""
+    template: str
+    """The digest of that environment's template."""
+    bytes_published: int = 0
+    """Stored bytes of the chunks the store did not have."""
+    capture_s: float = 0.0
+    """Seconds the environment was frozen for the capture."""
+    publish_s: float = 0.0
+    """Seconds publishing took (the environment runs meanwhile)."""
+
+
+class ForkRequest(_Model):
+    count: int = Field(default=1, ge=1, le=10_000)
+    """Children (the node's maximum, ``WEENV_MAX_FORK``, default 100, applies too)."""
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """Each child's timeout, seconds (default the parent's ``timeout_s``)."""
+
+    _check_timeout = field_validator("timeout")(_finite)
+
+
+class ForkChild(_Model):
+    """One child of a fork: its info, or the error that kept it from starting."""
+
+    environment: "EnvironmentInfo | None" = None
+    error: ErrorInfo | None = None
+
+
+class ForkResponse(_Model):
+    parent: str
+    children: list[ForkChild]
+    pause_s: float
+    """Seconds the parent was frozen for the capture."""
+    total_s: float
+    """Seconds until every child answered its first command (or failed)."""
+
+
+class ResetRequest(_Model):
+    snapshot: str | None = Field(default=None, min_length=1, max_length=128)
+    """A snapshot taken on this node of the same template (default: the template's state)."""
+
+
+class ResumeRequest(_Model):
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    """Its timeout from now, seconds (default its ``timeout_s``)."""
+
+    _check_timeout = field_validator("timeout")(_finite)
+
+
 class TemplateInfo(_Model):
     name: str
     digest: str
@@ -357,9 +421,11 @@ class WriteInfo(_Model):
 
 __all__ = [
     "BatchCreateEvent", "BatchCreateRequest", "CreateRequest", "CreateTiming", "EntryInfo",
-    "EnvironmentInfo", "ErrorInfo", "ErrorResponse", "ExecRequest", "ExecResult", "KillRequest",
-    "NodeStats", "ProcessEvent", "ProcessInfo", "ProcessStdin", "RenameRequest",
-    "SetPriorityRequest", "SetTimeoutRequest", "TemplateInfo", "WriteInfo",
+    "EnvironmentInfo", "ErrorInfo", "ErrorResponse", "ExecRequest", "ExecResult", "ForkChild", "ForkRequest",
+    "ForkResponse", "KillRequest", "NodeStats", "ProcessEvent", "ProcessInfo", "ProcessStdin", "RenameRequest",
+    "ResetRequest", "ResumeRequest", "SetPriorityRequest", "SetTimeoutRequest", "SnapshotInfo",
+    "SnapshotRequest", "TemplateInfo", "WriteInfo",
 ]
 
 BatchCreateEvent.model_rebuild()
+ForkChild.model_rebuild()

@@ -20,7 +20,11 @@ below and runs each operation as a short script over them:
 - the warm pool (:mod:`weenv.node.pool`, :mod:`weenv.node.warm`): environments of
   recently repeated creates made ahead up to ``runc create``, which a matching
   create only starts;
-- crash recovery (:mod:`weenv.node.recovery`).
+- crash recovery (:mod:`weenv.node.recovery`);
+- state: captures of an environment's file system and snapshots published
+  from them (:mod:`weenv.node.snapshot`), forks (:mod:`weenv.node.fork`),
+  resets in place (:mod:`weenv.node.reset`), pause and resume with the cgroup
+  freezer (:mod:`weenv.node.pause`).
 
 State needed after a restart lives on disk and in the kernel: ``env.json``,
 runc's state, the overlay and group mounts, the cgroups; the lazy file
@@ -57,6 +61,7 @@ from weenv.node.cache import ChunkCache
 from weenv.node.commands import KEEP_FINISHED, Commands, collect
 from weenv.node.container import Containers
 from weenv.node.disk import NodeDisk
+from weenv.node.fork import ForkResult, Forks
 from weenv.node.groups import GroupMounts
 from weenv.node.home import HomeLock
 from weenv.node.launcher import Launchers
@@ -73,13 +78,16 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
+from weenv.node.pause import Pauses, check_running
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.node.recovery import Recovery, logged
+from weenv.node.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
 from weenv.node.runc import Runc
+from weenv.node.snapshot import Capture, Captures, SnapshotInfo, delete_snapshot, list_snapshots, new_snapshot_name
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.users import Identity
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
@@ -107,6 +115,8 @@ class _Create:
     capabilities: tuple[str, ...]
     prefetch: bool
     undelivered: bool
+    upper_from: Path | None = None
+    """A capture's subvolume its upper dir starts from (a fork child), else empty."""
 
 
 class Node:
@@ -181,6 +191,10 @@ class Node:
                                  groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
                                  lazy_mountpoint=paths.lazy_mountpoint)
+        self.captures = Captures(paths.environments)
+        self.pauses = Pauses(self.provisioner)
+        self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
+        self.forks = Forks(self.captures, self._create_child)
 
     @property
     def max_environments(self) -> int | None:
@@ -227,6 +241,7 @@ class Node:
             self.home.release()
             raise
         self.provisioner.disk_capacity = self.disk.size
+        self.captures.open()  # an earlier node process's captures are gone with it
         self.pool.open()
         try:
             if self.lazyfs.take_over():
@@ -269,6 +284,7 @@ class Node:
             try:
                 self.lazyfs.stop()
                 self.commands.reset()
+                self.captures.close()
                 self.disk.close()  # every environment is gone: its directory, subvolume and overlay
             finally:
                 self.admission.started = False
@@ -318,7 +334,9 @@ class Node:
         when a step fails; every step already done is undone first.
         """
         self.admission.check_started()
-        c = _Create(_request(request, fields), tuple(capabilities), prefetch, undelivered)
+        return self._admitted_create(_Create(_request(request, fields), tuple(capabilities), prefetch, undelivered))
+
+    def _admitted_create(self, c: _Create) -> EnvironmentInfo:
         with self.admission.admit():
             t0 = time.perf_counter()
             resolved = self.resolver.resolve(c.request.template)
@@ -335,8 +353,8 @@ class Node:
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
         req = c.request
-        if not c.prefetch or req.network is not None or req.allow_out or req.deny_out:
-            # transient (build) environments and networks of the create's own: never from the warm pool
+        if not c.prefetch or c.upper_from is not None or req.network is not None or req.allow_out or req.deny_out:
+            # build environments, fork children and networks of the create's own: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
             return self._create_env(t0, resolved, c, pooled)
@@ -366,7 +384,8 @@ class Node:
             if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
                 network.check_policy(self.containers.network_allowed)
             if lowers is None:
-                lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, timing)
+                lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
+                                                  timing, upper_from=c.upper_from)  # fmt: skip
                 self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
                                      undo, timing, start=True, egress=egress)  # fmt: skip
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
@@ -520,6 +539,7 @@ class Node:
         variable, directory or user.
         """
         e = self.table.get(env_id)
+        check_running(e)
         p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
                                 tag=tag, primary_reader=primary_reader, user=user)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
@@ -622,6 +642,7 @@ class Node:
                 p.log.abandon()
             try:
                 self.provisioner.detach(env_id)  # before the cgroup goes
+                self.pauses.thaw_for_destroy(e)  # a frozen process dies once thawed
                 self.containers.delete(env_id, e.dir)
                 for p in procs:  # their helpers exit with the container's processes
                     p.wait(10)
@@ -633,6 +654,75 @@ class Node:
                 self.containers.teardown_network(env_id, e.dir)
                 self.snapshotter.remove_dir(e.dir)
                 self.pool.wake()  # room for the pool, if max_environments held it back
+
+    # --- state: snapshot, fork, reset, pause (the mechanisms: snapshot.py, fork.py, reset.py, pause.py) ---
+    def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
+        """Capture environment ``env_id``'s file system (frozen for milliseconds)
+        and publish it as template ``name`` (default ``snapshot-<hex>``); the
+        capture stays on this node for :meth:`reset`.  Raises :class:`NotFoundError`,
+        :class:`StateError` (not running or paused), :class:`InvalidInputError`
+        (bad name), :class:`MountError` (disk full: it runs on, files kept) and
+        what publishing raises (nothing is kept then)."""
+        name = name or new_snapshot_name()
+        c = self.captures.take(self.table.get(env_id))
+        try:
+            info = self.captures.publish(c, self.store, name, workdir=self.paths.node,
+                                         publish_lock=lambda: store_lock(self.paths, exclusive=False))  # fmt: skip
+        except BaseException:
+            self.captures.drop(c)
+            raise
+        self.captures.keep(name, c)
+        return info
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot in the store."""
+        return list_snapshots(self.store)
+
+    def delete_snapshot(self, name: str) -> None:
+        """Remove snapshot ``name`` from the store (gc takes its data) and its capture from this node.
+        Raises :class:`NotFoundError`, or :class:`InvalidInputError` for a template that is not a snapshot."""
+        delete_snapshot(self.store, name)
+        self.captures.forget(name)
+
+    def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResult:
+        """``count`` new environments starting from environment ``env_id``'s file
+        system as it is now.  Raises :class:`NotFoundError`, :class:`InvalidInputError`
+        (count not in [1, ``WEENV_MAX_FORK``]), :class:`StateError`; each child's error is in the result."""
+        self.admission.check_started()
+        return self.forks.fork(self.table.get(env_id), count, timeout)
+
+    def _create_child(self, c: Capture, timeout: float | None) -> EnvironmentInfo:
+        info = c.info
+        req = CreateRequest(template=c.template_digest, resources=info.resources, envs=info.envs,
+                            metadata=info.metadata, priority=info.priority,
+                            timeout=info.timeout_s if timeout is None else timeout)  # fmt: skip
+        return self._admitted_create(_Create(req, RUNC_DEFAULT_CAPS, False, False, upper_from=c.path))
+
+    def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
+        """Environment ``env_id`` back in place to its template's state, or to
+        snapshot ``snapshot``'s (taken on this node, of the same template); its
+        ``timing.total_s`` is the reset's seconds.  Raises :class:`NotFoundError`
+        (also: no such snapshot here), :class:`InvalidInputError` (another
+        template's snapshot), :class:`MountError`, :class:`RuntimeFailedError`."""
+        e = self.table.get(env_id)
+        upper_from = None
+        if snapshot is not None:
+            c = self.captures.named(snapshot)
+            if c.template_digest != e.info.template_digest:
+                raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
+                                        f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
+            upper_from = c.path
+        e.info.timing = CreateTiming(total_s=self.resets.reset(e, upper_from))
+        return e.info
+
+    def pause(self, env_id: str) -> EnvironmentInfo:
+        """Freeze environment ``env_id`` (processes and memory kept).  Raises :class:`NotFoundError`, :class:`StateError`."""
+        return self.pauses.pause(self.table.get(env_id))
+
+    def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
+        """Thaw the paused ``env_id``, its timeout ``timeout`` s from now (default its own).
+        Raises :class:`NotFoundError`, :class:`StateError`, :class:`CapacityError` (it stays paused)."""
+        return self.pauses.resume(self.table.get(env_id), timeout)
 
     # --- stats and caches -------------------------------------------------------------
     def disk_usage(self, env_id: str) -> tuple[int, int]:

@@ -131,8 +131,10 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
+        if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, unprovisioned
+            return e
         e.info.state = "running"
-        if runc_status == "paused":  # frozen by the dead node's provisioner (weenv pauses nothing else)
+        if runc_status == "paused":  # frozen by the dead node's provisioner or mid-capture
             try:
                 open_cgroups(f"/{e.container_id}").thaw()
             except Exception as exc:

@@ -48,14 +48,15 @@ class Snapshotter:
         return self.environments / env_id
 
     def dirs(self) -> list[Path]:
-        """Every environment directory on the node, by id."""
-        return sorted(p for p in self.environments.iterdir() if p.is_dir())
+        """Every environment directory on the node, by id (not the captures' ``.captures``)."""
+        return sorted(p for p in self.environments.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     def prepare(self, env_id: str, groups: list[str], group_manifests: list[GroupManifest], disk_bytes: int,
-                undo: contextlib.ExitStack, timing: dict) -> list[Path]:
+                undo: contextlib.ExitStack, timing: dict, *, upper_from: Path | None = None) -> list[Path]:
         """Make environment ``env_id``'s directory, take its group mounts (cold
         ones in parallel), make its upper dir with ``disk_bytes`` as its limit
-        and mount its overlay rootfs; each step's undo pushed on ``undo``; the
+        (empty, or with ``upper_from`` a capture's subvolume,
+        :mod:`weenv.node.snapshot`: a snapshot of it) and mount its overlay rootfs; each step's undo pushed on ``undo``; the
         seconds of ``groups_s`` and ``overlay_s`` go to ``timing``.  Returns the
         overlay's lower dirs (group mount points, as ``groups`` lists them).
         Raises :class:`MountError` (and what the group mounts raise)."""
@@ -69,13 +70,32 @@ class Snapshotter:
         timing["groups_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self.disk.make(env_dir, disk_bytes)  # upper and work dirs, with the disk limit
+        if upper_from is None:
+            self.disk.make(env_dir, disk_bytes)  # upper and work dirs, with the disk limit
+        else:
+            self.disk.clone(upper_from, env_dir, disk_bytes)
         (env_dir / "rootfs").mkdir()
-        for spec in rootfs_mounts(env_dir, lowers):
-            mounts.mount(spec)
-            undo.callback(umount_quietly, Path(spec.target))
+        self.mount(env_dir, lowers, undo)
         timing["overlay_s"] = time.perf_counter() - t
         return lowers
+
+    def mount(self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None) -> None:
+        """Mount the overlay rootfs of the environment in ``env_dir`` over ``lowers``
+        (its undo pushed on ``undo``).  Raises :class:`MountError`."""
+        for spec in rootfs_mounts(env_dir, lowers):
+            mounts.mount(spec)
+            if undo is not None:
+                undo.callback(umount_quietly, Path(spec.target))
+
+    def replace_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None) -> None:
+        """Give the unmounted environment in ``env_dir`` a new upper dir: empty,
+        or a snapshot of the capture subvolume ``upper_from``; the old one is
+        deleted.  Raises :class:`MountError`."""
+        self.disk.remove(env_dir)
+        if upper_from is None:
+            self.disk.make(env_dir, disk_bytes)
+        else:
+            self.disk.clone(upper_from, env_dir, disk_bytes)
 
     def release(self, groups: list[str], lowers: list[Path]) -> None:
         """Give back the group mounts an environment's overlay used."""

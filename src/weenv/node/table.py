@@ -144,9 +144,10 @@ class EnvironmentTable:
         return e.info
 
     def expired(self, now: float) -> list[str]:
-        """Ids of the environments whose ``expires_at`` is at or before ``now`` (time.time())."""
+        """Ids of the environments whose ``expires_at`` is at or before ``now``
+        (time.time()), but paused ones (their timeout stands still until resumed)."""
         with self.lock:
-            return [i for i, e in self._envs.items() if e.info.expires_at <= now]
+            return [i for i, e in self._envs.items() if e.info.expires_at <= now and e.info.state != "paused"]
 
     def reap(self, destroy: Callable[[str], None], now: float | None = None) -> list[str]:
         """``destroy`` every environment whose timeout passed; their ids (one

@@ -27,8 +27,10 @@ from weenv.node.models import (
     EntryInfo,
     EnvironmentInfo,
     ExecResult,
+    ForkResponse,
     NodeStats,
     ProcessInfo,
+    SnapshotInfo,
     TemplateInfo,
     WriteInfo,
 )
@@ -441,6 +443,53 @@ class AsyncSandbox:
         """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
         self.info = await self._drive(_core.set_priority(self.id, priority))
 
+    # --- state: snapshot, fork, reset, pause --------------------------------------------
+    async def create_snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Capture the environment's file system (it is frozen for milliseconds)
+        and publish it as a template named ``name`` (default ``snapshot-<hex>``):
+        :meth:`create` of that name starts it, on any node of the store."""
+        return await self._drive(_core.snapshot(self.id, name))
+
+    snapshot = create_snapshot
+
+    @classmethod
+    async def list_snapshots(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[SnapshotInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return await conn.drive(_core.list_snapshots())
+        finally:
+            await conn.release()
+
+    @classmethod
+    async def delete_snapshot(cls, name: str, *, api_url: str | None = None, api_key: str | None = None) -> bool:
+        """Remove snapshot ``name`` from the store; whether it existed."""
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return await conn.drive(_core.delete_snapshot(name))
+        finally:
+            await conn.release()
+
+    async def fork(self, count: int = 1, *, timeout: float | None = None) -> list[Any]:
+        """``count`` new sandboxes whose file systems start as this one's is now
+        (each one's first process starts anew); each child or the error that
+        kept it from starting, in order.  ``timeout``: each child's (default this one's)."""
+        children = await self._drive(_core.fork(self.id, count, timeout=timeout))
+        return [type(self)(c, self._conn.retain()) if isinstance(c, EnvironmentInfo) else c for c in children]
+
+    async def reset(self, snapshot: str | None = None) -> None:
+        """Back to the template's state, or to snapshot ``snapshot``'s (taken on
+        its node), in place: a fresh file system, the first process started
+        again, the same id and resources."""
+        self.info = await self._drive(_core.reset(self.id, snapshot))
+
+    async def pause(self) -> None:
+        """Freeze every process (memory kept, no CPU used) until :meth:`resume`."""
+        self.info = await self._drive(_core.pause(self.id))
+
+    async def resume(self, *, timeout: float | None = None) -> None:
+        """Thaw it; its timeout ``timeout`` seconds from now (default its own)."""
+        self.info = await self._drive(_core.resume(self.id, timeout))
+
     async def kill(self) -> bool:
         """Destroy the environment (whether it still existed) and close the connection."""
         try:
@@ -538,6 +587,23 @@ class AsyncNodeClient:
 
     async def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         return await self._conn.drive(_core.provision_stats(env_id))
+
+    async def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
+        """Capture the environment's file system and publish it as a template."""
+        return await self._conn.drive(_core.snapshot(env_id, name))
+
+    async def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResponse:
+        """``count`` children of the environment (each one's info or error) and the fork's timings."""
+        return await self._conn.drive(_core.fork_answer(env_id, count, timeout=timeout))
+
+    async def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
+        return await self._conn.drive(_core.reset(env_id, snapshot))
+
+    async def pause(self, env_id: str) -> EnvironmentInfo:
+        return await self._conn.drive(_core.pause(env_id))
+
+    async def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
+        return await self._conn.drive(_core.resume(env_id, timeout))
 
     async def tax(self) -> TaxReport:
         return await self._conn.drive(_core.tax_report())

@@ -36,6 +36,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -62,14 +63,20 @@ from weenv.node.models import (
     ErrorResponse,
     ExecRequest,
     ExecResult,
+    ForkRequest,
+    ForkResponse,
     KillRequest,
     NodeStats,
     ProcessEvent,
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
+    ResetRequest,
+    ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
+    SnapshotInfo,
+    SnapshotRequest,
     TemplateInfo,
     WriteInfo,
 )
@@ -471,6 +478,64 @@ def set_timeout(env_id: str, timeout: float) -> Flow[EnvironmentInfo]:
     except ValidationError as exc:
         raise InvalidInputError(f"bad timeout {timeout!r}: {exc.errors()[0]['msg']}") from None
     reply = yield Call("POST", _env(env_id) + "/timeout", json=req)
+    return EnvironmentInfo.model_validate_json(reply.content)
+
+
+def _model(model: type[T], what: str, **fields) -> T:
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        raise InvalidInputError(f"bad {what}: {exc.errors()[0]['msg']}") from None
+
+
+def snapshot(env_id: str, name: str | None = None) -> Flow[SnapshotInfo]:
+    reply = yield Call("POST", _env(env_id) + "/snapshots", json=_model(SnapshotRequest, "snapshot name", name=name))
+    return SnapshotInfo.model_validate_json(reply.content)
+
+
+def list_snapshots() -> Flow[list[SnapshotInfo]]:
+    import json
+
+    reply = yield Call("GET", "/snapshots")
+    return [SnapshotInfo.model_validate(s) for s in json.loads(reply.content)]
+
+
+def delete_snapshot(name: str) -> Flow[bool]:
+    """Remove snapshot ``name``; whether it existed."""
+    try:
+        yield Call("DELETE", "/snapshots/" + urllib.parse.quote(name, safe=""))
+    except NotFoundError:
+        return False
+    return True
+
+
+def fork_answer(env_id: str, count: int, *, timeout: float | None = None) -> Flow[ForkResponse]:
+    """The node's answer to a fork into ``count`` children: each child's info or error, and timings."""
+    req = _model(ForkRequest, f"fork count {count!r} or timeout {timeout!r}", count=count, timeout=timeout)
+    reply = yield Call("POST", _env(env_id) + "/fork", json=req)
+    return ForkResponse.model_validate_json(reply.content)
+
+
+def fork(env_id: str, count: int, *, timeout: float | None = None) -> Flow[list[EnvironmentInfo | WeenvError]]:
+    """``count`` children of the environment: each one's info or its error, in order."""
+    answer = yield from fork_answer(env_id, count, timeout=timeout)
+    return [c.environment if c.environment is not None
+            else error_for_kind(c.error.kind if c.error else "weenv", c.error.message if c.error else "no child")
+            for c in answer.children]  # fmt: skip
+
+
+def reset(env_id: str, snapshot: str | None = None) -> Flow[EnvironmentInfo]:
+    reply = yield Call("POST", _env(env_id) + "/reset", json=_model(ResetRequest, "snapshot", snapshot=snapshot))
+    return EnvironmentInfo.model_validate_json(reply.content)
+
+
+def pause(env_id: str) -> Flow[EnvironmentInfo]:
+    reply = yield Call("POST", _env(env_id) + "/pause")
+    return EnvironmentInfo.model_validate_json(reply.content)
+
+
+def resume(env_id: str, timeout: float | None = None) -> Flow[EnvironmentInfo]:
+    reply = yield Call("POST", _env(env_id) + "/resume", json=_model(ResumeRequest, "timeout", timeout=timeout))
     return EnvironmentInfo.model_validate_json(reply.content)
 
 

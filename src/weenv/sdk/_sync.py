@@ -23,8 +23,10 @@ from weenv.node.models import (
     EntryInfo,
     EnvironmentInfo,
     ExecResult,
+    ForkResponse,
     NodeStats,
     ProcessInfo,
+    SnapshotInfo,
     TemplateInfo,
     WriteInfo,
 )
@@ -437,6 +439,53 @@ class Sandbox:
         """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
         self.info = self._drive(_core.set_priority(self.id, priority))
 
+    # --- state: snapshot, fork, reset, pause --------------------------------------------
+    def create_snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Capture the environment's file system (it is frozen for milliseconds)
+        and publish it as a template named ``name`` (default ``snapshot-<hex>``):
+        :meth:`create` of that name starts it, on any node of the store."""
+        return self._drive(_core.snapshot(self.id, name))
+
+    snapshot = create_snapshot
+
+    @classmethod
+    def list_snapshots(cls, *, api_url: str | None = None, api_key: str | None = None) -> list[SnapshotInfo]:
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.list_snapshots())
+        finally:
+            conn.release()
+
+    @classmethod
+    def delete_snapshot(cls, name: str, *, api_url: str | None = None, api_key: str | None = None) -> bool:
+        """Remove snapshot ``name`` from the store; whether it existed."""
+        conn = _Connection(ConnectionConfig.resolve(api_url, api_key))
+        try:
+            return conn.drive(_core.delete_snapshot(name))
+        finally:
+            conn.release()
+
+    def fork(self, count: int = 1, *, timeout: float | None = None) -> list[Any]:
+        """``count`` new sandboxes whose file systems start as this one's is now
+        (each one's first process starts anew); each child or the error that
+        kept it from starting, in order.  ``timeout``: each child's (default this one's)."""
+        children = self._drive(_core.fork(self.id, count, timeout=timeout))
+        return [type(self)(c, self._conn.retain()) if isinstance(c, EnvironmentInfo) else c for c in children]
+
+    def reset(self, snapshot: str | None = None) -> None:
+        """Back to the template's state, or to snapshot ``snapshot``'s (taken on
+        its node), in place: a fresh file system, the first process started
+        again, the same id and resources."""
+        self.info = self._drive(_core.reset(self.id, snapshot))
+
+    def pause(self) -> None:
+        """Freeze every process (memory kept, no CPU used) until :meth:`resume`."""
+        self.info = self._drive(_core.pause(self.id))
+
+    def resume(self, *, timeout: float | None = None) -> None:
+        """Thaw it; its timeout ``timeout`` seconds from now (default its own)."""
+        self.info = self._drive(_core.resume(self.id, timeout))
+
     def kill(self) -> bool:
         """Destroy the environment (whether it still existed) and close the connection."""
         try:
@@ -534,6 +583,23 @@ class NodeClient:
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         return self._conn.drive(_core.provision_stats(env_id))
+
+    def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
+        """Capture the environment's file system and publish it as a template."""
+        return self._conn.drive(_core.snapshot(env_id, name))
+
+    def fork(self, env_id: str, count: int, *, timeout: float | None = None) -> ForkResponse:
+        """``count`` children of the environment (each one's info or error) and the fork's timings."""
+        return self._conn.drive(_core.fork_answer(env_id, count, timeout=timeout))
+
+    def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
+        return self._conn.drive(_core.reset(env_id, snapshot))
+
+    def pause(self, env_id: str) -> EnvironmentInfo:
+        return self._conn.drive(_core.pause(env_id))
+
+    def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
+        return self._conn.drive(_core.resume(env_id, timeout))
 
     def tax(self) -> TaxReport:
         return self._conn.drive(_core.tax_report())

@@ -18,6 +18,14 @@ ready, bytes base64-encoded)::
     DELETE /v1/environments/{id}                      -> 204
     POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
     POST   /v1/environments/{id}/priority             SetPriorityRequest -> EnvironmentInfo
+    POST   /v1/environments/{id}/snapshots            SnapshotRequest -> 201 SnapshotInfo (captured, published)
+    POST   /v1/environments/{id}/fork                 ForkRequest -> 201 ForkResponse (each child or its error)
+    POST   /v1/environments/{id}/reset                ResetRequest -> EnvironmentInfo (the template's or a
+                                                      snapshot's state, in place)
+    POST   /v1/environments/{id}/pause                -> EnvironmentInfo (frozen; 409 if not running)
+    POST   /v1/environments/{id}/resume               ResumeRequest -> EnvironmentInfo (409 if not paused)
+    GET    /v1/snapshots                              -> [SnapshotInfo]
+    DELETE /v1/snapshots/{name}                       -> 204
     POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit;
                                                       killed if the client leaves)
     POST   /v1/environments/{id}/commands/stream      ExecRequest -> NDJSON ProcessEvent (killed if the client leaves)
@@ -76,6 +84,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
 from weenv.formats.manifest import Resources
+from weenv.node.fork import ForkResult
 from weenv.node.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -85,13 +94,20 @@ from weenv.node.models import (
     ErrorInfo,
     ExecRequest,
     ExecResult,
+    ForkChild,
+    ForkRequest,
+    ForkResponse,
     KillRequest,
     NodeStats,
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
+    ResetRequest,
+    ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
+    SnapshotInfo,
+    SnapshotRequest,
     TemplateInfo,
     WriteInfo,
 )
@@ -232,6 +248,37 @@ def api_router(
     @r.post("/environments/{env_id}/priority")
     def set_priority(env_id: str, req: SetPriorityRequest) -> EnvironmentInfo:
         return node.set_priority(env_id, req.priority)
+
+    # --- state: snapshot, fork, reset, pause ----------------------------------------
+    @r.post("/environments/{env_id}/snapshots", status_code=201)
+    def snapshot(env_id: str, req: SnapshotRequest | None = None) -> SnapshotInfo:
+        return node.snapshot(env_id, req.name if req else None)
+
+    @r.get("/snapshots")
+    def list_snapshots() -> list[SnapshotInfo]:
+        return node.snapshots()
+
+    @r.delete("/snapshots/{name}", status_code=204)
+    def delete_snapshot(name: str) -> Response:
+        node.delete_snapshot(name)
+        return Response(status_code=204)
+
+    @r.post("/environments/{env_id}/fork", status_code=201)
+    def fork(env_id: str, req: ForkRequest | None = None) -> ForkResponse:
+        req = req or ForkRequest()
+        return fork_response(node.fork(env_id, req.count, timeout=req.timeout))
+
+    @r.post("/environments/{env_id}/reset")
+    def reset(env_id: str, req: ResetRequest | None = None) -> EnvironmentInfo:
+        return node.reset(env_id, req.snapshot if req else None)
+
+    @r.post("/environments/{env_id}/pause")
+    def pause(env_id: str) -> EnvironmentInfo:
+        return node.pause(env_id)
+
+    @r.post("/environments/{env_id}/resume")
+    def resume(env_id: str, req: ResumeRequest | None = None) -> EnvironmentInfo:
+        return node.resume(env_id, timeout=req.timeout if req else None)
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
@@ -431,6 +478,13 @@ def fs_path(request: Request, path: str = Query(description=PATH_DOC)) -> str:
 
 def fs_path_or_root(request: Request, path: str = Query("/", description=PATH_DOC)) -> str:
     return _query_path(request) or path
+
+
+def fork_response(result: ForkResult) -> ForkResponse:
+    """The answer of a fork: each child's info, or its error's kind and message."""
+    children = [ForkChild(error=ErrorInfo(kind=c.kind, message=str(c))) if isinstance(c, WeenvError)
+                else ForkChild(environment=c) for c in result.children]  # fmt: skip
+    return ForkResponse(parent=result.parent, children=children, pause_s=result.pause_s, total_s=result.total_s)
 
 
 def check_capacity(node: Node, resources: Resources | None, *, where: str = "resources") -> None:

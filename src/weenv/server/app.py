@@ -60,6 +60,7 @@ STATUS = {
     "capacity": 503,
     "closed": 503,
     "busy": 409,
+    "state": 409,
     "broken": 502,
     "cgroup": 500,
     "limit_refused": 409,

@@ -3,7 +3,8 @@ their own (no module-level state: each app has its :class:`Metrics`).
 
 Exposed at ``GET /v1/metrics`` in the text format::
 
-    weenv_environments                  gauge    environments running now
+    weenv_environments                  gauge    environments running now (paused ones too)
+    weenv_environments_paused           gauge    of those, paused (frozen: no CPU, memory kept)
     weenv_creates_total{result}         counter  creates by result: ok, error
     weenv_create_seconds                histogram wall time of successful creates
     weenv_commands_total{mode}          counter  commands by mode: captured, stream, background
@@ -62,6 +63,8 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.environments = Gauge("weenv_environments", "Environments running", registry=r)
         self.environments.set_function(node.count)
+        self.paused = Gauge("weenv_environments_paused", "Environments paused", registry=r)
+        self.paused.set_function(lambda: sum(e.info.state == "paused" for e in node.table.all()))
         self.creates = Counter("weenv_creates", "Environment creates by result", ["result"], registry=r)
         self.create_seconds = Histogram("weenv_create_seconds", "Wall time of successful creates",
                                         buckets=CREATE_BUCKETS, registry=r)

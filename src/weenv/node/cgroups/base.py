@@ -228,6 +228,10 @@ class Cgroup(ABC):
         """Let the group's tasks run again."""
         self._set_frozen(False)
 
+    def is_frozen(self) -> bool:
+        """Whether the kernel reports every task of the group frozen."""
+        return self._is_frozen()
+
     # --- the one I/O boundary -----------------------------------------------------------
     @staticmethod
     def _read(path: Path) -> str:

@@ -10,9 +10,21 @@ Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
     DELETE /sandboxes/{id}                    -> 204
     POST   /sandboxes/{id}/timeout            {"timeout": s} -> 204
     POST   /sandboxes/{id}/refreshes          {"duration": s} -> 204 (extends only)
-    POST   /sandboxes/{id}/connect, /v2/...   {"timeout": s} -> Sandbox (200; extends only)
+    POST   /sandboxes/{id}/connect, /v2/...   {"timeout": s} -> Sandbox (200; extends only; a paused
+                                              sandbox is resumed: 201)
     GET    /sandboxes/{id}/metrics?start=&end= -> [SandboxMetric] (one per provisioning pass)
-    POST   /sandboxes/{id}/pause, .../resume  -> 501 (weenv does not pause sandboxes yet)
+    POST   /sandboxes/{id}/pause              {"memory": b} -> 204 (the cgroup freezer: processes and
+                                              memory kept either way; 409 if paused already)
+    POST   /sandboxes/{id}/resume             {"timeout": s} -> Sandbox (201; 409 if not paused)
+    POST   /sandboxes/{id}/fork               {"timeout": s, "count": n} -> 201 [SandboxForkResult]
+                                              ({"sandbox": Sandbox} or {"error": {"code", "message"}} each)
+    POST   /sandboxes/{id}/snapshots          {"name": n} -> 201 SnapshotInfo {"snapshotID", "names"}
+    GET    /snapshots?sandboxID=&name=&limit=&nextToken=  -> [SnapshotInfo]
+    DELETE /templates/{snapshotID}            -> 204 (a snapshot; 404 if none)
+
+A snapshot is a template (``POST /sandboxes`` with its id as ``templateID``
+starts it, on any node of the store); a fork's children start from the
+parent's file system (their processes start anew).
 
 Every request needs the API key in ``X-API-Key`` (E2B's header; the SDK sends
 ``E2B_API_KEY``) or as ``Authorization: Bearer KEY``.  Errors are E2B's
@@ -53,7 +65,7 @@ CLIENT_ID = "weenv"
 KIND_STATUS = {
     "not_found": 404, "invalid_input": 400, "unknown_user": 400, "network_forbidden": 403, "timeout": 408, "authentication": 401,
     "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
-    "too_large": 413, "closed": 503, "busy": 409, "broken": 502,
+    "too_large": 413, "closed": 503, "busy": 409, "state": 409, "broken": 502,
 }  # fmt: skip
 
 
@@ -96,6 +108,19 @@ class ConnectBody(_Body):
     timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
 
 
+class ResumeBody(_Body):
+    timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
+
+
+class ForkBody(_Body):
+    timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
+    count: int = Field(default=1, ge=1, le=10_000)
+
+
+class SnapshotBody(_Body):
+    name: str | None = Field(default=None, max_length=128)
+
+
 class RefreshBody(_Body):
     duration: int = Field(default=0, ge=0, le=3600)
 
@@ -120,7 +145,7 @@ def listed_json(sb: Sandbox) -> dict[str, Any]:
         "templateID": info.template, "sandboxID": info.id, "clientID": CLIENT_ID, "alias": info.template,
         "startedAt": _iso(info.created_at), "endAt": _iso(info.expires_at),
         "cpuCount": max(1, round(info.resources.cpus)), "memoryMB": info.resources.memory_bytes >> 20,
-        "diskSizeMB": 0, "state": "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
+        "diskSizeMB": 0, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
     }  # fmt: skip
 
 
@@ -197,7 +222,7 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
         found = [
             sb for sb in sandboxes.list()
             if all(sb.info.metadata.get(k) == v for k, v in wanted.items())
-            and (not states or "running" in states)
+            and (not states or ("paused" if sb.info.state == "paused" else "running") in states)
             and (template is None or template in (sb.info.template, sb.info.template_digest))
         ]  # fmt: skip
         found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order == "desc")
@@ -235,22 +260,62 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
 
     @router.post("/sandboxes/{sandbox_id}/connect")
     @router.post("/v2/sandboxes/{sandbox_id}/connect")
-    def connect(sandbox_id: str, body: ConnectBody | None = None) -> dict:
+    def connect(sandbox_id: str, body: ConnectBody | None = None) -> Response:
         sb = running(sandbox_id)
+        if sb.info.state == "paused":  # auto-resume, as E2B's connect does
+            sandboxes.node.resume(sandbox_id, timeout=float(body.timeout) if body and body.timeout else None)
+            return JSONResponse(created_json(sandboxes.get(sandbox_id)), status_code=201)
         if body is not None and body.timeout:
             sb = sandboxes.set_timeout(sandbox_id, body.timeout, only_extend=True)
-        return created_json(sb)
+        return JSONResponse(created_json(sb))
 
     @router.get("/sandboxes/{sandbox_id}/metrics")
     def metrics(sandbox_id: str, start: int | None = None, end: int | None = None) -> list[dict]:
         running(sandbox_id)
         return sandboxes.metrics(sandbox_id, start, end)
 
-    @router.post("/sandboxes/{sandbox_id}/pause")
-    @router.post("/sandboxes/{sandbox_id}/resume")
+    @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
     def pause(sandbox_id: str) -> Response:
         running(sandbox_id)
-        raise E2BError(501, "weenv does not pause or resume sandboxes yet")
+        sandboxes.node.pause(sandbox_id)
+        return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+    def resume(sandbox_id: str, body: ResumeBody | None = None) -> dict:
+        running(sandbox_id)
+        sandboxes.node.resume(sandbox_id, timeout=float(body.timeout) if body and body.timeout else None)
+        return created_json(sandboxes.get(sandbox_id))
+
+    @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+    def fork(sandbox_id: str, body: ForkBody | None = None) -> list[dict]:
+        running(sandbox_id)
+        body = body or ForkBody()
+        result = sandboxes.node.fork(sandbox_id, body.count, timeout=float(body.timeout) if body.timeout else None)
+        return [{"error": {"code": KIND_STATUS.get(c.kind, 500), "message": str(c)}} if isinstance(c, WeenvError)
+                else {"sandbox": created_json(sandboxes.get(c.id))} for c in result.children]  # fmt: skip
+
+    @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+    def create_snapshot(sandbox_id: str, body: SnapshotBody | None = None) -> dict:
+        running(sandbox_id)
+        info = sandboxes.node.snapshot(sandbox_id, body.name if body and body.name else None)
+        return {"snapshotID": info.name, "names": [info.name]}
+
+    @router.get("/snapshots")
+    def list_snapshots(
+        sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
+        name: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+    ) -> list[dict]:
+        found = [s for s in sandboxes.node.snapshots()
+                 if (sandbox_id is None or s.environment == sandbox_id) and (name is None or s.name == name)]
+        start = int(next_token) if next_token and next_token.isdigit() else 0
+        return [{"snapshotID": s.name, "names": [s.name]} for s in found[start : start + limit]]
+
+    @router.delete("/templates/{template_id}", status_code=204)
+    def delete_snapshot(template_id: str) -> Response:
+        sandboxes.node.delete_snapshot(template_id)
+        return Response(status_code=204)
 
     return router
 

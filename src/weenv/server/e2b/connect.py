@@ -56,6 +56,7 @@ KIND_CODES = {
     "closed": "unavailable",
     "capacity": "unavailable",
     "busy": "aborted",
+    "state": "failed_precondition",
 }
 """weenv error kind -> Connect code (other kinds: ``internal``)."""
 

@@ -1,0 +1,252 @@
+"""Snapshots of running environments' file systems: captures, and snapshots published as templates.
+
+A **capture** is an environment's own changes to its template (its overlay
+upper dir: files written, whiteouts of files deleted, opaque directories that
+replaced a lower one) at one instant.  Taking one (:meth:`Captures.take`):
+
+1. freeze the environment's cgroup (the freezer: every process, its commands'
+   groups included, stops where it is; memory kept), unless it is paused already;
+2. snapshot its disk subvolume read-only (:meth:`NodeDisk.snapshot`): the
+   kernel writes the subvolume's dirty data back first (that is the sync) and
+   copies metadata only, however many bytes the environment wrote;
+3. thaw it.
+
+The environment is stopped only for steps 1-3 (``pause_s``, milliseconds).
+Captures live on the node's disk in ``envs/.captures/<id>`` (a subvolume with
+``upper/`` and ``work/``, as an environment's; the directory is there only
+while a capture is); a new environment's upper dir
+made from one (:meth:`NodeDisk.clone`) shares its extents, so a fork child or a
+reset costs metadata, not a copy of what the parent wrote.  They are the
+node's own: they go with its disk, and a node started on a home removes those
+an earlier node process left.
+
+A **snapshot** is a capture published to the store as a template
+(:meth:`Captures.publish`): the environment's template's groups with the
+capture on top as one more layer group (the upper dir cleaned of overlayfs's
+bookkeeping, :func:`~weenv.packaging.upperdir.clean_upper`, then an EROFS image
+chunked like any group: whiteouts and opaque markers in overlayfs's own form,
+which the kernel applies as it does in any group), and the runtime config of
+the environment (its template's, with the create's variables and resources).
+So a snapshot starts on any node that reaches the store, lazily like any
+template, is listed and garbage-collected as one, and its top group's
+``source`` (``type: snapshot``, the environment, its template's digest) tells
+snapshots apart from built templates (:func:`list_snapshots`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.node.cgroups import open_cgroups
+from weenv.node.disk import SUBVOLUME, NodeDisk
+from weenv.node.models import EnvironmentInfo, SnapshotInfo
+from weenv.node.table import Environment
+from weenv.packaging.group import build_group, load_group
+from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
+from weenv.packaging.template import load_template
+from weenv.packaging.upperdir import clean_upper
+from weenv.store import Store
+
+log = logging.getLogger(__name__)
+
+CAPTURES = ".captures"
+"""The captures' directory in the environments' directory (a dot name: never an environment's id)."""
+SNAPSHOT_SOURCE = "snapshot"
+"""``source.type`` of a snapshot's top group."""
+FREEZE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Capture:
+    """One capture (see the module doc)."""
+
+    id: str
+    path: Path
+    """The read-only subvolume: ``upper/`` is the environment's upper dir as it was."""
+    env_id: str
+    template: TemplateManifest
+    template_digest: str
+    info: EnvironmentInfo
+    """The environment's info when captured (a copy)."""
+    pause_s: float
+    """Seconds the environment was frozen for it (0 if it was paused already)."""
+
+
+def new_snapshot_name() -> str:
+    return f"snapshot-{secrets.token_hex(6)}"
+
+
+class Captures:
+    """The node's captures, in ``environments/.captures``."""
+
+    def __init__(self, environments: Path, *, freeze_timeout: float = FREEZE_TIMEOUT_S):
+        self.root = environments / CAPTURES
+        self.freeze_timeout = freeze_timeout
+        self._lock = threading.Lock()
+        self._named: dict[str, Capture] = {}
+        """Captures kept under a snapshot's name (:meth:`keep`): what reset goes back to."""
+
+    def open(self) -> None:
+        """Remove the captures an earlier node process of this home left on the (open) node disk."""
+        with self._lock:
+            self._named.clear()
+            if not self.root.is_dir():
+                return
+            for leftover in self.root.iterdir():
+                log.info("removing capture %s left by an earlier node process", leftover.name)
+                with contextlib.suppress(Exception):
+                    NodeDisk.delete_subvolume(self.root, leftover.name)
+            self._remove_root()
+
+    def _remove_root(self) -> None:
+        """Remove the captures' directory if no capture is left in it (under ``_lock``)."""
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+
+    def close(self) -> None:
+        """Drop every capture (the disk goes next)."""
+        with self._lock:
+            named, self._named = list(self._named.values()), {}
+        for c in named:
+            self.drop(c)
+
+    def take(self, e: Environment) -> Capture:
+        """Capture environment ``e``'s file system (see the module doc).  Its
+        processes are frozen meanwhile (and stay so if it was paused, or frozen
+        by the provisioner).  Raises :class:`BrokenError` (its cgroup is gone or
+        did not freeze), :class:`StateError` (it is not running or paused),
+        :class:`MountError` (the disk is full: nothing is left and the
+        environment runs on with its files)."""
+        with e.lock:  # not while it is destroyed or reset
+            if e.info.state not in ("running", "paused") or not e.dir.exists():
+                raise StateError(f"environment {e.info.id} is {e.info.state}: cannot capture it")
+            return self._take(e)
+
+    def _take(self, e: Environment) -> Capture:
+        cid = secrets.token_hex(6)
+        cg = open_cgroups(f"/{e.container_id}")
+        t = time.perf_counter()
+        frozen_before = cg.is_frozen()
+        if not frozen_before:
+            cg.freeze(timeout=self.freeze_timeout)
+        try:
+            with self._lock:
+                self.root.mkdir(mode=0o700, exist_ok=True)
+                try:
+                    NodeDisk.snapshot(e.dir / SUBVOLUME, self.root, cid, readonly=True)
+                except BaseException:
+                    self._remove_root()
+                    raise
+        finally:
+            if not frozen_before:
+                cg.thaw()
+        pause_s = 0.0 if frozen_before else time.perf_counter() - t
+        return Capture(cid, self.root / cid, e.info.id, e.template, e.info.template_digest,
+                       e.info.model_copy(deep=True), pause_s)  # fmt: skip
+
+    def drop(self, c: Capture) -> None:
+        """Delete capture ``c`` (environments made from it keep their files: extents are shared)."""
+        with self._lock:
+            try:
+                NodeDisk.delete_subvolume(self.root, c.id)
+            except Exception as exc:
+                log.warning("cannot delete capture %s: %s", c.id, exc)
+            self._remove_root()
+
+    # --- named captures: what reset returns to ---------------------------------------
+    def keep(self, name: str, c: Capture) -> None:
+        """Keep ``c`` on the node as snapshot ``name``'s capture (a previous one is dropped)."""
+        with self._lock:
+            old, self._named[name] = self._named.get(name), c
+        if old is not None:
+            self.drop(old)
+
+    def named(self, name: str) -> Capture:
+        """Snapshot ``name``'s capture on this node; :class:`NotFoundError` if none."""
+        with self._lock:
+            c = self._named.get(name)
+        if c is None:
+            raise NotFoundError(f"no snapshot {name!r} taken on this node")
+        return c
+
+    def forget(self, name: str) -> None:
+        """Drop snapshot ``name``'s capture on this node, if any."""
+        with self._lock:
+            c = self._named.pop(name, None)
+        if c is not None:
+            self.drop(c)
+
+    # --- publishing --------------------------------------------------------------------
+    def publish(self, c: Capture, store: Store, name: str, *, workdir: Path,
+                publish_lock: Callable[[], contextlib.AbstractContextManager]) -> SnapshotInfo:
+        """Publish capture ``c`` to ``store`` as snapshot (template) ``name``
+        (see the module doc); ``workdir``: where the EROFS image is written
+        meanwhile (not on the node's disk).  The capture itself is unchanged
+        (a writable snapshot of it is cleaned and removed after).  Raises
+        :class:`InvalidInputError` (bad name), :class:`MountError`, what
+        building a group raises (:func:`build_group`) and what the store raises;
+        nothing of the snapshot is referenced then."""
+        check_name(name)
+        t = time.perf_counter()
+        scratch = f"{c.id}.publish"
+        NodeDisk.snapshot(c.path, self.root, scratch, readonly=False)
+        try:
+            upper = self.root / scratch / "upper"
+            clean_upper(upper)
+            info = c.info
+            with publish_lock():
+                result = build_group(upper, store, name=name, version=c.id, workdir=workdir, ref=False,
+                                     source={"type": SNAPSHOT_SOURCE, "environment": info.id,
+                                             "template": c.template_digest})  # fmt: skip
+                runtime = c.template.runtime.model_copy(
+                    update={"env": {**c.template.runtime.env, **info.envs}, "resources": info.resources})
+                manifest = TemplateManifest(name=name, version=c.id, groups=[*c.template.groups, result.digest],
+                                            runtime=runtime)  # fmt: skip
+                digest = store.put_manifest(canonical_json(manifest))
+                store.set_ref("templates", name, digest)
+        finally:
+            try:
+                NodeDisk.delete_subvolume(self.root, scratch)
+            except Exception as exc:
+                log.warning("cannot delete %s: %s", self.root / scratch, exc)
+        return SnapshotInfo(name=name, digest=digest, group=result.digest, environment=info.id,
+                            template=c.template_digest, bytes_published=result.bytes_written,
+                            capture_s=c.pause_s, publish_s=time.perf_counter() - t)  # fmt: skip
+
+
+def snapshot_of(store: Store, name: str) -> SnapshotInfo:
+    """Snapshot ``name`` (a template name or digest) as the store holds it.
+    Raises :class:`NotFoundError` if unknown, :class:`InvalidInputError` if it
+    names a template that is not a snapshot."""
+    digest, manifest = load_template(store, name)
+    top = load_group(store, manifest.groups[-1])
+    if top.source.get("type") != SNAPSHOT_SOURCE:
+        raise InvalidInputError(f"template {name!r} is not a snapshot")
+    return SnapshotInfo(name=manifest.name, digest=digest, group=manifest.groups[-1],
+                        environment=top.source.get("environment", ""), template=top.source.get("template", ""))
+
+
+def list_snapshots(store: Store) -> list[SnapshotInfo]:
+    """Every snapshot the store names (templates whose top group is a capture), by name."""
+    found = []
+    for name in sorted(store.list_refs("templates")):
+        with contextlib.suppress(InvalidInputError, NotFoundError):
+            found.append(snapshot_of(store, name))
+    return found
+
+
+def delete_snapshot(store: Store, name: str) -> None:
+    """Remove snapshot ``name``'s ref (its manifests and chunks go at the next gc,
+    as a deleted template's do).  Raises :class:`NotFoundError` if unknown,
+    :class:`InvalidInputError` if ``name`` is a template but not a snapshot."""
+    check_name(name)
+    snapshot_of(store, name)
+    store.delete_ref("templates", name)

@@ -1,0 +1,308 @@
+"""Snapshot, fork, reset and pause/resume of running environments (issue 16),
+with real mounts, btrfs snapshots, runc and the cgroup freezer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weenv.config import Paths
+from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.node.node import Node
+from weenv.node.snapshot import CAPTURES
+from weenv.store.file import FileStore
+
+# the parent's changes to the template: a new file, a changed one, a deleted base
+# file (a whiteout), a lower directory replaced by a new one (an opaque dir)
+SETUP = (
+    "set -e; mkdir -p /workspace/new && echo one > /workspace/new/a.txt"
+    " && echo changed > /workspace/hello.py && rm /etc/hostname"
+    " && rm -rf /usr/share/doc && mkdir /usr/share/doc && echo mine > /usr/share/doc/only.txt"
+)
+TREE = "cat /workspace/new/a.txt /workspace/hello.py /usr/share/doc/only.txt; ls /usr/share/doc; test -e /etc/hostname && echo hostname || echo no-hostname"
+EXPECTED = b"one\nchanged\nmine\nonly.txt\nno-hostname\n"
+
+
+@pytest.fixture
+def store(tmp_path, shared_store) -> FileStore:
+    """A private copy of the shared store (hard links; writes replace files by rename)."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    return FileStore(root)
+
+
+@pytest.fixture
+def node(paths, store, leak_check):
+    n = Node(paths, store=store, pool_size=0).start()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def sh(node: Node, env_id: str, script: str) -> bytes:
+    r = node.exec(env_id, ["sh", "-c", script])
+    assert r.exit_code == 0, r.stderr
+    return r.stdout
+
+
+def captures(paths: Paths) -> list[str]:
+    """The node's captures (its directory is there only while one is)."""
+    root = paths.environments / CAPTURES
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_snapshot_starts_on_a_fresh_home_lazily_with_the_same_tree(node, paths, store, tmp_path):
+    parent = node.create("task")
+    sh(node, parent.id, SETUP)
+    assert sh(node, parent.id, TREE) == EXPECTED
+    snap = node.snapshot(parent.id, "snap-one")
+    assert snap.name == "snap-one" and snap.capture_s < 1.0
+    assert [s.name for s in node.snapshots()] == ["snap-one"]
+    # the parent runs on, unchanged, and keeps writing
+    assert sh(node, parent.id, TREE) == EXPECTED
+    sh(node, parent.id, "echo later > /workspace/later.txt")
+
+    other = Paths(tmp_path / "home2", paths.cache, store.url)
+    with Node(other, store=store, pool_size=0) as second:
+        info = second.create("snap-one")
+        assert info.timing.bytes_fetched < info.timing.template_bytes  # lazy: not the whole template
+        assert sh(second, info.id, TREE) == EXPECTED
+        assert sh(second, info.id, "test -e /workspace/later.txt && echo yes || echo no") == b"no\n"
+        second.destroy(info.id)
+    node.delete_snapshot("snap-one")
+    assert node.snapshots() == []
+    with pytest.raises(NotFoundError):
+        node.delete_snapshot("snap-one")
+    with pytest.raises(InvalidInputError):
+        node.delete_snapshot("task")  # a template, not a snapshot
+    node.destroy(parent.id)
+    with pytest.raises(NotFoundError):
+        node.snapshot(parent.id)
+
+
+def test_fork_children_see_the_parent_and_diverge_apart(node, paths):
+    parent = node.create("task")
+    sh(node, parent.id, SETUP)
+    result = node.fork(parent.id, 4)
+    assert result.pause_s < 1.0
+    children = result.children
+    assert all(not isinstance(c, Exception) for c in children), children
+    assert len({c.id for c in children}) == 4 and parent.id not in {c.id for c in children}
+    for i, c in enumerate(children):
+        assert c.template == "task" and c.template_digest == parent.template_digest
+        assert sh(node, c.id, TREE) == EXPECTED
+        sh(node, c.id, f"echo {i} > /workspace/mine.txt && rm /workspace/new/a.txt")
+    sh(node, parent.id, "echo parent > /workspace/mine.txt")
+    for i, c in enumerate(children):
+        assert sh(node, c.id, "cat /workspace/mine.txt; ls /workspace/new") == f"{i}\n".encode()
+    assert sh(node, parent.id, "cat /workspace/mine.txt /workspace/new/a.txt") == b"parent\none\n"
+    assert captures(paths) == []  # the capture went once the children had their upper dirs
+    for c in children:
+        node.destroy(c.id)
+    node.destroy(parent.id)
+
+
+def test_fork_counts_outside_the_bounds_are_refused(node):
+    parent = node.create("task")
+    for count in (0, -1, node.forks.maximum + 1, True, 1.5):
+        with pytest.raises(InvalidInputError):
+            node.fork(parent.id, count)
+    with pytest.raises(NotFoundError):
+        node.fork("nope", 1)
+    assert node.count() == 1
+    node.destroy(parent.id)
+
+
+def test_reset_restores_the_template_or_the_snapshot_in_place(node, paths):
+    e = node.create("task")
+    sh(node, e.id, SETUP)
+    node.snapshot(e.id, "after-setup")
+    sh(node, e.id, "echo episode > /workspace/episode.txt && rm /workspace/new/a.txt")
+    pid1 = sh(node, e.id, "sleep 1000 & echo $!")
+    info = node.reset(e.id, "after-setup")
+    assert info.id == e.id and info.state == "running" and info.resources == e.resources
+    assert sh(node, e.id, TREE) == EXPECTED
+    assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no") == b"no\n"
+    assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n", pid1
+    info = node.reset(e.id)  # the template's state
+    assert sh(node, e.id, "cat /workspace/hello.py; test -e /etc/hostname && echo hostname") \
+        == b"print('hello from the task')\nhostname\n"
+    print(f"\nreset: {info.timing.total_s * 1000:.1f} ms")
+    with pytest.raises(NotFoundError):
+        node.reset(e.id, "no-such-snapshot")
+    node.destroy(e.id)
+    node.delete_snapshot("after-setup")
+
+
+def test_pause_stops_cpu_and_resume_keeps_pid_and_memory(node):
+    e = node.create("task")
+    # a counter in memory (a shell variable) printed to a file every 10 ms
+    p = node.spawn(e.id, ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.01; done"])
+    time.sleep(0.3)
+    root = Path(node.get(e.id).rootfs)
+    info = node.pause(e.id)
+    assert info.state == "paused" and node.get(e.id).state == "paused"
+    assert [i.state for i in node.list()] == ["paused"]
+    n0 = int((root / "tmp/n").read_text())
+    time.sleep(0.3)
+    assert int((root / "tmp/n").read_text()) == n0  # no progress while frozen
+    with pytest.raises(StateError):
+        node.exec(e.id, ["true"])
+    with pytest.raises(StateError):
+        node.pause(e.id)
+    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    node.resume(e.id)
+    time.sleep(0.3)
+    n1 = int((root / "tmp/n").read_text())
+    assert n1 > n0 and p.running  # the same process went on counting from where it was (its memory)
+    assert sh(node, e.id, f"cat /proc/{p.pid}/cmdline | tr '\\0' ' '").startswith(b"sh -c i=0")  # same pid
+    with pytest.raises(StateError):
+        node.resume(e.id)
+    node.pause(e.id)
+    node.destroy(e.id)  # a paused environment is destroyed at once
+    assert node.count() == 0
+
+
+def test_a_fork_past_capacity_lists_each_failed_child_and_leaves_nothing(paths, store, leak_check):
+    """Two of four children do not fit (``max_environments``): the others run,
+    the result names each failure, and the failed ones left nothing (the
+    leak check: mounts, cgroups, subvolumes, processes)."""
+    from weenv.errors import CapacityError
+
+    with Node(paths, store=store, pool_size=0, max_environments=3) as node:
+        parent = node.create("task")
+        sh(node, parent.id, "echo p > /workspace/p.txt")
+        result = node.fork(parent.id, 4)
+        ok = [c for c in result.children if not isinstance(c, Exception)]
+        failed = [c for c in result.children if isinstance(c, Exception)]
+        assert len(ok) == 2 and len(failed) == 2 and all(isinstance(f, CapacityError) for f in failed), result
+        for c in ok:
+            assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
+        assert sorted(node.snapshotter.dirs()) == sorted(node.snapshotter.dir(i) for i in [parent.id, *(c.id for c in ok)])
+        assert captures(paths) == []
+        for c in ok:
+            node.destroy(c.id)
+        node.destroy(parent.id)
+        assert node.snapshotter.dirs() == []
+
+
+def test_a_fork_while_the_parent_writes_gives_every_child_one_state(node):
+    """The parent rewrites two files in turn as fast as it can; the freeze
+    makes one instant of its file system the state of every child."""
+    parent = node.create("task")
+    node.spawn(parent.id, ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /tmp/a; echo $i > /tmp/b; done"])
+    time.sleep(0.3)
+    result = node.fork(parent.id, 4)
+    states = set()
+    for c in result.children:
+        assert not isinstance(c, Exception), c
+        states.add(sh(node, c.id, "cat /tmp/a /tmp/b"))
+        node.destroy(c.id)
+    assert len(states) == 1, states  # one instant for all (frozen maybe between a write's truncate and data)
+    values = [int(x) for x in states.pop().split()]
+    assert values and max(values) - min(values) <= 1, values
+    a = max(values)
+    assert node.get(parent.id).state == "running"  # thawed: it goes on
+    a2 = int(sh(node, parent.id, "cat /tmp/a"))
+    assert a2 > a
+    node.destroy(parent.id)
+
+
+def test_fork_and_snapshot_of_a_paused_environment_keep_it_paused(node):
+    e = node.create("task")
+    sh(node, e.id, "echo x > /workspace/x.txt")
+    node.pause(e.id)
+    result = node.fork(e.id, 1)
+    (child,) = result.children
+    assert result.pause_s == 0.0 and node.get(e.id).state == "paused"
+    assert sh(node, child.id, "cat /workspace/x.txt") == b"x\n"
+    node.snapshot(e.id, "paused-snap")
+    assert node.get(e.id).state == "paused"
+    node.resume(e.id)
+    node.destroy(child.id)
+    node.destroy(e.id)
+    node.delete_snapshot("paused-snap")
+
+
+def test_a_paused_environment_stays_paused_across_a_node_restart(paths, store, leak_check):
+    """A node process killed while an environment is paused: the next adopts it
+    paused (its processes kept), and resume goes on."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+from weenv.node.node import Node
+from weenv.store.file import FileStore
+from weenv.config import Paths
+n = Node(Paths.from_env(), store=FileStore({str(store.root)!r}), pool_size=0).start()
+e = n.create("task")
+started = n.exec(e.id, ["cut", "-d ", "-f22", "/proc/1/stat"]).stdout.decode().strip()  # pid 1's start time
+n.pause(e.id)
+print(e.id, started, flush=True)
+os._exit(0)  # killed: no close
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    env_id, started = r.stdout.split()
+    with Node(paths, store=store, pool_size=0) as node:
+        assert node.get(env_id).state == "paused"
+        node.resume(env_id)
+        assert sh(node, env_id, "cut -d' ' -f22 /proc/1/stat").decode().strip() == started  # the same first process
+        node.destroy(env_id)
+
+
+def test_a_fork_of_100_leaves_nothing_after_its_children_go(paths, store, leak_check):
+    """100 children answer; once destroyed, no mount, cgroup, container,
+    subvolume or capture of theirs is left (the leak check and the disk)."""
+    from weenv.formats.manifest import Resources
+
+    tiny = Resources(cpus=0.02, memory_bytes=64 << 20, pids=64, disk_bytes=64 << 20)
+    with Node(paths, store=store, pool_size=0) as node:
+        parent = node.create("task", resources=tiny)
+        sh(node, parent.id, "echo p > /workspace/p.txt")
+        result = node.fork(parent.id, 100)
+        kids = [c for c in result.children if not isinstance(c, Exception)]
+        assert len(kids) == 100, [c for c in result.children if isinstance(c, Exception)][:3]
+        print(f"\nfork 100: {result.total_s:.2f} s, parent paused {result.pause_s * 1000:.1f} ms")
+        assert sh(node, kids[-1].id, "cat /workspace/p.txt") == b"p\n"
+        for c in kids:
+            node.destroy(c.id)
+        assert node.snapshotter.dirs() == [node.snapshotter.dir(parent.id)] and captures(paths) == []
+        assert [i.id for i in node.list()] == [parent.id]
+        node.destroy(parent.id)
+
+
+def test_children_failing_after_their_upper_dir_was_made_are_undone(node, paths, monkeypatch):
+    """Every other child's container fails to start (after its group mounts,
+    cloned upper dir and overlay were made): those are undone, subvolume and
+    mounts included, and the others run."""
+    from weenv.errors import RuntimeFailedError
+
+    real = node.containers.make
+    calls = []
+
+    def make(env_id, env_dir, *args, **kw):
+        calls.append(env_id)
+        assert (env_dir / "disk" / "upper" / "workspace" / "p.txt").exists()  # the clone is there
+        if len(calls) % 2 == 0:
+            raise RuntimeFailedError(f"injected: container of {env_id} does not start")
+        return real(env_id, env_dir, *args, **kw)
+
+    parent = node.create("task")
+    sh(node, parent.id, "echo p > /workspace/p.txt")
+    monkeypatch.setattr(node.containers, "make", make)
+    result = node.fork(parent.id, 4)
+    monkeypatch.setattr(node.containers, "make", real)
+    ok = [c for c in result.children if not isinstance(c, Exception)]
+    failed = [c for c in result.children if isinstance(c, Exception)]
+    assert len(ok) == 2 and len(failed) == 2 and all("injected" in str(f) for f in failed)
+    assert sorted(d.name for d in node.snapshotter.dirs()) == sorted([parent.id, *(c.id for c in ok)])
+    assert captures(paths) == []
+    for c in ok:
+        assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
+        node.destroy(c.id)
+    node.destroy(parent.id)

@@ -1,0 +1,153 @@
+"""Snapshot, fork, reset, pause and resume through a real ``weenv serve``:
+weenv's HTTP API and SDK, its CLI, and the official ``e2b`` SDK (issue 16)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from daemon_fixture import start_daemon
+from weenv import Sandbox
+from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.store.file import FileStore
+
+SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
+
+
+@pytest.fixture(scope="module")
+def daemon(shared_store, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fork-api")
+    store = root / "store"  # a private copy: snapshots are published into it
+    subprocess.run(["cp", "-al", str(shared_store.root), str(store)], check=True)
+    d = start_daemon(root / "home", FileStore(store).url)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def remote(daemon, monkeypatch):
+    monkeypatch.setenv("WEENV_API_URL", daemon.url)
+    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
+    return daemon
+
+
+def test_sdk_snapshot_fork_reset_pause(remote):
+    with Sandbox.create("task", timeout=120, resources=SMALL, metadata={"run": "f"}) as sb:
+        remote.track(sb.id)
+        sb.commands.run("echo parent > /workspace/state.txt && rm /workspace/hello.py")
+        snap = sb.create_snapshot("sdk-snap")
+        assert snap.name == "sdk-snap" and snap.environment == sb.id
+        assert "sdk-snap" in [s.name for s in Sandbox.list_snapshots()]
+        kids = sb.fork(2, timeout=60)
+        assert all(isinstance(k, Sandbox) for k in kids), kids
+        remote.track(*(k.id for k in kids))
+        for i, k in enumerate(kids):
+            assert k.info.metadata == {"run": "f"}
+            assert k.commands.run("cat /workspace/state.txt; ls /workspace").stdout == "parent\nbig.bin\nstate.txt\n"
+            k.commands.run(f"echo {i} > /workspace/state.txt")
+        assert [k.files.read("/workspace/state.txt") for k in kids] == ["0\n", "1\n"]
+        for k in kids:
+            k.kill()
+        with pytest.raises(InvalidInputError):
+            sb.fork(0)
+        sb.commands.run("echo episode > /workspace/state.txt")
+        sb.reset("sdk-snap")
+        assert sb.files.read("/workspace/state.txt") == "parent\n"
+        sb.reset()
+        assert not sb.files.exists("/workspace/state.txt") and sb.files.exists("/workspace/hello.py")
+        sb.pause()
+        assert sb.info.state == "paused"
+        with remote.http() as c:
+            assert "weenv_environments_paused 1.0" in c.get("/metrics").text
+            assert [e["state"] for e in c.get("/environments").json() if e["id"] == sb.id] == ["paused"]
+        with pytest.raises(StateError):
+            sb.commands.run("true")
+        with pytest.raises(StateError):
+            sb.pause()
+        sb.resume(timeout=100)
+        assert sb.commands.run("echo up").stdout == "up\n"
+        with pytest.raises(StateError):
+            sb.resume()
+        with Sandbox.create("sdk-snap", timeout=60, resources=SMALL) as fresh:
+            remote.track(fresh.id)
+            assert fresh.files.read("/workspace/state.txt") == "parent\n"
+        assert Sandbox.delete_snapshot("sdk-snap") is True
+        assert Sandbox.delete_snapshot("sdk-snap") is False
+        with pytest.raises(NotFoundError):
+            sb.reset("sdk-snap")  # gone from the node too
+
+
+def test_cli_pause_resume_fork_snapshot_reset(remote):
+    env = dict(os.environ, WEENV_HOME=str(remote.home))
+
+    def weenv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "weenv", *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+
+    with Sandbox.create("task", timeout=120, resources=SMALL) as sb:
+        remote.track(sb.id)
+        sb.commands.run("echo cli > /workspace/c.txt")
+        r = weenv("snapshot", sb.id, "--name", "cli-snap")
+        assert r.returncode == 0 and r.stdout.strip() == "cli-snap", r.stderr
+        r = weenv("fork", sb.id, "--count", "2")
+        assert r.returncode == 0, r.stderr
+        kids = r.stdout.split()
+        assert len(kids) == 2
+        remote.track(*kids)
+        for k in kids:
+            assert Sandbox.connect(k).files.read("/workspace/c.txt") == "cli\n"
+            assert weenv("rm", k).returncode == 0
+        assert weenv("pause", sb.id).returncode == 0
+        assert sb.get_info().state == "paused"
+        r = weenv("pause", sb.id)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "paused" in r.stderr
+        assert weenv("resume", sb.id).returncode == 0
+        sb.commands.run("rm /workspace/c.txt")
+        assert weenv("reset", sb.id, "--snapshot", "cli-snap").returncode == 0
+        assert sb.files.read("/workspace/c.txt") == "cli\n"
+        r = weenv("fork", sb.id, "--count", "0")
+        assert r.returncode != 0 and "count" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        Sandbox.delete_snapshot("cli-snap")
+
+
+def test_e2b_sdk_pause_connect_fork_snapshot(daemon, monkeypatch):
+    e2b = pytest.importorskip("e2b")
+    monkeypatch.setenv("E2B_API_URL", daemon.url + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.url + "/e2b/envd")
+    monkeypatch.setenv("E2B_API_KEY", "e2b_" + daemon.key)
+    sbx = e2b.Sandbox.create("task", timeout=120)
+    daemon.track(sbx.sandbox_id)
+    try:
+        sbx.files.write("/workspace/e.txt", "e2b\n")
+        p = sbx.commands.run("sleep 600", background=True)
+        assert sbx.pause() is True
+        assert sbx.pause() is False  # already paused: E2B's 409
+        listed = {s.sandbox_id: s.state for s in e2b.Sandbox.list().next_items()}
+        assert str(listed[sbx.sandbox_id]).lower().endswith("paused")
+        again = e2b.Sandbox.connect(sbx.sandbox_id)  # resumes
+        assert again.commands.run("cat /workspace/e.txt").stdout == "e2b\n"
+        assert p.pid in [q.pid for q in again.commands.list()]  # the same process, kept across the pause
+        snap = sbx.create_snapshot()
+        assert snap.snapshot_id.startswith("snapshot-")
+        assert snap.snapshot_id in [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
+        from_snap = e2b.Sandbox.create(snap.snapshot_id, timeout=60)
+        daemon.track(from_snap.sandbox_id)
+        assert from_snap.files.read("/workspace/e.txt") == "e2b\n"
+        from_snap.kill()
+        kids = sbx.fork(count=2, timeout=60)
+        assert all(isinstance(k, e2b.Sandbox) for k in kids), kids
+        daemon.track(*(k.sandbox_id for k in kids))
+        for k in kids:
+            assert k.files.read("/workspace/e.txt") == "e2b\n"
+            k.kill()
+        assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
+    finally:
+        sbx.kill()
+    time.sleep(0)

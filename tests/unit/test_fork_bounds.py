@@ -1,0 +1,48 @@
+"""Fork counts and the state requests' bounds (issue 16), checked before anything is made."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from weenv.errors import InvalidInputError
+from weenv.node.fork import DEFAULT_MAX_FORK, check_count, max_fork_from_env
+from weenv.node.models import ForkRequest, ResumeRequest, SnapshotRequest
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("count", [0, -1, 101, True, 1.0, "2", None])
+def test_fork_counts_out_of_bounds_are_refused(count):
+    with pytest.raises(InvalidInputError, match="fork count"):
+        check_count(count, 100)
+
+
+def test_fork_counts_in_bounds_pass():
+    assert [check_count(n, 100) for n in (1, 16, 100)] == [1, 16, 100]
+
+
+def test_the_maximum_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("WEENV_MAX_FORK", raising=False)
+    assert max_fork_from_env() == DEFAULT_MAX_FORK
+    monkeypatch.setenv("WEENV_MAX_FORK", "16")
+    assert max_fork_from_env() == 16
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("WEENV_MAX_FORK", bad)
+        with pytest.raises(InvalidInputError, match="WEENV_MAX_FORK"):
+            max_fork_from_env()
+
+
+@pytest.mark.parametrize("body", [{"count": 0}, {"count": 10_001}, {"timeout": 0}, {"timeout": float("inf")},
+                                  {"count": 1, "extra": 1}])
+def test_fork_requests_out_of_bounds_are_refused(body):
+    with pytest.raises(ValidationError):
+        ForkRequest.model_validate(body)
+
+
+def test_snapshot_and_resume_requests_are_bounded():
+    with pytest.raises(ValidationError):
+        SnapshotRequest(name="x" * 129)
+    with pytest.raises(ValidationError):
+        ResumeRequest(timeout=-1)
+    assert SnapshotRequest().name is None and ResumeRequest().timeout is None
