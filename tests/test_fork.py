@@ -299,7 +299,7 @@ def test_children_failing_after_their_upper_dir_was_made_are_undone(node, paths,
     monkeypatch.setattr(node.containers, "make", real)
     ok = [c for c in result.children if not isinstance(c, Exception)]
     failed = [c for c in result.children if isinstance(c, Exception)]
-    assert len(ok) == 2 and len(failed) == 2 and all("injected" in str(f) for f in failed)
+    assert len(ok) == 2 and len(failed) == 2 and all("injected" in str(f) for f in failed), failed
     assert sorted(d.name for d in node.snapshotter.dirs()) == sorted([parent.id, *(c.id for c in ok)])
     assert captures(paths) == []
     for c in ok:
