@@ -14,6 +14,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from registry_fixture import new_repository
+
 
 def _blob(layout: Path, data: bytes) -> dict:
     digest = hashlib.sha256(data).hexdigest()
@@ -57,3 +61,11 @@ def push_tree(tree: Path, work: Path, address: str, repository: str, tag: str = 
     subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:{tag}",
                     f"docker://{reference}"], check=True, capture_output=True)  # fmt: skip
     return reference
+
+
+@pytest.fixture(scope="session")
+def e2b_base_image(oci_registry, debian_root, tmp_path_factory):
+    """``127.0.0.1:PORT/REPO:1`` in the session's registry: the Debian tree
+    (bookworm minbase + python3) as one layer (import it from registry_fixture
+    and this module: ``oci_registry``, ``e2b_base_image``)."""
+    return push_tree(debian_root, tmp_path_factory.mktemp("base-image"), oci_registry.address, new_repository())

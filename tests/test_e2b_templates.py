@@ -19,64 +19,26 @@ import pytest
 
 e2b = pytest.importorskip("e2b")
 
-from conftest import system_snapshot
 from e2b import AsyncTemplate, Sandbox, Template, wait_for_file
 from e2b.exceptions import BuildException
 
-from daemon_fixture import environ, start_daemon
-from oci_push import push_tree
-from registry_fixture import new_repository, oci_registry  # noqa: F401 - a fixture
-from weenv.store.file import FileStore
+from e2b_fixture import E2B, e2b_daemon
+from oci_push import e2b_base_image  # noqa: F401 - a fixture
+from registry_fixture import oci_registry  # noqa: F401 - a fixture
 
 READY_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
-def base_image(oci_registry, debian_root, tmp_path_factory):  # noqa: F811
-    """``127.0.0.1:PORT/REPO:1``: the Debian tree (bookworm minbase + python3) as one layer."""
-    return push_tree(debian_root, tmp_path_factory.mktemp("base-image"), oci_registry.address, new_repository())
-
-
-class E2B:
-    def __init__(self, daemon, registry):
-        self.daemon = daemon
-        self.key = "e2b_" + daemon.key
-        self.api_url = daemon.url + "/e2b"
-        self.registry = registry
-
-    def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, headers={"x-api-key": self.key}, timeout=120)
-
-    def environment_ids(self) -> list[str]:
-        with self.daemon.http() as c:
-            return [e["id"] for e in c.get("/environments").json()]
-
-    def leftovers(self) -> dict:
-        """Build environments, mounts and work dirs a build may leave."""
-        build = self.daemon.home / "build"
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1] for line in f if line.split()[1].startswith(str(build))]
-        cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/weenv-*") if p.is_dir())
-        return {"mounts": mounts, "work": sorted(p.name for p in build.iterdir()) if build.is_dir() else [],
-                "environments": self.environment_ids(), "cgroups": cgroups}  # fmt: skip
+def base_image(e2b_base_image):
+    return e2b_base_image
 
 
 @pytest.fixture(scope="module")
-def e2bd(tmp_path_factory, base_image, oci_registry):  # noqa: F811
-    root = tmp_path_factory.mktemp("e2b-templates")
-    home = root / "home"
-    before = system_snapshot(root)
-    store = FileStore(root / "store")
-    with environ(WEENV_E2B_READY_TIMEOUT_S=str(READY_TIMEOUT_S)):
-        d = E2B(start_daemon(home, store.url), oci_registry)
-    try:
-        with environ(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.daemon.url + "/e2b/envd", E2B_API_KEY=d.key):
-            yield d
-    finally:
-        d.daemon.stop()
-        after = system_snapshot(root)
-        for kind in after:
-            assert not set(after[kind]) - set(before[kind]), f"leaked {kind}"
+def e2bd(tmp_path_factory, oci_registry):  # noqa: F811
+    with e2b_daemon(tmp_path_factory.mktemp("e2b-templates"), oci_registry,
+                    WEENV_E2B_READY_TIMEOUT_S=str(READY_TIMEOUT_S)) as d:
+        yield d
 
 
 def _quiet_nothing_left(d: E2B) -> None:

@@ -72,7 +72,7 @@ from weenv.packaging.steps import (
     Context,
     Step,
     advance,
-    apply_copy,
+    copy_archive,
     create_account,
     find_account,
     make_workdir,
@@ -476,14 +476,26 @@ class TemplateBuild:
             stage = self.work / f"copy-{label}"
             stage.mkdir()
             try:
-                unpack_upload(upload, stage)
-                s.env(state.groups)
+                (stage / "files").mkdir()
+                unpack_upload(upload, stage / "files")
+                s.env(state.groups, ROOT.ids)
                 owner = state.account
                 if len(step.args) > 2 and step.args[2]:
                     owner = find_account(s.fs(), step.args[2])
                     if owner is None:
                         raise InvalidInputError(f"owner {step.args[2]!r} is not a user of the tree")
-                apply_copy(s.fs(), stage, step, ctx, owner, state.account.home)
+                into = copy_archive(stage / "files", step, ctx, owner, state.account.home, stage / "copy.tar")
+                inside = f"/tmp/.weenv-copy-{secrets.token_hex(6)}.tar"
+                with open(stage / "copy.tar", "rb") as src, s.fs().open_write(inside, 0o600) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                script = ('set -e; mkdir -p "$1"; tar -xf "$2" -C "$1" --no-overwrite-dir --keep-directory-symlink '
+                          '--numeric-owner --same-permissions; rm -f "$2"')  # fmt: skip
+                code, _, tail = s.run(["/bin/sh", "-c", script, "copy", into, inside], {"PATH": DEFAULT_PATH}, "/",
+                                      lambda line: self.log(line, step=label))  # fmt: skip
+                if code != 0:
+                    raise StepFailedError(f"step {label} ({step.describe()}): extracting the files into {into} "
+                                          f"failed (exit {code}; the image needs tar):\n" + "\n".join(tail),
+                                          step=label)  # fmt: skip
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
             return self._grown(state, s.collect(version), state.account)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-import shutil
 import tarfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -293,35 +292,36 @@ def unpack_upload(upload: Path, dest: Path) -> None:
         raise InvalidInputError(f"the COPY upload is not a readable tar: {exc}") from exc
 
 
-def apply_copy(fs: RootFS, stage: Path, step: Step, ctx: Context, owner: Account, home: str) -> None:
-    """Place the unpacked upload ``stage`` into the tree as ``step`` (a COPY) says."""
-    from weenv.packaging.builder import copy_into
-
+def copy_archive(stage: Path, step: Step, ctx: Context, owner: Account, home: str, out: Path) -> str:
+    """Write to ``out`` the tar that places the unpacked upload ``stage`` as
+    ``step`` (a COPY) says (entries owned by ``owner``, ``mode`` applied);
+    return the directory of the tree it is to be extracted into.  Extracting
+    it *inside* the environment, with ``--no-overwrite-dir``, keeps the
+    metadata of directories already there, and a symbolic link in the tree is
+    resolved by the environment's own root, never the host's."""
     src_rel = copy_source(step.args[0])
     dest = step.args[1]
     mode = _mode(step.args[3]) if len(step.args) > 3 and step.args[3] else None
-    base = ctx.workdir or home or "/"
-    target = dest if dest.startswith("/") else posixpath.join(base, dest)
+    target = dest if dest.startswith("/") else posixpath.join(ctx.workdir or home or "/", dest)
     entry = stage / src_rel
     if not (entry.exists() or entry.is_symlink()):
         raise InvalidInputError(f"COPY {step.args[0]}: the upload holds no {src_rel!r}")
-    for path in [entry, *(_walk(entry) if entry.is_dir() and not entry.is_symlink() else [])]:
-        os.chown(path, owner.uid, owner.gid, follow_symlinks=False)
-        if mode is not None and not path.is_symlink():
-            os.chmod(path, mode)
-    if entry.is_dir() and not entry.is_symlink():
-        copy_into(entry, fs.root, posixpath.normpath(target))
-        return
-    into = target.endswith("/")
-    dest_dir = posixpath.normpath(target) if into else posixpath.dirname(posixpath.normpath(target)) or "/"
-    name = entry.name if into else posixpath.basename(posixpath.normpath(target))
-    single = stage.parent / f"{stage.name}-one"
-    single.mkdir()
-    try:
-        os.rename(entry, single / name)
-        copy_into(single, fs.root, dest_dir)
-    finally:
-        shutil.rmtree(single, ignore_errors=True)
+
+    def owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid, info.gid, info.uname, info.gname = owner.uid, owner.gid, "", ""
+        if mode is not None and not info.issym():
+            info.mode = mode
+        return info
+
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        if entry.is_dir() and not entry.is_symlink():
+            for path in sorted(_walk(entry)):
+                tar.add(path, arcname=str(path.relative_to(entry)), recursive=False, filter=owned)
+            return posixpath.normpath(target)
+        into = target.endswith("/")
+        norm = posixpath.normpath(target)
+        tar.add(entry, arcname=entry.name if into else posixpath.basename(norm), recursive=False, filter=owned)
+        return norm if into else (posixpath.dirname(norm) or "/")
 
 
 def _walk(top: Path):
