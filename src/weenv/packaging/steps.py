@@ -201,7 +201,7 @@ def find_account(fs: RootFS, user: str) -> Account | None:
 def create_account(fs: RootFS, name: str, *, sudo: bool = False) -> Account:
     """Add user ``name`` to the tree as ``useradd --create-home`` would: the
     first uid from 1000 that no user holds, a group of the same name and id
-    (the next free one if that is taken), home ``/home/NAME`` (0750, with
+    (the next free one if that is taken), home ``/home/NAME`` (0755, with
     ``/etc/skel``), shell bash (sh without it), a locked password.  Raises
     :class:`InvalidInputError` for a name passwd cannot hold."""
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}\$?", name):
@@ -219,10 +219,10 @@ def create_account(fs: RootFS, name: str, *, sudo: bool = False) -> Account:
     if fs.exists("/etc/shadow"):
         _append(fs, "/etc/shadow", f"{name}:!:19000:0:99999:7:::\n", 0o640)
     fs.make_dir("/home", 0o755)
-    fs.make_dir(home, 0o750, owner=(uid, gid))
+    fs.make_dir(home, 0o755, owner=(uid, gid))
     fd = fs.open_dir(home)
     try:
-        os.chmod(f"/proc/self/fd/{fd}", 0o750)
+        os.chmod(f"/proc/self/fd/{fd}", 0o755)
         os.chown(f"/proc/self/fd/{fd}", uid, gid)
     finally:
         os.close(fd)
