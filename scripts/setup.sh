@@ -53,3 +53,24 @@ if [ -n "$py312" ]; then
 else
   echo "setup: no Python 3.12 under /root/.pyenv: NeMo Gym's venv not made (its test is skipped)" >&2
 fi
+# Harbor (PyPI harbor[e2b], the Terminal-Bench harness, driven by tests/test_harbor.py against
+# `weenv serve`) needs Python >= 3.12: a venv of its own, /work/venvs/harbor (WEENV_HARBOR_VENV),
+# made with a python3.12+ found on the machine (pyenv's, or on PATH).
+harbor_venv="${WEENV_HARBOR_VENV:-/work/venvs/harbor}"
+if [ ! -x "$harbor_venv/bin/harbor" ] || ! "$harbor_venv/bin/python" -c 'import e2b, harbor' 2>/dev/null; then
+  py312=""
+  for candidate in /root/.pyenv/versions/3.1[2-9]*/bin/python "$(command -v python3.13 || true)" "$(command -v python3.12 || true)"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      py312="$candidate"; break
+    fi
+  done
+  if [ -z "$py312" ]; then
+    echo "setup: Harbor needs Python >= 3.12 and none was found (pyenv's /root/.pyenv/versions/3.12*, python3.12 or python3.13 on PATH)" >&2
+    exit 1
+  fi
+  echo "setup: making Harbor's venv $harbor_venv with $py312" >&2
+  mkdir -p "$(dirname "$harbor_venv")"
+  "$py312" -m venv "$harbor_venv"
+  "$harbor_venv/bin/pip" install --quiet --disable-pip-version-check 'harbor[e2b]' 2>&1 | grep -v 'is ignored' || true
+  "$harbor_venv/bin/python" -c 'import e2b, harbor'
+fi

@@ -9,12 +9,14 @@ no cgroup of an environment the tests saw.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -112,3 +114,18 @@ def start_daemon(home: Path, store_url: str, *args: str, nofile: int | None = No
     proc.kill()
     proc.wait()
     raise AssertionError(f"weenv serve did not answer in 60 s:\n{(home / 'serve.log').read_text()}")
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables (``E2B_API_URL``...) for the block, then put back what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -27,7 +27,7 @@ from e2b.exceptions import (
     TimeoutException,
 )
 
-from daemon_fixture import Daemon, start_daemon
+from daemon_fixture import Daemon, environ, start_daemon
 from weenv.server.e2b import create_e2b_app
 
 TEMPLATE = "task"
@@ -52,16 +52,10 @@ def daemon(tmp_path_factory, shared_store):
     home = tmp_path_factory.mktemp("e2b-home")
     before = system_snapshot(home)
     d = E2BDaemon(start_daemon(home, shared_store.url))
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
-    os.environ.update(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key)
     try:
-        yield d
+        with environ(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key):
+            yield d
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         d.daemon.stop()  # checks: no mount, runc container or cgroup of a seen environment left
         after = system_snapshot(home)
         for kind in ("mounts", "loops"):

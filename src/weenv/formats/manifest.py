@@ -14,7 +14,7 @@ import re
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from weenv.errors import ContentLimitError, InvalidInputError
 from weenv.formats.limits import (
@@ -29,6 +29,8 @@ SCHEMA_VERSION = 1
 GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
 TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
 DEFAULT_CHUNK_SIZE = 1 << 20
+MAX_START_COMMAND = 64 << 10
+"""Characters of a template's start or ready command."""
 EROFS_BLOCK_SIZE = 4096
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
@@ -253,12 +255,28 @@ class RuntimeConfig(_Model):
     image's command may exit.  Left out of the JSON when unset, so templates
     made without it keep their digests."""
 
+    start_command: str | None = Field(default=None, min_length=1, max_length=MAX_START_COMMAND)
+    """A shell command (``/bin/sh -c``) started in the background as each
+    environment is created (E2B's ``startCmd``); left out of the JSON when unset."""
+    ready_command: str | None = Field(default=None, min_length=1, max_length=MAX_START_COMMAND)
+    """A shell command run after the start command until it exits 0: only then
+    is a create done (E2B's ``readyCmd``); left out of the JSON when unset."""
+
     @model_serializer(mode="wrap")
     def _omit_unset_default_command(self, handler):
         data = handler(self)
-        if isinstance(data, dict) and data.get("default_command") is None:
-            data.pop("default_command", None)
+        if isinstance(data, dict):
+            for key in ("default_command", "start_command", "ready_command"):
+                if data.get(key) is None:
+                    data.pop(key, None)
         return data
+
+    @field_validator("start_command", "ready_command")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\0" in v:
+            raise ValueError("a command holds a NUL byte")
+        return v
 
 
 class TemplateManifest(_Model):

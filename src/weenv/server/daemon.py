@@ -76,6 +76,7 @@ def serve(
     except BusyError:
         raise DaemonError(f"a weenv daemon already serves {paths.home}") from None
     sockets: list[socket.socket] = []
+    e2b = None
     try:
         api_key = ApiKey.load_or_create(paths.api_key)
         paths.socket.unlink(missing_ok=True)
@@ -123,6 +124,8 @@ def serve(
         paths.socket.unlink(missing_ok=True)
         paths.api_url.unlink(missing_ok=True)
         paths.pidfile.unlink(missing_ok=True)
+        if e2b is not None:
+            e2b.state.templates.close()  # cancels and undoes the template builds still running
         node.close()  # idempotent (the app's lifespan closed it); releases the home's lock
 
 

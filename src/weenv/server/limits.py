@@ -20,7 +20,7 @@ connections, request bodies.
   ``limit_concurrency`` is not used: it counts the connections of every
   listener together, so a TCP flood would make it refuse the Unix socket too.
 - **Request bodies** (:class:`BodyLimit`): at most :data:`MAX_BODY` bytes, a
-  file upload (``PUT /v1/environments/{id}/files``, ``POST /e2b/envd/files``)
+  file upload (``PUT /v1/environments/{id}/files``, ``POST /e2b/envd/files``, a template's COPY files)
   at most :data:`MAX_UPLOAD`.  A ``Content-Length`` above the limit is answered
   413 before any of the body is kept; a body without one (chunked) is counted
   as it arrives: past the limit, a JSON request is answered 413 having kept at
@@ -75,7 +75,8 @@ DRAIN_S = 2.0
 IDLE_TIMEOUT_S = 5
 """Seconds a connection may stay silent (before its first request or between requests)."""
 
-_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^/e2b/envd/files$")))
+_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^/e2b/envd/files$")),
+            ("PUT", re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload$")))
 
 
 def raise_nofile_limit() -> tuple[int, int]:

@@ -10,6 +10,7 @@ A user of the ``e2b`` SDK switches to weenv by pointing the SDK at it::
 (``app.mount("/e2b", create_e2b_app(node, api_keys=[api_key.e2b]))``):
 
 - ``/`` — E2B's REST API (:mod:`.api`): create, connect, list, get, kill, set_timeout;
+  its template API (:mod:`.templates`, builds in :mod:`.builds`);
 - ``/envd`` — envd, E2B's in-sandbox services (:mod:`.envd`): ``/files``, ``/health``
   and the Connect RPC services ``process.Process`` (:mod:`.processes`) and
   ``filesystem.Filesystem`` (:mod:`.files`), each request routed to the sandbox
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 from collections.abc import Iterable
 
@@ -32,9 +34,14 @@ from starlette.routing import Mount
 
 from weenv.errors import InvalidInputError
 from weenv.node.node import Node
-from weenv.server.e2b.api import install_error_handlers, key_checker, make_api
+from weenv.server.e2b.api import install_error_handlers, key_checker, key_dependency, make_api
+from weenv.server.e2b.builds import Templates
 from weenv.server.e2b.envd import Envd, sandbox_id_in
 from weenv.server.e2b.sandboxes import Sandboxes
+from weenv.server.e2b.templates import UPLOAD_HEADER, make_template_api
+
+READY_TIMEOUT_S = 120.0
+"""Seconds a create waits for a template's ready command (``WEENV_E2B_READY_TIMEOUT_S``)."""
 
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{32,128}\Z")
 """The form of an E2B API key: ``e2b_`` and hex digits (the daemon's key spelled
@@ -47,8 +54,8 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     ``api_keys``: the keys accepted in ``X-API-Key`` (each ``e2b_`` + hex: the
     daemon passes ``[api_key.e2b]``).  Raises :class:`InvalidInputError` for a key
     of another form or none.  ``app.state.sandboxes`` is the :class:`Sandboxes`
-    registry; call its ``close()`` when the daemon stops (its reaper and output
-    sink are daemon threads, so a process exit does not wait for them).
+    registry, ``app.state.templates`` the :class:`Templates` (call its ``close()``
+    when the daemon stops: it cancels and undoes the builds running).
     """
     keys = list(api_keys)
     if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
@@ -56,17 +63,27 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     # envd access tokens keyed by the first API key: stable across restarts, new with a new key
     secret = hmac.new(keys[0].encode(), b"weenv envd access token", hashlib.sha256).digest()
     sandboxes = Sandboxes(node, token_secret=secret)
+    templates = Templates(node, secret=secret)
     app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.include_router(make_api(sandboxes, key_checker(keys)))
+    check = key_checker(keys)
+    ready_timeout = float(os.environ.get("WEENV_E2B_READY_TIMEOUT_S", READY_TIMEOUT_S))
+    app.include_router(make_api(sandboxes, check, resolve=templates.resolve, ready_timeout=ready_timeout))
+    keyed, uploads = make_template_api(templates, key_dependency(check))
+    app.include_router(keyed)
+    app.include_router(uploads)
     app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
     app.state.sandboxes = sandboxes
-    app.state.envd_credentialed = lambda headers: _envd_credentialed(sandboxes, headers)
+    app.state.templates = templates
+    app.state.envd_credentialed = lambda headers: _credentialed(sandboxes, templates, headers)
     return app
 
 
-def _envd_credentialed(sandboxes: Sandboxes, headers) -> bool:
-    """Whether ``headers`` carry the envd access token of the sandbox they name."""
+def _credentialed(sandboxes: Sandboxes, templates: Templates, headers) -> bool:
+    """Whether ``headers`` carry the envd access token of the sandbox they name,
+    or a template upload token."""
+    if templates.token_matches(headers.get(UPLOAD_HEADER)) is not None:
+        return True
     sid = sandbox_id_in(headers)
     return bool(sid) and sandboxes.token_matches(sid, headers.get("x-access-token"))
 

@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException
 
 from weenv.errors import WeenvError
 from weenv.node.models import Envs, Metadata
+from weenv.server.e2b.readiness import start_and_wait_ready
 from weenv.server.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
@@ -161,9 +162,8 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(raw)}
 
 
-def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRouter:
-    """The REST endpoints (see the module docstring); ``check_key(key)`` says
-    whether an API key is accepted."""
+def key_dependency(check_key: Callable[[str], bool]):
+    """A FastAPI dependency refusing (401) a request without an accepted API key."""
 
     def authenticated(
         x_api_key: Annotated[str | None, Header()] = None,
@@ -177,7 +177,18 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
         if not check_key(key):
             raise E2BError(401, "invalid API key")
 
-    router = APIRouter(dependencies=[Depends(authenticated)])
+    return Depends(authenticated)
+
+
+def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
+             resolve: Callable[[str], str | None] | None = None,
+             ready_timeout: float = 120.0) -> APIRouter:  # fmt: skip
+    """The REST endpoints (see the module docstring); ``check_key(key)`` says
+    whether an API key is accepted; ``resolve(templateID)``: the weenv template
+    an E2B template reference starts (None: the reference is a weenv template
+    name or digest itself); ``ready_timeout``: seconds a create waits for the
+    template's ready command."""
+    router = APIRouter(dependencies=[key_dependency(check_key)])
 
     def running(sandbox_id: str) -> Sandbox:
         sb = sandboxes.find(sandbox_id)
@@ -190,10 +201,16 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool]) -> APIRoute
     async def create(body: NewSandbox) -> dict:
         def create_blocking() -> Sandbox:
             net = body.network or NetworkConfig()
-            sb = sandboxes.create(body.template_id, timeout=body.timeout or DEFAULT_TIMEOUT_S,
+            template = (resolve(body.template_id) if resolve else None) or body.template_id
+            sb = sandboxes.create(template, timeout=body.timeout or DEFAULT_TIMEOUT_S,
                                   metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
                                   network=body.allow_internet_access, allow_out=net.allow_out,
                                   deny_out=net.deny_out)  # fmt: skip
+            try:
+                start_and_wait_ready(sandboxes.node, sb, ready_timeout)
+            except BaseException:
+                sandboxes.node.destroy(sb.info.id)
+                raise
             sandboxes.node.delivered(sb.info.id)  # as the answer goes out (see weenv's own create)
             return sb
 

@@ -1,0 +1,430 @@
+"""E2B templates on a weenv node: their names, tags and builds, the uploads of
+their COPY steps, and the builds running in background threads.
+
+An E2B *template* has an id (20 random characters), one name, tags (``default``
+unless others are asked for) each pointing at a build, and builds; a build that
+succeeded is a weenv template manifest (:mod:`weenv.packaging.stepbuild`), and
+the store's ref ``templates/NAME`` follows the template's latest ready build, so
+``weenv`` itself, ``Sandbox.create("NAME")``, ``"NAME:TAG"``, ``"ID"`` and
+``"NAME:BUILD_ID"`` all start it.  The records are kept in
+``$WEENV_HOME/e2b/templates.json`` (written atomically on every change; a build
+still running when the daemon stopped reads back as failed); build logs are kept
+in memory only, at most :data:`MAX_LOG_ENTRIES` per build.
+
+COPY uploads are files ``$WEENV_HOME/e2b/files/HASH.tar``, one per ``filesHash``
+(E2B's are team-wide too): written to a temporary file as they arrive, at most
+:data:`MAX_UPLOAD_BYTES`, renamed into place when whole.  The upload link is
+weenv's own URL, authorized by a token that names the template and hash
+(:meth:`Templates.upload_token`), since the SDK sends no API key there.
+
+At most :data:`MAX_CONCURRENT_BUILDS` builds run at once (others wait, status
+``waiting``).  Deleting a template cancels its builds and waits for them to
+be undone (environments, mounts, cgroups, work dirs) before it answers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
+from weenv.node.node import Node
+from weenv.packaging.manifest import Resources
+from weenv.packaging.stepbuild import BuildSpec, StepFailedError, TemplateBuild
+
+MAX_CONCURRENT_BUILDS = 2
+MAX_LOG_ENTRIES = 20_000
+MAX_UPLOAD_BYTES = 4 << 30
+"""Largest COPY upload (its gzip tar), bytes."""
+MAX_TEMPLATES = 10_000
+CANCEL_WAIT_S = 120.0
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+DEFAULT_TAG = "default"
+
+
+def now_iso(t: float | None = None) -> str:
+    t = time.time() if t is None else t
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Build:
+    id: str
+    status: str = "waiting"
+    """E2B's: ``waiting`` (until started), ``building``, ``ready``, ``error``."""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    digest: str | None = None
+    """The weenv template manifest, once ready."""
+    reason: dict | None = None
+    """E2B's ``BuildStatusReason`` of a failed build."""
+    cpu_count: int = 2
+    memory_mb: int = 2048
+    steps_run: list[str] = field(default_factory=list)
+    steps_cached: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TemplateRecord:
+    id: str
+    name: str
+    tags: dict[str, dict] = field(default_factory=dict)
+    """tag -> ``{"build": build id, "at": unix time}``."""
+    builds: list[Build] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    spawn_count: int = 0
+
+    def build(self, build_id: str) -> Build:
+        for b in self.builds:
+            if b.id == build_id:
+                return b
+        raise NotFoundError(f"template {self.id!r} has no build {build_id!r}")
+
+    def latest_ready(self) -> Build | None:
+        ready = [b for b in self.builds if b.status == "ready"]
+        return max(ready, key=lambda b: b.finished_at or 0) if ready else None
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``NAME[:TAG]`` -> ``(NAME, TAG or None)``; :class:`InvalidInputError` if malformed."""
+    base, sep, tag = name.partition(":")
+    if not NAME_RE.match(base):
+        raise InvalidInputError(f"template name {base!r}: lowercase letters, digits, '-', '_' and '.' (at most 128)")
+    if sep and not TAG_RE.match(tag):
+        raise InvalidInputError(f"tag {tag!r}: letters, digits, '-', '_' and '.' (at most 128)")
+    return base, (tag if sep else None)
+
+
+class Templates:
+    """The E2B templates of ``node`` (see the module docstring).  Thread-safe."""
+
+    def __init__(self, node: Node, *, secret: bytes):
+        self.node = node
+        self.store = node.store
+        self.dir = node.paths.home / "e2b"
+        self.files_dir = self.dir / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self._secret = hmac.new(secret, b"weenv e2b uploads", hashlib.sha256).digest()
+        self._lock = threading.RLock()
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_BUILDS)
+        self._running: dict[str, tuple[threading.Thread, TemplateBuild | None]] = {}
+        self._logs: dict[str, list[dict]] = {}
+        self._closed = False
+        self._records: dict[str, TemplateRecord] = self._load()
+
+    # --- records ----------------------------------------------------------------------
+    def _load(self) -> dict[str, TemplateRecord]:
+        path = self.dir / "templates.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return {}
+        records = {}
+        for t in data.get("templates", []):
+            builds = [Build(**b) for b in t.pop("builds", [])]
+            for b in builds:
+                if b.status in ("waiting", "building"):
+                    b.status, b.reason = "error", {"message": "the daemon stopped during the build", "step": "base"}
+            records[t["id"]] = TemplateRecord(**t, builds=builds)
+        return records
+
+    def _save(self) -> None:
+        path = self.dir / "templates.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"templates": [asdict(t) for t in self._records.values()]}))
+        os.replace(tmp, path)
+
+    def find(self, ref: str) -> TemplateRecord | None:
+        """The template with id or name ``ref`` (a ``:TAG`` suffix ignored)."""
+        base = ref.partition(":")[0]
+        with self._lock:
+            t = self._records.get(base)
+            if t is None:
+                t = next((r for r in self._records.values() if r.name == base), None)
+            return t
+
+    def get(self, ref: str) -> TemplateRecord:
+        t = self.find(ref)
+        if t is None:
+            raise NotFoundError(f"template {ref!r} not found")
+        return t
+
+    def list(self) -> list[TemplateRecord]:
+        with self._lock:
+            return sorted(self._records.values(), key=lambda t: t.created_at)
+
+    def logs(self, build_id: str) -> list[dict]:
+        with self._lock:
+            return list(self._logs.get(build_id, []))
+
+    def resolve(self, ref: str) -> str | None:
+        """The weenv template digest ``ref`` starts (``ID``, ``NAME``, ``NAME:TAG``,
+        ``NAME:BUILD_ID``), None if no E2B template has that id or name.  Raises
+        :class:`NotFoundError` for a tag or build that is not (yet) ready."""
+        t = self.find(ref)
+        if t is None:
+            return None
+        _, sep, tag = ref.partition(":")
+        with self._lock:
+            if not sep:
+                b = t.latest_ready()
+            else:
+                b = next((x for x in t.builds if x.id == tag), None)
+                if b is None and tag in t.tags:
+                    b = t.build(t.tags[tag]["build"])
+            if b is None or b.status != "ready" or b.digest is None:
+                raise NotFoundError(f"tag '{tag or DEFAULT_TAG}' does not exist for template '{t.name}' "
+                                    "(or its build is not ready)")  # fmt: skip
+            t.spawn_count += 1
+            return b.digest
+
+    # --- requests ---------------------------------------------------------------------
+    def request(self, name: str, tags: list[str], *, cpu_count: int | None, memory_mb: int | None
+                ) -> tuple[TemplateRecord, Build, list[str]]:  # fmt: skip
+        """A new build of template ``name`` (``NAME[:TAG]``; made if new), tagged
+        ``tags`` (default ``default``).  Returns ``(template, build, tags)``."""
+        base, tag = split_name(name)
+        wanted = list(dict.fromkeys([*([tag] if tag else []), *tags])) or [DEFAULT_TAG]
+        for t in wanted:
+            split_name(f"{base}:{t}")
+        cores = os.cpu_count() or 1
+        if cpu_count is not None and not 1 <= cpu_count <= cores:
+            raise InvalidInputError(f"cpuCount {cpu_count}: this node has {cores} cores")
+        try:
+            Resources(cpus=float(cpu_count or 1), memory_bytes=(memory_mb or 2048) << 20)
+        except ValueError as exc:
+            raise InvalidInputError(f"memoryMB {memory_mb}: {exc}") from None
+        with self._lock:
+            self._check_open()
+            t = self.find(base)
+            if t is None:
+                if len(self._records) >= MAX_TEMPLATES:
+                    raise InvalidInputError(f"this node keeps at most {MAX_TEMPLATES} templates")
+                t = TemplateRecord(id=_template_id(), name=base)
+                self._records[t.id] = t
+            b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048)
+            t.builds.append(b)
+            for tg in wanted:  # E2B assigns the tags as the build starts
+                t.tags[tg] = {"build": b.id, "at": time.time()}
+            t.updated_at = time.time()
+            self._logs[b.id] = []
+            self._save()
+            return t, b, wanted
+
+    def start(self, template_id: str, build_id: str, spec: BuildSpec) -> None:
+        """Start build ``build_id`` (status ``waiting``) of ``spec`` in a thread."""
+        with self._lock:
+            self._check_open()
+            t = self.get(template_id)
+            if t.id != template_id:
+                raise NotFoundError(f"template {template_id!r} not found (use its id)")
+            b = t.build(build_id)
+            if b.status != "waiting" or build_id in self._running:
+                raise BusyError(f"build {build_id} was started already (status {b.status})")
+            if spec.from_template is not None:
+                digest = self.resolve(spec.from_template)
+                if digest is not None:
+                    spec = BuildSpec(**{**spec.__dict__, "from_template": digest})
+            spec = BuildSpec(**{**spec.__dict__, "resources": Resources(
+                cpus=float(b.cpu_count), memory_bytes=b.memory_mb << 20)})
+            b.status, b.updated_at = "building", time.time()
+            thread = threading.Thread(target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}",
+                                      daemon=True)  # fmt: skip
+            self._running[build_id] = (thread, None)
+            self._save()
+        thread.start()
+
+    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None) -> None:
+        with self._lock:
+            entries = self._logs.setdefault(build_id, [])
+            if len(entries) < MAX_LOG_ENTRIES:
+                entries.append({"timestamp": now_iso(), "level": level, "message": message,
+                                **({"step": step} if step else {})})  # fmt: skip
+            elif len(entries) == MAX_LOG_ENTRIES:
+                entries.append({"timestamp": now_iso(), "level": "warn",
+                                "message": f"(more than {MAX_LOG_ENTRIES} log lines: the rest is dropped)"})
+
+    def _run(self, t: TemplateRecord, b: Build, spec: BuildSpec) -> None:
+        def log(message: str, *, level: str = "info", step: str | None = None) -> None:
+            self._log(b.id, message, level=level, step=step)
+
+        build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.upload_path, log=log)
+        try:
+            with self._slots:
+                with self._lock:
+                    cancelled = b.id not in self._running
+                    if not cancelled:
+                        self._running[b.id] = (self._running[b.id][0], build)
+                if cancelled:
+                    raise StepFailedError("the build was cancelled (its template was deleted)", step="base")
+                outcome = build.run()
+        except StepFailedError as exc:
+            self._fail(t, b, str(exc), exc.step)
+        except WeenvError as exc:
+            self._fail(t, b, str(exc), "base")
+        except Exception as exc:  # noqa: BLE001 - a bug must still end the build as an error
+            self._fail(t, b, f"internal error: {type(exc).__name__}: {exc}", "base")
+        else:
+            with self._lock:
+                b.status, b.digest = "ready", outcome.template_digest
+                b.steps_run, b.steps_cached = outcome.steps_run, outcome.steps_cached
+                b.finished_at = b.updated_at = time.time()
+                if t.id in self._records and t.latest_ready() is b:
+                    self.store.set_ref("templates", t.name, outcome.template_digest)
+                self._save()
+            log("Build finished: ready")
+        finally:
+            with self._lock:
+                self._running.pop(b.id, None)
+
+    def _fail(self, t: TemplateRecord, b: Build, message: str, step: str) -> None:
+        self._log(b.id, message, level="error", step=step)
+        with self._lock:
+            tail = [e for e in self._logs.get(b.id, []) if e.get("step") == step][-20:]
+            b.status, b.reason = "error", {"message": message, "step": step, "logEntries": tail}
+            b.finished_at = b.updated_at = time.time()
+            if t.id in self._records:
+                self._save()
+
+    def assign_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        """Point ``tags`` at the build ``target`` (``NAME:TAG`` or ``NAME:BUILD_ID``)
+        names; ``(build id, tags)``.  Raises :class:`NotFoundError`."""
+        base, tag = split_name(target)
+        for tg in tags:
+            split_name(f"{base}:{tg}")
+        with self._lock:
+            t = self.get(base)
+            ref = tag or DEFAULT_TAG
+            build_id = t.tags[ref]["build"] if ref in t.tags else t.build(ref).id
+            for tg in tags:
+                t.tags[tg] = {"build": build_id, "at": time.time()}
+            self._save()
+            return build_id, list(tags)
+
+    def remove_tags(self, name: str, tags: list[str]) -> None:
+        with self._lock:
+            t = self.get(name)
+            missing = [tg for tg in tags if tg not in t.tags]
+            if missing:
+                raise NotFoundError(f"template {t.name!r} has no tag {missing[0]!r}")
+            for tg in tags:
+                del t.tags[tg]
+            self._save()
+
+    # --- delete and close -----------------------------------------------------------------
+    def delete(self, ref: str) -> None:
+        """Delete template ``ref``: cancel its builds and wait until they are undone."""
+        with self._lock:
+            t = self.get(ref)
+            self._records.pop(t.id, None)
+            # a build waiting for a slot finds itself gone from _running and ends; a running one is cancelled
+            waiting = [self._running.pop(b.id) for b in t.builds if b.id in self._running]
+            self._save()
+            try:
+                if self.store.get_ref("templates", t.name) in {b.digest for b in t.builds}:
+                    self.store.delete_ref("templates", t.name)
+            except NotFoundError:
+                pass
+        self._cancel_and_wait(waiting)
+        with self._lock:
+            for b in t.builds:
+                self._logs.pop(b.id, None)
+
+    def _cancel_and_wait(self, running: list[tuple[threading.Thread, TemplateBuild | None]]) -> None:
+        for _thread, build in running:
+            if build is not None:
+                build.cancel()
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        for thread, _ in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Cancel every build and wait for them (the daemon stops)."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running.values())
+        self._cancel_and_wait(running)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from weenv.errors import ClosedError
+
+            raise ClosedError("the daemon is stopping")
+
+    # --- uploads ----------------------------------------------------------------------
+    def upload_token(self, template_id: str, files_hash: str) -> str:
+        """The token authorizing the upload of ``files_hash`` for ``template_id``."""
+        mac = hmac.new(self._secret, f"{template_id}/{files_hash}".encode(), hashlib.sha256).hexdigest()
+        return f"{template_id}/{files_hash}/{mac}"
+
+    def token_matches(self, token: str | None) -> tuple[str, str] | None:
+        """``(template id, hash)`` the token authorizes, None if it is not one of ours."""
+        if not token or token.count("/") != 2:
+            return None
+        template_id, files_hash, _ = token.split("/")
+        if hmac.compare_digest(token.encode(errors="surrogateescape"),
+                               self.upload_token(template_id, files_hash).encode()):  # fmt: skip
+            return template_id, files_hash
+        return None
+
+    def upload_path(self, files_hash: str) -> Path | None:
+        """The upload of ``files_hash``, None if it never arrived."""
+        if not HASH_RE.match(files_hash):
+            return None
+        path = self.files_dir / f"{files_hash}.tar"
+        return path if path.is_file() else None
+
+    def writer(self, files_hash: str, length: int | None) -> _UploadWriter:
+        """A writer of the upload of ``files_hash`` (``length``: its announced
+        size, refused before anything is written if past :data:`MAX_UPLOAD_BYTES`)."""
+        if not HASH_RE.match(files_hash):
+            raise InvalidInputError(f"files hash {files_hash!r} is not 64 lowercase hex digits")
+        if length is not None and length > MAX_UPLOAD_BYTES:
+            raise RequestTooLargeError(f"the upload has {length} bytes; at most {MAX_UPLOAD_BYTES} are taken")
+        return _UploadWriter(self.files_dir, files_hash)
+
+
+class _UploadWriter:
+    """An upload written to a temporary file, bounded, renamed into place by :meth:`finish`."""
+
+    def __init__(self, directory: Path, files_hash: str):
+        self.final = directory / f"{files_hash}.tar"
+        self.tmp = directory / f".{files_hash}.{secrets.token_hex(4)}.part"
+        self.f = open(self.tmp, "wb")
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > MAX_UPLOAD_BYTES:
+            self.abort()
+            raise RequestTooLargeError(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
+        self.f.write(data)
+
+    def finish(self) -> None:
+        self.f.close()
+        os.replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _template_id() -> str:
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(secrets.choice(alphabet) for _ in range(20))

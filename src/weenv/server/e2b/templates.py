@@ -1,0 +1,225 @@
+"""E2B's template API (what the ``e2b`` SDK's ``Template`` / ``AsyncTemplate`` call),
+over :class:`weenv.server.e2b.builds.Templates`.
+
+Endpoints (paths and JSON as in E2B's public ``spec/openapi.yml``)::
+
+    GET    /templates/aliases/{alias}                 -> TemplateAliasResponse (404 if unknown)
+    POST   /v3/templates                              TemplateBuildRequestV3 -> 202 TemplateRequestResponseV3
+    GET    /templates/{id}/files/{hash}               -> 201 TemplateBuildFileUpload (present, url, headers)
+    PUT    /templates/{id}/files/{hash}/upload        the COPY's tar (weenv's upload link; token header)
+    POST   /v2/templates/{id}/builds/{buildID}        TemplateBuildStartV2 -> 202
+    GET    /templates/{id}/builds/{buildID}/status?logsOffset=&limit=&level=
+                                                      -> TemplateBuildInfo (logEntries paged, reason)
+    GET    /templates                                 -> [Template]
+    GET    /templates/{id}                            -> TemplateWithBuilds
+    DELETE /templates/{id}                            -> 204 (cancels its builds, waits until undone)
+    GET    /templates/{id}/tags                       -> [TemplateTag]
+    POST   /templates/tags, DELETE /templates/tags    assign / remove tags
+
+Every route but the upload needs the API key (the router's dependency); the
+upload needs the token the files route handed out (``X-Weenv-Upload-Token``),
+since the SDK sends the upload to the link without its key.  ``{id}`` is the
+template id or, as E2B accepts, its name.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Annotated, Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import Field, ValidationError
+
+from weenv.errors import NotFoundError
+from weenv.packaging.stepbuild import BuildSpec
+from weenv.packaging.steps import MAX_STEPS, Step
+from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
+from weenv.server.e2b.builds import Build, TemplateRecord, Templates
+
+UPLOAD_HEADER = "x-weenv-upload-token"
+
+
+class TemplateBuildRequestV3(_Body):
+    name: str | None = Field(default=None, max_length=300)
+    alias: str | None = Field(default=None, max_length=300)
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=1024)
+    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=1 << 24)
+    min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMB", ge=0)
+
+
+class TemplateBuildStartV2(_Body):
+    from_image: str | None = Field(default=None, alias="fromImage", max_length=1024)
+    from_template: str | None = Field(default=None, alias="fromTemplate", max_length=300)
+    force: bool = False
+    steps: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_STEPS)
+    start_cmd: str | None = Field(default=None, alias="startCmd", max_length=64 << 10)
+    ready_cmd: str | None = Field(default=None, alias="readyCmd", max_length=64 << 10)
+
+
+class TagsRequest(_Body):
+    target: str = Field(max_length=300)
+    tags: list[str] = Field(min_length=1, max_length=64)
+
+
+class RemoveTagsRequest(_Body):
+    name: str = Field(max_length=300)
+    tags: list[str] = Field(min_length=1, max_length=64)
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def template_json(t: TemplateRecord) -> dict[str, Any]:
+    """E2B's ``Template``."""
+    last = t.latest_ready() or (t.builds[-1] if t.builds else Build(id=""))
+    return {
+        "templateID": t.id, "buildID": last.id, "cpuCount": last.cpu_count, "memoryMB": last.memory_mb,
+        "diskSizeMB": 0, "public": False, "aliases": [t.name], "names": [t.name],
+        "createdAt": _iso(t.created_at), "updatedAt": _iso(t.updated_at), "createdBy": None,
+        "lastSpawnedAt": None, "spawnCount": t.spawn_count, "buildCount": len(t.builds),
+        "envdVersion": ENVD_VERSION, "buildStatus": last.status,
+    }  # fmt: skip
+
+
+def build_json(b: Build) -> dict[str, Any]:
+    """E2B's ``TemplateBuild``."""
+    return {
+        "buildID": b.id, "status": b.status, "createdAt": _iso(b.created_at), "updatedAt": _iso(b.updated_at),
+        "cpuCount": b.cpu_count, "memoryMB": b.memory_mb, "diskSizeMB": 0, "envdVersion": ENVD_VERSION,
+        **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
+    }  # fmt: skip
+
+
+def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, APIRouter]:
+    """``(routes needing the API key, the upload route)`` (see the module docstring)."""
+    router = APIRouter(dependencies=[authenticated])
+    uploads = APIRouter()
+
+    def found(ref: str) -> TemplateRecord:
+        t = templates.find(ref)
+        if t is None:
+            raise E2BError(404, f"template {ref!r} not found")
+        return t
+
+    @router.get("/templates/aliases/{alias}")
+    def alias(alias: str) -> dict:
+        t = templates.find(alias)
+        if t is None or ":" in alias:
+            raise E2BError(404, f"template alias {alias!r} not found")
+        return {"templateID": t.id, "public": False}
+
+    @router.post("/v3/templates", status_code=202)
+    def request_build(body: TemplateBuildRequestV3) -> dict:
+        name = body.name or body.alias
+        if not name:
+            raise E2BError(400, "name: a template name is required")
+        t, b, tags = templates.request(name, body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb)
+        return {"templateID": t.id, "buildID": b.id, "public": False, "names": [t.name], "tags": tags,
+                "aliases": [t.name]}  # fmt: skip
+
+    @router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
+    def file_link(request: Request, template_id: str, files_hash: str) -> dict:
+        t = found(template_id)
+        if templates.upload_path(files_hash) is not None:
+            return {"present": True}
+        if len(files_hash) != 64 or any(c not in "0123456789abcdef" for c in files_hash):
+            raise E2BError(400, f"hash {files_hash!r} is not 64 lowercase hex digits")
+        here = str(request.url.replace(query=""))
+        url = f"{here[: here.rindex('/templates/')]}/templates/{t.id}/files/{files_hash}/upload"
+        return {"present": False, "url": url, "headers": {UPLOAD_HEADER: templates.upload_token(t.id, files_hash)}}
+
+    @uploads.put("/templates/{template_id}/files/{files_hash}/upload", status_code=201)
+    async def upload(
+        request: Request,
+        template_id: str,
+        files_hash: str,
+        token: Annotated[str | None, Header(alias=UPLOAD_HEADER)] = None,
+        content_length: Annotated[int | None, Header()] = None,
+    ) -> Response:
+        if templates.token_matches(token) != (template_id, files_hash):
+            raise E2BError(401, "missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)")
+        writer = templates.writer(files_hash, content_length)
+        try:
+            async for chunk in request.stream():
+                await anyio.to_thread.run_sync(writer.write, chunk)
+            await anyio.to_thread.run_sync(writer.finish)
+        except BaseException:
+            writer.abort()
+            raise
+        return Response(status_code=201)
+
+    @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
+    def start_build(template_id: str, build_id: str, body: TemplateBuildStartV2) -> Response:
+        t = found(template_id)
+        if (body.from_image is None) == (body.from_template is None) or not (body.from_image or body.from_template):
+            raise E2BError(400, "exactly one of fromImage and fromTemplate must be given and non-empty")
+        try:
+            steps = [Step.model_validate(s).check() for s in body.steps]
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise E2BError(400, f"steps.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        spec = BuildSpec(steps=steps, from_image=body.from_image, from_template=body.from_template,
+                         force=body.force, start_command=body.start_cmd or None,
+                         ready_command=body.ready_cmd or None)  # fmt: skip
+        templates.start(t.id, build_id, spec)
+        return Response(status_code=202)
+
+    @router.get("/templates/{template_id}/builds/{build_id}/status")
+    def status(
+        template_id: str,
+        build_id: str,
+        logs_offset: Annotated[int, Query(alias="logsOffset", ge=0)] = 0,
+        limit: Annotated[int, Query(ge=0, le=100)] = 100,
+        level: Annotated[str | None, Query(pattern="^(debug|info|warn|error)$")] = None,
+    ) -> dict:
+        t = found(template_id)
+        try:
+            b = t.build(build_id)
+        except NotFoundError as exc:
+            raise E2BError(404, str(exc)) from None
+        entries = templates.logs(build_id)
+        if level is not None:
+            order = ["debug", "info", "warn", "error"]
+            entries = [e for e in entries if order.index(e["level"]) >= order.index(level)]
+        out: dict[str, Any] = {"logs": [], "logEntries": entries[logs_offset : logs_offset + limit],
+                               "templateID": t.id, "buildID": b.id, "status": b.status}  # fmt: skip
+        if b.reason:
+            out["reason"] = b.reason
+        return out
+
+    @router.get("/templates")
+    def list_templates() -> list[dict]:
+        return [template_json(t) for t in templates.list()]
+
+    @router.get("/templates/{template_id}")
+    def get_template(template_id: str) -> dict:
+        t = found(template_id)
+        return {**template_json(t), "builds": [build_json(b) for b in reversed(t.builds)]}
+
+    @router.post("/templates/tags", status_code=201)
+    def assign(body: TagsRequest) -> dict:
+        build_id, tags_ = templates.assign_tags(body.target, body.tags)
+        return {"buildID": build_id, "tags": tags_}
+
+    @router.delete("/templates/tags", status_code=204)
+    def remove(body: RemoveTagsRequest) -> Response:
+        templates.remove_tags(body.name, body.tags)
+        return Response(status_code=204)
+
+    @router.delete("/templates/{template_id}", status_code=204)
+    async def delete(template_id: str) -> Response:
+        found(template_id)
+        await anyio.to_thread.run_sync(templates.delete, template_id)
+        return Response(status_code=204)
+
+    @router.get("/templates/{template_id}/tags")
+    def tags(template_id: str) -> list[dict]:
+        t = found(template_id)
+        return [{"tag": tag, "buildID": v["build"], "createdAt": _iso(v["at"])} for tag, v in t.tags.items()]
+
+    return router, uploads

@@ -1,0 +1,298 @@
+"""E2B's template API driven by the real ``e2b`` SDK (``Template``) against a
+real ``weenv serve``: builds from an image in a loopback registry, steps as
+cached layer groups, start and ready commands, and bad input.
+
+One daemon per module (its own home and store); the base image (the
+session's Debian tree as one layer) is pushed to the session's loopback
+registry once and imported by the first build (later builds find it cached).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from e2b import AsyncTemplate, Sandbox, Template, wait_for_file
+from e2b.exceptions import BuildException
+
+from e2b_fixture import E2B, e2b_daemon
+from oci_push import e2b_base_image  # noqa: F401 - a fixture
+from registry_fixture import oci_registry  # noqa: F401 - a fixture
+
+READY_TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def base_image(e2b_base_image):
+    return e2b_base_image
+
+
+@pytest.fixture(scope="module")
+def e2bd(tmp_path_factory, oci_registry):  # noqa: F811
+    with e2b_daemon(tmp_path_factory.mktemp("e2b-templates"), oci_registry,
+                    WEENV_E2B_READY_TIMEOUT_S=str(READY_TIMEOUT_S)) as d:
+        yield d
+
+
+def _quiet_nothing_left(d: E2B) -> None:
+    left = d.leftovers()
+    assert left == {"mounts": [], "work": [], "environments": [], "cgroups": left["cgroups"]}, left
+    assert not [c for c in left["cgroups"] if any(i in c for i in d.environment_ids())]
+
+
+def _runs(logs: list) -> list[str]:
+    """The steps a build ran (not from the cache): their ``[builder N/M] TYPE ...`` lines."""
+    return [m for m in (e.message for e in logs) if re.match(r"^\[builder \d+/\d+\] (RUN|COPY|WORKDIR|USER) ", m)
+            and ": done in" not in m]
+
+
+# --- builds ---------------------------------------------------------------------------------
+def test_build_from_image_with_every_step_kind(e2bd, base_image, tmp_path):
+    ctx = tmp_path / "ctx"
+    (ctx / "app").mkdir(parents=True)
+    (ctx / "app" / "hello.txt").write_text("hello from COPY\n")
+    (ctx / "run.sh").write_text("#!/bin/sh\necho run.sh ran\n")
+    tpl = (
+        Template(file_context_path=str(ctx))
+        .from_image(base_image)
+        .run_cmd("id -un > /tmp/build-user && echo $HOME > /tmp/build-home")
+        .copy("app", "/opt/app/")
+        .copy("run.sh", "/usr/local/bin/run-it", user="root", mode=0o755)
+        .set_envs({"GREETING": "hi", "BOTH": "${GREETING}-there"})
+        .run_cmd("mkdir -p /srv/data && echo $BOTH > /srv/data/env.txt", user="root")
+        .set_workdir("/srv/work")
+        .run_cmd("pwd > marker && id -u >> marker")
+    )
+    logs: list = []
+    info = Template.build(tpl, "t-kinds", on_build_logs=logs.append)
+    assert info.template_id and info.build_id and info.name == "t-kinds"
+    assert Template.exists("t-kinds") and Template.alias_exists("t-kinds")
+    assert not Template.exists("t-absent")
+    text = "\n".join(e.message for e in logs)
+    assert "created user user (uid 1000, home /home/user)" in text, text
+
+    sb = Sandbox.create("t-kinds", timeout=120)
+    try:
+        r = sb.commands.run(
+            "id; echo $HOME; pwd; cat /tmp/build-user /tmp/build-home /srv/data/env.txt /srv/work/marker; "
+            "cat /opt/app/hello.txt; run-it; stat -c '%U %a' /opt/app/hello.txt /usr/local/bin/run-it /srv/work; "
+            "grep '^user:' /etc/passwd; echo GREETING=$GREETING")
+        out = r.stdout.splitlines()
+        assert out[0].startswith("uid=1000(user) gid=1000(user)"), out
+        assert out[1:3] == ["/home/user", "/srv/work"], out  # E2B's default user; the last WORKDIR
+        assert out[3:8] == ["user", "/home/user", "hi-there", "/srv/work", "1000"], out
+        assert out[8:10] == ["hello from COPY", "run.sh ran"], out
+        assert out[10:13] == ["user 644", "root 755", "user 755"], out
+        assert out[13].startswith("user:x:1000:1000::/home/user:/bin/bash"), out
+        assert out[14] == "GREETING=hi", out
+    finally:
+        sb.kill()
+    _quiet_nothing_left(e2bd)
+
+
+def test_rebuild_after_changing_the_last_line_runs_only_it(e2bd, base_image, tmp_path):
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "data.txt").write_text("data\n")
+    lines = [f"FROM {base_image}", "USER root", "RUN echo one > /one", "COPY data.txt /opt/data.txt",
+             "WORKDIR /opt", "ENV STAGE=two", "RUN echo $STAGE > /two"]
+
+    def build(name: str, last: str) -> tuple[list[str], list]:
+        logs: list = []
+        tpl = Template(file_context_path=str(ctx)).from_dockerfile("\n".join([*lines, last]))
+        Template.build(tpl, name, on_build_logs=logs.append)
+        return _runs(logs), logs
+
+    first, _ = build("t-layers", "RUN echo three > /three")
+    assert sum(m.startswith("[builder") and " RUN " in m for m in first) == 3, first
+    again, logs = build("t-layers", "RUN echo THREE > /three")
+    assert again == ["[builder 9/9] RUN echo THREE > /three"], "\n".join(e.message for e in logs)
+    same, _ = build("t-layers", "RUN echo THREE > /three")
+    assert same == []
+    with e2bd.daemon.http() as c:
+        a = c.get("/templates/t-layers").json()["groups"]
+    other, _ = build("t-layers-2", "RUN echo four > /four")
+    assert other == ["[builder 9/9] RUN echo four > /four"]
+    with e2bd.daemon.http() as c:
+        b = c.get("/templates/t-layers-2").json()["groups"]
+    assert a[:-1] == b[:-1] and a[-1] != b[-1]  # the shared first steps are the same groups
+
+    sb = Sandbox.create("t-layers", timeout=60)
+    try:
+        r = sb.commands.run("cat /one /two /three /opt/data.txt; pwd; id -un")
+        assert r.stdout.splitlines() == ["one", "two", "THREE", "data", "/opt", "root"]
+    finally:
+        sb.kill()
+
+
+def test_from_template_and_async_build(e2bd, base_image):
+    import asyncio
+
+    Template.build(Template().from_image(base_image).run_cmd("echo base > /tmp/base-marker"), "t-parent")
+
+    async def main():
+        tpl = AsyncTemplate().from_template("t-parent").run_cmd("cat /tmp/base-marker > /tmp/child-marker")
+        await AsyncTemplate.build(tpl, "t-child")
+        return await AsyncTemplate.exists("t-child")
+
+    assert asyncio.run(main())
+    sb = Sandbox.create("t-child", timeout=60)
+    try:
+        assert sb.commands.run("cat /tmp/child-marker; id -un").stdout.split() == ["base", "user"]
+    finally:
+        sb.kill()
+
+
+def test_start_and_ready_commands(e2bd, base_image):
+    tpl = (Template().from_image(base_image)
+           .set_start_cmd("sleep 1; echo up > /tmp/ready; exec sleep infinity", wait_for_file("/tmp/ready")))
+    Template.build(tpl, "t-ready")
+    t0 = time.monotonic()
+    sb = Sandbox.create("t-ready", timeout=60)
+    try:
+        assert time.monotonic() - t0 >= 1.0
+        assert sb.commands.run("cat /tmp/ready").stdout == "up\n"
+        assert any("sleep 1" in " ".join([p.cmd, *p.args]) for p in sb.commands.list())
+    finally:
+        sb.kill()
+
+    Template.build(Template().from_image(base_image).set_start_cmd("sleep infinity", "test -f /never"), "t-never")
+    before = e2bd.environment_ids()
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="ready command `test -f /never` did not succeed within 4 s"):
+        Sandbox.create("t-never", timeout=60)
+    assert time.monotonic() - t0 < READY_TIMEOUT_S + 10
+    assert e2bd.environment_ids() == before
+
+
+def test_list_get_tags_delete(e2bd, base_image):
+    Template.build(Template().from_image(base_image), "t-list:v1", tags=["stable"])
+    with e2bd.api() as c:
+        listed = {t["names"][0]: t for t in c.get("/templates").json()}
+        t = listed["t-list"]
+        assert t["buildStatus"] == "ready" and t["aliases"] == ["t-list"] and t["public"] is False
+        got = c.get(f"/templates/{t['templateID']}").json()
+        assert [b["status"] for b in got["builds"]] == ["ready"]
+        assert c.get("/templates/aliases/t-list").json() == {"templateID": t["templateID"], "public": False}
+    tags = {x.tag for x in Template.get_tags("t-list")}
+    assert tags == {"v1", "stable"}
+    sb = Sandbox.create("t-list:stable", timeout=30)
+    sb.kill()
+    with e2bd.api() as c:
+        assert c.delete(f"/templates/{t['templateID']}").status_code == 204
+        assert c.get(f"/templates/{t['templateID']}").status_code == 404
+    assert not Template.exists("t-list")
+
+
+# --- bad input --------------------------------------------------------------------------------
+def test_a_failing_step_is_named_with_its_log(e2bd, base_image):
+    tpl = Template().from_image(base_image).run_cmd("echo fine").run_cmd("echo about to fail >&2; exit 3")
+    with pytest.raises(BuildException, match=r"step 2 \(RUN echo about to fail >&2; exit 3\) exited 3"):
+        Template.build(tpl, "t-fails")
+    with e2bd.api() as c:
+        t = c.get("/templates/t-fails").json()
+        build_id = t["builds"][0]["buildID"]
+        status = c.get(f"/templates/{t['templateID']}/builds/{build_id}/status").json()
+    assert status["status"] == "error" and status["reason"]["step"] == "2"
+    assert "about to fail" in status["reason"]["message"]
+    assert any(e["message"] == "about to fail" for e in status["reason"]["logEntries"])
+    assert not Template.exists("t-fails:default") or True
+    _quiet_nothing_left(e2bd)
+
+
+def test_an_image_that_does_not_exist(e2bd):
+    absent = f"{e2bd.registry.address}/weenv/absent:1"
+    with pytest.raises(BuildException, match="no such image in its registry"):
+        Template.build(Template().from_image(absent), "t-noimage")
+    _quiet_nothing_left(e2bd)
+
+
+def _request(c: httpx.Client, name: str) -> tuple[str, str]:
+    r = c.post("/v3/templates", json={"name": name})
+    assert r.status_code == 202, r.text
+    return r.json()["templateID"], r.json()["buildID"]
+
+
+def _wait(c: httpx.Client, tid: str, bid: str, done=("ready", "error"), timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": 0, "limit": 100}).json()
+        if s["status"] in done:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"build {bid} still {s['status']}")
+
+
+def test_a_copy_whose_upload_never_arrived(e2bd, base_image):
+    with e2bd.api() as c:
+        tid, bid = _request(c, "t-noupload")
+        step = {"type": "COPY", "args": ["app.py", "/app/"], "filesHash": "ab" * 32, "force": False}
+        r = c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": [step]})
+        assert r.status_code == 202, r.text
+        s = _wait(c, tid, bid)
+    assert s["status"] == "error" and s["reason"]["step"] == "1"
+    assert "were never uploaded" in s["reason"]["message"]
+    _quiet_nothing_left(e2bd)
+
+
+def test_bad_requests(e2bd, base_image):
+    with e2bd.api() as c:
+        assert c.post("/v3/templates", json={"name": "Bad Name"}).status_code == 400
+        assert c.post("/v3/templates", json={}).status_code == 400
+        assert c.get("/templates/aliases/nope").status_code == 404
+        tid, bid = _request(c, "t-bad")
+        both = {"fromImage": base_image, "fromTemplate": "x", "steps": []}
+        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json=both).status_code == 400
+        bad_step = {"fromImage": base_image, "steps": [{"type": "EXPOSE", "args": ["80"]}]}
+        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json=bad_step).status_code == 400
+        odd_env = {"fromImage": base_image, "steps": [{"type": "ENV", "args": ["A"]}]}
+        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json=odd_env).status_code == 400
+        assert c.get(f"/templates/{tid}/builds/nope/status").status_code == 404
+        assert c.get(f"/templates/{tid}/files/not-a-hash").status_code == 400
+        link = c.get(f"/templates/{tid}/files/{'cd' * 32}")
+        assert link.status_code == 201 and link.json()["present"] is False
+        url, headers = link.json()["url"], link.json()["headers"]
+        assert url.startswith(e2bd.api_url + "/templates/")
+        assert httpx.put(url, content=b"x").status_code == 401  # the link needs its token
+        wrong = {"x-weenv-upload-token": headers["x-weenv-upload-token"][:-1] + "0"}
+        assert httpx.put(url, content=b"x", headers=wrong).status_code == 401
+        # a body announced past the limit is refused before any of it is kept
+        host, port = e2bd.daemon.url.removeprefix("http://").split(":")
+        path = url.removeprefix(e2bd.daemon.url)
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {5 << 30}\r\n"
+                      f"x-weenv-upload-token: {headers['x-weenv-upload-token']}\r\n\r\n".encode())
+            assert s.recv(4096).startswith(b"HTTP/1.1 413")
+        files = e2bd.daemon.home / "e2b" / "files"
+        assert not list(files.glob(".*.part")) and not (files / f"{'cd' * 32}.tar").exists()
+        assert httpx.put(url, content=b"not a tar", headers=headers).status_code == 201
+        assert c.get(f"/templates/{tid}/files/{'cd' * 32}").json() == {"present": True}
+
+
+def test_deleting_a_template_cancels_its_build(e2bd, base_image):
+    with e2bd.api() as c:
+        tid, bid = _request(c, "t-cancel")
+        steps = [{"type": "RUN", "args": ["echo started; sleep 300"]}]
+        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": steps}
+                      ).status_code == 202  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = c.get(f"/templates/{tid}/builds/{bid}/status").json()
+            if any(e["message"] == "started" for e in s["logEntries"]):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(s)
+        assert e2bd.leftovers()["mounts"]  # the build environment is up
+        t0 = time.monotonic()
+        assert c.delete(f"/templates/{tid}").status_code == 204
+        assert time.monotonic() - t0 < 30
+        assert c.get(f"/templates/{tid}/builds/{bid}/status").status_code == 404
+    _quiet_nothing_left(e2bd)
