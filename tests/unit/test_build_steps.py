@@ -10,8 +10,8 @@ import tarfile
 import pytest
 
 from weenv.errors import InvalidInputError
-from weenv.node.rootfs import RootFS
-from weenv.packaging.stepbuild import docker_reference, step_key
+from weenv.host.rootfs import RootFS
+from weenv.node.stepbuild import docker_reference, step_key
 from weenv.packaging.steps import (
     Context,
     Step,

@@ -43,7 +43,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weenv.errors import InvalidInputError, NotFoundError
-from weenv.node.rootfs import RootFS
+from weenv.host.rootfs import RootFS
 
 StepType = Literal["RUN", "COPY", "WORKDIR", "USER", "ENV"]
 MAX_STEPS = 1000

@@ -3,7 +3,7 @@ their COPY steps, and the builds running in background threads.
 
 An E2B *template* has an id (20 random characters), one name, tags (``default``
 unless others are asked for) each pointing at a build, and builds; a build that
-succeeded is a weenv template manifest (:mod:`weenv.packaging.stepbuild`), and
+succeeded is a weenv template manifest (:mod:`weenv.node.stepbuild`), and
 the store's ref ``templates/NAME`` follows the template's latest ready build, so
 ``weenv`` itself, ``Sandbox.create("NAME")``, ``"NAME:TAG"``, ``"ID"`` and
 ``"NAME:BUILD_ID"`` all start it.  The records are kept in
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
 from weenv.node.node import Node
-from weenv.packaging.manifest import Resources
-from weenv.packaging.stepbuild import BuildSpec, StepFailedError, TemplateBuild
+from weenv.formats.manifest import Resources
+from weenv.node.stepbuild import BuildSpec, StepFailedError, TemplateBuild
 
 MAX_CONCURRENT_BUILDS = 2
 MAX_LOG_ENTRIES = 20_000

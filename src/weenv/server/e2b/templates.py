@@ -32,7 +32,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import Field, ValidationError
 
 from weenv.errors import NotFoundError
-from weenv.packaging.stepbuild import BuildSpec
+from weenv.node.stepbuild import BuildSpec
 from weenv.packaging.steps import MAX_STEPS, Step
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
 from weenv.server.e2b.builds import Build, TemplateRecord, Templates

@@ -60,11 +60,11 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, parse_user
-from weenv.node.rootfs import RootFS
+from weenv.host.rootfs import RootFS
 from weenv.packaging import buildcache
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.importer.source import _is_loopback
-from weenv.packaging.manifest import Resources, RuntimeConfig, TemplateManifest, canonical_json
+from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest, canonical_json
 from weenv.packaging.steps import (
     DEFAULT_USER,
     ROOT,
