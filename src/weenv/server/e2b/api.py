@@ -20,7 +20,7 @@ Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
                                               ({"sandbox": Sandbox} or {"error": {"code", "message"}} each)
     POST   /sandboxes/{id}/snapshots          {"name": n} -> 201 SnapshotInfo {"snapshotID", "names"}
     GET    /snapshots?sandboxID=&name=&limit=&nextToken=  -> [SnapshotInfo]
-    DELETE /templates/{snapshotID}            -> 204 (a snapshot; 404 if none)
+    DELETE /templates/{snapshotID}            -> 204 (a snapshot; served by the template routes, templates.py)
 
 A snapshot is a template (``POST /sandboxes`` with its id as ``templateID``
 starts it, on any node of the store); a fork's children start from the
@@ -328,11 +328,6 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
                  if (sandbox_id is None or s.environment == sandbox_id) and (name is None or s.name == name)]
         start = int(next_token) if next_token and next_token.isdigit() else 0
         return [{"snapshotID": s.name, "names": [s.name]} for s in found[start : start + limit]]
-
-    @router.delete("/templates/{template_id}", status_code=204)
-    def delete_snapshot(template_id: str) -> Response:
-        sandboxes.node.delete_snapshot(template_id)
-        return Response(status_code=204)
 
     return router
 

@@ -213,8 +213,12 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
 
     @router.delete("/templates/{template_id}", status_code=204)
     async def delete(template_id: str) -> Response:
-        found(template_id)
-        await anyio.to_thread.run_sync(templates.delete, template_id)
+        """A template built here (its build cancelled and undone), else a
+        snapshot (E2B deletes snapshots as templates; 404 when it is neither)."""
+        if templates.find(template_id) is None:
+            await anyio.to_thread.run_sync(templates.node.delete_snapshot, template_id)
+        else:
+            await anyio.to_thread.run_sync(templates.delete, template_id)
         return Response(status_code=204)
 
     @router.get("/templates/{template_id}/tags")
