@@ -371,7 +371,7 @@ class RootFS:
 
     def _openat2(self, path: str, flags: int, mode: int = 0) -> int:
         """openat2(root, path, flags) confined to the root; raises ``OSError``."""
-        root = os.open(self.root, _DIR | os.O_CLOEXEC)
+        root = self._root_fd()
         try:
             how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE)
             raw = os.fsencode(_clean(path))
@@ -388,6 +388,10 @@ class RootFS:
             raise OSError(err, os.strerror(err), path)
         finally:
             os.close(root)
+
+    def _root_fd(self) -> int:
+        """A new ``O_PATH`` descriptor of the root (the caller closes it)."""
+        return os.open(self.root, _DIR | os.O_CLOEXEC)
 
     def _open(self, path: str, flags: int) -> "_Fd":
         try:

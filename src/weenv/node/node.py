@@ -53,6 +53,7 @@ from weenv.config import Paths, private_dir
 from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
+from weenv.host.procroot import ProcessRootFS
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
@@ -591,6 +592,26 @@ class Node:
     def files(self, env_id: str) -> RootFS:
         """File access inside the environment's root (paths cannot escape it)."""
         return RootFS(self.table.get(env_id).rootfs)
+
+    def mounted_files(self, env_id: str) -> RootFS:
+        """File access inside the environment as its processes see it: its root
+        *with its mounts* (``/proc``, ``/dev``, ``/dev/shm``: through its first
+        process's root, :class:`~weenv.host.procroot.ProcessRootFS`), confined as
+        :meth:`files`; the bare root (:meth:`files`) while it has no running
+        process.  Raises :class:`NotFoundError` if unknown."""
+        e = self.table.get(env_id)
+        for _attempt in range(2):
+            pid = e.init_pid
+            if pid is None:
+                state = self.runc.state(e.container_id) or {}
+                if state.get("status") not in ("running", "paused") or not state.get("pid"):
+                    return RootFS(e.rootfs)
+                pid = e.init_pid = int(state["pid"])
+            try:
+                return ProcessRootFS(pid, expect_cgroup=f"/{e.container_id}")
+            except NotFoundError:
+                e.init_pid = None  # restarted or gone: ask runc again
+        return RootFS(e.rootfs)
 
     def open_port(self, env_id: str, port: int) -> "socket.socket":
         """A TCP connection to ``port`` on the environment's own loopback (inside

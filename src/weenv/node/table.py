@@ -54,6 +54,8 @@ class Environment:
         """Streamed and background commands by pid inside the environment (under the table's lock)."""
         self.lowers: list[Path] = []
         """The group mount points its overlay uses (lazy or direct), as the template lists its groups."""
+        self.init_pid: int | None = None
+        """Host pid of its first process, once looked up (:meth:`Node.mounted_files`)."""
 
     def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
         """A command's variables: the template's, then the create's, then its own."""

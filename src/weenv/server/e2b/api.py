@@ -4,8 +4,9 @@ Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
 
     POST   /sandboxes, /v2/sandboxes          NewSandbox -> Sandbox (201)
     GET    /sandboxes                         -> [ListedSandbox]
-    GET    /v2/sandboxes?metadata=&state=&template=&limit=&nextToken=&order=
-                                              -> [ListedSandbox], header X-Next-Token
+    GET    /v2/sandboxes?metadata=&state=&template=&limit=&nextToken=&order=&startedAfter=&startedBefore=
+                                              -> [ListedSandbox] (newest first unless order=asc),
+                                              header X-Next-Token
     GET    /sandboxes/{id}                    -> SandboxDetail
     DELETE /sandboxes/{id}                    -> 204
     POST   /sandboxes/{id}/timeout            {"timeout": s} -> 204
@@ -57,10 +58,11 @@ from weenv.server.e2b.sandboxes import (
     Sandboxes,
 )
 
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.2"
 """The envd version weenv's in-sandbox services answer as: the ``e2b`` SDK enables
 features by it (default user 0.4.0, stdin close 0.5.2, octet-stream uploads
-0.5.7) and refuses file metadata (0.6.2) and filesystem watching on its side."""
+0.5.7, file metadata 0.6.2) and refuses watch events with entries (0.6.3) on
+its side."""
 CLIENT_ID = "weenv"
 
 KIND_STATUS = {
@@ -127,7 +129,7 @@ class RefreshBody(_Body):
 
 
 def _iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return _when(t).isoformat().replace("+00:00", "Z")
 
 
 def created_json(sb: Sandbox) -> dict[str, Any]:
@@ -160,6 +162,28 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     if not raw:
         return {}
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(raw)}
+
+
+def _when(t: float) -> datetime.datetime:
+    """Unix time ``t`` as the aware datetime ``startedAt`` reports (microseconds)."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC)
+
+
+def _timestamp(name: str, raw: str | None) -> datetime.datetime | None:
+    """A time filter of ``GET /v2/sandboxes`` (RFC 3339, e.g. ``2024-01-02T03:04:05Z``
+    or with an offset; the SDK sends ``datetime.isoformat()``), None when absent
+    (compared with :func:`_when` of a start: a time read from ``startedAt``
+    matches that very sandbox).  Raises :class:`E2BError` 400 when it does not parse
+    or names no zone (an ambiguous time)."""
+    if raw is None:
+        return None
+    try:
+        t = datetime.datetime.fromisoformat(raw.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        t = None
+    if t is None or t.tzinfo is None:
+        raise E2BError(400, f"bad {name} {raw!r}: an RFC 3339 time with a zone, e.g. 2024-01-02T03:04:05Z")
+    return t
 
 
 def key_dependency(check_key: Callable[[str], bool]):
@@ -229,6 +253,8 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
         order: str | None = None,
+        started_after: Annotated[str | None, Query(alias="startedAfter")] = None,
+        started_before: Annotated[str | None, Query(alias="startedBefore")] = None,
     ) -> list[dict]:
         wanted = _metadata_filter(metadata)
         states = {s for s in (state or "").split(",") if s}
@@ -236,13 +262,17 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
             raise E2BError(400, f"bad state {state!r}: running, paused")
         if order not in (None, "asc", "desc"):
             raise E2BError(400, f"bad order {order!r}: asc, desc")
+        after = _timestamp("startedAfter", started_after)
+        before = _timestamp("startedBefore", started_before)
         found = [
             sb for sb in sandboxes.list()
             if all(sb.info.metadata.get(k) == v for k, v in wanted.items())
             and (not states or ("paused" if sb.info.state == "paused" else "running") in states)
             and (template is None or template in (sb.info.template, sb.info.template_digest))
+            and (after is None or _when(sb.info.created_at) >= after)
+            and (before is None or _when(sb.info.created_at) <= before)
         ]  # fmt: skip
-        found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order == "desc")
+        found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order != "asc")  # E2B: newest first
         start = 0
         if next_token:
             if not next_token.isdigit():
@@ -332,11 +362,40 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
     return router
 
 
+UNSERVED_FEATURES = (
+    ("/templates", "templates (build, tags, aliases)"), ("/v2/templates", "templates (build, tags, aliases)"),
+    ("/v3/templates", "templates (build, tags, aliases)"), ("/default-templates", "default templates"),
+    ("/snapshots", "snapshots"), ("/volumes", "volumes"), ("/secrets", "secrets"),
+    ("/sandboxes/metrics", "metrics of many sandboxes at once"),
+)  # fmt: skip
+"""Path prefix -> the E2B feature it belongs to, for the 501 of a route weenv does not serve."""
+_SANDBOX_FEATURES = {
+    "logs": "sandbox logs", "network": "changing a running sandbox's network", "fork": "fork",
+    "snapshots": "snapshots", "pause": "pause and resume", "resume": "pause and resume",
+}  # fmt: skip
+
+
+def unserved_message(method: str, path: str) -> str:
+    """The message of the 501 answering ``method path`` (a path of E2B's API,
+    e.g. ``/templates/x``, or ``/envd/...``) that no route of weenv's E2B face
+    serves, naming the E2B feature it belongs to.  (A 404 would read as
+    "sandbox not found" to the SDK, which a route weenv lacks is not.)"""
+    parts = [p for p in path.split("/") if p]
+    feature = next((f for prefix, f in UNSERVED_FEATURES if path == prefix or path.startswith(prefix + "/")), None)
+    if parts[:1] == ["envd"]:
+        feature = "this envd endpoint"
+    elif feature is None and parts[:1] in (["sandboxes"], ["v2"]) and len(parts) > 2:
+        feature = _SANDBOX_FEATURES.get(parts[-1])
+    return f"weenv does not serve {method} {path} ({feature or 'this E2B API route'}) yet"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error of ``app`` in E2B's ``{"code", "message"}`` form."""
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if not isinstance(exc, E2BError) and exc.status_code in (404, 405):  # no route: not "not found"
+            return error_json(501, unserved_message(request.method, _api_path(request)))
         return error_json(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
@@ -350,6 +409,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(WeenvError)
     async def weenv_error(request: Request, exc: WeenvError) -> JSONResponse:
         return error_json(KIND_STATUS.get(exc.kind, 500), str(exc))
+
+
+def _api_path(request: Request) -> str:
+    """The request's path inside the E2B face (without the prefix it is mounted at)."""
+    path, root = request.url.path, request.scope.get("root_path", "")
+    if root.endswith("/envd"):  # answered inside the envd mount: keep its prefix
+        root = root[: -len("/envd")]
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def key_checker(keys: list[str]) -> Callable[[str], bool]:

@@ -15,7 +15,8 @@ Endpoints (under this app's prefix)::
     POST /files?path=P                        multipart/form-data (``file`` parts; the part's
                                               file name is the path when ``path`` is absent)
                                               or application/octet-stream (gzip allowed), streamed
-                                              -> [{"name", "type": "file", "path"}]
+                                              -> [{"name", "type": "file", "path"[, "metadata"]}]
+                                              (``X-Metadata-KEY`` headers: user.e2b.KEY xattrs)
     POST /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin,Update}
     POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}
 
@@ -169,7 +170,7 @@ class Envd:
             return error_response(exc, streaming=streaming)
         except NotFoundError:
             return _error(502, f"The sandbox {sb.id} was not found")
-        return await serve(request, method, {"sandbox": sb, "user": who})
+        return await serve(request, method, {"sandbox": sb, "user": who, "node": self.sandboxes.node})
 
     def _user(self, sb: Sandbox, name: str | None) -> Identity:
         """The sandbox's user ``name`` (None: the template's); raises as :meth:`Node.user`."""
@@ -215,7 +216,7 @@ class Envd:
         its own); the answer's entries."""
         node = self.sandboxes.node
         ctype = request.headers.get("content-type", "")
-        write = partial(_open_write_as, node, sb, who)
+        write = partial(files.open_write, node, sb, who=who, metadata=files.upload_metadata(request.headers))
         if ctype.startswith("multipart/form-data"):  # streamed part by part into the sandbox
             return await multipart.write_parts(ctype, request.stream(), write, path)
         if not path:
@@ -234,10 +235,6 @@ class Envd:
         finally:
             await anyio.to_thread.run_sync(f.close)
         return [entry]
-
-
-def _open_write_as(node, sb: Sandbox, who: Identity, path: str):
-    return files.open_write(node, sb, path, who)
 
 
 INFLATE_PIECE = 1 << 20

@@ -1,5 +1,6 @@
 """envd's filesystem service (``filesystem.Filesystem``) and its ``/files`` endpoint,
-over a sandbox's confined root (:class:`weenv.host.rootfs.RootFS`).
+over a sandbox's confined root with its mounts, as its processes see them
+(:meth:`weenv.node.node.Node.mounted_files`: ``/proc``, ``/dev``, ``/dev/shm``).
 
 Every call is made as the user it names (:class:`~weenv.node.users.Identity`:
 the RPC's basic-auth user, ``/files``' ``username``, default the template's).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import stat as st
 from typing import BinaryIO
 
@@ -36,30 +38,79 @@ from weenv.server.e2b.proto import filesystem_pb
 from weenv.server.e2b.sandboxes import Sandbox
 
 FT = filesystem_pb.FileType
+XATTR_PREFIX = "user.e2b."
+"""Extended attributes holding a file's E2B metadata (``user.e2b.KEY``: envd's)."""
+METADATA_HEADER = "x-metadata-"
+"""An upload's metadata headers: ``X-Metadata-KEY: VALUE`` (the SDK's)."""
+MAX_METADATA_KEYS = 64
+MAX_METADATA_BYTES = 16 << 10
+"""Most keys, and bytes of keys and values, of one upload's metadata (checked
+before anything is written)."""
+_METADATA_KEY = re.compile(r"\A[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,200}\Z")
+_METADATA_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")
 MAX_ENTRIES = 100_000
 """Most entries one ``ListDir`` returns."""
 
 
-class SandboxFS(RootFS):
-    """:class:`RootFS` plus the full ``stat(2)`` results E2B's entries carry."""
+class SandboxFS:
+    """A sandbox's files as its processes see them (``fs``: the node's
+    :meth:`~weenv.node.node.Node.mounted_files`), plus the full ``stat(2)``
+    results and the resolved link targets E2B's entries carry; every other
+    :class:`RootFS` call goes to ``fs``."""
+
+    def __init__(self, fs: RootFS):
+        self.fs = fs
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
 
     def lstat(self, path: str) -> os.stat_result:
-        with self._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
+        with self.fs._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
             return os.fstat(fd)
 
     def stat_target(self, path: str) -> os.stat_result:
-        with self._open(path, os.O_PATH) as fd:
+        with self.fs._open(path, os.O_PATH) as fd:
             return os.fstat(fd)
 
     def readlink(self, path: str) -> str | None:
         parent, name = posixpath.split(path.rstrip("/") or "/")
         if not name:
             return None
-        return self._readlink(parent or "/", name)
+        return self.fs._readlink(parent or "/", name)
+
+    def realpath(self, path: str) -> str:
+        """The absolute path ``path`` (absolute, normalized) resolves to inside the
+        sandbox, every symbolic link on the way followed (as Go's
+        ``filepath.EvalSymlinks``, which envd reports as ``symlink_target``); a
+        link that points nowhere resolves to where it points.  Raises
+        :class:`InvalidInputError` after 40 links (ELOOP)."""
+        done, todo, hops = "/", [p for p in path.split("/") if p], 0
+        while todo:
+            part = todo.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                done = posixpath.dirname(done)
+                continue
+            here = posixpath.join(done, part)
+            try:
+                target = self.readlink(here)
+            except (NotFoundError, InvalidInputError):
+                target = None  # missing or not a directory: the rest is taken as written
+            if target is None:
+                done = here
+                continue
+            hops += 1
+            if hops > 40:
+                raise InvalidInputError(f"{path}: too many symbolic links")
+            if target.startswith("/"):
+                done = "/"
+            todo[:0] = [p for p in target.split("/") if p]
+        return done
 
     def scan(self, path: str) -> list[tuple[str, os.stat_result]]:
         """``(name, lstat)`` of each entry of the directory ``path``."""
-        with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as fd, os.scandir(fd) as it:
+        with self.fs._open(path, os.O_RDONLY | os.O_DIRECTORY) as fd, os.scandir(fd) as it:
             return sorted(((e.name, e.stat(follow_symlinks=False)) for e in it), key=lambda x: x[0])
 
 
@@ -107,7 +158,8 @@ def owner(who: Identity) -> tuple[int, int] | None:
 
 
 def fs_of(node, sb: Sandbox) -> SandboxFS:
-    return SandboxFS(node.files(sb.id).root)
+    """``sb``'s files with its mounts (raises :class:`NotFoundError` once it is gone)."""
+    return SandboxFS(node.mounted_files(sb.id))
 
 
 def _file_type(mode: int) -> int:
@@ -123,23 +175,67 @@ def _file_type(mode: int) -> int:
 def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> Message:
     """The ``EntryInfo`` of the entry at ``path`` whose ``lstat`` is ``lst``.
     A symbolic link gets its target's type (``FILE_TYPE_SYMLINK`` if it points
-    nowhere), ``is_symlink`` and ``symlink_target``."""
+    nowhere), ``is_symlink`` and ``symlink_target``: the absolute path it
+    resolves to (envd's), not the link's text."""
     e = filesystem_pb.EntryInfo(
         name=_text(posixpath.basename(path) or "/"), path=_text(path), size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
         permissions=st.filemode(lst.st_mode), owner=names.user(lst.st_uid), group=names.group(lst.st_gid),
     )  # fmt: skip
     e.modified_time.FromNanoseconds(lst.st_mtime_ns)
     e.type = _file_type(lst.st_mode)
+    if st.S_ISREG(lst.st_mode) or st.S_ISDIR(lst.st_mode):
+        e.metadata.update(read_metadata(fs, path))
     if st.S_ISLNK(lst.st_mode):
         e.is_symlink = True
-        target = fs.readlink(path)
-        if target is not None:
-            e.symlink_target = _text(target)
+        e.symlink_target = _text(fs.realpath(path))
         try:
             e.type = _file_type(fs.stat_target(path).st_mode)
         except (NotFoundError, InvalidInputError):
             e.type = FT.Value("FILE_TYPE_SYMLINK")
     return e
+
+
+def upload_metadata(headers) -> dict[str, str]:
+    """The metadata an upload asks for (``X-Metadata-KEY`` headers, keys
+    lowercased as envd does), checked: HTTP token keys, printable US-ASCII
+    values, at most :data:`MAX_METADATA_KEYS` keys and
+    :data:`MAX_METADATA_BYTES` bytes.  Raises :class:`InvalidInputError`."""
+    out: dict[str, str] = {}
+    size = 0
+    for name, value in headers.items():
+        if not name.lower().startswith(METADATA_HEADER):
+            continue
+        key = name[len(METADATA_HEADER):].lower()
+        if not _METADATA_KEY.match(key) or not _METADATA_VALUE.match(value):
+            raise InvalidInputError(f"bad metadata header {name!r}: token characters in the key, printable ASCII in the value")
+        out[key] = value
+        size += len(key) + len(value)
+        if len(out) > MAX_METADATA_KEYS or size > MAX_METADATA_BYTES:
+            raise InvalidInputError(f"metadata over {MAX_METADATA_KEYS} keys or {MAX_METADATA_BYTES} bytes")
+    return out
+
+
+def set_metadata(f: BinaryIO, path: str, metadata: dict[str, str]) -> None:
+    """Store ``metadata`` on the open file ``f`` (at ``path``) as ``user.e2b.*``
+    extended attributes.  Raises :class:`InvalidInputError` where the file
+    system keeps none."""
+    for key, value in metadata.items():
+        try:
+            os.setxattr(f.fileno(), XATTR_PREFIX + key, value.encode())
+        except OSError as exc:
+            raise InvalidInputError(f"{path}: cannot store metadata: {exc.strerror}") from exc
+
+
+def read_metadata(fs: SandboxFS, path: str) -> dict[str, str]:
+    """The ``user.e2b.*`` extended attributes of the entry at ``path`` (a link
+    itself, not followed); {} where there are none or none can be read."""
+    try:
+        with fs.fs._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
+            where = f"/proc/self/fd/{fd}"
+            names = [n for n in os.listxattr(where) if n.startswith(XATTR_PREFIX)]
+            return {n[len(XATTR_PREFIX):]: os.getxattr(where, n).decode(errors="replace") for n in names}
+    except (OSError, NotFoundError, InvalidInputError):
+        return {}
 
 
 def _text(name: str) -> str:
@@ -247,9 +343,19 @@ def open_read(node, sb: Sandbox, path: str, who: Identity) -> BinaryIO:
     return fs_of(node, sb).open_read(resolve(sb, path, who))
 
 
-def open_write(node, sb: Sandbox, path: str, who: Identity) -> tuple[BinaryIO, dict[str, str]]:
+def open_write(node, sb: Sandbox, path: str, who: Identity,
+               metadata: dict[str, str] | None = None) -> tuple[BinaryIO, dict]:  # fmt: skip
     """The file ``path`` truncated or created (parents too, owned by ``who``)
-    and open for writing, and the ``/files`` answer entry for it."""
+    and open for writing, with ``metadata`` (:func:`upload_metadata`) stored on
+    it, and the ``/files`` answer entry for it."""
     full = resolve(sb, path, who)
     f = fs_of(node, sb).open_write(full, owner=owner(who))
-    return f, {"name": posixpath.basename(full), "type": "file", "path": full}
+    entry: dict = {"name": posixpath.basename(full), "type": "file", "path": full}
+    if metadata:
+        try:
+            set_metadata(f, full, metadata)
+        except BaseException:
+            f.close()
+            raise
+        entry["metadata"] = metadata
+    return f, entry

@@ -90,7 +90,10 @@ def _event(**kw) -> Message:
 async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start: bool = False,
                   pending: list | None = None) -> AsyncIterator[Message]:
     """The envd events of ``p`` from ``reader``'s cursor (after ``pending``, events
-    already read), each wrapped by ``wrap``."""
+    already read), each wrapped by ``wrap``.  A command lost or killed because
+    its sandbox went away ends the stream ``unavailable`` (as envd's connection
+    ending before the stream completed): the SDK then probes ``/health``, gets
+    "not found" and raises ``SandboxNotRunningException``."""
     keepalive = _keepalive_s(ctx)
     last = time.monotonic()
     try:
@@ -115,6 +118,9 @@ async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start
                 elif e.type in ("stdout", "stderr"):
                     data = process_pb.ProcessEvent.DataEvent(**{e.type: e.data or b""})
                     yield wrap(_event(data=data))
+                elif e.type in ("end", "error") and await _sandbox_gone(ctx, e):
+                    sid = ctx.state["sandbox"].id
+                    raise RpcError("unavailable", f"the connection to sandbox {sid} ended before the command completed")
                 elif e.type == "end":
                     if p.timed_out:
                         raise RpcError("deadline_exceeded", "the command ran past its timeout and was killed")
@@ -124,6 +130,20 @@ async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start
             last = time.monotonic()
     finally:
         p.log.detach(reader)
+
+
+async def _sandbox_gone(ctx: CallContext, e) -> bool:
+    """Whether the command's sandbox is gone (killed, timed out) as the command
+    ended with ``e``: lost, or killed by a signal (destroying a sandbox takes it
+    out of the node's table before killing its processes)."""
+    if e.type == "end" and (e.exit_code is None or e.exit_code < 128):
+        return False
+    node: Node = ctx.state["node"]
+    try:
+        await anyio.to_thread.run_sync(node.get, ctx.state["sandbox"].id)
+    except NotFoundError:
+        return True
+    return False
 
 
 _KILLED: weakref.WeakSet[Process] = weakref.WeakSet()
