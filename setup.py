@@ -28,5 +28,7 @@ setup(extras_require={
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],
     "nemo": ["nemo-gym>=0.4; python_version >= '3.12'"],
+    # many nodes on Ray (weenv.cluster, `weenv cluster`)
+    "cluster": ["ray[default]>=2.40"],
     "bench": [bench_requirement(), MATPLOTLIB],
 })

@@ -29,7 +29,7 @@ stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" 
 if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,cluster]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
   .venv/bin/python -c 'import weenv, weenv_bench, pytest'
   touch .venv/.weenv-installed
 fi

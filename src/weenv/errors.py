@@ -4,6 +4,7 @@
 
     WeenvError
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
+    │   └── LostError                     an environment whose cluster node is gone (weenv.cluster)
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
     │   └── UnknownUserError              a user the environment's /etc/passwd does not name
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
@@ -50,6 +51,13 @@ class WeenvError(Exception):
 
 class NotFoundError(WeenvError, LookupError):
     kind = "not_found"
+
+
+class LostError(NotFoundError):
+    """An environment of a cluster whose node went (died, or fell silent): it is
+    reported lost, not silently forgotten."""
+
+    kind = "lost"
 
 
 class InvalidInputError(WeenvError, ValueError):
@@ -181,6 +189,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
     for cls in (
         WeenvError,
         NotFoundError,
+        LostError,
         InvalidInputError,
         UnknownUserError,
         NetworkForbiddenError,

@@ -4,7 +4,7 @@ the layers below it (issue 14, item 6).
 The layers, bottom first (:data:`LAYERS`, the one statement of the order; the
 README's "Where things are" names it):
 
-    base (errors, config) < host < formats < store < packaging < node < sdk < server < adapters < cli (cli, demo, the package)
+    base (errors, config) < host < formats < store < packaging < node < sdk < server < cluster < adapters < cli (cli, demo, the package)
 
 Every ``import`` counts, those inside functions and under ``TYPE_CHECKING`` too:
 a lazy import is an arrow all the same.  What a lower layer needs of a higher
@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("node", ("weenv.node",)),
     ("sdk", ("weenv.sdk",)),
     ("server", ("weenv.server",)),
+    ("cluster", ("weenv.cluster",)),
     ("adapters", ("weenv.adapters",)),
     ("cli", ("weenv.cli", "weenv.demo", "weenv.__main__", "weenv")),
 ]

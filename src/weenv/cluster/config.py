@@ -1,0 +1,56 @@
+"""How a weenv cluster is set up (a pydantic model, passed to every actor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from weenv.config import Paths
+
+NAMESPACE = "weenv"
+"""The Ray namespace of weenv's actors."""
+PLACEMENT_NAME = "weenv-placement"
+"""The placement actor's name in :data:`NAMESPACE`."""
+
+
+class ClusterConfig(BaseModel):
+    """One cluster's settings (the same for every node)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: str = "/var/lib/weenv"
+    """Each node's ``WEENV_HOME``; ``{node}`` in it becomes the first 12 characters
+    of the node's Ray id (several nodes on one machine need distinct homes)."""
+    store: str | None = None
+    """The store every node reads (``file://``, ``oci://``); None: the driver's ``WEENV_STORE``."""
+    cache: str | None = None
+    """Each node's ``WEENV_CACHE``; None: the driver's."""
+    heartbeat_s: float = Field(default=1.0, gt=0, le=60)
+    """Seconds between two heartbeats of a node."""
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """A node silent this long is gone (its environments lost)."""
+    reconcile_s: float = Field(default=1.0, gt=0, le=60)
+    """Seconds between two looks at Ray's node list."""
+    max_environments: int | None = Field(default=None, ge=1)
+    """Per node: at most this many environments placed (None: capacity alone bounds them)."""
+    cache_scan_s: float = Field(default=5.0, gt=0, le=600)
+    """Seconds between two scans of a node's chunk cache for its heartbeats."""
+    sample_k: int = Field(default=3, ge=1, le=64)
+    """Nodes sampled per placement."""
+
+    @field_validator("home")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not Path(v.replace("{node}", "x")).is_absolute():
+            raise ValueError(f"home {v!r} is not an absolute path")
+        return v
+
+    def home_of(self, node_id: str) -> Path:
+        return Path(self.home.replace("{node}", node_id[:12]))
+
+    def store_url(self) -> str:
+        return self.store or Paths.from_env().store_url
+
+    def cache_path(self) -> Path:
+        return Path(self.cache) if self.cache else Paths.from_env().cache

@@ -1,0 +1,258 @@
+"""The cluster's view, as the placement actor holds it (plain state, no Ray):
+its nodes with their last heartbeats, creates in progress, which node each
+environment is on, and the environments lost with a node.
+
+Thread-safe (the placement actor serves calls from several threads).  Times
+are ``time.monotonic()`` seconds unless named ``at`` (Unix seconds).
+
+Life of a node: ``starting`` (its actor is being made) -> ``alive`` (heartbeats
+come) -> ``gone`` (Ray reports the node dead, or no heartbeat for
+``heartbeat_timeout_s``), or ``failed`` (its actor could not start: the reason
+is kept).  When a node goes, every environment it had is **lost**: looking it
+up raises :class:`~weenv.errors.LostError` naming the node, and
+:meth:`ClusterView.lost` lists them.  A node reported gone for silence whose
+heartbeats come back is alive again, and its environments that it still runs
+are found again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from weenv.cluster import placement
+from weenv.cluster.node import NodeReport, TemplateFacts
+from weenv.errors import InvalidInputError, LostError, NotFoundError
+from weenv.formats.manifest import Resources
+
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A node silent this long is gone."""
+RESERVATION_TTL_S = 600.0
+"""A create in progress not reported done within this long is dropped (its client died)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where to send an environment's traffic: its node and that node's daemon (``api_url``, ``api_key``)."""
+
+    node_id: str
+    api_url: str
+    api_key: str
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A placement: the node to create on, and the token to report the create done with."""
+
+    route: Route
+    token: int
+
+
+@dataclass
+class _Node:
+    node_id: str
+    state: str = "starting"
+    reason: str = ""
+    report: NodeReport | None = None
+    seen: float = 0.0
+    inflight: dict[int, tuple[float, int, float]] = field(default_factory=dict)
+    """token -> (cpus, memory bytes, placed at)."""
+
+
+@dataclass
+class NodeStatus:
+    """One node in :meth:`ClusterView.status`."""
+
+    node_id: str
+    state: str
+    reason: str
+    home: str
+    api_url: str
+    environments: int
+    inflight: int
+    cpu_capacity: float
+    cpu_reserved: float
+    cached_bytes: int
+    heartbeat_age_s: float | None
+
+
+class ClusterView:
+    """See the module docstring.  ``max_environments``: per node, at most this many (None: capacity only)."""
+
+    def __init__(self, *, policy: placement.Policy = placement.Policy(), max_environments: int | None = None,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+        self.policy, self.max_environments, self.heartbeat_timeout_s = policy, max_environments, heartbeat_timeout_s
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Node] = {}
+        self._envs: dict[str, tuple[str, float]] = {}  # env id -> (node id, recorded at, Unix s)
+        self._lost: dict[str, tuple[str, float]] = {}  # env id -> (node id, lost at, Unix s)
+        self._templates: dict[str, TemplateFacts] = {}
+        self._group_sizes: dict[str, int] = {}
+        self._tokens = itertools.count(1)
+
+    # --- nodes ---------------------------------------------------------------------------
+    def starting(self, node_id: str) -> None:
+        with self._lock:
+            self._nodes.setdefault(node_id, _Node(node_id))
+
+    def failed(self, node_id: str, reason: str) -> None:
+        with self._lock:
+            node = self._nodes.setdefault(node_id, _Node(node_id))
+            node.state, node.reason = "failed", reason[:2000]
+
+    def heartbeat(self, report: NodeReport) -> None:
+        """Take ``report`` as its node's latest state."""
+        with self._lock:
+            node = self._nodes.setdefault(report.node_id, _Node(report.node_id))
+            if node.state == "gone" and node.reason.startswith("ray"):
+                return  # Ray declared the node dead: a late heartbeat does not revive it
+            node.state, node.reason, node.report, node.seen = "alive", "", report, time.monotonic()
+            present = set(report.environments)
+            for env_id in present:
+                self._envs[env_id] = (report.node_id, report.at)
+                self._lost.pop(env_id, None)
+            for env_id, (where, at) in list(self._envs.items()):
+                if where == report.node_id and env_id not in present and at < report.at:
+                    del self._envs[env_id]  # destroyed on the node (or expired there)
+            self._templates.update(report.templates)
+            self._group_sizes.update(report.group_sizes)
+
+    def gone(self, node_id: str, reason: str) -> list[str]:
+        """Mark ``node_id`` gone (``reason`` in words); its environments become lost.  Returns their ids."""
+        with self._lock:
+            return self._gone_locked(node_id, reason)
+
+    def _gone_locked(self, node_id: str, reason: str) -> list[str]:
+        node = self._nodes.setdefault(node_id, _Node(node_id))
+        if node.state == "gone":
+            return []
+        node.state, node.reason, node.inflight = "gone", reason, {}
+        lost = [e for e, (where, _) in self._envs.items() if where == node_id]
+        now = time.time()
+        for env_id in lost:
+            del self._envs[env_id]
+            self._lost[env_id] = (node_id, now)
+        return lost
+
+    def expire(self) -> list[str]:
+        """Nodes silent past the timeout go (returns their ids); stale reservations are dropped."""
+        now = time.monotonic()
+        went = []
+        with self._lock:
+            for node in self._nodes.values():
+                node.inflight = {t: r for t, r in node.inflight.items() if now - r[2] < RESERVATION_TTL_S}
+                if node.state == "alive" and now - node.seen > self.heartbeat_timeout_s:
+                    self._gone_locked(node.node_id, f"no heartbeat for {now - node.seen:.0f} s")
+                    went.append(node.node_id)
+        return went
+
+    def node_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
+    # --- placement -----------------------------------------------------------------------
+    def place(self, template: str, *, cpus: float | None = None, memory_bytes: int | None = None,
+              node: str | None = None, near: str | None = None) -> Placed:
+        """Choose a node for one environment of ``template`` and hold its request
+        there until :meth:`done`.  ``node``: a node id to prefer; ``near``: an
+        environment whose node to prefer (forks, snapshots, resumes pass their
+        origin this way).  Raises :class:`InvalidInputError` (a node the cluster
+        never had), :class:`NotFoundError` / :class:`LostError` (``near`` unknown or
+        lost), :class:`CapacityError` (no node can take it now)."""
+        with self._lock:
+            if near is not None:
+                node = self._route_locked(near).node_id
+            facts = self._templates.get(template)
+            default = Resources()
+            request = placement.Request(
+                cpus=cpus if cpus is not None else (facts.cpus if facts else default.cpus),
+                memory_bytes=memory_bytes if memory_bytes is not None else (facts.memory_bytes if facts else default.memory_bytes),
+                groups=tuple((g, self._group_sizes.get(g, 0)) for g in facts.groups) if facts else ())
+            loads = [self._load(n) for n in self._nodes.values()]
+            if node is not None and node not in self._nodes:
+                raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(self._nodes) or 'none'})")
+            chosen = placement.place(loads, request, policy=self.policy, preferred=node)
+            token = next(self._tokens)
+            target = self._nodes[chosen]
+            target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
+            return Placed(self._route_of(target), token)
+
+    def done(self, token: int, node_id: str, env_id: str | None) -> None:
+        """The create holding ``token`` on ``node_id`` ended: made ``env_id``, or failed (None)."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                return
+            node.inflight.pop(token, None)
+            if env_id is not None:
+                if node.state == "gone":
+                    self._lost[env_id] = (node_id, time.time())
+                else:
+                    self._envs[env_id] = (node_id, time.time())
+
+    def _load(self, node: _Node) -> placement.NodeLoad:
+        r = node.report
+        if r is None:
+            return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
+        return placement.NodeLoad(
+            node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
+            cpu_reserved=r.cpu_reserved, memory_reserved=r.memory_reserved, cpu_used=r.cpu_used,
+            memory_used=r.memory_used, cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
+            memory_inflight=sum(m for _, m, _ in node.inflight.values()), inflight=len(node.inflight),
+            environments=sum(1 for where, _ in self._envs.values() if where == node.node_id),
+            max_environments=self.max_environments, alive=node.state == "alive", group_bytes=r.group_bytes)
+
+    # --- routing -------------------------------------------------------------------------
+    def route(self, env_id: str) -> Route:
+        """Where ``env_id`` runs.  Raises :class:`LostError` if its node is gone,
+        :class:`NotFoundError` if the cluster does not know it."""
+        with self._lock:
+            return self._route_locked(env_id)
+
+    def _route_locked(self, env_id: str) -> Route:
+        if env_id in self._lost:
+            node_id, _ = self._lost[env_id]
+            raise LostError(f"environment {env_id} was lost with node {node_id} "
+                            f"({self._nodes[node_id].reason if node_id in self._nodes else 'gone'})")
+        found = self._envs.get(env_id)
+        if found is None:
+            raise NotFoundError(f"no environment {env_id} in the cluster")
+        return self._route_of(self._nodes[found[0]])
+
+    @staticmethod
+    def _route_of(node: _Node) -> Route:
+        assert node.report is not None
+        return Route(node.node_id, node.report.api_url, node.report.api_key)
+
+    def forget(self, env_id: str) -> None:
+        """``env_id`` was destroyed."""
+        with self._lock:
+            self._envs.pop(env_id, None)
+            self._lost.pop(env_id, None)
+
+    def environments(self) -> dict[str, str]:
+        """Environment id -> node id, for every environment the cluster knows to run."""
+        with self._lock:
+            return {e: n for e, (n, _) in self._envs.items()}
+
+    def lost(self) -> dict[str, str]:
+        """Environment id -> the node id it was lost with."""
+        with self._lock:
+            return {e: n for e, (n, _) in self._lost.items()}
+
+    def status(self) -> list[NodeStatus]:
+        now = time.monotonic()
+        with self._lock:
+            out = []
+            for n in self._nodes.values():
+                r = n.report
+                out.append(NodeStatus(
+                    node_id=n.node_id, state=n.state, reason=n.reason, home=r.home if r else "",
+                    api_url=r.api_url if r else "", environments=len(r.environments) if r else 0,
+                    inflight=len(n.inflight), cpu_capacity=r.cpu_capacity if r else 0.0,
+                    cpu_reserved=r.cpu_reserved if r else 0.0, cached_bytes=sum(r.group_bytes.values()) if r else 0,
+                    heartbeat_age_s=(now - n.seen) if r else None))
+            return out
+

@@ -1,0 +1,254 @@
+"""weenv on a real Ray cluster on this machine (weenv.cluster): a head and two
+more Ray nodes (ray.cluster_utils.Cluster), each with its own weenv home, one
+node actor and daemon per node, the placement actor, the cluster client.
+
+One cluster for the module (bringing it up takes ~15 s); the tests run in order
+and the last one kills a node.  Everything is cleaned by pid at the end: the
+daemons (through ``weenv cluster down``, or ``weenv stop`` on a killed node's
+home), the Ray processes, and the check that nothing is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from weenv import cluster  # noqa: E402
+from weenv.cluster.client import ClusterClient  # noqa: E402
+from weenv.config import Paths  # noqa: E402
+from weenv.errors import CapacityError, InvalidInputError, LostError, NotFoundError  # noqa: E402
+from weenv.formats.manifest import Resources, RuntimeConfig  # noqa: E402
+from weenv.server import daemon  # noqa: E402
+from weenv.store.file import FileStore  # noqa: E402
+
+from conftest import CACHE, system_snapshot  # noqa: E402
+
+SMALL = Resources(cpus=0.1, memory_bytes=256 << 20)
+MiB = 1 << 20
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.add(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster_store(tmp_path_factory, debian_root):
+    """Templates ``t1`` (base + a 24 MiB ``/workspace/a.bin``) and ``t2`` (base + ``b.bin``)."""
+    from weenv.packaging.group import build_group
+    from weenv.packaging.template import create_template
+
+    root = tmp_path_factory.mktemp("cluster-store")
+    store = FileStore(root / "store")
+    build_group(debian_root, store, name="base")
+    for t, f in (("t1", "a.bin"), ("t2", "b.bin")):
+        (root / t / "workspace").mkdir(parents=True)
+        (root / t / "workspace" / f).write_bytes(os.urandom(24 * MiB))
+        build_group(root / t, store, name=f"task-{t}")
+        create_template(store, t, ["base", f"task-{t}"], runtime=RuntimeConfig(working_dir="/workspace"))
+    return store
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory, cluster_store):
+    """A running Ray cluster of 3 nodes with weenv up on it; torn down by pid."""
+    homes = tmp_path_factory.mktemp("cluster-homes")
+    before_children = _children(os.getpid())
+    before = system_snapshot(homes)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [c.add_node(num_cpus=1) for _ in range(2)]
+    ray_pids = _children(os.getpid()) - before_children
+    try:
+        ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
+        c.wait_for_nodes()
+        config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
+                                       max_environments=2, heartbeat_s=0.3, heartbeat_timeout_s=5,
+                                       reconcile_s=0.3, cache_scan_s=0.3)
+        t0 = time.monotonic()
+        nodes = cluster.up(config, timeout=120)
+        print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")
+        yield c, workers, config, homes
+    finally:
+        try:
+            if ray.is_initialized():
+                try:
+                    cluster.down()
+                except Exception as exc:  # a killed node's daemon: stopped below
+                    print(f"cluster down: {exc}")
+                ray.shutdown()
+        finally:
+            c.shutdown()
+            for home in homes.iterdir():
+                daemon.stop(Paths(home=home, cache=CACHE, store_url=cluster_store.url))
+            ray_pids |= _children(os.getpid()) - before_children
+            deadline = time.monotonic() + 10
+            while any(_alive(p) for p in ray_pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [p for p in ray_pids if _alive(p)]
+            for p in left:
+                os.kill(p, signal.SIGKILL)
+            after = system_snapshot(homes)
+            for key in after:
+                assert not sorted(set(after[key]) - set(before[key])), f"leaked {key}"
+            assert not left, f"Ray processes left after shutdown: {left}"
+
+
+def _node_of_home(homes: Path, node_id: str) -> Path:
+    return homes / node_id[:12]
+
+
+def _wait_cached(client_nodes, node_id: str, at_least: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s.node_id == node_id and s.cached_bytes >= at_least for s in cluster.status()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"node {node_id} did not report {at_least} cached bytes: {cluster.status()}")
+
+
+def test_up_starts_one_node_actor_and_daemon_per_node(ray_cluster):
+    c, workers, config, homes = ray_cluster
+    status = cluster.status()
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert {s.node_id for s in status} == alive and len(alive) == 3
+    for s in status:
+        assert s.state == "alive" and s.heartbeat_age_s < 3
+        assert s.home == str(_node_of_home(homes, s.node_id))
+        assert daemon.is_running(Paths(home=Path(s.home), cache=CACHE, store_url=""))
+    # each node actor runs on its own node
+    for s in status:
+        actor = ray.get_actor(f"weenv-node-{s.node_id}", namespace=cluster.NAMESPACE)
+        assert ray.get(actor.info.remote())["node_id"] == s.node_id
+    assert cluster.up(config) and len(cluster.status()) == 3  # idempotent
+
+
+def test_placement_by_cached_bytes_and_routing(ray_cluster):
+    c, workers, config, homes = ray_cluster
+    with ClusterClient() as client:
+        e1 = client.create("t1", resources=SMALL)
+        p = e1.node_id
+        r = client.exec(e1.id, "cat /workspace/a.bin | wc -c")
+        assert r.exit_code == 0 and r.stdout.strip() == str(24 * MiB).encode()
+        _wait_cached(None, p, 24 * MiB)
+        e2 = client.create("t1", resources=SMALL)
+        assert e2.node_id == p, "t1 is warm on its first node, which has room"
+        e3 = client.create("t1", resources=SMALL)
+        assert e3.node_id != p, "the warm node is full (max_environments=2): elsewhere"
+        q = e3.node_id
+        # t2 warmed on a third node through a hint; then t2 goes there rather than the empty one
+        (r_node,) = {s.node_id for s in cluster.status()} - {p, q}
+        e4 = client.create("t2", resources=SMALL, node=r_node)
+        assert e4.node_id == r_node
+        assert client.exec(e4.id, "cat /workspace/b.bin > /dev/null").exit_code == 0
+        _wait_cached(None, r_node, 24 * MiB)
+        client.destroy(e4.id)
+        e5 = client.create("t2", resources=SMALL)
+        assert e5.node_id == r_node
+        e6 = client.create("t2", resources=SMALL, near=e3.id)
+        assert e6.node_id == q
+        # per-environment traffic goes to the owning node
+        client.write_file(e5.id, "/workspace/x.txt", b"hi")
+        assert client.read_file(e5.id, "/workspace/x.txt") == b"hi"
+        envs = client.environments()
+        assert {envs[e.id] for e in (e1, e2)} == {p} and envs[e5.id] == r_node
+        for e in (e1, e2, e3, e5, e6):
+            client.destroy(e.id)
+        with pytest.raises(NotFoundError):
+            client.exec(e1.id, "true")
+
+
+def test_bad_hints_and_a_full_cluster_get_clear_errors(ray_cluster):
+    with ClusterClient() as client:
+        with pytest.raises(InvalidInputError, match="no node 'nope'"):
+            client.create("t1", resources=SMALL, node="nope")
+        with pytest.raises(NotFoundError, match="no environment"):
+            client.create("t1", resources=SMALL, near="missing")
+        made = []
+        try:
+            with pytest.raises(CapacityError, match="no node can take"):
+                for _ in range(7):  # 3 nodes x max_environments=2
+                    made.append(client.create("t1", resources=SMALL, first_command=False))
+            assert len(made) == 6
+        finally:
+            for e in made:
+                client.destroy(e.id)
+
+
+def test_create_latency_through_the_cluster_against_direct(ray_cluster):
+    """Not a bound: the figure for the report (printed)."""
+    from weenv.sdk import NodeClient
+
+    with ClusterClient() as client:
+        times = {"cluster": [], "direct": []}
+        for _ in range(5):
+            t = time.monotonic()
+            e = client.create("t1", resources=SMALL)
+            times["cluster"].append(time.monotonic() - t)
+            route = client.route(e.id)
+            client.destroy(e.id)
+            with NodeClient(api_url=route.api_url, api_key=route.api_key) as direct:
+                t = time.monotonic()
+                d = direct.create("t1", resources=SMALL)
+                times["direct"].append(time.monotonic() - t)
+                direct.destroy(d.id)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, direct {med['direct'] * 1000:.1f} ms")
+
+
+def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
+    c, workers, config, homes = ray_cluster
+    with ClusterClient() as client:
+        victim = workers[0]
+        victim_id = victim.node_id
+        e = client.create("t1", resources=SMALL, node=victim_id)
+        assert e.node_id == victim_id
+        c.remove_node(victim)  # its raylet and the node actor die; its daemon lives on (same machine)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            gone = [s for s in cluster.status() if s.node_id == victim_id and s.state == "gone"]
+            if gone:
+                break
+            time.sleep(0.2)
+        assert gone, cluster.status()
+        assert client.lost() == {e.id: victim_id}
+        with pytest.raises(LostError, match=f"lost with node {victim_id}"):
+            client.exec(e.id, "true")
+        other = client.create("t1", resources=SMALL)  # the cluster still answers
+        assert other.node_id != victim_id
+        client.destroy(other.id)
+        # a node joining later gets its actor and daemon
+        joined = c.add_node(num_cpus=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(s.node_id == joined.node_id and s.state == "alive" for s in cluster.status()):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the joined node got no weenv: {cluster.status()}")
+        e = client.create("t2", resources=SMALL, node=joined.node_id)
+        assert client.exec(e.id, "echo ok").stdout == b"ok\n"
+        client.destroy(e.id)
+    # the killed node's daemon: stopped as a dead machine's would be gone
+    assert daemon.stop(Paths(home=_node_of_home(homes, victim_id), cache=CACHE, store_url=""))

@@ -1,0 +1,79 @@
+"""Placement's scoring (weenv.cluster.placement): pure logic, no Ray."""
+
+import random
+
+import pytest
+
+from weenv.cluster.placement import NodeLoad, Policy, Request, cached_share, eligible, place
+from weenv.errors import CapacityError, InvalidInputError
+
+GiB = 1 << 30
+T = Request(cpus=1, memory_bytes=1 * GiB, groups=(("sha256:base", 800), ("sha256:task", 200)))
+
+
+def node(name, **kw):
+    return NodeLoad(node_id=name, cpu_capacity=kw.pop("cpus", 8), memory_capacity=kw.pop("memory", 32 * GiB), **kw)
+
+
+def test_the_least_loaded_node_wins_when_none_is_warm():
+    nodes = [node("a", cpu_reserved=4), node("b", cpu_reserved=1), node("c", cpu_reserved=6)]
+    assert place(nodes, T, rng=random.Random(1)) == "b"
+
+
+def test_a_warm_node_wins_over_a_less_loaded_cold_one():
+    nodes = [node("a"), node("b", cpu_reserved=3, group_bytes={"sha256:base": 800, "sha256:task": 200})]
+    assert cached_share(nodes[1], T) == 1.0
+    assert place(nodes, T) == "b"
+
+
+def test_the_cache_bonus_is_bounded_a_warm_node_loses_when_much_busier():
+    warm = node("b", cpu_reserved=6, group_bytes={"sha256:base": 800, "sha256:task": 200})
+    assert place([node("a"), warm], T) == "a"
+
+
+def test_a_shared_base_counts_for_a_template_never_run_there():
+    nodes = [node("a"), node("b", group_bytes={"sha256:base": 800})]
+    assert cached_share(nodes[1], T) == pytest.approx(0.8)
+    assert place(nodes, T) == "b"
+
+
+def test_the_warm_node_is_a_candidate_whatever_the_sample():
+    nodes = [node(f"n{i}") for i in range(50)] + [node("warm", group_bytes={"sha256:base": 800, "sha256:task": 200})]
+    for seed in range(20):
+        assert place(nodes, T, rng=random.Random(seed)) == "warm"
+
+
+def test_never_a_node_over_capacity_or_at_its_bounds():
+    full_cpu = node("cpu", cpus=2, cpu_reserved=1.5, group_bytes={"sha256:base": 800, "sha256:task": 200})
+    full_mem = node("mem", memory=2 * GiB, memory_reserved=int(1.5 * GiB), group_bytes={"sha256:base": 800})
+    at_max = node("max", environments=4, max_environments=4, group_bytes={"sha256:base": 800})
+    busy = node("busy", inflight=Policy().max_inflight, group_bytes={"sha256:base": 800})
+    for n in (full_cpu, full_mem, at_max, busy):
+        assert not eligible(n, T)
+    assert place([full_cpu, full_mem, at_max, busy, node("cold", cpu_reserved=7)], T) == "cold"
+    with pytest.raises(CapacityError, match="no node can take"):
+        place([full_cpu, full_mem, at_max, busy], T)
+
+
+def test_inflight_creates_count_toward_capacity():
+    n = node("a", cpus=2, cpu_inflight=1.5, inflight=1)
+    assert not eligible(n, T)
+    n2 = node("b", environments=3, inflight=1, max_environments=4)
+    assert not eligible(n2, T)
+
+
+def test_a_gone_node_is_never_chosen():
+    with pytest.raises(CapacityError, match="0 of 1 nodes alive"):
+        place([node("a", alive=False)], T)
+
+
+def test_the_preferred_node_wins_when_eligible_else_the_others_compete():
+    nodes = [node("a"), node("b", cpu_reserved=5), node("c", group_bytes={"sha256:base": 800, "sha256:task": 200})]
+    assert place(nodes, T, preferred="b") == "b"
+    nodes[1].cpu_reserved = 7.5
+    assert place(nodes, T, preferred="b") == "c"
+
+
+def test_a_hint_naming_an_unknown_node_is_refused():
+    with pytest.raises(InvalidInputError, match="no node 'zz'"):
+        place([node("a")], T, preferred="zz")
