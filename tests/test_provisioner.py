@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import CapacityError
+from weenv.errors import CapacityError, NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import detect
 from weenv.node.provision import ProvisionConfig
@@ -76,7 +76,8 @@ def test_admission_counts_how_bursts_overlap(make_node):
 
 
 # --- on real environments ---------------------------------------------------------------------
-FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0)
+FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0,
+            admission="reservations", memory_idle_after_s=1e9)  # the rules of issue 5 alone (19: test_template_profiles)
 
 
 @pytest.fixture
@@ -86,6 +87,15 @@ def make_node(paths, shared_store, leak_check):
 
     nodes = []
 
+    def forget_usage():  # environments of earlier tests taught the shared store's template (issue 19)
+        name = shared_store.get_ref("templates", "task").split(":")[1]
+        try:
+            shared_store.delete_ref("usage", name)
+        except NotFoundError:
+            pass
+
+    forget_usage()
+
     def make(**cfg):
         n = Node(paths, store=shared_store, provisioning=ProvisionConfig(**{**FAST, **cfg})).start()
         nodes.append(n)
@@ -94,6 +104,7 @@ def make_node(paths, shared_store, leak_check):
     yield make
     for n in nodes:
         n.close()
+    forget_usage()
 
 
 def env_stats(node, env_id):
@@ -197,7 +208,7 @@ def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3)
+    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations")
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
     for e in envs:

@@ -68,7 +68,8 @@ def test_cpu_target_is_a_high_percentile_plus_headroom():
 
 
 def test_memory_raised_at_once_near_the_limit_and_lowered_after_hold_in_steps():
-    cfg = ProvisionConfig(memory_initial=256 * MIB, memory_hold_s=30, memory_half_life_s=10)
+    # never idle here (its CPU is not observed): idle reclaim is tested apart
+    cfg = ProvisionConfig(memory_initial=256 * MIB, memory_hold_s=30, memory_half_life_s=10, memory_idle_after_s=1e9)
     p = EnvPolicy(cfg, cpu_ceiling=1.0, memory_ceiling=4 * GIB, now=0)
     w = step(p, obs(1, ws=100 * MIB))
     assert w.memory_limit == 256 * MIB and not w.memory_pressure  # 100 MiB * 1.2 < 164 MiB < 256
@@ -213,3 +214,23 @@ def test_burst_contention_is_the_share_of_bursts_meeting_others_beyond_the_cores
     args = dict(cpu_sum=0.5, memory_sum=GIB, cpu_new=0.1, memory_new=GIB, budget=b, admitting=True)
     assert admits(**args, burst_risk=0.019, burst_risk_budget=0.02) is None
     assert "of bursts would meet others" in admits(**args, burst_risk=0.021, burst_risk_budget=0.02)
+
+
+def test_idle_memory_is_reclaimed_without_the_hold_and_raised_to_the_known_peak_on_a_burst():
+    """An environment idle for ``memory_idle_after_s`` has its limit follow its
+    working set now (not its decayed peak, not after the hold); its next burst
+    raises the limit at once to its template's peak."""
+    cfg = ProvisionConfig(memory_hold_s=30, memory_half_life_s=600, memory_idle_after_s=5)
+    p = EnvPolicy(cfg, cpu_ceiling=1.0, memory_ceiling=2 * GIB, now=0)
+    p.start_from(0.2, 800 * MIB)
+    assert p.memory_limit == 960 * MIB
+    w = step(p, obs(1, cpu=0.9, ws=800 * MIB))
+    assert w.memory_limit == 960 * MIB
+    limits = []
+    for t in range(2, 16):  # busy last at t=1: idle (5 s) from t=6 on, then 25 % per pass
+        w = step(p, obs(t, cpu=0.0, ws=100 * MIB))
+        limits.append(w.memory_limit)
+    assert limits[:4] == [960 * MIB] * 4 and limits[4] == 720 * MIB  # held until idle, then one step
+    assert w.memory_reason in ("reclaim", "stay") and w.memory_limit == 164 * MIB  # 100 MiB + 64 MiB headroom
+    w = step(p, obs(16, cpu=1.0, ws=160 * MIB, under_oom=True))  # bursts: waits at its limit
+    assert w.memory_pressure and w.memory_limit == 960 * MIB  # straight to the known peak + 20 %

@@ -84,6 +84,7 @@ from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
+from weenv.node.provision.profiles import TemplateProfiles  # issue 19
 from weenv.node.recovery import Recovery, logged
 from weenv.node.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
@@ -174,7 +175,8 @@ class Node:
         self.resolver = Resolver(self.store, self.manifests, self.names)
         self.table = EnvironmentTable()
         self.admission = Admission(max_environments, count=lambda: len(self.table))
-        self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env())  # quotas follow usage
+        self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env(),  # quotas follow usage
+                                       profiles=TemplateProfiles(paths.node / "usage", self.store))
         self.disk = NodeDisk(paths.node / "disk.img", paths.environments, size=disk_bytes)
         self.snapshotter = Snapshotter(paths.environments, self.groups, self.disk)
         self.runc = Runc(paths.runc_root)
@@ -374,7 +376,7 @@ class Node:
             manifest, group_manifests = self.resolver.load(digest)
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
-            self.provisioner.reserve(env_id, res, priority=req.priority)  # CapacityError if the node is full
+            self.provisioner.reserve(env_id, res, priority=req.priority, template=digest)  # CapacityError if full
             undo.callback(self.provisioner.detach, env_id)
             if c.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))

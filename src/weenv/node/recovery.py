@@ -140,7 +140,7 @@ class Recovery:
             except Exception as exc:
                 log.warning("cannot thaw recovered environment %s: %s", info.id, exc)
         try:
-            self.provisioner.reserve(info.id, info.resources, priority=info.priority)
+            self.provisioner.reserve(info.id, info.resources, priority=info.priority, template=info.template_digest)
             self.provisioner.attach(info.id, f"/{e.container_id}")
         except Exception as exc:  # it runs anyway, with the limits it had
             log.warning("provisioning of recovered environment %s failed: %s", info.id, exc)

@@ -123,6 +123,10 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
             profiles.append(store.get_ref("prefetch", digest.split(":", 1)[1]))
         except (NotFoundError, InvalidInputError):
             pass
+        try:  # a template's usage profile (weenv.node.provision.profiles): usage/<hex>, no pack
+            reach.manifests.add(store.get_ref("usage", digest.split(":", 1)[1]))
+        except (NotFoundError, InvalidInputError):
+            pass
         for p_digest in profiles:
             reach.manifests.add(p_digest)
             pack = _pack_of(store, p_digest)
@@ -174,7 +178,7 @@ def collect(
         gone = set(doomed)
         refs = [
             (kind, name)
-            for kind in ("groups", "buildcache", "prefetch")
+            for kind in ("groups", "buildcache", "prefetch", "usage")
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
         ]

@@ -36,7 +36,7 @@ from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputErr
 from weenv.formats.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
 from weenv.formats.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
-REF_KINDS = ("templates", "groups", "buildcache", "prefetch")
+REF_KINDS = ("templates", "groups", "buildcache", "prefetch", "usage")
 SPACES = ("chunks", "manifests", "packs")
 ZSTD_LEVEL = 3
 SPACE_LIMITS = {"chunks": frame_bound(MAX_CHUNK_SIZE), "manifests": MAX_MANIFEST_BYTES, "packs": MAX_PACK_BYTES}

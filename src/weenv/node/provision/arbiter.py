@@ -228,7 +228,11 @@ def burst_contention(envs: list[CpuMoments], capacity: float, *, overlap: float 
     busy = [(round(min(e.peak, capacity), 2), min(1.0, overlap * e.mean / e.peak) if e.peak > 0 else 0.0)
             for e in envs]  # fmt: skip
     worst = 0.0
-    for i, (own, _) in enumerate(busy):
+    firsts: dict[tuple[float, float], int] = {}  # environments alike give the same answer: one of each
+    for i, kind in enumerate(busy):
+        firsts.setdefault(kind, i)
+    for i in firsts.values():
+        own = busy[i][0]
         room = capacity - own + 1e-9
         dist = {0.0: 1.0}  # load of the others (cores) -> probability; loads above room merged
         for j, (load, q) in enumerate(busy):

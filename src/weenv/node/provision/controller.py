@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from weenv.errors import BusyError, CapacityError, NotFoundError, WeenvError
+from weenv.errors import BusyError, CapacityError, InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
 from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate
@@ -49,6 +49,7 @@ from weenv.node.provision.models import (
     UsagePoint,
 )
 from weenv.node.provision.policy import EnvPolicy, Observation
+from weenv.node.provision.profiles import TemplateProfiles, UsageProfile, summarize
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,12 @@ def meminfo() -> dict[str, int]:
 
 
 class _Tracked:
-    def __init__(self, env_id: str, resources: Resources, priority: int, policy: EnvPolicy):
+    def __init__(self, env_id: str, resources: Resources, priority: int, policy: EnvPolicy,
+                 template: str | None = None, profile: UsageProfile | None = None):  # fmt: skip
         self.env_id = env_id
+        self.template = template
+        self.profile = profile
+        """Its template's usage profile when it was admitted (None: unknown template)."""
         self.resources = resources
         self.priority = priority
         self.policy = policy
@@ -103,7 +108,11 @@ class _Tracked:
         """Its per-pass CPU usage over the admission window (``now``: Unix
         time), or the prior while it has less than the minimum history."""
         seen = self.observed_moments(cfg, now)
-        return seen if seen is not None else CpuMoments.prior(self.resources.cpus, cfg.admission_prior_duty)
+        if seen is not None:
+            return seen
+        if self.profile is not None:
+            return profile_moments(self.profile, self.resources.cpus)
+        return CpuMoments.prior(self.resources.cpus, cfg.admission_prior_duty)
 
     def observed_moments(self, cfg: ProvisionConfig, now: float) -> CpuMoments | None:
         """Its per-pass CPU usage over the admission window, or None while it
@@ -115,18 +124,29 @@ class _Tracked:
         return CpuMoments.of([min(h.cpu_used, ceiling) for h in recent])
 
 
+def profile_moments(profile: UsageProfile, ceiling: float) -> CpuMoments:
+    """A template profile's CPU as on/off usage: busy at its burst size (at most
+    ``ceiling``, cores) its duty cycle of the time."""
+    burst = min(profile.cpu_burst, ceiling) or ceiling
+    return CpuMoments.prior(burst, profile.cpu_duty)
+
+
 class Provisioner:
     """Elastic (or static) provisioning of one node's environments.
 
     ``open_cgroup``: path -> :class:`~weenv.node.cgroups.Cgroup` (default:
-    :func:`~weenv.node.cgroups.open_cgroups`, detecting v1/v2).  Thread-safe;
+    :func:`~weenv.node.cgroups.open_cgroups`, detecting v1/v2).  ``profiles``:
+    the templates' usage profiles (default: kept in memory only), read at
+    admission and updated when an environment is detached.  Thread-safe;
     :meth:`start` runs the loop in a daemon thread, :meth:`close` stops it
     (idempotent).  :meth:`tick` runs one pass synchronously (tests, tools).
     """
 
     def __init__(self, config: ProvisionConfig | None = None,
-                 open_cgroup: Callable[[str], Cgroup] = open_cgroups):  # fmt: skip
+                 open_cgroup: Callable[[str], Cgroup] = open_cgroups,
+                 profiles: TemplateProfiles | None = None):  # fmt: skip
         self.config = config or ProvisionConfig()
+        self.profiles = profiles if profiles is not None else TemplateProfiles()
         self._open = open_cgroup
         self._envs: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
@@ -159,6 +179,7 @@ class Provisioner:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.profiles.close()
 
     def _run(self) -> None:
         cfg = self.config
@@ -210,19 +231,38 @@ class Provisioner:
         """False while the arbiter has stopped admitting (memory short); creates are refused then."""
         return self._admitting
 
-    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0) -> None:
+    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0, template: str | None = None) -> None:
         """Admit a new environment (its initial quota counts from now on).
 
-        Raises :class:`CapacityError` when the node cannot hold it: in
-        ``elastic`` mode by the reservations held now (which follow observed
-        usage) plus its initial one, and the host's available memory; in
-        ``static`` mode by declared resources.  In both, the declared disk
+        ``template``: its template's digest; when the node knows that
+        template's usage profile (:attr:`profiles`), the environment is sized
+        and admitted from it at once (its initial reservation: the profile's
+        p95 usage plus the policy's headroom; its memory limit: the profile's
+        peak working set plus headroom; its bursts: the profile's duty cycle
+        and burst size), else from its declared resources.
+
+        Raises :class:`InvalidInputError` when it declares more cores or memory
+        than the node has, :class:`CapacityError` when the node cannot hold it
+        now: in ``elastic`` mode by the admission of ``config.admission``
+        (default ``burst``: the share of bursts meeting contention within
+        ``admission_burst_risk``), the reservations held now (which follow
+        observed usage) plus its initial one, and the host's available memory;
+        in ``static`` mode by declared resources.  In both, the declared disk
         limits (``disk_bytes``) must fit the node's disk (:attr:`disk_capacity`
         × ``disk_overcommit``).
         """
         cfg = self.config
+        if cfg.mode != "off" and (resources.cpus > self.cpu_capacity + 1e-9
+                                  or resources.memory_bytes > self.memory_capacity):
+            raise InvalidInputError(
+                f"the environment declares {resources.cpus:g} cores and {resources.memory_bytes >> 20} MiB; "
+                f"the node has {self.cpu_capacity:g} cores and {self.memory_capacity >> 20} MiB for environments"
+            )
+        profile = self.profiles.get(template) if template is not None and cfg.mode != "off" else None
         policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, time.monotonic())
-        t = _Tracked(env_id, resources, priority, policy)
+        if profile is not None and cfg.mode == "elastic":
+            policy.start_from(profile.cpu_p95, profile.memory_peak)
+        t = _Tracked(env_id, resources, priority, policy, template, profile)
         if cfg.mode == "static":
             policy.cpu_quota, policy.memory_limit = resources.cpus, resources.memory_bytes
         with self._lock:
@@ -237,9 +277,9 @@ class Provisioner:
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
                 peak = risk = None
                 if cfg.mode == "elastic" and cfg.admission == "peak":
-                    peak = self.predicted_cpu_peak(list(self._envs.values()), resources)
+                    peak = self.predicted_cpu_peak(list(self._envs.values()), t)
                 if cfg.mode == "elastic" and cfg.admission == "burst":
-                    risk = self.burst_risk(list(self._envs.values()), resources)
+                    risk = self.burst_risk(list(self._envs.values()), t)
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
@@ -286,6 +326,19 @@ class Provisioner:
                     t.cgroup.thaw()
                 except WeenvError:
                     pass
+        self._learn(t)
+
+    def _learn(self, t: _Tracked) -> None:
+        """Add what ``t`` did to its template's usage profile (when it ran long enough)."""
+        if t.template is None or not t.history:
+            return
+        try:
+            seen = summarize(t.template, t.resources.cpus, [h.cpu_used for h in t.history],
+                             [h.working_set for h in t.history], self.config.interval_s)  # fmt: skip
+            if seen is not None:
+                self.profiles.record(seen)
+        except (WeenvError, OSError, ValueError) as exc:  # a profile is a hint: never fail a destroy
+            self._event(t.env_id, "error", f"usage profile of {t.template} not recorded: {exc}")
 
     def set_priority(self, env_id: str, priority: int) -> None:
         """Higher priority: raised first, frozen last."""
@@ -448,30 +501,34 @@ class Provisioner:
             disk=None if self.disk_capacity is None else int(self.disk_capacity * cfg.disk_overcommit),
         )
 
-    def predicted_cpu_peak(self, envs: list[_Tracked], new: Resources | None = None) -> float:
-        """Cores: the predicted CPU peak of ``envs`` (plus a ``new`` environment's prior)."""
+    def predicted_cpu_peak(self, envs: list[_Tracked], new: _Tracked | None = None) -> float:
+        """Cores: the predicted CPU peak of ``envs`` (plus a ``new`` environment's,
+        from its template's profile or the prior)."""
         cfg, now = self.config, time.time()
-        moments = [t.cpu_moments(cfg, now) for t in envs]
-        if new is not None:
-            moments.append(CpuMoments.prior(new.cpus, cfg.admission_prior_duty))
+        moments = [t.cpu_moments(cfg, now) for t in envs + ([new] if new is not None else [])]
         return predicted_cpu_peak(moments, cfg.admission_sigmas)
 
-    def burst_risk(self, envs: list[_Tracked], new: Resources | None = None) -> float:
+    def burst_risk(self, envs: list[_Tracked], new: _Tracked | None = None) -> float:
         """The share of bursts that would meet contention among ``envs`` (plus a
-        ``new`` environment): see ``ProvisionConfig.admission`` (``burst``)."""
+        ``new`` environment): see ``ProvisionConfig.admission`` (``burst``).
+        Each counts as busy at its burst size its duty cycle of the time: from
+        its own history when it has ``admission_min_history_s`` of it, else
+        from its template's usage profile, else as busy as those with a
+        history are on average (their pooled duty), else the prior."""
         cfg, now = self.config, time.time()
+        moments: list[CpuMoments] = []
         seen: list[tuple[float, float]] = []  # (ceiling, duty) of those with enough history
-        unseen: list[float] = []  # ceilings of the others
-        for t in envs:
+        unseen: list[float] = []  # ceilings of those with neither history nor profile
+        for t in envs + ([new] if new is not None else []):
             m = t.observed_moments(cfg, now)
-            if m is None:
-                unseen.append(t.resources.cpus)
-            else:
+            if m is not None:
                 seen.append((t.resources.cpus, min(1.0, m.mean / t.resources.cpus)))
-        if new is not None:
-            unseen.append(new.cpus)
+            elif t.profile is not None:
+                moments.append(profile_moments(t.profile, t.resources.cpus))
+            else:
+                unseen.append(t.resources.cpus)
         pooled = (sum(c * d for c, d in seen) / sum(c for c, _ in seen)) if seen else cfg.admission_prior_duty
-        moments = [CpuMoments.prior(c, d) for c, d in seen] + [CpuMoments.prior(c, pooled) for c in unseen]
+        moments += [CpuMoments.prior(c, d) for c, d in seen] + [CpuMoments.prior(c, pooled) for c in unseen]
         return burst_contention(moments, self.cpu_capacity * cfg.admission_cpu_share)
 
     def _event(self, env_id: str | None, kind: str, message: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MIB = 1 << 20
 
@@ -75,6 +75,17 @@ class ProvisionConfig(_Model):
     """No lowering until this long after the last raise or pressure."""
     memory_down_step: float = Field(default=0.1, gt=0, le=1)
     """A lowering takes at most this share of the limit per pass."""
+    memory_idle_after_s: float = Field(default=5.0, ge=0)
+    """An environment using less than ``memory_idle_cpu`` cores this long is
+    idle (its agent waits for the model): its memory limit then follows its
+    working set now, not its decayed peak, lowered by ``memory_idle_step``
+    per pass without the hold, so the page cache and heap it does not touch
+    are reclaimed (the kernel reclaims down to a lower limit; cgroup v2 asks
+    ``memory.reclaim`` first).  When it bursts again, it waits at the limit
+    (v1, OOM killer disabled below the ceiling) and the limit is raised at
+    once, to its template's known peak when there is one."""
+    memory_idle_cpu: float = Field(default=0.05, ge=0)
+    memory_idle_step: float = Field(default=0.25, gt=0, le=1)
     oom_wait: bool = True
     """Below its ceiling an environment that reaches its limit waits for the
     controller instead of being OOM-killed (cgroup v1 ``oom_kill_disable``)."""
@@ -115,34 +126,34 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["reservations", "peak", "burst"] = "reservations"
+    admission: Literal["burst", "peak", "reservations", "static"] = "burst"
     """How a new environment is admitted in ``elastic`` mode.
-    ``reservations`` (default): the sum of reservations within capacity ×
+
+    ``burst`` (default) admits by the **latency objective**: at most
+    ``admission_burst_risk`` (2 %) of bursts may meet other environments'
+    bursts beyond the node's cores, so that a burst's p95 latency stays that
+    of the burst alone (``weenv bench provision`` measures it against
+    ``static``).  Each environment counts as busy at its burst size a share
+    of the time (its duty cycle): from its own usage over
+    ``admission_window_s`` once it has ``admission_min_history_s`` of it,
+    else from its **template's usage profile** (:mod:`~weenv.node.provision.profiles`:
+    learned from the environments that ran the template, on this node or,
+    through the store, on another), else as busy as the node's environments
+    with a history are on average, else busy at its declared cores
+    ``admission_prior_duty`` of the time; the probability that a burst of any
+    of them meets others using more than the remaining cores is
+    :func:`~weenv.node.provision.arbiter.burst_contention`.  The sum of
+    reservations stays within capacity × ``cpu_overcommit`` too.
+
+    ``peak``: the node's predicted CPU peak with the new environment, Σ mean
+    + ``admission_sigmas`` × √(Σ variance) of each environment's per-pass
+    usage (the N-sigma predictor of Bashir et al., EuroSys 2021), capped at
+    the sum of ceilings, within ``cpu_capacity`` × ``admission_cpu_share``.
+    ``reservations``: only the sum of reservations within capacity ×
     ``cpu_overcommit`` (idle environments weigh their floor, however they
-    burst; a batch of new ones their initial reservations).  ``peak`` also
-    counts how bursts overlap: the node's predicted CPU
-    peak with the new environment, Σ mean + ``admission_sigmas`` × √(Σ
-    variance) of each environment's per-pass usage over
-    ``admission_window_s`` (the N-sigma predictor of Bashir et al., "Take it
-    to the limit: peak prediction-driven resource overcommitment in
-    datacenters", EuroSys 2021), capped at the sum of ceilings, must stay
-    within ``cpu_capacity`` × ``admission_cpu_share``.  An environment with
-    less than ``admission_min_history_s`` of history counts as its ceiling
-    busy ``admission_prior_duty`` of the time (a Bernoulli prior), so a batch
-    created at once is admitted only as far as its bursts could overlap
-    (3 new 1-core environments on 2 cores: 0.75 + 2 × 0.75 > 2); choose it
-    when burst latency matters more than admitting batches at once.
-    ``burst`` bounds instead the share of *bursts* that meet contention, the
-    latency objective itself: each environment is busy at its ceiling a share
-    (its mean use over ``admission_window_s`` / its ceiling) of the time,
-    and the probability that a burst of any of them meets others using more
-    than the remaining cores (:func:`~weenv.node.provision.arbiter.burst_contention`)
-    must stay within ``admission_burst_risk``; an environment with less than
-    ``admission_min_history_s`` of history, the new one included, counts as
-    busy as the node's environments with that history are on average
-    (Autopilot sizes a new task from its job's history, Rzadca et al. §3),
-    or ``admission_prior_duty`` when none has (``weenv bench provision``
-    measures ``peak`` and ``burst``)."""
+    burst).  ``static`` (``WEENV_ADMISSION=static``, for comparison): sets
+    ``mode="static"``, each environment admitted by and held at its declared
+    resources."""
     admission_sigmas: float = Field(default=2.0, ge=0)
     admission_window_s: float = Field(default=300.0, gt=0)
     admission_min_history_s: float = Field(default=20.0, ge=0)
@@ -151,6 +162,12 @@ class ProvisionConfig(_Model):
     admission_burst_risk: float = Field(default=0.02, gt=0, le=1)
     """``admission="burst"``: the largest share of bursts allowed to meet
     contention (below 5 % for a p95 burst latency near the unloaded one)."""
+
+    @model_validator(mode="after")
+    def _static_admission(self) -> ProvisionConfig:
+        if self.admission == "static" and self.mode == "elastic":
+            self.mode = "static"
+        return self
 
     @classmethod
     def from_env(cls) -> ProvisionConfig:

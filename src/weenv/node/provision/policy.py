@@ -68,6 +68,14 @@ The rules and where they come from:
   the node's capacity × overcommit.  ``"reservation"`` keeps the elastic value
   as the CFS quota (the rules above then throttle and unthrottle).  Memory is
   not compressible: its limit always follows the rules above.
+- **Idle memory reclaimed.**  An environment that waits for its model holds
+  page cache and heap it will not touch for seconds; once it has used less
+  than ``memory_idle_cpu`` for ``memory_idle_after_s``, its limit follows its
+  working set now (reason ``reclaim``), ``memory_idle_step`` per pass, without
+  the hold, so memory does not bound density before CPU does.  Its burst then
+  meets the limit: below the ceiling it waits there (v1) and is raised at once,
+  to its template's known peak when there is one, never OOM-killed within its
+  declared memory.
 - **Floor and ceiling.**  Never below ``cpu_floor`` / ``memory_floor`` (capped
   at the ceiling), never above the environment's declared resources.
 """
@@ -167,6 +175,22 @@ class EnvPolicy:
         self.last_cpu_raise = now
         self.last_memory_raise = now
         self.last_memory_pressure = -math.inf
+        self.busy_at = now
+        """Monotonic seconds of the last observation above ``memory_idle_cpu``."""
+        self.known_peak = 0
+        """Bytes: its template's peak working set (0: unknown), what a raise after idle goes to."""
+
+    def start_from(self, cpu_p95: float, memory_peak: int) -> None:
+        """Size a new environment from its template's usage profile: the
+        reservation its p95 usage would give (``cpu_p95`` cores) and the limit
+        its peak working set would (``memory_peak`` bytes; also the decayed
+        peak the limit then follows), within floor and ceiling."""
+        cfg = self.cfg
+        self.cpu_quota = clamp(max(cpu_p95 * (1 + cfg.cpu_headroom), cpu_p95 + cfg.cpu_min_headroom),
+                               self.cpu_floor, self.cpu_ceiling)  # fmt: skip
+        self.peak_ws = float(min(memory_peak, self.memory_ceiling))
+        self.known_peak = int(self.peak_ws)
+        self.memory_limit = self.memory_target()
 
     # --- CPU --------------------------------------------------------------------------
     def cpu_target(self) -> float:
@@ -198,7 +222,11 @@ class EnvPolicy:
     def _memory(self, o: Observation) -> tuple[int, str, bool]:
         cfg = self.cfg
         decay = 0.5 ** (o.dt / cfg.memory_half_life_s)
-        self.peak_ws = max(float(o.working_set), self.peak_ws * decay)
+        if o.cpu_cores > cfg.memory_idle_cpu:
+            self.busy_at = o.at
+        idle = o.at - self.busy_at >= cfg.memory_idle_after_s
+        # idle: what it touches now, not its decayed peak (it will not touch the rest for a while)
+        self.peak_ws = float(o.working_set) if idle else max(float(o.working_set), self.peak_ws * decay)
         target, cur = self.memory_target(), self.memory_limit
         pressure = (
             o.under_oom
@@ -208,11 +236,14 @@ class EnvPolicy:
         if pressure:
             self.last_memory_pressure = o.at
             if cur < self.memory_ceiling:
-                grown = max(target, cur * cfg.memory_raise_factor, o.working_set * (1 + cfg.memory_headroom))
+                grown = max(target, cur * cfg.memory_raise_factor, o.working_set * (1 + cfg.memory_headroom),
+                            self.known_peak * (1 + cfg.memory_headroom))  # fmt: skip
                 return int(clamp(grown, self.memory_floor, self.memory_ceiling)), "raise", True
             return cur, "stay", True
         if target > cur:
             return target, "raise", False
+        if target < cur and idle:
+            return max(target, int(cur * (1 - cfg.memory_idle_step))), "reclaim", False
         held = o.at - max(self.last_memory_raise, self.last_memory_pressure) >= cfg.memory_hold_s
         if target < cur and held:
             return max(target, int(cur * (1 - cfg.memory_down_step))), "lower", False

@@ -1,0 +1,61 @@
+"""Template usage profiles on real environments (issue 19): one environment's
+usage, recorded when it is destroyed, sizes the next one of its template on a
+fresh node (through the store) and survives the node's restart."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from weenv.config import Paths
+from weenv.errors import NotFoundError
+from weenv.formats.manifest import Resources
+from weenv.node.provision import ProvisionConfig
+
+MIB = 1 << 20
+GIB = 1 << 30
+FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0)
+SPIKE = ("python3 -c 'import time\nb = bytearray(300 << 20); b[::4096] = b\"x\" * (len(b) // 4096)\n"
+         "t = time.time()\nwhile time.time() - t < 1.5: pass'")  # fmt: skip
+RES = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
+
+
+def test_a_profile_recorded_by_one_environment_sizes_the_next_on_a_fresh_node(paths, tmp_path, shared_store,
+                                                                               leak_check):  # fmt: skip
+    from weenv.node.node import Node
+
+    name = shared_store.get_ref("templates", "task").split(":")[1]
+    with contextlib.suppress(NotFoundError):  # taught by earlier tests' environments
+        shared_store.delete_ref("usage", name)
+    try:
+        _recorded_then_used(paths, tmp_path, shared_store, Node)
+    finally:  # the session's store is shared: later tests start the template unknown
+        digest = shared_store.get_ref("templates", "task")
+        with contextlib.suppress(NotFoundError):
+            shared_store.delete_ref("usage", digest.split(":")[1])
+
+
+def _recorded_then_used(paths, tmp_path, shared_store, Node):
+    with Node(paths, store=shared_store, provisioning=ProvisionConfig(**FAST)) as a:
+        env = a.create("task", resources=RES, first_command=False)
+        assert a.provision_stats(env.id).environments[0].memory_limit == 256 * MIB  # unknown: memory_initial
+        a.exec(env.id, SPIKE)
+        time.sleep(4.0)  # at least MIN_OBSERVED_S of history
+        digest = env.template_digest
+        a.destroy(env.id)
+        recorded = a.provisioner.profiles.get(digest)
+    assert recorded is not None and recorded.memory_peak >= 300 * MIB, recorded
+    assert recorded.cpu_burst > 0.5 and 0 < recorded.cpu_duty < 1, recorded
+    assert (paths.node / "usage" / f"{digest.split(':')[1]}.json").is_file()
+
+    with Node(paths, store=None, provisioning=ProvisionConfig(**FAST)) as again:  # restarted, its own store
+        assert again.provisioner.profiles._read_local(digest) == recorded
+
+    fresh = Paths(home=tmp_path / "fresh", cache=paths.cache, store_url=paths.store_url)
+    fresh.home.mkdir()
+    with Node(fresh, store=shared_store, provisioning=ProvisionConfig(**FAST)) as b:
+        env = b.create("task", resources=RES, first_command=False)
+        st = b.provision_stats(env.id).environments[0]
+        # sized from the profile: the peak working set plus headroom, not memory_initial (256 MiB)
+        assert st.memory_limit >= recorded.memory_peak * 1.2 - MIB, st
+        b.destroy(env.id)

@@ -1,0 +1,185 @@
+"""Usage profiles per template (issue 19): what they hold, how they decay, where
+they live (the node's home, the store), what is refused, and how admission and
+sizing use them.  No cgroup is touched: admission happens before one exists."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from weenv.errors import CapacityError, InvalidInputError
+from weenv.formats.manifest import Resources, canonical_json
+from weenv.node.provision import ProvisionConfig, Provisioner
+from weenv.node.provision.profiles import (
+    HALF_LIFE_S,
+    MAX_USAGE_PROFILE_BYTES,
+    TemplateProfiles,
+    UsageProfile,
+    load_published,
+    parse_profile,
+    publish,
+    summarize,
+)
+from weenv.store.file import FileStore
+
+MIB = 1 << 20
+GIB = 1 << 30
+T1 = "sha256:" + "1" * 64
+T2 = "sha256:" + "2" * 64
+ONE = Resources(cpus=1.0, memory_bytes=GIB, pids=64)
+
+
+def profile(template=T1, duty=0.05, burst=1.0, p95=0.2, ws=200 * MIB, peak=300 * MIB, updated=None, **kw):
+    return UsageProfile(template=template, cpu_duty=duty, cpu_burst=burst, cpu_p95=p95, memory_working_set=ws,
+                        memory_peak=peak, seconds=kw.pop("seconds", 60.0), environments=1,
+                        updated=time.time() if updated is None else updated, **kw)  # fmt: skip
+
+
+def test_summary_of_one_environment_counts_its_bursts():
+    cpu = [0.0] * 18 + [1.0, 0.9]  # 20 passes of 1 s, busy 2 of them
+    ws = [100 * MIB] * 19 + [400 * MIB]
+    p = summarize(T1, 1.0, cpu, ws, 1.0)
+    assert p.cpu_burst == pytest.approx(0.95)
+    assert p.cpu_duty == pytest.approx(0.1)
+    assert p.memory_peak == 400 * MIB and p.memory_working_set == 115 * MIB
+    assert summarize(T1, 1.0, cpu[:4], ws[:4], 1.0) is None  # 4 s: too short to teach anything
+    with pytest.raises(InvalidInputError):
+        summarize(T1, 1.0, [float("nan")] * 10, [0] * 10, 1.0)
+    with pytest.raises(InvalidInputError):
+        summarize(T1, 1.0, [-1.0] * 10, [0] * 10, 1.0)
+
+
+def test_merge_weighs_by_observed_seconds_and_decays_with_age():
+    now = time.time()
+    old = profile(duty=0.5, seconds=100.0, updated=now - HALF_LIFE_S)  # weighs 50 s now
+    new = profile(duty=0.1, seconds=50.0, updated=now, peak=250 * MIB)
+    m = old.merged(new)
+    assert m.cpu_duty == pytest.approx(0.3)
+    assert m.seconds == pytest.approx(100.0)
+    assert m.memory_peak == 275 * MIB and m.environments == 2
+    with pytest.raises(InvalidInputError, match="merged"):
+        old.merged(profile(template=T2))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"cpu_duty": float("nan")}, "cpu_duty"),
+    ({"cpu_duty": 1.5}, "cpu_duty"),
+    ({"cpu_burst": -1.0}, "cpu_burst"),
+    ({"memory_peak": -5}, "memory_peak"),
+    ({"memory_peak": 1, "memory_working_set": 2}, "below"),
+    ({"seconds": 0}, "seconds"),
+    ({"extra": 1}, "extra"),
+    ({"template": "sha256:zz"}, "template"),
+])  # fmt: skip
+def test_a_bad_profile_is_one_clear_error(change, match):
+    data = json.loads(canonical_json(profile()))
+    data.update(change)
+    with pytest.raises(InvalidInputError, match=match) as exc:
+        parse_profile(json.dumps(data).encode(), T1)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(InvalidInputError, match="malformed|Invalid JSON|json"):
+        parse_profile(b"{not json", T1)
+
+
+def test_a_profile_of_another_template_or_too_large_is_refused():
+    with pytest.raises(InvalidInputError, match="expected"):
+        parse_profile(canonical_json(profile(template=T2)), T1)
+    with pytest.raises(InvalidInputError, match="more than"):
+        parse_profile(b" " * (MAX_USAGE_PROFILE_BYTES + 1), T1)
+
+
+def test_profiles_survive_a_restart_and_travel_through_the_store(tmp_path):
+    store = FileStore(tmp_path / "store")
+    a = TemplateProfiles(tmp_path / "a" / "usage", store)
+    recorded = a.record(profile())
+    a.close()
+    # the same node's home, a new process: read from its file, not the store
+    again = TemplateProfiles(tmp_path / "a" / "usage", None)
+    assert again.get(T1) == recorded
+    # another node, fresh home: from the store
+    fresh = TemplateProfiles(tmp_path / "b" / "usage", store)
+    assert fresh.get(T1) == recorded
+    assert fresh.get(T2) is None
+    assert load_published(store, T1) == recorded
+
+
+def test_a_bad_profile_on_disk_or_in_the_store_counts_as_none(tmp_path, caplog):
+    store = FileStore(tmp_path / "store")
+    d = tmp_path / "usage"
+    d.mkdir()
+    (d / f"{T1.split(':')[1]}.json").write_bytes(b" " * (MAX_USAGE_PROFILE_BYTES + 1))
+    publish(store, profile(template=T2))
+    store.set_ref("usage", T1.split(":")[1], store.put_manifest(canonical_json(profile(template=T2))))
+    assert TemplateProfiles(d, store).get(T1) is None  # too large on disk, another template's in the store
+    assert "more than" in caplog.text and "expected" in caplog.text
+    with pytest.raises(InvalidInputError, match="expected"):
+        load_published(store, T1)
+
+
+def elastic(**kw) -> ProvisionConfig:
+    return ProvisionConfig(cpu_capacity=2.0, memory_capacity=64 * GIB, **kw)
+
+
+def test_default_admission_is_burst_and_static_stays_for_comparison(monkeypatch):
+    assert ProvisionConfig().admission == "burst" and ProvisionConfig().mode == "elastic"
+    monkeypatch.setenv("WEENV_ADMISSION", "static")
+    assert ProvisionConfig.from_env().mode == "static"
+
+
+def test_a_known_template_is_sized_and_admitted_from_its_profile_at_once():
+    """On 2 cores, environments of a template busy 2 % of the time at 1 core:
+    a burst meets 2 others (more than the 1 core left) rarely enough for 6 of
+    them within 2 %; unknown, each counts as busy 25 % and only 2 fit."""
+    known = Provisioner(elastic(), profiles=TemplateProfiles())
+    known.profiles.record(profile(duty=0.02, p95=0.0, peak=300 * MIB))
+    admitted = 0
+    with pytest.raises(CapacityError, match="bursts would meet others"):
+        for i in range(64):
+            known.reserve(f"k{i}", ONE, template=T1)
+            admitted += 1
+    assert admitted == 6
+    t = known._envs["k0"]
+    assert t.cpu_reservation == pytest.approx(0.1)  # p95 0 + the minimum headroom, not cpu_initial (0.5)
+    assert t.memory_limit == 364 * MIB  # peak 300 MiB + 64 MiB headroom, not memory_initial
+
+    unknown = Provisioner(elastic(), profiles=TemplateProfiles())
+    n = 0
+    with pytest.raises(CapacityError):
+        for i in range(64):
+            unknown.reserve(f"u{i}", ONE, template=T2)
+            n += 1
+    assert n == 2
+    assert unknown._envs["u0"].memory_limit == 256 * MIB  # memory_initial: nothing known
+
+
+def test_admission_refuses_when_the_predicted_overlap_breaks_the_objective():
+    """The same environments: admitted while the share of bursts meeting
+    contention stays within ``admission_burst_risk``, refused past it."""
+    p = Provisioner(elastic(admission_burst_risk=0.05), profiles=TemplateProfiles())
+    p.profiles.record(profile(duty=0.2))
+    p.reserve("a", ONE, template=T1)
+    p.reserve("b", ONE, template=T1)
+    # 3 environments on 2 cores: a burst meets both others with chance ~(2 × 0.2)^2 = 16 %
+    assert p.burst_risk(list(p._envs.values())[:1] * 3) > 0.05
+    with pytest.raises(CapacityError, match="meet others"):
+        p.reserve("c", ONE, template=T1)
+    assert "c" not in p._envs
+    loose = Provisioner(elastic(admission_burst_risk=0.2), profiles=p.profiles)
+    for name in "abc":
+        loose.reserve(name, ONE, template=T1)  # within 20 %: admitted
+
+
+@pytest.mark.parametrize("res", [Resources(cpus=3.0, memory_bytes=GIB, pids=64),
+                                 Resources(cpus=1.0, memory_bytes=128 * GIB, pids=64)])  # fmt: skip
+def test_resources_beyond_the_node_are_a_clear_error(res):
+    p = Provisioner(elastic(), profiles=TemplateProfiles())
+    with pytest.raises(InvalidInputError, match="the node has 2 cores"):
+        p.reserve("x", res, template=T1)
+
+
+@pytest.mark.parametrize("bad", [{"cpus": 0}, {"cpus": float("nan")}, {"cpus": -1}, {"memory_bytes": 0}])
+def test_resources_of_zero_or_nan_are_refused(bad):
+    with pytest.raises(ValueError):
+        Resources(**{"cpus": 1.0, "memory_bytes": GIB, **bad})
