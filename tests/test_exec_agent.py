@@ -26,8 +26,9 @@ from weenv.node.runc import children
 from weenv.node.table import AGENT_SOCKET
 from weenv.formats.manifest import RuntimeConfig
 
-# Prints, for this process, pid 1 (tini) and the environment's command (pid 1's
-# child that is not the agent): namespaces, cgroups, capabilities, seccomp, no_new_privs.
+# Prints, for this process, pid 1 and the environment's command (pid 1's child that
+# is not the agent; pid 1 itself when the agent holds the environment, as for the
+# default ``sleep infinity``): namespaces, cgroups, capabilities, seccomp, no_new_privs.
 PROBE = r"""
 import json, os
 FIELDS = ("CapEff", "CapBnd", "CapPrm", "CapInh", "CapAmb", "Seccomp", "Seccomp_filters", "NoNewPrivs", "Uid", "Gid")
@@ -44,7 +45,7 @@ kids = open("/proc/1/task/1/children").read().split()
 command = [int(k) for k in kids if open(f"/proc/{k}/comm").read().strip() != "weenv-agent"]
 me = probe("self")
 me["parent"] = open(f"/proc/{me['ppid']}/comm").read().strip() if me["ppid"] else ""
-print(json.dumps({"self": me, "init": probe(1), "command": probe(command[0])}))
+print(json.dumps({"self": me, "init": probe(1), "command": probe(command[0] if command else 1)}))
 """
 
 
@@ -267,3 +268,19 @@ def test_bundle_and_build(tmp_path):
     assert agent.build.source_digest()[:32] == first.parent.name
     missing = agent.AgentBinary(tmp_path / "cache2", cc="no-such-cc")
     assert missing.get() is None and "no C compiler" in (missing.error or "")
+
+
+def test_the_agent_holds_and_reaps_as_pid_1(node):
+    """The default command is never the image's ``sleep``: pid 1 is the agent
+    (named weenv-init), with the environment's identity and capability set;
+    an orphan that exits is reaped, not left a zombie."""
+    info = node.create("task")
+    r = node.exec(info.id, "tr '\\0' ' ' < /proc/1/cmdline; echo; cat /proc/1/comm; grep CapEff /proc/1/status")
+    cmdline, comm, caps = r.stdout.decode().splitlines()
+    assert cmdline.split() == [AGENT_PATH, "-u", "0:0:0", "-c", "20000420", "--"]  # root, its groups: 0
+    assert comm == "weenv-init" and caps.split()[1] == "0000000020000420"
+    assert node.exec(info.id, "sleep 0.2 > /dev/null 2>&1 & echo $!").exit_code == 0
+    time.sleep(0.6)
+    states = node.exec(info.id, "cat /proc/[0-9]*/stat | awk '{print $3}'").stdout.split()
+    assert b"Z" not in states
+    node.destroy(info.id)

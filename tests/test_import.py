@@ -230,6 +230,47 @@ def test_merged_small_layers_tree_matches_docker_run(images, import_store, paths
     _assert_same_tree(_weenv_listing(paths, import_store, "imgmerged"), images["docker_listing"])
 
 
+# --- an image without a shell or sleep starts ------------------------------------------
+HELLO_C = r"""
+#include <stdio.h>
+int main(int argc, char **argv) {
+    char buf[256] = {0};
+    FILE *f = fopen("/proc/1/cmdline", "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    for (size_t i = 0; i < n; i++) if (!buf[i]) buf[i] = ' ';
+    printf("hello from scratch, %d args, pid 1: %s\n", argc, buf);
+    return 0;
+}
+"""
+
+
+def test_distroless_image_from_the_registry_starts_and_runs(dockerd, store, paths, leak_check, tmp_path):
+    """``FROM scratch`` + one static binary (no shell, no ``sleep``), pushed to a
+    loopback registry and imported from it: the environment starts (its pid 1
+    is weenv's exec agent, not the image's ``sleep``) and runs the binary."""
+    from weenv.node.bundle import AGENT_PATH
+    from weenv.node.node import Node
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "hello.c").write_text(HELLO_C)
+    subprocess.run(["cc", "-static", "-O2", "-o", str(ctx / "hello"), str(ctx / "hello.c")], check=True)
+    (ctx / "Dockerfile").write_text('FROM scratch\nCOPY hello /hello\nENTRYPOINT ["/hello"]\n')
+    with Registry(tmp_path / "registry") as registry:
+        reference = registry.reference("weenv/distroless", "1")
+        dockerd.docker("build", "-q", "-t", reference, str(ctx))
+        dockerd.docker("push", reference)
+        r = import_image(f"docker://{reference}", store, name="distroless")
+        dockerd.docker("rmi", reference)
+    assert r.template.runtime.default_command == ["/hello"]
+    with Node(paths, store=store) as node:
+        info = node.create("distroless")
+        out = node.exec(info.id, ["/hello", "a", "b"], timeout=30)
+        assert out.exit_code == 0, out.stderr
+        assert out.stdout.decode().startswith(f"hello from scratch, 3 args, pid 1: {AGENT_PATH} -u 0:0")
+        node.destroy(info.id)
+
+
 # --- the same image from other sources gives the same groups ---------------------------
 def _chunks(result) -> list[list[str]]:
     return [[c.digest for c in g.manifest.chunks] for g in result.groups]

@@ -76,7 +76,7 @@ def test_timeout_kills_command_and_children(node):
     assert r.timed_out and r.exit_code == 137 and b"never" not in r.stdout
     assert r.duration_s < 10
     ps = node.exec(info.id, ["sh", "-c", "ls /proc | grep -c '^[0-9]'"])
-    # left: pid 1 (tini), its child (sleep infinity), the exec agent's server and the
+    # left: pid 1 (the exec agent holding the environment), the agent's server and the
     # handler of this command, the sh and its ls/grep children
     assert int(ps.stdout) <= 7, ps.stdout
     assert node.exec(info.id, ["true"]).exit_code == 0  # still usable

@@ -60,3 +60,19 @@ def test_bundle_config(tmp_path):
             build_config(Path("/r"), RuntimeConfig.model_construct(**bad), hostname="h", cgroups_path="/c")
     with pytest.raises(InvalidInputError):
         build_config(Path("/r"), RuntimeConfig(), hostname="bad host", cgroups_path="/c")
+
+
+def test_the_agent_holds_the_environment_in_place_of_sleep():
+    """With the agent, the default command (``sleep infinity``) is never the
+    image's: the agent alone is pid 1 (no init, no command after ``--``)."""
+    from weenv.node.bundle import AGENT_PATH, INIT_PATH
+
+    agent, init = Path("/x/weenv-agent"), Path("/usr/bin/tini-static")
+    held = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init, agent=agent)
+    assert held["process"]["args"] == [AGENT_PATH, "-u", "0:0", "-c", "20000420", "--"]
+    assert INIT_PATH not in [m["destination"] for m in held["mounts"]]
+    own = build_config(Path("/r"), RuntimeConfig(command=["/app", "serve"]), hostname="h", cgroups_path="/c",
+                       init=init, agent=agent)  # fmt: skip
+    assert own["process"]["args"][-4:] == [INIT_PATH, "--", "/app", "serve"]
+    alone = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init)
+    assert alone["process"]["args"] == [INIT_PATH, "--", "sleep", "infinity"]  # no agent: nothing of weenv's to hold

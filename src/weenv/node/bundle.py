@@ -65,6 +65,14 @@ Where weenv differs from ``runc spec``, and why:
   front of everything: ``AGENT_PATH -- [INIT_PATH --] command...``.  It starts
   its server and execs the init (or the command), which stays pid 1; the
   server becomes the init's child.
+- The first process is weenv's own, never a program of the image: a template
+  whose command is :data:`HOLD_COMMAND` (``sleep infinity``, the default,
+  which only holds the environment open) runs, with the agent, as
+  ``AGENT_PATH -u ... -c ... --``: the agent itself stays pid 1, reaps
+  orphans and holds the environment (no init needed), so an image without
+  ``sleep`` or a shell (distroless, ``FROM scratch`` with one static binary)
+  starts.  Without the agent (no compiler, ``exec_agent=False``) the node has
+  no process of its own to hold with, and ``sleep`` comes from the image.
 """
 
 from __future__ import annotations
@@ -148,6 +156,9 @@ INIT_PATH = "/dev/weenv-init"
 """Where the optional init binary appears inside the environment."""
 AGENT_PATH = "/dev/weenv-agent"
 """Where the optional exec agent binary appears inside the environment."""
+HOLD_COMMAND = ("sleep", "infinity")
+"""A template command that only holds the environment open (:class:`RuntimeConfig`'s
+default): with the agent, the agent holds instead and the image's ``sleep`` is never run."""
 
 CLONE_NEWUSER = 0x10000000
 EPERM, ENOSYS = 1, 38
@@ -279,6 +290,7 @@ def build_config(
     ``capabilities``: bounding/effective/permitted/ambient set, default
     :data:`RUNC_DEFAULT_CAPS` (:data:`DOCKER_DEFAULT_CAPS` is wider);
     ``agent``: the exec agent binary on the host, run in front of the command
+    (in place of it and of ``init`` when the command is :data:`HOLD_COMMAND`)
     (its listening socket is the first process's stdin, see
     :meth:`weenv.node.runc.Runc.create`), default none: it runs as root with
     ``capabilities`` and :data:`AGENT_CAPS`, and becomes ``agent_user``
@@ -306,6 +318,9 @@ def build_config(
     caps = list(capabilities)
     mask = cap_mask(caps)
     prefix: list[str] = []
+    hold = agent is not None and tuple(runtime.command) == HOLD_COMMAND
+    if hold:
+        init = None  # the agent reaps as pid 1 itself
     if agent is not None:  # root, to run each command as its own user (see weenv.node.agent)
         prefix = [AGENT_PATH, "-u", agent_user or f"{uid}:{gid}", "-c", f"{mask:x}", "--"]
         uid = gid = 0
@@ -333,7 +348,7 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid},
-            "args": prefix + ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
+            "args": prefix if hold else prefix + ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
             "env": [f"{k}={v}" for k, v in runtime.env.items()],
             "cwd": runtime.working_dir,
             "capabilities": {

@@ -57,7 +57,7 @@ from weenv.host.procroot import ProcessRootFS
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
-from weenv.node.bundle import RUNC_DEFAULT_CAPS
+from weenv.node.bundle import AGENT_PATH, RUNC_DEFAULT_CAPS
 from weenv.node.cache import ChunkCache
 from weenv.node.commands import KEEP_FINISHED, Commands, collect
 from weenv.node.container import Containers
@@ -416,12 +416,14 @@ class Node:
         return e.info
 
     def _first_command(self, e: Environment, template: str) -> float:
-        """Run ``true`` in the new environment ``e``; its seconds.  Raises
-        :class:`RuntimeFailedError` if the container ended under it,
-        :class:`InvalidInputError` if it failed."""
+        """Run a probe in the new environment ``e``: the exec agent's ``-t``
+        (weenv's own binary, so an image without ``true`` passes), or ``true``
+        without the agent; its seconds.  Raises :class:`RuntimeFailedError` if
+        the container ended under it, :class:`InvalidInputError` if it failed."""
         t = time.perf_counter()
+        probe = [AGENT_PATH, "-t"] if e.agent_socket.exists() else ["true"]
         try:
-            result = collect(self.commands.start(e, ["true"], timeout=60, primary_reader=True))
+            result = collect(self.commands.start(e, probe, timeout=60, primary_reader=True))
         except BrokenError as exc:  # the container ended under its first command: the runtime's failure
             raise RuntimeFailedError(
                 f"template {template}: the environment stopped as it started (does its "
@@ -429,7 +431,7 @@ class Node:
             ) from exc
         if result.exit_code != 0:
             raise InvalidInputError(
-                f"template {template}: 'true' exited {result.exit_code} inside the "
+                f"template {template}: {probe[0]!r} exited {result.exit_code} inside the "
                 f"environment: {result.stderr.decode(errors='replace').strip()}"
             )
         return time.perf_counter() - t

@@ -9,7 +9,11 @@ system keeps no trace) and runs as pid 1: ``AGENT -- INIT -- COMMAND...``.  It
 forks a server and execs the init (tini), which stays pid 1, runs the
 template's command and reaps the server if it dies.  Forked from what runc started, the server and every command it
 starts share the first process's namespaces, cgroup, capabilities, seccomp
-filter, no_new_privs, rlimits and user.
+filter, no_new_privs, rlimits and user.  When the template's command only holds
+the environment open (:data:`weenv.node.bundle.HOLD_COMMAND`, ``sleep
+infinity``), the agent runs alone as ``AGENT --`` and stays pid 1 itself (it
+reaps orphans), so nothing of the image needs to exist for the environment to
+start; the node's first command is then ``AGENT -t`` (exits 0), not ``true``.
 
 The node creates the server's listening socket on the host,
 ``ENV_DIR/agent.sock`` (mode 0600, outside the environment's root: nothing

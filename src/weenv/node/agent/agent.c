@@ -5,7 +5,9 @@
  *
  * Usage (as the environment's first process, pid 1, in front of its init):
  *
- *     weenv-agent [-u IDENT] [-c CAPS] -- COMMAND [ARG...]   (COMMAND: e.g. tini -- sleep infinity)
+ *     weenv-agent [-u IDENT] [-c CAPS] -- COMMAND [ARG...]   (COMMAND: e.g. tini -- /app/server)
+ *     weenv-agent [-u IDENT] [-c CAPS] --                    (hold: the agent itself stays pid 1)
+ *     weenv-agent -t                                         (probe: exit 0, as true(1) does)
  *
  * IDENT is "UID:GID" or "UID:GID:G1,G2,..." (supplementary groups), CAPS the
  * environment's capability set as a hex bit mask.  With them the agent runs as
@@ -22,6 +24,13 @@
  * COMMAND, which stays pid 1 and reaps the server if it dies.  Only the server
  * holds the socket, so once it is gone the node's connects are refused.  If
  * fd 0 is not a listening socket, the agent just execs COMMAND.
+ *
+ * Without COMMAND (hold mode: the template names no process of its own, so
+ * nothing of the image, not even its `sleep`, needs to exist) the agent
+ * becomes IDENT and stays pid 1 as the environment's init: it reaps every
+ * child and orphan (the server among them) and exits on SIGTERM, SIGINT or
+ * SIGHUP, which ends the environment.  The signals are blocked only here,
+ * after the server is forked, so no command inherits the mask.
  *
  * The server accepts connections; each gets its own handler process (a child
  * subreaper) that reads one request, forks and execs the command with the
@@ -418,6 +427,27 @@ static void handle(int conn) {
     }
 }
 
+/* Hold mode (no COMMAND): stay pid 1, reap every child, exit on TERM/INT/HUP. */
+static void hold(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    if (sigprocmask(SIG_BLOCK, &set, NULL) < 0) /* blocked, so pid 1 gets them (see signal(7)) */
+        die("blocking signals");
+    prctl(PR_SET_NAME, "weenv-init", 0, 0, 0);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        siginfo_t si;
+        int sig = sigwaitinfo(&set, &si);
+        if (sig == SIGTERM || sig == SIGINT || sig == SIGHUP)
+            _exit(0);
+    }
+}
+
 static void serve(int lfd) {
     signal(SIGCHLD, SIG_IGN); /* handlers are reaped by the kernel */
     prctl(PR_SET_NAME, "weenv-agent", 0, 0, 0);
@@ -450,6 +480,8 @@ static void serve(int lfd) {
 int main(int argc, char **argv) {
     const char *ident = NULL;
     int i = 1;
+    if (argc == 2 && strcmp(argv[1], "-t") == 0) /* the node's first command: needs nothing of the image */
+        return 0;
     for (; i + 1 < argc && argv[i][0] == '-' && argv[i][1] && !argv[i][2]; i += 2) {
         if (argv[i][1] == 'u') {
             ident = argv[i + 1];
@@ -464,8 +496,8 @@ int main(int argc, char **argv) {
             break;
         }
     }
-    if (argc - i < 2 || strcmp(argv[i], "--") != 0) {
-        dprintf(2, "usage: weenv-agent [-u UID:GID[:GROUPS]] [-c CAPS] -- COMMAND [ARG...]\n");
+    if (argc - i < 1 || strcmp(argv[i], "--") != 0) {
+        dprintf(2, "usage: weenv-agent [-u UID:GID[:GROUPS]] [-c CAPS] -- [COMMAND [ARG...]]\n");
         return 111;
     }
     argv += i - 1; /* argv[1] is "--" from here on */
@@ -495,6 +527,8 @@ int main(int argc, char **argv) {
     }
     if (become(ident) < 0)
         die("becoming the environment's user");
+    if (!argv[2])
+        hold();
     execvp(argv[2], argv + 2);
     dprintf(2, "weenv-agent: exec %s: %s\n", argv[2], strerror(errno));
     return errno == ENOENT ? 127 : 126;

@@ -5,7 +5,9 @@ How Docker's run semantics map to weenv's (an environment's first process must
 keep running; commands are exec'd beside it):
 
 - ``Entrypoint`` + ``Cmd`` -> ``default_command`` (what ``docker run IMAGE``
-  would run); the first process stays ``sleep infinity``.
+  would run); the first process stays ``sleep infinity``, which the node
+  runs as its own exec agent (:data:`weenv.node.bundle.HOLD_COMMAND`), so
+  images without ``sleep`` start.
 - ``Env`` (``KEY=VALUE`` list) -> ``env``; like Docker, ``PATH`` gets Docker's
   default and ``HOME`` the user's home from the image's ``/etc/passwd`` (or
   ``/``) when the image sets neither.
