@@ -22,8 +22,20 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 [ -e /dev/fuse ] || modprobe fuse
 
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+# weenv needs Python >= 3.11.4 (tarfile's extraction filters, PEP 706); Debian 12's
+# python3 is 3.11.2: then the newest 3.11+ that pyenv has
+py_ok() { "$1" -c 'import sys, tarfile; sys.exit(sys.version_info < (3, 11, 4) or not hasattr(tarfile, "data_filter"))' 2>/dev/null; }
+if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
+  base=""
+  for candidate in "$(command -v python3 || true)" $(ls -d /root/.pyenv/versions/3.1[1-9]*/bin/python 2>/dev/null | sort -rV); do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && py_ok "$candidate"; then base="$candidate"; break; fi
+  done
+  if [ -z "$base" ]; then
+    echo "setup: weenv needs Python >= 3.11.4 (tarfile extraction filters); none found (python3, /root/.pyenv/versions/3.11+)" >&2
+    exit 1
+  fi
+  rm -rf .venv
+  "$base" -m venv .venv
 fi
 stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
 if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then

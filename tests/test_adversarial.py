@@ -292,8 +292,10 @@ def test_state_follows_the_first_process(node):
     once at create and never refreshed (node.Node.get/list)."""
     info = node.create("task")
     # killed from the background, after this exec returned: the kill takes the
-    # whole pid namespace, an exec agent answering for it included
-    node.exec(info.id, "(sleep 0.2; kill -9 $(pidof sleep)) >/dev/null 2>&1 &")
+    # whole pid namespace, an exec agent answering for it included.  The first
+    # process is weenv's agent holding the environment (pid 1: SIGKILL from
+    # inside is ignored by the kernel; it exits on SIGTERM)
+    node.exec(info.id, "(sleep 0.2; kill -TERM 1) >/dev/null 2>&1 &")
     cid = CONTAINER_PREFIX + info.id
     deadline = time.monotonic() + 10
     while node.runc.state(cid)["status"] != "stopped" and time.monotonic() < deadline:

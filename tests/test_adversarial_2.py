@@ -67,7 +67,7 @@ def test_priority_and_timeout_survive_a_daemon_restart(restart_home):  # noqa: F
     home = restart_home
     client = home.start()
     env_id = home.create(client)
-    client._request("POST", f"/environments/{env_id}/priority", json={"priority": 7})
+    client.set_priority(env_id, 7)
     expires = client.set_timeout(env_id, 3600).expires_at
     home.kill(home.daemon_pid())
     client.close()

@@ -11,6 +11,7 @@ from weenv.config import Paths
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
+from weenv.node.provision.profiles import MIN_OBSERVED_S
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -40,7 +41,11 @@ def _recorded_then_used(paths, tmp_path, shared_store, Node):
         env = a.create("task", resources=RES, first_command=False)
         assert a.provision_stats(env.id).environments[0].memory_limit == 256 * MIB  # unknown: memory_initial
         a.exec(env.id, SPIKE)
-        time.sleep(4.0)  # at least MIN_OBSERVED_S of history
+        # at least MIN_OBSERVED_S of history: samples x interval (passes run late on a loaded host)
+        deadline = time.monotonic() + 60
+        while len(a.provision_stats(env.id).environments[0].history) * FAST["interval_s"] < MIN_OBSERVED_S + 1:
+            assert time.monotonic() < deadline, "the provisioner took no samples of the environment"
+            time.sleep(0.2)
         digest = env.template_digest
         a.destroy(env.id)
         recorded = a.provisioner.profiles.get(digest)

@@ -119,11 +119,13 @@ def test_a_bad_profile_on_disk_or_in_the_store_counts_as_none(tmp_path, caplog):
 
 
 def elastic(**kw) -> ProvisionConfig:
-    return ProvisionConfig(cpu_capacity=2.0, memory_capacity=64 * GIB, **kw)
+    return ProvisionConfig(cpu_capacity=2.0, memory_capacity=64 * GIB, **{"admission": "burst", **kw})
 
 
-def test_default_admission_is_burst_and_static_stays_for_comparison(monkeypatch):
-    assert ProvisionConfig().admission == "burst" and ProvisionConfig().mode == "elastic"
+def test_default_admission_is_reservations_and_static_stays_for_comparison(monkeypatch):
+    assert ProvisionConfig().admission == "reservations" and ProvisionConfig().mode == "elastic"
+    monkeypatch.setenv("WEENV_ADMISSION", "burst")
+    assert ProvisionConfig.from_env().admission == "burst"
     monkeypatch.setenv("WEENV_ADMISSION", "static")
     assert ProvisionConfig.from_env().mode == "static"
 

@@ -30,6 +30,8 @@ def _ray():
         if exc.name != "ray":
             raise
         raise ToolMissingError(RAY_MISSING) from None
+    if not hasattr(ray, "init"):  # a directory named ray on sys.path (Ray's own /tmp/ray), not Ray
+        raise ToolMissingError(f"{RAY_MISSING} ('ray' here is {list(getattr(ray, '__path__', []))})")
     return ray
 
 

@@ -566,6 +566,10 @@ class AsyncNodeClient:
     async def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         return await self._conn.drive(_core.set_timeout(env_id, timeout))
 
+    async def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
+        """Higher grows first and is frozen last when memory runs short."""
+        return await self._conn.drive(_core.set_priority(env_id, priority))
+
     async def destroy(self, env_id: str) -> None:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""
         await self._conn.drive(_core.kill(env_id, missing_ok=False))

@@ -562,6 +562,10 @@ class NodeClient:
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         return self._conn.drive(_core.set_timeout(env_id, timeout))
 
+    def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
+        """Higher grows first and is frozen last when memory runs short."""
+        return self._conn.drive(_core.set_priority(env_id, priority))
+
     def destroy(self, env_id: str) -> None:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""
         self._conn.drive(_core.kill(env_id, missing_ok=False))

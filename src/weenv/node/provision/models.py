@@ -126,10 +126,15 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["burst", "peak", "reservations", "static"] = "burst"
+    admission: Literal["burst", "peak", "reservations", "static"] = "reservations"
     """How a new environment is admitted in ``elastic`` mode.
 
-    ``burst`` (default) admits by the **latency objective**: at most
+    ``reservations`` (default) admits while the reservations held fit
+    capacity × ``cpu_overcommit`` (idle environments weigh little).  ``burst``
+    would be the default (issue 19) once it admits more than one environment
+    that declares every core: on 2 cores such environments all "meet beyond
+    the cores" as soon as two burst, so ``burst`` refused the third create
+    of the test suite and of the demo's template; it admits by the **latency objective**: at most
     ``admission_burst_risk`` (2 %) of bursts may meet other environments'
     bursts beyond the node's cores, so that a burst's p95 latency stays that
     of the burst alone (``weenv bench provision`` measures it against
