@@ -13,9 +13,11 @@ from weenv.errors import InvalidInputError
 from weenv.host.rootfs import RootFS
 from weenv.node.stepbuild import docker_reference, step_key
 from weenv.packaging.steps import (
+    Account,
     Context,
     Step,
     advance,
+    copy_archive,
     copy_source,
     create_account,
     find_account,
@@ -119,3 +121,60 @@ def test_uploads_stay_inside(tmp_path):
     (tmp_path / "junk.tar").write_bytes(b"not a tar")
     with pytest.raises(InvalidInputError):
         unpack_upload(tmp_path / "junk.tar", tmp_path / "out2")
+
+
+def test_an_upload_cannot_link_to_a_host_file_and_write_through_it(tmp_path):
+    """A hard link to a host file, then a regular file of the same name: with
+    the ``tar`` filter the daemon (root) linked the host file into the stage and
+    wrote the upload's bytes into it.  Refused; the host file is untouched."""
+    victim = tmp_path / "host-secret"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    link = tarfile.TarInfo("h")
+    link.type, link.linkname, link.mode = tarfile.LNKTYPE, str(victim), 0o755
+    body = tarfile.TarInfo("h")
+    body.size = 6
+    (tmp_path / "evil.tar").write_bytes(_tar([(link, None), (body, b"PWNED\n")]))
+    (tmp_path / "stage").mkdir()
+    with pytest.raises(InvalidInputError, match="leaves its directory"):
+        unpack_upload(tmp_path / "evil.tar", tmp_path / "stage")
+    assert victim.read_text() == "secret\n" and victim.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_copy_through_a_link_out_of_the_upload_is_refused(tmp_path):
+    """An upload holding ``l -> /`` (a symlink is allowed, it resolves inside
+    the environment) and ``COPY l/etc/hostname``: the daemon read the host's
+    file through the link.  Refused; links themselves are still copied."""
+    sym = tarfile.TarInfo("l")
+    sym.type, sym.linkname = tarfile.SYMTYPE, "/"
+    mine = tarfile.TarInfo("d/a.txt")
+    mine.size = 2
+    (tmp_path / "up.tar").write_bytes(_tar([(sym, None), (mine, b"hi")]))
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    unpack_upload(tmp_path / "up.tar", stage)
+    owner = Account(name="user", uid=1000, gid=1000, home="/home/user")
+    with pytest.raises(InvalidInputError, match="symbolic link out of the upload"):
+        copy_archive(stage, Step(type="COPY", args=["l/etc/hostname", "/x"], filesHash="1" * 64), Context(), owner,
+                     "/home/user", tmp_path / "out.tar")  # fmt: skip
+    copy_archive(stage, Step(type="COPY", args=["l", "/x"], filesHash="1" * 64), Context(), owner,
+                 "/home/user", tmp_path / "link.tar")  # fmt: skip
+    with tarfile.open(tmp_path / "link.tar") as t:
+        assert [(m.name, m.issym(), m.linkname) for m in t.getmembers()] == [("x", True, "/")]
+    copy_archive(stage, Step(type="COPY", args=["d/a.txt", "/srv/"], filesHash="1" * 64), Context(), owner,
+                 "/home/user", tmp_path / "file.tar")  # fmt: skip
+    with tarfile.open(tmp_path / "file.tar") as t:
+        assert [(m.name, m.uid, t.extractfile(m).read()) for m in t.getmembers()] == [("a.txt", 1000, b"hi")]
+
+
+def test_an_upload_cannot_write_through_its_own_link_out(tmp_path):
+    """``l -> /`` then a member ``l/etc/x``: refused (the name resolves out of the stage)."""
+    sym = tarfile.TarInfo("l")
+    sym.type, sym.linkname = tarfile.SYMTYPE, str(tmp_path)
+    through = tarfile.TarInfo("l/written-through")
+    through.size = 1
+    (tmp_path / "evil.tar").write_bytes(_tar([(sym, None), (through, b"x")]))
+    (tmp_path / "stage").mkdir()
+    with pytest.raises(InvalidInputError, match="leaves its directory"):
+        unpack_upload(tmp_path / "evil.tar", tmp_path / "stage")
+    assert not (tmp_path / "written-through").exists()

@@ -287,9 +287,36 @@ def unpack_upload(upload: Path, dest: Path) -> None:
                 if len(members) > MAX_COPY_ENTRIES or total > MAX_COPY_BYTES:
                     raise InvalidInputError(
                         f"the COPY upload holds more than {MAX_COPY_ENTRIES} entries or {MAX_COPY_BYTES} bytes")
-            tar.extractall(dest, members=members, filter="tar")
+            tar.extractall(dest, members=members, filter=_upload_filter)
+    except tarfile.FilterError as exc:
+        raise InvalidInputError(f"the COPY upload leaves its directory: {exc}") from exc
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise InvalidInputError(f"the COPY upload is not a readable tar: {exc}") from exc
+
+
+def _upload_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """PEP 706's ``data`` checks (no absolute or ``..`` names, nor names that
+    resolve out of ``dest`` through a link already extracted; no hard link to
+    an absolute path or out of ``dest``; no devices; it raises
+    :class:`tarfile.FilterError`), symbolic links kept whatever their target
+    (they are resolved inside the environment), with members' own permission bits kept:
+    a COPY keeps modes, and owners are set by :func:`copy_archive`.  The
+    ``tar`` filter alone let a hard link to ``/etc/shadow`` be linked into the
+    stage and written through as root."""
+    if member.issym():  # its target is resolved by the environment's root (copy_archive), any target is fine;
+        return tarfile.tar_filter(member, dest)  # its own name (realpath: through links too) stays inside
+    checked = tarfile.data_filter(member, dest)
+    if member.isreg() or member.isdir():
+        checked = checked.replace(mode=member.mode & 0o7777, deep=False)
+    return checked
+
+
+def _inside(stage: Path, entry: Path, what: str) -> None:
+    """Refuse ``entry`` unless it, every symbolic link on the way resolved,
+    stays inside ``stage`` (:class:`InvalidInputError`)."""
+    real_stage, real = os.path.realpath(stage), os.path.realpath(entry)
+    if real != real_stage and not real.startswith(real_stage + os.sep):
+        raise InvalidInputError(f"COPY {what}: the path goes through a symbolic link out of the upload")
 
 
 def copy_archive(stage: Path, step: Step, ctx: Context, owner: Account, home: str, out: Path) -> str:
@@ -304,6 +331,7 @@ def copy_archive(stage: Path, step: Step, ctx: Context, owner: Account, home: st
     mode = _mode(step.args[3]) if len(step.args) > 3 and step.args[3] else None
     target = dest if dest.startswith("/") else posixpath.join(ctx.workdir or home or "/", dest)
     entry = stage / src_rel
+    _inside(stage, entry.parent, step.args[0])  # a link on the way (``l -> /``, then ``l/etc/shadow``)
     if not (entry.exists() or entry.is_symlink()):
         raise InvalidInputError(f"COPY {step.args[0]}: the upload holds no {src_rel!r}")
 
@@ -325,6 +353,6 @@ def copy_archive(stage: Path, step: Step, ctx: Context, owner: Account, home: st
 
 
 def _walk(top: Path):
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in os.walk(top):  # followlinks=False: links inside are added as links
         for n in dirnames + filenames:
             yield Path(dirpath) / n
