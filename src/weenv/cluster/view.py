@@ -33,6 +33,11 @@ RESERVATION_TTL_S = 600.0
 """A create in progress not reported done within this long is dropped (its client died)."""
 
 
+REPORT_GRACE_S = 5.0
+"""Seconds an environment recorded by a create's end stays routed though a
+node's report lacks it (the report's listing may predate the create)."""
+
+
 @dataclass(frozen=True)
 class Route:
     """Where to send an environment's traffic: its node and that node's daemon (``api_url``, ``api_key``)."""
@@ -114,8 +119,10 @@ class ClusterView:
                 self._envs[env_id] = (report.node_id, report.at)
                 self._lost.pop(env_id, None)
             for env_id, (where, at) in list(self._envs.items()):
-                if where == report.node_id and env_id not in present and at < report.at:
-                    del self._envs[env_id]  # destroyed on the node (or expired there)
+                # destroyed on the node (or expired there); a create that ended (done) while the node
+                # was making this report may be missing from it: only entries older than the grace go
+                if where == report.node_id and env_id not in present and at < report.at - REPORT_GRACE_S:
+                    del self._envs[env_id]
             self._templates.update(report.templates)
             self._group_sizes.update(report.group_sizes)
 
