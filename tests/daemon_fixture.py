@@ -129,3 +129,10 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def point_sdk_at(daemon: Daemon, monkeypatch) -> Daemon:
+    """Point the SDK (``WEENV_API_URL``, ``WEENV_API_KEY``) at ``daemon`` over TCP for one test."""
+    monkeypatch.setenv("WEENV_API_URL", daemon.url)
+    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
+    return daemon

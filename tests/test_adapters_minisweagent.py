@@ -26,7 +26,7 @@ from minisweagent.environments import get_environment  # noqa: E402
 from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
 
 import weenv  # noqa: E402
-from daemon_fixture import start_daemon  # noqa: E402
+from daemon_fixture import point_sdk_at, start_daemon  # noqa: E402
 from weenv.errors import InvalidInputError, NotFoundError  # noqa: E402
 
 ENV_CLASS = "weenv.adapters.minisweagent.WeenvEnvironment"
@@ -44,9 +44,7 @@ def daemon(shared_store, tmp_path_factory):
 
 @pytest.fixture
 def remote(daemon, monkeypatch):
-    monkeypatch.setenv("WEENV_API_URL", daemon.url)
-    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
-    return daemon
+    return point_sdk_at(daemon, monkeypatch)
 
 
 def config() -> dict:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from daemon_fixture import start_daemon
+from daemon_fixture import point_sdk_at, start_daemon
 from weenv import Sandbox
 from weenv.errors import InvalidInputError, NotFoundError, StateError
 from weenv.store.file import FileStore
@@ -32,9 +32,7 @@ def daemon(shared_store, tmp_path_factory):
 
 @pytest.fixture
 def remote(daemon, monkeypatch):
-    monkeypatch.setenv("WEENV_API_URL", daemon.url)
-    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
-    return daemon
+    return point_sdk_at(daemon, monkeypatch)
 
 
 def test_sdk_snapshot_fork_reset_pause(remote):

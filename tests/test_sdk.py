@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from daemon_fixture import start_daemon
+from daemon_fixture import point_sdk_at, start_daemon
 from weenv import AsyncSandbox, Sandbox
 from weenv.sdk import (
     AuthenticationError,
@@ -35,9 +35,7 @@ def daemon(shared_store, tmp_path_factory):
 @pytest.fixture
 def remote(daemon, monkeypatch):
     """The SDK pointed at the daemon over TCP by the environment variables."""
-    monkeypatch.setenv("WEENV_API_URL", daemon.url)
-    monkeypatch.setenv("WEENV_API_KEY", daemon.key)
-    return daemon
+    return point_sdk_at(daemon, monkeypatch)
 
 
 def test_lifecycle_commands_and_files(remote):
