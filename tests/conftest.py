@@ -28,6 +28,16 @@ tests of the disk limit and its admission choose their own sizes."""
 UNIT = Path(__file__).parent / "unit"
 
 
+def pytest_ignore_collect(collection_path, config):
+    """``-m unit`` alone collects only ``tests/unit/``: the integration modules
+    import what only a root machine's setup installs (the benchmarks, harness
+    venvs), so they are not even imported."""
+    if config.getoption("markexpr", "").strip() == "unit" and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_") and not collection_path.is_relative_to(UNIT):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests under ``tests/unit/`` get the ``unit`` marker (they need no root);
     every other test is the integration tier and is skipped without root."""

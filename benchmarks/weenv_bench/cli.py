@@ -24,8 +24,9 @@ def update(
         None, "--base-change/--no-base-change", help="also change one file of the base (default: unless --quick)"
     ),
 ) -> None:
-    """Republish cost of a change to one shared component: weenv against Docker
-    (private dockerd + docker-registry on loopback), side by side."""
+    """Republish cost of a change to one shared component: weenv against Docker.
+
+    Docker: a private dockerd + docker-registry on loopback, side by side."""
     from weenv_bench.update import run
     from weenv.cli.common import err
 
@@ -58,8 +59,9 @@ def start(
     large: Optional[bool] = typer.Option(None, "--large/--no-large",
                                          help="also the ~3 GB template, at concurrency 1 (default: unless --quick)"),
 ) -> None:
-    """Time from start request to the first command's output, cold and warm, weenv
-    (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
+    """Time to a new environment's first output, cold and warm: weenv against Docker.
+
+    Weenv (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
     from weenv_bench.start import run
     from weenv.cli.common import err
 
@@ -79,8 +81,9 @@ def rollout(
     concurrency: Optional[int] = typer.Option(None, help="rollouts at once (default 32; quick 6)"),
     think_scale: Optional[float] = typer.Option(None, help="factor on think time (default 1; quick 0.05)"),
 ) -> None:
-    """The environment's share of an RL iteration's rollout stage on real tasks
-    (PyPI projects with injected bugs, replayed agent trajectories): weenv against
+    """The environment's share of an RL iteration's rollout stage: weenv against Docker.
+
+    Real tasks (PyPI projects with injected bugs, replayed agent trajectories): weenv against
     Docker, both from one loopback docker-registry."""
     from weenv_bench.rollout import run
     from weenv.cli.common import err
@@ -97,7 +100,9 @@ def fork(
     counts: Optional[list[int]] = typer.Option(None, "--count", help="children per fork (repeat; default 1 4 16)"),
     parent_mb: Optional[int] = typer.Option(None, help="MB the parent writes first (default 100; quick 20)"),
 ) -> None:
-    """Fork into N children, snapshot (and a cold create from it), reset against
+    """Fork, snapshot, reset and pause of one running environment, timed.
+
+    Fork into N children, snapshot (and a cold create from it), reset against
     destroy + create, pause and resume, of one running environment."""
     from weenv_bench.fork import run
     from weenv.cli.common import err

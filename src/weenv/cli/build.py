@@ -90,8 +90,10 @@ def _print_report(report) -> None:
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="only report what would go")] = False,
 ) -> None:
-    """Remove groups, templates and chunks no template ref or running environment reaches,
-    from the store and the node chunk cache."""
+    """Remove from the store and the chunk cache what nothing in use reaches.
+
+    Groups, templates and chunks that no template ref or running environment
+    reaches go, from the store and the node chunk cache."""
     from weenv.packaging.gc import collect, dedupe_report
     from weenv.server import daemon
 

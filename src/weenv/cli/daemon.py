@@ -48,8 +48,10 @@ def demo(
     test_deps: Annotated[str, typer.Option(help="what its tests need, space-separated")] = "",
     keep_daemon: Annotated[bool, typer.Option(help="leave the daemon running afterwards")] = False,
 ) -> None:
-    """The main job on real input: Debian base + deps + a PyPI library's source as
-    three groups; a cold and a warm start; the library's test suite run inside."""
+    """The main job on real input: a library's tests in a cold and a warm environment.
+
+    Debian base + deps + a PyPI library's source as three groups; a cold and a
+    warm start; the library's test suite run inside."""
     from weenv.demo import DEFAULT_LIBRARY, DEFAULT_TEST_REQUIREMENTS, run_demo
 
     code = run_demo(
