@@ -67,21 +67,25 @@ def test_setuid_file_made_inside_is_not_root_on_the_host(node, paths):
     r = node.exec(env.id, "cp /usr/bin/python3 /tmp/p && chmod 4755 /tmp/p && stat -c %a:%u /tmp/p")
     assert r.exit_code == 0 and r.stdout == b"4755:0\n", r
     env_dir = paths.environments / env.id
+    upper = env_dir / "disk/upper/tmp/p"  # the overlay's upper dir, in the environment's btrfs subvolume
+    assert upper.is_file() and upper.stat().st_mode & stat.S_ISUID, upper  # the same file, seen from the host
     with traversable_ancestors(paths.home):
-        for program in (env_dir / "rootfs/tmp/p", env_dir / "upper/tmp/p"):
+        for program in (env_dir / "rootfs/tmp/p", upper):
             r = run_as_nobody(program)
             assert r.returncode != 0 and "Permission denied" in r.stderr, (program, r)
         for d in (paths.node, paths.run):
             assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
         # A home opened by hand (or a path reached another way) still gives no setuid root:
         # the overlay is mounted nosuid on the host.
-        opened = [paths.node, paths.environments, env_dir]
+        opened = [paths.node, paths.environments, env_dir, env_dir / "disk", env_dir / "disk/upper",
+                  env_dir / "disk/upper/tmp"]
         modes = [stat.S_IMODE(d.stat().st_mode) for d in opened]
         try:
             for d in opened:
-                os.chmod(d, 0o755)
-            r = run_as_nobody(env_dir / "rootfs/tmp/p")
-            assert r.returncode == 0 and r.stdout == "65534\n", r
+                os.chmod(d, 0o755 if d.name != "tmp" else 0o1777)
+            for program in (env_dir / "rootfs/tmp/p", upper):  # overlay and btrfs disk are both nosuid
+                r = run_as_nobody(program)
+                assert r.returncode == 0 and r.stdout == "65534\n", (program, r)
         finally:
             for d, mode in zip(opened, modes):
                 os.chmod(d, mode)
@@ -96,9 +100,10 @@ def test_group_and_overlay_mounts_are_nosuid_nodev(node, paths):
             if fields[4].startswith(str(paths.node)):
                 options[fields[4]] = set(fields[5].split(","))
     rootfs = str(paths.environments / env.id / "rootfs")
-    assert rootfs in options and any("/groups/" in p for p in options), options
+    disk = str(paths.environments)  # the btrfs disk holding every upper dir
+    assert rootfs in options and disk in options and any("/groups/" in p for p in options), options
     for point, opts in options.items():
-        if point == rootfs or "/groups/" in point:
+        if point in (rootfs, disk) or "/groups/" in point:
             assert {"nosuid", "nodev"} <= opts, (point, opts)
 
 

@@ -143,8 +143,10 @@ def test_a_group_manifest_of_too_many_chunks_is_refused(store):
     data = _group_json(MAX_CHUNKS + 1)  # within the byte limit
     assert len(data) < MAX_MANIFEST_BYTES
     digest = _blob(store, "manifests", data)
-    with pytest.raises(InvalidInputError, match="at most 65536 items"):
+    with pytest.raises(InvalidInputError, match="at most 65536 items") as e:
         load_group(store, digest)
+    message = str(e.value)
+    assert digest in message and "\n" not in message and len(message) < 300, message  # one line naming it
 
 
 def test_a_group_manifest_with_giant_chunks_is_refused():

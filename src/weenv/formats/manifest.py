@@ -303,27 +303,44 @@ def check_manifest_size(data: bytes, what: str = "manifest") -> bytes:
     return data
 
 
-def parse_group_manifest(data: bytes) -> GroupManifest:
-    """Parse a group manifest; raise :class:`InvalidInputError` on bad JSON or
-    fields (past :data:`~weenv.formats.limits.MAX_CHUNKS` chunks, chunks past
-    :data:`~weenv.formats.limits.MAX_CHUNK_SIZE`), :class:`ContentLimitError`
-    past :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
+def parse_group_manifest(data: bytes, digest: str | None = None) -> GroupManifest:
+    """Parse a group manifest (``digest``: its digest, named in errors); raise
+    :class:`InvalidInputError` on bad JSON or fields (past
+    :data:`~weenv.formats.limits.MAX_CHUNKS` chunks, chunks past
+    :data:`~weenv.formats.limits.MAX_CHUNK_SIZE`): one line naming the digest
+    and the first bad field; :class:`ContentLimitError` past
+    :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
     check_manifest_size(data, "group manifest")
     try:
         return GroupManifest.model_validate_json(data)
     except ValueError as exc:
-        raise InvalidInputError(f"not a weenv group manifest: {exc}") from exc
+        raise _not_a_manifest("group", digest, exc) from exc
 
 
-def parse_template_manifest(data: bytes) -> TemplateManifest:
-    """Parse a template manifest; raise :class:`InvalidInputError` on bad JSON or
-    fields (past :data:`~weenv.formats.limits.MAX_TEMPLATE_GROUPS` groups),
+def parse_template_manifest(data: bytes, digest: str | None = None) -> TemplateManifest:
+    """Parse a template manifest (``digest`` as for :func:`parse_group_manifest`);
+    raise :class:`InvalidInputError` on bad JSON or fields (past
+    :data:`~weenv.formats.limits.MAX_TEMPLATE_GROUPS` groups),
     :class:`ContentLimitError` past :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
     check_manifest_size(data, "template manifest")
     try:
         return TemplateManifest.model_validate_json(data)
     except ValueError as exc:
-        raise InvalidInputError(f"not a weenv template manifest: {exc}") from exc
+        raise _not_a_manifest("template", digest, exc) from exc
+
+
+def _not_a_manifest(kind: str, digest: str | None, exc: ValueError) -> InvalidInputError:
+    """One line: which manifest, the first bad field and why (pydantic's own
+    message spans lines and repeats the input)."""
+    errors = exc.errors(include_input=False) if hasattr(exc, "errors") else []
+    if errors:
+        first = errors[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        why = f"{where}: {first.get('msg', 'invalid')}{more}"
+    else:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return InvalidInputError(f"not a weenv {kind} manifest{f' ({digest})' if digest else ''}: {why}")
 
 
 def manifest_kind(data: bytes) -> str:

@@ -151,7 +151,7 @@ class NodeManifests:
         actual = manifest_kind(data)
         if actual != kind:
             raise InvalidInputError(f"{digest} is a {actual} manifest, not a {kind}")
-        return _PARSE[kind](data)
+        return _PARSE[kind](data, digest)
 
     def _from_disk(self, kind: str, digest: str) -> tuple[TemplateManifest | GroupManifest | None, int]:
         """The node's copy of manifest ``digest`` and its size, or ``(None, 0)``."""

@@ -181,4 +181,4 @@ def load_group(store: Store, digest: str) -> GroupManifest:
     data = store.get_manifest(check_digest(digest))
     if manifest_kind(data) != "group":
         raise InvalidInputError(f"{digest} is a {manifest_kind(data)} manifest, not a group")
-    return parse_group_manifest(data)
+    return parse_group_manifest(data, digest)

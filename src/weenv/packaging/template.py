@@ -70,4 +70,4 @@ def load_template(store: Store, name_or_digest: str) -> tuple[str, TemplateManif
     kind = manifest_kind(data)
     if kind != "template":
         raise InvalidInputError(f"{name_or_digest} is a {kind} manifest, not a template")
-    return digest, parse_template_manifest(data)
+    return digest, parse_template_manifest(data, digest)
