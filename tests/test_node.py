@@ -169,8 +169,9 @@ def test_failed_creates_leave_nothing(private_store, paths, leak_check):
             node.create("no-such-template")
         with pytest.raises(InvalidInputError):
             node.create("sha256:xyz")
-        with pytest.raises(RuntimeFailedError):
-            node.create("broken")
+        for _ in range(10):  # never a create that answers for a command that did not run (a race once)
+            with pytest.raises(RuntimeFailedError):
+                node.create("broken")
         assert node.list() == [] and _runc_ids(node) == []
         assert list(paths.environments.iterdir()) == []
         base_hex = private_store.get_ref("groups", "base").split(":")[1]

@@ -278,7 +278,8 @@ def test_fork_bomb_contained_by_the_pids_limit(make_node):
     bomb = node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=64))
     other = node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=64))
     r = node.exec(bomb.id, "f() { f | f & }; f; sleep 3", timeout=10)
-    assert r.exit_code in (0, 137)
+    # 0: its sleep ran; 137: killed; 2: the shell itself could not fork its sleep at the limit
+    assert r.exit_code in (0, 137) or (r.exit_code == 2 and b"Cannot fork" in r.stderr), r
     cg = node.provisioner._get(bomb.id).cgroup
     u = cg.usage()
     assert u.pids_current <= 64 and u.pids_failcnt > 0 and cg.limits().pids_limit == 64

@@ -57,6 +57,7 @@ from weenv.host.procroot import ProcessRootFS
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
+from weenv.node.agent.client import AgentUnavailable
 from weenv.node.bundle import AGENT_PATH, RUNC_DEFAULT_CAPS
 from weenv.node.cache import ChunkCache
 from weenv.node.commands import KEEP_FINISHED, Commands, collect
@@ -421,10 +422,14 @@ class Node:
         without the agent; its seconds.  Raises :class:`RuntimeFailedError` if
         the container ended under it, :class:`InvalidInputError` if it failed."""
         t = time.perf_counter()
-        probe = [AGENT_PATH, "-t"] if e.agent_socket.exists() else ["true"]
+        agent = e.agent_socket.exists()
+        probe = [AGENT_PATH, "-t"] if agent else ["true"]
         try:
-            result = collect(self.commands.start(e, probe, timeout=60, primary_reader=True))
-        except BrokenError as exc:  # the container ended under its first command: the runtime's failure
+            # through the agent alone: it serves only once pid 1 has exec'd the template's command,
+            # where a runc exec fallback could answer in the instant before a failed exec ends pid 1
+            result = collect(self.commands.start(e, probe, timeout=60, primary_reader=True,
+                                                 launcher=self.launchers.agent if agent else None))
+        except (BrokenError, AgentUnavailable) as exc:  # the container ended under its first command
             raise RuntimeFailedError(
                 f"template {template}: the environment stopped as it started (does its "
                 f"command {list(e.template.runtime.command)!r} exist and keep running?): {exc}"

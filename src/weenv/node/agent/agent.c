@@ -88,8 +88,21 @@ static int have_caps;
 
 extern char **environ;
 
+/* The write end of the start pipe in pid 1 (see main): -1 elsewhere. */
+static int start_fd = -1;
+
+/* pid 1 will not run the environment's command: tell the server, which then
+   never serves (a byte on the start pipe; EOF alone means the exec worked). */
+static void start_failed(void) {
+    if (start_fd >= 0) {
+        char no = 'x';
+        (void)!write(start_fd, &no, 1);
+    }
+}
+
 static void die(const char *what) {
     dprintf(2, "weenv-agent: %s: %s\n", what, strerror(errno));
+    start_failed();
     _exit(111);
 }
 
@@ -509,6 +522,15 @@ int main(int argc, char **argv) {
         if (lfd < 0 || null < 0 || dup2(null, 0) < 0)
             die("setting up");
         close(null);
+        /* The start pipe: the server accepts its first request only once pid 1
+           has exec'd the environment's command (the write end is close-on-exec:
+           EOF) or holds the environment; if pid 1 fails first (no such program,
+           no such user), it writes a byte and the server exits unserved, so no
+           request (the node's first probe included) succeeds in an environment
+           whose command never ran (pid 1's exit then ends the namespace). */
+        int start[2];
+        if (pipe2(start, O_CLOEXEC) < 0)
+            die("making the start pipe");
         pid_t mid = fork();
         if (mid < 0)
             die("fork");
@@ -516,20 +538,36 @@ int main(int argc, char **argv) {
             pid_t server = fork();
             if (server == 0) {
                 setsid(); /* out of the command's process group and session */
+                close(start[1]);
+                char got;
+                ssize_t n;
+                while ((n = read(start[0], &got, 1)) < 0 && errno == EINTR)
+                    ;
+                if (n != 0)
+                    _exit(0); /* pid 1 failed: its exit ends the environment */
+                close(start[0]);
                 serve(lfd);
             }
             _exit(server < 0);
         }
         close(lfd);
+        close(start[0]);
+        start_fd = start[1];
         int status;
         while (waitpid(mid, &status, 0) < 0 && errno == EINTR)
             ;
     }
     if (become(ident) < 0)
         die("becoming the environment's user");
-    if (!argv[2])
+    if (!argv[2]) {
+        if (start_fd >= 0)
+            close(start_fd); /* the agent holds the environment itself: serve */
+        start_fd = -1;
         hold();
+    }
     execvp(argv[2], argv + 2);
-    dprintf(2, "weenv-agent: exec %s: %s\n", argv[2], strerror(errno));
-    return errno == ENOENT ? 127 : 126;
+    int failed = errno;
+    dprintf(2, "weenv-agent: exec %s: %s\n", argv[2], strerror(failed));
+    start_failed();
+    return failed == ENOENT ? 127 : 126;
 }
