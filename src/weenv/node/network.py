@@ -278,16 +278,18 @@ def ruleset() -> str:
 """
 
 
-def ensure_rules() -> None:
-    """Make the table ``inet weenv`` exactly :func:`ruleset` and turn IPv4
-    forwarding on.  Call with :data:`LOCK` held.
+def ensure_rules(also: str = "") -> None:
+    """Make the table ``inet weenv`` exactly :func:`ruleset` (and what the
+    ``nft -f`` script ``also`` makes, in the same transaction: an
+    environment's own table) and turn IPv4 forwarding on.  Call with
+    :data:`LOCK` held.
 
     The table is replaced whole, in one atomic transaction (made if missing,
     deleted, made anew: no packet sees it half made), not only made when
     missing: a table left by an older weenv, or one whose rules were flushed
     (a firewall reload), would otherwise keep its gaps for every environment
     made after it.  One ``nft`` call, as the check for it cost."""
-    _run(["nft", "-f", "-"], input=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n" + ruleset())
+    _run(["nft", "-f", "-"], input=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n" + ruleset() + also)
     fwd = Path("/proc/sys/net/ipv4/ip_forward")
     if fwd.read_text().strip() != "1":
         fwd.write_text("1\n")
@@ -303,13 +305,13 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
     netns = env_dir / NETNS_FILE
     host_if = host_ifname(env_id)
     try:
+        own = env_table(env_id)
+        own_rules = f"table inet {own} {{}}\ndelete table inet {own}\n" + egress_ruleset(
+            env_id, egress, local_ranges(), name_servers())
         with _machine_lock():
-            ensure_rules()
-            host_addr, env_addr = _free_subnet(cidr)
             netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
-            # before its veth exists: no packet of it passes unfiltered
-            _run(["nft", "-f", "-"], input=f"table inet {env_table(env_id)} {{}}\ndelete table inet {env_table(env_id)}\n"
-                 + egress_ruleset(env_id, egress, local_ranges(), name_servers()))
+            ensure_rules(own_rules)  # its own table before its veth exists: no packet of it passes unfiltered
+            host_addr, env_addr = _free_subnet(cidr)
             _run(["unshare", f"--net={netns}", "true"])
             _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
             Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1\n")
