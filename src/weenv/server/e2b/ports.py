@@ -134,7 +134,7 @@ class PortProxy:
             except NotFoundError:
                 await answer(502, f"The sandbox {sandbox_id} was not found")
                 return
-            except PermissionError:
+            except _NoToken:
                 await answer(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
                 return
             except OSError:
@@ -150,17 +150,21 @@ class PortProxy:
             self.relays -= 1
 
     def _open(self, sandbox_id: str, port: int, token: str | None) -> socket.socket:
-        """A connection to ``port`` of the sandbox; ``PermissionError`` when it is
+        """A connection to ``port`` of the sandbox; :class:`_NoToken` when it is
         private and ``token`` is not its traffic token (blocking)."""
         info = self.node.table.get(sandbox_id).info  # NotFoundError
         if not info.public_traffic and not self.sandboxes.traffic_token_matches(sandbox_id, token):
-            raise PermissionError("traffic access token missing or wrong")
+            raise _NoToken
         return self.node.open_port(sandbox_id, port)
 
 
 async def _answer(scope, receive, send, status: int, message: str, sandbox_id: str, port: int) -> None:
     await JSONResponse({"code": status, "message": message, "sandboxId": sandbox_id, "port": port},
                        status_code=status)(scope, receive, send)
+
+
+class _NoToken(Exception):
+    """A private sandbox's port asked without its traffic access token."""
 
 
 class _Idle(Exception):
