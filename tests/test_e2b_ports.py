@@ -37,6 +37,8 @@ import http.server, json, sys, time
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *a):
+        pass
+    def note(self):
         with open("/tmp/requests", "a") as f:
             f.write(self.path + "\n")
     def answer(self, body):
@@ -45,7 +47,7 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
     def do_GET(self):
-        self.log_message()
+        self.note()
         if self.path == "/hang":
             time.sleep(3600)
         if self.path == "/trickle":
@@ -59,7 +61,7 @@ class H(http.server.BaseHTTPRequestHandler):
             return
         self.answer(json.dumps({k.lower(): v for k, v in self.headers.items()}).encode())
     def do_POST(self):
-        self.log_message()
+        self.note()
         if self.path == "/sink":
             while self.rfile.read1(1 << 16):
                 pass
@@ -225,8 +227,8 @@ def test_the_namespace_of_a_sandbox_without_network_is_pinned(node, tmp_path):
         state_file.write_bytes(saved)
         other.kill()
         other.wait()
-        mine.kill()
-    with node.open_port(env.id, PORT) as c:
+    with node.open_port(env.id, PORT) as c:  # runc's true state: its own namespace again
         assert c.recv(100) == b"env"
+    mine.kill()
     node.destroy(env.id)
     assert not os.path.exists(state_file)
