@@ -60,15 +60,15 @@ class E2B:
 
 
 @contextlib.contextmanager
-def e2b_daemon(root: Path, registry, **daemon_env: str) -> Iterator[E2B]:
-    """A daemon with home and store under ``root`` (``daemon_env``: variables it
-    starts with), the ``e2b`` SDK's variables pointing at it for the block; at
-    the end it is stopped and nothing of it may be left (mounts, loops,
-    cgroups, FUSE connections, interfaces)."""
+def e2b_daemon(root: Path, registry, store_url: str | None = None, **daemon_env: str) -> Iterator[E2B]:
+    """A daemon with home and store under ``root`` (``store_url``: another
+    store; ``daemon_env``: variables it starts with), the ``e2b`` SDK's
+    variables pointing at it for the block; at the end it is stopped and
+    nothing of it may be left (mounts, loops, cgroups, FUSE connections,
+    interfaces)."""
     before = system_snapshot(root)
-    store = FileStore(root / "store")
     with environ(**daemon_env):
-        d = E2B(start_daemon(root / "home", store.url), registry)
+        d = E2B(start_daemon(root / "home", store_url or FileStore(root / "store").url), registry)
     try:
         with environ(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key):
             yield d

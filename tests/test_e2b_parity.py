@@ -73,13 +73,12 @@ def test_symlink_target_is_the_resolved_absolute_path(two):
 
 def test_files_see_the_sandboxs_mounts(two):
     s = two[0]
-    boot_id = s.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
-    assert s.files.read("/proc/sys/kernel/random/boot_id") == boot_id
     s.commands.run("echo shm > /dev/shm/x")
     assert s.files.read("/dev/shm/x") == "shm\n"
     s.files.write("/dev/shm/y", "from files")
     assert s.commands.run("cat /dev/shm/y").stdout == "from files"
     assert "shm" in [e.name for e in s.files.list("/dev")]
+    assert "proc" in [e.name for e in s.files.list("/")] and "1" in [e.name for e in s.files.list("/proc")]
     with pytest.raises(SandboxException):  # nothing is written into procfs from outside
         s.files.write("/proc/1/oom_score_adj", "-1000")
     assert s.commands.run("cat /proc/1/oom_score_adj").stdout.strip() != "-1000"
@@ -88,6 +87,34 @@ def test_files_see_the_sandboxs_mounts(two):
     s.commands.run("ln -sf /proc/self/root/etc/hostname /tmp/magic")
     with pytest.raises(SandboxException):  # no magic link leads out
         s.files.read("/tmp/magic")
+
+
+def test_files_refuse_kernel_pseudo_files_a_planted_link_points_at(two):
+    """The daemon reads and writes as root with the host's capabilities: a
+    link planted inside pointing at ``/proc/kallsyms`` read the host kernel's
+    symbol addresses, one at ``/proc/kmsg`` hung the read (it blocks) and
+    drained the host's kernel log.  Every file on a kernel pseudo file system
+    is refused (400, naming the kind) before it is opened: fast, no content."""
+    from e2b.exceptions import InvalidArgumentException
+
+    s = two[0]
+    s.commands.run("ln -sf /proc/kallsyms /tmp/k && ln -sf /proc/kmsg /tmp/kmsg && ln -sf /sys/kernel/notes /tmp/n "
+                   "&& ln -sf ../proc/1/status /tmp/status && ln -sf /proc/sys/kernel/random/boot_id /tmp/boot")
+    cgroup_file = s.commands.run("ls /sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/*/cgroup.procs 2>/dev/null | head -1",
+                                 ).stdout.strip()  # fmt: skip
+    assert cgroup_file
+    for path, kind in [("/tmp/k", "procfs"), ("/tmp/kmsg", "procfs"), ("/proc/kmsg", "procfs"), ("/tmp/n", "sysfs"),
+                       ("/tmp/status", "procfs"), ("/tmp/boot", "procfs"), (cgroup_file, "cgroup")]:
+        t = time.monotonic()
+        with pytest.raises(InvalidArgumentException, match=kind) as err:
+            s.files.read(path, format="bytes", request_timeout=10)
+        assert time.monotonic() - t < 5, path
+        assert "not a file system of files' content" in str(err.value) and "T " not in str(err.value)
+    with pytest.raises(InvalidArgumentException, match="procfs"):  # writes the same, through the link
+        s.files.write("/tmp/status", "x", request_timeout=10)
+    assert s.commands.run("readlink /tmp/status").stdout.strip() == "../proc/1/status"  # the link is left
+    s.files.write("/tmp/regular", "fine")  # files elsewhere read and write as before
+    assert s.files.read("/tmp/regular") == "fine"
 
 
 def test_kill_during_a_command_raises_sandbox_not_running(daemon):  # noqa: F811

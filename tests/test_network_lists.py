@@ -3,7 +3,8 @@
 environment's egress table, the node's ``WEENV_NETWORK=off``, and E2B's
 ``get_host`` through the daemon.
 
-Test hosts are network namespaces made here (RFC 2544's 198.18.0.0/15, on
+Test hosts are network namespaces made here (RFC 2544's 198.18.0.0/15 for the
+internet, private ranges for a LAN: :data:`LOCAL_HOSTS`; on
 this machine's veths only), each serving TCP with its own name; no packet goes
 to an address outside this machine.  After each test: no weenv veth, no
 ``weenv-*`` table, no namespace mount (``leak_check`` and :func:`_no_tables`).
@@ -12,6 +13,7 @@ to an address outside this machine.  After each test: no weenv veth, no
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -21,7 +23,7 @@ import pytest
 
 from conftest import system_snapshot
 from daemon_fixture import start_daemon
-from test_isolation import ANSWER_PEER, connect_from, env_address, host_server, far_host  # noqa: F401
+from test_isolation import ANSWER_PEER, connect_from, env_address, far_host, host_addresses, host_server  # noqa: F401
 from weenv.errors import InvalidInputError, NetworkForbiddenError
 from weenv.node import network
 from weenv.node.node import Node
@@ -53,6 +55,50 @@ def far_hosts(tmp_path):
                for name, (host_end, far_end) in HOSTS.items()}
 
 
+LOCAL_HOSTS = {"pa": ("172.31.250.1/30", "172.31.250.2/30"), "pb": ("192.168.250.1/30", "192.168.250.2/30"),
+               "pc": ("100.64.250.1/30", "100.64.250.2/30")}
+"""Test hosts in RFC 1918's 172.16/12 and 192.168/16 and CGNAT's 100.64/10 (network namespaces made here)."""
+
+
+@pytest.fixture
+def local_hosts(tmp_path):
+    """Three namespaces on private addresses (:data:`LOCAL_HOSTS`), each answering
+    ``NAME PEER`` on :data:`PORT`, as a LAN's machines would; name -> address."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}",
+                                                   host_end, far_end, PORT, name))
+               for name, (host_end, far_end) in LOCAL_HOSTS.items()}
+
+
+PROBE_ALL = """
+import concurrent.futures, json, socket, sys
+def probe(addr):
+    try:
+        with socket.create_connection((addr, int(sys.argv[1])), timeout=1.5) as s:
+            s.settimeout(3)
+            return s.recv(100).decode().split()[0]
+    except OSError as exc:
+        return type(exc).__name__
+with concurrent.futures.ThreadPoolExecutor(len(sys.argv) - 2) as pool:
+    print(json.dumps(dict(zip(sys.argv[2:], pool.map(probe, sys.argv[2:])))))
+"""
+
+
+def _answers(node, env_id: str, addrs: list[str], port: int = PORT) -> dict[str, str]:
+    """address -> the first word each of ``addrs`` answers on ``port``, or the
+    error's class name, probed from inside at once (a dropped one costs its
+    1.5 s timeout once, not in turn)."""
+    r = node.exec(env_id, ["python3", "-c", PROBE_ALL, str(port), *addrs], timeout=30)
+    assert r.exit_code == 0, r
+    return json.loads(r.stdout)
+
+
+def _reach_all(node, env_id: str, hosts: dict[str, str]) -> dict[str, bool]:
+    """Which of ``hosts`` (name -> address) answer with their own name on :data:`PORT`."""
+    got = _answers(node, env_id, list(hosts.values()))
+    return {name: got[addr] == name for name, addr in hosts.items()}
+
+
 def _reach(node, env_id: str, hosts: dict[str, str]) -> dict[str, bool]:
     return {name: connect_from(node, env_id, addr, PORT).startswith("connected") for name, addr in hosts.items()}
 
@@ -80,11 +126,38 @@ def test_network_on_request_and_egress_lists(node, far_hosts, host_server, no_le
     finally:
         p.kill()
     tables = _tables()
-    assert network.env_table(plain.id) not in tables and network.env_table(on.id) not in tables  # plain: none
-    assert {network.env_table(e.id) for e in (denied, only, both, opened)} <= set(tables)
+    assert network.env_table(plain.id) not in tables  # no network: no table
+    assert {network.env_table(e.id) for e in (on, denied, only, both, opened)} <= set(tables)
     for e in (plain, on, denied, only, both, opened):
         node.destroy(e.id)
     assert not [t for t in _tables() if t.startswith("weenv-")]
+
+
+def test_local_destinations_are_dropped_unless_an_allow_entry_names_them(node, local_hosts, far_hosts, host_server,
+                                                                         no_leak):  # noqa: F811
+    """An environment with network reached every private address the host
+    routes to (RFC 1918, CGNAT, the host's LAN: other machines of the
+    cluster, their Ray and weenv ports).  Now they are dropped by default; an
+    ``allow_out`` entry inside a private range opens that part (allow wins,
+    as E2B's), one that merely covers it (``0.0.0.0/0``) does not; the host
+    itself stays closed whatever the lists say."""
+    none = {"pa": False, "pb": False, "pc": False}
+    on = node.create("task", network=True)
+    assert _reach_all(node, on.id, local_hosts) == none
+    assert _reach_all(node, on.id, far_hosts) == {"one": True, "two": True}  # beyond the LAN: as before
+    everything = node.create("task", allow_out=["0.0.0.0/0"])
+    assert _reach_all(node, everything.id, local_hosts) == none
+    named = node.create("task", network=True, deny_out=["0.0.0.0/0"],
+                        allow_out=[f"{local_hosts['pa']}/32", "100.64.0.0/10"])  # fmt: skip
+    assert _reach_all(node, named.id, local_hosts) == {"pa": True, "pb": False, "pc": True}
+    assert _reach_all(node, named.id, far_hosts) == {"one": False, "two": False}
+    hosts = [a for a in host_addresses() if not a.startswith("127.")]
+    assert hosts, "the host has a non-loopback address"
+    host = node.create("task", network=True, allow_out=[f"{a}/32" for a in hosts] + ["10.0.0.0/8"])
+    # this machine's own addresses (where Ray and the daemon listen): never
+    assert set(_answers(node, host.id, hosts, host_server).values()) == {"TimeoutError"}
+    for e in (on, everything, named, host):
+        node.destroy(e.id)
 
 
 @pytest.mark.parametrize("bad", ["10.0.0.0/33", "example.com", "10.0.0.1/8", "::1/128", ""])

@@ -145,6 +145,9 @@ class CreateRequest(_Model):
     network on, and with ``network`` not True only these are reachable."""
     deny_out: list[str] = Field(default_factory=list, max_length=MAX_NET_RULES)
     """IPv4 CIDRs (or addresses) refused (E2B's ``denyOut``); ``0.0.0.0/0``: all but ``allow_out``."""
+    public_traffic: bool = True
+    """E2B's ``allowPublicTraffic``: whether its ports relayed by ``get_host``
+    answer without its traffic access token (:mod:`weenv.server.e2b.ports`)."""
 
     _check_timeout = field_validator("timeout")(_finite)
     _check_cidrs = field_validator("allow_out", "deny_out")(lambda v: [_cidr(c) for c in v])
@@ -289,6 +292,8 @@ class EnvironmentInfo(_Model):
     """Its priority for elastic provisioning (at create or by ``set_priority``)."""
     address: str | None = None
     """Its IPv4 address on its veth, when it has network (:mod:`weenv.node.network`)."""
+    public_traffic: bool = True
+    """As its create's ``public_traffic`` (E2B's ``allowPublicTraffic``)."""
 
 
 class ExecRequest(_Model):

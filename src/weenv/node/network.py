@@ -31,15 +31,31 @@ setup, the same for every node of the machine; it names interfaces by the
 - *postrouting*: traffic from a weenv veth leaving by another interface is
   masqueraded.
 
-Per environment, its egress lists (:class:`Egress`, a create's ``allow_out``
-/ ``deny_out``, E2B's ``allowOut`` / ``denyOut``) are a table of its own,
-``inet weenv-<first 10 hex of the id>`` (:func:`egress_ruleset`): interval
-sets ``allow`` and ``deny`` and a forward chain after the shared one's
-(priority ``filter - 5``) that, for packets from its veth, accepts ``allow``,
-drops ``deny`` and, without internet (``Egress.internet`` False), drops the
-rest; allowed entries take precedence, as E2B documents.  The shared table's
-drops run first and stay final: no list opens the host, another environment
-or link-local addresses.  :func:`teardown` deletes the environment's table.
+Per environment, a table of its own, ``inet weenv-<first 10 hex of the id>``
+(:func:`egress_ruleset`, made for every environment with network, before its
+veth exists), holds its egress lists (:class:`Egress`, a create's
+``allow_out`` / ``deny_out``, E2B's ``allowOut`` / ``denyOut``) and the
+default drop of local destinations: a forward chain after the shared one's
+(priority ``filter - 5``) that, for packets from its veth, in this order:
+
+1. accepts ``allow`` entries that lie inside a local range (``allow_local``):
+   an explicit allow of a private address or range is honoured
+   (``10.1.2.3``, ``192.168.0.0/16``), one that merely covers it is not
+   (``0.0.0.0/0`` does not open the LAN);
+2. accepts DNS (port 53, UDP and TCP) to the name servers of the host's
+   ``/etc/resolv.conf``, which the environment is given;
+3. drops every other local destination (:func:`local_ranges`): the private
+   ranges of RFC 1918 (10/8, 172.16/12, 192.168/16), CGNAT's 100.64/10,
+   link-local 169.254/16, loopback, ``0/8``, multicast and reserved, and the
+   networks of the interfaces that carry the host's default routes (its LAN:
+   other machines of the cluster, their Ray and weenv ports);
+4. accepts ``allow``, drops ``deny`` and, without internet
+   (``Egress.internet`` False), drops the rest; allowed entries take
+   precedence, as E2B documents.
+
+The shared table's drops run first and stay final: no list opens the host
+itself (any of its addresses), another environment or link-local addresses.
+:func:`teardown` deletes the environment's table.
 
 The node's policy, ``WEENV_NETWORK`` (:func:`policy_from_env`): ``on``
 (default) or ``off``; with ``off`` every create that asks for network is
@@ -95,6 +111,13 @@ LOCK = Path("/run/weenv-net.lock")
 NETNS_FILE = "netns"
 """The environment's network namespace file, in its directory (outside its rootfs)."""
 LINK_LOCAL = "169.254.0.0/16"
+LOCAL_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", LINK_LOCAL, "172.16.0.0/12",
+                "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")  # fmt: skip
+"""Destinations an environment does not reach unless its ``allow_out`` names them
+(:func:`local_ranges` adds the host's LAN): "this network", RFC 1918, CGNAT
+(RFC 6598), loopback, link-local, IETF protocol assignments, multicast, reserved."""
+RESOLV_CONF = Path("/etc/resolv.conf")
+"""The host's resolver configuration, bound into every environment (:mod:`weenv.node.bundle`)."""
 TIMEOUT_S = 30.0
 
 
@@ -132,29 +155,66 @@ class Egress:
     deny: tuple[str, ...] = ()
     """IPv4 CIDRs refused."""
 
-    @property
-    def plain(self) -> bool:
-        """No lists and internet: the shared table alone says it all."""
-        return self.internet and not self.allow and not self.deny
-
 
 def env_table(env_id: str) -> str:
     """The name of environment ``env_id``'s own table (family ``inet``)."""
     return f"{TABLE}-{env_id[:10]}"
 
 
-def egress_ruleset(env_id: str, egress: Egress) -> str:
-    """Environment ``env_id``'s own table as an ``nft -f`` script (see the module docstring)."""
+def egress_ruleset(env_id: str, egress: Egress, local: tuple[str, ...] = LOCAL_RANGES,
+                   dns: tuple[str, ...] = ()) -> str:
+    """Environment ``env_id``'s own table as an ``nft -f`` script (see the module
+    docstring): ``local``, the ranges dropped unless an ``allow`` entry lies inside
+    one of them (:func:`local_ranges`); ``dns``, name server addresses reachable
+    on port 53 (:func:`name_servers`)."""
     veth = f'"{host_ifname(env_id)}"'
+    local_nets = [ipaddress.IPv4Network(c) for c in local]
+    allow_local = tuple(a for a in egress.allow if any(ipaddress.IPv4Network(a).subnet_of(n) for n in local_nets))
 
     def nft_set(name: str, cidrs: tuple[str, ...]) -> str:
-        elements = f"\n    elements = {{ {', '.join(str(ipaddress.IPv4Network(c)) for c in cidrs)} }}" if cidrs else ""
+        nets = ipaddress.collapse_addresses(ipaddress.IPv4Network(c) for c in cidrs)  # no overlap for nft
+        elements = f"\n    elements = {{ {', '.join(map(str, nets))} }}" if cidrs else ""
         return f"  set {name} {{\n    type ipv4_addr; flags interval; auto-merge;{elements}\n  }}\n"
 
     rest = "" if egress.internet else f"    iifname {veth} drop\n"
-    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow", egress.allow) + nft_set("deny", egress.deny)
+    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow_local", allow_local) + nft_set("dns", dns)
+            + nft_set("local", local) + nft_set("allow", egress.allow) + nft_set("deny", egress.deny)
             + "  chain egress {\n    type filter hook forward priority filter - 5; policy accept;\n"
+            f"    iifname {veth} ip daddr @allow_local accept\n"
+            f"    iifname {veth} ip daddr @dns meta l4proto {{ tcp, udp }} th dport 53 accept\n"
+            f"    iifname {veth} ip daddr @local drop\n"
             f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n")
+
+
+def local_ranges() -> tuple[str, ...]:
+    """:data:`LOCAL_RANGES` and the networks (``ip route`` scope link) of every
+    interface carrying one of the host's default routes, other than a weenv
+    veth: the LAN the host is on.  Raises :class:`RuntimeFailedError` or
+    :class:`ToolMissingError` (``ip``)."""
+    routes = json.loads(_run(["ip", "-j", "-4", "route", "show", "table", "main"]).stdout or "[]")
+    uplinks = {r.get("dev") for r in routes if r.get("dst") == "default"} - {None}
+    lan = []
+    for r in routes:
+        if r.get("dev") in uplinks and not r["dev"].startswith(IF_PREFIX) and r.get("scope") == "link":
+            with contextlib.suppress(ValueError):
+                lan.append(str(ipaddress.IPv4Network(r["dst"], strict=False)))
+    return LOCAL_RANGES + tuple(dict.fromkeys(lan))
+
+
+def name_servers(resolv_conf: Path = RESOLV_CONF) -> tuple[str, ...]:
+    """The IPv4 name servers ``resolv_conf`` names (``nameserver ADDRESS`` lines);
+    none when it is missing or unreadable."""
+    try:
+        lines = resolv_conf.read_text(errors="replace").splitlines()
+    except OSError:
+        return ()
+    out = []
+    for line in lines:
+        words = line.split()
+        if len(words) >= 2 and words[0] == "nameserver":
+            with contextlib.suppress(ValueError):
+                out.append(str(ipaddress.IPv4Address(words[1])))
+    return tuple(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
@@ -218,16 +278,18 @@ def ruleset() -> str:
 """
 
 
-def ensure_rules() -> None:
-    """Make the table ``inet weenv`` exactly :func:`ruleset` and turn IPv4
-    forwarding on.  Call with :data:`LOCK` held.
+def ensure_rules(also: str = "") -> None:
+    """Make the table ``inet weenv`` exactly :func:`ruleset` (and what the
+    ``nft -f`` script ``also`` makes, in the same transaction: an
+    environment's own table) and turn IPv4 forwarding on.  Call with
+    :data:`LOCK` held.
 
     The table is replaced whole, in one atomic transaction (made if missing,
     deleted, made anew: no packet sees it half made), not only made when
     missing: a table left by an older weenv, or one whose rules were flushed
     (a firewall reload), would otherwise keep its gaps for every environment
     made after it.  One ``nft`` call, as the check for it cost."""
-    _run(["nft", "-f", "-"], input=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n" + ruleset())
+    _run(["nft", "-f", "-"], input=f"table inet {TABLE} {{}}\ndelete table inet {TABLE}\n" + ruleset() + also)
     fwd = Path("/proc/sys/net/ipv4/ip_forward")
     if fwd.read_text().strip() != "1":
         fwd.write_text("1\n")
@@ -235,21 +297,21 @@ def ensure_rules() -> None:
 
 def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress()) -> Link:
     """Make environment ``env_id``'s namespace (``env_dir/netns``), veth pair,
-    addresses, routes and, unless ``egress`` is plain, its own table (see
-    the module docstring); return its :class:`Link`.
+    addresses, routes and its own table (see the module docstring); return its
+    :class:`Link`.
     On failure nothing is left (:func:`teardown`) and :class:`RuntimeFailedError`
     (a command failed), :class:`ToolMissingError` (no ``ip``, ``nft`` or
     ``unshare``) or :class:`CapacityError` (no free /30 in ``cidr``) is raised."""
     netns = env_dir / NETNS_FILE
     host_if = host_ifname(env_id)
     try:
+        own = env_table(env_id)
+        own_rules = f"table inet {own} {{}}\ndelete table inet {own}\n" + egress_ruleset(
+            env_id, egress, local_ranges(), name_servers())
         with _machine_lock():
-            ensure_rules()
-            host_addr, env_addr = _free_subnet(cidr)
             netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
-            if not egress.plain:  # before its veth exists: no packet of it passes unfiltered
-                _run(["nft", "-f", "-"], input=f"table inet {env_table(env_id)} {{}}\n"
-                     f"delete table inet {env_table(env_id)}\n" + egress_ruleset(env_id, egress))
+            ensure_rules(own_rules)  # its own table before its veth exists: no packet of it passes unfiltered
+            host_addr, env_addr = _free_subnet(cidr)
             _run(["unshare", f"--net={netns}", "true"])
             _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
             Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1\n")
@@ -286,23 +348,27 @@ def teardown(env_id: str, env_dir: Path) -> None:
 _CLONE_NEWNET = 0x40000000
 
 
-def open_in(netns: Path, port: int, host: str = "127.0.0.1", timeout: float = TIMEOUT_S) -> socket.socket:
-    """A TCP connection to ``host:port`` inside the network namespace ``netns``
-    (a namespace file: an environment's ``netns``, or ``/proc/PID/ns/net``).
-    The socket is made in a short-lived thread that joins the namespace (a
-    thread of the daemon never stays in it), then connected from the caller's
-    thread.  Raises ``OSError`` (refused, timed out, no such namespace)."""
+def open_in(netns: Path | int, port: int, host: str = "127.0.0.1", timeout: float = TIMEOUT_S) -> socket.socket:
+    """A TCP connection to ``host:port`` inside the network namespace ``netns``:
+    a namespace file (an environment's ``netns``), or an open descriptor of a
+    namespace or of a process (a pidfd, :func:`weenv.host.procroot.pin_process`:
+    its namespace, never that of a later process with the same number; left
+    open).  The socket is made in a short-lived thread that joins the
+    namespace (a thread of the daemon never stays in it), then connected from
+    the caller's thread.  Raises ``OSError`` (refused, timed out, no such
+    namespace, the process ended: ``ESRCH``)."""
     made: list = []
 
     def make() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         try:
-            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+            fd = netns if isinstance(netns, int) else os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 if libc.setns(fd, _CLONE_NEWNET) != 0:
                     raise OSError(ctypes.get_errno(), f"setns {netns}: {os.strerror(ctypes.get_errno())}")
             finally:
-                os.close(fd)
+                if fd is not netns:
+                    os.close(fd)
             made.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
         except OSError as exc:
             made.append(exc)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import time
@@ -53,7 +54,7 @@ from weenv.config import Paths, private_dir
 from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
-from weenv.host.procroot import ProcessRootFS
+from weenv.host.procroot import ProcessRootFS, pin_process
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
@@ -628,12 +629,21 @@ class Node:
         Raises :class:`NotFoundError` (unknown or stopped), ``OSError`` (nothing listens)."""
         e = self.table.get(env_id)
         netns = e.dir / network.NETNS_FILE
-        if not netns.exists():
-            state = self.runc.state(e.container_id)
-            if not state or not state.get("pid"):
-                raise NotFoundError(f"environment {env_id!r} is not running")
-            netns = Path(f"/proc/{state['pid']}/ns/net")
-        return network.open_in(netns, port, timeout=5.0)
+        if netns.exists():
+            return network.open_in(netns, port, timeout=5.0)
+        # No network of its own: the namespace runc made, found through its first
+        # process, pinned by a pidfd known to be in the environment's cgroup (a
+        # number runc reported may name another process by the time it is used).
+        state = self.runc.state(e.container_id)
+        if not state or not state.get("pid"):
+            raise NotFoundError(f"environment {env_id!r} is not running")
+        pidfd = pin_process(int(state["pid"]), expect_cgroup=f"/{e.container_id}")
+        try:
+            return network.open_in(pidfd, port, timeout=5.0)
+        except ProcessLookupError:
+            raise NotFoundError(f"environment {env_id!r} is not running") from None
+        finally:
+            os.close(pidfd)
 
     def user(self, env_id: str, user: str | None = None) -> Identity:
         """``user`` (a name or ``"UID[:GID]"``; None: the template's) inside the
@@ -851,6 +861,6 @@ def _info(env_id: str, manifest: TemplateManifest, digest: str, res: Resources, 
         id=env_id, template=manifest.name, template_digest=digest, created_at=time.time(), state="running",
         rootfs=str(env_dir / "rootfs"), resources=res, timing=CreateTiming(),
         timeout_s=DEFAULT_TIMEOUT_S if req.timeout is None else float(req.timeout),
-        envs=req.envs, metadata=req.metadata, priority=req.priority,
+        envs=req.envs, metadata=req.metadata, priority=req.priority, public_traffic=req.public_traffic,
     )  # fmt: skip
 

@@ -104,11 +104,13 @@ def serve(
         e2b = create_e2b_app(node, api_keys=[api_key.e2b])
         app.mount("/e2b", e2b)
         app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
-        from weenv.server.e2b.ports import PortProxy
+        from weenv.server.e2b.ports import PortProxy, relay_settings
 
-        app.add_middleware(PortProxy, node=node)  # outermost: E2B's PORT-ID. hosts to sandbox ports
+        tcp_cap = limits.tcp_connection_cap(nofile)
+        # outermost: E2B's PORT-ID. hosts to sandbox ports, at most a quarter of the TCP connections
+        app.add_middleware(PortProxy, node=node, sandboxes=e2b.state.sandboxes, **relay_settings(tcp_cap))
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-                                http=limits.tcp_protocol(limits.tcp_connection_cap(nofile)),
+                                http=limits.tcp_protocol(tcp_cap),
                                 # no WebSocket upgrade: it would swap the bounded protocol for one that
                                 # the connection cap never sees close (and weenv has no WebSocket route)
                                 ws="none", timeout_keep_alive=limits.IDLE_TIMEOUT_S)

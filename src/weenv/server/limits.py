@@ -207,7 +207,7 @@ class BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             if length.isdigit() and int(length) <= DRAIN_BYTES:
-                await _drain(receive, True)  # dropped, not kept: so the client reads the answer
+                await drain(receive, True)  # dropped, not kept: so the client reads the answer
             await self._refuse(send, path, limit)
             return
         if upload:
@@ -231,7 +231,7 @@ class BodyLimit:
             await self._refuse(send, path, limit, slow=self.anonymous_body_s)
             return
         if size > limit:
-            await _drain(receive, more)  # before answering: the answer completes the request
+            await drain(receive, more)  # before answering: the answer completes the request
             await self._refuse(send, path, limit)
             return
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -246,7 +246,7 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _drain(receive, more: bool, *, budget: int = DRAIN_BYTES, seconds: float = DRAIN_S) -> None:
+async def drain(receive, more: bool, *, budget: int = DRAIN_BYTES, seconds: float = DRAIN_S) -> None:
     """Read and drop what the client still sends of a refused body, at most
     ``budget`` bytes for at most ``seconds``: closing with unread data makes the
     kernel reset the connection, and the client would lose the 413 answer."""

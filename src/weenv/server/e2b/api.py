@@ -89,6 +89,8 @@ class NetworkConfig(_Body):
 
     allow_out: list[str] = Field(default_factory=list, alias="allowOut", max_length=1024)
     deny_out: list[str] = Field(default_factory=list, alias="denyOut", max_length=1024)
+    allow_public_traffic: bool = Field(default=True, alias="allowPublicTraffic")
+    """False: requests to its ports (``get_host``) need its ``trafficAccessToken``."""
 
 
 class NewSandbox(_Body):
@@ -133,11 +135,12 @@ def _iso(t: float) -> str:
 
 
 def created_json(sb: Sandbox) -> dict[str, Any]:
-    """E2B's ``Sandbox`` (the answer to create and connect)."""
+    """E2B's ``Sandbox`` (the answer to create and connect): ``trafficAccessToken``
+    only for a sandbox whose ports are not public (``allowPublicTraffic`` false)."""
     return {
         "templateID": sb.info.template, "sandboxID": sb.id, "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION, "envdAccessToken": sb.access_token, "alias": sb.info.template,
-        "domain": None,
+        "domain": None, "trafficAccessToken": None if sb.info.public_traffic else sb.traffic_token,
     }  # fmt: skip
 
 
@@ -229,7 +232,7 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
             sb = sandboxes.create(template, timeout=body.timeout or DEFAULT_TIMEOUT_S,
                                   metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
                                   network=body.allow_internet_access, allow_out=net.allow_out,
-                                  deny_out=net.deny_out)  # fmt: skip
+                                  deny_out=net.deny_out, public_traffic=net.allow_public_traffic)  # fmt: skip
             try:
                 start_and_wait_ready(sandboxes.node, sb, ready_timeout)
             except BaseException:

@@ -7,16 +7,45 @@ the daemon's app) does the same: a request whose ``Host`` is
 the envd face's) is relayed, streamed both ways, to ``127.0.0.1:PORT`` inside
 that sandbox's own network namespace (:meth:`weenv.node.node.Node.open_port`:
 environments with and without network alike, none of them reachable from
-another).  HTTP/1.1 only, one request per connection to the sandbox
-(``Connection: close``); WebSocket upgrades are not relayed.  As E2B's
-default (``allowPublicTraffic``), no credentials are asked: the sandbox id is
-the capability.  Errors are 502 with E2B's words: an unknown sandbox, or a
-port nothing listens on (``The sandbox is running but port is not open``).
+another; a namespace without network is reached through a pidfd of the
+sandbox's process, never a bare process number).  HTTP/1.1 only, one request
+per connection to the sandbox (``Connection: close``); WebSocket upgrades are
+not relayed.
+
+Who may: as E2B's default (``allowPublicTraffic`` true), no credentials are
+asked, the sandbox id is the capability.  A sandbox created with
+``network.allowPublicTraffic`` false (``EnvironmentInfo.public_traffic``)
+answers only requests carrying its traffic access token
+(:meth:`~weenv.server.e2b.sandboxes.Sandboxes.traffic_token`, the create's
+``trafficAccessToken``) in the :data:`TOKEN_HEADER` header, compared in
+constant time; others get 403 and the sandbox is not reached.  The header is
+not passed on to the sandbox.
+
+Limits (a relay holds one of the daemon's TCP connections, uncounted by its
+idle checks once the request's head is in, and one connection into the sandbox):
+
+- **Relays at once**: at most ``max_relays`` (default a quarter of the
+  daemon's TCP connection cap, ``WEENV_RELAY_MAX``); one more is answered 503
+  at once, so relays, which need no key, never take the connections the API
+  needs.
+- **Request body**: at most ``max_body`` bytes (default the API's
+  :data:`~weenv.server.limits.MAX_BODY`), streamed, never held whole: a
+  ``Content-Length`` above it is answered 413 before the sandbox is reached;
+  a chunked body passing it cuts the relay (413 unless the sandbox already
+  answered).
+- **Idle**: a relay in which no byte moved either way for ``idle_timeout``
+  seconds (default :data:`RELAY_IDLE_S`, ``WEENV_RELAY_IDLE_S``) ends: 504 if
+  the sandbox had not answered yet, else its answer is cut short.
+
+Errors carry E2B's ``{"code", "message"}``: 502 for an unknown sandbox or a
+port nothing listens on (``The sandbox is running but port is not open``),
+403, 413, 503, 504 as above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 
@@ -25,22 +54,58 @@ import h11
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from weenv.errors import NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError
+from weenv.server.limits import DRAIN_BYTES, MAX_BODY, drain
 
 ENVD_PORT = 49983
 """envd's port in E2B sandboxes: hosts naming it go to the envd face (:mod:`weenv.server.e2b.envd`)."""
+TOKEN_HEADER = "e2b-traffic-access-token"
+"""The header carrying a private sandbox's traffic access token (E2B's name)."""
+RELAY_IDLE_S = 60.0
+"""Seconds a relay may move no byte either way before it ends."""
 _HOST = re.compile(r"^(\d{1,5})-([0-9a-f]{12})\.")
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
-        b"te", b"trailer", b"upgrade"}  # fmt: skip
+        b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode()}  # fmt: skip
 READ_SIZE = 64 << 10
 
 
-class PortProxy:
-    """ASGI middleware relaying ``PORT-ID.`` hosts to sandbox ports (see the module docstring)."""
+def relay_settings(tcp_cap: int) -> dict[str, float | int]:
+    """:class:`PortProxy`'s ``max_relays`` and ``idle_timeout`` for a daemon
+    serving ``tcp_cap`` TCP connections: ``WEENV_RELAY_MAX`` (default a quarter
+    of ``tcp_cap``, at most ``tcp_cap - 8``) and ``WEENV_RELAY_IDLE_S``
+    (default :data:`RELAY_IDLE_S`).  Raises :class:`InvalidInputError` naming
+    the variable for a value that is not a positive number."""
+    out: dict[str, float | int] = {}
+    for name, key, kind, default in (("WEENV_RELAY_MAX", "max_relays", int, max(1, tcp_cap // 4)),
+                                     ("WEENV_RELAY_IDLE_S", "idle_timeout", float, RELAY_IDLE_S)):  # fmt: skip
+        raw = os.environ.get(name, "").strip()
+        try:
+            value = kind(raw) if raw else default
+        except ValueError:
+            value = 0
+        if not value > 0 or value != value:
+            raise InvalidInputError(f"{name}={raw!r}: want a positive number")
+        out[key] = value
+    out["max_relays"] = max(1, min(int(out["max_relays"]), tcp_cap - 8))
+    return out
 
-    def __init__(self, app, node):
+
+class PortProxy:
+    """ASGI middleware relaying ``PORT-ID.`` hosts to sandbox ports (see the
+    module docstring).  ``sandboxes``: the E2B face's registry, whose traffic
+    tokens a private sandbox's requests must carry; ``max_relays``,
+    ``max_body`` (bytes), ``idle_timeout`` (seconds): the limits."""
+
+    def __init__(self, app, node, sandboxes, *, max_relays: int = 256, max_body: int = MAX_BODY,
+                 idle_timeout: float = RELAY_IDLE_S):
         self.app = app
         self.node = node
+        self.sandboxes = sandboxes
+        self.max_relays = max_relays
+        self.max_body = max_body
+        self.idle_timeout = idle_timeout
+        self.relays = 0
+        """Relays running now (the event loop's only: no lock)."""
 
     async def __call__(self, scope, receive, send) -> None:
         m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else None
@@ -48,18 +113,49 @@ class PortProxy:
             await self.app(scope, receive, send)
             return
         port, sandbox_id = int(m.group(1)), m.group(2)
-        try:
-            sock = await anyio.to_thread.run_sync(self.node.open_port, sandbox_id, port)
-        except NotFoundError:
-            await _answer(scope, receive, send, 502, f"The sandbox {sandbox_id} was not found", sandbox_id, port)
+
+        async def answer(status: int, message: str) -> None:
+            await _answer(scope, receive, send, status, message, sandbox_id, port)
+
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            if length.isdigit() and int(length) <= DRAIN_BYTES:
+                await drain(receive, True)  # dropped, not kept: so the client reads the answer
+            await answer(413, f"request body larger than {self.max_body} bytes")
             return
-        except OSError:
-            await _answer(scope, receive, send, 502, "The sandbox is running but port is not open", sandbox_id, port)
+        if self.relays >= self.max_relays:
+            await answer(503, f"the daemon relays {self.max_relays} connections to sandbox ports already")
             return
+        self.relays += 1
         try:
-            await _relay(sock, scope, receive, send)
+            try:
+                sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
+                                                      Headers(scope=scope).get(TOKEN_HEADER))  # fmt: skip
+            except NotFoundError:
+                await answer(502, f"The sandbox {sandbox_id} was not found")
+                return
+            except _NoToken:
+                await answer(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
+                return
+            except OSError:
+                await answer(502, "The sandbox is running but port is not open")
+                return
+            try:
+                status = await _relay(sock, scope, receive, send, max_body=self.max_body, idle=self.idle_timeout)
+            finally:
+                sock.close()
+            if status is not None:
+                await answer(*status)
         finally:
-            sock.close()
+            self.relays -= 1
+
+    def _open(self, sandbox_id: str, port: int, token: str | None) -> socket.socket:
+        """A connection to ``port`` of the sandbox; :class:`_NoToken` when it is
+        private and ``token`` is not its traffic token (blocking)."""
+        info = self.node.table.get(sandbox_id).info  # NotFoundError
+        if not info.public_traffic and not self.sandboxes.traffic_token_matches(sandbox_id, token):
+            raise _NoToken
+        return self.node.open_port(sandbox_id, port)
 
 
 async def _answer(scope, receive, send, status: int, message: str, sandbox_id: str, port: int) -> None:
@@ -67,10 +163,58 @@ async def _answer(scope, receive, send, status: int, message: str, sandbox_id: s
                        status_code=status)(scope, receive, send)
 
 
-async def _relay(sock: socket.socket, scope, receive, send) -> None:
-    """One request from ``scope``/``receive`` to the connected ``sock``, its answer to ``send``."""
+class _NoToken(Exception):
+    """A private sandbox's port asked without its traffic access token."""
+
+
+class _Idle(Exception):
+    """No byte moved either way for the idle timeout."""
+
+
+class _TooLarge(Exception):
+    """The client's body passed the limit."""
+
+
+class _Clock:
+    """When a byte last moved either way in a relay, and waits bounded by it."""
+
+    def __init__(self, idle: float):
+        self.idle = idle
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+
+    def touch(self) -> None:
+        self.last = self.loop.time()
+
+    async def wait(self, aw, watch: asyncio.Task | None = None):
+        """The result of ``aw``; raises :class:`_Idle` once nothing moved for
+        ``idle`` seconds, or what ``watch`` (the upload) raised meanwhile."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                remaining = self.last + self.idle - self.loop.time()
+                if remaining <= 0:
+                    raise _Idle
+                waiting = {task} if watch is None else {task, watch}
+                done, _ = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch.done():
+                    watch.result()  # raises what the upload raised (it ended well: watched no more)
+                    watch = None
+                if task in done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+
+async def _relay(sock: socket.socket, scope, receive, send, *, max_body: int,
+                 idle: float) -> tuple[int, str] | None:  # fmt: skip
+    """One request from ``scope``/``receive`` to the connected ``sock``, its
+    answer to ``send``, within the limits; ``(status, message)`` to answer
+    when it failed before the sandbox answered, else None."""
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock)
+    clock = _Clock(idle)
     conn = h11.Connection(h11.CLIENT)
     path = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
@@ -83,42 +227,60 @@ async def _relay(sock: socket.socket, scope, receive, send) -> None:
     writer.write(conn.send(h11.Request(method=scope["method"], target=path, headers=headers)))
 
     async def upload() -> None:
+        seen = 0
         while True:
             message = await receive()
+            clock.touch()
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")
+            seen += len(body)
+            if seen > max_body:
+                raise _TooLarge
             if body and framed:
                 writer.write(conn.send(h11.Data(data=body)))
                 await writer.drain()
+                clock.touch()
             if not message.get("more_body"):
                 writer.write(conn.send(h11.EndOfMessage()))
                 await writer.drain()
                 return
 
+    async def forward(message: dict) -> None:
+        await clock.wait(send(message))
+        clock.touch()
+
     uploading = asyncio.create_task(upload())
-    started = False
+    started, failed = False, None
     try:
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await reader.read(READ_SIZE)
+                data = await clock.wait(reader.read(READ_SIZE), uploading)
+                clock.touch()
                 conn.receive_data(data)
                 continue
             if isinstance(event, h11.Response):
                 out = [(k, v) for k, v in event.headers if k.lower() not in _HOP | {b"transfer-encoding"}]
-                await send({"type": "http.response.start", "status": event.status_code, "headers": out})
-                started = True
+                started = True  # from here on no other answer may start
+                await forward({"type": "http.response.start", "status": event.status_code, "headers": out})
             elif isinstance(event, h11.Data):
-                await send({"type": "http.response.body", "body": bytes(event.data), "more_body": True})
+                await forward({"type": "http.response.body", "body": bytes(event.data), "more_body": True})
             elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                 break
-    except (h11.RemoteProtocolError, OSError):
+    except _Idle:
+        failed = (504, f"no byte moved to or from the sandbox's port for {idle:g} s")
+    except _TooLarge:
+        failed = (413, f"request body larger than {max_body} bytes")
         if not started:
-            await send({"type": "http.response.start", "status": 502, "headers": []})
-            started = True
+            await drain(receive, True)  # what the client still sends, dropped: so it reads the answer
+    except (h11.RemoteProtocolError, OSError):
+        failed = (502, "The sandbox's port closed the connection or answered something that is not HTTP/1.1")
     finally:
         uploading.cancel()
         writer.close()
-    if started:
+    if not started:
+        return failed
+    if failed is None:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return None  # cut short after the answer began: uvicorn closes the connection

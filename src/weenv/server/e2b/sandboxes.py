@@ -40,11 +40,13 @@ MAX_TIMEOUT_S = 7 * 86400
 @dataclass
 class Sandbox:
     """One sandbox as the E2B face sees it: the node's info, the template's
-    runtime config and the envd access token."""
+    runtime config, the envd access token and the traffic access token."""
 
     info: EnvironmentInfo
     runtime: RuntimeConfig
     access_token: str
+    traffic_token: str = ""
+    """Its traffic access token (:meth:`Sandboxes.traffic_token`)."""
 
     @property
     def id(self) -> str:
@@ -71,14 +73,14 @@ class Sandboxes:
 
     def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
                undelivered: bool = False, network: bool | None = None, allow_out: list[str] | None = None,
-               deny_out: list[str] | None = None) -> Sandbox:
+               deny_out: list[str] | None = None, public_traffic: bool = True) -> Sandbox:
         """A new environment from ``template`` living ``timeout`` seconds
         (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``;
-        ``network``, ``allow_out``, ``deny_out``: as ``CreateRequest``'s).
-        Raises what :meth:`Node.create` raises."""
+        ``network``, ``allow_out``, ``deny_out``, ``public_traffic``: as
+        ``CreateRequest``'s).  Raises what :meth:`Node.create` raises."""
         info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
                                 undelivered=undelivered, network=network, allow_out=allow_out or None,
-                                deny_out=deny_out or None)
+                                deny_out=deny_out or None, public_traffic=public_traffic)  # fmt: skip
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -145,6 +147,19 @@ class Sandboxes:
         return hmac.compare_digest((presented or "").encode(errors="surrogateescape"),
                                    self.access_token(sandbox_id).encode())
 
+    def traffic_token(self, sandbox_id: str) -> str:
+        """The traffic access token of ``sandbox_id`` (32 hex digits, E2B's
+        ``trafficAccessToken``): what requests to its ports must carry when it
+        was created with ``allowPublicTraffic`` false (:mod:`weenv.server.e2b.ports`).
+        Derived as the access token is, apart from it: one does not give the other."""
+        return hmac.new(self._secret, b"traffic\0" + sandbox_id.encode(errors="surrogateescape"),
+                        hashlib.sha256).hexdigest()[:32]  # fmt: skip
+
+    def traffic_token_matches(self, sandbox_id: str, presented: str | None) -> bool:
+        """Whether ``presented`` is the traffic access token of ``sandbox_id``, in constant time."""
+        return hmac.compare_digest((presented or "").encode(errors="surrogateescape"),
+                                   self.traffic_token(sandbox_id).encode())
+
     def _view(self, info: EnvironmentInfo) -> Sandbox:
         token = self.access_token(info.id)
         with self._lock:
@@ -154,4 +169,4 @@ class Sandboxes:
             runtime = manifest.runtime
             with self._lock:
                 self._runtimes[info.template_digest] = runtime
-        return Sandbox(info=info, runtime=runtime, access_token=token)
+        return Sandbox(info=info, runtime=runtime, access_token=token, traffic_token=self.traffic_token(info.id))

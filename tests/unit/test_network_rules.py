@@ -1,0 +1,51 @@
+"""An environment's own nft table (:func:`weenv.node.network.egress_ruleset`):
+the order of its verdicts, which allow entries open a local range, and the
+name servers read from a resolver configuration."""
+
+from __future__ import annotations
+
+from weenv.node import network
+
+ENV = "0123456789abcdef"
+
+
+def _chain(script: str) -> list[str]:
+    body = script.split("chain egress {", 1)[1]
+    return [line.strip().split(" ", 2)[2] for line in body.splitlines() if line.strip().startswith("iifname")]
+
+
+def _elements(script: str, name: str) -> str:
+    block = script.split(f"set {name} {{", 1)[1].split("}\n", 1)[0]
+    return block.split("elements = {", 1)[1].split("}", 1)[0].strip() if "elements" in block else ""
+
+
+def test_local_ranges_drop_before_the_lists_and_only_named_entries_open_them():
+    egress = network.Egress(internet=False, allow=("10.1.2.3/32", "0.0.0.0/0", "192.168.0.0/16"), deny=("1.2.3.0/24",))
+    script = network.egress_ruleset(ENV, egress, network.LOCAL_RANGES + ("192.0.2.0/24",), ("10.255.255.53",))
+    assert _chain(script) == [
+        "ip daddr @allow_local accept",
+        "ip daddr @dns meta l4proto { tcp, udp } th dport 53 accept",
+        "ip daddr @local drop",
+        "ip daddr @allow accept",
+        "ip daddr @deny drop",
+        "drop",
+    ]
+    assert _elements(script, "allow_local") == "10.1.2.3/32, 192.168.0.0/16"  # inside a local range: named
+    assert "192.0.2.0/24" in _elements(script, "local") and "10.0.0.0/8" in _elements(script, "local")
+    assert _elements(script, "dns") == "10.255.255.53/32"
+    with_internet = network.egress_ruleset(ENV, network.Egress())
+    assert _chain(with_internet)[-1] == "ip daddr @deny drop" and _elements(with_internet, "allow_local") == ""
+
+
+def test_every_default_local_range_is_dropped():
+    local = _elements(network.egress_ruleset(ENV, network.Egress()), "local")
+    for cidr in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "100.64.0.0/10", "127.0.0.0/8"):
+        assert cidr in local
+
+
+def test_name_servers_are_the_ipv4_nameserver_lines(tmp_path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# comment\nsearch example\nnameserver 10.255.255.53\nnameserver ::1\nnameserver bad\n"
+                    "nameserver 192.0.2.1 # second\nnameserver 10.255.255.53\n")
+    assert network.name_servers(conf) == ("10.255.255.53", "192.0.2.1")
+    assert network.name_servers(tmp_path / "missing") == ()
