@@ -112,6 +112,11 @@ def test_a_snapshot_or_e2b_template_never_repoints_a_name_it_does_not_own(remote
                 r = e2b.post("/v3/templates", json={"name": name, "cpuCount": 1, "memoryMB": 512})
                 assert r.status_code == 409 and "takes a name of its own" in r.json()["message"], r.text
             assert not [t for t in e2b.get("/templates").json() if t["names"] in (["task"], ["owned"])]
+            free = [e2b.post("/v3/templates", json={"name": "e2b-own", "cpuCount": 1, "memoryMB": 512})
+                    for _ in range(2)]  # a free name, then its own template's again
+            assert [r.status_code for r in free] == [202, 202], [r.text for r in free]
+            assert free[0].json()["templateID"] == free[1].json()["templateID"]
+            assert e2b.delete(f"/templates/{free[0].json()['templateID']}").status_code == 204
         assert (digest("task"), digest("owned")) == (task, owned)
         with Sandbox.create("owned", timeout=60, resources=SMALL) as fresh:
             remote.track(fresh.id)

@@ -227,11 +227,11 @@ class Templates:
                 if self._ref(base) is not None:
                     raise BusyError(f"template {base!r} exists in the store and is not an E2B template of "
                                     f"this node: an E2B template takes a name of its own")
+                t = TemplateRecord(id=_template_id(), name=base)
+                self._records[t.id] = t
             elif not self.owns_ref(t):
                 raise BusyError(f"template name {base!r} was taken in the store by a template that is not "
                                 f"E2B template {t.id}'s")
-                t = TemplateRecord(id=_template_id(), name=base)
-                self._records[t.id] = t
             b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048)
             t.builds.append(b)
             for tg in wanted:  # E2B assigns the tags as the build starts
