@@ -353,15 +353,19 @@ class Provisioner:
         """Stop controlling ``env_id`` (before its cgroup is removed): waits for
         a write in progress, thaws it if this provisioner froze it.  Unknown
         ids are ignored."""
-        with self._lock:
-            t = self._envs.pop(env_id, None)
-            self._short.discard(env_id)
+        t = self._untrack(env_id, remove=True)
         if t is None:
             return
         with t.lock:
             t.detached = True
             self._release(t)
         self._learn(t)
+
+    def _untrack(self, env_id: str, *, remove: bool) -> _Tracked | None:
+        """``env_id``'s record (None if unknown), no longer short of memory; ``remove``: forgotten."""
+        with self._lock:
+            self._short.discard(env_id)
+            return self._envs.pop(env_id, None) if remove else self._envs.get(env_id)
 
     @staticmethod
     def _release(t: _Tracked) -> None:
@@ -380,9 +384,7 @@ class Provisioner:
         memory limit and disk limit go on counting, its CPU does not, and its
         quotas are not changed until :meth:`resume`.  Thaws it if this
         provisioner had frozen it.  Unknown ids are ignored."""
-        with self._lock:
-            t = self._envs.get(env_id)
-            self._short.discard(env_id)
+        t = self._untrack(env_id, remove=False)
         if t is None:
             return
         with t.lock:
