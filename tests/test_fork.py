@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from test_network_lists import _reach, far_hosts, no_leak  # noqa: F401  (fixtures)
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, NotFoundError, StateError
 from weenv.node.node import Node
@@ -315,3 +316,98 @@ def test_children_failing_after_their_upper_dir_was_made_are_undone(node, paths,
         assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
         node.destroy(c.id)
     node.destroy(parent.id)
+
+
+def test_fork_children_keep_the_parents_network_policy(node, store, far_hosts, no_leak):  # noqa: F811
+    """Parents of a template with network, each created with less: none, a
+    ``deny_out`` list, an ``allow_out`` list alone.  Each child reaches what its
+    parent reaches and nothing more (not the template's network), and a snapshot
+    of a limited parent starts without network by default."""
+    from weenv.formats.manifest import canonical_json
+    from weenv.packaging.template import load_template
+
+    _digest, m = load_template(store, "task")  # "task" with network: true (by digest, no ref)
+    net_template = store.put_manifest(canonical_json(
+        m.model_copy(update={"runtime": m.runtime.model_copy(update={"network": True})})))
+    one, two = far_hosts["one"], far_hosts["two"]
+    cases = {
+        "off": ({"network": False}, {"one": False, "two": False}),
+        "denied": ({"deny_out": [f"{two}/32"]}, {"one": True, "two": False}),
+        "only": ({"network": False, "allow_out": [one]}, {"one": True, "two": False}),
+    }
+    made = []
+    for name, (fields, reach) in cases.items():
+        parent = node.create(net_template, **fields)
+        made.append(parent.id)
+        assert _reach(node, parent.id, far_hosts) == reach, name
+        (child,) = node.fork(parent.id, 1).children
+        assert not isinstance(child, Exception), child
+        made.append(child.id)
+        assert _reach(node, child.id, far_hosts) == reach, name
+        assert (child.network, child.allow_out, child.deny_out) == (parent.network, parent.allow_out,
+                                                                     parent.deny_out), name  # fmt: skip
+    node.snapshot(made[2], "limited-net")  # the "denied" parent
+    assert node.template("limited-net").runtime.network is False
+    node.delete_snapshot("limited-net")
+    for env_id in made:
+        node.destroy(env_id)
+
+
+def test_paused_environments_keep_their_memory_counted_in_admission(paths, store, leak_check):
+    """A node with memory for three environments: with two of them paused (frozen,
+    their memory still resident) a fourth is refused as it is when all run; a
+    resume admits nothing new, and a destroy of a paused one makes room."""
+    from weenv.errors import CapacityError
+    from weenv.node.provision import ProvisionConfig
+
+    res = {"cpus": 0.05, "memory_bytes": 256 << 20, "pids": 128}
+    cfg = ProvisionConfig(mode="static", memory_capacity=3 * (256 << 20), memory_overcommit=1.0)
+    with Node(paths, store=store, pool_size=0, provisioning=cfg) as node:
+        envs = [node.create("task", resources=res).id for _ in range(3)]
+        with pytest.raises(CapacityError, match="memory limits would reach 1024 MiB of 768 MiB") as running:
+            node.create("task", resources=res)
+        node.pause(envs[0])
+        node.pause(envs[1])
+        with pytest.raises(CapacityError) as paused:
+            node.create("task", resources=res)
+        assert str(paused.value) == str(running.value)  # refused as if they ran
+        assert node.provision_stats().totals.paused == 2
+        node.resume(envs[0])  # counted all along: nothing to admit again
+        assert sh(node, envs[0], "echo up") == b"up\n"
+        node.destroy(envs[1])  # paused: its memory goes with it
+        envs[1] = node.create("task", resources=res).id
+        assert node.count() == 3
+        for env_id in envs:
+            node.destroy(env_id)
+
+
+def test_kept_snapshot_captures_count_against_the_nodes_disk(paths, store, leak_check):
+    """A node disk of 2 GiB at overcommit 0.25 (512 MiB of limits) holding one
+    environment of 300 MiB: a snapshot of the 128 MiB it wrote is kept (428 MiB
+    counted), then a new create of 100 MiB and a second snapshot (the file
+    rewritten: a capture pinning other extents) do not fit and are refused
+    before anything is published; deleting the first snapshot frees its count."""
+    from weenv.errors import CapacityError
+    from weenv.node.provision import ProvisionConfig
+
+    res = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128, "disk_bytes": 300 << 20}
+    cfg = ProvisionConfig(mode="static", disk_overcommit=0.25)
+    with Node(paths, store=store, pool_size=0, disk_bytes=2 << 30, provisioning=cfg) as node:
+        e = node.create("task", resources=res)
+        write = "head -c 128M /dev/zero > /workspace/fill && sync"
+        sh(node, e.id, write)
+        first = node.snapshot(e.id, "disk-one")
+        with pytest.raises(CapacityError, match="disk limits would reach"):
+            node.create("task", resources={**res, "disk_bytes": 100 << 20})
+        sh(node, e.id, write)
+        with pytest.raises(CapacityError, match="snapshot 'disk-two'.s capture holds"):
+            node.snapshot(e.id, "disk-two")
+        assert [s.name for s in node.snapshots()] == ["disk-one"] and len(captures(paths)) == 1
+        assert 128 << 20 <= first.capture_bytes < 150 << 20, first
+        assert node.provision_stats().totals.disk_held == first.capture_bytes
+        node.delete_snapshot("disk-one")
+        assert node.provision_stats().totals.disk_held == 0 and captures(paths) == []
+        second = node.snapshot(e.id, "disk-two")
+        assert node.provision_stats().totals.disk_held == second.capture_bytes
+        node.delete_snapshot("disk-two")
+        node.destroy(e.id)

@@ -8,11 +8,12 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from daemon_fixture import point_sdk_at, start_daemon
 from weenv import Sandbox
-from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, StateError
 from weenv.store.file import FileStore
 
 SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
@@ -79,6 +80,48 @@ def test_sdk_snapshot_fork_reset_pause(remote):
         assert Sandbox.delete_snapshot("sdk-snap") is False
         with pytest.raises(NotFoundError):
             sb.reset("sdk-snap")  # gone from the node too
+
+
+def test_a_snapshot_or_e2b_template_never_repoints_a_name_it_does_not_own(remote):
+    """A snapshot named like the store's built template ``task``, or like another
+    environment's snapshot, and an E2B template build of either name, are
+    refused (409) and move no ref; an environment re-takes its own snapshot's name."""
+    with remote.http() as c, Sandbox.create("task", timeout=120, resources=SMALL) as a, \
+            Sandbox.create("task", timeout=120, resources=SMALL) as b:
+        remote.track(a.id, b.id)
+
+        def digest(name: str) -> str:
+            return c.get(f"/templates/{name}").json()["digest"]
+
+        task = digest("task")
+        with pytest.raises(BusyError, match="not a snapshot"):
+            a.create_snapshot("task")
+        a.files.write("/workspace/own.txt", "a1\n")
+        a.create_snapshot("owned")
+        a.files.write("/workspace/own.txt", "a2\n")
+        assert a.create_snapshot("owned").environment == a.id  # its own snapshot's name: moved
+        owned = digest("owned")
+        with pytest.raises(BusyError, match=f"of environment '{a.id}'"):
+            b.create_snapshot("owned")
+        r = c.post(f"/environments/{b.id}/snapshots", json={"name": "task"})
+        assert r.status_code == 409 and r.json()["error"]["kind"] == "busy", r.text
+        with httpx.Client(base_url=remote.url + "/e2b", headers={"X-API-Key": "e2b_" + remote.key}) as e2b:
+            r = e2b.post(f"/sandboxes/{b.id}/snapshots", json={"name": "owned"})
+            assert r.status_code == 409, r.text
+            for name in ("task", "owned"):  # an E2B template build under a store template's name
+                r = e2b.post("/v3/templates", json={"name": name, "cpuCount": 1, "memoryMB": 512})
+                assert r.status_code == 409 and "takes a name of its own" in r.json()["message"], r.text
+            assert not [t for t in e2b.get("/templates").json() if t["names"] in (["task"], ["owned"])]
+            free = [e2b.post("/v3/templates", json={"name": "e2b-own", "cpuCount": 1, "memoryMB": 512})
+                    for _ in range(2)]  # a free name, then its own template's again
+            assert [r.status_code for r in free] == [202, 202], [r.text for r in free]
+            assert free[0].json()["templateID"] == free[1].json()["templateID"]
+            assert e2b.delete(f"/templates/{free[0].json()['templateID']}").status_code == 204
+        assert (digest("task"), digest("owned")) == (task, owned)
+        with Sandbox.create("owned", timeout=60, resources=SMALL) as fresh:
+            remote.track(fresh.id)
+            assert fresh.files.read("/workspace/own.txt") == "a2\n"
+    Sandbox.delete_snapshot("owned")
 
 
 def test_cli_pause_resume_fork_snapshot_reset(remote):

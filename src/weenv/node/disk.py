@@ -338,6 +338,31 @@ class NodeDisk:
             os.close(src)
 
     @staticmethod
+    def tree_bytes(root: Path) -> int:
+        """Bytes the tree at ``root`` references on disk, as ``du`` counts them:
+        allocated blocks (``st_blocks``) of every file, directory and link,
+        each inode once (hard links), symlinks not followed.  A read-only
+        capture's data extents are shared with the environment it was taken of
+        (and simple quotas charge them to it), so the subvolume's own quota
+        group says nothing of what it pins; this is what deleting everything
+        else would leave held.  Raises :class:`FileNotFoundError` if ``root`` is gone."""
+        seen: set[int] = set()
+        total = os.lstat(root).st_blocks * 512
+        stack = [os.fspath(root)]
+        while stack:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
+                        if st.st_ino in seen:
+                            continue
+                        seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        return total
+
+    @staticmethod
     def delete_subvolume(parent: Path, name: str) -> None:
         """Delete the subvolume ``parent/name`` (read-only or not); fine if it is gone."""
         try:

@@ -7,7 +7,11 @@ shared with the parent, container, first command) but with its upper dir a
 snapshot of the capture (:meth:`NodeDisk.clone`: the parent's files,
 whiteouts and opaque directories, no data copied) instead of an empty one.
 A child is an environment of the parent's template with the parent's
-resources, variables, metadata and priority; it diverges from its parent and
+resources, variables, metadata, priority and network policy (its
+``EnvironmentInfo.network``, ``allow_out`` and ``deny_out``: a child of a parent
+without network has none, one of a parent limited by lists has the same lists;
+a parent adopted from an ``env.json`` written before these fields gives its
+children no network); it diverges from its parent and
 its siblings from there (each writes its own upper dir).  Process state is not
 forked: each child's first process starts anew.
 

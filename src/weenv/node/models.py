@@ -219,6 +219,9 @@ class SnapshotInfo(_Model):
     """Seconds the environment was frozen for the capture."""
     publish_s: float = 0.0
     """Seconds publishing took (the environment runs meanwhile)."""
+    capture_bytes: int = 0
+    """Bytes of the node's disk its capture, kept on the node that took it, is
+    counted at in that node's disk admission (:meth:`Captures.count`)."""
 
 
 class ForkRequest(_Model):
@@ -294,6 +297,15 @@ class EnvironmentInfo(_Model):
     """Its IPv4 address on its veth, when it has network (:mod:`weenv.node.network`)."""
     public_traffic: bool = True
     """As its create's ``public_traffic`` (E2B's ``allowPublicTraffic``)."""
+    network: bool = False
+    """Whether it reaches destinations in neither list below: its create's
+    ``network``, else its template's ``runtime.network`` (False with
+    ``allow_out`` alone: only those are reachable).  A fork child gets its
+    parent's three fields (:mod:`weenv.node.fork`)."""
+    allow_out: list[str] = Field(default_factory=list)
+    """Its create's ``allow_out`` (normalized IPv4 CIDRs), reachable whatever ``deny_out`` says."""
+    deny_out: list[str] = Field(default_factory=list)
+    """Its create's ``deny_out`` (normalized IPv4 CIDRs)."""
 
 
 class ExecRequest(_Model):

@@ -91,7 +91,15 @@ from weenv.node.recovery import Recovery, logged
 from weenv.node.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
 from weenv.node.runc import Runc
-from weenv.node.snapshot import Capture, Captures, SnapshotInfo, delete_snapshot, list_snapshots, new_snapshot_name
+from weenv.node.snapshot import (
+    Capture,
+    Captures,
+    SnapshotInfo,
+    check_snapshot_name,
+    delete_snapshot,
+    list_snapshots,
+    new_snapshot_name,
+)
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.users import Identity
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
@@ -196,7 +204,7 @@ class Node:
                                  groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
                                  lazy_mountpoint=paths.lazy_mountpoint)
-        self.captures = Captures(paths.environments)
+        self.captures = Captures(paths.environments, disk=self.provisioner)
         self.pauses = Pauses(self.provisioner)
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
         self.forks = Forks(self.captures, self._create_child)
@@ -396,7 +404,7 @@ class Node:
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
             self.resolver.check(req.template, resolved)  # RefMoved: undone; create starts the new digest
             env_dir = self.snapshotter.dir(env_id)
-            e = Environment(_info(env_id, manifest, digest, res, req, env_dir), manifest, env_dir)
+            e = Environment(_info(env_id, manifest, digest, res, req, env_dir, egress), manifest, env_dir)
             e.lowers = lowers
             if runtime.network:
                 e.info.address = network.env_address(env_id)
@@ -701,17 +709,25 @@ class Node:
         and publish it as template ``name`` (default ``snapshot-<hex>``); the
         capture stays on this node for :meth:`reset`.  Raises :class:`NotFoundError`,
         :class:`StateError` (not running or paused), :class:`InvalidInputError`
-        (bad name), :class:`MountError` (disk full: it runs on, files kept) and
-        what publishing raises (nothing is kept then)."""
+        (bad name), :class:`BusyError` (the name is another template's or another
+        environment's snapshot, checked before the capture: :func:`check_snapshot_name`),
+        :class:`CapacityError` (the node's disk cannot hold its capture beside the
+        environments' limits and the other snapshots' captures: :meth:`Captures.count`,
+        checked before publishing), :class:`MountError` (disk full: it runs on,
+        files kept) and what publishing raises (nothing is kept then)."""
         name = name or new_snapshot_name()
-        c = self.captures.take(self.table.get(env_id))
+        e = self.table.get(env_id)
+        check_snapshot_name(self.store, name, env_id)
+        c = self.captures.take(e)
         try:
+            held = self.captures.count(c, name)
             info = self.captures.publish(c, self.store, name, workdir=self.paths.node,
                                          publish_lock=lambda: store_lock(self.paths, exclusive=False))  # fmt: skip
         except BaseException:
             self.captures.drop(c)
             raise
         self.captures.keep(name, c)
+        info.capture_bytes = held
         return info
 
     def snapshots(self) -> list[SnapshotInfo]:
@@ -735,6 +751,8 @@ class Node:
         info = c.info
         req = CreateRequest(template=c.template_digest, resources=info.resources, envs=info.envs,
                             metadata=info.metadata, priority=info.priority,
+                            network=info.network, allow_out=info.allow_out, deny_out=info.deny_out,
+                            public_traffic=info.public_traffic,
                             timeout=info.timeout_s if timeout is None else timeout)  # fmt: skip
         return self._admitted_create(_Create(req, RUNC_DEFAULT_CAPS, False, False, upper_from=c.path))
 
@@ -760,8 +778,9 @@ class Node:
         return self.pauses.pause(self.table.get(env_id))
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
-        """Thaw the paused ``env_id``, its timeout ``timeout`` s from now (default its own).
-        Raises :class:`NotFoundError`, :class:`StateError`, :class:`CapacityError` (it stays paused)."""
+        """Thaw the paused ``env_id``, its timeout ``timeout`` s from now (default its own); it stayed
+        counted while paused (:mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
+        :class:`CapacityError` (only if it was not provisioned; it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)
 
     # --- stats and caches -------------------------------------------------------------
@@ -855,12 +874,14 @@ def _first_error(exc: ValidationError) -> str:
 
 
 def _info(env_id: str, manifest: TemplateManifest, digest: str, res: Resources, req: CreateRequest,
-          env_dir: Path) -> EnvironmentInfo:
-    """A new environment's info (its timing filled in when its create ends)."""
+          env_dir: Path, egress: network.Egress) -> EnvironmentInfo:
+    """A new environment's info (its timing filled in when its create ends), with
+    its network policy as ``egress`` (:func:`_network`) says (what a fork child inherits)."""
     return EnvironmentInfo(
         id=env_id, template=manifest.name, template_digest=digest, created_at=time.time(), state="running",
         rootfs=str(env_dir / "rootfs"), resources=res, timing=CreateTiming(),
         timeout_s=DEFAULT_TIMEOUT_S if req.timeout is None else float(req.timeout),
         envs=req.envs, metadata=req.metadata, priority=req.priority, public_traffic=req.public_traffic,
+        network=egress.internet, allow_out=list(egress.allow), deny_out=list(egress.deny),
     )  # fmt: skip
 

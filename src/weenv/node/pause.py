@@ -13,10 +13,16 @@ is the kernel's, the ``paused`` state is in ``env.json``); a reboot ends them.
 Nothing is checkpointed to disk (process checkpoints need CRIU, which does not
 work on this kernel; see issue 16).
 
-A paused environment is given back to the provisioner (:meth:`Provisioner.detach`):
-it counts against the node's disk, not its CPU or memory admission, and its
-quotas are not resized while paused; resume asks for its reservation again
-(:class:`CapacityError` if the node is full meanwhile: it stays paused).
+A paused environment stays reserved with the provisioner, uncontrolled
+(:meth:`Provisioner.pause`): the freezer keeps its memory resident, so its
+memory limit (at most that is held) and its disk limit go on counting against
+the node's admission and the memory the others may grow into; its CPU does not
+(it uses none), and its quotas are not resized while paused.  So a node never
+admits more than it could run were every paused environment resumed, and resume
+admits nothing: it takes control again (:meth:`Provisioner.resume`), except for
+an environment that was not provisioned (its reservation failed at a restart):
+that one is reserved then (:class:`CapacityError` if the node is full: it stays
+paused).
 While paused, commands are refused (:class:`StateError`), files can be read
 and written (the host reaches its root), and its timeout stands still: resume
 sets it again (the given seconds, else the environment's ``timeout_s``).
@@ -56,7 +62,7 @@ class Pauses:
             if e.info.state != "running":
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not running: cannot pause it")
             cg = self.open_cgroup(f"/{e.container_id}")
-            self.provisioner.detach(e.info.id)  # thaws it if the provisioner had frozen it
+            self.provisioner.pause(e.info.id)  # thaws it if the provisioner had frozen it
             try:
                 cg.freeze(timeout=self.freeze_timeout)
             except BaseException:
@@ -70,15 +76,14 @@ class Pauses:
         """Thaw ``e``, reserved again with the provisioner, its timeout
         ``timeout`` seconds (default its ``timeout_s``) from now; its info.
         Raises :class:`StateError` if it is not paused, :class:`CapacityError`
-        if the node cannot hold it now (it stays paused), :class:`InvalidInputError`
-        for a bad timeout."""
+        if it was not provisioned and the node cannot hold it now (it stays
+        paused), :class:`InvalidInputError` for a bad timeout."""
         timeout = check_timeout(e.info.timeout_s if timeout is None else timeout)
         with e.lock:
             if e.info.state != PAUSED:
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not paused: cannot resume it")
-            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
+            self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority)
             self.open_cgroup(f"/{e.container_id}").thaw()
-            self.provisioner.attach(e.info.id, f"/{e.container_id}")
             e.info.state = "running"
             e.info.timeout_s = timeout
             e.info.expires_at = time.time() + timeout
@@ -97,8 +102,7 @@ class Pauses:
 
     def _provision(self, e: Environment) -> None:
         try:
-            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
-            self.provisioner.attach(e.info.id, f"/{e.container_id}")
+            self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority)
         except Exception as exc:  # it runs anyway, with the limits it had
             log.warning("provisioning of environment %s after a failed pause failed: %s", e.info.id, exc)
             self.provisioner.detach(e.info.id)

@@ -131,7 +131,13 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
-        if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, unprovisioned
+        if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, still counted
+            try:
+                self.provisioner.reserve(info.id, info.resources, priority=info.priority,
+                                         template=info.template_digest)  # fmt: skip
+                self.provisioner.pause(info.id)
+            except Exception as exc:  # it stays paused; its resume reserves it (or refuses while full)
+                log.warning("reserving paused recovered environment %s failed: %s", info.id, exc)
             return e
         e.info.state = "running"
         if runc_status == "paused":  # frozen by the dead node's provisioner or mid-capture

@@ -20,17 +20,45 @@ reset costs metadata, not a copy of what the parent wrote.  They are the
 node's own: they go with its disk, and a node started on a home removes those
 an earlier node process left.
 
+A capture kept for a snapshot (:meth:`Captures.keep`: what reset goes back to)
+pins the extents the environment had, however the environment changes or
+whether it is destroyed, so it is counted against the node's disk with the
+environments' declared limits (:meth:`Captures.count`, the provisioner's
+:meth:`~weenv.node.provision.Provisioner.hold_disk`: the bytes its tree
+references, ``du``'s count, :meth:`NodeDisk.tree_bytes`) before the snapshot is
+published, refused with :class:`CapacityError` if the node's disk × its
+overcommit cannot hold it, and freed when it is dropped (the snapshot
+deleted, re-taken under its name, or the node closed).  A fork's capture is
+not counted: it lives only until its children have their upper dirs, and
+each child's declared limit is.
+
 A **snapshot** is a capture published to the store as a template
 (:meth:`Captures.publish`): the environment's template's groups with the
 capture on top as one more layer group (the upper dir cleaned of overlayfs's
 bookkeeping, :func:`~weenv.packaging.upperdir.clean_upper`, then an EROFS image
 chunked like any group: whiteouts and opaque markers in overlayfs's own form,
 which the kernel applies as it does in any group), and the runtime config of
-the environment (its template's, with the create's variables and resources).
+the environment (its template's, with the create's variables and resources,
+and ``network`` true only if the environment reached the network without a
+``deny_out`` list: a create from a snapshot asks its own network as any create
+does, and by default gets none when its parent had none, or only an
+``allow_out`` list, or a ``deny_out`` list, which a template cannot hold).
 So a snapshot starts on any node that reaches the store, lazily like any
 template, is listed and garbage-collected as one, and its top group's
 ``source`` (``type: snapshot``, the environment, its template's digest) tells
 snapshots apart from built templates (:func:`list_snapshots`).
+
+A snapshot's name is a template name in a store other nodes and users share, so
+a snapshot never moves a ref it does not own (:func:`check_snapshot_name`): it
+takes a name no template has, or the name of an earlier snapshot *of the same
+environment* (its top group's ``source.environment``: re-taking a checkpoint
+under its name).  A name held by a built template (``task``), an E2B
+template's, or another environment's snapshot is refused with
+:class:`BusyError` (HTTP 409) before anything is captured, and checked again
+just before the ref is written; to reuse another's snapshot name, delete that
+snapshot first.  The default name, ``snapshot-<12 hex>``, is fresh.  (Two
+nodes publishing one name at the same instant can still race between that
+check and the write: the store's refs have no compare-and-set.)
 """
 
 from __future__ import annotations
@@ -44,10 +72,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import InvalidInputError, NotFoundError, StateError
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, StateError
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
 from weenv.node.models import EnvironmentInfo, SnapshotInfo
+from weenv.node.provision import Provisioner
 from weenv.node.table import Environment
 from weenv.packaging.group import build_group, load_group
 from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
@@ -87,12 +116,17 @@ def new_snapshot_name() -> str:
 class Captures:
     """The node's captures, in ``environments/.captures``."""
 
-    def __init__(self, environments: Path, *, freeze_timeout: float = FREEZE_TIMEOUT_S):
+    def __init__(self, environments: Path, *, freeze_timeout: float = FREEZE_TIMEOUT_S,
+                 disk: Provisioner | None = None):  # fmt: skip
+        """``disk``: the provisioner whose disk admission counts kept captures (None: not counted)."""
         self.root = environments / CAPTURES
         self.freeze_timeout = freeze_timeout
+        self.disk = disk
         self._lock = threading.Lock()
         self._named: dict[str, Capture] = {}
         """Captures kept under a snapshot's name (:meth:`keep`): what reset goes back to."""
+        self._naming = threading.Lock()
+        """Held from a name's last check to its ref's write (one node's publishes of one name in turn)."""
 
     def open(self) -> None:
         """Remove the captures an earlier node process of this home left on the (open) node disk."""
@@ -152,8 +186,21 @@ class Captures:
         return Capture(cid, self.root / cid, e.info.id, e.template, e.info.template_digest,
                        e.info.model_copy(deep=True), pause_s)  # fmt: skip
 
+    def count(self, c: Capture, name: str) -> int:
+        """Count capture ``c``, to be kept as snapshot ``name``'s, against the
+        node's disk (see the module doc) until it is dropped; its bytes.
+        Raises :class:`CapacityError` if the disk cannot hold it (it is not
+        counted then; the caller drops it)."""
+        nbytes = NodeDisk.tree_bytes(c.path)
+        if self.disk is not None:
+            self.disk.hold_disk(f"capture-{c.id}", nbytes, f"snapshot {name!r}'s capture")
+        return nbytes
+
     def drop(self, c: Capture) -> None:
-        """Delete capture ``c`` (environments made from it keep their files: extents are shared)."""
+        """Delete capture ``c`` (environments made from it keep their files:
+        extents are shared) and free its count on the node's disk."""
+        if self.disk is not None:
+            self.disk.free_disk(f"capture-{c.id}")
         with self._lock:
             try:
                 NodeDisk.delete_subvolume(self.root, c.id)
@@ -191,10 +238,11 @@ class Captures:
         (see the module doc); ``workdir``: where the EROFS image is written
         meanwhile (not on the node's disk).  The capture itself is unchanged
         (a writable snapshot of it is cleaned and removed after).  Raises
-        :class:`InvalidInputError` (bad name), :class:`MountError`, what
-        building a group raises (:func:`build_group`) and what the store raises;
-        nothing of the snapshot is referenced then."""
-        check_name(name)
+        :class:`InvalidInputError` (bad name), :class:`BusyError` (the name is
+        another template's: :func:`check_snapshot_name`), :class:`MountError`,
+        what building a group raises (:func:`build_group`) and what the store
+        raises; nothing of the snapshot is referenced then."""
+        check_snapshot_name(store, name, c.env_id)
         t = time.perf_counter()
         scratch = f"{c.id}.publish"
         NodeDisk.snapshot(c.path, self.root, scratch, readonly=False)
@@ -207,11 +255,14 @@ class Captures:
                                      source={"type": SNAPSHOT_SOURCE, "environment": info.id,
                                              "template": c.template_digest})  # fmt: skip
                 runtime = c.template.runtime.model_copy(
-                    update={"env": {**c.template.runtime.env, **info.envs}, "resources": info.resources})
+                    update={"env": {**c.template.runtime.env, **info.envs}, "resources": info.resources,
+                            "network": info.network and not info.deny_out})
                 manifest = TemplateManifest(name=name, version=c.id, groups=[*c.template.groups, result.digest],
                                             runtime=runtime)  # fmt: skip
                 digest = store.put_manifest(canonical_json(manifest))
-                store.set_ref("templates", name, digest)
+                with self._naming:
+                    check_snapshot_name(store, name, c.env_id)  # taken meanwhile?
+                    store.set_ref("templates", name, digest)
         finally:
             try:
                 NodeDisk.delete_subvolume(self.root, scratch)
@@ -220,6 +271,27 @@ class Captures:
         return SnapshotInfo(name=name, digest=digest, group=result.digest, environment=info.id,
                             template=c.template_digest, bytes_published=result.bytes_written,
                             capture_s=c.pause_s, publish_s=time.perf_counter() - t)  # fmt: skip
+
+
+def check_snapshot_name(store: Store, name: str, environment: str) -> None:
+    """Whether environment ``environment`` may publish a snapshot as template
+    ``name`` (see the module doc): no template has that name, or it is a
+    snapshot of that environment.  Raises :class:`InvalidInputError` (a bad
+    name), :class:`BusyError` (it names a built template, another environment's
+    snapshot, or a ref whose template cannot be read), what the store raises."""
+    check_name(name)
+    try:
+        store.get_ref("templates", name)
+    except NotFoundError:
+        return
+    try:
+        owner = snapshot_of(store, name).environment
+    except (InvalidInputError, NotFoundError) as exc:
+        raise BusyError(f"template {name!r} exists in {store.url} and is not a snapshot ({exc}): "
+                        f"a snapshot takes a name of its own") from None
+    if owner != environment:
+        raise BusyError(f"snapshot {name!r} in {store.url} is of environment {owner!r}, not of {environment}: "
+                        f"a snapshot replaces only its own environment's (delete that one first)")
 
 
 def snapshot_of(store: Store, name: str) -> SnapshotInfo:

@@ -18,7 +18,9 @@ ready, bytes base64-encoded)::
     DELETE /v1/environments/{id}                      -> 204
     POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
     POST   /v1/environments/{id}/priority             SetPriorityRequest -> EnvironmentInfo
-    POST   /v1/environments/{id}/snapshots            SnapshotRequest -> 201 SnapshotInfo (captured, published)
+    POST   /v1/environments/{id}/snapshots            SnapshotRequest -> 201 SnapshotInfo (captured, published;
+                                                      409 if the name is another template's, 503 if the
+                                                      node's disk cannot keep the capture)
     POST   /v1/environments/{id}/fork                 ForkRequest -> 201 ForkResponse (each child or its error)
     POST   /v1/environments/{id}/reset                ResetRequest -> EnvironmentInfo (the template's or a
                                                       snapshot's state, in place)

@@ -19,7 +19,12 @@ Each pass (every ``interval_s``, default 1 s, or at once when a check every
 Lifetime of an environment: :meth:`Provisioner.reserve` (admission; its
 initial reservation counts against the node from then on), :meth:`attach` once its
 cgroup exists (writes the initial limits), :meth:`detach` before its cgroup is
-removed.  Every write to an environment happens under its lock after checking
+removed.  While the environment is paused (the cgroup freezer,
+:mod:`weenv.node.pause`) it is not controlled (:meth:`pause` to :meth:`resume`)
+but stays reserved: a frozen environment still holds its memory, so its memory
+limit (what it may hold: at most that is resident while it cannot run) and its
+disk limit count against admission and against the memory the arbiter grants
+the others; its CPU reservation does not (it uses none).  Every write to an environment happens under its lock after checking
 it is still attached, and cgroup writes never create a group, so an
 environment destroyed in the middle of a pass loses at most that write
 (:class:`~weenv.errors.NotFoundError`, ignored) and leaves nothing behind.
@@ -28,6 +33,7 @@ A failing environment never stops the loop: the error becomes an event.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -85,14 +91,16 @@ class _Tracked:
         self.last_pressure: Pressure | None = None
         self.want = None
         self.frozen = False
+        self.paused = False
+        """Paused by its user (:meth:`Provisioner.pause`): not controlled, its memory still counted."""
         self.oom_killer: bool | None = None
         self.refused = 0
         self.history: deque[UsagePoint] = deque(maxlen=policy.cfg.history)
 
     @property
     def cpu_reservation(self) -> float:
-        """What admission and the arbiter count (the policy's elastic value)."""
-        return self.policy.cpu_quota
+        """What admission and the arbiter count (the policy's elastic value; 0 while paused)."""
+        return 0.0 if self.paused else self.policy.cpu_quota
 
     def cpu_quota(self, cfg: ProvisionConfig) -> float:
         """The CFS quota this environment has (cores)."""
@@ -164,6 +172,8 @@ class Provisioner:
         )
         self.disk_capacity: int | None = None
         """Bytes of the node's disk for environments (the node sets it once its disk is open; None: not counted)."""
+        self._disk_held: dict[str, int] = {}
+        """Bytes of the node's disk held outside any environment, by key (:meth:`hold_disk`)."""
 
     # --- lifetime ----------------------------------------------------------------------
     def start(self) -> Provisioner:
@@ -276,10 +286,11 @@ class Provisioner:
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
                 peak = risk = None
+                running = [e for e in self._envs.values() if not e.paused]  # a paused one uses no CPU
                 if cfg.mode == "elastic" and cfg.admission == "peak":
-                    peak = self.predicted_cpu_peak(list(self._envs.values()), t)
+                    peak = self.predicted_cpu_peak(running, t)
                 if cfg.mode == "elastic" and cfg.admission == "burst":
-                    risk = self.burst_risk(list(self._envs.values()), t)
+                    risk = self.burst_risk(running, t)
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
@@ -287,13 +298,42 @@ class Provisioner:
                     budget=budget, admitting=self._admitting,
                     cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
                     burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,
-                    disk_sum=sum(e.resources.disk_bytes for e in self._envs.values()),
+                    disk_sum=self._disk_sum(),
                     disk_new=resources.disk_bytes,
                 )  # fmt: skip
                 if why:
                     self._event(env_id, "admission", f"refused: {why}")
                     raise CapacityError(f"cannot admit a new environment: {why}")
             self._envs[env_id] = t
+
+    def _disk_sum(self) -> int:
+        """Bytes of the node's disk counted now (under ``_lock``): declared limits, and what is held."""
+        return sum(e.resources.disk_bytes for e in self._envs.values()) + sum(self._disk_held.values())
+
+    def hold_disk(self, key: str, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` of the node's disk that no environment's limit covers
+        (a snapshot's capture kept on the node: the extents it pins) under
+        ``key`` (a key held already is replaced), against the node's disk
+        (:attr:`disk_capacity` × ``disk_overcommit``) with the environments'
+        declared limits: creates and other holds see them.  ``what``: the
+        thing held, for the error.  Raises :class:`CapacityError` if they would
+        not fit (nothing is counted then)."""
+        with self._lock:
+            budget = self._budget().disk
+            held = self._disk_sum() - self._disk_held.get(key, 0)
+            if self.config.mode != "off" and budget is not None and held + nbytes > budget:
+                why = (f"{what} holds {nbytes / (1 << 20):.1f} MiB: with the environments' disk limits and "
+                       f"the snapshots kept on this node ({held / (1 << 30):.2f} GiB) it passes the node's "
+                       f"{budget / (1 << 30):.2f} GiB disk (delete snapshots, or set WEENV_DISK_BYTES / "
+                       f"WEENV_DISK_OVERCOMMIT)")  # fmt: skip
+                self._event(None, "admission", f"refused: {why}")
+                raise CapacityError(f"cannot keep it: {why}")
+            self._disk_held[key] = nbytes
+
+    def free_disk(self, key: str) -> None:
+        """Stop counting what :meth:`hold_disk` held under ``key`` (unknown keys are ignored)."""
+        with self._lock:
+            self._disk_held.pop(key, None)
 
     def attach(self, env_id: str, cgroup_path: str) -> None:
         """Start controlling ``env_id`` whose cgroup (``cgroup_path``, runc's
@@ -313,20 +353,67 @@ class Provisioner:
         """Stop controlling ``env_id`` (before its cgroup is removed): waits for
         a write in progress, thaws it if this provisioner froze it.  Unknown
         ids are ignored."""
-        with self._lock:
-            t = self._envs.pop(env_id, None)
-            self._short.discard(env_id)
+        t = self._untrack(env_id, remove=True)
         if t is None:
             return
         with t.lock:
             t.detached = True
-            t.attached = False
-            if t.frozen and t.cgroup is not None:
+            self._release(t)
+        self._learn(t)
+
+    def _untrack(self, env_id: str, *, remove: bool) -> _Tracked | None:
+        """``env_id``'s record (None if unknown), no longer short of memory; ``remove``: forgotten."""
+        with self._lock:
+            self._short.discard(env_id)
+            return self._envs.pop(env_id, None) if remove else self._envs.get(env_id)
+
+    @staticmethod
+    def _release(t: _Tracked) -> None:
+        """No longer control ``t`` (under ``t.lock``): thawed if this provisioner froze it."""
+        t.attached = False
+        if t.frozen and t.cgroup is not None:
+            try:
+                t.cgroup.thaw()
+            except WeenvError:
+                pass
+        t.frozen = False
+
+    def pause(self, env_id: str) -> None:
+        """Stop controlling ``env_id``, which its user pauses now (the caller
+        freezes it next), keeping its reservation (see the module doc): its
+        memory limit and disk limit go on counting, its CPU does not, and its
+        quotas are not changed until :meth:`resume`.  Thaws it if this
+        provisioner had frozen it.  Unknown ids are ignored."""
+        t = self._untrack(env_id, remove=False)
+        if t is None:
+            return
+        with t.lock:
+            t.paused = True
+            self._release(t)
+
+    def resume(self, env_id: str, cgroup_path: str, resources: Resources, *, priority: int = 0) -> None:
+        """Control the paused ``env_id`` again (it is thawed next).  It was
+        counted all along, so this admits nothing, unless it is not provisioned
+        (its provisioning failed, or it was adopted paused by a node that could
+        not reserve it): then it is reserved and attached as a new one
+        (:meth:`reserve`'s :class:`CapacityError` if the node is full now)."""
+        with self._lock:
+            t = self._envs.get(env_id)
+        if t is None:
+            self.reserve(env_id, resources, priority=priority)
+            self.attach(env_id, cgroup_path)
+            return
+        with t.lock:
+            t.paused = False
+            attached_before = t.cgroup is not None
+            if attached_before:
                 try:
-                    t.cgroup.thaw()
+                    t.last = t.cgroup.usage()  # its next observation starts from now, not from the pause
                 except WeenvError:
                     pass
-        self._learn(t)
+                t.attached = not t.detached
+        if not attached_before:
+            self.attach(env_id, cgroup_path)
 
     def _learn(self, t: _Tracked) -> None:
         """Add what ``t`` did to its template's usage profile (when it ran long enough)."""
@@ -359,6 +446,7 @@ class Provisioner:
         with self._tick_lock:
             with self._lock:
                 envs = [t for t in self._envs.values() if t.attached]
+                paused_memory = sum(t.memory_limit for t in self._envs.values() if t.paused)
             claims = []
             for t in envs:
                 claim = self._observe(t)
@@ -367,8 +455,8 @@ class Provisioner:
             self.passes += 1
             if self.config.mode != "elastic":
                 return
-            budget = self._budget()
-            d = arbitrate(claims, budget)
+            budget = self._budget()  # the paused hold their memory: the others share the rest
+            d = arbitrate(claims, dataclasses.replace(budget, memory=budget.memory - paused_memory))
             if d.admitting != self._admitting:
                 self._event(None, "admission", "admission resumed" if d.admitting else "admission stopped")
                 self._admitting = d.admitting
@@ -568,12 +656,14 @@ class Provisioner:
             cpu_budget=b.cpu, memory_budget=b.memory,
             cpu_quota_sum=sum(t.cpu_quota(self.config) for t in everything),
             cpu_reservation_sum=sum(t.cpu_reservation for t in everything),
-            cpu_peak_predicted=self.predicted_cpu_peak(everything),
+            cpu_peak_predicted=self.predicted_cpu_peak([t for t in everything if not t.paused]),
             memory_limit_sum=sum(t.memory_limit for t in everything),
             cpu_used=sum(t.last_obs.cpu_cores for t in everything if t.last_obs),
             working_set=sum(t.last.memory_working_set for t in everything if t.last),
             memory_available=b.memory_available, admitting=self._admitting,
             environments=len(everything), frozen=sum(t.frozen for t in everything),
+            paused=sum(t.paused for t in everything),
+            disk_held=sum(self._disk_held.values()),
         )  # fmt: skip
         events = [e for e in self._events if env_id is None or e.env_id in (None, env_id)]
         return ProvisionStats(mode=self.config.mode, interval_s=self.config.interval_s,

@@ -272,6 +272,10 @@ class NodeTotals(_Model):
     admitting: bool
     environments: int
     frozen: int
+    paused: int = 0
+    """Environments paused by their users: their memory and disk limits count, their CPU does not."""
+    disk_held: int = 0
+    """Bytes of the node's disk held outside the environments' limits (snapshots' captures), counted in admission."""
 
 
 class ProvisionStats(_Model):

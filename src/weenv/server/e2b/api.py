@@ -19,7 +19,8 @@ Endpoints (paths and JSON field names as in E2B's public ``spec/openapi.yml``)::
     POST   /sandboxes/{id}/resume             {"timeout": s} -> Sandbox (201; 409 if not paused)
     POST   /sandboxes/{id}/fork               {"timeout": s, "count": n} -> 201 [SandboxForkResult]
                                               ({"sandbox": Sandbox} or {"error": {"code", "message"}} each)
-    POST   /sandboxes/{id}/snapshots          {"name": n} -> 201 SnapshotInfo {"snapshotID", "names"}
+    POST   /sandboxes/{id}/snapshots          {"name": n} -> 201 SnapshotInfo {"snapshotID", "names"} (409 if
+                                              the name is another template's or sandbox's snapshot)
     GET    /snapshots?sandboxID=&name=&limit=&nextToken=  -> [SnapshotInfo]
     DELETE /templates/{snapshotID}            -> 204 (a snapshot; served by the template routes, templates.py)
 

@@ -6,7 +6,13 @@ unless others are asked for) each pointing at a build, and builds; a build that
 succeeded is a weenv template manifest (:mod:`weenv.node.stepbuild`), and
 the store's ref ``templates/NAME`` follows the template's latest ready build, so
 ``weenv`` itself, ``Sandbox.create("NAME")``, ``"NAME:TAG"``, ``"ID"`` and
-``"NAME:BUILD_ID"`` all start it.  The records are kept in
+``"NAME:BUILD_ID"`` all start it.  That ref is the template's only while it
+points at one of its builds (or is absent): a build never moves a ref it does
+not own, so a new E2B template cannot take the name of a store template that
+is not one of this node's E2B templates (a built ``task``, a snapshot, another
+node's E2B template: :class:`BusyError`, HTTP 409, at the build request), and a
+build whose name was taken meanwhile ends as an error, the ref unmoved
+(:meth:`Templates.owns_ref`).  The records are kept in
 ``$WEENV_HOME/e2b/templates.json`` (written atomically on every change; a build
 still running when the daemon stopped reads back as failed); build logs are kept
 in memory only, at most :data:`MAX_LOG_ENTRIES` per build.
@@ -198,7 +204,9 @@ class Templates:
     def request(self, name: str, tags: list[str], *, cpu_count: int | None, memory_mb: int | None
                 ) -> tuple[TemplateRecord, Build, list[str]]:  # fmt: skip
         """A new build of template ``name`` (``NAME[:TAG]``; made if new), tagged
-        ``tags`` (default ``default``).  Returns ``(template, build, tags)``."""
+        ``tags`` (default ``default``).  Returns ``(template, build, tags)``.
+        Raises :class:`InvalidInputError`, :class:`BusyError` (the name is a
+        store template's that is not this E2B template's: :meth:`owns_ref`)."""
         base, tag = split_name(name)
         wanted = list(dict.fromkeys([*([tag] if tag else []), *tags])) or [DEFAULT_TAG]
         for t in wanted:
@@ -216,8 +224,14 @@ class Templates:
             if t is None:
                 if len(self._records) >= MAX_TEMPLATES:
                     raise InvalidInputError(f"this node keeps at most {MAX_TEMPLATES} templates")
+                if self._ref(base) is not None:
+                    raise BusyError(f"template {base!r} exists in the store and is not an E2B template of "
+                                    f"this node: an E2B template takes a name of its own")
                 t = TemplateRecord(id=_template_id(), name=base)
                 self._records[t.id] = t
+            elif not self.owns_ref(t):
+                raise BusyError(f"template name {base!r} was taken in the store by a template that is not "
+                                f"E2B template {t.id}'s")
             b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048)
             t.builds.append(b)
             for tg in wanted:  # E2B assigns the tags as the build starts
@@ -282,6 +296,10 @@ class Templates:
             self._fail(t, b, f"internal error: {type(exc).__name__}: {exc}", "base")
         else:
             with self._lock:
+                if not self.owns_ref(t):
+                    self._fail(t, b, f"template name {t.name!r} was taken in the store meanwhile by a template "
+                                     f"that is not this one's: its ref was left as it is", "base")  # fmt: skip
+                    return
                 b.status, b.digest = "ready", outcome.template_digest
                 b.steps_run, b.steps_cached = outcome.steps_run, outcome.steps_cached
                 b.finished_at = b.updated_at = time.time()
@@ -292,6 +310,19 @@ class Templates:
         finally:
             with self._lock:
                 self._running.pop(b.id, None)
+
+    def _ref(self, name: str) -> str | None:
+        """The digest the store's ``templates/NAME`` ref holds, None if there is none."""
+        try:
+            return self.store.get_ref("templates", name)
+        except NotFoundError:
+            return None
+
+    def owns_ref(self, t: TemplateRecord) -> bool:
+        """Whether ``t``'s builds may move the store's ref of its name: it is
+        absent, or it holds one of ``t``'s builds (see the module doc)."""
+        current = self._ref(t.name)
+        return current is None or current in {b.digest for b in t.builds if b.digest}
 
     def _fail(self, t: TemplateRecord, b: Build, message: str, step: str) -> None:
         self._log(b.id, message, level="error", step=step)
