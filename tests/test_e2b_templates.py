@@ -9,8 +9,10 @@ registry once and imported by the first build (later builds find it cached).
 
 from __future__ import annotations
 
+import io
 import re
 import socket
+import tarfile
 import time
 from pathlib import Path
 
@@ -273,7 +275,13 @@ def test_bad_requests(e2bd, base_image):
             assert s.recv(4096).startswith(b"HTTP/1.1 413")
         files = e2bd.daemon.home / "e2b" / "files"
         assert not list(files.glob(".*.part")) and not (files / f"{'cd' * 32}.tar").exists()
-        assert httpx.put(url, content=b"not a tar", headers=headers).status_code == 201
+        bad = httpx.put(url, content=b"not a tar", headers=headers)
+        assert bad.status_code == 400 and "not a tar" in bad.json()["message"], bad.text  # checked as it arrives
+        assert c.get(f"/templates/{tid}/files/{'cd' * 32}").json()["present"] is False
+        good = io.BytesIO()
+        with tarfile.open(fileobj=good, mode="w:gz") as tar:
+            tar.addfile(tarfile.TarInfo("empty"))
+        assert httpx.put(url, content=good.getvalue(), headers=headers).status_code == 201
         assert c.get(f"/templates/{tid}/files/{'cd' * 32}").json() == {"present": True}
 
 

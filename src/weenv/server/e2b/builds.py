@@ -11,11 +11,9 @@ the store's ref ``templates/NAME`` follows the template's latest ready build, so
 still running when the daemon stopped reads back as failed); build logs are kept
 in memory only, at most :data:`MAX_LOG_ENTRIES` per build.
 
-COPY uploads are files ``$WEENV_HOME/e2b/files/HASH.tar``, one per ``filesHash``
-(E2B's are team-wide too): written to a temporary file as they arrive, at most
-:data:`MAX_UPLOAD_BYTES`, renamed into place when whole.  The upload link is
-weenv's own URL, authorized by a token that names the template and hash
-(:meth:`Templates.upload_token`), since the SDK sends no API key there.
+COPY uploads, one per ``filesHash`` (E2B's are team-wide too), their tokens,
+checks and lifetimes are :mod:`weenv.server.e2b.uploads`'s (``Templates.uploads``):
+a build holds the uploads its COPY steps name from its start to its end.
 
 At most :data:`MAX_CONCURRENT_BUILDS` builds run at once (others wait, status
 ``waiting``).  Deleting a template cancels its builds and waits for them to
@@ -25,8 +23,6 @@ be undone (environments, mounts, cgroups, work dirs) before it answers.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -35,22 +31,19 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.formats.manifest import Resources
 from weenv.node.stepbuild import BuildSpec, StepFailedError, TemplateBuild
+from weenv.server.e2b.uploads import Uploads
 
 MAX_CONCURRENT_BUILDS = 2
 MAX_LOG_ENTRIES = 20_000
-MAX_UPLOAD_BYTES = 4 << 30
-"""Largest COPY upload (its gzip tar), bytes."""
 MAX_TEMPLATES = 10_000
 CANCEL_WAIT_S = 120.0
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_TAG = "default"
 
 
@@ -112,13 +105,13 @@ def split_name(name: str) -> tuple[str, str | None]:
 class Templates:
     """The E2B templates of ``node`` (see the module docstring).  Thread-safe."""
 
-    def __init__(self, node: Node, *, secret: bytes):
+    def __init__(self, node: Node, *, secret: bytes, **upload_limits):
+        """``upload_limits``: :class:`~weenv.server.e2b.uploads.Uploads`'s
+        ``ttl_s``, ``max_total``, ``max_upload``."""
         self.node = node
         self.store = node.store
         self.dir = node.paths.home / "e2b"
-        self.files_dir = self.dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._secret = hmac.new(secret, b"weenv e2b uploads", hashlib.sha256).digest()
+        self.uploads = Uploads(self.dir / "files", secret=secret, **upload_limits)
         self._lock = threading.RLock()
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_BUILDS)
         self._running: dict[str, tuple[threading.Thread, TemplateBuild | None]] = {}
@@ -247,6 +240,7 @@ class Templates:
             thread = threading.Thread(target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}",
                                       daemon=True)  # fmt: skip
             self._running[build_id] = (thread, None)
+            self.uploads.hold(build_id, t.id, {s.files_hash for s in spec.steps if s.files_hash})
             self._save()
         thread.start()
 
@@ -264,7 +258,7 @@ class Templates:
         def log(message: str, *, level: str = "info", step: str | None = None) -> None:
             self._log(b.id, message, level=level, step=step)
 
-        build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.upload_path, log=log)
+        build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.uploads.path, log=log)
         try:
             with self._slots:
                 with self._lock:
@@ -292,6 +286,7 @@ class Templates:
         finally:
             with self._lock:
                 self._running.pop(b.id, None)
+            self.uploads.release(b.id)
 
     def _fail(self, t: TemplateRecord, b: Build, message: str, step: str) -> None:
         self._log(b.id, message, level="error", step=step)
@@ -345,6 +340,7 @@ class Templates:
         with self._lock:
             for b in t.builds:
                 self._logs.pop(b.id, None)
+        self.uploads.forget(t.id)
 
     def _cancel_and_wait(self, running: list[tuple[threading.Thread, TemplateBuild | None]]) -> None:
         for _thread, build in running:
@@ -360,69 +356,13 @@ class Templates:
             self._closed = True
             running = list(self._running.values())
         self._cancel_and_wait(running)
+        self.uploads.close()
 
     def _check_open(self) -> None:
         if self._closed:
             from weenv.errors import ClosedError
 
             raise ClosedError("the daemon is stopping")
-
-    # --- uploads ----------------------------------------------------------------------
-    def upload_token(self, template_id: str, files_hash: str) -> str:
-        """The token authorizing the upload of ``files_hash`` for ``template_id``."""
-        mac = hmac.new(self._secret, f"{template_id}/{files_hash}".encode(), hashlib.sha256).hexdigest()
-        return f"{template_id}/{files_hash}/{mac}"
-
-    def token_matches(self, token: str | None) -> tuple[str, str] | None:
-        """``(template id, hash)`` the token authorizes, None if it is not one of ours."""
-        if not token or token.count("/") != 2:
-            return None
-        template_id, files_hash, _ = token.split("/")
-        if hmac.compare_digest(token.encode(errors="surrogateescape"),
-                               self.upload_token(template_id, files_hash).encode()):  # fmt: skip
-            return template_id, files_hash
-        return None
-
-    def upload_path(self, files_hash: str) -> Path | None:
-        """The upload of ``files_hash``, None if it never arrived."""
-        if not HASH_RE.match(files_hash):
-            return None
-        path = self.files_dir / f"{files_hash}.tar"
-        return path if path.is_file() else None
-
-    def writer(self, files_hash: str, length: int | None) -> _UploadWriter:
-        """A writer of the upload of ``files_hash`` (``length``: its announced
-        size, refused before anything is written if past :data:`MAX_UPLOAD_BYTES`)."""
-        if not HASH_RE.match(files_hash):
-            raise InvalidInputError(f"files hash {files_hash!r} is not 64 lowercase hex digits")
-        if length is not None and length > MAX_UPLOAD_BYTES:
-            raise RequestTooLargeError(f"the upload has {length} bytes; at most {MAX_UPLOAD_BYTES} are taken")
-        return _UploadWriter(self.files_dir, files_hash)
-
-
-class _UploadWriter:
-    """An upload written to a temporary file, bounded, renamed into place by :meth:`finish`."""
-
-    def __init__(self, directory: Path, files_hash: str):
-        self.final = directory / f"{files_hash}.tar"
-        self.tmp = directory / f".{files_hash}.{secrets.token_hex(4)}.part"
-        self.f = open(self.tmp, "wb")
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self.size += len(data)
-        if self.size > MAX_UPLOAD_BYTES:
-            self.abort()
-            raise RequestTooLargeError(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
-        self.f.write(data)
-
-    def finish(self) -> None:
-        self.f.close()
-        os.replace(self.tmp, self.final)
-
-    def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 def _template_id() -> str:
