@@ -9,7 +9,8 @@ the store's ref ``templates/NAME`` follows the template's latest ready build, so
 ``"NAME:BUILD_ID"`` all start it.  The records are kept in
 ``$WEENV_HOME/e2b/templates.json`` (written atomically on every change; a build
 still running when the daemon stopped reads back as failed); build logs are kept
-in memory only, at most :data:`MAX_LOG_ENTRIES` per build.
+in memory only, bounded in bytes per build (:mod:`weenv.server.e2b.buildlog`) and
+for all builds (:data:`MAX_LOGS_BYTES`: the oldest finished builds' logs go first).
 
 COPY uploads, one per ``filesHash`` (E2B's are team-wide too), their tokens,
 checks and lifetimes are :mod:`weenv.server.e2b.uploads`'s (``Templates.uploads``):
@@ -22,7 +23,6 @@ be undone (environments, mounts, cgroups, work dirs) before it answers.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -35,21 +35,18 @@ from dataclasses import asdict, dataclass, field
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.formats.manifest import Resources
-from weenv.node.stepbuild import BuildSpec, StepFailedError, TemplateBuild
+from weenv.node.stepbuild import MAX_LINE_BYTES, BuildSpec, StepFailedError, TemplateBuild
+from weenv.server.e2b.buildlog import BuildLogBook, cut_line
 from weenv.server.e2b.uploads import Uploads
 
 MAX_CONCURRENT_BUILDS = 2
-MAX_LOG_ENTRIES = 20_000
+MAX_LOGS_BYTES = 256 << 20
+"""Bytes of the logs of all builds; past it the oldest finished builds' logs are dropped."""
 MAX_TEMPLATES = 10_000
 CANCEL_WAIT_S = 120.0
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 DEFAULT_TAG = "default"
-
-
-def now_iso(t: float | None = None) -> str:
-    t = time.time() if t is None else t
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass
@@ -115,7 +112,7 @@ class Templates:
         self._lock = threading.RLock()
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_BUILDS)
         self._running: dict[str, tuple[threading.Thread, TemplateBuild | None]] = {}
-        self._logs: dict[str, list[dict]] = {}
+        self._logs: dict[str, BuildLogBook] = {}  # build id -> its log, oldest build first
         self._closed = False
         self._records: dict[str, TemplateRecord] = self._load()
 
@@ -164,7 +161,8 @@ class Templates:
 
     def logs(self, build_id: str) -> list[dict]:
         with self._lock:
-            return list(self._logs.get(build_id, []))
+            book = self._logs.get(build_id)
+            return list(book.entries) if book else []
 
     def resolve(self, ref: str) -> str | None:
         """The weenv template digest ``ref`` starts (``ID``, ``NAME``, ``NAME:TAG``,
@@ -216,7 +214,7 @@ class Templates:
             for tg in wanted:  # E2B assigns the tags as the build starts
                 t.tags[tg] = {"build": b.id, "at": time.time()}
             t.updated_at = time.time()
-            self._logs[b.id] = []
+            self._logs[b.id] = BuildLogBook()
             self._save()
             return t, b, wanted
 
@@ -244,19 +242,27 @@ class Templates:
             self._save()
         thread.start()
 
-    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None) -> None:
+    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None,
+             output: bool = False, final: bool = False) -> None:  # fmt: skip
         with self._lock:
-            entries = self._logs.setdefault(build_id, [])
-            if len(entries) < MAX_LOG_ENTRIES:
-                entries.append({"timestamp": now_iso(), "level": level, "message": message,
-                                **({"step": step} if step else {})})  # fmt: skip
-            elif len(entries) == MAX_LOG_ENTRIES:
-                entries.append({"timestamp": now_iso(), "level": "warn",
-                                "message": f"(more than {MAX_LOG_ENTRIES} log lines: the rest is dropped)"})
+            book = self._logs.get(build_id)
+            if book is None:
+                book = self._logs[build_id] = BuildLogBook()
+            book.add(message, level=level, step=step, output=output, final=final)
+
+    def _forget_old_logs(self) -> None:
+        """Drop the logs of the oldest finished builds while all logs hold more than :data:`MAX_LOGS_BYTES`."""
+        with self._lock:
+            total = sum(book.bytes for book in self._logs.values())
+            for build_id in list(self._logs):
+                if total <= MAX_LOGS_BYTES:
+                    break
+                if build_id not in self._running:
+                    total -= self._logs.pop(build_id).bytes
 
     def _run(self, t: TemplateRecord, b: Build, spec: BuildSpec) -> None:
-        def log(message: str, *, level: str = "info", step: str | None = None) -> None:
-            self._log(b.id, message, level=level, step=step)
+        def log(message: str, *, level: str = "info", step: str | None = None, output: bool = False) -> None:
+            self._log(b.id, message, level=level, step=step, output=output)
 
         build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.uploads.path, log=log)
         try:
@@ -282,17 +288,20 @@ class Templates:
                 if t.id in self._records and t.latest_ready() is b:
                     self.store.set_ref("templates", t.name, outcome.template_digest)
                 self._save()
-            log("Build finished: ready")
+            self._log(b.id, "Build finished: ready", final=True)
         finally:
             with self._lock:
                 self._running.pop(b.id, None)
             self.uploads.release(b.id)
+            self._forget_old_logs()
 
     def _fail(self, t: TemplateRecord, b: Build, message: str, step: str) -> None:
-        self._log(b.id, message, level="error", step=step)
+        self._log(b.id, message, level="error", step=step, final=True)
         with self._lock:
-            tail = [e for e in self._logs.get(b.id, []) if e.get("step") == step][-20:]
-            b.status, b.reason = "error", {"message": message, "step": step, "logEntries": tail}
+            book = self._logs.get(b.id)
+            tail = [e for e in (book.entries if book else []) if e.get("step") == step][-20:]
+            b.status, b.reason = "error", {"message": cut_line(message, 4 * MAX_LINE_BYTES), "step": step,
+                                           "logEntries": tail}  # fmt: skip
             b.finished_at = b.updated_at = time.time()
             if t.id in self._records:
                 self._save()
