@@ -9,9 +9,13 @@ registry once and imported by the first build (later builds find it cached).
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import socket
+import tarfile
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -73,6 +77,7 @@ def test_build_from_image_with_every_step_kind(e2bd, base_image, tmp_path):
     logs: list = []
     info = Template.build(tpl, "t-kinds", on_build_logs=logs.append)
     assert info.template_id and info.build_id and info.name == "t-kinds"
+    assert not list((e2bd.daemon.home / "e2b" / "files").iterdir())  # the build's uploads went at its end
     assert Template.exists("t-kinds") and Template.alias_exists("t-kinds")
     assert not Template.exists("t-absent")
     text = "\n".join(e.message for e in logs)
@@ -273,7 +278,13 @@ def test_bad_requests(e2bd, base_image):
             assert s.recv(4096).startswith(b"HTTP/1.1 413")
         files = e2bd.daemon.home / "e2b" / "files"
         assert not list(files.glob(".*.part")) and not (files / f"{'cd' * 32}.tar").exists()
-        assert httpx.put(url, content=b"not a tar", headers=headers).status_code == 201
+        bad = httpx.put(url, content=b"not a tar", headers=headers)
+        assert bad.status_code == 400 and "not a tar" in bad.json()["message"], bad.text  # checked as it arrives
+        assert c.get(f"/templates/{tid}/files/{'cd' * 32}").json()["present"] is False
+        good = io.BytesIO()
+        with tarfile.open(fileobj=good, mode="w:gz") as tar:
+            tar.addfile(tarfile.TarInfo("empty"))
+        assert httpx.put(url, content=good.getvalue(), headers=headers).status_code == 201
         assert c.get(f"/templates/{tid}/files/{'cd' * 32}").json() == {"present": True}
 
 
@@ -297,3 +308,125 @@ def test_deleting_a_template_cancels_its_build(e2bd, base_image):
         assert time.monotonic() - t0 < 30
         assert c.get(f"/templates/{tid}/builds/{bid}/status").status_code == 404
     _quiet_nothing_left(e2bd)
+
+
+# --- uploads and logs: bounded where they enter ------------------------------------------------
+def _raw_put(d, url: str, headers: dict, length: int, body: bytes, wait: float = 30) -> bytes:
+    """PUT ``body`` as the first bytes of a body announced ``length`` long; the
+    answer the daemon gives before the rest is sent (a timeout if it waits for it)."""
+    host, port = d.url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((host, int(port))) as s:
+        s.settimeout(wait)
+        s.sendall(f"PUT {url.removeprefix(d.url)} HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n{head}\r\n"
+                  .encode() + body)  # fmt: skip
+        answer = b""
+        while b"}" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+def test_an_upload_declaring_a_huge_pax_header_is_refused_before_its_body(e2bd):
+    """A 1 GiB PAX header (tarfile reads a header whole): refused on the first
+    MiB sent of a 3 GiB body, nothing kept."""
+    with e2bd.api() as c:
+        tid, _ = _request(c, "t-paxbomb")
+        link = c.get(f"/templates/{tid}/files/{'ef' * 32}").json()
+    head = tarfile.TarInfo("pax")
+    head.type, head.size = tarfile.XHDTYPE, 1 << 30
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    first = z.compress(head.tobuf(format=tarfile.USTAR_FORMAT) + bytes(1 << 20)) + z.flush(zlib.Z_SYNC_FLUSH)
+    answer = _raw_put(e2bd.daemon, link["url"], link["headers"], 3 << 30, first)
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert b"PAX extended header of 1073741824 bytes at offset 0" in answer, answer
+    files = e2bd.daemon.home / "e2b" / "files"
+    assert not list(files.glob(".*.part")) and not (files / f"{'ef' * 32}.tar").exists()
+
+
+def test_a_copy_whose_upload_is_not_its_files_fails_and_the_upload_goes(e2bd, base_image, tmp_path):
+    from e2b.template.utils import calculate_files_hash, tar_file_stream
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "app.txt").write_text("the files hashed\n")
+    files_hash = calculate_files_hash("app.txt", "/app/", str(ctx), [], False, None)
+    (ctx / "app.txt").write_text("other files, same name\n")
+    with tar_file_stream("app.txt", str(ctx), [], False, True) as f:
+        body = f.read()
+    with e2bd.api() as c:
+        tid, bid = _request(c, "t-mismatch")
+        link = c.get(f"/templates/{tid}/files/{files_hash}").json()
+        assert httpx.put(link["url"], content=body, headers=link["headers"]).status_code == 201
+        step = {"type": "COPY", "args": ["app.txt", "/app/"], "filesHash": files_hash, "force": False}
+        r = c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": [step]})
+        assert r.status_code == 202, r.text
+        s = _wait(c, tid, bid)
+        assert s["status"] == "error" and s["reason"]["step"] == "1", s
+        assert f"the upload of filesHash {files_hash} is not the files of COPY app.txt /app/" in s["reason"]["message"]
+        assert not (e2bd.daemon.home / "e2b" / "files" / f"{files_hash}.tar").exists()  # gone with the build
+    _quiet_nothing_left(e2bd)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_build_printing_200_mb_keeps_a_bounded_log(e2bd, base_image):
+    """200 MB printed in four long lines: the log the status route pages is a
+    few MiB, ends with the step's last output, and the daemon does not grow."""
+    before = _rss_kib(e2bd.daemon.proc.pid)
+    spam = "for i in 1 2 3 4; do head -c 50000000 /dev/zero | tr '\\0' a; echo; done; echo last-line"
+    logs: list = []
+    Template.build(Template().from_image(base_image).run_cmd(spam), "t-spam", on_build_logs=logs.append)
+    grown = _rss_kib(e2bd.daemon.proc.pid) - before
+    with e2bd.api() as c:
+        t = c.get("/templates/t-spam").json()
+        tid, bid = t["templateID"], t["builds"][0]["buildID"]
+        entries, size, offset = [], 0, 0
+        while page := (r := c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": offset})).json()[
+                "logEntries"]:  # fmt: skip
+            entries += page
+            size += len(r.content)
+            offset += len(page)
+    messages = [e["message"] for e in entries]
+    assert size < 8 << 20, size
+    assert "last-line" in messages and messages[-1] == "Build finished: ready", messages[-5:]
+    assert any(m.endswith(" bytes cut]") and m.startswith("a" * 4096) for m in messages)
+    assert grown < 64 << 10, f"the daemon grew {grown} KiB"
+    assert "last-line" in [e.message for e in logs]  # what the SDK paged
+
+
+def test_upload_tokens_expire_open_one_route_and_unbuilt_uploads_go(tmp_path_factory, oci_registry):  # noqa: F811
+    """A node whose uploads live 3 s and hold at most 1 MiB together."""
+    with e2b_daemon(tmp_path_factory.mktemp("e2b-uploads"), oci_registry, WEENV_E2B_UPLOAD_TTL_S="3",
+                    WEENV_E2B_UPLOADS_MAX_BYTES=str(1 << 20)) as d, d.api() as c:  # fmt: skip
+        files = d.daemon.home / "e2b" / "files"
+        tid, _ = _request(c, "t-up")
+        first = c.get(f"/templates/{tid}/files/{'12' * 32}").json()
+        # the token is no credential elsewhere: a keyless body past 64 KiB is refused, not read whole for a 401
+        r = httpx.post(d.api_url + "/sandboxes", content=b"{" + b" " * (1 << 20) + b"}",
+                       headers={**first["headers"], "content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 413 and "65536" in r.text, r.text
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            info = tarfile.TarInfo("random")
+            info.size = 700_000
+            tar.addfile(info, io.BytesIO(os.urandom(info.size)))
+        body = buf.getvalue()
+        assert httpx.put(first["url"], content=body, headers=first["headers"]).status_code == 201
+        second = c.get(f"/templates/{tid}/files/{'34' * 32}").json()
+        r = httpx.put(second["url"], content=body, headers=second["headers"])
+        assert r.status_code == 503 and "bytes of uploads" in r.json()["message"], r.text  # 1 MiB in all
+        time.sleep(4)  # past the ttl: an upload no build started with is removed, its token expired
+        assert not (files / f"{'12' * 32}.tar").exists()
+        r = httpx.put(first["url"], content=b"x", headers=first["headers"])
+        assert r.status_code == 401 and "expired" in r.json()["message"], r.text
+        assert httpx.put(first["url"], content=body, headers=first["headers"]).status_code == 413  # no credential
+        second = c.get(f"/templates/{tid}/files/{'34' * 32}").json()
+        assert httpx.put(second["url"], content=body, headers=second["headers"]).status_code == 201  # room again

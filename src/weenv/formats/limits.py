@@ -57,3 +57,11 @@ def frame_bound(size: int) -> int:
     """The most bytes a zstd frame of ``size`` plaintext bytes takes (above
     ``ZSTD_COMPRESSBOUND``: size + size/256 + 64, plus the frame header)."""
     return size + (size >> 8) + 128
+
+
+MAX_TAR_HEADER_BYTES = 1 << 20
+"""Largest extended header of a tar weenv unpacks (a PAX ``x`` / ``g`` header,
+a GNU ``L`` long name or ``K`` long link target), bytes: Python's ``tarfile``
+reads each whole, in one read, so a COPY upload's headers are checked against
+this before ``tarfile`` sees them (:mod:`weenv.packaging.tarscan`).  A path is
+at most 4 KiB on Linux; 1 MiB leaves room for any real header."""

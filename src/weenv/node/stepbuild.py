@@ -95,8 +95,14 @@ DEFAULT_REGISTRY = "docker.io"
 SKOPEO_TIMEOUT_S = 120.0
 
 
+MAX_LINE_BYTES = 4096
+"""Bytes of one line of a step's output kept (as it is read: the rest is counted, not held)."""
+
+
 class BuildLog(Protocol):
-    def __call__(self, message: str, *, level: str = "info", step: str | None = None) -> None: ...
+    def __call__(self, message: str, *, level: str = "info", step: str | None = None,
+                 output: bool = False) -> None:  # fmt: skip
+        """Hear a log line; ``output``: a line a step's command printed (the rest: the builder's own)."""
 
 
 class StepFailedError(RuntimeFailedError):
@@ -219,6 +225,44 @@ def _lookup(store: Store, key: str, user: str) -> tuple[_State, dict[str, str]] 
     return _State(tuple(manifest.groups), account), env
 
 
+class _Lines:
+    """A command's output split into lines for ``say``, each cut to
+    :data:`MAX_LINE_BYTES` as it is read (what is cut is counted, not kept);
+    ``tail`` holds the last 40."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.tail: list[str] = []
+        self._line = bytearray()
+        self._cut = 0
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            piece = data[start : nl if nl >= 0 else len(data)]
+            room = max(0, MAX_LINE_BYTES - len(self._line))
+            self._line += piece[:room]
+            self._cut += len(piece) - min(room, len(piece))
+            if nl < 0:
+                return
+            self._emit()
+            start = nl + 1
+
+    def _emit(self) -> None:
+        text = bytes(self._line).decode(errors="replace").rstrip("\r")
+        if self._cut:
+            text += f" … [{self._cut} bytes cut]"
+        self._line.clear()
+        self._cut = 0
+        self.say(text)
+        self.tail = [*self.tail[-39:], text]
+
+    def close(self) -> None:
+        if self._line or self._cut:
+            self._emit()
+
+
 class _Session:
     """The build environments of one build: at most one alive at a time."""
 
@@ -274,28 +318,19 @@ class _Session:
             self.check()
             p = self.node.spawn(self.live[0], argv, env=env, cwd=cwd, timeout=RUN_TIMEOUT_S, primary_reader=True)
             self.process = p
-        tail: list[str] = []
-        partial = b""
+        lines = _Lines(say)
         end = None
         try:
             for ev in p.log.follow(p.primary):
                 if ev.type in ("stdout", "stderr"):
-                    partial += ev.data or b""
-                    *lines, partial = partial.split(b"\n")
-                    if len(partial) > 8192:
-                        lines, partial = [*lines, partial], b""
-                    for line in lines:
-                        text = line.decode(errors="replace").rstrip("\r")
-                        say(text)
-                        tail = [*tail[-39:], text]
+                    lines.feed(ev.data or b"")
                 elif ev.type == "end":
                     end = ev
         finally:
             with self._lock:
                 self.process = None
-        if partial:
-            say(partial.decode(errors="replace"))
-            tail = [*tail[-39:], partial.decode(errors="replace")]
+        lines.close()
+        tail = lines.tail
         self.check()
         if p.error is not None:
             raise p.error
@@ -477,7 +512,7 @@ class TemplateBuild:
             stage.mkdir()
             try:
                 (stage / "files").mkdir()
-                unpack_upload(upload, stage / "files")
+                unpack_upload(upload, stage / "files", step)  # the files the step's filesHash names, or refused
                 s.env(state.groups, ROOT.ids)
                 owner = state.account
                 if len(step.args) > 2 and step.args[2]:
@@ -491,7 +526,7 @@ class TemplateBuild:
                 script = ('set -e; mkdir -p "$1"; tar -xf "$2" -C "$1" --no-overwrite-dir --keep-directory-symlink '
                           '--numeric-owner --same-permissions; rm -f "$2"')  # fmt: skip
                 code, _, tail = s.run(["/bin/sh", "-c", script, "copy", into, inside], {"PATH": DEFAULT_PATH}, "/",
-                                      lambda line: self.log(line, step=label))  # fmt: skip
+                                      lambda line: self.log(line, step=label, output=True))  # fmt: skip
                 if code != 0:
                     raise StepFailedError(f"step {label} ({step.describe()}): extracting the files into {into} "
                                           f"failed (exit {code}; the image needs tar):\n" + "\n".join(tail),
@@ -521,7 +556,7 @@ class TemplateBuild:
             cwd = "/"
         env = {"PATH": DEFAULT_PATH, **ctx.env, "HOME": account.home, "USER": account.name}
         code, timed_out, tail = s.run(["/bin/sh", "-c", "exec 2>&1\n" + step.args[0]], env, cwd,
-                                      lambda line: self.log(line, step=label))  # fmt: skip
+                                      lambda line: self.log(line, step=label, output=True))  # fmt: skip
         if code != 0 or timed_out:
             what = f"timed out after {RUN_TIMEOUT_S:g} s" if timed_out else f"exited {code}"
             out = "\n".join(tail)

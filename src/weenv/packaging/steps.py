@@ -44,6 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.host.rootfs import RootFS
+from weenv.packaging.fileshash import files_hash
+from weenv.packaging.tarscan import scan_file
 
 StepType = Literal["RUN", "COPY", "WORKDIR", "USER", "ENV"]
 MAX_STEPS = 1000
@@ -273,25 +275,34 @@ def copy_source(src: str) -> str:
     return path
 
 
-def unpack_upload(upload: Path, dest: Path) -> None:
+def unpack_upload(upload: Path, dest: Path, step: Step | None = None) -> None:
     """Extract the COPY upload ``upload`` (a tar, gzip-compressed or not) into the
     empty directory ``dest``, refusing absolute or ``..`` paths, links out of
     it, devices, more than :data:`MAX_COPY_ENTRIES` entries or
-    :data:`MAX_COPY_BYTES` bytes (:class:`InvalidInputError`)."""
+    :data:`MAX_COPY_BYTES` bytes, and the headers :mod:`~weenv.packaging.tarscan`
+    refuses (checked before :mod:`tarfile` reads any).  With ``step`` (a COPY),
+    the upload must also be the files whose ``filesHash`` the step carries
+    (:func:`~weenv.packaging.fileshash.files_hash`).  Raises
+    :class:`InvalidInputError` (:class:`UploadMismatchError` for the hash)."""
+    gzip = scan_file(upload, max_entries=MAX_COPY_ENTRIES, max_bytes=MAX_COPY_BYTES)
     try:
-        with tarfile.open(upload, "r:*") as tar:
-            members, total = [], 0
-            for m in tar:
-                members.append(m)
-                total += m.size if m.isfile() else 0
-                if len(members) > MAX_COPY_ENTRIES or total > MAX_COPY_BYTES:
-                    raise InvalidInputError(
-                        f"the COPY upload holds more than {MAX_COPY_ENTRIES} entries or {MAX_COPY_BYTES} bytes")
+        with tarfile.open(upload, "r:gz" if gzip else "r:") as tar:
+            members = tar.getmembers()
+            if step is not None:
+                got = files_hash(tar, members, step.args[0], step.args[1], max_bytes=MAX_COPY_BYTES)
+                if got != step.files_hash:
+                    raise UploadMismatchError(
+                        f"the upload of filesHash {step.files_hash} is not the files of COPY {step.args[0]} "
+                        f"{step.args[1]} (they hash to {got}; it was removed: build again to upload it anew)")
             tar.extractall(dest, members=members, filter=_upload_filter)
     except tarfile.FilterError as exc:
         raise InvalidInputError(f"the COPY upload leaves its directory: {exc}") from exc
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise InvalidInputError(f"the COPY upload is not a readable tar: {exc}") from exc
+
+
+class UploadMismatchError(InvalidInputError):
+    """A COPY upload is not the files its ``filesHash`` names."""
 
 
 def _upload_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:

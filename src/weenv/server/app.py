@@ -119,8 +119,9 @@ def create_app(
     def credentialed(scope: dict) -> bool:
         """Whether a request carries valid credentials (checked before its body
         is read, :class:`~weenv.server.limits.BodyLimit`): it came on the
-        trusted Unix socket, carries the API key, or an envd access token that
-        ``app.state.envd_credentialed`` (set by the daemon) accepts."""
+        trusted Unix socket, carries the API key, or credentials that
+        ``app.state.envd_credentialed(scope)`` (set by the daemon: an envd
+        access token, an upload's token on its own route) accepts."""
         server = scope.get("server")
         if trusted_socket is not None and server and server[1] is None and server[0] == trusted_socket:
             return True
@@ -128,7 +129,7 @@ def create_app(
         if api_key is not None and api_key.matches(presented_key(headers)):
             return True
         envd = getattr(app.state, "envd_credentialed", None)
-        return envd is not None and envd(headers)
+        return envd is not None and envd(scope)
 
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
     app.add_middleware(EnvSeconds, book=metrics.tax)  # outermost: a request's whole time, limits included

@@ -30,6 +30,7 @@ import re
 from collections.abc import Iterable
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.routing import Mount
 
 from weenv.errors import InvalidInputError
@@ -63,7 +64,9 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     # envd access tokens keyed by the first API key: stable across restarts, new with a new key
     secret = hmac.new(keys[0].encode(), b"weenv envd access token", hashlib.sha256).digest()
     sandboxes = Sandboxes(node, token_secret=secret)
-    templates = Templates(node, secret=secret)
+    limits = {k: conv(os.environ[v]) for k, v, conv in (("ttl_s", "WEENV_E2B_UPLOAD_TTL_S", float),
+              ("max_total", "WEENV_E2B_UPLOADS_MAX_BYTES", int)) if v in os.environ}  # fmt: skip
+    templates = Templates(node, secret=secret, **limits)
     app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     check = key_checker(keys)
@@ -75,14 +78,16 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
     app.state.sandboxes = sandboxes
     app.state.templates = templates
-    app.state.envd_credentialed = lambda headers: _credentialed(sandboxes, templates, headers)
+    app.state.envd_credentialed = lambda scope: _credentialed(sandboxes, templates, scope)
     return app
 
 
-def _credentialed(sandboxes: Sandboxes, templates: Templates, headers) -> bool:
-    """Whether ``headers`` carry the envd access token of the sandbox they name,
-    or a template upload token."""
-    if templates.token_matches(headers.get(UPLOAD_HEADER)) is not None:
+def _credentialed(sandboxes: Sandboxes, templates: Templates, scope: dict) -> bool:
+    """Whether the request of ASGI ``scope`` carries the envd access token of
+    the sandbox it names, or is an upload with that upload's live token (a
+    token is no credential for any other route)."""
+    headers = Headers(scope=scope)
+    if templates.uploads.authorises(headers.get(UPLOAD_HEADER), scope.get("method", ""), scope.get("path", "")):
         return True
     sid = sandbox_id_in(headers)
     return bool(sid) and sandboxes.token_matches(sid, headers.get("x-access-token"))

@@ -15,13 +15,12 @@ build whose name was taken meanwhile ends as an error, the ref unmoved
 (:meth:`Templates.owns_ref`).  The records are kept in
 ``$WEENV_HOME/e2b/templates.json`` (written atomically on every change; a build
 still running when the daemon stopped reads back as failed); build logs are kept
-in memory only, at most :data:`MAX_LOG_ENTRIES` per build.
+in memory only, bounded in bytes per build (:mod:`weenv.server.e2b.buildlog`) and
+for all builds (:data:`MAX_LOGS_BYTES`: the oldest finished builds' logs go first).
 
-COPY uploads are files ``$WEENV_HOME/e2b/files/HASH.tar``, one per ``filesHash``
-(E2B's are team-wide too): written to a temporary file as they arrive, at most
-:data:`MAX_UPLOAD_BYTES`, renamed into place when whole.  The upload link is
-weenv's own URL, authorized by a token that names the template and hash
-(:meth:`Templates.upload_token`), since the SDK sends no API key there.
+COPY uploads, one per ``filesHash`` (E2B's are team-wide too), their tokens,
+checks and lifetimes are :mod:`weenv.server.e2b.uploads`'s (``Templates.uploads``):
+a build holds the uploads its COPY steps name from its start to its end.
 
 At most :data:`MAX_CONCURRENT_BUILDS` builds run at once (others wait, status
 ``waiting``).  Deleting a template cancels its builds and waits for them to
@@ -30,9 +29,6 @@ be undone (environments, mounts, cgroups, work dirs) before it answers.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -41,28 +37,22 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, RequestTooLargeError, WeenvError
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.formats.manifest import Resources
-from weenv.node.stepbuild import BuildSpec, StepFailedError, TemplateBuild
+from weenv.node.stepbuild import MAX_LINE_BYTES, BuildSpec, StepFailedError, TemplateBuild
+from weenv.server.e2b.buildlog import BuildLogBook, cut_line
+from weenv.server.e2b.uploads import Uploads
 
 MAX_CONCURRENT_BUILDS = 2
-MAX_LOG_ENTRIES = 20_000
-MAX_UPLOAD_BYTES = 4 << 30
-"""Largest COPY upload (its gzip tar), bytes."""
+MAX_LOGS_BYTES = 256 << 20
+"""Bytes of the logs of all builds; past it the oldest finished builds' logs are dropped."""
 MAX_TEMPLATES = 10_000
 CANCEL_WAIT_S = 120.0
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_TAG = "default"
-
-
-def now_iso(t: float | None = None) -> str:
-    t = time.time() if t is None else t
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass
@@ -118,17 +108,17 @@ def split_name(name: str) -> tuple[str, str | None]:
 class Templates:
     """The E2B templates of ``node`` (see the module docstring).  Thread-safe."""
 
-    def __init__(self, node: Node, *, secret: bytes):
+    def __init__(self, node: Node, *, secret: bytes, **upload_limits):
+        """``upload_limits``: :class:`~weenv.server.e2b.uploads.Uploads`'s
+        ``ttl_s``, ``max_total``, ``max_upload``."""
         self.node = node
         self.store = node.store
         self.dir = node.paths.home / "e2b"
-        self.files_dir = self.dir / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._secret = hmac.new(secret, b"weenv e2b uploads", hashlib.sha256).digest()
+        self.uploads = Uploads(self.dir / "files", secret=secret, **upload_limits)
         self._lock = threading.RLock()
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_BUILDS)
         self._running: dict[str, tuple[threading.Thread, TemplateBuild | None]] = {}
-        self._logs: dict[str, list[dict]] = {}
+        self._logs: dict[str, BuildLogBook] = {}  # build id -> its log, oldest build first
         self._closed = False
         self._records: dict[str, TemplateRecord] = self._load()
 
@@ -177,7 +167,8 @@ class Templates:
 
     def logs(self, build_id: str) -> list[dict]:
         with self._lock:
-            return list(self._logs.get(build_id, []))
+            book = self._logs.get(build_id)
+            return list(book.entries) if book else []
 
     def resolve(self, ref: str) -> str | None:
         """The weenv template digest ``ref`` starts (``ID``, ``NAME``, ``NAME:TAG``,
@@ -237,7 +228,7 @@ class Templates:
             for tg in wanted:  # E2B assigns the tags as the build starts
                 t.tags[tg] = {"build": b.id, "at": time.time()}
             t.updated_at = time.time()
-            self._logs[b.id] = []
+            self._logs[b.id] = BuildLogBook()
             self._save()
             return t, b, wanted
 
@@ -261,24 +252,33 @@ class Templates:
             thread = threading.Thread(target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}",
                                       daemon=True)  # fmt: skip
             self._running[build_id] = (thread, None)
+            self.uploads.hold(build_id, t.id, {s.files_hash for s in spec.steps if s.files_hash})
             self._save()
         thread.start()
 
-    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None) -> None:
+    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None,
+             output: bool = False, final: bool = False) -> None:  # fmt: skip
         with self._lock:
-            entries = self._logs.setdefault(build_id, [])
-            if len(entries) < MAX_LOG_ENTRIES:
-                entries.append({"timestamp": now_iso(), "level": level, "message": message,
-                                **({"step": step} if step else {})})  # fmt: skip
-            elif len(entries) == MAX_LOG_ENTRIES:
-                entries.append({"timestamp": now_iso(), "level": "warn",
-                                "message": f"(more than {MAX_LOG_ENTRIES} log lines: the rest is dropped)"})
+            book = self._logs.get(build_id)
+            if book is None:
+                book = self._logs[build_id] = BuildLogBook()
+            book.add(message, level=level, step=step, output=output, final=final)
+
+    def _forget_old_logs(self) -> None:
+        """Drop the logs of the oldest finished builds while all logs hold more than :data:`MAX_LOGS_BYTES`."""
+        with self._lock:
+            total = sum(book.bytes for book in self._logs.values())
+            for build_id in list(self._logs):
+                if total <= MAX_LOGS_BYTES:
+                    break
+                if build_id not in self._running:
+                    total -= self._logs.pop(build_id).bytes
 
     def _run(self, t: TemplateRecord, b: Build, spec: BuildSpec) -> None:
-        def log(message: str, *, level: str = "info", step: str | None = None) -> None:
-            self._log(b.id, message, level=level, step=step)
+        def log(message: str, *, level: str = "info", step: str | None = None, output: bool = False) -> None:
+            self._log(b.id, message, level=level, step=step, output=output)
 
-        build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.upload_path, log=log)
+        build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.uploads.path, log=log)
         try:
             with self._slots:
                 with self._lock:
@@ -306,10 +306,12 @@ class Templates:
                 if t.id in self._records and t.latest_ready() is b:
                     self.store.set_ref("templates", t.name, outcome.template_digest)
                 self._save()
-            log("Build finished: ready")
+            self._log(b.id, "Build finished: ready", final=True)
         finally:
             with self._lock:
                 self._running.pop(b.id, None)
+            self.uploads.release(b.id)
+            self._forget_old_logs()
 
     def _ref(self, name: str) -> str | None:
         """The digest the store's ``templates/NAME`` ref holds, None if there is none."""
@@ -325,10 +327,12 @@ class Templates:
         return current is None or current in {b.digest for b in t.builds if b.digest}
 
     def _fail(self, t: TemplateRecord, b: Build, message: str, step: str) -> None:
-        self._log(b.id, message, level="error", step=step)
+        self._log(b.id, message, level="error", step=step, final=True)
         with self._lock:
-            tail = [e for e in self._logs.get(b.id, []) if e.get("step") == step][-20:]
-            b.status, b.reason = "error", {"message": message, "step": step, "logEntries": tail}
+            book = self._logs.get(b.id)
+            tail = [e for e in (book.entries if book else []) if e.get("step") == step][-20:]
+            b.status, b.reason = "error", {"message": cut_line(message, 4 * MAX_LINE_BYTES), "step": step,
+                                           "logEntries": tail}  # fmt: skip
             b.finished_at = b.updated_at = time.time()
             if t.id in self._records:
                 self._save()
@@ -376,6 +380,7 @@ class Templates:
         with self._lock:
             for b in t.builds:
                 self._logs.pop(b.id, None)
+        self.uploads.forget(t.id)
 
     def _cancel_and_wait(self, running: list[tuple[threading.Thread, TemplateBuild | None]]) -> None:
         for _thread, build in running:
@@ -391,69 +396,13 @@ class Templates:
             self._closed = True
             running = list(self._running.values())
         self._cancel_and_wait(running)
+        self.uploads.close()
 
     def _check_open(self) -> None:
         if self._closed:
             from weenv.errors import ClosedError
 
             raise ClosedError("the daemon is stopping")
-
-    # --- uploads ----------------------------------------------------------------------
-    def upload_token(self, template_id: str, files_hash: str) -> str:
-        """The token authorizing the upload of ``files_hash`` for ``template_id``."""
-        mac = hmac.new(self._secret, f"{template_id}/{files_hash}".encode(), hashlib.sha256).hexdigest()
-        return f"{template_id}/{files_hash}/{mac}"
-
-    def token_matches(self, token: str | None) -> tuple[str, str] | None:
-        """``(template id, hash)`` the token authorizes, None if it is not one of ours."""
-        if not token or token.count("/") != 2:
-            return None
-        template_id, files_hash, _ = token.split("/")
-        if hmac.compare_digest(token.encode(errors="surrogateescape"),
-                               self.upload_token(template_id, files_hash).encode()):  # fmt: skip
-            return template_id, files_hash
-        return None
-
-    def upload_path(self, files_hash: str) -> Path | None:
-        """The upload of ``files_hash``, None if it never arrived."""
-        if not HASH_RE.match(files_hash):
-            return None
-        path = self.files_dir / f"{files_hash}.tar"
-        return path if path.is_file() else None
-
-    def writer(self, files_hash: str, length: int | None) -> _UploadWriter:
-        """A writer of the upload of ``files_hash`` (``length``: its announced
-        size, refused before anything is written if past :data:`MAX_UPLOAD_BYTES`)."""
-        if not HASH_RE.match(files_hash):
-            raise InvalidInputError(f"files hash {files_hash!r} is not 64 lowercase hex digits")
-        if length is not None and length > MAX_UPLOAD_BYTES:
-            raise RequestTooLargeError(f"the upload has {length} bytes; at most {MAX_UPLOAD_BYTES} are taken")
-        return _UploadWriter(self.files_dir, files_hash)
-
-
-class _UploadWriter:
-    """An upload written to a temporary file, bounded, renamed into place by :meth:`finish`."""
-
-    def __init__(self, directory: Path, files_hash: str):
-        self.final = directory / f"{files_hash}.tar"
-        self.tmp = directory / f".{files_hash}.{secrets.token_hex(4)}.part"
-        self.f = open(self.tmp, "wb")
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self.size += len(data)
-        if self.size > MAX_UPLOAD_BYTES:
-            self.abort()
-            raise RequestTooLargeError(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
-        self.f.write(data)
-
-    def finish(self) -> None:
-        self.f.close()
-        os.replace(self.tmp, self.final)
-
-    def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 def _template_id() -> str:

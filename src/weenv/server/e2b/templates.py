@@ -18,7 +18,9 @@ Endpoints (paths and JSON as in E2B's public ``spec/openapi.yml``)::
 
 Every route but the upload needs the API key (the router's dependency); the
 upload needs the token the files route handed out (``X-Weenv-Upload-Token``),
-since the SDK sends the upload to the link without its key.  ``{id}`` is the
+since the SDK sends the upload to the link without its key; the token lives an
+hour and opens that one route only (:mod:`weenv.server.e2b.uploads`, which also
+checks the upload as it arrives and removes it once no build needs it).  ``{id}`` is the
 template id or, as E2B accepts, its name.
 """
 
@@ -125,13 +127,14 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
     @router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
     def file_link(request: Request, template_id: str, files_hash: str) -> dict:
         t = found(template_id)
-        if templates.upload_path(files_hash) is not None:
-            return {"present": True}
         if len(files_hash) != 64 or any(c not in "0123456789abcdef" for c in files_hash):
             raise E2BError(400, f"hash {files_hash!r} is not 64 lowercase hex digits")
+        templates.uploads.claim(t.id, files_hash)  # kept for this template's next build
+        if templates.uploads.path(files_hash) is not None:
+            return {"present": True}
         here = str(request.url.replace(query=""))
         url = f"{here[: here.rindex('/templates/')]}/templates/{t.id}/files/{files_hash}/upload"
-        return {"present": False, "url": url, "headers": {UPLOAD_HEADER: templates.upload_token(t.id, files_hash)}}
+        return {"present": False, "url": url, "headers": {UPLOAD_HEADER: templates.uploads.token(t.id, files_hash)}}
 
     @uploads.put("/templates/{template_id}/files/{files_hash}/upload", status_code=201)
     async def upload(
@@ -141,16 +144,14 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         token: Annotated[str | None, Header(alias=UPLOAD_HEADER)] = None,
         content_length: Annotated[int | None, Header()] = None,
     ) -> Response:
-        if templates.token_matches(token) != (template_id, files_hash):
-            raise E2BError(401, "missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)")
-        writer = templates.writer(files_hash, content_length)
+        templates.uploads.check_token(token, template_id, files_hash)
+        writer = await anyio.to_thread.run_sync(templates.uploads.writer, template_id, files_hash, content_length)
         try:
             async for chunk in request.stream():
                 await anyio.to_thread.run_sync(writer.write, chunk)
             await anyio.to_thread.run_sync(writer.finish)
-        except BaseException:
-            writer.abort()
-            raise
+        finally:
+            writer.abort()  # a no-op once finished
         return Response(status_code=201)
 
     @router.post("/v2/templates/{template_id}/builds/{build_id}", status_code=202)
