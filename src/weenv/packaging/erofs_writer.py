@@ -64,8 +64,10 @@ _FT = {stat.S_IFREG: 1, stat.S_IFDIR: 2, stat.S_IFCHR: 3, stat.S_IFBLK: 4, stat.
 _XATTR_PREFIXES = (("user.", 1), ("trusted.", 4), ("security.", 6))
 _ACL = {"system.posix_acl_access": 2, "system.posix_acl_default": 3}
 
-Reader = Callable[[], Iterator[bytes]]
-"""Yields a regular file's content, in pieces of any size."""
+Reader = Callable[[], Iterator[bytes | int]]
+"""Yields a regular file's content in pieces of any size: ``bytes``, or an
+``int`` n for a hole of n zero bytes (never materialized: whole blocks of it
+become holes in the image without being built or compared)."""
 
 
 @dataclass
@@ -263,9 +265,20 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
         pending = bytearray()
         got = 0
         for piece in _pieces(node):
-            got += len(piece)
+            got += piece if isinstance(piece, int) else len(piece)
             if got > node.size:
                 raise InvalidInputError(f"{path}: more data than its size ({node.size} bytes)")
+            if isinstance(piece, int):  # a hole: fill the block under way, then whole blocks are holes
+                fill = min(piece, -len(pending) % BLOCK) if pending else 0
+                pending += bytes(fill)
+                if len(pending) == BLOCK:
+                    next_block = _put_block(out, node._map, pending, next_block)
+                    pending = bytearray()
+                if not pending:
+                    whole, rest = divmod(piece - fill, BLOCK)
+                    node._map.extend([NULL_ADDR] * whole)
+                    pending += bytes(rest)
+                continue
             pending += piece
             full = len(pending) - len(pending) % BLOCK
             view = memoryview(pending)
@@ -358,7 +371,7 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     return ImageStats(total_blocks * BLOCK, len(order))
 
 
-def _pieces(node: Inode) -> Iterator[bytes]:
+def _pieces(node: Inode) -> Iterator[bytes | int]:
     if node.data is None:
         return iter(())
     if isinstance(node.data, bytes):
@@ -367,7 +380,7 @@ def _pieces(node: Inode) -> Iterator[bytes]:
 
 
 def _read_all(node: Inode, path: str) -> bytes:
-    data = b"".join(_pieces(node))
+    data = b"".join(bytes(p) if isinstance(p, int) else p for p in _pieces(node))
     if len(data) != node.size:
         raise InvalidInputError(f"{path}: {len(data)} bytes of data, its size says {node.size}")
     return data
@@ -439,10 +452,9 @@ def _file_reader(path: str) -> Reader:
                     data_at = os.lseek(fd, offset, os.SEEK_DATA)
                 except OSError:  # only holes from here on
                     data_at = size
-                while offset < data_at:
-                    n = min(data_at - offset, 1 << 20)
-                    yield bytes(n)
-                    offset += n
+                if offset < data_at:
+                    yield data_at - offset  # a hole
+                    offset = data_at
                 if offset >= size:
                     break
                 hole_at = os.lseek(fd, offset, os.SEEK_HOLE)
