@@ -16,10 +16,21 @@ The image (block size 4 KiB)::
     blocks D+1..     metadata (``meta_blkaddr``): every inode, extended
                      form (64 bytes: 64-bit size, 32-bit uid/gid, mtime in ns),
                      its inline xattrs, then either its inline tail (directory
-                     blocks, symlink targets, small files: ``FLAT_INLINE``) or a
-                     4-byte block map per 4 KiB (regular files: ``CHUNK_BASED``,
-                     all-zero blocks are holes, so sparse and > 4 GiB files cost
-                     only their data)
+                     blocks, symlink targets, small files: ``FLAT_INLINE``),
+                     nothing (other files without holes: ``FLAT_PLAIN``, one
+                     contiguous run of blocks), or a 4-byte block map per 4 KiB
+                     (sparse files: ``CHUNK_BASED``, the source's holes are
+                     holes, so sparse and > 4 GiB files cost only their data)
+
+Why files without holes are never ``CHUNK_BASED`` (issue 18): the kernel maps
+each block of a chunk-based file through its block map, a metadata read of the
+backing file inside the page fault.  In a memory cgroup at its limit with the
+OOM killer disabled (cgroup v1 ``oom_kill_disable``: weenv's elastic
+provisioner waits for tasks there), only the fault's own page waits; that
+nested read fails with ENOMEM, the kernel logs "readahead error at folio N @
+nid M" and the process dies of SIGBUS (seen on ``libc.so.6``, exit 135).  A
+``FLAT_PLAIN`` file's blocks are found by arithmetic, as in mkfs.erofs images.
+Zero blocks inside data are stored as data (only a source's holes are holes).
 
 Everything is deterministic: the same tree (names, contents, modes, owners,
 mtimes, xattrs, hardlinks) and UUID give the same bytes.  Directory entries
@@ -57,7 +68,6 @@ SYMLINK_MAX = 4095
 INODE_SIZE = 64
 INLINE_MAX = 2048
 """Regular files up to this many bytes live in their inode's block (no data block)."""
-ZERO_BLOCK = bytes(BLOCK)
 
 _FT = {stat.S_IFREG: 1, stat.S_IFDIR: 2, stat.S_IFCHR: 3, stat.S_IFBLK: 4, stat.S_IFIFO: 5,
        stat.S_IFSOCK: 6, stat.S_IFLNK: 7}  # fmt: skip
@@ -261,35 +271,11 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
             node._tail = _read_all(node, path)
             node._layout = LAYOUT_FLAT_INLINE if node._tail else LAYOUT_FLAT_PLAIN
             continue
-        node._layout, node._map = LAYOUT_CHUNK_BASED, []
-        pending = bytearray()
-        got = 0
-        for piece in _pieces(node):
-            got += piece if isinstance(piece, int) else len(piece)
-            if got > node.size:
-                raise InvalidInputError(f"{path}: more data than its size ({node.size} bytes)")
-            if isinstance(piece, int):  # a hole: fill the block under way, then whole blocks are holes
-                fill = min(piece, -len(pending) % BLOCK) if pending else 0
-                pending += bytes(fill)
-                if len(pending) == BLOCK:
-                    next_block = _put_block(out, node._map, pending, next_block)
-                    pending = bytearray()
-                if not pending:
-                    whole, rest = divmod(piece - fill, BLOCK)
-                    node._map.extend([NULL_ADDR] * whole)
-                    pending += bytes(rest)
-                continue
-            pending += piece
-            full = len(pending) - len(pending) % BLOCK
-            view = memoryview(pending)
-            for at in range(0, full, BLOCK):
-                next_block = _put_block(out, node._map, view[at:at + BLOCK], next_block)
-            view.release()
-            del pending[:full]
-        if got != node.size:
-            raise InvalidInputError(f"{path}: {got} bytes of data, its size says {node.size}")
-        if pending:
-            next_block = _put_block(out, node._map, bytes(pending) + bytes(BLOCK - len(pending)), next_block)
+        node._map, next_block = _write_blocks(out, node, path, next_block)
+        if NULL_ADDR in node._map:
+            node._layout = LAYOUT_CHUNK_BASED
+        else:  # no hole: one contiguous run, found without a block map
+            node._layout, node._blkaddr, node._map = LAYOUT_FLAT_PLAIN, (node._map or [0])[0], None
     # 2. sizes of directories and symlinks, inline tails or plain blocks; nids
     dir_sizes = {id(n): _dir_size_blocks(n) for n, _, _ in order if n.children is not None}
     pos = 0
@@ -386,14 +372,58 @@ def _read_all(node: Inode, path: str) -> bytes:
     return data
 
 
-def _put_block(out: BinaryIO, block_map: list[int], block: bytes | memoryview, next_block: int) -> int:
-    """Append ``block`` (a hole if all zero) to the data area and ``block_map``; the next free block."""
-    if block == ZERO_BLOCK:
-        block_map.append(NULL_ADDR)
-        return next_block
-    out.write(block)
-    block_map.append(next_block)
-    return next_block + 1
+def _write_blocks(out: BinaryIO, node: Inode, path: str, next_block: int) -> tuple[list[int], int]:
+    """Append a regular file's blocks to the data area (``out`` at block
+    ``next_block``); its block map (:data:`NULL_ADDR` for a block wholly in
+    the reader's holes) and the next free block.  :class:`InvalidInputError`
+    if the reader yields more or fewer bytes than ``node.size``."""
+    block_map: list[int] = []
+    pending = bytearray()  # the block under way
+    has_data = False  # it holds bytes the reader gave (not only hole)
+    got = 0
+    for piece in _pieces(node):
+        got += piece if isinstance(piece, int) else len(piece)
+        if got > node.size:
+            raise InvalidInputError(f"{path}: more data than its size ({node.size} bytes)")
+        if isinstance(piece, int):  # a hole: end the block under way, then whole blocks are holes
+            if pending:
+                fill = min(piece, BLOCK - len(pending))
+                pending += bytes(fill)
+                piece -= fill
+                if len(pending) < BLOCK:
+                    continue
+                if has_data:
+                    out.write(pending)
+                    block_map.append(next_block)
+                    next_block += 1
+                else:
+                    block_map.append(NULL_ADDR)
+                pending, has_data = bytearray(), False
+            whole, rest = divmod(piece, BLOCK)
+            block_map.extend([NULL_ADDR] * whole)
+            pending += bytes(rest)
+            continue
+        if not piece:
+            continue
+        pending += piece
+        full = len(pending) - len(pending) % BLOCK  # every full block holds some of this piece: data
+        if full:
+            with memoryview(pending) as view:
+                out.write(view[:full])
+            block_map.extend(range(next_block, next_block + full // BLOCK))
+            next_block += full // BLOCK
+            del pending[:full]
+        has_data = bool(pending)
+    if got != node.size:
+        raise InvalidInputError(f"{path}: {got} bytes of data, its size says {node.size}")
+    if pending:
+        if has_data:
+            out.write(bytes(pending) + bytes(BLOCK - len(pending)))
+            block_map.append(next_block)
+            next_block += 1
+        else:
+            block_map.append(NULL_ADDR)
+    return block_map, next_block
 
 
 # --- a tree from a directory on disk -------------------------------------------------------
