@@ -10,7 +10,7 @@ mkfs.erofs 1.5 refuses trees with a 255-byte name: its row then says so.
 Returns (and writes as JSON with ``json_path``) ``{"summary": [row per tree],
 "machine": ...}``; a row: ``tree``, ``inodes``, ``writer_s``, ``writer_min_s``,
 ``writer_bytes``, ``mkfs_s``, ``mkfs_min_s``, ``mkfs_bytes`` (or
-``mkfs_error``), ``ratio`` (writer median / mkfs median).
+``writer_error`` / ``mkfs_error``), ``ratio`` (writer median / mkfs median).
 """
 
 from __future__ import annotations
@@ -38,17 +38,27 @@ def _mkfs(src: Path, image: Path) -> None:
     mkfs_erofs(src, image, uuid=DEFAULT_UUID)
 
 
-def _time(fn: Callable[[Path, Path], None], src: Path, runs: int, workdir: Path) -> tuple[list[float], int]:
-    """Seconds of each of ``runs`` writes of ``src``'s image, and the image's bytes."""
-    times, size = [], 0
+def _time(tools: dict[str, Callable[[Path, Path], None]], src: Path, runs: int,
+          workdir: Path) -> dict[str, tuple[list[float], int] | str]:  # fmt: skip
+    """Per tool: seconds of each of ``runs`` writes of ``src``'s image and the image's
+    bytes, or the first line of its error.  The tools take turns, run by run, so a
+    load that comes and goes weighs on both alike."""
+    out: dict[str, tuple[list[float], int] | str] = {name: ([], 0) for name in tools}
     for _ in range(runs):
-        with tempfile.TemporaryDirectory(dir=workdir, prefix=".weenv-bench-img-") as tmp:
-            image = Path(tmp) / "image.erofs"
-            t0 = time.monotonic()
-            fn(src, image)
-            times.append(time.monotonic() - t0)
-            size = image.stat().st_size
-    return times, size
+        for name, fn in tools.items():
+            if isinstance(out[name], str):
+                continue
+            with tempfile.TemporaryDirectory(dir=workdir, prefix=".weenv-bench-img-") as tmp:
+                image = Path(tmp) / "image.erofs"
+                t0 = time.monotonic()
+                try:
+                    fn(src, image)
+                except WeenvError as exc:
+                    out[name] = str(exc).splitlines()[0]
+                    continue
+                out[name][0].append(time.monotonic() - t0)
+                out[name] = (out[name][0], image.stat().st_size)
+    return out
 
 
 def run(trees: list[Path], *, runs: int = 3, workdir: Path | None = None, json_path: Path | None = None,
@@ -60,16 +70,16 @@ def run(trees: list[Path], *, runs: int = 3, workdir: Path | None = None, json_p
         src = Path(src).resolve()
         inodes = count_inodes(src)  # also brings the tree's metadata into the page cache
         row: dict = {"tree": str(src), "inodes": inodes}
-        log(f"{src}: {inodes} inodes, {WRITER}")
-        t, row["writer_bytes"] = _time(_writer, src, runs, workdir)
-        row["writer_s"], row["writer_min_s"] = round(statistics.median(t), 3), round(min(t), 3)
-        log(f"{src}: mkfs.erofs {mkfs_version()}")
-        try:
-            t, row["mkfs_bytes"] = _time(_mkfs, src, runs, workdir)
-            row["mkfs_s"], row["mkfs_min_s"] = round(statistics.median(t), 3), round(min(t), 3)
+        log(f"{src}: {inodes} inodes, {WRITER} and mkfs.erofs {mkfs_version()} taking turns")
+        timed = _time({"writer": _writer, "mkfs": _mkfs}, src, runs, workdir)
+        for name, got in timed.items():
+            if isinstance(got, str):
+                row[f"{name}_error"] = got
+                continue
+            row[f"{name}_s"], row[f"{name}_min_s"] = round(statistics.median(got[0]), 3), round(min(got[0]), 3)
+            row[f"{name}_bytes"] = got[1]
+        if "writer_s" in row and "mkfs_s" in row:
             row["ratio"] = round(row["writer_s"] / row["mkfs_s"], 2)
-        except WeenvError as exc:
-            row["mkfs_error"] = str(exc).splitlines()[0]
         rows.append(row)
     result = {"summary": rows, "runs": runs, "writer": WRITER, "mkfs": f"mkfs.erofs {mkfs_version()}",
               "machine": machine()}  # fmt: skip
