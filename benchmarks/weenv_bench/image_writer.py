@@ -4,7 +4,7 @@ For each source tree (default: ``/usr/lib/python3`` and the tests' Debian
 root), each tool writes the uncompressed image of the tree ``runs`` times
 into a fresh temporary directory; measured: wall seconds (median and min),
 the image's bytes, the tree's inodes.  Both read the same tree from the page
-cache (one untimed walk first).  The images are deleted as soon as measured.
+cache (one untimed read of every file first; ``bytes_read_warm``).  The images are deleted as soon as measured.
 mkfs.erofs 1.5 refuses trees with a 255-byte name: its row then says so.
 
 Returns (and writes as JSON with ``json_path``) ``{"summary": [row per tree],
@@ -16,6 +16,7 @@ Returns (and writes as JSON with ``json_path``) ``{"summary": [row per tree],
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -27,6 +28,24 @@ from weenv_bench import machine
 from weenv.errors import WeenvError
 from weenv.packaging.erofs import DEFAULT_UUID, count_inodes, mkfs_erofs, mkfs_version
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
+
+
+def _warm(src: Path) -> int:
+    """Read every regular file of ``src`` once (so neither tool pays for a cold
+    disk); the bytes read."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(src):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                if not os.path.isfile(path) or os.path.islink(path):
+                    continue
+                with open(path, "rb") as f:
+                    while piece := f.read(1 << 20):
+                        total += len(piece)
+            except OSError:
+                continue
+    return total
 
 
 def _writer(src: Path, image: Path) -> None:
@@ -41,11 +60,13 @@ def _mkfs(src: Path, image: Path) -> None:
 def _time(tools: dict[str, Callable[[Path, Path], None]], src: Path, runs: int,
           workdir: Path) -> dict[str, tuple[list[float], int] | str]:  # fmt: skip
     """Per tool: seconds of each of ``runs`` writes of ``src``'s image and the image's
-    bytes, or the first line of its error.  The tools take turns, run by run, so a
-    load that comes and goes weighs on both alike."""
+    bytes, or the first line of its error.  The tools take turns, the first one
+    alternating run by run, so a load that comes and goes weighs on both alike."""
     out: dict[str, tuple[list[float], int] | str] = {name: ([], 0) for name in tools}
-    for _ in range(runs):
-        for name, fn in tools.items():
+    for turn in range(runs):
+        names = list(tools) if turn % 2 == 0 else list(reversed(tools))  # neither always goes first
+        for name in names:
+            fn = tools[name]
             if isinstance(out[name], str):
                 continue
             with tempfile.TemporaryDirectory(dir=workdir, prefix=".weenv-bench-img-") as tmp:
@@ -69,7 +90,7 @@ def run(trees: list[Path], *, runs: int = 3, workdir: Path | None = None, json_p
     for src in trees:
         src = Path(src).resolve()
         inodes = count_inodes(src)  # also brings the tree's metadata into the page cache
-        row: dict = {"tree": str(src), "inodes": inodes}
+        row: dict = {"tree": str(src), "inodes": inodes, "bytes_read_warm": _warm(src)}
         log(f"{src}: {inodes} inodes, {WRITER} and mkfs.erofs {mkfs_version()} taking turns")
         timed = _time({"writer": _writer, "mkfs": _mkfs}, src, runs, workdir)
         for name, got in timed.items():

@@ -405,14 +405,22 @@ def _write_blocks(out: BinaryIO, node: Inode, path: str, next_block: int) -> tup
             continue
         if not piece:
             continue
-        pending += piece
-        full = len(pending) - len(pending) % BLOCK  # every full block holds some of this piece: data
-        if full:
-            with memoryview(pending) as view:
+        if pending:
+            take = min(len(piece), BLOCK - len(pending))
+            pending += piece[:take]
+            piece = piece[take:]
+            if len(pending) == BLOCK:  # it holds some of this piece: data
+                out.write(pending)
+                block_map.append(next_block)
+                next_block += 1
+                pending = bytearray()
+        full = len(piece) - len(piece) % BLOCK
+        if full:  # straight from the piece, no copy
+            with memoryview(piece) as view:
                 out.write(view[:full])
             block_map.extend(range(next_block, next_block + full // BLOCK))
             next_block += full // BLOCK
-            del pending[:full]
+        pending += piece[full:]
         has_data = bool(pending)
     if got != node.size:
         raise InvalidInputError(f"{path}: {got} bytes of data, its size says {node.size}")
