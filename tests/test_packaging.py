@@ -31,6 +31,7 @@ from weenv.formats.manifest import (
 )
 from weenv.host.mounts import erofs_spec, mount, umount
 from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
+from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template
 
@@ -236,7 +237,7 @@ def test_group_round_trip_keeps_every_file_kind(tree, store, tmp_path, leak_chec
     assert len(m.chunks) == -(-m.image_size // SMALL_CHUNK) > 3 * MIB // SMALL_CHUNK
     assert all(c.size == SMALL_CHUNK for c in m.chunks[:-1])
     assert m.file_count == count_inodes(tree)
-    assert m.source["path"] == str(tree) and m.source["mkfs"].startswith("mkfs.erofs ")
+    assert m.source["path"] == str(tree) and m.source["mkfs"] == WRITER
     assert result.chunks_written == len({c.digest for c in m.chunks})
     assert result.bytes_written == sum({c.digest: c.stored_size for c in m.chunks}.values())
     assert load_group(store, result.digest) == m
@@ -266,6 +267,30 @@ def test_group_round_trip_keeps_every_file_kind(tree, store, tmp_path, leak_chec
     assert after["dangling"]["target"] == "nowhere/at/all"
 
 
+def test_writer_is_deterministic_and_refuses_what_it_cannot_store(tmp_path):
+    from weenv.packaging.erofs_writer import Inode, new_dir
+    import io
+
+    a, b = _same_tree_twice(tmp_path)
+    images = []
+    for root in (a, b):
+        out = io.BytesIO()
+        write_image(tree_from_dir(root), out, uuid="12345678-1234-5678-1234-567812345678")
+        images.append(out.getvalue())
+    assert images[0] == images[1]
+    bad_cases = {
+        r"bad file name \(256 bytes": {b"n" * 256: Inode(mode=stat.S_IFREG | 0o644)},
+        "more than the kernel's limit": {b"x": Inode(mode=stat.S_IFREG, xattrs={"user.big": bytes(65536)})},
+        "no namespace": {b"x": Inode(mode=stat.S_IFREG, xattrs={"os2.x": b"1"})},
+        "its size says 10": {b"short": Inode(mode=stat.S_IFREG, size=10, data=b"abc")},
+    }
+    for message, children in bad_cases.items():
+        root = new_dir()
+        root.children.update(children)
+        with pytest.raises(InvalidInputError, match=message):
+            write_image(root, io.BytesIO(), uuid="12345678-1234-5678-1234-567812345678")
+
+
 def test_rebuild_of_unchanged_tree_writes_no_chunks(tree, store, tmp_path):
     first = build_group(tree, store, name="same", chunk_size=SMALL_CHUNK)
     second = build_group(tree, store, name="same", chunk_size=SMALL_CHUNK)
@@ -273,15 +298,21 @@ def test_rebuild_of_unchanged_tree_writes_no_chunks(tree, store, tmp_path):
     assert second.manifest.chunks == first.manifest.chunks
 
 
-def test_mkfs_output_is_deterministic(tmp_path):
+def _same_tree_twice(tmp_path: Path) -> tuple[Path, Path]:
+    """Two equal trees ``a`` and ``b`` whose entries were created in opposite orders."""
     a, b = tmp_path / "a", tmp_path / "b"
-    for root, names in ((a, "abcefg"), (b, "gfecba")):  # other creation order
+    for root, names in ((a, "abcefg"), (b, "gfecba")):
         root.mkdir()
         for n in names:
             (root / n).write_bytes(n.encode() * 1000)
         (root / "sub").mkdir()
         for p in [*root.iterdir(), root]:
             os.utime(p, ns=(1_500_000_000_000_000_000, 1_500_000_000_123_456_789))
+    return a, b
+
+
+def test_mkfs_output_is_deterministic(tmp_path):
+    a, b = _same_tree_twice(tmp_path)
     mkfs_erofs(a, tmp_path / "a.img")
     time.sleep(1.1)
     mkfs_erofs(b, tmp_path / "b.img")

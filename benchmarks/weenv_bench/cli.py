@@ -112,6 +112,26 @@ def fork(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("image-writer")
+def image_writer(
+    trees: Optional[list[Path]] = typer.Argument(
+        None, help="source trees (default: /usr/lib/python3 and the tests' Debian root)"),
+    runs: int = typer.Option(3, help="writes per tool and tree"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here"),
+) -> None:
+    """weenv's EROFS writer against Debian's mkfs.erofs: seconds and image bytes per tree."""
+    from weenv_bench.image_writer import run
+    from weenv.cli.common import err
+
+    if not trees:
+        from weenv.config import Paths
+        from weenv.packaging.debootstrap import debian_rootfs
+
+        trees = [Path("/usr/lib/python3"), debian_rootfs(Paths.from_env().cache, log=err.print)]
+    result = run(trees, runs=runs, json_path=json_path, log=err.print)
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     """``weenv-bench ...``: the same commands, with the product's one-line errors."""
     from weenv.cli import run_app

@@ -1,6 +1,6 @@
 """Layer groups: build one from a directory, publish it, and assemble it back.
 
-A group is one EROFS image (:mod:`weenv.packaging.erofs`) cut into fixed-size
+A group is one EROFS image (:mod:`weenv.packaging.erofs_writer`) cut into fixed-size
 chunks; chunk ``i`` is image bytes ``[i * chunk_size, (i + 1) * chunk_size)``, the
 last one shorter.  Each chunk goes to the store as a zstd frame addressed by the
 sha256 of its plaintext (skipped if the store has it), then the group manifest,
@@ -31,7 +31,8 @@ from weenv.formats.manifest import (
     manifest_kind,
     parse_group_manifest,
 )
-from weenv.packaging.erofs import check_source_dir, mkfs_erofs, mkfs_version
+from weenv.packaging.erofs import check_source_dir
+from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.store.base import Store
 
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
@@ -90,9 +91,11 @@ def build_group(
     removed in every case.  ``ref``: point ``groups/NAME`` at the new manifest
     (without it the group is published by digest only).
 
-    Raises :class:`InvalidInputError` (bad name, chunk size, source or workdir),
-    :class:`ToolMissingError` (no mkfs.erofs), :class:`RuntimeFailedError`
-    (mkfs.erofs failed) and whatever the store raises.
+    The image is written by :mod:`weenv.packaging.erofs_writer` (names up to
+    255 bytes, binary xattrs, sparse and > 4 GiB files).
+
+    Raises :class:`InvalidInputError` (bad name, chunk size, source or workdir;
+    an entry the image cannot hold, named by path) and whatever the store raises.
     """
     started = time.monotonic()
     check_name(name)
@@ -101,13 +104,14 @@ def build_group(
     parent = Path(workdir if workdir is not None else tempfile.gettempdir()).resolve()
     if parent == src or src in parent.parents:
         raise InvalidInputError(f"work dir {parent} is inside the source {src}; pass another workdir")
-    provenance = {"type": "directory", "path": str(src), "mkfs": f"mkfs.erofs {mkfs_version()}"}
+    provenance = {"type": "directory", "path": str(src), "mkfs": WRITER}
     provenance.update(source or {})
 
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=".weenv-build-"))
     try:
         image = tmp / f"{name}.erofs"
-        scan = mkfs_erofs(src, image, uuid=group_uuid(name, version))
+        with open(image, "wb") as out:
+            scan = write_image(tree_from_dir(src), out, uuid=group_uuid(name, version))
         chunks, new, stored = _put_chunks(store, image, chunk_size)
         image_size = image.stat().st_size
     finally:

@@ -135,8 +135,8 @@ def import_image(
     corrupt archive or layer; missing blob; unsafe layer entry),
     :class:`DigestMismatchError` (a blob or layer whose digest or size is not
     its descriptor's), :class:`NotFoundError` (no such path, ref or registry
-    image), :class:`ToolMissingError` (no skopeo or mkfs.erofs),
-    :class:`RuntimeFailedError` (skopeo or mkfs.erofs failed).
+    image), :class:`ToolMissingError` (no skopeo),
+    :class:`RuntimeFailedError` (skopeo failed).
     """
     started = time.monotonic()
     say = progress or (lambda _msg: None)
@@ -156,7 +156,7 @@ def import_image(
             results = []
             for k, (tree, group_name) in enumerate(zip(trees, names)):
                 layers = plan[k]
-                say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, mkfs.erofs + publish")
+                say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, EROFS image + publish")
                 results.append(build_group(
                     tree, store, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
                     source={
