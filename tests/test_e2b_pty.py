@@ -26,7 +26,8 @@ from test_e2b import TEMPLATE, daemon  # noqa: F401  (the module's daemon fixtur
 
 
 class Screen:
-    """What a PTY wrote, filled by a thread running ``handle.wait``."""
+    """What a PTY wrote, read by a thread iterating its handle (the SDK's
+    ``wait(on_pty=...)`` loop, with a way out: :meth:`leave`)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -34,14 +35,28 @@ class Screen:
         self.lock = threading.Lock()
         self.result = None
         self.error: BaseException | None = None
+        self._leave = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.result = self.handle.wait(on_pty=self._add)
+            for _out, _err, pty in self.handle:
+                if pty is not None:
+                    self._add(pty)
+                if self._leave.is_set():  # disconnect from the thread iterating the stream
+                    self.handle.disconnect()
+                    return
+            self.result = self.handle.wait()  # the end event's result (or CommandExitException)
         except BaseException as exc:  # noqa: BLE001  # looked at by the test
             self.error = exc
+
+    def leave(self, s: Sandbox) -> None:
+        """Disconnect without killing: the next output (a newline typed) ends the loop."""
+        self._leave.set()
+        s.pty.send_stdin(self.handle.pid, b"\n")
+        self.thread.join(20)
+        assert not self.thread.is_alive()
 
     def _add(self, chunk: bytes) -> None:
         with self.lock:
@@ -124,7 +139,7 @@ def test_pty_is_a_terminal_inside_that_resizes_edits_and_interrupts(sandbox):
 
     at = screen.mark()  # the terminal's line editing: a typo erased with DEL
     s.pty.send_stdin(h.pid, b"echo edXY\x7f\x7fited\n")
-    screen.expect(r"\nedited", start=at)
+    screen.expect(r"edited\r\n", start=at)
 
     at = screen.mark()  # Ctrl-C interrupts the foreground job, not the shell
     s.pty.send_stdin(h.pid, b"sleep 100\n")
@@ -156,10 +171,10 @@ def test_pty_as_a_user_in_a_cwd_with_envs(sandbox):
     screen.thread.join(20)
     assert screen.error is None and screen.result.exit_code == 0
 
-    h = s.pty.create(PtySize(rows=10, cols=50), user="user", timeout=60)
+    h = s.pty.create(PtySize(rows=10, cols=50), user="nobody", timeout=60)
     screen = Screen(h)
     s.pty.send_stdin(h.pid, b"echo me=$(id -un) owner=$(stat -c %U $(tty))\n")
-    screen.expect(r"me=user owner=user")
+    screen.expect(r"me=nobody owner=nobody")
     s.pty.kill(h.pid)
     screen.thread.join(20)
 
@@ -171,8 +186,7 @@ def test_connect_to_a_running_pty_and_kill_it_leaves_nothing(daemon, sandbox):  
     s.pty.send_stdin(h.pid, b"sleep 1000 & echo started-$((2+3))\n")
     screen.expect(r"started-5")
     assert len(_daemon_tty_fds(daemon)) > len(before)
-    h.disconnect()
-    screen.thread.join(10)
+    screen.leave(s)
 
     again = s.pty.connect(h.pid, timeout=60)  # reconnect: what comes next arrives
     screen2 = Screen(again)
@@ -206,8 +220,7 @@ def test_pty_output_is_bounded_like_command_output(daemon, sandbox):  # noqa: F8
     bytes (the oldest dropped, counted), not the whole output."""
     s = sandbox
     h, screen = _shell(s)
-    h.disconnect()
-    screen.thread.join(10)
+    screen.leave(s)
     rss = daemon.daemon.rss_peak_kib()
     s.pty.send_stdin(h.pid, b"head -c 50331648 /dev/zero | tr '\\0' x; echo; echo done-$((4*5))\n")
     with httpx.Client(base_url=daemon.daemon.url + "/v1", headers={"x-api-key": daemon.daemon.key}, timeout=30) as c:
@@ -236,7 +249,7 @@ def test_bad_sizes_and_inputs_are_refused(sandbox):
     cmd = s.commands.run("cat", background=True, stdin=True)
     with pytest.raises(SandboxException, match="no PTY"):
         s.pty.send_stdin(cmd.pid, b"x")
-    with pytest.raises(SandboxException, match="not run on a terminal"):
+    with pytest.raises(SandboxException, match="does not run on a terminal"):
         s.pty.resize(cmd.pid, PtySize(rows=24, cols=80))
     cmd.kill()
     s.pty.kill(h.pid)

@@ -75,6 +75,7 @@
 #include <grp.h>
 #include <termios.h>
 #include <linux/capability.h>
+#include <sys/fsuid.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -317,12 +318,23 @@ static int become(const char *ident) {
 }
 
 /* A new pseudo-terminal of the environment's devpts (/dev/ptmx as the
-   environment sees it), of size *ws, its slave owned by IDENT's user (group
-   tty, as login(1) leaves it; best effort: the command holds it open anyway).
-   0 with *master and *slave set (close-on-exec), or -1 with errno. */
+   environment sees it), of size *ws, its slave owned by IDENT's user: devpts
+   gives a new slave the opener's fsuid (and the mount's gid=, tty), so ptmx is
+   opened with IDENT's uid as the fsuid (CAP_SETUID; best effort: the command
+   holds its slave open anyway).  0 with *master and *slave set
+   (close-on-exec), or -1 with errno. */
 static int open_terminal(const char *ident, const struct winsize *ws, int *master, int *slave) {
     static gid_t groups[MAX_GROUPS];
-    int m = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC), s = -1, unlock = 0;
+    uid_t uid;
+    gid_t gid;
+    size_t n;
+    int as_user = have_caps && ident && *ident && parse_ident(ident, &uid, &gid, groups, &n) == 0;
+    if (as_user)
+        (void)setfsuid(uid);
+    int m = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC), s = -1, unlock = 0, e = errno;
+    if (as_user)
+        (void)setfsuid(0);
+    errno = e;
     if (m < 0)
         return -1;
     if (ioctl(m, TIOCSPTLCK, &unlock) < 0 || ioctl(m, TIOCSWINSZ, ws) < 0 ||
@@ -332,11 +344,6 @@ static int open_terminal(const char *ident, const struct winsize *ws, int *maste
         errno = e;
         return -1;
     }
-    uid_t uid;
-    gid_t gid;
-    size_t n;
-    if (ident && *ident && parse_ident(ident, &uid, &gid, groups, &n) == 0)
-        (void)!fchown(s, uid, (gid_t)-1);
     *master = m;
     *slave = s;
     return 0;

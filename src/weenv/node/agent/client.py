@@ -372,8 +372,10 @@ class AgentSpawned(Spawned):
     def resize(self, cols: int, rows: int) -> None:
         """Set the terminal's size (``TIOCSWINSZ`` on its master: the kernel
         sends SIGWINCH to its foreground process group)."""
-        if self.stdin is None or self.stdin.closed or not self.tty:
-            raise InvalidInputError("the command has no terminal open")
+        if not self.tty:
+            super().resize(cols, rows)
+        if self.stdin is None or self.stdin.closed:
+            raise InvalidInputError("the command's terminal is closed (the command ended)")
         fcntl.ioctl(self.stdin.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
     def _handler_alive(self) -> bool:
