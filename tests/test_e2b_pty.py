@@ -270,3 +270,21 @@ def test_async_pty_on_data(daemon):  # noqa: F811
             await s.kill()
 
     asyncio.run(main())
+
+
+def test_streamed_input_reaches_a_pty_and_a_stdin(sandbox):
+    """``stream_input`` (envd's client-streaming StreamInput): chunks in order."""
+    s = sandbox
+    h, screen = _shell(s)
+    s.pty.stream_input(h.pid, [b"echo stre", "amed-", b"$((5*5))\n"])
+    screen.expect(r"streamed-25")
+    cmd = s.commands.run("cat", background=True, stdin=True)
+    s.commands.stream_input(cmd.pid, ["one ", b"two\n"])
+    s.commands.close_stdin(cmd.pid)
+    assert cmd.wait().stdout == "one two\n"
+    sleeper = s.commands.run("sleep 30", background=True)
+    with pytest.raises(SandboxException, match="no PTY"):  # the same checks as SendInput's
+        s.pty.stream_input(sleeper.pid, [b"x"])
+    sleeper.kill()
+    s.pty.kill(h.pid)
+    screen.thread.join(20)

@@ -17,7 +17,7 @@ Endpoints (under this app's prefix)::
                                               or application/octet-stream (gzip allowed), streamed
                                               -> [{"name", "type": "file", "path"[, "metadata"]}]
                                               (``X-Metadata-KEY`` headers: user.e2b.KEY xattrs)
-    POST /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin,Update}
+    POST /process.Process/{Start,Connect,List,SendSignal,SendInput,StreamInput,CloseStdin,Update}
     POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}
     POST /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}
                                               (inotify: :mod:`weenv.server.e2b.watch`)
@@ -119,6 +119,8 @@ class Envd:
             "process.Process/List": Method(pb.ListRequest, pb.ListResponse, proc.list),
             "process.Process/SendSignal": Method(pb.SendSignalRequest, pb.SendSignalResponse, proc.send_signal),
             "process.Process/SendInput": Method(pb.SendInputRequest, pb.SendInputResponse, proc.send_input),
+            "process.Process/StreamInput": Method(pb.StreamInputRequest, pb.StreamInputResponse, proc.stream_input,
+                                                  client_streaming=True),
             "process.Process/CloseStdin": Method(pb.CloseStdinRequest, pb.CloseStdinResponse, proc.close_stdin),
             "process.Process/Update": Method(pb.UpdateRequest, pb.UpdateResponse, proc.update),
             "filesystem.Filesystem/Stat": Method(fb.StatRequest, fb.StatResponse, fs_call(files.stat)),

@@ -246,14 +246,23 @@ class ProcessService:
     async def send_input(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
         p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
-        which = req.input.WhichOneof("input")
-        if which is None:
-            raise RpcError("invalid_argument", "no input (stdin or pty)")
-        if (which == "pty") != p.tty:  # as envd: a terminal's input is pty, a pipe's stdin
-            raise RpcError("failed_precondition", "the process has a PTY: send pty input, not stdin" if p.tty
-                           else "the process has no PTY: send stdin input, not pty")  # fmt: skip
-        await _write_stdin(p, getattr(req.input, which), eof=False)
+        await _send_input(p, req.input)
         return process_pb.SendInputResponse()
+
+    async def stream_input(self, requests: AsyncIterator[Message], ctx: CallContext) -> Message:
+        """``StreamInput``: a start event naming the process, then its input
+        events, written in order as they arrive; keepalives are ignored."""
+        sb: Sandbox = ctx.state["sandbox"]
+        p: Process | None = None
+        async for req in requests:
+            kind = req.WhichOneof("event")
+            if kind == "start":
+                p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.start.process)
+            elif kind == "data":
+                if p is None:
+                    raise RpcError("failed_precondition", "input before the start event naming the process")
+                await _send_input(p, req.data.input)
+        return process_pb.StreamInputResponse()
 
     async def close_stdin(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
@@ -273,6 +282,18 @@ class ProcessService:
             except InvalidInputError as exc:
                 raise RpcError("failed_precondition", str(exc)) from exc
         return process_pb.UpdateResponse()
+
+
+async def _send_input(p: Process, given) -> None:
+    """Write the ``ProcessInput`` ``given`` to ``p``: ``pty`` input to its
+    terminal, ``stdin`` to its stdin pipe (as envd, the other is refused)."""
+    which = given.WhichOneof("input")
+    if which is None:
+        raise RpcError("invalid_argument", "no input (stdin or pty)")
+    if (which == "pty") != p.tty:
+        raise RpcError("failed_precondition", "the process has a PTY: send pty input, not stdin" if p.tty
+                       else "the process has no PTY: send stdin input, not pty")  # fmt: skip
+    await _write_stdin(p, getattr(given, which), eof=False)
 
 
 async def _write_stdin(p: Process, data: bytes, *, eof: bool) -> None:
