@@ -129,6 +129,8 @@ class Watcher:
             return out
         if self.error is not None:
             raise self.error
+        if self.closed:  # stopped under a reader (the daemon closes): never an idle loop
+            raise RpcError("unavailable", f"the watch of {self.path} was stopped")
         return []
 
     # --- the hub's side -----------------------------------------------------------------
