@@ -414,8 +414,10 @@ def test_connect_protocol_details(daemon, sbx):
     entry = filesystem_pb.StatResponse.FromString(r.content).entry
     assert entry.name == "hello.py" and entry.size == len("print('hello from the task')\n")
 
-    r = httpx.post(f"{url}/filesystem.Filesystem/WatchDir", json={}, headers=h)
+    r = httpx.post(f"{url}/process.Process/NoSuchMethod", json={}, headers=h)
     assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+    r = httpx.post(f"{url}/filesystem.Filesystem/WatchDir", json={}, headers=h)  # served, as a stream only
+    assert r.status_code == 415
     r = httpx.post(f"{url}/filesystem.Filesystem/Stat", content=b"{not json", headers={**h, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
 

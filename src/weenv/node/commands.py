@@ -43,17 +43,20 @@ class Commands:
 
     def start(self, e: Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
               stdin_open=False, tag=None, primary_reader=False, launcher: Launcher | None = None,
-              user: str | Identity | None = None) -> Process:
+              user: str | Identity | None = None, tty: tuple[int, int] | None = None) -> Process:
         """Start ``command`` in ``e`` (see :meth:`Node.spawn`) and wait until it
         runs; ``launcher``: through that one alone (:meth:`Launchers.launch`'s ``only``)."""
         if isinstance(command, list) and not command:
             raise InvalidInputError("empty command")
         if timeout is not None:
             check_timeout(timeout)
+        if tty is not None:
+            check_tty_size(*tty)
+            stdin, stdin_open = None, False  # its input is the terminal's
         who = user if isinstance(user, Identity) else self.identity(e, user)
         wd = cwd or e.template.runtime.working_dir
         spawned = self.launchers.launch(e, command, _variables(e, who, env), wd, None if stdin_open else stdin,
-                                        stdin_open, who, only=launcher)
+                                        stdin_open, who, only=launcher, tty=tty)
         p = Process(
             spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
             stdin=stdin if stdin_open else None, retain_bytes=self.retain_bytes, sink=self.sink,
@@ -90,6 +93,18 @@ class Commands:
         with self.table.lock:
             procs = list(e.processes.values())
         return [p.info() for p in procs]
+
+
+MAX_TTY_SIDE = 10_000
+"""Most columns, and most rows, of a command's terminal."""
+
+
+def check_tty_size(cols: int, rows: int) -> None:
+    """Raise :class:`InvalidInputError` unless a terminal of ``cols`` columns and
+    ``rows`` rows is 1 to :data:`MAX_TTY_SIDE` each way."""
+    for what, n in (("columns", cols), ("rows", rows)):
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TTY_SIDE:
+            raise InvalidInputError(f"a terminal has 1 to {MAX_TTY_SIDE} {what}, not {n!r}")
 
 
 def _variables(e: Environment, who: Identity, env: dict[str, str] | None) -> dict[str, str]:

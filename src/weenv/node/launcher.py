@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 
+from weenv.errors import StateError
 from weenv.node.agent import AgentUnavailable, spawn as agent_spawn
 from weenv.node.bundle import CAPS_ANNOTATION
 from weenv.node.process import Spawned
@@ -40,12 +41,14 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def spawn(self, e: Environment, argv: list[str], env: dict[str, str], cwd: str,
-              stdin: bytes | None, stdin_pipe: bool, user: Identity) -> Spawned:
+              stdin: bytes | None, stdin_pipe: bool, user: Identity, tty: tuple[int, int] | None = None) -> Spawned:
         """Start ``argv`` (checked by :func:`~weenv.node.runc.exec_args`) in ``e``
         with exactly the variables ``env``, in ``cwd``, as ``user`` (its uid,
         gid and supplementary groups); ``stdin``: bytes written then closed, or
-        ``stdin_pipe``: a pipe kept open.  A command that cannot start still
-        returns (its pid 0, ended 127/126)."""
+        ``stdin_pipe``: a pipe kept open; ``tty``: ``(cols, rows)`` of a new
+        pseudo-terminal inside ``e`` the command runs on instead (its stdin,
+        stdout and stderr).  A command that cannot start still returns (its
+        pid 0, ended 127/126)."""
 
 
 class AgentLauncher(Launcher):
@@ -53,10 +56,10 @@ class AgentLauncher(Launcher):
 
     name = "agent"
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
         ident = f"{user.spec}:{','.join(map(str, user.groups))}"
         return agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
-                           cgroup=f"/{e.container_id}", ident=ident)  # fmt: skip
+                           cgroup=f"/{e.container_id}", ident=ident, tty=tty)  # fmt: skip
 
 
 class RuncLauncher(Launcher):
@@ -69,7 +72,9 @@ class RuncLauncher(Launcher):
     def __init__(self, runc: Runc):
         self.runc = runc
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
+        if tty is not None:
+            raise StateError(f"environment {e.info.id!r} has no exec agent running, which a terminal needs")
         return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=user.spec, stdin=stdin,
                                stdin_pipe=stdin_pipe, process=_process(e, user))  # fmt: skip
 
@@ -102,16 +107,19 @@ class Launchers:
         self._lock = threading.Lock()
 
     def launch(self, e: Environment, command: list[str] | str, env: dict[str, str], cwd: str,
-               stdin: bytes | None, stdin_pipe: bool, user: Identity, *, only: Launcher | None = None) -> Spawned:
-        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``; raises
+               stdin: bytes | None, stdin_pipe: bool, user: Identity, *, only: Launcher | None = None,
+               tty: tuple[int, int] | None = None) -> Spawned:
+        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``
+        (``tty``: on a new terminal, see :meth:`Launcher.spawn`: through the
+        agent alone, :class:`StateError` without one); raises
         :class:`InvalidInputError` for a bad command, variable or directory.
         ``only``: through that launcher, with no fallback (its own errors raised)."""
         _flags, argv = exec_args(command, env, cwd, user.spec)  # raises for bad input
         if only is not None:
-            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe, user)
+            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
         if e.agent_socket.exists():
             try:
-                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe, user)
+                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
             except AgentUnavailable as exc:
                 if exc.gone:  # for good: later commands go straight to runc
                     log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
@@ -119,10 +127,10 @@ class Launchers:
                         e.agent_socket.unlink()
                 else:
                     log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
-        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe, user)
+        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
 
-    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe, user) -> Spawned:
-        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe, user)
+    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
+        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe, user, tty)
         with self._lock:
             self.counts[launcher.name] += 1
         return spawned

@@ -538,6 +538,7 @@ class Node:
         tag: str | None = None,
         primary_reader: bool = False,
         user: str | Identity | None = None,
+        tty: tuple[int, int] | None = None,
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
@@ -555,12 +556,18 @@ class Node:
         ``LOGNAME`` (:mod:`weenv.node.users`).  Raises :class:`NotFoundError`
         for an unknown environment, :class:`UnknownUserError` for a user it
         does not have and :class:`InvalidInputError` for a bad command,
-        variable, directory or user.
+        variable, directory, user or terminal size.
+
+        ``tty``: ``(cols, rows)``: run it on a new pseudo-terminal of that size
+        inside the environment (its stdin, stdout and stderr; ``stdin`` and
+        ``stdin_open`` do not apply): its output is all ``stdout`` events,
+        :meth:`Process.write_stdin` types into it and :meth:`Process.resize`
+        resizes it.  Needs the exec agent (:class:`StateError` without it).
         """
         e = self.table.get(env_id)
         check_running(e)
         p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
-                                tag=tag, primary_reader=primary_reader, user=user)  # fmt: skip
+                                tag=tag, primary_reader=primary_reader, user=user, tty=tty)  # fmt: skip
         self.prefetch.watch_command(env_id, p.wait)
         self.commands.keep(e, p)
         return p

@@ -33,6 +33,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import errno
 import logging
 import os
 import select
@@ -71,6 +72,9 @@ class Spawned(abc.ABC):
     stdout: BinaryIO
     stderr: BinaryIO
     poll_ms: int | None = None
+    tty: bool = False
+    """Whether the command runs on a pseudo-terminal: ``stdout`` reads its master
+    (end of file is EIO there), ``stdin`` writes it, ``stderr`` stays empty."""
 
     @abc.abstractmethod
     def fileno(self) -> int:
@@ -108,6 +112,11 @@ class Spawned(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the launcher's resources (the pipes are the caller's)."""
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Set the size of the command's terminal; raises :class:`InvalidInputError`
+        without one."""
+        raise InvalidInputError("the command does not run on a terminal")
 
 
 class OutputLog:
@@ -416,6 +425,18 @@ class Process:
                 f.close()
 
     @property
+    def tty(self) -> bool:
+        """Whether the command runs on a pseudo-terminal (its output is all ``stdout``)."""
+        return self.spawned.tty
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Set the size of the command's terminal (columns, rows; the node
+        checked them); raises :class:`InvalidInputError` without a terminal or
+        once it ended."""
+        with self._stdin_lock:  # the pump closes the terminal under this lock
+            self.spawned.resize(cols, rows)
+
+    @property
     def stdin_open(self) -> bool:
         """Whether the command's stdin is a pipe still open for :meth:`write_stdin`."""
         f = self.spawned.stdin
@@ -534,11 +555,16 @@ class Process:
 
 
 def _read(fd: int) -> bytes | None:
-    """Up to READ_SIZE bytes; ``b""`` at end of file; None if nothing is there now."""
+    """Up to READ_SIZE bytes; ``b""`` at end of file (for a terminal's master:
+    EIO, once no process holds its slave); None if nothing is there now."""
     try:
         return os.read(fd, READ_SIZE)
     except BlockingIOError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.EIO:
+            return b""
+        raise
 
 
 def _signal_number(signal: str | int) -> int:

@@ -128,6 +128,7 @@ def serve(
         paths.pidfile.unlink(missing_ok=True)
         if e2b is not None:
             e2b.state.templates.close()  # cancels and undoes the template builds still running
+            e2b.state.watches.close()  # stops the directory watchers and their thread
         node.close()  # idempotent (the app's lifespan closed it); releases the home's lock
 
 

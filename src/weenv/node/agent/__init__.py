@@ -22,7 +22,11 @@ agent moves it off fd 0.  Per command the node connects, sends argv, variables
 and working dir with the command's stdin/stdout/stderr pipes as SCM_RIGHTS;
 a handler process forked for the connection (a child subreaper) forks the
 command in a new session and reports ``forked``, ``runs`` or ``could not
-start``, and the exit status.  Hanging up kills the command; the node kills
+start``, and the exit status.  A command may instead run on a new
+pseudo-terminal the handler opens in the environment's own devpts (its
+``/dev/ptmx``, with the command's user as the slave's owner); the handler
+passes the master back over the connection and the node reads, writes and
+resizes it.  Hanging up kills the command; the node kills
 the whole tree from the host (the handler's host pid comes from
 SCM_CREDENTIALS, checked by the kernel).
 

@@ -40,9 +40,14 @@
  * user) is inherited through fork and exec.
  *
  * Request (node -> handler): u32 little-endian payload length, then the
- * payload: IDENT \0 CWD \0 ARGC \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
+ * payload: IDENT \0 CWD \0 ARGC[ COLS ROWS] \0 ARGV[0] \0 ... ARGV[ARGC-1] \0 ENV... (KEY=VALUE \0
  * each), sent with SCM_RIGHTS carrying exactly 3 descriptors (stdin, stdout,
- * stderr).  The handler answers H and waits for one i32 0 ("go": meanwhile the
+ * stderr).  With " COLS ROWS" the command runs on a new pseudo-terminal of
+ * that size instead (the 3 descriptors are closed unused): the handler opens
+ * /dev/ptmx of the environment's own devpts (runc mounts it newinstance), so
+ * the terminal belongs to the environment (`tty` names /dev/pts/N there); its
+ * slave, owned by the command's user, is the command's controlling terminal
+ * and its stdin, stdout and stderr; the master goes to the node (reply T).  The handler answers H and waits for one i32 0 ("go": meanwhile the
  * node moved the handler, whose host pid H's credentials show, into the
  * command's own cgroup, so the command and all it starts are born there).
  * Afterwards: little-endian i32 signal requests: N > 0 sends N to the
@@ -51,6 +56,7 @@
  *
  * Replies (handler -> node), text lines:
  *     H              the request is read; waiting for "go" (SO_PASSCRED shows the handler's host pid)
+ *     T              (terminal requests) sent with SCM_RIGHTS: the terminal's master
  *     A PID          forked
  *     P              the command runs (execve succeeded)
  *     F STAGE ERRNO  it could not start (STAGE: chdir, exec, setup, user); then EOF
@@ -67,7 +73,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <grp.h>
+#include <termios.h>
 #include <linux/capability.h>
+#include <sys/fsuid.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/signalfd.h>
@@ -81,6 +90,10 @@
 #define STAGE_EXEC 3
 #define STAGE_USER 4
 #define MAX_GROUPS 1024
+#ifndef TIOCGPTPEER
+#define TIOCGPTPEER _IO('T', 0x41)
+#endif
+#define MAX_TTY_SIDE 65535 /* struct winsize's fields are 16 bits; the node bounds them further */
 
 /* -c: the environment's capability set (have_caps: given, so identities can be switched). */
 static uint64_t env_caps;
@@ -187,8 +200,10 @@ static int read_header(int conn, uint32_t *len, int fds[3]) {
     return 0;
 }
 
-/* Split the payload into ident, cwd, argv (NULL-terminated) and env (NULL-terminated). */
-static int parse(char *buf, uint32_t len, char **ident, char **cwd, char ***argv, char ***env) {
+/* Split the payload into ident, cwd, argv (NULL-terminated), env (NULL-terminated)
+   and the terminal's size (tty->ws_col == 0: no terminal). */
+static int parse(char *buf, uint32_t len, char **ident, char **cwd, char ***argv, char ***env,
+                 struct winsize *tty) {
     if (len == 0 || buf[len - 1] != '\0')
         return -1;
     size_t count = 0;
@@ -205,6 +220,17 @@ static int parse(char *buf, uint32_t len, char **ident, char **cwd, char ***argv
     char *end;
     errno = 0;
     unsigned long argc = strtoul(fields[2], &end, 10);
+    memset(tty, 0, sizeof *tty);
+    if (!errno && *end == ' ') { /* " COLS ROWS": on a terminal */
+        unsigned long cols = strtoul(end + 1, &end, 10);
+        if (errno || *end != ' ')
+            return -1;
+        unsigned long rows = strtoul(end + 1, &end, 10);
+        if (errno || cols == 0 || rows == 0 || cols > MAX_TTY_SIDE || rows > MAX_TTY_SIDE)
+            return -1;
+        tty->ws_col = (unsigned short)cols;
+        tty->ws_row = (unsigned short)rows;
+    }
     if (errno || *end || argc == 0 || argc > k - 3)
         return -1;
     *ident = fields[0];
@@ -304,8 +330,63 @@ static int become(const char *ident) {
     return 0;
 }
 
-/* In the forked child: become the command or report why not on errpipe. */
-static void run_command(int fds[3], const char *ident, char *cwd, char **argv, char **env, int errpipe,
+/* A new pseudo-terminal of the environment's devpts (/dev/ptmx as the
+   environment sees it), of size *ws, its slave owned by IDENT's user: devpts
+   gives a new slave the opener's fsuid (and the mount's gid=, tty), so ptmx is
+   opened with IDENT's uid as the fsuid (CAP_SETUID; best effort: the command
+   holds its slave open anyway).  0 with *master and *slave set
+   (close-on-exec), or -1 with errno. */
+static int open_terminal(const char *ident, const struct winsize *ws, int *master, int *slave) {
+    static gid_t groups[MAX_GROUPS];
+    uid_t uid;
+    gid_t gid;
+    size_t n;
+    int as_user = have_caps && ident && *ident && parse_ident(ident, &uid, &gid, groups, &n) == 0;
+    if (as_user)
+        (void)setfsuid(uid);
+    int m = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC), s = -1, unlock = 0, e = errno;
+    if (as_user)
+        (void)setfsuid(0);
+    errno = e;
+    if (m < 0)
+        return -1;
+    if (ioctl(m, TIOCSPTLCK, &unlock) < 0 || ioctl(m, TIOCSWINSZ, ws) < 0 ||
+        (s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+        int e = errno;
+        close(m);
+        errno = e;
+        return -1;
+    }
+    *master = m;
+    *slave = s;
+    return 0;
+}
+
+/* Send one reply line with the descriptor fd (SCM_RIGHTS); 0 or -1. */
+static int send_fd(int conn, int fd, const char *line) {
+    char control[CMSG_SPACE(sizeof(int))];
+    memset(control, 0, sizeof control);
+    struct iovec iov = {(void *)line, strlen(line)};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    ssize_t n;
+    do
+        n = sendmsg(conn, &msg, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    return n == (ssize_t)iov.iov_len ? 0 : -1;
+}
+
+/* In the forked child: become the command or report why not on errpipe.
+   With tty, fds[0] is a terminal's slave: it becomes the controlling terminal. */
+static void run_command(int fds[3], int tty, const char *ident, char *cwd, char **argv, char **env, int errpipe,
                         const sigset_t *mask) {
     int report[2] = {STAGE_SETUP, 0};
     if (setsid() < 0)
@@ -313,6 +394,8 @@ static void run_command(int fds[3], const char *ident, char *cwd, char **argv, c
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0) /* the copies are not close-on-exec */
             goto fail;
+    if (tty && ioctl(0, TIOCSCTTY, 0) < 0)
+        goto fail;
     report[0] = STAGE_USER;
     if (become(ident) < 0)
         goto fail;
@@ -346,7 +429,8 @@ static void handle(int conn) {
         _exit(1);
     }
     char *buf = malloc(len ? len : 1), *ident, *cwd, **argv, **env;
-    if (!buf || read_all(conn, buf, len) < 0 || parse(buf, len, &ident, &cwd, &argv, &env) < 0) {
+    struct winsize tty;
+    if (!buf || read_all(conn, buf, len) < 0 || parse(buf, len, &ident, &cwd, &argv, &env, &tty) < 0) {
         reply(conn, "F %d %d\n", STAGE_SETUP, EPROTO);
         _exit(1);
     }
@@ -365,6 +449,21 @@ static void handle(int conn) {
         reply(conn, "F %d %d\n", STAGE_SETUP, errno);
         _exit(1);
     }
+    int slave = -1;
+    if (tty.ws_col) { /* the command's three descriptors: the terminal's slave */
+        int master;
+        if (open_terminal(ident, &tty, &master, &slave) < 0) {
+            reply(conn, "F %d %d\n", STAGE_SETUP, errno);
+            _exit(1);
+        }
+        if (send_fd(conn, master, "T\n") < 0)
+            _exit(1); /* the node hung up: nothing ran */
+        close(master);
+        for (int i = 0; i < 3; i++) {
+            close(fds[i]);
+            fds[i] = slave;
+        }
+    }
     pid_t pid = fork();
     if (pid < 0) {
         reply(conn, "F %d %d\n", STAGE_SETUP, errno);
@@ -372,11 +471,14 @@ static void handle(int conn) {
     }
     if (pid == 0) {
         close(errpipe[0]);
-        run_command(fds, ident, cwd, argv, env, errpipe[1], &old);
+        run_command(fds, slave >= 0, ident, cwd, argv, env, errpipe[1], &old);
     }
     close(errpipe[1]);
-    for (int i = 0; i < 3; i++)
-        close(fds[i]); /* only the command holds them: its pipes end with it */
+    if (slave >= 0)
+        close(slave); /* only the command holds it: the master reads EIO once it is gone */
+    else
+        for (int i = 0; i < 3; i++)
+            close(fds[i]); /* only the command holds them: its pipes end with it */
     reply(conn, "A %d\n", (int)pid);
 
     int report[2];

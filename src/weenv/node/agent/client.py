@@ -11,17 +11,19 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import select
 import socket
 import struct
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from weenv.errors import BrokenError, RuntimeFailedError, WeenvError
+from weenv.errors import BrokenError, InvalidInputError, RuntimeFailedError, WeenvError
 from weenv.node.cgroups.commands import CommandGroup
 from weenv.node.process import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Spawned
 from weenv.node.runc import kill_descendants
@@ -35,6 +37,9 @@ MAX_REPLY = 4096
 
 _STAGE_SETUP, _STAGE_CHDIR, _STAGE_EXEC, _STAGE_USER = 1, 2, 3, 4
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CONTROL_SIZE = socket.CMSG_SPACE(_UCRED.size) + socket.CMSG_SPACE(4 * array.array("i").itemsize)
+"""Ancillary bytes of one reply: the sender's credentials and a terminal's master
+(room for a few descriptors: any beyond the first is closed)."""
 _MAX_PATH = 100  # sun_path holds 108 bytes; longer paths go through /proc/self/fd
 
 
@@ -92,6 +97,7 @@ def spawn(
     start_timeout: float = START_TIMEOUT_S,
     cgroup: str | None = None,
     ident: str = "",
+    tty: tuple[int, int] | None = None,
 ) -> "AgentSpawned":
     """Start ``argv`` (already checked, e.g. by :func:`weenv.node.runc.exec_args`)
     through the agent listening at ``path``, in working dir ``cwd`` (absolute,
@@ -105,18 +111,25 @@ def spawn(
     ``ident``: who the command runs as, ``"UID:GID[:G1,G2...]"`` (supplementary
     groups; ``""``: as the agent itself runs); an agent started without ``-c``
     refuses it (the command could not start, ``EPERM``).
+    ``tty``: ``(cols, rows)``: run it on a new pseudo-terminal of that size,
+    allocated by the agent inside the environment (its stdin, stdout and
+    stderr; ``stdin``/``stdin_pipe`` are ignored): the spawned's ``stdout``
+    reads the terminal's output, its ``stdin`` writes its input, ``stderr`` is
+    empty and :meth:`AgentSpawned.resize` sets its size.
     Returns once the agent forked the command (or refused it).
     Raises :class:`AgentUnavailable` when nothing ran (fall back), and
     :class:`RuntimeFailedError` when the agent does not answer within
     ``start_timeout`` seconds.
     """
+    argc = str(len(argv)) if tty is None else f"{len(argv)} {tty[0]} {tty[1]}"
     payload = b"".join(
         os.fsencode(s) + b"\0"
-        for s in (ident, cwd, str(len(argv)), *argv, *(f"{k}={v}" for k, v in env.items()))
+        for s in (ident, cwd, argc, *argv, *(f"{k}={v}" for k, v in env.items()))
     )
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     theirs: list[int] = []  # the command's ends: closed here once sent (or on failure)
     ours: list[BinaryIO] = []  # the node's ends: the caller's on success
+    spawned: AgentSpawned | None = None
     try:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the handler's host pid
         conn.settimeout(start_timeout)
@@ -128,7 +141,9 @@ def spawn(
         stdout = _pipe(theirs, ours, read=True)
         stderr = _pipe(theirs, ours, read=True)
         stdin_w: BinaryIO | None = None
-        if stdin_pipe:
+        if tty is not None:  # the agent closes these unused: the pipes read end of file
+            theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        elif stdin_pipe:
             stdin_w = _pipe(theirs, ours, read=False)
         elif stdin:
             theirs.append(os.memfd_create("weenv-stdin", os.MFD_CLOEXEC))
@@ -149,11 +164,16 @@ def spawn(
             raise RuntimeFailedError(f"the exec agent at {path} does not read its requests") from None
         conn.setblocking(False)
         spawned._wait_forked(start_timeout)
+        if tty is not None and spawned._master is not None:
+            spawned.use_terminal()
         return spawned
     except BaseException:
         conn.close()
         for f in ours:
             f.close()
+        if spawned is not None and spawned._master is not None:
+            os.close(spawned._master)
+            spawned._master = None
         raise
     finally:
         for fd in theirs:
@@ -179,7 +199,8 @@ class AgentSpawned(Spawned):
     """A command started through the exec agent: the connection to its handler
     (the command's parent inside the environment) and the command's pipes.
 
-    News comes on the connection (readable when a reply arrives): ``A`` (forked;
+    News comes on the connection (readable when a reply arrives): ``T`` (with
+    the terminal's master, for a command on a terminal), ``A`` (forked;
     the kernel's SCM_CREDENTIALS give the handler's host pid), ``P`` (runs),
     ``F`` (could not start), ``X`` (ended), or end of file (the handler died).
     """
@@ -201,13 +222,14 @@ class AgentSpawned(Spawned):
         self._status: int | None = None
         self._eof = False
         self._buf = b""
+        self._master: int | None = None  # the terminal's master, received with T, until use_terminal
 
     # --- replies ---------------------------------------------------------------------
     def _receive(self) -> None:
         """Read every reply available now (non-blocking) and parse whole lines."""
         while not self._eof:
             try:
-                data, ancdata, _flags, _addr = self.conn.recvmsg(MAX_REPLY, socket.CMSG_SPACE(_UCRED.size))
+                data, ancdata, _flags, _addr = self.conn.recvmsg(MAX_REPLY, _CONTROL_SIZE, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -217,6 +239,14 @@ class AgentSpawned(Spawned):
                     pid = _UCRED.unpack(cdata[: _UCRED.size])[0]
                     if pid > 0:
                         self._adopt_handler(pid)
+                elif (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    fds = array.array("i")
+                    fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                    for fd in fds:  # one terminal master at most; anything else is closed
+                        if self._master is None:
+                            self._master = fd
+                        else:
+                            os.close(fd)
             if not data:
                 self._eof = True
                 return
@@ -238,6 +268,8 @@ class AgentSpawned(Spawned):
             fields = [int(x) for x in rest.split()]
             if kind == b"H" and not fields:
                 self._go()
+            elif kind == b"T" and not fields and self._master is not None:
+                pass  # the master came with it (see _receive)
             elif kind == b"A" and len(fields) == 1:
                 self._forked_pid = fields[0]
             elif kind == b"P" and not fields:
@@ -325,6 +357,27 @@ class AgentSpawned(Spawned):
                 log.warning("no cgroup of its own for command %s: %s", self.argv[:1], exc)
         self._request(0)
 
+    # --- a terminal ------------------------------------------------------------------
+    def use_terminal(self) -> None:
+        """Read the command's output from the terminal's master received with
+        ``T`` and write its input there (``stdout``/``stdin``; its ``stderr``
+        pipe reads end of file: a terminal has one output)."""
+        master, self._master = self._master, None
+        assert master is not None
+        self.stdout.close()
+        self.stdout = open(master, "rb", buffering=0)
+        self.stdin = open(os.dup(master), "wb", buffering=0)
+        self.tty = True
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Set the terminal's size (``TIOCSWINSZ`` on its master: the kernel
+        sends SIGWINCH to its foreground process group)."""
+        if not self.tty:
+            super().resize(cols, rows)
+        if self.stdin is None or self.stdin.closed:
+            raise InvalidInputError("the command's terminal is closed (the command ended)")
+        fcntl.ioctl(self.stdin.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
     def _handler_alive(self) -> bool:
         if self._handler_fd < 0:
             return False
@@ -367,6 +420,9 @@ class AgentSpawned(Spawned):
         after its ``X``); a group still holding processes the command left
         running stays for :meth:`kill_leftovers` (or the environment's end)."""
         self.conn.close()
+        if self._master is not None:  # received, never used (the command could not start)
+            os.close(self._master)
+            self._master = None
         group = self.group
         if group is not None:
             if self._handler_fd >= 0:

@@ -56,7 +56,9 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     daemon passes ``[api_key.e2b]``).  Raises :class:`InvalidInputError` for a key
     of another form or none.  ``app.state.sandboxes`` is the :class:`Sandboxes`
     registry, ``app.state.templates`` the :class:`Templates` (call its ``close()``
-    when the daemon stops: it cancels and undoes the builds running).
+    when the daemon stops: it cancels and undoes the builds running),
+    ``app.state.watches`` the directory watchers (:class:`~weenv.server.e2b.watch.Watches`:
+    ``close()`` them then too).
     """
     keys = list(api_keys)
     if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
@@ -75,8 +77,10 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     keyed, uploads = make_template_api(templates, key_dependency(check))
     app.include_router(keyed)
     app.include_router(uploads)
-    app.router.routes.append(Mount("/envd", routes=Envd(sandboxes).routes()))
+    envd = Envd(sandboxes)
+    app.router.routes.append(Mount("/envd", routes=envd.routes()))
     app.state.sandboxes = sandboxes
+    app.state.watches = envd.watches
     app.state.templates = templates
     app.state.envd_credentialed = lambda scope: _credentialed(sandboxes, templates, scope)
     return app

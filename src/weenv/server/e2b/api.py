@@ -59,11 +59,11 @@ from weenv.server.e2b.sandboxes import (
     Sandboxes,
 )
 
-ENVD_VERSION = "0.6.2"
+ENVD_VERSION = "0.6.4"
 """The envd version weenv's in-sandbox services answer as: the ``e2b`` SDK enables
 features by it (default user 0.4.0, stdin close 0.5.2, octet-stream uploads
-0.5.7, file metadata 0.6.2) and refuses watch events with entries (0.6.3) on
-its side."""
+0.5.7, file metadata 0.6.2, watch events with entries 0.6.3, watches of
+network mounts when asked 0.6.4: :mod:`weenv.server.e2b.watch`)."""
 CLIENT_ID = "weenv"
 
 KIND_STATUS = {

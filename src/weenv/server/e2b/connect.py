@@ -7,6 +7,8 @@ Protocol: https://connectrpc.com/docs/protocol (Connect, version 1).  A call is
   JSON) or ``application/proto`` (binary); the answer is one message of the same
   type, or an error: the HTTP status of its code and a JSON body
   ``{"code": "not_found", "message": "..."}``;
+- client streaming (``StreamInput``): the body is envelopes, the answer one
+  message envelope and the end-of-stream envelope;
 - server streaming: ``Content-Type: application/connect+json`` or
   ``application/connect+proto``; the body and the answer are *envelopes*, each a
   flags byte, a 4-byte big-endian length and a message; the answer ends with an
@@ -108,15 +110,21 @@ Unary = Callable[[Message, CallContext], Awaitable[Message]]
 ServerStream = Callable[[Message, CallContext], AsyncIterator[Message]]
 
 
+ClientStream = Callable[[AsyncIterator[Message], CallContext], Awaitable[Message]]
+
+
 @dataclass(frozen=True)
 class Method:
     """One RPC: its request and response classes and its handler
-    (``async def`` returning a message, or an async generator of messages)."""
+    (``async def`` returning a message, or an async generator of messages;
+    with ``client_streaming``, ``async def`` taking an async iterator of the
+    request messages and returning one)."""
 
     input: type[Message]
     output: type[Message]
-    handler: Unary | ServerStream
+    handler: Unary | ServerStream | ClientStream
     streaming: bool = False
+    client_streaming: bool = False
 
 
 class _Codec:
@@ -171,6 +179,8 @@ def error_response(err: RpcError, *, streaming: bool) -> Response:
 
 async def serve(request: Request, method: Method, state: dict[str, Any] | None = None) -> Response:
     """Answer one Connect call of ``method`` (see the module docstring)."""
+    if method.client_streaming:
+        return await _serve_client_stream(request, method, state)
     streaming = method.streaming
     if request.method != "POST":
         return error_response(RpcError("unimplemented", "Connect calls are POST requests"), streaming=streaming)
@@ -213,6 +223,46 @@ async def serve(request: Request, method: Method, state: dict[str, Any] | None =
         yield envelope(_END_STREAM, json.dumps(end).encode())
 
     return StreamingResponse(body_iter(), media_type=f"application/connect+{codec.name}")
+
+
+async def _serve_client_stream(request: Request, method: Method, state: dict[str, Any] | None) -> Response:
+    """A client-streaming call: the body is envelopes, read and decoded one by
+    one as they arrive (each at most :data:`MAX_MESSAGE` bytes); the answer is
+    one message envelope and the end-of-stream envelope, or the end-of-stream
+    envelope with the error."""
+    codec = _codec_of(request.headers.get("content-type", ""), "application/connect+")
+    if request.method != "POST" or codec is None:
+        return Response(status_code=415, headers={"Accept-Post": _accept(True)})
+    try:
+        if request.headers.get("connect-content-encoding") not in (None, "identity"):
+            raise RpcError("unimplemented", "compression is not supported")
+        ctx = CallContext(request=request, timeout=_timeout(request), state=dict(state or {}))
+        result = await method.handler(_envelopes(request, codec, method.input), ctx)  # type: ignore[call-arg]
+        body = envelope(0, codec.encode(result)) + envelope(_END_STREAM, b"{}")
+    except Exception as exc:  # noqa: BLE001  # answered as the stream's end message
+        body = envelope(_END_STREAM, json.dumps({"error": as_rpc_error(exc).to_json()}).encode())
+    return Response(body, media_type=f"application/connect+{codec.name}")
+
+
+async def _envelopes(request: Request, codec: _Codec, cls: type[Message]) -> AsyncIterator[Message]:
+    """The messages of a streamed request body, each as soon as it is whole."""
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, size = struct.unpack(">BI", buf[:5])
+            if size > MAX_MESSAGE:
+                raise RpcError("resource_exhausted", f"message larger than {MAX_MESSAGE} bytes")
+            if flags & _COMPRESSED:
+                raise RpcError("unimplemented", "compressed messages are not supported")
+            if len(buf) < 5 + size:
+                break
+            payload = bytes(buf[5 : 5 + size])
+            del buf[: 5 + size]
+            if not flags & _END_STREAM:
+                yield codec.decode(payload, cls)
+    if buf:
+        raise RpcError("invalid_argument", "the request ended inside an envelope")
 
 
 def _accept(streaming: bool) -> str:

@@ -17,8 +17,10 @@ Endpoints (under this app's prefix)::
                                               or application/octet-stream (gzip allowed), streamed
                                               -> [{"name", "type": "file", "path"[, "metadata"]}]
                                               (``X-Metadata-KEY`` headers: user.e2b.KEY xattrs)
-    POST /process.Process/{Start,Connect,List,SendSignal,SendInput,CloseStdin,Update}
+    POST /process.Process/{Start,Connect,List,SendSignal,SendInput,StreamInput,CloseStdin,Update}
     POST /filesystem.Filesystem/{Stat,ListDir,MakeDir,Move,Remove}
+    POST /filesystem.Filesystem/{WatchDir,CreateWatcher,GetWatcherEvents,RemoveWatcher}
+                                              (inotify: :mod:`weenv.server.e2b.watch`)
 
 The RPCs speak the Connect protocol (:mod:`weenv.server.e2b.connect`).  Errors
 of the HTTP endpoints and of routing are envd's ``{"code": STATUS, "message"}``.
@@ -56,6 +58,7 @@ from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
 from weenv.server.e2b.proto import filesystem_pb, process_pb
 from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
+from weenv.server.e2b.watch import Watches, WatchService
 from weenv.server.limits import MAX_UPLOAD
 
 _HOST_RE = re.compile(r"^\d+-([A-Za-z0-9]+)\.")
@@ -99,6 +102,9 @@ class Envd:
         self.sandboxes = sandboxes
         node = sandboxes.node
         proc = ProcessService(node)
+        self.watches = Watches(node)
+        """The directory watchers of every sandbox (:mod:`weenv.server.e2b.watch`)."""
+        watch = WatchService(self.watches)
         pb, fb = process_pb, filesystem_pb
 
         def fs_call(fn):
@@ -113,6 +119,8 @@ class Envd:
             "process.Process/List": Method(pb.ListRequest, pb.ListResponse, proc.list),
             "process.Process/SendSignal": Method(pb.SendSignalRequest, pb.SendSignalResponse, proc.send_signal),
             "process.Process/SendInput": Method(pb.SendInputRequest, pb.SendInputResponse, proc.send_input),
+            "process.Process/StreamInput": Method(pb.StreamInputRequest, pb.StreamInputResponse, proc.stream_input,
+                                                  client_streaming=True),
             "process.Process/CloseStdin": Method(pb.CloseStdinRequest, pb.CloseStdinResponse, proc.close_stdin),
             "process.Process/Update": Method(pb.UpdateRequest, pb.UpdateResponse, proc.update),
             "filesystem.Filesystem/Stat": Method(fb.StatRequest, fb.StatResponse, fs_call(files.stat)),
@@ -120,6 +128,11 @@ class Envd:
             "filesystem.Filesystem/MakeDir": Method(fb.MakeDirRequest, fb.MakeDirResponse, fs_call(files.make_dir)),
             "filesystem.Filesystem/Move": Method(fb.MoveRequest, fb.MoveResponse, fs_call(files.move)),
             "filesystem.Filesystem/Remove": Method(fb.RemoveRequest, fb.RemoveResponse, fs_call(files.remove)),
+            "filesystem.Filesystem/WatchDir": Method(fb.WatchDirRequest, fb.WatchDirResponse, watch.watch_dir, streaming=True),
+            "filesystem.Filesystem/CreateWatcher": Method(fb.CreateWatcherRequest, fb.CreateWatcherResponse, watch.create_watcher),
+            "filesystem.Filesystem/GetWatcherEvents": Method(fb.GetWatcherEventsRequest, fb.GetWatcherEventsResponse,
+                                                             watch.get_watcher_events),
+            "filesystem.Filesystem/RemoveWatcher": Method(fb.RemoveWatcherRequest, fb.RemoveWatcherResponse, watch.remove_watcher),
         }  # fmt: skip
 
     def routes(self) -> list[Route]:

@@ -14,6 +14,12 @@ HTTP basic auth; default the template's user) with that user's groups and
 ``HOME``/``USER``/``LOGNAME``; its variables are those, the template's, the
 sandbox's (create ``envs``), then the call's; ``cwd`` defaults to the
 template's working directory, else the user's home, and must exist.
+
+A ``Start`` with ``pty`` runs the command on a pseudo-terminal the exec agent
+allocates inside the sandbox (:meth:`weenv.node.node.Node.spawn`'s ``tty``):
+its output comes as ``pty`` data, ``SendInput`` takes ``pty`` input (and only
+that, as envd), ``Update`` resizes it; sizes are 1 to
+:data:`~weenv.node.commands.MAX_TTY_SIDE` columns and rows.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import anyio.to_thread
 from google.protobuf.message import Message
 
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.node.commands import check_tty_size
 from weenv.node.node import Node
 from weenv.node.process import Process
 from weenv.node.users import Identity
@@ -67,8 +74,7 @@ def _start(node: Node, sb: Sandbox, req, timeout: float | None, who: Identity) -
     cfg = req.process
     if not cfg.cmd:
         raise RpcError("invalid_argument", "no command (process.cmd)")
-    if req.HasField("pty"):
-        raise RpcError("unimplemented", "PTY sessions are not supported by weenv yet")
+    tty = _tty_size(req.pty) if req.HasField("pty") else None
     cwd = resolve(sb, cfg.cwd, who) if cfg.HasField("cwd") and cfg.cwd else sb.start_dir(who)
     if not fs_of(node, sb).exists(cwd):
         raise RpcError("invalid_argument", f"cwd '{cwd}' does not exist")
@@ -77,10 +83,20 @@ def _start(node: Node, sb: Sandbox, req, timeout: float | None, who: Identity) -
         return node.spawn(
             sb.id, [cfg.cmd, *cfg.args], env=dict(cfg.envs), cwd=cwd, timeout=timeout,
             stdin_open=stdin_open, tag=req.tag if req.HasField("tag") else None, primary_reader=True,
-            user=who,
+            user=who, tty=tty,
         )  # fmt: skip
     except InvalidInputError as exc:
         raise RpcError("invalid_argument", str(exc)) from exc
+
+
+def _tty_size(pty) -> tuple[int, int]:
+    """``(cols, rows)`` of a ``PTY`` message, checked (:func:`check_tty_size`); RpcError."""
+    cols, rows = pty.size.cols, pty.size.rows
+    try:
+        check_tty_size(cols, rows)
+    except InvalidInputError as exc:
+        raise RpcError("invalid_argument", f"bad PTY size {cols}x{rows}: {exc}") from exc
+    return cols, rows
 
 
 def _event(**kw) -> Message:
@@ -94,7 +110,7 @@ async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start
     its sandbox went away ends the stream ``unavailable`` (as envd's connection
     ending before the stream completed): the SDK then probes ``/health``, gets
     "not found" and raises ``SandboxNotRunningException``."""
-    keepalive = _keepalive_s(ctx)
+    keepalive = keepalive_s(ctx)
     last = time.monotonic()
     try:
         while True:
@@ -116,7 +132,7 @@ async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start
                         sent_start = True
                         yield wrap(_event(start=process_pb.ProcessEvent.StartEvent(pid=e.pid or 0)))
                 elif e.type in ("stdout", "stderr"):
-                    data = process_pb.ProcessEvent.DataEvent(**{e.type: e.data or b""})
+                    data = process_pb.ProcessEvent.DataEvent(**{"pty" if p.tty else e.type: e.data or b""})
                     yield wrap(_event(data=data))
                 elif e.type in ("end", "error") and await _sandbox_gone(ctx, e):
                     sid = ctx.state["sandbox"].id
@@ -164,7 +180,9 @@ def _end_event(p: Process, code: int | None):
 _SIGNALS = {s.value for s in signals.Signals}
 
 
-def _keepalive_s(ctx: CallContext) -> float | None:
+def keepalive_s(ctx: CallContext) -> float | None:
+    """Seconds between keepalive events the call asks (``Keepalive-Ping-Interval``,
+    at least 1), None without the header."""
     raw = ctx.header("keepalive-ping-interval")
     try:
         return max(1.0, float(raw)) if raw else None
@@ -228,12 +246,23 @@ class ProcessService:
     async def send_input(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
         p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
-        which = req.input.WhichOneof("input")
-        if which != "stdin":
-            raise RpcError("invalid_argument" if which is None else "unimplemented",
-                           "only stdin input is supported (no PTY)")  # fmt: skip
-        await _write_stdin(p, req.input.stdin, eof=False)
+        await _send_input(p, req.input)
         return process_pb.SendInputResponse()
+
+    async def stream_input(self, requests: AsyncIterator[Message], ctx: CallContext) -> Message:
+        """``StreamInput``: a start event naming the process, then its input
+        events, written in order as they arrive; keepalives are ignored."""
+        sb: Sandbox = ctx.state["sandbox"]
+        p: Process | None = None
+        async for req in requests:
+            kind = req.WhichOneof("event")
+            if kind == "start":
+                p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.start.process)
+            elif kind == "data":
+                if p is None:
+                    raise RpcError("failed_precondition", "input before the start event naming the process")
+                await _send_input(p, req.data.input)
+        return process_pb.StreamInputResponse()
 
     async def close_stdin(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
@@ -243,7 +272,28 @@ class ProcessService:
         return process_pb.CloseStdinResponse()
 
     async def update(self, req, ctx: CallContext) -> Message:
-        raise RpcError("unimplemented", "PTY sessions are not supported by weenv yet")
+        """Resize the process's PTY (``UpdateRequest.pty``; nothing else to update)."""
+        sb: Sandbox = ctx.state["sandbox"]
+        p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
+        if req.HasField("pty"):
+            cols, rows = _tty_size(req.pty)
+            try:
+                await anyio.to_thread.run_sync(p.resize, cols, rows)
+            except InvalidInputError as exc:
+                raise RpcError("failed_precondition", str(exc)) from exc
+        return process_pb.UpdateResponse()
+
+
+async def _send_input(p: Process, given) -> None:
+    """Write the ``ProcessInput`` ``given`` to ``p``: ``pty`` input to its
+    terminal, ``stdin`` to its stdin pipe (as envd, the other is refused)."""
+    which = given.WhichOneof("input")
+    if which is None:
+        raise RpcError("invalid_argument", "no input (stdin or pty)")
+    if (which == "pty") != p.tty:
+        raise RpcError("failed_precondition", "the process has a PTY: send pty input, not stdin" if p.tty
+                       else "the process has no PTY: send stdin input, not pty")  # fmt: skip
+    await _write_stdin(p, getattr(given, which), eof=False)
 
 
 async def _write_stdin(p: Process, data: bytes, *, eof: bool) -> None:

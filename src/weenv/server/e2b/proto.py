@@ -126,6 +126,16 @@ message RemoveResponse {}
 message WatchDirRequest { string path = 1; bool recursive = 2; bool include_entry = 3; bool allow_network_mounts = 4; }
 message CreateWatcherRequest { string path = 1; bool recursive = 2; bool include_entry = 3; bool allow_network_mounts = 4; }
 message CreateWatcherResponse { string watcher_id = 1; }
+message FilesystemEvent { string name = 1; EventType type = 2; optional EntryInfo entry = 3; }
+message WatchDirResponse {
+  message StartEvent {}
+  message KeepAlive {}
+  oneof event { StartEvent start = 1; FilesystemEvent filesystem = 2; KeepAlive keepalive = 3; }
+}
+message GetWatcherEventsRequest { string watcher_id = 1; }
+message GetWatcherEventsResponse { repeated FilesystemEvent events = 1; }
+message RemoveWatcherRequest { string watcher_id = 1; }
+message RemoveWatcherResponse {}
 """
 
 _TOKEN = re.compile(r"//[^\n]*|[A-Za-z_][\w.]*|\d+|[{}<>;=,]")
