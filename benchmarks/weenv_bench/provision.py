@@ -66,11 +66,25 @@ no provisioning can make every burst as fast as alone.  The host's busy cores
 (``/proc/stat``) and load average are sampled during every phase;
 ``other_cpu_cores`` is the host's busy cores minus the environments' own.
 
+**Traces and the simulation** (issue 19).  Each mode's JSON holds ``traces``:
+per environment, per controller pass, the cores it used and its working set
+(``interval_s`` apart; the static node's 1 s).  After the real modes, the
+static mode's traces (the demand, uncontended) are replayed through the real
+provisioner on modelled nodes (:mod:`weenv_bench.simulate`): on one of this
+machine's size with the elastic mode's settings, predicting the run's elastic
+density and p95 burst slowdown (``calibration_error``: the larger relative
+error of the two), and on nodes of 16, 64 and 192 cores (4 GiB per core).
+``weenv bench provision --simulate --traces RUN.json`` runs the simulation
+alone from a real run's JSON.
+
 JSON ``summary``: ``static_envs``, ``elastic_envs``, ``density_ratio``, and per
 mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 ``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
-``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``; and
-``p95_unloaded``.
+``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``;
+``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's);
+``sim`` (per node size, its cores as the key: ``density_ratio``,
+``p95_burst_slowdown``, ``bursts_slowed_over_10pct``, ``oom_kills``) and
+``calibration_error``.
 """
 
 from __future__ import annotations
