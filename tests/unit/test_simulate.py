@@ -172,3 +172,21 @@ def test_simulate_recorded_reads_a_real_runs_json_and_refuses_bad_ones(tmp_path)
         simulate_recorded(bad)
     with pytest.raises(InvalidInputError, match="No such file"):
         simulate_recorded(tmp_path / "missing.json")
+
+
+def test_a_real_runs_traces_predict_its_density(tmp_path):
+    """The traces of a real ``weenv bench provision --quick`` on this 2-core
+    machine (``data/provision-quick-2cores.json``), replayed through the real
+    provisioner on a node of its size: the elastic density it held (4 against
+    2 static) within 10 %.  Its p95 burst slowdown is not (predicted 1.32,
+    real 2.38): its slowest bursts ran while no more bench bursts than cores
+    were in flight, when other tenants used 0.5 cores the traces do not hold."""
+    from pathlib import Path
+
+    recorded = Path(__file__).parent / "data" / "provision-quick-2cores.json"
+    out = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)
+    cal = out["simulation"]["calibration"]
+    assert cal["real"]["density_ratio"] == 2.0
+    assert cal["predicted"]["density_ratio"] == pytest.approx(cal["real"]["density_ratio"], rel=0.10)
+    slow = [b for b in json.loads(recorded.read_text())["elastic"]["bursts"] if b["slowdown"] > 2.0]
+    assert slow and all(b["concurrent"] <= 2 for b in slow)  # not the bench's own bursts contending
