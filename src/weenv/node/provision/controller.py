@@ -321,7 +321,7 @@ class Provisioner:
             if cfg.mode != "off":
                 budget = self._budget()
                 cpu_sum = sum(e.cpu_reservation for e in self._envs.values())
-                memory_sum = sum(e.memory_limit for e in self._envs.values())
+                memory_sum = sum(e.policy.memory_held() for e in self._envs.values())
                 if cfg.mode == "elastic":  # start with what is free, at least the floor
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
@@ -333,7 +333,7 @@ class Provisioner:
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
-                    cpu_new=policy.cpu_quota, memory_new=policy.memory_limit,
+                    cpu_new=policy.cpu_quota, memory_new=policy.memory_held(),
                     budget=budget, admitting=self._admitting,
                     cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
                     burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,

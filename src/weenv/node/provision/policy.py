@@ -225,6 +225,17 @@ class EnvPolicy:
         want = max(self.peak_ws * (1 + cfg.memory_headroom), self.peak_ws + cfg.memory_min_headroom)
         return int(clamp(want, self.memory_floor, self.memory_ceiling))
 
+    def memory_held(self) -> int:
+        """Bytes admission counts for it: its limit now, or the limit its
+        template's known peak needs when that is more (memory is not
+        compressible: a limit decayed while it idles is raised again at its
+        next burst, and admission must leave room for that raise)."""
+        cfg, peak = self.cfg, self.known_peak
+        if not peak:
+            return self.memory_limit
+        want = max(peak * (1 + cfg.memory_headroom), peak + cfg.memory_min_headroom)
+        return max(self.memory_limit, int(clamp(want, self.memory_floor, self.memory_ceiling)))
+
     def _memory(self, o: Observation) -> tuple[int, str, bool]:
         cfg = self.cfg
         decay = 0.5 ** (o.dt / cfg.memory_half_life_s)
