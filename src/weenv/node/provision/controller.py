@@ -294,9 +294,12 @@ class Provisioner:
         Raises :class:`InvalidInputError` when it declares more cores or memory
         than the node has, :class:`CapacityError` when the node cannot hold it
         now: in ``elastic`` mode by the admission of ``config.admission``
-        (default ``burst``: the share of bursts meeting contention within
+        (``burst``: the share of bursts meeting contention within
         ``admission_burst_risk``), the reservations held now (which follow
-        observed usage) plus its initial one, and the host's available memory;
+        observed usage) plus its initial one, the memory limits held (each at
+        least what its template's known peak needs:
+        :meth:`~weenv.node.provision.policy.EnvPolicy.memory_held`) plus its
+        own, and the host's available memory;
         in ``static`` mode by declared resources.  In both, the declared disk
         limits (``disk_bytes``) must fit the node's disk (:attr:`disk_capacity`
         × ``disk_overcommit``).
