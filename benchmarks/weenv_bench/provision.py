@@ -495,8 +495,9 @@ def plot_sim(result: dict, path: Path) -> None:
     axes[1].set_title("p95 burst slowdown (×)")
     for ax in axes:
         ax.set_xlabel("cores")
-    fig.suptitle(f"weenv bench provision --simulate: calibration error "
-                 f"{result['simulation']['calibration']['calibration_error']}")  # fmt: skip
+    err = result["simulation"]["calibration"]["calibration_error"]
+    fig.suptitle("weenv bench provision --simulate: calibration error "
+                 + ("n/a" if err is None else f"{err:.2f}"))  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
