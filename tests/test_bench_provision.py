@@ -15,7 +15,7 @@ SUMMARY = ("static_envs", "elastic_envs", "density_ratio", "p95_burst_slowdown",
 def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_check, tmp_path):
     out = tmp_path / "provision.json"
     result = run(quick=True, json_path=out, max_envs=3, duration_s=25, think_s=2.0, steps=4, baseline_runs=1,
-                 log=lambda _msg: None)  # fmt: skip
+                 sim_sizes=((16, 64),), sim_duration_s=20, log=lambda _msg: None)  # fmt: skip
     written = json.loads(out.read_text())
     s = written["summary"]
     assert set(SUMMARY) <= set(s) and s == json.loads(json.dumps(result["summary"]))
@@ -28,6 +28,12 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
         assert s["oom_kills"][mode] == 0
         assert [n for _t, n in m["held"]] == sorted(n for _t, n in m["held"])  # admitted over time, never dropped
     assert written["config"]["elastic"]["admission"] == "burst"
+    # each environment's usage recorded, replayed through the real provisioner (issue 19)
+    assert set(written["static"]["traces"]) == {e for e in written["static"]["history"] if
+                                                len(written["static"]["history"][e]) >= 2}  # fmt: skip
+    assert set(s["sim"]["16"]) == {"density_ratio", "p95_burst_slowdown", "bursts_slowed_over_10pct", "oom_kills"}
+    assert s["sim"]["16"]["oom_kills"] == 0 and s["calibration_error"] is not None
+    assert s["p95_slowdown_vs_static"] == s["p95_burst_slowdown"]["elastic"] / s["p95_burst_slowdown"]["static"]
     assert 1.0 <= s["p95_unloaded"]  # the unloaded runs' own spread (p95 over the median)
     assert {b["base"] for b in written["static"]["bursts"]} & {f"{k}:cold" for k in BURSTS}  # first of a kind
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -30,26 +30,25 @@ def create_once_admitted(node, res, timeout=15.0):
         time.sleep(0.2)
 
 
-def test_burst_admission_waits_for_history_then_counts_what_bursts_do(make_node):
-    """With ``admission="burst"`` on 2 cores two 1-core environments always fit;
-    a third is refused while nothing is known (prior: busy a quarter of the
-    time, so both others are busy during a burst a quarter of the time), admitted
-    once the two have idle history (the newcomer counts as busy as they are),
-    and a fourth is refused while they burst."""
+def test_burst_admission_admits_the_unknown_as_reservations_then_counts_what_bursts_do(make_node):
+    """With ``admission="burst"`` on 2 cores, environments of a template nothing
+    is known of (no history, no usage profile) are admitted as the
+    reservations admit them: a third 1-core one too (issue 19: the prior, busy
+    a quarter of the time, refused it; the test suite's third create).  Once
+    they burst, their history is their template's: a fourth is refused while
+    a burst would meet the others beyond the cores, and admitted once they
+    are idle again."""
     node = make_node(cpu_capacity=2.0, admission="burst", admission_min_history_s=1.0, admission_window_s=3.0)
     res = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
-    a = node.create("task", resources=res, first_command=False)
-    b = node.create("task", resources=res, first_command=False)
-    with pytest.raises(CapacityError, match="of bursts would meet others"):
-        node.create("task", resources=res, first_command=False)
-    c = create_once_admitted(node, res)
-    for e in (a, b):
-        node.exec(e.id, BUSY.format(s=5))  # both burst: 1 core each, in the background
+    envs = [node.create("task", resources=res, first_command=False) for _ in range(3)]
+    for e in envs:
+        node.exec(e.id, BUSY.format(s=5))  # all burst: 1 core each, in the background
     assert wait_for(lambda: node.provision_stats().totals.cpu_used > 1.2, timeout=10)
     time.sleep(1.5)  # half of the 3 s window busy: each is busy during a burst with probability ~1
     with pytest.raises(CapacityError, match="of bursts would meet others"):
         node.create("task", resources=res, first_command=False)
-    for e in (a, b, c):
+    envs.append(create_once_admitted(node, res, timeout=20))  # idle again: its template's duty falls
+    for e in envs:
         node.destroy(e.id)
 
 

@@ -41,13 +41,22 @@ def provision(
     max_envs: Optional[int] = typer.Option(None, help="environments to try to hold at once"),
     duration: Optional[float] = typer.Option(None, help="seconds of workload per mode"),
     think: Optional[float] = typer.Option(None, help="median think time per agent step, seconds (default 4)"),
+    simulate: bool = typer.Option(False, "--simulate",
+                                  help="only replay a real run's traces (--traces) on modelled 16/64/192-core nodes"),
+    traces: Optional[Path] = typer.Option(None, "--traces", help="with --simulate: the --json of a real run"),
 ) -> None:
     """Static against elastic provisioning: environments held, rollouts/hour, burst slowdown, OOM kills."""
-    from weenv_bench.provision import run
+    from weenv_bench.provision import run, simulate_recorded
     from weenv.cli.common import err
+    from weenv.errors import InvalidInputError
 
-    result = run(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think,
-                 log=err.print)
+    if simulate:
+        if traces is None:
+            raise InvalidInputError("--simulate replays recorded traces: give --traces PATH (the --json of a real run)")
+        result = simulate_recorded(traces, json_path=json_path, log=err.print)
+    else:
+        result = run(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think,
+                     log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -66,11 +66,25 @@ no provisioning can make every burst as fast as alone.  The host's busy cores
 (``/proc/stat``) and load average are sampled during every phase;
 ``other_cpu_cores`` is the host's busy cores minus the environments' own.
 
+**Traces and the simulation** (issue 19).  Each mode's JSON holds ``traces``:
+per environment, per controller pass, the cores it used and its working set
+(``interval_s`` apart; the static node's 1 s).  After the real modes, the
+static mode's traces (the demand, uncontended) are replayed through the real
+provisioner on modelled nodes (:mod:`weenv_bench.simulate`): on one of this
+machine's size with the elastic mode's settings, predicting the run's elastic
+density and p95 burst slowdown (``calibration_error``: the larger relative
+error of the two), and on nodes of 16, 64 and 192 cores (4 GiB per core).
+``weenv bench provision --simulate --traces RUN.json`` runs the simulation
+alone from a real run's JSON.
+
 JSON ``summary``: ``static_envs``, ``elastic_envs``, ``density_ratio``, and per
 mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 ``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
-``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``; and
-``p95_unloaded``.
+``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``;
+``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's);
+``sim`` (per node size, its cores as the key: ``density_ratio``,
+``p95_burst_slowdown``, ``bursts_slowed_over_10pct``, ``oom_kills``) and
+``calibration_error``.
 """
 
 from __future__ import annotations
@@ -97,6 +111,7 @@ from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 from weenv_bench import machine, write_report
+from weenv_bench.simulate import NODE_SIZES, calibrate, parse_traces, run_sizes, traces_of
 from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 
 DECLARED = Resources(cpus=1.0, memory_bytes=1536 << 20, pids=1024)
@@ -333,6 +348,7 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
     host = load.summary()
     mean_held = sum(n for _, n in held) / len(held) if held else 0.0
     return {
+        "traces": traces_of(history, node.provisioner.config.interval_s),
         "mode": mode, "envs": len(envs), "mean_envs": mean_held, "held": held, "refusals": refusals[-20:],
         "wall_s": wall, "rollouts": sum(rollouts.values()),
         "rollouts_per_hour": sum(rollouts.values()) / wall * 3600, "bursts": bursts,
@@ -390,11 +406,110 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def elastic_config(cfg: dict) -> ProvisionConfig:
+    """The elastic mode's provisioning of a run whose ``config`` is ``cfg``."""
+    return ProvisionConfig(mode="elastic", **cfg["elastic"], memory_overcommit=1.0)
+
+
+def simulated(result: dict, *, sizes=NODE_SIZES, duration_s: float = 300.0, log=print) -> dict:
+    """The summary's ``sim`` and ``calibration_error`` from a real run's
+    ``result`` (as :func:`run` returns it or its JSON holds it): its static
+    mode's traces (each environment's demand, uncontended) replayed through
+    the real provisioner (:mod:`weenv_bench.simulate`) on a node of the real
+    machine's size, predicting the run's elastic density and p95 burst
+    slowdown (``calibration``), and on nodes of ``sizes`` (cores, GiB).
+    Raises :class:`~weenv.errors.InvalidInputError` for bad traces."""
+    cfg = result["config"]
+    traces = parse_traces(result["static"].get("traces"))
+    declared = Resources(**cfg["declared"])
+    elastic = elastic_config(cfg)
+    cores = float(result["machine"]["cpus"])
+    memory = max(1 << 30, result["machine"]["memory_bytes"] - ProvisionConfig().memory_reserve)
+    log(f"simulating: {len(traces)} traces on {cores:g} cores (calibration), then {[c for c, _ in sizes]} cores")
+    cal = calibrate(traces, result, cores=cores, memory=memory, elastic=elastic, declared=declared,
+                    max_envs=cfg["max_envs"], duration_s=cfg["duration_s"])  # fmt: skip
+    log(f"  calibration: predicted {cal['predicted']}, real {cal['real']}, error {cal['calibration_error']}")
+    return {"calibration": cal, "sizes": run_sizes(traces, elastic=elastic, declared=declared,
+                                                   duration_s=duration_s, sizes=sizes, log=log)}  # fmt: skip
+
+
+def sim_summary(sim: dict) -> dict:
+    """The summary's ``sim`` (per node size) and ``calibration_error``."""
+    keys = ("density_ratio", "p95_burst_slowdown", "bursts_slowed_over_10pct", "oom_kills")
+    return {"sim": {cores: {k: r[k] for k in keys} for cores, r in sim["sizes"].items()},
+            "calibration_error": sim["calibration"]["calibration_error"]}  # fmt: skip
+
+
+MAX_RESULT_BYTES = 256 << 20
+"""A recorded run's JSON read by ``--simulate`` at most (bytes)."""
+
+
+def simulate_recorded(traces_path: Path, *, json_path: Path | None = None, sizes=NODE_SIZES,
+                      duration_s: float = 300.0, log=print) -> dict:  # fmt: skip
+    """``weenv bench provision --simulate --traces PATH``: the simulation alone,
+    from the JSON a real run wrote (its traces, config, machine and figures);
+    returns it with ``summary`` (the real run's and :func:`sim_summary`'s keys).
+    Raises :class:`~weenv.errors.InvalidInputError` for a file that is too
+    large, not JSON, not such a run's, or whose traces are bad."""
+    import json
+
+    from weenv.errors import InvalidInputError
+
+    try:
+        size = traces_path.stat().st_size
+        if size > MAX_RESULT_BYTES:
+            raise InvalidInputError(f"{traces_path}: {size} bytes, more than {MAX_RESULT_BYTES}")
+        recorded = json.loads(traces_path.read_bytes())
+    except OSError as exc:
+        raise InvalidInputError(f"{traces_path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise InvalidInputError(f"{traces_path}: not JSON ({exc})") from None
+    if not isinstance(recorded, dict) or not all(isinstance(recorded.get(k), dict)
+                                                 for k in ("config", "machine", "static", "elastic")):  # fmt: skip
+        raise InvalidInputError(f"{traces_path}: not the JSON of a weenv bench provision run "
+                                "(needs config, machine, static and elastic)")  # fmt: skip
+    try:
+        sim = simulated(recorded, sizes=sizes, duration_s=duration_s, log=log)
+    except (KeyError, TypeError) as exc:
+        raise InvalidInputError(f"{traces_path}: a field is missing or of the wrong type ({exc})") from None
+    out = {"config": recorded["config"], "machine": recorded["machine"], "traces_from": str(traces_path),
+           "simulation": sim, "summary": {**(recorded.get("summary") or {}), **sim_summary(sim)}}  # fmt: skip
+    if json_path is not None:
+        write_report(out, json_path, plot_sim)
+    return out
+
+
+def plot_sim(result: dict, path: Path) -> None:
+    """Density ratio and p95 burst slowdown per simulated node size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = result["simulation"]["sizes"]
+    names = list(sizes)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    axes[0].bar(names, [sizes[n]["density_ratio"] or 0 for n in names], color="C0")
+    axes[0].set_title("density ratio (elastic / static)")
+    axes[1].bar(names, [sizes[n]["p95_burst_slowdown"] or 0 for n in names], color="C1")
+    axes[1].set_title("p95 burst slowdown (×)")
+    for ax in axes:
+        ax.set_xlabel("cores")
+    err = result["simulation"]["calibration"]["calibration_error"]
+    fig.suptitle("weenv bench provision --simulate: calibration error "
+                 + ("n/a" if err is None else f"{err:.2f}"))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | None = None,
         duration_s: float | None = None, think_s: float | None = None, log=print,
-        cpu_quota_at: str | None = None, baseline_runs: int | None = None, steps: int | None = None) -> dict:  # fmt: skip
-    """Run the benchmark in a private home under ``$WEENV_HOME``; return the result
-    (and write JSON + PNG when ``json_path`` is given)."""
+        cpu_quota_at: str | None = None, baseline_runs: int | None = None, steps: int | None = None,
+        sim_sizes=NODE_SIZES, sim_duration_s: float = 300.0) -> dict:  # fmt: skip
+    """Run the benchmark in a private home under ``$WEENV_HOME``, then the
+    simulation of its traces (:func:`simulated`: ``sim_sizes``, ``sim_duration_s``
+    each); return the result (and write JSON + PNG when ``json_path`` is given)."""
     from weenv.node.node import Node
 
     env = Paths.from_env()
@@ -438,7 +553,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         # with the unloaded runs just before and just after it.
         passes = [measure_baseline("before static")]
         modes = (("static", ProvisionConfig(mode="static", **common)),
-                 ("elastic", ProvisionConfig(mode="elastic", **cfg["elastic"], memory_overcommit=1.0)))
+                 ("elastic", elastic_config(cfg)))
         for i, (mode, pc) in enumerate(modes):
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
             # the baseline after this mode is not known yet: slowdowns are recomputed below
@@ -473,7 +588,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "other_cpu_cores": per_mode("other_cpu_cores"),
             "loadavg1_mean": per_mode("loadavg1_mean"),
             "p95_unloaded": p95_unloaded(passes),
+            "p95_slowdown_vs_static": (e["p95_burst_slowdown"] / s["p95_burst_slowdown"]
+                                       if e["p95_burst_slowdown"] and s["p95_burst_slowdown"] else None),
         }
+        result["simulation"] = simulated(result, sizes=sim_sizes, duration_s=sim_duration_s, log=log)
+        result["summary"].update(sim_summary(result["simulation"]))
         if json_path is not None:
             write_report(result, json_path, plot)
         return result

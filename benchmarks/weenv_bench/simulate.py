@@ -1,81 +1,130 @@
 """``weenv bench provision --simulate``: recorded usage traces replayed through
 the real provisioner on a modelled node of C cores and M GiB.
 
-**Traces** (:func:`load_traces`): per environment, per controller pass, the
-cores it used and its working set (bytes), ``interval_s`` apart, as ``weenv
-bench provision`` records them (each mode's ``history``; the *static* run's
-are the demand: each environment had its declared core).  A trace with a gap
-(two points more than 2 × ``interval_s`` apart), a negative or non-finite
-value is an :class:`~weenv.errors.InvalidInputError`.
+**Traces** (:func:`parse_traces`): per environment, per sample (``interval_s``
+apart, 1 s as the static node samples them), the cores it used and its working
+set (bytes), as ``weenv bench provision`` records them in its JSON
+(``traces``: the *static* run's are the demand, each environment having had its
+declared cores, uncontended).  A trace with a gap (two samples more than 1.5 ×
+``interval_s`` apart), a negative or non-finite value, or samples of unequal
+lengths is an :class:`~weenv.errors.InvalidInputError`.
 
-**What runs for real**: :class:`~weenv.node.provision.Provisioner` (its
-admission, policy and arbiter, imported), on simulated cgroups
-(:class:`SimCgroup`) and a simulated clock and ``/proc/meminfo``.  **What is
-modelled**: the node.  Every step (one trace interval) each environment asks
-its trace's current CPU demand; the cores are shared max-min fairly (CFS's
-equal weights) within each one's CFS quota; a step's demand not served is
-carried over, so a contended burst lasts longer (its *slowdown*: simulated
-steps over trace steps, for each run of busy points, > 20 % of the ceiling).
+**What runs for real**: :class:`~weenv.node.provision.Provisioner` (admission,
+policy, arbiter, usage profiles, its :meth:`~weenv.node.provision.Provisioner.poll`
+loop), imported, on :class:`SimCgroup` cgroups, a :class:`Clock` advanced step
+by step (nothing sleeps) and a modelled ``/proc/meminfo``.
+
+**What is modelled**: the node.  Each sample of a trace is an environment's
+script for ``interval_s`` of wall time: its CPU work (cores × ``interval_s``
+core-seconds) runs first at up to its CFS quota (a command runs flat out), then
+it idles for the rest of the sample (the agent thinks), so a contended burst
+lasts longer and pushes the rest of its trace later (a closed loop, as an
+agent waits for its command).  Every step (``step_s``, 0.1 s) the cores are
+shared max-min fairly (CFS's equal weights) among the environments running
+work.  A *burst* is a run of samples above :data:`BUSY_SHARE` of the declared
+cores; its *slowdown* is the time its work took over the time it takes alone.
 Memory: an environment whose working set exceeds its limit waits (cgroup v1
 with the OOM killer disabled below the ceiling, as the node sets it) until the
-controller raises it; above its declared ceiling it counts an OOM kill.
+controller raises the limit (an urgent pass, as the node's 0.1 s check does);
+beyond its declared memory it is OOM-killed (counted; the sample's memory
+capped there).  A frozen environment makes no progress.
 
-As in the real benchmark, a scheduler asks for one more environment every
-second (up to ``max_envs``) for ``duration_s``; each new one replays the next
-trace (round robin, each looped).  Reported per mode: ``envs`` (most held),
-``p95_burst_slowdown``, ``bursts_slowed_over_10pct``, ``oom_kills``.
+As in the real benchmark a scheduler asks for more environments every second
+(one per 8 cores at once: a trainer asks a large node for more) up to
+``max_envs``, for ``duration_s``; environment ``i`` replays trace ``i mod n``
+from its own offset, looped.  Elastic admission starts from the template's
+usage profile learned from the traces (:func:`~weenv.node.provision.profiles.summarize`),
+as the real run's elastic node starts from the profile its static run taught.
+
+Cost: O(steps × environments) for the node, O(passes × environments) for the
+controller (its admission is incremental: see
+:class:`~weenv.node.provision.arbiter.CpuWindow`); a 64-core node for 300 s
+takes seconds.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+import statistics
 from dataclasses import dataclass, field
-from unittest import mock
 
-from weenv.errors import CapacityError, InvalidInputError
+from weenv.errors import CapacityError, InvalidInputError, LimitRefusedError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Pressure, Usage
 from weenv.node.provision import ProvisionConfig, Provisioner
-from weenv.node.provision import controller as _controller
-from weenv.node.provision.profiles import TemplateProfiles
+from weenv.node.provision.profiles import TemplateProfiles, summarize
 
 GIB = 1 << 30
 BUSY_SHARE = 0.2
+"""A sample using more than this share of the declared cores is part of a burst."""
+TEMPLATE = "sha256:" + "5" * 64
+MAX_TRACE_POINTS = 1 << 20
+"""Samples per trace at most (a day at 0.1 s); more is refused unread."""
 
 
 @dataclass(frozen=True)
 class Trace:
-    cpu: list[float]
-    """Cores used per step."""
-    working_set: list[int]
-    """Bytes per step."""
+    """One environment's recorded usage."""
+
+    interval_s: float
+    """Seconds between samples."""
+    cpu: tuple[float, ...]
+    """Cores used on average over each sample."""
+    working_set: tuple[int, ...]
+    """Bytes at each sample."""
 
 
-def load_traces(history: dict[str, list[dict]], interval_s: float) -> list[Trace]:
-    """Traces from a mode's ``history`` (env id -> points with ``t``, ``cpu_used``,
-    ``working_set``); raises :class:`InvalidInputError` for a gap, a negative or
-    non-finite value, or no trace at all."""
+def parse_traces(data: object) -> list[Trace]:
+    """Traces from a JSON value ``{env_id: {"interval_s": s, "t": [...],
+    "cpu": [...], "working_set": [...]}}`` (``t``: seconds, increasing by about
+    ``interval_s``).  Raises :class:`InvalidInputError`, naming the environment
+    and the sample, for a gap, a negative or non-finite value, unequal
+    lengths, a trace of fewer than 2 or more than :data:`MAX_TRACE_POINTS`
+    samples, or no trace at all."""
+    if not isinstance(data, dict) or not data:
+        raise InvalidInputError("no usage trace to replay (expected {env_id: {interval_s, t, cpu, working_set}})")
     out = []
-    for env_id, points in history.items():
-        if len(points) < 2:
-            continue
-        for a, b in zip(points, points[1:]):
-            if not b["t"] - a["t"] <= 2 * interval_s + 0.5:
-                raise InvalidInputError(f"trace of {env_id} has a gap of {b['t'] - a['t']:.1f} s at t={a['t']:.0f}")
-        for p in points:
-            cpu, ws = p["cpu_used"], p["working_set"]
-            if not (isinstance(cpu, (int, float)) and math.isfinite(cpu) and cpu >= 0 and ws >= 0):
-                raise InvalidInputError(f"trace of {env_id} has a bad point: cpu {cpu!r}, working set {ws!r}")
-        out.append(Trace([float(p["cpu_used"]) for p in points], [int(p["working_set"]) for p in points]))
-    if not out:
-        raise InvalidInputError("no usage trace to replay")
+    for env_id, tr in data.items():
+        if not isinstance(tr, dict) or not {"interval_s", "t", "cpu", "working_set"} <= tr.keys():
+            raise InvalidInputError(f"trace of {env_id}: needs interval_s, t, cpu and working_set")
+        dt, t, cpu, ws = tr["interval_s"], tr["t"], tr["cpu"], tr["working_set"]
+        if not (_number(dt) and dt > 0):
+            raise InvalidInputError(f"trace of {env_id}: interval_s {dt!r} is not a positive number")
+        if not all(isinstance(x, list) for x in (t, cpu, ws)) or not len(t) == len(cpu) == len(ws):
+            raise InvalidInputError(f"trace of {env_id}: t, cpu and working_set must be lists of one length")
+        if not 2 <= len(t) <= MAX_TRACE_POINTS:
+            raise InvalidInputError(f"trace of {env_id}: {len(t)} samples (2 to {MAX_TRACE_POINTS})")
+        for i, (a, c, w) in enumerate(zip(t, cpu, ws)):
+            if not (_number(a) and _number(c) and _number(w)) or c < 0 or w < 0:
+                raise InvalidInputError(f"trace of {env_id}: sample {i} has a negative or non-finite value "
+                                        f"(t {a!r}, cpu {c!r}, working_set {w!r})")  # fmt: skip
+            if i and not 0 < a - t[i - 1] <= 1.5 * dt:
+                raise InvalidInputError(f"trace of {env_id}: a gap of {a - t[i - 1]:.2f} s before sample {i} "
+                                        f"(samples are {dt:g} s apart)")  # fmt: skip
+        out.append(Trace(float(dt), tuple(float(c) for c in cpu), tuple(int(w) for w in ws)))
     return out
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def traces_of(history: dict[str, list[dict]], interval_s: float) -> dict[str, dict]:
+    """The ``traces`` JSON of one mode from its environments' provisioner
+    history (points with ``t``, ``cpu_used``, ``working_set``); environments
+    with fewer than 2 points are left out."""
+    return {
+        env_id: {"interval_s": interval_s, "t": [round(p["t"], 3) for p in pts],
+                 "cpu": [round(p["cpu_used"], 4) for p in pts], "working_set": [p["working_set"] for p in pts]}
+        for env_id, pts in history.items() if len(pts) >= 2
+    }  # fmt: skip
+
+
 class Clock:
-    def __init__(self):
-        self.now = 1_000_000.0
+    """Simulated seconds: ``time`` and ``monotonic`` both read :attr:`now`."""
+
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
 
     def time(self) -> float:
         return self.now
@@ -83,57 +132,97 @@ class Clock:
     def monotonic(self) -> float:
         return self.now
 
-    def sleep(self, s: float) -> None:
-        self.now += s
-
 
 @dataclass
 class SimEnv:
+    """One modelled environment replaying ``trace`` from sample ``pos``."""
+
     trace: Trace
-    ceiling: float
-    memory_ceiling: int
-    pos: int = 0
-    left: float = -1.0
-    """Core-steps of the current trace point still to run (-1: not started)."""
+    declared: Resources
+    pos: int
+    quota: float = 0.0
+    """Cores (its CFS quota)."""
+    limit: int = 1 << 62
+    frozen: bool = False
     cpu_s: float = 0.0
-    quota: float = 1.0
-    limit: int = 1 << 40
-    waiting: bool = False
     oom_kills: int = 0
-    steps_in_burst: int = 0
-    burst_len: int = 0
+    waiting: bool = False
+    work: float = 0.0
+    """Core-seconds of the current sample still to run."""
+    idle: float = 0.0
+    """Seconds of the current sample's idle part still to pass."""
+    ws: int = 0
+    busy: bool = False
+    burst_alone: float = 0.0
+    """Seconds the current burst's work takes alone (at the declared cores)."""
+    burst_took: float = 0.0
     slowdowns: list[float] = field(default_factory=list)
 
-    def demand(self) -> float:
-        if self.left < 0:
-            self.left = self.trace.cpu[self.pos % len(self.trace.cpu)]
-        ws = self.trace.working_set[self.pos % len(self.trace.working_set)]
-        if ws > self.memory_ceiling:
+    phase: float = 0.0
+    """Seconds idle before its first sample (environments' samples do not start together)."""
+
+    def __post_init__(self) -> None:
+        self.quota = self.declared.cpus
+        self.ws = min(self.trace.working_set[self.pos % len(self.trace.cpu)], self.declared.memory_bytes)
+        self.pos -= 1  # its first sample starts when the phase has passed
+        self.idle = self.phase
+
+    def _sample(self) -> None:
+        tr, ceiling = self.trace, self.declared.cpus
+        i = self.pos % len(tr.cpu)
+        c = min(tr.cpu[i], ceiling)
+        self.work = c * tr.interval_s
+        self.idle = tr.interval_s - self.work / ceiling
+        busy = c > BUSY_SHARE * ceiling
+        if not busy and self.busy and self.burst_alone > 0:
+            self.slowdowns.append(self.burst_took / self.burst_alone)
+            self.burst_alone = self.burst_took = 0.0
+        self.busy = busy
+        if busy:
+            self.burst_alone += self.work / ceiling
+        self.ws = tr.working_set[i]
+        if self.ws > self.declared.memory_bytes:
             self.oom_kills += 1
-            self.left = 0.0
-        self.waiting = ws > self.limit
-        return 0.0 if self.waiting else min(self.left, self.quota)
+            self.ws = self.declared.memory_bytes
+
+    def rate(self) -> float:
+        """Cores it runs at when it has work and nothing contends."""
+        return min(self.quota, self.declared.cpus)
+
+    def demand(self, dt: float) -> float:
+        """Cores it can use over the next ``dt`` seconds (its work may end sooner)."""
+        self.waiting = self.ws > self.limit
+        if self.frozen or self.waiting or self.work <= 0:
+            return 0.0
+        return min(self.rate(), self.work / dt)
+
+    def advance(self, wanted: float, granted: float, dt: float) -> None:
+        """Let ``dt`` seconds pass with ``granted`` of the ``wanted`` cores
+        (:meth:`demand`): given all, its work runs at :meth:`rate` (and may end
+        within the step); given less, it runs the whole step at ``granted``."""
+        if self.frozen or self.waiting:
+            if self.busy:
+                self.burst_took += dt
+            return
+        left = dt
+        if self.work > 0 and wanted > 0:
+            used = min(self.work, granted * dt)
+            spent = used / self.rate() if granted >= wanted * (1 - 1e-9) else dt
+            self.work -= used
+            self.cpu_s += used
+            if self.busy:
+                self.burst_took += spent
+            left -= spent
+            if self.work > 1e-9:
+                return
+            self.work = 0.0
+        self.idle -= left
+        if self.idle <= 1e-9:
+            self.pos += 1
+            self._sample()
 
     def working_set(self) -> int:
-        return min(self.trace.working_set[self.pos % len(self.trace.working_set)], self.limit)
-
-    def run(self, granted: float) -> None:
-        busy = self.trace.cpu[self.pos % len(self.trace.cpu)] > BUSY_SHARE * self.ceiling
-        self.cpu_s += granted
-        if busy or self.waiting:
-            self.steps_in_burst += 1
-        if self.waiting:
-            return
-        self.left -= granted
-        if self.left > 1e-6:
-            return
-        self.left = -1.0
-        self.pos += 1
-        if busy:
-            self.burst_len += 1
-        if busy and self.trace.cpu[self.pos % len(self.trace.cpu)] <= BUSY_SHARE * self.ceiling:
-            self.slowdowns.append(self.steps_in_burst / max(1, self.burst_len))
-            self.steps_in_burst = self.burst_len = 0
+        return min(self.ws, self.limit)
 
 
 class SimCgroup:
@@ -147,17 +236,20 @@ class SimCgroup:
         ws = e.working_set()
         return Usage(at=self.clock.now, cpu_usage_s=e.cpu_s, cpu_periods=0, cpu_throttled_periods=0,
                      cpu_throttled_s=0.0, memory_usage=ws, memory_working_set=ws, memory_peak=ws,
-                     memory_failcnt=0, memory_under_oom=e.waiting, oom_kills=e.oom_kills, pids_current=1,
+                     memory_failcnt=0, memory_under_oom=e.ws > e.limit, oom_kills=e.oom_kills, pids_current=1,
                      pids_failcnt=0)  # fmt: skip
 
     def pressure(self) -> Pressure:
-        return Pressure(0, 0, self.env.waiting)
+        return Pressure(0, 0, self.env.ws > self.env.limit)
 
     def set_cpu(self, quota: float | None) -> None:
-        self.env.quota = self.env.ceiling if quota is None else quota
+        self.env.quota = self.env.declared.cpus if quota is None else quota
 
     def set_memory_limit(self, limit: int | None) -> None:
-        self.env.limit = 1 << 50 if limit is None else int(limit)
+        limit = 1 << 62 if limit is None else int(limit)
+        if limit < self.env.working_set():  # the kernel cannot reclaim a working set
+            raise LimitRefusedError(f"memory limit {limit} below the working set")
+        self.env.limit = limit
 
     def set_oom_killer(self, enabled: bool) -> bool:
         return True
@@ -166,120 +258,186 @@ class SimCgroup:
         pass
 
     def freeze(self) -> None:
-        pass
+        self.env.frozen = True
 
     def thaw(self) -> None:
-        pass
+        self.env.frozen = False
 
 
 def share(demands: list[float], cores: float) -> list[float]:
-    """Max-min fair shares of ``cores`` among ``demands`` (cores each)."""
+    """Max-min fair shares of ``cores`` among ``demands`` (cores each, ≥ 0):
+    the smallest demands are met first, the rest split what is left equally."""
     grants = [0.0] * len(demands)
-    left, todo = cores, [i for i, d in enumerate(demands) if d > 0]
-    while todo and left > 1e-9:
-        each = left / len(todo)
-        done = [i for i in todo if demands[i] - grants[i] <= each]
-        if not done:
-            for i in todo:
-                grants[i] += each
-            break
-        for i in done:
-            left -= demands[i] - grants[i]
-            grants[i] = demands[i]
-        todo = [i for i in todo if i not in done]
+    todo = sorted((d, i) for i, d in enumerate(demands) if d > 0)
+    left, n = cores, len(todo)
+    for d, i in todo:
+        g = min(d, left / n)
+        grants[i] = g
+        left -= g
+        n -= 1
     return grants
 
 
-@contextmanager
-def _simulated(clock: Clock, envs: list[SimEnv], memory: int):
-    def meminfo() -> dict[str, int]:
-        used = sum(e.working_set() for e in envs)
-        return {"MemTotal": memory, "MemAvailable": max(0, memory - used)}
-
-    with mock.patch.object(_controller, "time", clock), mock.patch.object(_controller, "meminfo", meminfo):
-        yield
+def profiles_from(traces: list[Trace], declared: Resources, template: str = TEMPLATE) -> TemplateProfiles:
+    """The template's usage profile as the environments that recorded ``traces``
+    taught it (in memory)."""
+    profiles = TemplateProfiles()
+    for tr in traces:
+        seen = summarize(template, declared.cpus, list(tr.cpu), list(tr.working_set), tr.interval_s)
+        if seen is not None:
+            profiles.record(seen)
+    return profiles
 
 
 def simulate(traces: list[Trace], *, cores: float, memory: int, config: ProvisionConfig, declared: Resources,
-             max_envs: int, duration_s: float, interval_s: float, template: str = "sha256:" + "0" * 64,
-             profiles: TemplateProfiles | None = None) -> dict:  # fmt: skip
-    """Replay ``traces`` on a node of ``cores`` and ``memory`` bytes; see the module doc."""
+             max_envs: int, duration_s: float, step_s: float = 0.1, learn: bool = True) -> dict:  # fmt: skip
+    """Replay ``traces`` on a node of ``cores`` and ``memory`` bytes (see the
+    module doc); returns ``envs`` (most held), ``mean_envs``, ``bursts``,
+    ``slowdowns`` (each burst's), ``p95_burst_slowdown``,
+    ``bursts_slowed_over_10pct`` (share), ``oom_kills``, ``refusals``.
+    ``learn``: start the template from the traces' usage profile."""
+    if not traces:
+        raise InvalidInputError("no usage trace to replay")
+    if not (cores > 0 and memory > 0 and declared.cpus <= cores and declared.memory_bytes <= memory):
+        raise InvalidInputError(f"a node of {cores:g} cores and {memory / GIB:.1f} GiB cannot hold environments "
+                                f"of {declared.cpus:g} cores and {declared.memory_bytes / GIB:.1f} GiB")  # fmt: skip
     clock = Clock()
     envs: list[SimEnv] = []
-    cfg = config.model_copy(update={"cpu_capacity": float(cores), "memory_capacity": int(memory),
-                                    "interval_s": interval_s})  # fmt: skip
-    with _simulated(clock, envs, memory):
-        prov = Provisioner(cfg, open_cgroup=None, profiles=profiles or TemplateProfiles())
-        steps = int(duration_s / interval_s)
-        admit_every = max(1, round(1.0 / interval_s))
-        per_admit = max(1, round(cores / 8))  # a trainer asks a large node for more at once
-        held = 0
-        for step in range(steps):
-            for _ in range(per_admit if step % admit_every == 0 else 0):
+    cfg = config.model_copy(update={"cpu_capacity": float(cores), "memory_capacity": int(memory)})
+
+    def host_memory() -> dict[str, int]:
+        return {"MemTotal": int(memory), "MemAvailable": max(0, int(memory) - sum(e.working_set() for e in envs))}
+
+    profiles = profiles_from(traces, declared) if learn else TemplateProfiles()
+    cgroups: dict[str, SimCgroup] = {}
+    prov = Provisioner(cfg, open_cgroup=cgroups.__getitem__, profiles=profiles, clock=clock, host_memory=host_memory)
+    per_admit = max(1, round(cores / 8))
+    admit_every = max(1, round(1.0 / step_s))
+    held, refusals = [], 0
+    for step in range(int(round(duration_s / step_s))):
+        if step % admit_every == 0:
+            for _ in range(per_admit):
                 if len(envs) >= max_envs:
                     break
                 env_id = f"sim{len(envs)}"
                 try:
-                    prov.reserve(env_id, declared, template=template)
+                    prov.reserve(env_id, declared, template=TEMPLATE)
                 except CapacityError:
+                    refusals += 1
                     break
-                e = SimEnv(traces[len(envs) % len(traces)], declared.cpus, declared.memory_bytes)
-                e.pos = (len(envs) * 7) % len(e.trace.cpu)  # traces start at different points
+                tr = traces[len(envs) % len(traces)]
+                e = SimEnv(tr, declared, pos=(len(envs) // len(traces) * 37) % len(tr.cpu),
+                           phase=(len(envs) * 0.618034) % 1.0 * tr.interval_s)  # fmt: skip
                 envs.append(e)
-                prov._open = lambda _path, e=e: SimCgroup(e, clock)
-                prov.attach(env_id, f"/{env_id}")
-                if cfg.mode != "elastic":
-                    e.quota, e.limit = declared.cpus, declared.memory_bytes
-                held = max(held, len(envs))
-            grants = share([e.demand() for e in envs], cores)
-            for e, g in zip(envs, grants):
-                e.run(g)
-            clock.sleep(interval_s)
-            prov.tick()
-        for i in range(len(envs)):
-            prov.detach(f"sim{i}")
+                cgroups[env_id] = SimCgroup(e, clock)
+                prov.attach(env_id, env_id)
+            held.append(len(envs))
+        wants = [e.demand(step_s) for e in envs]
+        for e, w, g in zip(envs, wants, share(wants, cores)):
+            e.advance(w, g, step_s)
+        clock.now += step_s
+        prov.poll()
+    for i in range(len(envs)):
+        prov.detach(f"sim{i}")
     slow = [s for e in envs for s in e.slowdowns]
     return {
-        "envs": held,
-        "p95_burst_slowdown": _p95(slow),
-        "bursts": len(slow),
+        "envs": len(envs), "mean_envs": statistics.fmean(held) if held else 0.0, "bursts": len(slow),
+        "slowdowns": slow, "p95_burst_slowdown": p95(slow),
         "bursts_slowed_over_10pct": (sum(s > 1.1 for s in slow) / len(slow)) if slow else 0.0,
-        "oom_kills": sum(e.oom_kills for e in envs),
-    }
+        "oom_kills": sum(e.oom_kills for e in envs), "refusals": refusals,
+    }  # fmt: skip
 
 
-def _p95(values: list[float]) -> float | None:
+def p95(values: list[float]) -> float | None:
+    """Nearest-rank 95th percentile (None if empty)."""
     s = sorted(values)
     return s[min(len(s) - 1, int(0.95 * len(s)))] if s else None
 
 
 def compare(traces: list[Trace], *, cores: float, memory: int, elastic: ProvisionConfig, declared: Resources,
-            max_envs: int, duration_s: float, interval_s: float) -> dict:  # fmt: skip
-    """Static and elastic side by side on one modelled node; the summary's fields."""
+            max_envs: int, duration_s: float, step_s: float = 0.1) -> dict:  # fmt: skip
+    """Static and elastic side by side on one modelled node: the summary's
+    ``sim`` fields for it (``density_ratio``, ``p95_burst_slowdown``,
+    ``bursts_slowed_over_10pct``, ``oom_kills``: elastic's) and each mode's
+    figures (without the per-burst list)."""
     static = simulate(traces, cores=cores, memory=memory, config=ProvisionConfig(mode="static", cpu_overcommit=1.0),
-                      declared=declared, max_envs=max_envs, duration_s=duration_s, interval_s=interval_s)  # fmt: skip
+                      declared=declared, max_envs=max_envs, duration_s=duration_s, step_s=step_s)  # fmt: skip
     el = simulate(traces, cores=cores, memory=memory, config=elastic, declared=declared, max_envs=max_envs,
-                  duration_s=duration_s, interval_s=interval_s)  # fmt: skip
+                  duration_s=duration_s, step_s=step_s)  # fmt: skip
+    brief = {m: {k: v for k, v in r.items() if k != "slowdowns"} for m, r in (("static", static), ("elastic", el))}
     return {
-        "cores": cores, "memory_gib": memory / GIB, "static": static, "elastic": el,
+        "cores": cores, "memory_gib": memory / GIB, **brief,
         "density_ratio": el["envs"] / static["envs"] if static["envs"] else None,
-        "p95_burst_slowdown": {"static": static["p95_burst_slowdown"], "elastic": el["p95_burst_slowdown"]},
+        "p95_burst_slowdown": el["p95_burst_slowdown"],
+        "p95_burst_slowdown_static": static["p95_burst_slowdown"],
         "bursts_slowed_over_10pct": el["bursts_slowed_over_10pct"],
         "oom_kills": el["oom_kills"],
+        "_slowdowns": el["slowdowns"],
     }  # fmt: skip
 
 
-def calibration_error(sim: dict, real: dict) -> float:
-    """The largest relative error of the simulated elastic density and p95
-    burst slowdown against the real run's (``real``: its summary)."""
-    errs = []
-    if real.get("elastic_envs"):
-        errs.append(abs(sim["elastic"]["envs"] - real["elastic_envs"]) / real["elastic_envs"])
-    r = (real.get("p95_burst_slowdown") or {}).get("elastic")
-    s = sim["elastic"]["p95_burst_slowdown"]
-    if r and s:
-        errs.append(abs(s - r) / r)
-    return max(errs) if errs else math.nan
+def with_noise(slowdowns: list[float], noise: list[float]) -> float | None:
+    """The p95 of each modelled slowdown times each of a real run's uncontended
+    slowdowns (``noise``: the static mode's, whose bursts never share a core):
+    what contention costs composed with what the real machine adds alone
+    (measurement, cold caches, other tenants), taken as independent."""
+    if not slowdowns:
+        return None
+    if not noise:
+        return p95(slowdowns)
+    return p95([s * n for s in slowdowns for n in noise])
 
 
-__all__ = ["Trace", "calibration_error", "compare", "load_traces", "share", "simulate"]
+def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, elastic: ProvisionConfig,
+              declared: Resources, max_envs: int, duration_s: float) -> dict:  # fmt: skip
+    """Replay a real run's ``traces`` on a node of the real machine's size and
+    predict that run's elastic density and p95 burst slowdown; ``real``: the
+    run's ``static`` and ``elastic`` results (``envs``, ``p95_burst_slowdown``,
+    ``bursts`` with ``slowdown``).  Returns the predicted and real figures and
+    ``calibration_error``: the larger relative error of the two."""
+    sim = compare(traces, cores=cores, memory=memory, elastic=elastic, declared=declared, max_envs=max_envs,
+                  duration_s=duration_s)  # fmt: skip
+    noise = [b["slowdown"] for b in real["static"].get("bursts", [])]
+    predicted_p95 = with_noise(sim["_slowdowns"], noise)
+    r_static, r_el = real["static"]["envs"], real["elastic"]["envs"]
+    real_density = r_el / r_static if r_static else None
+    errors = []
+    if real_density and sim["density_ratio"] is not None:
+        errors.append(abs(sim["density_ratio"] - real_density) / real_density)
+    r_p95 = real["elastic"].get("p95_burst_slowdown")
+    if r_p95 and predicted_p95:
+        errors.append(abs(predicted_p95 - r_p95) / r_p95)
+    return {
+        "cores": cores, "memory_gib": memory / GIB,
+        "predicted": {"density_ratio": sim["density_ratio"], "elastic_envs": sim["elastic"]["envs"],
+                      "p95_burst_slowdown": predicted_p95, "p95_burst_slowdown_model": sim["p95_burst_slowdown"]},
+        "real": {"density_ratio": real_density, "elastic_envs": r_el, "p95_burst_slowdown": r_p95},
+        "calibration_error": max(errors) if errors else None,
+    }  # fmt: skip
+
+
+NODE_SIZES = ((16, 64), (64, 256), (192, 768))
+"""Modelled nodes: (cores, GiB), 4 GiB per core as general-purpose cloud machines have."""
+
+
+def run_sizes(traces: list[Trace], *, elastic: ProvisionConfig, declared: Resources, duration_s: float = 300.0,
+              sizes=NODE_SIZES, log=print) -> dict[str, dict]:  # fmt: skip
+    """:func:`compare` for each of ``sizes``: ``{"<cores>": figures}``."""
+    import time
+
+    out = {}
+    for cores, gib in sizes:
+        t = time.monotonic()
+        r = compare(traces, cores=cores, memory=gib * GIB, elastic=elastic, declared=declared,
+                    max_envs=cores * 16, duration_s=duration_s)  # fmt: skip
+        r.pop("_slowdowns")
+        r["sim_seconds"] = round(time.monotonic() - t, 1)
+        log(f"  simulated {cores} cores, {gib} GiB: static {r['static']['envs']}, elastic {r['elastic']['envs']} "
+            f"(x{r['density_ratio']:.2f}), p95 burst slowdown {r['p95_burst_slowdown']}, "
+            f"{r['bursts_slowed_over_10pct']:.1%} slowed > 10 %, {r['sim_seconds']} s")  # fmt: skip
+        out[str(cores)] = r
+    return out
+
+
+__all__ = ["Clock", "SimCgroup", "SimEnv", "Trace", "calibrate", "compare", "parse_traces", "run_sizes", "share",
+           "simulate", "traces_of"]

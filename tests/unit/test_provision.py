@@ -234,3 +234,63 @@ def test_idle_memory_is_reclaimed_without_the_hold_and_raised_to_the_known_peak_
     assert w.memory_reason in ("reclaim", "stay") and w.memory_limit == 164 * MIB  # 100 MiB + 64 MiB headroom
     w = step(p, obs(16, cpu=1.0, ws=160 * MIB, under_oom=True))  # bursts: waits at its limit
     assert w.memory_pressure and w.memory_limit == 960 * MIB  # straight to the known peak + 20 %
+
+
+def _contention_by_enumeration(envs: list[CpuMoments], capacity: float) -> float:
+    """The same probability, by enumerating which of the others are busy (small n only)."""
+    import itertools
+
+    worst = 0.0
+    for i, me in enumerate(envs):
+        others = [e for j, e in enumerate(envs) if j != i]
+        p_over = 0.0
+        for busy in itertools.product((0, 1), repeat=len(others)):
+            p, load = 1.0, 0.0
+            for b, e in zip(busy, others):
+                q = min(1.0, 2.0 * e.mean / e.peak) if e.peak > 0 else 0.0
+                p *= q if b else 1 - q
+                load += round(min(e.peak, capacity), 2) if b else 0.0
+            if load > capacity - round(min(me.peak, capacity), 2) + 1e-9:
+                p_over += p
+        worst = max(worst, p_over)
+    return worst if len(envs) >= 2 else 0.0
+
+
+def test_burst_contention_equals_enumerating_every_busy_set():
+    """One burst per size (the least busy one is the worst) and loads in quanta
+    of their common divisor give the exact answer of enumerating every set of
+    busy others, for mixed sizes and duties."""
+    rng = random.Random(5)
+    for _ in range(300):
+        capacity = rng.choice([1.0, 2.0, 3.0, 4.0])
+        envs = [CpuMoments.prior(min(capacity, rng.choice([0.5, 1.0, 1.5, 2.0, 0.87])), rng.random() * 0.6)
+                for _ in range(rng.randint(0, 7))]  # fmt: skip
+        assert burst_contention(envs, capacity) == pytest.approx(_contention_by_enumeration(envs, capacity), abs=1e-12)
+
+
+def test_burst_contention_of_hundreds_on_a_large_node_takes_milliseconds():
+    import time
+
+    envs = [CpuMoments.prior(1.0, 0.02 + 0.0001 * i) for i in range(500)]  # q 4-14 %: mean 45 others busy
+    t = time.perf_counter()
+    risk = burst_contention(envs, 64.0)
+    assert time.perf_counter() - t < 0.5 and 0 < risk < 0.5
+
+
+def test_the_cpu_window_keeps_the_moments_of_its_last_seconds():
+    from weenv.node.provision.arbiter import CpuWindow
+
+    w = CpuWindow(10.0)
+    rng = random.Random(2)
+    samples = []
+    for i in range(200):
+        x = rng.choice([0.0, 0.05, 1.0, rng.random()])
+        w.add(i * 0.5, x)
+        samples.append((i * 0.5, x))
+        now = i * 0.5
+        recent = [c for t, c in samples if t >= now - 10.0]
+        m, ref = w.moments(now, 0.0), CpuMoments.of(recent)
+        assert (m.mean, m.variance, m.peak) == pytest.approx((ref.mean, ref.variance, ref.peak), abs=1e-9)
+    assert w.moments(99.5, 10.5) is None  # its samples span 10 s: less than asked
+    w.add(100.0, float("nan"))  # left out, as CpuMoments.of leaves it
+    assert w.moments(100.0, 0.0).peak <= 1.0

@@ -32,6 +32,8 @@ environments overlap rarely (:func:`predicted_cpu_peak`).
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from weenv.errors import InvalidInputError
@@ -184,6 +186,57 @@ class CpuMoments:
         return cls(ceiling * duty, ceiling**2 * duty * (1 - duty), ceiling)
 
 
+class CpuWindow:
+    """Per-pass CPU usage samples (cores) of the last ``window_s`` seconds, with
+    their count, sum, sum of squares and maximum kept as samples come and go,
+    so the moments cost O(1) however long the window (admission asks every
+    environment's at every create).  Thread-safe."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()  # (t, cores)
+        self._top: deque[tuple[float, float]] = deque()  # decreasing cores: the window's maximum first
+        self._sum = self._squares = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, t: float, cores: float) -> None:
+        """Add the sample ``cores`` taken at ``t`` (seconds, not decreasing);
+        non-finite samples are left out, negative ones count as 0 (as :meth:`CpuMoments.of`)."""
+        if not math.isfinite(cores):
+            return
+        cores = max(0.0, cores)
+        with self._lock:
+            self._samples.append((t, cores))
+            self._sum += cores
+            self._squares += cores * cores
+            while self._top and self._top[-1][1] <= cores:
+                self._top.pop()
+            self._top.append((t, cores))
+            self._expire(t)
+
+    def _expire(self, now: float) -> None:
+        start = now - self.window_s
+        while self._samples and self._samples[0][0] < start:
+            _, x = self._samples.popleft()
+            self._sum -= x
+            self._squares -= x * x
+        while self._top and self._top[0][0] < start:
+            self._top.popleft()
+        if not self._samples:
+            self._sum = self._squares = 0.0
+
+    def moments(self, now: float, min_span_s: float) -> CpuMoments | None:
+        """The window's moments at ``now`` (population variance), or None while
+        its samples span less than ``min_span_s`` seconds."""
+        with self._lock:
+            self._expire(now)
+            if not self._samples or now - self._samples[0][0] < min_span_s:
+                return None
+            n = len(self._samples)
+            mean = max(0.0, self._sum / n)
+            return CpuMoments(mean, max(0.0, self._squares / n - mean * mean), self._top[0][1])
+
+
 def predicted_cpu_peak(envs: list[CpuMoments], sigmas: float) -> float:
     """The node's CPU peak (cores) predicted from its environments' usage:
     Σ mean + ``sigmas`` × √(Σ variance), capped at Σ peak.  Independent
@@ -225,27 +278,47 @@ def burst_contention(envs: list[CpuMoments], capacity: float, *, overlap: float 
     """
     if len(envs) < 2:
         return 0.0
-    busy = [(round(min(e.peak, capacity), 2), min(1.0, overlap * e.mean / e.peak) if e.peak > 0 else 0.0)
-            for e in envs]  # fmt: skip
+    cents = [round(min(e.peak, capacity) * 100) for e in envs]  # loads in 0.01 core, as before
+    duty = [min(1.0, overlap * e.mean / e.peak) if e.peak > 0 else 0.0 for e in envs]
+    # The others' load is counted in quanta of the loads' common divisor (exact), coarsened
+    # to at most MAX_LOAD_BINS quanta below the capacity, loads rounded up (conservative).
+    step = math.gcd(*[c for c, q in zip(cents, duty) if c > 0 and q > 0] or [1])
+    step = max(step, math.ceil(capacity * 100 / MAX_LOAD_BINS))
+    quanta = [-(-c // step) for c in cents]
     worst = 0.0
-    firsts: dict[tuple[float, float], int] = {}  # environments alike give the same answer: one of each
-    for i, kind in enumerate(busy):
-        firsts.setdefault(kind, i)
-    for i in firsts.values():
-        own = busy[i][0]
-        room = capacity - own + 1e-9
-        dist = {0.0: 1.0}  # load of the others (cores) -> probability; loads above room merged
-        for j, (load, q) in enumerate(busy):
-            if j == i or q <= 0.0 or load <= 0.0:
-                continue
-            nxt: dict[float, float] = {}
-            for have, p in dist.items():
-                nxt[have] = nxt.get(have, 0.0) + p * (1 - q)
-                more = have if have > room else min(round(have + load, 2), room + 1)
-                nxt[more] = nxt.get(more, 0.0) + p * q
-            dist = nxt
-        worst = max(worst, sum(p for have, p in dist.items() if have > room))
+    # The worst burst of a given size is the one of least duty (the others it meets are the most
+    # likely busy): one environment per size is enough, the exact maximum over all of them.
+    least: dict[int, int] = {}
+    for i, c in enumerate(cents):
+        if c not in least or duty[i] < duty[least[c]]:
+            least[c] = i
+    for i in least.values():
+        room = max(-1, math.floor((capacity - cents[i] / 100 + 1e-9) * 100 / step + 1e-9))
+        if room < 0:  # its burst alone exceeds the cores (cannot happen within the capacity)
+            return 1.0
+        dist = [1.0] + [0.0] * (room + 1)  # others' load in quanta -> probability; dist[room + 1]: beyond
+        for j in range(len(envs)):
+            if j != i and duty[j] > 0.0 and quanta[j] > 0:
+                _add_on_off(dist, quanta[j], duty[j], room)
+        worst = max(worst, dist[room + 1])
     return worst
+
+
+MAX_LOAD_BINS = 2048
+"""Quanta of load :func:`burst_contention` counts below a node's capacity
+(one per 0.01 core up to 20 cores; coarser above, loads rounded up)."""
+
+
+def _add_on_off(dist: list[float], load: int, q: float, room: int) -> None:
+    """Convolve ``dist`` (load in quanta -> probability, ``dist[room + 1]`` all
+    loads beyond ``room``) in place with one environment busy at ``load``
+    quanta with probability ``q``."""
+    p = 1.0 - q
+    dist[room + 1] += q * sum(dist[max(0, room - load + 1):room + 1])
+    for k in range(room, load - 1, -1):
+        dist[k] = dist[k] * p + dist[k - load] * q
+    for k in range(min(load, room + 1)):
+        dist[k] *= p
 
 
 def admits(

@@ -40,11 +40,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 from weenv.errors import BusyError, CapacityError, InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
-from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate
+from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, CpuWindow, admits, arbitrate
 from weenv.node.provision.arbiter import burst_contention, predicted_cpu_peak
 from weenv.node.provision.models import (
     EnvironmentProvision,
@@ -60,6 +61,14 @@ from weenv.node.provision.profiles import TemplateProfiles, UsageProfile, summar
 log = logging.getLogger(__name__)
 
 
+class Clock(Protocol):
+    """What the provisioner reads the time from (the :mod:`time` module, or a simulation's)."""
+
+    def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
+
+
 def meminfo() -> dict[str, int]:
     """``/proc/meminfo`` in bytes."""
     out = {}
@@ -70,6 +79,29 @@ def meminfo() -> dict[str, int]:
             if parts:
                 out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
     return out
+
+
+class _Point(NamedTuple):
+    """A :class:`UsagePoint` as the loop keeps it (a tuple: it records one per
+    environment per pass; the model is built when :meth:`Provisioner.stats` asks)."""
+
+    t: float
+    cpu_used: float
+    throttled: float
+    cpu_quota: float | None
+    cpu_reservation: float | None
+    memory_usage: int
+    working_set: int
+    memory_limit: int | None
+    pids: int
+    frozen: bool
+
+
+class _Event(NamedTuple):
+    t: float
+    env_id: str | None
+    kind: str
+    message: str
 
 
 class _Tracked:
@@ -95,7 +127,9 @@ class _Tracked:
         """Paused by its user (:meth:`Provisioner.pause`): not controlled, its memory still counted."""
         self.oom_killer: bool | None = None
         self.refused = 0
-        self.history: deque[UsagePoint] = deque(maxlen=policy.cfg.history)
+        self.history: deque[_Point] = deque(maxlen=policy.cfg.history)
+        self.window = CpuWindow(policy.cfg.admission_window_s)
+        """Its per-pass CPU usage (cores, at most its ceiling) over the admission window, summed as it comes."""
 
     @property
     def cpu_reservation(self) -> float:
@@ -125,11 +159,12 @@ class _Tracked:
     def observed_moments(self, cfg: ProvisionConfig, now: float) -> CpuMoments | None:
         """Its per-pass CPU usage over the admission window, or None while it
         has less than ``admission_min_history_s`` of history."""
-        ceiling = self.resources.cpus
-        recent = [h for h in self.history if h.t >= now - cfg.admission_window_s]
-        if not recent or now - recent[0].t < cfg.admission_min_history_s:
-            return None
-        return CpuMoments.of([min(h.cpu_used, ceiling) for h in recent])
+        return self.window.moments(now, cfg.admission_min_history_s)
+
+
+def _pooled(known: list[tuple[float, float]]) -> float:
+    """The duty of ``known`` (ceiling, duty) pairs together: busy core-time over ceiling core-time."""
+    return sum(c * d for c, d in known) / sum(c for c, _ in known)
 
 
 def profile_moments(profile: UsageProfile, ceiling: float) -> CpuMoments:
@@ -152,20 +187,27 @@ class Provisioner:
 
     def __init__(self, config: ProvisionConfig | None = None,
                  open_cgroup: Callable[[str], Cgroup] = open_cgroups,
-                 profiles: TemplateProfiles | None = None):  # fmt: skip
+                 profiles: TemplateProfiles | None = None, *,
+                 clock: Clock | None = None, host_memory: Callable[[], dict[str, int]] = meminfo):  # fmt: skip
         self.config = config or ProvisionConfig()
         self.profiles = profiles if profiles is not None else TemplateProfiles()
         self._open = open_cgroup
+        self.clock: Clock = clock or time
+        """``time()`` (Unix seconds, in the history) and ``monotonic()`` (the
+        policy's clock): the :mod:`time` module, or a simulated clock."""
+        self._meminfo = host_memory
         self._envs: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
-        self._events: deque[ProvisionEvent] = deque(maxlen=500)
+        self._events: deque[_Event] = deque(maxlen=500)
         self._admitting = True
         self._short: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.passes = 0
-        mem = meminfo()
+        self._due = self.clock.monotonic() + self.config.interval_s
+        """Monotonic seconds when the next regular pass is due."""
+        mem = host_memory()
         self.cpu_capacity = self.config.cpu_capacity or float(os.cpu_count() or 1)
         self.memory_capacity = self.config.memory_capacity or max(
             1 << 30, mem.get("MemTotal", 0) - self.config.memory_reserve
@@ -192,17 +234,25 @@ class Provisioner:
         self.profiles.close()
 
     def _run(self) -> None:
-        cfg = self.config
-        check = min(cfg.check_interval_s, cfg.interval_s)
-        due = time.monotonic() + cfg.interval_s
-        while not self._stop.wait(min(check, max(0.0, due - time.monotonic()))):
+        check = min(self.config.check_interval_s, self.config.interval_s)
+        self._due = self.clock.monotonic() + self.config.interval_s
+        while not self._stop.wait(min(check, max(0.0, self._due - self.clock.monotonic()))):
             try:
-                if time.monotonic() >= due or self._urgent():
-                    self.tick()
-                    due = time.monotonic() + cfg.interval_s
+                self.poll()
             except Exception as exc:  # the loop must survive anything one pass meets
                 log.exception("provisioner pass failed")
                 self._event(None, "error", f"pass failed: {exc!r}")
+
+    def poll(self) -> bool:
+        """One check of the loop (every ``check_interval_s``): a pass (:meth:`tick`)
+        when ``interval_s`` has gone by since the last or a raise is urgent;
+        returns whether one ran.  The thread of :meth:`start` calls it; a
+        simulation calls it at each step of its clock."""
+        if self.clock.monotonic() < self._due and not self._urgent():
+            return False
+        self.tick()
+        self._due = self.clock.monotonic() + self.config.interval_s
+        return True
 
     def _urgent(self) -> bool:
         """Whether an environment needs a raise now: tasks wait at its memory
@@ -254,9 +304,12 @@ class Provisioner:
         Raises :class:`InvalidInputError` when it declares more cores or memory
         than the node has, :class:`CapacityError` when the node cannot hold it
         now: in ``elastic`` mode by the admission of ``config.admission``
-        (default ``burst``: the share of bursts meeting contention within
+        (``burst``: the share of bursts meeting contention within
         ``admission_burst_risk``), the reservations held now (which follow
-        observed usage) plus its initial one, and the host's available memory;
+        observed usage) plus its initial one, the memory limits held (each at
+        least what its template's known peak needs:
+        :meth:`~weenv.node.provision.policy.EnvPolicy.memory_held`) plus its
+        own, and the host's available memory;
         in ``static`` mode by declared resources.  In both, the declared disk
         limits (``disk_bytes``) must fit the node's disk (:attr:`disk_capacity`
         × ``disk_overcommit``).
@@ -269,7 +322,7 @@ class Provisioner:
                 f"the node has {self.cpu_capacity:g} cores and {self.memory_capacity >> 20} MiB for environments"
             )
         profile = self.profiles.get(template) if template is not None and cfg.mode != "off" else None
-        policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, time.monotonic())
+        policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, self.clock.monotonic())
         if profile is not None and cfg.mode == "elastic":
             policy.start_from(profile.cpu_p95, profile.memory_peak)
         t = _Tracked(env_id, resources, priority, policy, template, profile)
@@ -281,7 +334,7 @@ class Provisioner:
             if cfg.mode != "off":
                 budget = self._budget()
                 cpu_sum = sum(e.cpu_reservation for e in self._envs.values())
-                memory_sum = sum(e.memory_limit for e in self._envs.values())
+                memory_sum = sum(e.policy.memory_held() for e in self._envs.values())
                 if cfg.mode == "elastic":  # start with what is free, at least the floor
                     policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
                     policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
@@ -294,7 +347,7 @@ class Provisioner:
                 why = admits(
                     cpu_sum=cpu_sum,
                     memory_sum=memory_sum,
-                    cpu_new=policy.cpu_quota, memory_new=policy.memory_limit,
+                    cpu_new=policy.cpu_quota, memory_new=policy.memory_held(),
                     budget=budget, admitting=self._admitting,
                     cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
                     burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,
@@ -345,7 +398,7 @@ class Provisioner:
                 return
             t.cgroup = cg
             if self.config.mode == "elastic":
-                self._apply(t, t.policy.cpu_quota, t.policy.memory_limit, time.monotonic(), initial=True)
+                self._apply(t, t.policy.cpu_quota, t.policy.memory_limit, self.clock.monotonic(), initial=True)
             t.last = cg.usage()
             t.attached = True
 
@@ -468,7 +521,7 @@ class Provisioner:
                 if kind != "shortage":
                     self._event(env_id, kind, msg)
             self._short &= {c.env_id for c in claims if d.memory[c.env_id] < c.memory_want and c.memory_pressure}
-            now = time.monotonic()
+            now = self.clock.monotonic()
             by_id = {t.env_id: t for t in envs}
             for c in claims:
                 t = by_id[c.env_id]
@@ -564,8 +617,10 @@ class Provisioner:
         if o is None or u is None:
             return
         static = self.config.mode != "elastic"
-        t.history.append(UsagePoint(
-            t=time.time(), cpu_used=o.cpu_cores, throttled=o.throttled,
+        now = self.clock.time()
+        t.window.add(now, min(o.cpu_cores, t.resources.cpus))
+        t.history.append(_Point(
+            t=now, cpu_used=o.cpu_cores, throttled=o.throttled,
             cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
             memory_usage=u.memory_usage, working_set=u.memory_working_set,
             memory_limit=t.resources.memory_bytes if static else t.memory_limit,
@@ -583,7 +638,7 @@ class Provisioner:
             cpu=self.cpu_capacity * cfg.cpu_overcommit,
             memory=int(self.memory_capacity * cfg.memory_overcommit),
             memory_capacity=self.memory_capacity,
-            memory_available=meminfo().get("MemAvailable", self.memory_capacity),
+            memory_available=self._meminfo().get("MemAvailable", self.memory_capacity),
             low_watermark=cfg.memory_low_watermark,
             critical_watermark=cfg.memory_critical_watermark,
             disk=None if self.disk_capacity is None else int(self.disk_capacity * cfg.disk_overcommit),
@@ -592,39 +647,55 @@ class Provisioner:
     def predicted_cpu_peak(self, envs: list[_Tracked], new: _Tracked | None = None) -> float:
         """Cores: the predicted CPU peak of ``envs`` (plus a ``new`` environment's,
         from its template's profile or the prior)."""
-        cfg, now = self.config, time.time()
+        cfg, now = self.config, self.clock.time()
         moments = [t.cpu_moments(cfg, now) for t in envs + ([new] if new is not None else [])]
         return predicted_cpu_peak(moments, cfg.admission_sigmas)
 
     def burst_risk(self, envs: list[_Tracked], new: _Tracked | None = None) -> float:
         """The share of bursts that would meet contention among ``envs`` (plus a
         ``new`` environment): see ``ProvisionConfig.admission`` (``burst``).
-        Each counts as busy at its burst size its duty cycle of the time: from
-        its own history when it has ``admission_min_history_s`` of it, else
-        from its template's usage profile, else as busy as those with a
-        history are on average (their pooled duty), else the prior."""
-        cfg, now = self.config, time.time()
-        moments: list[CpuMoments] = []
-        seen: list[tuple[float, float]] = []  # (ceiling, duty) of those with enough history
-        unseen: list[float] = []  # ceilings of those with neither history nor profile
-        for t in envs + ([new] if new is not None else []):
+
+        Each counts as busy at its declared cores (its ceiling) a share of the
+        time, its *duty*: its mean usage over its ceiling, from its own history
+        when it has ``admission_min_history_s`` of it, else from its template's
+        usage profile, else from the history of the node's environments of its
+        template (their pooled duty).  A ``new`` environment known by none of
+        these is not judged here (0.0: the reservations admit it, as
+        ``admission="reservations"`` would); others known by none count as
+        busy as the known ones are on average.  A profile's burst counts at the
+        ceiling too (its mean usage kept), as its history will once it has one,
+        so the loads are few sizes and the computation stays small on large
+        nodes (:func:`~weenv.node.provision.arbiter.burst_contention`)."""
+        cfg, now = self.config, self.clock.time()
+        everyone = envs + ([new] if new is not None else [])
+        duty: dict[int, float | None] = {}
+        seen: dict[str | None, list[tuple[float, float]]] = {}  # template -> (ceiling, duty) of those with history
+        for t in everyone:
             m = t.observed_moments(cfg, now)
+            d = None
             if m is not None:
-                seen.append((t.resources.cpus, min(1.0, m.mean / t.resources.cpus)))
+                d = min(1.0, m.mean / t.resources.cpus)
+                seen.setdefault(t.template, []).append((t.resources.cpus, d))
             elif t.profile is not None:
-                moments.append(profile_moments(t.profile, t.resources.cpus))
-            else:
-                unseen.append(t.resources.cpus)
-        pooled = (sum(c * d for c, d in seen) / sum(c for c, _ in seen)) if seen else cfg.admission_prior_duty
-        moments += [CpuMoments.prior(c, d) for c, d in seen] + [CpuMoments.prior(c, pooled) for c in unseen]
+                d = min(1.0, t.profile.cpu_mean / t.resources.cpus)
+            duty[id(t)] = d
+        for t in everyone:  # no history nor profile: as busy as its template's others with a history
+            if duty[id(t)] is None and t.template is not None and t.template in seen:
+                duty[id(t)] = _pooled(seen[t.template])
+        if new is not None and duty[id(new)] is None:
+            return 0.0
+        known = [(t.resources.cpus, duty[id(t)]) for t in everyone if duty[id(t)] is not None]
+        pooled = _pooled(known)  # the new one is known: never empty
+        moments = [CpuMoments.prior(t.resources.cpus, pooled if duty[id(t)] is None else duty[id(t)])
+                   for t in everyone]  # fmt: skip
         return burst_contention(moments, self.cpu_capacity * cfg.admission_cpu_share)
 
     def _event(self, env_id: str | None, kind: str, message: str) -> None:
-        self._events.append(ProvisionEvent(t=time.time(), env_id=env_id, kind=kind, message=message))
+        self._events.append(_Event(self.clock.time(), env_id, kind, message))
         log.info("provision %s %s: %s", kind, env_id or "node", message)
 
     def events(self) -> list[ProvisionEvent]:
-        return list(self._events)
+        return [ProvisionEvent(**e._asdict()) for e in list(self._events)]
 
     def stats(self, env_id: str | None = None, *, history: bool = True) -> ProvisionStats:
         """Node totals, each environment's quota, usage and history (or only
@@ -647,7 +718,7 @@ class Provisioner:
                 memory_limit=t.resources.memory_bytes if static else t.memory_limit,
                 frozen=t.frozen, oom_kills=u.oom_kills if u else 0,
                 throttled_s=u.cpu_throttled_s if u else 0.0, memory_refused=t.refused,
-                history=list(t.history) if history else [],
+                history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
             ))  # fmt: skip
         b = self._budget()
         everything = list(self._envs.values())
@@ -665,6 +736,6 @@ class Provisioner:
             paused=sum(t.paused for t in everything),
             disk_held=sum(self._disk_held.values()),
         )  # fmt: skip
-        events = [e for e in self._events if env_id is None or e.env_id in (None, env_id)]
+        events = [ProvisionEvent(**e._asdict()) for e in list(self._events) if env_id is None or e.env_id in (None, env_id)]
         return ProvisionStats(mode=self.config.mode, interval_s=self.config.interval_s,
                               totals=totals, environments=out, events=events)  # fmt: skip

@@ -133,24 +133,26 @@ class ProvisionConfig(_Model):
 
     ``reservations`` (default) admits while the reservations held fit
     capacity × ``cpu_overcommit`` (idle environments weigh little).  ``burst``
-    would be the default (issue 19) once it admits more than one environment
-    that declares every core: on 2 cores such environments all "meet beyond
-    the cores" as soon as two burst, so ``burst`` refused the third create
-    of the test suite and of the demo's template; it admits by the **latency objective**: at most
+    admits by the **latency objective** as well: at most
     ``admission_burst_risk`` (2 %) of bursts may meet other environments'
     bursts beyond the node's cores, so that a burst's p95 latency stays that
     of the burst alone (``weenv bench provision`` measures it against
-    ``static``).  Each environment counts as busy at its burst size a share
-    of the time (its duty cycle): from its own usage over
+    ``static``).  Each environment counts as busy at its declared cores a
+    share of the time (its duty cycle): from its own usage over
     ``admission_window_s`` once it has ``admission_min_history_s`` of it,
     else from its **template's usage profile** (:mod:`~weenv.node.provision.profiles`:
     learned from the environments that ran the template, on this node or,
     through the store, on another), else as busy as the node's environments
-    with a history are on average, else busy at its declared cores
-    ``admission_prior_duty`` of the time; the probability that a burst of any
-    of them meets others using more than the remaining cores is
-    :func:`~weenv.node.provision.arbiter.burst_contention`.  The sum of
-    reservations stays within capacity × ``cpu_overcommit`` too.
+    of its template with a history are on average; the probability that a
+    burst of any of them meets others using more than the remaining cores is
+    :func:`~weenv.node.provision.arbiter.burst_contention`.  A new
+    environment known by none of these (an unknown template, nothing of it
+    running long enough) is admitted as ``reservations`` admits it: the
+    burst model refuses only on evidence (issue 19: counted as busy
+    ``admission_prior_duty`` of the time, on 2 cores a third 1-core
+    environment, or a second 2-core one, was refused with nothing known);
+    others known by none count as busy as the known ones are on average.
+    The sum of reservations stays within capacity × ``cpu_overcommit`` too.
 
     ``peak``: the node's predicted CPU peak with the new environment, Σ mean
     + ``admission_sigmas`` × √(Σ variance) of each environment's per-pass
@@ -165,6 +167,8 @@ class ProvisionConfig(_Model):
     admission_window_s: float = Field(default=300.0, gt=0)
     admission_min_history_s: float = Field(default=20.0, ge=0)
     admission_prior_duty: float = Field(default=0.25, ge=0, le=1)
+    """``admission="peak"``: an environment known by nothing counts as busy at
+    its declared cores this share of the time."""
     admission_cpu_share: float = Field(default=1.0, gt=0)
     admission_burst_risk: float = Field(default=0.02, gt=0, le=1)
     """``admission="burst"``: the largest share of bursts allowed to meet

@@ -82,6 +82,7 @@ The rules and where they come from:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -171,6 +172,8 @@ class EnvPolicy:
         self.cpu_quota = clamp(cfg.cpu_initial, self.cpu_floor, cpu_ceiling)
         self.memory_limit = int(clamp(cfg.memory_initial, self.memory_floor, memory_ceiling))
         self.cpu_samples: deque[tuple[float, float]] = deque()
+        self._cpu_sorted: list[float] = []
+        """The window's samples in order: its percentile without sorting at every pass."""
         self.peak_ws = 0.0
         self.last_cpu_raise = now
         self.last_memory_raise = now
@@ -195,15 +198,18 @@ class EnvPolicy:
     # --- CPU --------------------------------------------------------------------------
     def cpu_target(self) -> float:
         """Percentile of the window plus headroom, within floor and ceiling."""
-        p = percentile([c for _, c in self.cpu_samples], self.cfg.cpu_percentile)
+        ordered = self._cpu_sorted
+        p = ordered[max(1, math.ceil(self.cfg.cpu_percentile / 100 * len(ordered))) - 1] if ordered else 0.0
         want = max(p * (1 + self.cfg.cpu_headroom), p + self.cfg.cpu_min_headroom)
         return clamp(want, self.cpu_floor, self.cpu_ceiling)
 
     def _cpu(self, o: Observation) -> tuple[float, str]:
         cfg = self.cfg
         self.cpu_samples.append((o.at, o.cpu_cores))
+        bisect.insort(self._cpu_sorted, o.cpu_cores)
         while self.cpu_samples and self.cpu_samples[0][0] < o.at - cfg.cpu_window_s:
-            self.cpu_samples.popleft()
+            _, old = self.cpu_samples.popleft()
+            del self._cpu_sorted[bisect.bisect_left(self._cpu_sorted, old)]
         target, cur = self.cpu_target(), self.cpu_quota
         if o.throttled >= cfg.cpu_throttle_trigger and o.throttled > 0 and cur < self.cpu_ceiling:
             return clamp(max(target, cur * cfg.cpu_raise_factor), self.cpu_floor, self.cpu_ceiling), "throttled"
@@ -218,6 +224,17 @@ class EnvPolicy:
         cfg = self.cfg
         want = max(self.peak_ws * (1 + cfg.memory_headroom), self.peak_ws + cfg.memory_min_headroom)
         return int(clamp(want, self.memory_floor, self.memory_ceiling))
+
+    def memory_held(self) -> int:
+        """Bytes admission counts for it: its limit now, or the limit its
+        template's known peak needs when that is more (memory is not
+        compressible: a limit decayed while it idles is raised again at its
+        next burst, and admission must leave room for that raise)."""
+        cfg, peak = self.cfg, self.known_peak
+        if not peak:
+            return self.memory_limit
+        want = max(peak * (1 + cfg.memory_headroom), peak + cfg.memory_min_headroom)
+        return max(self.memory_limit, int(clamp(want, self.memory_floor, self.memory_ceiling)))
 
     def _memory(self, o: Observation) -> tuple[int, str, bool]:
         cfg = self.cfg
