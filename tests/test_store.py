@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
+from s3_fixture import Seaweed, new_prefix, s3_server  # noqa: F401 (a fixture)
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
@@ -26,6 +27,7 @@ from weenv.formats.manifest import (
 from weenv.store import Store
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
+from weenv.store.s3 import S3Store
 
 MIB = 1 << 20
 
@@ -75,7 +77,30 @@ class OciBackend:
         self.registry.blob_data(digest).write_bytes(data)
 
 
-BACKENDS = [FileBackend(), OciBackend()]
+class S3Backend:
+    """``s3://`` stores: a fresh prefix of the session's SeaweedFS bucket."""
+
+    name = "s3"
+    fixtures = (("server", "s3_server"),)
+
+    def open(self, home: Path, server: Seaweed) -> Store:
+        self.server = server
+        return S3Store(server.url(new_prefix()), timeout=10)
+
+    def temp_files(self, store: S3Store) -> list[str]:
+        """Multipart uploads left open under the store's prefix."""
+        uploads = self.server.client().list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix + "/")
+        return [u["Key"] for u in uploads.get("Uploads", [])]
+
+    def blob_identity(self, store: S3Store, space: str, digest: str) -> tuple:
+        head = self.server.client().head_object(Bucket=store.bucket, Key=store._blob_key(space, digest))
+        return (head["ETag"], head["LastModified"], store.stats().bytes_sent)
+
+    def corrupt_manifest(self, store: S3Store, digest: str, data: bytes) -> None:
+        self.server.client().put_object(Bucket=store.bucket, Key=store._blob_key("manifests", digest), Body=data)
+
+
+BACKENDS = [FileBackend(), OciBackend(), S3Backend()]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
