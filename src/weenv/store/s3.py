@@ -53,6 +53,7 @@ both conditions (``412 PreconditionFailed``).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import re
@@ -67,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weenv.errors import (
     BusyError,
+    ContentLimitError,
     InvalidInputError,
     NotFoundError,
     StoreUnavailableError,
@@ -81,8 +83,11 @@ try:
     import boto3
     import botocore.config
     import botocore.exceptions
+    import botocore.session
 except ImportError:  # pragma: no cover (the extra is installed wherever tests run)
     boto3 = None
+
+log = logging.getLogger(__name__)
 
 DEFAULT_REGION = "us-east-1"
 MAX_BACKOFF = 2.0
@@ -204,14 +209,16 @@ class S3Store(Store):
         self.endpoint = o.endpoint or "AWS"
         """The endpoint the store's requests go to (for messages)."""
 
+        session = _session()
+
         def client(connect: float, read: float):
             config = botocore.config.Config(
                 connect_timeout=connect, read_timeout=read, retries={"total_max_attempts": 1},
                 max_pool_connections=64, tcp_keepalive=True,
                 s3={"addressing_style": "path" if o.endpoint else "auto"},
             )  # fmt: skip
-            with _SESSION_LOCK:  # a session makes one client at a time
-                return _session().client("s3", endpoint_url=o.endpoint, region_name=o.region, config=config)
+            with _SESSION_LOCK:  # the shared loader is not thread-safe
+                return session.client("s3", endpoint_url=o.endpoint, region_name=o.region, config=config)
 
         self._client = client(o.connect_timeout, o.read_timeout)
         self._probe_client = client(min(o.connect_timeout, o.probe_timeout), o.probe_timeout)
@@ -385,11 +392,14 @@ class S3Store(Store):
             raise InvalidInputError(f"name {name!r} is too long for {self.url}: its key passes S3's 1024 bytes")
         return key
 
+    list_page = 1000
+    """Keys per ``ListObjectsV2`` page (S3's most)."""
+
     def _keys(self, prefix: str) -> Iterator[str]:
         """Every key under ``prefix`` (one ``ListObjectsV2`` exchange a page)."""
         token: str | None = None
         while True:
-            params: dict[str, Any] = {"Prefix": prefix}
+            params: dict[str, Any] = {"Prefix": prefix, "MaxKeys": self.list_page}
             if token:
                 params["ContinuationToken"] = token
             page = self._call(f"listing {prefix}", lambda deadline, p=params: self._request("list_objects_v2", **p))
@@ -520,7 +530,8 @@ class S3Store(Store):
             raise BusyError(f"ref {kind}/{name} in {self.url} was moved by another writer meanwhile") from None
 
     def list_refs(self, kind: str) -> dict[str, str]:
-        """Every ref of ``kind``; a damaged one (not a digest) is left out."""
+        """Every ref of ``kind``; a damaged one (not a digest, or past
+        ``MAX_REF_BYTES``) is left out with a warning."""
         self._check_ref(kind, "x")
         base = self._key("refs", kind) + "/"
         refs = {}
@@ -528,8 +539,9 @@ class S3Store(Store):
             name = key[len(base):]
             try:
                 found = self._read_ref(kind, name)
-            except InvalidInputError:
-                continue  # damaged, or a key weenv did not write (a name it would refuse)
+            except (InvalidInputError, ContentLimitError) as exc:  # damaged, or a key weenv did not write
+                log.warning("%s", exc)
+                continue
             if found is not None:  # else deleted meanwhile
                 refs[name] = found[0]
         return refs
@@ -546,13 +558,23 @@ class S3Store(Store):
 
 
 _SESSION_LOCK = threading.Lock()
+"""Held while a client is made."""
 
 
 @functools.cache
+def _loader():
+    """botocore's data loader (service models, endpoints), shared by the stores'
+    sessions: each session would load and parse that JSON anew (~0.3 s)."""
+    return botocore.session.get_session().get_component("data_loader")
+
+
 def _session():
-    """One boto3 session for every store of the process: making one loads
-    botocore's data anew (~0.3 s); its clients are thread-safe."""
-    return boto3.session.Session()
+    """A boto3 session of its own (credentials are resolved per session, so a
+    store opened after the environment changed sees the new ones), with the
+    shared loader."""
+    core = botocore.session.get_session()
+    core.register_component("data_loader", _loader())
+    return boto3.session.Session(botocore_session=core)
 
 
 def _describe(exc: BaseException) -> str:
