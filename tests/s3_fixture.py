@@ -7,8 +7,8 @@ every bucket; a request signed otherwise is refused), buckets created only by
 ``CreateBucket`` (no auto-creation on upload: a missing bucket stays missing),
 and bucket :data:`BUCKET` made when it starts.  It is stopped by PID with
 SIGKILL (its data is thrown away; SIGTERM takes it ~25 s), then reaped.
-Faults for tests: :meth:`Seaweed.pause` / :meth:`Seaweed.resume`
-(SIGSTOP/SIGCONT: connections accepted, nothing answered).
+A fault for tests: :meth:`Seaweed.freeze_for` (SIGSTOP, then SIGCONT:
+connections accepted, nothing answered meanwhile).
 
 Fixtures (import them into a test module: ``from s3_fixture import s3_server``):
 
@@ -27,10 +27,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from daemon_fixture import environ
 
 ACCESS_KEY = "weenv-tests"
 SECRET_KEY = "weenv-tests-secret"
@@ -134,16 +136,15 @@ class Seaweed:
         self.stop()
         raise RuntimeError(f"SeaweedFS did not make bucket {BUCKET} at {self.endpoint} within {timeout} s: {error}")
 
-    def _signal(self, sig: int) -> None:
+    def freeze_for(self, seconds: float) -> threading.Timer:
+        """SIGSTOP now (connections are still accepted by the kernel; nothing
+        answers), SIGCONT ``seconds`` later from a timer thread (returned: join it)."""
         assert self.process is not None, "not running"
-        os.kill(self.process.pid, sig)
-
-    def pause(self) -> None:
-        """SIGSTOP: connections are still accepted by the kernel; nothing answers."""
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
+        pid = self.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        thaw = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+        thaw.start()
+        return thaw
 
     def stop(self) -> None:
         """SIGKILL by PID (the data is the test's, thrown away), then reap.  Idempotent."""
@@ -169,14 +170,5 @@ def s3_server(tmp_path_factory):
     """A SeaweedFS S3 server shared by the session (give each test its own prefix),
     its credentials in the environment (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
     as a user sets them; restored after the session)."""
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    try:
-        with Seaweed(tmp_path_factory.mktemp("seaweedfs")) as server:
-            yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(**CREDENTIALS), Seaweed(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server

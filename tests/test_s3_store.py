@@ -10,7 +10,6 @@ store with lazy reads."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -158,13 +157,11 @@ def test_retries_outlast_a_frozen_server(s3_server, s3):
     ref, _ = s3.put_chunk(b"read through a freeze")
     store = S3Store(s3_server.url(s3.prefix), **(FAST | {"timeout": 8, "retries": 8}))
     try:
-        s3_server.pause()
-        thawer = threading.Timer(0.6, s3_server.resume)
-        thawer.start()
+        thaw = s3_server.freeze_for(0.6)
         try:
             assert store.get_chunk(ref.digest) == b"read through a freeze"
         finally:
-            thawer.join()
+            thaw.join()
         assert store.stats().retries >= 1
         assert not store.breaker.is_open
     finally:

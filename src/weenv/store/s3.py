@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -64,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from weenv.errors import (
     BusyError,
@@ -78,6 +77,8 @@ from weenv.formats.limits import MAX_REF_BYTES
 from weenv.formats.manifest import check_digest
 from weenv.store.base import SPACES, Store, read_limit, too_large
 from weenv.store.breaker import CircuitBreaker
+from weenv.store.remote import RemoteOptions, call_with_retries
+from weenv.store.remote import Retry as _Retry
 
 try:
     import boto3
@@ -90,7 +91,6 @@ except ImportError:  # pragma: no cover (the extra is installed wherever tests r
 log = logging.getLogger(__name__)
 
 DEFAULT_REGION = "us-east-1"
-MAX_BACKOFF = 2.0
 READ_PIECE = 1 << 20
 """Bytes per read of an answer's body (and per piece of a streamed pack)."""
 MAX_KEY_BYTES = 1024
@@ -106,32 +106,16 @@ _HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 T = TypeVar("T")
 
 
-class S3Options(BaseModel):
-    """Endpoint, timeouts and retries of an :class:`S3Store` (also settable as URL
-    query parameters: ``s3://bucket/prefix?read_timeout=2&timeout=5``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class S3Options(RemoteOptions):
+    """Endpoint, region, timeouts and retries of an :class:`S3Store` (also
+    settable as URL query parameters: ``s3://bucket/prefix?read_timeout=2&timeout=5``);
+    the probe is ``HeadBucket``."""
 
     endpoint: str | None = None
     """The S3 endpoint URL (``http://127.0.0.1:8333``); default ``WEENV_S3_ENDPOINT``,
     else botocore's (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, else AWS)."""
     region: str | None = None
     """Default ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else ``us-east-1``."""
-    connect_timeout: float = Field(default=3.0, gt=0)
-    """Seconds to open a TCP (and TLS) connection."""
-    read_timeout: float = Field(default=10.0, gt=0)
-    """Seconds to wait for any bytes of an answer (each read of a body too)."""
-    timeout: float = Field(default=30.0, gt=0)
-    """Deadline in seconds of one store operation, retries and backoff included."""
-    retries: int = Field(default=4, ge=0)
-    """Retries after a connection error, timeout, 429 or 5xx."""
-    backoff: float = Field(default=0.1, ge=0)
-    """Seconds before the first retry; doubles each retry (at most 2 s), with jitter."""
-    probe_interval: float = Field(default=2.0, ge=0)
-    """Seconds between probes of a store an operation gave up on (:mod:`weenv.store.breaker`;
-    0: no breaker, every operation tries)."""
-    probe_timeout: float = Field(default=2.0, gt=0)
-    """Seconds a probe (``HeadBucket``, no retry) waits for its answer."""
 
 
 @dataclass(frozen=True)
@@ -146,10 +130,6 @@ class S3Stats:
     """Object bytes read (bodies of ``GetObject``\\s)."""
     bytes_sent: int
     """Object bytes written."""
-
-
-class _Retry(Exception):
-    """A failure worth another attempt (connection, timeout, 429, 5xx)."""
 
 
 class _Missing(Exception):
@@ -249,29 +229,10 @@ class S3Store(Store):
         """``attempt(deadline)``, repeated on :class:`_Retry` with backoff until
         ``options.retries`` or the deadline runs out; then StoreUnavailableError,
         and the breaker opens (while it is open: at once)."""
-        self.breaker.check(what)
         if not self._checked:  # the first operation checks the bucket first, within its deadline
             attempt = functools.partial(self._check_then, attempt)
-        start = time.monotonic()
-        deadline = start + self.options.timeout
-        tries = 0
-        while True:
-            try:
-                result = attempt(deadline)
-            except _Retry as exc:
-                tries += 1
-                delay = min(self.options.backoff * 2 ** (tries - 1), MAX_BACKOFF) * random.uniform(0.5, 1.0)
-                if tries > self.options.retries or time.monotonic() + delay >= deadline:
-                    self.breaker.failed(str(exc))
-                    raise StoreUnavailableError(
-                        f"{what} at {self.url} failed: {exc} (endpoint {self.endpoint}; "
-                        f"{tries} attempt{'s' if tries > 1 else ''} in {time.monotonic() - start:.1f} s)"
-                    ) from None
-                self._count("retries")
-                time.sleep(delay)
-            else:
-                self.breaker.succeeded()
-                return result
+        where = f"{self.url} (endpoint {self.endpoint})"
+        return call_with_retries(what, where, attempt, self.options, self.breaker, lambda: self._count("retries"))
 
     def _check_then(self, attempt: Callable[[float], T], deadline: float) -> T:
         self._check_bucket(self._client)
