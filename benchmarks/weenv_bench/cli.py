@@ -107,6 +107,22 @@ def fork(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("stores")
+def stores(
+    runs: int = typer.Option(3, help="cold starts per store"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here"),
+) -> None:
+    """Cold create from a file://, an oci:// (docker-registry) and an s3:// (SeaweedFS)
+    store, all on loopback, side by side."""
+    from weenv_bench.store_create import run
+    from weenv.cli.common import err
+
+    result = run(runs, log=err.print)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     """``weenv-bench ...``: the same commands, with the product's one-line errors."""
     from weenv.cli import run_app
