@@ -16,10 +16,14 @@ import pytest
 from s3_fixture import BUCKET, new_prefix, s3_server  # noqa: F401 (fixture)
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.formats.manifest import TemplateManifest, canonical_json
 from weenv.node.node import Node
-from weenv.packaging.template import load_template
+from weenv.packaging.group import build_group
+from weenv.packaging.template import create_template, load_template
 from weenv.packaging.transfer import copy_template
+from weenv.packaging.update import update_component
 from weenv.store import open_store
+from weenv.store.file import FileStore
 from weenv.store.s3 import S3Store
 
 FAST = {"connect_timeout": 0.5, "read_timeout": 0.5, "timeout": 2, "retries": 3, "backoff": 0.05,
@@ -171,17 +175,12 @@ def test_retries_outlast_a_frozen_server(s3_server, s3):
 # --- refs ----------------------------------------------------------------------------------------
 
 
-def test_swap_ref_moves_a_ref_only_from_what_its_caller_read(s3):
+def test_swap_ref_is_refused_when_the_ref_moves_between_its_read_and_its_write(s3):
+    """The conditional write itself: another writer moves the ref after this
+    caller read it; the server refuses the write (412), the other writer's ref stays."""
     a, b, c = (s3.put_manifest(b'{"n":%d}' % n) for n in range(3))
     s3.swap_ref("templates", "t", a, expected=None)  # If-None-Match: *
-    with pytest.raises(BusyError, match=f"points at {a}, not nothing"):
-        s3.swap_ref("templates", "t", b, expected=None)
     s3.swap_ref("templates", "t", b, expected=a)  # If-Match: the ETag read
-    with pytest.raises(BusyError, match=f"points at {b}, not {a}"):
-        s3.swap_ref("templates", "t", c, expected=a)
-    assert s3.get_ref("templates", "t") == b
-
-    # another writer moves the ref between this caller's read and its write: the server refuses (412)
     real_read = s3._read_ref
 
     def read_then_another_writer_moves_it(kind, name):
@@ -190,12 +189,46 @@ def test_swap_ref_moves_a_ref_only_from_what_its_caller_read(s3):
         return found
 
     s3._read_ref = read_then_another_writer_moves_it
-    with pytest.raises(BusyError, match="moved by another writer"):
+    with pytest.raises(BusyError, match="moved by another writer meanwhile"):
         s3.swap_ref("templates", "t", a, expected=b)
-    del s3._read_ref
+    s3._read_ref = real_read
     assert s3.get_ref("templates", "t") == c  # the other writer's, not lost
-    with pytest.raises(InvalidInputError):
-        s3.swap_ref("templates", "t", "sha256:x", expected=c)
+    s3.delete_ref("templates", "t")
+    s3._read_ref = read_then_another_writer_moves_it  # absent when read, made meanwhile: If-None-Match fails
+    with pytest.raises(BusyError, match="moved by another writer meanwhile"):
+        s3.swap_ref("templates", "t", a, expected=None)
+    s3._read_ref = real_read
+    assert s3.get_ref("templates", "t") == c
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_an_update_does_not_lose_a_template_moved_meanwhile(kind, s3, paths, tmp_path):
+    """``weenv update`` of template t while another writer publishes a new t:
+    the update fails with BusyError and the other writer's t stays (before,
+    the update overwrote it)."""
+    store = s3 if kind == "s3" else FileStore(tmp_path / "store")
+    for name in ("app", "v2", "v3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text(name)
+    build_group(tmp_path / "app", store, name="app")
+    first, _ = create_template(store, "t", ["app"])
+    other = build_group(tmp_path / "v3", store, name="app")  # another writer's version of "app"
+    elsewhere = store.put_manifest(canonical_json(TemplateManifest(name="t", version="x", groups=[other.digest])))
+    real_put = store.put_manifest
+
+    def put_then_another_writer_publishes_t(data: bytes) -> str:
+        digest = real_put(data)
+        if b'"application/vnd.weenv.template' in data and digest != elsewhere:
+            store.set_ref("templates", "t", elsewhere)  # the other writer, between the update's read and write
+        return digest
+
+    store.put_manifest = put_then_another_writer_publishes_t
+    with pytest.raises(BusyError, match=f"templates/t in {store.url} points at {elsewhere}, not {first}"):
+        update_component(store, "t", "app", tmp_path / "v2", paths=paths)
+    assert store.get_ref("templates", "t") == elsewhere
+    store.put_manifest = real_put
+    updated = update_component(store, "t", "app", tmp_path / "v2", paths=paths)  # from what t is now
+    assert updated.previous_digest == elsewhere and store.get_ref("templates", "t") == updated.template_digest
 
 
 def test_damaged_and_oversized_refs(s3_server, s3):

@@ -17,7 +17,7 @@ import zstandard
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
 from s3_fixture import Seaweed, new_prefix, s3_server  # noqa: F401 (a fixture)
 
-from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
     canonical_json,
@@ -301,6 +301,18 @@ class TestStore:
         assert store.list_refs("templates") == {"a": b}
         assert store.resolve("groups", "a") == a
         assert store.resolve("groups", b) == b
+
+    def test_swap_ref_moves_a_ref_only_from_what_its_caller_read(self, store):
+        a, b, c = (store.put_manifest(canonical_json(_manifest(store, n))) for n in "abc")
+        store.swap_ref("templates", "t", a, expected=None)
+        with pytest.raises(BusyError, match=f"templates/t .*points at {a}, not nothing"):
+            store.swap_ref("templates", "t", b, expected=None)
+        store.swap_ref("templates", "t", b, expected=a)
+        with pytest.raises(BusyError, match=f"points at {b}, not {a}"):
+            store.swap_ref("templates", "t", c, expected=a)
+        assert store.get_ref("templates", "t") == b and store.ref_or_none("templates", "none") is None
+        with pytest.raises(InvalidInputError):
+            store.swap_ref("templates", "t", "sha256:x", expected=b)
 
     @pytest.mark.parametrize("kind,name", [("chunks", "a"), ("group", "a"), ("groups", "A"), ("groups", "../x"), ("groups", "")])
     def test_bad_refs_are_invalid_input(self, store, kind, name):

@@ -75,7 +75,7 @@ from weenv.errors import (
 )
 from weenv.formats.limits import MAX_REF_BYTES
 from weenv.formats.manifest import check_digest
-from weenv.store.base import SPACES, Store, read_limit, too_large
+from weenv.store.base import SPACES, Store, read_limit, ref_moved, too_large
 from weenv.store.breaker import CircuitBreaker
 from weenv.store.remote import RemoteOptions, call_with_retries
 from weenv.store.remote import Retry as _Retry
@@ -470,20 +470,16 @@ class S3Store(Store):
         return found[0]
 
     def swap_ref(self, kind: str, name: str, digest: str, *, expected: str | None) -> None:
-        """Point ref ``kind/name`` at ``digest`` only if it points at ``expected``
-        now (None: only if it does not exist), atomically: a conditional
-        ``PutObject`` (``If-Match`` on the ETag of the ref read, or
-        ``If-None-Match: *``).  Raises :class:`BusyError` naming the ref if it
-        points elsewhere, or was moved between that read and the write; the
-        ref is then left as the other writer set it."""
+        """:meth:`Store.swap_ref`, atomically: a conditional ``PutObject``
+        (``If-Match`` on the ETag of the ref read, or ``If-None-Match: *``);
+        :class:`BusyError` also when the ref was moved between that read and
+        the write (the server answers 412)."""
         key = self._ref_key(kind, name)
         check_digest(digest)
-        if expected is not None:
-            check_digest(expected)
         found = self._read_ref(kind, name)
         current = None if found is None else found[0]
         if current != expected:
-            raise BusyError(f"ref {kind}/{name} in {self.url} points at {current or 'nothing'}, not {expected or 'nothing'}")
+            raise ref_moved(self.url, kind, name, current, expected)
         condition = {"IfNoneMatch": "*"} if found is None else {"IfMatch": found[1]}
         try:
             self._put_object(key, (digest + "\n").encode(), f"writing ref {kind}/{name}", **condition)
