@@ -55,7 +55,7 @@ def too_large(what: str, size: int, limit: int) -> ContentLimitError:
 
 class Store(abc.ABC):
     """A content-addressed store.  Implementations: :class:`weenv.store.file.FileStore`,
-    :class:`weenv.store.oci.OciStore`."""
+    :class:`weenv.store.oci.OciStore`, :class:`weenv.store.s3.S3Store`."""
 
     url: str
 

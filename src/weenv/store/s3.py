@@ -42,12 +42,12 @@ are parsed by botocore whole, one page at a time.
 Refs.  :meth:`S3Store.set_ref` is one ``PutObject``: S3 replaces an object
 atomically (a reader sees the old digest or the new one, never a mix), and of
 two writers of one name the last one wins, as with ``file://`` (rename) and
-``oci://`` (a tag ``PUT``).  :meth:`S3Store.swap_ref` moves a ref only from the
-digest its caller read (``If-Match`` on the ref's ETag; ``If-None-Match: *``
-for a ref that must not exist yet), else raises
-:class:`~weenv.errors.BusyError`: a read-modify-write (an update of a
-template) that must not lose a concurrent one.  SeaweedFS and AWS S3 honour
-both conditions (``412 PreconditionFailed``).
+``oci://`` (a tag ``PUT``).  :meth:`S3Store.swap_ref` (the compare-and-swap of
+a read-modify-write, :meth:`Store.swap_ref`: ``weenv update``) moves a ref only
+from the digest its caller read, in one conditional ``PutObject``
+(``If-Match`` on the ref's ETag; ``If-None-Match: *`` for a ref that must not
+exist yet), else raises :class:`~weenv.errors.BusyError`.  SeaweedFS and AWS
+S3 honour both conditions (``412 PreconditionFailed``).
 """
 
 from __future__ import annotations
