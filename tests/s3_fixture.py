@@ -1,7 +1,7 @@
 """SeaweedFS on loopback for tests (:mod:`weenv_bench.services.seaweedfs`: a
 ``weed server -s3`` with its data in a temporary directory, stopped by PID).
 
-Fixtures (import them into a test module: ``from s3_fixture import s3_server``):
+Fixtures (``tests/conftest.py`` imports them, so that every module shares one):
 
 - ``s3_server`` (session): one server shared by a test session, its
   credentials in the environment (``AWS_ACCESS_KEY_ID`` /

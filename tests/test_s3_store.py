@@ -5,15 +5,13 @@ refused access), retries through a frozen server, the circuit breaker, the
 conditional ref write, and a node creating an environment from an ``s3://``
 store with lazy reads."""
 
-# ruff: noqa: F811  (pytest fixtures imported from s3_fixture, used as parameters)
-
 from __future__ import annotations
 
 import socket
 import time
 
 import pytest
-from s3_fixture import BUCKET, new_prefix, s3_server  # noqa: F401 (fixture)
+from s3_fixture import BUCKET, new_prefix
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import TemplateManifest, canonical_json

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zstandard
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
-from s3_fixture import Seaweed, new_prefix, s3_server  # noqa: F401 (a fixture)
+from s3_fixture import Seaweed, new_prefix
 
 from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (

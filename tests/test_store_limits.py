@@ -24,7 +24,7 @@ import tracemalloc
 import pytest
 import zstandard
 from registry_fixture import new_repository, oci_registry  # noqa: F401 (fixtures)
-from s3_fixture import new_prefix, s3_server  # noqa: F401 (fixtures)
+from s3_fixture import new_prefix
 
 from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError
 from weenv.formats.limits import MAX_CHUNKS, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
