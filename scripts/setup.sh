@@ -2,7 +2,8 @@
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
 # weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
 # registry for the benchmarks), then a venv in .venv with weenv, its test
-# tools, matplotlib and mini-swe-agent (weenv[minisweagent]), and the
+# tools (SeaweedFS's weed for the s3:// tests), matplotlib, mini-swe-agent
+# (weenv[minisweagent]), boto3 (weenv[s3]), and the
 # benchmarks (benchmarks/, weenv-bench), both editable; and NeMo Gym's venv,
 # /work/venvs/nemo (Python 3.12 from pyenv; $WEENV_NEMO_VENV to move it), with
 # nemo-gym and this checkout's weenv editable ('.[nemo]'), for
@@ -38,11 +39,11 @@ if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
   "$base" -m venv .venv
 fi
 stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
-if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest' 2>/dev/null || stale; then
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,cluster]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, weenv_bench, pytest'
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,cluster,s3]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3'
   touch .venv/.weenv-installed
 fi
 

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from s3_fixture import s3_server  # noqa: F401 (a fixture: one SeaweedFS for every module of the session)
 
 from weenv.config import Paths
 from weenv.packaging.debootstrap import debian_rootfs

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import zstandard
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
+from s3_fixture import Seaweed, new_prefix
 
-from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
     canonical_json,
@@ -26,6 +27,7 @@ from weenv.formats.manifest import (
 from weenv.store import Store
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
+from weenv.store.s3 import S3Store
 
 MIB = 1 << 20
 
@@ -75,7 +77,30 @@ class OciBackend:
         self.registry.blob_data(digest).write_bytes(data)
 
 
-BACKENDS = [FileBackend(), OciBackend()]
+class S3Backend:
+    """``s3://`` stores: a fresh prefix of the session's SeaweedFS bucket."""
+
+    name = "s3"
+    fixtures = (("server", "s3_server"),)
+
+    def open(self, home: Path, server: Seaweed) -> Store:
+        self.server = server
+        return S3Store(server.url(new_prefix()), timeout=10)
+
+    def temp_files(self, store: S3Store) -> list[str]:
+        """Multipart uploads left open under the store's prefix."""
+        uploads = self.server.client().list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix + "/")
+        return [u["Key"] for u in uploads.get("Uploads", [])]
+
+    def blob_identity(self, store: S3Store, space: str, digest: str) -> tuple:
+        head = self.server.client().head_object(Bucket=store.bucket, Key=store._blob_key(space, digest))
+        return (head["ETag"], head["LastModified"], store.stats().bytes_sent)
+
+    def corrupt_manifest(self, store: S3Store, digest: str, data: bytes) -> None:
+        self.server.client().put_object(Bucket=store.bucket, Key=store._blob_key("manifests", digest), Body=data)
+
+
+BACKENDS = [FileBackend(), OciBackend(), S3Backend()]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
@@ -276,6 +301,18 @@ class TestStore:
         assert store.list_refs("templates") == {"a": b}
         assert store.resolve("groups", "a") == a
         assert store.resolve("groups", b) == b
+
+    def test_swap_ref_moves_a_ref_only_from_what_its_caller_read(self, store):
+        a, b, c = (store.put_manifest(canonical_json(_manifest(store, n))) for n in "abc")
+        store.swap_ref("templates", "t", a, expected=None)
+        with pytest.raises(BusyError, match=f"templates/t .*points at {a}, not nothing"):
+            store.swap_ref("templates", "t", b, expected=None)
+        store.swap_ref("templates", "t", b, expected=a)
+        with pytest.raises(BusyError, match=f"points at {b}, not {a}"):
+            store.swap_ref("templates", "t", c, expected=a)
+        assert store.get_ref("templates", "t") == b and store.ref_or_none("templates", "none") is None
+        with pytest.raises(InvalidInputError):
+            store.swap_ref("templates", "t", "sha256:x", expected=b)
 
     @pytest.mark.parametrize("kind,name", [("chunks", "a"), ("group", "a"), ("groups", "A"), ("groups", "../x"), ("groups", "")])
     def test_bad_refs_are_invalid_input(self, store, kind, name):

@@ -24,6 +24,7 @@ import tracemalloc
 import pytest
 import zstandard
 from registry_fixture import new_repository, oci_registry  # noqa: F401 (fixtures)
+from s3_fixture import new_prefix
 
 from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError
 from weenv.formats.limits import MAX_CHUNKS, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
@@ -34,6 +35,7 @@ from weenv.packaging.profile import PrefetchPack, PrefetchProfile, load_profile,
 from weenv.packaging.template import load_template
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
+from weenv.store.s3 import S3Store
 
 MiB = 1 << 20
 MEMORY_BOUND = 100 * MiB
@@ -41,13 +43,15 @@ MEMORY_BOUND = 100 * MiB
 TIME_BOUND = 5.0
 
 
-@pytest.fixture(params=["file", "oci"])
+@pytest.fixture(params=["file", "oci", "s3"])
 def store(request, tmp_path):
     if request.param == "file":
         yield FileStore(tmp_path / "store")
         return
-    registry = request.getfixturevalue("oci_registry")
-    s = OciStore(registry.url(new_repository()), timeout=30)
+    if request.param == "s3":
+        s = S3Store(request.getfixturevalue("s3_server").url(new_prefix()), timeout=30)
+    else:
+        s = OciStore(request.getfixturevalue("oci_registry").url(new_repository()), timeout=30)
     yield s
     s.close()
 
@@ -55,8 +59,8 @@ def store(request, tmp_path):
 def _blob(store, space: str, data: bytes, *, digest: str | None = None, sparse: int = 0,
           tagged: bool = False) -> str:
     """Put ``data`` as a raw blob of ``space``, not checked: under ``digest`` (default
-    its sha256) in a file store (``sparse``: that many bytes of holes instead, cheap),
-    as a registry blob (addressed by its sha256) in an OCI store (``tagged``: with
+    its sha256) in a file store (``sparse``: that many bytes of holes instead, cheap)
+    or an S3 store (as an object of that key), as a registry blob (addressed by its sha256) in an OCI store (``tagged``: with
     its ``manifest-HEX`` tag, which a ref needs).  Returns the digest to read it by."""
     digest = digest or sha256_digest(data)
     if isinstance(store, FileStore):
@@ -66,6 +70,9 @@ def _blob(store, space: str, data: bytes, *, digest: str | None = None, sparse: 
             f.write(data)
             if sparse:
                 f.truncate(sparse)
+        return digest
+    if isinstance(store, S3Store):
+        store._put(space, digest, data)
         return digest
     if tagged:
         return store.put_manifest(data)
@@ -89,7 +96,7 @@ class Bounded:
 
 
 def _received(store) -> int:
-    return store.stats().bytes_received if isinstance(store, OciStore) else 0
+    return store.stats().bytes_received if isinstance(store, (OciStore, S3Store)) else 0
 
 
 def _group_json(n: int, chunk_size: int = 4096) -> bytes:
@@ -119,8 +126,8 @@ def test_a_frame_larger_than_its_chunk_could_be_is_not_read(store):
     plaintext_digest = sha256_digest(b"a 1 MiB chunk")
     if isinstance(store, FileStore):  # a gigabyte of holes: only its size is looked at
         stored = _blob(store, "chunks", b"", digest=plaintext_digest, sparse=1 << 30)
-    else:  # 3 MiB for a 1 MiB chunk: the registry's Content-Length says so before any byte is read
-        stored = _blob(store, "chunks", os.urandom(3 * MiB))
+    else:  # 3 MiB for a 1 MiB chunk: the answer's Content-Length says so before any byte is read
+        stored = _blob(store, "chunks", os.urandom(3 * MiB), digest=plaintext_digest)
     with Bounded(), pytest.raises(ContentLimitError, match=f"(chunk {plaintext_digest}|blob {stored})"):
         store.get_chunk(plaintext_digest, stored_digest=stored, size=MiB)
     assert _received(store) == 0

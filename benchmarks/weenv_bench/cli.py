@@ -141,6 +141,23 @@ def image_writer(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("stores")
+def stores(
+    runs: int = typer.Option(3, help="cold starts per store"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here"),
+) -> None:
+    """Cold create from a file://, an oci:// and an s3:// store, side by side.
+
+    docker-registry and SeaweedFS, all on loopback."""
+    from weenv_bench.store_create import run
+    from weenv.cli.common import err
+
+    result = run(runs, log=err.print)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     """``weenv-bench ...``: the same commands, with the product's one-line errors."""
     from weenv.cli import run_app

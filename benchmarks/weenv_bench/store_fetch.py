@@ -1,10 +1,12 @@
-"""Chunk fetch from a loopback OCI registry (``oci://``) against the file store.
+"""Chunk fetch from a loopback OCI registry (``oci://``) and a loopback S3 server
+(``s3://``, SeaweedFS) against the file store.
 
 Input: real bytes, the files under ``/usr/lib/x86_64-linux-gnu`` (shared
 libraries, data) concatenated and cut into 1 MiB chunks (``--chunks``, default
 128), stored once in a :class:`~weenv.store.file.FileStore` and copied frame for
 frame into an :class:`~weenv.store.oci.OciStore` on a docker-registry started
-here (:mod:`weenv_bench.services.registry`).  Both stores' files are in the page
+here (:mod:`weenv_bench.services.registry`) and an :class:`~weenv.store.s3.S3Store`
+on a SeaweedFS started here (:mod:`weenv_bench.services.seaweedfs`).  Both stores' files are in the page
 cache (each chunk is read once before timing), so the numbers compare the
 access paths, not the disk.
 
@@ -31,8 +33,10 @@ from weenv.formats.manifest import ChunkRef
 from weenv.store.base import Store
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
+from weenv.store.s3 import S3Store
 from weenv_bench import machine
 from weenv_bench.services.registry import Registry
+from weenv_bench.services.seaweedfs import CREDENTIALS, Seaweed
 
 MIB = 1 << 20
 SOURCE = Path("/usr/lib/x86_64-linux-gnu")
@@ -90,19 +94,23 @@ def measure(store: Store, refs: list[ChunkRef], threads: int) -> dict:
 
 def run(count: int, threads: int) -> dict:
     chunks = real_chunks(count)
-    with tempfile.TemporaryDirectory(prefix="weenv-bench-store-") as tmp, Registry(Path(tmp) / "registry") as reg:
+    os.environ.update(CREDENTIALS)  # the S3 server's, as a user sets them
+    with (tempfile.TemporaryDirectory(prefix="weenv-bench-store-") as tmp, Registry(Path(tmp) / "registry") as reg,
+          Seaweed(Path(tmp) / "seaweedfs") as s3_server):  # fmt: skip
         file_store = FileStore(Path(tmp) / "store")
         refs = [file_store.put_chunk(c)[0] for c in chunks]
-        oci = OciStore(f"oci://{reg.address}/bench/chunks")
+        remote = {"oci": OciStore(f"oci://{reg.address}/bench/chunks"), "s3": S3Store(s3_server.url("bench/chunks"))}
         try:
-            for r in refs:
-                oci._put("chunks", r.digest, file_store._get("chunks", r.digest))
             results = {"file": measure(file_store, refs, threads)}
-            before = oci.stats().requests
-            results["oci"] = measure(oci, refs, threads)
-            results["oci"]["requests_per_fetch"] = round((oci.stats().requests - before) / (3 * count), 2)
+            for name, store in remote.items():
+                for r in refs:
+                    store._put("chunks", r.digest, file_store._get("chunks", r.digest))
+                before = store.stats().requests
+                results[name] = measure(store, refs, threads)
+                results[name]["requests_per_fetch"] = round((store.stats().requests - before) / (3 * count), 2)
         finally:
-            oci.close()
+            for store in remote.values():
+                store.close()
     stored = sum(r.stored_size for r in refs)
     return {
         "summary": {
@@ -112,6 +120,8 @@ def run(count: int, threads: int) -> dict:
             "file_p50_ms": results["file"]["latency_p50_ms"],
             "oci_p50_ms": results["oci"]["latency_p50_ms"],
             "oci_over_file_p50": round(results["oci"]["latency_p50_ms"] / results["file"]["latency_p50_ms"], 2),
+            "s3_p50_ms": results["s3"]["latency_p50_ms"],
+            "s3_over_file_p50": round(results["s3"]["latency_p50_ms"] / results["file"]["latency_p50_ms"], 2),
         },
         "stores": results,
         "machine": machine(),

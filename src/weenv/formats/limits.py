@@ -11,7 +11,7 @@ Where each is checked:
 - the stored bytes of a blob (a chunk's frame, a manifest, a ref, a pack):
   :meth:`weenv.store.base.Store` passes a byte bound to its backend, which
   checks the file's size (``file://``) or the answer's ``Content-Length``
-  (``oci://``) first and stops reading past the bound either way;
+  (``oci://``, ``s3://``) first and stops reading past the bound either way;
 - a chunk's plaintext: the zstd frame's declared content size and the decoder's
   output are held to the :class:`~weenv.formats.manifest.ChunkRef`'s ``size``
   (:func:`weenv.store.base.decode_frame`);

@@ -61,13 +61,17 @@ def update_component(
 
     ``version``: the new template's label (default :func:`next_version`).
     Raises :class:`NotFoundError` (unknown template), :class:`InvalidInputError`
-    (no such component in the template, bad directory) and what
+    (no such component in the template, bad directory), :class:`BusyError`
+    if ``templates/NAME`` was moved by another writer meanwhile (an update or
+    publish from elsewhere: its ref is kept; this one's manifests stay
+    unreferenced until ``weenv gc``; update again), and what
     :func:`~weenv.packaging.group.build_group` raises.
     """
     t0 = time.monotonic()
     paths = paths or Paths.from_env()
     with store_lock(paths, exclusive=False):
         old_digest, old = load_template(store, template)
+        named = store.ref_or_none("templates", old.name)  # what the name points at now, for the swap
         names = [load_group(store, g).name for g in old.groups]
         hits = [i for i, n in enumerate(names) if n == component]
         if not hits:
@@ -88,7 +92,7 @@ def update_component(
         )  # fmt: skip
         data = canonical_json(manifest)
         digest = store.put_manifest(data)
-        store.set_ref("templates", old.name, digest)
+        store.swap_ref("templates", old.name, digest, expected=named)  # a concurrent update is not lost
     written = r.bytes_written + len(canonical_json(r.manifest)) + len(data)
     return UpdateResult(
         template=old.name, template_digest=digest, previous_digest=old_digest,

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import zstandard
 
-from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError, NotFoundError
+from weenv.errors import BusyError, ContentLimitError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
 from weenv.formats.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
@@ -55,7 +55,7 @@ def too_large(what: str, size: int, limit: int) -> ContentLimitError:
 
 class Store(abc.ABC):
     """A content-addressed store.  Implementations: :class:`weenv.store.file.FileStore`,
-    :class:`weenv.store.oci.OciStore`."""
+    :class:`weenv.store.oci.OciStore`, :class:`weenv.store.s3.S3Store`."""
 
     url: str
 
@@ -99,6 +99,29 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind`` as ``{name: digest}``."""
+
+    def swap_ref(self, kind: str, name: str, digest: str, *, expected: str | None) -> None:
+        """Point ref ``kind/name`` at ``digest`` only if it points at ``expected``
+        now (None: only if it does not exist), for a read-modify-write that must
+        not lose a concurrent writer's ref (an update of a template); else
+        :class:`BusyError` naming the ref, which is left as the other writer set it.
+
+        ``s3://`` does it atomically (a conditional write); this default
+        (``file://``, ``oci://``) checks, then writes: a writer between the
+        check and the write is overwritten (the last one wins).
+        """
+        check_digest(digest)
+        current = self.ref_or_none(kind, name)
+        if current != expected:
+            raise ref_moved(self.url, kind, name, current, expected)
+        self.set_ref(kind, name, digest)
+
+    def ref_or_none(self, kind: str, name: str) -> str | None:
+        """The digest ref ``kind/name`` points at, or None if it does not exist."""
+        try:
+            return self.get_ref(kind, name)
+        except NotFoundError:
+            return None
 
     def delete_ref(self, kind: str, name: str) -> None:
         """Remove ref ``kind/name`` (no error if absent).
@@ -247,6 +270,12 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release connections (nothing for local stores)."""
+
+
+def ref_moved(url: str, kind: str, name: str, current: str | None, expected: str | None) -> BusyError:
+    """The error of a :meth:`Store.swap_ref` that found ref ``kind/name`` at ``current``."""
+    return BusyError(f"ref {kind}/{name} in {url} points at {current or 'nothing'}, not {expected or 'nothing'} "
+                     "(another writer moved it)")  # fmt: skip
 
 
 def decode_frame(digest: str, frame: bytes, *, size: int | None = None, where: str = "the store") -> bytes:

@@ -82,7 +82,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-import random
 import re
 import threading
 import time
@@ -92,7 +91,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from weenv.errors import (
     DigestMismatchError,
@@ -109,6 +108,8 @@ from weenv.formats.manifest import (
 )
 from weenv.store.base import Store, read_limit, too_large
 from weenv.store.breaker import CircuitBreaker
+from weenv.store.remote import RemoteOptions, call_with_retries
+from weenv.store.remote import Retry as _Retry
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
@@ -130,7 +131,6 @@ ANNOTATION_REF = "vnd.weenv.ref"
 SPACE_TAG_PREFIX = {"chunks": "chunk-", "manifests": "manifest-", "packs": "pack-"}
 REF_TAG_PREFIX = {"templates": "template-", "groups": "group-"}  # other kinds: "KIND-"
 MAX_TAG = 128
-MAX_BACKOFF = 2.0
 
 # distribution-spec: repository name components, and tags.
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*\Z")
@@ -141,28 +141,11 @@ _LINK_RE = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')
 T = TypeVar("T")
 
 
-class OciOptions(BaseModel):
+class OciOptions(RemoteOptions):
     """Timeouts and retries of an :class:`OciStore` (also settable as URL query
-    parameters: ``oci://host:5000/repo?read_timeout=2&timeout=5``)."""
+    parameters: ``oci://host:5000/repo?read_timeout=2&timeout=5``); the probe
+    is ``GET /v2/``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    connect_timeout: float = Field(default=3.0, gt=0)
-    """Seconds to open a TCP (and TLS) connection."""
-    read_timeout: float = Field(default=10.0, gt=0)
-    """Seconds to wait for any bytes of an answer (each read of a body too)."""
-    timeout: float = Field(default=30.0, gt=0)
-    """Deadline in seconds of one store operation, retries and backoff included."""
-    retries: int = Field(default=4, ge=0)
-    """Retries after a connection error, timeout, 429 or 5xx."""
-    backoff: float = Field(default=0.1, ge=0)
-    """Seconds before the first retry; doubles each retry (at most 2 s), with jitter."""
-    probe_interval: float = Field(default=2.0, ge=0)
-    """Seconds between probes of a registry that an operation gave up on; until
-    one is answered, operations fail at once instead of waiting out their own
-    timeout (:mod:`weenv.store.breaker`; 0: no breaker, every operation tries)."""
-    probe_timeout: float = Field(default=2.0, gt=0)
-    """Seconds a probe (``GET /v2/``, no retry) waits for its answer."""
     tls: bool | None = None
     """HTTPS (True) or HTTP (False); default: HTTP for loopback hosts, HTTPS otherwise."""
 
@@ -181,10 +164,6 @@ class OciStats:
     """Blob bytes received (bodies of blob ``GET``\\s)."""
     bytes_sent: int
     """Blob bytes uploaded."""
-
-
-class _Retry(Exception):
-    """A failure worth another attempt (connection, timeout, 429, 5xx)."""
 
 
 def _parse_url(url: str, overrides: dict[str, Any]) -> tuple[str, str, str, OciOptions]:
@@ -282,30 +261,9 @@ class OciStore(Store):
         """``attempt(deadline)``, repeated on :class:`_Retry` with backoff until
         ``options.retries`` or the deadline runs out; then StoreUnavailableError,
         and the breaker opens (while it is open: at once, see :mod:`weenv.store.breaker`)."""
-        self.breaker.check(what)
         if not self._checked:  # the first operation checks the registry first, within its deadline
             attempt = functools.partial(self._check_then, attempt)
-        start = time.monotonic()
-        deadline = start + self.options.timeout
-        tries = 0
-        while True:
-            try:
-                result = attempt(deadline)
-            except _Retry as exc:
-                tries += 1
-                delay = min(self.options.backoff * 2 ** (tries - 1), MAX_BACKOFF)
-                delay *= random.uniform(0.5, 1.0)
-                if tries > self.options.retries or time.monotonic() + delay >= deadline:
-                    self.breaker.failed(str(exc))
-                    raise StoreUnavailableError(
-                        f"{what} at {self.url} failed: {exc} "
-                        f"({tries} attempt{'s' if tries > 1 else ''} in {time.monotonic() - start:.1f} s)"
-                    ) from exc.__cause__ or exc
-                self._count("retries")
-                time.sleep(delay)
-            else:
-                self.breaker.succeeded()  # the registry answered
-                return result
+        return call_with_retries(what, self.url, attempt, self.options, self.breaker, lambda: self._count("retries"))
 
     def _check_then(self, attempt: Callable[[float], T], deadline: float) -> T:
         self._check_registry(deadline)
