@@ -30,15 +30,16 @@ import re
 from collections.abc import Iterable
 
 from fastapi import FastAPI
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, QueryParams
 from starlette.routing import Mount
 
 from weenv.errors import InvalidInputError
 from weenv.node.node import Node
 from weenv.server.e2b.api import install_error_handlers, key_checker, key_dependency, make_api
 from weenv.server.e2b.builds import Templates
-from weenv.server.e2b.envd import Envd, sandbox_id_in
+from weenv.server.e2b.envd import Envd, sandbox_id_in, signed_sandbox_id
 from weenv.server.e2b.sandboxes import Sandboxes
+from weenv.server.e2b.signed import SignatureError
 from weenv.server.e2b.templates import UPLOAD_HEADER, make_template_api
 
 READY_TIMEOUT_S = 120.0
@@ -93,6 +94,13 @@ def _credentialed(sandboxes: Sandboxes, templates: Templates, scope: dict) -> bo
     headers = Headers(scope=scope)
     if templates.uploads.authorises(headers.get(UPLOAD_HEADER), scope.get("method", ""), scope.get("path", "")):
         return True
+    if scope.get("path", "").endswith("/files"):  # a signed URL's upload: its signature is its credential
+        try:
+            if signed_sandbox_id(sandboxes, scope.get("method", ""), headers,
+                                 QueryParams(scope.get("query_string", b""))) is not None:  # fmt: skip
+                return True
+        except SignatureError:
+            return False
     sid = sandbox_id_in(headers)
     return bool(sid) and sandboxes.token_matches(sid, headers.get("x-access-token"))
 

@@ -57,6 +57,7 @@ from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
 from weenv.server.e2b.proto import filesystem_pb, process_pb
+from weenv.server.e2b import signed
 from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
 from weenv.server.e2b.watch import Watches, WatchService
 from weenv.server.limits import MAX_UPLOAD
@@ -93,6 +94,22 @@ def sandbox_id_in(headers) -> str | None:
         return sid
     m = _HOST_RE.match(headers.get("host", ""))
     return m.group(1) if m else None
+
+
+def signed_sandbox_id(sandboxes: Sandboxes, method: str, headers, query) -> str | None:
+    """The sandbox whose token signed a ``/files`` request of a signed URL
+    (:mod:`weenv.server.e2b.signed`), None when the request is not one (it has
+    an ``X-Access-Token`` or no ``signature``).  Raises
+    :class:`~weenv.server.e2b.signed.SignatureError` for a bad, expired or
+    foreign signature."""
+    presented = query.get("signature")
+    if presented is None or headers.get("x-access-token") is not None:
+        return None
+    expiration = signed.expiration_of(query.get("signature_expiration"))
+    sid = sandbox_id_in(headers)
+    candidates = [sid] if sid else [e.id for e in sandboxes.node.list()]
+    return signed.signer(presented, query.get("path") or "", "read" if method == "GET" else "write",
+                         query.get("username") or "", expiration, candidates, sandboxes.access_token)  # fmt: skip
 
 
 class Envd:
@@ -191,7 +208,17 @@ class Envd:
 
     # --- /files -------------------------------------------------------------------------
     async def files(self, request: Request) -> Response:
-        sb = await self._sandbox(request)
+        try:  # a signed URL (download_url / upload_url) carries no token: its signature names the sandbox
+            sid = await anyio.to_thread.run_sync(signed_sandbox_id, self.sandboxes, request.method,
+                                                 request.headers, request.query_params)  # fmt: skip
+        except signed.SignatureError as exc:
+            return _error(401, str(exc))
+        if sid is None:
+            sb = await self._sandbox(request)
+        else:
+            sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
+            if sb is None:
+                return _error(502, f"The sandbox {sid} was not found")
         if isinstance(sb, Response):
             return sb
         path = request.query_params.get("path")
