@@ -141,6 +141,13 @@ def test_watchers_and_directories_per_sandbox_are_bounded(daemon):  # noqa: F811
         h = s.files.watch_dir("/tmp/many")
         assert inotify_watches(daemon) == base + 1
         h.stop()
+
+        # a tree deeper than the bound (Python's recursion limit broke the walk at ~1,000 levels)
+        deep = "/".join(["d"] * (watch.MAX_DEPTH + 5))
+        assert s.commands.run(f"mkdir -p /tmp/deep/{deep}").exit_code == 0
+        with pytest.raises(SandboxException, match=f"deeper than {watch.MAX_DEPTH}"):
+            s.files.watch_dir("/tmp/deep", recursive=True)
+        assert inotify_watches(daemon) == base
     finally:
         s.kill()
 

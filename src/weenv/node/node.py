@@ -491,6 +491,10 @@ class Node:
         """How many environments the node holds (no runc call)."""
         return len(self.table)
 
+    def ids(self) -> list[str]:
+        """The ids of the environments the node holds (no runc call)."""
+        return self.table.ids()
+
     def _env(self, env_id: str) -> Environment:
         return self.table.get(env_id)
 

@@ -421,6 +421,10 @@ class Process:
             except BrokenPipeError:
                 f.close()
                 raise InvalidInputError("the command closed its stdin or ended") from None
+            except OSError as exc:  # a terminal whose other side is gone answers EIO, not EPIPE
+                if exc.errno != errno.EIO or not self.spawned.tty:
+                    raise
+                raise InvalidInputError("the command's terminal closed: the command ended") from None
             if eof:
                 f.close()
 

@@ -94,7 +94,7 @@ def _credentialed(sandboxes: Sandboxes, templates: Templates, scope: dict) -> bo
     headers = Headers(scope=scope)
     if templates.uploads.authorises(headers.get(UPLOAD_HEADER), scope.get("method", ""), scope.get("path", "")):
         return True
-    if scope.get("path", "").endswith("/files"):  # a signed URL's upload: its signature is its credential
+    if scope.get("method") == "POST" and scope.get("path", "").endswith("/files"):  # a signed URL's upload
         try:
             if signed_sandbox_id(sandboxes, scope.get("method", ""), headers,
                                  QueryParams(scope.get("query_string", b""))) is not None:  # fmt: skip

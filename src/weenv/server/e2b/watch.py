@@ -67,6 +67,8 @@ _LIMITER = anyio.CapacityLimiter(1024)
 
 MAX_WATCHERS = 64
 """Watchers (streams and polling ones together) one sandbox may hold at once."""
+MAX_DEPTH = 256
+"""Directory levels a recursive watch follows below its path (deeper: ``resource_exhausted``)."""
 MAX_DIRS = 10_000
 """Directories the watchers of one sandbox may watch together (inotify watches)."""
 MAX_QUEUED = 10_000
@@ -310,11 +312,15 @@ class Watches:
             if w.recursive:
                 self._walk(w, fd, "")
 
-    def _walk(self, w: Watcher, dirfd: int, rel: str, *, report: bool = False) -> None:
+    def _walk(self, w: Watcher, dirfd: int, rel: str, *, report: bool = False, depth: int = 0) -> None:
         """Watch every directory below the open directory ``dirfd`` (``rel``), not
         following links; with ``report`` (a directory that just appeared), queue
         a create event for each entry found there, which may have come before
-        its directory was watched."""
+        its directory was watched.  Raises RpcError ``resource_exhausted`` for a
+        tree deeper than :data:`MAX_DEPTH` below the watched path."""
+        if depth >= MAX_DEPTH:
+            raise RpcError("resource_exhausted", f"{posixpath.join(w.path, rel)}: the tree is deeper than "
+                                                 f"{MAX_DEPTH} directories: watch a shallower one")
         try:
             with os.scandir(dirfd) as it:
                 entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
@@ -330,7 +336,7 @@ class Watches:
             try:
                 child = posixpath.join(rel, name)
                 self._mark(w, fd, child)
-                self._walk(w, fd, child, report=report)
+                self._walk(w, fd, child, report=report, depth=depth + 1)
             finally:
                 os.close(fd)
 
@@ -364,9 +370,13 @@ class Watches:
         try:
             with fd:
                 self._mark(w, fd, rel)
-                self._walk(w, fd, rel, report=True)
+                self._walk(w, fd, rel, report=True, depth=rel.count("/") + 1)
         except RpcError as exc:  # a limit: the watch cannot go on complete
             w.fail(exc)
+            self._release(w)
+        except Exception as exc:  # never the hub's other events: this watcher alone ends
+            log.exception("watching %s of sandbox %s", full, w.sandbox_id)
+            w.fail(RpcError("internal", f"watching {full}: {exc}"))
             self._release(w)
 
     def _unwatch_tree(self, w: Watcher, rel: str) -> None:
