@@ -36,6 +36,7 @@ import sys
 import time
 
 import uvicorn
+from starlette.routing import Route
 
 from weenv.config import Paths
 from weenv.errors import BusyError, DaemonError, WeenvError
@@ -104,6 +105,9 @@ def serve(
         e2b = create_e2b_app(node, api_keys=[api_key.e2b])
         app.mount("/e2b", e2b)
         app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
+        # the SDK's download_url/upload_url join "/files" to the sandbox URL with urljoin, which drops
+        # E2B_SANDBOX_URL's /e2b/envd: envd's /files (signed URLs) answers at the root too
+        app.router.routes.append(Route("/files", e2b.state.envd.files, methods=["GET", "POST"]))
         from weenv.server.e2b.ports import PortProxy, relay_settings
 
         tcp_cap = limits.tcp_connection_cap(nofile)

@@ -75,7 +75,7 @@ DRAIN_S = 2.0
 IDLE_TIMEOUT_S = 5
 """Seconds a connection may stay silent (before its first request or between requests)."""
 
-_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^/e2b/envd/files$")),
+_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^(/e2b/envd)?/files$")),
             ("PUT", re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload$")),
             ("POST", re.compile(r"^/e2b/envd/process\.Process/StreamInput$")))  # client-streamed: counted as it arrives
 

@@ -82,6 +82,7 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     app.router.routes.append(Mount("/envd", routes=envd.routes()))
     app.state.sandboxes = sandboxes
     app.state.watches = envd.watches
+    app.state.envd = envd
     app.state.templates = templates
     app.state.envd_credentialed = lambda scope: _credentialed(sandboxes, templates, scope)
     return app
