@@ -399,6 +399,7 @@ class Node:
             if lowers is None:
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
                                                   timing, upper_from=c.upper_from)  # fmt: skip
+                _check_command(req.template, runtime, self.snapshotter.dir(env_id) / "rootfs")
                 self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
                                      undo, timing, start=True, egress=egress)  # fmt: skip
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
@@ -864,6 +865,18 @@ def _request(request: CreateRequest | str, fields: dict) -> CreateRequest:
         if not key or "=" in key or "\0" in key or "\0" in value:
             raise InvalidInputError(f"bad environment variable {key!r}")
     return request
+
+
+def _check_command(template: str, runtime: RuntimeConfig, rootfs: Path) -> None:
+    """Raise :class:`RuntimeFailedError` when the template's command is an
+    absolute path its root file system ``rootfs`` lacks: a first process that
+    cannot exec ends the environment at once, and a probe may answer before it
+    has (an init such as tini execs first), so it is refused before a container
+    is made.  A bare name (found through ``PATH`` at exec) is not checked."""
+    command = runtime.command
+    if command and command[0].startswith("/") and not RootFS(rootfs).exists(command[0]):
+        raise RuntimeFailedError(f"template {template}: its command {list(command)!r} names "
+                                 f"{command[0]!r}, which is not in its file system")
 
 
 def _network(req: CreateRequest, runtime: RuntimeConfig) -> tuple[RuntimeConfig, network.Egress]:
