@@ -200,7 +200,16 @@ class ClusterView:
         placed on lately holds that, :meth:`_expected_bytes`)."""
         if facts is None:
             return ((f"template:{template}", 1),)
-        return tuple((g, self._group_sizes.get(g, 0)) for g in facts.groups)
+        return tuple((g, self._working_set(g)) for g in facts.groups)
+
+    def _working_set(self, group: str) -> int:
+        """The bytes of ``group`` placement weighs: the most any node holds of it
+        (what its environments read: a few percent of a template, as a rule),
+        its whole size while no node holds any.  A node holding that much has
+        the template's whole share (cache bonus)."""
+        held = max((n.report.group_bytes.get(group, 0) for n in self._nodes.values()
+                    if n.report is not None and n.state == "alive"), default=0)
+        return held if held > 0 else self._group_sizes.get(group, 0)
 
     def _expected_bytes(self, node: _Node) -> dict[str, int]:
         """Group (or stand-in) -> bytes the node is expected to hold for templates placed there lately."""
