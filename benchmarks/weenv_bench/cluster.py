@@ -30,7 +30,8 @@ peer gave, and prefetch packs) and from peers, over all nodes (the daemons'
 bytes the nodes needed (the union of the chunks in all nodes' caches, which
 never evict here); ``local_hit_rate``: of the creates of a template some node
 already held (from an earlier batch), the share placed on a node holding at
-least half of what any node holds of it; envs per node max/mean (per batch,
+least half of what any node holds of the template's own group (the base is on
+every node); envs per node max/mean (per batch,
 the worst batch).  And the per-operation costs the simulation uses: a warm
 create's seconds (p50 of local hits), a cold one's (p50 of first touches in
 ``random``), one chunk from the store and from a peer (ms per MiB, this machine).
@@ -88,7 +89,8 @@ def _chunk_files(home: Path) -> dict[str, int]:
 
 
 def build_store(root: Path, templates: int, task_bytes: int, log) -> tuple[object, dict[str, set[str]]]:
-    """The file store and each template's chunk digests (hex)."""
+    """The file store and the chunk digests (hex) of each template's own group
+    (the base's are on every node that ran anything: they tell nothing of placement)."""
     from weenv.config import Paths
     from weenv.formats.manifest import RuntimeConfig, parse_group_manifest
     from weenv.packaging.debootstrap import debian_rootfs
@@ -108,10 +110,9 @@ def build_store(root: Path, templates: int, task_bytes: int, log) -> tuple[objec
         build_group(d.parent, store, name=f"task-c{i}")
         create_template(store, f"c{i}", ["base", f"task-c{i}"], runtime=RuntimeConfig(working_dir="/workspace"))
     chunks = {}
-    base = {c.digest[7:] for c in parse_group_manifest(store.get_manifest(store.get_ref("groups", "base"))).chunks}
     for i in range(templates):
         g = parse_group_manifest(store.get_manifest(store.get_ref("groups", f"task-c{i}")))
-        chunks[f"c{i}"] = base | {c.digest[7:] for c in g.chunks}
+        chunks[f"c{i}"] = {c.digest[7:] for c in g.chunks}
     log(f"store: base + {templates} templates in {time.monotonic() - t:.1f} s")
     return store, chunks
 
@@ -198,7 +199,6 @@ def _peer_ms_per_mib(nodes, home_of, config) -> float | None:
     import ray
 
     from weenv import cluster
-    from weenv.cluster.view import NodeStatus  # noqa: F401  (ray unpickles it)
     from weenv.node.peers import CHUNK_PATH, TOKEN_HEADER
 
     settings = ray.get(cluster.placement_actor().peer_settings.remote())

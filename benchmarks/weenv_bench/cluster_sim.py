@@ -29,6 +29,9 @@ set (the bytes environments read), not its whole size.
   measured here, at most the NIC's share), the store (``store_ms_per_mib``
   measured here, at most the NIC's share and a share of the store's 100 Gb/s
   egress).  Rates are set when a transfer starts (no re-sharing midway).
+- one placement actor: placements run one after the other, each taking the
+  wall time its :func:`~weenv.cluster.placement.place` call took here (the
+  warm nodes passed as ``holders``, an index of who holds each template);
 - ``random``: a node drawn among the eligible ones, every chunk from the store.
 
 Reported per node count and mode: create p50/p99, store egress over the unique
@@ -134,7 +137,7 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
         for n in fleet:
             n.envs = 0
             n.load.cpu_reserved, n.load.memory_reserved, n.load.environments = 0.0, 0, 0
-        now = 0.0
+        now = place_clock = 0.0
         ends: list[tuple[float, str, int]] = []  # (end time, node, template)
         latencies, hits, active = [], 0, [0]  # active: transfers from the store
         i = 0
@@ -146,14 +149,18 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
             try:
                 c0 = time.perf_counter()
                 if peers_on:
-                    chosen = placement.place(loads, req, policy=policy, rng=rng)
+                    chosen = placement.place(loads, req, policy=policy, rng=rng,
+                                             holders=[by_id[h].load for h in holders.get(t, ())])
                 else:
                     ok = [x for x in loads if placement.eligible(x, req, policy)]
                     if not ok:
                         raise CapacityError("full")
                     chosen = rng.choice(ok).node_id
-                place_s += time.perf_counter() - c0
+                took = time.perf_counter() - c0
+                place_s += took
                 place_n += 1
+                # one placement actor: placements one after the other, each costing what it cost here
+                place_clock = max(place_clock, now) + took
             except CapacityError:
                 end, nid, src = heapq.heappop(ends)  # the next create ends first
                 now = max(now, end)
@@ -165,24 +172,24 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
             node.load.memory_inflight += m.env_memory
             needed.add(t)
             if t in node.cache:
-                start, rate, src = now, None, "local"
+                start, rate, src = place_clock, None, "local"
                 node.cache.move_to_end(t)
                 hits += 1
             elif t in node.fetching:
-                start, rate, src = max(now, node.fetching[t]), None, "local"
+                start, rate, src = max(place_clock, node.fetching[t]), None, "local"
                 hits += 1
             else:
                 others = [by_id[h] for h in holders.get(t, ()) if h != chosen] if peers_on else []
                 nic = m.nic_bytes_s / (node.streams + 1)
                 if others:
                     peer = min(others, key=lambda o: o.fetching.get(t, 0.0))
-                    start = max(now, peer.fetching.get(t, 0.0))
+                    start = max(place_clock, peer.fetching.get(t, 0.0))
                     rate, src = min(MiB / (costs.peer_ms_per_mib / 1000), nic,
                                     m.nic_bytes_s / (peer.streams + 1)), "peer"
                     peer_bytes += ws
                 else:
                     rate = min(MiB / (costs.store_ms_per_mib / 1000), nic, m.store_bytes_s / (active[0] + 1))
-                    start, src = now, "store"
+                    start, src = place_clock, "store"
                     store_bytes += ws
                     active[0] += 1
                 node.streams += 1
