@@ -81,3 +81,34 @@ def test_serving_is_bounded_and_only_held_chunks(tmp_path):
     s = peers.stats()
     assert (s.served_chunks, s.served_refused, s.served_missing) == (2, 1, 1)
     assert s.served_bytes == 2 * len(chunk)
+
+
+def test_a_create_done_counts_on_its_node_until_a_report_shows_it():
+    view = ClusterView()
+    view.heartbeat(report("a"))
+    placed = view.place("x", cpus=2)
+    view.done(placed.token, "a", "e1")
+    assert view._load(view._nodes["a"]).cpu_reserved == 2  # the report predates e1
+    view.heartbeat(report("a", envs=["e1"]))  # now the node's own reservations hold it
+    assert view._load(view._nodes["a"]).cpu_reserved == 0
+
+
+def test_a_base_every_node_holds_does_not_dilute_the_template_share():
+    facts = {"t": TemplateFacts(["sha256:g1", "sha256:g2"], 0.1, GiB)}
+    view = ClusterView()
+    view.heartbeat(report("a", held={"sha256:g1": 900}, templates=facts))
+    view.heartbeat(report("b", held={"sha256:g1": 900, "sha256:g2": 100}, templates=facts))
+    assert view._groups_of("t", facts["t"]) == (("sha256:g2", 100),)
+    assert view.place("t").route.node_id == "b"
+
+
+def test_equal_scores_are_broken_at_random():
+    view = ClusterView()
+    for n in "abcd":
+        view.heartbeat(report(n))
+    chosen = set()
+    for i in range(40):
+        p = view.place(f"x{i}", cpus=0.1)  # a template each: none counts as held anywhere
+        view.done(p.token, p.route.node_id, None)
+        chosen.add(p.route.node_id)
+    assert chosen == set("abcd")

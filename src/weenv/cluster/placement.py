@@ -174,4 +174,7 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
         for n in nodes:
             if n.node_id == preferred and eligible(n, request, policy):
                 candidates[n.node_id] = n
-    return min(candidates.values(), key=lambda n: (score(n, request, policy, preferred=preferred), n.node_id)).node_id
+    # equal scores (empty nodes, as a rule): a random one, not always the same (the lowest id)
+    ties = {n.node_id: rng.random() for n in candidates.values()}
+    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred), 9),
+                                                   ties[n.node_id])).node_id

@@ -67,6 +67,9 @@ class _Node:
     seen: float = 0.0
     inflight: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     """token -> (cpus, memory bytes, placed at)."""
+    pending: dict[str, tuple[float, int, float]] = field(default_factory=dict)
+    """env id -> (cpus, memory bytes, done at): made, not yet in a report's
+    reservations (so placement does not see a node as emptier than it is)."""
     expected: dict[str, float] = field(default_factory=dict)
     """Template -> until when (monotonic s) the node counts as holding it: placed
     there lately, before its reports show the chunks (creates of a template
@@ -121,6 +124,9 @@ class ClusterView:
             if node.state == "gone" and node.reason.startswith("ray"):
                 return  # Ray declared the node dead: a late heartbeat does not revive it
             node.state, node.reason, node.report, node.seen = "alive", "", report, time.monotonic()
+            now = time.monotonic()
+            node.pending = {e: r for e, r in node.pending.items()
+                            if e not in report.environments and now - r[2] < RESERVATION_TTL_S / 20}
             present = set(report.environments)
             for env_id in present:
                 self._envs[env_id] = (report.node_id, report.at)
@@ -195,12 +201,22 @@ class ClusterView:
             return Placed(self._route_of(target), token)
 
     def _groups_of(self, template: str, facts: TemplateFacts | None) -> tuple[tuple[str, int], ...]:
-        """The template's groups and their bytes for placement; one stand-in
+        """The template's groups and their bytes for placement (without those
+        every node holds, :meth:`_everywhere`, unless that is all); one stand-in
         ``template:NAME`` of 1 byte while no node knows it (a node it was
         placed on lately holds that, :meth:`_expected_bytes`)."""
         if facts is None:
             return ((f"template:{template}", 1),)
-        return tuple((g, self._working_set(g)) for g in facts.groups)
+        groups = tuple((g, self._working_set(g)) for g in facts.groups)
+        distinct = tuple((g, ws) for g, ws in groups if not self._everywhere(g, ws))
+        return distinct or groups
+
+    def _everywhere(self, group: str, ws: int) -> bool:
+        """Whether every alive node (two or more) holds at least half of ``group``'s
+        working set ``ws``: a shared base, whose bonus would be the same on every
+        node and only dilute the template's own groups'."""
+        alive = [n for n in self._nodes.values() if n.state == "alive" and n.report is not None]
+        return len(alive) > 1 and ws > 0 and all(2 * n.report.group_bytes.get(group, 0) >= ws for n in alive)
 
     def _working_set(self, group: str) -> int:
         """The bytes of ``group`` placement weighs: the most any node holds of it
@@ -240,7 +256,9 @@ class ClusterView:
             node = self._nodes.get(node_id)
             if node is None:
                 return
-            node.inflight.pop(token, None)
+            held = node.inflight.pop(token, None)
+            if env_id is not None and held is not None and node.state != "gone":
+                node.pending[env_id] = (held[0], held[1], time.monotonic())
             if env_id is not None:
                 if node.state == "gone":
                     self._lost[env_id] = (node_id, time.time())
@@ -253,7 +271,8 @@ class ClusterView:
             return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
         return placement.NodeLoad(
             node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
-            cpu_reserved=r.cpu_reserved, memory_reserved=r.memory_reserved, cpu_used=r.cpu_used,
+            cpu_reserved=r.cpu_reserved + sum(c for c, _, _ in node.pending.values()),
+            memory_reserved=r.memory_reserved + sum(m for _, m, _ in node.pending.values()), cpu_used=r.cpu_used,
             memory_used=r.memory_used, cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
             memory_inflight=sum(m for _, m, _ in node.inflight.values()), inflight=len(node.inflight),
             environments=sum(1 for where, _ in self._envs.values() if where == node.node_id),
