@@ -25,7 +25,8 @@ set (the bytes environments read), not its whole size.
 - a create: ``warm_create_s`` (measured here: a real warm create's p50) plus
   the bytes it reads before it is ready, ``startup_fraction`` (5 %) of its
   template, at the rate of its source: its own cache (nothing), a peer
-  holding or fetching it (after that fetch ends; ``peer_ms_per_mib``
+  holding it or fetching it (after that fetch ends, if within the 2 s peer
+  timeout, else the store; ``peer_ms_per_mib``
   measured here, at most the NIC's share), the store (``store_ms_per_mib``
   measured here, at most the NIC's share and a share of the store's 100 Gb/s
   egress).  Rates are set when a transfer starts (no re-sharing midway).
@@ -81,6 +82,7 @@ class Model:
     nic_bytes_s: float = 25e9 / 8
     store_bytes_s: float = 100e9 / 8
     max_inflight: int = 32
+    peer_timeout_s: float = 2.0
     env_cpus: float = 0.25
     env_memory: int = 1 * GiB
     startup_fraction: float = 0.05
@@ -179,7 +181,9 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 start, rate, src = max(place_clock, node.fetching[t]), None, "local"
                 hits += 1
             else:
-                others = [by_id[h] for h in holders.get(t, ()) if h != chosen] if peers_on else []
+                # a peer serves what it holds, or is fetching if that ends within the peer timeout
+                others = [by_id[h] for h in holders.get(t, ()) if h != chosen
+                          and by_id[h].fetching.get(t, 0.0) - place_clock <= m.peer_timeout_s] if peers_on else []
                 nic = m.nic_bytes_s / (node.streams + 1)
                 if others:
                     peer = min(others, key=lambda o: o.fetching.get(t, 0.0))
