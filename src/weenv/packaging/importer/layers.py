@@ -49,7 +49,7 @@ import stat
 import tarfile
 import urllib.parse
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -57,7 +57,9 @@ from typing import IO
 import zstandard
 
 from weenv.errors import DigestMismatchError, InvalidInputError
+from weenv.formats.limits import MAX_LAYER_ENTRIES, MAX_LAYER_FILE_BYTES
 from weenv.packaging.importer.source import ImageSource, Layer
+from weenv.packaging.tarscan import TarScan
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -143,8 +145,9 @@ def _is_opaque(path: str | os.PathLike[str]) -> bool:
 class _HashingReader:
     """Reads from ``f``, hashing (sha256) and counting every byte."""
 
-    def __init__(self, f: IO[bytes], prefix: bytes = b""):
+    def __init__(self, f: IO[bytes], prefix: bytes = b"", on_read: Callable[[bytes], None] | None = None):
         self._f = f
+        self._on_read = on_read
         self._prefix = prefix
         self.sha = hashlib.sha256(prefix)
         self.count = len(prefix)
@@ -160,6 +163,8 @@ class _HashingReader:
             self.count += len(rest)
             return data + rest
         data = self._f.read(n)
+        if self._on_read is not None:
+            self._on_read(data)
         self.sha.update(data)
         self.count += len(data)
         return data
@@ -183,6 +188,11 @@ def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile
     zstd decompressed by magic number.  On leaving the block the rest of the
     blob is read and both digests are checked: the blob's against
     ``layer.digest``/``layer.size``, the tar's against ``layer.diff_id``.
+    Every tar byte passes a :class:`~weenv.packaging.tarscan.TarScan` before
+    ``tarfile`` reads it: extended headers of at most
+    :data:`~weenv.formats.limits.MAX_TAR_HEADER_BYTES`, GNU sparse maps
+    bounded, at most :data:`~weenv.formats.limits.MAX_LAYER_ENTRIES` entries
+    and :data:`~weenv.formats.limits.MAX_LAYER_FILE_BYTES` of files.
 
     Raises :class:`InvalidInputError` for a truncated or corrupt blob,
     :class:`DigestMismatchError` for a digest or size that does not match.
@@ -197,7 +207,9 @@ def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile
                 stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[arg-type]
             else:
                 stream = raw  # type: ignore[assignment]
-            tar_bytes = _HashingReader(stream)  # type: ignore[arg-type]
+            scan = TarScan(max_entries=MAX_LAYER_ENTRIES, max_bytes=MAX_LAYER_FILE_BYTES, what=what,
+                           sparse=True, compressed=False)  # fmt: skip
+            tar_bytes = _HashingReader(stream, on_read=scan.feed)  # type: ignore[arg-type]
             tar = tarfile.open(fileobj=tar_bytes, mode="r|")  # type: ignore[arg-type]
         except _STREAM_ERRORS as exc:
             raise InvalidInputError(f"{what}: not a readable (tar, tar+gzip, tar+zstd) layer: {exc}") from exc

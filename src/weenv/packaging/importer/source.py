@@ -142,6 +142,10 @@ class ImageSource(contextlib.AbstractContextManager):
     def close(self) -> None:
         pass
 
+    def release(self, location: str) -> None:
+        """The blob at ``location`` will not be read again: a source holding a
+        copy of its own may free it (a registry image's), others keep theirs."""
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -447,6 +451,11 @@ class RegistryImage(_LayoutMixin, ImageSource):
 
     def read_image(self, ref: str | None = None) -> Image:
         return self._read_layout("image")
+
+    def release(self, location: str) -> None:
+        """Remove the copied blob (the import streams each layer once)."""
+        with contextlib.suppress(OSError):
+            (self._tmp / "layout" / location).unlink()
 
     def close(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)
