@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 import tempfile
 import time
 import uuid as uuid_mod
@@ -36,6 +38,8 @@ from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.store.base import Store
 from weenv.host.punch import punch_hole
 
+PUT_WORKERS = 2
+"""Threads storing one image's chunks (this machine has 2 cores)."""
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
 
 
@@ -163,21 +167,36 @@ def publish_image(
 
 def _put_chunks(store: Store, image: Path, chunk_size: int, *,
                 punch: bool = False) -> tuple[list[ChunkRef], list[str], int]:  # fmt: skip
-    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written)."""
+    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written).
+
+    Chunks are hashed, compressed and written by :data:`PUT_WORKERS` threads
+    (zstd and hashlib release the GIL), at most ``max(2, 8 MiB / chunk_size)``
+    chunks in flight beyond the workers'; refs keep the image's order."""
     chunks: list[ChunkRef] = []
     new: list[str] = []
     stored = 0
-    with open(image, "r+b" if punch else "rb") as f:
+    window = PUT_WORKERS + max(2, (8 << 20) // chunk_size)
+
+    def collect(future) -> None:
+        nonlocal stored
+        ref, written = future.result()
+        chunks.append(ref)
+        if written and ref.digest not in new:
+            new.append(ref.digest)
+            stored += ref.stored_size
+
+    with open(image, "r+b" if punch else "rb") as f, ThreadPoolExecutor(PUT_WORKERS) as pool:
+        pending: deque = deque()
         offset = 0
         while data := f.read(chunk_size):
             if punch:
                 punch_hole(f.fileno(), offset, len(data))
             offset += len(data)
-            ref, written = store.put_chunk(data)
-            chunks.append(ref)
-            if written and ref.digest not in new:
-                new.append(ref.digest)
-                stored += ref.stored_size
+            pending.append(pool.submit(store.put_chunk, data))
+            if len(pending) >= window:
+                collect(pending.popleft())
+        while pending:
+            collect(pending.popleft())
     return chunks, new, stored
 
 

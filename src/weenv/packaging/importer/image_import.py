@@ -222,7 +222,7 @@ def _import_streamed(
             for i in layer_indexes:
                 layer = image.layers[i]
                 what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
-                with open_layer(src, layer, what) as tar:
+                with open_layer(src, layer, what, read_ahead=True) as tar:
                     stats.append(merger.apply_layer(tar, what))
                 src.release(layer.location)
                 say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "

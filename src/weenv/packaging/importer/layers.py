@@ -44,9 +44,11 @@ import errno
 import gzip
 import hashlib
 import os
+import queue
 import shutil
 import stat
 import tarfile
+import threading
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
@@ -67,6 +69,8 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 OVERLAY_XATTR_PREFIX = "trusted.overlay."
 BLOCK = 4096
 READ_SIZE = 1 << 20
+READ_AHEAD = 8
+"""Pieces of :data:`READ_SIZE` a layer's read-ahead thread holds at most."""
 _ZERO_BLOCK = bytes(BLOCK)
 _ZERO_READ = bytes(READ_SIZE)
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -182,8 +186,70 @@ _CORRUPT_STREAM_ERRORS = (EOFError, tarfile.TarError, zlib.error, zstandard.Zstd
 _STREAM_ERRORS = (OSError, *_CORRUPT_STREAM_ERRORS)
 
 
+class _ReadAhead:
+    """Reads ``f`` (1 MiB at a time) in a thread of its own, up to
+    :data:`READ_AHEAD` pieces ahead of :meth:`read`: the blob's decompression
+    and both sha256s (which release the GIL) overlap the tar's processing.
+    An error of the thread is raised by the :meth:`read` that reaches it."""
+
+    def __init__(self, f):
+        self._f = f
+        self._queue: queue.Queue = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._buf, self._pos, self._done = b"", 0, False
+        self._thread = threading.Thread(target=self._run, name="layer-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                piece = self._f.read(READ_SIZE)
+                self._queue.put(piece)
+                if not piece:
+                    return
+        except BaseException as exc:  # handed to the reader
+            self._queue.put(exc)
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while n < 0 or len(out) < n:
+            if self._pos >= len(self._buf):
+                if self._done:
+                    break
+                item = self._queue.get()
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                if not item:
+                    self._done = True
+                    break
+                self._buf, self._pos = item, 0
+            take = len(self._buf) - self._pos if n < 0 else min(n - len(out), len(self._buf) - self._pos)
+            if not out and take == len(self._buf) - self._pos == len(self._buf):
+                self._pos = len(self._buf)
+                if n < 0 or take == n:
+                    return self._buf
+                out += self._buf
+                continue
+            out += self._buf[self._pos:self._pos + take]
+            self._pos += take
+        return bytes(out)
+
+    def drain(self) -> None:
+        while self.read(READ_SIZE):
+            pass
+
+    def close(self) -> None:
+        """Stop the thread (whatever it has not read stays unread) and wait for it."""
+        self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.05)
+        self._thread.join()
+
+
 @contextlib.contextmanager
-def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile.TarFile]:
+def open_layer(source: ImageSource, layer: Layer, what: str, *, read_ahead: bool = False) -> Iterator[tarfile.TarFile]:
     """The layer's tar, streamed (``tarfile`` mode ``r|``) from its blob, gzip or
     zstd decompressed by magic number.  On leaving the block the rest of the
     blob is read and both digests are checked: the blob's against
@@ -194,10 +260,13 @@ def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile
     bounded, at most :data:`~weenv.formats.limits.MAX_LAYER_ENTRIES` entries
     and :data:`~weenv.formats.limits.MAX_LAYER_FILE_BYTES` of files.
 
+    ``read_ahead``: decompress and hash in a thread of its own (:class:`_ReadAhead`).
+
     Raises :class:`InvalidInputError` for a truncated or corrupt blob,
     :class:`DigestMismatchError` for a digest or size that does not match.
     """
-    with source.open_blob(layer.location, what) as blob:
+    ahead = None
+    with source.open_blob(layer.location, what) as blob, contextlib.ExitStack() as stop:
         try:
             head = blob.read(4)
             raw = _HashingReader(blob, head)
@@ -210,12 +279,15 @@ def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile
             scan = TarScan(max_entries=MAX_LAYER_ENTRIES, max_bytes=MAX_LAYER_FILE_BYTES, what=what,
                            sparse=True, compressed=False)  # fmt: skip
             tar_bytes = _HashingReader(stream, on_read=scan.feed)  # type: ignore[arg-type]
-            tar = tarfile.open(fileobj=tar_bytes, mode="r|")  # type: ignore[arg-type]
+            if read_ahead:
+                ahead = _ReadAhead(tar_bytes)
+                stop.callback(ahead.close)
+            tar = tarfile.open(fileobj=ahead or tar_bytes, mode="r|")  # type: ignore[arg-type]
         except _STREAM_ERRORS as exc:
             raise InvalidInputError(f"{what}: not a readable (tar, tar+gzip, tar+zstd) layer: {exc}") from exc
         try:
             yield tar
-            tar_bytes.drain()
+            (ahead or tar_bytes).drain()
             raw.drain()
         except _STREAM_ERRORS as exc:
             raise InvalidInputError(f"{what}: truncated or corrupt layer: {exc}") from exc

@@ -518,6 +518,8 @@ def _sparse_pieces(tar: tarfile.TarFile, m: tarfile.TarInfo, what: str) -> Itera
     fileobj.seek(m.offset_data)
     pos = 0
     for offset, length in m.sparse:
+        if length == 0:  # the map's end marker, and unused slots of old GNU headers
+            continue
         if offset < pos or offset + length > m.size:
             raise InvalidInputError(f"{what}: a GNU sparse map out of order or past its size")
         if offset > pos:
