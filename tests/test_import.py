@@ -437,8 +437,10 @@ def test_oci_layout_and_oci_archive_give_the_same_groups(images, import_store, s
         import_image(str(layout), import_store, name="small", ref="v2")
 
 
-def test_registry_image_through_skopeo(dockerd, images, import_store, tmp_path):
-    """docker push to a loopback docker-registry; import docker://... (gzip layers)."""
+def test_registry_image_over_http_and_through_skopeo(dockerd, images, import_store, tmp_path, monkeypatch):
+    """docker push to a loopback docker-registry; import docker://... (gzip
+    layers), streamed over HTTP and (``WEENV_IMPORT_SKOPEO=1``) through skopeo:
+    the same groups as from the ``docker save`` archive."""
     with Registry(tmp_path / "registry") as registry:
         reference = registry.reference("weenv/import-test", "1")
         dockerd.docker("tag", IMAGE, reference)
@@ -449,6 +451,10 @@ def test_registry_image_through_skopeo(dockerd, images, import_store, tmp_path):
         r = import_image(f"docker://{reference}", import_store, name="fromregistry")
         assert _chunks(r) == _chunks(archive)
         assert r.template.runtime == archive.template.runtime
+        with pytest.raises(NotFoundError):
+            import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
+        monkeypatch.setenv("WEENV_IMPORT_SKOPEO", "1")
+        assert _chunks(import_image(f"docker://{reference}", import_store, name="fromregistry")) == _chunks(archive)
         with pytest.raises(NotFoundError):
             import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
         dockerd.docker("rmi", reference)

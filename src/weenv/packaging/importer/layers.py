@@ -361,19 +361,7 @@ class GroupTree:
 
     def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: tuple[str, ...],
                stats: LayerStats, what: str) -> None:
-        name = parts[-1] if parts else ""
-        if name == OPAQUE_MARKER:
-            stats.opaque_dirs += 1
-            self._opaque(parts[:-1], what)
-            return
-        if name.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
-            return  # AUFS bookkeeping (.wh..wh.plnk, .wh..wh.aufs)
-        if name.startswith(WHITEOUT_PREFIX):
-            target = name[len(WHITEOUT_PREFIX):]
-            if target in ("", ".", ".."):
-                raise InvalidInputError(f"{what}: bad whiteout {m.name!r}")
-            stats.whiteouts += 1
-            self._whiteout(parts[:-1] + (target,), _mtime_ns(m), what)
+        if apply_marker(self, m, parts, stats, f"{what}: {m.name!r}"):
             return
         if not parts:
             if not m.isdir():
@@ -569,6 +557,39 @@ class GroupTree:
 
 
 # --- helpers ------------------------------------------------------------------------------
+def apply_marker(tree, m: tarfile.TarInfo, parts: tuple, stats: LayerStats, what: str) -> bool:
+    """If entry ``m`` (at ``parts``) is a whiteout or opaque marker (:func:`marker`),
+    apply it to ``tree`` (its ``_opaque(dir parts, what)`` or ``_whiteout(parts,
+    mtime_ns, what)``), count it in ``stats`` and return True."""
+    kind, target = marker(parts[-1] if parts else "", what)
+    if kind == "opaque":
+        stats.opaque_dirs += 1
+        tree._opaque(parts[:-1], what)
+    elif kind == "whiteout":
+        stats.whiteouts += 1
+        tree._whiteout(parts[:-1] + (target,), _mtime_ns(m), what)
+    return kind != "entry"
+
+
+def marker(name, what: str):
+    """What an entry's last name (``str`` or ``bytes``) says: ``("opaque",
+    None)`` for ``.wh..wh..opq``, ``("skip", None)`` for other ``.wh..wh.*``
+    (AUFS bookkeeping: ``.wh..wh.plnk``, ``.wh..wh.aufs``), ``("whiteout",
+    NAME)`` for ``.wh.NAME``, ``("entry", None)`` otherwise.
+    :class:`InvalidInputError` (``what``: the entry) for ``.wh.``, ``.wh..``, ``.wh...``."""
+    prefix = WHITEOUT_PREFIX if isinstance(name, str) else WHITEOUT_PREFIX.encode()
+    if name == (OPAQUE_MARKER if isinstance(name, str) else OPAQUE_MARKER.encode()):
+        return "opaque", None
+    if name.startswith(prefix + prefix):
+        return "skip", None
+    if name.startswith(prefix):
+        target = name[len(prefix):]
+        if target in ("", ".", "..", b"", b".", b".."):
+            raise InvalidInputError(f"{what}: a bad whiteout")
+        return "whiteout", target
+    return "entry", None
+
+
 def _parts(name: str, what: str) -> tuple[str, ...]:
     """A tar entry name as path components below the root; ``..`` is refused."""
     parts = []

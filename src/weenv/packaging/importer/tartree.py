@@ -65,9 +65,7 @@ from weenv.packaging.erofs_writer import (
 from weenv.packaging.importer import layers
 from weenv.packaging.importer.layers import (
     _CORRUPT_STREAM_ERRORS,
-    OPAQUE_MARKER,
     OPAQUE_XATTR,
-    WHITEOUT_PREFIX,
     LayerStats,
     _mtime_ns,
     _xattrs,
@@ -79,8 +77,6 @@ image (64 Ki chunks of 1 MiB); a sparse member's declared size is checked
 before its block map is made."""
 READ_SIZE = 1 << 20
 _ZERO = bytes(READ_SIZE)
-_WHITEOUT = WHITEOUT_PREFIX.encode()
-_OPAQUE = OPAQUE_MARKER.encode()
 
 Parts = tuple[bytes, ...]
 
@@ -298,25 +294,14 @@ class TreeMerger:
     # --- entries ----------------------------------------------------------------------
     def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: Parts, stats: LayerStats,
                what: str) -> None:  # fmt: skip
-        name = parts[-1] if parts else b""
-        if name == _OPAQUE:
-            stats.opaque_dirs += 1
-            self._opaque(parts[:-1], what)
-            return
-        if name.startswith(_WHITEOUT + _WHITEOUT):
-            return  # AUFS bookkeeping (.wh..wh.plnk, .wh..wh.aufs)
-        if name.startswith(_WHITEOUT):
-            target = name[len(_WHITEOUT):]
-            if target in (b"", b".", b".."):
-                raise InvalidInputError(f"{what}: a bad whiteout")
-            stats.whiteouts += 1
-            self._whiteout(parts[:-1] + (target,), _mtime_ns(m), what)
+        if layers.apply_marker(self, m, parts, stats, what):
             return
         if not parts:
             if not m.isdir():
                 raise InvalidInputError(f"{what}: the root entry is not a directory")
             self._set_meta(self.root, m, what)
             return
+        name = parts[-1]
         parent = self._ensure_dir(parts[:-1], what)
         old = parent.children.get(name)
         replaced_non_dir = False
