@@ -301,11 +301,12 @@ def kinds(dockerd, images, tmp_path_factory):
     (GNU sparse, type S); loaded into dockerd and listed by ``docker run``."""
     work = tmp_path_factory.mktemp("kinds")
     layers = []
-    for k, (make, fmt) in enumerate(((_kinds_tree, ["--format=posix"]), (_sparse_tree, ["--format=gnu", "--sparse"]))):
+    for k, (make, fmt) in enumerate(((_kinds_tree, ["--format=posix", "--xattrs", "--xattrs-include=*"]),
+                                     (_sparse_tree, ["--format=gnu", "--sparse"]))):  # fmt: skip
         tree = work / f"tree{k}"
         make(tree)
-        out = subprocess.run(["tar", "-C", str(tree), "--xattrs", "--xattrs-include=*", "--numeric-owner",
-                              *fmt, "-cf", "-", "."], capture_output=True, check=True)  # fmt: skip
+        out = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", *fmt, "-cf", "-", "."],
+                             capture_output=True, check=True)  # fmt: skip
         layers.append(out.stdout)
         subprocess.run(["rm", "-rf", str(tree)], check=True)
     assert len(layers[1]) < 1 << 20  # the 5 GiB file's holes are not in the tar
