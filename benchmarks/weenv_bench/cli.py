@@ -84,8 +84,9 @@ def import_(
     quick: bool = typer.Option(False, "--quick", help="the ~1 GB image only (a few minutes)"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
 ) -> None:
-    """weenv import of the start benchmark's 1 GB and 3 GB images from a loopback registry, against
-    docker pull of the same images and the old (extracting) import path: time, peak disk, peak memory."""
+    """weenv import against docker pull and the old import path: time, peak disk and memory.
+
+    The 1 GB and 3 GB images of weenv bench start, from a loopback registry."""
     from weenv_bench.import_image import run
     from weenv.cli.common import err
 
