@@ -122,3 +122,28 @@ def test_whiteouts_and_opaque_dirs_within_and_across_layers(tmp_path):
     d = root.children[b"d"]
     assert d.xattrs[tartree.OPAQUE_XATTR] == b"y" and d.children == {}  # y gone, x hidden by the opaque dir
     assert root.children[b"f"].children == {} and root.children[b"f"].xattrs[tartree.OPAQUE_XATTR] == b"y"
+
+
+def test_read_ahead_gives_the_bytes_in_order_and_its_errors():
+    from weenv.packaging.importer.layers import _ReadAhead
+
+    data = os.urandom(5 << 20)
+    for sizes in ((1,), (10240,), (1 << 20,), (3 << 20, 7, 1 << 20), (-1,)):
+        ahead, out, i = _ReadAhead(io.BytesIO(data)), bytearray(), 0
+        while piece := ahead.read(sizes[i % len(sizes)]):
+            out += piece
+            i += 1
+        assert bytes(out) == data
+        ahead.close()
+
+    class Broken(io.RawIOBase):
+        def read(self, n=-1):
+            raise ValueError("broken below")
+
+    ahead = _ReadAhead(Broken())
+    with pytest.raises(ValueError, match="broken below"):
+        ahead.read(10)
+    ahead.close()
+    ahead = _ReadAhead(io.BytesIO(data))  # closed before the end: the thread stops
+    ahead.read(100)
+    ahead.close()
