@@ -284,7 +284,8 @@ def open_layer(source: ImageSource, layer: Layer, what: str, *, read_ahead: bool
                 stop.callback(ahead.close)
             tar = tarfile.open(fileobj=ahead or tar_bytes, mode="r|")  # type: ignore[arg-type]
         except _STREAM_ERRORS as exc:
-            raise InvalidInputError(f"{what}: not a readable (tar, tar+gzip, tar+zstd) layer: {exc}") from exc
+            kind = "truncated or corrupt layer" if isinstance(exc, EOFError) else "not a readable (tar, tar+gzip, tar+zstd) layer"
+            raise InvalidInputError(f"{what}: {kind}: {exc}") from exc
         try:
             yield tar
             (ahead or tar_bytes).drain()
