@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -230,6 +231,150 @@ def test_merged_small_layers_tree_matches_docker_run(images, import_store, paths
     _assert_same_tree(_weenv_listing(paths, import_store, "imgmerged"), images["docker_listing"])
 
 
+# --- every tree kind, in layers written here, against docker load + docker run -----------
+LONG = "n" * 255
+BIN_XATTR = b"\x00bin\x00\xff\x01\x00"
+
+
+def _kinds_tree(root: Path) -> None:
+    """Layer 1's tree: 255-byte names, binary xattrs, a 300-level deep tree, every file type."""
+    (root / "kinds" / LONG).mkdir(parents=True)
+    (root / "kinds" / LONG / LONG).write_bytes(b"long name\n")
+    f = root / "kinds" / "xattrs"
+    f.write_bytes(b"x\n")
+    os.setxattr(f, "user.bin", BIN_XATTR)
+    os.setxattr(f, "user.big", bytes(range(256)) * 12)
+    deep = root / "kinds" / "deep"
+    for _ in range(300):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "bottom").write_bytes(b"bottom\n")
+    os.mkfifo(root / "kinds" / "fifo")
+    os.mknod(root / "kinds" / "blk", 0o640 | 0o060000, os.makedev(7, 200))
+    os.mknod(root / "kinds" / "chr", 0o600 | 0o020000, os.makedev(1, 5))
+    (root / "kinds" / "hl1").write_bytes(b"hard\n" * 1000)
+    os.link(root / "kinds" / "hl1", root / "kinds" / LONG / "hl2")
+    os.symlink(LONG + "/" + LONG, root / "kinds" / "to-long")
+    os.chown(root / "kinds" / "fifo", 123, 456)
+
+
+def _sparse_tree(root: Path) -> None:
+    """Layer 2's tree: a sparse file over 4 GiB (data at 1 MiB, at 4 GiB and at its end)."""
+    (root / "kinds").mkdir(parents=True)
+    with open(root / "kinds" / "huge", "wb") as f:
+        f.truncate((5 << 30) + 123)
+        for at in (1 << 20, 4 << 30, (5 << 30) + 100):
+            f.seek(at)
+            f.write(b"data at %d\n" % at)
+
+
+def _docker_archive(base_archive: Path, layers: list[bytes], dest: Path, tag: str) -> None:
+    """A ``docker save`` archive: the base image's layers, then ``layers`` (tars)."""
+    with tarfile.open(base_archive) as src:
+        manifest = json.loads(src.extractfile("manifest.json").read())[0]
+        config = json.loads(src.extractfile(manifest["Config"]).read())
+        base_layers = [(name, src.extractfile(name).read()) for name in manifest["Layers"][:1]]
+    config["rootfs"]["diff_ids"] = config["rootfs"]["diff_ids"][:1]
+    config["history"] = []
+    names = [name for name, _ in base_layers]
+    with tarfile.open(dest, "w") as out:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            out.addfile(info, io.BytesIO(data))
+
+        for name, data in base_layers:
+            add(name, data)
+        for k, data in enumerate(layers):
+            names.append(f"kinds{k}/layer.tar")
+            add(names[-1], data)
+            config["rootfs"]["diff_ids"].append("sha256:" + hashlib.sha256(data).hexdigest())
+        cfg = json.dumps(config).encode()
+        add("config.json", cfg)
+        add("manifest.json", json.dumps([{"Config": "config.json", "RepoTags": [tag], "Layers": names}]).encode())
+
+
+@pytest.fixture(scope="module")
+def kinds(dockerd, images, tmp_path_factory):
+    """A docker save archive of the base image plus a layer written by GNU tar
+    with every tree kind (PAX, SCHILY xattrs) and one with a 5 GiB sparse file
+    (PAX GNU sparse 1.0; dockerd 20.10 refuses the old type ``S``, which
+    tests/unit/test_tartree.py covers); loaded into dockerd and listed by
+    ``docker run``."""
+    work = tmp_path_factory.mktemp("kinds")
+    layers = []
+    for k, (make, fmt) in enumerate(((_kinds_tree, ["--format=posix", "--xattrs", "--xattrs-include=*"]),
+                                     (_sparse_tree, ["--format=posix", "--sparse", "--sparse-version=1.0"]))):  # fmt: skip
+        tree = work / f"tree{k}"
+        make(tree)
+        out = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", *fmt, "-cf", "-", "."],
+                             capture_output=True, check=True)  # fmt: skip
+        layers.append(out.stdout)
+        subprocess.run(["rm", "-rf", str(tree)], check=True)
+    assert len(layers[1]) < 1 << 20  # the 5 GiB file's holes are not in the tar
+    archive = work / "kinds.tar"
+    tag = "weenv-import-kinds:1"
+    _docker_archive(images["archives"][IMAGE], layers, archive, tag)
+    dockerd.docker("load", "-i", str(archive))
+    listing = json.loads(dockerd.docker("run", "--rm", "--network", "none", "--user", "0:0", "--entrypoint",
+                                        "python3", tag, "-c", LISTING, timeout=600).stdout)  # fmt: skip
+    dockerd.docker("rmi", tag)
+    return {"archive": archive, "docker_listing": listing}
+
+
+def test_every_tree_kind_matches_docker_run(kinds, import_store, paths, leak_check, tmp_path):
+    e = kinds["docker_listing"]["entries"]
+    long_path = f"/kinds/{LONG}/{LONG}"
+    assert e[long_path]["size"] == 10 and e["/kinds/xattrs"]["xattrs"]["user.bin"] == BIN_XATTR.hex()
+    assert e["/kinds/huge"]["size"] == (5 << 30) + 123 and e["/kinds/blk"]["rdev"] == [7, 200]
+    assert "/kinds/deep" + "/d" * 300 + "/bottom" in e
+    assert ["/kinds/hl1", f"/kinds/{LONG}/hl2"] in kinds["docker_listing"]["hardlinks"]
+    r = import_image(str(kinds["archive"]), import_store, name="kinds", workdir=tmp_path)
+    assert len(r.groups) == 3
+    _assert_same_tree(_weenv_listing(paths, import_store, "kinds"), kinds["docker_listing"])
+
+
+def test_streamed_and_extracted_imports_write_the_same_images(images, kinds, tmp_path):
+    """The streaming path and the old extracting one write byte-identical group images."""
+    for archive in (images["archives"][IMAGE], kinds["archive"]):
+        for merge in (None, 1 << 30):
+            chunks = []
+            for extract in (False, True):
+                store = FileStore(tmp_path / f"s-{extract}")
+                r = import_image(str(archive), store, name="same", workdir=tmp_path, merge_small=merge,
+                                 extract=extract)  # fmt: skip
+                chunks.append([[c.digest for c in g.manifest.chunks] for g in r.groups])
+                shutil.rmtree(tmp_path / f"s-{extract}")
+            assert chunks[0] == chunks[1], (archive.name, merge)
+
+
+def _tar(entries: list[tuple]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for info, data in entries:
+            t.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return buf.getvalue()
+
+
+def test_hardlink_to_a_file_of_an_earlier_layer(images, store, tmp_path, paths, leak_check):
+    """Layer 2 links to a file of layer 1 (over the Debian base): in a group of
+    its own the file is copied (overlayfs cannot link across layers), merged
+    into one group with it a hardlink; the environment reads it under every name."""
+    archive = tmp_path / "hl.tar"
+    _docker_archive(images["archives"][IMAGE], [
+        _tar([_entry("srv/", tarfile.DIRTYPE, mode=0o755), _entry("srv/a", data=b"A" * 10_000)]),
+        _tar([_entry("srv/b", tarfile.LNKTYPE, linkname="srv/a"), _entry("srv/c", tarfile.LNKTYPE, linkname="./srv/b")]),
+    ], archive, "hl:1")
+    for merge, links in ((None, 2), (1 << 20, 3)):
+        name = f"hl{links}"
+        r = import_image(str(archive), store, name=name, workdir=tmp_path, merge_small=merge)
+        assert len(r.groups) == (3 if merge is None else 2)
+        listing = _weenv_listing(paths, store, name)
+        for f in ("a", "b", "c"):
+            assert listing["entries"][f"/srv/{f}"]["size"] == 10_000
+        assert sorted(len(g) for g in listing["hardlinks"] if g[0].startswith("/srv/")) == [links]
+
+
 # --- an image without a shell or sleep starts ------------------------------------------
 HELLO_C = r"""
 #include <stdio.h>
@@ -295,8 +440,10 @@ def test_oci_layout_and_oci_archive_give_the_same_groups(images, import_store, s
         import_image(str(layout), import_store, name="small", ref="v2")
 
 
-def test_registry_image_through_skopeo(dockerd, images, import_store, tmp_path):
-    """docker push to a loopback docker-registry; import docker://... (gzip layers)."""
+def test_registry_image_over_http_and_through_skopeo(dockerd, images, import_store, tmp_path, monkeypatch):
+    """docker push to a loopback docker-registry; import docker://... (gzip
+    layers), streamed over HTTP and (``WEENV_IMPORT_SKOPEO=1``) through skopeo:
+    the same groups as from the ``docker save`` archive."""
     with Registry(tmp_path / "registry") as registry:
         reference = registry.reference("weenv/import-test", "1")
         dockerd.docker("tag", IMAGE, reference)
@@ -307,6 +454,10 @@ def test_registry_image_through_skopeo(dockerd, images, import_store, tmp_path):
         r = import_image(f"docker://{reference}", import_store, name="fromregistry")
         assert _chunks(r) == _chunks(archive)
         assert r.template.runtime == archive.template.runtime
+        with pytest.raises(NotFoundError):
+            import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
+        monkeypatch.setenv("WEENV_IMPORT_SKOPEO", "1")
+        assert _chunks(import_image(f"docker://{reference}", import_store, name="fromregistry")) == _chunks(archive)
         with pytest.raises(NotFoundError):
             import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
         dockerd.docker("rmi", reference)
@@ -470,7 +621,7 @@ def _entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", linkname
 
 
 def _write_layout(root: Path, layers: list[list[tuple]]) -> Path:
-    """An OCI image layout of uncompressed ``layers`` (lists of :func:`_entry`)."""
+    """An OCI image layout of uncompressed ``layers`` (lists of :func:`_entry`, or tar bytes)."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True)
 
@@ -481,11 +632,7 @@ def _write_layout(root: Path, layers: list[list[tuple]]) -> Path:
 
     descs, diff_ids = [], []
     for entries in layers:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
-            for info, data in entries:
-                t.addfile(info, io.BytesIO(data) if info.isreg() else None)
-        d = put(buf.getvalue())
+        d = put(entries if isinstance(entries, bytes) else _tar(entries))
         descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar", **d})
         diff_ids.append(d["digest"])
     config = put(json.dumps({"architecture": "amd64", "os": "linux", "config": {},
@@ -518,6 +665,38 @@ def test_hostile_entries_do_not_escape(store, work, tmp_path):
         _assert_nothing_published(store, work)
     assert os.listdir(outside) == []
     assert not (tmp_path / "escaped").exists()
+
+
+def _pax(name: str, headers: dict[str, str], data: bytes = b"x") -> tuple:
+    info, data = _entry(name, data=data)
+    info.pax_headers = headers
+    return info, data
+
+
+def test_bad_layers_are_refused_naming_the_layer_and_entry(store, work, tmp_path):
+    """Each refused with the layer's digest and the entry in the message, before
+    anything is published; the tar's headers are bounded before tarfile reads them."""
+    whole = _tar([_entry("big", data=os.urandom(100_000)), _entry("after", data=b"a")])
+    cases = {
+        "name of 256 bytes": ([[_entry("d/" + "x" * 256, data=b"x")]], "bad file name \\(256 bytes"),
+        "xattr over the kernel's limit": ([[_pax("f", {"SCHILY.xattr.user.v": "v" * 65536})]], "kernel's limit"),
+        "xattr name too long": ([[_pax("f", {"SCHILY.xattr.user." + "n" * 256: "v"})]], "longer than 255"),
+        "huge PAX header": ([[_pax("f", {"comment": "c" * (2 << 20)})]], "PAX extended header of"),
+        "truncated layer": ([whole[: len(whole) // 2]], "truncated"),
+        "dotdot": ([[_entry("a/../../x", data=b"x")]], "climbs out"),
+        "through a symlink": ([[_entry("l", tarfile.SYMTYPE, linkname="/etc"), _entry("l/passwd", data=b"x")]],
+                              "which this layer made a symlink"),
+        "hardlink to nothing": ([[_entry("h", tarfile.LNKTYPE, linkname="nope")]], "no such file"),
+    }
+    for label, (layers, message) in cases.items():
+        layout = _write_layout(tmp_path / label.replace(" ", "-"), layers)
+        for extract in (False,):
+            with pytest.raises(InvalidInputError, match=message) as info:
+                import_image(str(layout), store, name="bad", workdir=work, extract=extract)
+            assert "layer 0 (sha256:" in str(info.value), (label, str(info.value))
+            if label not in ("huge PAX header", "truncated layer"):
+                assert "entry '" in str(info.value), (label, str(info.value))
+            _assert_nothing_published(store, work)
 
 
 def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_path, paths, leak_check):

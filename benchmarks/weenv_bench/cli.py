@@ -79,6 +79,21 @@ def start(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("import")
+def import_(
+    quick: bool = typer.Option(False, "--quick", help="the ~1 GB image only (a few minutes)"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+) -> None:
+    """weenv import against docker pull and the old import path: time, peak disk and memory.
+
+    The 1 GB and 3 GB images of weenv bench start, from a loopback registry."""
+    from weenv_bench.import_image import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, json_path=json_path, log=err.print)
+    print(json.dumps(result["summary"]))
+
+
 @bench_app.command("rollout")
 def rollout(
     quick: bool = typer.Option(False, "--quick", help="a few minutes: 3 of 6 tasks x G=4, think time x0.05"),

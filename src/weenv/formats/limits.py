@@ -65,3 +65,12 @@ a GNU ``L`` long name or ``K`` long link target), bytes: Python's ``tarfile``
 reads each whole, in one read, so a COPY upload's headers are checked against
 this before ``tarfile`` sees them (:mod:`weenv.packaging.tarscan`).  A path is
 at most 4 KiB on Linux; 1 MiB leaves room for any real header."""
+
+MAX_LAYER_ENTRIES = 1 << 21
+"""Most members of one image layer's tar that an import takes (each becomes an
+in-memory inode of about 0.5 KiB until the import ends)."""
+
+MAX_LAYER_FILE_BYTES = 64 << 30
+"""Most bytes of regular files (as stored in the tar: a sparse member's data
+only) in one image layer an import takes: the largest group image
+(:data:`MAX_CHUNKS` chunks of the default 1 MiB)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 import tempfile
 import time
 import uuid as uuid_mod
@@ -34,7 +36,10 @@ from weenv.formats.manifest import (
 from weenv.packaging.erofs import check_source_dir
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.store.base import Store
+from weenv.host.punch import punch_hole
 
+PUT_WORKERS = 2
+"""Threads storing one image's chunks (this machine has 2 cores)."""
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
 
 
@@ -112,19 +117,47 @@ def build_group(
         image = tmp / f"{name}.erofs"
         with open(image, "wb") as out:
             scan = write_image(tree_from_dir(src), out, uuid=group_uuid(name, version))
-        chunks, new, stored = _put_chunks(store, image, chunk_size)
-        image_size = image.stat().st_size
+        return publish_image(image, store, name=name, version=version, chunk_size=chunk_size,
+                             file_count=scan.inodes, source=provenance, ref=ref, started=started)  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+def publish_image(
+    image: str | os.PathLike[str],
+    store: Store,
+    *,
+    name: str,
+    version: str = "latest",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    file_count: int,
+    source: dict[str, str],
+    ref: bool = True,
+    punch: bool = False,
+    started: float | None = None,
+) -> BuildResult:
+    """Publish the group image file ``image`` (written with
+    :func:`group_uuid` of ``name``/``version``): its chunks, then the group
+    manifest (``file_count`` inodes, provenance ``source``), then with ``ref``
+    the ref ``groups/NAME``.  ``punch``: free each chunk's bytes of ``image``
+    once stored (``fallocate(PUNCH_HOLE)``; the file is spent afterwards), so
+    the image and its stored chunks are not both on disk.  ``started``: the
+    build's start (``time.monotonic()``) for :attr:`BuildResult.seconds`.
+    Raises :class:`InvalidInputError` for a bad name or chunk size and
+    whatever the store raises."""
+    started = time.monotonic() if started is None else started
+    check_name(name)
+    _check_chunk_size(chunk_size)
+    image_size = os.stat(image).st_size
+    chunks, new, stored = _put_chunks(store, Path(image), chunk_size, punch=punch)
     manifest = GroupManifest(
         name=name,
         version=version,
         image_size=image_size,
         chunk_size=chunk_size,
         chunks=chunks,
-        file_count=scan.inodes,
-        source=provenance,
+        file_count=file_count,
+        source=source,
     )
     digest = store.put_manifest(canonical_json(manifest))
     if ref:
@@ -132,18 +165,38 @@ def build_group(
     return BuildResult(digest, manifest, len(new), stored, time.monotonic() - started, tuple(new))
 
 
-def _put_chunks(store: Store, image: Path, chunk_size: int) -> tuple[list[ChunkRef], list[str], int]:
-    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written)."""
+def _put_chunks(store: Store, image: Path, chunk_size: int, *,
+                punch: bool = False) -> tuple[list[ChunkRef], list[str], int]:  # fmt: skip
+    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written).
+
+    Chunks are hashed, compressed and written by :data:`PUT_WORKERS` threads
+    (zstd and hashlib release the GIL), at most ``max(2, 8 MiB / chunk_size)``
+    chunks in flight beyond the workers'; refs keep the image's order."""
     chunks: list[ChunkRef] = []
     new: list[str] = []
     stored = 0
-    with open(image, "rb") as f:
+    window = PUT_WORKERS + max(2, (8 << 20) // chunk_size)
+
+    def collect(future) -> None:
+        nonlocal stored
+        ref, written = future.result()
+        chunks.append(ref)
+        if written and ref.digest not in new:
+            new.append(ref.digest)
+            stored += ref.stored_size
+
+    with open(image, "r+b" if punch else "rb") as f, ThreadPoolExecutor(PUT_WORKERS) as pool:
+        pending: deque = deque()
+        offset = 0
         while data := f.read(chunk_size):
-            ref, written = store.put_chunk(data)
-            chunks.append(ref)
-            if written and ref.digest not in new:
-                new.append(ref.digest)
-                stored += ref.stored_size
+            if punch:
+                punch_hole(f.fileno(), offset, len(data))
+            offset += len(data)
+            pending.append(pool.submit(store.put_chunk, data))
+            if len(pending) >= window:
+                collect(pending.popleft())
+        while pending:
+            collect(pending.popleft())
     return chunks, new, stored
 
 

@@ -39,6 +39,8 @@ _EXTENDED = {tarfile.XHDTYPE: "PAX extended", tarfile.XGLTYPE: "PAX global",
              tarfile.GNUTYPE_LONGNAME: "GNU long name", tarfile.GNUTYPE_LONGLINK: "GNU long link"}  # fmt: skip
 _MEMBER_TYPES = set(tarfile.SUPPORTED_TYPES) - {tarfile.GNUTYPE_SPARSE, *_EXTENDED}
 _RECORD = re.compile(rb"([0-9]+) ([^=]+)=")
+MAX_SPARSE_ENTRIES = 1 << 16
+"""Most (offset, size) pairs of one GNU sparse member's map (``tarfile`` holds them all)."""
 _OUT_STEP = 1 << 20
 """Most bytes one decompression call produces (a gzip bomb is inflated a MiB at a time)."""
 
@@ -50,13 +52,20 @@ def _blocks(size: int) -> int:
 class TarScan:
     """Feed it the upload's bytes (:meth:`feed`), then :meth:`finish`.  See the module docstring."""
 
-    def __init__(self, *, max_entries: int, max_bytes: int, max_header: int = MAX_TAR_HEADER_BYTES):
+    def __init__(self, *, max_entries: int, max_bytes: int, max_header: int = MAX_TAR_HEADER_BYTES,
+                 what: str = "the COPY upload", sparse: bool = False, compressed: bool | None = None):
+        """``what`` names the archive in errors.  ``sparse``: take GNU sparse
+        members (type ``S`` with at most ``max_header`` bytes of extension
+        headers, PAX ``GNU.sparse.*`` 0.x and 1.0 with a map of at most
+        :data:`MAX_SPARSE_ENTRIES` entries); refused otherwise.
+        ``compressed=False``: the bytes are the tar itself (no gzip sniffing)."""
         self.max_entries, self.max_bytes, self.max_header = max_entries, max_bytes, max_header
+        self.what, self.sparse = what, sparse
         self.entries = 0
         """Members seen so far (extended headers not counted)."""
         self.file_bytes = 0
         """Bytes of regular files seen so far (their headers' sizes)."""
-        self.gzip: bool | None = None
+        self.gzip: bool | None = None if compressed is None else bool(compressed)
         """Whether the upload is gzip-compressed (None until its first two bytes came)."""
         self._head = b""
         self._inflate = None
@@ -70,6 +79,10 @@ class TarScan:
         self._extended: bytes | None = None  # the type of the extended header whose body is being read
         self._chain: list[bytes] = []
         self._pax_size: int | None = None
+        self._sparse_ext = 0  # GNU sparse extension blocks read for the member under way
+        self._sparse_data: int | None = None  # its data's size, skipped after the extension blocks
+        self._sparse_map = False  # the next data block starts a GNU sparse 1.0 map
+        self._sparse_rest = 0  # the 1.0 member's data after its map's first block
 
     # --- the compressed stream -------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -89,14 +102,14 @@ class TarScan:
             return
         if self._gzip_done:
             if data.strip(b"\0"):
-                raise InvalidInputError("the COPY upload holds a second gzip stream before its tar ends")
+                raise InvalidInputError(f"{self.what} holds a second gzip stream before its tar ends")
             return
         pending = data
         while pending and not self.ended:
             try:
                 out = self._inflate.decompress(pending, _OUT_STEP)
             except zlib.error as exc:
-                raise InvalidInputError(f"the COPY upload is not a readable gzip stream: {exc}") from None
+                raise InvalidInputError(f"{self.what} is not a readable gzip stream: {exc}") from None
             pending = self._inflate.unconsumed_tail
             self._tar(out)
             if self._inflate.eof:
@@ -108,11 +121,11 @@ class TarScan:
     def finish(self) -> None:
         """The upload is whole: raises :class:`InvalidInputError` unless its tar ended."""
         if self.gzip is None and self._head:
-            raise InvalidInputError("the COPY upload is not a tar (too short)")
+            raise InvalidInputError(f"{self.what} is not a tar (too short)")
         if not self.ended:
             if self._offset < BLOCK:
-                raise InvalidInputError(f"the COPY upload is not a tar: {self._offset} bytes, less than one header")
-            raise InvalidInputError("the COPY upload ends before its tar does (truncated)")
+                raise InvalidInputError(f"{self.what} is not a tar: {self._offset} bytes, less than one header")
+            raise InvalidInputError(f"{self.what} ends before its tar does (truncated)")
 
     # --- the tar stream --------------------------------------------------------------------
     def _tar(self, data: bytes) -> None:
@@ -132,7 +145,9 @@ class TarScan:
                 block = bytes(self._buf)
                 self._buf.clear()
                 self._need = BLOCK
-                if self._extended is not None:
+                if self._sparse_data is not None:
+                    self._sparse_extension(block)
+                elif self._extended is not None:
                     self._extended_body(block)
                 else:
                     self._header(block, self._offset - BLOCK)
@@ -140,24 +155,24 @@ class TarScan:
     def _header(self, block: bytes, at: int) -> None:
         if block.count(0) == BLOCK:
             if self._chain:
-                raise InvalidInputError("the COPY upload's tar ends right after an extended header")
+                raise InvalidInputError(f"{self.what}: its tar ends right after an extended header")
             self.ended = True
             return
         try:
             info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
         except tarfile.HeaderError as exc:
             if at == 0 or self._chain:
-                raise InvalidInputError(f"the COPY upload is not a readable tar: {exc}") from None
+                raise InvalidInputError(f"{self.what} is not a readable tar: {exc}") from None
             self.ended = True  # as tarfile: an unreadable header past the first ends the archive
             return
         kind = info.type
         if kind in _EXTENDED:
             if info.size < 0 or info.size > self.max_header:
                 raise InvalidInputError(
-                    f"the COPY upload has a {_EXTENDED[kind]} header of {info.size} bytes at offset {at} "
+                    f"{self.what} has a {_EXTENDED[kind]} header of {info.size} bytes at offset {at} "
                     f"(at most {self.max_header} are taken)")
             if kind == tarfile.XHDTYPE and tarfile.XHDTYPE in self._chain:
-                raise InvalidInputError("the COPY upload has two PAX extended headers for one member")
+                raise InvalidInputError(f"{self.what} has two PAX extended headers for one member")
             self._chain.append(kind)
             self._extended = kind
             self._need = _blocks(info.size)
@@ -165,37 +180,85 @@ class TarScan:
                 self._need = BLOCK
                 self._extended_body(b"")
             return
+        if kind == tarfile.GNUTYPE_SPARSE and self.sparse:
+            self._chain, self._pax_size = [], None
+            self._count(info, info.size)
+            self._sparse_data = info.size
+            if not info._sparse_structs[1]:  # no extension headers
+                self._sparse_extension(None)
+            return
         if kind not in _MEMBER_TYPES:
-            raise InvalidInputError(f"the COPY upload has a member of type {kind!r} (sparse or unknown: not taken)")
+            raise InvalidInputError(f"{self.what} has a member of type {kind!r} (sparse or unknown: not taken)")
         size = self._pax_size if self._pax_size is not None else info.size
         if size < 0:
-            raise InvalidInputError(f"the COPY upload has a member of negative size at offset {at}")
+            raise InvalidInputError(f"{self.what} has a member of negative size at offset {at}")
         self._chain, self._pax_size = [], None
-        self.entries += 1
+        self._count(info, size)
         if info.isreg():
             self._skip = _blocks(size)
+            if self._sparse_map and size:
+                self._sparse_rest, self._skip = self._skip - BLOCK, 0
+                self._sparse_data = -1  # the map's first block comes next
+        self._sparse_map = False
+
+    def _count(self, info: tarfile.TarInfo, size: int) -> None:
+        self.entries += 1
+        if info.isreg() or info.type == tarfile.GNUTYPE_SPARSE:
             self.file_bytes += size
         if self.entries > self.max_entries or self.file_bytes > self.max_bytes:
-            raise InvalidInputError(f"the COPY upload holds more than {self.max_entries} entries "
+            raise InvalidInputError(f"{self.what} holds more than {self.max_entries} entries "
                                     f"or {self.max_bytes} bytes")  # fmt: skip
 
     def _extended_body(self, body: bytes) -> None:
         kind, self._extended = self._extended, None
         if kind not in (tarfile.XHDTYPE, tarfile.XGLTYPE):
             return  # a long name or link: its bytes only name the next member
-        records = _pax_records(body)
-        if any(k.startswith(b"GNU.sparse") for k in records):
-            raise InvalidInputError("the COPY upload has a sparse member (GNU.sparse PAX records): not taken")
+        records = _pax_records(body, self.what)
+        if self.sparse and kind == tarfile.XHDTYPE:
+            self._sparse_pax(records)
+        elif any(k.startswith(b"GNU.sparse") for k in records):
+            raise InvalidInputError(f"{self.what} has a sparse member (GNU.sparse PAX records): not taken")
         if b"size" in records:
             if kind == tarfile.XGLTYPE:
-                raise InvalidInputError("the COPY upload has a PAX global header setting 'size'")
+                raise InvalidInputError(f"{self.what} has a PAX global header setting 'size'")
             try:
                 self._pax_size = int(records[b"size"].decode("utf-8", "surrogateescape"))
             except ValueError:
                 self._pax_size = 0  # as tarfile
 
 
-def _pax_records(body: bytes) -> dict[bytes, bytes]:
+    # --- GNU sparse members (only with ``sparse=True``) ----------------------------------------
+    def _sparse_extension(self, block: bytes | None) -> None:
+        """One extension block of an ``S`` member (``None``: there are none),
+        or (``_sparse_data == -1``) the first data block of a 1.0 member's map."""
+        if self._sparse_data == -1:
+            self._sparse_data, self._skip = None, self._sparse_rest
+            head = block.split(b"\n", 1)[0]
+            if not head.isdigit() or int(head) > MAX_SPARSE_ENTRIES:
+                raise InvalidInputError(f"{self.what} has a GNU sparse map of {head[:20]!r} entries "
+                                        f"(at most {MAX_SPARSE_ENTRIES} are taken)")  # fmt: skip
+            return
+        if block is not None:
+            self._sparse_ext += 1
+            if self._sparse_ext * BLOCK > self.max_header:
+                raise InvalidInputError(f"{self.what} has a GNU sparse member with more than "
+                                        f"{self.max_header} bytes of extension headers")  # fmt: skip
+            if block[504]:  # isextended: another extension block follows
+                return
+        self._skip, self._sparse_data, self._sparse_ext = _blocks(self._sparse_data), None, 0
+
+    def _sparse_pax(self, records: dict[bytes, bytes]) -> None:
+        """PAX ``GNU.sparse.*`` records: the 0.x map is in the header (bounded by
+        ``max_header``); a 1.0 map starts the member's data and is checked there."""
+        if records.get(b"GNU.sparse.major") == b"1":
+            self._sparse_map = True
+        count = records.get(b"GNU.sparse.numblocks")
+        if count is not None and (not count.isdigit() or int(count) > MAX_SPARSE_ENTRIES):
+            raise InvalidInputError(f"{self.what} has a GNU sparse map of {count[:20]!r} entries "
+                                    f"(at most {MAX_SPARSE_ENTRIES} are taken)")  # fmt: skip
+
+
+def _pax_records(body: bytes, what: str = "the COPY upload") -> dict[bytes, bytes]:
     """The ``LENGTH KEYWORD=VALUE\\n`` records of a PAX header's ``body`` (NUL
     padding after them); :class:`InvalidInputError` unless each is well formed,
     so that every ``tarfile`` version reads the same records."""
@@ -205,7 +268,7 @@ def _pax_records(body: bytes) -> dict[bytes, bytes]:
         m = _RECORD.match(body, pos)
         length = int(m.group(1)) if m else 0
         if m is None or length <= m.end() - pos or pos + length > end or body[pos + length - 1] != 0x0A:
-            raise InvalidInputError(f"the COPY upload has a malformed PAX record at byte {pos} of its header")
+            raise InvalidInputError(f"{what} has a malformed PAX record at byte {pos} of its header")
         records[m.group(2)] = body[m.end() : pos + length - 1]
         pos += length
     return records

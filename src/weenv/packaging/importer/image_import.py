@@ -7,20 +7,25 @@ verified:
    read its index, manifest and config, each checked against its digest;
 2. map layers to groups (:func:`plan_groups`: one group per layer, or runs of
    small adjacent layers merged);
-3. apply each group's layers, in order, to its own tree under a temporary
-   directory (:mod:`~weenv.packaging.importer.layers`), checking each layer's
-   blob digest and diff_id as it streams;
+3. stream each group's layers, in order, into an inode tree and write its
+   EROFS image under a temporary directory
+   (:mod:`~weenv.packaging.importer.tartree`; with ``extract=True`` the old
+   path: apply them to a directory tree, :mod:`~weenv.packaging.importer.layers`,
+   and write the image from it), checking each layer's blob digest and diff_id
+   as it streams;
 4. turn the image config into the template's runtime config
    (:mod:`~weenv.packaging.importer.runtime`);
-5. build and publish each group (by digest, :func:`build_group` with
-   ``ref=False``), then the template, then the refs ``groups/NAME.K``.
+5. publish each group (by digest, ``ref=False``), then the template, then the
+   refs ``groups/NAME.K``.
 
-Any failure removes the temporary trees; a failure in step 5 leaves at most
-unreferenced chunks and manifests (``weenv gc`` removes them), never a ref.
+Both paths write byte-identical group images.  Any failure removes the
+temporary files; a failure in step 5 leaves at most unreferenced chunks and
+manifests (``weenv gc`` removes them), never a ref.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -37,7 +42,9 @@ from weenv.formats.manifest import (
     TemplateManifest,
     check_name,
 )
-from weenv.packaging.group import BuildResult, build_group
+from weenv.packaging.erofs_writer import WRITER, write_image
+from weenv.packaging.group import BuildResult, build_group, group_uuid, publish_image
+from weenv.packaging.importer import tartree
 from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
 from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
@@ -118,6 +125,7 @@ def import_image(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     workdir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    extract: bool = False,
 ) -> ImportResult:
     """Import the image at ``source`` (an OCI layout directory, a ``docker save``
     or OCI archive, or ``docker://HOST/REPO:TAG``) into ``store`` as groups
@@ -130,6 +138,11 @@ def import_image(
     non-loopback registry without TLS verification.  ``workdir``: parent of the
     temporary trees (needs about the image's unpacked size; default the
     system's temporary directory).  ``progress`` hears one line per step.
+    ``extract``: the old path, each group's layers extracted to a directory
+    under ``workdir`` then written from there (kept for comparison, ``weenv
+    bench import``); by default layers stream into the image writer
+    (:mod:`~weenv.packaging.importer.tartree`: ``workdir`` then holds the
+    group images, about the image's unpacked size, freed as chunks are stored).
 
     Raises :class:`InvalidInputError` (bad source, name or image; truncated or
     corrupt archive or layer; missing blob; unsafe layer entry),
@@ -151,6 +164,12 @@ def import_image(
         for group_name in names:
             check_name(group_name)
         tmp = Path(tempfile.mkdtemp(dir=workdir, prefix="weenv-import-"))
+        if not extract:
+            try:
+                results, stats, runtime = _import_streamed(src, image, plan, names, store, chunk_size, tmp, say)
+            finally:
+                _rmtree(tmp)
+            return _finish(store, name, names, results, runtime, plan, stats, started)
         try:
             trees, stats, runtime = _unpack(src, image, plan, tmp, say)
             results = []
@@ -169,10 +188,66 @@ def import_image(
                 shutil.rmtree(tree, ignore_errors=True)
         finally:
             _rmtree(tmp)
+    return _finish(store, name, names, results, runtime, plan, stats, started)
+
+
+def _finish(store: Store, name: str, names: list[str], results: list[BuildResult], runtime: RuntimeConfig,
+            plan: list[list[int]], stats: list[LayerStats], started: float) -> ImportResult:  # fmt: skip
+    """Publish the template, then the groups' refs."""
     digest, manifest = create_template(store, name, [r.digest for r in results], runtime=runtime)
     for group_name, r in zip(names, results):
         store.set_ref("groups", group_name, r.digest)
     return ImportResult(digest, manifest, results, plan, stats, time.monotonic() - started)
+
+
+def _import_streamed(
+    src: ImageSource, image: Image, plan: list[list[int]], names: list[str], store: Store, chunk_size: int,
+    tmp: Path, say: Callable[[str], None],
+) -> tuple[list[BuildResult], list[LayerStats], RuntimeConfig]:
+    """The streaming path (:mod:`~weenv.packaging.importer.tartree`): each
+    group's layers merged into an inode tree (file data in a spool under
+    ``tmp``), written as ``tmp/group-K.erofs``; once every layer has been read
+    and verified, the images are published bottom to top, each image's bytes
+    freed as its chunks are stored.  Returns the groups' build results,
+    per-layer stats and the runtime config."""
+    started = time.monotonic()
+    view = tartree.View()
+    stats: list[LayerStats] = []
+    written: list[tuple[Path, int]] = []
+    with contextlib.ExitStack() as files:
+        for k, layer_indexes in enumerate(plan):
+            spool = tartree.Spool(tmp)
+            files.callback(spool.close)
+            merger = tartree.TreeMerger(view, spool)
+            for i in layer_indexes:
+                layer = image.layers[i]
+                what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
+                with open_layer(src, layer, what, read_ahead=True) as tar:
+                    stats.append(merger.apply_layer(tar, what))
+                src.release(layer.location)
+                say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                    f"{stats[-1].opaque_dirs} opaque dirs")  # fmt: skip
+            path = tmp / f"group-{k}.erofs"
+            out = files.enter_context(open(path, "w+b"))
+            scan = write_image(merger.root, out, uuid=group_uuid(names[k], "latest"))
+            spool.close()
+            tartree.release(merger.root, out)
+            view.apply_group(merger.root)
+            written.append((path, scan.inodes))
+        runtime = runtime_from_config(image.config, view.read_file)
+    results = []
+    for k, (path, inodes) in enumerate(written):
+        layers = plan[k]
+        say(f"group {names[k]}: layers {layers[0]}..{layers[-1]}, publish")
+        results.append(publish_image(
+            path, store, name=names[k], chunk_size=chunk_size, file_count=inodes, ref=False, punch=True,
+            started=started, source={
+                "type": "image", "mkfs": WRITER, "image": image.reference, "config": image.config_digest,
+                "layers": ",".join(image.layers[i].diff_id for i in layers),
+            },
+        ))
+        path.unlink()
+    return results, stats, runtime
 
 
 def _layer_size(src: ImageSource, layer) -> int:

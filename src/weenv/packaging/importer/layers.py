@@ -44,12 +44,14 @@ import errno
 import gzip
 import hashlib
 import os
+import queue
 import shutil
 import stat
 import tarfile
+import threading
 import urllib.parse
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -57,7 +59,9 @@ from typing import IO
 import zstandard
 
 from weenv.errors import DigestMismatchError, InvalidInputError
+from weenv.formats.limits import MAX_LAYER_ENTRIES, MAX_LAYER_FILE_BYTES
 from weenv.packaging.importer.source import ImageSource, Layer
+from weenv.packaging.tarscan import TarScan
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -65,6 +69,8 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 OVERLAY_XATTR_PREFIX = "trusted.overlay."
 BLOCK = 4096
 READ_SIZE = 1 << 20
+READ_AHEAD = 8
+"""Pieces of :data:`READ_SIZE` a layer's read-ahead thread holds at most."""
 _ZERO_BLOCK = bytes(BLOCK)
 _ZERO_READ = bytes(READ_SIZE)
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -143,8 +149,9 @@ def _is_opaque(path: str | os.PathLike[str]) -> bool:
 class _HashingReader:
     """Reads from ``f``, hashing (sha256) and counting every byte."""
 
-    def __init__(self, f: IO[bytes], prefix: bytes = b""):
+    def __init__(self, f: IO[bytes], prefix: bytes = b"", on_read: Callable[[bytes], None] | None = None):
         self._f = f
+        self._on_read = on_read
         self._prefix = prefix
         self.sha = hashlib.sha256(prefix)
         self.count = len(prefix)
@@ -160,6 +167,8 @@ class _HashingReader:
             self.count += len(rest)
             return data + rest
         data = self._f.read(n)
+        if self._on_read is not None:
+            self._on_read(data)
         self.sha.update(data)
         self.count += len(data)
         return data
@@ -177,17 +186,87 @@ _CORRUPT_STREAM_ERRORS = (EOFError, tarfile.TarError, zlib.error, zstandard.Zstd
 _STREAM_ERRORS = (OSError, *_CORRUPT_STREAM_ERRORS)
 
 
+class _ReadAhead:
+    """Reads ``f`` (1 MiB at a time) in a thread of its own, up to
+    :data:`READ_AHEAD` pieces ahead of :meth:`read`: the blob's decompression
+    and both sha256s (which release the GIL) overlap the tar's processing.
+    An error of the thread is raised by the :meth:`read` that reaches it."""
+
+    def __init__(self, f):
+        self._f = f
+        self._queue: queue.Queue = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._buf, self._pos, self._done = b"", 0, False
+        self._thread = threading.Thread(target=self._run, name="layer-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                piece = self._f.read(READ_SIZE)
+                self._queue.put(piece)
+                if not piece:
+                    return
+        except BaseException as exc:  # handed to the reader
+            self._queue.put(exc)
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while n < 0 or len(out) < n:
+            if self._pos >= len(self._buf):
+                if self._done:
+                    break
+                item = self._queue.get()
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                if not item:
+                    self._done = True
+                    break
+                self._buf, self._pos = item, 0
+            take = len(self._buf) - self._pos if n < 0 else min(n - len(out), len(self._buf) - self._pos)
+            if not out and take == len(self._buf) - self._pos == len(self._buf):
+                self._pos = len(self._buf)
+                if n < 0 or take == n:
+                    return self._buf
+                out += self._buf
+                continue
+            out += self._buf[self._pos:self._pos + take]
+            self._pos += take
+        return bytes(out)
+
+    def drain(self) -> None:
+        while self.read(READ_SIZE):
+            pass
+
+    def close(self) -> None:
+        """Stop the thread (whatever it has not read stays unread) and wait for it."""
+        self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.05)
+        self._thread.join()
+
+
 @contextlib.contextmanager
-def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile.TarFile]:
+def open_layer(source: ImageSource, layer: Layer, what: str, *, read_ahead: bool = False) -> Iterator[tarfile.TarFile]:
     """The layer's tar, streamed (``tarfile`` mode ``r|``) from its blob, gzip or
     zstd decompressed by magic number.  On leaving the block the rest of the
     blob is read and both digests are checked: the blob's against
     ``layer.digest``/``layer.size``, the tar's against ``layer.diff_id``.
+    Every tar byte passes a :class:`~weenv.packaging.tarscan.TarScan` before
+    ``tarfile`` reads it: extended headers of at most
+    :data:`~weenv.formats.limits.MAX_TAR_HEADER_BYTES`, GNU sparse maps
+    bounded, at most :data:`~weenv.formats.limits.MAX_LAYER_ENTRIES` entries
+    and :data:`~weenv.formats.limits.MAX_LAYER_FILE_BYTES` of files.
+
+    ``read_ahead``: decompress and hash in a thread of its own (:class:`_ReadAhead`).
 
     Raises :class:`InvalidInputError` for a truncated or corrupt blob,
     :class:`DigestMismatchError` for a digest or size that does not match.
     """
-    with source.open_blob(layer.location, what) as blob:
+    ahead = None
+    with source.open_blob(layer.location, what) as blob, contextlib.ExitStack() as stop:
         try:
             head = blob.read(4)
             raw = _HashingReader(blob, head)
@@ -197,13 +276,19 @@ def open_layer(source: ImageSource, layer: Layer, what: str) -> Iterator[tarfile
                 stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[arg-type]
             else:
                 stream = raw  # type: ignore[assignment]
-            tar_bytes = _HashingReader(stream)  # type: ignore[arg-type]
-            tar = tarfile.open(fileobj=tar_bytes, mode="r|")  # type: ignore[arg-type]
+            scan = TarScan(max_entries=MAX_LAYER_ENTRIES, max_bytes=MAX_LAYER_FILE_BYTES, what=what,
+                           sparse=True, compressed=False)  # fmt: skip
+            tar_bytes = _HashingReader(stream, on_read=scan.feed)  # type: ignore[arg-type]
+            if read_ahead:
+                ahead = _ReadAhead(tar_bytes)
+                stop.callback(ahead.close)
+            tar = tarfile.open(fileobj=ahead or tar_bytes, mode="r|")  # type: ignore[arg-type]
         except _STREAM_ERRORS as exc:
-            raise InvalidInputError(f"{what}: not a readable (tar, tar+gzip, tar+zstd) layer: {exc}") from exc
+            kind = "truncated or corrupt layer" if isinstance(exc, EOFError) else "not a readable (tar, tar+gzip, tar+zstd) layer"
+            raise InvalidInputError(f"{what}: {kind}: {exc}") from exc
         try:
             yield tar
-            tar_bytes.drain()
+            (ahead or tar_bytes).drain()
             raw.drain()
         except _STREAM_ERRORS as exc:
             raise InvalidInputError(f"{what}: truncated or corrupt layer: {exc}") from exc
@@ -277,19 +362,7 @@ class GroupTree:
 
     def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: tuple[str, ...],
                stats: LayerStats, what: str) -> None:
-        name = parts[-1] if parts else ""
-        if name == OPAQUE_MARKER:
-            stats.opaque_dirs += 1
-            self._opaque(parts[:-1], what)
-            return
-        if name.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
-            return  # AUFS bookkeeping (.wh..wh.plnk, .wh..wh.aufs)
-        if name.startswith(WHITEOUT_PREFIX):
-            target = name[len(WHITEOUT_PREFIX):]
-            if target in ("", ".", ".."):
-                raise InvalidInputError(f"{what}: bad whiteout {m.name!r}")
-            stats.whiteouts += 1
-            self._whiteout(parts[:-1] + (target,), _mtime_ns(m), what)
+        if apply_marker(self, m, parts, stats, f"{what}: {m.name!r}"):
             return
         if not parts:
             if not m.isdir():
@@ -485,6 +558,39 @@ class GroupTree:
 
 
 # --- helpers ------------------------------------------------------------------------------
+def apply_marker(tree, m: tarfile.TarInfo, parts: tuple, stats: LayerStats, what: str) -> bool:
+    """If entry ``m`` (at ``parts``) is a whiteout or opaque marker (:func:`marker`),
+    apply it to ``tree`` (its ``_opaque(dir parts, what)`` or ``_whiteout(parts,
+    mtime_ns, what)``), count it in ``stats`` and return True."""
+    kind, target = marker(parts[-1] if parts else "", what)
+    if kind == "opaque":
+        stats.opaque_dirs += 1
+        tree._opaque(parts[:-1], what)
+    elif kind == "whiteout":
+        stats.whiteouts += 1
+        tree._whiteout(parts[:-1] + (target,), _mtime_ns(m), what)
+    return kind != "entry"
+
+
+def marker(name, what: str):
+    """What an entry's last name (``str`` or ``bytes``) says: ``("opaque",
+    None)`` for ``.wh..wh..opq``, ``("skip", None)`` for other ``.wh..wh.*``
+    (AUFS bookkeeping: ``.wh..wh.plnk``, ``.wh..wh.aufs``), ``("whiteout",
+    NAME)`` for ``.wh.NAME``, ``("entry", None)`` otherwise.
+    :class:`InvalidInputError` (``what``: the entry) for ``.wh.``, ``.wh..``, ``.wh...``."""
+    prefix = WHITEOUT_PREFIX if isinstance(name, str) else WHITEOUT_PREFIX.encode()
+    if name == (OPAQUE_MARKER if isinstance(name, str) else OPAQUE_MARKER.encode()):
+        return "opaque", None
+    if name.startswith(prefix + prefix):
+        return "skip", None
+    if name.startswith(prefix):
+        target = name[len(prefix):]
+        if target in ("", ".", "..", b"", b".", b".."):
+            raise InvalidInputError(f"{what}: a bad whiteout")
+        return "whiteout", target
+    return "entry", None
+
+
 def _parts(name: str, what: str) -> tuple[str, ...]:
     """A tar entry name as path components below the root; ``..`` is refused."""
     parts = []

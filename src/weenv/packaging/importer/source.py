@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import ipaddress
 import json
 import os
@@ -46,6 +47,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
+
+import httpx
 
 from weenv.errors import (
     DigestMismatchError,
@@ -141,6 +144,10 @@ class ImageSource(contextlib.AbstractContextManager):
 
     def close(self) -> None:
         pass
+
+    def release(self, location: str) -> None:
+        """The blob at ``location`` will not be read again: a source holding a
+        copy of its own may free it (a registry image's), others keep theirs."""
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -448,8 +455,137 @@ class RegistryImage(_LayoutMixin, ImageSource):
     def read_image(self, ref: str | None = None) -> Image:
         return self._read_layout("image")
 
+    def release(self, location: str) -> None:
+        """Remove the copied blob (the import streams each layer once)."""
+        with contextlib.suppress(OSError):
+            (self._tmp / "layout" / location).unlink()
+
     def close(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class _NoDirectPull(Exception):
+    """The registry wants what :class:`RegistryStream` does not do (authentication)."""
+
+
+class _HttpBlob(io.RawIOBase):
+    """A registry answer's body as a readable binary stream (``read(n)``)."""
+
+    def __init__(self, response: httpx.Response):
+        self._response = response
+        self._pieces = response.iter_raw(1 << 20)
+        self._buf, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            out = self._buf[self._pos:] + b"".join(self._pieces)
+            self._buf, self._pos = b"", 0
+            return out
+        if self._pos >= len(self._buf):
+            self._buf, self._pos = next(self._pieces, b""), 0
+        if len(self._buf) - self._pos >= n:
+            out = self._buf[self._pos:self._pos + n]
+            self._pos += n
+            return out
+        out = bytearray(self._buf[self._pos:])
+        while len(out) < n:
+            piece = next(self._pieces, b"")
+            if not piece:
+                break
+            out += piece
+        self._buf, self._pos = bytes(out[n:]), 0
+        return bytes(out[:n])
+
+    def close(self) -> None:
+        self._response.close()
+        super().close()
+
+
+class RegistryStream(_LayoutMixin, ImageSource):
+    """``docker://HOST/REPO:TAG`` on a loopback registry read over plain HTTP
+    (registry API v2, ``distribution-spec``), each blob streamed once and never
+    written to disk.  The manifest named by the tag appears as a one-entry
+    ``index.json``; other locations (``blobs/sha256/HEX``) are fetched from
+    ``/v2/REPO/blobs/`` (or ``/manifests/`` for a manifest of an index).  A
+    registry asking for authentication is left to :class:`RegistryImage`
+    (skopeo) by :func:`open_source`."""
+
+    def __init__(self, reference: str, *, timeout: float = 60.0):
+        self.reference = reference
+        rest = reference[len("docker://"):]
+        self._host, path = rest.split("/", 1)
+        if "@" in path:
+            self._repo, self._tag = path.split("@", 1)
+        else:
+            self._repo, _, self._tag = path.rpartition(":") if ":" in path.rsplit("/", 1)[-1] else (path, "", "latest")
+        self._client = httpx.Client(base_url=f"http://{self._host}", timeout=timeout)
+        self._manifests: dict[str, bytes] = {}
+
+    def _get(self, kind: str, name: str, accept: bool) -> httpx.Response:
+        headers = {"Accept": ", ".join(sorted(INDEX_TYPES | MANIFEST_TYPES))} if accept else {}
+        try:
+            r = self._client.send(self._client.build_request("GET", f"/v2/{self._repo}/{kind}/{name}",
+                                                             headers=headers), stream=True)  # fmt: skip
+        except httpx.HTTPError as exc:
+            raise _NoDirectPull(str(exc)) from exc
+        if r.status_code == 401:
+            r.close()
+            raise _NoDirectPull("the registry asks for authentication")
+        return r
+
+    def _manifest(self, name: str) -> bytes:
+        r = self._get("manifests", name, True)
+        try:
+            if r.status_code == 404:
+                raise NotFoundError(f"{self.reference}: no such image in the registry ({name})")
+            if r.status_code != 200:
+                raise RuntimeFailedError(f"{self.reference}: the registry answered {r.status_code} for {name}")
+            data = _HttpBlob(r).read(MAX_JSON_BYTES + 1)
+        finally:
+            r.close()
+        if len(data) > MAX_JSON_BYTES:
+            raise InvalidInputError(f"{self.reference}: manifest {name} is larger than {MAX_JSON_BYTES} bytes")
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        self._manifests[digest] = data
+        self._manifest_type = r.headers.get("content-type", "").split(";")[0]
+        return data
+
+    def read_image(self, ref: str | None = None) -> Image:
+        data = self._manifest(self._tag)
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self._tag.startswith("sha256:") and digest != self._tag:
+            raise DigestMismatchError(f"{self.reference}: the registry's manifest has digest {digest}")
+        desc = {"digest": digest, "size": len(data)}
+        if self._manifest_type in INDEX_TYPES | MANIFEST_TYPES:
+            desc["mediaType"] = self._manifest_type
+        self._index = json.dumps({"schemaVersion": 2, "manifests": [desc]}).encode()
+        return self._read_layout(None)
+
+    def _open(self, location: str) -> IO[bytes]:
+        if location == "index.json":
+            return io.BytesIO(self._index)
+        digest = location.replace("blobs/", "", 1).replace("/", ":", 1)
+        if digest in self._manifests:
+            return io.BytesIO(self._manifests[digest])
+        r = self._get("blobs", digest, False)
+        if r.status_code == 404:
+            r.close()
+            with contextlib.suppress(NotFoundError):
+                return io.BytesIO(self._manifest(digest))  # a manifest of an index
+            raise FileNotFoundError(location)
+        if r.status_code != 200:
+            r.close()
+            raise OSError(f"the registry answered {r.status_code}")
+        return _HttpBlob(r)
+
+    def _size(self, location: str) -> int:
+        raise FileNotFoundError(location)  # layers always carry their size in the manifest
+
+    def close(self) -> None:
+        self._client.close()
 
 
 def open_source(source: str, *, insecure: bool = False) -> ImageSource:
@@ -457,6 +593,17 @@ def open_source(source: str, *, insecure: bool = False) -> ImageSource:
     layout) or a file (tar archive).  Raises :class:`NotFoundError` if the path
     does not exist, :class:`InvalidInputError` if it is neither."""
     if source.startswith("docker://"):
+        rest = source[len("docker://"):]
+        if "/" in rest and _is_loopback(rest.split("/", 1)[0]) and not os.environ.get("WEENV_IMPORT_SKOPEO"):
+            stream = RegistryStream(source)
+            try:
+                stream.read_image()
+                return stream
+            except _NoDirectPull:
+                stream.close()
+            except BaseException:
+                stream.close()
+                raise
         return RegistryImage(source, insecure=insecure)
     if "://" in source:
         raise InvalidInputError(f"unsupported image source {source!r} (a path or docker://HOST/REPO:TAG)")

@@ -1,0 +1,304 @@
+"""``weenv bench import``: ``weenv import`` of a registry image against ``docker
+pull`` of the same image, and against the old import path, in one run.
+
+**Content.**  The images of ``weenv bench start`` (:mod:`weenv_bench.start`):
+``docker import`` of the cached Debian bookworm minbase + python3 tree, then
+``COPY`` of the installed wheels (``import-1g``: :data:`~weenv_bench.start.FULL_WHEELS`,
+about 1 GB; ``import-3g``: :data:`~weenv_bench.start.LARGE_WHEELS`, about 3 GB;
+``quick``: 1 GB only), built by a private dockerd and pushed (gzip layers) to
+a private docker-registry on loopback.
+
+**Systems**, one after the other per image, each from nothing:
+
+- ``docker``: ``docker pull REF`` (every image removed before; overlay2).
+- ``weenv``: ``weenv import docker://REF`` into an empty ``file://`` store, the
+  default path (layers streamed from the registry over HTTP into the EROFS
+  writer, :mod:`weenv.packaging.importer.tartree`).
+- ``weenv-old``: the same with the old path (``extract=True`` and
+  ``WEENV_IMPORT_SKOPEO=1``: ``skopeo copy`` to an OCI layout, each group's
+  layers extracted to a directory, the image written from it).
+
+**Measured**: wall seconds (weenv: the importing process's whole life,
+interpreter start included); peak extra disk: every file the system writes
+(dockerd's data root; weenv's store, work directory and ``TMPDIR``) lives on
+one ext4 file system made for the run (a sparse file, loop-mounted), sampled
+with statvfs(2) every 10 ms, peak minus the level before the run (the result
+included: overlay2's layers, weenv's stored chunks); final disk: the same
+after the run; peak memory: weenv: the importing process and its children
+(``wait4`` ``ru_maxrss``), Docker: dockerd + containerd (VmHWM after
+``clear_refs``).  ``image_bytes``: Docker's image size (``docker image
+inspect .Size``, the layers unpacked).
+
+``summary`` (the first image): ``import_s``, ``docker_pull_s``, ``old_import_s``,
+``time_ratio`` (weenv over docker pull; goal <= 1), ``old_time_ratio`` (the
+old path over the new), ``disk_ratio`` (weenv's peak extra disk over the
+image's size; goal <= 1.1), ``docker_disk_ratio``, ``old_disk_ratio``,
+``peak_mem_bytes`` per system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from weenv.config import Paths
+from weenv_bench import machine, write_report
+from weenv_bench.start import (
+    DOCKER_BASE,
+    DOCKERFILE,
+    FULL_WHEELS,
+    LARGE_WHEELS,
+    _DaemonMeter,
+    _DockerSide,
+    _registry_image_bytes,
+    _uptime,
+    loadavg,
+    packages_tree,
+)
+
+SYSTEMS = ("docker", "weenv", "weenv-old")
+_IMPORT_SCRIPT = """
+import json, sys
+from weenv.packaging.importer import import_image
+from weenv.store.file import FileStore
+source, store, work, extract = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+r = import_image(source, FileStore(store), name="bench", workdir=work, extract=extract)
+print(json.dumps({"seconds": r.seconds, "groups": len(r.groups),
+                  "image_bytes": sum(g.manifest.image_size for g in r.groups),
+                  "stored_bytes": sum(g.manifest.stored_size for g in r.groups)}))
+"""
+
+
+class _Scratch:
+    """An ext4 file system in a sparse file under ``parent``, loop-mounted at
+    ``parent/m`` (``size`` bytes); :meth:`used` is its statvfs(2) used bytes."""
+
+    def __init__(self, parent: Path, size: int):
+        self.file, self.mount = parent / "scratch.ext4", parent / "m"
+        with open(self.file, "wb") as f:
+            f.truncate(size)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1", "-m", "0",
+                        str(self.file)], check=True, capture_output=True)  # fmt: skip
+        self.mount.mkdir()
+        subprocess.run(["mount", "-o", "loop", str(self.file), str(self.mount)], check=True, capture_output=True)
+
+    def used(self) -> int:
+        st = os.statvfs(self.mount)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def close(self) -> None:
+        subprocess.run(["umount", str(self.mount)], check=False, capture_output=True)
+        with contextlib.suppress(OSError):
+            self.file.unlink()
+
+
+class _DiskMeter:
+    """Peak and final growth of a :class:`_Scratch`'s used bytes over a block (10 ms samples)."""
+
+    def __init__(self, scratch: _Scratch):
+        self.scratch = scratch
+
+    def __enter__(self) -> _DiskMeter:
+        os.sync()
+        self.base = self.peak = self.scratch.used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.scratch.used())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        os.sync()
+        final = self.scratch.used()
+        self.peak = max(self.peak, final)
+        self.peak_bytes, self.final_bytes = self.peak - self.base, final - self.base
+
+
+def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
+        scratch_bytes: int | None = None, log=print) -> dict:  # fmt: skip
+    """Run the benchmark; return the result dict (also written to ``json_path``
+    with a PNG beside it).  ``quick``: the ~1 GB image only.  ``work``: the
+    directory for the registry and the scratch file system (default a new one
+    in the system's temporary directory, removed).  Raises
+    :class:`ToolMissingError` without docker.io / docker-registry / skopeo /
+    debootstrap, :class:`RuntimeFailedError` if a build, push, pull or import
+    fails.  The dockerd and the registry are stopped by PID, the scratch file
+    system unmounted and removed in every case."""
+    from weenv.packaging.debootstrap import debian_rootfs
+    from weenv_bench.services.dockerd import Dockerd
+    from weenv_bench.services.registry import Registry
+
+    env_paths = Paths.from_env()
+    plan = [("import-1g", FULL_WHEELS)] + ([] if quick else [("import-3g", LARGE_WHEELS)])
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="wbi-"))
+    t_run = time.monotonic()
+    load_start = loadavg()
+    rows: list[dict] = []
+    images: list[dict] = []
+    try:
+        base_tree = debian_rootfs(env_paths.cache, log=log)
+        with contextlib.ExitStack() as stack:
+            scratch = _Scratch(work, scratch_bytes or ((16 if quick else 32) << 30))
+            stack.callback(scratch.close)
+            registry = stack.enter_context(Registry(work / "registry"))
+            dockerd = stack.enter_context(Dockerd(scratch.mount / "d", insecure_registries=[registry.address]))
+            for name, wheels in plan:
+                image, measured = _measure(name, base_tree, wheels, registry=registry, dockerd=dockerd,
+                                           scratch=scratch, env_paths=env_paths, log=log)  # fmt: skip
+                images.append(image)
+                rows += measured
+        first = [r for r in rows if r["image"] == plan[0][0]]
+        by = {r["system"]: r for r in first}
+        summary = {
+            "image": plan[0][0],
+            "image_bytes": images[0]["image_bytes"],
+            "import_s": by["weenv"]["seconds"],
+            "docker_pull_s": by["docker"]["seconds"],
+            "old_import_s": by["weenv-old"]["seconds"],
+            "time_ratio": round(by["weenv"]["seconds"] / by["docker"]["seconds"], 2),
+            "old_time_ratio": round(by["weenv-old"]["seconds"] / by["weenv"]["seconds"], 2),
+            **{f"{k}disk_ratio": by[s]["disk_ratio"] for k, s in (("", "weenv"), ("docker_", "docker"),
+                                                                   ("old_", "weenv-old"))},  # fmt: skip
+            "peak_mem_bytes": {s: by[s]["peak_mem_bytes"] for s in SYSTEMS},
+        }
+        result = {
+            "benchmark": "import",
+            "summary": summary,
+            "table": rows,
+            "images": images,
+            "method": {
+                "docker": "docker pull REF from the loopback registry (private dockerd, overlay2), no image present",
+                "weenv": "weenv import docker://REF (default: layers streamed over HTTP into the EROFS writer) into "
+                "an empty file:// store, in a child process",
+                "weenv-old": "the old path: skopeo copy to an OCI layout, layers extracted to a directory per "
+                "group, the image written from it (extract=True, WEENV_IMPORT_SKOPEO=1)",
+                "disk": "one loop-mounted ext4 holds all each system writes; statvfs used bytes every 10 ms, peak "
+                "minus the level before; ratio over the image's unpacked size (docker image inspect .Size)",
+                "memory": "weenv: wait4 ru_maxrss of the importing process (children included); docker: dockerd + "
+                "containerd VmHWM",
+            },
+            "not_run": [] if not quick else ["the ~3 GB image (quick mode)"],
+            "load": {"start": load_start, "end": loadavg(), "uptime": _uptime()},
+            "seconds": round(time.monotonic() - t_run, 1),
+            "machine": machine(),
+        }
+        if json_path is not None:
+            write_report(result, json_path, plot)
+        return result
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, dockerd, scratch: _Scratch,
+             env_paths: Paths, log) -> tuple[dict, list[dict]]:  # fmt: skip
+    """Build and push image ``name``, then measure each system once; (image facts, rows)."""
+    pkgs = packages_tree(env_paths.cache, wheels, log=log)
+    context = scratch.mount / "context"
+    context.mkdir()
+    t = time.monotonic()
+    dockerd.import_tree(base_tree, DOCKER_BASE)
+    proc = subprocess.run(["cp", "-a", str(pkgs), str(context / "packages")], capture_output=True, check=False)
+    if proc.returncode != 0:
+        shutil.copytree(pkgs, context / "packages", symlinks=True)
+    (context / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
+    ref = registry.reference("bench/import", name)
+    dockerd.docker("build", "-q", "-t", ref, str(context), timeout=1800)
+    shutil.rmtree(context, ignore_errors=True)
+    dockerd.docker("push", ref, timeout=1800)
+    image_bytes = int(dockerd.docker("image", "inspect", "--format", "{{.Size}}", ref).stdout.decode().strip())
+    compressed = _registry_image_bytes(registry, "bench/import", name)
+    log(f"{name}: {image_bytes / 1e9:.2f} GB unpacked, {compressed / 1e9:.2f} GB compressed "
+        f"(built and pushed in {time.monotonic() - t:.0f} s)")  # fmt: skip
+    docker = _DockerSide(dockerd, ref, compressed, log)
+    docker.remove_images()
+    dockerd.docker("builder", "prune", "-a", "-f", timeout=300, check=False)
+    rows = []
+
+    def row(system: str, seconds: float, disk: _DiskMeter, mem: int, **extra) -> dict:
+        r = {"image": name, "system": system, "seconds": round(seconds, 2), "peak_disk_bytes": disk.peak_bytes,
+             "final_disk_bytes": disk.final_bytes, "disk_ratio": round(disk.peak_bytes / image_bytes, 3),
+             "peak_mem_bytes": mem, **extra}  # fmt: skip
+        log(f"{name} {system}: {r['seconds']:.1f} s, peak disk {disk.peak_bytes / 1e9:.2f} GB "
+            f"({r['disk_ratio']}x the image), final {disk.final_bytes / 1e9:.2f} GB, peak memory {mem / 1e6:.0f} MB")
+        return r
+
+    with _DaemonMeter(docker.daemon_pids) as meter, _DiskMeter(scratch) as disk:
+        t = time.monotonic()
+        dockerd.docker("pull", "-q", ref, timeout=1800)
+        seconds = time.monotonic() - t
+    rows.append(row("docker", seconds, disk, meter.peak_bytes, daemon_cpu_s=round(meter.cpu_s, 2)))
+    docker.remove_images()
+
+    for system, extract in (("weenv", False), ("weenv-old", True)):
+        base = scratch.mount / system
+        for sub in ("store", "work", "tmp"):
+            (base / sub).mkdir(parents=True)
+        env = {**os.environ, "TMPDIR": str(base / "tmp")}
+        if extract:
+            env["WEENV_IMPORT_SKOPEO"] = "1"
+        argv = [sys.executable, "-c", _IMPORT_SCRIPT, f"docker://{ref}", str(base / "store"), str(base / "work"),
+                "1" if extract else "0"]  # fmt: skip
+        with _DiskMeter(scratch) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            t = time.monotonic()
+            child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+            _pid, status, usage = os.wait4(child.pid, 0)  # its rusage: peak memory with its children
+            child.returncode = os.waitstatus_to_exitcode(status)
+            seconds = time.monotonic() - t
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
+        if child.returncode != 0:
+            from weenv.errors import RuntimeFailedError
+
+            raise RuntimeFailedError(f"{system} import failed: {stderr[-800:]}")
+        info = json.loads(stdout.strip().splitlines()[-1])
+        rows.append(row(system, seconds, disk, usage.ru_maxrss * 1024, inner_seconds=round(info["seconds"], 2),
+                        stored_bytes=info["stored_bytes"], erofs_bytes=info["image_bytes"]))  # fmt: skip
+        shutil.rmtree(base, ignore_errors=True)
+    dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
+    return {"name": name, "ref": ref, "image_bytes": image_bytes, "compressed_bytes": compressed,
+            "wheels": list(wheels)}, rows  # fmt: skip
+
+
+def plot(result: dict, png: Path) -> None:
+    """Bars per image: seconds, and peak extra disk over the image's size, per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [i["name"] for i in result["images"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    colors = {"docker": "#27a", "weenv": "#2a7", "weenv-old": "#aaa"}
+    for ax, key, label in ((axes[0], "seconds", "import / pull, s"), (axes[1], "disk_ratio", "peak extra disk / image")):
+        for j, system in enumerate(SYSTEMS):
+            vals = [next(r[key] for r in result["table"] if r["image"] == n and r["system"] == system) for n in names]
+            xs = [i + (j - 1) * 0.27 for i in range(len(names))]
+            ax.bar(xs, vals, 0.27, label=system, color=colors[system])
+            for x, v in zip(xs, vals):
+                ax.annotate(f"{v:.2f}" if key == "disk_ratio" else f"{v:.0f}", (x, v), ha="center", va="bottom",
+                            fontsize=7)  # fmt: skip
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(label)
+    axes[0].legend()
+    s = result["summary"]
+    fig.suptitle(f"import of {s['image']}: {s['time_ratio']}x docker pull's time, disk {s['disk_ratio']}x the image",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
