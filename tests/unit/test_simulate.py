@@ -15,7 +15,8 @@ from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
 from weenv_bench.provision import simulate_recorded
-from weenv_bench.simulate import Trace, calibrate, compare, parse_traces, share, simulate, with_noise
+from weenv_bench.simulate import (Trace, calibrate, compare, parse_background, parse_traces, share, simulate,
+                                  with_noise)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -138,6 +139,39 @@ def test_calibration_is_the_larger_relative_error_of_density_and_p95():
     assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
                      duration_s=120)["calibration_error"] == pytest.approx(0.5)  # fmt: skip
     assert with_noise([1.0, 2.0], [1.0, 1.5]) == 3.0 and with_noise([], [1.2]) is None
+
+
+def test_background_load_takes_its_cores_from_the_environments_and_calibrates_a_loaded_run():
+    """The machine's other load (``background``: cores per second, recorded by
+    ``weenv bench provision`` beside the traces) is replayed: the cores it
+    takes are not the environments', so their bursts slow down; a real run
+    slowed by other tenants is predicted from it, not from the traces alone."""
+    traces = [agent_trace(s) for s in range(2)]
+    static = ProvisionConfig(mode="static", cpu_overcommit=1.0)
+    alone = simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=2, duration_s=120)
+    loaded = simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=2, duration_s=120,
+                      background=parse_background({"interval_s": 1.0, "cores": [1.5] * 120}, 2.0))  # fmt: skip
+    assert alone["p95_burst_slowdown"] == pytest.approx(1.0)
+    assert loaded["p95_burst_slowdown"] == pytest.approx(2.0, rel=0.05)  # 0.5 core left for a 1-core burst
+    background = {"interval_s": 1.0, "cores": [1.5] * 120}
+    sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120,
+                  background={"elastic": parse_background(background, 2.0)})  # fmt: skip
+    real = {"static": {"envs": sim["static"]["envs"], "bursts": [{"slowdown": 1.0}]},
+            "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": sim["p95_burst_slowdown"],
+                        "background": background}}  # fmt: skip
+    cal = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
+    assert cal["calibration_error"] == pytest.approx(0.0) and cal["background_cores"]["elastic"] == 1.5
+    del real["elastic"]["background"]  # the same run's figures without its background: mispredicted
+    assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
+                     duration_s=120)["calibration_error"] > 0.3  # fmt: skip
+    assert parse_background(None, 2.0) is None
+    assert parse_background({"interval_s": 1.0, "cores": [0.5, 9.0]}, 2.0) == (1.0, [0.5, 2.0])  # capped at the node
+    for bad, match in (({"interval_s": 0, "cores": []}, "positive interval_s"),
+                       ({"interval_s": 1.0, "cores": [0.1, -1.0]}, "sample 1 .* negative"),
+                       ({"interval_s": 1.0, "cores": [float("nan")]}, "sample 0"),
+                       ({"interval_s": 1.0, "cores": "x"}, "must be a list"), ([1.0], "positive interval_s")):  # fmt: skip
+        with pytest.raises(InvalidInputError, match=match):
+            parse_background(bad, 2.0)
 
 
 def recorded_run(tmp_path, **change):
