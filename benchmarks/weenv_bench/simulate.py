@@ -31,8 +31,11 @@ capped there).  A frozen environment makes no progress.  **Background load**
 (:func:`parse_background`): the cores the real machine's other work used, per
 second of the run (``weenv bench provision`` records it per mode: the host's
 busy cores in ``/proc/stat`` minus its environments' own CPU, so the other
-tenants of a shared machine and the node's own process); each step the
-environments share the cores it left.
+tenants of a shared machine and the node's own process).  Each step it
+competes for the cores as ``ceil(b)`` tasks of ``b / ceil(b)`` cores each
+(``b`` cores busy need at least that many tasks; CFS shares the cores
+max-min fairly among them and the environments' groups), so what it used
+beside idle environments is not taken from a burst that needs a core.
 
 As in the real benchmark a scheduler asks for more environments every second
 (one per 8 cores at once: a trainer asks a large node for more) up to
@@ -365,11 +368,12 @@ def simulate(traces: list[Trace], *, cores: float, memory: int, config: Provisio
                 prov.attach(env_id, env_id)
             held.append(len(envs))
         wants = [e.demand(step_s) for e in envs]
-        free = cores
+        others: list[float] = []
         if background is not None:
             k = int(step * step_s / background[0])
-            free = cores - (background[1][k] if k < len(background[1]) else 0.0)
-        for e, w, g in zip(envs, wants, share(wants, free)):
+            b = background[1][k] if k < len(background[1]) else 0.0
+            others = [b / math.ceil(b)] * math.ceil(b) if b > 0 else []
+        for e, w, g in zip(envs, wants, share(wants + others, cores)):
             e.advance(w, g, step_s)
         clock.now += step_s
         prov.poll()
@@ -428,6 +432,20 @@ def with_noise(slowdowns: list[float], noise: list[float]) -> float | None:
     return p95([s * n for s in slowdowns for n in noise])
 
 
+def unloaded_spread(real: dict) -> list[float]:
+    """Each unloaded repeated run of a burst over the median of its kind in its
+    pass (``real["baseline_runs_s"]``: a list of ``{kind: [seconds]}``): what
+    the machine adds to a burst with nothing else of the run beside it
+    (measurement, caches); [] if the run has none."""
+    out = []
+    for p in real.get("baseline_runs_s") or []:
+        for kind, xs in p.items():
+            if not kind.endswith(":cold") and xs:
+                m = statistics.median(xs)
+                out += [x / m for x in xs if m > 0]
+    return out
+
+
 def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, elastic: ProvisionConfig,
               declared: Resources, max_envs: int, duration_s: float) -> dict:  # fmt: skip
     """Replay a real run's ``traces`` on a node of the real machine's size and
@@ -435,12 +453,17 @@ def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, ela
     run's ``static`` and ``elastic`` results (``envs``, ``p95_burst_slowdown``,
     ``bursts`` with ``slowdown``, and ``background``, the load of the
     machine's other work during the mode: :func:`parse_background`, replayed
-    beside the traces).  Returns the predicted and real figures and
-    ``calibration_error``: the larger relative error of the two."""
+    beside the traces; ``baseline_runs_s``, the unloaded runs, whose spread
+    is then composed with the model's slowdowns: :func:`unloaded_spread`;
+    without a background, the static bursts' spread stands for the load).
+    Returns the predicted and real figures and ``calibration_error``: the
+    larger relative error of the two."""
     background = {m: parse_background(real[m].get("background"), cores) for m in ("static", "elastic")}
     sim = compare(traces, cores=cores, memory=memory, elastic=elastic, declared=declared, max_envs=max_envs,
                   duration_s=duration_s, background=background)  # fmt: skip
-    noise = [b["slowdown"] for b in real["static"].get("bursts", [])]
+    noise = unloaded_spread(real) if background["elastic"] else None
+    if not noise:  # no background recorded: the static bursts' spread stands for the machine's
+        noise = [b["slowdown"] for b in real["static"].get("bursts", [])]
     predicted_p95 = with_noise(sim["_slowdowns"], noise)
     r_static, r_el = real["static"]["envs"], real["elastic"]["envs"]
     real_density = r_el / r_static if r_static else None

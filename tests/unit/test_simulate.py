@@ -16,7 +16,7 @@ from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
 from weenv_bench.provision import simulate_recorded
 from weenv_bench.simulate import (Trace, calibrate, compare, parse_background, parse_traces, share, simulate,
-                                  with_noise)
+                                  unloaded_spread, with_noise)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -152,7 +152,11 @@ def test_background_load_takes_its_cores_from_the_environments_and_calibrates_a_
     loaded = simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=2, duration_s=120,
                       background=parse_background({"interval_s": 1.0, "cores": [1.5] * 120}, 2.0))  # fmt: skip
     assert alone["p95_burst_slowdown"] == pytest.approx(1.0)
-    assert loaded["p95_burst_slowdown"] == pytest.approx(2.0, rel=0.05)  # 0.5 core left for a 1-core burst
+    # 1.5 cores busy: 2 tasks of 0.75; a 1-core burst shares the 2 cores with them (2/3 core each)
+    assert loaded["p95_burst_slowdown"] == pytest.approx(1.5, rel=0.05)
+    idle_beside = parse_background({"interval_s": 1.0, "cores": [0.9] * 120}, 2.0)  # one task: a core is left
+    assert simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=1, duration_s=120,
+                    background=idle_beside)["p95_burst_slowdown"] == pytest.approx(1.0)  # fmt: skip
     background = {"interval_s": 1.0, "cores": [1.5] * 120}
     sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120,
                   background={"elastic": parse_background(background, 2.0)})  # fmt: skip
@@ -164,6 +168,9 @@ def test_background_load_takes_its_cores_from_the_environments_and_calibrates_a_
     del real["elastic"]["background"]  # the same run's figures without its background: mispredicted
     assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
                      duration_s=120)["calibration_error"] > 0.3  # fmt: skip
+    # with a background, the model's slowdowns compose with the unloaded runs' spread (cold runs left out)
+    assert unloaded_spread({"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [5.0]}]}) == [1.0, 2.0, 1.0]
+    assert unloaded_spread({}) == []
     assert parse_background(None, 2.0) is None
     assert parse_background({"interval_s": 1.0, "cores": [0.5, 9.0]}, 2.0) == (1.0, [0.5, 2.0])  # capped at the node
     for bad, match in (({"interval_s": 0, "cores": []}, "positive interval_s"),
