@@ -11,7 +11,7 @@ from weenv.config import Paths
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.profiles import MIN_OBSERVED_S
+from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -36,16 +36,21 @@ def test_a_profile_recorded_by_one_environment_sizes_the_next_on_a_fresh_node(pa
             shared_store.delete_ref("usage", digest.split(":")[1])
 
 
+def _wait_history(node, env_id: str, seconds: float) -> None:
+    """Until ``env_id`` has ``seconds`` of history: samples x interval (passes run late on a loaded host)."""
+    deadline = time.monotonic() + 60
+    while len(node.provision_stats(env_id).environments[0].history) * FAST["interval_s"] < seconds:
+        assert time.monotonic() < deadline, "the provisioner took no samples of the environment"
+        time.sleep(0.2)
+
+
 def _recorded_then_used(paths, tmp_path, shared_store, Node):
     with Node(paths, store=shared_store, provisioning=ProvisionConfig(**FAST)) as a:
         env = a.create("task", resources=RES, first_command=False)
         assert a.provision_stats(env.id).environments[0].memory_limit == 256 * MIB  # unknown: memory_initial
+        _wait_history(a, env.id, STARTUP_S)  # the CPU of its start-up is not what it teaches
         a.exec(env.id, SPIKE)
-        # at least MIN_OBSERVED_S of history: samples x interval (passes run late on a loaded host)
-        deadline = time.monotonic() + 60
-        while len(a.provision_stats(env.id).environments[0].history) * FAST["interval_s"] < MIN_OBSERVED_S + 1:
-            assert time.monotonic() < deadline, "the provisioner took no samples of the environment"
-            time.sleep(0.2)
+        _wait_history(a, env.id, STARTUP_S + MIN_OBSERVED_S + 1)
         digest = env.template_digest
         a.destroy(env.id)
         recorded = a.provisioner.profiles.get(digest)
