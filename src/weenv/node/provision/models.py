@@ -245,7 +245,7 @@ class EnvironmentProvision(_Model):
     """Seconds its tasks were throttled (the kernel's ``throttled_time`` /
     ``throttled_usec``).  The kernel accounts it apart from the throttled
     periods, when a throttled group is let run again, and not at all for a
-    group throttled with no task queued (Linux 6.6, "sched: don't account
+    group throttled with no task queued (the kernel patch "sched: don't account
     throttle time for empty groups"), so it can stay 0 while periods were
     throttled: not the signal the controller acts on, see ``throttled_periods``."""
     throttled_periods: int = 0
