@@ -212,18 +212,11 @@ def test_idle_and_least_recent_keys_are_removed(pooled_node, paths):
 
 
 def test_concurrent_creates_share_one_pooled_environment(pooled_node, paths):
-    """Eight creates at once, one ready in the pool.  They declare an eighth of
-    the node's cores each, so that they fit it together: of 1 core each on 2
-    cores, the default admission (``burst``, a latency objective) refuses the
-    third or so once the template's usage profile (taught by earlier tests
-    through the shared store) says its environments burst; what admission
-    does is tested in ``test_provisioner.py``, this is the pool's test."""
     node = pooled_node
-    eighth = Resources(cpus=os.cpu_count() / 8, memory_bytes=512 << 20)
-    _warm_up(node, resources=eighth)
+    _warm_up(node)
     _wait_ready(node)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        infos = list(pool.map(lambda _: node.create("task", resources=eighth), range(8)))
+        infos = list(pool.map(lambda _: node.create("task"), range(8)))
     assert sum(i.timing.pooled for i in infos) >= 1  # the ready one, and maybe fills that followed
     assert len({i.id for i in infos}) == 8
     for i in infos:
