@@ -33,6 +33,12 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
                                                 len(written["static"]["history"][e]) >= 2}  # fmt: skip
     assert set(s["sim"]["16"]) == {"density_ratio", "p95_burst_slowdown", "bursts_slowed_over_10pct", "oom_kills"}
     assert s["sim"]["16"]["oom_kills"] == 0 and s["calibration_error"] is not None
+    # the machine's other load, per second of each mode, replayed beside the traces in the calibration
+    for mode in ("static", "elastic"):
+        bg = written[mode]["background"]
+        assert bg["interval_s"] == 1.0 and len(bg["cores"]) >= 20 and all(0 <= x <= os.cpu_count() for x in bg["cores"])
+        assert all("background" in b for b in written[mode]["bursts"]) and written[mode]["node_cpu_cores"] >= 0
+    assert set(written["simulation"]["calibration"]["background_cores"]) == {"static", "elastic"}
     assert s["p95_slowdown_vs_static"] == s["p95_burst_slowdown"]["elastic"] / s["p95_burst_slowdown"]["static"]
     assert 1.0 <= s["p95_unloaded"]  # the unloaded runs' own spread (p95 over the median)
     assert {b["base"] for b in written["static"]["bursts"]} & {f"{k}:cold" for k in BURSTS}  # first of a kind

@@ -11,7 +11,7 @@ from weenv.config import Paths
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.profiles import MIN_OBSERVED_S
+from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -36,16 +36,21 @@ def test_a_profile_recorded_by_one_environment_sizes_the_next_on_a_fresh_node(pa
             shared_store.delete_ref("usage", digest.split(":")[1])
 
 
+def _wait_history(node, env_id: str, seconds: float) -> None:
+    """Until ``env_id`` has ``seconds`` of history: samples x interval (passes run late on a loaded host)."""
+    deadline = time.monotonic() + 60
+    while len(node.provision_stats(env_id).environments[0].history) * FAST["interval_s"] < seconds:
+        assert time.monotonic() < deadline, "the provisioner took no samples of the environment"
+        time.sleep(0.2)
+
+
 def _recorded_then_used(paths, tmp_path, shared_store, Node):
     with Node(paths, store=shared_store, provisioning=ProvisionConfig(**FAST)) as a:
         env = a.create("task", resources=RES, first_command=False)
         assert a.provision_stats(env.id).environments[0].memory_limit == 256 * MIB  # unknown: memory_initial
+        _wait_history(a, env.id, STARTUP_S)  # the CPU of its start-up is not what it teaches
         a.exec(env.id, SPIKE)
-        # at least MIN_OBSERVED_S of history: samples x interval (passes run late on a loaded host)
-        deadline = time.monotonic() + 60
-        while len(a.provision_stats(env.id).environments[0].history) * FAST["interval_s"] < MIN_OBSERVED_S + 1:
-            assert time.monotonic() < deadline, "the provisioner took no samples of the environment"
-            time.sleep(0.2)
+        _wait_history(a, env.id, STARTUP_S + MIN_OBSERVED_S + 1)
         digest = env.template_digest
         a.destroy(env.id)
         recorded = a.provisioner.profiles.get(digest)
@@ -64,3 +69,39 @@ def _recorded_then_used(paths, tmp_path, shared_store, Node):
         # sized from the profile: the peak working set plus headroom, not memory_initial (256 MiB)
         assert st.memory_limit >= recorded.memory_peak * 1.2 - MIB, st
         b.destroy(env.id)
+
+
+def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an_idle_node(paths, shared_store,
+                                                                                           leak_check):  # fmt: skip
+    """An environment that lived 15 s running a short command now and then (as
+    the suite's do) teaches its template what it did after its start-up; then
+    8 concurrent 1-core creates on an idle node are all admitted by the
+    default burst admission (the warm pool's test was refused after earlier
+    tests had taught the shared store's template)."""
+    import concurrent.futures
+
+    from weenv.node.node import Node
+
+    name = shared_store.get_ref("templates", "task").split(":")[1]
+    with contextlib.suppress(NotFoundError):
+        shared_store.delete_ref("usage", name)
+    try:
+        with Node(paths, store=shared_store, pool_size=0) as node:
+            env = node.create("task")
+            for _ in range(5):
+                assert node.exec(env.id, "python3 hello.py").exit_code == 0
+                time.sleep(3)
+            node.destroy(env.id)
+            node.provisioner.profiles.close()  # published
+            taught = node.provisioner.profiles.get(env.template_digest)
+        assert taught is not None and taught.cpu_mean < 0.01, taught
+        with Node(paths, store=shared_store, pool_size=0) as node:
+            assert node.provisioner.config.admission == "burst"
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                infos = list(pool.map(lambda _: node.create("task", first_command=False), range(8)))
+            assert node.provisioner.profiles.get(env.template_digest) is not None  # judged with it
+            for i in infos:
+                node.destroy(i.id)
+    finally:
+        with contextlib.suppress(NotFoundError):
+            shared_store.delete_ref("usage", name)

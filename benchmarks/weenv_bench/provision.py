@@ -29,11 +29,12 @@ unloaded: an environment is busy a few per cent of the time.
 
 - ``static``: every environment keeps its declared quota; admission by declared
   quota: the sum of declared cores and memory within capacity × overcommit (1).
-- ``elastic``: the provisioner (:mod:`weenv.node.provision`) sizes reservations
-  from usage; admission by the node's predicted CPU peak (how the running
-  environments' bursts overlap: ``admission="burst"`` here, at most 2 % of
-  bursts meeting others beyond the cores; ``WEENV_ADMISSION=peak`` for the
-  N-sigma peak, ``reservations`` for the node's default) and the
+- ``elastic``: the node's default settings (``WEENV_*`` as the node reads
+  them): the provisioner (:mod:`weenv.node.provision`) sizes reservations
+  from usage; admission by the latency objective (how the running
+  environments' bursts overlap: ``admission="burst"``, the default, at most
+  2 % of bursts meeting others beyond the cores; ``WEENV_ADMISSION=peak``
+  for the N-sigma peak, ``reservations`` for the reservations alone) and the
   reservations held, within capacity × the node's default CPU overcommit
   (memory: × 1, as static).  The CFS quota is the declared ceiling (``cpu_quota_at``,
   default ``ceiling``; ``WEENV_CPU_QUOTA_AT=reservation`` runs the variant
@@ -64,7 +65,12 @@ with at most as many bursts as cores each could have had a core
 (``p95_burst_slowdown_uncontended``), above that the cores are shared and
 no provisioning can make every burst as fast as alone.  The host's busy cores
 (``/proc/stat``) and load average are sampled during every phase;
-``other_cpu_cores`` is the host's busy cores minus the environments' own.
+``other_cpu_cores`` is the host's busy cores minus the environments' own
+(``node_cpu_cores`` of it: this process, the node and the agents' threads),
+and each mode's ``background`` the same per second, which the simulation
+replays beside the traces.  ``p95_burst_slowdown_quiet``: the p95 over the
+bursts during which the background stayed below half a core (other tenants
+away), the two modes compared where the machine let them be.
 
 **Traces and the simulation** (issue 19).  Each mode's JSON holds ``traces``:
 per environment, per controller pass, the cores it used and its working set
@@ -80,8 +86,10 @@ alone from a real run's JSON.
 JSON ``summary``: ``static_envs``, ``elastic_envs``, ``density_ratio``, and per
 mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 ``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
-``uncontended_bursts``, ``other_cpu_cores`` and ``loadavg1_mean``;
-``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's);
+``uncontended_bursts``, ``other_cpu_cores``, ``node_cpu_cores``,
+``loadavg1_mean``, ``p95_burst_slowdown_quiet`` and ``quiet_bursts``;
+``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's)
+and ``p95_slowdown_vs_static_quiet`` (the same over quiet bursts);
 ``sim`` (per node size, its cores as the key: ``density_ratio``,
 ``p95_burst_slowdown``, ``bursts_slowed_over_10pct``, ``oom_kills``) and
 ``calibration_error``.
@@ -197,13 +205,21 @@ def p95_unloaded(passes: list[dict[str, list[float]]]) -> float | None:
 
 class HostLoad:
     """Samples the host every ``every`` seconds while running: busy cores from
-    ``/proc/stat`` (all CPUs, busy = total - idle - iowait) and the 1-minute
-    load average.  Other engineers' tests share this machine; this says how
-    loaded it was."""
+    ``/proc/stat`` (all CPUs, busy = total - idle - iowait), the 1-minute
+    load average and, with ``ours`` (environment id -> CPU seconds used so
+    far, :meth:`~weenv.node.provision.Provisioner.cpu_seconds`), the cores
+    the benchmark's environments used, so that the rest, the *background*
+    (other engineers' tests share this machine, and the node's own process),
+    can be replayed by the simulation.  :attr:`node_cpu_s`: CPU seconds of
+    this process (the node and the benchmark's agents) while sampling."""
 
-    def __init__(self, every: float = 1.0):
+    def __init__(self, every: float = 1.0, ours=None):
         self.every = every
+        self.ours = ours
         self.samples: list[tuple[float, float, float]] = []  # (monotonic, busy cores, loadavg1)
+        self.background: list[float] = []
+        """Cores busy outside the environments in each sample (with ``ours``)."""
+        self.node_cpu_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -213,17 +229,28 @@ class HostLoad:
             v = [int(x) for x in f.readline().split()[1:]]
         return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
 
-    def _run(self) -> None:
-        import os
+    def _envs_cpu(self, before: dict[str, float]) -> tuple[dict[str, float], float]:
+        """The environments' CPU seconds now, and those used since ``before``
+        (an environment new since then counts all it used)."""
+        now = self.ours()
+        return now, sum(max(0.0, x - before.get(k, 0.0)) for k, x in now.items())
 
+    def _run(self) -> None:
         hz = os.sysconf("SC_CLK_TCK")
         t0, (tot0, idle0) = time.monotonic(), self._jiffies()
+        cpu0 = time.process_time()
+        envs0 = self.ours() if self.ours else {}
         while not self._stop.wait(self.every):
             t, (tot, idle) = time.monotonic(), self._jiffies()
             with open("/proc/loadavg") as f:
                 load1 = float(f.read().split()[0])
-            self.samples.append((t, ((tot - tot0) - (idle - idle0)) / hz / (t - t0), load1))
+            busy = ((tot - tot0) - (idle - idle0)) / hz / (t - t0)
+            self.samples.append((t, busy, load1))
+            if self.ours:
+                envs0, used = self._envs_cpu(envs0)
+                self.background.append(round(max(0.0, busy - used / (t - t0)), 3))
             t0, tot0, idle0 = t, tot, idle
+        self.node_cpu_s = time.process_time() - cpu0
 
     def __enter__(self) -> Self:
         self._thread.start()
@@ -255,6 +282,19 @@ def _concurrency(bursts: list[dict]) -> None:
                 n += d
                 peak = max(peak, n)
         b["concurrent"] = peak
+
+
+QUIET_CORES = 0.5
+"""Background (cores busy outside the environments) below which a burst ran on a quiet machine."""
+
+
+def _background_during(bursts: list[dict], background: list[float], every: float) -> None:
+    """Set each burst's ``background``: the most cores the machine's other
+    work used in the samples (``every`` seconds from the mode's start) its
+    run overlapped (None without samples)."""
+    for b in bursts:
+        xs = background[int(b["start"] // every):int(b["end"] // every) + 1]
+        b["background"] = max(xs) if xs else None
 
 
 def p95(values: list[float]) -> float | None:
@@ -315,7 +355,7 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
             with lock:
                 rollouts[i] = rollouts.get(i, 0) + 1
 
-    with HostLoad() as load:
+    with HostLoad(ours=node.provisioner.cpu_seconds) as load:
         while time.monotonic() < deadline:
             if len(envs) < max_envs:
                 try:
@@ -343,6 +383,7 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
     for env_id in envs:
         node.destroy(env_id)
     _concurrency(bursts)
+    _background_during(bursts, load.background, load.every)
     cores = machine()["cpus"]
     ours = sum(h["cpu_used"] for pts in history.values() for h in pts) * node.provisioner.config.interval_s / wall
     host = load.summary()
@@ -359,6 +400,8 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
         "uncontended_bursts": sum(b["concurrent"] <= cores for b in bursts),
         "env_cpu_cores": ours, **host,
         "other_cpu_cores": None if host["host_busy_cores"] is None else max(0.0, host["host_busy_cores"] - ours),
+        "node_cpu_cores": load.node_cpu_s / wall,
+        "background": {"interval_s": load.every, "cores": load.background},
         "oom_kills": oom, "throttled_s": throttled, "errors": errors, "history": history,
         "events": [e.model_dump() for e in st.events][-200:],
     }  # fmt: skip
@@ -374,6 +417,9 @@ def _rescore(mode: dict, base: dict[str, float]) -> None:
     mode["p50_burst_slowdown"] = statistics.median(slow) if slow else None
     mode["p95_burst_slowdown_uncontended"] = p95([b["slowdown"] for b in mode["bursts"] if b["concurrent"] <= cores])
     mode["p95_by_kind"] = {k: p95([b["slowdown"] for b in mode["bursts"] if b["kind"] == k]) for k in BURSTS}
+    quiet = [b["slowdown"] for b in mode["bursts"] if b.get("background") is not None and b["background"] < QUIET_CORES]
+    mode["p95_burst_slowdown_quiet"] = p95(quiet)
+    mode["quiet_bursts"] = len(quiet)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -529,10 +575,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
                               f"x think_s / {THINK_MEDIAN_S:g}, seeded (weenv bench rollout's)",
         "declared": DECLARED.model_dump(),
         "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
-        "elastic": {"interval_s": 0.5, "cpu_raise_factor": 4.0, "cpu_quota_at": cpu_quota_at,
-                    "admission": os.environ.get("WEENV_ADMISSION") or "burst",
-                    "admission_sigmas": from_env.admission_sigmas, "admission_burst_risk": 0.02,
-                    "admission_min_history_s": 60.0},
+        # the node's defaults (WEENV_* as the node reads them): admission "burst" by default
+        "elastic": {"interval_s": from_env.interval_s, "cpu_quota_at": cpu_quota_at,
+                    "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas,
+                    "admission_burst_risk": from_env.admission_burst_risk,
+                    "admission_min_history_s": from_env.admission_min_history_s},
     }
     try:
         store = FileStore(home / "store")
@@ -590,6 +637,12 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "p95_unloaded": p95_unloaded(passes),
             "p95_slowdown_vs_static": (e["p95_burst_slowdown"] / s["p95_burst_slowdown"]
                                        if e["p95_burst_slowdown"] and s["p95_burst_slowdown"] else None),
+            "node_cpu_cores": per_mode("node_cpu_cores"),
+            "p95_burst_slowdown_quiet": per_mode("p95_burst_slowdown_quiet"),
+            "quiet_bursts": {m: f"{r['quiet_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
+            "p95_slowdown_vs_static_quiet": (e["p95_burst_slowdown_quiet"] / s["p95_burst_slowdown_quiet"]
+                                             if e["p95_burst_slowdown_quiet"] and s["p95_burst_slowdown_quiet"]
+                                             else None),
         }
         result["simulation"] = simulated(result, sizes=sim_sizes, duration_s=sim_duration_s, log=log)
         result["summary"].update(sim_summary(result["simulation"]))

@@ -27,7 +27,15 @@ Memory: an environment whose working set exceeds its limit waits (cgroup v1
 with the OOM killer disabled below the ceiling, as the node sets it) until the
 controller raises the limit (an urgent pass, as the node's 0.1 s check does);
 beyond its declared memory it is OOM-killed (counted; the sample's memory
-capped there).  A frozen environment makes no progress.
+capped there).  A frozen environment makes no progress.  **Background load**
+(:func:`parse_background`): the cores the real machine's other work used, per
+second of the run (``weenv bench provision`` records it per mode: the host's
+busy cores in ``/proc/stat`` minus its environments' own CPU, so the other
+tenants of a shared machine and the node's own process).  Each step it
+competes for the cores as ``ceil(b)`` tasks of ``b / ceil(b)`` cores each
+(``b`` cores busy need at least that many tasks; CFS shares the cores
+max-min fairly among them and the environments' groups), so what it used
+beside idle environments is not taken from a burst that needs a core.
 
 As in the real benchmark a scheduler asks for more environments every second
 (one per 8 cores at once: a trainer asks a large node for more) up to
@@ -103,6 +111,29 @@ def parse_traces(data: object) -> list[Trace]:
                                         f"(samples are {dt:g} s apart)")  # fmt: skip
         out.append(Trace(float(dt), tuple(float(c) for c in cpu), tuple(int(w) for w in ws)))
     return out
+
+
+MAX_BACKGROUND_POINTS = 1 << 20
+"""Samples of background load at most (12 days at 1 s)."""
+
+
+def parse_background(data: object, cores: float) -> tuple[float, list[float]] | None:
+    """Background load from a JSON value ``{"interval_s": s, "cores": [...]}``
+    (cores busy outside the environments, per sample from the run's start), or
+    None for None.  Each sample is capped at ``cores``.  Raises
+    :class:`InvalidInputError` for a non-positive interval, a negative or
+    non-finite sample, or more than :data:`MAX_BACKGROUND_POINTS` samples."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not _number(data.get("interval_s")) or data["interval_s"] <= 0:
+        raise InvalidInputError("background load needs a positive interval_s and a list of cores")
+    xs = data.get("cores")
+    if not isinstance(xs, list) or len(xs) > MAX_BACKGROUND_POINTS:
+        raise InvalidInputError(f"background load: cores must be a list of at most {MAX_BACKGROUND_POINTS} samples")
+    for i, x in enumerate(xs):
+        if not _number(x) or x < 0:
+            raise InvalidInputError(f"background load: sample {i} ({x!r}) is negative or not a finite number")
+    return float(data["interval_s"]), [min(float(x), cores) for x in xs]
 
 
 def _number(x: object) -> bool:
@@ -290,12 +321,16 @@ def profiles_from(traces: list[Trace], declared: Resources, template: str = TEMP
 
 
 def simulate(traces: list[Trace], *, cores: float, memory: int, config: ProvisionConfig, declared: Resources,
-             max_envs: int, duration_s: float, step_s: float = 0.1, learn: bool = True) -> dict:  # fmt: skip
+             max_envs: int, duration_s: float, step_s: float = 0.1, learn: bool = True,
+             background: tuple[float, list[float]] | None = None) -> dict:  # fmt: skip
     """Replay ``traces`` on a node of ``cores`` and ``memory`` bytes (see the
     module doc); returns ``envs`` (most held), ``mean_envs``, ``bursts``,
     ``slowdowns`` (each burst's), ``p95_burst_slowdown``,
     ``bursts_slowed_over_10pct`` (share), ``oom_kills``, ``refusals``.
-    ``learn``: start the template from the traces' usage profile."""
+    ``learn``: start the template from the traces' usage profile.
+    ``background``: ``(interval_s, cores)`` of :func:`parse_background`,
+    the cores other work takes from the node each step (after its last
+    sample: none)."""
     if not traces:
         raise InvalidInputError("no usage trace to replay")
     if not (cores > 0 and memory > 0 and declared.cpus <= cores and declared.memory_bytes <= memory):
@@ -333,7 +368,12 @@ def simulate(traces: list[Trace], *, cores: float, memory: int, config: Provisio
                 prov.attach(env_id, env_id)
             held.append(len(envs))
         wants = [e.demand(step_s) for e in envs]
-        for e, w, g in zip(envs, wants, share(wants, cores)):
+        others: list[float] = []
+        if background is not None:
+            k = int(step * step_s / background[0])
+            b = background[1][k] if k < len(background[1]) else 0.0
+            others = [b / math.ceil(b)] * math.ceil(b) if b > 0 else []
+        for e, w, g in zip(envs, wants, share(wants + others, cores)):
             e.advance(w, g, step_s)
         clock.now += step_s
         prov.poll()
@@ -355,15 +395,19 @@ def p95(values: list[float]) -> float | None:
 
 
 def compare(traces: list[Trace], *, cores: float, memory: int, elastic: ProvisionConfig, declared: Resources,
-            max_envs: int, duration_s: float, step_s: float = 0.1) -> dict:  # fmt: skip
+            max_envs: int, duration_s: float, step_s: float = 0.1,
+            background: dict[str, tuple[float, list[float]] | None] | None = None) -> dict:  # fmt: skip
     """Static and elastic side by side on one modelled node: the summary's
     ``sim`` fields for it (``density_ratio``, ``p95_burst_slowdown``,
     ``bursts_slowed_over_10pct``, ``oom_kills``: elastic's) and each mode's
-    figures (without the per-burst list)."""
+    figures (without the per-burst list).  ``background``: per mode
+    (``static``, ``elastic``), its background load (:func:`simulate`)."""
+    bg = background or {}
     static = simulate(traces, cores=cores, memory=memory, config=ProvisionConfig(mode="static", cpu_overcommit=1.0),
-                      declared=declared, max_envs=max_envs, duration_s=duration_s, step_s=step_s)  # fmt: skip
+                      declared=declared, max_envs=max_envs, duration_s=duration_s, step_s=step_s,
+                      background=bg.get("static"))  # fmt: skip
     el = simulate(traces, cores=cores, memory=memory, config=elastic, declared=declared, max_envs=max_envs,
-                  duration_s=duration_s, step_s=step_s)  # fmt: skip
+                  duration_s=duration_s, step_s=step_s, background=bg.get("elastic"))  # fmt: skip
     brief = {m: {k: v for k, v in r.items() if k != "slowdowns"} for m, r in (("static", static), ("elastic", el))}
     return {
         "cores": cores, "memory_gib": memory / GIB, **brief,
@@ -388,16 +432,38 @@ def with_noise(slowdowns: list[float], noise: list[float]) -> float | None:
     return p95([s * n for s in slowdowns for n in noise])
 
 
+def unloaded_spread(real: dict) -> list[float]:
+    """Each unloaded repeated run of a burst over the median of its kind in its
+    pass (``real["baseline_runs_s"]``: a list of ``{kind: [seconds]}``): what
+    the machine adds to a burst with nothing else of the run beside it
+    (measurement, caches); [] if the run has none."""
+    out = []
+    for p in real.get("baseline_runs_s") or []:
+        for kind, xs in p.items():
+            if not kind.endswith(":cold") and xs:
+                m = statistics.median(xs)
+                out += [x / m for x in xs if m > 0]
+    return out
+
+
 def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, elastic: ProvisionConfig,
               declared: Resources, max_envs: int, duration_s: float) -> dict:  # fmt: skip
     """Replay a real run's ``traces`` on a node of the real machine's size and
     predict that run's elastic density and p95 burst slowdown; ``real``: the
     run's ``static`` and ``elastic`` results (``envs``, ``p95_burst_slowdown``,
-    ``bursts`` with ``slowdown``).  Returns the predicted and real figures and
-    ``calibration_error``: the larger relative error of the two."""
+    ``bursts`` with ``slowdown``, and ``background``, the load of the
+    machine's other work during the mode: :func:`parse_background`, replayed
+    beside the traces; ``baseline_runs_s``, the unloaded runs, whose spread
+    is then composed with the model's slowdowns: :func:`unloaded_spread`;
+    without a background, the static bursts' spread stands for the load).
+    Returns the predicted and real figures and ``calibration_error``: the
+    larger relative error of the two."""
+    background = {m: parse_background(real[m].get("background"), cores) for m in ("static", "elastic")}
     sim = compare(traces, cores=cores, memory=memory, elastic=elastic, declared=declared, max_envs=max_envs,
-                  duration_s=duration_s)  # fmt: skip
-    noise = [b["slowdown"] for b in real["static"].get("bursts", [])]
+                  duration_s=duration_s, background=background)  # fmt: skip
+    noise = unloaded_spread(real) if background["elastic"] else None
+    if not noise:  # no background recorded: the static bursts' spread stands for the machine's
+        noise = [b["slowdown"] for b in real["static"].get("bursts", [])]
     predicted_p95 = with_noise(sim["_slowdowns"], noise)
     r_static, r_el = real["static"]["envs"], real["elastic"]["envs"]
     real_density = r_el / r_static if r_static else None
@@ -412,6 +478,7 @@ def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, ela
         "predicted": {"density_ratio": sim["density_ratio"], "elastic_envs": sim["elastic"]["envs"],
                       "p95_burst_slowdown": predicted_p95, "p95_burst_slowdown_model": sim["p95_burst_slowdown"]},
         "real": {"density_ratio": real_density, "elastic_envs": r_el, "p95_burst_slowdown": r_p95},
+        "background_cores": {m: statistics.fmean(b[1]) if b and b[1] else None for m, b in background.items()},
         "calibration_error": max(errors) if errors else None,
     }  # fmt: skip
 
@@ -439,5 +506,5 @@ def run_sizes(traces: list[Trace], *, elastic: ProvisionConfig, declared: Resour
     return out
 
 
-__all__ = ["Clock", "SimCgroup", "SimEnv", "Trace", "calibrate", "compare", "parse_traces", "run_sizes", "share",
-           "simulate", "traces_of"]
+__all__ = ["Clock", "SimCgroup", "SimEnv", "Trace", "calibrate", "compare", "parse_background", "parse_traces",
+           "run_sizes", "share", "simulate", "traces_of"]

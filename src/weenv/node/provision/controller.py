@@ -480,6 +480,20 @@ class Provisioner:
         except (WeenvError, OSError, ValueError) as exc:  # a profile is a hint: never fail a destroy
             self._event(t.env_id, "error", f"usage profile of {t.template} not recorded: {exc}")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds each attached environment has used so far (its cgroup
+        read now; an unreadable one is left out): what a benchmark subtracts
+        from the host's busy CPU to find the load of everything else."""
+        with self._lock:
+            envs = [t for t in self._envs.values() if t.attached and t.cgroup is not None]
+        out = {}
+        for t in envs:
+            try:
+                out[t.env_id] = t.cgroup.usage().cpu_usage_s
+            except WeenvError:
+                continue
+        return out
+
     def set_priority(self, env_id: str, priority: int) -> None:
         """Higher priority: raised first, frozen last."""
         self._get(env_id).priority = priority
@@ -717,7 +731,8 @@ class Provisioner:
                 cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
                 memory_limit=t.resources.memory_bytes if static else t.memory_limit,
                 frozen=t.frozen, oom_kills=u.oom_kills if u else 0,
-                throttled_s=u.cpu_throttled_s if u else 0.0, memory_refused=t.refused,
+                throttled_s=u.cpu_throttled_s if u else 0.0, throttled_periods=u.cpu_throttled_periods if u else 0,
+                memory_refused=t.refused,
                 history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
             ))  # fmt: skip
         b = self._budget()

@@ -128,41 +128,43 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["burst", "peak", "reservations", "static"] = "reservations"
+    admission: Literal["burst", "peak", "reservations", "static"] = "burst"
     """How a new environment is admitted in ``elastic`` mode.
 
-    ``reservations`` (default) admits while the reservations held fit
-    capacity × ``cpu_overcommit`` (idle environments weigh little).  ``burst``
-    admits by the **latency objective** as well: at most
+    ``burst`` (default) admits by a **latency objective**: at most
     ``admission_burst_risk`` (2 %) of bursts may meet other environments'
     bursts beyond the node's cores, so that a burst's p95 latency stays that
-    of the burst alone (``weenv bench provision`` measures it against
-    ``static``).  Each environment counts as busy at its declared cores a
-    share of the time (its duty cycle): from its own usage over
-    ``admission_window_s`` once it has ``admission_min_history_s`` of it,
-    else from its **template's usage profile** (:mod:`~weenv.node.provision.profiles`:
-    learned from the environments that ran the template, on this node or,
-    through the store, on another), else as busy as the node's environments
-    of its template with a history are on average; the probability that a
-    burst of any of them meets others using more than the remaining cores is
-    :func:`~weenv.node.provision.arbiter.burst_contention`.  A new
-    environment known by none of these (an unknown template, nothing of it
-    running long enough) is admitted as ``reservations`` admits it: the
-    burst model refuses only on evidence (issue 19: counted as busy
+    of the burst alone, as under static provisioning (``weenv bench
+    provision`` measures it: ``p95_slowdown_vs_static``, goal at most 1.05).
+    Each environment counts as busy at its declared cores a share of the
+    time (its duty cycle): from its own usage over ``admission_window_s``
+    once it has ``admission_min_history_s`` of it, else from its
+    **template's usage profile** (:mod:`~weenv.node.provision.profiles`:
+    learned from the environments that ran the template, after their
+    start-up, on this node or, through the store, on another), else as busy
+    as the node's environments of its template with a history are on
+    average; the probability that a burst of any of them meets others using
+    more than the remaining cores is
+    :func:`~weenv.node.provision.arbiter.burst_contention`.  Environments
+    whose declared cores fit the node's cores together never meet
+    contention: they are always admitted (risk 0).  A new environment known
+    by none of these (an unknown template, nothing of it running long
+    enough) is admitted as ``reservations`` admits it: the burst model
+    refuses only on evidence (issue 19: counted as busy
     ``admission_prior_duty`` of the time, on 2 cores a third 1-core
     environment, or a second 2-core one, was refused with nothing known);
     others known by none count as busy as the known ones are on average.
     The sum of reservations stays within capacity × ``cpu_overcommit`` too.
 
-    ``peak``: the node's predicted CPU peak with the new environment, Σ mean
-    + ``admission_sigmas`` × √(Σ variance) of each environment's per-pass
-    usage (the N-sigma predictor of Bashir et al., EuroSys 2021), capped at
-    the sum of ceilings, within ``cpu_capacity`` × ``admission_cpu_share``.
-    ``reservations``: only the sum of reservations within capacity ×
+    ``reservations`` admits while the reservations held fit capacity ×
     ``cpu_overcommit`` (idle environments weigh their floor, however they
-    burst).  ``static`` (``WEENV_ADMISSION=static``, for comparison): sets
-    ``mode="static"``, each environment admitted by and held at its declared
-    resources."""
+    burst: no latency objective).  ``peak``: the node's predicted CPU peak
+    with the new environment, Σ mean + ``admission_sigmas`` × √(Σ variance)
+    of each environment's per-pass usage (the N-sigma predictor of Bashir et
+    al., EuroSys 2021), capped at the sum of ceilings, within
+    ``cpu_capacity`` × ``admission_cpu_share``.  ``static``
+    (``WEENV_ADMISSION=static``, for comparison): sets ``mode="static"``,
+    each environment admitted by and held at its declared resources."""
     admission_sigmas: float = Field(default=2.0, ge=0)
     admission_window_s: float = Field(default=300.0, gt=0)
     admission_min_history_s: float = Field(default=20.0, ge=0)
@@ -240,6 +242,15 @@ class EnvironmentProvision(_Model):
     frozen: bool
     oom_kills: int
     throttled_s: float
+    """Seconds its tasks were throttled (the kernel's ``throttled_time`` /
+    ``throttled_usec``).  The kernel accounts it apart from the throttled
+    periods, when a throttled group is let run again, and not at all for a
+    group throttled with no task queued (the kernel patch "sched: don't account
+    throttle time for empty groups"), so it can stay 0 while periods were
+    throttled: not the signal the controller acts on, see ``throttled_periods``."""
+    throttled_periods: int = 0
+    """CFS periods in which its quota ran out (``nr_throttled``): what the
+    controller reacts to (``cpu_throttle_trigger`` of a pass's periods)."""
     memory_refused: int
     """Lowerings the kernel refused (usage could not be reclaimed)."""
     history: list[UsagePoint] = Field(default_factory=list)
