@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -411,3 +412,44 @@ def test_kept_snapshot_captures_count_against_the_nodes_disk(paths, store, leak_
         assert node.provision_stats().totals.disk_held == second.capture_bytes
         node.delete_snapshot("disk-two")
         node.destroy(e.id)
+
+
+def test_two_concurrent_snapshots_of_one_name_have_one_winner(paths, store, tmp_path, leak_check):
+    """Two environments on two nodes of one store snapshot under one name at
+    once: one snapshot is published, the other is refused (BusyError: the
+    store's compare-and-swap of the ref), keeps nothing on its node, and its
+    environment runs on with its files."""
+    from weenv.errors import BusyError
+
+    other = Paths(tmp_path / "home2", paths.cache, store.url)
+    with Node(paths, store=store, pool_size=0) as one, Node(other, store=store, pool_size=0) as two:
+        for round_ in range(3):
+            name = f"contested-{round_}"
+            envs = [(one, one.create("task")), (two, two.create("task"))]
+            for i, (n, e) in enumerate(envs):
+                sh(n, e.id, f"echo {i} > /workspace/who.txt")
+            barrier = threading.Barrier(2)
+
+            def take(i: int):
+                n, e = envs[i]
+                barrier.wait()
+                try:
+                    return n.snapshot(e.id, name)
+                except BusyError as exc:
+                    return exc
+
+            with ThreadPoolExecutor(2) as pool:
+                outcome = list(pool.map(take, range(2)))
+            won = [not isinstance(o, Exception) for o in outcome]
+            assert sum(won) == 1, outcome
+            winner = won.index(True)
+            assert [s.environment for s in one.snapshots() if s.name == name] == [envs[winner][1].id]
+            loser_node, loser = envs[1 - winner]
+            assert loser_node.captures._named == {} or name not in loser_node.captures._named
+            assert sh(loser_node, loser.id, "cat /workspace/who.txt") == f"{1 - winner}\n".encode()
+            fresh = one.create(name)  # the published snapshot is the winner's
+            assert sh(one, fresh.id, "cat /workspace/who.txt") == f"{winner}\n".encode()
+            one.destroy(fresh.id)
+            for n, e in envs:
+                n.destroy(e.id)
+            envs[winner][0].delete_snapshot(name)

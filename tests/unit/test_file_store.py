@@ -4,9 +4,11 @@ temporary directories.  The Store behaviour suite itself runs in
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
-from weenv.errors import InvalidInputError
+from weenv.errors import BusyError, InvalidInputError
 from weenv.store import open_store
 from weenv.store.file import FileStore, atomic_write
 
@@ -40,3 +42,30 @@ def test_file_store_delete_ref(store):
     assert store.list_refs("buildcache") == {}
     with pytest.raises(InvalidInputError):
         store.delete_ref("nonsense", "x")
+
+
+def _swap_from_many(root: str, name: str, digest: str, barrier) -> bool:
+    """In a process of its own: one ``swap_ref`` of a new ref, started with the others; whether it won."""
+    store = FileStore(root)
+    barrier.wait()
+    try:
+        store.swap_ref("templates", name, digest, expected=None)
+    except BusyError:
+        return False
+    return True
+
+
+def test_concurrent_swap_refs_of_one_name_have_one_winner(tmp_path):
+    """Processes creating one ref at once with ``swap_ref(expected=None)`` (two
+    snapshots publishing one name): exactly one moves it, the others get
+    BusyError, and the ref holds the winner's digest."""
+    writers = 8
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(writers) as pool:
+        for round_ in range(10):
+            barrier = ctx.Manager().Barrier(writers)
+            digests = [f"sha256:{i:064x}" for i in range(writers)]
+            won = pool.starmap(_swap_from_many, [(str(tmp_path), f"name-{round_}", d, barrier) for d in digests])
+            assert sum(won) == 1, won
+            assert FileStore(tmp_path).get_ref("templates", f"name-{round_}") == digests[won.index(True)]
+    assert set(FileStore(tmp_path).list_refs("templates")) == {f"name-{r}" for r in range(10)}  # not .lock

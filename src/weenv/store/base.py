@@ -106,9 +106,10 @@ class Store(abc.ABC):
         not lose a concurrent writer's ref (an update of a template); else
         :class:`BusyError` naming the ref, which is left as the other writer set it.
 
-        ``s3://`` does it atomically (a conditional write); this default
-        (``file://``, ``oci://``) checks, then writes: a writer between the
-        check and the write is overwritten (the last one wins).
+        ``s3://`` does it atomically (a conditional write), ``file://`` under
+        an flock(2) of its refs directory; this default (``oci://``) checks,
+        then writes: a writer between the check and the write is overwritten
+        (the last one wins).
         """
         check_digest(digest)
         current = self.ref_or_none(kind, name)

@@ -17,6 +17,7 @@ rename(2) over the final name.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import tempfile
@@ -31,10 +32,12 @@ from weenv.errors import (
 )
 from weenv.formats.limits import MAX_REF_BYTES
 from weenv.formats.manifest import check_digest
-from weenv.store.base import Store, read_limit, too_large
+from weenv.store.base import Store, read_limit, ref_moved, too_large
 
 log = logging.getLogger(__name__)
 
+REF_LOCK = ".lock"
+"""In ``refs/KIND/``: the file :meth:`FileStore.swap_ref` locks (a dot name: never a ref's)."""
 STREAM_PIECE = 1 << 20
 """Bytes per piece of :meth:`FileStore._stream`."""
 
@@ -174,6 +177,26 @@ class FileStore(Store):
         with self._os_errors("write to"):
             atomic_write(self._ref_path(kind, name), (digest + "\n").encode())
 
+    def swap_ref(self, kind: str, name: str, digest: str, *, expected: str | None) -> None:
+        """:meth:`Store.swap_ref`, atomically among writers of this store's
+        directory: the check and the write are made holding an exclusive
+        flock(2) on ``refs/KIND/.lock`` (every ``swap_ref`` of that kind takes
+        it; a plain :meth:`set_ref` does not, and still replaces the ref
+        atomically)."""
+        check_digest(digest)
+        path = self._ref_path(kind, name)
+        with self._os_errors("write to"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path.parent / REF_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = self.ref_or_none(kind, name)
+            if current != expected:
+                raise ref_moved(self.url, kind, name, current, expected)
+            self.set_ref(kind, name, digest)
+        finally:
+            os.close(fd)  # releases the lock
+
     def get_ref(self, kind: str, name: str) -> str:
         path = self._ref_path(kind, name)
         try:
@@ -207,7 +230,7 @@ class FileStore(Store):
             if not base.is_dir():
                 return {}
             for p in sorted(base.iterdir()):
-                if not p.is_file() or p.name.startswith(".tmp-"):
+                if not p.is_file() or p.name.startswith(".tmp-") or p.name == REF_LOCK:
                     continue
                 try:
                     refs[p.name] = self._parse_ref(kind, p.name, _read_capped(p, MAX_REF_BYTES))
