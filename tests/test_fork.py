@@ -453,3 +453,72 @@ def test_two_concurrent_snapshots_of_one_name_have_one_winner(paths, store, tmp_
             for n, e in envs:
                 n.destroy(e.id)
             envs[winner][0].delete_snapshot(name)
+
+
+def _cgroup_gone(e) -> bool:
+    """Whether environment ``e``'s container cgroup is gone (its processes and their memory with it)."""
+    return not Path(f"/sys/fs/cgroup/memory/weenv-{e.id}").exists()
+
+
+def test_a_memory_releasing_pause_ends_processes_keeps_files_and_resume_restarts(node):
+    """pause(release_memory=True): every process ends (its cgroup goes), the
+    files stay (readable and writable through the host while paused), it
+    counts against disk and not memory; resume runs its first process anew
+    over the same files; a second release or a resume of a running one is refused."""
+    e = node.create("task")
+    sh(node, e.id, "echo kept > /workspace/kept.txt && rm /etc/hostname")
+    p = node.spawn(e.id, ["sleep", "1000"])
+    held = node.provision_stats().totals
+    info = node.pause(e.id, release_memory=True)
+    assert info.state == "paused" and info.memory_released and info.paused_at is not None
+    assert _cgroup_gone(e) and not p.running
+    assert [i.state for i in node.list()] == ["paused"] and node.get(e.id).memory_released
+    stats = node.provision_stats().totals
+    assert stats.disk_held == e.resources.disk_bytes, (held, stats)
+    root = Path(info.rootfs)
+    assert (root / "workspace/kept.txt").read_text() == "kept\n"
+    (root / "workspace/while-paused.txt").write_text("host\n")
+    with pytest.raises(StateError):
+        node.exec(e.id, ["true"])
+    with pytest.raises(StateError):
+        node.pause(e.id, release_memory=True)
+    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    info = node.resume(e.id)
+    assert info.state == "running" and not info.memory_released and info.paused_at is None
+    assert node.provision_stats().totals.disk_held == 0
+    assert sh(node, e.id, "cat /workspace/kept.txt /workspace/while-paused.txt; test -e /etc/hostname || echo gone") \
+        == b"kept\nhost\ngone\n"
+    assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n"  # processes did not survive
+    with pytest.raises(StateError):
+        node.resume(e.id)
+    # a freezer pause can release its memory later (the idle release does so)
+    node.pause(e.id)
+    node.pauses.release_after = 60.0
+    node.reap_expired(now=time.time() + 30)
+    assert not node.get(e.id).memory_released
+    node.reap_expired(now=time.time() + 61)
+    assert node.get(e.id).memory_released and _cgroup_gone(e)
+    node.resume(e.id)
+    assert sh(node, e.id, "cat /workspace/kept.txt") == b"kept\n"
+    node.pause(e.id, release_memory=True)
+    node.destroy(e.id)  # a memory-released environment is destroyed at once; its disk count goes
+    assert node.count() == 0 and node.provision_stats().totals.disk_held == 0
+
+
+def test_on_timeout_pause_pauses_at_the_timeout_and_a_reset_runs_it_again(node):
+    """Created with ``on_timeout="pause"``: the reaper pauses it (memory released)
+    instead of destroying it; reset of a memory-released one runs it again."""
+    e = node.create("task", timeout=30, on_timeout="pause")
+    assert e.on_timeout == "pause"
+    sh(node, e.id, "echo mine > /workspace/mine.txt")
+    assert node.reap_expired(now=time.time() + 60) == [e.id]
+    info = node.get(e.id)
+    assert info.state == "paused" and info.memory_released and node.count() == 1
+    node.resume(e.id, timeout=30)
+    assert sh(node, e.id, "cat /workspace/mine.txt") == b"mine\n"
+    node.pause(e.id, release_memory=True)
+    info = node.reset(e.id)
+    assert info.state == "running" and not info.memory_released
+    assert node.provision_stats().totals.disk_held == 0
+    assert sh(node, e.id, "test -e /workspace/mine.txt && echo yes || echo no") == b"no\n"
+    node.destroy(e.id)

@@ -167,9 +167,9 @@ class Captures:
 
     def _take(self, e: Environment) -> Capture:
         cid = secrets.token_hex(6)
-        cg = open_cgroups(f"/{e.container_id}")
+        cg = None if e.info.memory_released else open_cgroups(f"/{e.container_id}")
         t = time.perf_counter()
-        frozen_before = cg.is_frozen()
+        frozen_before = e.info.memory_released or cg.is_frozen()  # released: no process to freeze
         if not frozen_before:
             cg.freeze(timeout=self.freeze_timeout)
         try:
