@@ -13,7 +13,8 @@ the node's own):
 - snapshot: seconds and bytes published; a create from it on a second node
   home with an empty cache (cold) and then again (warm);
 - reset (to the snapshot taken after the parent's writes) against destroy + create;
-- pause and resume (the freezer).
+- pause and resume: the freezer, and the pause that releases memory (its
+  processes ended, its files kept; the resume until a command answered again).
 
 Docker side by side in the same run (unless ``docker=False``; Debian's
 ``dockerd`` started privately, :mod:`weenv_bench.services.dockerd`): the same
@@ -134,7 +135,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         base = debian_rootfs(cache)
         build_group(base, store, name="base", workdir=work)
         create_template(store, "bench-fork", ["base"], runtime=RuntimeConfig(working_dir="/workspace"))
-        rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": []}
+        rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": [],
+                      "pause_release": [], "resume_release": []}  # fmt: skip
         with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0) as node:
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
@@ -172,6 +174,13 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                 t = time.perf_counter()
                 node.resume(parent.id)
                 rows["resume"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                node.pause(parent.id, release_memory=True)
+                rows["pause_release"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                node.resume(parent.id)
+                node.exec(parent.id, ["true"])  # its first process and agent run again
+                rows["resume_release"].append(time.perf_counter() - t)
             with Node(Paths(work / "home2", cache, store.url), store=store, pool_size=0) as second:
                 cold = second.create("bench-fork-snap")
                 second.destroy(cold.id)
@@ -194,6 +203,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
             "cold_bytes_fetched": cold.timing.bytes_fetched,
             "reset_s": statistics.median(rows["reset"]), "destroy_create_s": statistics.median(rows["destroy_create"]),
             "pause_s": statistics.median(rows["pause"]), "resume_s": statistics.median(rows["resume"]),
+            "pause_release_s": statistics.median(rows["pause_release"]),
+            "resume_release_s": statistics.median(rows["resume_release"]),
             "reset_speedup": statistics.median(rows["destroy_create"]) / statistics.median(rows["reset"]),
         }  # fmt: skip
         if docker:
@@ -244,7 +255,7 @@ def plot(result: dict, png: Path) -> None:
     a.set_ylabel("s until every child answered (log)")
     a.set_title("fork")
     a.legend()
-    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s"] + (["docker_pause_s", "docker_unpause_s"] if docker else [])
+    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s", "pause_release_s", "resume_release_s"] + (["docker_pause_s", "docker_unpause_s"] if docker else [])
     b.bar([n[:-2].replace("_", "\n") for n in names], [s[n] * 1000 for n in names])
     b.set_ylabel("ms (p50)")
     b.set_title("reset vs destroy + create; pause, resume")
