@@ -263,6 +263,36 @@ os._exit(0)  # killed: no close
         node.destroy(env_id)
 
 
+def test_a_memory_released_environment_stays_paused_across_a_node_restart(paths, store, leak_check):
+    """A node process killed while an environment is paused with its memory
+    released (no container): the next adopts it paused, its disk counted, and
+    resume runs its first process over its files."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+from weenv.node.node import Node
+from weenv.store.file import FileStore
+from weenv.config import Paths
+n = Node(Paths.from_env(), store=FileStore({str(store.root)!r}), pool_size=0).start()
+e = n.create("task")
+n.exec(e.id, ["sh", "-c", "echo kept > /workspace/kept.txt"])
+n.pause(e.id, release_memory=True)
+print(e.id, flush=True)
+os._exit(0)  # killed: no close
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    env_id = r.stdout.strip()
+    with Node(paths, store=store, pool_size=0) as node:
+        info = node.get(env_id)
+        assert info.state == "paused" and info.memory_released
+        assert node.provision_stats().totals.disk_held == info.resources.disk_bytes
+        node.resume(env_id)
+        assert sh(node, env_id, "cat /workspace/kept.txt") == b"kept\n"
+        node.destroy(env_id)
+        assert node.provision_stats().totals.disk_held == 0
+
+
 def test_a_fork_of_100_leaves_nothing_after_its_children_go(paths, store, leak_check):
     """100 children answer; once destroyed, no mount, cgroup, container,
     subvolume or capture of theirs is left (the leak check and the disk)."""

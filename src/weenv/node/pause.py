@@ -38,10 +38,10 @@ against the node's disk only (its disk limit held, :meth:`Provisioner.hold_disk`
 not against CPU and memory admission.  Resume reserves it again
 (:class:`CapacityError` if the node is full now: it stays paused) and runs its
 container again from its bundle: its first process starts anew over the same
-files.  ``EnvironmentInfo.memory_released`` tells the two pauses apart.  (A
-node restart keeps such an environment only if recovery adopts it: it has no
-container, so today it is removed then; resume on another node from a
-published snapshot is not done here.)
+files.  ``EnvironmentInfo.memory_released`` tells the two pauses apart.  A
+node process killed meanwhile leaves it to the next one, which adopts it
+paused without a container (:mod:`weenv.node.recovery`).  (Resume on another
+node from a published snapshot is not done here.)
 """
 
 from __future__ import annotations
@@ -225,8 +225,13 @@ class Pauses:
             self.provisioner.detach(e.info.id)
 
 
+def disk_key(env_id: str) -> str:
+    """The key under which a memory-released environment's disk is held (:meth:`Provisioner.hold_disk`)."""
+    return f"paused-{env_id}"
+
+
 def _disk_key(e: Environment) -> str:
-    return f"paused-{e.info.id}"
+    return disk_key(e.info.id)
 
 
 def check_running(e: Environment) -> None:
