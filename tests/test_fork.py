@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,36 @@ os._exit(0)  # killed: no close
         node.destroy(env_id)
 
 
+def test_a_memory_released_environment_stays_paused_across_a_node_restart(paths, store, leak_check):
+    """A node process killed while an environment is paused with its memory
+    released (no container): the next adopts it paused, its disk counted, and
+    resume runs its first process over its files."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+from weenv.node.node import Node
+from weenv.store.file import FileStore
+from weenv.config import Paths
+n = Node(Paths.from_env(), store=FileStore({str(store.root)!r}), pool_size=0).start()
+e = n.create("task")
+n.exec(e.id, ["sh", "-c", "echo kept > /workspace/kept.txt"])
+n.pause(e.id, release_memory=True)
+print(e.id, flush=True)
+os._exit(0)  # killed: no close
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    env_id = r.stdout.strip()
+    with Node(paths, store=store, pool_size=0) as node:
+        info = node.get(env_id)
+        assert info.state == "paused" and info.memory_released
+        assert node.provision_stats().totals.disk_held == info.resources.disk_bytes
+        node.resume(env_id)
+        assert sh(node, env_id, "cat /workspace/kept.txt") == b"kept\n"
+        node.destroy(env_id)
+        assert node.provision_stats().totals.disk_held == 0
+
+
 def test_a_fork_of_100_leaves_nothing_after_its_children_go(paths, store, leak_check):
     """100 children answer; once destroyed, no mount, cgroup, container,
     subvolume or capture of theirs is left (the leak check and the disk)."""
@@ -411,3 +442,113 @@ def test_kept_snapshot_captures_count_against_the_nodes_disk(paths, store, leak_
         assert node.provision_stats().totals.disk_held == second.capture_bytes
         node.delete_snapshot("disk-two")
         node.destroy(e.id)
+
+
+def test_two_concurrent_snapshots_of_one_name_have_one_winner(paths, store, tmp_path, leak_check):
+    """Two environments on two nodes of one store snapshot under one name at
+    once: one snapshot is published, the other is refused (BusyError: the
+    store's compare-and-swap of the ref), keeps nothing on its node, and its
+    environment runs on with its files."""
+    from weenv.errors import BusyError
+
+    other = Paths(tmp_path / "home2", paths.cache, store.url)
+    with Node(paths, store=store, pool_size=0) as one, Node(other, store=store, pool_size=0) as two:
+        for round_ in range(3):
+            name = f"contested-{round_}"
+            envs = [(one, one.create("task")), (two, two.create("task"))]
+            for i, (n, e) in enumerate(envs):
+                sh(n, e.id, f"echo {i} > /workspace/who.txt")
+            barrier = threading.Barrier(2)
+
+            def take(i: int):
+                n, e = envs[i]
+                barrier.wait()
+                try:
+                    return n.snapshot(e.id, name)
+                except BusyError as exc:
+                    return exc
+
+            with ThreadPoolExecutor(2) as pool:
+                outcome = list(pool.map(take, range(2)))
+            won = [not isinstance(o, Exception) for o in outcome]
+            assert sum(won) == 1, outcome
+            winner = won.index(True)
+            assert [s.environment for s in one.snapshots() if s.name == name] == [envs[winner][1].id]
+            loser_node, loser = envs[1 - winner]
+            assert loser_node.captures._named == {} or name not in loser_node.captures._named
+            assert sh(loser_node, loser.id, "cat /workspace/who.txt") == f"{1 - winner}\n".encode()
+            fresh = one.create(name)  # the published snapshot is the winner's
+            assert sh(one, fresh.id, "cat /workspace/who.txt") == f"{winner}\n".encode()
+            one.destroy(fresh.id)
+            for n, e in envs:
+                n.destroy(e.id)
+            envs[winner][0].delete_snapshot(name)
+
+
+def _cgroup_gone(e) -> bool:
+    """Whether environment ``e``'s container cgroup is gone (its processes and their memory with it)."""
+    return not Path(f"/sys/fs/cgroup/memory/weenv-{e.id}").exists()
+
+
+def test_a_memory_releasing_pause_ends_processes_keeps_files_and_resume_restarts(node):
+    """pause(release_memory=True): every process ends (its cgroup goes), the
+    files stay (readable and writable through the host while paused), it
+    counts against disk and not memory; resume runs its first process anew
+    over the same files; a second release or a resume of a running one is refused."""
+    e = node.create("task")
+    sh(node, e.id, "echo kept > /workspace/kept.txt && rm /etc/hostname")
+    p = node.spawn(e.id, ["sleep", "1000"])
+    held = node.provision_stats().totals
+    info = node.pause(e.id, release_memory=True)
+    assert info.state == "paused" and info.memory_released and info.paused_at is not None
+    assert _cgroup_gone(e) and not p.running
+    assert [i.state for i in node.list()] == ["paused"] and node.get(e.id).memory_released
+    stats = node.provision_stats().totals
+    assert stats.disk_held == e.resources.disk_bytes, (held, stats)
+    root = Path(info.rootfs)
+    assert (root / "workspace/kept.txt").read_text() == "kept\n"
+    (root / "workspace/while-paused.txt").write_text("host\n")
+    with pytest.raises(StateError):
+        node.exec(e.id, ["true"])
+    with pytest.raises(StateError):
+        node.pause(e.id, release_memory=True)
+    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    info = node.resume(e.id)
+    assert info.state == "running" and not info.memory_released and info.paused_at is None
+    assert node.provision_stats().totals.disk_held == 0
+    assert sh(node, e.id, "cat /workspace/kept.txt /workspace/while-paused.txt; test -e /etc/hostname || echo gone") \
+        == b"kept\nhost\ngone\n"
+    assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n"  # processes did not survive
+    with pytest.raises(StateError):
+        node.resume(e.id)
+    # a freezer pause can release its memory later (the idle release does so)
+    node.pause(e.id)
+    node.pauses.release_after = 60.0
+    node.reap_expired(now=time.time() + 30)
+    assert not node.get(e.id).memory_released
+    node.reap_expired(now=time.time() + 61)
+    assert node.get(e.id).memory_released and _cgroup_gone(e)
+    node.resume(e.id)
+    assert sh(node, e.id, "cat /workspace/kept.txt") == b"kept\n"
+    node.pause(e.id, release_memory=True)
+    node.destroy(e.id)  # a memory-released environment is destroyed at once; its disk count goes
+    assert node.count() == 0 and node.provision_stats().totals.disk_held == 0
+
+
+def test_on_timeout_pause_pauses_at_the_timeout_and_a_reset_runs_it_again(node):
+    """Created with ``on_timeout="pause"``: the reaper pauses it (memory released)
+    instead of destroying it; reset of a memory-released one runs it again."""
+    e = node.create("task", timeout=30, on_timeout="pause")
+    assert e.on_timeout == "pause"
+    sh(node, e.id, "echo mine > /workspace/mine.txt")
+    assert node.reap_expired(now=time.time() + 60) == [e.id]
+    info = node.get(e.id)
+    assert info.state == "paused" and info.memory_released and node.count() == 1
+    node.resume(e.id, timeout=30)
+    assert sh(node, e.id, "cat /workspace/mine.txt") == b"mine\n"
+    node.pause(e.id, release_memory=True)
+    info = node.reset(e.id)
+    assert info.state == "running" and not info.memory_released
+    assert node.provision_stats().totals.disk_held == 0
+    assert sh(node, e.id, "test -e /workspace/mine.txt && echo yes || echo no") == b"no\n"
+    node.destroy(e.id)

@@ -73,6 +73,12 @@ def test_sdk_snapshot_fork_reset_pause(remote):
         assert sb.commands.run("echo up").stdout == "up\n"
         with pytest.raises(StateError):
             sb.resume()
+        sb.commands.run("echo kept > /workspace/kept.txt && sleep 1000 &")
+        sb.pause(release_memory=True)  # the processes end, the files stay
+        assert sb.info.state == "paused" and sb.info.memory_released
+        sb.resume(timeout=100)
+        assert not sb.info.memory_released and sb.files.read("/workspace/kept.txt") == "kept\n"
+        assert sb.commands.run("pgrep -x sleep || echo none").stdout == "none\n"
         with Sandbox.create("sdk-snap", timeout=60, resources=SMALL) as fresh:
             remote.track(fresh.id)
             assert fresh.files.read("/workspace/state.txt") == "parent\n"
@@ -149,6 +155,9 @@ def test_cli_pause_resume_fork_snapshot_reset(remote):
         r = weenv("pause", sb.id)
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "paused" in r.stderr
         assert weenv("resume", sb.id).returncode == 0
+        assert weenv("pause", sb.id, "--release-memory").returncode == 0
+        assert sb.get_info().memory_released
+        assert weenv("resume", sb.id).returncode == 0 and sb.files.read("/workspace/c.txt") == "cli\n"
         sb.commands.run("rm /workspace/c.txt")
         assert weenv("reset", sb.id, "--snapshot", "cli-snap").returncode == 0
         assert sb.files.read("/workspace/c.txt") == "cli\n"

@@ -119,10 +119,11 @@ def rollout(
 
 @bench_app.command("fork")
 def fork(
-    quick: bool = typer.Option(False, "--quick", help="a 20 MB parent, 1 and 4 children, 3 repeats"),
+    quick: bool = typer.Option(False, "--quick", help="a 20 MB parent, 3 repeats (one fork of 100)"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
-    counts: Optional[list[int]] = typer.Option(None, "--count", help="children per fork (repeat; default 1 4 16)"),
+    counts: Optional[list[int]] = typer.Option(None, "--count", help="children per fork (repeat; default 1 16 100)"),
     parent_mb: Optional[int] = typer.Option(None, help="MB the parent writes first (default 100; quick 20)"),
+    docker: bool = typer.Option(True, "--docker/--no-docker", help="Docker's commit + run and pause side by side"),
 ) -> None:
     """Fork, snapshot, reset and pause of one running environment, timed.
 
@@ -132,7 +133,7 @@ def fork(
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, counts=tuple(counts) if counts else None,
-                 parent_mb=parent_mb, log=err.print)
+                 parent_mb=parent_mb, docker=docker, log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -6,17 +6,29 @@ environment that has written ``--parent-mb`` MB into its file system (files of
 would be).  Measured, on one in-process node (no daemon, so the figures are
 the node's own):
 
-- fork into N children (``--counts``, default 1 4 16): seconds from the call
+- fork into N children (``--count``, default 1 16 100): seconds from the call
   until every child has answered its first command (``true``), the parent's
   pause for the capture, per-child added disk (its quota's bytes) and memory
   (its cgroup's);
 - snapshot: seconds and bytes published; a create from it on a second node
   home with an empty cache (cold) and then again (warm);
 - reset (to the snapshot taken after the parent's writes) against destroy + create;
-- pause and resume (the freezer).
+- pause and resume: the freezer, and the pause that releases memory (its
+  processes ended, its files kept; the resume until a command answered again).
+
+Docker side by side in the same run (unless ``docker=False``; Debian's
+``dockerd`` started privately, :mod:`weenv_bench.services.dockerd`): the same
+Debian tree imported as an image, a parent container (``--network none``, the
+same CPU, memory and pids limits) that wrote the same files, then per N
+``docker commit`` of the parent and N ``docker run -d`` of the committed
+image, each followed by ``docker exec CHILD true`` (its first command
+answered), 8 at once as weenv's fork creates 8 children at once; and
+``docker pause``/``unpause`` of the parent.
 
 Writes JSON (``summary``, every row, the machine) and a PNG with ``--json``.
-Docker is not run side by side yet (``docker commit`` + ``run``).
+``summary`` holds ``fork_100_s``, ``docker_fork_100_s``, ``fork_ratio``
+(Docker's over weenv's, 100 children), ``parent_pause_s``, ``reset_s``,
+``destroy_create_s``, ``snapshot_s``, ``child_memory_bytes`` among others.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weenv_bench import machine, write_report
@@ -39,6 +52,8 @@ from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 
 MiB = 1 << 20
+DOCKER_WORKERS = 8
+"""Docker children started at once (weenv's fork creates ``FORK_WORKERS`` = 8 at once)."""
 SMALL = Resources(cpus=0.05, memory_bytes=128 * MiB, pids=256, disk_bytes=1 << 30)
 """Each environment's resources (children get the parent's): small, so 100 fit the node's admission."""
 
@@ -56,9 +71,60 @@ def _memory(env_id: str) -> int:
     return open_cgroups(f"/weenv-{env_id}").usage().memory_working_set
 
 
+def _write_script(parent_mb: int) -> str:
+    """The parent's writes: ``parent_mb`` MB of 1 MiB files, 2,000 small files and one big file."""
+    return (f"mkdir -p /workspace/repo/src && cd /workspace/repo && "
+            f"for i in $(seq {parent_mb // 2}); do head -c 1M /dev/urandom > blob$i; done && "
+            f"for i in $(seq 2000); do head -c 500 /dev/urandom > src/f$i.py; done && "
+            f"head -c {(parent_mb - parent_mb // 2)}M /dev/urandom > big.bin && sync")  # fmt: skip
+
+
+def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int, log=print) -> dict:
+    """Docker's side (see the module doc): ``{"fork": [...], "commit": [...], "pause": [...], "unpause": [...]}``."""
+    from weenv_bench.services.dockerd import Dockerd
+
+    rows: dict = {"fork": [], "commit": [], "pause": [], "unpause": []}
+    limits = ["--network", "none", f"--cpus={SMALL.cpus}", f"--memory={SMALL.memory_bytes}",
+              f"--pids-limit={SMALL.pids}"]  # fmt: skip
+    with Dockerd() as d:
+        d.import_tree(tree, "bench-fork:base")
+
+        def start(image: str) -> str:
+            cid = d.docker("run", "-d", *limits, image, "sleep", "infinity").stdout.decode().strip()
+            d.docker("exec", cid, "true")
+            return cid
+
+        parent = start("bench-fork:base")
+        d.docker("exec", parent, "sh", "-c", _write_script(parent_mb), timeout=600)
+        for n in counts:
+            for r in range(max(1, repeats // max(1, n // 4))):
+                image = f"bench-fork:child-{n}-{r}"
+                t = time.perf_counter()
+                d.docker("commit", parent, image)
+                commit_s = time.perf_counter() - t
+                with ThreadPoolExecutor(min(n, DOCKER_WORKERS)) as pool:
+                    kids = list(pool.map(lambda _: start(image), range(n)))
+                rows["fork"].append({"n": n, "total_s": time.perf_counter() - t, "commit_s": commit_s})
+                rows["commit"].append(commit_s)
+                d.docker("rm", "-f", *kids, timeout=600)
+                d.docker("rmi", image)
+            log(f"docker commit + run {n}: "
+                f"{statistics.median(x['total_s'] for x in rows['fork'] if x['n'] == n) * 1000:.0f} ms")  # fmt: skip
+        for _ in range(repeats):
+            t = time.perf_counter()
+            d.docker("pause", parent)
+            rows["pause"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            d.docker("unpause", parent)
+            rows["unpause"].append(time.perf_counter() - t)
+        d.docker("rm", "-f", parent)
+    return rows
+
+
 def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int, ...] | None = None,
-        parent_mb: int | None = None, repeats: int | None = None, work: Path | None = None, log=print) -> dict:
-    counts = counts or ((1, 4) if quick else (1, 4, 16))
+        parent_mb: int | None = None, repeats: int | None = None, work: Path | None = None,
+        docker: bool = True, log=print) -> dict:
+    counts = counts or (1, 16, 100)
     parent_mb = parent_mb if parent_mb is not None else (20 if quick else 100)
     repeats = repeats or (3 if quick else 10)
     work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-fork-"))
@@ -69,15 +135,12 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         base = debian_rootfs(cache)
         build_group(base, store, name="base", workdir=work)
         create_template(store, "bench-fork", ["base"], runtime=RuntimeConfig(working_dir="/workspace"))
-        rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": []}
+        rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": [],
+                      "pause_release": [], "resume_release": []}  # fmt: skip
         with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0) as node:
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
-            script = (f"mkdir -p /workspace/repo/src && cd /workspace/repo && "
-                      f"for i in $(seq {parent_mb // 2}); do head -c 1M /dev/urandom > blob$i; done && "
-                      f"for i in $(seq 2000); do head -c 500 /dev/urandom > src/f$i.py; done && "
-                      f"head -c {(parent_mb - parent_mb // 2)}M /dev/urandom > big.bin && sync")  # fmt: skip
-            r = node.exec(parent.id, ["sh", "-c", script])
+            r = node.exec(parent.id, ["sh", "-c", _write_script(parent_mb)])
             assert r.exit_code == 0, r.stderr
             parent_disk = node.disk_usage(parent.id)[0]
             for n in counts:
@@ -99,6 +162,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
             snapshot_s = time.perf_counter() - t
             log(f"snapshot: {snapshot_s:.2f} s, {snap.bytes_published / MiB:.1f} MiB published")
             for _ in range(repeats):
+                node.exec(parent.id, ["sh", "-c", "echo episode > /workspace/episode.txt"])
                 rows["reset"].append(node.reset(parent.id, "bench-fork-snap").timing.total_s)
                 t = time.perf_counter()
                 e = node.create("bench-fork", resources=SMALL)
@@ -110,12 +174,22 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                 t = time.perf_counter()
                 node.resume(parent.id)
                 rows["resume"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                node.pause(parent.id, release_memory=True)
+                rows["pause_release"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                node.resume(parent.id)
+                node.exec(parent.id, ["true"])  # its first process and agent run again
+                rows["resume_release"].append(time.perf_counter() - t)
             with Node(Paths(work / "home2", cache, store.url), store=store, pool_size=0) as second:
                 cold = second.create("bench-fork-snap")
                 second.destroy(cold.id)
                 warm = second.create("bench-fork-snap")
                 second.destroy(warm.id)
             node.destroy(parent.id)
+        if docker:
+            log("docker: commit + run, pause/unpause")
+            rows["docker"] = run_docker(base, counts, parent_mb, repeats, log=log)
         by_n = {n: [x for x in rows["fork"] if x["n"] == n] for n in counts}
         summary = {
             **{f"fork_{n}_s": statistics.median(x["total_s"] for x in xs) for n, xs in by_n.items()},
@@ -129,7 +203,20 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
             "cold_bytes_fetched": cold.timing.bytes_fetched,
             "reset_s": statistics.median(rows["reset"]), "destroy_create_s": statistics.median(rows["destroy_create"]),
             "pause_s": statistics.median(rows["pause"]), "resume_s": statistics.median(rows["resume"]),
+            "pause_release_s": statistics.median(rows["pause_release"]),
+            "resume_release_s": statistics.median(rows["resume_release"]),
+            "reset_speedup": statistics.median(rows["destroy_create"]) / statistics.median(rows["reset"]),
         }  # fmt: skip
+        if docker:
+            dk = rows["docker"]
+            for n in counts:
+                summary[f"docker_fork_{n}_s"] = statistics.median(x["total_s"] for x in dk["fork"] if x["n"] == n)
+                summary[f"fork_{n}_ratio"] = summary[f"docker_fork_{n}_s"] / summary[f"fork_{n}_s"]
+            if 100 in counts:
+                summary["fork_ratio"] = summary["fork_100_ratio"]
+            summary.update(docker_commit_s=statistics.median(dk["commit"]),
+                           docker_pause_s=statistics.median(dk["pause"]),
+                           docker_unpause_s=statistics.median(dk["unpause"]))  # fmt: skip
         result = {
             "benchmark": "fork", "quick": quick, "counts": list(counts), "parent_mb": parent_mb, "repeats": repeats,
             "summary": summary,
@@ -154,16 +241,24 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["summary"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     counts = result["counts"]
-    a.bar([str(n) for n in counts], [s[f"fork_{n}_s"] * 1000 for n in counts])
+    x = range(len(counts))
+    docker = all(f"docker_fork_{n}_s" in s for n in counts)
+    w = 0.4 if docker else 0.8
+    a.bar([i - (w / 2 if docker else 0) for i in x], [s[f"fork_{n}_s"] for n in counts], w, label="weenv fork")
+    if docker:
+        a.bar([i + w / 2 for i in x], [s[f"docker_fork_{n}_s"] for n in counts], w, label="docker commit + run")
+    a.set_xticks(list(x), [str(n) for n in counts])
+    a.set_yscale("log")
     a.set_xlabel("children")
-    a.set_ylabel("ms until every child answered")
+    a.set_ylabel("s until every child answered (log)")
     a.set_title("fork")
-    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s"]
-    b.bar([n[:-2] for n in names], [s[n] * 1000 for n in names])
+    a.legend()
+    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s", "pause_release_s", "resume_release_s"] + (["docker_pause_s", "docker_unpause_s"] if docker else [])
+    b.bar([n[:-2].replace("_", "\n") for n in names], [s[n] * 1000 for n in names])
     b.set_ylabel("ms (p50)")
-    b.set_title("reset, destroy + create, pause, resume")
+    b.set_title("reset vs destroy + create; pause, resume")
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)

@@ -46,3 +46,32 @@ def test_snapshot_and_resume_requests_are_bounded():
     with pytest.raises(ValidationError):
         ResumeRequest(timeout=-1)
     assert SnapshotRequest().name is None and ResumeRequest().timeout is None
+
+
+def test_the_pause_release_time_comes_from_the_environment(monkeypatch):
+    from weenv.node.pause import release_after_from_env
+
+    monkeypatch.delenv("WEENV_PAUSE_RELEASE_S", raising=False)
+    assert release_after_from_env() is None
+    monkeypatch.setenv("WEENV_PAUSE_RELEASE_S", "300")
+    assert release_after_from_env() == 300.0
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        monkeypatch.setenv("WEENV_PAUSE_RELEASE_S", bad)
+        with pytest.raises(InvalidInputError, match="WEENV_PAUSE_RELEASE_S"):
+            release_after_from_env()
+
+
+@pytest.mark.parametrize("body", [{"release_memory": "yes please"}, {"memory": 1}])
+def test_pause_requests_out_of_bounds_are_refused(body):
+    from weenv.node.models import PauseRequest
+
+    with pytest.raises(ValidationError):
+        PauseRequest.model_validate(body)
+
+
+def test_create_requests_take_only_kill_or_pause_at_their_timeout():
+    from weenv.node.models import CreateRequest
+
+    assert CreateRequest(template="t", on_timeout="pause").on_timeout == "pause"
+    with pytest.raises(ValidationError):
+        CreateRequest(template="t", on_timeout="hibernate")

@@ -54,10 +54,12 @@ def reset(env_id: EnvId,
 
 
 @app.command()
-def pause(env_id: EnvId) -> None:
+def pause(env_id: EnvId,
+          release_memory: Annotated[bool, typer.Option("--release-memory",
+                                    help="end its processes, keep its files (resume restarts its first process)")] = False) -> None:
     """Freeze every process of the environment (memory kept) until resumed."""
     with client() as c:
-        c.pause(env_id)
+        c.pause(env_id, release_memory=release_memory)
 
 
 @app.command()

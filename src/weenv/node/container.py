@@ -108,6 +108,12 @@ class Containers:
         :class:`RuntimeFailedError` or :class:`NotFoundError` (``timeout`` seconds)."""
         self.runc.start(container_id(env_id), timeout=timeout)
 
+    def kill(self, env_id: str, env_dir: Path) -> bool:
+        """SIGKILL environment ``env_id``'s first process and wait (at most 1 s)
+        until it is gone with every process of its pid namespace
+        (:meth:`Runc.stop`); the container stays for :meth:`delete`.  True if it died."""
+        return self.runc.stop(container_id(env_id), env_dir / "bundle")
+
     def delete(self, env_id: str, env_dir: Path) -> None:
         """Kill and remove environment ``env_id``'s container (its cgroup goes with it); idempotent."""
         self.runc.delete(container_id(env_id), force=True, bundle=env_dir / "bundle")

@@ -60,6 +60,10 @@ MIN_IMAGE_BYTES = 256 << 20
 """Smallest image (``mkfs.btrfs`` wants ~114 MiB; below this few environments fit)."""
 SUBVOLUME = "disk"
 """The environment's subvolume, in its directory: ``upper/`` and ``work/`` inside."""
+SPARE = "disk.next"
+"""A subvolume made ahead for the environment's next reset (:meth:`NodeDisk.swap_in`), in its directory."""
+RETIRED = "disk.old"
+"""The subvolume a reset swapped out, until it is deleted, in its directory."""
 MOUNT_OPTIONS = "discard=async"
 
 # --- ioctls ----------------------------------------------------------------------------
@@ -281,40 +285,54 @@ class NodeDisk:
         """The overlay work dir (on the same subvolume: copy-up renames from it into ``upper``)."""
         return env_dir / SUBVOLUME / "work"
 
-    def make(self, env_dir: Path, limit: int) -> None:
-        """Make the environment's subvolume in ``env_dir`` (on this disk) with
+    def make(self, env_dir: Path, limit: int, name: str = SUBVOLUME) -> None:
+        """Make the environment's subvolume ``name`` in ``env_dir`` (on this disk) with
         ``upper/`` and ``work/``, its quota ``limit`` bytes.  Raises :class:`MountError`."""
         parent = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             try:
-                fcntl.ioctl(parent, SUBVOL_CREATE, _vol_args(SUBVOLUME))
+                fcntl.ioctl(parent, SUBVOL_CREATE, _vol_args(name))
             except OSError as exc:
-                raise MountError(exc.errno, f"subvolume {env_dir / SUBVOLUME}: {exc.strerror}") from exc
+                raise MountError(exc.errno, f"subvolume {env_dir / name}: {exc.strerror}") from exc
         finally:
             os.close(parent)
         try:
-            self._limit(env_dir, limit)
-            self.upper(env_dir).mkdir()
-            self.work(env_dir).mkdir()
+            self._limit(env_dir, limit, name)
+            (env_dir / name / "upper").mkdir()
+            (env_dir / name / "work").mkdir()
         except BaseException:
-            self.remove(env_dir)
+            self.remove(env_dir, name)
             raise
 
-    def clone(self, source: Path, env_dir: Path, limit: int) -> None:
+    def swap_in(self, env_dir: Path, name: str = SPARE) -> None:
+        """Make the subvolume ``env_dir/name`` (made by :meth:`make` or
+        :meth:`clone` with that name, its quota set) the environment's own,
+        the old one renamed :data:`RETIRED` (for :meth:`remove` to delete):
+        two renames, no transaction of the file system waited for.  The
+        overlay must be unmounted.  Raises :class:`MountError`."""
+        try:
+            self.remove(env_dir, RETIRED)
+            os.rename(env_dir / SUBVOLUME, env_dir / RETIRED)
+            os.rename(env_dir / name, env_dir / SUBVOLUME)
+        except OSError as exc:
+            raise MountError(exc.errno, f"swapping in {env_dir / name}: {exc.strerror}") from exc
+
+    def clone(self, source: Path, env_dir: Path, limit: int, name: str = SUBVOLUME) -> None:
         """Make the environment's subvolume in ``env_dir`` as a snapshot of the
         subvolume ``source`` (a capture, :meth:`snapshot`): its ``upper/`` as
         the capture holds it, sharing every data extent (no data is copied), a
         fresh empty ``work/``, its quota ``limit`` bytes (simple quotas count the
         extents a subvolume writes itself: the shared ones are the capture's
-        owner's).  Raises :class:`MountError`."""
-        self.snapshot(source, env_dir, SUBVOLUME, readonly=False)
+        owner's).  ``name``: the subvolume's name in ``env_dir`` (default the
+        environment's own).  Raises :class:`MountError`."""
+        self.snapshot(source, env_dir, name, readonly=False)
         try:
-            self._limit(env_dir, limit)
-            work = self.work(env_dir)
+            self._limit(env_dir, limit, name)
+            work = env_dir / name / "work"
             shutil.rmtree(work, ignore_errors=True)  # overlayfs's scratch of the parent: copy-ups under way
             work.mkdir()
         except BaseException:
-            self.remove(env_dir)
+            self.remove(env_dir, name)
             raise
 
     @staticmethod
@@ -377,8 +395,8 @@ class NodeDisk:
         finally:
             os.close(fd)
 
-    def _subvolume_id(self, env_dir: Path) -> int:
-        fd = os.open(env_dir / SUBVOLUME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _subvolume_id(self, env_dir: Path, name: str = SUBVOLUME) -> int:
+        fd = os.open(env_dir / name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             args = bytearray(struct.pack("=QQ", 0, FIRST_FREE_OBJECTID) + bytes(4080))
             fcntl.ioctl(fd, INO_LOOKUP, args)
@@ -386,27 +404,28 @@ class NodeDisk:
         finally:
             os.close(fd)
 
-    def _limit(self, env_dir: Path, limit: int) -> None:
+    def _limit(self, env_dir: Path, limit: int, name: str = SUBVOLUME) -> None:
         try:
-            sid = self._subvolume_id(env_dir)
-            fd = os.open(env_dir / SUBVOLUME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            sid = self._subvolume_id(env_dir, name)
+            fd = os.open(env_dir / name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 fcntl.ioctl(fd, QGROUP_LIMIT,
                             bytearray(struct.pack("=6Q", sid, QGROUP_LIMIT_MAX_RFER, limit, 0, 0, 0)))
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise MountError(exc.errno, f"quota of {env_dir / SUBVOLUME}: {exc.strerror}") from exc
+            raise MountError(exc.errno, f"quota of {env_dir / name}: {exc.strerror}") from exc
 
-    def remove(self, env_dir: Path) -> None:
-        """Delete the environment's subvolume and all in it (its blocks and its
-        quota group are freed by the kernel's cleaner shortly after).  Fine if
-        there is none; errors are logged (the directory's removal then takes it)."""
+    def remove(self, env_dir: Path, name: str = SUBVOLUME) -> None:
+        """Delete the environment's subvolume ``name`` (default its own) and all
+        in it (its blocks and its quota group are freed by the kernel's cleaner
+        shortly after).  Fine if there is none; errors are logged (the
+        directory's removal then takes it)."""
         try:
-            self.delete_subvolume(env_dir, SUBVOLUME)
+            self.delete_subvolume(env_dir, name)
         except MountError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: a plain directory, not a subvolume
-                log.warning("cannot delete subvolume %s: %s", env_dir / SUBVOLUME, exc)
+                log.warning("cannot delete subvolume %s: %s", env_dir / name, exc)
 
     def usage(self, env_dir: Path) -> tuple[int, int]:
         """``(used, limit)`` bytes of the environment's quota: what it references

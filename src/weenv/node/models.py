@@ -148,6 +148,9 @@ class CreateRequest(_Model):
     public_traffic: bool = True
     """E2B's ``allowPublicTraffic``: whether its ports relayed by ``get_host``
     answer without its traffic access token (:mod:`weenv.server.e2b.ports`)."""
+    on_timeout: Literal["kill", "pause"] = "kill"
+    """At its timeout: destroy it, or pause it releasing its memory (E2B's
+    ``lifecycle.on_timeout``; resume or connect brings it back)."""
 
     _check_timeout = field_validator("timeout")(_finite)
     _check_cidrs = field_validator("allow_out", "deny_out")(lambda v: [_cidr(c) for c in v])
@@ -254,6 +257,12 @@ class ResetRequest(_Model):
     """A snapshot taken on this node of the same template (default: the template's state)."""
 
 
+class PauseRequest(_Model):
+    release_memory: bool = False
+    """End its processes and keep its files (memory back to the node; resume
+    starts its first process anew) instead of freezing it (:mod:`weenv.node.pause`)."""
+
+
 class ResumeRequest(_Model):
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """Its timeout from now, seconds (default its ``timeout_s``)."""
@@ -306,6 +315,13 @@ class EnvironmentInfo(_Model):
     """Its create's ``allow_out`` (normalized IPv4 CIDRs), reachable whatever ``deny_out`` says."""
     deny_out: list[str] = Field(default_factory=list)
     """Its create's ``deny_out`` (normalized IPv4 CIDRs)."""
+    paused_at: float | None = None
+    """When it was paused (time.time()), while it is paused."""
+    memory_released: bool = False
+    """Paused with its memory released: its processes ended, its files kept
+    (:mod:`weenv.node.pause`); resume starts its first process anew."""
+    on_timeout: Literal["kill", "pause"] = "kill"
+    """What its timeout does: destroy it, or pause it releasing its memory (E2B's ``on_timeout``)."""
 
 
 class ExecRequest(_Model):

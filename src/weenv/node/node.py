@@ -51,7 +51,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from weenv.config import Paths, private_dir
-from weenv.errors import BrokenError, CommandTimeoutError, InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.errors import (
+    BrokenError,
+    CommandTimeoutError,
+    InvalidInputError,
+    NotFoundError,
+    RuntimeFailedError,
+    StateError,
+)
 from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.host.procroot import ProcessRootFS, pin_process
@@ -81,7 +88,7 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
-from weenv.node.pause import Pauses, check_running
+from weenv.node.pause import Pauses, check_running, release_after_from_env
 from weenv.node.peers import PeerChunks
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
@@ -210,7 +217,8 @@ class Node:
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
                                  lazy_mountpoint=paths.lazy_mountpoint)
         self.captures = Captures(paths.environments, disk=self.provisioner)
-        self.pauses = Pauses(self.provisioner)
+        self.pauses = Pauses(self.provisioner, containers=self.containers, commands=self.commands,
+                             release_after=release_after_from_env())  # fmt: skip
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
         self.forks = Forks(self.captures, self._create_child)
 
@@ -294,6 +302,7 @@ class Node:
             except Exception as exc:  # keep going: close must release everything it can
                 log.exception("destroying %s on close", env_id)
                 errors.append(exc)
+        self.resets.close()  # its background work on the environments' directories ends
         self.provisioner.close()
         self.prefetch.close()
         self.peers.close()
@@ -479,8 +488,25 @@ class Node:
         return e.info
 
     def reap_expired(self, now: float | None = None) -> list[str]:
-        """Destroy every environment whose ``expires_at`` has passed; their ids."""
-        return self.table.reap(self.destroy, now)
+        """Destroy every environment whose ``expires_at`` has passed (or, created
+        with ``on_timeout="pause"``, pause it releasing its memory); their ids.
+        Then release the memory of those paused longer than
+        ``WEENV_PAUSE_RELEASE_S`` (:mod:`weenv.node.pause`)."""
+        now = time.time() if now is None else now
+        reaped = self.table.reap(self._expire, now)
+        for e in self.pauses.due(self.table.all(), now):
+            with contextlib.suppress(NotFoundError, StateError):  # destroyed or released meanwhile
+                self.pauses.release(e)
+                log.info("released the memory of environment %s (paused past WEENV_PAUSE_RELEASE_S)", e.info.id)
+        return reaped
+
+    def _expire(self, env_id: str) -> None:
+        """What environment ``env_id``'s timeout does: destroy it, or pause it (``on_timeout``)."""
+        e = self.table.get(env_id)
+        if e.info.on_timeout == "pause" and e.info.state == "running":
+            self.pauses.release(e)
+        else:
+            self.destroy(env_id)
 
     def get(self, env_id: str) -> EnvironmentInfo:
         """The environment's info; its ``state`` is runc's (``"stopped"`` once its
@@ -719,6 +745,7 @@ class Node:
                 self.snapshotter.release(e.template.groups, e.lowers)
                 self.containers.teardown_network(env_id, e.dir)
                 self.snapshotter.remove_dir(e.dir)
+                self.pauses.forget(e)
                 self.pool.wake()  # room for the pool, if max_environments held it back
 
     # --- state: snapshot, fork, reset, pause (the mechanisms: snapshot.py, fork.py, reset.py, pause.py) ---
@@ -745,6 +772,7 @@ class Node:
             self.captures.drop(c)
             raise
         self.captures.keep(name, c)
+        self.resets.prepare(e, c.path)  # a reset to it swaps in an upper dir made ahead
         info.capture_bytes = held
         return info
 
@@ -777,7 +805,8 @@ class Node:
     def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
         """Environment ``env_id`` back in place to its template's state, or to
         snapshot ``snapshot``'s (taken on this node, of the same template); its
-        ``timing.total_s`` is the reset's seconds.  Raises :class:`NotFoundError`
+        ``timing.total_s`` is the reset's seconds (``overlay_s``: its new upper dir
+        and overlay, ``runtime_s``: its container run again).  Raises :class:`NotFoundError`
         (also: no such snapshot here), :class:`InvalidInputError` (another
         template's snapshot), :class:`MountError`, :class:`RuntimeFailedError`."""
         e = self.table.get(env_id)
@@ -788,15 +817,19 @@ class Node:
                 raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
                                         f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
             upper_from = c.path
-        e.info.timing = CreateTiming(total_s=self.resets.reset(e, upper_from))
+        t = self.resets.reset(e, upper_from)
+        e.info.timing = CreateTiming(overlay_s=t.overlay_s, runtime_s=t.runtime_s, total_s=t.total_s)
         return e.info
 
-    def pause(self, env_id: str) -> EnvironmentInfo:
-        """Freeze environment ``env_id`` (processes and memory kept).  Raises :class:`NotFoundError`, :class:`StateError`."""
-        return self.pauses.pause(self.table.get(env_id))
+    def pause(self, env_id: str, *, release_memory: bool = False) -> EnvironmentInfo:
+        """Freeze environment ``env_id`` (processes and memory kept); with
+        ``release_memory``, end its processes and keep its files instead (also
+        of one paused already; :mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`."""
+        return self.pauses.pause(self.table.get(env_id), release_memory=release_memory)
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
-        """Thaw the paused ``env_id``, its timeout ``timeout`` s from now (default its own); it stayed
+        """Thaw the paused ``env_id`` (or, its memory released, run its first process
+        again over its files), its timeout ``timeout`` s from now (default its own); it stayed
         counted while paused (:mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
         :class:`CapacityError` (only if it was not provisioned; it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)
@@ -913,6 +946,6 @@ def _info(env_id: str, manifest: TemplateManifest, digest: str, res: Resources, 
         rootfs=str(env_dir / "rootfs"), resources=res, timing=CreateTiming(),
         timeout_s=DEFAULT_TIMEOUT_S if req.timeout is None else float(req.timeout),
         envs=req.envs, metadata=req.metadata, priority=req.priority, public_traffic=req.public_traffic,
-        network=egress.internet, allow_out=list(egress.allow), deny_out=list(egress.deny),
+        network=egress.internet, allow_out=list(egress.allow), deny_out=list(egress.deny), on_timeout=req.on_timeout,
     )  # fmt: skip
 

@@ -26,38 +26,85 @@ paused).
 While paused, commands are refused (:class:`StateError`), files can be read
 and written (the host reaches its root), and its timeout stands still: resume
 sets it again (the given seconds, else the environment's ``timeout_s``).
+
+**Memory released** (:meth:`Pauses.release`; ``pause(release_memory=True)``,
+or by the reaper once an environment has been paused :attr:`Pauses.release_after`
+seconds, ``WEENV_PAUSE_RELEASE_S``; or at its timeout when it was created with
+``on_timeout="pause"``): E2B's filesystem-only pause.  Its file system is kept
+as it is (its upper dir stays on the node's disk, its overlay mounted, so the
+files API still reaches it) and every process of it ends (its container is
+deleted, with its cgroup: the memory goes back to the node).  It then counts
+against the node's disk only (its disk limit held, :meth:`Provisioner.hold_disk`),
+not against CPU and memory admission.  Resume reserves it again
+(:class:`CapacityError` if the node is full now: it stays paused) and runs its
+container again from its bundle: its first process starts anew over the same
+files.  ``EnvironmentInfo.memory_released`` tells the two pauses apart.  A
+node process killed meanwhile leaves it to the next one, which adopts it
+paused without a container (:mod:`weenv.node.recovery`).  (Resume on another
+node from a published snapshot is not done here.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from weenv.errors import StateError
+from weenv.errors import InvalidInputError, StateError
 from weenv.node.cgroups import Cgroup, open_cgroups
 from weenv.node.models import EnvironmentInfo
 from weenv.node.provision import Provisioner
 from weenv.node.table import Environment, check_timeout, save_info
+
+if TYPE_CHECKING:
+    from weenv.node.commands import Commands
+    from weenv.node.container import Containers
 
 log = logging.getLogger(__name__)
 
 PAUSED = "paused"
 
 
+def release_after_from_env() -> float | None:
+    """``WEENV_PAUSE_RELEASE_S``: seconds after which a paused environment's memory
+    is released (a positive number), else None (never, unless asked)."""
+    raw = os.environ.get("WEENV_PAUSE_RELEASE_S")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise InvalidInputError(f"WEENV_PAUSE_RELEASE_S={raw!r}: want a positive number of seconds")
+    return value
+
+
 class Pauses:
-    """Pausing and resuming environments (see the module doc)."""
+    """Pausing and resuming environments (see the module doc).  ``containers``
+    and ``commands``: the node's, for the pause that releases memory (without
+    them only the freezer's pause is served)."""
 
     def __init__(self, provisioner: Provisioner, open_cgroup: Callable[[str], Cgroup] = open_cgroups,
-                 *, freeze_timeout: float = 10.0):  # fmt: skip
+                 *, freeze_timeout: float = 10.0, containers: "Containers | None" = None,
+                 commands: "Commands | None" = None, release_after: float | None = None):  # fmt: skip
         self.provisioner = provisioner
         self.open_cgroup = open_cgroup
         self.freeze_timeout = freeze_timeout
+        self.containers = containers
+        self.commands = commands
+        self.release_after = release_after
+        """Seconds paused after which the reaper releases a paused environment's memory (None: never)."""
 
-    def pause(self, e: Environment) -> EnvironmentInfo:
-        """Freeze ``e``; its info (``state: "paused"``).  Raises :class:`StateError`
-        if it is paused already or not running, :class:`CgroupError` if it
-        does not freeze in time (it is running again then)."""
+    def pause(self, e: Environment, *, release_memory: bool = False) -> EnvironmentInfo:
+        """Freeze ``e`` (or with ``release_memory``, :meth:`release` it); its
+        info (``state: "paused"``).  Raises :class:`StateError` if it is paused
+        already or not running, :class:`CgroupError` if it does not freeze in
+        time (it is running again then)."""
+        if release_memory:
+            return self.release(e)
         with e.lock:
             if e.info.state != "running":
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not running: cannot pause it")
@@ -69,8 +116,46 @@ class Pauses:
                 self._provision(e)
                 raise
             e.info.state = PAUSED  # the reaper passes it by (EnvironmentTable.expired)
+            e.info.paused_at = time.time()
             save_info(e.dir, e.info)
             return e.info
+
+    def release(self, e: Environment) -> EnvironmentInfo:
+        """Pause ``e`` releasing its memory (see the module doc): running, or
+        paused by the freezer; its info (``state: "paused"``,
+        ``memory_released``).  Raises :class:`StateError` if it is neither, or
+        its memory is released already."""
+        assert self.containers is not None and self.commands is not None, "Pauses without the node's containers"
+        with e.lock:
+            if e.info.state not in ("running", PAUSED) or e.info.memory_released:
+                what = "paused with its memory released" if e.info.memory_released else e.info.state
+                raise StateError(f"environment {e.info.id} is {what}: cannot release its memory")
+            procs = self.commands.forget(e)
+            for p in procs:
+                p.log.abandon()
+            self.provisioner.detach(e.info.id)  # its CPU and memory reservation goes
+            self.thaw_for_destroy(e)
+            self.containers.delete(e.info.id, e.dir)  # every process ends; the files stay
+            for p in procs:
+                p.wait(10)
+            try:
+                self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
+                                           f"paused environment {e.info.id}'s disk")  # fmt: skip
+            except Exception as exc:  # it had that room a moment ago; counted or not, it stays paused
+                log.warning("cannot count paused environment %s's disk: %s", e.info.id, exc)
+            if e.info.state != PAUSED:
+                e.info.paused_at = time.time()
+            e.info.state = PAUSED
+            e.info.memory_released = True
+            save_info(e.dir, e.info)
+            return e.info
+
+    def due(self, envs: list[Environment], now: float) -> list[Environment]:
+        """Those of ``envs`` paused by the freezer for :attr:`release_after` seconds or more at ``now``."""
+        if self.release_after is None:
+            return []
+        return [e for e in envs if e.info.state == PAUSED and not e.info.memory_released
+                and e.info.paused_at is not None and now - e.info.paused_at >= self.release_after]  # fmt: skip
 
     def resume(self, e: Environment, timeout: float | None = None) -> EnvironmentInfo:
         """Thaw ``e``, reserved again with the provisioner, its timeout
@@ -82,18 +167,50 @@ class Pauses:
         with e.lock:
             if e.info.state != PAUSED:
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not paused: cannot resume it")
-            self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority)
-            self.open_cgroup(f"/{e.container_id}").thaw()
+            if e.info.memory_released:
+                self._restart(e)
+            else:
+                self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority)
+                self.open_cgroup(f"/{e.container_id}").thaw()
             e.info.state = "running"
+            e.info.paused_at = None
+            e.info.memory_released = False
             e.info.timeout_s = timeout
             e.info.expires_at = time.time() + timeout
             save_info(e.dir, e.info)
             return e.info
 
+    def _restart(self, e: Environment) -> None:
+        """Reserve the memory-released ``e`` again and run its container from its
+        bundle (under ``e.lock``).  Raises :class:`CapacityError` (it stays paused,
+        its disk counted) or what the container's start raises (the same)."""
+        self.provisioner.free_disk(_disk_key(e))
+        try:
+            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
+            try:
+                self.containers.restart(e.info.id, e.dir)
+            except BaseException:
+                self.provisioner.detach(e.info.id)
+                self.containers.delete(e.info.id, e.dir)
+                raise
+        except BaseException:
+            self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
+                                       f"paused environment {e.info.id}'s disk")  # fmt: skip
+            raise
+        try:
+            self.provisioner.attach(e.info.id, f"/{e.container_id}")
+        except Exception as exc:  # it runs anyway, with the limits its bundle gives
+            log.warning("provisioning of environment %s after its resume failed: %s", e.info.id, exc)
+            self.provisioner.detach(e.info.id)
+
+    def forget(self, e: Environment) -> None:
+        """``e`` is destroyed: stop counting its disk as a paused environment's."""
+        self.provisioner.free_disk(_disk_key(e))
+
     def thaw_for_destroy(self, e: Environment) -> None:
         """Thaw a paused ``e`` that is being destroyed (a frozen process dies
         only once thawed); errors are logged."""
-        if e.info.state != PAUSED:
+        if e.info.state != PAUSED or e.info.memory_released:
             return
         try:
             self.open_cgroup(f"/{e.container_id}").thaw()
@@ -106,6 +223,15 @@ class Pauses:
         except Exception as exc:  # it runs anyway, with the limits it had
             log.warning("provisioning of environment %s after a failed pause failed: %s", e.info.id, exc)
             self.provisioner.detach(e.info.id)
+
+
+def disk_key(env_id: str) -> str:
+    """The key under which a memory-released environment's disk is held (:meth:`Provisioner.hold_disk`)."""
+    return f"paused-{env_id}"
+
+
+def _disk_key(e: Environment) -> str:
+    return disk_key(e.info.id)
 
 
 def check_running(e: Environment) -> None:

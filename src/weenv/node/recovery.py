@@ -26,6 +26,7 @@ from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
 from weenv.node.manifests import NodeManifests
 from weenv.node.models import EnvironmentInfo
+from weenv.node.pause import disk_key
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.table import CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable
@@ -110,7 +111,8 @@ class Recovery:
             raise InvalidInputError(f"its env.json names {info.id!r}")
         if (env_dir / UNDELIVERED).exists():
             raise InvalidInputError("the answer of its create never reached its client")
-        if runc_status not in ("running", "paused"):
+        released = info.state == "paused" and info.memory_released  # paused without processes: no container
+        if runc_status not in ("running", "paused") and not (released and runc_status is None):
             raise InvalidInputError(f"its container is {runc_status or 'gone'}")
         rootfs = env_dir / "rootfs"
         lowers = mounts.overlay_lowers(rootfs)
@@ -131,6 +133,13 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
+        if released:  # its disk counted as before; its resume reserves it
+            try:
+                self.provisioner.hold_disk(disk_key(info.id), info.resources.disk_bytes,
+                                           f"paused environment {info.id}'s disk")  # fmt: skip
+            except Exception as exc:
+                log.warning("cannot count paused recovered environment %s's disk: %s", info.id, exc)
+            return e
         if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, still counted
             try:
                 self.provisioner.reserve(info.id, info.resources, priority=info.priority,

@@ -54,11 +54,14 @@ takes a name no template has, or the name of an earlier snapshot *of the same
 environment* (its top group's ``source.environment``: re-taking a checkpoint
 under its name).  A name held by a built template (``task``), an E2B
 template's, or another environment's snapshot is refused with
-:class:`BusyError` (HTTP 409) before anything is captured, and checked again
-just before the ref is written; to reuse another's snapshot name, delete that
-snapshot first.  The default name, ``snapshot-<12 hex>``, is fresh.  (Two
-nodes publishing one name at the same instant can still race between that
-check and the write: the store's refs have no compare-and-set.)
+:class:`BusyError` (HTTP 409) before anything is captured; to reuse
+another's snapshot name, delete that snapshot first.  The ref is written with
+the store's compare-and-swap (:meth:`Store.swap_ref`), expecting what the check
+before publishing saw: of two snapshots publishing one name at once (on one
+node or two), one wins and the other gets :class:`BusyError`, its published
+data left for gc.  (``oci://``'s tags have no compare-and-swap: there the
+check and the write can still race.)  The default name, ``snapshot-<12 hex>``,
+is fresh.
 """
 
 from __future__ import annotations
@@ -125,8 +128,6 @@ class Captures:
         self._lock = threading.Lock()
         self._named: dict[str, Capture] = {}
         """Captures kept under a snapshot's name (:meth:`keep`): what reset goes back to."""
-        self._naming = threading.Lock()
-        """Held from a name's last check to its ref's write (one node's publishes of one name in turn)."""
 
     def open(self) -> None:
         """Remove the captures an earlier node process of this home left on the (open) node disk."""
@@ -166,9 +167,9 @@ class Captures:
 
     def _take(self, e: Environment) -> Capture:
         cid = secrets.token_hex(6)
-        cg = open_cgroups(f"/{e.container_id}")
+        cg = None if e.info.memory_released else open_cgroups(f"/{e.container_id}")
         t = time.perf_counter()
-        frozen_before = cg.is_frozen()
+        frozen_before = e.info.memory_released or cg.is_frozen()  # released: no process to freeze
         if not frozen_before:
             cg.freeze(timeout=self.freeze_timeout)
         try:
@@ -239,10 +240,11 @@ class Captures:
         meanwhile (not on the node's disk).  The capture itself is unchanged
         (a writable snapshot of it is cleaned and removed after).  Raises
         :class:`InvalidInputError` (bad name), :class:`BusyError` (the name is
-        another template's: :func:`check_snapshot_name`), :class:`MountError`,
+        another template's: :func:`check_snapshot_name`; or another publish
+        of it won meanwhile: :meth:`Store.swap_ref`), :class:`MountError`,
         what building a group raises (:func:`build_group`) and what the store
         raises; nothing of the snapshot is referenced then."""
-        check_snapshot_name(store, name, c.env_id)
+        seen = check_snapshot_name(store, name, c.env_id)
         t = time.perf_counter()
         scratch = f"{c.id}.publish"
         NodeDisk.snapshot(c.path, self.root, scratch, readonly=False)
@@ -260,9 +262,11 @@ class Captures:
                 manifest = TemplateManifest(name=name, version=c.id, groups=[*c.template.groups, result.digest],
                                             runtime=runtime)  # fmt: skip
                 digest = store.put_manifest(canonical_json(manifest))
-                with self._naming:
-                    check_snapshot_name(store, name, c.env_id)  # taken meanwhile?
-                    store.set_ref("templates", name, digest)
+                try:  # the ref only if it is still what the check saw: of two publishes of a name, one wins
+                    store.swap_ref("templates", name, digest, expected=seen)
+                except BusyError as exc:
+                    raise BusyError(f"snapshot name {name!r} in {store.url} was taken while this snapshot "
+                                    f"was published ({exc})") from None
         finally:
             try:
                 NodeDisk.delete_subvolume(self.root, scratch)
@@ -273,17 +277,17 @@ class Captures:
                             capture_s=c.pause_s, publish_s=time.perf_counter() - t)  # fmt: skip
 
 
-def check_snapshot_name(store: Store, name: str, environment: str) -> None:
+def check_snapshot_name(store: Store, name: str, environment: str) -> str | None:
     """Whether environment ``environment`` may publish a snapshot as template
-    ``name`` (see the module doc): no template has that name, or it is a
-    snapshot of that environment.  Raises :class:`InvalidInputError` (a bad
+    ``name`` (see the module doc): no template has that name (None is
+    returned), or it is a snapshot of that environment (the digest its ref
+    holds is returned: what :meth:`Store.swap_ref` expects).  Raises :class:`InvalidInputError` (a bad
     name), :class:`BusyError` (it names a built template, another environment's
     snapshot, or a ref whose template cannot be read), what the store raises."""
     check_name(name)
-    try:
-        store.get_ref("templates", name)
-    except NotFoundError:
-        return
+    seen = store.ref_or_none("templates", name)
+    if seen is None:
+        return None
     try:
         owner = snapshot_of(store, name).environment
     except (InvalidInputError, NotFoundError) as exc:
@@ -292,6 +296,7 @@ def check_snapshot_name(store: Store, name: str, environment: str) -> None:
     if owner != environment:
         raise BusyError(f"snapshot {name!r} in {store.url} is of environment {owner!r}, not of {environment}: "
                         f"a snapshot replaces only its own environment's (delete that one first)")
+    return seen
 
 
 def snapshot_of(store: Store, name: str) -> SnapshotInfo:

@@ -25,7 +25,7 @@ from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
-from weenv.node.disk import NodeDisk
+from weenv.node.disk import RETIRED, SPARE, SUBVOLUME, NodeDisk
 from weenv.node.groups import GroupMounts
 
 
@@ -87,15 +87,35 @@ class Snapshotter:
             if undo is not None:
                 undo.callback(umount_quietly, Path(spec.target))
 
-    def replace_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None) -> None:
+    def replace_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, *, spare: bool = False) -> None:
         """Give the unmounted environment in ``env_dir`` a new upper dir: empty,
-        or a snapshot of the capture subvolume ``upper_from``; the old one is
-        deleted.  Raises :class:`MountError`."""
-        self.disk.remove(env_dir)
+        or a snapshot of the capture subvolume ``upper_from``.  ``spare``: the
+        one :meth:`make_spare` made of that source is swapped in (two renames);
+        else it is made now.  The old one is kept as :data:`RETIRED` until
+        :meth:`drop_retired` (the disk's :meth:`~NodeDisk.remove` of it can wait
+        for the file system).  Raises :class:`MountError`."""
+        if not spare:
+            self.disk.remove(env_dir, SPARE)
+            self.make_upper(env_dir, disk_bytes, upper_from, SPARE)
+        self.disk.swap_in(env_dir, SPARE)
+
+    def make_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, name: str) -> None:
+        """Make subvolume ``name`` in ``env_dir``: an empty upper dir, or a snapshot
+        of the capture subvolume ``upper_from``, its quota ``disk_bytes``.  Raises :class:`MountError`."""
         if upper_from is None:
-            self.disk.make(env_dir, disk_bytes)
+            self.disk.make(env_dir, disk_bytes, name)
         else:
-            self.disk.clone(upper_from, env_dir, disk_bytes)
+            self.disk.clone(upper_from, env_dir, disk_bytes, name)
+
+    def make_spare(self, env_dir: Path, disk_bytes: int, upper_from: Path | None) -> None:
+        """Make, ahead of a reset, the upper dir :meth:`replace_upper` would make
+        (:data:`SPARE`, replacing one there).  Raises :class:`MountError`."""
+        self.disk.remove(env_dir, SPARE)
+        self.make_upper(env_dir, disk_bytes, upper_from, SPARE)
+
+    def drop_retired(self, env_dir: Path) -> None:
+        """Delete the upper dir a reset swapped out (:data:`RETIRED`), if any."""
+        self.disk.remove(env_dir, RETIRED)
 
     def release(self, groups: list[str], lowers: list[Path]) -> None:
         """Give back the group mounts an environment's overlay used."""
@@ -116,8 +136,9 @@ class Snapshotter:
             umount_quietly(Path(point))
 
     def remove_dir(self, env_dir: Path) -> None:
-        """Remove an environment's directory, its disk's subvolume first (at once, however big)."""
-        self.disk.remove(env_dir)
+        """Remove an environment's directory, its disk's subvolumes first (at once, however big)."""
+        for name in (SUBVOLUME, SPARE, RETIRED):
+            self.disk.remove(env_dir, name)
         remove_tree(env_dir)
 
     def usage(self, env_dir: Path) -> tuple[int, int]:

@@ -482,9 +482,11 @@ class AsyncSandbox:
         again, the same id and resources."""
         self.info = await self._drive(_core.reset(self.id, snapshot))
 
-    async def pause(self) -> None:
-        """Freeze every process (memory kept, no CPU used) until :meth:`resume`."""
-        self.info = await self._drive(_core.pause(self.id))
+    async def pause(self, *, release_memory: bool = False) -> None:
+        """Freeze every process (memory kept, no CPU used) until :meth:`resume`;
+        with ``release_memory``, end them and keep the files instead (resume
+        starts the first process anew)."""
+        self.info = await self._drive(_core.pause(self.id, release_memory))
 
     async def resume(self, *, timeout: float | None = None) -> None:
         """Thaw it; its timeout ``timeout`` seconds from now (default its own)."""
@@ -603,8 +605,8 @@ class AsyncNodeClient:
     async def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
         return await self._conn.drive(_core.reset(env_id, snapshot))
 
-    async def pause(self, env_id: str) -> EnvironmentInfo:
-        return await self._conn.drive(_core.pause(env_id))
+    async def pause(self, env_id: str, *, release_memory: bool = False) -> EnvironmentInfo:
+        return await self._conn.drive(_core.pause(env_id, release_memory))
 
     async def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
         return await self._conn.drive(_core.resume(env_id, timeout))

@@ -72,6 +72,7 @@ from weenv.node.models import (
     ProcessStdin,
     RenameRequest,
     ResetRequest,
+    PauseRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -529,8 +530,8 @@ def reset(env_id: str, snapshot: str | None = None) -> Flow[EnvironmentInfo]:
     return EnvironmentInfo.model_validate_json(reply.content)
 
 
-def pause(env_id: str) -> Flow[EnvironmentInfo]:
-    reply = yield Call("POST", _env(env_id) + "/pause")
+def pause(env_id: str, release_memory: bool = False) -> Flow[EnvironmentInfo]:
+    reply = yield Call("POST", _env(env_id) + "/pause", json=PauseRequest(release_memory=True) if release_memory else None)
     return EnvironmentInfo.model_validate_json(reply.content)
 
 

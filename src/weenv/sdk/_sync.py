@@ -478,9 +478,11 @@ class Sandbox:
         again, the same id and resources."""
         self.info = self._drive(_core.reset(self.id, snapshot))
 
-    def pause(self) -> None:
-        """Freeze every process (memory kept, no CPU used) until :meth:`resume`."""
-        self.info = self._drive(_core.pause(self.id))
+    def pause(self, *, release_memory: bool = False) -> None:
+        """Freeze every process (memory kept, no CPU used) until :meth:`resume`;
+        with ``release_memory``, end them and keep the files instead (resume
+        starts the first process anew)."""
+        self.info = self._drive(_core.pause(self.id, release_memory))
 
     def resume(self, *, timeout: float | None = None) -> None:
         """Thaw it; its timeout ``timeout`` seconds from now (default its own)."""
@@ -599,8 +601,8 @@ class NodeClient:
     def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
         return self._conn.drive(_core.reset(env_id, snapshot))
 
-    def pause(self, env_id: str) -> EnvironmentInfo:
-        return self._conn.drive(_core.pause(env_id))
+    def pause(self, env_id: str, *, release_memory: bool = False) -> EnvironmentInfo:
+        return self._conn.drive(_core.pause(env_id, release_memory))
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
         return self._conn.drive(_core.resume(env_id, timeout))

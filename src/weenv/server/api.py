@@ -26,6 +26,7 @@ ready, bytes base64-encoded)::
     POST   /v1/environments/{id}/reset                ResetRequest -> EnvironmentInfo (the template's or a
                                                       snapshot's state, in place)
     POST   /v1/environments/{id}/pause                -> EnvironmentInfo (frozen; 409 if not running)
+           {"release_memory": true}                      (processes ended, files kept: memory released)
     POST   /v1/environments/{id}/resume               ResumeRequest -> EnvironmentInfo (409 if not paused)
     GET    /v1/snapshots                              -> [SnapshotInfo]
     DELETE /v1/snapshots/{name}                       -> 204
@@ -106,6 +107,7 @@ from weenv.node.models import (
     ProcessStdin,
     RenameRequest,
     ResetRequest,
+    PauseRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -282,8 +284,8 @@ def api_router(
         return node.reset(env_id, req.snapshot if req else None)
 
     @r.post("/environments/{env_id}/pause")
-    def pause(env_id: str) -> EnvironmentInfo:
-        return node.pause(env_id)
+    def pause(env_id: str, req: PauseRequest | None = None) -> EnvironmentInfo:
+        return node.pause(env_id, release_memory=req.release_memory if req else False)
 
     @r.post("/environments/{env_id}/resume")
     def resume(env_id: str, req: ResumeRequest | None = None) -> EnvironmentInfo:

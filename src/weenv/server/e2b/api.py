@@ -101,6 +101,7 @@ class NewSandbox(_Body):
     metadata: Metadata | None = None
     env_vars: Envs | None = Field(default=None, alias="envVars")
     auto_pause: bool = Field(default=False, alias="autoPause")
+    """At its timeout the sandbox is paused (its memory released, its files kept) instead of killed."""
     allow_internet_access: bool | None = None
     """Outbound network (weenv: none unless asked or the template's default)."""
     network: NetworkConfig | None = None
@@ -233,7 +234,8 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
             sb = sandboxes.create(template, timeout=body.timeout or DEFAULT_TIMEOUT_S,
                                   metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
                                   network=body.allow_internet_access, allow_out=net.allow_out,
-                                  deny_out=net.deny_out, public_traffic=net.allow_public_traffic)  # fmt: skip
+                                  deny_out=net.deny_out, public_traffic=net.allow_public_traffic,
+                                  on_timeout="pause" if body.auto_pause else "kill")  # fmt: skip
             try:
                 start_and_wait_ready(sandboxes.node, sb, ready_timeout)
             except BaseException:

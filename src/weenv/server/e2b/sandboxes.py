@@ -73,14 +73,15 @@ class Sandboxes:
 
     def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
                undelivered: bool = False, network: bool | None = None, allow_out: list[str] | None = None,
-               deny_out: list[str] | None = None, public_traffic: bool = True) -> Sandbox:
+               deny_out: list[str] | None = None, public_traffic: bool = True, on_timeout: str = "kill") -> Sandbox:
         """A new environment from ``template`` living ``timeout`` seconds
         (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``;
-        ``network``, ``allow_out``, ``deny_out``, ``public_traffic``: as
-        ``CreateRequest``'s).  Raises what :meth:`Node.create` raises."""
+        ``network``, ``allow_out``, ``deny_out``, ``public_traffic``,
+        ``on_timeout``: as ``CreateRequest``'s).  Raises what :meth:`Node.create` raises."""
         info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
                                 undelivered=undelivered, network=network, allow_out=allow_out or None,
-                                deny_out=deny_out or None, public_traffic=public_traffic)  # fmt: skip
+                                deny_out=deny_out or None, public_traffic=public_traffic,
+                                on_timeout=on_timeout)  # fmt: skip
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:
