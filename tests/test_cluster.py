@@ -10,11 +10,13 @@ home), the Ray processes, and the check that nothing is left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -85,7 +87,7 @@ def ray_cluster(tmp_path_factory, cluster_store):
         c.wait_for_nodes()
         config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
                                        max_environments=2, heartbeat_s=0.3, heartbeat_timeout_s=5,
-                                       reconcile_s=0.3, cache_scan_s=0.3)
+                                       reconcile_s=0.3, cache_scan_s=0.3, gateway_port=0)
         t0 = time.monotonic()
         nodes = cluster.up(config, timeout=120)
         print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")
@@ -94,7 +96,10 @@ def ray_cluster(tmp_path_factory, cluster_store):
         try:
             if ray.is_initialized():
                 try:
+                    gateway = cluster.gateway()
                     cluster.down()
+                    with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
+                        httpx.get(gateway.url + "/v1/health", timeout=5)
                 except Exception as exc:  # a killed node's daemon: stopped below
                     print(f"cluster down: {exc}")
                 ray.shutdown()
@@ -215,6 +220,144 @@ def test_create_latency_through_the_cluster_against_direct(ray_cluster):
                 direct.destroy(d.id)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, direct {med['direct'] * 1000:.1f} ms")
+
+
+# --- the cluster's one address (weenv.cluster.gateway) ------------------------------------
+def _alive_nodes() -> list[str]:
+    return sorted(s.node_id for s in cluster.status() if s.state == "alive")
+
+
+def _wait_forgotten(client: ClusterClient, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.environments() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.environments(), client.environments()
+
+
+def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
+    """The official e2b SDK pointed at the gateway (E2B_API_URL, E2B_SANDBOX_URL,
+    E2B_API_KEY as for one ``weenv serve``): sandboxes on every node, their
+    commands, files and kill routed to the node owning each."""
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    gw = cluster.gateway()
+    nodes = _alive_nodes()
+    with environ(**gw.environ()):
+        made = [e2b.Sandbox.create("t1", timeout=300, metadata={"weenv.node": n, "who": "sdk"}) for n in nodes]
+        try:
+            for sb, n in zip(made, nodes):
+                assert sb.get_info().metadata["weenv.node"] == n
+                r = sb.commands.run("cat /workspace/a.bin | wc -c; echo $((6*7))")
+                assert r.exit_code == 0 and r.stdout.split() == [str(24 * MiB), "42"]
+                sb.files.write("/workspace/note.txt", f"on {n}")
+                assert sb.files.read("/workspace/note.txt") == f"on {n}"
+                handle = sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.1; done", background=True)
+                seen = []
+                assert handle.wait(on_stdout=seen.append).exit_code == 0 and "".join(seen).split() == ["1", "2", "3"]
+            listed = {s.sandbox_id: s.metadata["weenv.node"] for s in e2b.Sandbox.list(
+                query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()}  # fmt: skip
+            assert listed == {sb.sandbox_id: n for sb, n in zip(made, nodes)}, "listed over every node"
+            # a wrong access token is refused at the gateway, as on one node
+            r = httpx.get(gw.url + "/e2b/envd/health", headers={"e2b-sandbox-id": made[0].sandbox_id,
+                                                                  "x-access-token": "0" * 32})  # fmt: skip
+            assert r.status_code == 401
+        finally:
+            for sb in made:
+                sb.kill()
+        assert not made[0].is_running()
+        assert e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items() == []
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_weenv_sdk_and_batch_across_nodes(ray_cluster):
+    """weenv.connect_cluster(): weenv.Sandbox as against one node; a batch of
+    many templates streamed from every node; one larger than the cluster holds
+    refused whole at once, nothing made."""
+    import weenv
+
+    c = weenv.connect_cluster()
+    with c.create("t2", resources=SMALL) as sb:
+        assert sb.commands.run("wc -c < /workspace/b.bin").stdout.strip() == str(24 * MiB)
+        data = os.urandom(3 * MiB)  # streamed through the gateway both ways
+        assert sb.files.write("/workspace/x", data).size == len(data)
+        assert sb.files.read("/workspace/x", format="bytes") == data
+        assert weenv.Sandbox.connect(sb.id, api_url=c.url, api_key=c.api_key).info.id == sb.id
+    # 3 nodes x max_environments=2: a batch of 6 must use all three
+    items = [{"template": t, "resources": SMALL.model_dump(), "first_command": False} for t in ("t1", "t2") * 3]
+    lines = []
+    t0 = time.monotonic()
+    with httpx.Client(base_url=c.url, headers={"x-api-key": c.api_key}, timeout=120) as h:
+        with h.stream("POST", "/v1/environments/batch", json={"items": items}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            for line in r.iter_lines():
+                lines.append((time.monotonic() - t0, json.loads(line)))
+        print("batch of 6 across 3 nodes: lines at " + ", ".join(f"{t:.2f}" for t, _ in lines) + " s")
+        assert sorted(ev["index"] for _, ev in lines) == list(range(6))
+        envs = [ev["environment"] for _, ev in lines]
+        assert all(ev.get("error") is None for _, ev in lines), lines
+        where = {e["id"]: e["metadata"]["weenv.node"] for e in envs}
+        assert set(where.values()) == set(_alive_nodes())
+        assert {e["id"] for e in h.get("/v1/environments").json()} == set(where)
+        # the cluster is full now: one more, alone or in a batch, is refused at once
+        r = h.post("/v1/environments/batch", json={"items": items[:1]})
+        assert r.status_code == 503 and "more than the cluster can hold now: room for 0" in r.json()["error"]["message"]
+        for e in envs:
+            assert h.delete(f"/v1/environments/{e['id']}").status_code == 204
+        # larger than the cluster: refused before any create
+        t = time.monotonic()
+        r = h.post("/v1/environments/batch", json={"items": items + items[:1]})
+        assert r.status_code == 503, r.text
+        assert "a batch of 7 environments is more than the cluster can hold now: room for 6" in r.json()["error"]["message"]
+        assert time.monotonic() - t < 30, "refused, never a hang"
+        assert h.get("/v1/environments").json() == []
+    made = c.create_many(["t1", "t2"] * 2, resources=SMALL)
+    try:
+        assert len({sb.info.metadata["weenv.node"] for sb in made}) >= 2
+    finally:
+        for sb in made:
+            sb.kill()
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_bad_cluster_urls_hints_and_keys_get_clear_errors(ray_cluster):
+    import weenv
+    from weenv.errors import AuthenticationError, DaemonError
+
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    gw = cluster.gateway()
+    node_url = next(s.api_url for s in cluster.status() if s.state == "alive")
+    with pytest.raises(InvalidInputError, match="not a weenv cluster's address but a single weenv node"):
+        weenv.connect_cluster(node_url, api_key=gw.api_key)
+    with pytest.raises(InvalidInputError, match="not an http"):
+        weenv.connect_cluster("ray://nowhere:10001", api_key=gw.api_key)
+    with pytest.raises(InvalidInputError, match="is not a weenv cluster's address: GET /v1/health answered 404"):
+        weenv.connect_cluster(gw.url + "/e2b", api_key=gw.api_key)
+    with pytest.raises(DaemonError, match="nothing answers at the cluster URL"):
+        weenv.connect_cluster("http://127.0.0.1:9", api_key=gw.api_key)
+    with pytest.raises(AuthenticationError, match="refuses this API key"):
+        weenv.connect_cluster(gw.url, api_key="ab" * 20)
+    c = weenv.connect_cluster()
+    with pytest.raises(InvalidInputError, match="no node 'nope'"):
+        c.create("t1", resources=SMALL, metadata={"weenv.node": "nope"})
+    with pytest.raises(NotFoundError, match="no environment"):
+        c.create("t1", resources=SMALL, metadata={"weenv.near": "0123456789ab"})
+    with environ(**gw.environ()):
+        with pytest.raises(e2b.exceptions.SandboxException, match="no node 'nope'"):
+            e2b.Sandbox.create("t1", metadata={"weenv.node": "nope"})
+    with environ(**{**gw.environ(), "E2B_API_KEY": "e2b_" + "ab" * 20}):
+        with pytest.raises(e2b.exceptions.AuthenticationException):
+            e2b.Sandbox.create("t1")
+    r = httpx.post(gw.url + "/v1/environments/batch", json={"items": []}, headers={"x-api-key": gw.api_key})
+    assert r.status_code == 400 and r.json()["error"]["kind"] == "invalid_input"
+    r = httpx.get(gw.url + "/v1/environments/0123456789ab", headers={"x-api-key": gw.api_key})
+    assert r.status_code == 404 and "no environment 0123456789ab in the cluster" in r.json()["error"]["message"]
+    assert httpx.get(gw.url + "/v1/environments").status_code == 401
+    assert httpx.get(gw.url + "/v1/health").json() == {"status": "ok", "cluster": True}
 
 
 def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
