@@ -255,6 +255,28 @@ def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
                 handle = sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.1; done", background=True)
                 seen = []
                 assert handle.wait(on_stdout=seen.append).exit_code == 0 and "".join(seen).split() == ["1", "2", "3"]
+            # signed URLs (no token, no sandbox header: the signature names the sandbox, and so its node)
+            a, b = made[0], made[-1]
+            assert httpx.get(a.download_url("/workspace/note.txt"), timeout=30).text == f"on {nodes[0]}"
+            assert httpx.get(b.download_url("/workspace/note.txt"), timeout=30).text == f"on {nodes[-1]}"
+            body = os.urandom(1 * MiB)
+            r = httpx.post(b.upload_url("/workspace/up.bin"), files={"file": ("up.bin", body)}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert b.files.read("/workspace/up.bin", format="bytes") == body and not a.files.exists("/workspace/up.bin")
+            # a PTY's stream and a directory watcher, relayed
+            pty_out = bytearray()
+            h = a.pty.create(e2b.PtySize(rows=24, cols=80), timeout=60)
+            a.pty.send_stdin(h.pid, b"echo up-$((1+2)); exit\n")
+            assert h.wait(on_pty=pty_out.extend).exit_code == 0 and b"up-3" in pty_out
+            w = a.files.watch_dir("/workspace")
+            a.files.write("/workspace/watched.txt", "x")
+            deadline = time.monotonic() + 10
+            names: set = set()
+            while "watched.txt" not in names and time.monotonic() < deadline:
+                names |= {e.name for e in w.get_new_events()}
+                time.sleep(0.1)
+            w.stop()
+            assert "watched.txt" in names
             listed = {s.sandbox_id: s.metadata["weenv.node"] for s in e2b.Sandbox.list(
                 query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()}  # fmt: skip
             assert listed == {sb.sandbox_id: n for sb, n in zip(made, nodes)}, "listed over every node"
@@ -336,7 +358,7 @@ def test_bad_cluster_urls_hints_and_keys_get_clear_errors(ray_cluster):
     with pytest.raises(InvalidInputError, match="not an http"):
         weenv.connect_cluster("ray://nowhere:10001", api_key=gw.api_key)
     with pytest.raises(InvalidInputError, match="is not a weenv cluster's address: GET /v1/health answered 404"):
-        weenv.connect_cluster(gw.url + "/e2b", api_key=gw.api_key)
+        weenv.connect_cluster(gw.url + "/elsewhere", api_key=gw.api_key)
     with pytest.raises(DaemonError, match="nothing answers at the cluster URL"):
         weenv.connect_cluster("http://127.0.0.1:9", api_key=gw.api_key)
     with pytest.raises(AuthenticationError, match="refuses this API key"):
