@@ -29,8 +29,9 @@ def up(
                                                              "(default: the head node's)")] = None,
     no_gateway: Annotated[bool, typer.Option("--no-gateway", help="serve no cluster address")] = False,
 ) -> None:
-    """Start weenv on every node (nodes joining later get it too), wait until each
-    answers, and serve the cluster's one address (weenv's API and E2B's) on the head node."""
+    """Start weenv on every node (joining ones too) and the cluster's one address on the head node.
+
+    Waits until every node's daemon answers; the address serves weenv's API and E2B's."""
     from weenv import cluster
 
     nodes = cluster.up(cluster.ClusterConfig(home=home, store=store, max_environments=max_environments,
@@ -58,8 +59,9 @@ def status(address: Address = None) -> None:
 
 @app.command()
 def env(address: Address = None) -> None:
-    """Print shell lines pointing weenv's SDK and the e2b SDK at the cluster's address
-    (``eval "$(weenv cluster env)"``)."""
+    """Print shell lines pointing weenv's SDK and the e2b SDK at the cluster's address.
+
+    Use as ``eval "$(weenv cluster env)"``."""
     from weenv import cluster
 
     for k, v in cluster.gateway(address=address).environ().items():
