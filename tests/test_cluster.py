@@ -5,7 +5,8 @@ node actor and daemon per node, the placement actor, the cluster client.
 One cluster for the module (bringing it up takes ~15 s); the tests run in order
 and the last one kills a node.  Everything is cleaned by pid at the end: the
 daemons (through ``weenv cluster down``, or ``weenv stop`` on a killed node's
-home), the Ray processes, and the check that nothing is left.
+home), the Ray processes, and the check that nothing is left: no mount or
+cgroup, no daemon process, no Ray process, the gateway's port closed.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def ray_cluster(tmp_path_factory, cluster_store):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     workers = [c.add_node(num_cpus=1) for _ in range(2)]
     ray_pids = _children(os.getpid()) - before_children
+    daemon_pids: list[int] = []
     try:
         ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
@@ -95,13 +97,15 @@ def ray_cluster(tmp_path_factory, cluster_store):
     finally:
         try:
             if ray.is_initialized():
+                gateway = cluster.gateway()
+                daemon_pids = [int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
+                               for h in homes.iterdir() if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()]
                 try:
-                    gateway = cluster.gateway()
                     cluster.down()
-                    with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
-                        httpx.get(gateway.url + "/v1/health", timeout=5)
                 except Exception as exc:  # a killed node's daemon: stopped below
                     print(f"cluster down: {exc}")
+                with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
+                    httpx.get(gateway.url + "/v1/health", timeout=5)
                 ray.shutdown()
         finally:
             c.shutdown()
@@ -114,6 +118,7 @@ def ray_cluster(tmp_path_factory, cluster_store):
             left = [p for p in ray_pids if _alive(p)]
             for p in left:
                 os.kill(p, signal.SIGKILL)
+            assert daemon_pids and not [p for p in daemon_pids if _alive(p)], "a node's daemon outlived the cluster"
             after = system_snapshot(homes)
             for key in after:
                 assert not sorted(set(after[key]) - set(before[key])), f"leaked {key}"
@@ -205,21 +210,27 @@ def test_create_latency_through_the_cluster_against_direct(ray_cluster):
     """Not a bound: the figure for the report (printed)."""
     from weenv.sdk import NodeClient
 
-    with ClusterClient() as client:
-        times = {"cluster": [], "direct": []}
+    gw = cluster.gateway()
+    with ClusterClient() as client, NodeClient(api_url=gw.url, api_key=gw.api_key) as through_gateway:
+        times = {"cluster": [], "direct": [], "gateway": []}
         for _ in range(5):
             t = time.monotonic()
             e = client.create("t1", resources=SMALL)
             times["cluster"].append(time.monotonic() - t)
             route = client.route(e.id)
             client.destroy(e.id)
+            t = time.monotonic()
+            g = through_gateway.create("t1", resources=SMALL)
+            times["gateway"].append(time.monotonic() - t)
+            through_gateway.destroy(g.id)
             with NodeClient(api_url=route.api_url, api_key=route.api_key) as direct:
                 t = time.monotonic()
                 d = direct.create("t1", resources=SMALL)
                 times["direct"].append(time.monotonic() - t)
                 direct.destroy(d.id)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, direct {med['direct'] * 1000:.1f} ms")
+        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, gateway {med['gateway'] * 1000:.1f} ms, "
+              f"direct {med['direct'] * 1000:.1f} ms")
 
 
 # --- the cluster's one address (weenv.cluster.gateway) ------------------------------------
@@ -400,6 +411,9 @@ def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
         assert client.lost() == {e.id: victim_id}
         with pytest.raises(LostError, match=f"lost with node {victim_id}"):
             client.exec(e.id, "true")
+        gw = cluster.gateway()  # through the cluster's address: lost too (weenv's 410, kind lost)
+        r = httpx.get(f"{gw.url}/v1/environments/{e.id}", headers={"x-api-key": gw.api_key})
+        assert r.status_code == 410 and r.json()["error"]["kind"] == "lost", r.text
         other = client.create("t1", resources=SMALL)  # the cluster still answers
         assert other.node_id != victim_id
         client.destroy(other.id)
