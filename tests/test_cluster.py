@@ -77,6 +77,14 @@ def cluster_store(tmp_path_factory, debian_root):
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory, cluster_store):
     """A running Ray cluster of 3 nodes with weenv up on it; torn down by pid."""
+    yield from run_cluster(tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
+                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3)
+
+
+def run_cluster(tmp_path_factory, cluster_store, **settings):
+    """Yield ``(cluster, workers, config, homes)`` of a Ray cluster of a head and
+    two more nodes with weenv up on it (``settings``: :class:`ClusterConfig`
+    fields); everything stopped by pid and checked gone after."""
     homes = tmp_path_factory.mktemp("cluster-homes")
     before_children = _children(os.getpid())
     before = system_snapshot(homes)
@@ -88,8 +96,7 @@ def ray_cluster(tmp_path_factory, cluster_store):
         ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
         config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
-                                       max_environments=2, heartbeat_s=0.3, heartbeat_timeout_s=5,
-                                       reconcile_s=0.3, cache_scan_s=0.3, gateway_port=0)
+                                       **{"gateway_port": 0, **settings})
         t0 = time.monotonic()
         nodes = cluster.up(config, timeout=120)
         print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")

@@ -158,6 +158,22 @@ def stores(
     print(json.dumps(result["summary"]))
 
 
+@bench_app.command("cluster")
+def cluster(
+    quick: bool = typer.Option(False, "--quick", help="8 templates, 64 creates in batches of 16 (a few minutes)"),
+    simulate: bool = typer.Option(False, "--simulate", help="only the model of 100 and 1,000 nodes"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+) -> None:
+    """Placement and peer chunk sharing: random placement from the store against weenv's, real and modelled.
+
+    4 Ray nodes on this machine, then a model of 100 and 1,000 nodes."""
+    from weenv_bench.cluster import run
+    from weenv.cli.common import err
+
+    result = run(quick=quick, simulate_only=simulate, json_path=json_path, log=err.print)
+    print(json.dumps(result["summary"]))
+
+
 def main() -> None:
     """``weenv-bench ...``: the same commands, with the product's one-line errors."""
     from weenv.cli import run_app

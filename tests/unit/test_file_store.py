@@ -40,3 +40,46 @@ def test_file_store_delete_ref(store):
     assert store.list_refs("buildcache") == {}
     with pytest.raises(InvalidInputError):
         store.delete_ref("nonsense", "x")
+
+
+def _swap_from(root: str, digest: str, start, results) -> None:
+    """One racing writer (its own process and store object): wait for the start, then swap."""
+    from weenv.errors import BusyError
+
+    store = FileStore(root)
+    start.wait()
+    try:
+        store.swap_ref("templates", "t", digest, expected=None)
+        results.put(digest)
+    except BusyError:
+        results.put(None)
+
+
+def test_file_store_swap_ref_lets_exactly_one_of_racing_processes_win(tmp_path):
+    # Before refs/.lock the check and the write were two steps: several writers
+    # that all read "nothing" all wrote, and the last one silently won.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    digests = [f"sha256:{i:064x}" for i in range(1, 13)]
+    procs = [ctx.Process(target=_swap_from, args=(str(tmp_path), d, start, results)) for d in digests]
+    for p in procs:
+        p.start()
+    start.set()
+    outcomes = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    winners = [d for d in outcomes if d is not None]
+    assert len(winners) == 1
+    assert FileStore(tmp_path).get_ref("templates", "t") == winners[0]
+
+
+def test_file_store_delete_ref_with_expected_keeps_a_ref_moved_meanwhile(store):
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    store.set_ref("groups", "g", b)  # moved from a to b since the caller read it
+    store.delete_ref("groups", "g", expected=a)
+    assert store.get_ref("groups", "g") == b
+    store.delete_ref("groups", "g", expected=b)
+    assert store.ref_or_none("groups", "g") is None
+    assert store.list_refs("groups") == {}  # the lock file is no ref

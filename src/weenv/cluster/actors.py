@@ -20,6 +20,7 @@ daemons' business, not Ray's.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import traceback
 
@@ -28,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from weenv.cluster.config import NAMESPACE, ClusterConfig
 from weenv.cluster.node import NodeAgent
+from weenv.cluster.peers import PeerPush, peer_settings
 from weenv.cluster.placement import Policy
 from weenv.cluster.view import ClusterView, NodeStatus, Placed, Route
 from weenv.config import Paths
@@ -49,13 +51,18 @@ class NodeActor:
         self.agent = NodeAgent(self.node_id, paths, host=ray.util.get_node_ip_address(),
                                cache_scan_s=config.cache_scan_s)
         self.placement, self.interval = placement_actor, config.heartbeat_s
+        self.peer_push = PeerPush(paths) if config.peers else None
         self._stop = threading.Event()
         self.beat()
         threading.Thread(target=self._beat_forever, name="weenv-heartbeat", daemon=True).start()
 
     def beat(self) -> None:
-        """Send one heartbeat now (the placement actor has it when this returns)."""
-        ray.get(self.placement.heartbeat.remote(self.agent.report()))
+        """Send one heartbeat now (the placement actor has it when this returns),
+        and hand its answer, this node's peer table, to the daemon."""
+        answer = ray.get(self.placement.heartbeat.remote(self.agent.report()))
+        if self.peer_push is not None and answer is not None:
+            peers, settings = answer
+            self.peer_push.push(peers, settings)
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(self.interval):
@@ -70,6 +77,8 @@ class NodeActor:
     def stop(self) -> None:
         """Stop heartbeats and the daemon (every environment destroyed, every mount gone)."""
         self._stop.set()
+        if self.peer_push is not None:
+            self.peer_push.close()
         self.agent.stop()
 
 
@@ -82,13 +91,26 @@ class PlacementActor:
                                 heartbeat_timeout_s=config.heartbeat_timeout_s)
         self._actors: dict[str, tuple[object, object]] = {}  # node id -> (actor handle, its ready ref)
         self._self = ray.get_runtime_context().current_actor
+        self._peer_settings = peer_settings(config, secrets.token_hex(20)) if config.peers else None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         threading.Thread(target=self._reconcile_forever, name="weenv-reconcile", daemon=True).start()
 
     # --- called by node actors and clients -------------------------------------------------
-    def heartbeat(self, report) -> None:
+    def heartbeat(self, report):
+        """Take ``report``; answer the node's peer table and the peer settings (None without peers)."""
         self.view.heartbeat(report)
+        if self._peer_settings is None:
+            return None
+        return self.view.peers(report.node_id), self._peer_settings
+
+    def peer_settings(self):
+        """The cluster's :class:`~weenv.node.peers.PeerSettings` (None without peer sharing)."""
+        return self._peer_settings
+
+    def peers(self, node_id: str) -> list:
+        """``node_id``'s peer table as its next heartbeat gets it."""
+        return self.view.peers(node_id)
 
     def place(self, template: str, cpus: float | None = None, memory_bytes: int | None = None,
               node: str | None = None, near: str | None = None) -> Placed:

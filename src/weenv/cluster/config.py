@@ -48,6 +48,16 @@ class ClusterConfig(BaseModel):
     """Its TCP port (0: any free one)."""
     gateway_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{32,128}$")
     """Its API key, hex (None: a new one each time it starts)."""
+    peers: bool = True
+    """Nodes fetch chunks from each other before the store (:mod:`weenv.cluster.peers`)."""
+    peer_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    """Seconds a peer has to serve one chunk before the next peer, then the store."""
+    peer_tries: int = Field(default=2, ge=1, le=8)
+    """Peers asked for one chunk before the store."""
+    peer_serve_concurrency: int = Field(default=8, ge=1, le=256)
+    """Per node: chunks served to peers at once (more are refused)."""
+    peer_serve_bytes_per_s: int | None = Field(default=None, ge=1)
+    """Per node: bytes a second served to peers (None: no bound)."""
 
     @field_validator("home")
     @classmethod

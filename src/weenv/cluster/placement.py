@@ -129,26 +129,52 @@ def score(node: NodeLoad, request: Request, policy: Policy = Policy(), *, prefer
     return s - policy.prefer_bonus if node.node_id == preferred else s
 
 
+SAMPLE_TRIES = 8
+"""Random draws per sampled node before :func:`place` filters every node (a nearly full cluster)."""
+
+
 def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(), preferred: str | None = None,
-          rng: random.Random | None = None) -> str:
+          rng: random.Random | None = None, holders: list[NodeLoad] | None = None) -> str:
     """The id of the node ``request`` goes to, from ``nodes``.
 
     ``preferred``: a node id that wins if eligible (a hint, an origin);
-    :class:`InvalidInputError` if no node of ``nodes`` has it.  Raises
-    :class:`CapacityError` when no node is eligible."""
+    :class:`InvalidInputError` if no node of ``nodes`` has it.  ``holders``:
+    the nodes holding any of the template's groups, when the caller keeps an
+    index of them (None: every node is looked at).  Raises
+    :class:`CapacityError` when no node is eligible.
+
+    Cost: O(k + holders) on a cluster with room (the ``k`` sampled nodes are
+    drawn at random and kept if eligible, up to ``SAMPLE_TRIES × k`` draws),
+    O(nodes) when the draws find too few eligible ones or without ``holders``."""
     rng = rng or random
     if preferred is not None and not any(n.node_id == preferred for n in nodes):
         raise InvalidInputError(f"no node {preferred!r} in the cluster (nodes: {', '.join(n.node_id for n in nodes)})")
-    ok = [n for n in nodes if eligible(n, request, policy)]
-    if not ok:
-        alive = sum(n.alive for n in nodes)
-        raise CapacityError(f"no node can take {request.cpus:g} cpus and {request.memory_bytes >> 20} MiB now "
-                            f"({alive} of {len(nodes)} nodes alive, all full or busy with creates)")
-    candidates = {n.node_id: n for n in (rng.sample(ok, policy.k) if len(ok) > policy.k else ok)}
+    candidates: dict[str, NodeLoad] = {}
+    if len(nodes) > 4 * policy.k:
+        for _ in range(SAMPLE_TRIES * policy.k):
+            n = rng.choice(nodes)
+            if eligible(n, request, policy):
+                candidates[n.node_id] = n
+                if len(candidates) == policy.k:
+                    break
+    ok = None
+    if len(candidates) < policy.k:
+        ok = [n for n in nodes if eligible(n, request, policy)]
+        if not ok:
+            alive = sum(n.alive for n in nodes)
+            raise CapacityError(f"no node can take {request.cpus:g} cpus and {request.memory_bytes >> 20} MiB now "
+                                f"({alive} of {len(nodes)} nodes alive, all full or busy with creates)")
+        candidates = {n.node_id: n for n in (rng.sample(ok, policy.k) if len(ok) > policy.k else ok)}
     if request.groups:
-        warm = sorted((n for n in ok if cached_share(n, request) > 0), key=lambda n: -cached_share(n, request))
+        pool = holders if holders is not None else ok if ok is not None else nodes
+        warm = [n for n in pool if cached_share(n, request) > 0 and eligible(n, request, policy)]
+        warm.sort(key=lambda n: -cached_share(n, request))
         candidates.update((n.node_id, n) for n in warm[: policy.k])
-    for n in ok:
-        if n.node_id == preferred:
-            candidates[n.node_id] = n
-    return min(candidates.values(), key=lambda n: (score(n, request, policy, preferred=preferred), n.node_id)).node_id
+    if preferred is not None:
+        for n in nodes:
+            if n.node_id == preferred and eligible(n, request, policy):
+                candidates[n.node_id] = n
+    # equal scores (empty nodes, as a rule): a random one, not always the same (the lowest id)
+    ties = {n.node_id: rng.random() for n in candidates.values()}
+    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred), 9),
+                                                   ties[n.node_id])).node_id

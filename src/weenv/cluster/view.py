@@ -27,6 +27,7 @@ from weenv.cluster import placement
 from weenv.cluster.node import NodeReport, TemplateFacts
 from weenv.errors import InvalidInputError, LostError, NotFoundError
 from weenv.formats.manifest import Resources
+from weenv.node.peers import PeerInfo
 
 HEARTBEAT_TIMEOUT_S = 10.0
 """A node silent this long is gone."""
@@ -34,6 +35,8 @@ RESERVATION_TTL_S = 600.0
 """A create in progress not reported done within this long is dropped (its client died)."""
 
 
+EXPECT_S = 30.0
+"""Seconds a node counts as holding a template placed there (:attr:`_Node.expected`)."""
 REPORT_GRACE_S = 5.0
 """Seconds an environment recorded by a create's end stays routed though a
 node's report lacks it (the report's listing may predate the create)."""
@@ -65,6 +68,13 @@ class _Node:
     seen: float = 0.0
     inflight: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     """token -> (cpus, memory bytes, placed at)."""
+    pending: dict[str, tuple[float, int, float]] = field(default_factory=dict)
+    """env id -> (cpus, memory bytes, done at): made, not yet in a report's
+    reservations (so placement does not see a node as emptier than it is)."""
+    expected: dict[str, float] = field(default_factory=dict)
+    """Template -> until when (monotonic s) the node counts as holding it: placed
+    there lately, before its reports show the chunks (creates of a template
+    started together go together; its peers may ask it for them)."""
 
 
 @dataclass
@@ -115,6 +125,9 @@ class ClusterView:
             if node.state == "gone" and node.reason.startswith("ray"):
                 return  # Ray declared the node dead: a late heartbeat does not revive it
             node.state, node.reason, node.report, node.seen = "alive", "", report, time.monotonic()
+            now = time.monotonic()
+            node.pending = {e: r for e, r in node.pending.items()
+                            if e not in report.environments and now - r[2] < RESERVATION_TTL_S / 20}
             present = set(report.environments)
             for env_id in present:
                 self._envs[env_id] = (report.node_id, report.at)
@@ -180,6 +193,7 @@ class ClusterView:
             token = next(self._tokens)
             target = self._nodes[chosen]
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
+            target.expected[template] = time.monotonic() + EXPECT_S
             return Placed(self._route_of(target), token)
 
     def _request(self, template: str, cpus: float | None, memory_bytes: int | None) -> placement.Request:
@@ -189,7 +203,7 @@ class ClusterView:
         return placement.Request(
             cpus=cpus if cpus is not None else (facts.cpus if facts else default.cpus),
             memory_bytes=memory_bytes if memory_bytes is not None else (facts.memory_bytes if facts else default.memory_bytes),
-            groups=tuple((g, self._group_sizes.get(g, 0)) for g in facts.groups) if facts else ())
+            groups=self._groups_of(template, facts))
 
     def room(self, items: list[tuple[str, float | None, int | None]]) -> int:
         """How many of ``items`` (``(template, cpus, memory_bytes)``, None: the
@@ -213,6 +227,56 @@ class ClusterView:
                 fits += 1
             return fits
 
+    def _groups_of(self, template: str, facts: TemplateFacts | None) -> tuple[tuple[str, int], ...]:
+        """The template's groups and their bytes for placement (without those
+        every node holds, :meth:`_everywhere`, unless that is all); one stand-in
+        ``template:NAME`` of 1 byte while no node knows it (a node it was
+        placed on lately holds that, :meth:`_expected_bytes`)."""
+        if facts is None:
+            return ((f"template:{template}", 1),)
+        groups = tuple((g, self._working_set(g)) for g in facts.groups)
+        distinct = tuple((g, ws) for g, ws in groups if not self._everywhere(g, ws))
+        return distinct or groups
+
+    def _everywhere(self, group: str, ws: int) -> bool:
+        """Whether every alive node (two or more) holds at least half of ``group``'s
+        working set ``ws``: a shared base, whose bonus would be the same on every
+        node and only dilute the template's own groups'."""
+        alive = [n for n in self._nodes.values() if n.state == "alive" and n.report is not None]
+        return len(alive) > 1 and ws > 0 and all(2 * n.report.group_bytes.get(group, 0) >= ws for n in alive)
+
+    def _working_set(self, group: str) -> int:
+        """The bytes of ``group`` placement weighs: the most any node holds of it
+        (what its environments read: a few percent of a template, as a rule),
+        its whole size while no node holds any.  A node holding that much has
+        the template's whole share (cache bonus)."""
+        held = max((n.report.group_bytes.get(group, 0) for n in self._nodes.values()
+                    if n.report is not None and n.state == "alive"), default=0)
+        return held if held > 0 else self._group_sizes.get(group, 0)
+
+    def _expected_bytes(self, node: _Node) -> dict[str, int]:
+        """Group (or stand-in) -> bytes the node is expected to hold for templates placed there lately."""
+        now = time.monotonic()
+        node.expected = {t: until for t, until in node.expected.items() if until > now}
+        out: dict[str, int] = {}
+        for template in node.expected:
+            for g, size in self._groups_of(template, self._templates.get(template)):
+                out[g] = max(out.get(g, 0), size)
+        return out
+
+    def peers(self, node_id: str) -> list[PeerInfo]:
+        """The peer table of ``node_id``: every other alive node, its daemon's URL
+        and the groups it holds chunks of (or was placed lately)."""
+        with self._lock:
+            out = []
+            for n in self._nodes.values():
+                if n.node_id == node_id or n.state != "alive" or n.report is None:
+                    continue
+                groups = {g for g, b in n.report.group_bytes.items() if b > 0}
+                groups |= {g for g in self._expected_bytes(n) if g.startswith("sha256:")}
+                out.append(PeerInfo(node_id=n.node_id, url=n.report.api_url, groups=sorted(groups)))
+            return out
+
     def done(self, token: int, node_id: str, env_id: str | None) -> None:
         """The create holding ``token`` on ``node_id`` ended: made ``env_id``, or failed (None).
         Token 0 (never a placement's) records ``env_id`` alone: one its node made
@@ -221,7 +285,9 @@ class ClusterView:
             node = self._nodes.get(node_id)
             if node is None:
                 return
-            node.inflight.pop(token, None)
+            held = node.inflight.pop(token, None)
+            if env_id is not None and held is not None and node.state != "gone":
+                node.pending[env_id] = (held[0], held[1], time.monotonic())
             if env_id is not None:
                 if node.state == "gone":
                     self._lost[env_id] = (node_id, time.time())
@@ -234,11 +300,13 @@ class ClusterView:
             return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
         return placement.NodeLoad(
             node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
-            cpu_reserved=r.cpu_reserved, memory_reserved=r.memory_reserved, cpu_used=r.cpu_used,
+            cpu_reserved=r.cpu_reserved + sum(c for c, _, _ in node.pending.values()),
+            memory_reserved=r.memory_reserved + sum(m for _, m, _ in node.pending.values()), cpu_used=r.cpu_used,
             memory_used=r.memory_used, cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
             memory_inflight=sum(m for _, m, _ in node.inflight.values()), inflight=len(node.inflight),
             environments=sum(1 for where, _ in self._envs.values() if where == node.node_id),
-            max_environments=self.max_environments, alive=node.state == "alive", group_bytes=r.group_bytes)
+            max_environments=self.max_environments, alive=node.state == "alive",
+            group_bytes=_merged(self._expected_bytes(node), r.group_bytes))
 
     # --- routing -------------------------------------------------------------------------
     def route(self, env_id: str) -> Route:
@@ -297,3 +365,11 @@ class ClusterView:
                     heartbeat_age_s=(now - n.seen) if r else None))
             return out
 
+
+def _merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Per key, the larger of ``a``'s and ``b``'s bytes."""
+    out = dict(a)
+    for k, v in b.items():
+        if v > out.get(k, 0):
+            out[k] = v
+    return out

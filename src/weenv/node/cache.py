@@ -408,6 +408,35 @@ class ChunkCache:
             self._bytes_served += len(data)
         return data
 
+    def held(self, digest: str, *, wait_s: float = 0.0) -> bytes | None:
+        """The plaintext of chunk ``digest`` if this cache holds it, else None:
+        never a store fetch (what a node serves its peers, :mod:`weenv.node.peers`).
+        A fetch of it in progress here is waited for up to ``wait_s`` seconds.
+        Not re-hashed (a peer checks what it gets); a file of another size than
+        indexed, or gone meanwhile, is None."""
+        digest = check_digest(digest)
+        with self._lock:
+            entry = self._index.get(digest)
+            future = None if entry is not None else self._inflight.get(digest)
+            if entry is not None:
+                self._index.move_to_end(digest)
+        if entry is None and future is not None and wait_s > 0:
+            try:
+                got = future.result(timeout=wait_s)
+            except Exception:  # its fetch failed or is still running: not held
+                return None
+            if isinstance(got, bytes):
+                return got
+            with self._lock:
+                entry = self._index.get(digest)
+        if entry is None:
+            return None
+        try:
+            data = self.path(digest).read_bytes()
+        except OSError:
+            return None
+        return data if len(data) == entry.size else None
+
     def wait_demand_idle(self, timeout: float) -> bool:
         """Block until no demand fetch runs (or ``timeout`` seconds); whether idle."""
         with self._demand_idle:

@@ -202,6 +202,11 @@ class LazyFS:
         with self._lock:
             return sorted(g.digest for g in self._groups.values())
 
+    def manifests(self) -> list[tuple[str, GroupManifest]]:
+        """``(digest, manifest)`` of every group ever added (which groups a chunk is in)."""
+        with self._lock:
+            return [(g.digest, g.manifest) for g in self._known.values()]
+
     def stats(self, digest: str) -> GroupStats:
         """A copy of group ``digest``'s read counters (zeros if never added)."""
         with self._lock:

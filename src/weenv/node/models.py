@@ -363,6 +363,10 @@ class NodeStats(_Model):
     """Creates given an environment of the warm pool (created ahead)."""
     pool_misses: int = 0
     """Creates given none (they created theirs)."""
+    chunks: dict[str, int] = Field(default_factory=dict)
+    """Where the cache's chunks came from and what went to peers, plaintext bytes
+    (:class:`weenv.node.peers.PeerStats`: ``store_bytes``, ``peer_bytes``,
+    ``peer_failures``, ``served_bytes``, ...)."""
 
 
 class ProcessInfo(_Model):

@@ -45,7 +45,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -82,6 +82,7 @@ from weenv.node.models import (
     TemplateInfo,
 )
 from weenv.node.pause import Pauses, check_running
+from weenv.node.peers import PeerChunks
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
@@ -171,13 +172,17 @@ class Node:
         self.paths = paths = paths or Paths.from_env()
         self.home = HomeLock(paths)
         self.store = store or open_store(paths.store_url, check=False)  # starts while the store is down
-        self.cache = ChunkCache(paths.chunk_cache, self.store, max_bytes=cache_bytes)
+        self.peers = PeerChunks(self.store, groups=lambda: self.lazyfs.manifests())
+        """Chunks from peer nodes before the store, once the node is in a cluster (:mod:`weenv.node.peers`)."""
+        self.cache = ChunkCache(paths.chunk_cache, self.peers, max_bytes=cache_bytes)
+        self.peers.held = lambda digest, wait_s: self.cache.held(digest, wait_s=wait_s)
         self.lazyfs = LazyFS(paths.lazy_mountpoint, self.cache, run_dir=paths.run)  # + the FUSE holder
         self.groups = GroupMounts(paths.group_mounts, self.lazyfs, images=paths.node / "images")
-        self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
+        self.prefetch = Prefetcher(self.cache, self.peers, self.lazyfs, workers=prefetch_workers,
                                    record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
                                    publish_lock=lambda: store_lock(self.paths, exclusive=False),
-                                   on_group_complete=self.groups.assemble_if_complete)
+                                   on_group_complete=self.groups.assemble_if_complete,
+                                   skip_pack=self.peers.peers_hold)
         self.manifests = NodeManifests(paths.node / "known", self.store)
         """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
         self.names = KnownNames(paths.node / "known", self.store.url)
@@ -291,6 +296,7 @@ class Node:
                 errors.append(exc)
         self.provisioner.close()
         self.prefetch.close()
+        self.peers.close()
         try:
             self.groups.unmount_all()
         finally:
@@ -824,6 +830,7 @@ class Node:
             pool_ready=pool.ready,
             pool_hits=pool.hits,
             pool_misses=pool.misses,
+            chunks=asdict(self.peers.stats()),
         )
 
     def drop_caches(self) -> None:

@@ -161,7 +161,9 @@ class Prefetcher:
     a profile and its pack are published (the node's shared store lock, so that
     ``weenv gc`` never removes a pack between its upload and its profile's).
     ``on_group_complete(digest, manifest)``: called (in a thread) for each group
-    of a finished job."""
+    of a finished job.  ``skip_pack(group digests)``: True to fetch a pack's
+    chunks one by one instead of streaming the pack (peers hold them,
+    :meth:`weenv.node.peers.PeerChunks.peers_hold`)."""
 
     def __init__(
         self,
@@ -174,6 +176,7 @@ class Prefetcher:
         pack_bytes: int = PACK_BYTES,
         publish_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
+        skip_pack: Callable[[set[str]], bool] | None = None,
     ):
         if workers < 1 or record_s <= 0 or pack_bytes < 0:
             raise InvalidInputError("prefetch wants workers >= 1, record_s > 0 and pack_bytes >= 0")
@@ -183,6 +186,7 @@ class Prefetcher:
         self.pack_bytes = pack_bytes
         self.publish_lock = publish_lock
         self.on_group_complete = on_group_complete
+        self.skip_pack = skip_pack
         self._lock = threading.Condition()
         self._profiles: dict[str, PrefetchProfile | None] = {}  # template digest -> profile (cached lookups)
         self._recording: dict[str, dict] = {}  # env id -> recording state
@@ -446,6 +450,9 @@ class Prefetcher:
         lock hold as the check that ``lookup`` (if given) is still pending."""
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
+        if pack is not None and self.skip_pack is not None and self.skip_pack(
+                {g for g, _c in chunks[: len(pack.frames)]}):
+            pack = None  # its chunks one by one, from peers
         job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
         job.groups = dict(groups) if groups is not None else None
         with self._lock:

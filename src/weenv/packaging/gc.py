@@ -177,7 +177,7 @@ def collect(
         packs = [d for d in store.list_packs() if d not in reach.packs]
         gone = set(doomed)
         refs = [
-            (kind, name)
+            (kind, name, digest)
             for kind in ("groups", "buildcache", "prefetch", "usage")
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
@@ -185,8 +185,8 @@ def collect(
         cache_files = _unreachable_cache_files(paths.chunk_cache, reach.chunks)
         cache_bytes = sum(_size(p) for p in cache_files)
         if not dry_run:
-            for kind, name in refs:
-                store.delete_ref(kind, name)
+            for kind, name, digest in refs:
+                store.delete_ref(kind, name, expected=digest)
             for digest in doomed:
                 store.delete_manifest(digest)
             for digest in chunks:
@@ -202,7 +202,7 @@ def collect(
             bytes_freed=sum(sizes.get(d, 0) for d in chunks),
             cache_chunks_removed=len(cache_files),
             cache_bytes_freed=cache_bytes,
-            refs_removed=[f"{k}/{n}" for k, n in refs],
+            refs_removed=[f"{k}/{n}" for k, n, _ in refs],
             kept_for_running=sorted(reach.manifests - by_ref.manifests),
             dry_run=dry_run,
         )

@@ -8,6 +8,7 @@ ready, bytes base64-encoded)::
                                                       without one, only {"status": "ok"})
     GET    /v1/metrics                                -> Prometheus text format
     GET    /v1/stats                                  -> NodeStats
+    PUT    /v1/peers                                  PeerUpdate -> 204 (a cluster node's peers, weenv.node.peers)
     GET    /v1/stats/provision?env=ID                 -> ProvisionStats (quotas, usage history, events)
     GET    /v1/templates                              -> [TemplateInfo]
     GET    /v1/templates/{name}                       -> TemplateInfo
@@ -114,6 +115,7 @@ from weenv.node.models import (
     WriteInfo,
 )
 from weenv.node.node import Node
+from weenv.node.peers import PeerUpdate
 from weenv.node.process import Process
 from weenv.node.provision import ProvisionStats
 from weenv.server.auth import ApiKey, presented_key
@@ -186,6 +188,11 @@ def api_router(
     @r.get("/tax")
     def tax() -> TaxReport:
         return metrics.tax.report()
+
+    @r.put("/peers", status_code=204)
+    def set_peers(update: PeerUpdate) -> Response:
+        node.peers.update(update)
+        return Response(status_code=204)
 
     @r.get("/stats/provision")
     def provision_stats(env: str | None = None) -> ProvisionStats:

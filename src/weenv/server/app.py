@@ -39,6 +39,7 @@ from weenv.server.api import PREFIX, NamesJSONResponse, api_router
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
+from weenv.server.peers import peer_router
 from weenv.server.tax import EnvSeconds
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ def create_app(
 
     app.include_router(api_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket,
                                   on_shutdown=on_shutdown, max_output=max_output))
+    app.include_router(peer_router(node))
     return app
 
 

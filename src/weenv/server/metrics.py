@@ -11,6 +11,9 @@ Exposed at ``GET /v1/metrics`` in the text format::
     weenv_reaped_total                  counter  environments destroyed when their timeout passed
     weenv_bytes_fetched_total           counter  stored bytes fetched from the store (chunk cache misses)
     weenv_chunks_fetched_total          counter  chunks fetched from the store
+    weenv_chunk_source_bytes_total{source} counter plaintext chunk bytes fetched: store, peer (weenv.node.peers)
+    weenv_peer_failures_total{kind}     counter  peer chunk requests that gave none: missing, busy, bad, unreachable
+    weenv_peer_served_bytes_total       counter  plaintext chunk bytes served to peers
     weenv_pool_ready                    gauge    environments the warm pool holds created ahead
     weenv_pool_takes_total{result}      counter  creates that looked in the warm pool: hit, miss
     weenv_env_seconds_total{phase}      counter  seconds of environment operations the node served, by
@@ -51,6 +54,19 @@ class _NodeCollector:
         takes.add_metric(["hit"], pool.hits)
         takes.add_metric(["miss"], pool.misses)
         yield takes
+        peers = self.node.peers.stats()
+        source = CounterMetricFamily("weenv_chunk_source_bytes", "Plaintext chunk bytes fetched, by source",
+                                     labels=["source"])
+        source.add_metric(["store"], peers.store_bytes)
+        source.add_metric(["peer"], peers.peer_bytes)
+        yield source
+        failures = CounterMetricFamily("weenv_peer_failures", "Peer chunk requests that gave no chunk, by why",
+                                       labels=["kind"])
+        for kind in ("missing", "busy", "bad", "unreachable"):
+            failures.add_metric([kind], getattr(peers, f"peer_{kind}"))
+        yield failures
+        yield CounterMetricFamily("weenv_peer_served_bytes", "Plaintext chunk bytes served to peers",
+                                  value=peers.served_bytes)
         env = CounterMetricFamily("weenv_env_seconds", "Seconds of environment operations served, by phase",
                                   labels=["phase"])
         for phase, seconds in self.tax.report().node.items():

@@ -106,9 +106,10 @@ class Store(abc.ABC):
         not lose a concurrent writer's ref (an update of a template); else
         :class:`BusyError` naming the ref, which is left as the other writer set it.
 
-        ``s3://`` does it atomically (a conditional write); this default
-        (``file://``, ``oci://``) checks, then writes: a writer between the
-        check and the write is overwritten (the last one wins).
+        ``s3://`` (a conditional write) and ``file://`` (under a lock file) do
+        it atomically; this default (``oci://``: a registry has no conditional
+        tag write) checks, then writes: a writer between the check and the
+        write is overwritten (the last one wins).
         """
         check_digest(digest)
         current = self.ref_or_none(kind, name)
@@ -123,8 +124,11 @@ class Store(abc.ABC):
         except NotFoundError:
             return None
 
-    def delete_ref(self, kind: str, name: str) -> None:
-        """Remove ref ``kind/name`` (no error if absent).
+    def delete_ref(self, kind: str, name: str, *, expected: str | None = None) -> None:
+        """Remove ref ``kind/name`` (no error if absent); with ``expected``, only
+        if it points at that digest now (``weenv gc``: a ref a writer re-pointed
+        since gc read it stays).  ``file://`` checks and deletes atomically;
+        ``oci://`` and ``s3://`` check, then delete.
 
         Backends that can delete refs override this; the default raises
         :class:`InvalidInputError` (``weenv gc`` then keeps dangling refs).

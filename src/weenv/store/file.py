@@ -11,12 +11,16 @@ Layout under the root::
     refs/prefetch/HEX               a template's prefetch profile
 
 Writes are atomic: a temporary file in the same directory, fsync'd data, then
-rename(2) over the final name.
+rename(2) over the final name.  Ref writes and deletes hold ``refs/.lock``
+(flock(2), exclusive), so :meth:`FileStore.swap_ref` is a real compare-and-swap
+among every process on this host using the store (on NFS, as far as its
+locking goes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import tempfile
@@ -31,7 +35,7 @@ from weenv.errors import (
 )
 from weenv.formats.limits import MAX_REF_BYTES
 from weenv.formats.manifest import check_digest
-from weenv.store.base import Store, read_limit, too_large
+from weenv.store.base import Store, read_limit, ref_moved, too_large
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +173,35 @@ class FileStore(Store):
         self._check_ref(kind, name)
         return self.root / "refs" / kind / name
 
+    @contextlib.contextmanager
+    def _refs_locked(self):
+        """Hold ``refs/.lock`` exclusively (flock(2)) for a ref's read-check-write."""
+        with self._os_errors("lock refs of"):
+            (self.root / "refs").mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / "refs" / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def set_ref(self, kind: str, name: str, digest: str) -> None:
         check_digest(digest)
-        with self._os_errors("write to"):
-            atomic_write(self._ref_path(kind, name), (digest + "\n").encode())
+        path = self._ref_path(kind, name)
+        with self._refs_locked(), self._os_errors("write to"):
+            atomic_write(path, (digest + "\n").encode())
+
+    def swap_ref(self, kind: str, name: str, digest: str, *, expected: str | None) -> None:
+        """:meth:`Store.swap_ref`, atomically: the read, the check and the write
+        happen under ``refs/.lock``."""
+        check_digest(digest)
+        path = self._ref_path(kind, name)
+        with self._refs_locked():
+            current = self.ref_or_none(kind, name)
+            if current != expected:
+                raise ref_moved(self.url, kind, name, current, expected)
+            with self._os_errors("write to"):
+                atomic_write(path, (digest + "\n").encode())
 
     def get_ref(self, kind: str, name: str) -> str:
         path = self._ref_path(kind, name)
@@ -194,9 +223,14 @@ class FileStore(Store):
                 f"ref {kind}/{name} in {self.url} is damaged: it holds {data[:80]!r}, not a digest"
             ) from None
 
-    def delete_ref(self, kind: str, name: str) -> None:
-        with self._os_errors("delete from"):
-            self._ref_path(kind, name).unlink(missing_ok=True)
+    def delete_ref(self, kind: str, name: str, *, expected: str | None = None) -> None:
+        """:meth:`Store.delete_ref`; with ``expected`` atomically (under ``refs/.lock``)."""
+        path = self._ref_path(kind, name)
+        with self._refs_locked():
+            if expected is not None and self.ref_or_none(kind, name) != expected:
+                return
+            with self._os_errors("delete from"):
+                path.unlink(missing_ok=True)
 
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind``; a damaged ref (not a digest) is left out with a warning."""

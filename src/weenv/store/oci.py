@@ -694,9 +694,12 @@ class OciStore(Store):
                     continue  # deleted meanwhile, or a tag weenv did not write
         return refs
 
-    def delete_ref(self, kind: str, name: str) -> None:
-        """Remove the ref's tag (its manifest, whose bytes no other tag shares)."""
+    def delete_ref(self, kind: str, name: str, *, expected: str | None = None) -> None:
+        """Remove the ref's tag (its manifest, whose bytes no other tag shares);
+        with ``expected``, only if it points there (checked, then deleted)."""
         tag = self._ref_tag(kind, name)
+        if expected is not None and self.ref_or_none(kind, name) != expected:
+            return
         self._delete_tag(tag)
 
     def close(self) -> None:

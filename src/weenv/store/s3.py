@@ -503,8 +503,11 @@ class S3Store(Store):
                 refs[name] = found[0]
         return refs
 
-    def delete_ref(self, kind: str, name: str) -> None:
+    def delete_ref(self, kind: str, name: str, *, expected: str | None = None) -> None:
+        """:meth:`Store.delete_ref`; ``expected`` is checked, then the key deleted."""
         key = self._ref_key(kind, name)
+        if expected is not None and self.ref_or_none(kind, name) != expected:
+            return
         self._call(f"deleting ref {kind}/{name}", lambda deadline: self._request("delete_object", Key=key))
 
     def close(self) -> None:

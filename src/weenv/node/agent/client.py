@@ -43,6 +43,21 @@ _CONTROL_SIZE = socket.CMSG_SPACE(_UCRED.size) + socket.CMSG_SPACE(4 * array.arr
 _MAX_PATH = 100  # sun_path holds 108 bytes; longer paths go through /proc/self/fd
 
 
+TIOCGPTN = 0x80045430
+"""``_IOR('T', 0x30, unsigned int)`` (``asm-generic/ioctls.h``): a master's pty number."""
+
+
+def is_terminal_master(fd: int) -> bool:
+    """Whether ``fd`` is a pseudo-terminal master (``TIOCGPTN`` answers only on
+    one, pty(7)).  The agent runs inside the environment, whose root could take
+    it over (ptrace) and send any descriptor it holds (a FIFO that blocks the
+    reader, a socket): the node uses a received descriptor only if it is one."""
+    try:
+        fcntl.ioctl(fd, TIOCGPTN, struct.pack("I", 0))
+    except OSError:
+        return False
+    return True
+
 class AgentUnavailable(Exception):
     """Nothing of the request ran: the agent is not listening (``gone``: it
     died or never started) or hung up before forking (e.g. it could not fork at
@@ -243,7 +258,7 @@ class AgentSpawned(Spawned):
                     fds = array.array("i")
                     fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                     for fd in fds:  # one terminal master at most; anything else is closed
-                        if self._master is None:
+                        if self._master is None and is_terminal_master(fd):
                             self._master = fd
                         else:
                             os.close(fd)

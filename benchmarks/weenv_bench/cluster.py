@@ -1,0 +1,342 @@
+"""``weenv bench cluster``: placement and peer chunk sharing on a real Ray
+cluster on this machine, random placement with every chunk from the store
+against weenv's placement with peer sharing, side by side in one run; then
+:mod:`weenv_bench.cluster_sim` (``--simulate`` alone: only that).
+
+**Setup.**  One file store; ``T`` templates (32; quick 8) sharing a base (the
+Debian bookworm minbase + python3 tree of the tests and of ``weenv bench
+update``), each with its own task group (``/workspace/task.bin``, random bytes:
+8 MiB; quick 4 MiB).  One Ray cluster of 4 nodes (``ray.cluster_utils.Cluster``:
+a head and 3 more raylets, one CPU each), each with its own weenv home and
+chunk cache.  The warm pool is off (``WEENV_POOL_SIZE=0``): creates are measured,
+not pool takes.
+
+**Rollouts.**  ``iterations`` RL iterations (2) over the same task set; each
+iteration is batches of ``batch`` creates (32; quick 16), ``G`` (4) rollouts of
+``batch / G`` templates, the templates in a shuffled order per iteration; 256
+creates in all (quick 64).  A batch's creates run 8 at once; one create is
+``create`` + ``cat /workspace/task.bin`` (the environment ready, its task
+read); a batch's environments are destroyed when it ends.
+
+**Modes**, on fresh homes each (the same Ray cluster):
+
+- ``random``: every create goes to a node drawn at random (a hint), peer
+  sharing off: every chunk a node misses comes from the store;
+- ``weenv``: weenv's placement (best-of-K with the cache bonus) and peer sharing.
+
+**Measured** per mode: create p50/p99 (s); bytes from the store (chunks no
+peer gave, and prefetch packs) and from peers, over all nodes (the daemons'
+``/v1/stats`` ``chunks``); ``store_bytes_ratio``: store bytes over the unique
+bytes the nodes needed (the union of the chunks in all nodes' caches, which
+never evict here); ``local_hit_rate``: of the creates of a template some node
+already held (from an earlier batch), the share placed on a node holding at
+least half of what any node holds of the template's own group (the base is on
+every node); envs per node max/mean (per batch,
+the worst batch).  And the per-operation costs the simulation uses: a warm
+create's seconds (p50 of local hits), a cold one's (p50 of first touches in
+``random``), one chunk from the store and from a peer (ms per MiB, this machine).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from weenv_bench import machine, write_report
+
+MiB = 1 << 20
+NODES = 4
+CREATE_CONCURRENCY = 8
+SUMMARY_KEYS = ("nodes", "creates", "store_bytes_ratio", "peer_bytes", "local_hit_rate", "create_p99_s",
+                "random_create_p99_s", "sim_nodes", "sim_creates", "sim_create_p99_s", "sim_store_bytes_ratio")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``values`` (nearest rank); None if empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, int(round(q * len(v) + 0.5)) - 1))]
+
+
+def plan(templates: int, batch: int, group: int, iterations: int, seed: int = 0) -> list[list[str]]:
+    """Batches of template names: per iteration, the templates shuffled, ``group`` creates each."""
+    rng = random.Random(seed)
+    per_batch = batch // group
+    out = []
+    for _ in range(iterations):
+        order = [f"c{i}" for i in range(templates)]
+        rng.shuffle(order)
+        for k in range(0, templates, per_batch):
+            out.append([t for t in order[k : k + per_batch] for _ in range(group)])
+    return out
+
+
+def _chunk_files(home: Path) -> dict[str, int]:
+    base = home / "node" / "cache" / "sha256"
+    out = {}
+    if base.is_dir():
+        for p in base.glob("*/*"):
+            if not p.name.startswith(".tmp-"):
+                out[p.name] = p.stat().st_size
+    return out
+
+
+def build_store(root: Path, templates: int, task_bytes: int, log) -> tuple[object, dict[str, set[str]]]:
+    """The file store and the chunk digests (hex) of each template's own group
+    (the base's are on every node that ran anything: they tell nothing of placement)."""
+    from weenv.config import Paths
+    from weenv.formats.manifest import RuntimeConfig, parse_group_manifest
+    from weenv.packaging.debootstrap import debian_rootfs
+    from weenv.packaging.group import build_group
+    from weenv.packaging.template import create_template
+    from weenv.store.file import FileStore
+
+    store = FileStore(root / "store")
+    t = time.monotonic()
+    base_root = debian_rootfs(Paths.from_env().cache, log=log)
+    build_group(base_root, store, name="base")
+    rng = random.Random(1)
+    for i in range(templates):
+        d = root / "tasks" / f"c{i}" / "workspace"
+        d.mkdir(parents=True)
+        (d / "task.bin").write_bytes(rng.randbytes(task_bytes))
+        build_group(d.parent, store, name=f"task-c{i}")
+        create_template(store, f"c{i}", ["base", f"task-c{i}"], runtime=RuntimeConfig(working_dir="/workspace"))
+    chunks = {}
+    for i in range(templates):
+        g = parse_group_manifest(store.get_manifest(store.get_ref("groups", f"task-c{i}")))
+        chunks[f"c{i}"] = {c.digest[7:] for c in g.chunks}
+    log(f"store: base + {templates} templates in {time.monotonic() - t:.1f} s")
+    return store, chunks
+
+
+def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches: list[list[str]], log) -> dict:
+    """One mode on fresh homes: its creates, bytes, hits and balance."""
+    import ray
+
+    from weenv import cluster
+    from weenv.cluster.client import ClusterClient
+    from weenv.config import Paths
+    from weenv.formats.manifest import Resources
+    from weenv.sdk import NodeClient
+
+    homes = root / mode
+    config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=store.url, cache=str(Paths.from_env().cache),
+                                   heartbeat_s=0.5, reconcile_s=0.5, cache_scan_s=0.5, peers=(mode == "weenv"))
+    nodes = sorted(s.node_id for s in cluster.up(config, timeout=180))
+    home_of = {n: config.home_of(n) for n in nodes}
+    small = Resources(cpus=0.05, memory_bytes=64 << 20)
+    rng = random.Random(7)
+    creates, hits, counted, per_batch = [], 0, 0, []
+    t_mode = time.monotonic()
+    with ClusterClient() as client:
+        for b, names in enumerate(batches):
+            held = {n: set(_chunk_files(home_of[n])) for n in nodes}
+            anywhere = set().union(*held.values())
+
+            def one(name: str) -> dict:
+                node = rng.choice(nodes) if mode == "random" else None
+                t = time.monotonic()
+                e = client.create(name, resources=small, node=node)
+                r = client.exec(e.id, "cat /workspace/task.bin > /dev/null")
+                if r.exit_code != 0:
+                    raise RuntimeError(f"reading the task failed in {e.id}: {r.stderr[-300:]!r}")
+                return {"template": name, "node": e.node_id, "id": e.id, "s": time.monotonic() - t}
+
+            with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
+                done = list(pool.map(one, names))
+            for d in done:
+                ws = chunks[d["template"]] & anywhere
+                d["first_touch"] = not ws
+                d["held_share"] = len(ws & held[d["node"]]) / len(ws) if ws else 0.0
+                if ws:
+                    counted += 1
+                    hits += d["held_share"] >= 0.5
+            counts = [sum(d["node"] == n for d in done) for n in nodes]
+            per_batch.append(max(counts) / statistics.mean(counts))
+            creates += done
+            with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
+                list(pool.map(lambda d: client.destroy(d["id"]), done))
+            log(f"{mode}: batch {b + 1}/{len(batches)}: p50 {pct([d['s'] for d in done], 0.5):.2f} s, "
+                f"envs per node {counts}")
+    stats = {}
+    for n in nodes:
+        with NodeClient(socket=Paths(home=home_of[n], cache=Path("/"), store_url="").socket) as c:
+            stats[n] = c.stats().chunks
+    peer_ms = _peer_ms_per_mib(nodes, home_of, config) if mode == "weenv" else None
+    cluster.down()
+    union: dict[str, int] = {}
+    for n in nodes:
+        union.update(_chunk_files(home_of[n]))
+    store_bytes = sum(s["store_bytes"] for s in stats.values())
+    times = [d["s"] for d in creates]
+    return {
+        "mode": mode, "seconds": time.monotonic() - t_mode, "creates": len(creates),
+        "create_p50_s": pct(times, 0.5), "create_p99_s": pct(times, 0.99),
+        "warm_create_p50_s": pct([d["s"] for d in creates if d["held_share"] >= 0.5], 0.5),
+        "cold_create_p50_s": pct([d["s"] for d in creates if d["first_touch"]], 0.5),
+        "store_bytes": store_bytes, "peer_bytes": sum(s["peer_bytes"] for s in stats.values()),
+        "pack_bytes": sum(s["pack_bytes"] for s in stats.values()),
+        "peer_failures": sum(s["peer_failures"] for s in stats.values()),
+        "unique_bytes": sum(union.values()), "store_bytes_ratio": store_bytes / max(1, sum(union.values())),
+        "local_hit_rate": hits / counted if counted else None, "local_counted": counted,
+        "envs_per_node_max_over_mean": max(per_batch), "envs_per_node_max_over_mean_by_batch": per_batch,
+        "creates_per_node": {n[:12]: sum(d["node"] == n for d in creates) for n in nodes},
+        "node_stats": {n[:12]: s for n, s in stats.items()}, "peer_ms_per_mib": peer_ms,
+    }
+
+
+def _peer_ms_per_mib(nodes, home_of, config) -> float | None:
+    """Milliseconds per MiB of chunks one node serves another over HTTP (its peer route), median of 16."""
+    import httpx
+    import ray
+
+    from weenv import cluster
+    from weenv.node.peers import CHUNK_PATH, TOKEN_HEADER
+
+    settings = ray.get(cluster.placement_actor().peer_settings.remote())
+    for n in nodes:
+        files = _chunk_files(home_of[n])
+        big = [h for h, size in files.items() if size == MiB][:16]
+        if len(big) < 8:
+            continue
+        url = (home_of[n] / "run" / "api-url").read_text().strip()
+        times = []
+        with httpx.Client(timeout=10) as h:
+            for hx in big:
+                t = time.monotonic()
+                r = h.get(url + CHUNK_PATH + "sha256:" + hx, headers={TOKEN_HEADER: settings.token})
+                data = r.content
+                assert r.status_code == 200 and hashlib.sha256(data).hexdigest() == hx
+                times.append((time.monotonic() - t) * 1000)
+        return statistics.median(times)
+    return None
+
+
+def _store_ms_per_mib(store, chunks: set[str]) -> float:
+    """Milliseconds per MiB of one chunk from the store (read, decompressed, checked), median of 16."""
+    from weenv.store.base import Store
+
+    assert isinstance(store, Store)
+    times = []
+    for hx in sorted(chunks)[:16]:
+        t = time.monotonic()
+        data = store.get_chunk("sha256:" + hx)
+        times.append((time.monotonic() - t) * 1000 * MiB / max(1, len(data)))
+    return statistics.median(times)
+
+
+def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None, log=print) -> dict:
+    from weenv_bench import cluster_sim
+
+    result: dict = {"machine": machine(), "quick": quick}
+    real = None
+    if not simulate_only:
+        real = run_real(quick=quick, log=log)
+        result["real"] = real
+    costs = cluster_sim.Costs.from_real(real) if real else cluster_sim.Costs()
+    sim = cluster_sim.run(quick=quick, costs=costs, log=log)
+    result["simulation"] = sim
+    w = real["modes"]["weenv"] if real else {}
+    r = real["modes"]["random"] if real else {}
+    head = sim["runs"][0] if sim["runs"] else {}
+    result["summary"] = {
+        "nodes": NODES if real else None, "creates": w.get("creates"),
+        "store_bytes_ratio": w.get("store_bytes_ratio"), "peer_bytes": w.get("peer_bytes"),
+        "local_hit_rate": w.get("local_hit_rate"), "create_p99_s": w.get("create_p99_s"),
+        "random_create_p99_s": r.get("create_p99_s"),
+        "sim_nodes": head.get("nodes"), "sim_creates": head.get("creates"),
+        "sim_create_p99_s": head.get("weenv", {}).get("create_p99_s"),
+        "sim_store_bytes_ratio": head.get("weenv", {}).get("store_bytes_ratio"),
+    }
+    if json_path is not None:
+        write_report(result, json_path, plot)
+    return result
+
+
+def run_real(*, quick: bool, log) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from weenv import cluster
+
+    templates, task_bytes, batch = (8, 4 * MiB, 16) if quick else (32, 8 * MiB, 32)
+    group, iterations = 4, 2
+    batches = plan(templates, batch, group, iterations)
+    os.environ["WEENV_POOL_SIZE"] = "0"  # inherited by the raylets, their actors and daemons
+    with tempfile.TemporaryDirectory(prefix="weenv-bench-cluster-") as tmp:
+        root = Path(tmp)
+        store, chunks = build_store(root, templates, task_bytes, log)
+        store_ms = _store_ms_per_mib(store, set().union(*chunks.values()))
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        try:
+            for _ in range(NODES - 1):
+                c.add_node(num_cpus=1)
+            ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
+            c.wait_for_nodes()
+            modes = {}
+            for mode in ("random", "weenv"):
+                modes[mode] = run_mode(mode, root, store, chunks, batches, log)
+                m = modes[mode]
+                log(f"{mode}: p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
+                    f"{m['store_bytes'] / MiB:.0f} MiB ({m['store_bytes_ratio']:.2f}x unique), peers "
+                    f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}")
+        finally:
+            if ray.is_initialized():
+                try:
+                    cluster.down()
+                except Exception as exc:  # already down
+                    log(f"cluster down: {exc}")
+                ray.shutdown()
+            c.shutdown()
+    return {"nodes": NODES, "templates": templates, "task_bytes": task_bytes, "batch": batch, "group": group,
+            "iterations": iterations, "create_concurrency": CREATE_CONCURRENCY, "store_ms_per_mib": store_ms,
+            "modes": modes}
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    real = result.get("real")
+    if real:
+        modes = real["modes"]
+        names = list(modes)
+        ax = axes[0]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [modes[n]["create_p50_s"] for n in names], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [modes[n]["create_p99_s"] for n in names], 0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("create + task read (s)")
+        ax.set_title(f"real: {real['nodes']} Ray nodes, {modes['weenv']['creates']} creates")
+        ax.legend()
+        ax = axes[1]
+        ax.bar([i - 0.2 for i in x], [modes[n]["store_bytes"] / MiB for n in names], 0.4, label="from store")
+        ax.bar([i + 0.2 for i in x], [modes[n]["peer_bytes"] / MiB for n in names], 0.4, label="from peers")
+        ax.axhline(modes["weenv"]["unique_bytes"] / MiB, color="k", ls="--", label="unique bytes needed")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("MiB")
+        ax.set_title("chunk bytes by source")
+        ax.legend()
+    ax = axes[2]
+    for run_ in result["simulation"]["runs"]:
+        for mode, style in (("weenv", "-"), ("random", "--")):
+            ax.plot(run_["batch_sizes"], run_[mode]["p99_by_batch"], style, marker="o",
+                    label=f"{mode}, {run_['nodes']} nodes")
+    ax.set_xlabel("concurrent creates in the batch")
+    ax.set_ylabel("create p99 (s, modelled)")
+    ax.set_title("simulation")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

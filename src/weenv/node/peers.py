@@ -1,0 +1,339 @@
+"""Chunks from peer nodes: a node of a cluster asks a peer that holds a chunk
+before the store, and serves the chunks it holds to its peers, within bounds.
+
+**Fetching** (:class:`PeerChunks`, the chunk source of the node's
+:class:`~weenv.node.cache.ChunkCache`).  The node is told its peers (their
+daemon's URL, the groups whose chunks each holds: the placement actor's index,
+pushed by the node actor every heartbeat, :mod:`weenv.cluster.peers`).  On a
+miss for chunk ``c``, the groups ``c`` belongs to are looked up among the
+groups the node has mounted (LazyFS's manifests); the peers holding any of
+them are asked, at most ``tries`` of them in random order, each once with a
+deadline of ``timeout_s`` seconds (connect and whole answer).  A peer is not
+trusted: its answer is checked against ``c``'s size and sha256 (a wrong one
+counts in ``peer_bad``).  A peer that answers 404 (evicted) or is busy is
+passed over for this chunk; one that is slow, gone or wrong, for
+:data:`PASS_OVER_S` seconds (so a dead peer costs one timeout, not one per
+chunk).  When no peer gave it, the store does
+(:meth:`weenv.store.base.Store.get_chunk`, checked there).  A chunk no peer is
+known to hold goes to the store at once.
+
+**Serving** (:meth:`PeerChunks.serve`, behind ``GET /peer/v1/chunks/{digest}``
+of :mod:`weenv.server.peers`): only with the cluster's peer token (not the
+node's API key: a peer may read content-addressed chunks and nothing else),
+only chunks this node's cache holds (or is fetching for itself: waited for up
+to ``timeout_s``; a peer's request never makes this node fetch anything), at
+most ``serve_concurrency`` at once (more are refused, :class:`BusyError`, and
+the asker moves on: at most ``serve_concurrency`` chunks' bytes are in flight),
+and at most ``serve_bytes_per_s`` bytes a second (a token bucket: an answer
+waits for its bytes' tokens; None: no rate bound).
+
+Counters (:class:`PeerStats`, in ``GET /v1/stats`` and ``/v1/metrics``) count
+plaintext bytes: from the store, from peers, served to peers, and the peer
+failures by kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from weenv.errors import BusyError, InvalidInputError
+from weenv.formats.limits import MAX_CHUNK_SIZE
+from weenv.formats.manifest import GroupManifest, check_digest
+from weenv.store.base import Store
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "x-weenv-peer-token"
+"""The header a peer's chunk request carries the cluster's peer token in."""
+CHUNK_PATH = "/peer/v1/chunks/"
+"""``CHUNK_PATH + digest``: a node's chunk route for its peers."""
+PASS_OVER_S = 10.0
+"""Seconds a peer that was slow, gone or wrong is not asked again (its chunks come from others, or the store)."""
+
+
+class PeerSettings(BaseModel):
+    """How a node fetches from and serves to its peers (the same on every node of a cluster)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: str = Field(min_length=32, max_length=128, pattern=r"^[0-9a-f]+$")
+    """The cluster's peer secret (hex): what a peer presents, and what this node presents to peers."""
+    timeout_s: float = Field(default=2.0, gt=0, le=60)
+    """Seconds one peer has to answer one chunk (then the next peer, then the store)."""
+    tries: int = Field(default=2, ge=1, le=8)
+    """Peers asked for one chunk before the store."""
+    serve_concurrency: int = Field(default=8, ge=1, le=256)
+    """Chunks served to peers at once; more are refused (the asker moves on)."""
+    serve_bytes_per_s: int | None = Field(default=None, ge=1)
+    """Bytes a second served to peers (None: no bound)."""
+
+
+class PeerInfo(BaseModel):
+    """One peer: its node id, its daemon's URL, the groups (digests) whose chunks it holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(max_length=128)
+    url: str = Field(max_length=2048, pattern=r"^https?://")
+    groups: list[str] = Field(default_factory=list, max_length=100_000)
+
+
+class PeerUpdate(BaseModel):
+    """``PUT /v1/peers``: new settings, a new peer table, or both (None: unchanged)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    settings: PeerSettings | None = None
+    peers: list[PeerInfo] | None = Field(default=None, max_length=10_000)
+
+
+@dataclass
+class PeerStats:
+    """Counters since the daemon started.  Bytes are plaintext bytes."""
+
+    store_chunks: int = 0
+    store_bytes: int = 0
+    """Fetched from the store: chunks no peer gave (plaintext), and prefetch packs."""
+    pack_bytes: int = 0
+    """Of ``store_bytes``, the stored (zstd) bytes of prefetch packs streamed from the store."""
+    peer_chunks: int = 0
+    peer_bytes: int = 0
+    """Fetched from peers (checked)."""
+    peer_failures: int = 0
+    """Peer requests that gave no chunk: the kinds below, summed."""
+    peer_missing: int = 0
+    """The peer did not hold it (404: evicted since its report)."""
+    peer_busy: int = 0
+    """The peer refused: at its serving bound (409)."""
+    peer_bad: int = 0
+    """The peer's answer was not the chunk (size or sha256): a peer is not trusted."""
+    peer_unreachable: int = 0
+    """Slow (past ``timeout_s``), gone (refused, reset) or another HTTP error."""
+    served_chunks: int = 0
+    served_bytes: int = 0
+    """Served to peers."""
+    served_refused: int = 0
+    """Peer requests refused: over ``serve_concurrency``."""
+    served_missing: int = 0
+    """Peer requests for chunks this node does not hold."""
+    peers: int = 0
+    """Peers in the table now."""
+
+
+class PeerChunks:
+    """The chunk source of a node's cache: peers first, then ``store`` (see the
+    module docstring).  ``groups()``: the groups the node has mounted, as
+    ``(digest, manifest)`` pairs (which groups a chunk belongs to).
+    ``held(digest, wait_s)``: the node's own chunk, or None (set by the node
+    once its cache exists).  Thread-safe; no peers until :meth:`update`."""
+
+    def __init__(self, store: Store, groups: Callable[[], Iterable[tuple[str, GroupManifest]]]):
+        self.store = store
+        self.url = store.url
+        self._groups = groups
+        self.held: Callable[[str, float], bytes | None] = lambda digest, wait_s: None
+        self._lock = threading.Lock()
+        self._settings: PeerSettings | None = None
+        self._peers: list[PeerInfo] = []
+        self._by_group: dict[str, list[PeerInfo]] = {}
+        self._chunk_groups: dict[str, list[str]] = {}
+        self._indexed: set[str] = set()
+        self._passed_over: dict[str, float] = {}  # node id -> until (monotonic s)
+        self._stats = PeerStats()
+        self._http: httpx.Client | None = None
+        self._serving = 0
+        self._bucket = 0.0
+        self._bucket_at = time.monotonic()
+        self._bucket_lock = threading.Lock()
+
+    # --- the table -----------------------------------------------------------------------
+    def update(self, update: PeerUpdate) -> None:
+        """Take new settings and/or a new peer table."""
+        with self._lock:
+            if update.settings is not None:
+                self._settings = update.settings
+            if update.peers is not None:
+                self._peers = list(update.peers)
+                by_group: dict[str, list[PeerInfo]] = {}
+                for p in self._peers:
+                    for g in p.groups:
+                        by_group.setdefault(g, []).append(p)
+                self._by_group = by_group
+                self._stats.peers = len(self._peers)
+            if self._http is None and self._settings is not None:
+                self._http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+
+    def settings(self) -> PeerSettings | None:
+        return self._settings
+
+    def stats(self) -> PeerStats:
+        with self._lock:
+            return PeerStats(**asdict(self._stats))
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    def _candidates(self, digest: str) -> list[PeerInfo]:
+        """The peers holding a group ``digest`` belongs to, shuffled."""
+        with self._lock:
+            if not self._by_group or self._settings is None:
+                return []
+            groups = self._chunk_groups.get(digest)
+        if groups is None:
+            self._index()
+            with self._lock:
+                groups = self._chunk_groups.get(digest, [])
+        now = time.monotonic()
+        with self._lock:
+            found = {p.node_id: p for g in groups for p in self._by_group.get(g, ())
+                     if self._passed_over.get(p.node_id, 0.0) <= now}
+        peers = list(found.values())
+        random.shuffle(peers)
+        return peers
+
+    def _index(self) -> None:
+        """Index the chunks of mounted groups not indexed yet (chunk -> groups)."""
+        for gdigest, manifest in list(self._groups()):
+            with self._lock:
+                if gdigest in self._indexed:
+                    continue
+            pairs = [c.digest for c in manifest.chunks]
+            with self._lock:
+                self._indexed.add(gdigest)
+                for c in pairs:
+                    self._chunk_groups.setdefault(c, []).append(gdigest)
+
+    def peers_hold(self, groups: set[str]) -> bool:
+        """Whether peers are known to hold chunks of any of ``groups``: a
+        prefetch then takes its chunks one by one, peers first, rather than a
+        pack from the store."""
+        with self._lock:
+            return self._settings is not None and any(g in self._by_group for g in groups)
+
+    # --- fetching ------------------------------------------------------------------------
+    def get_chunk(self, digest: str, *, stored_digest: str | None = None, size: int | None = None) -> bytes:
+        """Plaintext of chunk ``digest``, checked: from a peer holding it, else
+        from the store (what :meth:`Store.get_chunk` raises, then)."""
+        check_digest(digest)
+        settings = self._settings
+        for peer in self._candidates(digest)[: settings.tries if settings else 0]:
+            data = self._from_peer(peer, digest, size, settings)
+            if data is not None:
+                self._count(peer_chunks=1, peer_bytes=len(data))
+                return data
+        data = self.store.get_chunk(digest, stored_digest=stored_digest, size=size)
+        self._count(store_chunks=1, store_bytes=len(data))
+        return data
+
+    def _from_peer(self, peer: PeerInfo, digest: str, size: int | None, settings: PeerSettings) -> bytes | None:
+        """The chunk from ``peer``, checked, or None (counted by why)."""
+        http = self._http
+        assert http is not None
+        limit = MAX_CHUNK_SIZE if size is None else size
+        deadline = time.monotonic() + settings.timeout_s
+        try:
+            with http.stream("GET", peer.url.rstrip("/") + CHUNK_PATH + digest,
+                             headers={TOKEN_HEADER: settings.token}, timeout=settings.timeout_s) as r:
+                if r.status_code == 404:
+                    self._count(peer_failures=1, peer_missing=1)
+                    return None
+                if r.status_code == 409:
+                    self._count(peer_failures=1, peer_busy=1)
+                    return None
+                if r.status_code != 200:
+                    raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+                buf = bytearray()
+                for piece in r.iter_bytes():
+                    buf += piece
+                    if len(buf) > limit:
+                        break
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout(f"more than {settings.timeout_s} s", request=r.request)
+        except httpx.HTTPError as exc:
+            log.info("peer %s did not serve chunk %s: %s", peer.node_id, digest, exc or type(exc).__name__)
+            self._count(peer_failures=1, peer_unreachable=1)
+            self._pass_over(peer)
+            return None
+        data = bytes(buf)
+        if (size is not None and len(data) != size) or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            log.warning("peer %s (%s) served other bytes for chunk %s: taking it from the store",
+                        peer.node_id, peer.url, digest)
+            self._count(peer_failures=1, peer_bad=1)
+            self._pass_over(peer)
+            return None
+        return data
+
+    def _pass_over(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._passed_over[peer.node_id] = time.monotonic() + PASS_OVER_S
+
+    def stream_pack(self, digest: str, size: int | None = None):
+        """The store's :meth:`~weenv.store.base.Store.stream_pack`, its bytes
+        counted in ``store_bytes`` and ``pack_bytes`` (packs come from the store only)."""
+        for piece in self.store.stream_pack(digest, size):
+            self._count(store_bytes=len(piece), pack_bytes=len(piece))
+            yield piece
+
+    def put_pack(self, data: bytes) -> str:
+        return self.store.put_pack(data)
+
+    # --- serving -------------------------------------------------------------------------
+    def check_token(self, presented: str | None) -> bool:
+        """Whether ``presented`` is the cluster's peer token (constant time); False before settings."""
+        settings = self._settings
+        return bool(settings and presented and hmac.compare_digest(presented.encode(), settings.token.encode()))
+
+    def serve(self, digest: str) -> bytes | None:
+        """Plaintext of chunk ``digest`` for a peer, if this node holds it (None
+        otherwise), within the serving bounds.  Raises :class:`BusyError` past
+        ``serve_concurrency``, :class:`InvalidInputError` for a bad digest or
+        before the node is in a cluster."""
+        check_digest(digest)
+        settings = self._settings
+        if settings is None:
+            raise InvalidInputError("this node serves no peers (it is not in a cluster)")
+        with self._lock:
+            if self._serving >= settings.serve_concurrency:
+                self._stats.served_refused += 1
+                raise BusyError(f"serving {self._serving} chunks to peers already (at most {settings.serve_concurrency})")
+            self._serving += 1
+        try:
+            data = self.held(digest, settings.timeout_s)
+            if data is None:
+                self._count(served_missing=1)
+                return None
+            if settings.serve_bytes_per_s is not None:
+                self._take_tokens(len(data), settings.serve_bytes_per_s)
+            self._count(served_chunks=1, served_bytes=len(data))
+            return data
+        finally:
+            with self._lock:
+                self._serving -= 1
+
+    def _take_tokens(self, n: int, rate: int) -> None:
+        """Wait until ``n`` bytes may go at ``rate`` bytes/s (a bucket of one second's bytes)."""
+        with self._bucket_lock:
+            now = time.monotonic()
+            self._bucket = min(float(rate), self._bucket + (now - self._bucket_at) * rate) - n
+            self._bucket_at = now
+            wait = -self._bucket / rate if self._bucket < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+    def close(self) -> None:
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            http.close()

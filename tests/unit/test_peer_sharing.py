@@ -1,0 +1,114 @@
+"""Peer sharing's plain logic: the cluster view's peer tables and its counting of
+templates placed lately (weenv.cluster.view), and a node's serving bounds
+(weenv.node.peers).  No Ray, no daemon."""
+
+import threading
+import time
+
+import pytest
+
+from weenv.cluster.node import NodeReport, TemplateFacts
+from weenv.cluster.view import ClusterView
+from weenv.errors import BusyError, InvalidInputError
+from weenv.node.peers import PeerChunks, PeerSettings, PeerUpdate
+from weenv.store.file import FileStore
+
+GiB = 1 << 30
+TOKEN = "ab" * 20
+
+
+def report(node_id, held=None, templates=None, envs=()):
+    return NodeReport(node_id=node_id, home="/h", api_url=f"http://{node_id}:1", api_key="k", at=time.time(),
+                      cpu_capacity=8, memory_capacity=32 * GiB, cpu_reserved=0, memory_reserved=0, cpu_used=0,
+                      memory_used=0, environments=list(envs), group_bytes=held or {},
+                      group_sizes={"sha256:g1": 1000, "sha256:g2": 1000}, templates=templates or {})
+
+
+FACTS = {"t": TemplateFacts(["sha256:g1", "sha256:g2"], 1.0, 1 * GiB)}
+
+
+def test_creates_of_one_template_placed_together_go_together():
+    view = ClusterView()
+    for n in "abcd":
+        view.heartbeat(report(n, templates=FACTS))
+    first = view.place("t", cpus=0.1).route.node_id
+    assert all(view.place("t", cpus=0.1).route.node_id == first for _ in range(5))
+    # an unknown template too (no node knows its groups yet)
+    other = view.place("new", cpus=0.1).route.node_id
+    assert all(view.place("new", cpus=0.1).route.node_id == other for _ in range(2))
+
+
+def test_a_node_holding_the_working_set_gets_the_whole_share():
+    view = ClusterView()
+    view.heartbeat(report("a", templates=FACTS))
+    # b holds 5 % of the template: what its environments read (more than any node holds)
+    view.heartbeat(report("b", held={"sha256:g1": 50, "sha256:g2": 50}, templates=FACTS))
+    for _ in range(3):  # b is a little busier and still wins
+        view.heartbeat(report("b", held={"sha256:g1": 50, "sha256:g2": 50}, templates=FACTS))
+    assert view._groups_of("t", FACTS["t"]) == (("sha256:g1", 50), ("sha256:g2", 50))
+    assert view.place("t", cpus=1).route.node_id == "b"
+
+
+def test_the_peer_table_lists_other_alive_nodes_and_what_they_hold():
+    view = ClusterView()
+    view.heartbeat(report("a", held={"sha256:g1": 10, "sha256:g2": 0}, templates=FACTS))
+    view.heartbeat(report("b", templates=FACTS))
+    view.heartbeat(report("c", templates=FACTS))
+    view.gone("c", "test")
+    table = {p.node_id: p for p in view.peers("b")}
+    assert set(table) == {"a"} and table["a"].groups == ["sha256:g1"] and table["a"].url == "http://a:1"
+    assert view.place("t", node="b").route.node_id == "b"
+    assert {p.node_id: p.groups for p in view.peers("a")}["b"] == ["sha256:g1", "sha256:g2"]  # placed lately
+
+
+def test_serving_is_bounded_and_only_held_chunks(tmp_path):
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    with pytest.raises(InvalidInputError, match="not in a cluster"):
+        peers.serve("sha256:" + "0" * 64)
+    peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, serve_concurrency=1, serve_bytes_per_s=1 << 20)))
+    assert peers.check_token(TOKEN) and not peers.check_token("cd" * 20) and not peers.check_token(None)
+    chunk = b"x" * (512 << 10)
+    digest = "sha256:" + __import__("hashlib").sha256(chunk).hexdigest()
+    peers.held = lambda d, wait_s: chunk if d == digest else None
+    assert peers.serve("sha256:" + "1" * 64) is None  # not held: nothing fetched for a peer
+    peers.serve(digest)  # the bucket's first second
+    slow = threading.Thread(target=peers.serve, args=(digest,))
+    slow.start()  # waits ~0.5 s for its bytes' tokens, holding the one slot
+    time.sleep(0.1)
+    with pytest.raises(BusyError):
+        peers.serve(digest)
+    slow.join()
+    s = peers.stats()
+    assert (s.served_chunks, s.served_refused, s.served_missing) == (2, 1, 1)
+    assert s.served_bytes == 2 * len(chunk)
+
+
+def test_a_create_done_counts_on_its_node_until_a_report_shows_it():
+    view = ClusterView()
+    view.heartbeat(report("a"))
+    placed = view.place("x", cpus=2)
+    view.done(placed.token, "a", "e1")
+    assert view._load(view._nodes["a"]).cpu_reserved == 2  # the report predates e1
+    view.heartbeat(report("a", envs=["e1"]))  # now the node's own reservations hold it
+    assert view._load(view._nodes["a"]).cpu_reserved == 0
+
+
+def test_a_base_every_node_holds_does_not_dilute_the_template_share():
+    facts = {"t": TemplateFacts(["sha256:g1", "sha256:g2"], 0.1, GiB)}
+    view = ClusterView()
+    view.heartbeat(report("a", held={"sha256:g1": 900}, templates=facts))
+    view.heartbeat(report("b", held={"sha256:g1": 900, "sha256:g2": 100}, templates=facts))
+    assert view._groups_of("t", facts["t"]) == (("sha256:g2", 100),)
+    assert view.place("t").route.node_id == "b"
+
+
+def test_equal_scores_are_broken_at_random():
+    view = ClusterView()
+    for n in "abcd":
+        view.heartbeat(report(n))
+    chosen = set()
+    for i in range(40):
+        p = view.place(f"x{i}", cpus=0.1)  # a template each: none counts as held anywhere
+        view.done(p.token, p.route.node_id, None)
+        chosen.add(p.route.node_id)
+    assert chosen == set("abcd")
