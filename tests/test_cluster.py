@@ -5,16 +5,19 @@ node actor and daemon per node, the placement actor, the cluster client.
 One cluster for the module (bringing it up takes ~15 s); the tests run in order
 and the last one kills a node.  Everything is cleaned by pid at the end: the
 daemons (through ``weenv cluster down``, or ``weenv stop`` on a killed node's
-home), the Ray processes, and the check that nothing is left.
+home), the Ray processes, and the check that nothing is left: no mount or
+cgroup, no daemon process, no Ray process, the gateway's port closed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -88,11 +91,12 @@ def run_cluster(tmp_path_factory, cluster_store, **settings):
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     workers = [c.add_node(num_cpus=1) for _ in range(2)]
     ray_pids = _children(os.getpid()) - before_children
+    daemon_pids: list[int] = []
     try:
         ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
         c.wait_for_nodes()
         config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
-                                       **settings)
+                                       **{"gateway_port": 0, **settings})
         t0 = time.monotonic()
         nodes = cluster.up(config, timeout=120)
         print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")
@@ -100,10 +104,15 @@ def run_cluster(tmp_path_factory, cluster_store, **settings):
     finally:
         try:
             if ray.is_initialized():
+                gateway = cluster.gateway()
+                daemon_pids = [int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
+                               for h in homes.iterdir() if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()]
                 try:
                     cluster.down()
                 except Exception as exc:  # a killed node's daemon: stopped below
                     print(f"cluster down: {exc}")
+                with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
+                    httpx.get(gateway.url + "/v1/health", timeout=5)
                 ray.shutdown()
         finally:
             c.shutdown()
@@ -116,6 +125,7 @@ def run_cluster(tmp_path_factory, cluster_store, **settings):
             left = [p for p in ray_pids if _alive(p)]
             for p in left:
                 os.kill(p, signal.SIGKILL)
+            assert daemon_pids and not [p for p in daemon_pids if _alive(p)], "a node's daemon outlived the cluster"
             after = system_snapshot(homes)
             for key in after:
                 assert not sorted(set(after[key]) - set(before[key])), f"leaked {key}"
@@ -207,21 +217,187 @@ def test_create_latency_through_the_cluster_against_direct(ray_cluster):
     """Not a bound: the figure for the report (printed)."""
     from weenv.sdk import NodeClient
 
-    with ClusterClient() as client:
-        times = {"cluster": [], "direct": []}
+    gw = cluster.gateway()
+    with ClusterClient() as client, NodeClient(api_url=gw.url, api_key=gw.api_key) as through_gateway:
+        times = {"cluster": [], "direct": [], "gateway": []}
         for _ in range(5):
             t = time.monotonic()
             e = client.create("t1", resources=SMALL)
             times["cluster"].append(time.monotonic() - t)
             route = client.route(e.id)
             client.destroy(e.id)
+            t = time.monotonic()
+            g = through_gateway.create("t1", resources=SMALL)
+            times["gateway"].append(time.monotonic() - t)
+            through_gateway.destroy(g.id)
             with NodeClient(api_url=route.api_url, api_key=route.api_key) as direct:
                 t = time.monotonic()
                 d = direct.create("t1", resources=SMALL)
                 times["direct"].append(time.monotonic() - t)
                 direct.destroy(d.id)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, direct {med['direct'] * 1000:.1f} ms")
+        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, gateway {med['gateway'] * 1000:.1f} ms, "
+              f"direct {med['direct'] * 1000:.1f} ms")
+
+
+# --- the cluster's one address (weenv.cluster.gateway) ------------------------------------
+def _alive_nodes() -> list[str]:
+    return sorted(s.node_id for s in cluster.status() if s.state == "alive")
+
+
+def _wait_forgotten(client: ClusterClient, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.environments() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.environments(), client.environments()
+
+
+def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
+    """The official e2b SDK pointed at the gateway (E2B_API_URL, E2B_SANDBOX_URL,
+    E2B_API_KEY as for one ``weenv serve``): sandboxes on every node, their
+    commands, files and kill routed to the node owning each."""
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    gw = cluster.gateway()
+    nodes = _alive_nodes()
+    with environ(**gw.environ()):
+        made = [e2b.Sandbox.create("t1", timeout=300, metadata={"weenv.node": n, "who": "sdk"}) for n in nodes]
+        try:
+            for sb, n in zip(made, nodes):
+                assert sb.get_info().metadata["weenv.node"] == n
+                r = sb.commands.run("cat /workspace/a.bin | wc -c; echo $((6*7))")
+                assert r.exit_code == 0 and r.stdout.split() == [str(24 * MiB), "42"]
+                sb.files.write("/workspace/note.txt", f"on {n}")
+                assert sb.files.read("/workspace/note.txt") == f"on {n}"
+                handle = sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.1; done", background=True)
+                seen = []
+                assert handle.wait(on_stdout=seen.append).exit_code == 0 and "".join(seen).split() == ["1", "2", "3"]
+            # signed URLs (no token, no sandbox header: the signature names the sandbox, and so its node)
+            a, b = made[0], made[-1]
+            assert httpx.get(a.download_url("/workspace/note.txt"), timeout=30).text == f"on {nodes[0]}"
+            assert httpx.get(b.download_url("/workspace/note.txt"), timeout=30).text == f"on {nodes[-1]}"
+            body = os.urandom(1 * MiB)
+            r = httpx.post(b.upload_url("/workspace/up.bin"), files={"file": ("up.bin", body)}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert b.files.read("/workspace/up.bin", format="bytes") == body and not a.files.exists("/workspace/up.bin")
+            # a PTY's stream and a directory watcher, relayed
+            pty_out = bytearray()
+            h = a.pty.create(e2b.PtySize(rows=24, cols=80), timeout=60)
+            a.pty.send_stdin(h.pid, b"echo up-$((1+2)); exit\n")
+            assert h.wait(on_pty=pty_out.extend).exit_code == 0 and b"up-3" in pty_out
+            w = a.files.watch_dir("/workspace")
+            a.files.write("/workspace/watched.txt", "x")
+            deadline = time.monotonic() + 10
+            names: set = set()
+            while "watched.txt" not in names and time.monotonic() < deadline:
+                names |= {e.name for e in w.get_new_events()}
+                time.sleep(0.1)
+            w.stop()
+            assert "watched.txt" in names
+            listed = {s.sandbox_id: s.metadata["weenv.node"] for s in e2b.Sandbox.list(
+                query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()}  # fmt: skip
+            assert listed == {sb.sandbox_id: n for sb, n in zip(made, nodes)}, "listed over every node"
+            # a wrong access token is refused at the gateway, as on one node
+            r = httpx.get(gw.url + "/e2b/envd/health", headers={"e2b-sandbox-id": made[0].sandbox_id,
+                                                                  "x-access-token": "0" * 32})  # fmt: skip
+            assert r.status_code == 401
+        finally:
+            for sb in made:
+                sb.kill()
+        assert not made[0].is_running()
+        assert e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items() == []
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_weenv_sdk_and_batch_across_nodes(ray_cluster):
+    """weenv.connect_cluster(): weenv.Sandbox as against one node; a batch of
+    many templates streamed from every node; one larger than the cluster holds
+    refused whole at once, nothing made."""
+    import weenv
+
+    c = weenv.connect_cluster()
+    with c.create("t2", resources=SMALL) as sb:
+        assert sb.commands.run("wc -c < /workspace/b.bin").stdout.strip() == str(24 * MiB)
+        data = os.urandom(3 * MiB)  # streamed through the gateway both ways
+        assert sb.files.write("/workspace/x", data).size == len(data)
+        assert sb.files.read("/workspace/x", format="bytes") == data
+        assert weenv.Sandbox.connect(sb.id, api_url=c.url, api_key=c.api_key).info.id == sb.id
+    # 3 nodes x max_environments=2: a batch of 6 must use all three
+    items = [{"template": t, "resources": SMALL.model_dump(), "first_command": False} for t in ("t1", "t2") * 3]
+    lines = []
+    t0 = time.monotonic()
+    with httpx.Client(base_url=c.url, headers={"x-api-key": c.api_key}, timeout=120) as h:
+        with h.stream("POST", "/v1/environments/batch", json={"items": items}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+            for line in r.iter_lines():
+                lines.append((time.monotonic() - t0, json.loads(line)))
+        print("batch of 6 across 3 nodes: lines at " + ", ".join(f"{t:.2f}" for t, _ in lines) + " s")
+        assert sorted(ev["index"] for _, ev in lines) == list(range(6))
+        envs = [ev["environment"] for _, ev in lines]
+        assert all(ev.get("error") is None for _, ev in lines), lines
+        where = {e["id"]: e["metadata"]["weenv.node"] for e in envs}
+        assert set(where.values()) == set(_alive_nodes())
+        assert {e["id"] for e in h.get("/v1/environments").json()} == set(where)
+        # the cluster is full now: one more, alone or in a batch, is refused at once
+        r = h.post("/v1/environments/batch", json={"items": items[:1]})
+        assert r.status_code == 503 and "more than the cluster can hold now: room for 0" in r.json()["error"]["message"]
+        for e in envs:
+            assert h.delete(f"/v1/environments/{e['id']}").status_code == 204
+        # larger than the cluster: refused before any create
+        t = time.monotonic()
+        r = h.post("/v1/environments/batch", json={"items": items + items[:1]})
+        assert r.status_code == 503, r.text
+        assert "a batch of 7 environments is more than the cluster can hold now: room for 6" in r.json()["error"]["message"]
+        assert time.monotonic() - t < 30, "refused, never a hang"
+        assert h.get("/v1/environments").json() == []
+    made = c.create_many(["t1", "t2"] * 2, resources=SMALL)
+    try:
+        assert len({sb.info.metadata["weenv.node"] for sb in made}) >= 2
+    finally:
+        for sb in made:
+            sb.kill()
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_bad_cluster_urls_hints_and_keys_get_clear_errors(ray_cluster):
+    import weenv
+    from weenv.errors import AuthenticationError, DaemonError
+
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    gw = cluster.gateway()
+    node_url = next(s.api_url for s in cluster.status() if s.state == "alive")
+    with pytest.raises(InvalidInputError, match="not a weenv cluster's address but a single weenv node"):
+        weenv.connect_cluster(node_url, api_key=gw.api_key)
+    with pytest.raises(InvalidInputError, match="not an http"):
+        weenv.connect_cluster("ray://nowhere:10001", api_key=gw.api_key)
+    with pytest.raises(InvalidInputError, match="is not a weenv cluster's address: GET /v1/health answered 404"):
+        weenv.connect_cluster(gw.url + "/elsewhere", api_key=gw.api_key)
+    with pytest.raises(DaemonError, match="nothing answers at the cluster URL"):
+        weenv.connect_cluster("http://127.0.0.1:9", api_key=gw.api_key)
+    with pytest.raises(AuthenticationError, match="refuses this API key"):
+        weenv.connect_cluster(gw.url, api_key="ab" * 20)
+    c = weenv.connect_cluster()
+    with pytest.raises(InvalidInputError, match="no node 'nope'"):
+        c.create("t1", resources=SMALL, metadata={"weenv.node": "nope"})
+    with pytest.raises(NotFoundError, match="no environment"):
+        c.create("t1", resources=SMALL, metadata={"weenv.near": "0123456789ab"})
+    with environ(**gw.environ()):
+        with pytest.raises(e2b.exceptions.SandboxException, match="no node 'nope'"):
+            e2b.Sandbox.create("t1", metadata={"weenv.node": "nope"})
+    with environ(**{**gw.environ(), "E2B_API_KEY": "e2b_" + "ab" * 20}):
+        with pytest.raises(e2b.exceptions.AuthenticationException):
+            e2b.Sandbox.create("t1")
+    r = httpx.post(gw.url + "/v1/environments/batch", json={"items": []}, headers={"x-api-key": gw.api_key})
+    assert r.status_code == 400 and r.json()["error"]["kind"] == "invalid_input"
+    r = httpx.get(gw.url + "/v1/environments/0123456789ab", headers={"x-api-key": gw.api_key})
+    assert r.status_code == 404 and "no environment 0123456789ab in the cluster" in r.json()["error"]["message"]
+    assert httpx.get(gw.url + "/v1/environments").status_code == 401
+    assert httpx.get(gw.url + "/v1/health").json() == {"status": "ok", "cluster": True}
 
 
 def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
@@ -242,6 +418,9 @@ def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
         assert client.lost() == {e.id: victim_id}
         with pytest.raises(LostError, match=f"lost with node {victim_id}"):
             client.exec(e.id, "true")
+        gw = cluster.gateway()  # through the cluster's address: lost too (weenv's 410, kind lost)
+        r = httpx.get(f"{gw.url}/v1/environments/{e.id}", headers={"x-api-key": gw.api_key})
+        assert r.status_code == 410 and r.json()["error"]["kind"] == "lost", r.text
         other = client.create("t1", resources=SMALL)  # the cluster still answers
         assert other.node_id != victim_id
         client.destroy(other.id)

@@ -19,7 +19,7 @@ Each imports only from those above it in this list (and ``errors``, ``config``):
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncSandbox", "Sandbox", "__version__", "meter"]
+__all__ = ["AsyncSandbox", "Sandbox", "__version__", "connect_cluster", "meter"]
 
 
 def __getattr__(name: str):
@@ -30,4 +30,8 @@ def __getattr__(name: str):
         from weenv import sdk
 
         return getattr(sdk, name)
+    if name == "connect_cluster":  # the cluster's gateway, checked (weenv.cluster.address)
+        from weenv.cluster.address import connect_cluster
+
+        return connect_cluster
     raise AttributeError(f"module 'weenv' has no attribute {name!r}")

@@ -23,14 +23,24 @@ def up(
     store: Annotated[Optional[str], typer.Option(help="the store every node reads (default: WEENV_STORE)")] = None,
     max_environments: Annotated[Optional[int], typer.Option(help="per node, at most this many environments")] = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait for every node's daemon")] = 120.0,
+    gateway_port: Annotated[int, typer.Option(help="the cluster's one address: its TCP port on the head node "
+                                                   "(0: any free one)")] = 8790,
+    gateway_host: Annotated[Optional[str], typer.Option(help="the address it listens on "
+                                                             "(default: the head node's)")] = None,
+    no_gateway: Annotated[bool, typer.Option("--no-gateway", help="serve no cluster address")] = False,
 ) -> None:
-    """Start weenv on every node (nodes joining later get it too) and wait until each answers."""
+    """Start weenv on every node (joining ones too) and the cluster's one address on the head node.
+
+    Waits until every node's daemon answers; the address serves weenv's API and E2B's."""
     from weenv import cluster
 
-    nodes = cluster.up(cluster.ClusterConfig(home=home, store=store, max_environments=max_environments),
-                       address=address, timeout=timeout)
+    nodes = cluster.up(cluster.ClusterConfig(home=home, store=store, max_environments=max_environments,
+                                             gateway=not no_gateway, gateway_port=gateway_port,
+                                             gateway_host=gateway_host), address=address, timeout=timeout)
     err.print(f"weenv cluster up: {len(nodes)} nodes")
     _print(nodes)
+    if not no_gateway:
+        _print_gateway(cluster.gateway(address=address))
 
 
 @app.command()
@@ -39,6 +49,23 @@ def status(address: Address = None) -> None:
     from weenv import cluster
 
     _print(cluster.status(address=address))
+    from weenv.errors import ClosedError
+
+    try:
+        _print_gateway(cluster.gateway(address=address))
+    except ClosedError:
+        err.print("no gateway (brought up with --no-gateway)")
+
+
+@app.command()
+def env(address: Address = None) -> None:
+    """Print shell lines pointing weenv's SDK and the e2b SDK at the cluster's address.
+
+    Use as ``eval "$(weenv cluster env)"``."""
+    from weenv import cluster
+
+    for k, v in cluster.gateway(address=address).environ().items():
+        print(f"export {k}={v}")
 
 
 @app.command()
@@ -57,3 +84,8 @@ def _print(nodes) -> None:
                       f"{n.cpu_reserved:g}/{n.cpu_capacity:g}", f"{n.cached_bytes / 1e6:.1f}", age,
                       n.reason or n.home)
     Console(soft_wrap=True).print(table)
+
+
+def _print_gateway(info) -> None:
+    err.print(f"cluster address: {info.url} (weenv API {info.url}/v1, E2B {info.url}/e2b), "
+              f"API key {info.api_key}; eval \"$(weenv cluster env)\" for the SDKs' variables")

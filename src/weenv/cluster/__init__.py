@@ -4,7 +4,9 @@ On a running Ray cluster, :func:`up` starts the placement actor, which starts
 one node actor on every node (and on nodes that join later), each owning that
 node's weenv daemon; :func:`down` stops every daemon and actor.
 :class:`ClusterClient` creates environments through the placement actor and
-sends their traffic to the node that owns them.  What runs where:
+sends their traffic to the node that owns them; :func:`gateway` is the
+cluster's one HTTP address (weenv's API and E2B's, :mod:`weenv.cluster.gateway`),
+which ``up`` starts on the head node.  What runs where:
 :mod:`weenv.cluster.actors`; placement's scoring: :mod:`weenv.cluster.placement`.
 """
 
@@ -81,7 +83,43 @@ def up(config: ClusterConfig | None = None, *, address: str | None = None, timeo
         num_cpus=0, max_concurrency=64,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False) if head else None,
     ).remote(config)
-    return wait_ready(actor, timeout=timeout)
+    nodes = wait_ready(actor, timeout=timeout)
+    if config.gateway:
+        _start_gateway(config, head[0] if head else None, timeout=timeout)
+    return nodes
+
+
+def _start_gateway(config: ClusterConfig, head: str | None, *, timeout: float) -> None:
+    """The gateway actor (:mod:`weenv.cluster.front`) on the head node, waited for."""
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from weenv.cluster.front import GATEWAY_NAME, GatewayActor
+
+    actor = ray.remote(GatewayActor).options(
+        name=GATEWAY_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False) if head else None,
+    ).remote(config)
+    try:
+        ray.get(actor.info.remote(), timeout=timeout)
+    except Exception as exc:
+        ray.kill(actor, no_restart=True)
+        raise DaemonError(f"the cluster's gateway did not start: {exc}") from exc
+
+
+def gateway(*, address: str | None = None):
+    """The cluster's one address (:class:`~weenv.cluster.address.GatewayInfo`: URL
+    and API key).  Raises :class:`ClosedError` if no cluster is up or it has no gateway."""
+    ray = _ray()
+    placement_actor(address)
+    from weenv.cluster.front import GATEWAY_NAME
+
+    try:
+        actor = ray.get_actor(GATEWAY_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise ClosedError("the weenv cluster runs no gateway (it was brought up with gateway=False)") from None
+    return ray.get(actor.info.remote(), timeout=60)
 
 
 def wait_ready(actor, *, timeout: float = 120.0) -> list["NodeStatus"]:
@@ -120,11 +158,26 @@ def down(*, address: str | None = None) -> bool:
         actor = placement_actor(address)
     except ClosedError:
         return False
+    _stop_gateway()
     failures = ray.get(actor.shutdown.remote())
     ray.kill(actor, no_restart=True)
     if failures:
         raise DaemonError("weenv cluster down, but these nodes' daemons were not stopped: " + "; ".join(failures))
     return True
+
+
+def _stop_gateway() -> None:
+    ray = _ray()
+    from weenv.cluster.front import GATEWAY_NAME
+
+    try:
+        actor = ray.get_actor(GATEWAY_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        ray.get(actor.stop.remote(), timeout=30)
+    finally:
+        ray.kill(actor, no_restart=True)
 
 
 def connect_cluster(address: str | None = None) -> "ClusterClient":
@@ -134,4 +187,4 @@ def connect_cluster(address: str | None = None) -> "ClusterClient":
     return ClusterClient(address=address)
 
 
-__all__ = ["ClusterConfig", "up", "down", "status", "connect_cluster", "init_ray", "placement_actor"]
+__all__ = ["ClusterConfig", "up", "down", "status", "gateway", "connect_cluster", "init_ray", "placement_actor"]

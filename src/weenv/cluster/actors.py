@@ -122,6 +122,12 @@ class PlacementActor:
     def route(self, env_id: str) -> Route:
         return self.view.route(env_id)
 
+    def routes(self) -> list[Route]:
+        return self.view.routes()
+
+    def room(self, items: list[tuple[str, float | None, int | None]]) -> int:
+        return self.view.room(items)
+
     def forget(self, env_id: str) -> None:
         self.view.forget(env_id)
 

@@ -12,6 +12,8 @@ NAMESPACE = "weenv"
 """The Ray namespace of weenv's actors."""
 PLACEMENT_NAME = "weenv-placement"
 """The placement actor's name in :data:`NAMESPACE`."""
+GATEWAY_PORT = 8790
+"""The cluster gateway's default TCP port (:mod:`weenv.cluster.front`)."""
 
 
 class ClusterConfig(BaseModel):
@@ -38,6 +40,14 @@ class ClusterConfig(BaseModel):
     """Seconds between two scans of a node's chunk cache for its heartbeats."""
     sample_k: int = Field(default=3, ge=1, le=64)
     """Nodes sampled per placement."""
+    gateway: bool = True
+    """Serve the cluster's one address (:mod:`weenv.cluster.gateway`) on the head node."""
+    gateway_host: str | None = None
+    """The address the gateway listens on (None: the head node's Ray address)."""
+    gateway_port: int = Field(default=GATEWAY_PORT, ge=0, le=65535)
+    """Its TCP port (0: any free one)."""
+    gateway_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{32,128}$")
+    """Its API key, hex (None: a new one each time it starts)."""
     peers: bool = True
     """Nodes fetch chunks from each other before the store (:mod:`weenv.cluster.peers`)."""
     peer_timeout_s: float = Field(default=2.0, gt=0, le=60)

@@ -17,6 +17,7 @@ are found again.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -184,12 +185,7 @@ class ClusterView:
         with self._lock:
             if near is not None:
                 node = self._route_locked(near).node_id
-            facts = self._templates.get(template)
-            default = Resources()
-            request = placement.Request(
-                cpus=cpus if cpus is not None else (facts.cpus if facts else default.cpus),
-                memory_bytes=memory_bytes if memory_bytes is not None else (facts.memory_bytes if facts else default.memory_bytes),
-                groups=self._groups_of(template, facts))
+            request = self._request(template, cpus, memory_bytes)
             loads = [self._load(n) for n in self._nodes.values()]
             if node is not None and node not in self._nodes:
                 raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(self._nodes) or 'none'})")
@@ -199,6 +195,37 @@ class ClusterView:
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
             target.expected[template] = time.monotonic() + EXPECT_S
             return Placed(self._route_of(target), token)
+
+    def _request(self, template: str, cpus: float | None, memory_bytes: int | None) -> placement.Request:
+        """What one environment of ``template`` asks (the template's defaults where None)."""
+        facts = self._templates.get(template)
+        default = Resources()
+        return placement.Request(
+            cpus=cpus if cpus is not None else (facts.cpus if facts else default.cpus),
+            memory_bytes=memory_bytes if memory_bytes is not None else (facts.memory_bytes if facts else default.memory_bytes),
+            groups=self._groups_of(template, facts))
+
+    def room(self, items: list[tuple[str, float | None, int | None]]) -> int:
+        """How many of ``items`` (``(template, cpus, memory_bytes)``, None: the
+        template's) the cluster could hold at once now: each placed in turn on
+        the least loaded node it fits (alive, within capacity and
+        ``max_environments``; creates in progress count, their number per node
+        does not: that bounds admission, not room)."""
+        policy = dataclasses.replace(self.policy, max_inflight=1 << 62)
+        with self._lock:
+            loads = [self._load(n) for n in self._nodes.values()]
+            fits = 0
+            for template, cpus, memory_bytes in items:
+                request = self._request(template, cpus, memory_bytes)
+                ok = [n for n in loads if placement.eligible(n, request, policy)]
+                if not ok:
+                    continue
+                n = min(ok, key=lambda n: placement.load(n, request, policy))
+                n.cpu_inflight += request.cpus
+                n.memory_inflight += request.memory_bytes
+                n.inflight += 1
+                fits += 1
+            return fits
 
     def _groups_of(self, template: str, facts: TemplateFacts | None) -> tuple[tuple[str, int], ...]:
         """The template's groups and their bytes for placement (without those
@@ -251,7 +278,9 @@ class ClusterView:
             return out
 
     def done(self, token: int, node_id: str, env_id: str | None) -> None:
-        """The create holding ``token`` on ``node_id`` ended: made ``env_id``, or failed (None)."""
+        """The create holding ``token`` on ``node_id`` ended: made ``env_id``, or failed (None).
+        Token 0 (never a placement's) records ``env_id`` alone: one its node made
+        itself, such as a fork's child."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -300,6 +329,11 @@ class ClusterView:
     def _route_of(node: _Node) -> Route:
         assert node.report is not None
         return Route(node.node_id, node.report.api_url, node.report.api_key)
+
+    def routes(self) -> list[Route]:
+        """The route of every alive node."""
+        with self._lock:
+            return [self._route_of(n) for n in self._nodes.values() if n.state == "alive" and n.report is not None]
 
     def forget(self, env_id: str) -> None:
         """``env_id`` was destroyed."""

@@ -23,8 +23,6 @@ Connect protocol (connectrpc.com/docs/protocol).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
 from collections.abc import Iterable
@@ -38,7 +36,7 @@ from weenv.node.node import Node
 from weenv.server.e2b.api import install_error_handlers, key_checker, key_dependency, make_api
 from weenv.server.e2b.builds import Templates
 from weenv.server.e2b.envd import Envd, sandbox_id_in, signed_sandbox_id
-from weenv.server.e2b.sandboxes import Sandboxes
+from weenv.server.e2b.sandboxes import Sandboxes, token_secret
 from weenv.server.e2b.signed import SignatureError
 from weenv.server.e2b.templates import UPLOAD_HEADER, make_template_api
 
@@ -65,7 +63,7 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     if not keys or not all(isinstance(k, str) and KEY_RE.match(k) for k in keys):
         raise InvalidInputError("E2B API keys are 'e2b_' followed by 32 to 128 lowercase hex digits")
     # envd access tokens keyed by the first API key: stable across restarts, new with a new key
-    secret = hmac.new(keys[0].encode(), b"weenv envd access token", hashlib.sha256).digest()
+    secret = token_secret(keys[0])
     sandboxes = Sandboxes(node, token_secret=secret)
     limits = {k: conv(os.environ[v]) for k, v, conv in (("ttl_s", "WEENV_E2B_UPLOAD_TTL_S", float),
               ("max_total", "WEENV_E2B_UPLOADS_MAX_BYTES", int)) if v in os.environ}  # fmt: skip

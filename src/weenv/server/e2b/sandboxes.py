@@ -37,6 +37,16 @@ MAX_TIMEOUT_S = 7 * 86400
 """The longest lifetime accepted (the node's limit), seconds."""
 
 
+def token_secret(e2b_key: str) -> bytes:
+    """The key of a daemon's envd access tokens, from its E2B API key (the first it accepts)."""
+    return hmac.new(e2b_key.encode(), b"weenv envd access token", hashlib.sha256).digest()
+
+
+def access_token(secret: bytes, sandbox_id: str) -> str:
+    """The envd access token of ``sandbox_id`` under ``secret`` (32 hex digits)."""
+    return hmac.new(secret, sandbox_id.encode(errors="surrogateescape"), hashlib.sha256).hexdigest()[:32]
+
+
 @dataclass
 class Sandbox:
     """One sandbox as the E2B face sees it: the node's info, the template's
@@ -141,7 +151,7 @@ class Sandboxes:
 
     def access_token(self, sandbox_id: str) -> str:
         """The envd access token of ``sandbox_id`` (32 hex digits), whether or not it exists."""
-        return hmac.new(self._secret, sandbox_id.encode(errors="surrogateescape"), hashlib.sha256).hexdigest()[:32]
+        return access_token(self._secret, sandbox_id)
 
     def token_matches(self, sandbox_id: str, presented: str | None) -> bool:
         """Whether ``presented`` is the access token of ``sandbox_id``, in constant time."""

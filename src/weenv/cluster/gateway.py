@@ -1,0 +1,480 @@
+"""One address for the whole cluster: weenv's HTTP API (``/v1``) and the
+E2B-compatible API (``/e2b``, envd at ``/e2b/envd``) over every node.
+
+The gateway (an ASGI app; :mod:`weenv.cluster.front` runs it in a Ray actor on
+the head node, started by ``weenv cluster up``) does what needs the whole
+cluster itself and relays everything else to the node that owns the
+environment (:mod:`weenv.cluster.proxy`, streamed both ways)::
+
+    create   POST /v1/environments, /e2b/sandboxes, /e2b/v2/sandboxes
+             -> a node from the placement actor, then that node's create
+    batch    POST /v1/environments/batch  (:mod:`weenv.cluster.batch`)
+    list     GET  /v1/environments, /e2b/sandboxes, /e2b/v2/sandboxes
+             -> every alive node's, merged (E2B's filters, order and pages kept)
+    per environment  /v1/environments/{id}/..., /e2b/sandboxes/{id}/...,
+             /e2b/v2/sandboxes/{id}/...  -> its node (a kill also tells placement)
+    envd     /e2b/envd/... (and signed ``/files`` URLs at the root, as on one
+             node) -> the node of the sandbox ``E2b-Sandbox-Id`` (or the host
+             ``PORT-ID.``) names; a signed URL's signature names it
+    templates GET /v1/templates[/{name}] -> any alive node (they read one store)
+    health   GET  /v1/health -> {"status": "ok", "cluster": true[, "nodes": N, "environments": N]}
+
+**Placement hints** ride in an environment's metadata, the same for both APIs:
+``weenv.node`` (a node id to prefer) and ``weenv.near`` (an environment whose
+node to prefer).  The gateway then sets ``weenv.node`` to the node chosen, so
+every environment's info (get, list, E2B's metadata) names its node.
+
+**Authentication** as on one node: the gateway's API key (``X-API-Key`` or
+``Authorization: Bearer``; ``e2b_KEY`` for E2B clients) on every route but
+``/v1/health`` and envd's, where the sandbox's access token (issued by its
+node) is checked by the gateway for the node's secret before relaying (a
+wrong token is 401 whether the sandbox exists or not, as on one node).
+
+Errors are the API's own: weenv's ``{"error": {"kind", "message"}}`` under
+``/v1`` (an environment lost with its node: kind ``lost``, 410), E2B's
+``{"code", "message"}`` under ``/e2b``.  A node that cannot be reached is
+502.  Bodies are bounded as on one node (:class:`~weenv.server.limits.BodyLimit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.datastructures import Headers, QueryParams
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from weenv.cluster import proxy
+from weenv.cluster.view import Route
+from weenv.errors import (
+    AuthenticationError,
+    ClosedError,
+    DaemonError,
+    InvalidInputError,
+    LostError,
+    NotFoundError,
+    WeenvError,
+)
+from weenv.node.models import BatchCreateRequest, CreateRequest
+from weenv.server.app import STATUS, _describe, error_response
+from weenv.server.auth import ApiKey, presented_key
+from weenv.server.e2b import signed
+from weenv.server.e2b.envd import sandbox_id_in
+from weenv.server.e2b.sandboxes import access_token, token_secret
+from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
+
+log = logging.getLogger(__name__)
+
+NODE_HINT = "weenv.node"
+"""Metadata key: the node to prefer (a hint); set by the gateway to the node chosen."""
+NEAR_HINT = "weenv.near"
+"""Metadata key: an environment whose node to prefer."""
+LOST_STATUS = 410
+MAX_LIST_PAGES = 100
+"""Pages of 1,000 asked of one node for one E2B listing (100,000 sandboxes)."""
+
+
+class Directory(Protocol):
+    """The placement actor as the gateway calls it: ``await call(method, *args)``
+    (:class:`weenv.cluster.front.RayDirectory`), raising the actor's own errors."""
+
+    def call(self, method: str, *args: Any) -> Awaitable[Any]: ...
+
+
+class Gateway:
+    """What the routes share: the placement ``directory``, the connections to the nodes."""
+
+    def __init__(self, directory: Directory, client: httpx.AsyncClient):
+        self.directory, self.client = directory, client
+
+    async def route(self, env_id: str) -> Route:
+        return await self.directory.call("route", env_id)
+
+    async def routes(self) -> list[Route]:
+        return await self.directory.call("routes")
+
+    async def any_route(self) -> Route:
+        routes = await self.routes()
+        if not routes:
+            raise ClosedError("no node of the cluster is alive")
+        return routes[0]
+
+    async def place(self, template: str, cpus: float | None, memory_bytes: int | None, metadata: dict) -> Any:
+        """A placement (:class:`~weenv.cluster.view.Placed`) for one environment, its hints from ``metadata``."""
+        node, near = metadata.get(NODE_HINT) or None, metadata.get(NEAR_HINT) or None
+        for name, value in ((NODE_HINT, node), (NEAR_HINT, near)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidInputError(f"metadata.{name} must be a string")
+        return await self.directory.call("place", template, cpus, memory_bytes, node, near)
+
+    async def done(self, token: int, node_id: str, env_id: str | None) -> None:
+        await self.directory.call("done", token, node_id, env_id)
+
+    async def create(self, body: dict, *, template: str, cpus: float | None, memory_bytes: int | None,
+                     path: str, e2b: bool, id_field: str) -> tuple[httpx.Response, str]:
+        """Place one environment and create it on its node (``body`` sent to ``path``
+        there, its metadata's ``weenv.node`` set to the node); the node's answer and
+        the node id.  Placement's reservation is released whatever happens."""
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise InvalidInputError("metadata must be an object")
+        placed = await self.place(template, cpus, memory_bytes, metadata)
+        node_id = placed.route.node_id
+        body = {**body, "metadata": {**metadata, NODE_HINT: node_id}}
+        made = None
+        try:
+            answer = await proxy.call(self.client, placed.route, "POST", path, e2b=e2b, json=body)
+            if answer.status_code in (200, 201):
+                made = answer.json().get(id_field)
+        finally:
+            await self.done(placed.token, node_id, made)
+        return answer, node_id
+
+    async def fan_out(self, method: str, path: str, *, e2b: bool, params: dict | None = None
+                      ) -> list[tuple[Route, httpx.Response]]:  # fmt: skip
+        """``method path`` on every alive node at once; the answers of those that
+        answered (a node that cannot be reached is left out, and logged)."""
+        routes = await self.routes()
+
+        async def one(route: Route):
+            try:
+                return route, await proxy.call(self.client, route, method, path, e2b=e2b, params=params)
+            except DaemonError as exc:
+                log.warning("listing skips node %s: %s", route.node_id, exc)
+                return None
+
+        return [r for r in await asyncio.gather(*(one(r) for r in routes)) if r is not None]
+
+    async def merged(self, path: str, *, e2b: bool, order: tuple[str, str]) -> list:
+        """The JSON lists every alive node answers to ``GET path``, as one, sorted by the fields ``order`` names."""
+        out: list = []
+        for _, answer in await self.fan_out("GET", path, e2b=e2b):
+            if answer.status_code == 200:
+                out.extend(answer.json())
+        return sorted(out, key=lambda e: tuple(str(e.get(k, "")) for k in order))
+
+    async def record(self, node_id: str, env_ids: list[str]) -> None:
+        """Tell placement of environments its node made itself (a fork's children)."""
+        for env_id in env_ids:
+            await self.done(0, node_id, env_id)
+
+
+def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy.Timeouts = proxy.Timeouts(),
+                       queue_timeout_s: float = 120.0, max_body: int = MAX_BODY,
+                       max_upload: int = MAX_UPLOAD) -> FastAPI:
+    """The gateway's app over ``directory`` (see the module docstring).
+
+    ``api_key``: the key clients send; ``timeouts``: of the relayed requests;
+    ``queue_timeout_s``: seconds an item of a batch may wait for a node with
+    room for it to create (then its line is a ``capacity`` error);
+    ``max_body``, ``max_upload``: bytes of a request body, of a file upload."""
+    from weenv.cluster.batch import batch_stream
+
+    client = proxy.new_client(timeouts)
+    gw = Gateway(directory, client)
+
+    async def close_client() -> None:
+        await client.aclose()
+
+    app = FastAPI(title="weenv cluster gateway", version="1", docs_url=None, redoc_url=None,
+                  on_shutdown=[close_client])
+
+    def has_key(headers) -> bool:
+        return api_key.matches(presented_key(headers))
+
+    def credentialed(scope: dict) -> bool:
+        headers = Headers(scope=scope)
+        # envd's requests carry a sandbox's token, checked before relaying (and by its node)
+        return has_key(headers) or bool(headers.get("x-access-token")) or scope.get("path") in ("/files", "/e2b/envd/files")
+
+    app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
+
+    def is_e2b(request: Request) -> bool:
+        return request.url.path.startswith("/e2b/") or request.url.path == "/files"
+
+    def refuse(request: Request, exc: WeenvError) -> Response:
+        """``exc`` as the answer of the API ``request`` belongs to."""
+        status = LOST_STATUS if isinstance(exc, LostError) else STATUS.get(exc.kind, 500)
+        if isinstance(exc, DaemonError):
+            status = 502
+        if not is_e2b(request):
+            return error_response(exc.kind, str(exc), status)
+        if request.url.path.startswith("/e2b/envd/") or request.url.path == "/files":
+            if isinstance(exc, NotFoundError):  # envd's answer for a sandbox that is gone (the SDK's "not running")
+                return _e2b_error(502, f"The sandbox was not found: {exc}")
+        return _e2b_error(404 if isinstance(exc, NotFoundError) else status, str(exc))
+
+    @app.exception_handler(WeenvError)
+    async def weenv_error(request: Request, exc: WeenvError) -> Response:
+        return refuse(request, exc)
+
+    @app.exception_handler(_EnvdRefusal)
+    async def envd_refusal(request: Request, exc: _EnvdRefusal) -> Response:
+        return _e2b_error(exc.status, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: the cluster's gateway does not serve this"
+        if is_e2b(request):
+            return _e2b_error(501 if exc.status_code in (404, 405) else exc.status_code, message)
+        return error_response("not_found" if exc.status_code == 404 else "invalid_input", message, exc.status_code)
+
+    def require_key(request: Request) -> None:
+        if not has_key(request.headers):
+            if is_e2b(request):
+                raise AuthenticationError("missing or invalid API key (X-API-Key header)")
+            raise AuthenticationError("missing or wrong API key of the cluster's gateway: send it as "
+                                      "'X-API-Key: KEY' or 'Authorization: Bearer KEY' (weenv cluster status prints it)")
+
+    async def json_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise InvalidInputError(f"bad request: the body is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InvalidInputError("bad request: the body is not a JSON object")
+        return data
+
+    def node_answer(answer: httpx.Response) -> Response:
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", "application/json"))
+
+    # --- weenv's API -------------------------------------------------------------------
+    @app.get("/v1/health")
+    async def health(request: Request) -> dict:
+        out: dict[str, Any] = {"status": "ok", "cluster": True}
+        if has_key(request.headers):
+            routes = await gw.routes()
+            envs = await directory.call("environments")
+            out.update(nodes=len(routes), environments=len(envs))
+        return out
+
+    @app.get("/v1/cluster")
+    async def cluster_status(request: Request) -> list[dict]:
+        require_key(request)
+        import dataclasses
+
+        return [{k: v for k, v in dataclasses.asdict(s).items()} for s in await directory.call("status")]
+
+    @app.api_route("/v1/templates", methods=["GET"])
+    @app.api_route("/v1/templates/{name}", methods=["GET"])
+    async def templates(request: Request) -> Response:
+        require_key(request)
+        route = await gw.any_route()
+        return await proxy.relay(client, request, route, request.url.path, headers=_with_key(request, route, e2b=False))
+
+    @app.post("/v1/environments")
+    async def create(request: Request) -> Response:
+        require_key(request)
+        data = await json_body(request)
+        req = _validated(CreateRequest, data)
+        res = req.resources
+        answer, _ = await gw.create(data, template=req.template, cpus=res.cpus if res else None,
+                                    memory_bytes=res.memory_bytes if res else None, path="/v1/environments",
+                                    e2b=False, id_field="id")  # fmt: skip
+        return node_answer(answer)
+
+    @app.post("/v1/environments/batch")
+    async def create_batch(request: Request) -> Response:
+        require_key(request)
+        data = await json_body(request)
+        req = _validated(BatchCreateRequest, data)
+        return await batch_stream(gw, req, data["items"], queue_timeout_s=queue_timeout_s)
+
+    @app.get("/v1/environments")
+    async def list_environments(request: Request) -> list:
+        require_key(request)
+        return await gw.merged("/v1/environments", e2b=False, order=("created_at", "id"))
+
+    async def per_environment(request: Request, env_id: str, *, e2b: bool) -> Response:
+        require_key(request)
+        route = await gw.route(env_id)
+        try:
+            response = await proxy.relay(client, request, route, request.url.path,
+                                         headers=_with_key(request, route, e2b=e2b))
+        except DaemonError:
+            await gw.route(env_id)  # LostError if its node went meanwhile
+            raise
+        parts = request.url.path.rstrip("/").split("/")
+        if request.method == "DELETE" and parts[-1] == env_id and response.status_code in (204, 404):
+            await directory.call("forget", env_id)
+        elif request.method == "POST" and parts[-1] == "fork" and response.status_code == 201:
+            return await _forked(gw, route, response, e2b=e2b)
+        return response
+
+    @app.api_route("/v1/environments/{env_id}", methods=["GET", "DELETE"])
+    @app.api_route("/v1/environments/{env_id}/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def v1_environment(request: Request, env_id: str) -> Response:
+        return await per_environment(request, env_id, e2b=False)
+
+    # --- E2B's API --------------------------------------------------------------------
+    @app.post("/e2b/sandboxes")
+    @app.post("/e2b/v2/sandboxes")
+    async def e2b_create(request: Request) -> Response:
+        require_key(request)
+        data = await json_body(request)
+        template = data.get("templateID")
+        if not isinstance(template, str) or not template:
+            raise InvalidInputError("templateID: a template name is required")
+        answer, _ = await gw.create(data, template=template, cpus=None, memory_bytes=None,
+                                    path=request.url.path, e2b=True, id_field="sandboxID")
+        return node_answer(answer)
+
+    @app.get("/e2b/sandboxes")
+    async def e2b_list_v1(request: Request) -> list:
+        require_key(request)
+        return await gw.merged("/e2b/sandboxes", e2b=True, order=("startedAt", "sandboxID"))
+
+    @app.get("/e2b/v2/sandboxes")
+    async def e2b_list_v2(request: Request) -> Response:
+        require_key(request)
+        return await _e2b_list_v2(gw, request.query_params)
+
+    @app.api_route("/e2b/sandboxes/{env_id}", methods=["GET", "DELETE"])
+    @app.api_route("/e2b/sandboxes/{env_id}/{rest:path}", methods=["GET", "POST"])
+    @app.api_route("/e2b/v2/sandboxes/{env_id}/{rest:path}", methods=["GET", "POST"])
+    async def e2b_sandbox(request: Request, env_id: str) -> Response:
+        return await per_environment(request, env_id, e2b=True)
+
+    async def envd(request: Request) -> Response:
+        """envd's request, to the node of the sandbox it names (checked token first)."""
+        route, sid = await _envd_route(gw, request)
+        headers = proxy.relayed_headers(request, keep_credentials=True)
+        headers = [(k, v) for k, v in headers if k.lower() != b"e2b-sandbox-id"]
+        if sid is not None:
+            headers.append((b"e2b-sandbox-id", sid.encode()))
+        path = request.url.path if request.url.path.startswith("/e2b/envd/") else "/e2b/envd/files"
+        return await proxy.relay(client, request, route, path, headers=headers)
+
+    app.add_api_route("/e2b/envd/{rest:path}", envd, methods=["GET", "POST"])
+    app.add_api_route("/files", envd, methods=["GET", "POST"])  # signed URLs, as on one node
+    return app
+
+
+def _e2b_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _validated(model, data: dict):
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInputError("bad request: " + _describe(exc.errors())) from None
+
+
+def _with_key(request: Request, route: Route, *, e2b: bool) -> list[tuple[bytes, bytes]]:
+    """``request``'s headers with the gateway's key replaced by ``route``'s node's."""
+    return [*proxy.relayed_headers(request, keep_credentials=False),
+            (b"x-api-key", proxy.node_key(route, e2b=e2b).encode())]
+
+
+async def _forked(gw: Gateway, route: Route, response: Response, *, e2b: bool) -> Response:
+    """A fork's answer (read whole: it is small), its children recorded as on the parent's node."""
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    if response.background is not None:
+        await response.background()
+    doc = json.loads(body)
+    if e2b:
+        children = [c["sandbox"]["sandboxID"] for c in doc if isinstance(c, dict) and c.get("sandbox")]
+    else:
+        children = [c["environment"]["id"] for c in doc.get("children", []) if c.get("environment")]
+    await gw.record(route.node_id, children)
+    return Response(body, status_code=201, media_type="application/json")
+
+
+async def _e2b_list_v2(gw: Gateway, query: QueryParams) -> Response:
+    """E2B's ``GET /v2/sandboxes`` over every node: each node's matches (its
+    filters passed on, all its pages), merged in E2B's order (newest first unless
+    ``order=asc``), then the page ``limit`` and ``nextToken`` ask."""
+    limit_raw, token = query.get("limit", "100"), query.get("nextToken")
+    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= 1000:
+        return _e2b_error(400, f"limit: {limit_raw!r} is not a number from 1 to 1000")
+    if token is not None and not token.isdigit():
+        return _e2b_error(400, f"bad nextToken {token!r}")
+    params = {k: v for k, v in query.items() if k not in ("limit", "nextToken")}
+    found: list[dict] = []
+    for route in await gw.routes():
+        page_token = None
+        for _ in range(MAX_LIST_PAGES):
+            asked = {**params, "limit": "1000", **({"nextToken": page_token} if page_token else {})}
+            try:
+                answer = await proxy.call(gw.client, route, "GET", "/e2b/v2/sandboxes", e2b=True, params=asked)
+            except DaemonError as exc:
+                log.warning("listing skips node %s: %s", route.node_id, exc)
+                break
+            if answer.status_code != 200:  # a bad filter: the node's words
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            found.extend(answer.json())
+            page_token = answer.headers.get("x-next-token")
+            if not page_token:
+                break
+    found.sort(key=lambda s: (s.get("startedAt", ""), s.get("sandboxID", "")), reverse=query.get("order") != "asc")
+    start, limit = int(token or 0), int(limit_raw)
+    response = JSONResponse(found[start : start + limit])
+    if start + limit < len(found):
+        response.headers["x-next-token"] = str(start + limit)
+    return response
+
+
+async def _envd_route(gw: Gateway, request: Request) -> tuple[Route, str | None]:
+    """The node of the sandbox an envd request names, and that sandbox's id
+    (None: a signed URL, which its node finds by the signature itself).
+    The access token is checked against the node's secret first: a missing or
+    wrong one is 401 whether the sandbox exists or not; the right token of a
+    sandbox the cluster no longer has is :class:`NotFoundError` (502)."""
+    headers, query = request.headers, request.query_params
+    sid = sandbox_id_in(headers)
+    if query.get("signature") is not None and headers.get("x-access-token") is None:
+        return await _signed_route(gw, request.method, sid, query), sid
+    if not sid:
+        raise _EnvdRefusal(400, "no sandbox named: send the E2b-Sandbox-Id header")
+    presented = headers.get("x-access-token") or ""
+    try:
+        route = await gw.route(sid)
+    except LostError:
+        raise
+    except NotFoundError:
+        # a token one of the nodes issued for this id: a sandbox that was there
+        if any(presented == access_token(token_secret(proxy.node_key(r, e2b=True)), sid) for r in await gw.routes()):
+            raise NotFoundError(f"The sandbox {sid} was not found") from None
+        raise _EnvdRefusal(401, "missing or wrong access token (X-Access-Token)") from None
+    if presented != access_token(token_secret(proxy.node_key(route, e2b=True)), sid):
+        raise _EnvdRefusal(401, "missing or wrong access token (X-Access-Token)")
+    return route, sid
+
+
+async def _signed_route(gw: Gateway, method: str, sid: str | None, query: QueryParams) -> Route:
+    """The node of the sandbox whose token signed a ``/files`` URL (:mod:`weenv.server.e2b.signed`)."""
+    try:
+        expiration = signed.expiration_of(query.get("signature_expiration"))
+        where = await gw.directory.call("environments")  # env id -> node id
+        routes = {r.node_id: r for r in await gw.routes()}
+        secrets_ = {n: token_secret(proxy.node_key(r, e2b=True)) for n, r in routes.items()}
+        candidates = [sid] if sid else [e for e, n in where.items() if n in secrets_]
+        if sid and where.get(sid) not in secrets_:
+            raise signed.SignatureError("invalid signature for this path, operation and user")
+        found = signed.signer(query.get("signature") or "", query.get("path") or "",
+                              "read" if method == "GET" else "write", query.get("username") or "", expiration,
+                              candidates, lambda e: access_token(secrets_[where[e]], e))  # fmt: skip
+    except signed.SignatureError as exc:
+        raise _EnvdRefusal(401, str(exc)) from None
+    return routes[where[found]]
+
+
+class _EnvdRefusal(InvalidInputError):
+    """An envd answer of the gateway's own (``status``, envd's message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+__all__ = ["NEAR_HINT", "NODE_HINT", "Directory", "Gateway", "create_gateway_app"]
