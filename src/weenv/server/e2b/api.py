@@ -152,7 +152,7 @@ def listed_json(sb: Sandbox) -> dict[str, Any]:
         "templateID": info.template, "sandboxID": info.id, "clientID": CLIENT_ID, "alias": info.template,
         "startedAt": _iso(info.created_at), "endAt": _iso(info.expires_at),
         "cpuCount": max(1, round(info.resources.cpus)), "memoryMB": info.resources.memory_bytes >> 20,
-        "diskSizeMB": 0, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
+        "diskSizeMB": info.resources.disk_bytes >> 20, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
     }  # fmt: skip
 
 

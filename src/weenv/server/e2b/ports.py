@@ -67,6 +67,8 @@ _HOST = re.compile(r"^(\d{1,5})-([0-9a-f]{12})\.")
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
         b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode()}  # fmt: skip
 READ_SIZE = 64 << 10
+CONNECT_THREADS = 8
+"""Relayed connects running at once (threads of the relay's own limiter, not anyio's shared 40)."""
 
 
 def relay_settings(tcp_cap: int) -> dict[str, float | int]:
@@ -106,6 +108,10 @@ class PortProxy:
         self.idle_timeout = idle_timeout
         self.relays = 0
         """Relays running now (the event loop's only: no lock)."""
+        self.connects = anyio.CapacityLimiter(CONNECT_THREADS)
+        """The threads connecting relays to sandboxes (each may wait up to 5 s on a
+        port): bounded apart from anyio's shared pool, so many relayed connects
+        never starve the server's other thread work (routes, uploads)."""
 
     async def __call__(self, scope, receive, send) -> None:
         m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else None
@@ -130,7 +136,8 @@ class PortProxy:
         try:
             try:
                 sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
-                                                      Headers(scope=scope).get(TOKEN_HEADER))  # fmt: skip
+                                                      Headers(scope=scope).get(TOKEN_HEADER),
+                                                      limiter=self.connects)  # fmt: skip
             except NotFoundError:
                 await answer(502, f"The sandbox {sandbox_id} was not found")
                 return
