@@ -497,5 +497,5 @@ def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image)
             assert c.get(f"/sandboxes/{sb.sandbox_id}").json()["diskSizeMB"] == 12 << 10
         finally:
             sb.kill()
-        r = c.post("/v3/templates", json={"name": "t-v2-huge", "minFreeDiskMB": 1 << 40})
+        r = c.post("/v3/templates", json={"name": "t-v2-huge", "minFreeDiskMb": 1 << 39})
         assert r.status_code == 400 and "minFreeDiskMB" in r.json()["message"], r.text

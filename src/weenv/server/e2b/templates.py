@@ -36,7 +36,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
-from pydantic import Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError
 
 from weenv.errors import NotFoundError
 from weenv.node.stepbuild import BuildSpec
@@ -53,7 +53,9 @@ class TemplateBuildRequestV3(_Body):
     tags: list[str] = Field(default_factory=list, max_length=64)
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=1024)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=1 << 24)
-    min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMB", ge=0)
+    min_free_disk_mb: int | None = Field(default=None, validation_alias=AliasChoices("minFreeDiskMb", "minFreeDiskMB"),
+                                         ge=0, le=1 << 40)
+    """MiB the sandboxes may write at least (the SDK sends ``minFreeDiskMb``; either spelling)."""
 
 
 class TemplateBuildStartV2(_Body):
