@@ -20,6 +20,7 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError
 from weenv.host import mounts
+from weenv.node import network
 from weenv.node.cgroups import open_cgroups
 from weenv.node.container import Containers
 from weenv.node.groups import GroupMounts, clear_stale
@@ -131,6 +132,12 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
+        if (env_dir / network.NETNS_FILE).exists():  # its name server was the dead node's
+            try:
+                self.containers.serve_names(info.id, env_dir, network.egress_of(info.network, info.allow_out,
+                                                                                info.deny_out))  # fmt: skip
+            except Exception as exc:  # it runs on, without names
+                log.warning("cannot serve names of recovered environment %s: %s", info.id, exc)
         if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, still counted
             try:
                 self.provisioner.reserve(info.id, info.resources, priority=info.priority,
