@@ -94,8 +94,8 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
         except (OSError, RemoteProtocolError, LocalProtocolError, EOFError):
             await refuse(502, "The sandbox's port closed the connection or did not answer the WebSocket upgrade")
             return
+        answer, body = answer
         if isinstance(answer, RejectConnection):
-            body = answer.body  # type: ignore[attr-defined]
             headers = [(k, v) for k, v in answer.headers if k.lower() not in _NOT_FORWARDED]
             await send({"type": "websocket.http.response.start", "status": answer.status_code,
                         "headers": [*headers, (b"content-length", str(len(body)).encode())]})  # fmt: skip
@@ -110,30 +110,28 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
             await writer.wait_closed()
 
 
-async def _handshake(reader: asyncio.StreamReader, ws: WSConnection) -> AcceptConnection | RejectConnection:
-    """The sandbox's answer to the upgrade: its accept, or its refusal with
-    ``.body`` (at most :data:`MAX_REFUSAL_BODY` bytes)."""
+async def _handshake(reader: asyncio.StreamReader,
+                     ws: WSConnection) -> tuple[AcceptConnection | RejectConnection, bytes]:  # fmt: skip
+    """The sandbox's answer to the upgrade: ``(its accept, b"")``, or ``(its
+    refusal, its body)`` (at most :data:`MAX_REFUSAL_BODY` bytes)."""
     refusal: RejectConnection | None = None
     body = b""
     while True:
         for event in ws.events():
             if isinstance(event, AcceptConnection):
-                return event
+                return event, b""
             if isinstance(event, RejectConnection):
                 refusal = event
                 if not event.has_body:
-                    refusal.body = b""  # type: ignore[attr-defined]
-                    return refusal
+                    return refusal, b""
             elif isinstance(event, RejectData) and refusal is not None:
-                body = (body + event.data)[:MAX_REFUSAL_BODY]
+                body = (body + bytes(event.data))[:MAX_REFUSAL_BODY]
                 if event.body_finished:
-                    refusal.body = body  # type: ignore[attr-defined]
-                    return refusal
+                    return refusal, body
         data = await reader.read(READ_SIZE)
         if not data:
             if refusal is not None:
-                refusal.body = body  # type: ignore[attr-defined]
-                return refusal
+                return refusal, body
             raise EOFError
         ws.receive_data(data)
 
