@@ -301,14 +301,16 @@ class DnsProxy:
             return r.to_wire()
 
     async def _forward(self, query: dns.message.Message, *, tcp: bool) -> dns.message.Message | None:
+        """The first upstream answer (a TCP query over TCP, else over UDP), None if none answered."""
         for host, port in self.upstream:
-            try:
-                if tcp:
-                    return await dns.asyncquery.tcp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port)
-                return await dns.asyncquery.udp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port,
-                                                ignore_trailing=True)  # fmt: skip
-            except (dns.exception.DNSException, OSError, ValueError, EOFError):
-                continue
+            for over_tcp in (True, False) if tcp else (False,):
+                try:
+                    if over_tcp:
+                        return await dns.asyncquery.tcp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port)
+                    return await dns.asyncquery.udp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port,
+                                                    ignore_trailing=True)  # fmt: skip
+                except (dns.exception.DNSException, OSError, ValueError, EOFError):
+                    continue
         return None
 
 
