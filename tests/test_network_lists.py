@@ -317,13 +317,14 @@ def test_a_node_whose_policy_forbids_network_refuses_it(paths, shared_store, mon
         Node(paths, store=shared_store)
 
 
-def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts):
+def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts, name_server, monkeypatch):
     e2b = pytest.importorskip("e2b")
     from e2b import Sandbox
     from e2b.exceptions import InvalidArgumentException, SandboxException
 
     home = tmp_path_factory.mktemp("net-e2b-home")
     before = system_snapshot(home)
+    monkeypatch.setenv("WEENV_DNS_UPSTREAM", f"{name_server[0]}:53")  # the test's names only
     daemon = start_daemon(home, shared_store.url)
     url = daemon.url
     one, two = far_hosts["one"], far_hosts["two"]
@@ -342,7 +343,11 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
             lists = Sandbox.create("task", allow_internet_access=False, timeout=120,
                                    network={"allow_out": [f"{one}/32"]})
             closed = Sandbox.create("task", timeout=120)
+            named = Sandbox.create("task", allow_internet_access=True, timeout=120,  # E2B's domain pattern
+                                   network={"allow_out": ["svc.weenv.test"], "deny_out": ["0.0.0.0/0"]})
             try:
+                assert reach(named, "svc.weenv.test") == "ok" and reach(named, "other.weenv.test") == "gaierror"
+                assert reach(named, two) == "TimeoutError"
                 assert reach(sbx, one) == "ok" and reach(sbx, two) == "ok"
                 assert reach(lists, one) == "ok" and reach(lists, two) == "TimeoutError"
                 assert reach(closed, one) != "ok"  # no network unless asked
@@ -373,7 +378,7 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
                     time.sleep(0.2)
                 assert r.text == "closed\n"
             finally:
-                for s in (sbx, lists, closed):
+                for s in (sbx, lists, closed, named):
                     s.kill()
             with pytest.raises((InvalidArgumentException, SandboxException), match="not an IPv4 CIDR"):
                 Sandbox.create("task", timeout=60, network={"deny_out": ["not-a-cidr"]})
