@@ -232,3 +232,186 @@ def test_the_namespace_of_a_sandbox_without_network_is_pinned(node, tmp_path):
     mine.kill()
     node.destroy(env.id)
     assert not os.path.exists(state_file)
+
+
+WS_SERVER = r"""
+import base64, hashlib, socket, struct, sys, threading
+GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def exact(c, n):
+    out = b""
+    while len(out) < n:
+        got = c.recv(n - len(out))
+        if not got:
+            raise EOFError
+        out += got
+    return out
+def frame(c):
+    b1, b2 = exact(c, 2)
+    n = b2 & 127
+    if n == 126:
+        n = struct.unpack("!H", exact(c, 2))[0]
+    elif n == 127:
+        n = struct.unpack("!Q", exact(c, 8))[0]
+    mask = exact(c, 4) if b2 & 128 else b""
+    data = exact(c, n)
+    if mask:
+        data = bytes(x ^ mask[i % 4] for i, x in enumerate(data))
+    return b1 & 15, data
+def put(c, op, data):
+    n = len(data)
+    head = bytes([0x80 | op]) + (bytes([n]) if n < 126 else bytes([126]) + struct.pack("!H", n) if n < 65536
+                                 else bytes([127]) + struct.pack("!Q", n))
+    c.sendall(head + data)
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += c.recv(4096)
+    lines = head.decode().split("\r\n")
+    path = lines[0].split()[1]
+    h = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:] if ":" in x)}
+    if path == "/refuse":
+        c.sendall(b"HTTP/1.1 404 Not Found\r\nx-why: test\r\ncontent-length: 14\r\n\r\nno such socket")
+        c.close()
+        return
+    key = base64.b64encode(hashlib.sha1((h["sec-websocket-key"] + GUID).encode()).digest()).decode()
+    proto = h.get("sec-websocket-protocol", "").split(",")[-1].strip()
+    answer = f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {key}\r\n"
+    c.sendall((answer + (f"Sec-WebSocket-Protocol: {proto}\r\n" if proto else "") + "\r\n").encode())
+    put(c, 1, f"hello {path} {h.get('x-mine', '-')} {'e2b-traffic-access-token' in h}".encode())
+    while True:
+        op, data = frame(c)
+        if op == 8:
+            open("/tmp/ws-closed", "w").write(str(struct.unpack("!H", data[:2])[0]))
+            put(c, 8, data[:2])
+            c.close()
+            return
+        if op == 9:
+            put(c, 10, data)
+        elif data == b"close-me":
+            put(c, 8, struct.pack("!H", 4001) + b"bye")
+        else:
+            put(c, op, data[::-1] if op == 1 else data)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+"""A WebSocket server of python's standard library only (RFC 6455 by hand), in the sandbox:
+greets with ``hello PATH X-MINE TOKEN-SEEN``, answers text reversed and binary as it came,
+``close-me`` with a close 4001, a client's close with its code (noted in /tmp/ws-closed);
+``/refuse`` is answered 404."""
+WS_PORT = 8010
+
+
+class _WsClient:
+    """A WebSocket client (wsproto) over a plain socket to the daemon, naming a sandbox's port by ``Host``."""
+
+    def __init__(self, url: str, host: str, target: str, subprotocols=(), extra=()):
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import Request
+
+        u = httpx.URL(url)
+        self.sock = socket.create_connection((u.host, u.port), timeout=15)
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        self.sock.sendall(self.ws.send(Request(host=host, target=target, subprotocols=list(subprotocols),
+                                               extra_headers=list(extra))))  # fmt: skip
+        self.pending: list = []
+
+    def next(self):
+        while not self.pending:
+            self.pending.extend(self.ws.events())
+            if self.pending:
+                break
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise EOFError("the daemon closed the connection")
+            self.ws.receive_data(data)
+        return self.pending.pop(0)
+
+    def message(self):
+        """The next whole message (text or bytes), its fragments joined."""
+        from wsproto.events import BytesMessage, TextMessage
+
+        parts = []
+        while True:
+            e = self.next()
+            assert isinstance(e, (TextMessage, BytesMessage)), e
+            parts.append(e.data)
+            if e.message_finished:
+                return "".join(parts) if isinstance(e, TextMessage) else b"".join(parts)
+
+    def send(self, event) -> None:
+        self.sock.sendall(self.ws.send(event))
+
+
+def test_a_websocket_passes_through_get_host_both_ways(daemon, public):
+    """A WebSocket upgrade to ``get_host(port)`` was relayed as plain HTTP (the
+    upgrade dropped).  Now the sandbox's 101 reaches the client (the
+    subprotocol it chose, the path and headers it was sent), messages pass
+    both ways whole (text and binary, one larger than a frame), pings are
+    answered, close codes pass either way, a refusal arrives as the HTTP answer
+    it was, and a quiet WebSocket ends at the relay's idle timeout."""
+    from wsproto.events import AcceptConnection, CloseConnection, Message, Ping, Pong, RejectConnection, RejectData
+
+    sbx, _ = public
+    sbx.files.write("/tmp/ws.py", WS_SERVER)
+    sbx.commands.run(f"python3 /tmp/ws.py {WS_PORT} >/dev/null 2>&1", background=True)
+    host = sbx.get_host(WS_PORT)
+    deadline = time.monotonic() + 20
+    while True:
+        c = _WsClient(daemon.daemon.url, host, "/chat?x=1", ["one", "two"], [("x-mine", "7")])
+        first = c.next()
+        if isinstance(first, AcceptConnection) or time.monotonic() > deadline:
+            break
+        c.sock.close()
+        time.sleep(0.3)
+    assert isinstance(first, AcceptConnection) and first.subprotocol == "two", first
+    assert c.message() == "hello /chat?x=1 7 False"  # the token header is never passed on
+    c.send(Message(data="abc"))
+    assert c.message() == "cba"
+    big = bytes(range(256)) * 1024  # 256 KiB: several reads on each side
+    c.send(Message(data=big))
+    assert c.message() == big
+    c.send(Ping(payload=b"p"))
+    assert isinstance(pong := c.next(), Pong) and pong.payload == b"p"
+    c.send(CloseConnection(code=1000, reason="done"))
+    closed = c.next()
+    assert isinstance(closed, CloseConnection) and closed.code == 1000, closed
+    c.sock.close()
+    deadline = time.monotonic() + 10
+    while sbx.commands.run("cat /tmp/ws-closed || true").stdout.strip() != "1000" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sbx.commands.run("cat /tmp/ws-closed").stdout.strip() == "1000"  # the client's close reached it
+
+    c = _WsClient(daemon.daemon.url, host, "/")
+    assert isinstance(c.next(), AcceptConnection) and c.message().startswith("hello / ")
+    c.send(Message(data="close-me"))
+    closed = c.next()
+    assert isinstance(closed, CloseConnection) and (closed.code, closed.reason) == (4001, "bye"), closed
+    c.sock.close()
+
+    c = _WsClient(daemon.daemon.url, host, "/refuse")
+    refused = c.next()
+    assert isinstance(refused, RejectConnection) and refused.status_code == 404, refused
+    assert dict(refused.headers).get(b"x-why") == b"test"
+    body = b""
+    while not body.endswith(b"socket"):
+        e = c.next()
+        assert isinstance(e, RejectData), e
+        body += e.data
+    assert body == b"no such socket"
+    c.sock.close()
+
+    c = _WsClient(daemon.daemon.url, host, "/")  # quiet past WEENV_RELAY_IDLE_S=2
+    assert isinstance(c.next(), AcceptConnection) and c.message().startswith("hello")
+    closed = c.next()
+    assert isinstance(closed, CloseConnection) and closed.code == 1001, closed
+    c.sock.close()
+
+    c = _WsClient(daemon.daemon.url, f"{WS_PORT + 1}-{sbx.sandbox_id}.e2b.app", "/")  # nothing listens
+    refused = c.next()
+    assert isinstance(refused, RejectConnection) and refused.status_code == 502, refused
+    c.sock.close()
+    assert _get(daemon, public[1], "/headers").status_code == 200  # the relay's HTTP face is as it was

@@ -430,3 +430,72 @@ def test_upload_tokens_expire_open_one_route_and_unbuilt_uploads_go(tmp_path_fac
         assert httpx.put(first["url"], content=body, headers=first["headers"]).status_code == 413  # no credential
         second = c.get(f"/templates/{tid}/files/{'34' * 32}").json()
         assert httpx.put(second["url"], content=body, headers=second["headers"]).status_code == 201  # room again
+
+
+def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image):
+    """``GET /v2/templates`` (paged by ``X-Next-Token``), ``PATCH /templates/{id}``
+    and ``/v2/templates/{id}`` (``public``), ``GET .../builds/{id}/logs`` (paged by
+    ``nextCursor``, filtered by level and time) and ``minFreeDiskMB`` (the
+    sandboxes' disk quota), each called with the SDK's own generated client."""
+    from e2b.api.client.api.templates import (
+        get_templates_template_id_builds_build_id_logs as build_logs,
+        get_v2_templates,
+        patch_templates_template_id,
+        patch_v_2_templates_template_id,
+    )
+    from e2b.api.client.models import LogLevel, LogsDirection, TemplateUpdateRequest
+    from e2b.api.client_sync import get_api_client
+    from e2b.connection_config import ConnectionConfig
+
+    info = Template.build(Template().from_image(base_image).run_cmd("echo one; echo two"), "t-v2a",
+                          min_free_disk_mb=12 << 10)  # 12 GiB: above the 10 GiB default quota
+    Template.build(Template().from_image(base_image), "t-v2b")
+    client = get_api_client(ConnectionConfig())
+    page = get_v2_templates.sync_detailed(client=client, limit=1)
+    assert page.status_code == 200 and len(page.parsed) == 1, page.content
+    names, token = [page.parsed[0].names[0]], page.headers.get("x-next-token")
+    while token:
+        page = get_v2_templates.sync_detailed(client=client, limit=1, next_token=token)
+        names += [t.names[0] for t in page.parsed]
+        token = page.headers.get("x-next-token")
+    assert {"t-v2a", "t-v2b"} <= set(names) and len(names) == len(set(names))
+    mine = next(t for t in get_v2_templates.sync(client=client) if t.names == ["t-v2a"])
+    assert mine.public is False and mine.disk_size_mb == 12 << 10 and mine.build_status.value == "ready"
+
+    r = patch_v_2_templates_template_id.sync_detailed(info.template_id, client=client,
+                                                      body=TemplateUpdateRequest(public=True))
+    assert r.status_code == 200 and r.parsed.names == ["t-v2a"], r.content
+    assert next(t for t in get_v2_templates.sync(client=client) if t.names == ["t-v2a"]).public is True
+    assert patch_templates_template_id.sync_detailed("t-v2a", client=client,
+                                                     body=TemplateUpdateRequest(public=False)).status_code == 200
+    with e2bd.api() as c:
+        assert c.get("/templates/aliases/t-v2a").json()["public"] is False
+        assert c.patch("/v2/templates/t-absent", json={"public": True}).status_code == 404
+
+    everything = build_logs.sync(info.template_id, info.build_id, client=client, limit=100).logs
+    messages = [e.message for e in everything]
+    assert "one" in messages and "two" in messages, messages
+    paged, cursor = [], None
+    while True:
+        r = client.get_httpx_client().get(f"/templates/{info.template_id}/builds/{info.build_id}/logs",
+                                           params={"limit": 2, **({"pageCursor": cursor} if cursor else {})})
+        paged += r.json()["logs"]
+        if not (cursor := r.json().get("nextCursor")):
+            break
+    assert [e["message"] for e in paged] == messages and [e["id"] for e in paged] == [str(i) for i in range(len(paged))]
+    backward = build_logs.sync(info.template_id, info.build_id, client=client, direction=LogsDirection.BACKWARD)
+    assert [e.message for e in backward.logs] == messages[::-1]
+    assert all(e.level.value in ("warn", "error") for e in
+               build_logs.sync(info.template_id, info.build_id, client=client, level=LogLevel.WARN).logs)
+    last_ms = int(everything[-1].timestamp.timestamp() * 1000)
+    after = build_logs.sync(info.template_id, info.build_id, client=client, cursor=last_ms).logs
+    assert after and after[-1].message == messages[-1] and len(after) < len(messages)
+
+    sb = Sandbox.create("t-v2a", timeout=60)
+    with e2bd.api() as c:  # the disk quota minFreeDiskMB asked (a sandbox's writable layer starts empty)
+        try:
+            assert c.get(f"/sandboxes/{sb.sandbox_id}").json()["diskSizeMB"] == 12 << 10
+        finally:
+            sb.kill()
+        r = c.post("/v3/templates", json={"name": "t-v2-huge", "minFreeDiskMb": 1 << 39})
+        assert r.status_code == 400 and "minFreeDiskMB" in r.json()["message"], r.text

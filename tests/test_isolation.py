@@ -26,7 +26,7 @@ import pytest
 from test_restart import restart_home  # noqa: F401  (fixture)
 
 from weenv.host.mounts import mounts_under
-from weenv.node import network
+from weenv.node import nameserver, network
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS
 
 AS_NOBODY = ["runuser", "-u", "nobody", "--"]
@@ -252,8 +252,8 @@ def test_network_environment_reaches_out_through_nat_but_never_the_host(node, ne
     for addr in host_addresses():
         if not addr.startswith("127."):
             assert connect_from(node, env.id, addr, host_server) == "TimeoutError", addr
-    r = node.exec(env.id, "cat /etc/resolv.conf")
-    assert r.stdout == Path("/etc/resolv.conf").read_bytes()
+    r = node.exec(env.id, "cat /etc/resolv.conf")  # its own name server (weenv.node.nameserver), not the host's
+    assert r.stdout == nameserver.RESOLV_CONF.encode()
 
 
 def test_a_stale_or_flushed_table_is_made_whole_by_the_next_create(node, net_template, host_server):

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 
 import httpx
@@ -160,13 +161,147 @@ def test_local_destinations_are_dropped_unless_an_allow_entry_names_them(node, l
         node.destroy(e.id)
 
 
-@pytest.mark.parametrize("bad", ["10.0.0.0/33", "example.com", "10.0.0.1/8", "::1/128", ""])
-def test_a_list_entry_that_is_not_a_cidr_is_refused_before_anything_is_made(node, bad, no_leak):
+@pytest.mark.parametrize("bad", ["10.0.0.0/33", "10.0.0.1/8", "-bad-.com", "a..b.com", "localhost", ""])
+def test_a_list_entry_that_is_not_a_cidr_or_a_name_is_refused_before_anything_is_made(node, bad, no_leak):
     with pytest.raises(InvalidInputError, match="not an IPv4 CIDR"):
         node.create("task", allow_out=[bad])
     with pytest.raises(InvalidInputError, match="not an IPv4 CIDR"):
         node.create("task", deny_out=["10.0.0.0/8", bad])
     assert node.count() == 0
+
+
+def test_ipv6_entries_and_names_in_deny_out_are_refused_clearly(node, no_leak):
+    """Environments have no IPv6 (no address, no route): an IPv6 entry says so;
+    a domain name in ``deny_out`` is refused as E2B refuses it."""
+    for fields in ({"allow_out": ["::1/128"]}, {"deny_out": ["2001:db8::/32"]}, {"allow_out": ["2001:db8::1"]}):
+        with pytest.raises(InvalidInputError, match="IPv6 is not served"):
+            node.create("task", **fields)
+    with pytest.raises(InvalidInputError, match="domain names are not supported in deny_out"):
+        node.create("task", network=True, deny_out=["example.com"])
+    assert node.count() == 0
+
+
+DNS_SERVER = r"""
+import json, socket, sys
+import dns.message, dns.rcode, dns.rdatatype, dns.rrset
+names = json.loads(sys.argv[3])
+log = open(sys.argv[4], "a", buffering=1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+while True:
+    data, peer = s.recvfrom(4096)
+    q = dns.message.from_wire(data)
+    name = q.question[0].name.to_text(omit_final_dot=True)
+    log.write(f"{name} {peer[0]}\n")
+    r = dns.message.make_response(q)
+    if name not in names:
+        r.set_rcode(dns.rcode.NXDOMAIN)
+    elif q.question[0].rdtype == dns.rdatatype.A:
+        r.answer.append(dns.rrset.from_text(q.question[0].name, 5, "IN", "A", names[name]))
+    s.sendto(r.to_wire(), peer)
+"""
+"""A name server for the test's names only (dnspython), run in a test host's namespace: it logs each query."""
+
+RESOLVE_AND_REACH = r"""
+import json, socket, sys
+out = {}
+for name in sys.argv[3:]:
+    try:
+        addr = socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
+    except OSError:
+        out[name] = "unresolved"
+        continue
+    try:
+        with socket.create_connection((addr, int(sys.argv[1])), timeout=1.5) as s:
+            s.settimeout(3)
+            out[name] = addr + " " + s.recv(100).decode().split()[0]
+    except OSError as exc:
+        out[name] = addr + " " + type(exc).__name__
+q = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + b"".join(
+    bytes([len(x)]) + x.encode() for x in "svc.weenv.test".split(".")) + b"\x00\x00\x01\x00\x01"
+d = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+d.settimeout(1.5)
+d.sendto(q, (sys.argv[2], 53))
+try:
+    d.recv(512)
+    out["direct"] = "answered"
+except OSError as exc:
+    out["direct"] = type(exc).__name__
+print(json.dumps(out))
+"""
+"""Inside an environment: each name's address (its resolver: /etc/resolv.conf) and
+the first word its host answers on PORT; ``direct``: a query sent to ARGV[2]:53 itself."""
+
+
+@pytest.fixture
+def name_server(tmp_path, far_hosts):
+    """:data:`DNS_SERVER` on test host ``two``'s address, port 53, answering
+    ``svc.weenv.test`` and names under ``wild.weenv.test`` with host ``one``,
+    ``other.weenv.test`` with ``two``; ``(address, log file)``."""
+    one, two = far_hosts["one"], far_hosts["two"]
+    names = {"svc.weenv.test": one, "wild.weenv.test": one, "a.b.wild.weenv.test": one, "other.weenv.test": two}
+    log_file = tmp_path / "queries"
+    log_file.touch()
+    ns = tmp_path / "ns-two"
+    server = subprocess.Popen(["nsenter", f"--net={ns}", sys.executable, "-c", DNS_SERVER, two, "53",
+                               json.dumps(names), str(log_file)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout.readline() == "ready\n"
+        yield two, log_file
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_names_in_allow_out_open_their_answers_and_dns_follows_the_policy(node, far_hosts, name_server, no_leak):
+    """``allow_out`` took CIDRs only (E2B's takes domain names too), and DNS to
+    the resolv.conf name servers was accepted before ``deny_out`` and with
+    internet off (a way out: a DNS tunnel).  Now each environment with network
+    resolves through its own name server (the node's, inside its namespace):
+    an allowed name is answered and the addresses of its answer opened; with
+    egress closed every other name is refused without reaching any server, and
+    no environment reaches a name server its egress does not allow."""
+    one, two = far_hosts["one"], far_hosts["two"]
+    dns_addr, log_file = name_server
+    node.containers.dns.upstream = [(dns_addr, 53)]
+    names = ["svc.weenv.test", "a.b.wild.weenv.test", "wild.weenv.test", "other.weenv.test"]
+
+    def resolve(env_id: str) -> dict[str, str]:
+        r = node.exec(env_id, ["python3", "-c", RESOLVE_AND_REACH, str(PORT), dns_addr, *names], timeout=60)
+        assert r.exit_code == 0, r
+        return json.loads(r.stdout)
+
+    named = node.create("task", allow_out=["svc.weenv.test", "*.wild.weenv.test"])  # internet off
+    assert named.allow_out == ["svc.weenv.test", "*.wild.weenv.test"]
+    assert resolve(named.id) == {"svc.weenv.test": f"{one} one", "a.b.wild.weenv.test": f"{one} one",
+                                 "wild.weenv.test": "unresolved",  # a wildcard names subdomains only
+                                 "other.weenv.test": "unresolved", "direct": "TimeoutError"}
+    assert connect_from(node, named.id, two, PORT) == "TimeoutError"  # only what an allowed name answered
+    asked = log_file.read_text().split()
+    assert "svc.weenv.test" in asked and "other.weenv.test" not in asked and "wild.weenv.test" not in asked
+
+    log_file.write_text("")
+    closed = node.create("task", allow_out=[f"{one}/32"])  # network, no internet, no names: no DNS
+    assert resolve(closed.id) == {n: "unresolved" for n in names} | {"direct": "TimeoutError"}
+    assert log_file.read_text() == ""  # no query of it left the node
+    rules = subprocess.run(["nft", "list", "table", "inet", network.env_table(closed.id)], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    assert "dport 53" not in rules and "allow_dns" in rules
+
+    walled = node.create("task", network=True, allow_out=["svc.weenv.test"], deny_out=["0.0.0.0/0"])
+    got = resolve(walled.id)
+    assert got["svc.weenv.test"] == f"{one} one" and got["other.weenv.test"] == "unresolved", got
+    assert got["direct"] == "TimeoutError"
+
+    opened = node.create("task", network=True)  # egress open: every name, and any name server
+    got = resolve(opened.id)
+    assert got["other.weenv.test"] == f"{two} two" and got["svc.weenv.test"] == f"{one} one", got
+    assert got["direct"] == "answered"
+    child = node.fork(named.id, 1).children[0]  # a fork child inherits the names
+    assert resolve(child.id)["svc.weenv.test"] == f"{one} one"
+    for e in (named, closed, walled, opened, child):
+        node.destroy(e.id)
 
 
 def test_a_node_whose_policy_forbids_network_refuses_it(paths, shared_store, monkeypatch, no_leak):
@@ -182,13 +317,14 @@ def test_a_node_whose_policy_forbids_network_refuses_it(paths, shared_store, mon
         Node(paths, store=shared_store)
 
 
-def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts):
+def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts, name_server, monkeypatch):
     e2b = pytest.importorskip("e2b")
     from e2b import Sandbox
     from e2b.exceptions import InvalidArgumentException, SandboxException
 
     home = tmp_path_factory.mktemp("net-e2b-home")
     before = system_snapshot(home)
+    monkeypatch.setenv("WEENV_DNS_UPSTREAM", f"{name_server[0]}:53")  # the test's names only
     daemon = start_daemon(home, shared_store.url)
     url = daemon.url
     one, two = far_hosts["one"], far_hosts["two"]
@@ -207,7 +343,11 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
             lists = Sandbox.create("task", allow_internet_access=False, timeout=120,
                                    network={"allow_out": [f"{one}/32"]})
             closed = Sandbox.create("task", timeout=120)
+            named = Sandbox.create("task", allow_internet_access=True, timeout=120,  # E2B's domain pattern
+                                   network={"allow_out": ["svc.weenv.test"], "deny_out": ["0.0.0.0/0"]})
             try:
+                assert reach(named, "svc.weenv.test") == "ok" and reach(named, "other.weenv.test") == "gaierror"
+                assert reach(named, two) == "TimeoutError"
                 assert reach(sbx, one) == "ok" and reach(sbx, two) == "ok"
                 assert reach(lists, one) == "ok" and reach(lists, two) == "TimeoutError"
                 assert reach(closed, one) != "ok"  # no network unless asked
@@ -238,7 +378,7 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
                     time.sleep(0.2)
                 assert r.text == "closed\n"
             finally:
-                for s in (sbx, lists, closed):
+                for s in (sbx, lists, closed, named):
                     s.kill()
             with pytest.raises((InvalidArgumentException, SandboxException), match="not an IPv4 CIDR"):
                 Sandbox.create("task", timeout=60, network={"deny_out": ["not-a-cidr"]})

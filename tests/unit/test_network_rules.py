@@ -21,18 +21,19 @@ def _elements(script: str, name: str) -> str:
 
 def test_local_ranges_drop_before_the_lists_and_only_named_entries_open_them():
     egress = network.Egress(internet=False, allow=("10.1.2.3/32", "0.0.0.0/0", "192.168.0.0/16"), deny=("1.2.3.0/24",))
-    script = network.egress_ruleset(ENV, egress, network.LOCAL_RANGES + ("192.0.2.0/24",), ("10.255.255.53",))
-    assert _chain(script) == [
+    script = network.egress_ruleset(ENV, egress, network.LOCAL_RANGES + ("192.0.2.0/24",))
+    assert _chain(script) == [  # no port-53 exception: DNS follows the policy (weenv.node.nameserver)
         "ip daddr @allow_local accept",
-        "ip daddr @dns meta l4proto { tcp, udp } th dport 53 accept",
+        "ct state established,related accept",
         "ip daddr @local drop",
         "ip daddr @allow accept",
+        "ip daddr @allow_dns accept",  # after the local drop: a name's answer never opens the LAN
         "ip daddr @deny drop",
         "drop",
     ]
+    assert "53" not in script
     assert _elements(script, "allow_local") == "10.1.2.3/32, 192.168.0.0/16"  # inside a local range: named
     assert "192.0.2.0/24" in _elements(script, "local") and "10.0.0.0/8" in _elements(script, "local")
-    assert _elements(script, "dns") == "10.255.255.53/32"
     with_internet = network.egress_ruleset(ENV, network.Egress())
     assert _chain(with_internet)[-1] == "ip daddr @deny drop" and _elements(with_internet, "allow_local") == ""
 
@@ -49,3 +50,17 @@ def test_name_servers_are_the_ipv4_nameserver_lines(tmp_path):
                     "nameserver 192.0.2.1 # second\nnameserver 10.255.255.53\n")
     assert network.name_servers(conf) == ("10.255.255.53", "192.0.2.1")
     assert network.name_servers(tmp_path / "missing") == ()
+
+
+def test_domain_patterns_and_the_name_policy():
+    from weenv.node.nameserver import domain, matches
+
+    assert domain("Example.COM.") == "example.com" and domain("*.svc.weenv.test") == "*.svc.weenv.test"
+    for bad in ("localhost", "10.0.0.1", "-a.com", "a..b", "*", "*.com.", "a b.com", "x" * 64 + ".com"):
+        assert domain(bad) is None, bad
+    assert matches("a.b.example.com", ("*.example.com",)) and not matches("example.com", ("*.example.com",))
+    assert matches("example.com", ("example.com",)) and not matches("badexample.com", ("*.example.com",))
+    assert not network.Egress(internet=True, deny=("0.0.0.0/0",)).names().open
+    assert network.Egress(internet=True, deny=("1.2.3.0/24",)).names().open
+    assert network.Egress(internet=False, domains=("a.com",)).names() == \
+        __import__("weenv.node.nameserver", fromlist=["x"]).NamePolicy(names=("a.com",), open=False)

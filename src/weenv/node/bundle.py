@@ -12,7 +12,8 @@ said otherwise):
   network namespace holding only loopback, or with ``runtime.network`` the one
   at ``netns`` (made by :mod:`weenv.node.network`: a veth pair to the host,
   NATed out, the host and other environments unreachable) and a read-only bind
-  of the host's ``/etc/resolv.conf``;
+  of ``resolv_conf`` (its own name server, :mod:`weenv.node.nameserver`; default the
+  host's ``/etc/resolv.conf``) at ``/etc/resolv.conf``;
 - runc's default capabilities (:data:`RUNC_DEFAULT_CAPS`: ``CAP_AUDIT_WRITE``,
   ``CAP_KILL``, ``CAP_NET_BIND_SERVICE``; ``capabilities=`` chooses others, e.g.
   :data:`DOCKER_DEFAULT_CAPS`), ``noNewPrivileges``;
@@ -236,7 +237,8 @@ def _ro_binary(destination: str, source: Path) -> dict[str, Any]:
             "options": ["bind", "ro", "nosuid", "nodev"]}  # fmt: skip
 
 
-def _mounts(network: bool, init: Path | None, agent: Path | None) -> list[dict[str, Any]]:
+def _mounts(network: bool, init: Path | None, agent: Path | None,
+            resolv_conf: Path | None = None) -> list[dict[str, Any]]:
     nse = ["nosuid", "noexec", "nodev"]
     mounts = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -253,7 +255,7 @@ def _mounts(network: bool, init: Path | None, agent: Path | None) -> list[dict[s
     ]  # fmt: skip
     if network:
         mounts.append(
-            {"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
+            {"destination": "/etc/resolv.conf", "type": "bind", "source": os.fspath(resolv_conf or "/etc/resolv.conf"),
              "options": ["rbind", "ro", *nse]}
         )  # fmt: skip
     if init is not None:
@@ -277,6 +279,7 @@ def build_config(
     agent: Path | None = None,
     netns: Path | None = None,
     agent_user: str | None = None,
+    resolv_conf: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -360,7 +363,7 @@ def build_config(
         "root": {"path": os.fspath(Path(rootfs).absolute()), "readonly": False},
         "annotations": {CAPS_ANNOTATION: ",".join(capabilities)},
         "hostname": hostname,
-        "mounts": _mounts(runtime.network, init, agent),
+        "mounts": _mounts(runtime.network, init, agent, resolv_conf),
         "linux": linux,
     }
 
@@ -379,6 +382,7 @@ def write_bundle(
     agent: Path | None = None,
     netns: Path | None = None,
     agent_user: str | None = None,
+    resolv_conf: Path | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -388,7 +392,7 @@ def write_bundle(
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
         resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
-        netns=netns, agent_user=agent_user,
+        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")

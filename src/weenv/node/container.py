@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.node import network
+from weenv.errors import RuntimeFailedError
+from weenv.node import nameserver, network
+from weenv.node.nameserver import DnsProxy
 from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node.bundle import write_bundle
 from weenv.host.rootfs import RootFS
@@ -27,6 +29,10 @@ INIT = Path("/usr/bin/tini-static")
 backgrounded processes do not pile up as zombies against the pids limit."""
 
 
+RESOLV_FILE = "resolv.conf"
+"""An environment with network's ``/etc/resolv.conf``, in its directory (outside its rootfs)."""
+
+
 class Containers:
     """Bundles and runc containers of environments (``runc``'s state root is the node's)."""
 
@@ -37,6 +43,8 @@ class Containers:
         """Where environments with network get their /30 (``WEENV_NET_CIDR``, :mod:`weenv.node.network`)."""
         self.network_allowed = network.policy_from_env()
         """The node's policy (``WEENV_NETWORK``): False refuses environments with network."""
+        self.dns = DnsProxy()
+        """The name servers of its environments with network (:mod:`weenv.node.nameserver`)."""
 
     def make(self, env_id: str, env_dir: Path, runtime: RuntimeConfig, resources: Resources,
              capabilities: tuple[str, ...], undo: contextlib.ExitStack, timing: dict, *, start: bool,
@@ -74,6 +82,7 @@ class Containers:
             agent=agent,
             netns=netns,
             agent_user=agent_user,
+            resolv_conf=env_dir / RESOLV_FILE if link is not None else None,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self.delete, env_id, env_dir)
@@ -119,7 +128,8 @@ class Containers:
         self.runc.delete(container_id(env_id), force=True, bundle=env_dir / "bundle")
 
     def teardown_network(self, env_id: str, env_dir: Path) -> None:
-        """Remove its network namespace and link, if any; idempotent."""
+        """Remove its name server, network namespace and link, if any; idempotent."""
+        self.dns.detach(env_id)
         network.teardown(env_id, env_dir)
 
     def status(self) -> dict[str | None, str | None]:
@@ -138,4 +148,18 @@ class Containers:
         if not wanted:
             return None
         undo.callback(network.teardown, env_id, env_dir)
-        return network.setup(env_id, env_dir, self.net_cidr, egress)
+        link = network.setup(env_id, env_dir, self.net_cidr, egress)
+        self.serve_names(env_id, env_dir, egress)
+        undo.callback(self.dns.detach, env_id)
+        return link
+
+    def serve_names(self, env_id: str, env_dir: Path, egress: network.Egress) -> None:
+        """Environment ``env_id``'s name server (in its namespace, ``env_dir/netns``)
+        and the ``env_dir/resolv.conf`` naming it; again for an adopted environment.
+        Raises :class:`RuntimeFailedError` when its sockets cannot be made."""
+        (env_dir / RESOLV_FILE).write_text(nameserver.RESOLV_CONF)
+        try:
+            self.dns.attach(env_id, env_dir / network.NETNS_FILE, egress.names(),
+                            lambda addrs: network.open_addresses(env_id, addrs))  # fmt: skip
+        except OSError as exc:
+            raise RuntimeFailedError(f"environment {env_id}'s name server: {exc}") from exc

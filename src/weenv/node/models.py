@@ -111,9 +111,38 @@ def _cidr(value: str) -> str:
         net = ipaddress.ip_network(value.strip(), strict=True) if isinstance(value, str) and len(value) <= 64 else None
     except ValueError:
         net = None
-    if net is None or net.version != 4:
+    if net is not None and net.version == 6:
+        raise ValueError(f"{str(value)[:64]!r}: IPv6 is not served (environments have no IPv6 address or route); "
+                         "give IPv4 CIDRs")
+    if net is None:
         raise ValueError(f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24 or an address such as 10.1.2.3")
     return str(net)
+
+
+def _cidr_or_domain(value: str) -> str:
+    """An ``allow_out`` entry: :func:`_cidr`'s, or a domain name (``example.com``,
+    ``*.example.com``, lowercased: :func:`weenv.node.nameserver.domain`)."""
+    from weenv.node.nameserver import domain
+
+    try:
+        return _cidr(value)
+    except ValueError as exc:
+        name = domain(value) if isinstance(value, str) and len(value) <= 253 and ":" not in value else None
+        if name is None:
+            if "IPv6" in str(exc):
+                raise
+            raise ValueError(f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24, an address such as "
+                             "10.1.2.3, or a domain name such as example.com or *.example.com") from None
+        return name
+
+
+def _deny_entry(value: str) -> str:
+    from weenv.node.nameserver import domain
+
+    if isinstance(value, str) and len(value) <= 253 and domain(value) is not None:
+        raise ValueError(f"{value[:64]!r}: domain names are not supported in deny_out (as E2B's denyOut); "
+                         "give IPv4 CIDRs")
+    return _cidr(value)
 
 
 class CreateRequest(_Model):
@@ -140,9 +169,11 @@ class CreateRequest(_Model):
     True on, False off, None the template's ``runtime.network``.  A node whose
     ``WEENV_NETWORK`` is ``off`` refuses environments with network."""
     allow_out: list[str] = Field(default_factory=list, max_length=MAX_NET_RULES)
-    """IPv4 CIDRs (or addresses) always reachable, whatever ``deny_out`` says
-    (E2B's ``allowOut``: allowed entries take precedence); non-empty turns the
-    network on, and with ``network`` not True only these are reachable."""
+    """IPv4 CIDRs (or addresses) and domain names (``example.com``, ``*.example.com``:
+    the addresses their answers carry, :mod:`weenv.node.nameserver`) always reachable,
+    whatever ``deny_out`` says (E2B's ``allowOut``: allowed entries take
+    precedence); non-empty turns the network on, and with ``network`` not True
+    only these are reachable."""
     deny_out: list[str] = Field(default_factory=list, max_length=MAX_NET_RULES)
     """IPv4 CIDRs (or addresses) refused (E2B's ``denyOut``); ``0.0.0.0/0``: all but ``allow_out``."""
     public_traffic: bool = True
@@ -153,7 +184,8 @@ class CreateRequest(_Model):
     ``lifecycle.on_timeout``; resume or connect brings it back)."""
 
     _check_timeout = field_validator("timeout")(_finite)
-    _check_cidrs = field_validator("allow_out", "deny_out")(lambda v: [_cidr(c) for c in v])
+    _check_allow = field_validator("allow_out")(lambda v: [_cidr_or_domain(c) for c in v])
+    _check_deny = field_validator("deny_out")(lambda v: [_deny_entry(c) for c in v])
 
 
 class BatchCreateRequest(_Model):

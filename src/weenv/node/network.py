@@ -42,16 +42,23 @@ default drop of local destinations: a forward chain after the shared one's
    an explicit allow of a private address or range is honoured
    (``10.1.2.3``, ``192.168.0.0/16``), one that merely covers it is not
    (``0.0.0.0/0`` does not open the LAN);
-2. accepts DNS (port 53, UDP and TCP) to the name servers of the host's
-   ``/etc/resolv.conf``, which the environment is given;
+2. accepts packets of connections already accepted (``ct state
+   established``): a flow opened by a name's answer outlives that answer's TTL;
 3. drops every other local destination (:func:`local_ranges`): the private
    ranges of RFC 1918 (10/8, 172.16/12, 192.168/16), CGNAT's 100.64/10,
    link-local 169.254/16, loopback, ``0/8``, multicast and reserved, and the
    networks of the interfaces that carry the host's default routes (its LAN:
    other machines of the cluster, their Ray and weenv ports);
-4. accepts ``allow``, drops ``deny`` and, without internet
-   (``Egress.internet`` False), drops the rest; allowed entries take
-   precedence, as E2B documents.
+4. accepts ``allow`` and ``allow_dns`` (the addresses that the
+   environment's name server answered for a name its ``allow_out`` names,
+   each for its TTL: :mod:`weenv.node.nameserver`), drops ``deny`` and, without
+   internet (``Egress.internet`` False), drops the rest; allowed entries
+   take precedence, as E2B documents.
+
+DNS follows the same policy: no port-53 exception.  The environment's
+``/etc/resolv.conf`` names its own name server (:mod:`weenv.node.nameserver`, the
+node's, inside its namespace), which answers allowed names, every name when
+its egress is open, and refuses the rest (no internet: no DNS).
 
 The shared table's drops run first and stay final: no list opens the host
 itself (any of its addresses), another environment or link-local addresses.
@@ -63,8 +70,10 @@ refused (:class:`NetworkForbiddenError`) before anything is made.
 
 Forwarding must be on: :func:`ensure_rules` sets ``net.ipv4.ip_forward`` to 1
 (as Docker does), which makes the host route between its other interfaces
-too.  DNS: the environment gets the host's ``/etc/resolv.conf``; a name server
-on a host address (e.g. systemd-resolved's 127.0.0.53) is not reachable.
+too.
+
+IPv6: environments have none (no address, no route; the shared table drops
+their IPv6 packets); an IPv6 entry in a list is refused at the request.
 
 Teardown (:func:`teardown`): the host end is deleted (which deletes the pair)
 and the nsfs file unmounted; idempotent, and what a crash leaves goes the same
@@ -154,6 +163,21 @@ class Egress:
     """IPv4 CIDRs always reachable (precedence over ``deny``)."""
     deny: tuple[str, ...] = ()
     """IPv4 CIDRs refused."""
+    domains: tuple[str, ...] = ()
+    """Domain names always reachable (``allow_out``'s names, :func:`weenv.node.nameserver.domain`
+    patterns): the addresses their answers carry, opened as they are resolved."""
+
+    def names(self):
+        """The :class:`~weenv.node.nameserver.NamePolicy` of its name server."""
+        from weenv.node.nameserver import NamePolicy
+
+        return NamePolicy(names=self.domains, open=self.internet and "0.0.0.0/0" not in self.deny)
+
+
+def egress_of(internet: bool, allow_out: list[str], deny_out: list[str]) -> Egress:
+    """The :class:`Egress` of validated lists (``allow_out``'s domain names apart from its CIDRs)."""
+    return Egress(internet=internet, allow=tuple(a for a in allow_out if "/" in a), deny=tuple(deny_out),
+                  domains=tuple(a for a in allow_out if "/" not in a))
 
 
 def env_table(env_id: str) -> str:
@@ -161,12 +185,10 @@ def env_table(env_id: str) -> str:
     return f"{TABLE}-{env_id[:10]}"
 
 
-def egress_ruleset(env_id: str, egress: Egress, local: tuple[str, ...] = LOCAL_RANGES,
-                   dns: tuple[str, ...] = ()) -> str:
+def egress_ruleset(env_id: str, egress: Egress, local: tuple[str, ...] = LOCAL_RANGES) -> str:
     """Environment ``env_id``'s own table as an ``nft -f`` script (see the module
     docstring): ``local``, the ranges dropped unless an ``allow`` entry lies inside
-    one of them (:func:`local_ranges`); ``dns``, name server addresses reachable
-    on port 53 (:func:`name_servers`)."""
+    one of them (:func:`local_ranges`)."""
     veth = f'"{host_ifname(env_id)}"'
     local_nets = [ipaddress.IPv4Network(c) for c in local]
     allow_local = tuple(a for a in egress.allow if any(ipaddress.IPv4Network(a).subnet_of(n) for n in local_nets))
@@ -177,13 +199,31 @@ def egress_ruleset(env_id: str, egress: Egress, local: tuple[str, ...] = LOCAL_R
         return f"  set {name} {{\n    type ipv4_addr; flags interval; auto-merge;{elements}\n  }}\n"
 
     rest = "" if egress.internet else f"    iifname {veth} drop\n"
-    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow_local", allow_local) + nft_set("dns", dns)
+    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow_local", allow_local)
             + nft_set("local", local) + nft_set("allow", egress.allow) + nft_set("deny", egress.deny)
+            + f"  set {DNS_SET} {{\n    type ipv4_addr; flags timeout;\n  }}\n"
             + "  chain egress {\n    type filter hook forward priority filter - 5; policy accept;\n"
             f"    iifname {veth} ip daddr @allow_local accept\n"
-            f"    iifname {veth} ip daddr @dns meta l4proto {{ tcp, udp }} th dport 53 accept\n"
+            f"    iifname {veth} ct state established,related accept\n"
             f"    iifname {veth} ip daddr @local drop\n"
-            f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n")
+            f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @{DNS_SET} accept\n"
+            f"    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n")
+
+
+DNS_SET = "allow_dns"
+"""The set of an environment's table holding the addresses its allowed names resolved to."""
+
+
+def open_addresses(env_id: str, addresses: list[tuple[str, int]]) -> None:
+    """Add ``[(ipv4, seconds)]`` to environment ``env_id``'s :data:`DNS_SET`, each
+    for its seconds (an address there already gets the new timeout).  Raises
+    :class:`RuntimeFailedError`."""
+    elements = ", ".join(f"{ipaddress.IPv4Address(a)} timeout {int(t)}s" for a, t in addresses)
+    table = env_table(env_id)
+    # delete-then-add refreshes the timeout of an element present (add keeps the old one)
+    _run(["nft", "-f", "-"], input=f"add element inet {table} {DNS_SET} {{ {elements} }}\n"
+         f"delete element inet {table} {DNS_SET} {{ {', '.join(a for a, _ in addresses)} }}\n"
+         f"add element inet {table} {DNS_SET} {{ {elements} }}\n")
 
 
 def local_ranges() -> tuple[str, ...]:
@@ -307,7 +347,7 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
     try:
         own = env_table(env_id)
         own_rules = f"table inet {own} {{}}\ndelete table inet {own}\n" + egress_ruleset(
-            env_id, egress, local_ranges(), name_servers())
+            env_id, egress, local_ranges())
         with _machine_lock():
             netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
             ensure_rules(own_rules)  # its own table before its veth exists: no packet of it passes unfiltered
@@ -357,6 +397,21 @@ def open_in(netns: Path | int, port: int, host: str = "127.0.0.1", timeout: floa
     namespace (a thread of the daemon never stays in it), then connected from
     the caller's thread.  Raises ``OSError`` (refused, timed out, no such
     namespace, the process ended: ``ESRCH``)."""
+    sock = socket_in(netns, socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def socket_in(netns: Path | int, family: int, kind: int) -> socket.socket:
+    """A socket of ``family`` and ``kind`` made inside the network namespace
+    ``netns`` (as :func:`open_in` takes it), in a short-lived thread that joins
+    it: the socket stays the namespace's wherever it is used.  Raises ``OSError``."""
     made: list = []
 
     def make() -> None:
@@ -369,7 +424,7 @@ def open_in(netns: Path | int, port: int, host: str = "127.0.0.1", timeout: floa
             finally:
                 if fd is not netns:
                     os.close(fd)
-            made.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+            made.append(socket.socket(family, kind | socket.SOCK_CLOEXEC))
         except OSError as exc:
             made.append(exc)
 
@@ -378,15 +433,7 @@ def open_in(netns: Path | int, port: int, host: str = "127.0.0.1", timeout: floa
     t.join()
     if isinstance(made[0], OSError):
         raise made[0]
-    sock = made[0]
-    try:
-        sock.settimeout(timeout)
-        sock.connect((host, port))
-        sock.settimeout(None)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return made[0]
 
 
 def env_address(env_id: str) -> str | None:

@@ -314,6 +314,7 @@ class Node:
                 self.commands.reset()
                 self.captures.close()
                 self.disk.close()  # every environment is gone: its directory, subvolume and overlay
+                self.containers.dns.close()
             finally:
                 self.admission.started = False
                 self.home.release()
@@ -928,7 +929,7 @@ def _network(req: CreateRequest, runtime: RuntimeConfig) -> tuple[RuntimeConfig,
     on = internet or bool(req.allow_out)
     if on != runtime.network:
         runtime = runtime.model_copy(update={"network": on})
-    return runtime, network.Egress(internet=internet, allow=tuple(req.allow_out), deny=tuple(req.deny_out))
+    return runtime, network.egress_of(internet, req.allow_out, req.deny_out)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -946,6 +947,7 @@ def _info(env_id: str, manifest: TemplateManifest, digest: str, res: Resources, 
         rootfs=str(env_dir / "rootfs"), resources=res, timing=CreateTiming(),
         timeout_s=DEFAULT_TIMEOUT_S if req.timeout is None else float(req.timeout),
         envs=req.envs, metadata=req.metadata, priority=req.priority, public_traffic=req.public_traffic,
-        network=egress.internet, allow_out=list(egress.allow), deny_out=list(egress.deny), on_timeout=req.on_timeout,
+        network=egress.internet, allow_out=[*egress.allow, *egress.domains], deny_out=list(egress.deny),
+        on_timeout=req.on_timeout,
     )  # fmt: skip
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError
 from weenv.host import mounts
+from weenv.node import network
 from weenv.node.cgroups import open_cgroups
 from weenv.node.container import Containers
 from weenv.node.groups import GroupMounts, clear_stale
@@ -133,6 +134,13 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
+        # its name server was the dead node's (the namespace outlives a memory release too)
+        if (env_dir / network.NETNS_FILE).exists():
+            try:
+                self.containers.serve_names(info.id, env_dir, network.egress_of(info.network, info.allow_out,
+                                                                                info.deny_out))  # fmt: skip
+            except Exception as exc:  # it runs on, without names
+                log.warning("cannot serve names of recovered environment %s: %s", info.id, exc)
         if released:  # its disk counted as before; its resume reserves it
             try:
                 self.provisioner.hold_disk(disk_key(info.id), info.resources.disk_bytes,

@@ -108,16 +108,18 @@ def serve(
         # the SDK's download_url/upload_url join "/files" to the sandbox URL with urljoin, which drops
         # E2B_SANDBOX_URL's /e2b/envd: envd's /files (signed URLs) answers at the root too
         app.router.routes.append(Route("/files", e2b.state.envd.files, methods=["GET", "POST"]))
+        from weenv.server.e2b import ports
         from weenv.server.e2b.ports import PortProxy, relay_settings
 
         tcp_cap = limits.tcp_connection_cap(nofile)
         # outermost: E2B's PORT-ID. hosts to sandbox ports, at most a quarter of the TCP connections
         app.add_middleware(PortProxy, node=node, sandboxes=e2b.state.sandboxes, **relay_settings(tcp_cap))
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-                                http=limits.tcp_protocol(tcp_cap),
-                                # no WebSocket upgrade: it would swap the bounded protocol for one that
-                                # the connection cap never sees close (and weenv has no WebSocket route)
-                                ws="none", timeout_keep_alive=limits.IDLE_TIMEOUT_S)
+        http = limits.tcp_protocol(tcp_cap)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http,
+                                # WebSocket upgrades (get_host's relay) on a protocol the connection cap still
+                                # counts; no per-message deflate (no decompression on the daemon)
+                                ws=http.ws_protocol, ws_per_message_deflate=False,
+                                ws_max_size=ports.MAX_WS_MESSAGE, timeout_keep_alive=limits.IDLE_TIMEOUT_S)
         server = uvicorn.Server(config)
         # uvicorn handles SIGTERM/SIGINT while it runs, shuts down cleanly, then
         # raises the signal again under the previous handler: make that an exit 0.

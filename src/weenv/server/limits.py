@@ -55,6 +55,7 @@ from collections.abc import Callable
 import anyio
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.wsproto_impl import WSProtocol
 
 from weenv.errors import RequestTooLargeError
 
@@ -108,7 +109,9 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
     """uvicorn's h11 protocol (pass as ``uvicorn.Config(http=...)``) bounded as
     the module docstring says: at most ``max_connections`` TCP connections
     (the count is this class's: make one class per server), every connection
-    closed after ``idle_timeout`` seconds of silence."""
+    closed after ``idle_timeout`` seconds of silence.  Its ``ws_protocol``
+    (pass as ``uvicorn.Config(ws=...)``): uvicorn's wsproto protocol, to which
+    a WebSocket upgrade hands the connection, counted on until it closes."""
     open_tcp: set[object] = set()
     body = json.dumps({"error": {"kind": "capacity", "message":
                       f"the daemon serves {max_connections} TCP connections already"}}).encode()  # fmt: skip
@@ -160,7 +163,26 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
             open_tcp.discard(self)
             super().connection_lost(exc)
 
+        def handle_websocket_upgrade(self, event: h11.Request) -> None:
+            self._cancel_head_deadline()
+            open_tcp.discard(self)  # the connection is counted on as its WebSocket protocol's
+            super().handle_websocket_upgrade(event)
+
+    class BoundedWSProtocol(WSProtocol):
+        """A connection upgraded to WebSocket, still counted among the TCP connections until it closes."""
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                open_tcp.add(self)
+            super().connection_made(transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            open_tcp.discard(self)
+            super().connection_lost(exc)
+
     BoundedH11Protocol.open_tcp = open_tcp  # type: ignore[attr-defined]  # for tests and stats
+    BoundedH11Protocol.ws_protocol = BoundedWSProtocol  # type: ignore[attr-defined]  # uvicorn.Config(ws=...)
     return BoundedH11Protocol
 
 

@@ -86,10 +86,21 @@ class _Body(BaseModel):
 
 
 class NetworkConfig(_Body):
-    """E2B's ``SandboxNetworkConfig`` (the parts weenv enforces: IPv4 CIDRs or addresses)."""
+    """E2B's ``SandboxNetworkConfig`` (the parts weenv enforces: IPv4 CIDRs, addresses
+    and, in ``allowOut``, domain names; ``dnsServers``, with a domain in ``allowOut``,
+    as more allowed addresses, E2B's meaning: the sandbox's own resolver answers its
+    allowed names either way, and no server is opened when none is named)."""
 
     allow_out: list[str] = Field(default_factory=list, alias="allowOut", max_length=1024)
     deny_out: list[str] = Field(default_factory=list, alias="denyOut", max_length=1024)
+    dns_servers: list[str] = Field(default_factory=list, alias="dnsServers", max_length=16)
+
+    def allowed(self) -> list[str]:
+        """``allowOut``, with ``dnsServers`` when it names a domain."""
+        from weenv.node.nameserver import domain
+
+        has_name = any(len(a) <= 253 and domain(a) is not None for a in self.allow_out)
+        return [*self.allow_out, *(self.dns_servers if has_name else [])]
     allow_public_traffic: bool = Field(default=True, alias="allowPublicTraffic")
     """False: requests to its ports (``get_host``) need its ``trafficAccessToken``."""
 
@@ -153,7 +164,7 @@ def listed_json(sb: Sandbox) -> dict[str, Any]:
         "templateID": info.template, "sandboxID": info.id, "clientID": CLIENT_ID, "alias": info.template,
         "startedAt": _iso(info.created_at), "endAt": _iso(info.expires_at),
         "cpuCount": max(1, round(info.resources.cpus)), "memoryMB": info.resources.memory_bytes >> 20,
-        "diskSizeMB": 0, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
+        "diskSizeMB": info.resources.disk_bytes >> 20, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
     }  # fmt: skip
 
 
@@ -233,7 +244,7 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
             template = (resolve(body.template_id) if resolve else None) or body.template_id
             sb = sandboxes.create(template, timeout=body.timeout or DEFAULT_TIMEOUT_S,
                                   metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
-                                  network=body.allow_internet_access, allow_out=net.allow_out,
+                                  network=body.allow_internet_access, allow_out=net.allowed(),
                                   deny_out=net.deny_out, public_traffic=net.allow_public_traffic,
                                   on_timeout="pause" if body.auto_pause else "kill")  # fmt: skip
             try:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
-from weenv.formats.manifest import Resources
+from weenv.formats.manifest import DEFAULT_DISK_BYTES, MAX_DISK_BYTES, Resources
 from weenv.node.stepbuild import MAX_LINE_BYTES, BuildSpec, StepFailedError, TemplateBuild
 from weenv.server.e2b.buildlog import BuildLogBook, cut_line
 from weenv.server.e2b.uploads import Uploads
@@ -69,6 +69,10 @@ class Build:
     """E2B's ``BuildStatusReason`` of a failed build."""
     cpu_count: int = 2
     memory_mb: int = 2048
+    disk_mb: int = DEFAULT_DISK_BYTES >> 20
+    """The disk quota of its sandboxes, MiB (``Resources.disk_bytes``): the default, or
+    what ``minFreeDiskMB`` asked when more (a sandbox's writable layer starts empty,
+    so its free space is its quota)."""
     steps_run: list[str] = field(default_factory=list)
     steps_cached: list[str] = field(default_factory=list)
 
@@ -83,6 +87,9 @@ class TemplateRecord:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     spawn_count: int = 0
+    public: bool = False
+    """E2B's ``public`` flag (``PATCH /v2/templates/{id}``): kept and reported; a weenv
+    daemon has one team (one API key), so it changes who may start it in nothing."""
 
     def build(self, build_id: str) -> Build:
         for b in self.builds:
@@ -165,6 +172,14 @@ class Templates:
         with self._lock:
             return sorted(self._records.values(), key=lambda t: t.created_at)
 
+    def set_public(self, ref: str, public: bool) -> TemplateRecord:
+        """Set template ``ref``'s ``public`` flag (kept in the records); raises :class:`NotFoundError`."""
+        with self._lock:
+            t = self.get(ref)
+            t.public, t.updated_at = public, time.time()
+            self._save()
+            return t
+
     def logs(self, build_id: str) -> list[dict]:
         with self._lock:
             book = self._logs.get(build_id)
@@ -192,12 +207,15 @@ class Templates:
             return b.digest
 
     # --- requests ---------------------------------------------------------------------
-    def request(self, name: str, tags: list[str], *, cpu_count: int | None, memory_mb: int | None
-                ) -> tuple[TemplateRecord, Build, list[str]]:  # fmt: skip
+    def request(self, name: str, tags: list[str], *, cpu_count: int | None, memory_mb: int | None,
+                min_free_disk_mb: int | None = None) -> tuple[TemplateRecord, Build, list[str]]:  # fmt: skip
         """A new build of template ``name`` (``NAME[:TAG]``; made if new), tagged
-        ``tags`` (default ``default``).  Returns ``(template, build, tags)``.
-        Raises :class:`InvalidInputError`, :class:`BusyError` (the name is a
-        store template's that is not this E2B template's: :meth:`owns_ref`)."""
+        ``tags`` (default ``default``), its sandboxes' disk quota at least
+        ``min_free_disk_mb`` MiB (E2B's ``minFreeDiskMB``; the default quota when
+        less or None).  Returns ``(template, build, tags)``.  Raises
+        :class:`InvalidInputError` (also for a ``min_free_disk_mb`` above the
+        node's environment disk), :class:`BusyError` (the name is a store
+        template's that is not this E2B template's: :meth:`owns_ref`)."""
         base, tag = split_name(name)
         wanted = list(dict.fromkeys([*([tag] if tag else []), *tags])) or [DEFAULT_TAG]
         for t in wanted:
@@ -209,6 +227,11 @@ class Templates:
             Resources(cpus=float(cpu_count or 1), memory_bytes=(memory_mb or 2048) << 20)
         except ValueError as exc:
             raise InvalidInputError(f"memoryMB {memory_mb}: {exc}") from None
+        disk_mb = max(DEFAULT_DISK_BYTES >> 20, min_free_disk_mb or 0)
+        disk_size = self.node.disk.size or MAX_DISK_BYTES
+        if min_free_disk_mb and (min_free_disk_mb << 20) > min(disk_size, MAX_DISK_BYTES):
+            raise InvalidInputError(f"minFreeDiskMB {min_free_disk_mb}: this node's environment disk holds "
+                                    f"{disk_size >> 20} MiB in all (WEENV_DISK_BYTES)")
         with self._lock:
             self._check_open()
             t = self.find(base)
@@ -223,7 +246,7 @@ class Templates:
             elif not self.owns_ref(t):
                 raise BusyError(f"template name {base!r} was taken in the store by a template that is not "
                                 f"E2B template {t.id}'s")
-            b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048)
+            b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048, disk_mb=disk_mb)
             t.builds.append(b)
             for tg in wanted:  # E2B assigns the tags as the build starts
                 t.tags[tg] = {"build": b.id, "at": time.time()}
@@ -247,7 +270,7 @@ class Templates:
                 if digest is not None:
                     spec = BuildSpec(**{**spec.__dict__, "from_template": digest})
             spec = BuildSpec(**{**spec.__dict__, "resources": Resources(
-                cpus=float(b.cpu_count), memory_bytes=b.memory_mb << 20)})
+                cpus=float(b.cpu_count), memory_bytes=b.memory_mb << 20, disk_bytes=b.disk_mb << 20)})
             b.status, b.updated_at = "building", time.time()
             thread = threading.Thread(target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}",
                                       daemon=True)  # fmt: skip

@@ -8,9 +8,13 @@ the envd face's) is relayed, streamed both ways, to ``127.0.0.1:PORT`` inside
 that sandbox's own network namespace (:meth:`weenv.node.node.Node.open_port`:
 environments with and without network alike, none of them reachable from
 another; a namespace without network is reached through a pidfd of the
-sandbox's process, never a bare process number).  HTTP/1.1 only, one request
-per connection to the sandbox (``Connection: close``); WebSocket upgrades are
-not relayed.
+sandbox's process, never a bare process number).  HTTP/1.1, one request
+per connection to the sandbox (``Connection: close``).  A WebSocket upgrade
+(``ws://PORT-ID...``) is relayed too (:mod:`weenv.server.e2b.wsrelay`): the
+daemon opens the WebSocket to the sandbox's port with the client's path,
+headers and subprotocols, answers the client's upgrade with what the
+sandbox chose (or relays its refusal as the HTTP answer it was), then passes
+messages both ways, pings answered on each side, close codes passed on.
 
 Who may: as E2B's default (``allowPublicTraffic`` true), no credentials are
 asked, the sandbox id is the capability.  A sandbox created with
@@ -45,6 +49,7 @@ port nothing listens on (``The sandbox is running but port is not open``),
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import socket
@@ -55,6 +60,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from weenv.errors import InvalidInputError, NotFoundError
+from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE, relay_websocket  # noqa: F401 - MAX_WS_MESSAGE for the daemon
 from weenv.server.limits import DRAIN_BYTES, MAX_BODY, drain
 
 ENVD_PORT = 49983
@@ -67,6 +73,8 @@ _HOST = re.compile(r"^(\d{1,5})-([0-9a-f]{12})\.")
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
         b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode()}  # fmt: skip
 READ_SIZE = 64 << 10
+CONNECT_THREADS = 8
+"""Relayed connects running at once (threads of the relay's own limiter, not anyio's shared 40)."""
 
 
 def relay_settings(tcp_cap: int) -> dict[str, float | int]:
@@ -106,13 +114,20 @@ class PortProxy:
         self.idle_timeout = idle_timeout
         self.relays = 0
         """Relays running now (the event loop's only: no lock)."""
+        self.connects = anyio.CapacityLimiter(CONNECT_THREADS)
+        """The threads connecting relays to sandboxes (each may wait up to 5 s on a
+        port): bounded apart from anyio's shared pool, so many relayed connects
+        never starve the server's other thread work (routes, uploads)."""
 
     async def __call__(self, scope, receive, send) -> None:
-        m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else None
+        m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] in ("http", "websocket") else None
         if m is None or int(m.group(1)) == ENVD_PORT or not 0 < int(m.group(1)) < 65536:
             await self.app(scope, receive, send)
             return
         port, sandbox_id = int(m.group(1)), m.group(2)
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send, sandbox_id, port)
+            return
 
         async def answer(status: int, message: str) -> None:
             await _answer(scope, receive, send, status, message, sandbox_id, port)
@@ -130,7 +145,8 @@ class PortProxy:
         try:
             try:
                 sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
-                                                      Headers(scope=scope).get(TOKEN_HEADER))  # fmt: skip
+                                                      Headers(scope=scope).get(TOKEN_HEADER),
+                                                      limiter=self.connects)  # fmt: skip
             except NotFoundError:
                 await answer(502, f"The sandbox {sandbox_id} was not found")
                 return
@@ -146,6 +162,42 @@ class PortProxy:
                 sock.close()
             if status is not None:
                 await answer(*status)
+        finally:
+            self.relays -= 1
+
+    async def _websocket(self, scope, receive, send, sandbox_id: str, port: int) -> None:
+        """A WebSocket to ``port`` of the sandbox, relayed message by message
+        (see the module docstring); a refusal before it opens is an HTTP answer."""
+        async def refuse(status: int, message: str) -> None:
+            body = json.dumps({"code": status, "message": message, "sandboxId": sandbox_id, "port": port}).encode()
+            await send({"type": "websocket.http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "websocket.http.response.body", "body": body})
+
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if self.relays >= self.max_relays:
+            await refuse(503, f"the daemon relays {self.max_relays} connections to sandbox ports already")
+            return
+        self.relays += 1
+        try:
+            try:
+                sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
+                                                      Headers(scope=scope).get(TOKEN_HEADER),
+                                                      limiter=self.connects)  # fmt: skip
+            except NotFoundError:
+                await refuse(502, f"The sandbox {sandbox_id} was not found")
+                return
+            except _NoToken:
+                await refuse(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
+                return
+            except OSError:
+                await refuse(502, "The sandbox is running but port is not open")
+                return
+            try:
+                await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout)
+            finally:
+                sock.close()
         finally:
             self.relays -= 1
 

@@ -10,7 +10,12 @@ Endpoints (paths and JSON as in E2B's public ``spec/openapi.yml``)::
     POST   /v2/templates/{id}/builds/{buildID}        TemplateBuildStartV2 -> 202
     GET    /templates/{id}/builds/{buildID}/status?logsOffset=&limit=&level=
                                                       -> TemplateBuildInfo (logEntries paged, reason)
+    GET    /templates/{id}/builds/{buildID}/logs?cursor=&pageCursor=&limit=&direction=&level=&source=
+                                                      -> TemplateBuildLogsResponse (logs, nextCursor)
     GET    /templates                                 -> [Template]
+    GET    /v2/templates?limit=&nextToken=            -> [Template], header X-Next-Token
+    PATCH  /templates/{id}, /v2/templates/{id}        TemplateUpdateRequest {public} -> 200
+                                                      (v2: TemplateUpdateResponse {names})
     GET    /templates/{id}                            -> TemplateWithBuilds
     DELETE /templates/{id}                            -> 204 (cancels its builds, waits until undone)
     GET    /templates/{id}/tags                       -> [TemplateTag]
@@ -31,7 +36,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
-from pydantic import Field, ValidationError
+from pydantic import AliasChoices, Field, ValidationError
 
 from weenv.errors import NotFoundError
 from weenv.node.stepbuild import BuildSpec
@@ -48,7 +53,9 @@ class TemplateBuildRequestV3(_Body):
     tags: list[str] = Field(default_factory=list, max_length=64)
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=1024)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=1 << 24)
-    min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMB", ge=0)
+    min_free_disk_mb: int | None = Field(default=None, validation_alias=AliasChoices("minFreeDiskMb", "minFreeDiskMB"),
+                                         ge=0, le=1 << 40)
+    """MiB the sandboxes may write at least (the SDK sends ``minFreeDiskMb``; either spelling)."""
 
 
 class TemplateBuildStartV2(_Body):
@@ -60,6 +67,10 @@ class TemplateBuildStartV2(_Body):
     ready_cmd: str | None = Field(default=None, alias="readyCmd", max_length=64 << 10)
 
 
+class TemplateUpdateRequest(_Body):
+    public: bool | None = None
+
+
 class TagsRequest(_Body):
     target: str = Field(max_length=300)
     tags: list[str] = Field(min_length=1, max_length=64)
@@ -68,6 +79,14 @@ class TagsRequest(_Body):
 class RemoveTagsRequest(_Body):
     name: str = Field(max_length=300)
     tags: list[str] = Field(min_length=1, max_length=64)
+
+
+LEVELS = ("debug", "info", "warn", "error")
+
+
+def _ms(iso: str) -> int:
+    """An entry's RFC 3339 timestamp as Unix milliseconds."""
+    return int(datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000)
 
 
 def _iso(t: float | None) -> str | None:
@@ -81,7 +100,7 @@ def template_json(t: TemplateRecord) -> dict[str, Any]:
     last = t.latest_ready() or (t.builds[-1] if t.builds else Build(id=""))
     return {
         "templateID": t.id, "buildID": last.id, "cpuCount": last.cpu_count, "memoryMB": last.memory_mb,
-        "diskSizeMB": 0, "public": False, "aliases": [t.name], "names": [t.name],
+        "diskSizeMB": last.disk_mb, "public": t.public, "aliases": [t.name], "names": [t.name],
         "createdAt": _iso(t.created_at), "updatedAt": _iso(t.updated_at), "createdBy": None,
         "lastSpawnedAt": None, "spawnCount": t.spawn_count, "buildCount": len(t.builds),
         "envdVersion": ENVD_VERSION, "buildStatus": last.status,
@@ -92,7 +111,7 @@ def build_json(b: Build) -> dict[str, Any]:
     """E2B's ``TemplateBuild``."""
     return {
         "buildID": b.id, "status": b.status, "createdAt": _iso(b.created_at), "updatedAt": _iso(b.updated_at),
-        "cpuCount": b.cpu_count, "memoryMB": b.memory_mb, "diskSizeMB": 0, "envdVersion": ENVD_VERSION,
+        "cpuCount": b.cpu_count, "memoryMB": b.memory_mb, "diskSizeMB": b.disk_mb, "envdVersion": ENVD_VERSION,
         **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
     }  # fmt: skip
 
@@ -113,15 +132,16 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         t = templates.find(alias)
         if t is None or ":" in alias:
             raise E2BError(404, f"template alias {alias!r} not found")
-        return {"templateID": t.id, "public": False}
+        return {"templateID": t.id, "public": t.public}
 
     @router.post("/v3/templates", status_code=202)
     def request_build(body: TemplateBuildRequestV3) -> dict:
         name = body.name or body.alias
         if not name:
             raise E2BError(400, "name: a template name is required")
-        t, b, tags = templates.request(name, body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb)
-        return {"templateID": t.id, "buildID": b.id, "public": False, "names": [t.name], "tags": tags,
+        t, b, tags = templates.request(name, body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb,
+                                       min_free_disk_mb=body.min_free_disk_mb)
+        return {"templateID": t.id, "buildID": b.id, "public": t.public, "names": [t.name], "tags": tags,
                 "aliases": [t.name]}  # fmt: skip
 
     @router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
@@ -185,17 +205,85 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
             raise E2BError(404, str(exc)) from None
         entries = templates.logs(build_id)
         if level is not None:
-            order = ["debug", "info", "warn", "error"]
-            entries = [e for e in entries if order.index(e["level"]) >= order.index(level)]
+            entries = [e for e in entries if LEVELS.index(e["level"]) >= LEVELS.index(level)]
         out: dict[str, Any] = {"logs": [], "logEntries": entries[logs_offset : logs_offset + limit],
                                "templateID": t.id, "buildID": b.id, "status": b.status}  # fmt: skip
         if b.reason:
             out["reason"] = b.reason
         return out
 
+    @router.get("/templates/{template_id}/builds/{build_id}/logs")
+    def build_logs(
+        template_id: str,
+        build_id: str,
+        cursor: Annotated[int | None, Query(ge=0)] = None,
+        page_cursor: Annotated[str | None, Query(alias="pageCursor", max_length=512)] = None,
+        limit: Annotated[int, Query(ge=0, le=100)] = 100,
+        direction: Annotated[str, Query(pattern="^(forward|backward)$")] = "forward",
+        level: Annotated[str | None, Query(pattern="^(debug|info|warn|error)$")] = None,
+        source: Annotated[str | None, Query(pattern="^(temporary|persistent)$")] = None,
+    ) -> dict:
+        """E2B's build logs: ``cursor`` the first timestamp (ms) wanted (``backward``:
+        the last), ``pageCursor`` the ``nextCursor`` of the page before; each entry's
+        ``id`` is its place in the log.  weenv keeps build logs in memory only, so
+        either ``source`` answers the same entries, as ``temporary``."""
+        t = found(template_id)
+        try:
+            t.build(build_id)
+        except NotFoundError as exc:
+            raise E2BError(404, str(exc)) from None
+        entries = [{"id": str(i), **e} for i, e in enumerate(templates.logs(build_id))]
+        if level is not None:
+            entries = [e for e in entries if LEVELS.index(e["level"]) >= LEVELS.index(level)]
+        if cursor is not None:
+            entries = [e for e in entries if (_ms(e["timestamp"]) >= cursor if direction == "forward"
+                                              else _ms(e["timestamp"]) <= cursor)]  # fmt: skip
+        if direction == "backward":
+            entries.reverse()
+        start = 0
+        if page_cursor is not None:
+            if not page_cursor.isdigit():
+                raise E2BError(400, f"bad pageCursor {page_cursor[:64]!r}: pass the nextCursor of the page before")
+            start = int(page_cursor)
+        out: dict[str, Any] = {"logs": entries[start : start + limit], "source": "temporary"}
+        if start + limit < len(entries):
+            out["nextCursor"] = str(start + limit)
+        return out
+
     @router.get("/templates")
     def list_templates() -> list[dict]:
         return [template_json(t) for t in templates.list()]
+
+    @router.get("/v2/templates")
+    def list_templates_v2(
+        response: Response,
+        limit: Annotated[int, Query(ge=1, le=100)] = 100,
+        next_token: Annotated[str | None, Query(alias="nextToken", max_length=64)] = None,
+    ) -> list[dict]:
+        """Oldest first, ``limit`` a page; ``X-Next-Token`` names the next page."""
+        found_ = templates.list()
+        start = 0
+        if next_token:
+            if not next_token.isdigit():
+                raise E2BError(400, f"bad nextToken {next_token!r}")
+            start = int(next_token)
+        if start + limit < len(found_):
+            response.headers["X-Next-Token"] = str(start + limit)
+        return [template_json(t) for t in found_[start : start + limit]]
+
+    @router.patch("/templates/{template_id}")
+    def update_v1(template_id: str, body: TemplateUpdateRequest) -> Response:
+        t = found(template_id)
+        if body.public is not None:
+            templates.set_public(t.id, body.public)
+        return Response(status_code=200)
+
+    @router.patch("/v2/templates/{template_id}")
+    def update_v2(template_id: str, body: TemplateUpdateRequest) -> dict:
+        t = found(template_id)
+        if body.public is not None:
+            t = templates.set_public(t.id, body.public)
+        return {"names": [t.name]}
 
     @router.get("/templates/{template_id}")
     def get_template(template_id: str) -> dict:
