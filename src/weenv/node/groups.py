@@ -56,7 +56,7 @@ from pathlib import Path
 
 from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest, check_digest
-from weenv.host.mounts import erofs_spec, is_mounted, mount, mounts_under, umount
+from weenv.host.mounts import is_mounted, mount_erofs, mounts_under, umount
 from weenv.node.lazyfs import LazyFS
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class GroupMounts:
         target.mkdir(exist_ok=True)
         try:
             bdis = _erofs_bdis()
-            mount(erofs_spec(self.image_path(digest), target))
+            mount_erofs(self.image_path(digest), target)
         except BaseException:
             try:
                 target.rmdir()
@@ -343,7 +343,7 @@ class GroupMounts:
         try:
             target.mkdir(exist_ok=True)
             bdis = _erofs_bdis()
-            mount(erofs_spec(image, target))
+            mount_erofs(image, target)
         except BaseException as exc:
             try:
                 target.rmdir()
