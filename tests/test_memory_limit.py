@@ -10,13 +10,15 @@ limit that charge failed instead of waiting, and the process died of SIGBUS
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
 import pytest
 
 from weenv.formats.manifest import Resources
-from weenv.host.mounts import mount_info
+from weenv.errors import MountError
+from weenv.host.mounts import _DirectIO, mount_erofs, mount_info
 from weenv.node.node import Node
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import load_group
@@ -77,15 +79,26 @@ def test_python3_at_the_memory_limit_never_dies_of_sigbus(direct_node):
             r = node.exec(env.id, ROUND.format(hog=limit + 48 * MIB), timeout=120)
             codes += [int(c) for c in re.findall(rb"^(?:py|hog) (\d+)$", r.stdout, re.M)]
             codes.append(r.exit_code)  # the shell's own (135 if it died of SIGBUS itself)
+        sigbus = codes.count(128 + 7)
+        assert sigbus == 0, f"{sigbus} of {len(codes)} processes died of SIGBUS at the memory limit: {codes}"
+        assert set(codes) == {0}, codes
         stats = node.provision_stats(env.id)
         raises = [e for e in stats.events if e.kind == "raise" and "memory" in e.message]
         assert len(raises) >= ROUNDS  # every round waited at the limit for a raise
         assert stats.environments[0].oom_kills == 0
-        sigbus = codes.count(128 + 7)
-        assert sigbus == 0, f"{sigbus} of {len(codes)} processes died of SIGBUS at the memory limit"
-        assert set(codes) == {0}, codes
         for g in groups:
             fstype, _source, options = mount_info(node.groups.direct_path(g))
             assert fstype == "erofs" and "directio" in options.split(","), options
     finally:
         node.destroy(env.id)
+
+
+def test_an_image_refused_with_and_without_directio_is_the_images_fault(tmp_path, leak_check):
+    """EINVAL both ways (no EROFS superblock) raises and does not turn ``directio`` off."""
+    bad, target = tmp_path / "bad.img", tmp_path / "mnt"
+    bad.write_bytes(b"\0" * (64 << 10))
+    target.mkdir()
+    with pytest.raises(MountError) as e:
+        mount_erofs(bad, target)
+    assert e.value.errno == errno.EINVAL
+    assert _DirectIO.supported is not False
