@@ -380,10 +380,10 @@ def parse_group_manifest(data: bytes, digest: str | None = None) -> GroupManifes
     and the first bad field; :class:`ContentLimitError` past
     :data:`~weenv.formats.limits.MAX_MANIFEST_BYTES`."""
     check_manifest_size(data, "group manifest")
-    _check_group_version(data, digest)
     try:
         return GroupManifest.model_validate_json(data)
     except ValueError as exc:
+        _check_group_version(data, digest)  # only then: a valid manifest is parsed once
         raise _not_a_manifest("group", digest, exc) from exc
 
 
