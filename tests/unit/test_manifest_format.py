@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import (
     GROUP_MEDIA_TYPE,
+    GROUP_MEDIA_TYPE_V1,
     MAX_CPUS,
     MAX_MEMORY_BYTES,
     MAX_PIDS,
@@ -20,6 +21,7 @@ from weenv.formats.manifest import (
     TEMPLATE_MEDIA_TYPE,
     ChunkRef,
     GroupManifest,
+    Layout,
     Resources,
     RuntimeConfig,
     TemplateManifest,
@@ -126,7 +128,8 @@ def test_unset_default_command_is_left_out_so_old_digests_hold():
 # --- group manifest checks ---------------------------------------------------------------------
 def test_group_defaults_schema_and_stored_size():
     m = group()
-    assert (m.schema_version, m.media_type, m.block_size) == (1, GROUP_MEDIA_TYPE, 4096)
+    assert (m.schema_version, m.media_type, m.block_size) == (2, GROUP_MEDIA_TYPE, 4096)
+    assert m.layout == Layout(order="tree", profile=None)
     assert m.stored_size == sum(c.stored_size for c in m.chunks)
     assert group(sizes=(), chunk_size=4096).image_size == 0  # an empty image has no chunks
 
@@ -143,13 +146,65 @@ def test_chunks_must_tile_the_image(sizes, image_size, chunk_size):
         group(sizes=sizes, image_size=image_size, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("change", [{"schema_version": 2}, {"media_type": TEMPLATE_MEDIA_TYPE}, {"chunk_size": 0},
-                                    {"image_size": -1}, {"file_count": -1}, {"name": "Bad"}, {"extra": 1}])  # fmt: skip
+@pytest.mark.parametrize("change", [{"schema_version": 1}, {"media_type": GROUP_MEDIA_TYPE_V1},
+                                    {"media_type": TEMPLATE_MEDIA_TYPE}, {"chunk_size": 0},
+                                    {"layout": {"order": "profile"}}, {"layout": {"order": "tree", "profile": D0}},
+                                    {"layout": {"order": "size"}}, {"image_size": -1}, {"file_count": -1}, {"name": "Bad"}, {"extra": 1}])  # fmt: skip
 def test_parse_group_manifest_refuses_bad_fields_as_invalid_input(change):
     obj = json.loads(canonical_json(group()))
     obj.update(change)
     with pytest.raises(InvalidInputError, match="not a weenv group manifest"):
         parse_group_manifest(json.dumps(obj).encode())
+
+
+# --- schema versions ---------------------------------------------------------------------------
+V1_JSON = (b'{"block_size":4096,"chunk_size":4096,"chunks":[{"digest":"' + D0.encode() + b'","size":100,'
+           b'"stored_digest":"' + D1.encode() + b'","stored_size":51}],"created":"2026-01-01T00:00:00Z",'
+           b'"file_count":3,"image_size":100,"media_type":"application/vnd.weenv.group.v1+json","name":"base",'
+           b'"schema_version":1,"source":{},"version":"latest"}')
+"""A group manifest as weenv wrote them before v2 (its canonical JSON, byte for byte)."""
+
+
+def test_a_v1_group_manifest_reads_and_keeps_its_digest():
+    m = parse_group_manifest(V1_JSON)
+    assert (m.schema_version, m.media_type, m.layout) == (1, GROUP_MEDIA_TYPE_V1, None)
+    assert canonical_json(m) == V1_JSON and m.digest() == sha256_digest(V1_JSON)
+    assert manifest_kind(V1_JSON) == "group"
+    assert group(schema_version=1).media_type == GROUP_MEDIA_TYPE_V1  # the media type follows the version
+
+
+def test_a_v2_group_manifest_carries_its_layout():
+    tree = group()
+    assert json.loads(canonical_json(tree))["layout"] == {"order": "tree", "profile": None}
+    ordered = group(layout=Layout(order="profile", profile=D1))
+    data = canonical_json(ordered)
+    assert json.loads(data)["schema_version"] == 2 and manifest_kind(data) == "group"
+    again = parse_group_manifest(data)
+    assert again == ordered and again.layout.profile == D1 and again.digest() == ordered.digest() != tree.digest()
+
+
+def test_a_v1_group_manifest_has_no_layout():
+    with pytest.raises(ValidationError, match="version 1 group manifest has no layout"):
+        group(schema_version=1, layout=Layout())
+
+
+@pytest.mark.parametrize("change", [{"schema_version": 3}, {"schema_version": 0}, {"schema_version": "2"},
+                                    {"schema_version": True},
+                                    {"schema_version": 3, "media_type": "application/vnd.weenv.group.v3+json"},
+                                    {"media_type": "application/vnd.weenv.group.v3+json"}])  # fmt: skip
+def test_an_unknown_group_schema_version_is_named_with_the_digest_in_one_line(change):
+    obj = json.loads(canonical_json(group()))
+    obj.update(change)
+    if "schema_version" not in change:
+        del obj["schema_version"]
+    data = json.dumps(obj).encode()
+    assert manifest_kind(data) == "group"
+    with pytest.raises(InvalidInputError) as e:
+        parse_group_manifest(data, D0)
+    message = str(e.value)
+    shown = repr(change.get("schema_version", 3))
+    assert message == (f"group manifest {D0} has schema version {shown}: this node reads versions 1, 2 "
+                       "(written by a newer weenv?)")
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe"])

@@ -4,6 +4,19 @@ A *digest* is ``"sha256:" + 64 lowercase hex digits`` (OCI image spec,
 descriptor.md).  A manifest's digest is the sha256 of its canonical JSON: keys
 sorted, no whitespace, UTF-8 (:func:`canonical_json`).  Groups and templates are
 referred to by these digests; names are only refs that point at a digest.
+
+Group manifest schema versions (:data:`GROUP_SCHEMA_VERSIONS`): nodes read
+both, builds write v2.
+
+- v1 (``application/vnd.weenv.group.v1+json``): the image, its chunks, provenance.
+- v2 (``application/vnd.weenv.group.v2+json``): v1 plus ``layout``
+  (:class:`Layout`): how the image's file data is ordered, and the access
+  profile the order came from (issue 18: startup files together), so a node
+  or a rebuild can tell a profile-ordered image from a tree-ordered one
+  without reading the image.
+
+A manifest of any other version (or a group media type of another version) is
+refused in one line naming its digest and version (:func:`parse_group_manifest`).
 """
 
 from __future__ import annotations
@@ -26,7 +39,15 @@ from weenv.formats.limits import (
 )
 
 SCHEMA_VERSION = 1
-GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v1+json"
+"""Of template manifests."""
+GROUP_SCHEMA_VERSION = 2
+"""What builds write."""
+GROUP_SCHEMA_VERSIONS = (1, 2)
+"""What nodes read."""
+GROUP_MEDIA_TYPE_V1 = "application/vnd.weenv.group.v1+json"
+GROUP_MEDIA_TYPE = "application/vnd.weenv.group.v2+json"
+GROUP_MEDIA_TYPES = {1: GROUP_MEDIA_TYPE_V1, 2: GROUP_MEDIA_TYPE}
+_GROUP_MEDIA_RE = re.compile(r"^application/vnd\.weenv\.group\.v([0-9]{1,9})\+json\Z")
 TEMPLATE_MEDIA_TYPE = "application/vnd.weenv.template.v1+json"
 DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_START_COMMAND = 64 << 10
@@ -112,14 +133,33 @@ class ChunkRef(_Model):
         return self
 
 
+class Layout(_Model):
+    """How a group image's file data is ordered (group manifest v2)."""
+
+    order: Literal["tree", "profile"] = "tree"
+    """``tree``: regular files' data in the writer's tree order; ``profile``:
+    the files an access profile read first, contiguous in the order it read
+    them, then the others in tree order.  The file tree is the same either way."""
+    profile: Digest | None = None
+    """The digest of the prefetch profile the order came from; set exactly when ``order`` is ``profile``."""
+
+    @model_validator(mode="after")
+    def _profile_iff_profile_order(self) -> "Layout":
+        if (self.order == "profile") != (self.profile is not None):
+            raise ValueError("a layout names a profile exactly when its order is 'profile'")
+        return self
+
+
 class GroupManifest(_Model):
     """A layer group: one EROFS image, split into fixed-size chunks.
 
     Chunk ``i`` covers image bytes ``[i * chunk_size, i * chunk_size + chunks[i].size)``.
+    ``schema_version`` 2 (the default) has a ``layout``, 1 has none; each has its
+    own ``media_type`` (:data:`GROUP_MEDIA_TYPES`, filled in when left out).
     """
 
-    schema_version: Literal[1] = SCHEMA_VERSION
-    media_type: Literal["application/vnd.weenv.group.v1+json"] = GROUP_MEDIA_TYPE
+    schema_version: Literal[1, 2] = GROUP_SCHEMA_VERSION
+    media_type: Literal["application/vnd.weenv.group.v1+json", "application/vnd.weenv.group.v2+json"] = GROUP_MEDIA_TYPE
     name: Name
     version: str = "latest"
     image_size: int = Field(ge=0, description="bytes of the EROFS image")
@@ -129,6 +169,35 @@ class GroupManifest(_Model):
     file_count: int = Field(ge=0, description="inodes in the image (files, dirs, links, nodes)")
     source: dict[str, str] = Field(default_factory=dict, description="provenance")
     created: str = Field(default_factory=utc_now)
+    layout: Layout | None = None
+    """v2 only (filled with the tree order when left out); left out of a v1 manifest's JSON."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_defaults(cls, data):
+        if isinstance(data, dict):
+            version = data.get("schema_version", GROUP_SCHEMA_VERSION)
+            if version in GROUP_MEDIA_TYPES and "media_type" not in data:
+                data = {**data, "media_type": GROUP_MEDIA_TYPES[version]}
+            if version == 2 and data.get("layout") is None:
+                data = {**data, "layout": Layout()}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_of_its_version(self) -> "GroupManifest":
+        if self.media_type != GROUP_MEDIA_TYPES[self.schema_version]:
+            raise ValueError(f"schema version {self.schema_version} has media type "
+                             f"{GROUP_MEDIA_TYPES[self.schema_version]}, not {self.media_type}")
+        if self.schema_version == 1 and self.layout is not None:
+            raise ValueError("a version 1 group manifest has no layout")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_v1_layout(self, handler):
+        data = handler(self)
+        if isinstance(data, dict) and data.get("layout") is None:
+            data.pop("layout", None)
+        return data
 
     @model_validator(mode="after")
     def _chunks_tile_the_image(self) -> "GroupManifest":
@@ -314,7 +383,30 @@ def parse_group_manifest(data: bytes, digest: str | None = None) -> GroupManifes
     try:
         return GroupManifest.model_validate_json(data)
     except ValueError as exc:
+        _check_group_version(data, digest)  # only then: a valid manifest is parsed once
         raise _not_a_manifest("group", digest, exc) from exc
+
+
+def _check_group_version(data: bytes, digest: str | None) -> None:
+    """Raise :class:`InvalidInputError` in one line naming ``digest`` and the
+    version when ``data`` is a group manifest of a schema version this node
+    does not read (a newer weenv wrote it); anything else is left to the model."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return
+    if not isinstance(obj, dict):
+        return
+    version, media_type = obj.get("schema_version"), obj.get("media_type")
+    named = _GROUP_MEDIA_RE.match(media_type) if isinstance(media_type, str) else None
+    if version is None and named is None:
+        return
+    if version is None:
+        version = int(named.group(1))
+    if isinstance(version, bool) or version not in GROUP_SCHEMA_VERSIONS:
+        raise InvalidInputError(
+            f"group manifest{f' {digest}' if digest else ''} has schema version {version!r:.40}: this node reads "
+            f"versions {', '.join(map(str, GROUP_SCHEMA_VERSIONS))} (written by a newer weenv?)")
 
 
 def parse_template_manifest(data: bytes, digest: str | None = None) -> TemplateManifest:
@@ -349,8 +441,8 @@ def manifest_kind(data: bytes) -> str:
         media_type = json.loads(data).get("media_type")
     except (ValueError, AttributeError) as exc:
         raise InvalidInputError("manifest is not a JSON object") from exc
-    if media_type == GROUP_MEDIA_TYPE:
-        return "group"
+    if isinstance(media_type, str) and _GROUP_MEDIA_RE.match(media_type):
+        return "group"  # of any version: parse_group_manifest says which it cannot read
     if media_type == TEMPLATE_MEDIA_TYPE:
         return "template"
     raise InvalidInputError(f"unknown manifest media type {media_type!r}")

@@ -33,7 +33,7 @@ nid M" (seen on ``libc.so.6``) and the process dies of SIGBUS.  A
 The read of the data itself is the same nested allocation for every image,
 mkfs.erofs's too (SIGBUS in 7 of 20 runs at such a limit, with no kernel
 message); with the ``directio`` mount option the same runs gave none in 20
-(not applied by weenv yet).
+(weenv mounts group images so: :mod:`weenv.host.mounts`).
 Zero blocks inside data are stored as data (only a source's holes are holes).
 
 Everything is deterministic: the same tree (names, contents, modes, owners,

@@ -101,7 +101,7 @@ from weenv.errors import (
 )
 from weenv.formats.limits import MAX_REGISTRY_JSON_BYTES
 from weenv.formats.manifest import (
-    GROUP_MEDIA_TYPE,
+    GROUP_MEDIA_TYPES,
     check_digest,
     parse_group_manifest,
     sha256_digest,
@@ -524,7 +524,7 @@ class OciStore(Store):
             media_type = None
         if not isinstance(media_type, str) or not media_type.startswith("application/vnd.weenv."):
             media_type = UNKNOWN_MANIFEST_TYPE
-        if media_type == GROUP_MEDIA_TYPE:
+        if media_type in GROUP_MEDIA_TYPES.values():
             try:
                 group = parse_group_manifest(data)
             except InvalidInputError:
