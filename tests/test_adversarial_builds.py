@@ -1,0 +1,203 @@
+"""Running code against E2B's template builds and sandbox networking, as an attacker would.
+
+A real ``weenv serve`` (its own home and store, a loopback registry with the
+session's Debian image), driven by the ``e2b`` SDK and raw HTTP: build steps
+that try to leave their tree or their step (background processes, devices,
+symbolic links a later step follows, odd users and variables), cancelled and
+concurrent builds, and sandboxes that try to reach the host, each other or
+link-local addresses.  Each test asserts what must hold; nothing may be left
+(mounts, work dirs, environments, processes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from e2b import Sandbox, Template
+from e2b.exceptions import BuildException
+
+from e2b_fixture import E2B, e2b_daemon
+from oci_push import e2b_base_image  # noqa: F401 - a fixture
+from registry_fixture import oci_registry  # noqa: F401 - a fixture
+
+
+@pytest.fixture(scope="module")
+def base_image(e2b_base_image):  # noqa: F811
+    return e2b_base_image
+
+
+@pytest.fixture(scope="module")
+def e2bd(tmp_path_factory, oci_registry):  # noqa: F811
+    with e2b_daemon(tmp_path_factory.mktemp("e2b-adversarial"), oci_registry) as d:
+        yield d
+
+
+def _nothing_left(d: E2B) -> None:
+    left = d.leftovers()
+    assert left == {"mounts": [], "work": [], "environments": [], "cgroups": left["cgroups"]}, left
+    assert not _host_processes("weenv-marker"), _host_processes("weenv-marker")
+
+
+def _host_processes(marker: str) -> list[str]:
+    """Command lines of the host's processes holding ``marker``."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and p.name != str(os.getpid()):
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and "pytest" not in cmd:
+                out.append(f"{p.name}: {cmd}")
+    return out
+
+
+def _request(c: httpx.Client, name: str) -> tuple[str, str]:
+    r = c.post("/v3/templates", json={"name": name})
+    assert r.status_code == 202, r.text
+    return r.json()["templateID"], r.json()["buildID"]
+
+
+def _wait(c: httpx.Client, tid: str, bid: str, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": 0, "limit": 100}).json()
+        if s["status"] in ("ready", "error"):
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"build {bid} still {s['status']}")
+
+
+def _build(d: E2B, name: str, base: str, steps: list[dict], timeout: float = 180) -> dict:
+    with d.api() as c:
+        tid, bid = _request(c, name)
+        r = c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base, "steps": steps})
+        if r.status_code != 202:
+            return {"status": "refused", "code": r.status_code, "message": r.text}
+        return _wait(c, tid, bid, timeout)
+
+
+def run(cmd: str, user: str = "") -> dict:
+    return {"type": "RUN", "args": [cmd, user] if user else [cmd]}
+
+
+# --- processes a step leaves ------------------------------------------------------------------
+def test_a_run_step_leaving_processes_ends_with_them_killed(e2bd, base_image):
+    """A step whose command returned while what it started (a child holding
+    its output, a ``setsid`` double fork) runs on: the step ends, they die."""
+    slp = ("printf '#!/bin/sh\\nexec sleep \"$1\"\\n' > /usr/local/bin/slp; chmod +x /usr/local/bin/slp; "
+           "(slp 7771 weenv-marker &); (setsid slp 7772 weenv-marker >/dev/null 2>&1 &); echo left")
+    s = _build(e2bd, "t-bg", base_image, [run(slp)])
+    assert s["status"] == "ready", s
+    assert not _host_processes("slp 777"), _host_processes("slp 777")
+    _nothing_left(e2bd)
+
+
+# --- devices ------------------------------------------------------------------------------------
+def test_a_run_step_cannot_read_a_host_disk_through_a_device_it_makes(e2bd, base_image):
+    st = os.stat("/")
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    s = _build(e2bd, "t-mknod", base_image, [run(f"mknod /tmp/disk b {major} {minor}; head -c 4096 /tmp/disk | wc -c "
+                                                 f"| grep -qx 4096 && echo READ-THE-HOST-DISK''; exit 0", "root")])
+    assert s["status"] == "ready", s
+    assert not any(e["message"] == "READ-THE-HOST-DISK" for e in s["logEntries"]), s["logEntries"]
+    _nothing_left(e2bd)
+
+
+# --- symbolic links a later step follows ---------------------------------------------------------
+@pytest.mark.parametrize("link", ["/", "/proc/1/root", "../../../../../../..", "/proc/self/root"])
+def test_workdir_and_user_through_a_link_stay_in_the_tree(e2bd, base_image, link):
+    marker = f"weenv-escape-{os.getpid()}-{abs(hash(link)) % 10000}"
+    steps = [run(f"rm -rf /home && ln -s {link} /home && ln -s {link} /w", "root"),
+             {"type": "WORKDIR", "args": [f"/w/tmp/{marker}"]}, {"type": "USER", "args": [marker[:30], "true"]},
+             run("true")]
+    s = _build(e2bd, f"t-link-{abs(hash(link)) % 10000}", base_image, steps)
+    print(s["status"], s.get("reason", {}).get("message"))
+    assert s["status"] == "ready" or s["reason"]["step"] != "1", s
+    assert not Path(f"/tmp/{marker}").exists()
+    assert not Path(f"/{marker[:30]}").exists()
+    assert marker[:30] not in Path("/etc/passwd").read_text()
+    _nothing_left(e2bd)
+
+
+def test_copy_through_a_tmp_link_stays_in_the_tree(e2bd, base_image, tmp_path):
+    (tmp_path / "f.txt").write_text("payload")
+    tpl = (Template(file_context_path=str(tmp_path)).from_image(base_image)
+           .run_cmd("rm -rf /tmp && ln -s /proc/1/cwd /tmp", user="root").copy("f.txt", "/x/"))
+    with pytest.raises(BuildException):
+        Template.build(tpl, "t-copylink")
+    _nothing_left(e2bd)
+
+
+# --- odd users and variables -----------------------------------------------------------------------
+@pytest.mark.parametrize("user", ["4294967296", "99999999999999999999", "0:99999999999", "-1"])
+def test_a_user_out_of_range_fails_its_step(e2bd, base_image, user):
+    s = _build(e2bd, f"t-user-{abs(hash(user)) % 10000}", base_image, [{"type": "USER", "args": [user]}, run("id")])
+    assert s["status"] in ("error", "refused"), s
+    _nothing_left(e2bd)
+
+
+def test_variables_expanding_past_bounds_are_refused(e2bd, base_image):
+    """Two ENV steps (A: 500 KB; B: 250,000 times ``$A``) made the daemon's
+    build thread expand B to 125 GB: the whole daemon went out of memory.  Now
+    refused at the request (400), before any build starts."""
+    steps = [{"type": "ENV", "args": ["A", "x" * 500_000]}, {"type": "ENV", "args": ["B", "$A" * 250_000]}]
+    s = _build(e2bd, "t-envbomb", base_image, steps)
+    assert s["status"] == "refused" and s["code"] == 400 and "once expanded" in s["message"], s
+    _nothing_left(e2bd)
+
+
+def test_variable_names_that_no_command_could_get_are_refused(e2bd, base_image):
+    """An ENV name holding ``=`` built a template no sandbox could start
+    (its config refused the name at every create)."""
+    s = _build(e2bd, "t-envodd", base_image, [{"type": "ENV", "args": ["C=D", "3"]}, run("env")])
+    assert s["status"] == "refused" and s["code"] == 400 and "ENV variable name" in s["message"], s
+    s = _build(e2bd, "t-envnl", base_image, [{"type": "ENV", "args": ["A\nB", "1\n2"]}, run("env")])
+    assert s["status"] == "ready", s
+    _nothing_left(e2bd)
+
+
+# --- cancel -----------------------------------------------------------------------------------------
+def test_deleting_a_template_whose_step_left_a_process_holding_its_output(e2bd, base_image):
+    with e2bd.api() as c:
+        tid, bid = _request(c, "t-cancel-bg")
+        steps = [run("(sleep 7773 weenv-marker &); sleep 7774 weenv-marker & echo started; sleep 7775 weenv-marker")]
+        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": steps}
+                      ).status_code == 202  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = c.get(f"/templates/{tid}/builds/{bid}/status").json()
+            if any(e["message"] == "started" for e in s["logEntries"]):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(s)
+        t0 = time.monotonic()
+        assert c.delete(f"/templates/{tid}").status_code == 204
+        assert time.monotonic() - t0 < 30
+    _nothing_left(e2bd)
+
+
+def test_concurrent_builds_of_one_name(e2bd, base_image):
+    with e2bd.api() as c:
+        a = _request(c, "t-same")
+        b = _request(c, "t-same")
+        for i, (tid, bid) in enumerate((a, b)):
+            steps = [run(f"echo {i} > /tmp/which; sleep 2")]
+            assert c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": steps}
+                          ).status_code == 202  # fmt: skip
+        assert _wait(c, *a)["status"] == "ready" and _wait(c, *b)["status"] == "ready"
+    s = Sandbox.create("t-same", timeout=60)
+    try:
+        assert s.files.read("/tmp/which").strip() in ("0", "1")
+    finally:
+        s.kill()
+    _nothing_left(e2bd)
+
