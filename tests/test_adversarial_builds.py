@@ -201,3 +201,64 @@ def test_concurrent_builds_of_one_name(e2bd, base_image):
         s.kill()
     _nothing_left(e2bd)
 
+
+
+# --- spoofed sources --------------------------------------------------------------------------------
+SPOOF = r"""
+import socket, struct, sys, time
+src, sport, dst, dport = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+payload = b"INJECTED"
+udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, socket.inet_aton(src), socket.inet_aton(dst))
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+for _ in range(20):
+    s.sendto(ip + udp, (dst, 0))
+    time.sleep(0.1)
+print("sent")
+"""
+
+
+def test_a_step_cannot_inject_into_the_hosts_flows_with_a_spoofed_source(e2bd, base_image):
+    """A build step runs as root with Docker's capabilities (``CAP_NET_RAW``):
+    a datagram from its veth carrying the source of a server the host talks to
+    (here a UDP flow to 198.51.100.7:53, as the host's DNS queries are) matched
+    the flow's conntrack entry, passed the input chain's ``established`` accept
+    and reached the host's socket.  A source that does not route back through
+    its veth is dropped before that accept."""
+    import json
+    import subprocess
+    import threading
+
+    peer = "198.51.100.7"  # TEST-NET-2: nothing answers
+    route = json.loads(subprocess.run(["ip", "-j", "route", "get", peer], capture_output=True, text=True).stdout)
+    me = route[0]["prefsrc"]
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((me, 0))
+    sock.connect((peer, 53))
+    port = sock.getsockname()[1]
+    stop = threading.Event()
+
+    def keep() -> None:  # the flow's conntrack entry stays
+        while not stop.is_set():
+            sock.send(b"query")
+            stop.wait(1)
+
+    t = threading.Thread(target=keep, daemon=True)
+    t.start()
+    try:
+        script = SPOOF.replace("'", "'\\''")
+        s = _build(e2bd, "t-spoof", base_image, [run(f"python3 -c '{script}' {peer} 53 {me} {port}", "root")])
+        assert s["status"] == "ready", s
+        sock.settimeout(2)
+        try:
+            got = sock.recv(100)
+        except (TimeoutError, socket.timeout):
+            got = b""
+        assert got != b"INJECTED", "a spoofed datagram from a build step reached the host's socket"
+    finally:
+        stop.set()
+        t.join()
+        sock.close()
+    _nothing_left(e2bd)

@@ -49,3 +49,12 @@ def test_name_servers_are_the_ipv4_nameserver_lines(tmp_path):
                     "nameserver 192.0.2.1 # second\nnameserver 10.255.255.53\n")
     assert network.name_servers(conf) == ("10.255.255.53", "192.0.2.1")
     assert network.name_servers(tmp_path / "missing") == ()
+
+
+def test_the_input_chain_drops_spoofed_sources_before_it_accepts_replies():
+    """A spoofed source matching a host flow's conntrack entry passed the
+    ``established`` accept (test_adversarial_builds has it with running code)."""
+    body = network.ruleset().split("chain input {", 1)[1].split("}", 1)[0]
+    rules = [line.strip() for line in body.splitlines() if line.strip().startswith("iifname")]
+    assert rules == ['iifname "weenv*" fib saddr . iif oif missing drop',
+                     'iifname "weenv*" ct state established,related accept', 'iifname "weenv*" drop']
