@@ -262,3 +262,129 @@ def test_a_step_cannot_inject_into_the_hosts_flows_with_a_spoofed_source(e2bd, b
         t.join()
         sock.close()
     _nothing_left(e2bd)
+
+
+# --- reaching what the policy forbids -----------------------------------------------------------------
+PROBE = r"""
+import socket, struct, sys
+def gateway():
+    for line in open("/proc/net/route").read().splitlines()[1:]:
+        f = line.split()
+        if f[1] == "00000000":
+            return socket.inet_ntoa(struct.pack("<L", int(f[2], 16)))
+targets = [t.replace("GATEWAY", gateway()) for t in sys.argv[1:]]
+for t in targets:
+    host, port = t.rsplit(":", 1)
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        s.connect((host, int(port)))
+        print("REACHED", t)
+    except OSError as e:
+        print("refused", t, e)
+    finally:
+        s.close()
+"""
+
+
+def test_a_step_and_a_sandbox_reach_neither_the_host_nor_each_other(e2bd, base_image):
+    """From a build step (root, Docker's capabilities) and from a sandbox: the
+    daemon's port on the host's address and on the veth's host end, a server in
+    another sandbox, link-local metadata, the name server on another port."""
+    import json
+    import subprocess
+
+    port = int(e2bd.daemon.url.rsplit(":", 1)[1])
+    me = json.loads(subprocess.run(["ip", "-j", "route", "get", "198.51.100.7"], capture_output=True,
+                                   text=True).stdout)[0]["prefsrc"]  # fmt: skip
+    Template.build(Template().from_image(base_image).set_user("root"), "t-probe")
+    other = Sandbox.create("t-probe", timeout=120, allow_internet_access=True)
+    try:
+        other.commands.run("python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1", background=True)
+        addr = other.commands.run("python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                                  "s.connect(('198.51.100.7', 9)); print(s.getsockname()[0])\"").stdout.strip()
+        assert other.commands.run("python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:8000/')\"",
+                                  ).exit_code == 0  # fmt: skip
+        targets = [f"{me}:{port}", f"GATEWAY:{port}", f"{addr}:8000", "169.254.169.254:80", f"127.0.0.1:{port}",
+                   "10.255.255.53:80"]  # fmt: skip
+        script = PROBE.replace("'", "'\\''")
+        s = _build(e2bd, "t-probe-step", base_image, [run(f"python3 -c '{script}' {' '.join(targets)}", "root")])
+        assert s["status"] == "ready", s
+        lines = [e["message"] for e in s["logEntries"] if e["message"].startswith(("REACHED", "refused"))]
+        assert len(lines) == len(targets) and not [m for m in lines if m.startswith("REACHED")], lines
+        probe = Sandbox.create("t-probe", timeout=120, allow_internet_access=True)
+        try:
+            probe.files.write("/tmp/probe.py", PROBE)
+            out = probe.commands.run(f"python3 /tmp/probe.py {' '.join(targets)}").stdout
+            assert [m.split()[0] for m in out.splitlines()] == ["refused"] * len(targets), out
+        finally:
+            probe.kill()
+    finally:
+        other.kill()
+    _nothing_left(e2bd)
+
+
+# --- the port relay ----------------------------------------------------------------------------------
+RAW_SERVER = r"""
+import socket, sys, threading
+answer = sys.argv[2].encode().decode("unicode_escape").encode("latin-1")
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(64)
+held = []
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(answer)
+    held.append(c)
+"""
+
+
+@pytest.fixture(scope="module")
+def relay_box(e2bd, base_image):
+    Template.build(Template().from_image(base_image).set_user("root"), "t-relay")
+    s = Sandbox.create("t-relay", timeout=300)
+    s.files.write("/tmp/raw.py", RAW_SERVER)
+    yield s
+    s.kill()
+
+
+def _raw(d: E2B, data: bytes, wait: float = 10) -> bytes:
+    import socket
+
+    host, port = d.daemon.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as c:
+        c.sendall(data)
+        out = b""
+        try:
+            while chunk := c.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def _api_answers(d: E2B) -> bool:
+    try:
+        with d.api() as c:
+            return c.get("/templates", timeout=5).status_code == 200
+    except httpx.TimeoutException:
+        return False
+
+
+@pytest.mark.parametrize("method,answer", [
+    ("CONNECT", "HTTP/1.1 200 OK\\r\\n\\r\\n"),
+    ("GET", "HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: x\\r\\nConnection: upgrade\\r\\n\\r\\n"),
+    ("GET", "HTTP/1.1 200 OK\\r\\nContent-Length: 3\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\n0\\r\\n\\r\\n"),
+    ("GET", "HTTP/1.1 200 OK\\r\\nX: " + "a" * 70000 + "\\r\\n\\r\\n"),
+    ("GET", "HTTP/1.1 100 Continue\\r\\n\\r\\n" * 2000),
+])  # fmt: skip
+def test_a_sandbox_answering_odd_http_does_not_stall_the_daemon(e2bd, relay_box, method, answer):
+    port = 8100 + abs(hash((method, answer))) % 800
+    relay_box.commands.run(f"python3 /tmp/raw.py {port} '{answer}' >/dev/null 2>&1", background=True)
+    time.sleep(1)
+    target = "x:1" if method == "CONNECT" else "/"
+    out = _raw(e2bd, f"{method} {target} HTTP/1.1\r\nHost: {port}-{relay_box.sandbox_id}.e2b.local\r\n\r\n".encode(),
+               wait=8)  # fmt: skip
+    assert _api_answers(e2bd), f"the daemon stopped answering after the relay got {answer[:60]!r} ({out[:200]!r})"
