@@ -16,7 +16,10 @@ from weenv.packaging.steps import (
     Account,
     Context,
     Step,
+    MAX_ENV_BYTES,
+    MAX_ENV_VALUE_BYTES,
     advance,
+    check_steps,
     copy_archive,
     copy_source,
     create_account,
@@ -44,6 +47,28 @@ def test_context_follows_the_steps():
               Step(type="ENV", args=["A", "1", "B", "${A}-$A-$UNSET."]), Step(type="RUN", args=["true"])):
         ctx = advance(ctx, s)
     assert ctx == Context(user="user", workdir="/srv/app", env={"A": "1", "B": "1-1-."})
+
+
+def test_variables_are_bounded_as_they_expand():
+    """``ENV A=$A$A`` doubled A per step (40 steps: a terabyte), and one step of
+    250,000 ``$A`` over a 500 KB A asked 125 GB of the daemon: each value is
+    bounded as it is expanded, all of them together too, before any is built."""
+    doubling = [Step(type="ENV", args=["A", "x" * 1000])] + [Step(type="ENV", args=["A", "$A$A"])] * 40
+    with pytest.raises(InvalidInputError, match=rf"step 9: .*{MAX_ENV_VALUE_BYTES} bytes"):
+        check_steps(doubling)
+    one_step = [Step(type="ENV", args=["A", "x" * 100_000]), Step(type="ENV", args=["B", "${A}" * 250_000])]
+    with pytest.raises(InvalidInputError, match="step 2: .*once expanded"):
+        check_steps(one_step)
+    many = [Step(type="ENV", args=[f"V{i}", "y" * MAX_ENV_VALUE_BYTES]) for i in range(MAX_ENV_BYTES // MAX_ENV_VALUE_BYTES + 1)]
+    with pytest.raises(InvalidInputError, match=rf"more than {MAX_ENV_BYTES} bytes"):
+        check_steps(many)
+    fits = check_steps([Step(type="ENV", args=["A", "é" * 1000]), Step(type="ENV", args=["B", "$A" * 60])])
+    assert fits.env["B"] == "é" * 60_000  # 120,000 bytes: under the bound
+    with pytest.raises(InvalidInputError, match="once expanded"):  # 131,072+ bytes counted as UTF-8
+        check_steps([Step(type="ENV", args=["A", "é" * 1000]), Step(type="ENV", args=["B", "$A" * 66])])
+    for name in ("", "A=B"):
+        with pytest.raises(InvalidInputError, match="ENV variable name"):
+            check_steps([Step(type="ENV", args=[name, "1"])])
 
 
 def test_cache_keys_chain():

@@ -64,3 +64,12 @@ def test_domain_patterns_and_the_name_policy():
     assert network.Egress(internet=True, deny=("1.2.3.0/24",)).names().open
     assert network.Egress(internet=False, domains=("a.com",)).names() == \
         __import__("weenv.node.nameserver", fromlist=["x"]).NamePolicy(names=("a.com",), open=False)
+
+
+def test_the_input_chain_drops_spoofed_sources_before_it_accepts_replies():
+    """A spoofed source matching a host flow's conntrack entry passed the
+    ``established`` accept (test_adversarial_builds has it with running code)."""
+    body = network.ruleset().split("chain input {", 1)[1].split("}", 1)[0]
+    rules = [line.strip() for line in body.splitlines() if line.strip().startswith("iifname")]
+    assert rules == ['iifname "weenv*" fib saddr . iif oif missing drop',
+                     'iifname "weenv*" ct state established,related accept', 'iifname "weenv*" drop']

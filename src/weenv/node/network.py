@@ -23,7 +23,11 @@ setup, the same for every node of the machine; it names interfaces by the
 
 - *input*: everything from a weenv veth to the host is dropped: the daemon's
   TCP API, services on 127.0.0.1 (the environment's own loopback is its own
-  anyway) and on any host address do not answer;
+  anyway) and on any host address do not answer; only replies to what the
+  host started pass, and a source that does not route back through its veth
+  is dropped first (an environment with ``CAP_NET_RAW``, as build steps have,
+  spoofing the source of a server the host talks to matched that flow's
+  conntrack entry: e.g. answers to the host's DNS queries);
 - *forward*: weenv veth to weenv veth dropped (environments do not reach each
   other); nothing new towards an environment (no port of it is published);
   link-local destinations (169.254.0.0/16: cloud metadata) dropped; a source
@@ -298,6 +302,7 @@ def ruleset() -> str:
     return f"""table inet {TABLE} {{
   chain input {{
     type filter hook input priority filter - 10; policy accept;
+    iifname {veth} fib saddr . iif oif missing drop
     iifname {veth} ct state established,related accept
     iifname {veth} drop
   }}

@@ -418,7 +418,10 @@ class TemplateBuild:
             forced = forced or step.force
             where = f"[builder {label}/{total}] {step.describe()}"
             if step.type == "ENV":
-                ctx = advance(ctx, step)
+                try:
+                    ctx = advance(ctx, step)  # bounded: the base's variables may make it pass its limits
+                except InvalidInputError as exc:
+                    raise StepFailedError(f"step {label} ({step.describe()[:200]}): {exc}", step=label) from exc
                 log(f"{where}", step=label)
                 continue
             hit = None if forced else _lookup(self.store, key, advance(ctx, step).user)

@@ -55,6 +55,13 @@ MAX_ARG_CHARS = 1 << 20
 DEFAULT_USER = "user"
 """E2B's account in every template it builds (uid 1000, home ``/home/user``)."""
 FIRST_UID = 1000
+MAX_ENV_VALUE_BYTES = 128 << 10
+"""UTF-8 bytes of one variable's value once expanded (Linux's ``MAX_ARG_STRLEN``
+is 128 KiB per ``KEY=value`` string: a longer one could not reach a command anyway)."""
+MAX_ENV_BYTES = 1 << 20
+"""UTF-8 bytes of all the context's variables together (``KEY=value`` strings),
+bounded as they are expanded: ``ENV A=$A$A`` repeated doubled them per step,
+and one step of 250,000 ``$A`` made 125 GB in the daemon."""
 MAX_COPY_ENTRIES = 200_000
 """Entries of one COPY's upload."""
 MAX_COPY_BYTES = 16 << 30
@@ -93,7 +100,11 @@ class Step(BaseModel):
               "WORKDIR": n == 1 and bool(self.args[0]), "USER": 1 <= n <= 2 and bool(self.args[0]),
               "ENV": n >= 2 and n % 2 == 0}[self.type]  # fmt: skip
         if not ok:
-            raise InvalidInputError(f"{self.type} with arguments {self.args!r}: see E2B's TemplateStep")
+            raise InvalidInputError(f"{self.type} with arguments {self.args!r}: see E2B's TemplateStep"[:1000])
+        if self.type == "ENV":
+            bad = next((k for k in self.args[::2] if not k or "=" in k), None)
+            if bad is not None:
+                raise InvalidInputError(f"ENV variable name {bad[:200]!r}: empty or holding '='")
         if self.type == "COPY":
             if not self.files_hash:
                 raise InvalidInputError("COPY needs filesHash (the upload of its files)")
@@ -130,17 +141,56 @@ def advance(ctx: Context, step: Step) -> Context:
         env = dict(ctx.env)
         for k, v in zip(step.args[::2], step.args[1::2]):
             env[k] = expand(v, env)
+            if env_bytes(env) > MAX_ENV_BYTES:
+                raise InvalidInputError(f"ENV {k[:200]}: the variables would hold more than {MAX_ENV_BYTES} bytes")
         return replace(ctx, env=env)
     return ctx
+
+
+def check_steps(steps: list[Step], ctx: Context = Context()) -> Context:
+    """The context after ``steps`` from ``ctx``, each step's arguments checked
+    (:meth:`Step.check`) and its variables expanded within their bounds: a step
+    list refused before any build starts.  Raises :class:`InvalidInputError`
+    naming the step (1-based)."""
+    for i, step in enumerate(steps, 1):
+        try:
+            ctx = advance(ctx, step.check())
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"step {i}: {exc}") from None
+    return ctx
+
+
+def env_bytes(env: dict[str, str]) -> int:
+    """UTF-8 bytes of ``env`` as ``KEY=value`` strings with their NULs."""
+    return sum(len(k.encode(errors="surrogateescape")) + len(v.encode(errors="surrogateescape")) + 2
+               for k, v in env.items())
 
 
 def workdir_path(ctx: Context, path: str) -> str:
     return posixpath.normpath(posixpath.join(ctx.workdir or "/", path))
 
 
-def expand(value: str, env: dict[str, str]) -> str:
-    """``$VAR`` and ``${VAR}`` of ``value`` replaced from ``env`` (unset: empty)."""
-    return _VAR.sub(lambda m: env.get(m.group(1) or m.group(2), ""), value)
+def expand(value: str, env: dict[str, str], limit: int = MAX_ENV_VALUE_BYTES) -> str:
+    """``$VAR`` and ``${VAR}`` of ``value`` replaced from ``env`` (unset: empty).
+    Raises :class:`InvalidInputError` once the result passes ``limit`` UTF-8
+    bytes, counted as it is made (never allocated past it)."""
+    sizes: dict[str, int] = {}
+    pieces: list[str] = []
+    size, at = 0, 0
+    for m in _VAR.finditer(value):
+        name = m.group(1) or m.group(2)
+        sub = env.get(name, "")
+        if name not in sizes:
+            sizes[name] = len(sub.encode(errors="surrogateescape"))
+        size += len(value[at : m.start()].encode(errors="surrogateescape")) + sizes[name]
+        if size > limit:
+            raise InvalidInputError(f"a variable's value would pass {limit} bytes once expanded")
+        pieces += [value[at : m.start()], sub]
+        at = m.end()
+    size += len(value[at:].encode(errors="surrogateescape"))
+    if size > limit:
+        raise InvalidInputError(f"a variable's value would pass {limit} bytes once expanded")
+    return "".join([*pieces, value[at:]])
 
 
 def _mode(text: str) -> int:

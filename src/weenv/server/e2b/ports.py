@@ -307,6 +307,10 @@ async def _relay(sock: socket.socket, scope, receive, send, *, max_body: int,
     try:
         while True:
             event = conn.next_event()
+            if event is h11.PAUSED:  # it switched protocols (a CONNECT's 2xx): not relayed; h11 would
+                if not started:      # answer PAUSED forever, and this loop spun the daemon's event loop
+                    failed = (502, "The sandbox's port switched protocols (CONNECT or upgrade): not relayed")
+                break
             if event is h11.NEED_DATA:
                 data = await clock.wait(reader.read(READ_SIZE), uploading)
                 clock.touch()

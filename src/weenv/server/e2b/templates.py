@@ -40,7 +40,7 @@ from pydantic import AliasChoices, Field, ValidationError
 
 from weenv.errors import NotFoundError
 from weenv.node.stepbuild import BuildSpec
-from weenv.packaging.steps import MAX_STEPS, Step
+from weenv.packaging.steps import MAX_STEPS, Step, check_steps
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
 from weenv.server.e2b.builds import Build, TemplateRecord, Templates
 
@@ -180,10 +180,11 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         if (body.from_image is None) == (body.from_template is None) or not (body.from_image or body.from_template):
             raise E2BError(400, "exactly one of fromImage and fromTemplate must be given and non-empty")
         try:
-            steps = [Step.model_validate(s).check() for s in body.steps]
+            steps = [Step.model_validate(s) for s in body.steps]
         except ValidationError as exc:
             err = exc.errors()[0]
             raise E2BError(400, f"steps.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+        check_steps(steps)  # InvalidInputError (400): bad arguments, variables past their bounds
         spec = BuildSpec(steps=steps, from_image=body.from_image, from_template=body.from_template,
                          force=body.force, start_command=body.start_cmd or None,
                          ready_command=body.ready_cmd or None)  # fmt: skip
