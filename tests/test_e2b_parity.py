@@ -146,7 +146,7 @@ def test_kill_during_a_command_async(daemon):  # noqa: F811
 
 def test_unserved_routes_are_501_naming_the_feature(daemon, two):  # noqa: F811
     sid = two[0].sandbox_id
-    for method, path, word in [("GET", "/v2/templates", "templates"), ("GET", "/volumes", "volumes"),
+    for method, path, word in [("GET", "/volumes", "volumes"),
                                ("GET", f"/sandboxes/{sid}/logs", "logs"), ("GET", "/secrets", "secrets"),
                                ("GET", "/default-templates", "default templates"), ("PUT", f"/sandboxes/{sid}/timeout", "")]:  # fmt: skip
         r = _api(daemon, method, path)

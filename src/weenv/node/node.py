@@ -185,11 +185,11 @@ class Node:
         self.peers.held = lambda digest, wait_s: self.cache.held(digest, wait_s=wait_s)
         self.lazyfs = LazyFS(paths.lazy_mountpoint, self.cache, run_dir=paths.run)  # + the FUSE holder
         self.groups = GroupMounts(paths.group_mounts, self.lazyfs, images=paths.node / "images")
-        self.prefetch = Prefetcher(self.cache, self.peers, self.lazyfs, workers=prefetch_workers,
+        self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
                                    record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
                                    publish_lock=lambda: store_lock(self.paths, exclusive=False),
                                    on_group_complete=self.groups.assemble_if_complete,
-                                   skip_pack=self.peers.peers_hold)
+                                   skip_pack=self.peers.peers_hold, packs=self.peers)
         self.manifests = NodeManifests(paths.node / "known", self.store)
         """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
         self.names = KnownNames(paths.node / "known", self.store.url)

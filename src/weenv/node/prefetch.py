@@ -163,7 +163,10 @@ class Prefetcher:
     ``on_group_complete(digest, manifest)``: called (in a thread) for each group
     of a finished job.  ``skip_pack(group digests)``: True to fetch a pack's
     chunks one by one instead of streaming the pack (peers hold them,
-    :meth:`weenv.node.peers.PeerChunks.peers_hold`)."""
+    :meth:`weenv.node.peers.PeerChunks.peers_hold`).  ``packs``: where packs
+    are streamed from and put (default ``store``; the node's
+    :class:`~weenv.node.peers.PeerChunks`, which counts their bytes); profiles
+    are always loaded from and published to ``store``."""
 
     def __init__(
         self,
@@ -177,10 +180,12 @@ class Prefetcher:
         publish_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
         skip_pack: Callable[[set[str]], bool] | None = None,
+        packs: Store | None = None,
     ):
         if workers < 1 or record_s <= 0 or pack_bytes < 0:
             raise InvalidInputError("prefetch wants workers >= 1, record_s > 0 and pack_bytes >= 0")
         self.cache, self.store, self.lazyfs = cache, store, lazyfs
+        self.packs = packs if packs is not None else store
         self.workers = workers
         self.record_s = record_s
         self.pack_bytes = pack_bytes
@@ -372,7 +377,7 @@ class Prefetcher:
             return profile
         try:
             data, frames = build_pack(self.cache.read(ref, 0, ref.size, prefetch=True) for ref in refs)
-            pack = PrefetchPack(digest=self.store.put_pack(data), frames=frames)
+            pack = PrefetchPack(digest=self.packs.put_pack(data), frames=frames)
         except Exception as exc:
             log.warning("no prefetch pack for %s: %s", profile.template, exc)
             return profile
@@ -491,7 +496,7 @@ class Prefetcher:
         buf = bytearray()
         got = 0
         try:
-            pieces = self.store.stream_pack(digest, stream.pack.size)
+            pieces = self.packs.stream_pack(digest, stream.pack.size)
             try:
                 for piece in pieces:
                     buf += piece
