@@ -95,7 +95,8 @@ def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an
             node.provisioner.profiles.close()  # published
             taught = node.provisioner.profiles.get(env.template_digest)
         assert taught is not None and taught.cpu_mean < 0.01, taught
-        with Node(paths, store=shared_store, pool_size=0) as node:
+        with Node(paths, store=shared_store, pool_size=0,
+                  provisioning=ProvisionConfig.from_env().model_copy(update={"admission": "burst"})) as node:
             assert node.provisioner.config.admission == "burst"
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 infos = list(pool.map(lambda _: node.create("task", first_command=False), range(8)))

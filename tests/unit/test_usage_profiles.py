@@ -124,10 +124,10 @@ def elastic(**kw) -> ProvisionConfig:
     return ProvisionConfig(cpu_capacity=2.0, memory_capacity=64 * GIB, **{"admission": "burst", **kw})
 
 
-def test_default_admission_is_burst_and_static_stays_for_comparison(monkeypatch):
-    assert ProvisionConfig().admission == "burst" and ProvisionConfig().mode == "elastic"
-    monkeypatch.setenv("WEENV_ADMISSION", "reservations")
-    assert ProvisionConfig.from_env().admission == "reservations"
+def test_default_admission_is_reservations_burst_and_static_on_request(monkeypatch):
+    assert ProvisionConfig().admission == "reservations" and ProvisionConfig().mode == "elastic"
+    monkeypatch.setenv("WEENV_ADMISSION", "burst")
+    assert ProvisionConfig.from_env().admission == "burst"
     monkeypatch.setenv("WEENV_ADMISSION", "static")
     assert ProvisionConfig.from_env().mode == "static"
 

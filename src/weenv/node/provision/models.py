@@ -128,7 +128,7 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["burst", "peak", "reservations", "static"] = "burst"
+    admission: Literal["burst", "peak", "reservations", "static"] = "reservations"
     """How a new environment is admitted in ``elastic`` mode.
 
     ``burst`` (default) admits by a **latency objective**: at most
