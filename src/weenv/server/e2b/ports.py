@@ -143,18 +143,8 @@ class PortProxy:
             return
         self.relays += 1
         try:
-            try:
-                sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
-                                                      Headers(scope=scope).get(TOKEN_HEADER),
-                                                      limiter=self.connects)  # fmt: skip
-            except NotFoundError:
-                await answer(502, f"The sandbox {sandbox_id} was not found")
-                return
-            except _NoToken:
-                await answer(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
-                return
-            except OSError:
-                await answer(502, "The sandbox is running but port is not open")
+            sock = await self._connect(scope, sandbox_id, port, answer)
+            if sock is None:
                 return
             try:
                 status = await _relay(sock, scope, receive, send, max_body=self.max_body, idle=self.idle_timeout)
@@ -164,6 +154,22 @@ class PortProxy:
                 await answer(*status)
         finally:
             self.relays -= 1
+
+    async def _connect(self, scope, sandbox_id: str, port: int, refuse):
+        """A connected socket to ``port`` of the sandbox (in the relay's own
+        thread limiter), or None once ``refuse(status, message)`` has answered
+        why not: no such sandbox (502), no traffic token (403), port closed (502)."""
+        try:
+            return await anyio.to_thread.run_sync(self._open, sandbox_id, port,
+                                                  Headers(scope=scope).get(TOKEN_HEADER),
+                                                  limiter=self.connects)  # fmt: skip
+        except NotFoundError:
+            await refuse(502, f"The sandbox {sandbox_id} was not found")
+        except _NoToken:
+            await refuse(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
+        except OSError:
+            await refuse(502, "The sandbox is running but port is not open")
+        return None
 
     async def _websocket(self, scope, receive, send, sandbox_id: str, port: int) -> None:
         """A WebSocket to ``port`` of the sandbox, relayed message by message
@@ -181,18 +187,8 @@ class PortProxy:
             return
         self.relays += 1
         try:
-            try:
-                sock = await anyio.to_thread.run_sync(self._open, sandbox_id, port,
-                                                      Headers(scope=scope).get(TOKEN_HEADER),
-                                                      limiter=self.connects)  # fmt: skip
-            except NotFoundError:
-                await refuse(502, f"The sandbox {sandbox_id} was not found")
-                return
-            except _NoToken:
-                await refuse(403, f"The sandbox {sandbox_id} needs its traffic access token ({TOKEN_HEADER} header)")
-                return
-            except OSError:
-                await refuse(502, "The sandbox is running but port is not open")
+            sock = await self._connect(scope, sandbox_id, port, refuse)
+            if sock is None:
                 return
             try:
                 await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout)
