@@ -314,7 +314,11 @@ def test_background_output_does_not_go_to_a_hidden_host_file(node, paths):
     r = node.exec(info.id, "sleep 30 & echo started")
     assert r.stdout == b"started\n"
     init = node.runc.state(CONTAINER_PREFIX + info.id)["pid"]
-    sleepers = [p for p in _descendants(init) if _cmdline(p) == ["sleep", "30"]]
+    # the shell may echo and return before its forked child has exec'd sleep
+    deadline = time.monotonic() + 10
+    while not (sleepers := [p for p in _descendants(init) if _cmdline(p) == ["sleep", "30"]]):
+        assert time.monotonic() < deadline, {p: _cmdline(p) for p in _descendants(init)}
+        time.sleep(0.02)
     assert len(sleepers) == 1
     env_dir = str(paths.environments / info.id)
     targets = [os.readlink(f"/proc/{sleepers[0]}/fd/{n}") for n in (1, 2)]

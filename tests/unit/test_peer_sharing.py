@@ -112,3 +112,47 @@ def test_equal_scores_are_broken_at_random():
         view.done(p.token, p.route.node_id, None)
         chosen.add(p.route.node_id)
     assert chosen == set("abcd")
+
+
+def test_a_chunk_of_a_group_not_mounted_yet_comes_from_a_peer_once_learnt(tmp_path):
+    """An early prefetch replays a profile while the create still loads its
+    manifests: its chunks are in no mounted group, and went to the store although
+    a peer held them (test_cluster_peers: 10 chunks from the store)."""
+    import hashlib
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from weenv.errors import NotFoundError
+    from weenv.node.peers import CHUNK_PATH, TOKEN_HEADER, PeerInfo
+
+    chunk = b"y" * 4096
+    digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
+
+    class Peer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            ok = self.path == CHUNK_PATH + digest and self.headers.get(TOKEN_HEADER) == TOKEN
+            self.send_response(200 if ok else 404)
+            self.send_header("content-length", str(len(chunk) if ok else 0))
+            self.end_headers()
+            if ok:
+                self.wfile.write(chunk)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)  # nothing mounted
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN),
+                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        with pytest.raises(NotFoundError):  # no group known for it: the store, which lacks it
+            peers.get_chunk(digest, size=len(chunk))
+        peers.learn([(digest, "sha256:g1")])
+        assert peers.get_chunk(digest, size=len(chunk)) == chunk
+        s = peers.stats()
+        assert (s.peer_chunks, s.peer_bytes, s.store_chunks, s.peer_failures) == (1, len(chunk), 0, 0)
+    finally:
+        peers.close()
+        server.shutdown()
+        server.server_close()

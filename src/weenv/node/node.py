@@ -189,7 +189,7 @@ class Node:
                                    record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
                                    publish_lock=lambda: store_lock(self.paths, exclusive=False),
                                    on_group_complete=self.groups.assemble_if_complete,
-                                   skip_pack=self.peers.peers_hold, packs=self.peers)
+                                   peers=self.peers)
         self.manifests = NodeManifests(paths.node / "known", self.store)
         """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
         self.names = KnownNames(paths.node / "known", self.store.url)

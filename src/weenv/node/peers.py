@@ -213,7 +213,19 @@ class PeerChunks:
             with self._lock:
                 self._indexed.add(gdigest)
                 for c in pairs:
-                    self._chunk_groups.setdefault(c, []).append(gdigest)
+                    known = self._chunk_groups.setdefault(c, [])
+                    if gdigest not in known:  # learnt from a profile before
+                        known.append(gdigest)
+
+    def learn(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """``(chunk digest, group digest)`` pairs known before the group is
+        mounted: a prefetch profile's, replayed while the create still loads its
+        manifests (without them a chunk of no mounted group has no peer)."""
+        with self._lock:
+            for chunk, group in pairs:
+                known = self._chunk_groups.setdefault(chunk, [])
+                if group not in known:
+                    known.append(group)
 
     def peers_hold(self, groups: set[str]) -> bool:
         """Whether peers are known to hold chunks of any of ``groups``: a

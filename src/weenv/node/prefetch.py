@@ -58,6 +58,7 @@ from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, 
 from weenv.formats.manifest import ChunkRef, GroupManifest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
+from weenv.node.peers import PeerChunks
 from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
 from weenv.store.base import Store
 
@@ -161,12 +162,15 @@ class Prefetcher:
     a profile and its pack are published (the node's shared store lock, so that
     ``weenv gc`` never removes a pack between its upload and its profile's).
     ``on_group_complete(digest, manifest)``: called (in a thread) for each group
-    of a finished job.  ``skip_pack(group digests)``: True to fetch a pack's
-    chunks one by one instead of streaming the pack (peers hold them,
-    :meth:`weenv.node.peers.PeerChunks.peers_hold`).  ``packs``: where packs
-    are streamed from and put (default ``store``; the node's
-    :class:`~weenv.node.peers.PeerChunks`, which counts their bytes); profiles
-    are always loaded from and published to ``store``."""
+    of a finished job.  ``peers``: the node's
+    :class:`~weenv.node.peers.PeerChunks` (the cache's chunk source) or None:
+    a job learns it which groups its chunks are in before they are mounted
+    (:meth:`~weenv.node.peers.PeerChunks.learn`: an early job's chunks then
+    come from peers too), fetches a pack's chunks one by one instead of
+    streaming the pack when peers hold them
+    (:meth:`~weenv.node.peers.PeerChunks.peers_hold`), and streams and puts
+    packs through it (it counts their bytes); profiles are always loaded from
+    and published to ``store``."""
 
     def __init__(
         self,
@@ -179,19 +183,18 @@ class Prefetcher:
         pack_bytes: int = PACK_BYTES,
         publish_lock: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         on_group_complete: Callable[[str, GroupManifest], object] | None = None,
-        skip_pack: Callable[[set[str]], bool] | None = None,
-        packs: Store | None = None,
+        peers: PeerChunks | None = None,
     ):
         if workers < 1 or record_s <= 0 or pack_bytes < 0:
             raise InvalidInputError("prefetch wants workers >= 1, record_s > 0 and pack_bytes >= 0")
         self.cache, self.store, self.lazyfs = cache, store, lazyfs
-        self.packs = packs if packs is not None else store
+        self.peers = peers
+        self.packs: Store | PeerChunks = peers if peers is not None else store
         self.workers = workers
         self.record_s = record_s
         self.pack_bytes = pack_bytes
         self.publish_lock = publish_lock
         self.on_group_complete = on_group_complete
-        self.skip_pack = skip_pack
         self._lock = threading.Condition()
         self._profiles: dict[str, PrefetchProfile | None] = {}  # template digest -> profile (cached lookups)
         self._recording: dict[str, dict] = {}  # env id -> recording state
@@ -455,9 +458,10 @@ class Prefetcher:
         lock hold as the check that ``lookup`` (if given) is still pending."""
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
-        if pack is not None and self.skip_pack is not None and self.skip_pack(
-                {g for g, _c in chunks[: len(pack.frames)]}):
-            pack = None  # its chunks one by one, from peers
+        if self.peers is not None:
+            self.peers.learn((c.digest, g) for g, c in chunks)  # an early job's groups are not mounted yet
+            if pack is not None and self.peers.peers_hold({g for g, _c in chunks[: len(pack.frames)]}):
+                pack = None  # its chunks one by one, from peers
         job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
         job.groups = dict(groups) if groups is not None else None
         with self._lock:
