@@ -13,11 +13,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MountSpec, mount, overlay_escape, umount
 from weenv.node import idmap
@@ -159,3 +161,26 @@ def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
         runc.delete(cid, force=True)
     assert runc.list() == []
     assert not list(Path("/sys/fs/cgroup").glob(f"weenv-{cid}"))
+    deadline = time.monotonic() + 5  # SIGKILLed exec'd processes are reaped after runc delete returns
+    while range_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not range_processes(), "processes of the range outlived the environment"
+
+
+def range_processes() -> list[int]:
+    """Host pids whose real uid lies in the environment's range."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            uid = int((p / "status").read_text().split("Uid:")[1].split()[0]) if p.name.isdigit() else -1
+        except (OSError, IndexError):
+            continue
+        if HOST_ID <= uid < HOST_ID + idmap.ID_RANGE:
+            pids.append(int(p.name))
+    return pids
+
+
+def test_bad_ranges_refused_before_anything_is_made():
+    for host_id, size in ((0, idmap.ID_RANGE), (1, 0), (2**32 - 5, idmap.ID_RANGE)):
+        with pytest.raises(InvalidInputError):
+            idmap.UserNamespace(host_id, size)
