@@ -21,7 +21,7 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.host.mounts import MountSpec, mount, overlay_escape, umount
+from weenv.host.mounts import MountSpec, mount, mount_erofs, overlay_escape, umount
 from weenv.node import idmap
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
 from weenv.node.runc import Runc
@@ -184,3 +184,27 @@ def test_bad_ranges_refused_before_anything_is_made():
     for host_id, size in ((0, idmap.ID_RANGE), (1, 0), (2**32 - 5, idmap.ID_RANGE)):
         with pytest.raises(InvalidInputError):
             idmap.UserNamespace(host_id, size)
+
+
+def test_erofs_group_mount_can_be_idmapped(base):
+    """The node's lowers are EROFS group mounts: their idmapped clone shifts owners too."""
+    tree = base / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc/f").write_text("x")
+    os.chown(tree / "etc/f", 1000, 1000)
+    image = base / "g.erofs"
+    subprocess.run(["mkfs.erofs", str(image), str(tree)], check=True, capture_output=True)
+    group, clone = base / "group", base / "clone"
+    group.mkdir()
+    clone.mkdir()
+    mount_erofs(image, group)
+    try:
+        with idmap.UserNamespace(HOST_ID) as ns:
+            idmap.idmapped_clone(group, clone, ns)
+        try:
+            assert (clone / "etc/f").stat().st_uid == HOST_ID + 1000
+            assert (clone / "etc").stat().st_uid == HOST_ID and (group / "etc/f").stat().st_uid == 1000
+        finally:
+            umount(clone)
+    finally:
+        umount(group)
