@@ -21,7 +21,7 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.host.mounts import MountSpec, mount, mount_erofs, overlay_escape, umount
+from weenv.host.mounts import MS_NOSUID, MountSpec, mount, mount_erofs, overlay_escape, umount
 from weenv.node import idmap
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
 from weenv.node.runc import Runc
@@ -80,7 +80,7 @@ def base():
 
 
 @pytest.fixture
-def userns_root(base, debian_root):
+def userns_root(base, debian_root, request):
     """An overlay over idmapped clones of the Debian tree and the sudo layer, upper owned by the range's root."""
     tmp_path = base
     lowers = [debian_root, sudo_layer(debian_root)]
@@ -98,7 +98,7 @@ def userns_root(base, debian_root):
                 mounted.append(target)
         lowerdir = ":".join(overlay_escape(p) for p in reversed(mounted))
         mount(MountSpec("overlay", "overlay", os.fspath(root),
-                        f"lowerdir={lowerdir},upperdir={upper},workdir={work}", 0))  # fmt: skip
+                        f"lowerdir={lowerdir},upperdir={upper},workdir={work}", getattr(request, "param", 0)))  # fmt: skip
         mounted.append(root)
         yield root, upper
     finally:
@@ -114,8 +114,9 @@ def test_idmapped_lower_shows_host_ids_shifted(userns_root):
     assert (root / "usr/bin/sudo").stat().st_mode & 0o4000
 
 
-def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
-    root, upper = userns_root
+def start_user_env(root: Path, tmp_path: Path) -> tuple[Runc, str, Path]:
+    """runc runs ``sleep infinity`` as uid 1000 over ``root`` in the range's
+    namespace, with no capabilities but Docker's bounding set (what sudo's root gets)."""
     runc = Runc(tmp_path / "runc-state", RUNC)
     cid = "u" + uuid.uuid4().hex[:12]
     bundle = tmp_path / "bundle"
@@ -130,8 +131,25 @@ def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
         caps[k] = []
     path.write_text(json.dumps(config))
     assert config["process"]["noNewPrivileges"] is False
+    runc.run_detached(cid, bundle)
+    return runc, cid, bundle
+
+
+@pytest.mark.parametrize("userns_root", [MS_NOSUID], indirect=True)
+def test_nosuid_overlay_keeps_sudo_out(userns_root, tmp_path):
+    """runc binds the rootfs with its flags: on a ``nosuid`` overlay sudo's setuid bit does not count."""
+    runc, cid, _ = start_user_env(userns_root[0], tmp_path)
     try:
-        runc.run_detached(cid, bundle)
+        r = runc.exec(cid, ["sudo", "id", "-u"])
+        assert r.exit_code != 0 and b"nosuid" in r.stderr, r
+    finally:
+        runc.delete(cid, force=True)
+
+
+def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
+    root, upper = userns_root
+    runc, cid, bundle = start_user_env(root, tmp_path)
+    try:
         state = runc.state(cid)
         pid = state["pid"]
         assert pid, (state, (bundle / "init.log").read_text()[-2000:])

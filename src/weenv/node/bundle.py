@@ -53,7 +53,10 @@ Where weenv differs from ``runc spec``, and why:
   tree up (5.2 s, 228 MB).  Taking it needs more than the mapping (runc 1.1.5
   idmaps no rootfs): files the node writes through the host path (files API,
   build steps) chowned into the range, upper dirs shifted back before they
-  become a group, recovery of per-environment idmapped lowers.
+  become a group, recovery of per-environment idmapped lowers.  The
+  mechanism is here, opt-in and not yet used by the node: ``userns=`` (the
+  namespace, its mappings, and no ``noNewPrivileges`` so that ``sudo`` works)
+  over lowers idmapped by :mod:`weenv.node.idmap` (``tests/test_userns.py``).
 - Optionally (``init=``) a reaping init as the first process: a static binary
   of the host (Debian's ``tini-static``) bind-mounted read-only at
   :data:`INIT_PATH` (in the ``/dev`` tmpfs, so the root file system gets no
