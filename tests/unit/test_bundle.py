@@ -76,3 +76,17 @@ def test_the_agent_holds_the_environment_in_place_of_sleep():
     assert own["process"]["args"][-4:] == [INIT_PATH, "--", "/app", "serve"]
     alone = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init)
     assert alone["process"]["args"] == [INIT_PATH, "--", "sleep", "infinity"]  # no agent: nothing of weenv's to hold
+
+
+def test_user_namespace_is_opt_in_and_only_then_drops_no_new_privs():
+    plain = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c")
+    assert "uidMappings" not in plain["linux"] and plain["process"]["noNewPrivileges"] is True
+    assert all(n["type"] != "user" for n in plain["linux"]["namespaces"])
+    c = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", userns=(200000, 65536))
+    lx = c["linux"]
+    assert lx["namespaces"][0] == {"type": "user"}
+    assert lx["uidMappings"] == lx["gidMappings"] == [{"containerID": 0, "hostID": 200000, "size": 65536}]
+    assert c["process"]["noNewPrivileges"] is False and "seccomp" in lx
+    for bad in ((0, 65536), (200000, 0), (2**32 - 10, 65536)):  # host root, empty, past 32-bit ids
+        with pytest.raises(InvalidInputError, match="user namespace"):
+            build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", userns=bad)

@@ -53,7 +53,10 @@ Where weenv differs from ``runc spec``, and why:
   tree up (5.2 s, 228 MB).  Taking it needs more than the mapping (runc 1.1.5
   idmaps no rootfs): files the node writes through the host path (files API,
   build steps) chowned into the range, upper dirs shifted back before they
-  become a group, recovery of per-environment idmapped lowers.
+  become a group, recovery of per-environment idmapped lowers.  The
+  mechanism is here, opt-in and not yet used by the node: ``userns=`` (the
+  namespace, its mappings, and no ``noNewPrivileges`` so that ``sudo`` works)
+  over lowers idmapped by :mod:`weenv.node.idmap` (``tests/test_userns.py``).
 - Optionally (``init=``) a reaping init as the first process: a static binary
   of the host (Debian's ``tini-static``) bind-mounted read-only at
   :data:`INIT_PATH` (in the ``/dev`` tmpfs, so the root file system gets no
@@ -280,6 +283,7 @@ def build_config(
     netns: Path | None = None,
     agent_user: str | None = None,
     resolv_conf: Path | None = None,
+    userns: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -300,7 +304,11 @@ def build_config(
     (``"UID:GID[:G1,G2...]"``, the template's user with its groups; default
     ``runtime.user``) before it starts the command; ``netns``: the
     network namespace file the environment joins, required with
-    ``runtime.network`` and refused without it.  Raises
+    ``runtime.network`` and refused without it; ``userns``: ``(host_id, size)``
+    to run in a user namespace mapping uids and gids ``0..size-1`` to the host's
+    ``host_id..`` (the rootfs's lowers idmapped the same way,
+    :mod:`weenv.node.idmap`), and then without ``noNewPrivileges`` so that
+    setuid programs (``sudo``) work: root they make is the host's ``host_id``.  Raises
     :class:`InvalidInputError` for a bad user, hostname, working dir, command,
     environment variable name or network namespace.
     """
@@ -332,6 +340,11 @@ def build_config(
         raise InvalidInputError("a network namespace (netns=) is given with runtime.network, and only then")
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     namespaces.append({"type": "network", "path": os.fspath(Path(netns).absolute())} if netns else {"type": "network"})
+    if userns is not None:
+        host_id, size = userns
+        if host_id <= 0 or size <= 0 or host_id + size > 2**32 - 1:
+            raise InvalidInputError(f"bad user namespace range {host_id}+{size}")
+        namespaces.insert(0, {"type": "user"})
     linux: dict[str, Any] = {
         "cgroupsPath": cgroups_path,
         "resources": {
@@ -344,6 +357,8 @@ def build_config(
         "maskedPaths": list(MASKED_PATHS),
         "readonlyPaths": list(READONLY_PATHS),
     }
+    if userns is not None:
+        linux["uidMappings"] = linux["gidMappings"] = [{"containerID": 0, "hostID": userns[0], "size": userns[1]}]
     if seccomp:
         linux["seccomp"] = seccomp_profile()
     return {
@@ -358,7 +373,7 @@ def build_config(
                 k: caps for k in ("bounding", "effective", "permitted", "ambient")
             },
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": hard, "soft": soft}],
-            "noNewPrivileges": True,
+            "noNewPrivileges": userns is None,
         },
         "root": {"path": os.fspath(Path(rootfs).absolute()), "readonly": False},
         "annotations": {CAPS_ANNOTATION: ",".join(capabilities)},
@@ -383,6 +398,7 @@ def write_bundle(
     netns: Path | None = None,
     agent_user: str | None = None,
     resolv_conf: Path | None = None,
+    userns: tuple[int, int] | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -392,7 +408,7 @@ def write_bundle(
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
         resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
-        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf,
+        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf, userns=userns,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")
