@@ -74,3 +74,11 @@ def test_files_in_chunks_follow_the_chunk_order_then_offsets():
     assert files_in_chunks(ext, [2, 0], 4096) == ["/z", "/x", "/y"]
     assert files_in_chunks(ext, [7], 4096) == ["/w"]
     assert files_in_chunks(ext, [99], 4096) == []
+
+
+def test_files_in_ranges_follow_the_reads():
+    from weenv.packaging.erofs_extents import files_in_ranges
+
+    ext = {"/x": [(0, 10)], "/y": [(10, 5000)], "/z": [(8192, 9000)], "/w": [(20000, 30000)]}
+    assert files_in_ranges(ext, [(8500, 100), (0, 4096)]) == ["/z", "/x", "/y"]
+    assert files_in_ranges(ext, [(25000, 1), (9000, 11000)]) == ["/w"]

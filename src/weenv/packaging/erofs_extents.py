@@ -13,6 +13,7 @@ what weenv's writer and ``mkfs.erofs`` without ``-z`` write.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 import struct
@@ -133,4 +134,23 @@ def files_in_chunks(extents: dict[str, list[Extent]], chunks: Iterable[int], chu
             if path not in seen:
                 seen.add(path)
                 order.append(path)
+    return order
+
+
+def files_in_ranges(extents: dict[str, list[Extent]], ranges: Iterable[tuple[int, int]]) -> list[str]:
+    """The files whose data the reads ``ranges`` (``(offset, bytes)`` of one
+    group's image, in order) overlap, in the order first touched (within a
+    read by offset); each file once."""
+    starts = sorted((s, e, path) for path, ext in extents.items() for s, e in ext)
+    keys = [s for s, _e, _p in starts]
+    order, seen = [], set()
+    for off, n in ranges:
+        end = off + n
+        i = max(0, bisect.bisect_right(keys, off) - 1)
+        while i < len(starts) and starts[i][0] < end:
+            s, e, path = starts[i]
+            if e > off and path not in seen:
+                seen.add(path)
+                order.append(path)
+            i += 1
     return order

@@ -7,15 +7,16 @@ order (:mod:`weenv.packaging.profile`).  The group's image, read chunk by
 chunk from the store (only the chunks its metadata and the profile's reads
 need, each digest-checked by the store), gives every regular file's data
 extents (:mod:`weenv.packaging.erofs_extents`); a file belongs to the
-working set when its data overlaps a chunk the profile read.  At chunk
-granularity this over-approximates (a 1 MiB chunk holds other files' data
-too): the next profile, recorded over the rebuilt group, is tighter.
+working set when its data overlaps a read range the profile recorded (the
+reads that reached the lazy file system: page-cache misses, readahead-sized),
+or, for an older profile without ranges, a chunk it read (this
+over-approximates: a 1 MiB chunk holds other files' data too).
 """
 
 from __future__ import annotations
 
 from weenv.formats.manifest import GroupManifest
-from weenv.packaging.erofs_extents import file_extents, files_in_chunks
+from weenv.packaging.erofs_extents import file_extents, files_in_chunks, files_in_ranges
 from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
 
@@ -54,4 +55,8 @@ def startup_files(store: Store, group_digest: str, manifest: GroupManifest, prof
     chunks = [ci for gi, ci in profile.chunks if profile.groups[gi] == group_digest]
     if not chunks:
         return []
-    return files_in_chunks(file_extents(image_reader(store, manifest)), chunks, manifest.chunk_size)
+    extents = file_extents(image_reader(store, manifest))
+    ranges = [(off, n) for gi, off, n in profile.ranges if profile.groups[gi] == group_digest]
+    if ranges:
+        return files_in_ranges(extents, ranges)
+    return files_in_chunks(extents, chunks, manifest.chunk_size)
