@@ -67,8 +67,9 @@ def update(
     profile: Annotated[bool, typer.Option("--profile", help="lay out the files the template's prefetch "
                                           "profile read first, contiguous, in access order")] = False,
 ) -> None:
-    """Publish a new version of TEMPLATE with one component rebuilt from a directory
-    (with --profile and the same directory: the same tree, its startup files together)."""
+    """Publish a new version of TEMPLATE with one component rebuilt from a directory.
+
+    With --profile and the same directory: the same tree, its startup files together."""
     from weenv.packaging.update import update_component
 
     r = update_component(store(), template, component, from_dir, version=version, profile=profile)
