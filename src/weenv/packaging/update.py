@@ -7,6 +7,13 @@ new version label and becomes ``templates/NAME`` (a prefetch profile, recorded
 over the old groups, is not carried over).  Nothing else is rebuilt or
 written: the cost is the new group's new chunks plus two manifests, reported in
 bytes and seconds.
+
+``--profile`` (issue 18, startup files together): the template's published
+prefetch profile names the reads of its first start; the new group lays the
+files those reads touched first, contiguous, in access order
+(:mod:`weenv.packaging.layout`), and its manifest's ``layout`` names the
+profile.  From the same directory the tree is the same, only its data order
+(and so the group's digest) changes.
 """
 
 from __future__ import annotations
