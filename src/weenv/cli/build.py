@@ -64,11 +64,15 @@ def update(
     component: Annotated[str, typer.Option("--component", "-c", help="the group (by name) to replace")],
     from_dir: Annotated[Path, typer.Option("--from-dir", help="the component's new tree")],
     version: Annotated[str | None, typer.Option(help="new template version label")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="lay out the files the template's prefetch "
+                                          "profile read first, contiguous, in access order")] = False,
 ) -> None:
-    """Publish a new version of TEMPLATE with one component rebuilt from a directory."""
+    """Publish a new version of TEMPLATE with one component rebuilt from a directory.
+
+    With --profile and the same directory: the same tree, its startup files together."""
     from weenv.packaging.update import update_component
 
-    r = update_component(store(), template, component, from_dir, version=version)
+    r = update_component(store(), template, component, from_dir, version=version, profile=profile)
     err.print(
         f"template {r.template} version {r.version}: {component} -> {r.group_digest[7:19]}, "
         f"{r.chunks_written} new chunks, {human_bytes(r.bytes_published)} ({r.bytes_published} bytes) "

@@ -93,6 +93,8 @@ from weenv.node.fuse.session import (
 log = logging.getLogger(__name__)
 
 TIMEOUT = 86400.0
+MAX_RANGES = 1 << 16
+"""Read ranges a group keeps while a profile records (:meth:`LazyFS.read_ranges`)."""
 """Seconds the kernel may cache entries and attributes (images never change)."""
 MS_NOATIME = 0x400
 FSTYPE = "fuse.weenv"
@@ -123,6 +125,7 @@ class _Group:
     stats: GroupStats = field(default_factory=GroupStats)
     seen: set[int] = field(default_factory=set)
     first_seq: list[int] = field(default_factory=list)  # LazyFS-wide sequence number of each first_read
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # (range seq, offset, bytes) while recording
 
 
 def check_manifest(digest: str, manifest: GroupManifest) -> None:
@@ -156,6 +159,8 @@ class LazyFS:
         self._groups: dict[int, _Group] = {}  # inode -> group shown in the directory
         self._names: dict[bytes, int] = {}  # file name -> inode of a shown group
         self._known: dict[int, _Group] = {}  # inode -> every group added (open files keep reading)
+        self._range_recorders = 0  # recordings that want read ranges (record_ranges)
+        self._rseq = 0
         self._seq = 0  # first reads of chunks so far, all groups (orders them across groups)
         self._fd: int | None = None
         self._resume: InitState | None = None
@@ -220,6 +225,27 @@ class LazyFS:
         """How many first reads of a chunk (any group) happened so far: a mark for :meth:`first_reads`."""
         with self._lock:
             return self._seq
+
+    def record_ranges(self, on: bool) -> None:
+        """Start (``on``) or end one recorder of read ranges (:meth:`read_ranges`);
+        when the last one ends, the ranges are dropped."""
+        with self._lock:
+            self._range_recorders = max(0, self._range_recorders + (1 if on else -1))
+            if not self._range_recorders:
+                for g in self._groups.values():
+                    g.ranges.clear()
+
+    def read_ranges(self, digests) -> list[tuple[str, int, int]]:
+        """``(group digest, offset, bytes)`` of every read of the groups
+        ``digests`` that reached this file system while a recorder was on, in
+        order (at most :data:`MAX_RANGES` per group): page-cache misses, finer
+        than chunks, so a profile can name the files a start read."""
+        wanted = set(digests)
+        with self._lock:
+            picked = [(seq, g.digest, off, n) for g in self._groups.values() if g.digest in wanted
+                      for seq, off, n in g.ranges]  # fmt: skip
+        picked.sort()
+        return [(d, off, n) for _seq, d, off, n in picked]
 
     def first_reads(self, digests, since: int = 0) -> list[tuple[str, int]]:
         """``(group digest, chunk index)`` of the first reads of chunks of the groups
@@ -458,6 +484,9 @@ class LazyFS:
         cs = manifest.chunk_size
         first, last = off // cs, (off + size - 1) // cs
         with self._lock:
+            if self._range_recorders and len(group.ranges) < MAX_RANGES:
+                self._rseq += 1
+                group.ranges.append((self._rseq, off, size))
             for i in range(first, last + 1):
                 if i not in group.seen:
                     group.seen.add(i)

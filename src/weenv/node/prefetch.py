@@ -55,6 +55,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.formats.limits import MAX_PROFILE_CHUNKS
 from weenv.formats.manifest import ChunkRef, GroupManifest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
@@ -325,6 +326,7 @@ class Prefetcher:
                 "template": template_digest, "groups": [d for d, _m in groups], "manifests": [m for _d, m in groups],
                 "mark": self.lazyfs.read_seq(), "start": time.monotonic(), "timer": timer,
             }  # fmt: skip
+            self.lazyfs.record_ranges(True)
         timer.start()
 
     def end_recording(self, env_id: str, *, publish: bool = True) -> None:
@@ -334,6 +336,8 @@ class Prefetcher:
         if rec is None:
             return
         rec["timer"].cancel()
+        ranges = self.lazyfs.read_ranges(rec["groups"])
+        self.lazyfs.record_ranges(False)
         if not publish:
             with self._lock:
                 self._recorded.discard(rec["template"])
@@ -348,8 +352,9 @@ class Prefetcher:
                 self._recorded.discard(rec["template"])  # nothing read through FUSE: try another time
             return
         refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
+        spans = [(index[d], off, n) for d, off, n in ranges][:MAX_PROFILE_CHUNKS]
         profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
-                                  window_s=round(time.monotonic() - rec["start"], 3))
+                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3))
         with self._lock:
             self._profiles[rec["template"]] = profile
             if self._closed:

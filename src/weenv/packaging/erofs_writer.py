@@ -53,7 +53,7 @@ import os
 import stat
 import struct
 import uuid as uuid_mod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -226,7 +226,8 @@ WRITER = "weenv-erofs 1"
 """The writer's name and format version, for a group's provenance."""
 
 
-def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None = None) -> ImageStats:
+def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None = None,
+                first: Sequence[str] = ()) -> ImageStats:
     """Write the EROFS image of the tree under ``root`` (a directory
     :class:`Inode`) to ``out`` (a seekable file at offset 0); returns its
     :class:`ImageStats`.
@@ -234,7 +235,10 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     ``uuid``: the file system UUID; ``build_time``: seconds since the epoch
     stored in the superblock (default: one after the newest mtime, so builds
     repeat).  Regular files' :data:`Reader` s are read once,
-    in breadth-first order.  Raises :class:`InvalidInputError` (see the
+    in breadth-first order, except that the regular files named in ``first``
+    (paths ``/a/b``, an access profile's files: :mod:`weenv.packaging.erofs_extents`)
+    have their data written first, contiguous, in that order (names not in the
+    tree, or not regular files, are skipped; the file tree is the same).  Raises :class:`InvalidInputError` (see the
     module doc) before writing anything, and :class:`InvalidInputError` if a
     file yields more or fewer bytes than its size.
     """
@@ -267,7 +271,7 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     # 1. data: regular files' blocks, from block 1
     out.seek(BLOCK)
     next_block = 1
-    for node, _, path in order:
+    for node, _, path in _data_order(order, first):
         if not stat.S_ISREG(node.mode):
             continue
         icount, xbody = xbodies[id(node)]
@@ -359,6 +363,17 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     out.seek(0, os.SEEK_END)
     out.truncate(total_blocks * BLOCK)
     return ImageStats(total_blocks * BLOCK, len(order))
+
+
+def _data_order(order: list[tuple[Inode, Inode, str]], first: Sequence[str]) -> list[tuple[Inode, Inode, str]]:
+    """``order`` with the entries whose paths are in ``first`` moved to the front, in ``first``'s order."""
+    if not first:
+        return order
+    rank = {}
+    for i, p in enumerate(first):
+        rank.setdefault(p, i)
+    picked = sorted((e for e in order if e[2] in rank), key=lambda e: rank[e[2]])
+    return picked + [e for e in order if e[2] not in rank]
 
 
 def _pieces(node: Inode) -> Iterator[bytes | int]:

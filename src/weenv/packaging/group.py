@@ -27,6 +27,7 @@ from weenv.formats.manifest import (
     EROFS_BLOCK_SIZE,
     ChunkRef,
     GroupManifest,
+    Layout,
     canonical_json,
     check_digest,
     check_name,
@@ -85,6 +86,8 @@ def build_group(
     source: dict[str, str] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     ref: bool = True,
+    first: list[str] | None = None,
+    layout: Layout | None = None,
 ) -> BuildResult:
     """Build group ``name`` from ``source_dir`` and publish it to ``store``.
 
@@ -94,7 +97,10 @@ def build_group(
     ``workdir``: where the temporary image is written (default: the system's
     temporary directory); it must not be inside ``source_dir``.  The image is
     removed in every case.  ``ref``: point ``groups/NAME`` at the new manifest
-    (without it the group is published by digest only).
+    (without it the group is published by digest only).  ``first``: paths
+    (``/a/b``) of the files whose data goes first, contiguous, in that order
+    (an access profile's files: :mod:`weenv.packaging.layout`), with
+    ``layout`` the manifest's record of where the order came from.
 
     The image is written by :mod:`weenv.packaging.erofs_writer` (names up to
     255 bytes, binary xattrs, sparse and > 4 GiB files).
@@ -116,9 +122,10 @@ def build_group(
     try:
         image = tmp / f"{name}.erofs"
         with open(image, "wb") as out:
-            scan = write_image(tree_from_dir(src), out, uuid=group_uuid(name, version))
+            scan = write_image(tree_from_dir(src), out, uuid=group_uuid(name, version), first=first or ())
         return publish_image(image, store, name=name, version=version, chunk_size=chunk_size,
-                             file_count=scan.inodes, source=provenance, ref=ref, started=started)  # fmt: skip
+                             file_count=scan.inodes, source=provenance, ref=ref, started=started,
+                             layout=layout)  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -135,6 +142,7 @@ def publish_image(
     ref: bool = True,
     punch: bool = False,
     started: float | None = None,
+    layout: Layout | None = None,
 ) -> BuildResult:
     """Publish the group image file ``image`` (written with
     :func:`group_uuid` of ``name``/``version``): its chunks, then the group
@@ -143,6 +151,7 @@ def publish_image(
     once stored (``fallocate(PUNCH_HOLE)``; the file is spent afterwards), so
     the image and its stored chunks are not both on disk.  ``started``: the
     build's start (``time.monotonic()``) for :attr:`BuildResult.seconds`.
+    ``layout``: how the image's file data is ordered (default: tree order).
     Raises :class:`InvalidInputError` for a bad name or chunk size and
     whatever the store raises."""
     started = time.monotonic() if started is None else started
@@ -158,6 +167,7 @@ def publish_image(
         chunks=chunks,
         file_count=file_count,
         source=source,
+        layout=layout,
     )
     digest = store.put_manifest(canonical_json(manifest))
     if ref:

@@ -84,6 +84,11 @@ class PrefetchProfile(BaseModel):
     """The same chunks, in the same order, as chunk refs: a replay can start
     fetching before the group manifests are loaded (empty in profiles recorded
     before weenv kept them)."""
+    ranges: list[tuple[int, int, int]] = Field(default_factory=list, max_length=MAX_PROFILE_CHUNKS)
+    """``(index into groups, image offset, bytes)`` of the reads that reached
+    the node's lazy file system in the window, in order (page-cache misses:
+    finer than chunks); what a rebuild maps to files to lay them out together
+    (:mod:`weenv.packaging.layout`).  Empty in older profiles."""
     pack: PrefetchPack | None = None
     """The frames of the first ``len(pack.frames)`` refs as one blob (None: fetch them one by one)."""
     window_s: float

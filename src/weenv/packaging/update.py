@@ -7,6 +7,13 @@ new version label and becomes ``templates/NAME`` (a prefetch profile, recorded
 over the old groups, is not carried over).  Nothing else is rebuilt or
 written: the cost is the new group's new chunks plus two manifests, reported in
 bytes and seconds.
+
+``--profile`` (issue 18, startup files together): the template's published
+prefetch profile names the reads of its first start; the new group lays the
+files those reads touched first, contiguous, in access order
+(:mod:`weenv.packaging.layout`), and its manifest's ``layout`` names the
+profile.  From the same directory the tree is the same, only its data order
+(and so the group's digest) changes.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ import time
 from dataclasses import dataclass
 
 from weenv.config import Paths
-from weenv.errors import InvalidInputError
-from weenv.formats.manifest import TemplateManifest, canonical_json, utc_now
+from weenv.errors import InvalidInputError, NotFoundError
+from weenv.formats.manifest import GroupManifest, Layout, TemplateManifest, canonical_json, utc_now
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.group import build_group, load_group
+from weenv.packaging.layout import startup_files
+from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.template import load_template
 from weenv.store.base import Store
 
@@ -47,6 +56,19 @@ def next_version(previous: str) -> str:
     return utc_now().replace("-", "").replace(":", "")
 
 
+def _profile_layout(store: Store, template_digest: str, group_digest: str,
+                    group: GroupManifest) -> tuple[list[str], Layout]:
+    """The startup files of ``group`` by ``template_digest``'s published profile, and the layout naming it."""
+    try:
+        digest = store.get_ref(REF_KIND, ref_name(template_digest))
+    except NotFoundError:
+        raise NotFoundError(f"template {template_digest} has no prefetch profile yet: start it once first") from None
+    recorded = load_profile(store, template_digest)
+    if recorded is None:
+        raise NotFoundError(f"the prefetch profile {digest} of {template_digest} is unreadable")
+    return startup_files(store, group_digest, group, recorded), Layout(order="profile", profile=digest)
+
+
 def update_component(
     store: Store,
     template: str,
@@ -55,11 +77,17 @@ def update_component(
     *,
     version: str | None = None,
     paths: Paths | None = None,
+    profile: bool = False,
 ) -> UpdateResult:
     """Publish a new version of ``template`` whose group ``component`` (a group
     name in it) is rebuilt from ``from_dir``; every other group stays as it is.
 
     ``version``: the new template's label (default :func:`next_version`).
+    ``profile``: lay out the new group's files with the old template's
+    published prefetch profile (the files it read first, contiguous, in the
+    order it read them: :mod:`weenv.packaging.layout`); :class:`NotFoundError`
+    if the template has none.  Republishing with the same ``from_dir`` keeps
+    the file tree and changes only the order of its data (and the digest).
     Raises :class:`NotFoundError` (unknown template), :class:`InvalidInputError`
     (no such component in the template, bad directory), :class:`BusyError`
     if ``templates/NAME`` was moved by another writer meanwhile (an update or
@@ -80,8 +108,12 @@ def update_component(
             )
         index = hits[-1]
         old_group = load_group(store, old.groups[index])
+        first, layout = None, None
+        if profile:
+            first, layout = _profile_layout(store, old_digest, old.groups[index], old_group)
         r = build_group(from_dir, store, name=component, version=old_group.version,
-                        source={"type": "update", "replaces": old.groups[index]})  # fmt: skip
+                        source={"type": "update", "replaces": old.groups[index]},
+                        first=first, layout=layout)  # fmt: skip
         groups = list(old.groups)
         groups[index] = r.digest
         if r.digest in groups[:index] + groups[index + 1 :]:
