@@ -251,8 +251,12 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
     assert len(profile.chunks) > 3
     # what the window saw, in order (the whole node's first reads, since it started cold)
     assert [(groups[gi][0], ci) for gi, ci in profile.chunks] == recorded[: len(profile.chunks)]
-    # the groups' superblocks come first (cold groups are mounted in parallel: in any order)
-    assert sorted(profile.chunks[: len(groups)]) == [(gi, 0) for gi in range(len(groups))]
+    # each group's superblock comes before its other chunks (cold groups are mounted in
+    # parallel: one group's metadata may be read before another's superblock)
+    firsts = {}
+    for gi, ci in profile.chunks:
+        firsts.setdefault(gi, ci)
+    assert firsts == {gi: 0 for gi in range(len(groups))}, profile.chunks[:10]
 
     for d in (paths.chunk_cache, paths.node / "images"):
         subprocess.run(["rm", "-rf", str(d)], check=True)
