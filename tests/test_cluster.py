@@ -78,7 +78,7 @@ def cluster_store(tmp_path_factory, debian_root):
 def ray_cluster(tmp_path_factory, cluster_store):
     """A running Ray cluster of 3 nodes with weenv up on it; torn down by pid."""
     yield from run_cluster(tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
-                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3)
+                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3, batch_queue_s=3)
 
 
 def run_cluster(tmp_path_factory, cluster_store, **settings):
@@ -514,5 +514,60 @@ def test_stats_metrics_and_port_relays_through_the_gateway(ray_cluster):
         finally:
             for sb in made:
                 sb.kill()
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_batches_racing_for_the_room_are_refused_or_queued_never_hung(ray_cluster):
+    """Two batches of 6 sent at once to a cluster with room for 6 (3 nodes x
+    max_environments=2): the waiting path of batch create.  Each batch is
+    refused whole at once (503) or streamed to its end; exactly 6
+    environments are made; every other item is a ``capacity`` line after the
+    queue's 3 s (batch_queue_s), none missing, none hung (the client's
+    timeout fails the test)."""
+    import threading
+
+    gw = cluster.gateway()
+    items = [{"template": t, "resources": SMALL.model_dump(), "first_command": False} for t in ("t1", "t2") * 3]
+    results: list = [None, None]
+
+    def send(i: int) -> None:
+        with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=60) as h:
+            with h.stream("POST", "/v1/environments/batch", json={"items": items, "concurrency": 6}) as r:
+                if r.status_code != 200:
+                    r.read()
+                    results[i] = (r.status_code, r.json())
+                else:
+                    results[i] = (200, [json.loads(line) for line in r.iter_lines()])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a batch hung"
+    print(f"two racing batches: {[r[0] for r in results]} in {time.monotonic() - t0:.1f} s")
+    made, refused = [], []
+    for status, doc in results:
+        if status == 503:
+            assert doc["error"]["kind"] == "capacity" and "more than the cluster can hold now" in doc["error"]["message"]
+            continue
+        assert status == 200, doc
+        assert sorted(ev["index"] for ev in doc) == list(range(6)), "a line per item"
+        for ev in doc:
+            if ev.get("error") is None:
+                made.append(ev["environment"]["id"])
+            else:
+                assert ev["error"]["kind"] == "capacity", ev
+                assert "no node had room for it within 3 s" in ev["error"]["message"], ev
+                refused.append(ev["index"])
+    try:
+        assert len(made) == 6, (made, results)
+        assert len(refused) == 6 * sum(r[0] == 200 for r in results) - 6
+    finally:
+        with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=60) as h:
+            for env_id in made:
+                assert h.delete(f"/v1/environments/{env_id}").status_code == 204
     with ClusterClient() as client:
         _wait_forgotten(client)
