@@ -78,7 +78,7 @@ def cluster_store(tmp_path_factory, debian_root):
 def ray_cluster(tmp_path_factory, cluster_store):
     """A running Ray cluster of 3 nodes with weenv up on it; torn down by pid."""
     yield from run_cluster(tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
-                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3)
+                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3, batch_queue_s=3)
 
 
 def run_cluster(tmp_path_factory, cluster_store, **settings):
@@ -438,3 +438,136 @@ def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
         client.destroy(e.id)
     # the killed node's daemon: stopped as a dead machine's would be gone
     assert daemon.stop(Paths(home=_node_of_home(homes, victim_id), cache=CACHE, store_url=""))
+
+
+def test_stats_metrics_and_port_relays_through_the_gateway(ray_cluster):
+    """The gateway answered 404/501 to /v1/stats, /v1/metrics and E2B's
+    get_host addresses.  Now stats are summed over the nodes (the one-node
+    shape) and given per node, metrics are every node's labelled node="ID",
+    and a sandbox's port (HTTP and WebSocket) is reached through the cluster's
+    address on whichever node the sandbox is."""
+    e2b = pytest.importorskip("e2b")
+    from wsproto.events import AcceptConnection, CloseConnection, Message
+
+    from daemon_fixture import environ
+    from test_e2b_ports import PORT, SERVER, WS_PORT, WS_SERVER, _WsClient
+    from weenv.sdk import NodeClient
+
+    gw = cluster.gateway()
+    nodes = _alive_nodes()
+    key = {"x-api-key": gw.api_key}
+    with environ(**gw.environ()):
+        made = [e2b.Sandbox.create("t1", timeout=300, metadata={"weenv.node": n}) for n in nodes[:2]]
+        try:
+            per_node = httpx.get(gw.url + "/v1/stats/nodes", headers=key, timeout=30).json()
+            assert set(per_node) == set(nodes) and sum(s["environments"] for s in per_node.values()) == 2
+            with NodeClient(api_url=gw.url, api_key=gw.api_key) as through:
+                total = through.stats()  # the SDK's NodeStats, as from one node
+            assert total.environments == 2
+            assert total.cache_bytes_fetched == sum(s["cache_bytes_fetched"] for s in per_node.values())
+            r = httpx.get(gw.url + "/v1/metrics", headers=key, timeout=30)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+            from prometheus_client.parser import text_string_to_metric_families
+
+            fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+            assert {s.labels["node"] for s in fams["weenv_environments"].samples} == set(nodes)
+            assert sum(s.value for s in fams["weenv_environments"].samples) == 2
+            assert fams["weenv_cluster_nodes"].samples[0].value == len(nodes)
+            assert httpx.get(gw.url + "/v1/metrics", timeout=30).status_code == 401
+            assert httpx.get(gw.url + "/v1/stats", timeout=30).status_code == 401
+            # get_host through the cluster's address, for sandboxes on two nodes
+            for sb in made:
+                sb.files.write("/tmp/server.py", SERVER)
+                sb.commands.run(f"python3 /tmp/server.py {PORT} >/dev/null 2>&1", background=True)
+                host = sb.get_host(PORT)
+                deadline = time.monotonic() + 20
+                while (r := httpx.get(gw.url + "/headers", headers={"Host": host, "x-mine": "1"}, timeout=10)
+                       ).status_code != 200 and time.monotonic() < deadline:  # fmt: skip
+                    time.sleep(0.2)
+                assert r.status_code == 200 and r.json()["x-mine"] == "1", r.text
+                body = os.urandom(2 * MiB)
+                r = httpx.post(gw.url + "/count", headers={"Host": host}, content=body, timeout=30)
+                assert r.status_code == 200 and r.text == str(len(body))
+            r = httpx.get(gw.url + "/", headers={"Host": f"{PORT + 1}-{made[0].sandbox_id}.e2b.app"}, timeout=30)
+            assert r.status_code == 502 and "port is not open" in r.json()["message"]
+            r = httpx.get(gw.url + "/", headers={"Host": f"{PORT}-0123456789ab.e2b.app"}, timeout=30)
+            assert r.status_code == 502 and "0123456789ab was not found" in r.json()["message"]
+            # a WebSocket, relayed gateway -> node -> sandbox
+            sb = made[-1]
+            sb.files.write("/tmp/ws.py", WS_SERVER)
+            sb.commands.run(f"python3 /tmp/ws.py {WS_PORT} >/dev/null 2>&1", background=True)
+            deadline = time.monotonic() + 20
+            while True:
+                c = _WsClient(gw.url, sb.get_host(WS_PORT), "/chat", ["one"], [("x-mine", "7")])
+                first = c.next()
+                if isinstance(first, AcceptConnection) or time.monotonic() > deadline:
+                    break
+                c.sock.close()
+                time.sleep(0.3)
+            assert isinstance(first, AcceptConnection), first
+            assert c.message().startswith("hello /chat 7")
+            c.send(Message(data="abc"))
+            assert c.message() == "cba"
+            c.send(CloseConnection(code=1000, reason="done"))
+            assert isinstance(closed := c.next(), CloseConnection) and closed.code == 1000, closed
+            c.sock.close()
+        finally:
+            for sb in made:
+                sb.kill()
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
+def test_batches_racing_for_the_room_are_refused_or_queued_never_hung(ray_cluster):
+    """Two batches of 6 sent at once to a cluster with room for 6 (3 nodes x
+    max_environments=2): the waiting path of batch create.  Each batch is
+    refused whole at once (503) or streamed to its end; exactly 6
+    environments are made; every other item is a ``capacity`` line after the
+    queue's 3 s (batch_queue_s), none missing, none hung (the client's
+    timeout fails the test)."""
+    import threading
+
+    gw = cluster.gateway()
+    items = [{"template": t, "resources": SMALL.model_dump(), "first_command": False} for t in ("t1", "t2") * 3]
+    results: list = [None, None]
+
+    def send(i: int) -> None:
+        with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=60) as h:
+            with h.stream("POST", "/v1/environments/batch", json={"items": items, "concurrency": 6}) as r:
+                if r.status_code != 200:
+                    r.read()
+                    results[i] = (r.status_code, r.json())
+                else:
+                    results[i] = (200, [json.loads(line) for line in r.iter_lines()])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a batch hung"
+    print(f"two racing batches: {[r[0] for r in results]} in {time.monotonic() - t0:.1f} s")
+    made, refused = [], []
+    for status, doc in results:
+        if status == 503:
+            assert doc["error"]["kind"] == "capacity" and "more than the cluster can hold now" in doc["error"]["message"]
+            continue
+        assert status == 200, doc
+        assert sorted(ev["index"] for ev in doc) == list(range(6)), "a line per item"
+        for ev in doc:
+            if ev.get("error") is None:
+                made.append(ev["environment"]["id"])
+            else:
+                assert ev["error"]["kind"] == "capacity", ev
+                assert "no node had room for it within 3 s" in ev["error"]["message"], ev
+                refused.append(ev["index"])
+    try:
+        assert len(made) == 6, (made, results)
+        assert len(refused) == 6 * sum(r[0] == 200 for r in results) - 6
+    finally:
+        with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=60) as h:
+            for env_id in made:
+                assert h.delete(f"/v1/environments/{env_id}").status_code == 204
+    with ClusterClient() as client:
+        _wait_forgotten(client)

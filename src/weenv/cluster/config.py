@@ -48,6 +48,8 @@ class ClusterConfig(BaseModel):
     """Its TCP port (0: any free one)."""
     gateway_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{32,128}$")
     """Its API key, hex (None: a new one each time it starts)."""
+    batch_queue_s: float = Field(default=120.0, gt=0, le=3600)
+    """Seconds an item of a batch waits at the gateway for a node with room (then its line is a ``capacity`` error)."""
     peers: bool = True
     """Nodes fetch chunks from each other before the store (:mod:`weenv.cluster.peers`)."""
     peer_timeout_s: float = Field(default=2.0, gt=0, le=60)

@@ -66,8 +66,12 @@ class GatewayActor:
         self.url = f"http://{bound_host}:{port}"
         self.key = ApiKey(config.gateway_key or secrets.token_hex(20))
         placement = ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE)
-        app = create_gateway_app(RayDirectory(placement), api_key=self.key)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ws="none",
+        app = create_gateway_app(RayDirectory(placement), api_key=self.key, queue_timeout_s=config.batch_queue_s)
+        from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE
+
+        # WebSockets for get_host's relay (weenv.cluster.ports), no per-message deflate (none on the nodes either)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ws="wsproto",
+                                                     ws_per_message_deflate=False, ws_max_size=MAX_WS_MESSAGE,
                                                      timeout_graceful_shutdown=5))  # fmt: skip
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="weenv-gateway", daemon=True)  # fmt: skip

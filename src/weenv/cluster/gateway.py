@@ -17,6 +17,11 @@ environment (:mod:`weenv.cluster.proxy`, streamed both ways)::
              node) -> the node of the sandbox ``E2b-Sandbox-Id`` (or the host
              ``PORT-ID.``) names; a signed URL's signature names it
     templates GET /v1/templates[/{name}] -> any alive node (they read one store)
+    stats    GET  /v1/stats (summed over the alive nodes), /v1/stats/nodes (per node),
+             /v1/stats/provision?env=ID (its node), /v1/metrics (every node's,
+             labelled ``node``): :mod:`weenv.cluster.stats`
+    ports    a ``PORT-ID.`` host (E2B's ``get_host``), HTTP or WebSocket -> the
+             sandbox's node, relayed as is (:mod:`weenv.cluster.ports`)
     health   GET  /v1/health -> {"status": "ok", "cluster": true[, "nodes": N, "environments": N]}
 
 **Placement hints** ride in an environment's metadata, the same for both APIs:
@@ -52,6 +57,7 @@ from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weenv.cluster import proxy
+from weenv.cluster import stats as cluster_stats
 from weenv.cluster.view import Route
 from weenv.errors import (
     AuthenticationError,
@@ -62,13 +68,14 @@ from weenv.errors import (
     NotFoundError,
     WeenvError,
 )
-from weenv.node.models import BatchCreateRequest, CreateRequest
+from weenv.node.models import BatchCreateRequest, CreateRequest, NodeStats
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.e2b import signed
 from weenv.server.e2b.envd import sandbox_id_in
 from weenv.server.e2b.sandboxes import access_token, token_secret
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
+from weenv.server.metrics import CONTENT_TYPE as METRICS_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +278,36 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         route = await gw.any_route()
         return await proxy.relay(client, request, route, request.url.path, headers=_with_key(request, route, e2b=False))
 
+    async def per_node(path: str) -> dict[str, httpx.Response]:
+        return {route.node_id: answer for route, answer in await gw.fan_out("GET", path, e2b=False)
+                if answer.status_code == 200}  # fmt: skip
+
+    @app.get("/v1/stats")
+    async def stats(request: Request) -> NodeStats:
+        require_key(request)
+        return cluster_stats.summed({n: a.json() for n, a in (await per_node("/v1/stats")).items()})
+
+    @app.get("/v1/stats/nodes")
+    async def stats_by_node(request: Request) -> dict[str, NodeStats]:
+        require_key(request)
+        return {n: NodeStats.model_validate(a.json()) for n, a in (await per_node("/v1/stats")).items()}
+
+    @app.get("/v1/stats/provision")
+    async def provision_stats(request: Request, env: str | None = None) -> Response:
+        require_key(request)
+        if env is None:
+            raise InvalidInputError("GET /v1/stats/provision at the cluster's address needs ?env=ID: "
+                                    "each node provisions its own (its figures: that node's address)")
+        route = await gw.route(env)
+        return await proxy.relay(client, request, route, request.url.path, headers=_with_key(request, route, e2b=False))
+
+    @app.get("/v1/metrics")
+    async def metrics(request: Request) -> Response:
+        require_key(request)
+        texts = {n: a.text for n, a in (await per_node("/v1/metrics")).items()}
+        alive = len(await gw.routes())
+        return Response(cluster_stats.labelled_metrics(texts, alive), media_type=METRICS_TYPE)
+
     @app.post("/v1/environments")
     async def create(request: Request) -> Response:
         require_key(request)
@@ -356,6 +393,11 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
 
     app.add_api_route("/e2b/envd/{rest:path}", envd, methods=["GET", "POST"])
     app.add_api_route("/files", envd, methods=["GET", "POST"])  # signed URLs, as on one node
+
+    from weenv.cluster.ports import ClusterPorts
+
+    # outermost (added last): PORT-ID. hosts need no key and bound their bodies themselves
+    app.add_middleware(ClusterPorts, gateway=gw, max_body=max_body)
     return app
 
 

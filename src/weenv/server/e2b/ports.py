@@ -120,11 +120,11 @@ class PortProxy:
         never starve the server's other thread work (routes, uploads)."""
 
     async def __call__(self, scope, receive, send) -> None:
-        m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] in ("http", "websocket") else None
-        if m is None or int(m.group(1)) == ENVD_PORT or not 0 < int(m.group(1)) < 65536:
+        named = port_named(scope)
+        if named is None:
             await self.app(scope, receive, send)
             return
-        port, sandbox_id = int(m.group(1)), m.group(2)
+        port, sandbox_id = named
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send, sandbox_id, port)
             return
@@ -147,7 +147,7 @@ class PortProxy:
             if sock is None:
                 return
             try:
-                status = await _relay(sock, scope, receive, send, max_body=self.max_body, idle=self.idle_timeout)
+                status = await relay_http(sock, scope, receive, send, max_body=self.max_body, idle=self.idle_timeout)
             finally:
                 sock.close()
             if status is not None:
@@ -175,10 +175,7 @@ class PortProxy:
         """A WebSocket to ``port`` of the sandbox, relayed message by message
         (see the module docstring); a refusal before it opens is an HTTP answer."""
         async def refuse(status: int, message: str) -> None:
-            body = json.dumps({"code": status, "message": message, "sandboxId": sandbox_id, "port": port}).encode()
-            await send({"type": "websocket.http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            await send({"type": "websocket.http.response.body", "body": body})
+            await ws_refusal(send, status, message, sandbox_id, port)
 
         if (await receive())["type"] != "websocket.connect":
             return
@@ -204,6 +201,23 @@ class PortProxy:
         if not info.public_traffic and not self.sandboxes.traffic_token_matches(sandbox_id, token):
             raise _NoToken
         return self.node.open_port(sandbox_id, port)
+
+
+def port_named(scope) -> tuple[int, str] | None:
+    """``(port, sandbox id)`` an HTTP or WebSocket ``scope``'s ``Host`` names
+    (``PORT-ID.``, ``PORT`` not envd's), None for any other request."""
+    m = _HOST.match(Headers(scope=scope).get("host", "")) if scope["type"] in ("http", "websocket") else None
+    if m is None or int(m.group(1)) == ENVD_PORT or not 0 < int(m.group(1)) < 65536:
+        return None
+    return int(m.group(1)), m.group(2)
+
+
+async def ws_refusal(send, status: int, message: str, sandbox_id: str, port: int) -> None:
+    """E2B's error as the HTTP answer to a WebSocket upgrade (ASGI's ``websocket.http.response``)."""
+    body = json.dumps({"code": status, "message": message, "sandboxId": sandbox_id, "port": port}).encode()
+    await send({"type": "websocket.http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "websocket.http.response.body", "body": body})
 
 
 async def _answer(scope, receive, send, status: int, message: str, sandbox_id: str, port: int) -> None:
@@ -255,11 +269,13 @@ class _Clock:
                 task.cancel()
 
 
-async def _relay(sock: socket.socket, scope, receive, send, *, max_body: int,
-                 idle: float) -> tuple[int, str] | None:  # fmt: skip
+async def relay_http(sock: socket.socket, scope, receive, send, *, max_body: int, idle: float,
+                     keep_token: bool = False) -> tuple[int, str] | None:  # fmt: skip
     """One request from ``scope``/``receive`` to the connected ``sock``, its
     answer to ``send``, within the limits; ``(status, message)`` to answer
-    when it failed before the sandbox answered, else None."""
+    when it failed before the sandbox answered, else None.  ``keep_token``:
+    pass the traffic access token on (the cluster's gateway relaying to the
+    node that checks it)."""
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock)
     clock = _Clock(idle)
@@ -267,7 +283,8 @@ async def _relay(sock: socket.socket, scope, receive, send, *, max_body: int,
     path = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
         path += b"?" + scope["query_string"]
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP] + [(b"connection", b"close")]
+    hop = _HOP - {TOKEN_HEADER.encode()} if keep_token else _HOP
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop] + [(b"connection", b"close")]
     framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
     if not framed and scope["method"] not in ("GET", "HEAD", "OPTIONS", "DELETE"):
         headers.append((b"transfer-encoding", b"chunked"))

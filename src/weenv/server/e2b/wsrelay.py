@@ -58,6 +58,7 @@ _NOT_FORWARDED = {b"host", b"connection", b"upgrade", b"keep-alive", b"proxy-con
                   b"te", b"trailer", b"transfer-encoding", b"content-length", b"sec-websocket-key",
                   b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol",
                   b"sec-websocket-accept", b"e2b-traffic-access-token"}  # fmt: skip
+TOKEN = b"e2b-traffic-access-token"
 _UNSENDABLE = {1004, 1005, 1006, 1015}
 
 
@@ -67,11 +68,12 @@ def _code(code: int | None) -> int:
 
 
 async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, idle: float,
-                          max_message: int = MAX_WS_MESSAGE) -> None:  # fmt: skip
+                          max_message: int = MAX_WS_MESSAGE, keep_token: bool = False) -> None:  # fmt: skip
     """Relay the WebSocket of ``scope`` (its ``websocket.connect`` received
     already) to the connected ``sock`` (see the module docstring);
     ``await refuse(status, message)`` answers the client with an HTTP error
-    before the WebSocket opens."""
+    before the WebSocket opens.  ``keep_token``: pass the traffic access token
+    on (the cluster's gateway relaying to the node, which checks it)."""
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock, limit=READ_SIZE)
     ws = WSConnection(ConnectionType.CLIENT)
@@ -82,7 +84,8 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         host = next((v for k, v in scope["headers"] if k.lower() == b"host"), b"localhost")
-        extra = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
+        dropped = _NOT_FORWARDED - {TOKEN} if keep_token else _NOT_FORWARDED
+        extra = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
         writer.write(ws.send(Request(host=host.decode("latin-1"), target=target.decode("latin-1"),
                                      subprotocols=list(scope.get("subprotocols") or ()),
                                      extra_headers=extra)))  # fmt: skip

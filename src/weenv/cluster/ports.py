@@ -1,0 +1,126 @@
+"""E2B's ``get_host(port)`` through the cluster's gateway: HTTP and WebSocket
+traffic to a sandbox's port, relayed to the node that owns the sandbox.
+
+The SDK names a sandbox's port as the host ``PORT-SANDBOXID.DOMAIN``
+(:mod:`weenv.server.e2b.ports`).  :class:`ClusterPorts` (ASGI middleware,
+outermost on the gateway's app) takes a request or WebSocket whose ``Host``
+is ``PORT-ID.anything`` (``PORT`` not envd's), finds the sandbox's node with
+the placement actor, opens a TCP connection to that node's API address and
+relays the request there unchanged (its ``Host``, path, headers, body
+streamed; the traffic access token passed on), with the same code the node
+uses towards the sandbox (:func:`~weenv.server.e2b.ports.relay_http`,
+:func:`~weenv.server.e2b.wsrelay.relay_websocket`).  The node's
+:class:`~weenv.server.e2b.ports.PortProxy` then does what it does for a
+client of its own: the private sandbox's token check (403), the body bound
+(413), the port's answer or refusal (502), the idle end (504).
+
+Limits at the gateway: at most ``max_relays`` relays at once (one more: 503
+at once); ``idle_timeout`` seconds with no byte either way ends one (the
+node's own idle timeout usually ends it first); ``max_body`` bytes of a
+request body.  A sandbox the cluster does not know (or lost with its node)
+is E2B's 502 ``{"code", "message", "sandboxId", "port"}``, as on one node;
+a node that cannot be reached, 502 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from weenv.errors import LostError, NotFoundError, WeenvError
+from weenv.server.e2b.ports import RELAY_IDLE_S, _answer, port_named, relay_http, ws_refusal
+from weenv.server.e2b.wsrelay import relay_websocket
+from weenv.server.limits import MAX_BODY
+
+if TYPE_CHECKING:
+    from weenv.cluster.gateway import Gateway
+
+MAX_RELAYS = 1024
+"""Relays the gateway runs at once by default."""
+CONNECT_S = 10.0
+"""Seconds to connect to a node."""
+
+
+class ClusterPorts:
+    """ASGI middleware relaying ``PORT-ID.`` hosts to the sandbox's node (see the module docstring)."""
+
+    def __init__(self, app, gateway: "Gateway", *, max_relays: int = MAX_RELAYS, max_body: int = MAX_BODY,
+                 idle_timeout: float = RELAY_IDLE_S):
+        self.app, self.gateway = app, gateway
+        self.max_relays, self.max_body, self.idle_timeout = max_relays, max_body, idle_timeout
+        self.relays = 0
+        """Relays running now (the event loop's only: no lock)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        named = port_named(scope)
+        if named is None:
+            await self.app(scope, receive, send)
+            return
+        port, sandbox_id = named
+        websocket = scope["type"] == "websocket"
+
+        async def refuse(status: int, message: str) -> None:
+            if websocket:
+                await ws_refusal(send, status, message, sandbox_id, port)
+            else:
+                await _answer(scope, receive, send, status, message, sandbox_id, port)
+
+        if websocket and (await receive())["type"] != "websocket.connect":
+            return
+        if self.relays >= self.max_relays:
+            await refuse(503, f"the cluster's gateway relays {self.max_relays} connections to sandbox ports already")
+            return
+        self.relays += 1
+        try:
+            sock = await self._connect(sandbox_id, refuse)
+            if sock is None:
+                return
+            try:
+                if websocket:
+                    await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout,
+                                          keep_token=True)
+                else:
+                    status = await relay_http(sock, scope, receive, send, max_body=self.max_body,
+                                              idle=self.idle_timeout, keep_token=True)
+                    if status is not None:
+                        await refuse(*status)
+            finally:
+                sock.close()
+        finally:
+            self.relays -= 1
+
+    async def _connect(self, sandbox_id: str, refuse) -> socket.socket | None:
+        """A connection to the API address of the sandbox's node, or None once
+        ``refuse`` answered why not (unknown or lost sandbox, node unreachable: 502)."""
+        try:
+            route = await self.gateway.route(sandbox_id)
+        except LostError as exc:
+            await refuse(502, f"The sandbox {sandbox_id} was not found: {exc}")
+            return None
+        except NotFoundError:
+            await refuse(502, f"The sandbox {sandbox_id} was not found")
+            return None
+        except WeenvError as exc:
+            await refuse(502, f"the cluster cannot find the sandbox's node: {exc}")
+            return None
+        where = urlsplit(route.api_url)
+        host, node_port = where.hostname or "127.0.0.1", where.port or 80
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, node_port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            await refuse(502, f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: {exc}")
+            return None
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, address), CONNECT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            await refuse(502, f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: "
+                              f"{exc or type(exc).__name__}")  # fmt: skip
+            return None
+        return sock

@@ -1,0 +1,82 @@
+"""The cluster's figures at its gateway, from every alive node's.
+
+- ``GET /v1/stats``: one :class:`~weenv.node.models.NodeStats` (the shape one
+  node answers, so ``NodeClient.stats()`` works against the cluster): counts
+  summed over the nodes, maps summed key by key (``groups_mounted``,
+  ``chunks``), ``exec_agent_error`` the first node's that has one (its node
+  id in front).  ``GET /v1/stats/nodes``: ``{node_id: NodeStats}``.
+- ``GET /v1/metrics``: the Prometheus text of every node, each sample
+  labelled ``node="NODE_ID"`` (a family's samples from every node together,
+  as the format wants), then the gateway's own ``weenv_cluster_nodes``
+  (alive nodes) and ``weenv_cluster_nodes_answered`` (those whose metrics are
+  in this scrape).  A node that does not answer is left out (logged).
+
+Source: the Prometheus text exposition format 0.0.4
+(https://prometheus.io/docs/instrumenting/exposition_formats/).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from weenv.node.models import NodeStats
+
+NODE_LABEL = "node"
+
+
+def summed(per_node: dict[str, dict[str, Any]]) -> NodeStats:
+    """One :class:`NodeStats` of the nodes' (``node id -> NodeStats`` as JSON), see the module docstring."""
+    total: dict[str, Any] = {}
+    for node_id, stats in sorted(per_node.items()):
+        for key, value in NodeStats.model_validate(stats).model_dump().items():
+            if isinstance(value, bool) or value is None:
+                continue
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0) + value
+            elif isinstance(value, dict):
+                into = total.setdefault(key, {})
+                for k, v in value.items():
+                    into[k] = into.get(k, 0) + v
+            elif isinstance(value, str) and total.get(key) is None:
+                total[key] = f"node {node_id[:12]}: {value}"
+    total.setdefault("environments", 0)
+    total.setdefault("groups_mounted", {})
+    total.setdefault("cache_chunks_fetched", 0)
+    total.setdefault("cache_bytes_fetched", 0)
+    return NodeStats.model_validate(total)
+
+
+class _Families:
+    """A collector yielding already-made families (for :func:`generate_latest`)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+def labelled_metrics(texts: dict[str, str], alive: int) -> bytes:
+    """Every node's Prometheus text (``node id -> text``) as one, each sample
+    labelled with its node; then the gateway's gauges (``alive``: nodes alive).
+    Raises ``ValueError`` for a text that is not the format."""
+    families: dict[str, Metric] = {}
+    for node_id, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            into = families.get(family.name)
+            if into is None:
+                into = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            into.samples.extend(Sample(s.name, {**s.labels, NODE_LABEL: node_id}, s.value, s.timestamp, s.exemplar)
+                                for s in family.samples)  # fmt: skip
+    out = list(families.values())
+    out.append(GaugeMetricFamily("weenv_cluster_nodes", "Nodes of the cluster alive now", value=alive))
+    out.append(GaugeMetricFamily("weenv_cluster_nodes_answered", "Nodes whose metrics this scrape holds",
+                                 value=len(texts)))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(out))
+    return generate_latest(registry)
