@@ -89,13 +89,25 @@ def system_snapshot(prefix: Path) -> dict:
     )
     fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
     veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.network's
-    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths}
+    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths,
+            "nft tables": nft_tables()}
+
+
+def nft_tables() -> list[str]:
+    """weenv's nft tables (``weenv``, the shared one, and each environment's ``weenv-ID``); none without nft."""
+    try:
+        out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return sorted(w[-1] for w in map(str.split, out.splitlines()) if w and w[-1].startswith("weenv"))
 
 
 @pytest.fixture
 def leak_check(tmp_path):
-    """Fails the test if mounts, loop devices, weenv cgroups, FUSE connections
-    or weenv network interfaces remain at its end that were not there at its start."""
+    """Fails the test if mounts, loop devices, weenv cgroups, FUSE connections,
+    weenv network interfaces or nft tables remain at its end that were not there
+    at its start (checked after the ``node`` fixture's close: a test that fails
+    with environments alive is not reported as leaking theirs)."""
     before = system_snapshot(tmp_path)
     yield
     after = system_snapshot(tmp_path)

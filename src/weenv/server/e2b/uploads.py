@@ -232,7 +232,11 @@ class UploadWriter:
         self.final = uploads.dir / f"{files_hash}.tar"
         self.tmp = uploads.dir / f".{files_hash}.{secrets.token_hex(4)}.part"
         self.scan = TarScan(max_entries=MAX_COPY_ENTRIES, max_bytes=MAX_COPY_BYTES)
-        self.f = open(self.tmp, "wb")
+        try:
+            self.f = open(self.tmp, "wb")
+        except BaseException:  # no writer to abort: its reservation is given back here
+            uploads._unreserve(announced)
+            raise
         self._done = False
 
     def write(self, data: bytes) -> None:

@@ -287,12 +287,18 @@ class Watches:
         for sid, wid in everyone:
             with contextlib.suppress(RpcError):
                 self.remove(sid, wid)
+        if self._wake_w < 0:
+            return  # closed already
         os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(5)
         with self._lock:
             if self._inotify is not None:
                 self._inotify.close()
+            wake = (self._wake_r, self._wake_w)
+            self._wake_r = self._wake_w = -1
+        for fd in wake:  # the wake pipe: left open before, two descriptors per closed app
+            os.close(fd)
 
     # --- setting inotify watches -------------------------------------------------------
     def _start(self, w: Watcher, allow_network_mounts: bool) -> None:
