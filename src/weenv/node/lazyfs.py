@@ -93,9 +93,9 @@ from weenv.node.fuse.session import (
 log = logging.getLogger(__name__)
 
 TIMEOUT = 86400.0
+"""Seconds the kernel may cache entries and attributes (images never change)."""
 MAX_RANGES = 1 << 16
 """Read ranges a group keeps while a profile records (:meth:`LazyFS.read_ranges`)."""
-"""Seconds the kernel may cache entries and attributes (images never change)."""
 MS_NOATIME = 0x400
 FSTYPE = "fuse.weenv"
 
