@@ -23,6 +23,7 @@ from weenv.node import network
 from weenv.node.node import Node
 from weenv.node.provision.models import ProvisionConfig
 from weenv.packaging.template import create_template
+from weenv.store.file import FileStore
 
 LISTS = {"network": True, "allow_out": ["198.19.7.0/30", "svc.weenv.test"], "deny_out": ["0.0.0.0/0"]}
 """A create's network: internet closed, a CIDR and a name allowed (its table has sets, its name server a policy)."""
@@ -57,11 +58,16 @@ def _check_nothing_left(node: Node, sockets: int) -> None:
 
 
 @pytest.fixture
-def templates(shared_store):
-    """Templates whose environments fail as they start: ``missing`` names a
-    program its file system lacks (refused before the container)."""
-    create_template(shared_store, "leaks-missing", ["base", "task"], runtime=RuntimeConfig(command=["/no/such"]))
-    return shared_store
+def templates(shared_store, tmp_path):
+    """A copy of the shared store (hard links) with templates whose environments
+    fail as they start: ``missing`` names a program its file system lacks
+    (refused before the container).  Not the shared store itself: tests listing
+    its templates would see them."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    store = FileStore(root)
+    create_template(store, "leaks-missing", ["base", "task"], runtime=RuntimeConfig(command=["/no/such"]))
+    return store
 
 
 def test_failed_creates_with_network_leave_nothing(paths, templates, leak_check):
