@@ -40,6 +40,8 @@ from weenv.errors import CgroupError, InvalidInputError, LimitRefusedError, NotF
 
 CPU_PERIOD_US = 100_000
 """Default CFS period (µs)."""
+REFREEZE_S = 1.0
+"""Seconds a freeze waits before thawing and freezing again (:meth:`Cgroup.freeze`)."""
 MIN_CPU_QUOTA_US = 1_000
 """The kernel refuses a CFS quota below 1 ms."""
 MIN_CPU_PERIOD_US, MAX_CPU_PERIOD_US = 1_000, 1_000_000
@@ -214,14 +216,23 @@ class Cgroup(ABC):
 
     def freeze(self, timeout: float = 10.0) -> None:
         """Stop every task of the group and wait until the kernel reports it
-        frozen.  Raises :class:`CgroupError` (the group thawed again) after
-        ``timeout`` seconds."""
+        frozen.  A group still freezing after :data:`REFREEZE_S` is thawed and
+        frozen again, as runc's freezer does (libcontainer/cgroups/fs/freezer.go:
+        v1's freezer can stay in FREEZING while a task sits in a kernel wait it
+        was asked to leave before it entered; once in a full run here).  Raises
+        :class:`CgroupError` (the group thawed again) after ``timeout`` seconds."""
         self._set_frozen(True)
         deadline = time.monotonic() + timeout
+        refreeze = time.monotonic() + REFREEZE_S
         while not self._is_frozen():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self._set_frozen(False)
                 raise CgroupError(f"cgroup {self.path} did not freeze within {timeout} s")
+            if now > refreeze:
+                self._set_frozen(False)
+                self._set_frozen(True)
+                refreeze = now + REFREEZE_S
             time.sleep(0.005)
 
     def thaw(self) -> None:
