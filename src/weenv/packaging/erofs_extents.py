@@ -20,12 +20,9 @@ import struct
 from collections.abc import Callable, Iterable
 
 from weenv.errors import InvalidInputError
+from weenv.packaging.erofs_writer import BLOCK, LAYOUT_CHUNK_BASED, LAYOUT_FLAT_INLINE, LAYOUT_FLAT_PLAIN, MAGIC, NULL_ADDR
 
-BLOCK = 4096
-_MAGIC = 0xE0F5E1E2
-_PLAIN, _INLINE, _CHUNKED = 0, 2, 4
-_CHUNK_INDEXES = 0x20
-_NULL = 0xFFFFFFFF
+_CHUNK_INDEXES = 0x20  # EROFS_CHUNK_FORMAT_INDEXES (erofs_fs.h): chunk indexes rather than a block map
 MAX_DEPTH = 4096
 
 Extent = tuple[int, int]
@@ -39,7 +36,7 @@ def file_extents(read_at: Callable[[int, int], bytes]) -> dict[str, list[Extent]
     data extents.  Raises :class:`InvalidInputError` for an image that is not
     an uncompressed EROFS image."""
     sb = read_at(1024, 128)
-    if len(sb) < 64 or struct.unpack_from("<I", sb, 0)[0] != _MAGIC or sb[12] != 12:
+    if len(sb) < 64 or struct.unpack_from("<I", sb, 0)[0] != MAGIC or sb[12] != 12:
         raise InvalidInputError("not an EROFS image with 4 KiB blocks")
     root_nid = struct.unpack_from("<H", sb, 14)[0]
     meta = struct.unpack_from("<I", sb, 40)[0] * BLOCK
@@ -76,12 +73,12 @@ def _inode(read_at, meta: int, nid: int) -> tuple[int, int, int, list[Extent], b
     size = struct.unpack_from("<Q" if extended else "<I", head, 8)[0]
     i_u = struct.unpack_from("<I", head, 16)[0]
     body = at + (64 if extended else 32) + (12 + 4 * (icount - 1) if icount else 0)
-    if layout == _PLAIN:
+    if layout == LAYOUT_FLAT_PLAIN:
         return mode, size, layout, _merge([(i_u * BLOCK, i_u * BLOCK + size)] if size else []), b""
-    if layout == _INLINE:
+    if layout == LAYOUT_FLAT_INLINE:
         full = size - size % BLOCK
         return mode, size, layout, [(i_u * BLOCK, i_u * BLOCK + full)] if full else [], read_at(body, size - full)
-    if layout == _CHUNKED:
+    if layout == LAYOUT_CHUNK_BASED:
         cfmt = i_u & 0xFFFF
         chunk = BLOCK << (cfmt & 0x1F)
         count = -(-size // chunk)
@@ -91,7 +88,7 @@ def _inode(read_at, meta: int, nid: int) -> tuple[int, int, int, list[Extent], b
             addrs = [struct.unpack_from("<I", raw, 8 * i + 4)[0] for i in range(count)]
         else:
             addrs = list(struct.unpack(f"<{count}I", read_at(body, 4 * count)))
-        ext = [(a * BLOCK, a * BLOCK + min(chunk, size - i * chunk)) for i, a in enumerate(addrs) if a != _NULL]
+        ext = [(a * BLOCK, a * BLOCK + min(chunk, size - i * chunk)) for i, a in enumerate(addrs) if a != NULL_ADDR]
         return mode, size, layout, _merge(ext), b""
     raise InvalidInputError(f"inode {nid}: layout {layout} is compressed or unknown (uncompressed images only)")
 
