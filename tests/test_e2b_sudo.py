@@ -52,6 +52,7 @@ def served(shared_store, debian_root):
                             runtime=RuntimeConfig(user="1000:1000", working_dir="/home/user", env=USER_ENV,
                                                   sudo=sudo))  # fmt: skip
         with e2b_daemon(root, None, store.url) as d:
+            d.store_url = store.url
             yield d
         assert not [p for p in idmap.in_use().values() if str(p).startswith(str(root))], "ranges left held"
         deadline = time.monotonic() + 5  # SIGKILLed processes are reaped a moment after the daemon's stop returns
@@ -136,4 +137,15 @@ def test_snapshot_of_a_sudo_sandbox_is_refused_clearly(served):
             sbx.create_snapshot()
         assert sbx.commands.run("sudo id -u", user="user").stdout.strip() == "0"  # it runs on
     finally:
+        sbx.kill()
+
+
+def test_home_others_cannot_search_is_refused_clearly(served, tmp_path):
+    """pytest's tmp dirs are 0700: runc's init, as the range's root, could not reach
+    the rootfs, so the create fails naming the directory, and leaves nothing."""
+    with e2b_daemon(tmp_path, None, served.store_url) as d:
+        with pytest.raises(Exception, match=r"o\+x.* is mode 700"):
+            Sandbox.create("sudo", timeout=60)
+        assert d.environment_ids() == []
+        sbx = Sandbox.create("plain", timeout=60)  # a template without sudo starts there
         sbx.kill()
