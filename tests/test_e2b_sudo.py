@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -24,6 +25,7 @@ e2b = pytest.importorskip("e2b")
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
 
+from daemon_fixture import environ, start_daemon  # noqa: E402
 from e2b_fixture import e2b_daemon  # noqa: E402
 from test_userns import range_processes as userns_processes, sudo_layer  # noqa: E402
 from weenv.formats.manifest import RuntimeConfig  # noqa: E402
@@ -149,3 +151,21 @@ def test_home_others_cannot_search_is_refused_clearly(served, tmp_path):
         assert d.environment_ids() == []
         sbx = Sandbox.create("plain", timeout=60)  # a template without sudo starts there
         sbx.kill()
+
+
+def test_sudo_sandbox_survives_a_killed_daemon(served):
+    """SIGKILL of ``weenv serve``: the next daemon on the home adopts the sandbox
+    with its range and idmapped lowers (found through ``idmapped/lowers.json``);
+    sudo works on, and its kill gives the range back."""
+    sbx = Sandbox.create("sudo", timeout=120)
+    held = {p.name: h for h, p in idmap.in_use().items()}[sbx.sandbox_id]
+    old = served.daemon
+    old.proc.send_signal(signal.SIGKILL)
+    old.proc.wait()
+    served.daemon = new = start_daemon(old.home, served.store_url)
+    with environ(E2B_API_URL=new.url + "/e2b", E2B_SANDBOX_URL=new.url + "/e2b/envd", E2B_API_KEY="e2b_" + new.key):
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.commands.run("sudo id -u", user="user").stdout.strip() == "0"
+        assert {p.name: h for h, p in idmap.in_use().items()}[sbx.sandbox_id] == held
+        again.kill()
+    assert sbx.sandbox_id not in {p.name for p in idmap.in_use().values()}
