@@ -185,15 +185,15 @@ def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
     assert not range_processes(), "processes of the range outlived the environment"
 
 
-def range_processes() -> list[int]:
-    """Host pids whose real uid lies in the environment's range."""
+def range_processes(first: int = HOST_ID, size: int = idmap.ID_RANGE) -> list[int]:
+    """Host pids whose real uid lies in ``first..first+size-1`` (default: the environment's range)."""
     pids = []
     for p in Path("/proc").iterdir():
         try:
             uid = int((p / "status").read_text().split("Uid:")[1].split()[0]) if p.name.isdigit() else -1
         except (OSError, IndexError):
             continue
-        if HOST_ID <= uid < HOST_ID + idmap.ID_RANGE:
+        if first <= uid < first + size:
             pids.append(int(p.name))
     return pids
 

@@ -330,6 +330,11 @@ class RuntimeConfig(_Model):
     ready_command: str | None = Field(default=None, min_length=1, max_length=MAX_START_COMMAND)
     """A shell command run after the start command until it exits 0: only then
     is a create done (E2B's ``readyCmd``); left out of the JSON when unset."""
+    sudo: bool = False
+    """Whether setuid programs (``sudo``) work inside: each environment then runs
+    in a user namespace of its own over an unprivileged host id range, without
+    ``noNewPrivileges`` (:mod:`weenv.node.idmap`, README's "Security model");
+    left out of the JSON when False, so other templates keep their digests."""
 
     @model_serializer(mode="wrap")
     def _omit_unset_default_command(self, handler):
@@ -338,6 +343,8 @@ class RuntimeConfig(_Model):
             for key in ("default_command", "start_command", "ready_command"):
                 if data.get(key) is None:
                     data.pop(key, None)
+            if data.get("sudo") is False:
+                data.pop("sudo")
         return data
 
     @field_validator("start_command", "ready_command")

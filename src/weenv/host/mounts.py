@@ -115,6 +115,8 @@ def overlay_spec(
     upper: str | os.PathLike[str],
     work: str | os.PathLike[str],
     target: str | os.PathLike[str],
+    *,
+    nosuid: bool = True,
 ) -> MountSpec:
     """An overlay of read-only group mounts with a private upper/work dir.
 
@@ -127,12 +129,15 @@ def overlay_spec(
     nothing changes: runc's bind of the rootfs keeps the flags, and the
     environment's ``noNewPrivileges`` already ignores setuid bits, its device
     cgroup already refuses device nodes but runc's defaults (on its own ``/dev``).
+    ``nosuid=False`` (a ``sudo`` environment in a user namespace, whose setuid
+    files must count inside): ``nodev`` only; its files are then all owned by
+    its unprivileged host id range (:mod:`weenv.node.idmap`).
     """
     if not lowers_bottom_to_top:
         raise MountError("an overlay needs at least one lower dir")
     lower = ":".join(overlay_escape(p) for p in reversed(lowers_bottom_to_top))
     options = f"lowerdir={lower},upperdir={overlay_escape(upper)},workdir={overlay_escape(work)}"
-    return MountSpec("overlay", "overlay", os.fspath(target), options, MS_NOSUID | MS_NODEV)
+    return MountSpec("overlay", "overlay", os.fspath(target), options, (MS_NOSUID if nosuid else 0) | MS_NODEV)
 
 
 def overlay_escape(path: str | os.PathLike[str]) -> str:

@@ -71,8 +71,8 @@ class ProcessRootFS(RootFS):
     the pidfd is known to be the environment's process.  Raises
     :class:`NotFoundError` when the process is gone or is another one."""
 
-    def __init__(self, pid: int, *, expect_cgroup: str | None = None):
-        super().__init__(f"/proc/{pid}/root")
+    def __init__(self, pid: int, *, expect_cgroup: str | None = None, shift: int = 0):
+        super().__init__(f"/proc/{pid}/root", shift)
         self._pidfd = pin_process(pid, expect_cgroup=expect_cgroup)
         weakref.finalize(self, os.close, self._pidfd)
         os.close(self._root_fd())  # the root opens (and the process still lives)

@@ -142,10 +142,29 @@ class RootFS:
 
     No descriptor is kept between calls (an open one would keep the mount busy),
     so an instance is cheap and safe to share between threads.
+
+    ``shift``: the host id of id 0 inside (an environment in a user namespace,
+    :mod:`weenv.node.idmap`; default 0, none): what a call creates is owned by
+    ``shift + uid`` on the host, root's by ``shift``, so that inside it shows
+    as ``uid`` (:meth:`inside_id` maps a ``stat`` owner back).
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, shift: int = 0):
         self.root = Path(root)
+        self.shift = shift
+
+    def inside_id(self, host_id: int) -> int:
+        """A host ``st_uid``/``st_gid`` of a file here as processes inside see it
+        (65534, the overflow id, for one outside the range)."""
+        inside = host_id - self.shift
+        return inside if 0 <= inside < (1 << 16 if self.shift else 1 << 32) else 65534
+
+    def _owned(self, owner: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The host owner to give what a call creates for ``owner`` (None: as created, root's)."""
+        if not self.shift:
+            return owner
+        uid, gid = owner or (0, 0)
+        return self.shift + uid, self.shift + gid
 
     # --- reading -------------------------------------------------------------------------
     def read_file(self, path: str) -> bytes:
@@ -257,8 +276,8 @@ class RootFS:
             try:
                 if created:
                     os.fchmod(wfd, mode)
-                    if owner is not None:
-                        os.fchown(wfd, *owner)
+                    if (host_owner := self._owned(owner)) is not None:
+                        os.fchown(wfd, *host_owner)
             except BaseException:
                 os.close(wfd)
                 raise
@@ -342,8 +361,8 @@ class RootFS:
             except OSError as exc:
                 raise _mapped(exc, path) from exc
             else:
-                if owner is not None:
-                    os.chown(name, *owner, dir_fd=pfd, follow_symlinks=False)
+                if (host_owner := self._owned(owner)) is not None:
+                    os.chown(name, *host_owner, dir_fd=pfd, follow_symlinks=False)
                 return
         # A dangling symbolic link: make the directory it points to.
         if hops >= 40:

@@ -21,7 +21,8 @@ class NodeBuildEnvironments:
         node = Node(paths, store=store)
         try:
             node.start()
-            info = node.create(template, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False)
+            info = node.create(template, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False,
+                                sudo=False)
         except BaseException:
             node.close()
             raise

@@ -50,13 +50,11 @@ Where weenv differs from ``runc spec``, and why:
   root, then show as 65534 and root inside cannot write ``/etc``; an idmapped
   clone of each EROFS group mount fixes that (0.13 ms per group, plus ~2 ms to
   make the userns), while a ``chown -R`` through the overlay copies the whole
-  tree up (5.2 s, 228 MB).  Taking it needs more than the mapping (runc 1.1.5
-  idmaps no rootfs): files the node writes through the host path (files API,
-  build steps) chowned into the range, upper dirs shifted back before they
-  become a group, recovery of per-environment idmapped lowers.  The
-  mechanism is here, opt-in and not yet used by the node: ``userns=`` (the
-  namespace, its mappings, and no ``noNewPrivileges`` so that ``sudo`` works)
-  over lowers idmapped by :mod:`weenv.node.idmap` (``tests/test_userns.py``).
+  tree up (5.2 s, 228 MB).  A template with ``runtime.sudo`` takes it:
+  ``userns=`` (the namespace, its mappings, and no ``noNewPrivileges`` so that
+  ``sudo`` works) over lowers idmapped by :mod:`weenv.node.idmap`, with a
+  host id range per environment (:class:`~weenv.node.container.Containers`,
+  :class:`~weenv.node.snapshotter.Snapshotter`; ``tests/test_e2b_sudo.py``).
 - Optionally (``init=``) a reaping init as the first process: a static binary
   of the host (Debian's ``tini-static``) bind-mounted read-only at
   :data:`INIT_PATH` (in the ``/dev`` tmpfs, so the root file system gets no

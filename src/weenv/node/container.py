@@ -18,7 +18,8 @@ from weenv.errors import RuntimeFailedError
 from weenv.node import nameserver, network
 from weenv.node.nameserver import DnsProxy
 from weenv.node.agent import AgentBinary, listen as agent_listen
-from weenv.node.bundle import write_bundle
+from weenv.node import idmap
+from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
 from weenv.host.rootfs import RootFS
 from weenv.node.runc import Runc
 from weenv.node.users import lookup as lookup_user
@@ -54,9 +55,13 @@ class Containers:
         (``start``: running, ``runc run --detach``; else created and waiting,
         ``runc create``), each undo pushed on ``undo``; its seconds go to
         ``timing["runtime_s"]``.  Returns its address (None without network).
-        Raises :class:`NetworkForbiddenError` (network on a node whose policy
-        forbids it, before anything is made), :class:`RuntimeFailedError`
-        when runc fails."""
+        An environment with a host id range (:func:`weenv.node.idmap.range_of`,
+        given by :meth:`Snapshotter.prepare`) runs in a user namespace over it,
+        without ``noNewPrivileges``, its bounding set :data:`DOCKER_DEFAULT_CAPS`
+        (what ``sudo``'s root holds, in that namespace only; commands as other
+        users hold none).  Raises :class:`NetworkForbiddenError` (network on a
+        node whose policy forbids it, before anything is made),
+        :class:`RuntimeFailedError` when runc fails."""
         t = time.perf_counter()
         if runtime.network:
             network.check_policy(self.network_allowed)
@@ -66,6 +71,9 @@ class Containers:
         bundle = env_dir / "bundle"
         bundle.mkdir()
         agent = self.agent.get()
+        host_id = idmap.range_of(env_dir)
+        if host_id is not None:
+            capabilities = (*capabilities, *(c for c in DOCKER_DEFAULT_CAPS if c not in capabilities))
         agent_user = None
         if agent is not None:  # the template's user with its groups, from the environment's own files
             who = lookup_user(RootFS(env_dir / "rootfs"), runtime.user)
@@ -83,6 +91,7 @@ class Containers:
             netns=netns,
             agent_user=agent_user,
             resolv_conf=env_dir / RESOLV_FILE if link is not None else None,
+            userns=None if host_id is None else (host_id, idmap.ID_RANGE),
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self.delete, env_id, env_dir)
@@ -103,6 +112,8 @@ class Containers:
         first process anew over the rootfs mounted at ``env_dir/rootfs``, the
         same network namespace, a new exec agent); the old container must be
         deleted (:meth:`delete`).  Raises :class:`RuntimeFailedError`."""
+        if idmap.range_of(env_dir) is not None:  # the node's start closed node/ again
+            idmap.open_parents(env_dir)
         agent = self.agent.get()
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         try:

@@ -26,11 +26,13 @@ System call numbers are the generic table's (x86_64 and arm64 alike):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 from pathlib import Path
 
-from weenv.errors import InvalidInputError, MountError
+from weenv.errors import CapacityError, InvalidInputError, MountError
 
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
 OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC = 1, os.O_CLOEXEC
@@ -41,6 +43,18 @@ CLONE_NEWUSER = 0x10000000
 
 ID_RANGE = 65536
 """Ids an environment's namespace maps (0..65535: every id Debian gives out)."""
+RANGE_BASE = 1 << 30
+"""The first host id of the first environment's range: far above the ranges
+``/etc/subuid`` hands out (100000 + 65536 n) and every account of the host."""
+RANGE_SLOTS = 4096
+"""Ranges the host holds at once (every node on it together): ids up to
+``RANGE_BASE + RANGE_SLOTS * ID_RANGE`` = 2^30 + 2^28, below 2^32 - 1."""
+REGISTRY = Path("/run/weenv-userns")
+"""Host-wide record of the ranges in use: file ``SLOT`` holds the directory of
+the environment that has it (so nodes with different homes never share one)."""
+RANGE_FILE = "userns"
+"""In an environment's directory: its range's first host id (decimal); the
+environment runs in a user namespace exactly when it exists."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -145,3 +159,112 @@ def own_upper(upper: Path, work: Path, host_id: int) -> None:
     so root inside owns ``/`` of the environment."""
     for d in (upper, work):
         os.chown(d, host_id, host_id)
+
+
+@contextlib.contextmanager
+def _locked(registry: Path):
+    registry.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(registry / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def range_of(env_dir: Path) -> int | None:
+    """The first host id of the environment in ``env_dir``'s range, None if it has none."""
+    try:
+        return int((Path(env_dir) / RANGE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _holder(registry: Path, slot: int) -> Path | None:
+    """The environment directory that still holds ``slot``, None if free or
+    stale (its directory gone or naming another range: a node killed before
+    it released it)."""
+    try:
+        env_dir = Path((registry / str(slot)).read_text())
+    except FileNotFoundError:
+        return None
+    return env_dir if range_of(env_dir) == RANGE_BASE + slot * ID_RANGE else None
+
+
+def allocate(env_dir: Path, registry: Path = REGISTRY) -> int:
+    """Give the environment in ``env_dir`` (existing, absolute) the lowest free
+    range of :data:`ID_RANGE` host ids; write its first id to
+    ``env_dir/RANGE_FILE`` and return it.  Ranges are disjoint host-wide (the
+    record in ``registry``, under a lock) and survive a node restart (the
+    file in the environment's directory is the claim; :func:`release`, or
+    the directory's removal, gives it back).  Raises :class:`CapacityError`
+    when all :data:`RANGE_SLOTS` are taken."""
+    env_dir = Path(env_dir).absolute()
+    with _locked(registry):
+        for slot in range(RANGE_SLOTS):
+            if _holder(registry, slot) is not None:
+                continue
+            host_id = RANGE_BASE + slot * ID_RANGE
+            tmp = env_dir / f".{RANGE_FILE}.tmp"
+            tmp.write_text(str(host_id))
+            os.replace(tmp, env_dir / RANGE_FILE)
+            tmp = registry / f".{slot}.tmp"
+            tmp.write_text(str(env_dir))
+            os.replace(tmp, registry / str(slot))
+            return host_id
+    raise CapacityError(f"every one of the host's {RANGE_SLOTS} user-namespace id ranges is in use")
+
+
+def release(env_dir: Path, registry: Path = REGISTRY) -> None:
+    """Give back the range of the environment in ``env_dir``, if it has one; idempotent."""
+    env_dir = Path(env_dir).absolute()
+    host_id = range_of(env_dir)
+    if host_id is None:
+        return
+    slot = (host_id - RANGE_BASE) // ID_RANGE
+    with _locked(registry):
+        with contextlib.suppress(FileNotFoundError):
+            if Path((registry / str(slot)).read_text()) == env_dir:
+                os.unlink(registry / str(slot))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(env_dir / RANGE_FILE)
+
+
+def in_use(registry: Path = REGISTRY) -> dict[int, Path]:
+    """First host id -> environment directory of every range held now (stale records left out)."""
+    if not registry.is_dir():
+        return {}
+    with _locked(registry):
+        held = {}
+        for p in registry.iterdir():
+            if p.name.isdigit() and (d := _holder(registry, int(p.name))) is not None:
+                held[RANGE_BASE + int(p.name) * ID_RANGE] = d
+        return held
+
+
+SEARCHABLE_MODE = 0o711
+"""The mode of the node's directories above a user-namespace environment's
+directory (``node/``, ``node/envs/``): others may search them (runc's init, as
+the range's root, opens the rootfs by its path), never list them."""
+
+
+def open_parents(env_dir: Path, levels: int = 2) -> None:
+    """Make the ``levels`` directories above ``env_dir`` (the node's own) searchable
+    (:data:`SEARCHABLE_MODE`) where they are private (0700: the node's start
+    closes ``node/`` again), then :func:`check_traversable`."""
+    for d in list(Path(env_dir).absolute().parents)[:levels]:
+        if os.stat(d).st_mode & 0o777 == 0o700:
+            os.chmod(d, SEARCHABLE_MODE)
+    check_traversable(env_dir)
+
+
+def check_traversable(path: Path) -> None:
+    """Refuse (:class:`InvalidInputError`) when a directory above ``path`` does
+    not let others search it (``o+x``): runc's init, already in the
+    environment's user namespace as an unmapped host id, opens the rootfs by
+    its path."""
+    for parent in Path(path).absolute().parents:
+        if not os.stat(parent).st_mode & 0o001:
+            raise InvalidInputError(
+                f"sudo environments need every directory above their rootfs searchable by others "
+                f"(o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; chmod o+x it or move the home")

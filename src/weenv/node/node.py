@@ -77,7 +77,7 @@ from weenv.node.home import HomeLock
 from weenv.node.launcher import Launchers
 from weenv.node.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node import network
+from weenv.node import idmap, network
 from weenv.node.models import (
     DEFAULT_TIMEOUT_S,
     CreateRequest,
@@ -137,6 +137,9 @@ class _Create:
     undelivered: bool
     upper_from: Path | None = None
     """A capture's subvolume its upper dir starts from (a fork child), else empty."""
+    sudo: bool = True
+    """Whether a template with ``runtime.sudo`` gets it (build environments: no,
+    their upper dir becomes a group and must hold unshifted owners)."""
 
 
 class Node:
@@ -335,6 +338,7 @@ class Node:
         capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
         prefetch: bool = True,
         undelivered: bool = False,
+        sudo: bool = True,
         **fields,
     ) -> EnvironmentInfo:
         """Create and start an environment.
@@ -353,7 +357,9 @@ class Node:
         cold starts (off for transient build environments, which never use the
         warm pool); ``undelivered``, the caller hands the environment on (a
         server's answer) and calls :meth:`delivered` once it has; until then a
-        node recovering after a crash removes it instead of adopting it.
+        node recovering after a crash removes it instead of adopting it;
+        ``sudo``, False: a template whose runtime has ``sudo`` runs without it
+        (no user namespace; build environments, whose upper dir becomes a group).
 
         Returns its info with the create's phase timings (seconds) and bytes
         fetched.  Raises :class:`ClosedError` (not started, closing),
@@ -363,7 +369,8 @@ class Node:
         when a step fails; every step already done is undone first.
         """
         self.admission.check_started()
-        return self._admitted_create(_Create(_request(request, fields), tuple(capabilities), prefetch, undelivered))
+        return self._admitted_create(_Create(_request(request, fields), tuple(capabilities), prefetch, undelivered,
+                                             sudo=sudo))
 
     def _admitted_create(self, c: _Create) -> EnvironmentInfo:
         with self.admission.admit():
@@ -382,7 +389,8 @@ class Node:
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
         req = c.request
-        if not c.prefetch or c.upper_from is not None or req.network is not None or req.allow_out or req.deny_out:
+        if (not c.prefetch or not c.sudo or c.upper_from is not None or req.network is not None or req.allow_out
+                or req.deny_out):
             # build environments, fork children and networks of the create's own: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
@@ -414,7 +422,8 @@ class Node:
                 network.check_policy(self.containers.network_allowed)
             if lowers is None:
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
-                                                  timing, upper_from=c.upper_from)  # fmt: skip
+                                                  timing, upper_from=c.upper_from,
+                                                  userns=manifest.runtime.sudo and c.sudo)  # fmt: skip
                 _check_command(req.template, runtime, self.snapshotter.dir(env_id) / "rootfs")
                 self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
                                      undo, timing, start=True, egress=egress)  # fmt: skip
@@ -653,8 +662,10 @@ class Node:
         return self.resolver.template(name)
 
     def files(self, env_id: str) -> RootFS:
-        """File access inside the environment's root (paths cannot escape it)."""
-        return RootFS(self.table.get(env_id).rootfs)
+        """File access inside the environment's root (paths cannot escape it;
+        owners shifted into its id range, if it has one)."""
+        e = self.table.get(env_id)
+        return RootFS(e.rootfs, idmap.range_of(e.dir) or 0)
 
     def mounted_files(self, env_id: str) -> RootFS:
         """File access inside the environment as its processes see it: its root
@@ -663,18 +674,19 @@ class Node:
         :meth:`files`; the bare root (:meth:`files`) while it has no running
         process.  Raises :class:`NotFoundError` if unknown."""
         e = self.table.get(env_id)
+        shift = idmap.range_of(e.dir) or 0
         for _attempt in range(2):
             pid = e.init_pid
             if pid is None:
                 state = self.runc.state(e.container_id) or {}
                 if state.get("status") not in ("running", "paused") or not state.get("pid"):
-                    return RootFS(e.rootfs)
+                    return RootFS(e.rootfs, shift)
                 pid = e.init_pid = int(state["pid"])
             try:
-                return ProcessRootFS(pid, expect_cgroup=f"/{e.container_id}")
+                return ProcessRootFS(pid, expect_cgroup=f"/{e.container_id}", shift=shift)
             except NotFoundError:
                 e.init_pid = None  # restarted or gone: ask runc again
-        return RootFS(e.rootfs)
+        return RootFS(e.rootfs, shift)
 
     def open_port(self, env_id: str, port: int) -> "socket.socket":
         """A TCP connection to ``port`` on the environment's own loopback (inside

@@ -19,7 +19,6 @@ import logging
 from pathlib import Path
 
 from weenv.errors import InvalidInputError
-from weenv.host import mounts
 from weenv.node import network
 from weenv.node.cgroups import open_cgroups
 from weenv.node.container import Containers
@@ -68,7 +67,7 @@ class Recovery:
         start the lazy file system, then adopt the direct group mounts and the
         environments on them only."""
         for env_dir in self.snapshotter.dirs():
-            lowers = mounts.overlay_lowers(env_dir / "rootfs")
+            lowers = self.snapshotter.overlay_lowers(env_dir)
             if not lowers or not all(self.groups.is_direct_point(p) for p in lowers):
                 log.warning("removing environment %s: %s", env_dir.name,
                             "it read through the lost FUSE connection" if lowers else "it has no overlay")
@@ -116,7 +115,7 @@ class Recovery:
         if runc_status not in ("running", "paused") and not (released and runc_status is None):
             raise InvalidInputError(f"its container is {runc_status or 'gone'}")
         rootfs = env_dir / "rootfs"
-        lowers = mounts.overlay_lowers(rootfs)
+        lowers = self.snapshotter.overlay_lowers(env_dir)
         if lowers is None:
             raise InvalidInputError(f"{rootfs} is not an overlay mount")
         template = self.manifests.template(info.template_digest)

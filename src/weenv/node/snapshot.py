@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, StateError
+from weenv.node import idmap
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
 from weenv.node.models import EnvironmentInfo, SnapshotInfo
@@ -159,7 +160,12 @@ class Captures:
         by the provisioner).  Raises :class:`BrokenError` (its cgroup is gone or
         did not freeze), :class:`StateError` (it is not running or paused),
         :class:`MountError` (the disk is full: nothing is left and the
-        environment runs on with its files)."""
+        environment runs on with its files), :class:`InvalidInputError` for a
+        ``sudo`` environment (its upper dir holds its own host id range's owners,
+        not yet shifted back into a group: refused before anything is frozen)."""
+        if idmap.range_of(e.dir) is not None:
+            raise InvalidInputError(f"environment {e.info.id} runs with sudo (in a user namespace): "
+                                    "snapshot and fork of it are not supported yet")
         with e.lock:  # not while it is destroyed or reset
             if e.info.state not in ("running", "paused") or not e.dir.exists():
                 raise StateError(f"environment {e.info.id} is {e.info.state}: cannot capture it")

@@ -15,25 +15,39 @@ through :mod:`weenv.host.mounts`, the mounter).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from weenv.config import PRIVATE_MODE
-from weenv.errors import MountError
+from weenv.errors import InvalidInputError, MountError
 from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
+from weenv.node import idmap
 from weenv.node.disk import RETIRED, SPARE, SUBVOLUME, NodeDisk
 from weenv.node.groups import GroupMounts
 
+IDMAPPED = "idmapped"
+"""In a user-namespace environment's directory: ``N/``, the idmapped clone of its
+``N``-th lower (:func:`weenv.node.idmap.idmapped_clone`), the overlay's real lowers."""
+LOWERS_FILE = "lowers.json"
+"""In ``IDMAPPED/``: the group mount points the clones were made of (a list of paths), for recovery."""
+RANGE_DIR_MODE = 0o710
+"""The mode of a user-namespace environment's directory, group the range's root
+(its first host id): only host root and the range's root get through it."""
 
-def rootfs_mounts(env_dir: Path, lowers: list[Path]) -> list[MountSpec]:
+
+def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False) -> list[MountSpec]:
     """The mounts making the rootfs of the environment in ``env_dir`` over the
-    group mount points ``lowers`` (bottom to top, as the template lists its
-    groups): one overlay at ``env_dir/rootfs``.  Touches nothing."""
-    return [mounts.overlay_spec(lowers, NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs")]
+    lower dirs ``lowers`` (bottom to top, as the template lists its groups):
+    one overlay at ``env_dir/rootfs``, ``nosuid`` unless ``userns`` (its lowers
+    are then idmapped clones, every file of it its range's).  Touches nothing."""
+    return [mounts.overlay_spec(lowers, NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs",
+                                nosuid=not userns)]  # fmt: skip
 
 
 class Snapshotter:
@@ -52,17 +66,31 @@ class Snapshotter:
         return sorted(p for p in self.environments.iterdir() if p.is_dir() and not p.name.startswith("."))
 
     def prepare(self, env_id: str, groups: list[str], group_manifests: list[GroupManifest], disk_bytes: int,
-                undo: contextlib.ExitStack, timing: dict, *, upper_from: Path | None = None) -> list[Path]:
+                undo: contextlib.ExitStack, timing: dict, *, upper_from: Path | None = None,
+                userns: bool = False) -> list[Path]:
         """Make environment ``env_id``'s directory, take its group mounts (cold
         ones in parallel), make its upper dir with ``disk_bytes`` as its limit
         (empty, or with ``upper_from`` a capture's subvolume,
         :mod:`weenv.node.snapshot`: a snapshot of it) and mount its overlay rootfs; each step's undo pushed on ``undo``; the
         seconds of ``groups_s`` and ``overlay_s`` go to ``timing``.  Returns the
         overlay's lower dirs (group mount points, as ``groups`` lists them).
-        Raises :class:`MountError` (and what the group mounts raise)."""
+        ``userns``: the environment gets a host id range of its own
+        (:func:`weenv.node.idmap.allocate`), its upper dir is the range's
+        root's and its overlay lies over idmapped clones of the group mounts.
+        Raises :class:`MountError` (and what the group mounts raise),
+        :class:`InvalidInputError` when ``userns`` is asked with ``upper_from``
+        (a capture holds unshifted ids) or where the range cannot reach its rootfs,
+        :class:`CapacityError` when no range is free."""
         env_dir = self.dir(env_id)
+        if userns:
+            if upper_from is not None:
+                raise InvalidInputError("a sudo (user-namespace) environment cannot start from a capture")
+            idmap.open_parents(env_dir)
         env_dir.mkdir(mode=PRIVATE_MODE)
         undo.callback(self.remove_dir, env_dir)
+        if userns:  # searchable by the range's root group only (runc's init, in the namespace, opens the rootfs)
+            os.chown(env_dir, 0, idmap.allocate(env_dir))
+            os.chmod(env_dir, RANGE_DIR_MODE)
 
         t = time.perf_counter()
         lowers = self.groups.acquire_all(list(zip(groups, group_manifests)))
@@ -74,6 +102,7 @@ class Snapshotter:
             self.disk.make(env_dir, disk_bytes)  # upper and work dirs, with the disk limit
         else:
             self.disk.clone(upper_from, env_dir, disk_bytes)
+        self._own_upper(env_dir, SUBVOLUME)
         (env_dir / "rootfs").mkdir()
         self.mount(env_dir, lowers, undo)
         timing["overlay_s"] = time.perf_counter() - t
@@ -81,11 +110,54 @@ class Snapshotter:
 
     def mount(self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None) -> None:
         """Mount the overlay rootfs of the environment in ``env_dir`` over ``lowers``
-        (its undo pushed on ``undo``).  Raises :class:`MountError`."""
-        for spec in rootfs_mounts(env_dir, lowers):
+        (its undo pushed on ``undo``); for an environment with a host id
+        range, over idmapped clones of them (made if not mounted yet, left for
+        :meth:`unmount`).  Raises :class:`MountError`."""
+        host_id = idmap.range_of(env_dir)
+        if host_id is not None:  # again after a restart: the node's start closed node/ (0700)
+            idmap.open_parents(env_dir)
+            lowers = self._idmapped(env_dir, lowers, host_id, undo)
+        for spec in rootfs_mounts(env_dir, lowers, userns=host_id is not None):
             mounts.mount(spec)
             if undo is not None:
                 undo.callback(umount_quietly, Path(spec.target))
+
+    def _idmapped(self, env_dir: Path, lowers: list[Path], host_id: int,
+                  undo: contextlib.ExitStack | None) -> list[Path]:
+        """The idmapped clones (``env_dir/IDMAPPED/N``) of ``lowers`` through range
+        ``host_id``'s mapping, mounting those not mounted yet."""
+        clones = [env_dir / IDMAPPED / str(i) for i in range(len(lowers))]
+        (env_dir / IDMAPPED).mkdir(exist_ok=True)
+        (env_dir / IDMAPPED / LOWERS_FILE).write_text(json.dumps([os.fspath(p) for p in lowers]))
+        missing = [(lower, c) for lower, c in zip(lowers, clones) if not mounts.is_mounted(c)]
+        if missing:
+            with idmap.UserNamespace(host_id) as ns:
+                for lower, clone in missing:
+                    clone.mkdir(parents=True, exist_ok=True)
+                    idmap.idmapped_clone(lower, clone, ns)
+                    if undo is not None:
+                        undo.callback(umount_quietly, clone)
+        return clones
+
+    def overlay_lowers(self, env_dir: Path) -> list[Path] | None:
+        """The group mount points under the mounted rootfs of the environment in
+        ``env_dir`` (through its idmapped clones, if it has a range), None if
+        its rootfs is not an overlay mount (:func:`weenv.host.mounts.overlay_lowers`)."""
+        lowers = mounts.overlay_lowers(env_dir / "rootfs")
+        if lowers is None or idmap.range_of(env_dir) is None:
+            return lowers
+        try:
+            points = [Path(p) for p in json.loads((env_dir / IDMAPPED / LOWERS_FILE).read_text())]
+        except (OSError, ValueError):
+            return None
+        return points if len(points) == len(lowers) else None
+
+    def _own_upper(self, env_dir: Path, name: str) -> None:
+        """Give subvolume ``name``'s upper and work dirs to the range's root (if the environment has a range)."""
+        host_id = idmap.range_of(env_dir)
+        if host_id is not None:
+            sub = env_dir / name
+            idmap.own_upper(sub / "upper", sub / "work", host_id)
 
     def replace_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, *, spare: bool = False) -> None:
         """Give the unmounted environment in ``env_dir`` a new upper dir: empty,
@@ -104,8 +176,12 @@ class Snapshotter:
         of the capture subvolume ``upper_from``, its quota ``disk_bytes``.  Raises :class:`MountError`."""
         if upper_from is None:
             self.disk.make(env_dir, disk_bytes, name)
+        elif idmap.range_of(env_dir) is not None:
+            raise InvalidInputError("a sudo (user-namespace) environment cannot be reset to a snapshot: "
+                                    "its files are owned by its own host id range")
         else:
             self.disk.clone(upper_from, env_dir, disk_bytes, name)
+        self._own_upper(env_dir, name)
 
     def make_spare(self, env_dir: Path, disk_bytes: int, upper_from: Path | None) -> None:
         """Make, ahead of a reset, the upper dir :meth:`replace_upper` would make
@@ -127,8 +203,13 @@ class Snapshotter:
         return mounts.is_mounted(self.dir(env_id) / "rootfs")
 
     def unmount(self, env_dir: Path) -> None:
-        """Unmount the rootfs of the environment in ``env_dir`` (lazily if busy); idempotent."""
+        """Unmount the rootfs of the environment in ``env_dir`` (lazily if busy),
+        then its idmapped lowers if any; idempotent."""
         umount_quietly(env_dir / "rootfs")
+        clones = env_dir / IDMAPPED
+        if clones.is_dir():
+            for c in sorted(clones.iterdir()):
+                umount_quietly(c)
 
     def unmount_all(self, env_dir: Path) -> None:
         """Unmount whatever is mounted under ``env_dir`` (a leftover's)."""
@@ -139,6 +220,7 @@ class Snapshotter:
         """Remove an environment's directory, its disk's subvolumes first (at once, however big)."""
         for name in (SUBVOLUME, SPARE, RETIRED):
             self.disk.remove(env_dir, name)
+        idmap.release(env_dir)
         remove_tree(env_dir)
 
     def usage(self, env_dir: Path) -> tuple[int, int]:

@@ -297,7 +297,8 @@ class _Session:
         scratch = TemplateManifest(name="e2b-build", groups=list(groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(scratch))
         self.scratch.append(digest)
-        info = self._node().create(digest, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False)
+        info = self._node().create(digest, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False,
+                                sudo=False)
         self.live = (info.id, groups, ids or "0:0")
         return info.id
 
@@ -443,8 +444,24 @@ class TemplateBuild:
             _record(self.store, key, state)
             ran.append(label)
             log(f"{where}: done in {time.monotonic() - t0:.1f} s", step=label)
+        sudo = self._has_sudo(state)
         self.session.drop()
-        return self._finish(state, ctx, ran, cached)
+        return self._finish(state, ctx, ran, cached, sudo)
+
+    def _has_sudo(self, state: _State) -> bool:
+        """Whether the built tree lets its (non-root) user run ``sudo``, as E2B's
+        templates do: a setuid ``/usr/bin/sudo`` and a rule ``/etc/sudoers.d/USER``
+        (``USER name true``).  Then the template asks for ``runtime.sudo``
+        (environments in a user namespace, README's "Security model")."""
+        account = state.account
+        if account.uid == 0:
+            return False
+        self.session.env(state.groups)
+        fs = self.session.fs()
+        try:
+            return fs.exists(f"/etc/sudoers.d/{account.name}") and bool(fs.stat("/usr/bin/sudo").mode & 0o4000)
+        except (NotFoundError, InvalidInputError):
+            return False
 
     def _base(self, ran: list[str], cached: list[str]) -> tuple[str, _State, Context]:
         spec, log = self.spec, self.log
@@ -573,13 +590,13 @@ class TemplateBuild:
         groups = state.groups if digest is None else (*state.groups, digest)
         return _State(groups, account)
 
-    def _finish(self, state: _State, ctx: Context, ran: list[str], cached: list[str]) -> BuildOutcome:
+    def _finish(self, state: _State, ctx: Context, ran: list[str], cached: list[str], sudo: bool) -> BuildOutcome:
         spec = self.spec
         account = state.account
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **ctx.env, "HOME": account.home, "USER": ctx.user}
         runtime = RuntimeConfig(env=env, working_dir=ctx.workdir or account.home or "/", user=account.ids,
                                 resources=spec.resources, start_command=spec.start_command,
-                                ready_command=spec.ready_command)  # fmt: skip
+                                ready_command=spec.ready_command, sudo=sudo)  # fmt: skip
         manifest = TemplateManifest(name=self.name, groups=list(state.groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(manifest))
         self.log(f"[builder finalize] template {self.name}: {len(state.groups)} groups, user {ctx.user}, "

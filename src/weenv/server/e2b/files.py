@@ -179,7 +179,8 @@ def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> M
     resolves to (envd's), not the link's text."""
     e = filesystem_pb.EntryInfo(
         name=_text(posixpath.basename(path) or "/"), path=_text(path), size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
-        permissions=st.filemode(lst.st_mode), owner=names.user(lst.st_uid), group=names.group(lst.st_gid),
+        permissions=st.filemode(lst.st_mode), owner=names.user(fs.inside_id(lst.st_uid)),
+        group=names.group(fs.inside_id(lst.st_gid)),
     )  # fmt: skip
     e.modified_time.FromNanoseconds(lst.st_mtime_ns)
     e.type = _file_type(lst.st_mode)
