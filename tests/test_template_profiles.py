@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
+
 from weenv.config import Paths
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import Resources
@@ -106,3 +108,66 @@ def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an
     finally:
         with contextlib.suppress(NotFoundError):
             shared_store.delete_ref("usage", name)
+
+
+def test_a_create_the_objective_refuses_waits_for_room_on_a_real_node(paths, shared_store, leak_check):
+    """On 2 cores, a template known to burst (20 % of the time at 1 core): two
+    1-core environments fit the cores and are admitted; a third would meet
+    both in ~16 % of its bursts, so its create waits (the default burst
+    admission, ``admission_wait_s``) and is admitted once one of the two is
+    destroyed; one still waiting when the node closes ends with ClosedError."""
+    import concurrent.futures
+
+    from weenv.errors import ClosedError
+    from weenv.node.node import Node
+    from weenv.node.provision.profiles import UsageProfile
+
+    digest = shared_store.get_ref("templates", "task")
+    bursty = UsageProfile(template=digest, cpu_duty=0.2, cpu_burst=1.0, cpu_p95=1.0, memory_working_set=20 * MIB,
+                          memory_peak=40 * MIB, seconds=600.0, environments=10, updated=time.time())  # fmt: skip
+    config = ProvisionConfig.from_env().model_copy(update={"cpu_capacity": 2.0, "admission_wait_s": 60.0})
+    assert config.admission == "burst"  # the default
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, \
+            Node(paths, store=shared_store, pool_size=0, provisioning=config) as node:  # the node closes first
+        node.provisioner.profiles.record(bursty)
+        a, b = (node.create("task", resources=RES, first_command=False) for _ in range(2))
+        third = pool.submit(node.create, "task", resources=RES, first_command=False)
+        time.sleep(1.5)
+        assert not third.done()  # waiting for room, not refused
+        node.destroy(a.id)
+        c = third.result(timeout=30)
+        assert sorted(e.id for e in node.list()) == sorted([b.id, c.id])
+        kinds = [e.message for e in node.provisioner.events() if e.env_id == c.id and e.kind == "admission"]
+        assert kinds[0].startswith("waiting up to 60 s for room") and kinds[-1] == "admitted after waiting for room"
+        fourth = pool.submit(node.create, "task", resources=RES, first_command=False)
+        time.sleep(1.0)
+        assert not fourth.done()
+    with pytest.raises(ClosedError):  # the node closed under it
+        fourth.result(timeout=30)
+
+
+def test_a_test_leaves_a_bursty_profile_in_the_shared_store(shared_store):
+    """As an earlier test's CPU loop would teach the template ``task`` (with the
+    next test: the suite's fixture ``fresh_usage_profiles``)."""
+    from weenv.node.provision.profiles import UsageProfile, publish
+
+    digest = shared_store.get_ref("templates", "task")
+    publish(shared_store, UsageProfile(template=digest, cpu_duty=0.5, cpu_burst=1.0, cpu_p95=1.0,
+                                       memory_working_set=MIB, memory_peak=MIB, seconds=60.0, environments=1,
+                                       updated=time.time()))  # fmt: skip
+    assert shared_store.list_refs("usage")
+
+
+def test_the_next_test_starts_with_its_templates_unknown(node):
+    """What the previous test taught ``task`` is gone: 8 concurrent 1-core
+    creates on 2 cores are admitted at once by the default burst admission
+    (with the profile left, the warm pool's test of 8 concurrent creates was
+    refused: half of a 1-core burst's 7 neighbours busy at any time)."""
+    import concurrent.futures
+
+    assert node.store.list_refs("usage") == {}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(lambda _: node.create("task", first_command=False), range(8)))
+    assert not [e for e in node.provisioner.events() if e.kind == "admission"]  # none waited, none refused
+    for i in infos:
+        node.destroy(i.id)

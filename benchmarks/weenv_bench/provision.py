@@ -32,9 +32,8 @@ unloaded: an environment is busy a few per cent of the time.
 - ``elastic``: the node's default settings (``WEENV_*`` as the node reads
   them): the provisioner (:mod:`weenv.node.provision`) sizes reservations
   from usage; admission by the latency objective (how the running
-  environments' bursts overlap: ``admission="burst"``, at most 2 % of bursts
-  meeting others beyond the cores, asked for here although the node's default
-  is ``reservations`` (the README says why); ``WEENV_ADMISSION=peak``
+  environments' bursts overlap: ``admission="burst"``, the node's default, at
+  most 2 % of bursts meeting others beyond the cores; ``WEENV_ADMISSION=peak``
   for the N-sigma peak, ``reservations`` for the reservations alone) and the
   reservations held, within capacity × the node's default CPU overcommit
   (memory: × 1, as static).  The CFS quota is the declared ceiling (``cpu_quota_at``,
@@ -576,10 +575,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
                               f"x think_s / {THINK_MEDIAN_S:g}, seeded (weenv bench rollout's)",
         "declared": DECLARED.model_dump(),
         "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
-        # the node's defaults (WEENV_* as the node reads them), but admission "burst"
-        # unless WEENV_ADMISSION asks for another: the latency objective is what is measured
+        # the node's defaults (WEENV_* as the node reads them: admission "burst", the latency
+        # objective); creates do not wait for room: the scheduler below asks again every second
         "elastic": {"interval_s": from_env.interval_s, "cpu_quota_at": cpu_quota_at,
-                    "admission": from_env.admission if "WEENV_ADMISSION" in os.environ else "burst", "admission_sigmas": from_env.admission_sigmas,
+                    "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas,
+                    "admission_wait_s": 0.0,
                     "admission_burst_risk": from_env.admission_burst_risk,
                     "admission_min_history_s": from_env.admission_min_history_s},
     }

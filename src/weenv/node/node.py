@@ -296,6 +296,7 @@ class Node:
         if not self.admission.started:
             return
         self.admission.close()  # refuses creates; a create waiting for the pool goes on without
+        self.provisioner.cancel_waits()  # a create waiting for room ends (ClosedError)
         self.pool.close()  # its fills use the groups and runc
         self.admission.wait()  # creates under way end (their environments are destroyed below)
         errors = []
@@ -410,7 +411,8 @@ class Node:
             manifest, group_manifests = self.resolver.load(digest)
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
-            self.provisioner.reserve(env_id, res, priority=req.priority, template=digest)  # CapacityError if full
+            # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)
+            self.provisioner.reserve(env_id, res, priority=req.priority, template=digest, wait=True)
             undo.callback(self.provisioner.detach, env_id)
             if c.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))

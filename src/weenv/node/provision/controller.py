@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from weenv.errors import BusyError, CapacityError, InvalidInputError, NotFoundError, WeenvError
+from weenv.errors import BusyError, CapacityError, ClosedError, InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
 from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, CpuWindow, admits, arbitrate
@@ -114,6 +114,9 @@ class _Tracked:
         self.resources = resources
         self.priority = priority
         self.policy = policy
+        self.initial_cpu = policy.cpu_quota
+        self.initial_memory = policy.memory_limit
+        """What it would start with (cores, bytes) before admission caps them at what is free."""
         self.cgroup: Cgroup | None = None
         self.lock = threading.Lock()
         self.attached = False
@@ -203,6 +206,9 @@ class Provisioner:
         self._admitting = True
         self._short: set[str] = set()
         self._stop = threading.Event()
+        self._cancel_waits = threading.Event()
+        self._room = threading.Condition()
+        """Notified after each pass and each environment that ends: creates waiting for room check again."""
         self._thread: threading.Thread | None = None
         self.passes = 0
         self._due = self.clock.monotonic() + self.config.interval_s
@@ -222,11 +228,13 @@ class Provisioner:
         if self.config.mode == "off" or (self._thread and self._thread.is_alive()):
             return self
         self._stop.clear()
+        self._cancel_waits.clear()
         self._thread = threading.Thread(target=self._run, name="weenv-provisioner", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
+        self.cancel_waits()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -252,6 +260,7 @@ class Provisioner:
             return False
         self.tick()
         self._due = self.clock.monotonic() + self.config.interval_s
+        self._wake()  # creates waiting for room judge the new usage
         return True
 
     def _urgent(self) -> bool:
@@ -291,7 +300,8 @@ class Provisioner:
         """False while the arbiter has stopped admitting (memory short); creates are refused then."""
         return self._admitting
 
-    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0, template: str | None = None) -> None:
+    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0, template: str | None = None,
+                wait: bool = False) -> None:
         """Admit a new environment (its initial quota counts from now on).
 
         ``template``: its template's digest; when the node knows that
@@ -312,7 +322,11 @@ class Provisioner:
         own, and the host's available memory;
         in ``static`` mode by declared resources.  In both, the declared disk
         limits (``disk_bytes``) must fit the node's disk (:attr:`disk_capacity`
-        × ``disk_overcommit``).
+        × ``disk_overcommit``).  With ``wait`` (a new environment's create), one
+        the latency objective alone refuses (``burst``) waits up to
+        ``admission_wait_s`` for room first, judged
+        again after each pass and each environment that ends; it gets
+        :class:`ClosedError` if the node closes meanwhile (:meth:`cancel_waits`).
         """
         cfg = self.config
         if cfg.mode != "off" and (resources.cpus > self.cpu_capacity + 1e-9
@@ -328,36 +342,71 @@ class Provisioner:
         t = _Tracked(env_id, resources, priority, policy, template, profile)
         if cfg.mode == "static":
             policy.cpu_quota, policy.memory_limit = resources.cpus, resources.memory_bytes
-        with self._lock:
-            if env_id in self._envs:
-                raise BusyError(f"environment {env_id} is already provisioned")
-            if cfg.mode != "off":
-                budget = self._budget()
-                cpu_sum = sum(e.cpu_reservation for e in self._envs.values())
-                memory_sum = sum(e.policy.memory_held() for e in self._envs.values())
-                if cfg.mode == "elastic":  # start with what is free, at least the floor
-                    policy.cpu_quota = max(policy.cpu_floor, min(policy.cpu_quota, budget.cpu - cpu_sum))
-                    policy.memory_limit = max(policy.memory_floor, min(policy.memory_limit, budget.memory - memory_sum))
-                peak = risk = None
-                running = [e for e in self._envs.values() if not e.paused]  # a paused one uses no CPU
-                if cfg.mode == "elastic" and cfg.admission == "peak":
-                    peak = self.predicted_cpu_peak(running, t)
-                if cfg.mode == "elastic" and cfg.admission == "burst":
-                    risk = self.burst_risk(running, t)
-                why = admits(
-                    cpu_sum=cpu_sum,
-                    memory_sum=memory_sum,
-                    cpu_new=policy.cpu_quota, memory_new=policy.memory_held(),
-                    budget=budget, admitting=self._admitting,
-                    cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
-                    burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk,
-                    disk_sum=self._disk_sum(),
-                    disk_new=resources.disk_bytes,
-                )  # fmt: skip
-                if why:
-                    self._event(env_id, "admission", f"refused: {why}")
-                    raise CapacityError(f"cannot admit a new environment: {why}")
-            self._envs[env_id] = t
+        t.initial_cpu, t.initial_memory = policy.cpu_quota, policy.memory_limit
+        waited, deadline = False, time.monotonic() + (cfg.admission_wait_s if wait else 0.0)  # the caller's time
+        while True:
+            with self._lock:
+                if env_id in self._envs:
+                    raise BusyError(f"environment {env_id} is already provisioned")
+                why, predicted = self._refusal(t, resources) if cfg.mode != "off" else (None, False)
+                if not why:
+                    self._envs[env_id] = t
+                    if waited:
+                        self._event(env_id, "admission", "admitted after waiting for room")
+                    return
+            left = deadline - time.monotonic()
+            if not predicted or left <= 0 or self._cancel_waits.is_set():
+                break
+            if not waited:
+                self._event(env_id, "admission", f"waiting up to {cfg.admission_wait_s:g} s for room: {why}")
+                waited = True
+            with self._room:  # notified after each pass and each environment that ends
+                self._room.wait(min(left, cfg.interval_s))
+        if self._cancel_waits.is_set() and waited:
+            raise ClosedError("node is closing")
+        after = f" (after waiting {cfg.admission_wait_s:g} s for room)" if waited else ""
+        self._event(env_id, "admission", f"refused: {why}{after}")
+        raise CapacityError(f"cannot admit a new environment: {why}{after}")
+
+    def _refusal(self, t: _Tracked, resources: Resources) -> tuple[str | None, bool]:
+        """Why the node cannot hold ``t`` now (None: it can), and whether the
+        latency objective alone refuses it (a prediction: worth waiting for);
+        sets ``t``'s initial quota and limit to what is free (under ``_lock``)."""
+        cfg, policy = self.config, t.policy
+        budget = self._budget()
+        cpu_sum = sum(e.cpu_reservation for e in self._envs.values())
+        memory_sum = sum(e.policy.memory_held() for e in self._envs.values())
+        if cfg.mode == "elastic":  # start with what is free, at least the floor
+            policy.cpu_quota = max(policy.cpu_floor, min(t.initial_cpu, budget.cpu - cpu_sum))
+            policy.memory_limit = max(policy.memory_floor, min(t.initial_memory, budget.memory - memory_sum))
+        peak = risk = None
+        running = [e for e in self._envs.values() if not e.paused]  # a paused one uses no CPU
+        if cfg.mode == "elastic" and cfg.admission == "peak":
+            peak = self.predicted_cpu_peak(running, t)
+        if cfg.mode == "elastic" and cfg.admission == "burst":
+            risk = self.burst_risk(running, t)
+        check = dict(
+            cpu_sum=cpu_sum,
+            memory_sum=memory_sum,
+            cpu_new=policy.cpu_quota, memory_new=policy.memory_held(),
+            budget=budget, admitting=self._admitting,
+            cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
+            disk_sum=self._disk_sum(),
+            disk_new=resources.disk_bytes,
+        )  # fmt: skip
+        why = admits(**check, burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk)
+        return why, why is not None and risk is not None and admits(**check) is None
+
+    def cancel_waits(self) -> None:
+        """Creates waiting for room (``admission_wait_s``) end now with
+        :class:`ClosedError`, and later ones do not wait (the node closes)."""
+        self._cancel_waits.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Creates waiting for room check again."""
+        with self._room:
+            self._room.notify_all()
 
     def _disk_sum(self) -> int:
         """Bytes of the node's disk counted now (under ``_lock``): declared limits, and what is held."""
@@ -413,6 +462,7 @@ class Provisioner:
             t.detached = True
             self._release(t)
         self._learn(t)
+        self._wake()
 
     def _untrack(self, env_id: str, *, remove: bool) -> _Tracked | None:
         """``env_id``'s record (None if unknown), no longer short of memory; ``remove``: forgotten."""
@@ -443,6 +493,7 @@ class Provisioner:
         with t.lock:
             t.paused = True
             self._release(t)
+        self._wake()  # its CPU counts no more
 
     def resume(self, env_id: str, cgroup_path: str, resources: Resources, *, priority: int = 0) -> None:
         """Control the paused ``env_id`` again (it is thawed next).  It was

@@ -26,7 +26,7 @@ class ProvisionConfig(_Model):
     :mod:`weenv.node.provision.policy`.  ``from_env`` reads
     ``WEENV_PROVISION_MODE``, ``WEENV_PROVISION_INTERVAL``,
     ``WEENV_CPU_OVERCOMMIT``, ``WEENV_MEMORY_OVERCOMMIT``, ``WEENV_CPU_QUOTA_AT``,
-    ``WEENV_ADMISSION`` and ``WEENV_ADMISSION_SIGMAS``.
+    ``WEENV_ADMISSION``, ``WEENV_ADMISSION_SIGMAS`` and ``WEENV_ADMISSION_WAIT``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -128,7 +128,7 @@ class ProvisionConfig(_Model):
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
 
-    admission: Literal["burst", "peak", "reservations", "static"] = "reservations"
+    admission: Literal["burst", "peak", "reservations", "static"] = "burst"
     """How a new environment is admitted in ``elastic`` mode.
 
     ``burst`` (default) admits by a **latency objective**: at most
@@ -175,6 +175,17 @@ class ProvisionConfig(_Model):
     admission_burst_risk: float = Field(default=0.02, gt=0, le=1)
     """``admission="burst"``: the largest share of bursts allowed to meet
     contention (below 5 % for a p95 burst latency near the unloaded one)."""
+    admission_wait_s: float = Field(default=20.0, ge=0, le=3600)
+    """``admission="burst"``: how long a create the latency objective refuses
+    waits for room before :class:`~weenv.errors.CapacityError`, as a create
+    on E2B or Modal waits for capacity rather than failing.  It is admitted
+    as soon as the objective holds: after each controller pass and each
+    environment that ends, the risk is computed again, and the running
+    environments' own usage replaces their template's profile once they have
+    ``admission_min_history_s`` (20 s) of it (a profile that predicted too
+    much is then corrected).  0: refuse at once.  Only creates wait (a
+    resume, a reset or an adoption is judged at once).  Refusals by memory, disk or the
+    reservations do not wait: those are resources held, not predictions."""
 
     @model_validator(mode="after")
     def _static_admission(self) -> ProvisionConfig:
@@ -193,6 +204,7 @@ class ProvisionConfig(_Model):
             "cpu_quota_at": "WEENV_CPU_QUOTA_AT",
             "admission": "WEENV_ADMISSION",
             "admission_sigmas": "WEENV_ADMISSION_SIGMAS",
+            "admission_wait_s": "WEENV_ADMISSION_WAIT",
         }
         from pydantic import ValidationError
 
