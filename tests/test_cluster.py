@@ -2,8 +2,8 @@
 more Ray nodes (ray.cluster_utils.Cluster), each with its own weenv home, one
 node actor and daemon per node, the placement actor, the cluster client.
 
-One cluster for the module (bringing it up takes ~15 s); the tests run in order
-and the last one kills a node.  Everything is cleaned by pid at the end: the
+One cluster for the module (bringing it up takes ~15 s); the tests run in order:
+one kills a node, and the last takes the cluster down and up again with the CLI.  Everything is cleaned by pid at the end: the
 daemons (through ``weenv cluster down``, or ``weenv stop`` on a killed node's
 home), the Ray processes, and the check that nothing is left: no mount or
 cgroup, no daemon process, no Ray process, the gateway's port closed.
@@ -311,6 +311,64 @@ def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
         _wait_forgotten(client)
 
 
+def _wait_idle(timeout: float = 20.0) -> None:
+    """Until no node reports an environment or a reservation (kills reach the reports a heartbeat later)."""
+    deadline = time.monotonic() + timeout
+    while any(s.environments or s.cpu_reserved for s in cluster.status() if s.state == "alive"):
+        assert time.monotonic() < deadline, f"the cluster is not idle: {cluster.status()}"
+        time.sleep(0.2)
+
+
+def test_e2b_template_build_through_the_cluster_address(ray_cluster, tmp_path):
+    """e2b.Template.build against the gateway (was 501): the build goes to one
+    node, its COPY upload through the gateway's link (checked there for the
+    node's token), its status polled there; what it built is in the store, so
+    Sandbox.create(alias) starts it on every node, and its id and tags do too
+    (resolved by the template's node); list, tags and delete at the gateway."""
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    c, workers, config, homes = ray_cluster
+    gw = cluster.gateway()
+    nodes = _alive_nodes()
+    headers = {"x-api-key": "e2b_" + gw.api_key}
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "hello.txt").write_text("copied\n")
+    tpl = (e2b.Template(file_context_path=str(ctx)).from_template("t1").copy("hello.txt", "/opt/hello.txt", user="root")
+           .run_cmd("echo built > /opt/built.txt", user="root"))  # fmt: skip
+    with environ(**gw.environ()):
+        info = e2b.Template.build(tpl, "c-built:v1", tags=["stable"], cpu_count=1, memory_mb=256)
+        records = {n: _node_of_home(homes, n) / "e2b" / "templates.json" for n in nodes}
+        held = [n for n, p in records.items() if p.exists() and info.template_id in p.read_text()]
+        assert len(held) == 1, "the template's records are on one node"
+        listed = [t for t in httpx.get(gw.url + "/e2b/templates", headers=headers).json() if t["names"] == ["c-built"]]
+        assert [(t["templateID"], t["buildStatus"]) for t in listed] == [(info.template_id, "ready")]
+        assert e2b.Template.exists("c-built") and not e2b.Template.exists("c-absent")
+        assert {t.tag for t in e2b.Template.get_tags("c-built")} == {"v1", "stable"}
+        others = [n for n in nodes if n != held[0]]
+        for ref, node in [*(("c-built", n) for n in nodes), (info.template_id, None), ("c-built:stable", None)]:
+            _wait_idle()  # the hinted node has room (placement passes a hint over for a node without)
+            sb = e2b.Sandbox.create(ref, timeout=120, metadata={"weenv.node": node} if node else None)
+            try:
+                assert node is None or sb.get_info().metadata["weenv.node"] == node, (ref, cluster.status())
+                assert sb.commands.run("cat /opt/hello.txt /opt/built.txt").stdout == "copied\nbuilt\n", ref
+            finally:
+                sb.kill()
+        with pytest.raises(Exception, match="does not exist"):
+            e2b.Sandbox.create("c-built:nope", timeout=60, metadata={"weenv.node": others[0]})
+        # an upload without the node's token: refused at the gateway before its body (64 KiB for the keyless)
+        up = f"{gw.url}/e2b/templates/{info.template_id}/files/{'0' * 64}/upload"
+        assert httpx.put(up, headers={"x-weenv-upload-token": "x"}, content=b"0" * MiB).status_code == 413
+        assert httpx.put(up, headers={"x-weenv-upload-token": "x"}, content=b"0").status_code == 401
+        assert httpx.delete(f"{gw.url}/e2b/templates/{info.template_id}", headers=headers).status_code == 204
+        assert not e2b.Template.exists("c-built")
+        with pytest.raises(Exception):
+            e2b.Sandbox.create("c-built", timeout=60)
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
 def test_weenv_sdk_and_batch_across_nodes(ray_cluster):
     """weenv.connect_cluster(): weenv.Sandbox as against one node; a batch of
     many templates streamed from every node; one larger than the cluster holds
@@ -318,12 +376,17 @@ def test_weenv_sdk_and_batch_across_nodes(ray_cluster):
     import weenv
 
     c = weenv.connect_cluster()
-    with c.create("t2", resources=SMALL) as sb:
+    with weenv.meter("cluster-batch") as tally, c.create("t2", resources=SMALL) as sb:
         assert sb.commands.run("wc -c < /workspace/b.bin").stdout.strip() == str(24 * MiB)
         data = os.urandom(3 * MiB)  # streamed through the gateway both ways
         assert sb.files.write("/workspace/x", data).size == len(data)
         assert sb.files.read("/workspace/x", format="bytes") == data
         assert weenv.Sandbox.connect(sb.id, api_url=c.url, api_key=c.api_key).info.id == sb.id
+    # the meter's report went to the cluster's address (was 404): kept there, beside the nodes' own seconds
+    tax = c.client().tax()
+    assert [b.name for b in tax.batches] == ["cluster-batch"] and tax.batches[0].environments == 1
+    assert tax.batches[0].phases["create"] == pytest.approx(tally.phases["create"])
+    assert tax.requests["create"] >= 1 and tax.node["create"] > 0  # the node that made it measured it
     # 3 nodes x max_environments=2: a batch of 6 must use all three
     items = [{"template": t, "resources": SMALL.model_dump(), "first_command": False} for t in ("t1", "t2") * 3]
     lines = []
@@ -571,3 +634,60 @@ def test_batches_racing_for_the_room_are_refused_or_queued_never_hung(ray_cluste
                 assert h.delete(f"/v1/environments/{env_id}").status_code == 204
     with ClusterClient() as client:
         _wait_forgotten(client)
+
+
+def test_the_cli_takes_the_cluster_down_and_up_leaving_nothing(ray_cluster):
+    """``weenv cluster status``, ``down`` and ``up`` as a user runs them (each its
+    own process and Ray driver) on the running Ray cluster: ``down`` leaves no
+    node's daemon, mount, weenv actor or gateway; ``status`` then says no
+    cluster is up; ``up`` brings a daemon and actor back on every alive node
+    and the address answers.  (The cluster stays up for the fixture's ``down``
+    and its check that nothing is left.)"""
+    import subprocess
+    import sys
+
+    c, workers, config, homes = ray_cluster
+    environ_ = {**os.environ, "RAY_ADDRESS": c.address, "WEENV_CACHE": str(CACHE)}
+
+    def weenv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "weenv", "cluster", *args], env=environ_, capture_output=True,
+                              text=True, timeout=240)  # fmt: skip
+
+    alive = _alive_nodes()
+    r = weenv("status")
+    assert r.returncode == 0, r.stderr
+    assert all(n[:12] in r.stdout for n in alive) and r.stdout.count("alive") == len(alive), r.stdout
+    gw = cluster.gateway()
+    assert gw.url in r.stderr and gw.api_key in r.stderr
+    pids = {h.name: int(p.read_text()) for h in homes.iterdir()
+            if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()}  # fmt: skip
+    assert len(pids) >= len(alive)
+
+    gone = [s.node_id for s in cluster.status() if s.state == "gone"]  # the node an earlier test killed
+    r = weenv("down")
+    if gone:  # its daemon cannot be reached through Ray: said so, the rest taken down all the same
+        assert r.returncode == 1 and "daemons were not stopped" in r.stderr and gone[0] in r.stderr, r.stderr
+    else:
+        assert r.returncode == 0 and "weenv cluster down" in r.stderr, r.stderr
+    assert not [h for h, p in pids.items() if _alive(p)], "a node's daemon outlived weenv cluster down"
+    assert not [m for m in system_snapshot(homes)["mounts"]], "mounts left under the nodes' homes"
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == cluster.NAMESPACE]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(gw.url + "/v1/health", timeout=5)
+    r = weenv("status")
+    assert r.returncode == 1 and "no weenv cluster runs on this Ray cluster" in r.stderr, (r.stdout, r.stderr)
+    r = weenv("down")
+    assert r.returncode == 0 and "no weenv cluster was up" in r.stderr, r.stderr
+
+    r = weenv("up", "--home", config.home, "--store", config.store, "--gateway-port", "0", "--max-environments", "2")
+    assert r.returncode == 0, r.stderr
+    assert f"weenv cluster up: {len(alive)} nodes" in r.stderr and r.stdout.count("alive") == len(alive), r.stdout
+    status = cluster.status()
+    assert sorted(s.node_id for s in status if s.state == "alive") == sorted(alive)
+    for s in status:
+        assert daemon.is_running(Paths(home=Path(s.home), cache=CACHE, store_url=""))
+    gw = cluster.gateway()
+    assert gw.url in r.stderr
+    assert httpx.get(gw.url + "/v1/health", headers={"x-api-key": gw.api_key}, timeout=10).json()["nodes"] == len(alive)
+    env = dict(line.removeprefix("export ").split("=", 1) for line in weenv("env").stdout.splitlines())
+    assert env["E2B_API_URL"] == gw.url + "/e2b" and env["WEENV_API_KEY"] == gw.api_key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -83,7 +84,8 @@ def _print(nodes) -> None:
         table.add_row(n.node_id[:12], n.state, str(n.environments), str(n.inflight),
                       f"{n.cpu_reserved:g}/{n.cpu_capacity:g}", f"{n.cached_bytes / 1e6:.1f}", age,
                       n.reason or n.home)
-    Console(soft_wrap=True).print(table)
+    # piped (not a terminal): wide enough that no cell is cut (rich would take 80 columns)
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 240).print(table)
 
 
 def _print_gateway(info) -> None:

@@ -17,9 +17,15 @@ environment (:mod:`weenv.cluster.proxy`, streamed both ways)::
              node) -> the node of the sandbox ``E2b-Sandbox-Id`` (or the host
              ``PORT-ID.``) names; a signed URL's signature names it
     templates GET /v1/templates[/{name}] -> any alive node (they read one store)
+    E2B templates /e2b/v3/templates, /e2b/templates/..., /e2b/v2/templates/... (builds,
+             uploads, tags, list) -> the node holding the template; a build to the
+             node placement chooses (:mod:`weenv.cluster.templates`)
     stats    GET  /v1/stats (summed over the alive nodes), /v1/stats/nodes (per node),
              /v1/stats/provision?env=ID (its node), /v1/metrics (every node's,
-             labelled ``node``): :mod:`weenv.cluster.stats`
+             labelled ``node``), /v1/tax (summed; POST /v1/tax: an SDK meter's
+             batch, kept by the gateway): :mod:`weenv.cluster.stats`
+    snapshots GET /v1/snapshots, DELETE /v1/snapshots/{name}, GET /e2b/snapshots
+             -> any alive node (snapshots are in the store)
     ports    a ``PORT-ID.`` host (E2B's ``get_host``), HTTP or WebSocket -> the
              sandbox's node, relayed as is (:mod:`weenv.cluster.ports`)
     health   GET  /v1/health -> {"status": "ok", "cluster": true[, "nodes": N, "environments": N]}
@@ -68,6 +74,7 @@ from weenv.errors import (
     NotFoundError,
     WeenvError,
 )
+from weenv.formats.tax import TaxBatch, TaxReport
 from weenv.node.models import BatchCreateRequest, CreateRequest, NodeStats
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
@@ -76,6 +83,7 @@ from weenv.server.e2b.envd import sandbox_id_in
 from weenv.server.e2b.sandboxes import access_token, token_secret
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from weenv.server.tax import TaxBook
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +192,11 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     ``max_body``, ``max_upload``: bytes of a request body, of a file upload."""
     from weenv.cluster.batch import batch_stream
 
+    from weenv.cluster.templates import TemplateOwners, install_template_routes
+
     client = proxy.new_client(timeouts)
     gw = Gateway(directory, client)
+    owners = TemplateOwners(gw)
 
     async def close_client() -> None:
         await client.aclose()
@@ -199,7 +210,8 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     def credentialed(scope: dict) -> bool:
         headers = Headers(scope=scope)
         # envd's requests carry a sandbox's token, checked before relaying (and by its node)
-        return has_key(headers) or bool(headers.get("x-access-token")) or scope.get("path") in ("/files", "/e2b/envd/files")
+        return (has_key(headers) or bool(headers.get("x-access-token")) or owners.upload_authorised(scope)
+                or scope.get("path") in ("/files", "/e2b/envd/files"))
 
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
 
@@ -276,7 +288,8 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     async def templates(request: Request) -> Response:
         require_key(request)
         route = await gw.any_route()
-        return await proxy.relay(client, request, route, request.url.path, headers=_with_key(request, route, e2b=False))
+        return await proxy.relay(client, request, route, request.url.path,
+                                 headers=proxy.keyed_headers(request, route, e2b=False))
 
     async def per_node(path: str) -> dict[str, httpx.Response]:
         return {route.node_id: answer for route, answer in await gw.fan_out("GET", path, e2b=False)
@@ -299,7 +312,31 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
             raise InvalidInputError("GET /v1/stats/provision at the cluster's address needs ?env=ID: "
                                     "each node provisions its own (its figures: that node's address)")
         route = await gw.route(env)
-        return await proxy.relay(client, request, route, request.url.path, headers=_with_key(request, route, e2b=False))
+        return await proxy.relay(client, request, route, request.url.path,
+                                 headers=proxy.keyed_headers(request, route, e2b=False))
+
+    tax_book = TaxBook()
+
+    @app.post("/v1/tax", status_code=204)
+    async def report_tax(request: Request) -> Response:
+        require_key(request)
+        tax_book.report_batch(_validated(TaxBatch, await json_body(request)))
+        return Response(status_code=204)
+
+    @app.get("/v1/tax")
+    async def tax(request: Request) -> TaxReport:
+        require_key(request)
+        return cluster_stats.summed_tax({n: a.json() for n, a in (await per_node("/v1/tax")).items()},
+                                        tax_book.report().batches)
+
+    @app.get("/v1/snapshots")
+    @app.delete("/v1/snapshots/{name}")
+    @app.get("/e2b/snapshots")
+    async def snapshots(request: Request) -> Response:
+        require_key(request)
+        route = await gw.any_route()
+        return await proxy.relay(client, request, route, request.url.path,
+                                 headers=proxy.keyed_headers(request, route, e2b=is_e2b(request)))
 
     @app.get("/v1/metrics")
     async def metrics(request: Request) -> Response:
@@ -336,7 +373,7 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         route = await gw.route(env_id)
         try:
             response = await proxy.relay(client, request, route, request.url.path,
-                                         headers=_with_key(request, route, e2b=e2b))
+                                         headers=proxy.keyed_headers(request, route, e2b=e2b))
         except DaemonError:
             await gw.route(env_id)  # LostError if its node went meanwhile
             raise
@@ -361,7 +398,8 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         template = data.get("templateID")
         if not isinstance(template, str) or not template:
             raise InvalidInputError("templateID: a template name is required")
-        answer, _ = await gw.create(data, template=template, cpus=None, memory_bytes=None,
+        template = await owners.start_ref(template)  # an E2B template's id or tag: its build's digest
+        answer, _ = await gw.create({**data, "templateID": template}, template=template, cpus=None, memory_bytes=None,
                                     path=request.url.path, e2b=True, id_field="sandboxID")
         return node_answer(answer)
 
@@ -393,6 +431,7 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
 
     app.add_api_route("/e2b/envd/{rest:path}", envd, methods=["GET", "POST"])
     app.add_api_route("/files", envd, methods=["GET", "POST"])  # signed URLs, as on one node
+    install_template_routes(app, gw, owners, require_key)  # E2B's template API: weenv.cluster.templates
 
     from weenv.cluster.ports import ClusterPorts
 
@@ -410,12 +449,6 @@ def _validated(model, data: dict):
         return model.model_validate(data)
     except ValidationError as exc:
         raise InvalidInputError("bad request: " + _describe(exc.errors())) from None
-
-
-def _with_key(request: Request, route: Route, *, e2b: bool) -> list[tuple[bytes, bytes]]:
-    """``request``'s headers with the gateway's key replaced by ``route``'s node's."""
-    return [*proxy.relayed_headers(request, keep_credentials=False),
-            (b"x-api-key", proxy.node_key(route, e2b=e2b).encode())]
 
 
 async def _forked(gw: Gateway, route: Route, response: Response, *, e2b: bool) -> Response:
@@ -436,11 +469,7 @@ async def _e2b_list_v2(gw: Gateway, query: QueryParams) -> Response:
     """E2B's ``GET /v2/sandboxes`` over every node: each node's matches (its
     filters passed on, all its pages), merged in E2B's order (newest first unless
     ``order=asc``), then the page ``limit`` and ``nextToken`` ask."""
-    limit_raw, token = query.get("limit", "100"), query.get("nextToken")
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= 1000:
-        return _e2b_error(400, f"limit: {limit_raw!r} is not a number from 1 to 1000")
-    if token is not None and not token.isdigit():
-        return _e2b_error(400, f"bad nextToken {token!r}")
+    start, limit = page_of(query, max_limit=1000)
     params = {k: v for k, v in query.items() if k not in ("limit", "nextToken")}
     found: list[dict] = []
     for route in await gw.routes():
@@ -459,9 +488,24 @@ async def _e2b_list_v2(gw: Gateway, query: QueryParams) -> Response:
             if not page_token:
                 break
     found.sort(key=lambda s: (s.get("startedAt", ""), s.get("sandboxID", "")), reverse=query.get("order") != "asc")
-    start, limit = int(token or 0), int(limit_raw)
-    response = JSONResponse(found[start : start + limit])
-    if start + limit < len(found):
+    return page_answer(found, start, limit)
+
+
+def page_of(query: QueryParams, *, max_limit: int) -> tuple[int, int]:
+    """``(start, limit)`` of the E2B list page ``query`` asks (``limit``, default 100, at
+    most ``max_limit``; ``nextToken``: the start).  Raises :class:`InvalidInputError`."""
+    limit_raw, token = query.get("limit", "100"), query.get("nextToken")
+    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= max_limit:
+        raise InvalidInputError(f"limit: {limit_raw!r} is not a number from 1 to {max_limit}")
+    if token and not token.isdigit():
+        raise InvalidInputError(f"bad nextToken {token!r}")
+    return int(token or 0), int(limit_raw)
+
+
+def page_answer(items: list, start: int, limit: int) -> JSONResponse:
+    """``items[start : start + limit]``, ``X-Next-Token`` naming the next page if there is one."""
+    response = JSONResponse(items[start : start + limit])
+    if start + limit < len(items):
         response.headers["x-next-token"] = str(start + limit)
     return response
 

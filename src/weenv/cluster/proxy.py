@@ -72,6 +72,11 @@ def relayed_headers(request: Request, *, keep_credentials: bool) -> list[tuple[b
     return [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in drop]
 
 
+def keyed_headers(request: Request, route: Route, *, e2b: bool) -> list[tuple[bytes, bytes]]:
+    """``request``'s headers with the gateway's key replaced by ``route``'s node's."""
+    return [*relayed_headers(request, keep_credentials=False), (b"x-api-key", node_key(route, e2b=e2b).encode())]
+
+
 async def relay(client: httpx.AsyncClient, request: Request, route: Route, path: str, *,
                 headers: list[tuple[bytes, bytes]], body: bytes | None = None) -> Response:
     """Send ``request`` (its method, query string, ``headers``, its body streamed

@@ -5,6 +5,12 @@
   summed over the nodes, maps summed key by key (``groups_mounted``,
   ``chunks``), ``exec_agent_error`` the first node's that has one (its node
   id in front).  ``GET /v1/stats/nodes``: ``{node_id: NodeStats}``.
+- ``GET /v1/tax``: one :class:`~weenv.formats.tax.TaxReport`: each phase's
+  seconds and requests summed over the nodes (what each measured of the
+  requests it served, those relayed by the gateway among them), and the
+  batches SDK meters reported (``POST /v1/tax`` at the gateway, kept there,
+  and those reported to a node directly), oldest first, the newest
+  :data:`~weenv.formats.tax.MAX_BATCHES`.
 - ``GET /v1/metrics``: the Prometheus text of every node, each sample
   labelled ``node="NODE_ID"`` (a family's samples from every node together,
   as the format wants), then the gateway's own ``weenv_cluster_nodes``
@@ -24,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from weenv.formats.tax import MAX_BATCHES, PHASES, TaxBatch, TaxReport
 from weenv.node.models import NodeStats
 
 NODE_LABEL = "node"
@@ -49,6 +56,21 @@ def summed(per_node: dict[str, dict[str, Any]]) -> NodeStats:
     total.setdefault("cache_chunks_fetched", 0)
     total.setdefault("cache_bytes_fetched", 0)
     return NodeStats.model_validate(total)
+
+
+def summed_tax(per_node: dict[str, dict[str, Any]], batches: list[TaxBatch]) -> TaxReport:
+    """One :class:`TaxReport` of the nodes' (``node id -> TaxReport`` as JSON) and the
+    gateway's own ``batches`` (see the module docstring).  Raises pydantic's
+    ``ValidationError`` for a node's report that is not one."""
+    seconds, requests = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0)
+    every = list(batches)
+    for report in map(TaxReport.model_validate, per_node.values()):
+        for phase in PHASES:
+            seconds[phase] += report.node.get(phase, 0.0)
+            requests[phase] += report.requests.get(phase, 0)
+        every.extend(report.batches)
+    every.sort(key=lambda b: b.started_at)
+    return TaxReport(node=seconds, requests=requests, batches=every[-MAX_BATCHES:])
 
 
 class _Families:

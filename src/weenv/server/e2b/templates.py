@@ -20,6 +20,10 @@ Endpoints (paths and JSON as in E2B's public ``spec/openapi.yml``)::
     DELETE /templates/{id}                            -> 204 (cancels its builds, waits until undone)
     GET    /templates/{id}/tags                       -> [TemplateTag]
     POST   /templates/tags, DELETE /templates/tags    assign / remove tags
+    GET    /weenv/templates/{ref}                     -> {"templateID", "template"}: weenv's own, the
+                                                      weenv template digest a create of ``ref`` (ID, NAME,
+                                                      NAME:TAG, NAME:BUILD_ID) starts here (a cluster's
+                                                      gateway asks it of the node holding the template)
 
 Every route but the upload needs the API key (the router's dependency); the
 upload needs the token the files route handed out (``X-Weenv-Upload-Token``),
@@ -133,6 +137,11 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         if t is None or ":" in alias:
             raise E2BError(404, f"template alias {alias!r} not found")
         return {"templateID": t.id, "public": t.public}
+
+    @router.get("/weenv/templates/{ref}")
+    def resolve(ref: str) -> dict:
+        t = found(ref)
+        return {"templateID": t.id, "template": templates.resolve(ref)}  # NotFoundError (404): not ready
 
     @router.post("/v3/templates", status_code=202)
     def request_build(body: TemplateBuildRequestV3) -> dict:

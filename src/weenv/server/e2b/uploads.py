@@ -67,6 +67,45 @@ def upload_route(method: str, path: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
+class UploadTokens:
+    """The upload tokens of the daemon whose token secret is ``secret``
+    (:func:`~weenv.server.e2b.sandboxes.token_secret` of its E2B key): made by
+    its node, checked there and by a cluster's gateway, which knows the
+    node's key (see the module docstring for their form)."""
+
+    def __init__(self, secret: bytes):
+        self._key = hmac.new(secret, b"weenv e2b uploads", hashlib.sha256).digest()
+
+    def _mac(self, template_id: str, files_hash: str, expires: int) -> str:
+        return hmac.new(self._key, f"{template_id}/{files_hash}/{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def token(self, template_id: str, files_hash: str, ttl_s: float) -> str:
+        """A token for the upload of ``files_hash`` for ``template_id``, for ``ttl_s`` seconds."""
+        expires = int(time.time() + ttl_s)
+        return f"{template_id}/{files_hash}/{expires}/{self._mac(template_id, files_hash, expires)}"
+
+    def check(self, token: str | None, template_id: str, files_hash: str) -> None:
+        """Raise :class:`AuthenticationError` unless ``token`` authorises the
+        upload of ``files_hash`` for ``template_id`` now."""
+        parts = (token or "").split("/")
+        if len(parts) != 4 or not parts[2].isdigit() or parts[:2] != [template_id, files_hash] or not hmac.compare_digest(
+                parts[3].encode(errors="surrogateescape"), self._mac(*parts[:2], int(parts[2])).encode()):  # fmt: skip
+            raise AuthenticationError("missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)")
+        if int(parts[2]) < time.time():
+            raise AuthenticationError("the upload token expired (ask GET /templates/{id}/files/{hash} for a new link)")
+
+    def authorises(self, token: str | None, method: str, path: str) -> bool:
+        """Whether ``token`` is a live token for the upload route ``method path`` is."""
+        route = upload_route(method, path)
+        if route is None:
+            return False
+        try:
+            self.check(token, *route)
+        except AuthenticationError:
+            return False
+        return True
+
+
 class Uploads:
     """The uploads under ``directory`` (see the module docstring)."""
 
@@ -75,7 +114,7 @@ class Uploads:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ttl_s, self.max_total, self.max_upload = ttl_s, max_total, max_upload
-        self._secret = hmac.new(secret, b"weenv e2b uploads", hashlib.sha256).digest()
+        self.tokens = UploadTokens(secret)
         self._lock = threading.Lock()
         self._claims: dict[tuple[str, str], float] = {}  # (template id, hash) -> unix time of the claim
         self._holds: dict[str, set[str]] = {}  # hash -> ids of the builds holding it
@@ -93,34 +132,18 @@ class Uploads:
         self._sweeper.start()
 
     # --- tokens -----------------------------------------------------------------------------
-    def _mac(self, template_id: str, files_hash: str, expires: int) -> str:
-        return hmac.new(self._secret, f"{template_id}/{files_hash}/{expires}".encode(), hashlib.sha256).hexdigest()
-
     def token(self, template_id: str, files_hash: str) -> str:
         """A token for the upload of ``files_hash`` for ``template_id``, for ``ttl_s`` seconds."""
-        expires = int(time.time() + self.ttl_s)
-        return f"{template_id}/{files_hash}/{expires}/{self._mac(template_id, files_hash, expires)}"
+        return self.tokens.token(template_id, files_hash, self.ttl_s)
 
     def check_token(self, token: str | None, template_id: str, files_hash: str) -> None:
         """Raise :class:`AuthenticationError` unless ``token`` authorises the
         upload of ``files_hash`` for ``template_id`` now."""
-        parts = (token or "").split("/")
-        if len(parts) != 4 or not parts[2].isdigit() or parts[:2] != [template_id, files_hash] or not hmac.compare_digest(
-                parts[3].encode(errors="surrogateescape"), self._mac(*parts[:2], int(parts[2])).encode()):  # fmt: skip
-            raise AuthenticationError("missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)")
-        if int(parts[2]) < time.time():
-            raise AuthenticationError("the upload token expired (ask GET /templates/{id}/files/{hash} for a new link)")
+        self.tokens.check(token, template_id, files_hash)
 
     def authorises(self, token: str | None, method: str, path: str) -> bool:
         """Whether ``token`` is a live token for the upload route ``method path`` is."""
-        route = upload_route(method, path)
-        if route is None:
-            return False
-        try:
-            self.check_token(token, *route)
-        except AuthenticationError:
-            return False
-        return True
+        return self.tokens.authorises(token, method, path)
 
     # --- files ------------------------------------------------------------------------------
     def path(self, files_hash: str) -> Path | None:
