@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -412,7 +413,9 @@ def test_weenv_sdk_and_batch_across_nodes(ray_cluster):
         t = time.monotonic()
         r = h.post("/v1/environments/batch", json={"items": items + items[:1]})
         assert r.status_code == 503, r.text
-        assert "a batch of 7 environments is more than the cluster can hold now: room for 6" in r.json()["error"]["message"]
+        # the room counted may still lag a node's heartbeat after the deletes (CI saw 5 of 6): at most 6
+        message = r.json()["error"]["message"]
+        assert re.search(r"a batch of 7 environments is more than the cluster can hold now: room for [0-6] ", message)
         assert time.monotonic() - t < 30, "refused, never a hang"
         assert h.get("/v1/environments").json() == []
     made = c.create_many(["t1", "t2"] * 2, resources=SMALL)
