@@ -137,6 +137,30 @@ def test_rebuild_after_changing_the_last_line_runs_only_it(e2bd, base_image, tmp
         sb.kill()
 
 
+def test_a_rebuild_taken_whole_from_the_cache_starts_no_build_environment(e2bd, base_image):
+    """The sudo question (README's "Security model") is answered once per tree:
+    a build whose steps all come from the cache needs no build environment."""
+    token = os.urandom(6).hex()
+
+    def build() -> str:
+        logs: list = []
+        tpl = Template().from_image(base_image).run_cmd(f"echo {token} > /tmp/token")
+        Template.build(tpl, f"t-cached-{token}", on_build_logs=logs.append)
+        [final] = [e.message for e in logs if e.message.startswith("[builder finalize]")]
+        return final
+
+    first = build()
+    assert " 0 build environments" not in first, first
+    again = build()
+    assert "0 steps run" in again and " 0 build environments" in again, again
+    sb = Sandbox.create(f"t-cached-{token}", timeout=60)
+    try:
+        assert sb.commands.run("cat /tmp/token; id -un").stdout.split() == [token, "user"]
+    finally:
+        sb.kill()
+    _quiet_nothing_left(e2bd)
+
+
 def test_from_template_and_async_build(e2bd, base_image):
     import asyncio
 

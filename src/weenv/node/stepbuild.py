@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -189,6 +190,15 @@ def image_digest(ref: str) -> str:
     return hashlib.sha256(proc.stdout).hexdigest()
 
 
+MAX_SUDO_ANSWERS = 1024
+"""How many :meth:`TemplateBuild._has_sudo` answers the process keeps (least recently used dropped)."""
+_SUDO_ANSWERS: "OrderedDict[tuple[tuple[str, ...], str], bool]" = OrderedDict()
+"""(group digests, user) -> whether that tree lets that user run sudo: the
+answer needs a build environment, and a build taken whole from the cache
+gives the same tree again (group digests fix the tree)."""
+_SUDO_LOCK = threading.Lock()
+
+
 def step_key(previous: str, step: Step) -> str:
     """The cache key (64 hex digits) of ``step`` after the step keyed ``previous``."""
     data = {"format": FORMAT, "previous": previous, "type": step.type, "args": step.args,
@@ -275,6 +285,8 @@ class _Session:
         self.process = None
         self.cancelled = threading.Event()
         self._lock = threading.Lock()
+        self.started = 0
+        """How many build environments this build has created."""
 
     def _node(self):
         if self.node is None:
@@ -300,6 +312,7 @@ class _Session:
         info = self._node().create(digest, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False,
                                 sudo=False)
         self.live = (info.id, groups, ids or "0:0")
+        self.started += 1
         return info.id
 
     def fs(self) -> RootFS:
@@ -456,12 +469,22 @@ class TemplateBuild:
         account = state.account
         if account.uid == 0:
             return False
+        key = (state.groups, account.name)
+        with _SUDO_LOCK:
+            if key in _SUDO_ANSWERS:
+                _SUDO_ANSWERS.move_to_end(key)
+                return _SUDO_ANSWERS[key]
         self.session.env(state.groups)
         fs = self.session.fs()
         try:
-            return fs.exists(f"/etc/sudoers.d/{account.name}") and bool(fs.stat("/usr/bin/sudo").mode & 0o4000)
+            answer = fs.exists(f"/etc/sudoers.d/{account.name}") and bool(fs.stat("/usr/bin/sudo").mode & 0o4000)
         except (NotFoundError, InvalidInputError):
-            return False
+            answer = False
+        with _SUDO_LOCK:
+            _SUDO_ANSWERS[key] = answer
+            while len(_SUDO_ANSWERS) > MAX_SUDO_ANSWERS:
+                _SUDO_ANSWERS.popitem(last=False)
+        return answer
 
     def _base(self, ran: list[str], cached: list[str]) -> tuple[str, _State, Context]:
         spec, log = self.spec, self.log
@@ -600,5 +623,6 @@ class TemplateBuild:
         manifest = TemplateManifest(name=self.name, groups=list(state.groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(manifest))
         self.log(f"[builder finalize] template {self.name}: {len(state.groups)} groups, user {ctx.user}, "
-                 f"{len(ran)} steps run, {len(cached)} from the cache", step="finalize")  # fmt: skip
+                 f"{len(ran)} steps run, {len(cached)} from the cache, {self.session.started} build environments",
+                 step="finalize")  # fmt: skip
         return BuildOutcome(digest, manifest, ran, cached)
