@@ -5,6 +5,8 @@ Real runc containers on an overlay over the cached Debian tree; no mocks.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import statistics
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, ToolMissingError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.host.rootfs import RootFS
@@ -27,7 +29,7 @@ from weenv.node.bundle import (
     write_bundle,
 )
 from weenv.node.cgroups import open_cgroups
-from weenv.node.runc import INIT_PID_FILE, Runc
+from weenv.node.runc import INIT_PID_FILE, MEMFD_SEALS, Runc
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -384,6 +386,35 @@ def test_runc_failures(runc, tmp_path):
         runc.create("x", tmp_path / "nobundle")
     with pytest.raises(NotFoundError):
         runc.start("nope")
+
+
+def test_runc_runs_from_a_sealed_copy_of_its_binary(env, runc):
+    """Every runc call runs a memfd copy sealed as runc's own check wants it
+    (all four seals: else each runc init copies its binary again), holding the
+    binary's bytes, unwritable; closing frees it, and a missing binary still
+    gives ToolMissingError."""
+    path = runc.executable.path()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == MEMFD_SEALS
+        assert os.readlink(path).startswith("/memfd:")
+        with open(RUNC, "rb") as f:
+            assert hashlib.sha256(f.read()).digest() == hashlib.sha256(os.read(fd, 64 << 20)).digest()
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        with pytest.raises(PermissionError):  # F_SEAL_WRITE
+            os.write(fd, b"x")
+    finally:
+        os.close(fd)
+    assert env.sh("echo ok").stdout == b"ok\n"  # run and exec went through it
+    runc.close()
+    assert not os.path.exists(path)
+    assert runc.state(env.id)["status"] == "running"  # made again on the next call
+    missing = Runc(runc.root, "weenv-no-such-runc")
+    with pytest.raises(ToolMissingError):
+        missing.list()
 
 
 # --- rootfs in a running environment ------------------------------------------------------

@@ -319,6 +319,7 @@ class Node:
                 self.captures.close()
                 self.disk.close()  # every environment is gone: its directory, subvolume and overlay
                 self.containers.dns.close()
+                self.runc.close()
             finally:
                 self.admission.started = False
                 self.home.release()

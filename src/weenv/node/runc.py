@@ -22,6 +22,14 @@ node does not use it, it runs commands through its exec agent or
 :meth:`Runc.spawn`, with bounded pipes) and a file or /dev/null as stdin.
 Cost: ~15 ms of interpreter start per command on top of runc's ~20 ms.
 
+Which runc runs: a sealed in-memory copy of the binary (:class:`SealedBinary`),
+made once per :class:`Runc`.  Every ``runc init`` (the process that becomes a
+container's first process, for each ``run``, ``create`` and ``exec``) checks
+that it runs from a sealed memfd (runc 1.1 ``libcontainer/nsenter/cloned_binary.c``,
+the CVE-2019-5736 fix) and otherwise copies its own ~9 MB binary into a new
+one and executes itself again first: a copy and an execve per container
+start, which a binary sealed ahead already satisfies.
+
 :meth:`Runc.spawn` is the Popen-based variant for streamed and background
 commands: the same helper, with pipes for stdout and stderr (and optionally
 stdin), returning at once (a :class:`RuncSpawned`); the helper also writes
@@ -33,6 +41,7 @@ runtime process per command) is not there.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -42,6 +51,7 @@ import signal as signals
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -115,17 +125,84 @@ def runc_message(stderr: str) -> str:
     return "; ".join(msgs) if msgs else stderr.strip()
 
 
+MEMFD_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+"""The seals runc 1.1 takes as "already cloned" (``RUNC_MEMFD_SEALS``: all four, exactly)."""
+
+
+class SealedBinary:
+    """A read-only in-memory copy of an executable, run by its path ``/proc/PID/fd/N``.
+
+    ``path()``: that path, the copy made on first use (a memfd, ``MFD_CLOEXEC``:
+    no child inherits the descriptor; the kernel resolves the path through
+    this process's table), again after a fork (the path names the process
+    that made it); ``binary`` itself (found through ``PATH``) when no copy can be
+    made (no such binary: running it then fails as it would have).  The
+    copy is sealed against every change (:data:`MEMFD_SEALS`), so what runs
+    is the binary as it was when it was copied: a runc upgraded on disk is
+    run from the next :class:`Runc` on."""
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid = 0
+
+    def path(self) -> str:
+        with self._lock:
+            if self._fd is None or self._pid != os.getpid():
+                found = shutil.which(self.binary)
+                if found is None:
+                    return self.binary
+                try:
+                    self._fd, self._pid = _sealed_copy(Path(found)), os.getpid()
+                except OSError:  # no memfd here: run the file (runc copies itself then)
+                    return found
+            return f"/proc/{self._pid}/fd/{self._fd}"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd = None
+
+
+def _sealed_copy(path: Path) -> int:
+    """A sealed memfd holding the file ``path`` (its descriptor).  Raises :class:`OSError`."""
+    fd = os.memfd_create(path.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(path, "rb") as src:
+            size = os.fstat(src.fileno()).st_size
+            done = 0
+            while done < size:
+                n = os.sendfile(fd, src.fileno(), done, size - done)
+                if n == 0:
+                    raise OSError(f"{path} shrank while it was copied")
+                done += n
+        os.fchmod(fd, 0o555)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Runc:
     """runc with its state in ``root`` (``runc --root``).
 
-    ``binary``: the runc executable; ``command_timeout``: seconds after which a
-    control command (create, start, state, list, kill, delete) counts as hung.
+    ``binary``: the runc executable (run as a sealed copy, see the module doc);
+    ``command_timeout``: seconds after which a control command (create,
+    start, state, list, kill, delete) counts as hung.
     """
 
     def __init__(self, root: Path, binary: str = "runc", *, command_timeout: float = 60.0):
         self.root = Path(root)
         self.binary = binary
         self.command_timeout = command_timeout
+        self.executable = SealedBinary(binary)
+
+    def close(self) -> None:
+        """Free the sealed copy of the binary (a later call makes it again)."""
+        self.executable.close()
 
     # --- container lifecycle ---------------------------------------------------------
     def create(self, container_id: str, bundle: Path, *, stdin: int | None = None) -> None:
@@ -383,7 +460,7 @@ class Runc:
         raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
 
     def _argv(self, *args: str) -> list[str]:
-        return [self.binary, "--root", str(self.root), *args]
+        return [self.executable.path(), "--root", str(self.root), *args]
 
     def _run(self, *args: str, cid: str | None = None, timeout: float | None = None) -> str:
         timeout = self.command_timeout if timeout is None else timeout
