@@ -69,6 +69,15 @@ def test_quick_start_benchmark_weenv_against_docker(
                 assert r["daemon_cpu_s"] >= 0 and r["daemon_peak_bytes"] > 0
     assert {r["template"] for r in written["table"]} == {"start-quick"} == {t["name"] for t in written["templates"]}
     assert any("3 GB" in n for n in written["not_run"])  # quick: no large template
+    # cold starts as built (tree layout), then with the groups republished by weenv update --profile
+    cold = {r["layout"]: r for r in written["table"]
+            if r["system"] == "weenv" and r["kind"] == "cold" and r["concurrency"] == 1}  # fmt: skip
+    assert set(cold) == {"tree", "profile"} and s["cold_p50_s"] == cold["profile"]["p50_s"]
+    assert s["cold_p50_tree_layout_s"] == cold["tree"]["p50_s"] and s["cold_phases_p50_s"] == cold["profile"]["phases_p50_s"]
+    for r in cold.values():  # the create's phases and the time to the first output after it
+        phases = r["phases_p50_s"]
+        assert {"manifest_s", "groups_s", "overlay_s", "runtime_s", "create_s", "command_s", "demand_chunks"} <= set(phases)
+        assert 0 < phases["create_s"] < r["p50_s"] * 2 and phases["runtime_s"] > 0
     assert rows[("weenv", "warm", 1)]["bytes_fetched"] == 0  # warm: nothing fetched
     # warm x1 right after cold x1: the second create fills the warm pool, the third starts that one
     assert rows[("weenv", "warm", 1)]["pooled_starts"] >= 1 and rows[("weenv", "warm", 1)]["pool_size"] == 1

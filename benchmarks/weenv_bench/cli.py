@@ -67,15 +67,21 @@ def start(
     concurrency: Optional[list[int]] = typer.Option(None, help="concurrency levels (repeat; default 1 16 [64])"),
     large: Optional[bool] = typer.Option(None, "--large/--no-large",
                                          help="also the ~3 GB template, at concurrency 1 (default: unless --quick)"),
+    docker: bool = typer.Option(True, "--docker/--no-docker", help="measure Docker too (pull + run: minutes)"),
+    layout: Optional[list[str]] = typer.Option(None, help="group layouts to measure, in order (repeat; "
+                                               "default tree, then profile: weenv update --profile)"),
+    commands: Optional[list[str]] = typer.Option(None, "--command", help="first commands besides echo "
+                                                 "(repeat; default numpy)"),
 ) -> None:
     """Time to a new environment's first output, cold and warm: weenv against Docker.
 
     Weenv (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
-    from weenv_bench.start import run
+    from weenv_bench.start import LAYOUTS, run
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
-                 large=large, log=err.print)
+                 large=large, docker=docker, layouts=tuple(layout) if layout else LAYOUTS,
+                 commands=tuple(commands) if commands is not None else ("numpy",), log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -115,6 +115,12 @@ DOCKER_BASE = "weenv-bench/start-base"
 DOCKERFILE = "FROM {base}\nCOPY packages/ /\n"
 NO_POOL = "warm-no-pool"
 """The kind of the rows of warm starts with weenv's warm pool off."""
+LAYOUTS = ("tree", "profile")
+"""The group layouts measured by default, in order: ``tree`` (groups as built:
+files in tree order), then ``profile`` (each group whose data the first start
+read republished by ``weenv update --profile``: those files first, in access
+order).  Cold starts are measured in both; warm starts, concurrency above 1
+and the exec round trip in the last one, which the summary reports."""
 SUMMARY_KEYS = ("cold_p50_s", "warm_p50_s", "docker_cold_p50_s", "docker_warm_p50_s", "cold_ratio",
                 "fetched_fraction", "exec_p50_s")  # fmt: skip
 
@@ -279,14 +285,51 @@ def _released_together(n: int, start) -> list:
 
 
 # --- weenv side ----------------------------------------------------------------------------
+PHASES = ("manifest_s", "groups_s", "overlay_s", "runtime_s", "create_s", "command_s", "prefetch_begin_s",
+          "prefetch_end_s", "pack_chunks", "demand_chunks")  # fmt: skip
+"""The phases of one start a row reports (p50 over its starts; seconds unless named otherwise):
+the create's own (:class:`~weenv.node.models.CreateTiming`: manifests, group
+mounts, overlay, runc; ``create_s`` the whole create), ``command_s`` from the
+create's return to the first output (spawn, the agent, the command), the
+background prefetch job's start and end measured from the request
+(``prefetch_end_s``: every chunk of the profile cached) and the chunks it
+cached from the pack (only for starts whose job still ran when the create
+returned: a job that ended before is gone from the node's table), and the
+chunks demand reads fetched by the first output."""
+
+
+def _demand_chunks(node) -> int:
+    s = node.cache.stats()
+    return s.chunks_fetched - s.chunks_prefetched
+
+
+def _with_prefetch(r: dict) -> dict:
+    """One start's phases with its prefetch job's (after it settled)."""
+    phases, job = dict(r["phases"]), r["job"]
+    phases["demand_chunks"] = r["demand_chunks"]
+    if job is not None:
+        phases["prefetch_begin_s"] = job.started - r["t0"]
+        if job.ended is not None:
+            phases["prefetch_end_s"] = job.ended - r["t0"]
+        phases["pack_chunks"] = job.from_pack
+    return phases
+
+
+def _phase_medians(phases: list[dict]) -> dict:
+    out = {}
+    for k in PHASES:
+        values = [p[k] for p in phases if p.get(k) is not None]
+        if values:
+            v = statistics.median(values)
+            out[k] = round(v, 4) if k.endswith("_s") else v
+    return out
+
+
 class _WeenvSide:
-    def __init__(self, node, template: str, stored_bytes: int, log):
-        self.node, self.template, self.stored_bytes, self.log = (
-            node,
-            template,
-            stored_bytes,
-            log,
-        )
+    def __init__(self, node, template: str, stored_bytes: int, log, layout: str = "tree"):
+        self.node, self.template, self.stored_bytes, self.log = node, template, stored_bytes, log
+        self.layout = layout
+        """How the template's groups lay out their files: ``tree`` (as built) or ``profile``."""
 
     def start(self, command: str = MAIN_COMMAND) -> dict:
         """One start: create, spawn the first command, wait for its first output."""
@@ -295,13 +338,15 @@ class _WeenvSide:
         argv, expect = COMMANDS[command]
 
         node = self.node
-        t0 = time.perf_counter()
+        demand0 = _demand_chunks(node)
+        t0, m0 = time.perf_counter(), time.monotonic()
         info = node.create(
             self.template,
             first_command=False,
             resources=Resources(cpus=float(os.cpu_count() or 1)),
         )
         created = time.perf_counter() - t0
+        job = node.prefetch.job(info.id)
         p = node.spawn(info.id, argv, primary_reader=True)
         first, out, err, code = None, b"", b"", None
         for ev in p.log.follow(p.primary):
@@ -309,6 +354,7 @@ class _WeenvSide:
                 if first is None:
                     first = time.perf_counter() - t0
                     fetched = node.cache.bytes_fetched
+                    demand = _demand_chunks(node) - demand0
                 out += ev.data or b""
             elif ev.type == "stderr":
                 err += ev.data or b""
@@ -318,8 +364,12 @@ class _WeenvSide:
             raise RuntimeFailedError(
                 f"first command in weenv failed (exit {code}): {err.decode(errors='replace')[-600:]}"
             )
+        t = info.timing
+        phases = {"manifest_s": t.manifest_s, "groups_s": t.groups_s, "overlay_s": t.overlay_s,
+                  "runtime_s": t.runtime_s, "create_s": created, "command_s": first - created}  # fmt: skip
         return {"env": info.id, "seconds": first, "create_s": created, "fetched_at": fetched,
-                "output": out.decode().strip(), "pooled": info.timing.pooled}  # fmt: skip
+                "output": out.decode().strip(), "pooled": t.pooled, "phases": phases, "job": job, "t0": m0,
+                "demand_chunks": demand}  # fmt: skip
 
     def destroy(self, env_id: str) -> None:
         job = self.node.prefetch.job(env_id)
@@ -340,7 +390,7 @@ class _WeenvSide:
     ) -> dict:
         """``rounds`` rounds of ``concurrency`` starts released together; cold
         rounds drop caches first."""
-        times, fetched_first, fetched_total, pooled = [], [], [], 0
+        times, fetched_first, fetched_total, pooled, phases = [], [], [], 0, []
         with _SelfMeter() as meter:
             loads = [loadavg()]
             for _ in range(rounds):
@@ -352,6 +402,7 @@ class _WeenvSide:
                 pooled += sum(r["pooled"] for r in results)
                 fetched_first.append(max(r["fetched_at"] for r in results) - before)
                 self.settle([r["env"] for r in results])
+                phases += [_with_prefetch(r) for r in results]
                 fetched_total.append(self.node.cache.bytes_fetched - before)
                 for r in results:
                     self.destroy(r["env"])
@@ -363,11 +414,14 @@ class _WeenvSide:
             "fetched_fraction": round(statistics.median(fetched_first) / self.stored_bytes, 4),
             "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
             "direct_mounts": len(self.node.groups.mounted_directly()),
-            "pooled_starts": pooled, "pool_size": self.node.pool.size,
+            "pooled_starts": pooled, "pool_size": self.node.pool.size, "layout": self.layout,
+            "phases_p50_s": _phase_medians(phases),
             "loadavg": loads, "times_s": [round(t, 4) for t in times],
         }  # fmt: skip
-        self.log(f"weenv {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s, "
-                 f"fetched {row['bytes_fetched'] / 1e6:.1f} MB")  # fmt: skip
+        self.log(f"weenv {command} {kind} x{concurrency} ({self.layout} layout): p50 {row['p50_s']:.3f} s, "
+                 f"p99 {row['p99_s']:.3f} s, fetched {row['bytes_fetched'] / 1e6:.1f} MB; phases p50 "
+                 + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" if k.endswith("_s") else f"{k} {v}"
+                             for k, v in row["phases_p50_s"].items()) + " (ms)")  # fmt: skip
         return row
 
     def exec_rtt(self, runs: int) -> dict:
@@ -512,7 +566,8 @@ def _registry_image_bytes(registry, repository: str, tag: str) -> int:
 def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
         concurrency: tuple[int, ...] | None = None, cold_runs: int | None = None,
         warm_runs: int | None = None, exec_runs: int | None = None, commands: tuple[str, ...] = ("numpy",),
-        large: bool | None = None, log=print) -> dict:  # fmt: skip
+        large: bool | None = None, docker: bool = True, layouts: tuple[str, ...] = LAYOUTS,
+        log=print) -> dict:  # fmt: skip
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
@@ -520,7 +575,9 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     ``concurrency``: levels (default 1, 16, and 64 unless ``quick``).
     ``cold_runs``/``warm_runs``: rounds at concurrency 1 (higher levels run one
     round each).  ``large``: also the ~3 GB template (:data:`LARGE_WHEELS`), at
-    concurrency 1 only (default: unless ``quick``).  ``work``: directory for
+    concurrency 1 only (default: unless ``quick``).  ``docker``: measure Docker
+    too (False: weenv alone, no dockerd; the Docker figures are None).
+    ``layouts``: the group layouts measured, in order (:data:`LAYOUTS`).  ``work``: directory for
     the stores, the node's home and the build context (default: a temporary
     one, removed).  Raises :class:`ToolMissingError` without docker.io /
     docker-registry / debootstrap, :class:`RuntimeFailedError` if a build, push
@@ -542,6 +599,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     if any(c not in COMMANDS for c in extra):
         raise InvalidInputError(f"unknown first command; known: {sorted(COMMANDS)}")
     large = not quick if large is None else large
+    if not layouts or any(x not in LAYOUTS for x in layouts) or len(set(layouts)) != len(layouts):
+        raise InvalidInputError(f"layouts: want distinct names of {LAYOUTS} (the first one is built)")
     env_paths = Paths.from_env()
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-start-"))
@@ -554,20 +613,24 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             plan.append(("start-3g", LARGE_WHEELS, (1,), ()))
         with contextlib.ExitStack() as stack:
             registry = stack.enter_context(Registry(work / "registry"))
-            dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
-            services = {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
-                        "dockerd_cgroup_parent": dockerd.cgroup_parent, "registry_pid": registry.pid}  # fmt: skip
+            services = {"registry_pid": registry.pid}
+            dockerd = None
+            if docker:
+                dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
+                services |= {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
+                             "dockerd_cgroup_parent": dockerd.cgroup_parent}  # fmt: skip
             measured = [
                 _measure_template(name, base_tree, wheels, lv, ex, runs, registry=registry, dockerd=dockerd,
-                                  work=work / name, env_paths=env_paths, log=log)
+                                  work=work / name, env_paths=env_paths, log=log, layouts=layouts, docker=docker)
                 for name, wheels, lv, ex in plan
             ]  # fmt: skip
         main = measured[0]
         rows = [r for m in measured for r in m["rows"]]
 
-        def row(system: str, kind: str, c: int = 1) -> dict:
-            return next(r for r in main["rows"] if r["system"] == system and r["kind"] == kind
-                        and r["concurrency"] == c and r["command"] == MAIN_COMMAND)  # fmt: skip
+        def row(system: str, kind: str, c: int = 1, layout: str | None = layouts[-1]) -> dict:
+            return next((r for r in main["rows"] if r["system"] == system and r["kind"] == kind
+                         and r["concurrency"] == c and r["command"] == MAIN_COMMAND
+                         and (system != "weenv" or r["layout"] == layout)), {})  # fmt: skip
 
         cold, warm, no_pool = row("weenv", "cold"), row("weenv", "warm"), row("weenv", NO_POOL)
         d_cold, d_warm = row("docker", "cold"), row("docker", "warm")
@@ -575,14 +638,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             "benchmark": "start",
             "summary": {
                 "cold_p50_s": cold["p50_s"],
+                **{f"cold_p50_{lay}_layout_s": row("weenv", "cold", layout=lay)["p50_s"] for lay in layouts},
+                "cold_phases_p50_s": cold["phases_p50_s"],
                 "warm_p50_s": warm["p50_s"],
                 "warm_no_pool_p50_s": no_pool["p50_s"],
-                "docker_cold_p50_s": d_cold["p50_s"],
-                "docker_warm_p50_s": d_warm["p50_s"],
-                "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1),
+                "docker_cold_p50_s": d_cold.get("p50_s"),
+                "docker_warm_p50_s": d_warm.get("p50_s"),
+                "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1) if d_cold else None,
                 "fetched_fraction": cold["fetched_fraction"],
                 "exec_p50_s": main["exec"][0]["p50_s"],
-                "docker_exec_p50_s": main["exec"][1]["p50_s"],
+                "docker_exec_p50_s": main["exec"][1]["p50_s"] if docker else None,
                 "template": main["template"]["name"],
                 "template_bytes": main["template"]["image_bytes"],
             },
@@ -611,7 +676,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             },
             "levels": list(levels),
             "not_run": ([] if 64 in levels else ["concurrency 64 (quick mode or not requested)"])
-            + ([] if large else ["the ~3 GB template (quick mode or not requested)"]),
+            + ([] if large else ["the ~3 GB template (quick mode or not requested)"])
+            + ([] if docker else ["Docker (not requested)"]),
             "docker_services": services,
             "load": {"start": load_start, "end": loadavg(), "uptime": _uptime()},
             "seconds": round(time.monotonic() - t_run, 1),
@@ -639,7 +705,7 @@ class _Runs:
 
 def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], levels: tuple[int, ...],
                       extra: tuple[str, ...], runs: _Runs, *, registry, dockerd, work: Path,
-                      env_paths: Paths, log) -> dict:  # fmt: skip
+                      env_paths: Paths, log, layouts: tuple[str, ...] = LAYOUTS, docker: bool = True) -> dict:  # fmt: skip
     """Build template ``name`` (the Debian tree + ``wheels``) for both systems,
     publish both to ``registry``, and measure both; return ``{"rows", "exec",
     "template", "publish"}`` (rows carry ``template``).  The node, the build
@@ -681,6 +747,59 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         log(f"weenv: copied {copied.bytes_copied / 1e6:.0f} MB to the registry in {weenv_push_s:.1f} s")
         shutil.rmtree(work / "filestore", ignore_errors=True)
 
+        # weenv phases
+        paths = Paths(home=work / "home", cache=env_paths.cache, store_url=oci.url)
+        node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"))
+        node.start()
+        stack.callback(node.close)
+        side = _WeenvSide(node, name, stored_bytes, log)
+        trees = {"base": base_tree, "packages": pkgs}
+
+        def record() -> dict:  # a template's first start: it records its prefetch profile
+            first = side.start()
+            side.settle([first["env"]])
+            side.destroy(first["env"])
+            node.prefetch.wait_published()
+            return first
+
+        for i, layout in enumerate(layouts):
+            side.layout = layout
+            with _SelfMeter() as meter:
+                if layout == "profile":  # the user's path: weenv update --profile, group by group
+                    t = time.monotonic()
+                    side.template, side.stored_bytes, first = _relayout(oci, name, trees, paths, record)
+                    log(f"weenv: groups laid out by the recorded profile (weenv update --profile) and "
+                        f"started once in {time.monotonic() - t:.1f} s")  # fmt: skip
+                else:
+                    first = record()
+            if first is None:
+                raise RuntimeFailedError(f"the prefetch profile of {name} read no group's data: nothing to lay out")
+            rows.append({"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1,
+                         **_stats([first["seconds"]]), "bytes_fetched": first["fetched_at"],
+                         "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+                         "layout": layout, "note": "no prefetch profile yet (it records one)"})  # fmt: skip
+            log(f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s")
+            last = i == len(layouts) - 1
+            for c in levels if last else levels[:1]:
+                rows.append(side.phase("cold", c, runs.cold if c == 1 else 1))
+                if not last:
+                    continue
+                rows.append(side.phase("warm", c, runs.warm if c == 1 else 1))
+                if c == 1:  # the same warm starts without the warm pool: every one runs runc run
+                    pool_size = node.pool.size
+                    node.pool.configure(size=0)
+                    rows.append(side.phase(NO_POOL, 1, runs.warm))
+                    node.pool.configure(size=pool_size)
+            for command in extra:
+                rows.append(side.phase("cold", 1, runs.extra_cold, command))
+                if last:
+                    rows.append(side.phase("warm", 1, runs.warm, command))
+        execs.append(side.exec_rtt(runs.exec))
+        node.close()
+        if not docker:
+            return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, None, content,
+                                    first, extra, weenv_build_s, weenv_push_s, copied, None, None)
+
         # Docker: import + build + push the same trees
         t = time.monotonic()
         dockerd.import_tree(base_tree, DOCKER_BASE)
@@ -702,50 +821,26 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
             f"push {docker_push_s:.1f} s)")  # fmt: skip
         shutil.rmtree(context, ignore_errors=True)
 
-        docker = _DockerSide(dockerd, ref, image_bytes, log)
-        docker.remove_images()
-
-        # weenv phases
-        paths = Paths(home=work / "home", cache=env_paths.cache, store_url=oci.url)
-        node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"))
-        node.start()
-        stack.callback(node.close)
-        side = _WeenvSide(node, name, stored_bytes, log)
-        with _SelfMeter() as meter:
-            first = side.start()
-            side.settle([first["env"]])
-            side.destroy(first["env"])
-            node.prefetch.wait_published()
-        rows.append({"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1,
-                     **_stats([first["seconds"]]), "bytes_fetched": first["fetched_at"],
-                     "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
-                     "note": "no prefetch profile yet (it records one)"})  # fmt: skip
-        log(f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s")
-        for c in levels:
-            rows.append(side.phase("cold", c, runs.cold if c == 1 else 1))
-            rows.append(side.phase("warm", c, runs.warm if c == 1 else 1))
-            if c == 1:  # the same warm starts without the warm pool: every one runs runc run
-                pool_size = node.pool.size
-                node.pool.configure(size=0)
-                rows.append(side.phase(NO_POOL, 1, runs.warm))
-                node.pool.configure(size=pool_size)
-        for command in extra:
-            rows.append(side.phase("cold", 1, runs.extra_cold, command))
-            rows.append(side.phase("warm", 1, runs.warm, command))
-        execs.append(side.exec_rtt(runs.exec))
-        node.close()
+        dside = _DockerSide(dockerd, ref, image_bytes, log)
+        dside.remove_images()
 
         # Docker phases
         for c in levels:
-            rows.append(docker.phase("cold", c, max(1, runs.cold - 1) if c == 1 else 1))
-            rows.append(docker.phase("warm", c, runs.warm if c == 1 else 1))
+            rows.append(dside.phase("cold", c, max(1, runs.cold - 1) if c == 1 else 1))
+            rows.append(dside.phase("warm", c, runs.warm if c == 1 else 1))
         for command in extra:
-            rows.append(docker.phase("cold", 1, runs.extra_cold, command))
-            rows.append(docker.phase("warm", 1, runs.warm, command))
-        execs.append(docker.exec_rtt(max(10, runs.exec // 3)))
-        docker.remove_images()
+            rows.append(dside.phase("cold", 1, runs.extra_cold, command))
+            rows.append(dside.phase("warm", 1, runs.warm, command))
+        execs.append(dside.exec_rtt(max(10, runs.exec // 3)))
+        dside.remove_images()
         dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
 
+    return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content,
+                            first, extra, weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s)
+
+
+def _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content, first, extra,
+                     weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s) -> dict:  # fmt: skip
     for r in rows:
         r["template"] = name
     return {
@@ -763,10 +858,41 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
             "weenv_build_s": round(weenv_build_s, 2),
             "weenv_copy_to_registry_s": round(weenv_push_s, 2),
             "weenv_bytes_copied": copied.bytes_copied,
-            "docker_import_build_s": round(docker_build_s, 2),
-            "docker_push_s": round(docker_push_s, 2),
+            "docker_import_build_s": None if docker_build_s is None else round(docker_build_s, 2),
+            "docker_push_s": None if docker_push_s is None else round(docker_push_s, 2),
         },
     }
+
+
+def _relayout(store, name: str, trees: dict, paths, record) -> tuple[str, int, dict]:
+    """Republish template ``name``'s groups (``trees``: group name -> its
+    tree) with their files laid out by its recorded prefetch profile, as a
+    user would (``weenv update NAME -c GROUP --from-dir TREE --profile``, one
+    group at a time, bottom up; each update makes a new template, whose first
+    start, ``record()``, records its own profile for the next).  Groups whose
+    data the profile did not read stay as they are.  Returns the final
+    template's digest, its stored bytes and its first start's result (None if
+    no group changed).  Raises :class:`RuntimeFailedError` without a profile."""
+    from weenv.packaging.group import load_group
+    from weenv.packaging.layout import startup_files
+    from weenv.packaging.profile import load_profile
+    from weenv.packaging.template import load_template
+    from weenv.packaging.update import update_component
+
+    first = None
+    for component, tree in trees.items():
+        digest, manifest = load_template(store, name)
+        profile = load_profile(store, digest)
+        if profile is None:
+            raise RuntimeFailedError(f"template {name} ({digest}) has no prefetch profile to lay out by")
+        index = [load_group(store, g).name for g in manifest.groups].index(component)
+        group = manifest.groups[index]
+        if not startup_files(store, group, load_group(store, group), profile):
+            continue  # its data was not read at the start: its layout does not matter
+        update_component(store, name, component, tree, paths=paths, profile=True)
+        first = record()
+    digest, manifest = load_template(store, name)
+    return digest, sum(load_group(store, g).stored_size for g in manifest.groups), first
 
 
 def _uptime() -> str:
@@ -788,16 +914,17 @@ def plot(result: dict, png: Path) -> None:
     rows = [r for r in result["table"] if r["kind"] in ("cold", "warm", NO_POOL)]
     order = {t["name"]: i for i, t in enumerate(result.get("templates", [result["template"]]))}
     labels = sorted(
-        {(r.get("template", ""), r["command"], r["kind"], r["concurrency"]) for r in rows},
-        key=lambda k: (order.get(k[0], 0), k[1] != MAIN_COMMAND, k[1], k[2], k[3]),
+        {(r.get("template", ""), r["command"], r["kind"], r["concurrency"], r.get("layout", "")) for r in rows},
+        key=lambda k: (order.get(k[0], 0), k[1] != MAIN_COMMAND, k[1], k[2], k[3], k[4]),
     )
     fig, ax = plt.subplots(figsize=(max(9, 0.8 * len(labels)), 4.8))
     width = 0.38
     for j, (system, color) in enumerate((("weenv", "#2a7"), ("docker", "#27a"))):
         xs, p50, err = [], [], []
-        for i, (template, command, kind, c) in enumerate(labels):
+        for i, (template, command, kind, c, layout) in enumerate(labels):
             r = next((r for r in rows if r["system"] == system and r.get("template", "") == template
-                      and r["kind"] == kind and r["concurrency"] == c and r["command"] == command), None)  # fmt: skip
+                      and r["kind"] == kind and r["concurrency"] == c and r["command"] == command
+                      and (system != "weenv" or r.get("layout", "") == layout)), None)  # fmt: skip
             if r is None:
                 continue
             xs.append(i + (j - 0.5) * width)
@@ -820,7 +947,7 @@ def plot(result: dict, png: Path) -> None:
                 va="bottom",
                 fontsize=7,
             )
-    ax.set_xticks(range(len(labels)), [f"{t.removeprefix('start-')}\n{cmd}\n{k} x{c}" for t, cmd, k, c in labels],
+    ax.set_xticks(range(len(labels)), [f"{t.removeprefix('start-')}\n{cmd}\n{k} x{c}\n{lay}" for t, cmd, k, c, lay in labels],
                   fontsize=7)  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylabel("time to first output, s (p50; whisker p99)")

@@ -409,7 +409,8 @@ class Node:
             # chunks flow while the manifests load (not on a node that refuses new environments)
             if c.prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest):
                 undo.callback(self.prefetch.cancel, env_id)
-            manifest, group_manifests = self.resolver.load(digest)
+            # its profile names its groups: their manifests load beside the template's
+            manifest, group_manifests = self.resolver.load(digest, self.prefetch.known_groups(digest))
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
             # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)

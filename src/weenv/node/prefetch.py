@@ -437,6 +437,14 @@ class Prefetcher:
         except StoreUnavailableError:
             return None
 
+    def known_groups(self, template_digest: str) -> list[str]:
+        """The group digests of ``template_digest``'s profile if this node
+        holds it already, else [] (never a store request): a hint for loading
+        its manifests (:meth:`weenv.node.resolver.Resolver.load`)."""
+        with self._lock:
+            profile = self._profiles.get(template_digest)
+        return list(profile.groups) if profile is not None else []
+
     def wait_published(self) -> None:
         """Wait for the profiles being published (tests)."""
         self._publisher.submit(lambda: None).result()

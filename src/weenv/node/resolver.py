@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,14 +152,33 @@ class Resolver:
         """Take ``digest`` as what ``template`` last resolved to."""
         self.names.remember(template, digest)
 
-    def load(self, digest: str) -> tuple[TemplateManifest, list[GroupManifest]]:
+    def load(self, digest: str, groups_hint: Sequence[str] = ()) -> tuple[TemplateManifest, list[GroupManifest]]:
         """The manifest and group manifests of the template ``digest`` (which the
         caller resolved from a name in the store on this create: a ref may
         move), from the node when it has them (:mod:`weenv.node.manifests`:
         content-addressed, so a warm start asks the store one question, the
         resolve, instead of 2 + 2 per group, and none when the store is down),
-        else from the store.  Raises as :func:`load_template` and :func:`load_group` do."""
-        manifest = self.manifests.template(digest)
+        else from the store.  Raises as :func:`load_template` and :func:`load_group` do.
+
+        ``groups_hint``: group digests the template is expected to list (its
+        prefetch profile's, known before its manifest): when the node lacks
+        the template's manifest, the hinted group manifests it lacks are
+        fetched at the same time as it, not after it (one registry round
+        trip less on a cold start, ~5-15 ms).  A wrong hint costs only its
+        fetches (their failures are ignored; the groups the manifest lists
+        are what is returned, fetched as without a hint)."""
+        missing = [g for g in dict.fromkeys(groups_hint) if not self.manifests.has(g)]
+        if not missing or self.manifests.has(digest):
+            manifest = self.manifests.template(digest)
+            return manifest, self.manifests.groups(manifest.groups)
+        with ThreadPoolExecutor(min(len(missing), 8), thread_name_prefix="weenv-manifest-hint") as pool:
+            hinted = [pool.submit(self.manifests.group, g) for g in missing]
+            manifest = self.manifests.template(digest)
+            for f in hinted:  # the template's own groups among them arrive here; a wrong hint is ignored
+                try:
+                    f.result()
+                except Exception as exc:
+                    log.debug("hinted group manifest of %s: %s", digest, exc)
         return manifest, self.manifests.groups(manifest.groups)
 
     def clear(self) -> None:
