@@ -70,7 +70,8 @@ def test_second_create_fills_the_pool_and_the_next_create_starts_the_pooled_envi
     pid = json.loads(subprocess.run(["runc", "--root", str(paths.runc_root), "state", cid],
                                     capture_output=True, text=True, check=True).stdout)["pid"]
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        assert f.read().split(b"\0")[:2] == [b"runc", b"init"]  # nothing of the template ran yet
+        assert f.read().split(b"\0")[1:2] == [b"init"]  # nothing of the template ran yet
+    assert os.readlink(f"/proc/{pid}/exe").startswith("/memfd:runc")  # runc's sealed copy
 
     hits = node.stats().pool_hits
     info = node.create("task")

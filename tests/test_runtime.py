@@ -85,8 +85,10 @@ def overlay_root(tmp_path, debian_root):
 
 
 @pytest.fixture
-def runc(tmp_path) -> Runc:
-    return Runc(tmp_path / "runc-state", RUNC)
+def runc(tmp_path):
+    r = Runc(tmp_path / "runc-state", RUNC)
+    yield r
+    r.close()
 
 
 @pytest.fixture
@@ -415,6 +417,38 @@ def test_runc_runs_from_a_sealed_copy_of_its_binary(env, runc):
     missing = Runc(runc.root, "weenv-no-such-runc")
     with pytest.raises(ToolMissingError):
         missing.list()
+
+
+def test_runc_follows_a_changed_binary(runc, tmp_path):
+    """Setting ``binary``, or replacing the file it names, makes the next call
+    run a copy of the new file; the copy replaced stays open (a call handed its
+    path may not have run it yet) until close; a binary set to a missing
+    file fails as that file would."""
+    own = tmp_path / "bin" / "runc"
+    own.parent.mkdir()
+    shutil.copy2(RUNC, own)
+    runc.binary = str(own)
+    first = runc.executable.path()
+    assert runc.list() == []
+    script = b"#!/bin/sh\nexec " + RUNC.encode() + b' "$@"\n'
+    tmp = own.with_name("runc.new")
+    tmp.write_bytes(script)
+    tmp.chmod(0o755)
+    os.replace(tmp, own)  # upgraded in place: another inode
+    second = runc.executable.path()
+    assert second != first
+    with open(second, "rb") as f:
+        assert f.read() == script
+    assert runc.list() == []  # ran through the script's copy
+    assert os.path.exists(first)  # still open
+    runc.binary = str(tmp_path / "no-runc")
+    with pytest.raises(ToolMissingError):
+        runc.list()
+    runc.binary = RUNC
+    assert runc.list() == []
+    third = runc.executable.path()
+    runc.close()
+    assert not any(os.path.exists(p) for p in (first, second, third))  # every copy freed
 
 
 # --- rootfs in a running environment ------------------------------------------------------

@@ -48,6 +48,7 @@ from weenv.node.node import Node
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
 from weenv.formats.manifest import Resources, RuntimeConfig
+from weenv.node.provision.models import ProvisionConfig
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 
@@ -137,7 +138,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         create_template(store, "bench-fork", ["base"], runtime=RuntimeConfig(working_dir="/workspace"))
         rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": [],
                       "pause_release": [], "resume_release": []}  # fmt: skip
-        with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0) as node:
+        # 100 children of one parent whose writes the burst model just learned
+        # (CPU-heavy) are refused by the default latency objective on 2 cores;
+        # forks here measure the data path, so admission counts reservations
+        with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0,
+                  provisioning=ProvisionConfig(admission="reservations")) as node:
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
             r = node.exec(parent.id, ["sh", "-c", _write_script(parent_mb)])
@@ -148,7 +153,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                     mem0 = _memory(parent.id)
                     res = node.fork(parent.id, n)
                     kids = [c for c in res.children if not isinstance(c, Exception)]
-                    assert len(kids) == n, res.children
+                    errors = [c for c in res.children if isinstance(c, Exception)]
+                    assert not errors, f"fork {n}: {len(errors)} children failed, first: {errors[:3]}"
                     disk = [node.disk_usage(c.id)[0] for c in kids]
                     mem = [_memory(c.id) for c in kids]
                     rows["fork"].append({"n": n, "total_s": res.total_s, "pause_s": res.pause_s,

@@ -135,35 +135,48 @@ class SealedBinary:
     ``path()``: that path, the copy made on first use (a memfd, ``MFD_CLOEXEC``:
     no child inherits the descriptor; the kernel resolves the path through
     this process's table), again after a fork (the path names the process
-    that made it); ``binary`` itself (found through ``PATH``) when no copy can be
-    made (no such binary: running it then fails as it would have).  The
-    copy is sealed against every change (:data:`MEMFD_SEALS`), so what runs
-    is the binary as it was when it was copied: a runc upgraded on disk is
-    run from the next :class:`Runc` on."""
+    that made it), and again when ``binary`` is set to another name or the
+    file it names changes on disk (another inode, size or mtime: a runc
+    upgraded in place is run from the next call on); ``binary`` itself (found
+    through ``PATH``) when no copy can be made (no such binary: running it
+    then fails as it would have).  The copy is sealed against every change
+    (:data:`MEMFD_SEALS`).  A copy replaced stays open until :meth:`close`: a
+    call that was handed its path may not have executed it yet."""
 
     def __init__(self, binary: str):
         self.binary = binary
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._pid = 0
+        self._source: tuple | None = None  # (binary, path found, st_dev, st_ino, st_size, st_mtime_ns)
+        self._replaced: list[int] = []
 
     def path(self) -> str:
         with self._lock:
-            if self._fd is None or self._pid != os.getpid():
-                found = shutil.which(self.binary)
-                if found is None:
-                    return self.binary
+            found = shutil.which(self.binary)
+            if found is None:
+                return self.binary
+            try:
+                st = os.stat(found)
+            except OSError:
+                return found
+            source = (self.binary, found, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._fd is None or self._pid != os.getpid() or source != self._source:
                 try:
-                    self._fd, self._pid = _sealed_copy(Path(found)), os.getpid()
+                    fd = _sealed_copy(Path(found))
                 except OSError:  # no memfd here: run the file (runc copies itself then)
                     return found
+                if self._fd is not None and self._pid == os.getpid():
+                    self._replaced.append(self._fd)
+                self._fd, self._pid, self._source = fd, os.getpid(), source
             return f"/proc/{self._pid}/fd/{self._fd}"
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None and self._pid == os.getpid():
-                os.close(self._fd)
-            self._fd = None
+            if self._pid == os.getpid():
+                for fd in [*self._replaced, *([self._fd] if self._fd is not None else [])]:
+                    os.close(fd)
+            self._fd, self._source, self._replaced = None, None, []
 
 
 def _sealed_copy(path: Path) -> int:
@@ -196,12 +209,20 @@ class Runc:
 
     def __init__(self, root: Path, binary: str = "runc", *, command_timeout: float = 60.0):
         self.root = Path(root)
-        self.binary = binary
         self.command_timeout = command_timeout
         self.executable = SealedBinary(binary)
 
+    @property
+    def binary(self) -> str:
+        """The runc executable's name or path; setting it makes the next call run a copy of the new one."""
+        return self.executable.binary
+
+    @binary.setter
+    def binary(self, binary: str) -> None:
+        self.executable.binary = binary
+
     def close(self) -> None:
-        """Free the sealed copy of the binary (a later call makes it again)."""
+        """Free the sealed copies of the binary (a later call makes one again)."""
         self.executable.close()
 
     # --- container lifecycle ---------------------------------------------------------
