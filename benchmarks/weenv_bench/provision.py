@@ -203,6 +203,16 @@ def p95_unloaded(passes: list[dict[str, list[float]]]) -> float | None:
     return p95([x / statistics.median(p[k]) for p in passes for k in BURSTS for x in p[k]])
 
 
+def busy_cores(total_jiffies: int, idle_jiffies: int, ncpu: int) -> float:
+    """Cores busy over an interval, from ``/proc/stat``'s all-CPU deltas: the
+    busy share of the jiffies that passed, times ``ncpu`` (in [0, ncpu]: the
+    interval's own jiffies are its time base, as top's are; dividing by wall
+    seconds read apart from ``/proc/stat`` gave 2.002 cores on 2)."""
+    if total_jiffies <= 0:
+        return 0.0
+    return ncpu * min(1.0, max(0.0, (total_jiffies - idle_jiffies) / total_jiffies))
+
+
 class HostLoad:
     """Samples the host every ``every`` seconds while running: busy cores from
     ``/proc/stat`` (all CPUs, busy = total - idle - iowait), the 1-minute
@@ -236,7 +246,7 @@ class HostLoad:
         return now, sum(max(0.0, x - before.get(k, 0.0)) for k, x in now.items())
 
     def _run(self) -> None:
-        hz = os.sysconf("SC_CLK_TCK")
+        ncpu = os.cpu_count() or 1
         t0, (tot0, idle0) = time.monotonic(), self._jiffies()
         cpu0 = time.process_time()
         envs0 = self.ours() if self.ours else {}
@@ -244,11 +254,11 @@ class HostLoad:
             t, (tot, idle) = time.monotonic(), self._jiffies()
             with open("/proc/loadavg") as f:
                 load1 = float(f.read().split()[0])
-            busy = ((tot - tot0) - (idle - idle0)) / hz / (t - t0)
+            busy = busy_cores(tot - tot0, idle - idle0, ncpu)
             self.samples.append((t, busy, load1))
             if self.ours:
                 envs0, used = self._envs_cpu(envs0)
-                self.background.append(round(max(0.0, busy - used / (t - t0)), 3))
+                self.background.append(round(min(ncpu, max(0.0, busy - used / (t - t0))), 3))
             t0, tot0, idle0 = t, tot, idle
         self.node_cpu_s = time.process_time() - cpu0
 

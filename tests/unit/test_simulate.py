@@ -272,3 +272,16 @@ def test_admission_leaves_room_for_the_memory_peak_a_decayed_limit_will_need_aga
     sim = out["summary"]["sim"]["16"]
     assert sim["density_ratio"] >= 3 and sim["oom_kills"] == 0
     assert sim["bursts_slowed_over_10pct"] <= 0.01
+
+
+def test_host_busy_cores_stay_within_the_cpus():
+    """The benchmark's host sampling counts busy cores against the jiffies that
+    passed, so a sample never reads more cores than the machine has (a full run
+    read 2.002 cores on 2 when dividing by wall seconds) and 0 jiffies read 0."""
+    from weenv_bench.provision import busy_cores
+
+    assert busy_cores(200, 0, 2) == 2.0
+    assert busy_cores(201, 0, 2) == 2.0
+    assert busy_cores(200, 100, 2) == 1.0
+    assert busy_cores(200, 250, 2) == 0.0  # idle read after total: clamped
+    assert busy_cores(0, 0, 2) == 0.0
