@@ -119,7 +119,7 @@ from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 from weenv_bench import machine, write_report
-from weenv_bench.simulate import NODE_SIZES, calibrate, parse_traces, run_sizes, traces_of
+from weenv_bench.simulate import NODE_SIZES, QUIET_CORES, calibrate, parse_traces, run_sizes, traces_of
 from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 
 DECLARED = Resources(cpus=1.0, memory_bytes=1536 << 20, pids=1024)
@@ -284,8 +284,6 @@ def _concurrency(bursts: list[dict]) -> None:
         b["concurrent"] = peak
 
 
-QUIET_CORES = 0.5
-"""Background (cores busy outside the environments) below which a burst ran on a quiet machine."""
 
 
 def _background_during(bursts: list[dict], background: list[float], every: float) -> None:
