@@ -314,3 +314,22 @@ def test_calibration_composes_the_model_with_the_quiet_static_bursts_spread():
     few = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     assert few["noise"]["from"] == "unloaded runs"
     assert few["predicted"]["p95_burst_slowdown"] == pytest.approx(sim["p95_burst_slowdown"])
+
+
+def test_a_p95_of_a_few_dozen_bursts_comes_with_its_bootstrap_interval():
+    """The nearest-rank p95 of 36 bursts is their second largest: one burst
+    more or less moves it.  The interval (10th-90th percentile over bootstrap
+    resamples, seeded) says by how much; bursts all alike have none."""
+    from weenv_bench.provision import ratio_interval
+    from weenv_bench.simulate import p95_draws, p95_interval
+
+    assert p95_interval([1.2] * 30) == [1.2, 1.2] and p95_interval([]) is None
+    tail = [1.0] * 34 + [1.6, 2.5]
+    lo, hi = p95_interval(tail)
+    # its p95 is 1.0 in a resample holding at most one of the two outliers (40 % of them),
+    # 2.5 in one holding 2.5 twice (26 %): the interval spans both
+    assert lo == 1.0 and hi == 2.5
+    assert p95_draws(tail, 50) == p95_draws(tail, 50)  # seeded: a run's JSON reproduces
+    assert ratio_interval([1.2] * 30, [1.0] * 20) == pytest.approx([1.2, 1.2])
+    lo, hi = ratio_interval(tail, [1.0] * 17 + [1.4])
+    assert lo < 1.05 < hi and ratio_interval([], [1.0]) is None
