@@ -289,15 +289,13 @@ def test_a_short_burst_of_a_fifth_of_a_core_second_is_a_burst():
     assert loaded["bursts"] >= 5 and loaded["p95_burst_slowdown"] == pytest.approx(1.5, rel=0.05)
 
 
-def test_calibration_composes_the_model_with_the_quiet_static_bursts_spread():
+def test_calibration_composes_the_model_with_the_unloaded_runs_and_the_quiet_static_bursts():
     """With a background recorded, the noise composed with the model's
-    slowdowns is the static mode's bursts that had their core and a quiet
-    machine (the real node's own spread: cold first runs, the node serving
-    others), not the unloaded runs' (which leave those out: a real run's quiet
-    static p95 was 1.35 where its unloaded runs' was 1.13, and the prediction
-    1.15 of a real 1.58); the bursts under other load or beside more bursts
-    than cores are left out, and with fewer than 10 quiet ones the unloaded
-    runs' spread is used."""
+    slowdowns is the unloaded runs' spread, repeated and first runs in fresh
+    environments (16 of a real run's 36 elastic bursts were first runs), with
+    the static mode's bursts that had their core on a quiet machine (the real
+    node's own spread); the static bursts under other load or beside more
+    bursts than cores are left out, and fewer than 10 quiet ones are left out."""
     traces = [agent_trace(s) for s in range(2)]
     sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     quiet = [{"slowdown": 1.3, "background": 0.1, "concurrent": 1}] * 12
@@ -306,14 +304,16 @@ def test_calibration_composes_the_model_with_the_quiet_static_bursts_spread():
                        "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
             "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": 2.0,
                         "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
-            "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0]}]}  # fmt: skip
+            "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0], "tests:cold": [1.0, 1.0, 1.0]}]}  # fmt: skip
     cal = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    assert cal["noise"] == {"from": "quiet static bursts", "n": 12, "p95": 1.3}
+    assert cal["noise"] == {"from": "unloaded runs, quiet static bursts", "n": 18, "p95": 1.3}
     assert cal["predicted"]["p95_burst_slowdown"] == pytest.approx(1.3 * sim["p95_burst_slowdown"])
     real["static"]["bursts"] = quiet[:9] + loud
     few = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    assert few["noise"]["from"] == "unloaded runs"
+    assert few["noise"]["n"] == 6
     assert few["predicted"]["p95_burst_slowdown"] == pytest.approx(sim["p95_burst_slowdown"])
+    assert unloaded_spread({"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [4.0, 5.0, 6.0]}]},
+                           cold=True) == [1.0, 2.0, 1.0, 0.8, 1.0, 1.2]  # fmt: skip
 
 
 def test_a_p95_of_a_few_dozen_bursts_comes_with_its_bootstrap_interval():
@@ -340,16 +340,17 @@ def test_a_default_settings_run_is_predicted_from_its_static_traces():
     --quick`` with the default settings (burst admission), 2 static and 4
     elastic environments, p95 burst slowdown 1.40 and 1.58.  Its static traces
     replayed on 2 cores predict the density exactly, 33 bursts of the real 36
-    (22 when a burst needed 0.2 cores of a sample) and the p95 at 1.35: 14 %
-    off (27 % composed with the unloaded runs' spread, 1.15).  The real p95 is
-    the second largest of 36 bursts, within [1.37, 2.48] by chance alone."""
+    (22 when a burst needed 0.2 cores of a sample) and the p95 at 1.20: 24 %
+    off (27 % composed with the unloaded repeated runs' spread alone, 1.15).
+    The real p95 is the second largest of 36 bursts, within [1.37, 2.48] by
+    chance alone."""
     from pathlib import Path
 
     recorded = Path(__file__).parent / "data" / "provision-quick-2cores-s19.json"
     cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"]["calibration"]
     assert cal["predicted"]["density_ratio"] == cal["real"]["density_ratio"] == 2.0
-    assert cal["noise"]["from"] == "quiet static bursts" and cal["noise"]["n"] >= 10
+    assert cal["noise"]["from"] == "unloaded runs, quiet static bursts" and cal["noise"]["n"] >= 60
     assert cal["predicted"]["bursts"] >= 0.9 * cal["real"]["bursts"]
-    assert cal["calibration_error"] < 0.15
+    assert cal["calibration_error"] < 0.25
     lo, hi = cal["real"]["p95_interval"]
     assert lo < cal["real"]["p95_burst_slowdown"] < hi and hi / lo > 1.5
