@@ -17,6 +17,7 @@ are found again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -37,6 +38,10 @@ RESERVATION_TTL_S = 600.0
 
 EXPECT_S = 30.0
 """Seconds a node counts as holding a template placed there (:attr:`_Node.expected`)."""
+DEMAND_WINDOW_S = 300.0
+"""Seconds over which the cluster's peak of environments at once is its demand
+(:func:`weenv.cluster.placement.bonus_cap`: an RL run's rollout batches come
+round within it)."""
 REPORT_GRACE_S = 5.0
 """Seconds an environment recorded by a create's end stays routed though a
 node's report lacks it (the report's listing may predate the create)."""
@@ -116,6 +121,7 @@ class ClusterView:
         self._templates: dict[str, TemplateFacts] = {}
         self._group_sizes: dict[str, int] = {}
         self._tokens = itertools.count(1)
+        self._demand: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic s, peak) per second
 
     # --- nodes ---------------------------------------------------------------------------
     def starting(self, node_id: str) -> None:
@@ -205,12 +211,27 @@ class ClusterView:
             loads = [self._load(n) for n in self._nodes.values()]
             if node is not None and node not in self._nodes:
                 raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(self._nodes) or 'none'})")
-            chosen = placement.place(loads, request, policy=self.policy, preferred=node)
+            alive = [n for n in loads if n.alive]
+            demand = self._note_demand(sum(n.environments + n.inflight for n in alive) + 1)
+            chosen = placement.place(loads, request, policy=self.policy, preferred=node,
+                                     cap=placement.bonus_cap(demand, len(alive), self.policy))
             token = next(self._tokens)
             target = self._nodes[chosen]
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
             target.expected[template] = time.monotonic() + EXPECT_S
             return Placed(self._route_of(target), token)
+
+    def _note_demand(self, now_at_once: int) -> int:
+        """Record ``now_at_once`` environments (run and being made); the most at once over ``DEMAND_WINDOW_S``."""
+        now = time.monotonic()
+        d = self._demand
+        if d and now - d[-1][0] < 1.0:
+            d[-1] = (d[-1][0], max(d[-1][1], now_at_once))
+        else:
+            d.append((now, now_at_once))
+        while now - d[0][0] > DEMAND_WINDOW_S:
+            d.popleft()
+        return max(v for _, v in d)
 
     def _request(self, template: str, cpus: float | None, memory_bytes: int | None) -> placement.Request:
         """What one environment of ``template`` asks (the template's defaults where None)."""
