@@ -31,21 +31,26 @@ still held; :meth:`Node.destroy` removes it as usual).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weenv.errors import NotFoundError
+from weenv.errors import MountError, NotFoundError
 from weenv.node.commands import Commands
 from weenv.node.container import Containers
 from weenv.node.pause import Pauses
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.table import Environment, save_info
+from weenv.node.table import Environment, container_id, save_info
 
 log = logging.getLogger(__name__)
+
+class _CannotMove(Exception):
+    """The rootfs of a container made ahead could not be moved in place (mount(2) ``MS_MOVE``)."""
+
 
 NO_SPARE = object()
 """The spare's source when an environment has none."""
@@ -60,9 +65,11 @@ class ResetTiming:
     overlay_s: float = 0.0
     """Unmounting the overlay, swapping in the new upper dir, mounting it again."""
     runtime_s: float = 0.0
-    """Running the container again (``runc run --detach``)."""
+    """Running the container again (``runc run --detach``), or starting the one made ahead (``runc start``)."""
     spare: bool = False
     """The new upper dir was made ahead."""
+    ahead: bool = False
+    """The container was made ahead (``runc create``): the reset started it (``runtime_s``: ``runc start``)."""
     total_s: float = 0.0
 
 
@@ -94,6 +101,8 @@ class Resets:
         self.provisioner = provisioner
         self.pauses = pauses
         self._spares = _Spares()
+        self.ahead = ahead_from_env()
+        """Whether resets start a container made ahead (``WEENV_RESET_AHEAD``, default on)."""
         self._background = ThreadPoolExecutor(1, thread_name_prefix="reset-spares")
 
     def close(self) -> None:
@@ -103,14 +112,18 @@ class Resets:
 
     def prepare(self, e: Environment, upper_from: Path | None) -> None:
         """Make, in the background, the upper dir a reset of ``e`` to ``upper_from``
-        (a capture's subvolume, or None: empty) will swap in (see the module doc)."""
+        (a capture's subvolume, or None: empty) will swap in, and the container
+        it will start (see the module doc)."""
         self._background.submit(self._prepare, e, upper_from)
 
     def _prepare(self, e: Environment, upper_from: Path | None) -> None:
         with e.lock:
-            if not e.dir.exists() or e.info.state not in ("running", "paused"):
+            if not e.dir.exists():
                 return
-            self.snapshotter.drop_retired(e.dir)
+            self._retire(e)
+            if e.info.state not in ("running", "paused"):
+                return
+            self._discard_ahead(e)  # it runs over the spare replaced now
             try:
                 if upper_from is not None and not upper_from.exists():  # its snapshot was deleted meanwhile
                     return
@@ -119,6 +132,32 @@ class Resets:
                 log.warning("no spare upper dir for environment %s: %s", e.info.id, exc)
                 return
             self._spares.put(e.info.id, upper_from)
+            if self.ahead:
+                try:
+                    self._make_ahead(e)
+                except Exception as exc:  # the next reset runs its container itself
+                    log.warning("no container made ahead for environment %s: %s", e.info.id, exc)
+                    self._discard_ahead(e)
+
+    def _retire(self, e: Environment) -> None:
+        """Delete what the last reset of ``e`` replaced: its container (if a
+        container made ahead took over) and its upper dir."""
+        try:
+            self.containers.delete_retiring(e.info.id, e.dir)
+        except Exception as exc:  # destroy and recovery try again
+            log.warning("deleting the replaced container of environment %s: %s", e.info.id, exc)
+        self.snapshotter.drop_retired(e.dir)
+
+    def _make_ahead(self, e: Environment) -> None:
+        """Mount an overlay over ``e``'s spare upper dir and create (unstarted) a
+        container on it, with the next container id (``weenv-<id>.<n>``)."""
+        self.snapshotter.mount(e.dir, e.lowers, ahead=True)
+        self.containers.make_ahead(e.info.id, e.dir, next_container_id(e.info.id, e.container_id))
+
+    def _discard_ahead(self, e: Environment) -> None:
+        """Remove ``e``'s container made ahead and its rootfs, if any."""
+        self.containers.discard_ahead(e.info.id, e.dir)
+        self.snapshotter.unmount_ahead(e.dir)
 
     def reset(self, e: Environment, upper_from: Path | None) -> ResetTiming:
         """Reset ``e`` (running, paused or stopped) to an empty upper dir, or to
@@ -137,24 +176,24 @@ class Resets:
                 p.log.abandon()
             self.provisioner.detach(e.info.id)
             e.info.state = "stopped"
+            timing.spare = self._spares.take(e.info.id, upper_from)
+            timing.ahead = (timing.spare and self.ahead and self.containers.ahead_id(e.info.id, e.dir) is not None
+                            and self.snapshotter.is_mounted_ahead(e.dir))  # fmt: skip
+            if not timing.ahead:
+                self._discard_ahead(e)
             self.containers.kill(e.info.id, e.dir)
-            deleting = threading.Thread(target=self._delete_container, args=(e,), name=f"reset-{e.info.id}")
-            deleting.start()
-            try:
-                for p in procs:
-                    p.wait(10)
-                t1 = time.perf_counter()
-                timing.stop_s = t1 - t
-                timing.spare = self._spares.take(e.info.id, upper_from)
-                self.snapshotter.unmount(e.dir)
-                self.snapshotter.replace_upper(e.dir, e.info.resources.disk_bytes, upper_from, spare=timing.spare)
-                self.snapshotter.mount(e.dir, e.lowers)
-                timing.overlay_s = time.perf_counter() - t1
-            finally:
-                deleting.join()
-            t2 = time.perf_counter()
-            self.containers.restart(e.info.id, e.dir)
-            timing.runtime_s = time.perf_counter() - t2
+            if timing.ahead:
+                try:
+                    self._swap_ahead(e, procs, timing, t)
+                except _CannotMove as exc:  # e.g. a shared parent mount refuses the move: run it as before
+                    log.warning("the container made ahead for environment %s cannot take over (%s); "
+                                "resets on this node run their container again", e.info.id, exc)  # fmt: skip
+                    self.ahead = False
+                    self._discard_ahead(e)
+                    timing.ahead = False
+            if not timing.ahead:
+                self._swap_upper(e, procs, upper_from, timing, t)
+            e.init_pid = None
             e.info.state = "running"
             if e.info.memory_released:  # it was paused so: its disk is its own again
                 self.pauses.forget(e)
@@ -167,11 +206,69 @@ class Resets:
                 self.provisioner.detach(e.info.id)
             save_info(e.dir, e.info)
         timing.total_s = time.perf_counter() - t
-        self.prepare(e, upper_from)  # the next reset's upper dir; the old one deleted
+        self.prepare(e, upper_from)  # the next reset's upper dir and container; the old ones deleted
         return timing
+
+    def _swap_ahead(self, e: Environment, procs: list, timing: ResetTiming, t: float) -> None:
+        """With ``e``'s container killed: unmount its rootfs, move the container
+        made ahead's there (its upper dir becomes ``e``'s own), make that
+        container ``e``'s and start it.  The old container is deleted in the
+        background (:meth:`_retire`).  Raises :class:`_CannotMove` (nothing
+        of the container made ahead changed) when its rootfs cannot move,
+        :class:`MountError`, :class:`RuntimeFailedError` when it does not start."""
+        for p in procs:
+            p.wait(10)
+        t1 = time.perf_counter()
+        timing.stop_s = t1 - t
+        self.snapshotter.unmount_rootfs(e.dir)
+        try:
+            self.snapshotter.move_ahead(e.dir)
+        except MountError as exc:
+            raise _CannotMove(str(exc)) from exc
+        self.snapshotter.swap_in_spare(e.dir)
+        e.cid = self.containers.promote_ahead(e.info.id, e.dir)
+        t2 = time.perf_counter()
+        timing.overlay_s = t2 - t1
+        self.containers.start_ahead(e.container_id)
+        timing.runtime_s = time.perf_counter() - t2
+
+    def _swap_upper(self, e: Environment, procs: list, upper_from: Path | None, timing: ResetTiming,
+                    t: float) -> None:
+        """With ``e``'s container killed: delete it, swap in the new upper dir
+        (the spare, if ``timing.spare``) under a new overlay and run the
+        container again from its bundle."""
+        deleting = threading.Thread(target=self._delete_container, args=(e,), name=f"reset-{e.info.id}")
+        deleting.start()
+        try:
+            for p in procs:
+                p.wait(10)
+            t1 = time.perf_counter()
+            timing.stop_s = t1 - t
+            self.snapshotter.unmount(e.dir)
+            self.snapshotter.replace_upper(e.dir, e.info.resources.disk_bytes, upper_from, spare=timing.spare)
+            self.snapshotter.mount(e.dir, e.lowers)
+            timing.overlay_s = time.perf_counter() - t1
+        finally:
+            deleting.join()
+        t2 = time.perf_counter()
+        self.containers.restart(e.info.id, e.dir)
+        timing.runtime_s = time.perf_counter() - t2
 
     def _delete_container(self, e: Environment) -> None:
         try:
             self.containers.delete(e.info.id, e.dir)
         except Exception as exc:  # restart fails on it, with runc's message
             log.warning("deleting the container of environment %s for its reset: %s", e.info.id, exc)
+
+
+def next_container_id(env_id: str, current: str) -> str:
+    """The id of the container made ahead of ``current`` (environment
+    ``env_id``'s): ``weenv-<id>.1`` after ``weenv-<id>``, then ``.2``..."""
+    base = container_id(env_id)
+    n = current[len(base) + 1:] if current.startswith(base + ".") else ""
+    return f"{base}.{int(n) + 1 if n.isdigit() else 1}"
+
+
+def ahead_from_env() -> bool:
+    """``WEENV_RESET_AHEAD``: ``0`` turns off containers made ahead for resets (default on)."""
+    return os.environ.get("WEENV_RESET_AHEAD", "1").strip() not in ("0", "false", "no", "off")
