@@ -168,6 +168,8 @@ def test_reset_starts_the_container_made_ahead_and_leaves_none_behind(node, path
         sh(node, e.id, "echo episode > /workspace/episode.txt; sleep 1000 >/dev/null 2>&1 &")
         t = node.resets.reset(node.table.get(e.id), node.captures.named("ahead-snap").path)
         assert t.ahead and t.spare, t
+        print(f"\nreset {n} (made ahead): {t.total_s * 1000:.1f} ms: stop {t.stop_s * 1000:.1f}, "
+              f"overlay {t.overlay_s * 1000:.1f}, runc start {t.runtime_s * 1000:.1f}")
         assert node.table.get(e.id).container_id == f"weenv-{e.id}.{n}"
         assert node.get(e.id).state == "running"
         assert sh(node, e.id, TREE) == EXPECTED
@@ -176,6 +178,7 @@ def test_reset_starts_the_container_made_ahead_and_leaves_none_behind(node, path
         assert Path(node.get(e.id).rootfs, "workspace/new/a.txt").read_bytes() == b"one\n"  # the host's view follows
         node.resets.close()
         assert _containers_of(node, e.id) == {f"weenv-{e.id}.{n}": "running", f"weenv-{e.id}.{n + 1}": "created"}
+        assert not (node.snapshotter.dir(e.id) / "rootfs.old").is_mount()  # the old rootfs, moved aside, went
         assert _cgroups_of(e.id) >= {f"weenv-{e.id}.{n}"} and f"weenv-{e.id}.{n - 1}" not in _cgroups_of(e.id) \
             and f"weenv-{e.id}" not in _cgroups_of(e.id)
         used, _limit = node.disk_usage(e.id)

@@ -141,6 +141,7 @@ class Recovery:
             self.containers.discard_ahead(info.id, env_dir)
             self.containers.delete_retiring(info.id, env_dir)
             self.snapshotter.unmount_ahead(env_dir)
+            self.snapshotter.unmount_retired(env_dir)
         # its name server was the dead node's (the namespace outlives a memory release too)
         if (env_dir / network.NETNS_FILE).exists():
             try:

@@ -44,6 +44,8 @@ RANGE_DIR_MODE = 0o710
 AHEAD_ROOTFS = "rootfs.next"
 """In an environment's directory: the rootfs of the container made ahead for its
 next reset (over its :data:`SPARE` upper dir), until the reset moves it to ``rootfs``."""
+RETIRED_ROOTFS = "rootfs.old"
+"""In an environment's directory: where a reset moves its old rootfs, until it is unmounted in the background."""
 
 
 def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False, ahead: bool = False) -> list[MountSpec]:
@@ -203,8 +205,20 @@ class Snapshotter:
         self.disk.remove(env_dir, SPARE)
         self.make_upper(env_dir, disk_bytes, upper_from, SPARE)
 
+    def move_aside(self, env_dir: Path) -> None:
+        """Move the environment's rootfs mount to :data:`RETIRED_ROOTFS` (for
+        :meth:`unmount_retired`: an overlay's unmount may wait for its upper
+        file system); if it was left there, unmount it first.  Raises :class:`MountError`."""
+        (env_dir / RETIRED_ROOTFS).mkdir(exist_ok=True)
+        self.unmount_retired(env_dir)
+        mounts.move(env_dir / "rootfs", env_dir / RETIRED_ROOTFS)
+
+    def unmount_retired(self, env_dir: Path) -> None:
+        """Unmount the rootfs a reset moved aside (:data:`RETIRED_ROOTFS`), if mounted; idempotent."""
+        umount_quietly(env_dir / RETIRED_ROOTFS)
+
     def move_ahead(self, env_dir: Path) -> None:
-        """With the environment's rootfs unmounted: move the overlay at
+        """With the environment's rootfs moved aside or unmounted: move the overlay at
         :data:`AHEAD_ROOTFS` (over :data:`SPARE`) to ``env_dir/rootfs``
         (then :meth:`swap_in_spare`).  The mount keeps naming ``SPARE`` in
         ``/proc/mounts``.  Raises :class:`MountError` (nothing moved)."""
@@ -219,9 +233,9 @@ class Snapshotter:
         """Whether the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`) is mounted."""
         return mounts.is_mounted(env_dir / AHEAD_ROOTFS)
 
-    def unmount_rootfs(self, env_dir: Path) -> None:
-        """Unmount ``env_dir/rootfs`` alone (lazily if busy); idempotent."""
-        umount_quietly(env_dir / "rootfs")
+    def move_back(self, env_dir: Path) -> None:
+        """Undo :meth:`move_aside` (the rootfs made ahead could not take its place).  Raises :class:`MountError`."""
+        mounts.move(env_dir / RETIRED_ROOTFS, env_dir / "rootfs")
 
     def unmount_ahead(self, env_dir: Path) -> None:
         """Unmount the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`), if mounted; idempotent."""
@@ -242,10 +256,12 @@ class Snapshotter:
 
     def unmount(self, env_dir: Path) -> None:
         """Unmount the rootfs of the environment in ``env_dir`` (lazily if busy),
-        and the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`), then
+        and the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`) and one
+        moved aside by a reset (:data:`RETIRED_ROOTFS`), then
         its idmapped lowers if any; idempotent."""
         umount_quietly(env_dir / "rootfs")
         umount_quietly(env_dir / AHEAD_ROOTFS)
+        umount_quietly(env_dir / RETIRED_ROOTFS)
         clones = env_dir / IDMAPPED
         if clones.is_dir():
             for c in sorted(clones.iterdir()):
