@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +237,48 @@ def test_close_destroys_running_environments(paths, shared_store, leak_check):
     assert not any((paths.environments / i).exists() for i in ids)
     cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/weenv-*") if any(i in p.name for i in ids)]
     assert cgroups == []
+
+
+class _HeldSuperblockStore(FileStore):
+    """A real FileStore whose reads of chunk ``held`` (a group's first: its
+    EROFS superblock) wait until :attr:`gate` is set; :attr:`waiting` is set
+    while one does."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.held: str | None = None
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
+        if space == "chunks" and digest == self.held:
+            self.waiting.set()
+            self.gate.wait(60)
+        return super()._get(space, digest, max_bytes)
+
+
+def test_upper_dir_is_made_while_groups_mount(shared_store, paths, tmp_path, leak_check):
+    """A cold create makes its upper dir (the disk subvolume with its quota)
+    while its group mounts wait for their superblocks, not after them."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    store = _HeldSuperblockStore(root)
+    task = load_group(store, store.get_ref("groups", "task"))
+    store.held = task.chunks[0].digest
+    with Node(paths, store=store) as node:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            creating = pool.submit(node.create, "task", prefetch=False)
+            try:
+                assert store.waiting.wait(60), "the task group's mount never read its superblock"
+                deadline = time.monotonic() + 10
+                uppers = []
+                while not uppers and time.monotonic() < deadline:  # the mount still waits meanwhile
+                    uppers = [p for p in paths.environments.glob("*/disk/upper") if p.is_dir()]
+                    time.sleep(0.01)
+                assert uppers, "the upper dir was not made while the group mount waited"
+                assert not creating.done()
+            finally:
+                store.gate.set()
+            info = creating.result(60)
+        assert info.timing.groups_s >= info.timing.upper_s > 0
+        assert node.exec(info.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
