@@ -122,7 +122,8 @@ def test_a_demand_read_takes_a_frame_a_pack_brought(tmp_path):
     store = _CountingStore(tmp_path / "store")
     plains = [os.urandom(MiB) for _ in range(2)]
     refs = [store.put_chunk(p)[0] for p in plains]
-    frames = {refs[0].digest: store._get("chunks", refs[0].digest), refs[1].digest: store._get("chunks", refs[0].digest)}
+    frame0 = store._get("chunks", refs[0].digest)
+    frames = {refs[0].digest: frame0, refs[1].digest: frame0}
     store.reads = 0
     cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
     cache.frames = frames.pop
