@@ -292,10 +292,11 @@ the create's own (:class:`~weenv.node.models.CreateTiming`: manifests, group
 mounts (``upper_s``, the upper dir made meanwhile, is a part of them),
 overlay, runc; ``create_s`` the whole create), ``command_s`` from the create's
 return to the first output (spawn, the agent, the command), the background
-prefetch job's start and end measured from the request (``prefetch_end_s``: every chunk of the profile cached) and the chunks it
-cached from the pack (only for starts whose job still ran when the create
-returned: a job that ended before is gone from the node's table), and the
-chunks demand reads fetched by the first output."""
+prefetch job's start and end measured from the request (``prefetch_end_s``:
+every chunk of the profile cached) and the chunks it cached from the pack (only
+for starts whose job still ran when the create returned: a job that ended
+before is gone from the node's table), and the chunks demand reads fetched by
+the first output."""
 
 
 def _demand_chunks(node) -> int:
