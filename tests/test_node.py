@@ -282,3 +282,35 @@ def test_upper_dir_is_made_while_groups_mount(shared_store, paths, tmp_path, lea
             info = creating.result(60)
         assert info.timing.groups_s >= info.timing.upper_s > 0
         assert node.exec(info.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
+
+
+def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, tmp_path, leak_check):
+    """A template recorded while one of its groups is already mounted (by
+    another template) still gets that group's mount reads (its superblock
+    first) in its prefetch profile: a cold start mounting it finds them in
+    the pack instead of fetching them on demand."""
+    from conftest import store_copy_without_profiles
+    from weenv.packaging.profile import load_profile
+
+    store = store_copy_without_profiles(shared_store, tmp_path / "store")
+    other = tmp_path / "other"
+    (other / "other").mkdir(parents=True)
+    (other / "other" / "note.txt").write_text("another task\n")
+    build_group(other, store, name="other")
+    create_template(store, "other", ["base", "other"])
+    base = store.get_ref("groups", "base")
+    with Node(paths, store=store) as node:
+        first = node.create("task")  # mounts base: its mount reads are before the next template's window
+        node.destroy(first.id)
+        node.prefetch.wait_published()
+        mount = node.lazyfs.mount_reads(base)
+        assert mount and mount[0] == 0  # the superblock's chunk
+        second = node.create("other")
+        assert node.exec(second.id, ["cat", "/other/note.txt"]).stdout == b"another task\n"
+        node.destroy(second.id)
+        node.prefetch.wait_published()
+        digest, _m = load_template(store, "other")
+        profile = load_profile(store, digest)
+        assert profile is not None
+        gi = profile.groups.index(base)
+        assert [c for g, c in profile.chunks if g == gi][: len(mount)] == mount

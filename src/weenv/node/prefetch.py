@@ -375,6 +375,13 @@ class Prefetcher:
         for i, d in enumerate(rec["groups"]):
             index.setdefault(d, i)
         chunks = [(index[d], c) for d, c in reads]
+        if chunks:  # a group mounted before the window (another template's) was not read by its mount in it:
+            # its mount's chunks go first, so a cold start mounting it finds them in the pack
+            seen = set(chunks)
+            mount = [(gi, c) for gi, d in enumerate(rec["groups"]) if index[d] == gi
+                     for c in self.lazyfs.mount_reads(d) if (gi, c) not in seen
+                     and c < len(rec["manifests"][gi].chunks)]  # fmt: skip
+            chunks = (list(dict.fromkeys(mount)) + chunks)[:MAX_PROFILE_CHUNKS]
         if not chunks:
             with self._lock:
                 self._recorded.discard(rec["template"])  # nothing read through FUSE: try another time
