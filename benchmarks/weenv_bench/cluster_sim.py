@@ -3,8 +3,9 @@ imported, not copied) driven by a model of 100 and 1,000 nodes.
 
 **What runs for real**: :func:`~weenv.cluster.placement.place` with
 :class:`~weenv.cluster.placement.NodeLoad`/``Request``/``Policy`` (best-of-K,
-load, the cache bonus, eligibility); its own wall time per call is measured
-here.  The view's rules around it are modelled as :mod:`weenv.cluster.view`
+load, the cache bonus bounded by :func:`~weenv.cluster.placement.bonus_cap`
+over the peak of environments at once so far, as the view's demand,
+eligibility); its own wall time per call is measured here.  The view's rules around it are modelled as :mod:`weenv.cluster.view`
 has them: a template placed on a node counts as held there from its placement
 on (``expected``), and the share a node holds is over the template's working
 set (the bytes environments read), not its whole size.
@@ -133,6 +134,7 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
     needed: set[int] = set()
     out_batches = []
     place_s = place_n = 0
+    peak = 0  # the most environments at once so far: the view's demand (its window outlasts these batches)
     for size_b in batches:
         tasks = rng.choices(range(templates), weights=weights, k=max(1, size_b // m.group))
         queue = [t for t in tasks for _ in range(m.group)][:size_b]
@@ -142,6 +144,7 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
         now = place_clock = 0.0
         ends: list[tuple[float, str, int]] = []  # (end time, node, template)
         latencies, hits, active = [], 0, [0]  # active: transfers from the store
+        live = 0  # environments of this batch placed so far (they run until it ends)
         i = 0
         while i < len(queue):
             t = queue[i]
@@ -152,7 +155,8 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 c0 = time.perf_counter()
                 if peers_on:
                     chosen = placement.place(loads, req, policy=policy, rng=rng,
-                                             holders=[by_id[h].load for h in holders.get(t, ())])
+                                             holders=[by_id[h].load for h in holders.get(t, ())],
+                                             cap=placement.bonus_cap(max(peak, live + 1), nodes, policy))
                 else:
                     ok = [x for x in loads if placement.eligible(x, req, policy)]
                     if not ok:
@@ -168,6 +172,8 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 now = max(now, end)
                 _end(by_id[nid], m, src, active)
                 continue
+            live += 1
+            peak = max(peak, live)
             node = by_id[chosen]
             node.load.inflight += 1
             node.load.cpu_inflight += m.env_cpus

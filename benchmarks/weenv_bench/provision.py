@@ -88,8 +88,10 @@ mode ``p95_burst_slowdown``, ``oom_kills``, ``rollouts_per_hour``, plus
 ``throttled_s``, ``p50_burst_slowdown``, ``p95_burst_slowdown_uncontended``,
 ``uncontended_bursts``, ``other_cpu_cores``, ``node_cpu_cores``,
 ``loadavg1_mean``, ``p95_burst_slowdown_quiet`` and ``quiet_bursts``;
-``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's)
-and ``p95_slowdown_vs_static_quiet`` (the same over quiet bursts);
+``p95_unloaded``; ``p95_slowdown_vs_static`` (elastic's p95 over static's),
+``p95_slowdown_vs_static_interval`` (its 10-90 % bootstrap interval: what
+chance alone moves it by, :func:`ratio_interval`) and
+``p95_slowdown_vs_static_quiet`` (the same over quiet bursts);
 ``sim`` (per node size, its cores as the key: ``density_ratio``,
 ``p95_burst_slowdown``, ``bursts_slowed_over_10pct``, ``oom_kills``) and
 ``calibration_error``.
@@ -119,7 +121,7 @@ from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 from weenv_bench import machine, write_report
-from weenv_bench.simulate import NODE_SIZES, calibrate, parse_traces, run_sizes, traces_of
+from weenv_bench.simulate import NODE_SIZES, QUIET_CORES, calibrate, p95_draws, parse_traces, run_sizes, traces_of
 from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
 
 DECLARED = Resources(cpus=1.0, memory_bytes=1536 << 20, pids=1024)
@@ -203,6 +205,16 @@ def p95_unloaded(passes: list[dict[str, list[float]]]) -> float | None:
     return p95([x / statistics.median(p[k]) for p in passes for k in BURSTS for x in p[k]])
 
 
+def busy_cores(total_jiffies: int, idle_jiffies: int, ncpu: int) -> float:
+    """Cores busy over an interval, from ``/proc/stat``'s all-CPU deltas: the
+    busy share of the jiffies that passed, times ``ncpu`` (in [0, ncpu]: the
+    interval's own jiffies are its time base, as top's are; dividing by wall
+    seconds read apart from ``/proc/stat`` gave 2.002 cores on 2)."""
+    if total_jiffies <= 0:
+        return 0.0
+    return ncpu * min(1.0, max(0.0, (total_jiffies - idle_jiffies) / total_jiffies))
+
+
 class HostLoad:
     """Samples the host every ``every`` seconds while running: busy cores from
     ``/proc/stat`` (all CPUs, busy = total - idle - iowait), the 1-minute
@@ -236,7 +248,7 @@ class HostLoad:
         return now, sum(max(0.0, x - before.get(k, 0.0)) for k, x in now.items())
 
     def _run(self) -> None:
-        hz = os.sysconf("SC_CLK_TCK")
+        ncpu = os.cpu_count() or 1
         t0, (tot0, idle0) = time.monotonic(), self._jiffies()
         cpu0 = time.process_time()
         envs0 = self.ours() if self.ours else {}
@@ -244,11 +256,11 @@ class HostLoad:
             t, (tot, idle) = time.monotonic(), self._jiffies()
             with open("/proc/loadavg") as f:
                 load1 = float(f.read().split()[0])
-            busy = ((tot - tot0) - (idle - idle0)) / hz / (t - t0)
+            busy = busy_cores(tot - tot0, idle - idle0, ncpu)
             self.samples.append((t, busy, load1))
             if self.ours:
                 envs0, used = self._envs_cpu(envs0)
-                self.background.append(round(max(0.0, busy - used / (t - t0)), 3))
+                self.background.append(round(min(ncpu, max(0.0, busy - used / (t - t0))), 3))
             t0, tot0, idle0 = t, tot, idle
         self.node_cpu_s = time.process_time() - cpu0
 
@@ -284,8 +296,6 @@ def _concurrency(bursts: list[dict]) -> None:
         b["concurrent"] = peak
 
 
-QUIET_CORES = 0.5
-"""Background (cores busy outside the environments) below which a burst ran on a quiet machine."""
 
 
 def _background_during(bursts: list[dict], background: list[float], every: float) -> None:
@@ -301,6 +311,20 @@ def p95(values: list[float]) -> float | None:
     """Nearest-rank 95th percentile (None if empty)."""
     s = sorted(values)
     return s[min(len(s) - 1, int(0.95 * len(s)))] if s else None
+
+
+def ratio_interval(num: list[float], den: list[float], *, draws: int = 2000) -> list[float] | None:
+    """The 10th and 90th percentiles of ``p95(num) / p95(den)`` over ``draws``
+    bootstrap resamples of each list (:func:`~weenv_bench.simulate.p95_draws`):
+    how far a p95 ratio taken from a few dozen bursts moves by chance alone.
+    A quick run times some 20 static and 35 elastic bursts, so the nearest-rank
+    p95 is the largest or second largest of them: one run's
+    ``p95_slowdown_vs_static`` of 1.13 had an interval of [0.98, 1.77].
+    None if either list is empty."""
+    if not num or not den:
+        return None
+    r = sorted(a / b for a, b in zip(p95_draws(num, draws, seed=0), p95_draws(den, draws, seed=1)))
+    return [r[int(0.1 * draws)], r[int(0.9 * draws)]]
 
 
 def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float, think_s: float,
@@ -642,6 +666,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "node_cpu_cores": per_mode("node_cpu_cores"),
             "p95_burst_slowdown_quiet": per_mode("p95_burst_slowdown_quiet"),
             "quiet_bursts": {m: f"{r['quiet_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
+            "p95_slowdown_vs_static_interval": ratio_interval([b["slowdown"] for b in e["bursts"]],
+                                                              [b["slowdown"] for b in s["bursts"]]),
             "p95_slowdown_vs_static_quiet": (e["p95_burst_slowdown_quiet"] / s["p95_burst_slowdown_quiet"]
                                              if e["p95_burst_slowdown_quiet"] and s["p95_burst_slowdown_quiet"]
                                              else None),

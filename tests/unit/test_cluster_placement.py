@@ -77,3 +77,35 @@ def test_the_preferred_node_wins_when_eligible_else_the_others_compete():
 def test_a_hint_naming_an_unknown_node_is_refused():
     with pytest.raises(InvalidInputError, match="no node 'zz'"):
         place([node("a")], T, preferred="zz")
+
+
+def test_the_cache_bonus_ends_at_the_bound_of_environments_per_node():
+    """16 small environments (0.05 cores on 2) weigh 0.4 of load, less than a
+    warm node's bonus (0.5): a rollout batch piled on the nodes holding its
+    templates (bench cluster: one node of 4 took 16 of a batch's 32, max/mean
+    2.0).  Past ceil((1 + balance) x demand / nodes) + 1 environments a warm
+    node gets no bonus and the least loaded takes the create."""
+    from weenv.cluster.placement import bonus_cap
+
+    small = Request(cpus=0.05, memory_bytes=64 << 20, groups=(("sha256:task", 200),))
+    policy = Policy()
+    assert bonus_cap(32, 4, policy) == 12 and bonus_cap(1, 3, policy) == 2
+    assert bonus_cap(32, 4, Policy(balance=None)) is None and bonus_cap(32, 0, policy) is None
+    warm_bytes = {"sha256:task": 200}
+
+    def cluster(on_warm: int):
+        return [node("warm", cpus=2, environments=on_warm, cpu_reserved=0.05 * on_warm, group_bytes=warm_bytes),
+                *(node(f"cold{i}", cpus=2, environments=4, cpu_reserved=0.2) for i in range(3))]
+
+    cap = bonus_cap(32, 4, policy)
+    assert place(cluster(cap - 1), small, cap=cap) == "warm", "below the bound: the bonus counts"
+    assert place(cluster(cap), small, cap=cap) != "warm", "at it: the load decides"
+    assert place(cluster(16), small) == "warm", "without a bound the warm node takes them all"
+    # a hint wins at the bound as before
+    assert place(cluster(cap), small, cap=cap, preferred="warm") == "warm"
+    # the warm node under the bound is a candidate whatever the sample, those past it are not preferred
+    over = [node(f"w{i}", environments=cap, group_bytes=warm_bytes) for i in range(3)]
+    under = node("under", environments=1, group_bytes={"sha256:task": 100})
+    nodes = [node(f"n{i}", environments=4, cpu_reserved=4) for i in range(50)] + over + [under]
+    for seed in range(10):
+        assert place(nodes, small, rng=random.Random(seed), cap=cap) == "under"

@@ -41,3 +41,61 @@ def test_routes_are_the_alive_nodes():
     view.gone("b", "ray reports the node dead")
     assert [r.node_id for r in view.routes()] == ["a"]
     assert view.room([("t", 1.0, 1 * GiB)] * 5) == 2
+
+
+def _node_reserving(view: ClusterView, node_id: str) -> float:
+    return next(view._load(n).cpu_reserved for n in view._nodes.values() if n.node_id == node_id)
+
+
+def test_a_destroy_frees_its_reservation_at_once_before_or_after_the_next_report():
+    """An environment killed before its node's next heartbeat held its cores for
+    30 s in the view (its create's reservation ended only with a report listing
+    it), so a hinted create was passed over for another node.  Now a destroy
+    through the cluster frees them at once, whether the last report lists the
+    environment yet or not."""
+    view = ClusterView()
+    view.heartbeat(report("a"))
+    view.heartbeat(report("b"))
+    # killed before any report lists it
+    placed = view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a")
+    assert placed.route.node_id == "a"
+    view.done(placed.token, "a", "e1")
+    assert _node_reserving(view, "a") == 2.0
+    assert view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a").route.node_id == "b", "a is full: passed over"
+    view.done(2, "b", None)
+    view.forget("e1")
+    assert _node_reserving(view, "a") == 0.0
+    again = view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a")
+    assert again.route.node_id == "a", "the hinted node has its cores back"
+    view.done(again.token, "a", "e2")
+    # listed (and reserved) by a report, then killed: taken off that report's reservations
+    listed = report("a")
+    listed.environments, listed.cpu_reserved, listed.memory_reserved = ["e2"], 1.5, 1 * GiB
+    listed.reservations = {"e2": (1.5, 1 * GiB)}  # its elastic reservation, as the node counts it now
+    view.heartbeat(listed)
+    assert _node_reserving(view, "a") == 1.5
+    view.forget("e2")
+    assert _node_reserving(view, "a") == 0.0
+    assert view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a").route.node_id == "a"
+    # a report taken before the destroy, arriving after it, neither routes it again nor reserves it
+    view.heartbeat(listed)
+    assert "e2" not in view.environments() and _node_reserving(view, "a") == 0.0
+    view.heartbeat(report("a"))  # the next one lacks it: the release ends with it
+    assert not next(n for n in view._nodes.values() if n.node_id == "a").released
+
+
+def test_a_create_destroyed_on_its_node_before_any_report_stops_reserving_after_the_grace():
+    import time
+
+    from weenv.cluster.view import REPORT_GRACE_S
+
+    view = ClusterView()
+    view.heartbeat(report("a"))
+    placed = view.place("t", cpus=1.0, memory_bytes=1 * GiB)
+    view.done(placed.token, "a", "e1")
+    view.heartbeat(report("a"))  # taken just now: may predate the create's end, the reservation stays
+    assert _node_reserving(view, "a") == 1.0
+    late = report("a")
+    late.at = time.time() + REPORT_GRACE_S + 1  # taken well after the create ended, and it lacks e1
+    view.heartbeat(late)
+    assert _node_reserving(view, "a") == 0.0

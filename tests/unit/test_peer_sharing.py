@@ -31,6 +31,7 @@ def test_creates_of_one_template_placed_together_go_together():
     view = ClusterView()
     for n in "abcd":
         view.heartbeat(report(n, templates=FACTS))
+    view._note_demand(24)  # a rollout batch of 24 lately: together up to ceil(1.3 x 24 / 4) + 1 = 9 on a node
     first = view.place("t", cpus=0.1).route.node_id
     assert all(view.place("t", cpus=0.1).route.node_id == first for _ in range(5))
     # an unknown template too (no node knows its groups yet)

@@ -29,6 +29,9 @@ environment (:mod:`weenv.cluster.proxy`, streamed both ways)::
     ports    a ``PORT-ID.`` host (E2B's ``get_host``), HTTP or WebSocket -> the
              sandbox's node, relayed as is (:mod:`weenv.cluster.ports`)
     health   GET  /v1/health -> {"status": "ok", "cluster": true[, "nodes": N, "environments": N]}
+    node admin POST /v1/cache/drop -> every alive node (``?node=ID``: that one), 204 when all
+             dropped theirs (a node that did not: 502, named); POST /v1/shutdown and
+             PUT /v1/peers, a node's own, are refused (400, saying what to do instead)
 
 **Placement hints** ride in an environment's metadata, the same for both APIs:
 ``weenv.node`` (a node id to prefer) and ``weenv.near`` (an environment whose
@@ -338,6 +341,49 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         return await proxy.relay(client, request, route, request.url.path,
                                  headers=proxy.keyed_headers(request, route, e2b=is_e2b(request)))
 
+    @app.post("/v1/cache/drop")
+    async def drop_cache(request: Request, node: str | None = None) -> Response:
+        """Each node's own call, made on every alive node (``?node=ID``: that one):
+        204 once all have dropped their caches; a node that could not is 502, named."""
+        require_key(request)
+        routes = await gw.routes()
+        if node is not None:
+            routes = [r for r in routes if r.node_id == node]
+            if not routes:
+                known = [s.node_id for s in await directory.call("status")]
+                if node in known:
+                    raise ClosedError(f"node {node!r} is not alive: its cache cannot be dropped now")
+                raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(known) or 'none'})")
+        if not routes:
+            raise ClosedError("no node of the cluster is alive")
+
+        async def one(route: Route) -> tuple[bool, str] | None:
+            """None: dropped; else (whether the node refused, rather than could not be reached; why)."""
+            try:
+                answer = await proxy.call(client, route, "POST", request.url.path, e2b=False)
+            except DaemonError as exc:
+                return False, str(exc)
+            if answer.status_code == 204:
+                return None
+            return 400 <= answer.status_code < 500, f"node {route.node_id}: {_message_of(answer)}"
+
+        failed = [f for f in await asyncio.gather(*(one(r) for r in routes)) if f is not None]
+        if failed:
+            text = f"{len(failed)} of {len(routes)} nodes did not drop their caches: " + "; ".join(w for _, w in failed)
+            raise InvalidInputError(text) if all(refused for refused, _ in failed) else DaemonError(text)
+        return Response(status_code=204)
+
+    @app.post("/v1/shutdown")
+    @app.put("/v1/peers")
+    async def node_only(request: Request) -> Response:
+        """A node's own, not the cluster's: refused with what to do instead."""
+        require_key(request)
+        if request.url.path == "/v1/shutdown":
+            raise InvalidInputError("POST /v1/shutdown at the cluster's address: the cluster's node daemons are "
+                                    "owned by its Ray actors; take the whole cluster down with 'weenv cluster down'")
+        raise InvalidInputError("PUT /v1/peers at the cluster's address: each node's peer table is set by its "
+                                "node actor from the placement actor's view, not by clients")
+
     @app.get("/v1/metrics")
     async def metrics(request: Request) -> Response:
         require_key(request)
@@ -438,6 +484,15 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     # outermost (added last): PORT-ID. hosts need no key and bound their bodies themselves
     app.add_middleware(ClusterPorts, gateway=gw, max_body=max_body)
     return app
+
+
+def _message_of(answer: httpx.Response) -> str:
+    """A node's error answer in words (weenv's ``error.message``, else its text)."""
+    try:
+        doc = answer.json()
+        return str(doc["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"{answer.status_code} {answer.text[:300]}"
 
 
 def _e2b_error(status: int, message: str) -> JSONResponse:

@@ -60,6 +60,9 @@ class NodeReport:
     """Group digest -> plaintext bytes of all its chunks."""
     templates: dict[str, TemplateFacts] = field(default_factory=dict)
     """Template name and digest -> what the node knows of it."""
+    reservations: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Environment id -> (cores, memory bytes) it holds of ``cpu_reserved`` and
+    ``memory_reserved`` (its part of those sums, from the same reading)."""
 
 
 class NodeAgent:
@@ -89,7 +92,8 @@ class NodeAgent:
 
     def report(self) -> NodeReport:
         """This moment's :class:`NodeReport`.  Raises :class:`DaemonError` if the daemon does not answer."""
-        totals = self.client.provision_stats().totals
+        provision = self.client.provision_stats()
+        totals = provision.totals
         envs = [e.id for e in self.client.list()]
         if self._scan is None or time.monotonic() - self._scan[0] >= self.cache_scan_s:
             self._scan = (time.monotonic(), *self._cache_contents())
@@ -99,7 +103,8 @@ class NodeAgent:
             at=time.time(), cpu_capacity=totals.cpu_capacity, memory_capacity=totals.memory_capacity,
             cpu_reserved=totals.cpu_reservation_sum, memory_reserved=totals.memory_limit_sum,
             cpu_used=totals.cpu_used, memory_used=totals.working_set, environments=envs,
-            group_bytes=held, group_sizes=sizes, templates=templates)
+            group_bytes=held, group_sizes=sizes, templates=templates,
+            reservations={e.id: (e.cpu_reservation or 0.0, e.memory_limit or 0) for e in provision.environments})
 
     def _cache_contents(self) -> tuple[dict[str, int], dict[str, int], dict[str, TemplateFacts]]:
         """``(held, sizes, templates)`` from the home: bytes held and total per group the

@@ -11,6 +11,16 @@ lowest score.  A node's score is its **load** minus a bounded **cache bonus**::
                                  / the template's bytes)          in [0, cache_bonus]
     score       = load − bonus − (prefer_bonus if the node is the preferred one)
 
+The bonus is **bounded by load** (consistent hashing with bounded loads,
+Mirrokni et al. 2018): a node gets it only while it has fewer than
+:func:`bonus_cap` environments (those it runs and creates in flight, this one
+counted): ``ceil((1 + balance) × demand / alive nodes) + 1``, ``demand`` the
+cluster's recent peak of environments at once (the caller's, a rollout
+batch's size as a rule).  Past it the node competes on load alone: a batch of
+rollouts does not pile on the nodes that hold its templates (small
+environments barely move the load: 16 of 0.05 cores on 2 cores weigh 0.4,
+less than a whole template's bonus).
+
 ``reserved`` is what the node's environments reserve (their CPU reservations,
 their memory limits), ``in flight`` what creates placed there and not done yet
 ask, ``used`` what they use now (CPU cores, working set).  The nodes holding
@@ -33,6 +43,7 @@ eligible (the cluster is full, or every node is gone).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -49,6 +60,8 @@ PREFER_BONUS = 10.0
 """Taken off the preferred node's score: more than any load difference (loads are <= 1 + used_share)."""
 MAX_INFLIGHT = 8
 """Creates in progress a node may have before placement passes it over."""
+BALANCE = 0.3
+"""How far over the mean of environments per node a node may be and still get the cache bonus (:func:`bonus_cap`)."""
 
 
 @dataclass
@@ -93,6 +106,18 @@ class Policy:
     used_share: float = USED_SHARE
     prefer_bonus: float = PREFER_BONUS
     max_inflight: int = MAX_INFLIGHT
+    balance: float | None = BALANCE
+    """None: the cache bonus is not bounded by load (:func:`bonus_cap`)."""
+
+
+def bonus_cap(demand: int, alive: int, policy: Policy = Policy()) -> int | None:
+    """The environments (run and in flight, the one placed counted) below which
+    a node gets the cache bonus: ``ceil((1 + balance) × demand / alive) + 1``.
+    ``demand``: the cluster's recent peak of environments at once; ``alive``:
+    its alive nodes.  None (no bound) without ``policy.balance`` or nodes."""
+    if policy.balance is None or alive <= 0:
+        return None
+    return math.ceil((1 + policy.balance) * max(1, demand) / alive - 1e-9) + 1
 
 
 def cached_share(node: NodeLoad, request: Request) -> float:
@@ -123,9 +148,13 @@ def eligible(node: NodeLoad, request: Request, policy: Policy = Policy()) -> boo
             and node.memory_reserved + node.memory_inflight + request.memory_bytes <= node.memory_capacity)
 
 
-def score(node: NodeLoad, request: Request, policy: Policy = Policy(), *, preferred: str | None = None) -> float:
-    """Lower is better: load minus the cache bonus, minus ``prefer_bonus`` on the preferred node."""
-    s = load(node, request, policy) - policy.cache_bonus * cached_share(node, request)
+def score(node: NodeLoad, request: Request, policy: Policy = Policy(), *, preferred: str | None = None,
+          cap: int | None = None) -> float:
+    """Lower is better: load minus the cache bonus (only below ``cap``
+    environments, :func:`bonus_cap`; None: always), minus ``prefer_bonus`` on the preferred node."""
+    s = load(node, request, policy)
+    if cap is None or node.environments + node.inflight + 1 <= cap:
+        s -= policy.cache_bonus * cached_share(node, request)
     return s - policy.prefer_bonus if node.node_id == preferred else s
 
 
@@ -134,13 +163,14 @@ SAMPLE_TRIES = 8
 
 
 def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(), preferred: str | None = None,
-          rng: random.Random | None = None, holders: list[NodeLoad] | None = None) -> str:
+          rng: random.Random | None = None, holders: list[NodeLoad] | None = None, cap: int | None = None) -> str:
     """The id of the node ``request`` goes to, from ``nodes``.
 
     ``preferred``: a node id that wins if eligible (a hint, an origin);
     :class:`InvalidInputError` if no node of ``nodes`` has it.  ``holders``:
     the nodes holding any of the template's groups, when the caller keeps an
-    index of them (None: every node is looked at).  Raises
+    index of them (None: every node is looked at).  ``cap``: environments
+    per node from which the cache bonus is off (:func:`bonus_cap`; None: never).  Raises
     :class:`CapacityError` when no node is eligible.
 
     Cost: O(k + holders) on a cluster with room (the ``k`` sampled nodes are
@@ -168,7 +198,8 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
     if request.groups:
         pool = holders if holders is not None else ok if ok is not None else nodes
         warm = [n for n in pool if cached_share(n, request) > 0 and eligible(n, request, policy)]
-        warm.sort(key=lambda n: -cached_share(n, request))
+        # those still under the cap first: a warm node past it gets no bonus (it need not be a candidate)
+        warm.sort(key=lambda n: (cap is not None and n.environments + n.inflight + 1 > cap, -cached_share(n, request)))
         candidates.update((n.node_id, n) for n in warm[: policy.k])
     if preferred is not None:
         for n in nodes:
@@ -176,5 +207,5 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
                 candidates[n.node_id] = n
     # equal scores (empty nodes, as a rule): a random one, not always the same (the lowest id)
     ties = {n.node_id: rng.random() for n in candidates.values()}
-    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred), 9),
+    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred, cap=cap), 9),
                                                    ties[n.node_id])).node_id

@@ -17,6 +17,7 @@ are found again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -37,6 +38,10 @@ RESERVATION_TTL_S = 600.0
 
 EXPECT_S = 30.0
 """Seconds a node counts as holding a template placed there (:attr:`_Node.expected`)."""
+DEMAND_WINDOW_S = 300.0
+"""Seconds over which the cluster's peak of environments at once is its demand
+(:func:`weenv.cluster.placement.bonus_cap`: an RL run's rollout batches come
+round within it)."""
 REPORT_GRACE_S = 5.0
 """Seconds an environment recorded by a create's end stays routed though a
 node's report lacks it (the report's listing may predate the create)."""
@@ -69,8 +74,17 @@ class _Node:
     inflight: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     """token -> (cpus, memory bytes, placed at)."""
     pending: dict[str, tuple[float, int, float]] = field(default_factory=dict)
-    """env id -> (cpus, memory bytes, done at): made, not yet in a report's
-    reservations (so placement does not see a node as emptier than it is)."""
+    """env id -> (cpus, memory bytes, done at, Unix s): made, not yet in a report's
+    reservations (so placement does not see a node as emptier than it is).
+    Ends with the first report listing it, a report taken ``REPORT_GRACE_S``
+    after the create ended that does not (the node destroyed it), or its
+    destroy through the cluster (:meth:`ClusterView.forget`)."""
+    released: dict[str, tuple[float, int, float]] = field(default_factory=dict)
+    """env id -> (cpus, memory bytes, destroyed at, Unix s): destroyed through the
+    cluster but still in the node's last report's reservations (what that
+    report says it reserves): taken off the report's sums until a report no
+    longer lists it (so a node whose environments were just killed is not seen
+    as fuller than it is)."""
     expected: dict[str, float] = field(default_factory=dict)
     """Template -> until when (monotonic s) the node counts as holding it: placed
     there lately, before its reports show the chunks (creates of a template
@@ -107,6 +121,7 @@ class ClusterView:
         self._templates: dict[str, TemplateFacts] = {}
         self._group_sizes: dict[str, int] = {}
         self._tokens = itertools.count(1)
+        self._demand: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic s, peak) per second
 
     # --- nodes ---------------------------------------------------------------------------
     def starting(self, node_id: str) -> None:
@@ -125,11 +140,17 @@ class ClusterView:
             if node.state == "gone" and node.reason.startswith("ray"):
                 return  # Ray declared the node dead: a late heartbeat does not revive it
             node.state, node.reason, node.report, node.seen = "alive", "", report, time.monotonic()
-            now = time.monotonic()
-            node.pending = {e: r for e, r in node.pending.items()
-                            if e not in report.environments and now - r[2] < RESERVATION_TTL_S / 20}
             present = set(report.environments)
+            # a create's reservation counts until a report lists the environment, or one taken well
+            # after the create ended does not (destroyed or expired on the node before any report)
+            node.pending = {e: r for e, r in node.pending.items()
+                            if e not in present and r[2] >= report.at - REPORT_GRACE_S}
+            # a destroy's release lasts while reports (taken before it, perhaps) still list the environment
+            node.released = {e: r for e, r in node.released.items()
+                             if e in report.reservations and report.at - r[2] < RESERVATION_TTL_S / 20}
             for env_id in present:
+                if env_id in node.released:
+                    continue  # destroyed through the cluster since: not routed again
                 self._envs[env_id] = (report.node_id, report.at)
                 self._lost.pop(env_id, None)
             for env_id, (where, at) in list(self._envs.items()):
@@ -155,6 +176,7 @@ class ClusterView:
         for env_id in lost:
             del self._envs[env_id]
             self._lost[env_id] = (node_id, now)
+        node.pending, node.released = {}, {}
         return lost
 
     def expire(self) -> list[str]:
@@ -189,12 +211,27 @@ class ClusterView:
             loads = [self._load(n) for n in self._nodes.values()]
             if node is not None and node not in self._nodes:
                 raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(self._nodes) or 'none'})")
-            chosen = placement.place(loads, request, policy=self.policy, preferred=node)
+            alive = [n for n in loads if n.alive]
+            demand = self._note_demand(sum(n.environments + n.inflight for n in alive) + 1)
+            chosen = placement.place(loads, request, policy=self.policy, preferred=node,
+                                     cap=placement.bonus_cap(demand, len(alive), self.policy))
             token = next(self._tokens)
             target = self._nodes[chosen]
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
             target.expected[template] = time.monotonic() + EXPECT_S
             return Placed(self._route_of(target), token)
+
+    def _note_demand(self, now_at_once: int) -> int:
+        """Record ``now_at_once`` environments (run and being made); the most at once over ``DEMAND_WINDOW_S``."""
+        now = time.monotonic()
+        d = self._demand
+        if d and now - d[-1][0] < 1.0:
+            d[-1] = (d[-1][0], max(d[-1][1], now_at_once))
+        else:
+            d.append((now, now_at_once))
+        while now - d[0][0] > DEMAND_WINDOW_S:
+            d.popleft()
+        return max(v for _, v in d)
 
     def _request(self, template: str, cpus: float | None, memory_bytes: int | None) -> placement.Request:
         """What one environment of ``template`` asks (the template's defaults where None)."""
@@ -287,7 +324,7 @@ class ClusterView:
                 return
             held = node.inflight.pop(token, None)
             if env_id is not None and held is not None and node.state != "gone":
-                node.pending[env_id] = (held[0], held[1], time.monotonic())
+                node.pending[env_id] = (held[0], held[1], time.time())
             if env_id is not None:
                 if node.state == "gone":
                     self._lost[env_id] = (node_id, time.time())
@@ -298,10 +335,13 @@ class ClusterView:
         r = node.report
         if r is None:
             return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
+        cpu_reserved = (r.cpu_reserved + sum(c for c, _, _ in node.pending.values())
+                        - sum(c for c, _, _ in node.released.values()))
+        memory_reserved = (r.memory_reserved + sum(m for _, m, _ in node.pending.values())
+                           - sum(m for _, m, _ in node.released.values()))
         return placement.NodeLoad(
             node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
-            cpu_reserved=r.cpu_reserved + sum(c for c, _, _ in node.pending.values()),
-            memory_reserved=r.memory_reserved + sum(m for _, m, _ in node.pending.values()), cpu_used=r.cpu_used,
+            cpu_reserved=max(0.0, cpu_reserved), memory_reserved=max(0, memory_reserved), cpu_used=r.cpu_used,
             memory_used=r.memory_used, cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
             memory_inflight=sum(m for _, m, _ in node.inflight.values()), inflight=len(node.inflight),
             environments=sum(1 for where, _ in self._envs.values() if where == node.node_id),
@@ -336,10 +376,19 @@ class ClusterView:
             return [self._route_of(n) for n in self._nodes.values() if n.state == "alive" and n.report is not None]
 
     def forget(self, env_id: str) -> None:
-        """``env_id`` was destroyed."""
+        """``env_id`` was destroyed (through the cluster): no longer routed, and what
+        its create reserved on its node is free at once (not a heartbeat or
+        ``REPORT_GRACE_S`` later), so the next creates placed see that room."""
         with self._lock:
-            self._envs.pop(env_id, None)
+            found = self._envs.pop(env_id, None)
             self._lost.pop(env_id, None)
+            node = self._nodes.get(found[0]) if found is not None else None
+            if node is None:
+                return
+            node.pending.pop(env_id, None)
+            held = node.report.reservations.get(env_id) if node.report is not None else None
+            if held is not None:  # counted in that report's sums: taken off them
+                node.released[env_id] = (held[0], held[1], time.time())
 
     def environments(self) -> dict[str, str]:
         """Environment id -> node id, for every environment the cluster knows to run."""
