@@ -142,6 +142,35 @@ def test_snapshot_of_a_sudo_sandbox_is_refused_clearly(served):
         sbx.kill()
 
 
+def test_resets_of_a_sudo_sandbox_start_the_container_made_ahead(served):
+    """A sudo environment's reset (to its template) twice: the second starts the
+    container made ahead over the same idmapped lowers (its id moves on); sudo
+    works after each, what the episode wrote is gone, and its kill leaves no
+    container or cgroup of it."""
+    sbx = Sandbox.create("sudo", timeout=120)
+    try:
+        for n in range(3):
+            sbx.commands.run("sudo sh -c 'echo episode > /etc/episode'", user="user")
+            with served.daemon.http() as c:
+                r = c.post(f"/environments/{sbx.sandbox_id}/reset", json={})
+                assert r.status_code == 200, r.text
+            r = sbx.commands.run("sudo id -u; test -e /etc/episode && echo yes || echo no", user="user")
+            assert r.stdout.split() == ["0", "no"], r
+            deadline = time.monotonic() + 10  # the next one made ahead, in the background
+            while time.monotonic() < deadline and not _cgroup_names(sbx.sandbox_id) >= {
+                    f"weenv-{sbx.sandbox_id}.{n + 1}"}:  # fmt: skip
+                time.sleep(0.05)
+        # the first reset ran its container again (no spare yet), the next two started the one made ahead
+        assert _cgroup_names(sbx.sandbox_id) == {f"weenv-{sbx.sandbox_id}.2", f"weenv-{sbx.sandbox_id}.3"}
+    finally:
+        sbx.kill()
+    assert _cgroup_names(sbx.sandbox_id) == set()
+
+
+def _cgroup_names(env_id: str) -> set[str]:
+    return {p.name for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{env_id}*") if p.is_dir()}
+
+
 def test_home_others_cannot_search_is_refused_clearly(served, tmp_path):
     """pytest's tmp dirs are 0700: runc's init, as the range's root, could not reach
     the rootfs, so the create fails naming the directory, and leaves nothing."""

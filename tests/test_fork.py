@@ -142,6 +142,81 @@ def test_reset_restores_the_template_or_the_snapshot_in_place(node, paths):
     node.delete_snapshot("after-setup")
 
 
+def _containers_of(node: Node, env_id: str) -> dict[str, str]:
+    """Container id -> runc status of every container of ``env_id`` (its own, made ahead, replaced)."""
+    return {c["id"]: c["status"] for c in node.runc.list()
+            if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+
+
+def _cgroups_of(env_id: str) -> set[str]:
+    return {p.name for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{env_id}*") if p.is_dir()}
+
+
+def test_reset_starts_the_container_made_ahead_and_leaves_none_behind(node, paths):
+    """After a snapshot (and after each reset) the next reset's container waits
+    created (``runc create``) over the spare upper dir: the reset starts it
+    (its id moves on, ``weenv-<id>.N``), the killed one and its cgroup go, the
+    environment keeps its address, files, agent and commands; a reset to
+    another source runs its container again; destroy removes the one made
+    ahead too (runc, cgroups, mounts: and the leak check)."""
+    e = node.create("task")
+    sh(node, e.id, SETUP)
+    node.snapshot(e.id, "ahead-snap")
+    node.resets.close()  # the background work (spare, container made ahead) is done
+    assert _containers_of(node, e.id) == {f"weenv-{e.id}": "running", f"weenv-{e.id}.1": "created"}
+    for n in (1, 2, 3):
+        sh(node, e.id, "echo episode > /workspace/episode.txt; sleep 1000 >/dev/null 2>&1 &")
+        t = node.resets.reset(node.table.get(e.id), node.captures.named("ahead-snap").path)
+        assert t.ahead and t.spare, t
+        print(f"\nreset {n} (made ahead): {t.total_s * 1000:.1f} ms: stop {t.stop_s * 1000:.1f}, "
+              f"overlay {t.overlay_s * 1000:.1f}, runc start {t.runtime_s * 1000:.1f}")
+        assert node.table.get(e.id).container_id == f"weenv-{e.id}.{n}"
+        assert node.get(e.id).state == "running"
+        assert sh(node, e.id, TREE) == EXPECTED
+        assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no; pgrep -x sleep || echo none") \
+            == b"no\nnone\n"
+        assert Path(node.get(e.id).rootfs, "workspace/new/a.txt").read_bytes() == b"one\n"  # the host's view follows
+        node.resets.close()
+        assert _containers_of(node, e.id) == {f"weenv-{e.id}.{n}": "running", f"weenv-{e.id}.{n + 1}": "created"}
+        assert not (node.snapshotter.dir(e.id) / "rootfs.old").is_mount()  # the old rootfs, moved aside, went
+        assert _cgroups_of(e.id) >= {f"weenv-{e.id}.{n}"} and f"weenv-{e.id}.{n - 1}" not in _cgroups_of(e.id) \
+            and f"weenv-{e.id}" not in _cgroups_of(e.id)
+        used, _limit = node.disk_usage(e.id)
+        assert used > 0  # the upper dir the kernel counts is the new one
+    # to the template's state: its spare is not of that source, so the container runs again
+    sh(node, e.id, "echo x > /workspace/x.txt")
+    t = node.resets.reset(node.table.get(e.id), None)
+    assert not t.ahead and node.table.get(e.id).container_id == f"weenv-{e.id}.3"
+    assert sh(node, e.id, "cat /workspace/hello.py; test -e /workspace/x.txt && echo yes || echo no") \
+        == b"print('hello from the task')\nno\n"
+    node.resets.close()
+    assert _containers_of(node, e.id) == {f"weenv-{e.id}.3": "running", f"weenv-{e.id}.4": "created"}
+    node.destroy(e.id)
+    assert _containers_of(node, e.id) == {} and _cgroups_of(e.id) == set()
+    assert [p for p in open("/proc/mounts").read().split() if e.id in p] == []
+    node.delete_snapshot("ahead-snap")
+
+
+def test_reset_made_ahead_of_a_memory_released_environment_and_destroy_before_the_background(node):
+    """A memory-releasing pause and its resume keep the container made ahead
+    (it runs nothing); a reset of it starts that one; a destroy right after a
+    reset (its replaced container not deleted yet) leaves nothing."""
+    e = node.create("task")
+    node.snapshot(e.id, "rel-snap")
+    node.resets.close()
+    node.pause(e.id, release_memory=True)
+    assert _containers_of(node, e.id) == {f"weenv-{e.id}.1": "created"}
+    node.resume(e.id)
+    assert sh(node, e.id, "echo back") == b"back\n"
+    t = node.resets.reset(node.table.get(e.id), node.captures.named("rel-snap").path)
+    assert t.ahead
+    assert sh(node, e.id, "echo reset") == b"reset\n"
+    node.destroy(e.id)  # the background's deletion of weenv-ID may not have run
+    node.resets.close()
+    assert _containers_of(node, e.id) == {} and _cgroups_of(e.id) == set()
+    node.delete_snapshot("rel-snap")
+
+
 def _counter(path: Path) -> int:
     """The number a running ``echo $i > path`` loop wrote last (read again when
     the read fell between the shell's truncate and its write)."""

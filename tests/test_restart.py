@@ -297,6 +297,48 @@ def test_killed_holder_is_replaced_and_restart_still_works(restart_home):
     client.close()
 
 
+def _statuses(paths: Paths, env_id: str) -> dict[str, str]:
+    """Container id -> runc status of environment ``env_id``'s containers (its own, made ahead, replaced)."""
+    import json
+
+    out = subprocess.run(["runc", "--root", str(paths.runc_root), "list", "--format", "json"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {c["id"]: c["status"] for c in json.loads(out or "null") or []
+            if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+
+
+def test_reset_after_a_restart_follows_the_container_made_ahead(restart_home):
+    """A reset that started the container made ahead moved the environment's
+    container id on (``weenv-ID.1``); the next daemon adopts that one (commands,
+    files), removes the one made ahead for the next reset (``.2``), and resets
+    it again (to the template: the captures went with the daemon); ``rm`` then leaves no container or cgroup of it."""
+    home = restart_home
+    client = home.start()
+    env_id = home.create(client)
+    client.snapshot(env_id, "restart-snap")
+    _wait_for(lambda: _statuses(home.paths, env_id).get(f"weenv-{env_id}.1") == "created", 10, "a container made ahead")
+    client.exec(env_id, ["sh", "-c", "echo one > /data/episode.txt"])
+    client.reset(env_id, "restart-snap")
+    _wait_for(lambda: _statuses(home.paths, env_id) == {f"weenv-{env_id}.1": "running",
+                                                        f"weenv-{env_id}.2": "created"}, 10, "the next one made ahead")
+    client.exec(env_id, ["sh", "-c", "echo two > /data/episode.txt"])
+
+    home.kill(home.daemon_pid())
+    client.close()
+    client = home.start()
+    assert client.read_file(env_id, "/data/episode.txt") == b"two\n"
+    assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+    assert _statuses(home.paths, env_id) == {f"weenv-{env_id}.1": "running"}
+    assert not (home.paths.environments / env_id / "rootfs.next").is_mount()
+    client.reset(env_id)  # to the template (the node's captures went with the killed daemon)
+    assert client.exec(env_id, ["sh", "-c", "test -e /data/episode.txt && echo yes || echo no"]).stdout == b"no\n"
+    assert client.exec(env_id, ["cat", "/data/small.txt"]).stdout == b"small\n"
+    client.destroy(env_id)
+    assert _statuses(home.paths, env_id) == {}
+    assert not [c for c in Path("/sys/fs/cgroup").glob(f"*/weenv-{env_id}*") if c.is_dir()]
+    client.close()
+
+
 def test_environment_frozen_at_the_kill_is_thawed(restart_home):
     """The provisioner freezes environments; one frozen when its daemon died
     runs again under the next daemon."""

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import time
@@ -323,6 +324,40 @@ def test_kill_delete_leaves_nothing(runc, overlay_root, tmp_path):
     runc.delete(e.id)  # idempotent
     with pytest.raises(NotFoundError):
         runc.kill(e.id)
+
+
+def test_start_reads_the_exec_fifo_as_runc_start_does(runc, overlay_root, tmp_path):
+    """Runc.start of a created container: its first process runs (runc says
+    running, the FIFO is gone); a second start, and a start of a container whose
+    first process died, get runc's own answers; nothing is left after delete."""
+    cid = new_id()
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    write_bundle(bundle, overlay_root, RuntimeConfig(), hostname="box", cgroups_path=f"/weenv-{cid}", resources=LIMITS)
+    runc.create(cid, bundle)
+    assert runc.state(cid)["status"] == "created" and (runc.root / cid / "exec.fifo").exists()
+    t = time.perf_counter()
+    runc.start(cid, timeout=10)
+    took = time.perf_counter() - t
+    assert runc.state(cid)["status"] == "running" and not (runc.root / cid / "exec.fifo").exists()
+    assert runc.exec(cid, "echo up").stdout == b"up\n"
+    print(f"\nstart: {took * 1000:.2f} ms")
+    with pytest.raises(RuntimeFailedError, match="cannot start"):
+        runc.start(cid)  # runc's answer: it runs already
+    runc.delete(cid, force=True)
+    other = new_id()
+    (tmp_path / "b2").mkdir()
+    write_bundle(tmp_path / "b2", overlay_root, RuntimeConfig(), hostname="box", cgroups_path=f"/weenv-{other}",
+                 resources=LIMITS)  # fmt: skip
+    runc.create(other, tmp_path / "b2")
+    os.kill(runc.state(other)["pid"], signal.SIGKILL)  # its runc init dies waiting
+    deadline = time.monotonic() + 5
+    while runc.state(other)["status"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeFailedError):
+        runc.start(other, timeout=10)
+    runc.delete(other, force=True)
+    assert runc.list() == [] and cgroup_dirs(f"weenv-{cid}") == [] and cgroup_dirs(f"weenv-{other}") == []
 
 
 def test_delete_force_running(runc, overlay_root, tmp_path):

@@ -33,3 +33,26 @@ def test_a_home_path_with_separators_is_escaped(tmp_path):
 def test_no_groups_is_refused(tmp_path):
     with pytest.raises(MountError):
         rootfs_mounts(tmp_path, [])
+
+
+def test_the_rootfs_made_ahead_is_beside_over_the_spare(tmp_path):
+    """A reset's container made ahead (weenv.node.reset) gets its own overlay,
+    ``rootfs.next`` over the spare subvolume, the same lowers and flags."""
+    from weenv.node.disk import SPARE
+
+    env_dir = tmp_path / "envs" / "abc"
+    (own,) = rootfs_mounts(env_dir, [Path("/g/base"), Path("/g/task")])
+    (ahead,) = rootfs_mounts(env_dir, [Path("/g/base"), Path("/g/task")], ahead=True)
+    assert ahead.target == str(env_dir / "rootfs.next") and ahead.flags == own.flags
+    options = dict(o.split("=", 1) for o in ahead.options.split(","))
+    assert options["lowerdir"] == "/g/task:/g/base"
+    assert Path(options["upperdir"]) == env_dir / SPARE / "upper" and Path(options["workdir"]) == env_dir / SPARE / "work"
+
+
+def test_container_ids_made_ahead_count_on():
+    from weenv.node.reset import next_container_id
+
+    assert next_container_id("abc", "weenv-abc") == "weenv-abc.1"
+    assert next_container_id("abc", "weenv-abc.1") == "weenv-abc.2"
+    assert next_container_id("abc", "weenv-abc.41") == "weenv-abc.42"
+    assert next_container_id("abc", "weenv-abcd") == "weenv-abc.1"  # not its own: start again

@@ -161,6 +161,19 @@ def mount(spec: MountSpec) -> None:
         )
 
 
+MS_MOVE = 0x2000
+
+
+def move(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Move the mount at ``source`` to ``target`` (mount(2) ``MS_MOVE``; other
+    mount namespaces' copies of it stay where they are).  Raise :class:`MountError`
+    (``EINVAL`` when its parent mount is shared)."""
+    rc = _libc.mount(os.fspath(source).encode(), os.fspath(target).encode(), None, MS_MOVE, None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise MountError(err, f"move mount {source} to {target}: {os.strerror(err)}")
+
+
 def umount(target: str | os.PathLike[str], *, detach: bool = False) -> None:
     """Unmount ``target``; ``detach`` for MNT_DETACH.  Raise :class:`MountError`."""
     rc = _libc.umount2(os.fspath(target).encode(), MNT_DETACH if detach else 0)

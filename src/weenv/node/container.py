@@ -10,6 +10,9 @@ runc container itself (:mod:`weenv.node.runc`), in cgroup ``/<container id>``.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -23,11 +26,19 @@ from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
 from weenv.host.rootfs import RootFS
 from weenv.node.runc import Runc
 from weenv.node.users import lookup as lookup_user
-from weenv.node.table import AGENT_SOCKET, container_id
+from weenv.node.table import AGENT_SOCKET, CONTAINER_FILE, bundle_container_id, container_id, current_container_id
 
 INIT = Path("/usr/bin/tini-static")
 """The environment's pid 1 (Debian's ``tini``): it reaps orphans, so killed and
 backgrounded processes do not pile up as zombies against the pids limit."""
+
+
+AHEAD = ".next"
+"""The suffix of what a container made ahead for a reset uses in the environment's
+directory beside its running container's: ``bundle.next/``, ``rootfs.next``
+(its overlay, over the spare upper dir) and ``agent2.sock.next`` (its agent's socket)."""
+RETIRING = ".old"
+"""The suffix of the bundle of a container a reset replaced, until it is deleted."""
 
 
 RESOLV_FILE = "resolv.conf"
@@ -117,7 +128,7 @@ class Containers:
         agent = self.agent.get()
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         try:
-            self.runc.run_detached(container_id(env_id), env_dir / "bundle",
+            self.runc.run_detached(current_container_id(env_id, env_dir), env_dir / "bundle",
                                    stdin=None if listener is None else listener.fileno())  # fmt: skip
         finally:
             if listener is not None:
@@ -132,11 +143,90 @@ class Containers:
         """SIGKILL environment ``env_id``'s first process and wait (at most 1 s)
         until it is gone with every process of its pid namespace
         (:meth:`Runc.stop`); the container stays for :meth:`delete`.  True if it died."""
-        return self.runc.stop(container_id(env_id), env_dir / "bundle")
+        return self.runc.stop(current_container_id(env_id, env_dir), env_dir / "bundle")
 
-    def delete(self, env_id: str, env_dir: Path) -> None:
-        """Kill and remove environment ``env_id``'s container (its cgroup goes with it); idempotent."""
-        self.runc.delete(container_id(env_id), force=True, bundle=env_dir / "bundle")
+    def delete(self, env_id: str, env_dir: Path, *, ahead: bool = True) -> None:
+        """Kill and remove environment ``env_id``'s container (its cgroup goes
+        with it), one a reset replaced and not deleted yet, and (``ahead``) the
+        one made ahead for its next reset (:meth:`discard_ahead`); idempotent."""
+        self.runc.delete(current_container_id(env_id, env_dir), force=True, bundle=env_dir / "bundle")
+        self.delete_retiring(env_id, env_dir)
+        if ahead:
+            self.discard_ahead(env_id, env_dir)
+
+    # --- a container made ahead for a reset (weenv.node.reset) ---------------------------
+    def make_ahead(self, env_id: str, env_dir: Path, cid: str) -> None:
+        """Create (``runc create``, not started) container ``cid`` of environment
+        ``env_id`` over the rootfs mounted at ``env_dir/rootfs.next``: its bundle
+        ``bundle.next/`` is ``bundle/``'s config with that root and cgroup
+        ``/cid``, its agent listens on ``agent2.sock.next``.  The config left
+        in ``bundle.next/`` names ``env_dir/rootfs`` (where
+        :meth:`promote_ahead` moves that rootfs) for a later :meth:`restart`.
+        Raises :class:`RuntimeFailedError` (nothing is left then but the mount)."""
+        bundle, ahead = env_dir / "bundle", env_dir / ("bundle" + AHEAD)
+        config = json.loads((bundle / "config.json").read_text())
+        remove_tree(ahead)
+        ahead.mkdir()
+        try:
+            config["linux"]["cgroupsPath"] = f"/{cid}"
+            config["root"]["path"] = os.fspath(env_dir / ("rootfs" + AHEAD))
+            _write_json(ahead / "config.json", config)
+            (ahead / CONTAINER_FILE).write_text(cid)
+            socket = env_dir / (AGENT_SOCKET + AHEAD)
+            listener = agent_listen(socket) if self.agent.get() is not None else None
+            try:
+                self.runc.create(cid, ahead, stdin=None if listener is None else listener.fileno())
+            finally:
+                if listener is not None:
+                    listener.close()
+            config["root"]["path"] = os.fspath(env_dir / "rootfs")
+            _write_json(ahead / "config.json", config)
+        except BaseException:
+            self.discard_ahead(env_id, env_dir)
+            raise
+
+    def start_ahead(self, cid: str) -> None:
+        """``runc start`` of container ``cid`` (made by :meth:`make_ahead`,
+        :meth:`promote_ahead` made it the environment's).  Raises :class:`RuntimeFailedError`."""
+        self.runc.start(cid)
+
+    def ahead_id(self, env_id: str, env_dir: Path) -> str | None:
+        """The id of the container made ahead for environment ``env_id``'s next reset, None if none."""
+        ahead = env_dir / ("bundle" + AHEAD)
+        return bundle_container_id(env_id, ahead) if (ahead / CONTAINER_FILE).exists() else None
+
+    def promote_ahead(self, env_id: str, env_dir: Path) -> str:
+        """Make the container made ahead environment ``env_id``'s own (its old
+        one killed, its rootfs unmounted, and the one made ahead's moved to
+        ``env_dir/rootfs``): ``bundle/`` becomes ``bundle.old/`` (its container
+        for :meth:`delete_retiring`), ``bundle.next/`` ``bundle/``, the agent's
+        socket ``agent2.sock``.  Returns the new container's id (not started yet)."""
+        self.delete_retiring(env_id, env_dir)
+        cid = bundle_container_id(env_id, env_dir / ("bundle" + AHEAD))
+        os.replace(env_dir / "bundle", env_dir / ("bundle" + RETIRING))
+        os.replace(env_dir / ("bundle" + AHEAD), env_dir / "bundle")
+        socket = env_dir / (AGENT_SOCKET + AHEAD)
+        if socket.exists():
+            os.replace(socket, env_dir / AGENT_SOCKET)
+        return cid
+
+    def delete_retiring(self, env_id: str, env_dir: Path) -> None:
+        """Remove the container :meth:`promote_ahead` replaced, and its bundle; idempotent."""
+        old = env_dir / ("bundle" + RETIRING)
+        if old.is_dir():
+            self.runc.delete(bundle_container_id(env_id, old), force=True, bundle=old)
+            remove_tree(old)
+
+    def discard_ahead(self, env_id: str, env_dir: Path) -> None:
+        """Remove the container made ahead (and its bundle and socket), if any;
+        its rootfs stays mounted (the snapshotter's).  Idempotent."""
+        ahead = env_dir / ("bundle" + AHEAD)
+        if ahead.is_dir():
+            if (ahead / CONTAINER_FILE).exists():
+                self.runc.delete(bundle_container_id(env_id, ahead), force=True, bundle=ahead)
+            remove_tree(ahead)
+        with contextlib.suppress(FileNotFoundError):
+            (env_dir / (AGENT_SOCKET + AHEAD)).unlink()
 
     def teardown_network(self, env_id: str, env_dir: Path) -> None:
         """Remove its name server, network namespace and link, if any; idempotent."""
@@ -147,9 +237,10 @@ class Containers:
         """Container id -> runc status of every container (one ``runc list``)."""
         return {s.get("id"): s.get("status") for s in self.runc.list()}
 
-    def state(self, env_id: str) -> str | None:
-        """Runc's status of environment ``env_id``'s container, None if gone."""
-        state = self.runc.state(container_id(env_id))
+    def state(self, cid: str) -> str | None:
+        """Runc's status of container ``cid`` (an environment's
+        :attr:`~weenv.node.table.Environment.container_id`), None if gone."""
+        state = self.runc.state(cid)
         return state["status"] if state else None
 
     def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack,
@@ -174,3 +265,13 @@ class Containers:
                             lambda addrs: network.open_addresses(env_id, addrs))  # fmt: skip
         except OSError as exc:
             raise RuntimeFailedError(f"environment {env_id}'s name server: {exc}") from exc
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

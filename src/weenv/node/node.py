@@ -527,7 +527,7 @@ class Node:
         first process died).  Raises :class:`NotFoundError`."""
         e = self.table.get(env_id)
         if e.info.state == "running":
-            _follow(e, self.containers.state(env_id))
+            _follow(e, self.containers.state(e.container_id))
         return e.info
 
     def list(self) -> list[EnvironmentInfo]:

@@ -135,7 +135,7 @@ class Pauses:
                 p.log.abandon()
             self.provisioner.detach(e.info.id)  # its CPU and memory reservation goes
             self.thaw_for_destroy(e)
-            self.containers.delete(e.info.id, e.dir)  # every process ends; the files stay
+            self.containers.delete(e.info.id, e.dir, ahead=False)  # every process ends; the files stay (and the container made ahead for a reset: it runs nothing)
             for p in procs:
                 p.wait(10)
             try:

@@ -7,7 +7,8 @@ created an environment twice within :attr:`WarmPool.idle_s`, the pool keeps
 :attr:`WarmPool.size` environments *created but not started*: group mounts
 taken, overlay rootfs mounted, bundle written, ``runc create`` done, the first
 process waiting in runc's exec FIFO.  The next create with that key takes one
-and runs ``runc start`` (~7 ms) instead.  Nothing of an environment runs
+and starts it instead (:meth:`Runc.start`: what ``runc start``, ~7 ms, does,
+done in process through that FIFO).  Nothing of an environment runs
 before a create takes it, and no environment is reused: a pooled one is
 started once or removed.
 

@@ -29,7 +29,8 @@ from weenv.node.models import EnvironmentInfo
 from weenv.node.pause import disk_key
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.table import CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable
+from weenv.node.table import (CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable, container_id,
+                              current_container_id)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class Recovery:
         for env_dir in self.snapshotter.dirs():
             env_id = env_dir.name
             try:
-                e = self._adopt(env_dir, status.get(CONTAINER_PREFIX + env_id))
+                e = self._adopt(env_dir, status.get(current_container_id(env_id, env_dir)))
             except Exception as exc:
                 log.warning("cannot recover environment %s (removing it): %s", env_id, exc)
                 self.remove_leftover(env_dir)
@@ -133,6 +134,14 @@ class Recovery:
             raise
         e = Environment(info, template, env_dir)
         e.lowers = list(lowers)
+        cid = current_container_id(info.id, env_dir)
+        e.cid = cid if cid != container_id(info.id) else None
+        # what a reset made ahead or replaced goes (the containers with the others left: _adopt_all)
+        with logged(f"removing the containers a reset of environment {info.id} made ahead or replaced"):
+            self.containers.discard_ahead(info.id, env_dir)
+            self.containers.delete_retiring(info.id, env_dir)
+            self.snapshotter.unmount_ahead(env_dir)
+            self.snapshotter.unmount_retired(env_dir)
         # its name server was the dead node's (the namespace outlives a memory release too)
         if (env_dir / network.NETNS_FILE).exists():
             try:

@@ -2,24 +2,49 @@
 
 :meth:`Resets.reset` keeps the environment (its id, directory, resources,
 network namespace and address, group mounts, bundle) and replaces what an
-episode changed:
+episode changed.  Its next state is prepared ahead, in the background, after
+each reset and after each snapshot (for a reset to that snapshot):
+
+- a *spare* upper dir (:meth:`Snapshotter.make_spare`): empty (the template's
+  state) or a snapshot of a capture (:mod:`weenv.node.snapshot`; metadata
+  only, shared extents), so the reset does not wait for a btrfs transaction;
+- a *container made ahead* over it: an overlay of the same group mounts over
+  the spare at ``rootfs.next``, a bundle ``bundle.next/`` (the environment's
+  config with that root and cgroup) and ``runc create`` of container
+  ``weenv-<id>.<n>`` (the next number; its first process waits in runc's exec
+  FIFO, its exec agent's socket is ``agent2.sock.next``), as the warm pool
+  makes creates' containers (:mod:`weenv.node.pool`).
+
+A reset whose spare is of the source it asks for then costs:
 
 1. kill its processes (SIGKILL to its first process: the kernel ends every
-   other process of its pid namespace with it; commands' output readers end),
-   then, while the next step runs, delete its container (``runc delete``);
-2. unmount its overlay and swap in a new upper dir: empty (the template's
-   state) or a snapshot of a capture (:mod:`weenv.node.snapshot`; metadata
-   only, shared extents).  The new one was made ahead (a *spare*,
-   :meth:`Snapshotter.make_spare`) after the previous reset of the same
-   source, or after the snapshot it goes back to, so the reset does not wait
-   for a btrfs transaction; without a spare of that source it is made now;
-3. mount the overlay again over the same group mounts and run the container
-   again from its bundle (its first process anew, a new exec agent).
+   other process of its pid namespace with it; commands' output readers end);
+2. move (``MS_MOVE``) its rootfs aside to ``rootfs.old`` and the one made ahead to ``rootfs``,
+   rename the spare into place as its upper dir, ``bundle.next/`` to
+   ``bundle/`` and the agent's socket to ``agent2.sock``: the environment's
+   container id is now the one made ahead (:func:`~weenv.node.table.current_container_id`,
+   read from ``bundle/container``; its cgroup ``/`` that id);
+3. start it (:meth:`Runc.start`: runc's exec FIFO read in process, ~1 ms,
+   against ``runc run``'s ~26 ms here).
 
-The old upper dir is deleted and the next spare made in the background, under
-the environment's lock (a reset meanwhile waits for it; a destroy removes
-both).  A spare is a snapshot taken when it was made: writes of the episode
-after it are not in it (they are in the upper dir it replaces).
+The killed container (``bundle.old/``), the old rootfs and upper dir are deleted in
+the background, before the next spare and container are made, under the
+environment's lock (a reset meanwhile waits for it; a destroy, a stop and
+recovery remove all three containers: its own, the replaced one, the one made
+ahead).  Without a spare of that source, or when the move is refused (a
+shared parent mount: then no reset of this node makes one ahead again), it
+goes as before: the container made ahead is removed, the killed one deleted
+while its upper dir is swapped (made now without a spare) under a new
+overlay, and the container run again from its bundle (``runc run``), keeping
+its id.  ``WEENV_RESET_AHEAD=0`` turns containers made ahead off.
+
+A spare (and the container made ahead on it) is a snapshot taken when it was
+made: writes of the episode after it are not in it (they are in the upper dir
+it replaces).  A container made ahead costs a waiting ``runc init`` (~2 MB
+anonymous memory, no CPU), a cgroup and an overlay mount per environment
+reset or snapshotted; a memory-releasing pause keeps it (it runs nothing of
+the environment's), a daemon restart removes it (the next reset runs its
+container itself, then makes one ahead again).
 
 No group is mounted, no manifest read, no bundle or network made: it costs a
 container start and a few renames, against a create's admission, resolve,
@@ -31,21 +56,26 @@ still held; :meth:`Node.destroy` removes it as usual).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weenv.errors import NotFoundError
+from weenv.errors import MountError, NotFoundError
 from weenv.node.commands import Commands
 from weenv.node.container import Containers
 from weenv.node.pause import Pauses
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.table import Environment, save_info
+from weenv.node.table import Environment, container_id, save_info
 
 log = logging.getLogger(__name__)
+
+class _CannotMove(Exception):
+    """The rootfs of a container made ahead could not be moved in place (mount(2) ``MS_MOVE``)."""
+
 
 NO_SPARE = object()
 """The spare's source when an environment has none."""
@@ -60,9 +90,11 @@ class ResetTiming:
     overlay_s: float = 0.0
     """Unmounting the overlay, swapping in the new upper dir, mounting it again."""
     runtime_s: float = 0.0
-    """Running the container again (``runc run --detach``)."""
+    """Running the container again (``runc run --detach``), or starting the one made ahead (``runc start``)."""
     spare: bool = False
     """The new upper dir was made ahead."""
+    ahead: bool = False
+    """The container was made ahead (``runc create``): the reset started it (``runtime_s``: ``runc start``)."""
     total_s: float = 0.0
 
 
@@ -94,6 +126,8 @@ class Resets:
         self.provisioner = provisioner
         self.pauses = pauses
         self._spares = _Spares()
+        self.ahead = ahead_from_env()
+        """Whether resets start a container made ahead (``WEENV_RESET_AHEAD``, default on)."""
         self._background = ThreadPoolExecutor(1, thread_name_prefix="reset-spares")
 
     def close(self) -> None:
@@ -103,14 +137,18 @@ class Resets:
 
     def prepare(self, e: Environment, upper_from: Path | None) -> None:
         """Make, in the background, the upper dir a reset of ``e`` to ``upper_from``
-        (a capture's subvolume, or None: empty) will swap in (see the module doc)."""
+        (a capture's subvolume, or None: empty) will swap in, and the container
+        it will start (see the module doc)."""
         self._background.submit(self._prepare, e, upper_from)
 
     def _prepare(self, e: Environment, upper_from: Path | None) -> None:
         with e.lock:
-            if not e.dir.exists() or e.info.state not in ("running", "paused"):
+            if not e.dir.exists():
                 return
-            self.snapshotter.drop_retired(e.dir)
+            self._retire(e)
+            if e.info.state not in ("running", "paused"):
+                return
+            self._discard_ahead(e)  # it runs over the spare replaced now
             try:
                 if upper_from is not None and not upper_from.exists():  # its snapshot was deleted meanwhile
                     return
@@ -119,6 +157,33 @@ class Resets:
                 log.warning("no spare upper dir for environment %s: %s", e.info.id, exc)
                 return
             self._spares.put(e.info.id, upper_from)
+            if self.ahead:
+                try:
+                    self._make_ahead(e)
+                except Exception as exc:  # the next reset runs its container itself
+                    log.warning("no container made ahead for environment %s: %s", e.info.id, exc)
+                    self._discard_ahead(e)
+
+    def _retire(self, e: Environment) -> None:
+        """Delete what the last reset of ``e`` replaced: its container (if a
+        container made ahead took over), its rootfs (moved aside) and upper dir."""
+        try:
+            self.containers.delete_retiring(e.info.id, e.dir)
+        except Exception as exc:  # destroy and recovery try again
+            log.warning("deleting the replaced container of environment %s: %s", e.info.id, exc)
+        self.snapshotter.unmount_retired(e.dir)
+        self.snapshotter.drop_retired(e.dir)
+
+    def _make_ahead(self, e: Environment) -> None:
+        """Mount an overlay over ``e``'s spare upper dir and create (unstarted) a
+        container on it, with the next container id (``weenv-<id>.<n>``)."""
+        self.snapshotter.mount(e.dir, e.lowers, ahead=True)
+        self.containers.make_ahead(e.info.id, e.dir, next_container_id(e.info.id, e.container_id))
+
+    def _discard_ahead(self, e: Environment) -> None:
+        """Remove ``e``'s container made ahead and its rootfs, if any."""
+        self.containers.discard_ahead(e.info.id, e.dir)
+        self.snapshotter.unmount_ahead(e.dir)
 
     def reset(self, e: Environment, upper_from: Path | None) -> ResetTiming:
         """Reset ``e`` (running, paused or stopped) to an empty upper dir, or to
@@ -137,24 +202,24 @@ class Resets:
                 p.log.abandon()
             self.provisioner.detach(e.info.id)
             e.info.state = "stopped"
+            timing.spare = self._spares.take(e.info.id, upper_from)
+            timing.ahead = (timing.spare and self.ahead and self.containers.ahead_id(e.info.id, e.dir) is not None
+                            and self.snapshotter.is_mounted_ahead(e.dir))  # fmt: skip
+            if not timing.ahead:
+                self._discard_ahead(e)
             self.containers.kill(e.info.id, e.dir)
-            deleting = threading.Thread(target=self._delete_container, args=(e,), name=f"reset-{e.info.id}")
-            deleting.start()
-            try:
-                for p in procs:
-                    p.wait(10)
-                t1 = time.perf_counter()
-                timing.stop_s = t1 - t
-                timing.spare = self._spares.take(e.info.id, upper_from)
-                self.snapshotter.unmount(e.dir)
-                self.snapshotter.replace_upper(e.dir, e.info.resources.disk_bytes, upper_from, spare=timing.spare)
-                self.snapshotter.mount(e.dir, e.lowers)
-                timing.overlay_s = time.perf_counter() - t1
-            finally:
-                deleting.join()
-            t2 = time.perf_counter()
-            self.containers.restart(e.info.id, e.dir)
-            timing.runtime_s = time.perf_counter() - t2
+            if timing.ahead:
+                try:
+                    self._swap_ahead(e, procs, timing, t)
+                except _CannotMove as exc:  # e.g. a shared parent mount refuses the move: run it as before
+                    log.warning("the container made ahead for environment %s cannot take over (%s); "
+                                "resets on this node run their container again", e.info.id, exc)  # fmt: skip
+                    self.ahead = False
+                    self._discard_ahead(e)
+                    timing.ahead = False
+            if not timing.ahead:
+                self._swap_upper(e, procs, upper_from, timing, t)
+            e.init_pid = None
             e.info.state = "running"
             if e.info.memory_released:  # it was paused so: its disk is its own again
                 self.pauses.forget(e)
@@ -167,11 +232,73 @@ class Resets:
                 self.provisioner.detach(e.info.id)
             save_info(e.dir, e.info)
         timing.total_s = time.perf_counter() - t
-        self.prepare(e, upper_from)  # the next reset's upper dir; the old one deleted
+        self.prepare(e, upper_from)  # the next reset's upper dir and container; the old ones deleted
         return timing
+
+    def _swap_ahead(self, e: Environment, procs: list, timing: ResetTiming, t: float) -> None:
+        """With ``e``'s container killed: move its rootfs aside (``rootfs.old``),
+        the container made ahead's in its place (its upper dir becomes ``e``'s
+        own), make that container ``e``'s and start it.  The old container,
+        rootfs and upper dir go in the background (:meth:`_retire`).  Raises :class:`_CannotMove` (nothing
+        of the container made ahead changed) when its rootfs cannot move,
+        :class:`MountError`, :class:`RuntimeFailedError` when it does not start."""
+        for p in procs:
+            p.wait(10)
+        t1 = time.perf_counter()
+        timing.stop_s = t1 - t
+        try:
+            self.snapshotter.move_aside(e.dir)
+        except MountError as exc:
+            raise _CannotMove(str(exc)) from exc
+        try:
+            self.snapshotter.move_ahead(e.dir)
+        except MountError as exc:
+            self.snapshotter.move_back(e.dir)
+            raise _CannotMove(str(exc)) from exc
+        self.snapshotter.swap_in_spare(e.dir)
+        e.cid = self.containers.promote_ahead(e.info.id, e.dir)
+        t2 = time.perf_counter()
+        timing.overlay_s = t2 - t1
+        self.containers.start_ahead(e.container_id)
+        timing.runtime_s = time.perf_counter() - t2
+
+    def _swap_upper(self, e: Environment, procs: list, upper_from: Path | None, timing: ResetTiming,
+                    t: float) -> None:
+        """With ``e``'s container killed: delete it, swap in the new upper dir
+        (the spare, if ``timing.spare``) under a new overlay and run the
+        container again from its bundle."""
+        deleting = threading.Thread(target=self._delete_container, args=(e,), name=f"reset-{e.info.id}")
+        deleting.start()
+        try:
+            for p in procs:
+                p.wait(10)
+            t1 = time.perf_counter()
+            timing.stop_s = t1 - t
+            self.snapshotter.unmount(e.dir)
+            self.snapshotter.replace_upper(e.dir, e.info.resources.disk_bytes, upper_from, spare=timing.spare)
+            self.snapshotter.mount(e.dir, e.lowers)
+            timing.overlay_s = time.perf_counter() - t1
+        finally:
+            deleting.join()
+        t2 = time.perf_counter()
+        self.containers.restart(e.info.id, e.dir)
+        timing.runtime_s = time.perf_counter() - t2
 
     def _delete_container(self, e: Environment) -> None:
         try:
             self.containers.delete(e.info.id, e.dir)
         except Exception as exc:  # restart fails on it, with runc's message
             log.warning("deleting the container of environment %s for its reset: %s", e.info.id, exc)
+
+
+def next_container_id(env_id: str, current: str) -> str:
+    """The id of the container made ahead of ``current`` (environment
+    ``env_id``'s): ``weenv-<id>.1`` after ``weenv-<id>``, then ``.2``..."""
+    base = container_id(env_id)
+    n = current[len(base) + 1:] if current.startswith(base + ".") else ""
+    return f"{base}.{int(n) + 1 if n.isdigit() else 1}"
+
+
+def ahead_from_env() -> bool:
+    """``WEENV_RESET_AHEAD``: ``0`` turns off containers made ahead for resets (default on)."""
+    return os.environ.get("WEENV_RESET_AHEAD", "1").strip() not in ("0", "false", "no", "off")

@@ -43,11 +43,22 @@ RANGE_DIR_MODE = 0o710
 (its first host id): only host root and the range's root get through it."""
 
 
-def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False) -> list[MountSpec]:
+AHEAD_ROOTFS = "rootfs.next"
+"""In an environment's directory: the rootfs of the container made ahead for its
+next reset (over its :data:`SPARE` upper dir), until the reset moves it to ``rootfs``."""
+RETIRED_ROOTFS = "rootfs.old"
+"""In an environment's directory: where a reset moves its old rootfs, until it is unmounted in the background."""
+
+
+def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False, ahead: bool = False) -> list[MountSpec]:
     """The mounts making the rootfs of the environment in ``env_dir`` over the
     lower dirs ``lowers`` (bottom to top, as the template lists its groups):
     one overlay at ``env_dir/rootfs``, ``nosuid`` unless ``userns`` (its lowers
-    are then idmapped clones, every file of it its range's).  Touches nothing."""
+    are then idmapped clones, every file of it its range's); ``ahead``: at
+    ``env_dir/``:data:`AHEAD_ROOTFS` over the :data:`SPARE` subvolume.  Touches nothing."""
+    if ahead:
+        sub = env_dir / SPARE
+        return [mounts.overlay_spec(lowers, sub / "upper", sub / "work", env_dir / AHEAD_ROOTFS, nosuid=not userns)]
     return [mounts.overlay_spec(lowers, NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs",
                                 nosuid=not userns)]  # fmt: skip
 
@@ -126,16 +137,21 @@ class Snapshotter:
         timing["overlay_s"] = time.perf_counter() - joined
         return lowers
 
-    def mount(self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None) -> None:
+    def mount(self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None, *,
+              ahead: bool = False) -> None:
         """Mount the overlay rootfs of the environment in ``env_dir`` over ``lowers``
         (its undo pushed on ``undo``); for an environment with a host id
         range, over idmapped clones of them (made if not mounted yet, left for
-        :meth:`unmount`).  Raises :class:`MountError`."""
+        :meth:`unmount`).  ``ahead``: the rootfs of a container made ahead
+        (:data:`AHEAD_ROOTFS`, over the :data:`SPARE` upper dir, for
+        :meth:`promote_ahead`).  Raises :class:`MountError`."""
         host_id = idmap.range_of(env_dir)
         if host_id is not None:  # again after a restart: the node's start closed node/ (0700)
             idmap.open_parents(env_dir)
             lowers = self._idmapped(env_dir, lowers, host_id, undo)
-        for spec in rootfs_mounts(env_dir, lowers, userns=host_id is not None):
+        if ahead:
+            (env_dir / AHEAD_ROOTFS).mkdir(exist_ok=True)
+        for spec in rootfs_mounts(env_dir, lowers, userns=host_id is not None, ahead=ahead):
             mounts.mount(spec)
             if undo is not None:
                 undo.callback(umount_quietly, Path(spec.target))
@@ -207,6 +223,42 @@ class Snapshotter:
         self.disk.remove(env_dir, SPARE)
         self.make_upper(env_dir, disk_bytes, upper_from, SPARE)
 
+    def move_aside(self, env_dir: Path) -> None:
+        """Move the environment's rootfs mount to :data:`RETIRED_ROOTFS` (for
+        :meth:`unmount_retired`: an overlay's unmount may wait for its upper
+        file system); if it was left there, unmount it first.  Raises :class:`MountError`."""
+        (env_dir / RETIRED_ROOTFS).mkdir(exist_ok=True)
+        self.unmount_retired(env_dir)
+        mounts.move(env_dir / "rootfs", env_dir / RETIRED_ROOTFS)
+
+    def unmount_retired(self, env_dir: Path) -> None:
+        """Unmount the rootfs a reset moved aside (:data:`RETIRED_ROOTFS`), if mounted; idempotent."""
+        umount_quietly(env_dir / RETIRED_ROOTFS)
+
+    def move_ahead(self, env_dir: Path) -> None:
+        """With the environment's rootfs moved aside or unmounted: move the overlay at
+        :data:`AHEAD_ROOTFS` (over :data:`SPARE`) to ``env_dir/rootfs``
+        (then :meth:`swap_in_spare`).  The mount keeps naming ``SPARE`` in
+        ``/proc/mounts``.  Raises :class:`MountError` (nothing moved)."""
+        mounts.move(env_dir / AHEAD_ROOTFS, env_dir / "rootfs")
+
+    def swap_in_spare(self, env_dir: Path) -> None:
+        """Make the :data:`SPARE` upper dir (mounted or not) the environment's own
+        (:meth:`NodeDisk.swap_in`: the old one becomes :data:`RETIRED`).  Raises :class:`MountError`."""
+        self.disk.swap_in(env_dir, SPARE)
+
+    def is_mounted_ahead(self, env_dir: Path) -> bool:
+        """Whether the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`) is mounted."""
+        return mounts.is_mounted(env_dir / AHEAD_ROOTFS)
+
+    def move_back(self, env_dir: Path) -> None:
+        """Undo :meth:`move_aside` (the rootfs made ahead could not take its place).  Raises :class:`MountError`."""
+        mounts.move(env_dir / RETIRED_ROOTFS, env_dir / "rootfs")
+
+    def unmount_ahead(self, env_dir: Path) -> None:
+        """Unmount the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`), if mounted; idempotent."""
+        umount_quietly(env_dir / AHEAD_ROOTFS)
+
     def drop_retired(self, env_dir: Path) -> None:
         """Delete the upper dir a reset swapped out (:data:`RETIRED`), if any."""
         self.disk.remove(env_dir, RETIRED)
@@ -222,8 +274,12 @@ class Snapshotter:
 
     def unmount(self, env_dir: Path) -> None:
         """Unmount the rootfs of the environment in ``env_dir`` (lazily if busy),
-        then its idmapped lowers if any; idempotent."""
+        and the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`) and one
+        moved aside by a reset (:data:`RETIRED_ROOTFS`), then
+        its idmapped lowers if any; idempotent."""
         umount_quietly(env_dir / "rootfs")
+        umount_quietly(env_dir / AHEAD_ROOTFS)
+        umount_quietly(env_dir / RETIRED_ROOTFS)
         clones = env_dir / IDMAPPED
         if clones.is_dir():
             for c in sorted(clones.iterdir()):

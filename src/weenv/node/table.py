@@ -37,9 +37,29 @@ reached its client (:meth:`Node.create` ``undelivered``); recovery removes such
 an environment."""
 
 
+CONTAINER_FILE = "container"
+"""In a bundle directory: the id of the container made from it, when it is not
+:func:`container_id` (a container made ahead for a reset, :mod:`weenv.node.reset`)."""
+
+
 def container_id(env_id: str) -> str:
-    """The runc container id of environment ``env_id``."""
+    """The runc container id environment ``env_id`` is created with."""
     return CONTAINER_PREFIX + env_id
+
+
+def bundle_container_id(env_id: str, bundle: Path) -> str:
+    """The id of the container of environment ``env_id`` made from the bundle
+    directory ``bundle``: its :data:`CONTAINER_FILE`, else :func:`container_id`."""
+    try:
+        return (bundle / CONTAINER_FILE).read_text().strip() or container_id(env_id)
+    except FileNotFoundError:
+        return container_id(env_id)
+
+
+def current_container_id(env_id: str, env_dir: Path) -> str:
+    """The id of environment ``env_id``'s container (from ``env_dir/bundle``;
+    it changes at each reset that starts a container made ahead)."""
+    return bundle_container_id(env_id, env_dir / "bundle")
 
 
 class Environment:
@@ -56,6 +76,9 @@ class Environment:
         """The group mount points its overlay uses (lazy or direct), as the template lists its groups."""
         self.init_pid: int | None = None
         """Host pid of its first process, once looked up (:meth:`Node.mounted_files`)."""
+        self.cid: str | None = None
+        """Its container's id when it is not :func:`container_id` (after a reset
+        started a container made ahead; :func:`current_container_id`)."""
 
     def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
         """A command's variables: the template's, then the create's, then its own."""
@@ -63,7 +86,8 @@ class Environment:
 
     @property
     def container_id(self) -> str:
-        return container_id(self.info.id)
+        """Its runc container's id (its cgroup is ``/`` and this)."""
+        return self.cid or container_id(self.info.id)
 
     @property
     def rootfs(self) -> Path:

@@ -364,19 +364,21 @@ def _leftovers(paths: Paths) -> list[str]:
         if containers:
             left.append(f"{len(containers)} containers")
         ids |= {c.removeprefix("weenv-") for c in containers}
-    cgroups = [c for i in sorted(ids) for c in _cgroups_of(i)]
+    cgroups = sorted({c for i in ids for c in _cgroups_of(i)})
     if cgroups:
         left.append(f"{len(cgroups)} cgroups")
     return left
 
 
 def _cgroups_of(env_id: str) -> list[str]:
-    """The cgroup directories of environment ``env_id`` (``weenv-<id>`` in any hierarchy)."""
+    """The cgroup directories of environment ``env_id`` (``weenv-<id>``, and
+    ``weenv-<id>.N`` of containers a reset made ahead, in any hierarchy)."""
     import glob
 
     if not env_id or "/" in env_id or "*" in env_id:
         return []
-    return glob.glob(f"/sys/fs/cgroup/*/weenv-{glob.escape(env_id)}") + glob.glob(f"/sys/fs/cgroup/weenv-{glob.escape(env_id)}")
+    return [c for name in (glob.escape(env_id), glob.escape(env_id) + ".*")
+            for c in glob.glob(f"/sys/fs/cgroup/*/weenv-{name}") + glob.glob(f"/sys/fs/cgroup/weenv-{name}")]
 
 
 def _read_pid(paths: Paths) -> int | None:
