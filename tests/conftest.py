@@ -136,6 +136,16 @@ def shared_store(tmp_path_factory, debian_root):
     return store
 
 
+def store_copy_without_profiles(store: FileStore, root: Path) -> FileStore:
+    """A hard-linked copy of ``store`` at ``root`` without the prefetch profiles
+    and packs other tests recorded in it (a template's first start here records its own)."""
+    from weenv.packaging.profile import REF_KIND
+
+    subprocess.run(["cp", "-al", str(store.root), str(root)], check=True)
+    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)
+    return FileStore(root)
+
+
 def forget_usage_profiles(store: FileStore) -> None:
     """Remove every usage profile published to ``store`` (refs ``usage/*``)."""
     for name in store.list_refs("usage"):

@@ -429,9 +429,10 @@ def _cold_start_on_a_fresh_node(paths, store_root: Path, profile):
 
 
 def test_put_frame(tmp_path, paths):
-    """A pack's frame is checked before it takes the chunk's fetch slot: a bad
-    one raises and leaves nothing behind; a chunk being fetched is left to that
-    fetch (no waiting for it)."""
+    """A pack's frame takes the chunk's fetch slot only when no fetch of it
+    runs (a chunk being fetched is left to that fetch, no waiting for it); a
+    bad one raises and leaves nothing behind, and a reader that waited for it
+    fetches the chunk itself."""
     store = CountingStore(paths.home / "store", delay=0.5)
     ref, _ = store.put_chunk(os.urandom(MiB))
     other, _ = store.put_chunk(os.urandom(MiB))

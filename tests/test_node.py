@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +237,80 @@ def test_close_destroys_running_environments(paths, shared_store, leak_check):
     assert not any((paths.environments / i).exists() for i in ids)
     cgroups = [p for p in Path("/sys/fs/cgroup").glob("*/weenv-*") if any(i in p.name for i in ids)]
     assert cgroups == []
+
+
+class _HeldSuperblockStore(FileStore):
+    """A real FileStore whose reads of chunk ``held`` (a group's first: its
+    EROFS superblock) wait until :attr:`gate` is set; :attr:`waiting` is set
+    while one does."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.held: str | None = None
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def _get(self, space: str, digest: str, max_bytes: int | None = None) -> bytes:
+        if space == "chunks" and digest == self.held:
+            self.waiting.set()
+            self.gate.wait(60)
+        return super()._get(space, digest, max_bytes)
+
+
+def test_upper_dir_is_made_while_groups_mount(shared_store, paths, tmp_path, leak_check):
+    """A cold create makes its upper dir (the disk subvolume with its quota)
+    while its group mounts wait for their superblocks, not after them."""
+    root = tmp_path / "store"
+    subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
+    store = _HeldSuperblockStore(root)
+    task = load_group(store, store.get_ref("groups", "task"))
+    store.held = task.chunks[0].digest
+    with Node(paths, store=store) as node:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            creating = pool.submit(node.create, "task", prefetch=False)
+            try:
+                assert store.waiting.wait(60), "the task group's mount never read its superblock"
+                deadline = time.monotonic() + 10
+                uppers = []
+                while not uppers and time.monotonic() < deadline:  # the mount still waits meanwhile
+                    uppers = [p for p in paths.environments.glob("*/disk/upper") if p.is_dir()]
+                    time.sleep(0.01)
+                assert uppers, "the upper dir was not made while the group mount waited"
+                assert not creating.done()
+            finally:
+                store.gate.set()
+            info = creating.result(60)
+        assert info.timing.groups_s >= info.timing.upper_s > 0
+        assert node.exec(info.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
+
+
+def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, tmp_path, leak_check):
+    """A template recorded while one of its groups is already mounted (by
+    another template) still gets that group's mount reads (its superblock
+    first) in its prefetch profile: a cold start mounting it finds them in
+    the pack instead of fetching them on demand."""
+    from conftest import store_copy_without_profiles
+    from weenv.packaging.profile import load_profile
+
+    store = store_copy_without_profiles(shared_store, tmp_path / "store")
+    other = tmp_path / "other"
+    (other / "other").mkdir(parents=True)
+    (other / "other" / "note.txt").write_text("another task\n")
+    build_group(other, store, name="other")
+    create_template(store, "other", ["base", "other"])
+    base = store.get_ref("groups", "base")
+    with Node(paths, store=store) as node:
+        first = node.create("task")  # mounts base: its mount reads are before the next template's window
+        node.destroy(first.id)
+        node.prefetch.wait_published()
+        mount = node.lazyfs.mount_reads(base)
+        assert mount and mount[0] == 0  # the superblock's chunk
+        second = node.create("other")
+        assert node.exec(second.id, ["cat", "/other/note.txt"]).stdout == b"another task\n"
+        node.destroy(second.id)
+        node.prefetch.wait_published()
+        digest, _m = load_template(store, "other")
+        profile = load_profile(store, digest)
+        assert profile is not None
+        gi = profile.groups.index(base)
+        assert [c for g, c in profile.chunks if g == gi][: len(mount)] == mount

@@ -285,17 +285,18 @@ def _released_together(n: int, start) -> list:
 
 
 # --- weenv side ----------------------------------------------------------------------------
-PHASES = ("manifest_s", "groups_s", "overlay_s", "runtime_s", "create_s", "command_s", "prefetch_begin_s",
-          "prefetch_end_s", "pack_chunks", "demand_chunks")  # fmt: skip
+PHASES = ("manifest_s", "groups_s", "upper_s", "overlay_s", "runtime_s", "create_s", "command_s",
+          "prefetch_begin_s", "prefetch_end_s", "pack_chunks", "demand_chunks")  # fmt: skip
 """The phases of one start a row reports (p50 over its starts; seconds unless named otherwise):
 the create's own (:class:`~weenv.node.models.CreateTiming`: manifests, group
-mounts, overlay, runc; ``create_s`` the whole create), ``command_s`` from the
-create's return to the first output (spawn, the agent, the command), the
-background prefetch job's start and end measured from the request
-(``prefetch_end_s``: every chunk of the profile cached) and the chunks it
-cached from the pack (only for starts whose job still ran when the create
-returned: a job that ended before is gone from the node's table), and the
-chunks demand reads fetched by the first output."""
+mounts (``upper_s``, the upper dir made meanwhile, is a part of them),
+overlay, runc; ``create_s`` the whole create), ``command_s`` from the create's
+return to the first output (spawn, the agent, the command), the background
+prefetch job's start and end measured from the request (``prefetch_end_s``:
+every chunk of the profile cached) and the chunks it cached from the pack (only
+for starts whose job still ran when the create returned: a job that ended
+before is gone from the node's table), and the chunks demand reads fetched by
+the first output."""
 
 
 def _demand_chunks(node) -> int:
@@ -365,8 +366,9 @@ class _WeenvSide:
                 f"first command in weenv failed (exit {code}): {err.decode(errors='replace')[-600:]}"
             )
         t = info.timing
-        phases = {"manifest_s": t.manifest_s, "groups_s": t.groups_s, "overlay_s": t.overlay_s,
-                  "runtime_s": t.runtime_s, "create_s": created, "command_s": first - created}  # fmt: skip
+        phases = {"manifest_s": t.manifest_s, "groups_s": t.groups_s, "upper_s": t.upper_s,
+                  "overlay_s": t.overlay_s, "runtime_s": t.runtime_s, "create_s": created,
+                  "command_s": first - created}  # fmt: skip
         return {"env": info.id, "seconds": first, "create_s": created, "fetched_at": fetched,
                 "output": out.decode().strip(), "pooled": t.pooled, "phases": phases, "job": job, "t0": m0,
                 "demand_chunks": demand}  # fmt: skip

@@ -100,3 +100,81 @@ def test_frame_declaring_a_huge_plaintext_is_not_decoded(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
     grew_mib = int(out.stdout.split()[-1])
     assert grew_mib < 256, f"checking one bad 64 KiB frame grew the RSS by {grew_mib} MiB"
+
+
+class _CountingStore(FileStore):
+    """A real FileStore counting its chunk reads (``reads``)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.reads = 0
+
+    def _get(self, space, digest, max_bytes=None):
+        if space == "chunks":
+            self.reads += 1
+        return super()._get(space, digest, max_bytes)
+
+
+def test_a_demand_read_takes_a_frame_a_pack_brought(tmp_path):
+    """A demand read of a chunk whose frame a streaming pack holds decodes that
+    frame instead of asking the store (counted as prefetched: its bytes came in
+    the pack); a bad frame is dropped and the store asked, the right bytes served."""
+    store = _CountingStore(tmp_path / "store")
+    plains = [os.urandom(MiB) for _ in range(2)]
+    refs = [store.put_chunk(p)[0] for p in plains]
+    frame0 = store._get("chunks", refs[0].digest)
+    frames = {refs[0].digest: frame0, refs[1].digest: frame0}
+    store.reads = 0
+    cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
+    cache.frames = frames.pop
+    assert cache.read(refs[0], 0, MiB) == plains[0]
+    assert store.reads == 0
+    s = cache.stats()
+    assert s.chunks_fetched == 1 and s.chunks_prefetched == 1 and cache.bytes_fetched == refs[0].stored_size
+    assert cache.read(refs[1], 0, MiB) == plains[1]  # its frame is chunk 0's: the store's copy is served
+    assert store.reads == 1 and not frames
+
+
+def test_frame_for_takes_a_received_frame_once(tmp_path):
+    """:meth:`Prefetcher.frame_for` hands out a frame a pack stream received and
+    no worker took, once; the worker that comes to it then skips it (TAKEN)."""
+    from weenv.node.prefetch import TAKEN, PackStream
+
+    store, cache, pf, refs, plains = _prefetcher(tmp_path, n=2)
+    try:
+        data, frames = build_pack(plains)
+        pack = PrefetchPack(digest=store.put_pack(data), frames=frames)
+        stream = PackStream(pack, (pack.digest, tuple(r.digest for r in refs)))
+        first = data[: frames[0]]
+        with pf._lock:
+            pf._streams[stream.key] = stream
+            stream.frames[0], stream.buffered, stream.received = first, frames[0], 1
+        assert pf.frame_for(refs[1].digest) is None  # not received yet
+        assert pf.frame_for(refs[0].digest) == first and stream.buffered == 0
+        assert pf.frame_for(refs[0].digest) is None
+        with pf._lock:
+            assert stream.take(0) is TAKEN
+            del pf._streams[stream.key]
+    finally:
+        pf.close()
+
+
+def test_a_reader_waits_for_a_frame_being_checked(tmp_path):
+    """A reader asking for a chunk while a pack's frame of it is being decoded
+    and checked waits for that check (~0.1 s for 128 MiB here) instead of
+    fetching the chunk from the store again."""
+    import threading
+    import time
+
+    store = _CountingStore(tmp_path / "store")
+    plain = os.urandom(128 * MiB)
+    ref, _ = store.put_chunk(plain)
+    frame = store._get("chunks", ref.digest)
+    store.reads = 0
+    cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
+    putting = threading.Thread(target=cache.put_frame, args=(ref, frame))
+    putting.start()
+    time.sleep(0.01)
+    assert cache.read(ref, 0, 16) == plain[:16]
+    putting.join()
+    assert store.reads == 0 and cache.chunks_fetched == 1

@@ -60,11 +60,12 @@ import re
 import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import CapacityError, InvalidInputError
+from weenv.errors import CapacityError, DigestMismatchError, InvalidInputError
 from weenv.formats.manifest import ChunkRef, check_digest
 from weenv.store.base import Store, decode_frame
 from weenv.store.file import atomic_write
@@ -77,6 +78,10 @@ DEFAULT_MAX_FRACTION = 0.20
 """Default bound: 20% of the cache's file system, at most 10 GiB (``WEENV_CACHE_BYTES`` overrides)."""
 
 _HEX = re.compile(r"^[0-9a-f]{64}\Z")
+class _FrameRejected(Exception):
+    """What waiters of a chunk get when the pack frame its leader held was bad: they ask again."""
+
+
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -156,6 +161,11 @@ class ChunkCache:
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._bytes = 0  # indexed + reserved plaintext bytes
         self._demand = 0  # demand fetches running
+        self.frames: Callable[[str], bytes | None] | None = None
+        """Where a demand fetch looks first (set by :class:`~weenv.node.prefetch.Prefetcher`):
+        digest -> the chunk's zstd frame, taken out of a prefetch pack streaming
+        now (received, not yet taken by a prefetch worker), or None.  The frame is
+        checked as a store's is; a bad one is dropped and the store asked."""
         self.reset_stats()
         self._load()
 
@@ -254,37 +264,42 @@ class ChunkCache:
     def put_frame(self, chunk: ChunkRef, frame: bytes) -> bool:
         """Cache ``chunk`` from ``frame``, its zstd frame as a prefetch pack
         holds it (:mod:`weenv.packaging.profile`), as a prefetch fetch counted
-        in ``chunks_fetched``/``bytes_fetched``.  The frame is decoded and
-        checked before the chunk's fetch slot is taken, so a bad frame raises
-        :class:`DigestMismatchError` here and never fails a reader waiting for
-        the chunk.  False, and nothing done, when the chunk is cached (or found
-        on disk) or another fetch of it runs."""
-        plaintext = decode_frame(chunk.digest, frame, size=chunk.size, where="a prefetch pack")
-        return self._get(chunk, prefetch=True, plaintext=(plaintext, len(frame))) is not None
+        in ``chunks_fetched``/``bytes_fetched``.  The chunk's fetch slot is
+        taken before the frame is decoded, so a reader asking for the chunk
+        meanwhile waits for the decode instead of fetching it again; a bad
+        frame raises :class:`DigestMismatchError` here, and such a reader then
+        fetches the chunk itself (never fails for it).  False, and nothing
+        done, when the chunk is cached (or found on disk) or another fetch of it runs."""
+        return self._get(chunk, prefetch=True, frame=frame) is not None
 
     def _get(self, chunk: ChunkRef | str, prefetch: bool = False,
-             plaintext: tuple[bytes, int] | None = None) -> Path | bytes | None:  # fmt: skip
+             frame: bytes | None = None) -> Path | bytes | None:  # fmt: skip
         """The chunk's path (or its bytes when over the bound), fetched if
-        missing.  With ``plaintext`` (verified bytes, and the stored bytes they
-        came as) they are written instead of a fetch, and only by a leader:
+        missing.  With ``frame`` (its zstd frame, from a prefetch pack) it is
+        decoded, checked and written instead of a fetch, and only by a leader:
         None if the chunk is cached, on disk or in flight."""
         digest = chunk.digest if isinstance(chunk, ChunkRef) else check_digest(chunk)
         path = self.path(digest)
-        with self._lock:
-            entry = self._index.get(digest)
-            if plaintext is not None and (entry is not None or digest in self._inflight):
-                return None
-            if entry is not None and entry.verified:
-                self._index.move_to_end(digest)
-                return path
-            future = self._inflight.get(digest)
-            leader = future is None
+        while True:
+            with self._lock:
+                entry = self._index.get(digest)
+                if frame is not None and (entry is not None or digest in self._inflight):
+                    return None
+                if entry is not None and entry.verified:
+                    self._index.move_to_end(digest)
+                    return path
+                future = self._inflight.get(digest)
+                leader = future is None
+                if leader:
+                    future = self._inflight[digest] = Future()
+                    if not prefetch:
+                        self._demand += 1
             if leader:
-                future = self._inflight[digest] = Future()
-                if not prefetch:
-                    self._demand += 1
-        if not leader:
-            return future.result()
+                break
+            try:
+                return future.result()
+            except _FrameRejected:  # the leader's pack frame was bad: ask again (this caller may lead now)
+                continue
         try:
             if entry is not None and self._verify(digest, chunk, path):
                 with self._lock:
@@ -296,17 +311,48 @@ class ChunkCache:
                 if entry is not None:
                     log.warning("cached chunk %s is truncated or corrupt; fetching it again", digest)
                     self._forget(digest)
-                result = self._fetch(chunk, digest, path, prefetch, plaintext)
+                given = None
+                if frame is None and not prefetch and self.frames is not None and isinstance(chunk, ChunkRef):
+                    given = self._from_pack(chunk)
+                elif frame is not None:
+                    try:
+                        given = (decode_frame(digest, frame, size=chunk.size, where="a prefetch pack"), len(frame))
+                    except DigestMismatchError as exc:
+                        with self._lock:
+                            self._end_flight(digest, prefetch)
+                        future.set_exception(_FrameRejected())  # its waiters fetch it themselves
+                        raise exc
+                # a chunk that came in a pack counts as prefetched, whoever asked for it
+                result = self._fetch(chunk, digest, path, prefetch or given is not None, given)
         except BaseException as exc:
             with self._lock:
-                self._fetch_errors += 1
-                self._end_flight(digest, prefetch)
-            future.set_exception(exc)
+                if frame is None or not isinstance(exc, DigestMismatchError):  # a bad pack frame is the pack's
+                    self._fetch_errors += 1
+                if self._inflight.get(digest) is future:
+                    self._end_flight(digest, prefetch)
+            if not future.done():
+                future.set_exception(exc)
             raise
         with self._lock:
             self._end_flight(digest, prefetch)
         future.set_result(result)
         return result
+
+    def _from_pack(self, chunk: ChunkRef) -> tuple[bytes, int] | None:
+        """The plaintext of ``chunk`` and its stored size from a pack streaming
+        now (:attr:`frames`), checked; None if no pack holds it (or its frame is bad)."""
+        try:
+            frame = self.frames(chunk.digest)
+        except Exception as exc:  # an optimization: the store still has it
+            log.debug("pack frame of %s: %s", chunk.digest, exc)
+            return None
+        if frame is None:
+            return None
+        try:
+            return decode_frame(chunk.digest, frame, size=chunk.size, where="a prefetch pack"), len(frame)
+        except DigestMismatchError as exc:
+            log.warning("%s; fetching it from the store", exc)
+            return None
 
     def _end_flight(self, digest: str, prefetch: bool) -> None:  # caller holds _lock
         del self._inflight[digest]

@@ -350,7 +350,9 @@ class GroupMounts:
         try:
             target.mkdir(exist_ok=True)
             bdis = _erofs_bdis()
+            mark = self.lazyfs.read_seq()
             mount_erofs(image, target)
+            self.lazyfs.note_mount(digest, mark)  # a profile recorded while it stays mounted starts with these
         except BaseException as exc:
             try:
                 target.rmdir()

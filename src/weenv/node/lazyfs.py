@@ -162,6 +162,7 @@ class LazyFS:
         self._range_recorders = 0  # recordings that want read ranges (record_ranges)
         self._rseq = 0
         self._seq = 0  # first reads of chunks so far, all groups (orders them across groups)
+        self._mount_reads: dict[str, list[int]] = {}  # group digest -> chunks its last mount read (note_mount)
         self._fd: int | None = None
         self._resume: InitState | None = None
         self._session: FuseSession | None = None
@@ -246,6 +247,20 @@ class LazyFS:
                       for seq, off, n in g.ranges]  # fmt: skip
         picked.sort()
         return [(d, off, n) for _seq, d, off, n in picked]
+
+    def note_mount(self, digest: str, since: int) -> None:
+        """Remember the chunks of group ``digest`` first read after mark
+        ``since`` (:meth:`read_seq`, taken before its mount): what mounting it
+        reads (:meth:`mount_reads`), kept after the group is removed."""
+        reads = [i for _d, i in self.first_reads([digest], since)]
+        with self._lock:
+            self._mount_reads[digest] = reads
+
+    def mount_reads(self, digest: str) -> list[int]:
+        """Chunk indexes of group ``digest`` that its last mount on this node read
+        (:meth:`note_mount`), in order; empty if not known."""
+        with self._lock:
+            return list(self._mount_reads.get(digest, ()))
 
     def first_reads(self, digests, since: int = 0) -> list[tuple[str, int]]:
         """``(group digest, chunk index)`` of the first reads of chunks of the groups

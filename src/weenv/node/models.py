@@ -64,9 +64,13 @@ class CreateTiming(_Model):
     manifest_s: float = 0.0
     """Fetching and parsing the template and group manifests."""
     groups_s: float = 0.0
-    """Registering group images with the lazy file system and mounting them (EROFS)."""
+    """Registering group images with the lazy file system and mounting them (EROFS),
+    until they and the upper dir (``upper_s``, made meanwhile) are ready."""
+    upper_s: float = 0.0
+    """Making the private upper/work dirs (their disk subvolume and quota), while
+    the group mounts are taken: a part of ``groups_s``, not added to it."""
     overlay_s: float = 0.0
-    """Making the private upper/work dirs and mounting the overlay rootfs."""
+    """Mounting the overlay rootfs once the group mounts and the upper dir are ready."""
     runtime_s: float = 0.0
     """Writing the OCI bundle and starting its container (``runc run --detach``); with
     ``runtime.network``, making its network namespace and veth pair first."""

@@ -20,7 +20,11 @@ the whole working set; concurrent cold starts of the template share that
 stream, and at most ``workers`` packs stream at once) and hands each frame, as
 it arrives, to the ``workers`` threads, which check and cache it
 (:meth:`ChunkCache.put_frame`; zstd and sha256 release the GIL, so two cores
-decode two frames at once).  Measured on 2 cores from a loopback registry,
+decode two frames at once).  A demand read of a chunk whose frame arrived
+and waits for a worker takes it (:meth:`Prefetcher.frame_for`, the cache's
+:attr:`~weenv.node.cache.ChunkCache.frames`) rather than asking the store
+again, and one of a chunk a worker is checking waits for that check.
+Measured on 2 cores from a loopback registry,
 the 24 chunks (8 MB stored) a Debian + Python start reads arrive in ~60 ms this
 way against ~135 ms one by one with 4 workers.  Chunks past
 the pack, and every chunk of a profile without one (or whose pack fails:
@@ -100,6 +104,15 @@ class PackStream:
         self.ended = False
         """The reader stopped: all received, or failed (the rest is fetched one by one), or nobody waits."""
         self.jobs: list[PrefetchJob] = []
+        self._positions: dict[str, int] | None = None
+
+    def position(self, digest: str) -> int | None:
+        """The position of chunk ``digest``'s frame in the pack, or None.  Caller holds the Prefetcher's lock."""
+        if self._positions is None:
+            self._positions = {}
+            for pos, d in enumerate(self.key[1]):
+                self._positions.setdefault(d, pos)
+        return self._positions.get(digest)
 
     def take(self, pos: int) -> bytes | object:
         """Frame ``pos``, or :data:`TAKEN` if another job's worker took it.  Caller holds the Prefetcher's lock."""
@@ -210,6 +223,21 @@ class Prefetcher:
         self._readers: list[threading.Thread] = []  # pack readers and profile lookups (joined at close)
         self._closed = False
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="weenv-prefetch-publish")
+        cache.frames = self.frame_for  # a demand read takes a frame the pack brought before a worker did
+
+    def frame_for(self, digest: str) -> bytes | None:
+        """The zstd frame of chunk ``digest`` if a pack streaming now received it
+        and no worker took it yet (it is taken: the caller, a demand read,
+        decodes and checks it, which costs less than asking the store again);
+        else None.  The cache's :attr:`~weenv.node.cache.ChunkCache.frames`."""
+        with self._lock:
+            for stream in self._streams.values():
+                pos = stream.position(digest)
+                if pos is not None and pos < stream.received and pos in stream.frames:
+                    frame = stream.take(pos)
+                    self._lock.notify_all()  # room in the reader's buffer
+                    return frame if isinstance(frame, bytes) else None
+        return None
 
     # --- the create's hooks ----------------------------------------------------------
     def begin_early(self, env_id: str, template_digest: str) -> bool:
@@ -347,6 +375,13 @@ class Prefetcher:
         for i, d in enumerate(rec["groups"]):
             index.setdefault(d, i)
         chunks = [(index[d], c) for d, c in reads]
+        if chunks:  # a group mounted before the window (another template's) was not read by its mount in it:
+            # its mount's chunks go first, so a cold start mounting it finds them in the pack
+            seen = set(chunks)
+            mount = [(gi, c) for gi, d in enumerate(rec["groups"]) if index[d] == gi
+                     for c in self.lazyfs.mount_reads(d) if (gi, c) not in seen
+                     and c < len(rec["manifests"][gi].chunks)]  # fmt: skip
+            chunks = (list(dict.fromkeys(mount)) + chunks)[:MAX_PROFILE_CHUNKS]
         if not chunks:
             with self._lock:
                 self._recorded.discard(rec["template"])  # nothing read through FUSE: try another time
