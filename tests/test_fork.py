@@ -3,6 +3,8 @@ with real mounts, btrfs snapshots, runc and the cgroup freezer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -195,6 +197,34 @@ def test_reset_starts_the_container_made_ahead_and_leaves_none_behind(node, path
     assert _containers_of(node, e.id) == {} and _cgroups_of(e.id) == set()
     assert [p for p in open("/proc/mounts").read().split() if e.id in p] == []
     node.delete_snapshot("ahead-snap")
+
+
+def test_reset_whose_container_made_ahead_died_runs_it_anew(node):
+    """A container made ahead whose waiting ``runc init`` was killed (OOM, an
+    operator) does not fail the reset: it is deleted and run anew over the
+    prepared rootfs, the environment runs with the snapshot's files, and what
+    remains is its container and the next one made ahead (review finding: the
+    reset raised RuntimeFailedError and left the environment stopped)."""
+    e = node.create("task")
+    sh(node, e.id, SETUP)
+    node.snapshot(e.id, "dead-snap")
+    node.resets.close()
+    waiting = node.runc.state(f"weenv-{e.id}.1")
+    assert waiting and waiting["status"] == "created"
+    os.kill(waiting["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{waiting['pid']}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sh(node, e.id, "echo episode > /workspace/episode.txt")
+    t = node.resets.reset(node.table.get(e.id), node.captures.named("dead-snap").path)
+    assert t.ahead and node.get(e.id).state == "running"
+    assert sh(node, e.id, TREE) == EXPECTED
+    assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no") == b"no\n"
+    node.resets.close()
+    assert _containers_of(node, e.id) == {f"weenv-{e.id}.1": "running", f"weenv-{e.id}.2": "created"}
+    node.destroy(e.id)
+    assert _containers_of(node, e.id) == {} and _cgroups_of(e.id) == set()
+    node.delete_snapshot("dead-snap")
 
 
 def test_reset_made_ahead_of_a_memory_released_environment_and_destroy_before_the_background(node):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from conftest import store_copy_without_profiles  # at import: in a run with tests/unit, "conftest" is that one later
 
 from weenv.errors import (
     InvalidInputError,
@@ -289,7 +290,6 @@ def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, 
     another template) still gets that group's mount reads (its superblock
     first) in its prefetch profile: a cold start mounting it finds them in
     the pack instead of fetching them on demand."""
-    from conftest import store_copy_without_profiles
     from weenv.packaging.profile import load_profile
 
     store = store_copy_without_profiles(shared_store, tmp_path / "store")

@@ -63,7 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weenv.errors import MountError, NotFoundError
+from weenv.errors import MountError, NotFoundError, RuntimeFailedError
 from weenv.node.commands import Commands
 from weenv.node.container import Containers
 from weenv.node.pause import Pauses
@@ -115,6 +115,12 @@ class _Spares:
             self.sources[env_id] = upper_from
 
 
+def _log_failure(done, env_id: str) -> None:
+    """Log what a background preparation of ``env_id``'s next reset raised (its future would keep it unseen)."""
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("preparing the next reset of environment %s failed: %s", env_id, done.exception())
+
+
 class Resets:
     """Resets of environments in place (see the module doc)."""
 
@@ -139,7 +145,8 @@ class Resets:
         """Make, in the background, the upper dir a reset of ``e`` to ``upper_from``
         (a capture's subvolume, or None: empty) will swap in, and the container
         it will start (see the module doc)."""
-        self._background.submit(self._prepare, e, upper_from)
+        self._background.submit(self._prepare, e, upper_from).add_done_callback(
+            lambda done, env_id=e.info.id: _log_failure(done, env_id))
 
     def _prepare(self, e: Environment, upper_from: Path | None) -> None:
         with e.lock:
@@ -241,7 +248,9 @@ class Resets:
         own), make that container ``e``'s and start it.  The old container,
         rootfs and upper dir go in the background (:meth:`_retire`).  Raises :class:`_CannotMove` (nothing
         of the container made ahead changed) when its rootfs cannot move,
-        :class:`MountError`, :class:`RuntimeFailedError` when it does not start."""
+        :class:`MountError`; a container made ahead that does not start (its
+        ``runc init`` died while it waited) is deleted and run anew from the same
+        bundle and rootfs (:class:`RuntimeFailedError` if that fails too)."""
         for p in procs:
             p.wait(10)
         t1 = time.perf_counter()
@@ -259,7 +268,13 @@ class Resets:
         e.cid = self.containers.promote_ahead(e.info.id, e.dir)
         t2 = time.perf_counter()
         timing.overlay_s = t2 - t1
-        self.containers.start_ahead(e.container_id)
+        try:
+            self.containers.start_ahead(e.container_id)
+        except RuntimeFailedError as exc:  # its runc init died while it waited: run it anew, same bundle and rootfs
+            log.warning("the container made ahead for environment %s did not start (%s); running it anew",
+                        e.info.id, exc)  # fmt: skip
+            self.containers.delete(e.info.id, e.dir, ahead=False)
+            self.containers.restart(e.info.id, e.dir)
         timing.runtime_s = time.perf_counter() - t2
 
     def _swap_upper(self, e: Environment, procs: list, upper_from: Path | None, timing: ResetTiming,
