@@ -285,6 +285,18 @@ def test_upper_dir_is_made_while_groups_mount(shared_store, paths, tmp_path, lea
         assert node.exec(info.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
 
 
+def _store_with_other(shared_store, tmp_path) -> tuple[FileStore, str]:
+    """A copy of the shared store without profiles, with template ``other``
+    (base + a group holding ``/other/note.txt``); it and the base group's digest."""
+    store = store_copy_without_profiles(shared_store, tmp_path / "store")
+    other = tmp_path / "other"
+    (other / "other").mkdir(parents=True)
+    (other / "other" / "note.txt").write_text("another task\n")
+    build_group(other, store, name="other")
+    create_template(store, "other", ["base", "other"])
+    return store, store.get_ref("groups", "base")
+
+
 def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, tmp_path, leak_check):
     """A template recorded while one of its groups is already mounted (by
     another template) still gets that group's mount reads (its superblock
@@ -292,13 +304,7 @@ def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, 
     the pack instead of fetching them on demand."""
     from weenv.packaging.profile import load_profile
 
-    store = store_copy_without_profiles(shared_store, tmp_path / "store")
-    other = tmp_path / "other"
-    (other / "other").mkdir(parents=True)
-    (other / "other" / "note.txt").write_text("another task\n")
-    build_group(other, store, name="other")
-    create_template(store, "other", ["base", "other"])
-    base = store.get_ref("groups", "base")
+    store, base = _store_with_other(shared_store, tmp_path)
     with Node(paths, store=store) as node:
         first = node.create("task")  # mounts base: its mount reads are before the next template's window
         node.destroy(first.id)
@@ -314,3 +320,36 @@ def test_profile_holds_the_mount_of_a_group_mounted_before(shared_store, paths, 
         assert profile is not None
         gi = profile.groups.index(base)
         assert [c for g, c in profile.chunks if g == gi][: len(mount)] == mount
+
+
+def test_profile_holds_reads_of_a_group_read_before(shared_store, paths, tmp_path, leak_check):
+    """A template recorded while one of its groups is already mounted and read
+    (by another template's start: the page cache serves those reads, LazyFS
+    never sees them) still gets, in its prefetch profile and pack, the chunks
+    and ranges of that group the other template's profile names: a cold start
+    of the new template then finds them in the pack instead of fetching them on
+    demand (``weenv update`` republishing one group over a shared base made
+    the bench's cold start fetch its command's 4 chunks on demand)."""
+    from weenv.packaging.profile import load_profile
+
+    store, base = _store_with_other(shared_store, tmp_path)
+    read = ["sh", "-c", "cat /usr/bin/python3.11 /other/note.txt 2>/dev/null | wc -c"]
+    with Node(paths, store=store) as node:
+        first = node.create("task")
+        assert node.exec(first.id, read).exit_code == 0  # its first command reads python3.11 from base
+        node.destroy(first.id)
+        node.prefetch.wait_published()
+        p1 = load_profile(store, load_template(store, "task")[0])
+        b1 = [c for g, c in p1.chunks if p1.groups[g] == base]
+        spans1 = {(off, n) for g, off, n in p1.ranges if p1.groups[g] == base}
+        assert len(b1) > len(node.lazyfs.mount_reads(base)), "the first command read no chunk of base"
+        second = node.create("other")
+        assert node.exec(second.id, read).exit_code == 0  # the same reads: served by the page cache
+        node.destroy(second.id)
+        node.prefetch.wait_published()
+    p2 = load_profile(store, load_template(store, "other")[0])
+    gi = p2.groups.index(base)
+    b2 = [c for g, c in p2.chunks if g == gi]
+    assert set(b1) <= set(b2)
+    assert spans1 <= {(off, n) for g, off, n in p2.ranges if g == gi}
+    assert p2.pack is not None and len(p2.pack.frames) == len(p2.chunks)  # all of them in its pack

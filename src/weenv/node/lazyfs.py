@@ -262,16 +262,17 @@ class LazyFS:
         with self._lock:
             return list(self._mount_reads.get(digest, ()))
 
-    def first_reads(self, digests, since: int = 0) -> list[tuple[str, int]]:
+    def first_reads(self, digests, since: int = 0, until: int | None = None) -> list[tuple[str, int]]:
         """``(group digest, chunk index)`` of the first reads of chunks of the groups
-        ``digests`` after mark ``since`` (:meth:`read_seq`), in the order they
-        happened across those groups (a prefetch profile's raw material)."""
+        ``digests`` after mark ``since`` (:meth:`read_seq`) and, with ``until``
+        (another mark), not after it, in the order they happened across those
+        groups (a prefetch profile's raw material)."""
         wanted = set(digests)
         with self._lock:
             picked = [
                 (seq, g.digest, idx)
                 for g in self._groups.values() if g.digest in wanted
-                for seq, idx in zip(g.first_seq, g.stats.first_read) if seq > since
+                for seq, idx in zip(g.first_seq, g.stats.first_read) if seq > since and (until is None or seq <= until)
             ]  # fmt: skip
         picked.sort()
         return [(d, i) for _seq, d, i in picked]

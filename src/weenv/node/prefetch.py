@@ -7,8 +7,13 @@ window runs from the create's start until the environment's first command
 (after the create's own ``true``) ends, the environment is destroyed, or
 ``record_s`` seconds pass, whichever comes first.  Reads another environment
 makes in the same groups during the window are included (they are reads of
-the same content); chunks first read *before* the window (a group already
-mounted and read by another template) are not.  The profile is published beside
+the same content).  Chunks first read *before* the window (a group already
+mounted and read by another template) do not reach LazyFS again (the page
+cache serves them): such a group's mount reads (:meth:`LazyFS.mount_reads`)
+go first, and the chunks and ranges of it that the other profiles the node
+holds name are added after the recorded ones (:meth:`Prefetcher._carried`),
+so that a template republished over a group it shares keeps that group's
+working set in its profile and pack.  The profile is published beside
 the template, in a background thread (the format: :mod:`weenv.packaging.profile`):
 first its **pack**, the frames of its first ``pack_bytes`` of plaintext as one
 blob (built from the node cache, where the recorded chunks just arrived), then
@@ -375,19 +380,21 @@ class Prefetcher:
         for i, d in enumerate(rec["groups"]):
             index.setdefault(d, i)
         chunks = [(index[d], c) for d, c in reads]
+        carried, carried_spans = [], []
         if chunks:  # a group mounted before the window (another template's) was not read by its mount in it:
             # its mount's chunks go first, so a cold start mounting it finds them in the pack
             seen = set(chunks)
             mount = [(gi, c) for gi, d in enumerate(rec["groups"]) if index[d] == gi
                      for c in self.lazyfs.mount_reads(d) if (gi, c) not in seen
                      and c < len(rec["manifests"][gi].chunks)]  # fmt: skip
-            chunks = (list(dict.fromkeys(mount)) + chunks)[:MAX_PROFILE_CHUNKS]
+            carried, carried_spans = self._carried(rec, index)
+            chunks = list(dict.fromkeys(mount + chunks + carried))[:MAX_PROFILE_CHUNKS]
         if not chunks:
             with self._lock:
                 self._recorded.discard(rec["template"])  # nothing read through FUSE: try another time
             return
         refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
-        spans = [(index[d], off, n) for d, off, n in ranges][:MAX_PROFILE_CHUNKS]
+        spans = ([(index[d], off, n) for d, off, n in ranges] + carried_spans)[:MAX_PROFILE_CHUNKS]
         profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
                                   ranges=spans, window_s=round(time.monotonic() - rec["start"], 3))
         with self._lock:
@@ -395,6 +402,35 @@ class Prefetcher:
             if self._closed:
                 return
         self._publisher.submit(self._publish, profile)
+
+    def _carried(self, rec: dict, index: dict[str, int]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """What a recording cannot see of the groups read *before* its window
+        (another template's start read them on this node: their pages are in
+        the kernel's page cache, so this start's reads of them never reach
+        LazyFS): the chunks and ranges of those groups that the other profiles
+        this node holds name (each a start's working set of that group),
+        mapped to the recording's group indexes, oldest profile first.  Without
+        them a cold start of a template republished over a group it shares
+        (``weenv update``, one group at a time) fetches its reads of that group
+        on demand.  Returns ``(chunks, ranges)`` as :class:`PrefetchProfile`
+        holds them (``(group index, chunk index)``, ``(group index, offset, bytes)``)."""
+        groups, manifests = rec["groups"], rec["manifests"]
+        before = {d for d, _c in self.lazyfs.first_reads(groups, 0, until=rec["mark"])}
+        if not before:
+            return [], []
+        with self._lock:
+            others = [p for t, p in self._profiles.items() if p is not None and t != rec["template"]]
+        chunks, spans = [], []
+        for other in others:
+            for (ogi, ci) in other.chunks:
+                d = other.groups[ogi] if 0 <= ogi < len(other.groups) else None
+                if d in before and ci < len(manifests[index[d]].chunks):
+                    chunks.append((index[d], ci))
+            for (ogi, off, n) in other.ranges:
+                d = other.groups[ogi] if 0 <= ogi < len(other.groups) else None
+                if d in before:
+                    spans.append((index[d], off, n))
+        return chunks, spans
 
     def _publish(self, profile: PrefetchProfile) -> None:
         try:
