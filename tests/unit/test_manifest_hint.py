@@ -78,3 +78,36 @@ def test_a_wrong_hint_is_ignored_and_a_known_template_asks_nothing(tmp_path):
     store.reads.clear()
     assert resolver.load(digest, [missing])[0] == manifest  # the node has the template: the hint is not fetched
     assert store.reads == []
+
+
+class CountingStore(SlowStore):
+    """A :class:`SlowStore` that also counts existence checks of manifests."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.checks = 0
+
+    def has_manifest(self, digest: str) -> bool:
+        self.checks += 1
+        return super().has_manifest(digest)
+
+
+def test_a_cold_digest_is_checked_by_loading_its_manifest(tmp_path):
+    """A template digest whose manifest the node lacks resolves without a
+    store round trip of its own (the manifest's fetch, next, is the check: a
+    cold create asked twice in a row before); an unknown one still fails, at
+    the load, with NotFoundError; a digest the node holds is still asked about."""
+    import pytest
+
+    from weenv.errors import NotFoundError
+
+    store = CountingStore(tmp_path / "store")
+    digest, _groups = _template(store)
+    resolver = _resolver(tmp_path, store)
+    assert resolver.resolve(digest).digest == digest and store.checks == 0
+    assert resolver.load(digest)[0].name == "t"
+    assert resolver.resolve(digest).digest == digest and store.checks == 1  # known: the store confirms it
+    missing = "sha256:" + "1" * 64
+    assert resolver.resolve(missing).digest == missing
+    with pytest.raises(NotFoundError):
+        resolver.load(missing)
