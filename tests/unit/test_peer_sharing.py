@@ -157,3 +157,45 @@ def test_a_chunk_of_a_group_not_mounted_yet_comes_from_a_peer_once_learnt(tmp_pa
         peers.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_placement_names_the_nodes_placed_with_its_template_or_holding_it():
+    """The peer table a node has is a heartbeat old: two creates of one template
+    placed on two nodes at once both went to the store (test_cluster_peers'
+    hint test); placement knows who else fetches it, and says so."""
+    view = ClusterView()
+    for n in "abc":
+        view.heartbeat(report(n, templates=FACTS))
+    first = view.place("t", node="a")
+    assert first.peers == ()  # the first: from the store
+    second = view.place("t", node="b")
+    assert second.peers == ("a",)  # placed with t lately
+    view.heartbeat(report("c", held={"sha256:g2": 10}, templates=FACTS))
+    assert set(view.place("t", node="a").peers) == {"b", "c"}  # c holds t's own group; a itself is left out
+    view.gone("b", "test")
+    assert view.place("t", node="a").peers == ("c",)  # gone nodes are not named
+    assert view.place("other", node="a").peers == ()
+
+
+def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updates(tmp_path, monkeypatch):
+    from weenv.node import peers as peers_module
+    from weenv.node.peers import PeerInfo
+
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    table = [PeerInfo(node_id=n, url=f"http://{n}:1") for n in "ab"]
+    peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN), peers=table))
+    assert not peers.peers_hold({"sha256:g1"})
+    peers.hint("e1", ["a", "zz"])  # zz: not in the table, ignored (a hint adds no address)
+    peers.adopt("e2", ["sha256:g1"])  # another create's groups: no hint of its own
+    assert not peers.peers_hold({"sha256:g1"})
+    peers.adopt("e1", ["sha256:g1"])
+    assert peers.peers_hold({"sha256:g1"}) and not peers.peers_hold({"sha256:g2"})
+    peers.learn([("sha256:" + "c" * 64, "sha256:g1")])
+    assert [p.node_id for p in peers._candidates("sha256:" + "c" * 64)] == ["a"]
+    peers.update(PeerUpdate(peers=table))  # the next heartbeat's table, which does not list it yet
+    assert peers.peers_hold({"sha256:g1"})
+    now = time.monotonic()
+    monkeypatch.setattr(peers_module.time, "monotonic", lambda: now + peers_module.HINT_S + 1)
+    peers.update(PeerUpdate(peers=table))
+    assert not peers.peers_hold({"sha256:g1"})  # hints expire
+    peers.close()

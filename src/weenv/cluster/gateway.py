@@ -79,6 +79,7 @@ from weenv.errors import (
 )
 from weenv.formats.tax import TaxBatch, TaxReport
 from weenv.node.models import BatchCreateRequest, CreateRequest, NodeStats
+from weenv.node.peers import PEERS_HINT
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.e2b import signed
@@ -94,6 +95,7 @@ NODE_HINT = "weenv.node"
 """Metadata key: the node to prefer (a hint); set by the gateway to the node chosen."""
 NEAR_HINT = "weenv.near"
 """Metadata key: an environment whose node to prefer."""
+# PEERS_HINT (weenv.node.peers): set by the gateway to the nodes that hold or fetch the template (Placed.peers)
 LOST_STATUS = 410
 MAX_LIST_PAGES = 100
 """Pages of 1,000 asked of one node for one E2B listing (100,000 sandboxes)."""
@@ -145,7 +147,8 @@ class Gateway:
             raise InvalidInputError("metadata must be an object")
         placed = await self.place(template, cpus, memory_bytes, metadata)
         node_id = placed.route.node_id
-        body = {**body, "metadata": {**metadata, NODE_HINT: node_id}}
+        hints = {NODE_HINT: node_id, PEERS_HINT: ",".join(placed.peers)} if placed.peers else {NODE_HINT: node_id}
+        body = {**body, "metadata": {**metadata, **hints}}
         made = None
         try:
             answer = await proxy.call(self.client, placed.route, "POST", path, e2b=e2b, json=body)
