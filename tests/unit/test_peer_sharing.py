@@ -199,3 +199,60 @@ def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updat
     peers.update(PeerUpdate(peers=table))
     assert not peers.peers_hold({"sha256:g1"})  # hints expire
     peers.close()
+
+
+def test_a_chunk_this_node_asks_peers_for_is_not_waited_for_by_a_peer(tmp_path):
+    """Two nodes placed with one template ask each other for a chunk neither
+    holds: each one's answer waited for its own fetch (the ask of the other),
+    so both waited out the peer timeout (a create of 5 s in weenv bench
+    cluster), then passed the other over.  A fetch asking peers is not waited
+    for; one from the store is, for less than the asker's timeout."""
+    import hashlib
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from weenv.errors import NotFoundError
+    from weenv.node.peers import SERVE_WAIT_SHARE, PeerInfo
+
+    digest = "sha256:" + hashlib.sha256(b"z").hexdigest()
+    asked = threading.Event()
+
+    class SlowPeer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            asked.set()
+            time.sleep(0.5)
+            self.send_response(404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowPeer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    waits = []
+    peers.held = lambda d, wait_s: waits.append(wait_s)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=2.0),
+                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        peers.learn([(digest, "sha256:g1")])
+        failed = []
+
+        def fetch():
+            try:
+                peers.get_chunk(digest)
+            except NotFoundError as exc:  # the peer had it not, nor the store
+                failed.append(exc)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        assert asked.wait(5)
+        assert peers.serve(digest) is None  # asked while this node asks a peer: not waited for
+        t.join()
+        assert failed and peers.serve(digest) is None
+        assert waits == [0.0, 2.0 * SERVE_WAIT_SHARE]
+    finally:
+        peers.close()
+        server.shutdown()
+        server.server_close()

@@ -28,7 +28,7 @@ from weenv.cluster import placement
 from weenv.cluster.node import NodeReport, TemplateFacts
 from weenv.errors import InvalidInputError, LostError, NotFoundError
 from weenv.formats.manifest import Resources
-from weenv.node.peers import PeerInfo
+from weenv.node.peers import MAX_HINTED, PeerInfo
 
 HEARTBEAT_TIMEOUT_S = 10.0
 """A node silent this long is gone."""
@@ -229,7 +229,8 @@ class ClusterView:
 
     def _fetching_locked(self, template: str, other_than: str) -> tuple[str, ...]:
         """The alive nodes but ``other_than`` that hold chunks of ``template``'s
-        own groups or were placed with it lately (first placed first)."""
+        own groups or were placed with it lately (holders, then the first placed
+        first; at most :data:`~weenv.node.peers.MAX_HINTED`)."""
         now = time.monotonic()
         groups = [g for g, _ws in self._groups_of(template, self._templates.get(template)) if g.startswith("sha256:")]
         found = []
@@ -239,7 +240,7 @@ class ClusterView:
             until = n.expected.get(template, 0.0)
             if until > now or any(n.report.group_bytes.get(g, 0) > 0 for g in groups):
                 found.append((until if until > now else 0.0, n.node_id))
-        return tuple(node_id for _, node_id in sorted(found))
+        return tuple(node_id for _, node_id in sorted(found))[:MAX_HINTED]
 
     def _note_demand(self, now_at_once: int) -> int:
         """Record ``now_at_once`` environments (run and being made); the most at once over ``DEMAND_WINDOW_S``."""

@@ -37,8 +37,10 @@ started on many nodes at once is streamed from the store about once.
 **Serving** (:meth:`PeerChunks.serve`, behind ``GET /peer/v1/chunks/{digest}``
 of :mod:`weenv.server.peers`): only with the cluster's peer token (not the
 node's API key: a peer may read content-addressed chunks and nothing else),
-only chunks this node's cache holds (or is fetching for itself: waited for up
-to ``timeout_s``; a peer's request never makes this node fetch anything), at
+only chunks this node's cache holds (or is fetching for itself from the
+store or in a pack: waited for up to ``SERVE_WAIT_SHARE`` of ``timeout_s``; one
+it is asking peers for is not waited for, as two nodes asking each other would
+each wait out the other's timeout; a peer's request never makes this node fetch anything), at
 most ``serve_concurrency`` at once (more are refused, :class:`BusyError`, and
 the asker moves on: at most ``serve_concurrency`` chunks' bytes are in flight),
 and at most ``serve_bytes_per_s`` bytes a second (a token bucket: an answer
@@ -76,6 +78,10 @@ CHUNK_PATH = "/peer/v1/chunks/"
 """``CHUNK_PATH + digest``: a node's chunk route for its peers."""
 PASS_OVER_S = 10.0
 """Seconds a peer that was slow, gone or wrong is not asked again (its chunks come from others, or the store)."""
+SERVE_WAIT_SHARE = 0.75
+"""Of ``timeout_s``, how long a peer's request waits for a fetch of its chunk in
+progress here (then 404: the asker moves on before its own timeout, which
+would pass this node over)."""
 PEERS_HINT = "weenv.peers"
 """Create metadata key (set by the cluster's gateway, taken off by the node):
 the ids, comma-separated, of the peers that hold or fetch the create's
@@ -175,6 +181,7 @@ class PeerChunks:
         self._indexed: set[str] = set()
         self._passed_over: dict[str, float] = {}  # node id -> until (monotonic s)
         self._hints: dict[str, tuple[tuple[str, ...], float]] = {}  # env id -> (peer ids, until)
+        self._asking: dict[str, int] = {}  # chunk digest -> this node's fetches asking peers for it now
         self._adopted: dict[str, dict[str, float]] = {}  # group -> {peer id: until}: from hints
         self._stats = PeerStats()
         self._http: httpx.Client | None = None
@@ -308,11 +315,20 @@ class PeerChunks:
         from the store (what :meth:`Store.get_chunk` raises, then)."""
         check_digest(digest)
         settings = self._settings
-        for peer in self._candidates(digest)[: settings.tries if settings else 0]:
-            data = self._from_peer(peer, digest, size, settings)
-            if data is not None:
-                self._count(peer_chunks=1, peer_bytes=len(data))
-                return data
+        candidates = self._candidates(digest)[: settings.tries if settings else 0]
+        if candidates:
+            with self._lock:
+                self._asking[digest] = self._asking.get(digest, 0) + 1
+            try:
+                for peer in candidates:
+                    data = self._from_peer(peer, digest, size, settings)
+                    if data is not None:
+                        self._count(peer_chunks=1, peer_bytes=len(data))
+                        return data
+            finally:
+                with self._lock:
+                    if (left := self._asking.pop(digest) - 1) > 0:
+                        self._asking[digest] = left
         data = self.store.get_chunk(digest, stored_digest=stored_digest, size=size)
         self._count(store_chunks=1, store_bytes=len(data))
         return data
@@ -390,8 +406,12 @@ class PeerChunks:
                 self._stats.served_refused += 1
                 raise BusyError(f"serving {self._serving} chunks to peers already (at most {settings.serve_concurrency})")
             self._serving += 1
+        with self._lock:
+            asking = digest in self._asking
         try:
-            data = self.held(digest, settings.timeout_s)
+            # a fetch here asking peers for it is not waited for (it may be asking the asker: each would wait
+            # out the other's timeout); others are, for less than the asker waits (it hears 404, not a timeout)
+            data = self.held(digest, 0.0 if asking else settings.timeout_s * SERVE_WAIT_SHARE)
             if data is None:
                 self._count(served_missing=1)
                 return None
