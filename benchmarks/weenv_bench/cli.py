@@ -193,6 +193,9 @@ def cluster(
                                            help="the modelled store: MiB/s of one connection (0: no bound)"),
     store_total_mib_s: float = typer.Option(128.0, "--store-total-mib-s", min=0,
                                             help="the modelled store: MiB/s of all nodes together (0: no bound)"),
+    profiles: str = typer.Option("recorded", "--profiles",
+                                 help="recorded: every template's prefetch profile and pack recorded before both "
+                                 "modes (a task set run before); fresh: none, each mode records its own"),
 ) -> None:
     """Placement and peer chunk sharing: random placement from the store against weenv's, real and modelled.
 
@@ -203,8 +206,11 @@ def cluster(
 
     if store not in ("s3", "file"):
         raise typer.BadParameter("--store is s3 or file")
+    if profiles not in ("recorded", "fresh"):
+        raise typer.BadParameter("--profiles is recorded or fresh")
     setup = StoreSetup(store, store_latency_ms, store_conn_mib_s, store_total_mib_s)
-    result = run(quick=quick, simulate_only=simulate, json_path=json_path, store=setup, log=err.print)
+    result = run(quick=quick, simulate_only=simulate, json_path=json_path, store=setup, profiles=profiles,
+                 log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -32,6 +32,13 @@ creates in all (quick 64).  A batch's creates run 8 at once; one create is
 ``create`` + ``cat /workspace/task.bin`` (the environment ready, its task
 read); a batch's environments are destroyed when it ends.
 
+**Prefetch profiles** (``profiles``): ``"recorded"`` (the default): before
+the modes, each template is started once on fresh homes (thrown away after),
+so that both modes find every template's recorded profile and pack in the
+store, as an RL run over a task set run before does; ``"fresh"``: the store
+holds none when each mode starts (each records its own on its first starts).
+Either way neither mode replays what the other recorded.
+
 **Modes**, on fresh homes each (the same Ray cluster):
 
 - ``random``: every create goes to a node drawn at random (a hint), peer
@@ -133,8 +140,10 @@ def build_store(store, root: Path, templates: int, task_bytes: int, log) -> dict
     return chunks
 
 
-def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]], batches: list[list[str]], log) -> dict:
-    """One mode on fresh homes: its creates, bytes, hits and balance."""
+def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]], batches: list[list[str]], log,
+             settle=None) -> dict:
+    """One mode on fresh homes: its creates, bytes, hits and balance.  ``settle()``:
+    called once the last batch is done, before the nodes go (``record``: until the profiles are published)."""
     import ray
 
     from weenv import cluster
@@ -169,6 +178,7 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
                 done = list(pool.map(one, names))
             for d in done:
+                d["batch"] = b
                 ws = chunks[d["template"]] & anywhere
                 d["first_touch"] = not ws
                 d["held_share"] = len(ws & held[d["node"]]) / len(ws) if ws else 0.0
@@ -182,6 +192,8 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
                 list(pool.map(lambda d: client.destroy(d["id"]), done))
             log(f"{mode}: batch {b + 1}/{len(batches)}: p50 {pct([d['s'] for d in done], 0.5):.2f} s, "
                 f"envs per node {counts}")
+    if settle is not None:
+        settle()
     stats = {}
     for n in nodes:
         with NodeClient(socket=Paths(home=home_of[n], cache=Path("/"), store_url="").socket) as c:
@@ -206,6 +218,9 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
         "envs_per_node_max_over_mean": max(per_batch), "envs_per_node_max_over_mean_by_batch": per_batch,
         "creates_per_node": {n[:12]: sum(d["node"] == n for d in creates) for n in nodes},
         "node_stats": {n[:12]: s for n, s in stats.items()}, "peer_ms_per_mib": peer_ms,
+        "slowest": [{"s": round(d["s"], 3), "batch": d["batch"], "template": d["template"], "node": d["node"][:12],
+                     "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2)}
+                    for d in sorted(creates, key=lambda d: -d["s"])[:4]],
     }
 
 
@@ -269,13 +284,13 @@ class StoreSetup:
 
 
 def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None,
-        store: StoreSetup = StoreSetup(), log=print) -> dict:
+        store: StoreSetup = StoreSetup(), profiles: str = "recorded", log=print) -> dict:
     from weenv_bench import cluster_sim
 
     result: dict = {"machine": machine(), "quick": quick}
     real = None
     if not simulate_only:
-        real = run_real(quick=quick, store=store, log=log)
+        real = run_real(quick=quick, store=store, profiles=profiles, log=log)
         result["real"] = real
     costs = cluster_sim.Costs.from_real(real) if real else cluster_sim.Costs()
     sim = cluster_sim.run(quick=quick, costs=costs, log=log)
@@ -291,7 +306,7 @@ def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | N
         "sim_nodes": head.get("nodes"), "sim_creates": head.get("creates"),
         "sim_create_p99_s": head.get("weenv", {}).get("create_p99_s"),
         "sim_store_bytes_ratio": head.get("weenv", {}).get("store_bytes_ratio"),
-        "store": real["store"] if real else None,
+        "store": real["store"] if real else None, "profiles": real["profiles"] if real else None,
     }
     if json_path is not None:
         write_report(result, json_path, plot)
@@ -342,7 +357,28 @@ def _the_store(setup: StoreSetup, root: Path, log):
                 "shaper": shaper}
 
 
-def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), log) -> dict:
+def _record_profiles(root: Path, store, node_url: str, chunks: dict[str, set[str]], log) -> dict:
+    """Before the modes (``profiles="recorded"``): each template started once
+    (weenv's placement, no peers, fresh homes thrown away after), so that both
+    modes find every template's prefetch profile and pack in the store, as an RL
+    run over a task set run before does.  Waits until all are published."""
+    names = sorted(chunks)
+    _drop_profiles(store)
+
+    def published() -> None:
+        deadline = time.monotonic() + 60
+        while len(store.list_refs("prefetch")) < len(names) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    out = run_mode("record", root, node_url, chunks, [names[i : i + 8] for i in range(0, len(names), 8)], log,
+                   settle=published)
+    out["profiles"] = len(store.list_refs("prefetch"))
+    out["packs"] = len(list(store.list_packs()))
+    log(f"recorded: {out['profiles']} profiles, {out['packs']} packs for {len(names)} templates")
+    return {k: out[k] for k in ("seconds", "creates", "profiles", "packs", "store_bytes")}
+
+
+def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", log) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -375,8 +411,9 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), log) -> dict:
             ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
             c.wait_for_nodes()
             modes = {}
+            recording = _record_profiles(root, built, node_url, chunks, log) if profiles == "recorded" else None
             for mode in ("random", "weenv"):
-                dropped = _drop_profiles(built)
+                dropped = _drop_profiles(built) if profiles == "fresh" else 0
                 carried0 = shaper.stats().get("answer_bytes", 0) if shaper else None
                 modes[mode] = run_mode(mode, root, node_url, chunks, batches, log)
                 m = modes[mode]
@@ -398,7 +435,7 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), log) -> dict:
             built.close()
     return {"nodes": NODES, "templates": templates, "task_bytes": task_bytes, "batch": batch, "group": group,
             "iterations": iterations, "create_concurrency": CREATE_CONCURRENCY, "store_ms_per_mib": store_ms,
-            "store": described, "modes": modes}
+            "store": described, "profiles": profiles, "recording_pass": recording, "modes": modes}
 
 
 def plot(result: dict, png: Path) -> None:
