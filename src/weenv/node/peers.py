@@ -29,7 +29,8 @@ are asked (a hint adds no address).
 **Packs.**  A prefetch pack (:mod:`weenv.node.prefetch`) is one store blob:
 it is streamed from the store (:meth:`PeerChunks.stream_pack`, counted in
 ``pack_bytes``) unless peers hold at least half of the bytes of its chunks the
-node lacks; then its chunks are fetched one by one, peers first, as above.  A
+node lacks, or the node holds half of its bytes already (a shared base); then
+its missing chunks are fetched one by one, peers first, as above.  A
 node asked for a chunk its own pack is bringing waits for it (up to
 ``timeout_s``: :meth:`weenv.node.node.Node._held_for_peer`), so a template
 started on many nodes at once is streamed from the store about once.

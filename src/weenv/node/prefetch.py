@@ -185,7 +185,8 @@ class Prefetcher:
     come from peers too) and which peers the create's hint names
     (:meth:`~weenv.node.peers.PeerChunks.adopt`), fetches a pack's chunks one
     by one instead of streaming the pack when peers hold at least half of the
-    bytes of them the cache lacks
+    bytes of them the cache lacks, or (in a cluster) the cache holds half of
+    its bytes already
     (:meth:`~weenv.node.peers.PeerChunks.peers_hold`), tells a peer asking for
     a chunk of a pack streaming here to wait for it (:meth:`wait_packed`), and
     streams and puts packs through it (it counts their bytes); profiles are always loaded from
@@ -550,13 +551,21 @@ class Prefetcher:
         return job
 
     def _peers_have_pack(self, head: list[tuple[str, ChunkRef]]) -> bool:
-        """Whether peers hold at least half of the bytes of ``head`` (a pack's
-        chunks) that this node's cache lacks: a group every node holds (a
-        shared base) does not make the rest come one by one from the store."""
+        """Whether a pack whose chunks are ``head`` is better not streamed, its
+        missing chunks fetched one by one instead (peers first): in a cluster
+        (peer settings given), when the cache holds at least half of its bytes
+        already (a shared base the node holds: streaming the pack would take
+        those from the store again), or when peers hold at least half of the
+        bytes the cache lacks (a group every node holds does not make the rest
+        come one by one from the store)."""
         missing = [(g, c) for g, c in head if not self.cache.has(c.digest)]
         lacking = sum(c.size for _g, c in missing)
+        if lacking == 0:
+            return False
+        if self.peers.settings() is not None and 2 * lacking <= sum(c.size for _g, c in head):
+            return True
         held = {g: self.peers.peers_hold({g}) for g in {g for g, _c in missing}}
-        return lacking > 0 and 2 * sum(c.size for g, c in missing if held[g]) >= lacking
+        return 2 * sum(c.size for g, c in missing if held[g]) >= lacking
 
     def wait_packed(self, digest: str, wait_s: float) -> bool:
         """Whether chunk ``digest`` is in the cache within ``wait_s`` seconds,
