@@ -146,8 +146,10 @@ def test_a_template_started_on_two_nodes_at_once_streams_its_pack_from_the_store
     """Two creates of one template placed on two nodes at once: each node's peer
     table (a heartbeat old) listed neither, so both streamed the template's
     prefetch pack from the store (two packs' bytes: 2 x 24 MiB).  Placement
-    names the node placed first in the second's create (the hint), and the
-    first serves the pack's chunks to the second as its pack arrives."""
+    names the node placed with it in each create (the hint): the template's
+    bytes come from the store once (its pack, or its chunks one by one: two
+    nodes asking each other answer 404 at once, and one of them goes to the
+    store), and the other node takes them from that one."""
     import os
     import threading
 
