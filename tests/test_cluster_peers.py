@@ -1,8 +1,9 @@
 """Peer chunk sharing on a real Ray cluster on this machine (weenv.cluster.peers,
 weenv.node.peers): a head and two more nodes, each with its own weenv home and
 chunk cache, reading one file store.  A chunk comes from a peer that holds it
-instead of the store; a peer answering other bytes, a slow peer and a gone peer
-are passed over for the store.  The tests run in order (the last stops a
+instead of the store; a template started on two nodes at once comes from the
+store once; a peer answering other bytes, a slow peer and a gone peer are
+passed over for the store.  The tests run in order (the last stops a
 node's daemon).
 """
 
@@ -138,6 +139,63 @@ def test_a_peer_serving_other_bytes_is_caught_and_the_store_serves(peer_cluster)
         assert ref.stdout.split()[0] == r.stdout.split()[0]
         client.destroy(ed)
         for e in list(client.environments()):
+            client.destroy(e)
+
+
+def test_a_template_started_on_two_nodes_at_once_streams_its_pack_from_the_store_once(peer_cluster, tmp_path):
+    """Two creates of one template placed on two nodes at once: each node's peer
+    table (a heartbeat old) listed neither, so both streamed the template's
+    prefetch pack from the store (two packs' bytes: 2 x 24 MiB).  Placement
+    names the node placed with it in each create (the hint): the template's
+    bytes come from the store once (its pack, or its chunks one by one: two
+    nodes asking each other answer 404 at once, and one of them goes to the
+    store), and the other node takes them from that one."""
+    import os
+    import threading
+
+    from weenv.cluster.view import EXPECT_S
+    from weenv.formats.manifest import RuntimeConfig
+    from weenv.packaging.group import build_group
+    from weenv.packaging.template import create_template
+
+    c, workers, config, homes, store = peer_cluster
+    a, b, d = _nodes()
+    (tmp_path / "workspace").mkdir()
+    (tmp_path / "workspace" / "c.bin").write_bytes(os.urandom(FILE))
+    build_group(tmp_path, store, name="task-t3")
+    create_template(store, "t3", ["base", "task-t3"], runtime=RuntimeConfig(working_dir="/workspace"))
+    with ClusterClient() as client:
+        # d records t3's profile and publishes its pack, then forgets t3's chunks
+        packs = set(store.list_packs())
+        client.destroy(_read_file_on(client, "t3", d, "/workspace/c.bin"))
+        deadline = time.monotonic() + 30
+        while not set(store.list_packs()) - packs:
+            assert time.monotonic() < deadline, "no prefetch pack published"
+            time.sleep(0.2)
+        with NodeClient(socket=Paths(home=_home(homes, d), cache=CACHE, store_url="").socket) as n:
+            n.drop_cache()
+        time.sleep(EXPECT_S + 1)  # d no longer counts as placed with t3 lately
+        before = {n: _chunks(homes, n) for n in (a, b)}
+        made, errors = [], []
+
+        def one(node: str) -> None:
+            try:
+                made.append(_read_file_on(client, "t3", node, "/workspace/c.bin"))
+            except Exception as exc:  # shown by the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        got = {n: _delta(_chunks(homes, n), before[n]) for n in (a, b)}
+        print(f"t3 on a and b at once: {got}")
+        assert sum(g["pack_bytes"] for g in got.values()) < 1.5 * FILE, got  # one pack, not two
+        assert sum(g["store_bytes"] for g in got.values()) < 1.5 * FILE, got
+        assert max(g["peer_bytes"] for g in got.values()) >= FILE // 2, got
+        for e in made:
             client.destroy(e)
 
 

@@ -185,14 +185,32 @@ def cluster(
     quick: bool = typer.Option(False, "--quick", help="8 templates, 64 creates in batches of 16 (a few minutes)"),
     simulate: bool = typer.Option(False, "--simulate", help="only the model of 100 and 1,000 nodes"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    store: str = typer.Option("s3", "--store", help="s3: SeaweedFS on loopback behind the link model below; "
+                              "file: a file:// directory (no model)"),
+    store_latency_ms: float = typer.Option(20.0, "--store-latency-ms", min=0,
+                                           help="the modelled store: ms added to every answer (0: none)"),
+    store_conn_mib_s: float = typer.Option(64.0, "--store-conn-mib-s", min=0,
+                                           help="the modelled store: MiB/s of one connection (0: no bound)"),
+    store_total_mib_s: float = typer.Option(128.0, "--store-total-mib-s", min=0,
+                                            help="the modelled store: MiB/s of all nodes together (0: no bound)"),
+    profiles: str = typer.Option("recorded", "--profiles",
+                                 help="recorded: every template's prefetch profile and pack recorded before both "
+                                 "modes (a task set run before); fresh: none, each mode records its own"),
 ) -> None:
     """Placement and peer chunk sharing: random placement from the store against weenv's, real and modelled.
 
-    4 Ray nodes on this machine, then a model of 100 and 1,000 nodes."""
-    from weenv_bench.cluster import run
+    4 Ray nodes on this machine (the store far away, as modelled by the --store-* options; both
+    placements see the same), then a model of 100 and 1,000 nodes."""
+    from weenv_bench.cluster import StoreSetup, run
     from weenv.cli.common import err
 
-    result = run(quick=quick, simulate_only=simulate, json_path=json_path, log=err.print)
+    if store not in ("s3", "file"):
+        raise typer.BadParameter("--store is s3 or file")
+    if profiles not in ("recorded", "fresh"):
+        raise typer.BadParameter("--profiles is recorded or fresh")
+    setup = StoreSetup(store, store_latency_ms, store_conn_mib_s, store_total_mib_s)
+    result = run(quick=quick, simulate_only=simulate, json_path=json_path, store=setup, profiles=profiles,
+                 log=err.print)
     print(json.dumps(result["summary"]))
 
 

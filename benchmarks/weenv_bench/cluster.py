@@ -3,7 +3,21 @@ cluster on this machine, random placement with every chunk from the store
 against weenv's placement with peer sharing, side by side in one run; then
 :mod:`weenv_bench.cluster_sim` (``--simulate`` alone: only that).
 
-**Setup.**  One file store; ``T`` templates (32; quick 8) sharing a base (the
+**The store**, the same for both modes: by default (``store="s3"``) a real S3
+server on loopback (SeaweedFS, :mod:`weenv_bench.services.seaweedfs`) that
+the nodes reach through a model of a store far away
+(:mod:`weenv_bench.services.netshape`, a proxy process): every answer
+``store_latency_ms`` (20) later, each connection's answers at most
+``store_conn_mib_s`` (64 MiB/s: one S3 GET's throughput), all of them together at
+most ``store_total_mib_s`` (128 MiB/s, about 1 Gb/s: the cluster's share of the
+store's egress).  0 turns a bound off (all three 0: the nodes reach SeaweedFS
+directly).  The model is in the JSON (``real.store``).  Peers talk over loopback
+unshaped: a cluster's nodes are near each other, its store is not.
+``store="file"``: a ``file://`` directory (no cost but this machine's disk and
+CPU: what placement saves there is CPU, not transfer).  The templates are
+written to the store directly (not through the model: building is not measured).
+
+**Setup.**  ``T`` templates (32; quick 8) sharing a base (the
 Debian bookworm minbase + python3 tree of the tests and of ``weenv bench
 update``), each with its own task group (``/workspace/task.bin``, random bytes:
 8 MiB; quick 4 MiB).  One Ray cluster of 4 nodes (``ray.cluster_utils.Cluster``:
@@ -17,6 +31,13 @@ iteration is batches of ``batch`` creates (32; quick 16), ``G`` (4) rollouts of
 creates in all (quick 64).  A batch's creates run 8 at once; one create is
 ``create`` + ``cat /workspace/task.bin`` (the environment ready, its task
 read); a batch's environments are destroyed when it ends.
+
+**Prefetch profiles** (``profiles``): ``"recorded"`` (the default): before
+the modes, each template is started once on fresh homes (thrown away after),
+so that both modes find every template's recorded profile and pack in the
+store, as an RL run over a task set run before does; ``"fresh"``: the store
+holds none when each mode starts (each records its own on its first starts).
+Either way neither mode replays what the other recorded.
 
 **Modes**, on fresh homes each (the same Ray cluster):
 
@@ -34,18 +55,22 @@ least half of what any node holds of the template's own group (the base is on
 every node); envs per node max/mean (per batch,
 the worst batch).  And the per-operation costs the simulation uses: a warm
 create's seconds (p50 of local hits), a cold one's (p50 of first touches in
-``random``), one chunk from the store and from a peer (ms per MiB, this machine).
+``random``), one chunk from the store and from a peer (ms per MiB, this machine: the store
+unshaped, ``store_ms_per_mib``, which the simulation takes with its own model of
+a store's egress; through the model, ``store_ms_per_mib_modelled``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from weenv_bench import machine, write_report
@@ -88,17 +113,15 @@ def _chunk_files(home: Path) -> dict[str, int]:
     return out
 
 
-def build_store(root: Path, templates: int, task_bytes: int, log) -> tuple[object, dict[str, set[str]]]:
-    """The file store and the chunk digests (hex) of each template's own group
+def build_store(store, root: Path, templates: int, task_bytes: int, log) -> dict[str, set[str]]:
+    """Write the base and the templates to ``store``; the chunk digests (hex) of each template's own group
     (the base's are on every node that ran anything: they tell nothing of placement)."""
     from weenv.config import Paths
     from weenv.formats.manifest import RuntimeConfig, parse_group_manifest
     from weenv.packaging.debootstrap import debian_rootfs
     from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
-    from weenv.store.file import FileStore
 
-    store = FileStore(root / "store")
     t = time.monotonic()
     base_root = debian_rootfs(Paths.from_env().cache, log=log)
     build_group(base_root, store, name="base")
@@ -114,11 +137,13 @@ def build_store(root: Path, templates: int, task_bytes: int, log) -> tuple[objec
         g = parse_group_manifest(store.get_manifest(store.get_ref("groups", f"task-c{i}")))
         chunks[f"c{i}"] = {c.digest[7:] for c in g.chunks}
     log(f"store: base + {templates} templates in {time.monotonic() - t:.1f} s")
-    return store, chunks
+    return chunks
 
 
-def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches: list[list[str]], log) -> dict:
-    """One mode on fresh homes: its creates, bytes, hits and balance."""
+def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]], batches: list[list[str]], log,
+             settle=None) -> dict:
+    """One mode on fresh homes: its creates, bytes, hits and balance.  ``settle()``:
+    called once the last batch is done, before the nodes go (``record``: until the profiles are published)."""
     import ray
 
     from weenv import cluster
@@ -128,7 +153,7 @@ def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches:
     from weenv.sdk import NodeClient
 
     homes = root / mode
-    config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=store.url, cache=str(Paths.from_env().cache),
+    config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=store_url, cache=str(Paths.from_env().cache),
                                    heartbeat_s=0.5, reconcile_s=0.5, cache_scan_s=0.5, peers=(mode == "weenv"))
     nodes = sorted(s.node_id for s in cluster.up(config, timeout=180))
     home_of = {n: config.home_of(n) for n in nodes}
@@ -153,6 +178,7 @@ def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches:
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
                 done = list(pool.map(one, names))
             for d in done:
+                d["batch"] = b
                 ws = chunks[d["template"]] & anywhere
                 d["first_touch"] = not ws
                 d["held_share"] = len(ws & held[d["node"]]) / len(ws) if ws else 0.0
@@ -166,6 +192,8 @@ def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches:
                 list(pool.map(lambda d: client.destroy(d["id"]), done))
             log(f"{mode}: batch {b + 1}/{len(batches)}: p50 {pct([d['s'] for d in done], 0.5):.2f} s, "
                 f"envs per node {counts}")
+    if settle is not None:
+        settle()
     stats = {}
     for n in nodes:
         with NodeClient(socket=Paths(home=home_of[n], cache=Path("/"), store_url="").socket) as c:
@@ -190,6 +218,9 @@ def run_mode(mode: str, root: Path, store, chunks: dict[str, set[str]], batches:
         "envs_per_node_max_over_mean": max(per_batch), "envs_per_node_max_over_mean_by_batch": per_batch,
         "creates_per_node": {n[:12]: sum(d["node"] == n for d in creates) for n in nodes},
         "node_stats": {n[:12]: s for n, s in stats.items()}, "peer_ms_per_mib": peer_ms,
+        "slowest": [{"s": round(d["s"], 3), "batch": d["batch"], "template": d["template"], "node": d["node"][:12],
+                     "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2)}
+                    for d in sorted(creates, key=lambda d: -d["s"])[:4]],
     }
 
 
@@ -233,13 +264,33 @@ def _store_ms_per_mib(store, chunks: set[str]) -> float:
     return statistics.median(times)
 
 
-def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None, log=print) -> dict:
+@dataclass(frozen=True)
+class StoreSetup:
+    """The bench's store: ``kind`` ``"s3"`` (SeaweedFS behind the link model) or
+    ``"file"``; the model's bounds (ms, MiB/s; 0: that bound off)."""
+
+    kind: str = "s3"
+    latency_ms: float = 20.0
+    conn_mib_s: float = 64.0
+    total_mib_s: float = 128.0
+
+    def model(self):
+        """The :class:`~weenv_bench.services.netshape.LinkModel`, or None (no bound at all, or a file store)."""
+        from weenv_bench.services.netshape import LinkModel
+
+        if self.kind != "s3" or not (self.latency_ms or self.conn_mib_s or self.total_mib_s):
+            return None
+        return LinkModel(self.latency_ms / 1000, self.conn_mib_s * MiB or None, self.total_mib_s * MiB or None)
+
+
+def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None,
+        store: StoreSetup = StoreSetup(), profiles: str = "recorded", log=print) -> dict:
     from weenv_bench import cluster_sim
 
     result: dict = {"machine": machine(), "quick": quick}
     real = None
     if not simulate_only:
-        real = run_real(quick=quick, log=log)
+        real = run_real(quick=quick, store=store, profiles=profiles, log=log)
         result["real"] = real
     costs = cluster_sim.Costs.from_real(real) if real else cluster_sim.Costs()
     sim = cluster_sim.run(quick=quick, costs=costs, log=log)
@@ -255,26 +306,104 @@ def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | N
         "sim_nodes": head.get("nodes"), "sim_creates": head.get("creates"),
         "sim_create_p99_s": head.get("weenv", {}).get("create_p99_s"),
         "sim_store_bytes_ratio": head.get("weenv", {}).get("store_bytes_ratio"),
+        "store": real["store"] if real else None, "profiles": real["profiles"] if real else None,
     }
     if json_path is not None:
         write_report(result, json_path, plot)
     return result
 
 
-def run_real(*, quick: bool, log) -> dict:
+def _drop_profiles(store) -> int:
+    """Remove every prefetch profile ref and pack from ``store`` (each mode
+    starts from the same store: its first starts record, neither replays the
+    other's recordings); how many refs went."""
+    refs = store.list_refs("prefetch")
+    for name in refs:
+        store.delete_ref("prefetch", name)
+    for digest in list(store.list_packs()):
+        store.delete_pack(digest)
+    return len(refs)
+
+
+@contextlib.contextmanager
+def _the_store(setup: StoreSetup, root: Path, log):
+    """``(store to build into, the URL the nodes use, its description)``: SeaweedFS
+    (and the link model's proxy in front of it) started and stopped here."""
+    if setup.kind == "file":
+        from weenv.store.file import FileStore
+
+        store = FileStore(root / "store")
+        yield store, store.url, {"kind": "file", "model": None}
+        return
+    if setup.kind != "s3":
+        raise ValueError(f"unknown store kind {setup.kind!r} (s3 or file)")
+    from weenv.store import open_store
+    from weenv_bench.services.netshape import Shaper
+    from weenv_bench.services.seaweedfs import CREDENTIALS, Seaweed
+
+    os.environ.update(CREDENTIALS)  # the raylets, their actors and daemons inherit them
+    (root / "seaweedfs").mkdir()
+    with Seaweed(root / "seaweedfs") as server:
+        direct = server.url("bench")
+        store = open_store(direct)
+        model = setup.model()
+        if model is None:
+            yield store, direct, {"kind": "s3 (SeaweedFS on loopback, no model)", "model": None}
+            return
+        with Shaper(server.endpoint, model, root / "netshape") as shaper:
+            log(f"store: SeaweedFS at {server.endpoint}, the nodes' link {model.describe()} at {shaper.endpoint}")
+            yield store, server.url("bench", endpoint=shaper.endpoint), {
+                "kind": "s3 (SeaweedFS on loopback) through a modelled link", "model": model.describe(),
+                "shaper": shaper}
+
+
+def _record_profiles(root: Path, store, node_url: str, chunks: dict[str, set[str]], log) -> dict:
+    """Before the modes (``profiles="recorded"``): each template started once
+    (weenv's placement, no peers, fresh homes thrown away after), so that both
+    modes find every template's prefetch profile and pack in the store, as an RL
+    run over a task set run before does.  Waits until all are published."""
+    names = sorted(chunks)
+    _drop_profiles(store)
+
+    def published() -> None:
+        deadline = time.monotonic() + 60
+        while len(store.list_refs("prefetch")) < len(names) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    out = run_mode("record", root, node_url, chunks, [names[i : i + 8] for i in range(0, len(names), 8)], log,
+                   settle=published)
+    out["profiles"] = len(store.list_refs("prefetch"))
+    out["packs"] = len(list(store.list_packs()))
+    log(f"recorded: {out['profiles']} profiles, {out['packs']} packs for {len(names)} templates")
+    return {k: out[k] for k in ("seconds", "creates", "profiles", "packs", "store_bytes")}
+
+
+def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", log) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
     from weenv import cluster
+    from weenv.store import open_store
 
     templates, task_bytes, batch = (8, 4 * MiB, 16) if quick else (32, 8 * MiB, 32)
     group, iterations = 4, 2
     batches = plan(templates, batch, group, iterations)
     os.environ["WEENV_POOL_SIZE"] = "0"  # inherited by the raylets, their actors and daemons
-    with tempfile.TemporaryDirectory(prefix="weenv-bench-cluster-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="weenv-bench-cluster-") as tmp, \
+            _the_store(store, Path(tmp), log) as (built, node_url, described):
         root = Path(tmp)
-        store, chunks = build_store(root, templates, task_bytes, log)
-        store_ms = _store_ms_per_mib(store, set().union(*chunks.values()))
+        shaper = described.pop("shaper", None)
+        chunks = build_store(built, root, templates, task_bytes, log)
+        some = set().union(*chunks.values())
+        store_ms = _store_ms_per_mib(built, some)
+        modelled_ms = None
+        if node_url != built.url:
+            far = open_store(node_url)
+            modelled_ms = _store_ms_per_mib(far, some)
+            far.close()
+        described.update(store_ms_per_mib=store_ms, store_ms_per_mib_modelled=modelled_ms)
+        log(f"store: a chunk {store_ms:.1f} ms/MiB" + (f", through the model {modelled_ms:.1f} ms/MiB"
+                                                       if modelled_ms else ""))
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         try:
             for _ in range(NODES - 1):
@@ -282,9 +411,16 @@ def run_real(*, quick: bool, log) -> dict:
             ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
             c.wait_for_nodes()
             modes = {}
+            recording = _record_profiles(root, built, node_url, chunks, log) if profiles == "recorded" else None
             for mode in ("random", "weenv"):
-                modes[mode] = run_mode(mode, root, store, chunks, batches, log)
+                dropped = _drop_profiles(built) if profiles == "fresh" else 0
+                carried0 = shaper.stats().get("answer_bytes", 0) if shaper else None
+                modes[mode] = run_mode(mode, root, node_url, chunks, batches, log)
                 m = modes[mode]
+                m["profiles_dropped_before"] = dropped
+                if shaper is not None:
+                    time.sleep(1.2)  # its counters are written every second
+                    m["link_bytes"] = shaper.stats().get("answer_bytes", 0) - carried0
                 log(f"{mode}: p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
                     f"{m['store_bytes'] / MiB:.0f} MiB ({m['store_bytes_ratio']:.2f}x unique), peers "
                     f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}")
@@ -296,9 +432,10 @@ def run_real(*, quick: bool, log) -> dict:
                     log(f"cluster down: {exc}")
                 ray.shutdown()
             c.shutdown()
+            built.close()
     return {"nodes": NODES, "templates": templates, "task_bytes": task_bytes, "batch": batch, "group": group,
             "iterations": iterations, "create_concurrency": CREATE_CONCURRENCY, "store_ms_per_mib": store_ms,
-            "modes": modes}
+            "store": described, "profiles": profiles, "recording_pass": recording, "modes": modes}
 
 
 def plot(result: dict, png: Path) -> None:

@@ -20,6 +20,7 @@ from weenv.cluster import _ray, placement_actor
 from weenv.cluster.view import Route
 from weenv.errors import DaemonError, LostError
 from weenv.formats.manifest import Resources
+from weenv.node.peers import PEERS_HINT
 from weenv.node.models import EnvironmentInfo, ExecResult, WriteInfo
 from weenv.sdk import NodeClient
 
@@ -83,8 +84,9 @@ class ClusterClient:
             node, near))
         env_id = None
         try:
+            hint = {PEERS_HINT: ",".join(placed.peers)} if placed.peers else None  # who else fetches it now
             info = self._client(placed.route).create(template, resources=resources, timeout=timeout,
-                                                     first_command=first_command)
+                                                     first_command=first_command, metadata=hint)
             env_id = info.id
         finally:
             _get(self._placement.done.remote(placed.token, placed.route.node_id, env_id))

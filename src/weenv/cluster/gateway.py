@@ -78,7 +78,8 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.formats.tax import TaxBatch, TaxReport
-from weenv.node.models import BatchCreateRequest, CreateRequest, NodeStats
+from weenv.node.models import MAX_METADATA_ENTRIES, BatchCreateRequest, CreateRequest, NodeStats
+from weenv.node.peers import PEERS_HINT
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.e2b import signed
@@ -94,6 +95,7 @@ NODE_HINT = "weenv.node"
 """Metadata key: the node to prefer (a hint); set by the gateway to the node chosen."""
 NEAR_HINT = "weenv.near"
 """Metadata key: an environment whose node to prefer."""
+# PEERS_HINT (weenv.node.peers): set by the gateway to the nodes that hold or fetch the template (Placed.peers)
 LOST_STATUS = 410
 MAX_LIST_PAGES = 100
 """Pages of 1,000 asked of one node for one E2B listing (100,000 sandboxes)."""
@@ -138,14 +140,19 @@ class Gateway:
     async def create(self, body: dict, *, template: str, cpus: float | None, memory_bytes: int | None,
                      path: str, e2b: bool, id_field: str) -> tuple[httpx.Response, str]:
         """Place one environment and create it on its node (``body`` sent to ``path``
-        there, its metadata's ``weenv.node`` set to the node); the node's answer and
+        there, its metadata's ``weenv.node`` set to the node and ``weenv.peers`` to
+        the nodes placed with the template lately or holding it, which the node
+        takes off and asks for its chunks first); the node's answer and
         the node id.  Placement's reservation is released whatever happens."""
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise InvalidInputError("metadata must be an object")
         placed = await self.place(template, cpus, memory_bytes, metadata)
         node_id = placed.route.node_id
-        body = {**body, "metadata": {**metadata, NODE_HINT: node_id}}
+        hints = {NODE_HINT: node_id}
+        if placed.peers and len(metadata) + 2 <= MAX_METADATA_ENTRIES:  # a hint never makes a create invalid
+            hints[PEERS_HINT] = ",".join(placed.peers)
+        body = {**body, "metadata": {**metadata, **hints}}
         made = None
         try:
             answer = await proxy.call(self.client, placed.route, "POST", path, e2b=e2b, json=body)

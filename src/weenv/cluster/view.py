@@ -28,7 +28,7 @@ from weenv.cluster import placement
 from weenv.cluster.node import NodeReport, TemplateFacts
 from weenv.errors import InvalidInputError, LostError, NotFoundError
 from weenv.formats.manifest import Resources
-from weenv.node.peers import PeerInfo
+from weenv.node.peers import MAX_HINTED, PeerInfo
 
 HEARTBEAT_TIMEOUT_S = 10.0
 """A node silent this long is gone."""
@@ -58,10 +58,15 @@ class Route:
 
 @dataclass(frozen=True)
 class Placed:
-    """A placement: the node to create on, and the token to report the create done with."""
+    """A placement: the node to create on, the token to report the create done
+    with, and ``peers``: the other alive nodes holding the template's own
+    groups or placed with it lately (within :data:`EXPECT_S`), which the node
+    asks for its chunks before the store (the gateway passes them with the
+    create: the peer table the node has may be a heartbeat older than them)."""
 
     route: Route
     token: int
+    peers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -218,8 +223,24 @@ class ClusterView:
             token = next(self._tokens)
             target = self._nodes[chosen]
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
+            peers = self._fetching_locked(template, chosen)
             target.expected[template] = time.monotonic() + EXPECT_S
-            return Placed(self._route_of(target), token)
+            return Placed(self._route_of(target), token, peers)
+
+    def _fetching_locked(self, template: str, other_than: str) -> tuple[str, ...]:
+        """The alive nodes but ``other_than`` that hold chunks of ``template``'s
+        own groups or were placed with it lately (holders, then the first placed
+        first; at most :data:`~weenv.node.peers.MAX_HINTED`)."""
+        now = time.monotonic()
+        groups = [g for g, _ws in self._groups_of(template, self._templates.get(template)) if g.startswith("sha256:")]
+        found = []
+        for n in self._nodes.values():
+            if n.node_id == other_than or n.state != "alive" or n.report is None:
+                continue
+            until = n.expected.get(template, 0.0)
+            if until > now or any(n.report.group_bytes.get(g, 0) > 0 for g in groups):
+                found.append((until if until > now else 0.0, n.node_id))
+        return tuple(node_id for _, node_id in sorted(found))[:MAX_HINTED]
 
     def _note_demand(self, now_at_once: int) -> int:
         """Record ``now_at_once`` environments (run and being made); the most at once over ``DEMAND_WINDOW_S``."""

@@ -89,7 +89,7 @@ from weenv.node.models import (
     TemplateInfo,
 )
 from weenv.node.pause import Pauses, check_running, release_after_from_env
-from weenv.node.peers import PeerChunks
+from weenv.node.peers import PEERS_HINT, PeerChunks
 from weenv.node.pool import pool_size_from_env
 from weenv.node.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.process import DEFAULT_RETAIN, Process
@@ -140,6 +140,8 @@ class _Create:
     sudo: bool = True
     """Whether a template with ``runtime.sudo`` gets it (build environments: no,
     their upper dir becomes a group and must hold unshifted owners)."""
+    peer_hint: tuple[str, ...] = ()
+    """The peers the cluster's placement says hold or fetch the template (:data:`PEERS_HINT`)."""
 
 
 class Node:
@@ -185,7 +187,7 @@ class Node:
         self.peers = PeerChunks(self.store, groups=lambda: self.lazyfs.manifests())
         """Chunks from peer nodes before the store, once the node is in a cluster (:mod:`weenv.node.peers`)."""
         self.cache = ChunkCache(paths.chunk_cache, self.peers, max_bytes=cache_bytes)
-        self.peers.held = lambda digest, wait_s: self.cache.held(digest, wait_s=wait_s)
+        self.peers.held = self._held_for_peer
         self.lazyfs = LazyFS(paths.lazy_mountpoint, self.cache, run_dir=paths.run)  # + the FUSE holder
         self.groups = GroupMounts(paths.group_mounts, self.lazyfs, images=paths.node / "images")
         self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
@@ -290,6 +292,19 @@ class Node:
         self.admission.started = True
         return self
 
+    def _held_for_peer(self, digest: str, wait_s: float) -> bytes | None:
+        """What this node serves a peer asking for chunk ``digest``: the cache's
+        chunk, waiting up to ``wait_s`` seconds for a fetch of it in progress
+        here, whether one by one (:meth:`ChunkCache.held`) or in a prefetch pack
+        streaming now (:meth:`Prefetcher.wait_packed`: a peer placed with the
+        same template takes its chunks from this node while this node's pack
+        arrives, rather than from the store).  None: not held."""
+        deadline = time.monotonic() + wait_s
+        data = self.cache.held(digest, wait_s=wait_s)
+        if data is None and self.prefetch.wait_packed(digest, max(0.0, deadline - time.monotonic())):
+            data = self.cache.held(digest, wait_s=max(0.0, deadline - time.monotonic()))
+        return data
+
     def close(self) -> None:
         """Destroy every environment, unmount every group, stop the FUSE daemon,
         release the home.  Idempotent."""
@@ -371,8 +386,13 @@ class Node:
         when a step fails; every step already done is undone first.
         """
         self.admission.check_started()
-        return self._admitted_create(_Create(_request(request, fields), tuple(capabilities), prefetch, undelivered,
-                                             sudo=sudo))
+        req = _request(request, fields)
+        hint = req.metadata.get(PEERS_HINT)
+        if hint is not None:  # the gateway's word to this node, not a label of the environment
+            req = req.model_copy(update={"metadata": {k: v for k, v in req.metadata.items() if k != PEERS_HINT}})
+        peer_hint = tuple(p for p in (hint or "").split(",") if p)
+        return self._admitted_create(_Create(req, tuple(capabilities), prefetch, undelivered, sudo=sudo,
+                                             peer_hint=peer_hint))
 
     def _admitted_create(self, c: _Create) -> EnvironmentInfo:
         with self.admission.admit():
@@ -406,6 +426,8 @@ class Node:
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         with contextlib.ExitStack() as undo:
             env_id = self.warm.own(pooled, undo) if pooled is not None else secrets.token_hex(6)
+            if c.peer_hint:
+                self.peers.hint(env_id, c.peer_hint)
             # chunks flow while the manifests load (not on a node that refuses new environments)
             if c.prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest):
                 undo.callback(self.prefetch.cancel, env_id)

@@ -17,11 +17,31 @@ chunk).  When no peer gave it, the store does
 (:meth:`weenv.store.base.Store.get_chunk`, checked there).  A chunk no peer is
 known to hold goes to the store at once.
 
+**Hints.**  The table is a heartbeat old, so two creates of one template
+placed on two nodes at once would both go to the store.  The cluster's
+placement knows better: it names, in a create's metadata
+(:data:`PEERS_HINT`, taken off by the node), the other nodes placed with the
+template lately or holding it (:class:`weenv.cluster.view.Placed`), and the
+node counts them as holders of the create's groups (:meth:`PeerChunks.hint`,
+:meth:`PeerChunks.adopt`) for :data:`HINT_S` seconds.  Only peers in the table
+are asked (a hint adds no address).
+
+**Packs.**  A prefetch pack (:mod:`weenv.node.prefetch`) is one store blob:
+it is streamed from the store (:meth:`PeerChunks.stream_pack`, counted in
+``pack_bytes``) unless peers hold at least half of the bytes of its chunks the
+node lacks, or the node holds half of its bytes already (a shared base); then
+its missing chunks are fetched one by one, peers first, as above.  A
+node asked for a chunk its own pack is bringing waits for it (up to
+``timeout_s``: :meth:`weenv.node.node.Node._held_for_peer`), so a template
+started on many nodes at once is streamed from the store about once.
+
 **Serving** (:meth:`PeerChunks.serve`, behind ``GET /peer/v1/chunks/{digest}``
 of :mod:`weenv.server.peers`): only with the cluster's peer token (not the
 node's API key: a peer may read content-addressed chunks and nothing else),
-only chunks this node's cache holds (or is fetching for itself: waited for up
-to ``timeout_s``; a peer's request never makes this node fetch anything), at
+only chunks this node's cache holds (or is fetching for itself from the
+store or in a pack: waited for up to ``SERVE_WAIT_SHARE`` of ``timeout_s``; one
+it is asking peers for is not waited for, as two nodes asking each other would
+each wait out the other's timeout; a peer's request never makes this node fetch anything), at
 most ``serve_concurrency`` at once (more are refused, :class:`BusyError`, and
 the asker moves on: at most ``serve_concurrency`` chunks' bytes are in flight),
 and at most ``serve_bytes_per_s`` bytes a second (a token bucket: an answer
@@ -59,6 +79,18 @@ CHUNK_PATH = "/peer/v1/chunks/"
 """``CHUNK_PATH + digest``: a node's chunk route for its peers."""
 PASS_OVER_S = 10.0
 """Seconds a peer that was slow, gone or wrong is not asked again (its chunks come from others, or the store)."""
+SERVE_WAIT_SHARE = 0.75
+"""Of ``timeout_s``, how long a peer's request waits for a fetch of its chunk in
+progress here (then 404: the asker moves on before its own timeout, which
+would pass this node over)."""
+PEERS_HINT = "weenv.peers"
+"""Create metadata key (set by the cluster's gateway, taken off by the node):
+the ids, comma-separated, of the peers that hold or fetch the create's
+template now (:meth:`PeerChunks.hint`)."""
+HINT_S = 60.0
+"""Seconds a create's peer hint counts (:meth:`PeerChunks.hint`)."""
+MAX_HINTED = 32
+"""Peers one hint names at most (more are ignored)."""
 
 
 class PeerSettings(BaseModel):
@@ -149,6 +181,9 @@ class PeerChunks:
         self._chunk_groups: dict[str, list[str]] = {}
         self._indexed: set[str] = set()
         self._passed_over: dict[str, float] = {}  # node id -> until (monotonic s)
+        self._hints: dict[str, tuple[tuple[str, ...], float]] = {}  # env id -> (peer ids, until)
+        self._asking: dict[str, int] = {}  # chunk digest -> this node's fetches asking peers for it now
+        self._adopted: dict[str, dict[str, float]] = {}  # group -> {peer id: until}: from hints
         self._stats = PeerStats()
         self._http: httpx.Client | None = None
         self._serving = 0
@@ -169,12 +204,53 @@ class PeerChunks:
                     for g in p.groups:
                         by_group.setdefault(g, []).append(p)
                 self._by_group = by_group
+                self._merge_adopted_locked()
                 self._stats.peers = len(self._peers)
             if self._http is None and self._settings is not None:
                 self._http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
 
     def settings(self) -> PeerSettings | None:
         return self._settings
+
+    def hint(self, env_id: str, node_ids: Iterable[str]) -> None:
+        """The create of ``env_id`` was placed here while ``node_ids`` hold or
+        fetch its template (the cluster's placement knew it, this node's table
+        may not yet: it is a heartbeat old).  :meth:`adopt` makes them holders
+        of the create's groups.  At most :data:`MAX_HINTED` ids, for
+        :data:`HINT_S` seconds; ids not in the table are ignored then (a hint
+        adds no address: a wrong one costs one 404 and the store)."""
+        now = time.monotonic()
+        with self._lock:
+            self._hints = {e: h for e, h in self._hints.items() if h[1] > now}
+            self._hints[env_id] = (tuple(dict.fromkeys(node_ids))[:MAX_HINTED], now + HINT_S)
+
+    def adopt(self, env_id: str, groups: Iterable[str]) -> None:
+        """The groups of ``env_id``'s create are known: the peers its hint names
+        hold them, for what is left of the hint's time, through table updates."""
+        now = time.monotonic()
+        with self._lock:
+            h = self._hints.get(env_id)
+            if h is None or h[1] <= now:
+                return
+            for g in groups:
+                held = self._adopted.setdefault(g, {})
+                for node_id in h[0]:
+                    held[node_id] = max(held.get(node_id, 0.0), h[1])
+            self._merge_adopted_locked()
+
+    def _merge_adopted_locked(self) -> None:
+        now = time.monotonic()
+        self._adopted = {g: live for g, ids in self._adopted.items()
+                         if (live := {n: u for n, u in ids.items() if u > now})}
+        if not self._adopted:
+            return
+        by_id = {p.node_id: p for p in self._peers}
+        for g, ids in self._adopted.items():
+            known = self._by_group.setdefault(g, [])
+            have = {p.node_id for p in known}
+            known.extend(by_id[n] for n in ids if n in by_id and n not in have)
+            if not known:
+                del self._by_group[g]
 
     def stats(self) -> PeerStats:
         with self._lock:
@@ -240,11 +316,20 @@ class PeerChunks:
         from the store (what :meth:`Store.get_chunk` raises, then)."""
         check_digest(digest)
         settings = self._settings
-        for peer in self._candidates(digest)[: settings.tries if settings else 0]:
-            data = self._from_peer(peer, digest, size, settings)
-            if data is not None:
-                self._count(peer_chunks=1, peer_bytes=len(data))
-                return data
+        candidates = self._candidates(digest)[: settings.tries if settings else 0]
+        if candidates:
+            with self._lock:
+                self._asking[digest] = self._asking.get(digest, 0) + 1
+            try:
+                for peer in candidates:
+                    data = self._from_peer(peer, digest, size, settings)
+                    if data is not None:
+                        self._count(peer_chunks=1, peer_bytes=len(data))
+                        return data
+            finally:
+                with self._lock:
+                    if (left := self._asking.pop(digest) - 1) > 0:
+                        self._asking[digest] = left
         data = self.store.get_chunk(digest, stored_digest=stored_digest, size=size)
         self._count(store_chunks=1, store_bytes=len(data))
         return data
@@ -293,7 +378,8 @@ class PeerChunks:
 
     def stream_pack(self, digest: str, size: int | None = None):
         """The store's :meth:`~weenv.store.base.Store.stream_pack`, its bytes
-        counted in ``store_bytes`` and ``pack_bytes`` (packs come from the store only)."""
+        counted in ``store_bytes`` and ``pack_bytes`` (a pack is one store blob;
+        its chunks come from peers instead when they hold them: the module docstring)."""
         for piece in self.store.stream_pack(digest, size):
             self._count(store_bytes=len(piece), pack_bytes=len(piece))
             yield piece
@@ -321,8 +407,12 @@ class PeerChunks:
                 self._stats.served_refused += 1
                 raise BusyError(f"serving {self._serving} chunks to peers already (at most {settings.serve_concurrency})")
             self._serving += 1
+        with self._lock:
+            asking = digest in self._asking
         try:
-            data = self.held(digest, settings.timeout_s)
+            # a fetch here asking peers for it is not waited for (it may be asking the asker: each would wait
+            # out the other's timeout); others are, for less than the asker waits (it hears 404, not a timeout)
+            data = self.held(digest, 0.0 if asking else settings.timeout_s * SERVE_WAIT_SHARE)
             if data is None:
                 self._count(served_missing=1)
                 return None

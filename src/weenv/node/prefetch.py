@@ -79,6 +79,8 @@ PACK_BYTES = 64 << 20
 what a start reads is usually far less; building holds the pack in memory."""
 PACK_BUFFER_BYTES = 16 << 20
 """Bytes of frames a pack's reader gets ahead of the workers before it waits."""
+PACK_POLL_S = 0.02
+"""Seconds between looks at the cache while a peer waits for a chunk of a pack streaming here."""
 READER_JOIN_S = 1.0
 """How long :meth:`Prefetcher.close` waits for a pack reader blocked in a store
 read (it ends by itself once the read returns or times out: the store's read
@@ -185,10 +187,14 @@ class Prefetcher:
     :class:`~weenv.node.peers.PeerChunks` (the cache's chunk source) or None:
     a job learns it which groups its chunks are in before they are mounted
     (:meth:`~weenv.node.peers.PeerChunks.learn`: an early job's chunks then
-    come from peers too), fetches a pack's chunks one by one instead of
-    streaming the pack when peers hold them
-    (:meth:`~weenv.node.peers.PeerChunks.peers_hold`), and streams and puts
-    packs through it (it counts their bytes); profiles are always loaded from
+    come from peers too) and which peers the create's hint names
+    (:meth:`~weenv.node.peers.PeerChunks.adopt`), fetches a pack's chunks one
+    by one instead of streaming the pack when peers hold at least half of the
+    bytes of them the cache lacks, or (in a cluster) the cache holds half of
+    its bytes already
+    (:meth:`~weenv.node.peers.PeerChunks.peers_hold`), tells a peer asking for
+    a chunk of a pack streaming here to wait for it (:meth:`wait_packed`), and
+    streams and puts packs through it (it counts their bytes); profiles are always loaded from
     and published to ``store``."""
 
     def __init__(
@@ -323,6 +329,8 @@ class Prefetcher:
         replay and no recording for this create)."""
         if self._closed:
             return
+        if self.peers is not None:
+            self.peers.adopt(env_id, [d for d, _m in groups])  # on-demand reads ask them too
         with self._lock:
             lookup = self._lookups.pop(env_id, None)
             known = template_digest in self._profiles
@@ -540,11 +548,13 @@ class Prefetcher:
         :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job
         ends.  ``early``: register it as ``env_id``'s early job, in the same
         lock hold as the check that ``lookup`` (if given) is still pending."""
+        if self.peers is not None:
+            self.peers.adopt(env_id, {g for g, _c in chunks})  # the peers placement said fetch them too
         if self.cache.has_all(c.digest for _d, c in chunks):
             return None
         if self.peers is not None:
             self.peers.learn((c.digest, g) for g, c in chunks)  # an early job's groups are not mounted yet
-            if pack is not None and self.peers.peers_hold({g for g, _c in chunks[: len(pack.frames)]}):
+            if pack is not None and self._peers_have_pack(chunks[: len(pack.frames)]):
                 pack = None  # its chunks one by one, from peers
         job = PrefetchJob(env_id, chunks, budget=self.cache.max_bytes // 2)
         job.groups = dict(groups) if groups is not None else None
@@ -575,6 +585,42 @@ class Prefetcher:
                     job.stream.jobs.append(job)
             self._lock.notify_all()
         return job
+
+    def _peers_have_pack(self, head: list[tuple[str, ChunkRef]]) -> bool:
+        """Whether a pack whose chunks are ``head`` is better not streamed, its
+        missing chunks fetched one by one instead (peers first): in a cluster
+        (peer settings given), when the cache holds at least half of its bytes
+        already (a shared base the node holds: streaming the pack would take
+        those from the store again), or when peers hold at least half of the
+        bytes the cache lacks (a group every node holds does not make the rest
+        come one by one from the store)."""
+        missing = [(g, c) for g, c in head if not self.cache.has(c.digest)]
+        lacking = sum(c.size for _g, c in missing)
+        if lacking == 0:
+            return False
+        if self.peers.settings() is not None and 2 * lacking <= sum(c.size for _g, c in head):
+            return True
+        held = {g: self.peers.peers_hold({g}) for g in {g for g, _c in missing}}
+        return 2 * sum(c.size for g, c in missing if held[g]) >= lacking
+
+    def wait_packed(self, digest: str, wait_s: float) -> bool:
+        """Whether chunk ``digest`` is in the cache within ``wait_s`` seconds,
+        waiting only while a job replaying a pack that holds it runs here (its
+        frame is on its way from the store, or being checked); False at once
+        when none does.  For a peer asking for it (:meth:`Node._held_for_peer`):
+        a pack never asks peers, so two nodes cannot wait for each other."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                coming = any(j.stream is not None and not j.done.is_set() and not j.cancelled
+                             and j.stream.position(digest) is not None for j in self._jobs.values())
+            if self.cache.has(digest):
+                return True
+            left = deadline - time.monotonic()
+            if not coming or left <= 0:
+                return False
+            with self._lock:
+                self._lock.wait(min(PACK_POLL_S, left))
 
     def _read_pack(self, stream: PackStream) -> None:
         """Read ``stream``'s pack, cutting it into frames for the workers, until

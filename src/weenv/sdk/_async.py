@@ -549,9 +549,10 @@ class AsyncNodeClient:
         return await self._conn.drive(_core.health())
 
     async def create(self, template: str, *, resources: Any = None, first_command: bool = True,
-               timeout: float | None = None, priority: int = 0) -> EnvironmentInfo:
+               timeout: float | None = None, priority: int = 0,
+               metadata: dict[str, str] | None = None) -> EnvironmentInfo:
         return await self._conn.drive(_core.create(template, resources=resources, first_command=first_command,
-                                                   timeout=timeout, priority=priority))
+                                                   timeout=timeout, priority=priority, metadata=metadata))
 
     async def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None,
                     on_event: Callable[[BatchCreateEvent], Any] | None = None) -> list[BatchCreateEvent]:
