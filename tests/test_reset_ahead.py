@@ -145,3 +145,35 @@ def test_a_shared_environments_mount_is_found_at_start_and_resets_run_their_cont
     finally:
         subprocess.run(["umount", "-l", str(home)], check=False)
     assert not mounts.is_shared(paths.environments)
+
+
+def test_a_refused_move_turns_reset_ahead_off_for_that_environment_only(node, monkeypatch):  # noqa: F811
+    """One environment whose rootfs cannot move (mount(2) refuses it: here the
+    refusal is injected for it alone) resets by running its container again,
+    and gets none made ahead afterwards; another environment's resets still
+    start theirs (review finding: one refusal turned it off node-wide)."""
+    from weenv.errors import MountError
+
+    a, b = node.create("task"), node.create("task")
+    for e in (a, b):
+        node.snapshot(e.id, f"move-{e.id}")
+    node.resets.close()
+    move_aside = node.snapshotter.move_aside
+
+    def refusing(env_dir: Path):
+        if env_dir.name == a.id:
+            raise MountError(22, f"move mount {env_dir}/rootfs: Invalid argument")
+        return move_aside(env_dir)
+
+    monkeypatch.setattr(node.snapshotter, "move_aside", refusing)
+    t = node.resets.reset(node.table.get(a.id), node.captures.named(f"move-{a.id}").path)
+    assert not t.ahead and node.get(a.id).state == "running"
+    assert sh(node, a.id, "echo a") == b"a\n"
+    t = node.resets.reset(node.table.get(b.id), node.captures.named(f"move-{b.id}").path)
+    assert t.ahead and node.get(b.id).state == "running"
+    node.resets.close()
+    assert _containers_of(node, a.id) == {f"weenv-{a.id}": "running"}  # none made ahead for it again
+    assert _containers_of(node, b.id) == {f"weenv-{b.id}.1": "running", f"weenv-{b.id}.2": "created"}
+    for e in (a, b):
+        node.destroy(e.id)
+        node.delete_snapshot(f"move-{e.id}")
