@@ -214,6 +214,25 @@ def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:
     return found
 
 
+def is_shared(target: str | os.PathLike[str]) -> bool:
+    """Whether the mount at ``target`` (the top one; else the one holding it)
+    has shared propagation (``shared:N`` in /proc/self/mountinfo's optional
+    fields): mount(2) ``MS_MOVE`` refuses to move a mount off or onto such a parent."""
+    want = os.path.realpath(target)
+    best, shared = "", False
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, _right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) < 6:
+                continue
+            point = _unescape(fields[4])
+            holds = want == point or want.startswith(point.rstrip("/") + "/")
+            if holds and len(point) >= len(best):  # the deepest (and, at one point, the last: top) mount
+                best, shared = point, any(o.startswith("shared:") for o in fields[6:])
+    return shared
+
+
 def is_mounted(target: str | os.PathLike[str]) -> bool:
     target = os.fspath(Path(target).absolute())
     return any(point == target for _t, point in mounts_under(target))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node import idmap
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
 from weenv.host.rootfs import RootFS
+from weenv.node.disk import leftovers
 from weenv.node.runc import Runc
 from weenv.node.users import lookup as lookup_user
 from weenv.node.table import AGENT_SOCKET, CONTAINER_FILE, bundle_container_id, container_id, current_container_id
@@ -38,7 +40,9 @@ AHEAD = ".next"
 directory beside its running container's: ``bundle.next/``, ``rootfs.next``
 (its overlay, over the spare upper dir) and ``agent2.sock.next`` (its agent's socket)."""
 RETIRING = ".old"
-"""The suffix of the bundle of a container a reset replaced, until it is deleted."""
+"""The suffix of the bundle of a container a reset replaced, until it is deleted:
+``bundle.old.<container id>`` (a name of its own each: one whose deletion failed
+does not stand in the next reset's way), or ``bundle.old`` (left by an older weenv)."""
 
 
 RESOLV_FILE = "resolv.conf"
@@ -198,24 +202,46 @@ class Containers:
     def promote_ahead(self, env_id: str, env_dir: Path) -> str:
         """Make the container made ahead environment ``env_id``'s own (its old
         one killed, its rootfs unmounted, and the one made ahead's moved to
-        ``env_dir/rootfs``): ``bundle/`` becomes ``bundle.old/`` (its container
-        for :meth:`delete_retiring`), ``bundle.next/`` ``bundle/``, the agent's
-        socket ``agent2.sock``.  Returns the new container's id (not started yet)."""
-        self.delete_retiring(env_id, env_dir)
+        ``env_dir/rootfs``): ``bundle/`` becomes ``bundle.old.<its container id>/``
+        (for :meth:`delete_retiring`), ``bundle.next/`` ``bundle/``, the agent's
+        socket ``agent2.sock``: renames only (a replaced container not deleted
+        yet stays apart under its own name).  Returns the new container's id
+        (not started yet).  Raises :class:`OSError` (then nothing was renamed,
+        or ``bundle/`` was put back)."""
         cid = bundle_container_id(env_id, env_dir / ("bundle" + AHEAD))
-        os.replace(env_dir / "bundle", env_dir / ("bundle" + RETIRING))
-        os.replace(env_dir / ("bundle" + AHEAD), env_dir / "bundle")
+        old = env_dir / f"bundle{RETIRING}.{current_container_id(env_id, env_dir)}"
+        if old.exists():  # the same id replaced twice (a reset ran it again in between): keep both apart
+            old = old.with_name(f"{old.name}.{secrets.token_hex(4)}")
+        os.rename(env_dir / "bundle", old)
+        try:
+            os.rename(env_dir / ("bundle" + AHEAD), env_dir / "bundle")
+        except BaseException:
+            os.rename(old, env_dir / "bundle")
+            raise
         socket = env_dir / (AGENT_SOCKET + AHEAD)
         if socket.exists():
             os.replace(socket, env_dir / AGENT_SOCKET)
         return cid
 
+    @staticmethod
+    def retiring(env_dir: Path) -> list[Path]:
+        """The bundles of containers :meth:`promote_ahead` replaced in ``env_dir``, not deleted yet."""
+        return leftovers(env_dir, "bundle" + RETIRING)
+
     def delete_retiring(self, env_id: str, env_dir: Path) -> None:
-        """Remove the container :meth:`promote_ahead` replaced, and its bundle; idempotent."""
-        old = env_dir / ("bundle" + RETIRING)
-        if old.is_dir():
-            self.runc.delete(bundle_container_id(env_id, old), force=True, bundle=old)
+        """Remove every container :meth:`promote_ahead` replaced, and its bundle;
+        idempotent.  Each is tried; one that cannot be deleted stays (its bundle
+        with it) for the next call, and the first error is raised after the rest."""
+        first: Exception | None = None
+        for old in self.retiring(env_dir):
+            try:
+                self.runc.delete(bundle_container_id(env_id, old), force=True, bundle=old)
+            except Exception as exc:
+                first = first or exc
+                continue
             remove_tree(old)
+        if first is not None:
+            raise first
 
     def discard_ahead(self, env_id: str, env_dir: Path) -> None:
         """Remove the container made ahead (and its bundle and socket), if any;

@@ -41,6 +41,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 import struct
 import subprocess
@@ -63,8 +64,22 @@ SUBVOLUME = "disk"
 SPARE = "disk.next"
 """A subvolume made ahead for the environment's next reset (:meth:`NodeDisk.swap_in`), in its directory."""
 RETIRED = "disk.old"
-"""The subvolume a reset swapped out, until it is deleted, in its directory."""
+"""The subvolumes a reset swapped out, until they are deleted, in its directory:
+``disk.old.<token>`` (a name of their own each: one whose deletion failed does
+not stand in the next reset's way), or ``disk.old`` (left by an older weenv)."""
 MOUNT_OPTIONS = "discard=async"
+
+
+def leftovers(directory: Path, name: str) -> list[Path]:
+    """The entries of ``directory`` named ``name`` or ``name.<suffix>``, sorted
+    (what resets replaced and left for the background to delete, each under a
+    name of its own: :data:`RETIRED` here, rootfs and bundles beside it); ``[]``
+    when ``directory`` is gone."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [directory / n for n in sorted(names) if n == name or n.startswith(name + ".")]
 
 # --- ioctls ----------------------------------------------------------------------------
 
@@ -307,12 +322,11 @@ class NodeDisk:
     def swap_in(self, env_dir: Path, name: str = SPARE) -> None:
         """Make the subvolume ``env_dir/name`` (made by :meth:`make` or
         :meth:`clone` with that name, its quota set) the environment's own,
-        the old one renamed :data:`RETIRED` (for :meth:`remove` to delete):
-        two renames, no transaction of the file system waited for.  The
-        overlay must be unmounted.  Raises :class:`MountError`."""
+        the old one renamed ``disk.old.<token>`` (:data:`RETIRED`, for
+        :meth:`remove_retired` to delete): two renames, no transaction of the
+        file system waited for.  The overlay must be unmounted.  Raises :class:`MountError`."""
         try:
-            self.remove(env_dir, RETIRED)
-            os.rename(env_dir / SUBVOLUME, env_dir / RETIRED)
+            os.rename(env_dir / SUBVOLUME, env_dir / f"{RETIRED}.{secrets.token_hex(4)}")
             os.rename(env_dir / name, env_dir / SUBVOLUME)
         except OSError as exc:
             raise MountError(exc.errno, f"swapping in {env_dir / name}: {exc.strerror}") from exc
@@ -426,6 +440,17 @@ class NodeDisk:
         except MountError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: a plain directory, not a subvolume
                 log.warning("cannot delete subvolume %s: %s", env_dir / name, exc)
+
+    @staticmethod
+    def retired(env_dir: Path) -> list[str]:
+        """Names of the subvolumes :meth:`swap_in` swapped out of ``env_dir``, not deleted yet."""
+        return [p.name for p in leftovers(env_dir, RETIRED)]
+
+    def remove_retired(self, env_dir: Path) -> None:
+        """Delete every subvolume :meth:`swap_in` swapped out of ``env_dir`` (one
+        that cannot be deleted now is logged and tried again next time)."""
+        for name in self.retired(env_dir):
+            self.remove(env_dir, name)
 
     def usage(self, env_dir: Path) -> tuple[int, int]:
         """``(used, limit)`` bytes of the environment's quota: what it references

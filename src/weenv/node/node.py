@@ -272,6 +272,7 @@ class Node:
             self.home.release()
             raise
         self.provisioner.disk_capacity = self.disk.size
+        self.resets.check_moves(self.paths.environments)
         self.captures.open()  # an earlier node process's captures are gone with it
         self.pool.open()
         try:
@@ -767,6 +768,7 @@ class Node:
         """Kill the environment's processes and remove its container, cgroup,
         overlay and directory.  Raises :class:`NotFoundError` if unknown."""
         e = self.table.pop(env_id)
+        self.resets.forget(e)  # before its lock: a preparation waiting for it makes nothing
         with e.lock:
             procs = list(e.processes.values())
             for p in procs:

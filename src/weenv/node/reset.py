@@ -19,21 +19,26 @@ A reset whose spare is of the source it asks for then costs:
 
 1. kill its processes (SIGKILL to its first process: the kernel ends every
    other process of its pid namespace with it; commands' output readers end);
-2. move (``MS_MOVE``) its rootfs aside to ``rootfs.old`` and the one made ahead to ``rootfs``,
-   rename the spare into place as its upper dir, ``bundle.next/`` to
-   ``bundle/`` and the agent's socket to ``agent2.sock``: the environment's
+2. move (``MS_MOVE``) its rootfs aside to ``rootfs.old.<token>`` and the one made ahead to ``rootfs``,
+   rename the spare into place as its upper dir (the old one to
+   ``disk.old.<token>``), ``bundle/`` to ``bundle.old.<old container id>/``,
+   ``bundle.next/`` to ``bundle/`` and the agent's socket to ``agent2.sock``
+   (renames only; each replaced thing under a name of its own, so one that
+   could not be deleted does not stand in a later reset's way): the environment's
    container id is now the one made ahead (:func:`~weenv.node.table.current_container_id`,
    read from ``bundle/container``; its cgroup ``/`` that id);
 3. start it (:meth:`Runc.start`: runc's exec FIFO read in process, ~1 ms,
    against ``runc run``'s ~26 ms here).
 
-The killed container (``bundle.old/``), the old rootfs and upper dir are deleted in
-the background, before the next spare and container are made, under the
+The killed container (``bundle.old.*/``), the old rootfs and upper dir are deleted in
+the background (what cannot be deleted now is tried again at the next reset),
+before the next spare and container are made, under the
 environment's lock (a reset meanwhile waits for it; a destroy, a stop and
 recovery remove all three containers: its own, the replaced one, the one made
-ahead).  Without a spare of that source, or when the move is refused (a
-shared parent mount: then no reset of this node makes one ahead again), it
-goes as before: the container made ahead is removed, the killed one deleted
+ahead).  Without a spare of that source, or when the move is refused (then
+that environment's resets make none ahead again; a node whose environments'
+mount is shared, which refuses every move, finds so at its start,
+:meth:`Resets.check_moves`, and makes none), it goes as before: the container made ahead is removed, the killed one deleted
 while its upper dir is swapped (made now without a spare) under a new
 overlay, and the container run again from its bundle (``runc run``), keeping
 its id.  ``WEENV_RESET_AHEAD=0`` turns containers made ahead off.
@@ -50,7 +55,9 @@ No group is mounted, no manifest read, no bundle or network made: it costs a
 container start and a few renames, against a create's admission, resolve,
 mounts, bundle and network, and what the episode's setup would cost again.
 A reset that fails midway leaves the environment ``stopped`` (its resources
-still held; :meth:`Node.destroy` removes it as usual).
+still held, its container id the one its bundle names; :meth:`Node.destroy`
+removes it as usual).  A destroy that begins (:meth:`Resets.forget`) stops
+every preparation for that environment, even if it fails midway.
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ from weenv.node.container import Containers
 from weenv.node.pause import Pauses
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.table import Environment, container_id, save_info
+from weenv.host import mounts
+from weenv.node.table import Environment, container_id, current_container_id, save_info
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,11 @@ class _Spares:
         with self.lock:
             self.sources[env_id] = upper_from
 
+    def forget(self, env_id: str) -> None:
+        """``env_id`` has no spare (it is being replaced, or the environment went)."""
+        with self.lock:
+            self.sources.pop(env_id, None)
+
 
 def _log_failure(done, env_id: str) -> None:
     """Log what a background preparation of ``env_id``'s next reset raised (its future would keep it unseen)."""
@@ -134,7 +147,31 @@ class Resets:
         self._spares = _Spares()
         self.ahead = ahead_from_env()
         """Whether resets start a container made ahead (``WEENV_RESET_AHEAD``, default on)."""
+        self.moves = True
+        """Whether a rootfs can move (mount(2) ``MS_MOVE``) in the environments' file
+        system: False when its mount is shared (:meth:`check_moves`, at the node's start)."""
+        self._no_move: set[str] = set()
+        """Environments whose rootfs refused to move: their resets run their container again."""
         self._background = ThreadPoolExecutor(1, thread_name_prefix="reset-spares")
+
+    def check_moves(self, environments: Path) -> bool:
+        """Check once (the node starts) that rootfs mounts can move in
+        ``environments`` (its mount is not shared, see :func:`mounts.is_shared`);
+        if they cannot, no container is made ahead on this node.  Whether they can."""
+        self.moves = not mounts.is_shared(environments)
+        if not self.moves:
+            log.warning("%s is a shared mount (mount(2) MS_MOVE refuses it): resets on this node run "
+                        "their container again instead of starting one made ahead", environments)  # fmt: skip
+        return self.moves
+
+    def forget(self, e: Environment) -> None:
+        """``e`` is being destroyed: no background work makes anything for it from now on."""
+        e.destroyed = True
+        self._spares.forget(e.info.id)
+        self._no_move.discard(e.info.id)
+
+    def _makes_ahead(self, e: Environment) -> bool:
+        return self.ahead and self.moves and e.info.id not in self._no_move
 
     def close(self) -> None:
         """Wait for the background work (old upper dirs deleted, spares made) of the node closing."""
@@ -150,11 +187,12 @@ class Resets:
 
     def _prepare(self, e: Environment, upper_from: Path | None) -> None:
         with e.lock:
-            if not e.dir.exists():
+            if e.destroyed or not e.dir.exists():
                 return
             self._retire(e)
             if e.info.state not in ("running", "paused"):
                 return
+            self._spares.forget(e.info.id)  # the spare there now is replaced (or gone if that fails)
             self._discard_ahead(e)  # it runs over the spare replaced now
             try:
                 if upper_from is not None and not upper_from.exists():  # its snapshot was deleted meanwhile
@@ -164,7 +202,7 @@ class Resets:
                 log.warning("no spare upper dir for environment %s: %s", e.info.id, exc)
                 return
             self._spares.put(e.info.id, upper_from)
-            if self.ahead:
+            if self._makes_ahead(e):
                 try:
                     self._make_ahead(e)
                 except Exception as exc:  # the next reset runs its container itself
@@ -201,46 +239,55 @@ class Resets:
         timing = ResetTiming()
         t = time.perf_counter()
         with e.lock:
-            if not e.dir.exists():
+            if e.destroyed or not e.dir.exists():
                 raise NotFoundError(f"no environment {e.info.id!r}")
-            self.pauses.thaw_for_destroy(e)
-            procs = self.commands.forget(e)
-            for p in procs:
-                p.log.abandon()
-            self.provisioner.detach(e.info.id)
-            e.info.state = "stopped"
-            timing.spare = self._spares.take(e.info.id, upper_from)
-            timing.ahead = (timing.spare and self.ahead and self.containers.ahead_id(e.info.id, e.dir) is not None
-                            and self.snapshotter.is_mounted_ahead(e.dir))  # fmt: skip
-            if not timing.ahead:
-                self._discard_ahead(e)
-            self.containers.kill(e.info.id, e.dir)
-            if timing.ahead:
-                try:
-                    self._swap_ahead(e, procs, timing, t)
-                except _CannotMove as exc:  # e.g. a shared parent mount refuses the move: run it as before
-                    log.warning("the container made ahead for environment %s cannot take over (%s); "
-                                "resets on this node run their container again", e.info.id, exc)  # fmt: skip
-                    self.ahead = False
-                    self._discard_ahead(e)
-                    timing.ahead = False
-            if not timing.ahead:
-                self._swap_upper(e, procs, upper_from, timing, t)
-            e.init_pid = None
-            e.info.state = "running"
-            if e.info.memory_released:  # it was paused so: its disk is its own again
-                self.pauses.forget(e)
-                e.info.memory_released, e.info.paused_at = False, None
             try:
-                self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
-                self.provisioner.attach(e.info.id, f"/{e.container_id}")
-            except Exception as exc:  # it runs anyway, with the limits its bundle gives
-                log.warning("provisioning of environment %s after its reset failed: %s", e.info.id, exc)
-                self.provisioner.detach(e.info.id)
-            save_info(e.dir, e.info)
+                self._reset_locked(e, upper_from, timing, t)
+            except BaseException:
+                sync_container_id(e)  # what the reset got to: the id its bundle names
+                raise
         timing.total_s = time.perf_counter() - t
         self.prepare(e, upper_from)  # the next reset's upper dir and container; the old ones deleted
         return timing
+
+    def _reset_locked(self, e: Environment, upper_from: Path | None, timing: ResetTiming, t: float) -> None:
+        """:meth:`reset`'s work, with ``e.lock`` held."""
+        self.pauses.thaw_for_destroy(e)
+        procs = self.commands.forget(e)
+        for p in procs:
+            p.log.abandon()
+        self.provisioner.detach(e.info.id)
+        e.info.state = "stopped"
+        timing.spare = self._spares.take(e.info.id, upper_from)
+        timing.ahead = (timing.spare and self._makes_ahead(e)
+                        and self.containers.ahead_id(e.info.id, e.dir) is not None
+                        and self.snapshotter.is_mounted_ahead(e.dir))  # fmt: skip
+        if not timing.ahead:
+            self._discard_ahead(e)
+        self.containers.kill(e.info.id, e.dir)
+        if timing.ahead:
+            try:
+                self._swap_ahead(e, procs, timing, t)
+            except _CannotMove as exc:  # e.g. a shared parent mount refuses the move: run it as before
+                log.warning("the container made ahead for environment %s cannot take over (%s); "
+                            "its resets run its container again", e.info.id, exc)  # fmt: skip
+                self._no_move.add(e.info.id)
+                self._discard_ahead(e)
+                timing.ahead = False
+        if not timing.ahead:
+            self._swap_upper(e, procs, upper_from, timing, t)
+        e.init_pid = None
+        e.info.state = "running"
+        if e.info.memory_released:  # it was paused so: its disk is its own again
+            self.pauses.forget(e)
+            e.info.memory_released, e.info.paused_at = False, None
+        try:
+            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
+            self.provisioner.attach(e.info.id, f"/{e.container_id}")
+        except Exception as exc:  # it runs anyway, with the limits its bundle gives
+            log.warning("provisioning of environment %s after its reset failed: %s", e.info.id, exc)
+            self.provisioner.detach(e.info.id)
+        save_info(e.dir, e.info)
 
     def _swap_ahead(self, e: Environment, procs: list, timing: ResetTiming, t: float) -> None:
         """With ``e``'s container killed: move its rootfs aside (``rootfs.old``),
@@ -256,16 +303,25 @@ class Resets:
         t1 = time.perf_counter()
         timing.stop_s = t1 - t
         try:
-            self.snapshotter.move_aside(e.dir)
+            aside = self.snapshotter.move_aside(e.dir)
         except MountError as exc:
             raise _CannotMove(str(exc)) from exc
         try:
             self.snapshotter.move_ahead(e.dir)
         except MountError as exc:
-            self.snapshotter.move_back(e.dir)
+            self.snapshotter.move_back(e.dir, aside)
             raise _CannotMove(str(exc)) from exc
         self.snapshotter.swap_in_spare(e.dir)
-        e.cid = self.containers.promote_ahead(e.info.id, e.dir)
+        try:
+            e.cid = self.containers.promote_ahead(e.info.id, e.dir)
+        except OSError as exc:  # its bundle stays e's own: run that one over the rootfs now in place
+            log.warning("the container made ahead for environment %s cannot take over (%s); running "
+                        "its container again", e.info.id, exc)  # fmt: skip
+            self.containers.delete(e.info.id, e.dir)
+            self.containers.restart(e.info.id, e.dir)
+            timing.ahead = False
+            timing.runtime_s = time.perf_counter() - t1
+            return
         t2 = time.perf_counter()
         timing.overlay_s = t2 - t1
         try:
@@ -304,6 +360,15 @@ class Resets:
             self.containers.delete(e.info.id, e.dir)
         except Exception as exc:  # restart fails on it, with runc's message
             log.warning("deleting the container of environment %s for its reset: %s", e.info.id, exc)
+
+
+def sync_container_id(e: Environment) -> None:
+    """Set ``e.cid`` to the container its bundle names (after a reset that failed midway)."""
+    try:
+        cid = current_container_id(e.info.id, e.dir)
+    except OSError:
+        return
+    e.cid = cid if cid != container_id(e.info.id) else None
 
 
 def next_container_id(env_id: str, current: str) -> str:

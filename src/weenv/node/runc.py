@@ -69,6 +69,8 @@ from weenv.node.process import EXIT_CANNOT_RUN, EXIT_KILLED, EXIT_NOT_FOUND, Spa
 
 EXEC_FIFO = "exec.fifo"
 """In a created container's state directory (``ROOT/ID/``): the FIFO its first process waits on (:meth:`Runc.start`)."""
+FIFO_VERSION = (1, 1)
+"""The runc release (major, minor) whose exec FIFO :meth:`Runc.start` opens itself."""
 INIT_PID_FILE = "init.pid"
 """In a bundle: the host pid of the container's first process (``runc --pid-file``)."""
 _ID_RE = re.compile(r"^[\w+.-]{1,1024}\Z")
@@ -215,6 +217,29 @@ class Runc:
         self.root = Path(root)
         self.command_timeout = command_timeout
         self.executable = SealedBinary(binary)
+        self.fifo_starts = 0
+        """Starts done through the exec FIFO in this process (:meth:`start`), not by ``runc start``."""
+        self._versions: dict[str, tuple[int, ...] | None] = {}
+        self._versions_lock = threading.Lock()
+
+    def version(self) -> tuple[int, ...] | None:
+        """The runc binary's version (``runc --version``'s first line, e.g.
+        ``(1, 1, 5)``), asked once per binary (again when it changes on disk);
+        None when it cannot be told."""
+        path = self.executable.path()
+        with self._versions_lock:
+            if path in self._versions:
+                return self._versions[path]
+        try:
+            out = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL, capture_output=True,
+                                 timeout=self.command_timeout).stdout.decode(errors="replace")  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        m = re.match(r"runc version (\d+)\.(\d+)(?:\.(\d+))?", out)
+        found = tuple(int(g) for g in m.groups() if g is not None) if m else None
+        with self._versions_lock:
+            self._versions[path] = found
+        return found
 
     @property
     def binary(self) -> str:
@@ -278,14 +303,19 @@ class Runc:
         ``timeout``: seconds (default :attr:`command_timeout`) after which
         runc is killed and :class:`RuntimeFailedError` raised.
 
-        Done in this process when the container's exec FIFO is there
-        (:meth:`_start_through_fifo`: what ``runc start`` does, without its
-        ~6 ms of Go runtime start and state load); else, and when its first
-        process is gone, by ``runc start`` (its errors: already running, stopped)."""
+        Done in this process when the binary is runc 1.1.x (:meth:`version`:
+        the FIFO protocol below is that version's) and the container's exec
+        FIFO is there (:meth:`_start_through_fifo`: what ``runc start`` does,
+        without its ~6 ms of Go runtime start and state load; counted in
+        :attr:`fifo_starts`); else, and when its first process is gone, by
+        ``runc start`` (its errors: already running, stopped)."""
         _check_id(container_id)
         timeout = self.command_timeout if timeout is None else timeout
-        if not self._start_through_fifo(container_id, timeout):
-            self._run("start", container_id, timeout=timeout)
+        version = self.version()
+        if version is not None and version[:2] == FIFO_VERSION and self._start_through_fifo(container_id, timeout):
+            self.fifo_starts += 1
+            return
+        self._run("start", container_id, timeout=timeout)
 
     def _start_through_fifo(self, container_id: str, timeout: float) -> bool:
         """runc 1.1's start of a created container: its first process (``runc

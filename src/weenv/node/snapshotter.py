@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import secrets
 import shutil
 import subprocess
 import threading
@@ -30,8 +32,10 @@ from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
 from weenv.node import idmap
-from weenv.node.disk import RETIRED, SPARE, SUBVOLUME, NodeDisk
+from weenv.node.disk import SPARE, SUBVOLUME, NodeDisk, leftovers
 from weenv.node.groups import GroupMounts
+
+log = logging.getLogger(__name__)
 
 IDMAPPED = "idmapped"
 """In a user-namespace environment's directory: ``N/``, the idmapped clone of its
@@ -47,7 +51,10 @@ AHEAD_ROOTFS = "rootfs.next"
 """In an environment's directory: the rootfs of the container made ahead for its
 next reset (over its :data:`SPARE` upper dir), until the reset moves it to ``rootfs``."""
 RETIRED_ROOTFS = "rootfs.old"
-"""In an environment's directory: where a reset moves its old rootfs, until it is unmounted in the background."""
+"""In an environment's directory: where a reset moves its old rootfs, until it
+is unmounted in the background: ``rootfs.old.<token>`` (a name of its own each:
+one whose unmount failed does not stand in the next reset's way), or
+``rootfs.old`` (left by an older weenv)."""
 
 
 def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False, ahead: bool = False) -> list[MountSpec]:
@@ -223,17 +230,34 @@ class Snapshotter:
         self.disk.remove(env_dir, SPARE)
         self.make_upper(env_dir, disk_bytes, upper_from, SPARE)
 
-    def move_aside(self, env_dir: Path) -> None:
-        """Move the environment's rootfs mount to :data:`RETIRED_ROOTFS` (for
-        :meth:`unmount_retired`: an overlay's unmount may wait for its upper
-        file system); if it was left there, unmount it first.  Raises :class:`MountError`."""
-        (env_dir / RETIRED_ROOTFS).mkdir(exist_ok=True)
-        self.unmount_retired(env_dir)
-        mounts.move(env_dir / "rootfs", env_dir / RETIRED_ROOTFS)
+    def move_aside(self, env_dir: Path) -> Path:
+        """Move the environment's rootfs mount to a new ``rootfs.old.<token>``
+        (:data:`RETIRED_ROOTFS`, for :meth:`unmount_retired`: an overlay's
+        unmount may wait for its upper file system); that path.  Raises :class:`MountError`."""
+        aside = env_dir / f"{RETIRED_ROOTFS}.{secrets.token_hex(4)}"
+        aside.mkdir()
+        try:
+            mounts.move(env_dir / "rootfs", aside)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                aside.rmdir()
+            raise
+        return aside
+
+    @staticmethod
+    def retired_rootfs(env_dir: Path) -> list[Path]:
+        """The rootfs mount points resets moved aside in ``env_dir`` (mounted or left empty)."""
+        return leftovers(env_dir, RETIRED_ROOTFS)
 
     def unmount_retired(self, env_dir: Path) -> None:
-        """Unmount the rootfs a reset moved aside (:data:`RETIRED_ROOTFS`), if mounted; idempotent."""
-        umount_quietly(env_dir / RETIRED_ROOTFS)
+        """Unmount every rootfs a reset moved aside (:data:`RETIRED_ROOTFS`) and
+        remove its mount point; idempotent (one that cannot go stays for the next call)."""
+        for aside in self.retired_rootfs(env_dir):
+            try:
+                umount_quietly(aside)
+                aside.rmdir()
+            except (MountError, OSError) as exc:
+                log.warning("cannot remove the rootfs moved aside at %s: %s", aside, exc)
 
     def move_ahead(self, env_dir: Path) -> None:
         """With the environment's rootfs moved aside or unmounted: move the overlay at
@@ -251,17 +275,20 @@ class Snapshotter:
         """Whether the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`) is mounted."""
         return mounts.is_mounted(env_dir / AHEAD_ROOTFS)
 
-    def move_back(self, env_dir: Path) -> None:
-        """Undo :meth:`move_aside` (the rootfs made ahead could not take its place).  Raises :class:`MountError`."""
-        mounts.move(env_dir / RETIRED_ROOTFS, env_dir / "rootfs")
+    def move_back(self, env_dir: Path, aside: Path) -> None:
+        """Undo :meth:`move_aside` (which returned ``aside``; the rootfs made ahead
+        could not take its place).  Raises :class:`MountError`."""
+        mounts.move(aside, env_dir / "rootfs")
+        with contextlib.suppress(OSError):
+            aside.rmdir()
 
     def unmount_ahead(self, env_dir: Path) -> None:
         """Unmount the rootfs of a container made ahead (:data:`AHEAD_ROOTFS`), if mounted; idempotent."""
         umount_quietly(env_dir / AHEAD_ROOTFS)
 
     def drop_retired(self, env_dir: Path) -> None:
-        """Delete the upper dir a reset swapped out (:data:`RETIRED`), if any."""
-        self.disk.remove(env_dir, RETIRED)
+        """Delete the upper dirs resets swapped out (:data:`RETIRED`), if any."""
+        self.disk.remove_retired(env_dir)
 
     def release(self, groups: list[str], lowers: list[Path]) -> None:
         """Give back the group mounts an environment's overlay used."""
@@ -279,7 +306,8 @@ class Snapshotter:
         its idmapped lowers if any; idempotent."""
         umount_quietly(env_dir / "rootfs")
         umount_quietly(env_dir / AHEAD_ROOTFS)
-        umount_quietly(env_dir / RETIRED_ROOTFS)
+        for aside in self.retired_rootfs(env_dir):
+            umount_quietly(aside)
         clones = env_dir / IDMAPPED
         if clones.is_dir():
             for c in sorted(clones.iterdir()):
@@ -292,7 +320,7 @@ class Snapshotter:
 
     def remove_dir(self, env_dir: Path) -> None:
         """Remove an environment's directory, its disk's subvolumes first (at once, however big)."""
-        for name in (SUBVOLUME, SPARE, RETIRED):
+        for name in (SUBVOLUME, SPARE, *self.disk.retired(env_dir)):
             self.disk.remove(env_dir, name)
         idmap.release(env_dir)
         remove_tree(env_dir)

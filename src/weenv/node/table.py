@@ -79,6 +79,10 @@ class Environment:
         self.cid: str | None = None
         """Its container's id when it is not :func:`container_id` (after a reset
         started a container made ahead; :func:`current_container_id`)."""
+        self.destroyed = False
+        """Set when its destroy begins (:meth:`Node.destroy`): background work
+        (a reset's preparation) makes nothing for it from then on, even if the
+        destroy fails midway and leaves its directory."""
 
     def env_for(self, env: dict[str, str] | None) -> dict[str, str]:
         """A command's variables: the template's, then the create's, then its own."""

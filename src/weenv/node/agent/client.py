@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weenv.errors import BrokenError, InvalidInputError, RuntimeFailedError, WeenvError
-from weenv.node.cgroups.commands import CommandGroup
+from weenv.node.cgroups.commands import CommandGroup, process_cgroup, same_environment
 from weenv.node.process import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Spawned
 from weenv.node.runc import kill_descendants
 
@@ -122,7 +122,9 @@ def spawn(
     ``/dev/null``.  ``cgroup``: the environment's cgroup (``"/weenv-<id>"``):
     the command runs in a :class:`~weenv.node.cgroups.commands.CommandGroup`
     of its own below it, which :meth:`AgentSpawned.kill_tree` kills whole
-    (None, or a group that cannot be made: its process tree is killed instead).
+    (None, or a group that cannot be made: its process tree is killed instead);
+    below the handler's own cgroup when that is another container of the same
+    environment (a reset replaced the container since ``cgroup`` was read).
     ``ident``: who the command runs as, ``"UID:GID[:G1,G2...]"`` (supplementary
     groups; ``""``: as the agent itself runs); an agent started without ``-c``
     refuses it (the command could not start, ``EPERM``).
@@ -359,7 +361,7 @@ class AgentSpawned(Spawned):
         """The handler read the request (``H``): move it into the command's own
         cgroup, then let it fork (the command and all it starts are born there)."""
         if self._cgroup is not None and self.handler_pid is not None and self.group is None:
-            group = CommandGroup(self._cgroup)
+            group = CommandGroup(self._parent_cgroup())
             try:
                 group.create()
                 try:
@@ -371,6 +373,17 @@ class AgentSpawned(Spawned):
             except (WeenvError, OSError) as exc:  # the command runs anyway; a kill walks its tree
                 log.warning("no cgroup of its own for command %s: %s", self.argv[:1], exc)
         self._request(0)
+
+    def _parent_cgroup(self) -> str:
+        """Where the command's group goes: the cgroup the handler is in (the
+        agent's container's), when it is one of the environment's containers
+        (``cgroup`` named the one of the moment the caller looked, and a reset
+        may have started a container made ahead since: the handler answering is
+        the new agent's); else ``cgroup`` as given."""
+        actual = process_cgroup(self.handler_pid) if self.handler_pid is not None else None
+        if actual is not None and actual != self._cgroup and same_environment(actual, self._cgroup):
+            return actual
+        return self._cgroup
 
     # --- a terminal ------------------------------------------------------------------
     def use_terminal(self) -> None:

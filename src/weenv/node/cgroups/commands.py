@@ -49,6 +49,31 @@ def host_layout() -> Layout:
     return detect()
 
 
+def process_cgroup(pid: int, *, layout: Layout | None = None) -> str | None:
+    """The cgroup host process ``pid`` is in, where command groups live (v1:
+    the ``freezer`` hierarchy's path, v2: the unified one's), e.g.
+    ``"/weenv-<id>.2"``; None when it is gone or not listed."""
+    layout = layout or host_layout()
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _hid, controllers, path = line.split(":", 2)
+        if (layout.version == 2 and controllers == "") or (layout.version == 1 and "freezer" in controllers.split(",")):
+            return path
+    return None
+
+
+def same_environment(cgroup: str, expected: str) -> bool:
+    """Whether ``cgroup`` is ``expected`` (an environment's ``"/weenv-<id>"`` or
+    ``"/weenv-<id>.N"``) or another container cgroup of that environment
+    (``"/weenv-<id>.M"``: a reset started a container made ahead)."""
+    base = expected.split(".", 1)[0]
+    return cgroup == base or (cgroup.startswith(base + ".") and "/" not in cgroup[len(base):])
+
+
 class CommandGroup:
     """The child cgroup ``parent/cmd-<token>`` of one command (``parent``: the
     environment's ``"/weenv-<id>"``).  Nothing is made until :meth:`create`."""
