@@ -112,11 +112,15 @@ def test_fork_children_see_the_parent_and_diverge_apart(node, paths):
     node.destroy(parent.id)
 
 
-def test_fork_counts_outside_the_bounds_are_refused(node):
+def test_fork_counts_outside_the_bounds_are_refused(node, paths):
     parent = node.create("task")
     for count in (0, -1, node.forks.maximum + 1, True, 1.5):
         with pytest.raises(InvalidInputError):
             node.fork(parent.id, count)
+    for timeout in (0, -1, float("nan")):  # before: the parent captured, then every child failed
+        with pytest.raises(InvalidInputError, match="timeout"):
+            node.fork(parent.id, 1, timeout=timeout)
+    assert captures(paths) == []
     with pytest.raises(NotFoundError):
         node.fork("nope", 1)
     assert node.count() == 1
@@ -142,6 +146,30 @@ def test_reset_restores_the_template_or_the_snapshot_in_place(node, paths):
         node.reset(e.id, "no-such-snapshot")
     node.destroy(e.id)
     node.delete_snapshot("after-setup")
+
+
+def test_a_reset_to_a_snapshot_deleted_meanwhile_keeps_the_environment(node, paths):
+    """A reset to snapshot N racing ``delete_snapshot(N)``: the reset either
+    takes N's files (the capture stays until it is done) or finds no N
+    (NotFoundError, the environment untouched); never a stopped environment
+    (before: FileNotFoundError from the capture deleted under the reset, and
+    the environment left without a container).  No capture is left after."""
+    e = node.create("task")
+    sh(node, e.id, "echo setup > /workspace/mark")
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(3):
+            node.snapshot(e.id, f"race{i}")
+            node.reset(e.id)  # the container made ahead no longer matches race{i}
+            reset = pool.submit(node.reset, e.id, f"race{i}")
+            pool.submit(node.delete_snapshot, f"race{i}").result()
+            try:
+                reset.result()
+                assert sh(node, e.id, "cat /workspace/mark") == b"setup\n"
+            except NotFoundError:
+                assert sh(node, e.id, "test -e /workspace/mark && echo yes || echo no") == b"no\n"
+            assert node.table.get(e.id).info.state == "running"
+    node.destroy(e.id)
+    assert captures(paths) == []
 
 
 def _containers_of(node: Node, env_id: str) -> dict[str, str]:

@@ -40,6 +40,16 @@ def test_fork_requests_out_of_bounds_are_refused(body):
         ForkRequest.model_validate(body)
 
 
+@pytest.mark.parametrize("count", ["true", '"2"', "2.0"])
+def test_fork_request_counts_are_integers_only(count):
+    """JSON ``true`` was a fork of 1 (pydantic's lax bool -> int), unlike the node's own check."""
+    from weenv.server.e2b.api import ForkBody
+
+    for model in (ForkRequest, ForkBody):
+        with pytest.raises(ValidationError):
+            model.model_validate_json(f'{{"count": {count}}}')
+
+
 def test_snapshot_and_resume_requests_are_bounded():
     with pytest.raises(ValidationError):
         SnapshotRequest(name="x" * 129)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from weenv.errors import InvalidInputError, RuntimeFailedError, WeenvError
 from weenv.node.models import EnvironmentInfo
 from weenv.node.snapshot import Capture, Captures
-from weenv.node.table import Environment
+from weenv.node.table import Environment, check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,14 @@ class Forks:
     def fork(self, e: Environment, count: int, timeout: float | None = None) -> ForkResult:
         """``count`` children of ``e``, each destroyed ``timeout`` seconds from
         now (default the parent's ``timeout_s``).  Raises
-        :class:`InvalidInputError` (a count not in [1, :attr:`maximum`]),
+        :class:`InvalidInputError` (a count not in [1, :attr:`maximum`], or a bad
+        ``timeout``: checked before the parent is frozen),
         :class:`StateError` (``e`` is not running or paused), what
         :meth:`Captures.take` raises (nothing is created then); each child's
         own failure is in the result instead."""
         count = check_count(count, self.maximum)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         t = time.perf_counter()
         capture = self.captures.take(e)
         result = ForkResult(e.info.id, pause_s=capture.pause_s)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator
 
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.rootfs import EntryInfo
@@ -264,7 +264,7 @@ class SnapshotInfo(_Model):
 
 
 class ForkRequest(_Model):
-    count: int = Field(default=1, ge=1, le=10_000)
+    count: StrictInt = Field(default=1, ge=1, le=10_000)
     """Children (the node's maximum, ``WEENV_MAX_FORK``, default 100, applies too)."""
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     """Each child's timeout, seconds (default the parent's ``timeout_s``)."""

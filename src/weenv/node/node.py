@@ -851,14 +851,15 @@ class Node:
         (also: no such snapshot here), :class:`InvalidInputError` (another
         template's snapshot), :class:`MountError`, :class:`RuntimeFailedError`."""
         e = self.table.get(env_id)
-        upper_from = None
-        if snapshot is not None:
-            c = self.captures.named(snapshot)
-            if c.template_digest != e.info.template_digest:
-                raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
-                                        f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
-            upper_from = c.path
-        t = self.resets.reset(e, upper_from)
+        with contextlib.ExitStack() as pins:
+            upper_from = None
+            if snapshot is not None:  # kept on disk until the reset is done (a delete_snapshot waits)
+                c = pins.enter_context(self.captures.pinned(snapshot))
+                if c.template_digest != e.info.template_digest:
+                    raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
+                                            f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
+                upper_from = c.path
+            t = self.resets.reset(e, upper_from)
         e.info.timing = CreateTiming(overlay_s=t.overlay_s, runtime_s=t.runtime_s, total_s=t.total_s)
         return e.info
 

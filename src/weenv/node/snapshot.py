@@ -71,7 +71,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +129,10 @@ class Captures:
         self._lock = threading.Lock()
         self._named: dict[str, Capture] = {}
         """Captures kept under a snapshot's name (:meth:`keep`): what reset goes back to."""
+        self._pins: dict[str, int] = {}
+        """Capture id -> resets reading it now (:meth:`pinned`)."""
+        self._doomed: dict[str, Capture] = {}
+        """Pinned captures dropped meanwhile: deleted when the last pin goes."""
 
     def open(self) -> None:
         """Remove the captures an earlier node process of this home left on the (open) node disk."""
@@ -205,7 +209,12 @@ class Captures:
 
     def drop(self, c: Capture) -> None:
         """Delete capture ``c`` (environments made from it keep their files:
-        extents are shared) and free its count on the node's disk."""
+        extents are shared) and free its count on the node's disk; a capture
+        :meth:`pinned` now is deleted when its last pin goes."""
+        with self._lock:
+            if self._pins.get(c.id):
+                self._doomed[c.id] = c
+                return
         if self.disk is not None:
             self.disk.free_disk(f"capture-{c.id}")
         with self._lock:
@@ -230,6 +239,28 @@ class Captures:
         if c is None:
             raise NotFoundError(f"no snapshot {name!r} taken on this node")
         return c
+
+    @contextlib.contextmanager
+    def pinned(self, name: str) -> Iterator[Capture]:
+        """Snapshot ``name``'s capture, kept on disk while the block runs (a
+        reset reads it): a :meth:`forget` or :meth:`drop` meanwhile deletes it
+        after the block.  Raises :class:`NotFoundError` if none."""
+        with self._lock:
+            c = self._named.get(name)
+            if c is None:
+                raise NotFoundError(f"no snapshot {name!r} taken on this node")
+            self._pins[c.id] = self._pins.get(c.id, 0) + 1
+        try:
+            yield c
+        finally:
+            with self._lock:
+                self._pins[c.id] -= 1
+                last = not self._pins[c.id]
+                if last:
+                    del self._pins[c.id]
+                doomed = self._doomed.pop(c.id, None) if last else None
+            if doomed is not None:
+                self.drop(doomed)
 
     def forget(self, name: str) -> None:
         """Drop snapshot ``name``'s capture on this node, if any."""

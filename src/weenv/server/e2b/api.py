@@ -46,7 +46,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from weenv.errors import WeenvError
@@ -132,7 +132,7 @@ class ResumeBody(_Body):
 
 class ForkBody(_Body):
     timeout: int | None = Field(default=None, ge=0, le=MAX_TIMEOUT_S)
-    count: int = Field(default=1, ge=1, le=10_000)
+    count: StrictInt = Field(default=1, ge=1, le=10_000)
 
 
 class SnapshotBody(_Body):
