@@ -53,6 +53,8 @@ def test_a_destroy_frees_its_reservation_at_once_before_or_after_the_next_report
     it), so a hinted create was passed over for another node.  Now a destroy
     through the cluster frees them at once, whether the last report lists the
     environment yet or not."""
+    from weenv.cluster.view import REPORT_GRACE_S
+
     view = ClusterView()
     view.heartbeat(report("a"))
     view.heartbeat(report("b"))
@@ -80,8 +82,31 @@ def test_a_destroy_frees_its_reservation_at_once_before_or_after_the_next_report
     # a report taken before the destroy, arriving after it, neither routes it again nor reserves it
     view.heartbeat(listed)
     assert "e2" not in view.environments() and _node_reserving(view, "a") == 0.0
-    view.heartbeat(report("a"))  # the next one lacks it: the release ends with it
+    after = report("a")
+    after.at += REPORT_GRACE_S + 1  # the next one, taken well after the destroy, lacks it: the release ends
+    view.heartbeat(after)
     assert not next(n for n in view._nodes.values() if n.node_id == "a").released
+
+
+def test_a_report_read_during_a_kill_before_any_report_listed_it_frees_it_too():
+    """CI (stop 25): an environment created and killed between two reports, the
+    second report read while the kill ran (its reservation still counted, the
+    environment no longer listed): the view took the report's 0.5 cores as
+    reserved, and the next create of 2 cores hinted to that node went to another."""
+    view = ClusterView()
+    view.heartbeat(report("a"))
+    view.heartbeat(report("b"))
+    placed = view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a")
+    view.done(placed.token, "a", "e1")
+    view.forget("e1")  # before any report listed it
+    during = report("a")
+    during.cpu_reserved, during.memory_reserved, during.reservations = 0.5, 1 * GiB, {"e1": (0.5, 1 * GiB)}
+    view.heartbeat(during)
+    assert _node_reserving(view, "a") == 0.0
+    assert view.place("t", cpus=2.0, memory_bytes=1 * GiB, node="a").route.node_id == "a"
+    during.environments = ["e1"]  # one read before the kill: not routed again either
+    view.heartbeat(during)
+    assert "e1" not in view.environments() and _node_reserving(view, "a") == 0.0
 
 
 def test_a_create_destroyed_on_its_node_before_any_report_stops_reserving_after_the_grace():

@@ -84,12 +84,13 @@ class _Node:
     Ends with the first report listing it, a report taken ``REPORT_GRACE_S``
     after the create ended that does not (the node destroyed it), or its
     destroy through the cluster (:meth:`ClusterView.forget`)."""
-    released: dict[str, tuple[float, int, float]] = field(default_factory=dict)
-    """env id -> (cpus, memory bytes, destroyed at, Unix s): destroyed through the
-    cluster but still in the node's last report's reservations (what that
-    report says it reserves): taken off the report's sums until a report no
-    longer lists it (so a node whose environments were just killed is not seen
-    as fuller than it is)."""
+    released: dict[str, float] = field(default_factory=dict)
+    """env id -> destroyed at (Unix s): destroyed through the cluster.  While a
+    report lists it in its reservations (one taken before the destroy, perhaps
+    arriving after it), what it reserves there is taken off that report's sums,
+    and it is not routed again (so a node whose environments were just killed
+    is not seen as fuller than it is).  Ends with a report that lacks it taken
+    ``REPORT_GRACE_S`` after the destroy."""
     expected: dict[str, float] = field(default_factory=dict)
     """Template -> until when (monotonic s) the node counts as holding it: placed
     there lately, before its reports show the chunks (creates of a template
@@ -150,9 +151,10 @@ class ClusterView:
             # after the create ended does not (destroyed or expired on the node before any report)
             node.pending = {e: r for e, r in node.pending.items()
                             if e not in present and r[2] >= report.at - REPORT_GRACE_S}
-            # a destroy's release lasts while reports (taken before it, perhaps) still list the environment
-            node.released = {e: r for e, r in node.released.items()
-                             if e in report.reservations and report.at - r[2] < RESERVATION_TTL_S / 20}
+            # a destroy's release lasts while reports (taken before it, perhaps) may still list the environment
+            node.released = {e: at for e, at in node.released.items()
+                             if (e in report.reservations or e in present or report.at < at + REPORT_GRACE_S)
+                             and report.at - at < RESERVATION_TTL_S / 20}
             for env_id in present:
                 if env_id in node.released:
                     continue  # destroyed through the cluster since: not routed again
@@ -356,10 +358,11 @@ class ClusterView:
         r = node.report
         if r is None:
             return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
+        freed = [r.reservations[e] for e in node.released if e in r.reservations]
         cpu_reserved = (r.cpu_reserved + sum(c for c, _, _ in node.pending.values())
-                        - sum(c for c, _, _ in node.released.values()))
+                        - sum(c for c, _ in freed))
         memory_reserved = (r.memory_reserved + sum(m for _, m, _ in node.pending.values())
-                           - sum(m for _, m, _ in node.released.values()))
+                           - sum(m for _, m in freed))
         return placement.NodeLoad(
             node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
             cpu_reserved=max(0.0, cpu_reserved), memory_reserved=max(0, memory_reserved), cpu_used=r.cpu_used,
@@ -407,9 +410,8 @@ class ClusterView:
             if node is None:
                 return
             node.pending.pop(env_id, None)
-            held = node.report.reservations.get(env_id) if node.report is not None else None
-            if held is not None:  # counted in that report's sums: taken off them
-                node.released[env_id] = (held[0], held[1], time.time())
+            # taken off the sums of the reports that list it, this one or one taken before the destroy
+            node.released[env_id] = time.time()
 
     def environments(self) -> dict[str, str]:
         """Environment id -> node id, for every environment the cluster knows to run."""
