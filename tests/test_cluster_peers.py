@@ -21,7 +21,7 @@ from weenv import cluster  # noqa: E402
 from weenv.cluster.client import ClusterClient  # noqa: E402
 from weenv.config import Paths  # noqa: E402
 from weenv.formats.manifest import parse_group_manifest  # noqa: E402
-from weenv.node.peers import PASS_OVER_S, PeerSettings, PeerUpdate  # noqa: E402
+from weenv.node.peers import PeerSettings, PeerUpdate  # noqa: E402
 from weenv.sdk import NodeClient  # noqa: E402
 from weenv.server import daemon  # noqa: E402
 
@@ -34,9 +34,11 @@ FILE = 24 * MiB
 
 @pytest.fixture(scope="module")
 def peer_cluster(tmp_path_factory, cluster_store):  # noqa: F811
-    # a node silent for long stays listed as a peer: the gone-peer test stops a daemon under its actor
+    # a node silent for long stays listed as a peer: the gone-peer test stops a daemon under its actor;
+    # the two windows the tests wait out are short (the defaults: 10 s passed over, 30 s placed)
     for up in run_cluster(tmp_path_factory, cluster_store, max_environments=4, heartbeat_s=0.3,
-                          heartbeat_timeout_s=600, reconcile_s=0.3, cache_scan_s=0.3, peer_timeout_s=1.0):
+                          heartbeat_timeout_s=600, reconcile_s=0.3, cache_scan_s=0.3, peer_timeout_s=1.0,
+                          peer_pass_over_s=3.0, placed_expect_s=8.0):
         yield (*up, cluster_store)
 
 
@@ -153,7 +155,6 @@ def test_a_template_started_on_two_nodes_at_once_streams_its_pack_from_the_store
     import os
     import threading
 
-    from weenv.cluster.view import EXPECT_S
     from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
@@ -174,7 +175,7 @@ def test_a_template_started_on_two_nodes_at_once_streams_its_pack_from_the_store
             time.sleep(0.2)
         with NodeClient(socket=Paths(home=_home(homes, d), cache=CACHE, store_url="").socket) as n:
             n.drop_cache()
-        time.sleep(EXPECT_S + 1)  # d no longer counts as placed with t3 lately
+        time.sleep(config.placed_expect_s + 1)  # d no longer counts as placed with t3 lately
         before = {n: _chunks(homes, n) for n in (a, b)}
         made, errors = [], []
 
@@ -218,7 +219,7 @@ def test_a_slow_peer_and_a_gone_peer_are_passed_over_for_the_store(peer_cluster)
         # a's and b's daemons stop (their actors live, so they stay listed): d's asks are refused, the store serves
         with NodeClient(socket=Paths(home=_home(homes, d), cache=CACHE, store_url="").socket) as n:
             n.drop_cache()
-        time.sleep(PASS_OVER_S)  # d asks a and b again
+        time.sleep(config.peer_pass_over_s)  # d asks a and b again
         for gone in (a, b):
             assert daemon.stop(Paths(home=_home(homes, gone), cache=CACHE, store_url=""))
         assert {a, b} <= {p.node_id for p in ray.get(cluster.placement_actor().peers.remote(d))}

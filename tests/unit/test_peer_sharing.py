@@ -177,6 +177,49 @@ def test_a_placement_names_the_nodes_placed_with_its_template_or_holding_it():
     assert view.place("other", node="a").peers == ()
 
 
+def test_a_template_placed_on_a_node_counts_there_for_the_views_expect_s():
+    """``expect_s`` (the cluster's ``placed_expect_s``): the window in which a
+    placement names the nodes placed with its template (the default, 30 s,
+    is what test_cluster_peers waits out otherwise)."""
+    view = ClusterView(expect_s=1.0)
+    for n in "ab":
+        view.heartbeat(report(n, templates=FACTS))
+    assert view.place("t", node="a").peers == ()
+    assert view.place("t", node="b").peers == ("a",)
+    time.sleep(1.1)
+    assert view.place("t", node="b").peers == ()  # a's placement is over; b's own is left out
+
+
+def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):
+    """A peer that refuses the connection is asked once, then not for
+    ``pass_over_s`` (the store serves), then again."""
+    import hashlib
+    import socket
+
+    from weenv.node.peers import PeerInfo
+
+    chunk = b"w" * 4096
+    digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
+    store = FileStore(tmp_path / "store")
+    store.put_chunk(chunk)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peers = PeerChunks(store, groups=list)
+    try:
+        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.0, pass_over_s=1.0),
+                                peers=[PeerInfo(node_id="a", url=f"http://127.0.0.1:{port}", groups=["sha256:g1"])]))
+        peers.learn([(digest, "sha256:g1")])
+        unreachable = []
+        for wait in (0.0, 0.0, 1.1):
+            time.sleep(wait)
+            assert peers.get_chunk(digest, size=len(chunk)) == chunk  # from the store
+            unreachable.append(peers.stats().peer_unreachable)
+        assert unreachable == [1, 1, 2]  # passed over, then asked again
+    finally:
+        peers.close()
+
+
 def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updates(tmp_path, monkeypatch):
     from weenv.node import peers as peers_module
     from weenv.node.peers import PeerInfo

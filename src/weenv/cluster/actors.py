@@ -88,7 +88,7 @@ class PlacementActor:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.view = ClusterView(policy=Policy(k=config.sample_k), max_environments=config.max_environments,
-                                heartbeat_timeout_s=config.heartbeat_timeout_s)
+                                heartbeat_timeout_s=config.heartbeat_timeout_s, expect_s=config.placed_expect_s)
         self._actors: dict[str, tuple[object, object]] = {}  # node id -> (actor handle, its ready ref)
         self._self = ray.get_runtime_context().current_actor
         self._peer_settings = peer_settings(config, secrets.token_hex(20)) if config.peers else None

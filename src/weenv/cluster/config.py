@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weenv.config import Paths
+from weenv.cluster.view import EXPECT_S
+from weenv.node.peers import PASS_OVER_S
 
 NAMESPACE = "weenv"
 """The Ray namespace of weenv's actors."""
@@ -60,6 +62,11 @@ class ClusterConfig(BaseModel):
     """Per node: chunks served to peers at once (more are refused)."""
     peer_serve_bytes_per_s: int | None = Field(default=None, ge=1)
     """Per node: bytes a second served to peers (None: no bound)."""
+    peer_pass_over_s: float = Field(default=PASS_OVER_S, gt=0, le=600)
+    """Seconds a peer that was slow, gone or wrong is not asked again."""
+    placed_expect_s: float = Field(default=EXPECT_S, gt=0, le=3600)
+    """Seconds a node counts as holding a template placed there (named in the
+    create hints of that template's creates placed elsewhere meanwhile)."""
 
     @field_validator("home")
     @classmethod

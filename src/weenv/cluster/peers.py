@@ -22,7 +22,7 @@ from weenv.node.peers import PeerInfo, PeerSettings, PeerUpdate
 def peer_settings(config: ClusterConfig, token: str) -> PeerSettings:
     return PeerSettings(token=token, timeout_s=config.peer_timeout_s, tries=config.peer_tries,
                         serve_concurrency=config.peer_serve_concurrency,
-                        serve_bytes_per_s=config.peer_serve_bytes_per_s)
+                        serve_bytes_per_s=config.peer_serve_bytes_per_s, pass_over_s=config.peer_pass_over_s)
 
 
 class PeerPush:

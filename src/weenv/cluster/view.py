@@ -37,7 +37,7 @@ RESERVATION_TTL_S = 600.0
 
 
 EXPECT_S = 30.0
-"""Seconds a node counts as holding a template placed there (:attr:`_Node.expected`)."""
+"""The default of ``expect_s``: seconds a node counts as holding a template placed there (:attr:`_Node.expected`)."""
 DEMAND_WINDOW_S = 300.0
 """Seconds over which the cluster's peak of environments at once is its demand
 (:func:`weenv.cluster.placement.bonus_cap`: an RL run's rollout batches come
@@ -60,7 +60,7 @@ class Route:
 class Placed:
     """A placement: the node to create on, the token to report the create done
     with, and ``peers``: the other alive nodes holding the template's own
-    groups or placed with it lately (within :data:`EXPECT_S`), which the node
+    groups or placed with it lately (within the view's ``expect_s``), which the node
     asks for its chunks before the store (the gateway passes them with the
     create: the peer table the node has may be a heartbeat older than them)."""
 
@@ -115,11 +115,13 @@ class NodeStatus:
 
 
 class ClusterView:
-    """See the module docstring.  ``max_environments``: per node, at most this many (None: capacity only)."""
+    """See the module docstring.  ``max_environments``: per node, at most this many (None: capacity only);
+    ``expect_s``: seconds a node counts as holding a template placed there."""
 
     def __init__(self, *, policy: placement.Policy = placement.Policy(), max_environments: int | None = None,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, expect_s: float = EXPECT_S):
         self.policy, self.max_environments, self.heartbeat_timeout_s = policy, max_environments, heartbeat_timeout_s
+        self.expect_s = expect_s
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}
         self._envs: dict[str, tuple[str, float]] = {}  # env id -> (node id, recorded at, Unix s)
@@ -226,7 +228,7 @@ class ClusterView:
             target = self._nodes[chosen]
             target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
             peers = self._fetching_locked(template, chosen)
-            target.expected[template] = time.monotonic() + EXPECT_S
+            target.expected[template] = time.monotonic() + self.expect_s
             return Placed(self._route_of(target), token, peers)
 
     def _fetching_locked(self, template: str, other_than: str) -> tuple[str, ...]:

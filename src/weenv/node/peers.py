@@ -12,8 +12,8 @@ deadline of ``timeout_s`` seconds (connect and whole answer).  A peer is not
 trusted: its answer is checked against ``c``'s size and sha256 (a wrong one
 counts in ``peer_bad``).  A peer that answers 404 (evicted) or is busy is
 passed over for this chunk; one that is slow, gone or wrong, for
-:data:`PASS_OVER_S` seconds (so a dead peer costs one timeout, not one per
-chunk).  When no peer gave it, the store does
+``pass_over_s`` seconds (:data:`PASS_OVER_S` by default; so a dead peer costs one
+timeout, not one per chunk).  When no peer gave it, the store does
 (:meth:`weenv.store.base.Store.get_chunk`, checked there).  A chunk no peer is
 known to hold goes to the store at once.
 
@@ -78,7 +78,7 @@ TOKEN_HEADER = "x-weenv-peer-token"
 CHUNK_PATH = "/peer/v1/chunks/"
 """``CHUNK_PATH + digest``: a node's chunk route for its peers."""
 PASS_OVER_S = 10.0
-"""Seconds a peer that was slow, gone or wrong is not asked again (its chunks come from others, or the store)."""
+"""The default of :attr:`PeerSettings.pass_over_s`."""
 SERVE_WAIT_SHARE = 0.75
 """Of ``timeout_s``, how long a peer's request waits for a fetch of its chunk in
 progress here (then 404: the asker moves on before its own timeout, which
@@ -108,6 +108,8 @@ class PeerSettings(BaseModel):
     """Chunks served to peers at once; more are refused (the asker moves on)."""
     serve_bytes_per_s: int | None = Field(default=None, ge=1)
     """Bytes a second served to peers (None: no bound)."""
+    pass_over_s: float = Field(default=PASS_OVER_S, gt=0, le=600)
+    """Seconds a peer that was slow, gone or wrong is not asked again (its chunks come from others, or the store)."""
 
 
 class PeerInfo(BaseModel):
@@ -361,20 +363,20 @@ class PeerChunks:
         except httpx.HTTPError as exc:
             log.info("peer %s did not serve chunk %s: %s", peer.node_id, digest, exc or type(exc).__name__)
             self._count(peer_failures=1, peer_unreachable=1)
-            self._pass_over(peer)
+            self._pass_over(peer, settings)
             return None
         data = bytes(buf)
         if (size is not None and len(data) != size) or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             log.warning("peer %s (%s) served other bytes for chunk %s: taking it from the store",
                         peer.node_id, peer.url, digest)
             self._count(peer_failures=1, peer_bad=1)
-            self._pass_over(peer)
+            self._pass_over(peer, settings)
             return None
         return data
 
-    def _pass_over(self, peer: PeerInfo) -> None:
+    def _pass_over(self, peer: PeerInfo, settings: PeerSettings) -> None:
         with self._lock:
-            self._passed_over[peer.node_id] = time.monotonic() + PASS_OVER_S
+            self._passed_over[peer.node_id] = time.monotonic() + settings.pass_over_s
 
     def stream_pack(self, digest: str, size: int | None = None):
         """The store's :meth:`~weenv.store.base.Store.stream_pack`, its bytes
