@@ -14,7 +14,9 @@ SUMMARY = ("static_envs", "elastic_envs", "density_ratio", "p95_burst_slowdown",
 
 def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_check, tmp_path):
     out = tmp_path / "provision.json"
-    result = run(quick=True, json_path=out, max_envs=3, duration_s=25, think_s=2.0, steps=4, baseline_runs=1,
+    # 15 s a mode, think times at a quarter of the real ones (seed 7: each agent's first burst and first
+    # rollout come within its first 4 s of think time, so every mode has bursts and rollouts)
+    result = run(quick=True, json_path=out, max_envs=3, duration_s=15, think_s=1.0, steps=4, baseline_runs=1,
                  sim_sizes=((16, 64),), sim_duration_s=20, log=lambda _msg: None)  # fmt: skip
     written = json.loads(out.read_text())
     s = written["summary"]
@@ -36,7 +38,7 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
     # the machine's other load, per second of each mode, replayed beside the traces in the calibration
     for mode in ("static", "elastic"):
         bg = written[mode]["background"]
-        assert bg["interval_s"] == 1.0 and len(bg["cores"]) >= 20 and all(0 <= x <= os.cpu_count() for x in bg["cores"])
+        assert bg["interval_s"] == 1.0 and len(bg["cores"]) >= 12 and all(0 <= x <= os.cpu_count() for x in bg["cores"])
         assert all("background" in b for b in written[mode]["bursts"]) and written[mode]["node_cpu_cores"] >= 0
     assert set(written["simulation"]["calibration"]["background_cores"]) == {"static", "elastic"}
     assert s["p95_slowdown_vs_static"] == s["p95_burst_slowdown"]["elastic"] / s["p95_burst_slowdown"]["static"]

@@ -160,7 +160,8 @@ def test_quick_rollout_benchmark_weenv_against_docker(paths, debian_root, leak_c
     out = tmp_path / "rollout.json"
     work = tmp_path / "work"
     work.mkdir()
-    result = run(quick=True, json_path=out, work=work, tasks=2, group=4, concurrency=4, steps=(10, 12),
+    # a pool of 3 published tasks (quick: 6), 2 of them in the iteration: a pool larger than the iteration
+    result = run(quick=True, json_path=out, work=work, pool=3, tasks=2, group=4, concurrency=4, steps=(10, 12),
                  log=lambda _msg: None)  # fmt: skip
 
     written = json.loads(out.read_text())
