@@ -204,10 +204,13 @@ def test_a_slow_peer_and_a_gone_peer_are_passed_over_for_the_store(peer_cluster)
     c, workers, config, homes, _store = peer_cluster
     a, b, d = _nodes()
     with ClusterClient() as client:
-        # t1 is on a and b (first test); d reads it with a and b slow: 1 MiB chunks at 64 KiB/s
+        # t1 is on a and b (first test); d reads it with a and b slow: 1 MiB chunks at 256 KiB/s, so an
+        # answer waits 3 s or more for its tokens (d's timeout is 1 s). An answer d gave up on still takes
+        # its tokens: a and b sleep that debt off (4 answers each: 15 s at this rate, 63 s at 64 KiB/s)
+        # before their daemons stop below
         settings = ray.get(cluster.placement_actor().peer_settings.remote())
         for slow in (a, b):
-            _set_peer_settings(homes, slow, settings.model_copy(update={"serve_bytes_per_s": 64 << 10}))
+            _set_peer_settings(homes, slow, settings.model_copy(update={"serve_bytes_per_s": 256 << 10}))
         _wait_listed(a, d, FILE)
         before = _chunks(homes, d)
         t = time.monotonic()
