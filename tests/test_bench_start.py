@@ -1,8 +1,7 @@
 """``weenv bench start --quick`` end to end, trimmed: the ~300 MB template from the
 Debian tree and real wheels, published to a private docker-registry as weenv
 groups (``oci://``) and as a Docker image; cold and warm starts of both at
-concurrency 1 and 4 (quick mode's 16 by parameter: the same code, a quarter of
-the starts).  Afterwards nothing of the node, the dockerd or the
+concurrency 1 and 16.  Afterwards nothing of the node, the dockerd or the
 registry remains (processes, mounts, cgroups, directories)."""
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ from weenv_bench.services.process import alive
 from weenv_bench.services.registry import REGISTRY
 from weenv_bench.start import SUMMARY_KEYS, run
 
-MANY = 4
-"""The concurrency level above 1 measured (starts of a round released together)."""
-
 pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
     reason="needs Debian's docker.io and docker-registry",
@@ -35,7 +31,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     out = tmp_path / "start.json"
     work = tmp_path / "work"
     work.mkdir()
-    result = run(quick=True, json_path=out, work=work, concurrency=(1, MANY), cold_runs=2, warm_runs=3, exec_runs=10,
+    result = run(quick=True, json_path=out, work=work, cold_runs=2, warm_runs=3, exec_runs=10,
                  commands=(), log=lambda _msg: None)  # fmt: skip
 
     written = json.loads(out.read_text())
@@ -62,7 +58,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     rows = {(r["system"], r["kind"], r["concurrency"]): r for r in written["table"]}
     for system in ("weenv", "docker"):
         for kind in ("cold", "warm"):
-            for c in (1, MANY):
+            for c in (1, 16):
                 r = rows[(system, kind, c)]
                 assert r["n"] == (
                     c
@@ -88,7 +84,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     no_pool = rows[("weenv", "warm-no-pool", 1)]
     assert (no_pool["n"], no_pool["pooled_starts"], no_pool["pool_size"]) == (3, 0, 0)
     assert s["warm_no_pool_p50_s"] == no_pool["p50_s"] > 0
-    assert rows[("weenv", "cold", MANY)]["bytes_fetched"] > 0
+    assert rows[("weenv", "cold", 16)]["bytes_fetched"] > 0
     assert (
         rows[("docker", "cold", 1)]["bytes_fetched"]
         == written["template"]["docker_image_bytes"]
