@@ -10,7 +10,9 @@ setuid/setgid binaries, a ``security.capability`` file, relative/absolute/
 dangling symlinks, a sparse file, a fifo, a device node and empty directories.
 Docker's init layer and mounts (``/.dockerenv``, ``/etc/mtab``, ``/etc/hosts``,
 ``/etc/hostname``, ``/etc/resolv.conf``, ``/dev``, ``/proc``, ``/sys``) are
-not the image's and are left out.  One listing script (:data:`LISTING`: path, type, mode, uid/gid, size, sha256,
+not the image's and are left out.  One listing script (:data:`LISTING`: path, type, mode, uid/gid, size, sha256
+of the content (MiB blocks tagged, one of zeros by its tag alone: the sparse file's 4 GiB of holes, real zeros in
+docker, are not hashed),
 link target, device numbers, xattrs, hardlink groups) runs inside both.
 """
 
@@ -72,6 +74,7 @@ CMD ["echo hello"]
 LISTING = r"""
 import hashlib, json, os, stat, sys
 SKIP = {"/proc", "/sys", "/dev", "/.dockerenv", "/etc/hostname", "/etc/hosts", "/etc/resolv.conf", "/etc/mtab"}
+ZERO = bytes(1 << 20)
 out, inodes = {}, {}
 def xattrs(p):
     try:
@@ -93,10 +96,10 @@ def visit(p):
     if stat.S_ISREG(m):
         e["size"] = st.st_size
         try:
-            h = hashlib.sha256()
+            h = hashlib.sha256()  # of the MiB blocks, each tagged; one of zeros hashed as its tag alone
             with open(p, "rb") as f:
                 for b in iter(lambda: f.read(1 << 20), b""):
-                    h.update(b)
+                    h.update(b"z" if b == ZERO else b"d" + b)
             e["sha256"] = h.hexdigest()
         except OSError as ex:
             e["sha256"] = "error %d" % ex.errno
@@ -204,15 +207,22 @@ def _check_listing_has_the_cases(listing: dict) -> None:
     assert "/etc/p2" not in e and "/etc/debian_version" in e
 
 
-# --- the tree inside an environment equals the tree inside docker run -------------------
-def test_docker_archive_tree_matches_docker_run(images, import_store, paths, leak_check, tmp_path):
-    _check_listing_has_the_cases(images["docker_listing"])
-    work = tmp_path / "work"
-    work.mkdir()
+@pytest.fixture(scope="module")
+def imgtest(images, import_store, tmp_path_factory):
+    """The test image's ``docker save`` archive imported as ``imgtest`` (its
+    work directory empty afterwards); the registry test compares with it."""
+    work = tmp_path_factory.mktemp("imgtest-work")
     r = import_image(str(images["archives"][IMAGE]), import_store, name="imgtest", workdir=work)
+    assert os.listdir(work) == []
+    return r
+
+
+# --- the tree inside an environment equals the tree inside docker run -------------------
+def test_docker_archive_tree_matches_docker_run(images, imgtest, import_store, paths, leak_check):
+    _check_listing_has_the_cases(images["docker_listing"])
+    r = imgtest
     assert r.group_layers == [[0], [1], [2], [3], [4], [5]]
     assert [g.manifest.name for g in r.groups] == [f"imgtest.{k}" for k in range(6)]
-    assert os.listdir(work) == []
     stats = r.layer_stats
     assert sum(s.whiteouts for s in stats) >= 5 and sum(s.opaque_dirs for s in stats) >= 2
     rt = r.template.runtime
@@ -450,24 +460,25 @@ def test_oci_layout_and_oci_archive_give_the_same_groups(images, import_store, s
         import_image(str(layout), import_store, name="small", ref="v2")
 
 
-def test_registry_image_over_http_and_through_skopeo(dockerd, images, import_store, tmp_path, monkeypatch):
+def test_registry_image_over_http_and_through_skopeo(dockerd, imgtest, import_store, tmp_path, monkeypatch):
     """docker push to a loopback docker-registry; import docker://... (gzip
     layers), streamed over HTTP and (``WEENV_IMPORT_SKOPEO=1``) through skopeo:
-    the same groups as from the ``docker save`` archive."""
+    the same groups as from the ``docker save`` archive (``imgtest``: the
+    same name, so the same group images)."""
     with Registry(tmp_path / "registry") as registry:
         reference = registry.reference("weenv/import-test", "1")
         dockerd.docker("tag", IMAGE, reference)
         before = registry.blob_bytes()
         dockerd.docker("push", reference)
         assert registry.blob_bytes() - before > 50 << 20
-        archive = import_image(str(images["archives"][IMAGE]), import_store, name="fromregistry")
-        r = import_image(f"docker://{reference}", import_store, name="fromregistry")
+        archive = imgtest
+        r = import_image(f"docker://{reference}", import_store, name="imgtest")
         assert _chunks(r) == _chunks(archive)
         assert r.template.runtime == archive.template.runtime
         with pytest.raises(NotFoundError):
             import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
         monkeypatch.setenv("WEENV_IMPORT_SKOPEO", "1")
-        assert _chunks(import_image(f"docker://{reference}", import_store, name="fromregistry")) == _chunks(archive)
+        assert _chunks(import_image(f"docker://{reference}", import_store, name="imgtest")) == _chunks(archive)
         with pytest.raises(NotFoundError):
             import_image(f"docker://{registry.reference('weenv/absent', '1')}", import_store, name="x")
         dockerd.docker("rmi", reference)
