@@ -118,6 +118,7 @@ def test_reads_with_a_frozen_store_fail_fast_and_succeed_once_it_is_back(paths, 
     """Eight files that are not on the node: with the registry frozen, the first
     read waits one store timeout and the seven others fail at once (they waited a
     timeout each: 96 s for one pass); after SIGCONT, a probe closes the breaker."""
+    fast = FAST | {"probe_interval": 0.5}  # probes between the reads below, which never wait for one
     local = FileStore(paths.home / "build-store")
     files = paths.home / "files"
     (files / "data").mkdir(parents=True)
@@ -129,7 +130,7 @@ def test_reads_with_a_frozen_store_fail_fast_and_succeed_once_it_is_back(paths, 
     build_group(debian_root, local, name="base")
     build_group(files, local, name="files")
     create_template(local, "files", ["base", "files"], runtime=RuntimeConfig(working_dir="/"))
-    oci = OciStore(registry.url("weenv/frozen"), **FAST)
+    oci = OciStore(registry.url("weenv/frozen"), **fast)
     copy_template(local, oci, "files")
     read_all = ["python3", "-c", (
         "import hashlib, sys, time\n"
@@ -142,7 +143,7 @@ def test_reads_with_a_frozen_store_fail_fast_and_succeed_once_it_is_back(paths, 
         "    print(f'/data/f{i}', h, round(time.monotonic() - t, 2), flush=True)\n"
         "    time.sleep(float(sys.argv[1]))\n"
     )]  # fmt: skip
-    apart = 1.5 * FAST["probe_interval"]  # reads spread over the outage, as a process's are
+    apart = 1.5 * fast["probe_interval"]  # reads spread over the outage, as a process's are
     try:
         with Node(paths, store=oci, pool_size=0) as node:
             e = node.create("files", prefetch=False)
@@ -159,11 +160,11 @@ def test_reads_with_a_frozen_store_fail_fast_and_succeed_once_it_is_back(paths, 
                 assert set(results.values()) == {"errno5"}, r  # EIO, for every file
                 # one store timeout for the first file (and the kernel's retries), the others at once
                 seconds = [float(x) for x in lines[2::3]]
-                assert seconds[0] < FAST["timeout"] + 1 and max(seconds[1:]) < 0.5, r
-                assert elapsed < FAST["timeout"] + 8 * apart + 2, f"8 reads with the store frozen took {elapsed:.1f} s"
+                assert seconds[0] < fast["timeout"] + 1 and max(seconds[1:]) < 0.5, r
+                assert elapsed < fast["timeout"] + 8 * apart + 2, f"8 reads with the store frozen took {elapsed:.1f} s"
             finally:
                 registry.resume()
-            deadline = time.monotonic() + FAST["probe_interval"] + FAST["probe_timeout"] + 2
+            deadline = time.monotonic() + fast["probe_interval"] + fast["probe_timeout"] + 2
             while oci.breaker.is_open and time.monotonic() < deadline:
                 time.sleep(0.05)
             r = node.exec(e.id, [*read_all, "0"], timeout=120)
