@@ -105,20 +105,25 @@ def plan(templates: int, batch: int, group: int, iterations: int, seed: int = 0)
     return out
 
 
-PARTS = ("cluster_s", "manifest_s", "groups_s", "overlay_s", "runtime_s", "first_command_s", "read_s")
+PARTS = ("cluster_s", "manifest_s", "reserve_s", "groups_s", "overlay_s", "runtime_s", "first_command_s",
+         "node_other_s", "read_s")
 """A create's parts (:func:`_parts`), in order."""
 
 
 def _parts(timing, create_s: float, read_s: float) -> dict[str, float]:
     """Where one create's seconds went: ``cluster_s``, the create's call less the
     node's own create (placement's calls, the HTTP request, waiting for the
-    node's admission to let it in); the node's phases (manifest, group mounts
-    and their first chunks, overlay, runc, the first command); ``read_s``, the
+    node's admission to let it in); the node's phases (manifest, the
+    provisioner's admission, group mounts and their first chunks, overlay,
+    runc, the first command) and
+    ``node_other_s``, the rest of the node's create (resolving the name,
+    reserving, the prefetch's start, the environment's record); ``read_s``, the
     task read through the lazy file system (its chunks from the cache, a peer or
     the store)."""
-    node = {k: getattr(timing, k) or 0.0 for k in PARTS[1:-1]} if timing is not None else {}
+    node = {k: getattr(timing, k) or 0.0 for k in PARTS[1:-2]} if timing is not None else {}
     total = timing.total_s if timing is not None else 0.0
-    return {"cluster_s": max(0.0, create_s - total), **node, "read_s": read_s}
+    return {"cluster_s": max(0.0, create_s - total), **node,
+            "node_other_s": max(0.0, total - sum(node.values())), "read_s": read_s}
 
 
 def _breakdown(creates: list[dict]) -> dict:
