@@ -299,6 +299,14 @@ def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
             listed = {s.sandbox_id: s.metadata["weenv.node"] for s in e2b.Sandbox.list(
                 query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()}  # fmt: skip
             assert listed == {sb.sandbox_id: n for sb, n in zip(made, nodes)}, "listed over every node"
+            # "near environment X" through the E2B API: placed on X's node (each node runs one: any could take it)
+            for sb, n in ((made[0], nodes[0]), (made[-1], nodes[-1])):
+                near = e2b.Sandbox.create("t1", timeout=300, metadata={"weenv.near": sb.sandbox_id})
+                try:
+                    assert near.get_info().metadata["weenv.node"] == n
+                    assert near.commands.run("echo near").stdout.strip() == "near"  # routed to that node
+                finally:
+                    near.kill()
             # a wrong access token is refused at the gateway, as on one node
             r = httpx.get(gw.url + "/e2b/envd/health", headers={"e2b-sandbox-id": made[0].sandbox_id,
                                                                   "x-access-token": "0" * 32})  # fmt: skip

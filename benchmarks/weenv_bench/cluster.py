@@ -53,7 +53,9 @@ never evict here); ``local_hit_rate``: of the creates of a template some node
 already held (from an earlier batch), the share placed on a node holding at
 least half of what any node holds of the template's own group (the base is on
 every node); envs per node max/mean (per batch,
-the worst batch).  And the per-operation costs the simulation uses: a warm
+the worst batch); ``breakdown``: where the creates' seconds went (:func:`_parts`:
+the cluster's calls and the node's admission, the node's create phases, the
+task read), the mean over all and over the slowest 5 % (p99 is among them).  And the per-operation costs the simulation uses: a warm
 create's seconds (p50 of local hits), a cold one's (p50 of first touches in
 ``random``), one chunk from the store and from a peer (ms per MiB, this machine: the store
 unshaped, ``store_ms_per_mib``, which the simulation takes with its own model of
@@ -101,6 +103,35 @@ def plan(templates: int, batch: int, group: int, iterations: int, seed: int = 0)
         for k in range(0, templates, per_batch):
             out.append([t for t in order[k : k + per_batch] for _ in range(group)])
     return out
+
+
+PARTS = ("cluster_s", "manifest_s", "reserve_s", "groups_s", "overlay_s", "runtime_s", "first_command_s",
+         "node_other_s", "read_s")
+"""A create's parts (:func:`_parts`), in order."""
+
+
+def _parts(timing, create_s: float, read_s: float) -> dict[str, float]:
+    """Where one create's seconds went: ``cluster_s``, the create's call less the
+    node's own create (placement's calls, the HTTP request, waiting for the
+    node's admission to let it in); the node's phases (manifest, the
+    provisioner's admission, group mounts and their first chunks, overlay,
+    runc, the first command) and
+    ``node_other_s``, the rest of the node's create (resolving the name,
+    reserving, the prefetch's start, the environment's record); ``read_s``, the
+    task read through the lazy file system (its chunks from the cache, a peer or
+    the store)."""
+    node = {k: getattr(timing, k) or 0.0 for k in PARTS[1:-2]} if timing is not None else {}
+    total = timing.total_s if timing is not None else 0.0
+    return {"cluster_s": max(0.0, create_s - total), **node,
+            "node_other_s": max(0.0, total - sum(node.values())), "read_s": read_s}
+
+
+def _breakdown(creates: list[dict]) -> dict:
+    """Per part, its mean over all creates and over the slowest 5 % (at least 3): what p99 is made of."""
+    slow = sorted(creates, key=lambda d: -d["s"])[: max(3, len(creates) // 20)]
+    return {"all": {k: statistics.mean(d["parts"][k] for d in creates) for k in PARTS} if creates else {},
+            "slowest": {k: statistics.mean(d["parts"][k] for d in slow) for k in PARTS} if slow else {},
+            "slowest_n": len(slow)}
 
 
 def _chunk_files(home: Path) -> dict[str, int]:
@@ -170,10 +201,13 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
                 node = rng.choice(nodes) if mode == "random" else None
                 t = time.monotonic()
                 e = client.create(name, resources=small, node=node)
+                made = time.monotonic()
                 r = client.exec(e.id, "cat /workspace/task.bin > /dev/null")
                 if r.exit_code != 0:
                     raise RuntimeError(f"reading the task failed in {e.id}: {r.stderr[-300:]!r}")
-                return {"template": name, "node": e.node_id, "id": e.id, "s": time.monotonic() - t}
+                end = time.monotonic()
+                return {"template": name, "node": e.node_id, "id": e.id, "s": end - t,
+                        "parts": _parts(e.info.timing, made - t, end - made)}
 
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
                 done = list(pool.map(one, names))
@@ -218,8 +252,10 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
         "envs_per_node_max_over_mean": max(per_batch), "envs_per_node_max_over_mean_by_batch": per_batch,
         "creates_per_node": {n[:12]: sum(d["node"] == n for d in creates) for n in nodes},
         "node_stats": {n[:12]: s for n, s in stats.items()}, "peer_ms_per_mib": peer_ms,
+        "breakdown": _breakdown(creates),
         "slowest": [{"s": round(d["s"], 3), "batch": d["batch"], "template": d["template"], "node": d["node"][:12],
-                     "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2)}
+                     "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2),
+                     "parts": {k: round(v, 3) for k, v in d["parts"].items()}}
                     for d in sorted(creates, key=lambda d: -d["s"])[:4]],
     }
 

@@ -7,8 +7,10 @@ load, the cache bonus bounded by :func:`~weenv.cluster.placement.bonus_cap`
 over the peak of environments at once so far, as the view's demand,
 eligibility); its own wall time per call is measured here.  The view's rules around it are modelled as :mod:`weenv.cluster.view`
 has them: a template placed on a node counts as held there from its placement
-on (``expected``), and the share a node holds is over the template's working
-set (the bytes environments read), not its whole size.
+on (``expected``), the share a node holds is over the template's working
+set (the bytes environments read), not its whole size, and the creates of a
+template no node's cache holds yet are spread over two nodes at least
+(``spread``: per node, the creates of it placed there so far).
 
 **What is modelled** (stated in the JSON's ``model``):
 
@@ -26,8 +28,9 @@ set (the bytes environments read), not its whole size.
 - a create: ``warm_create_s`` (measured here: a real warm create's p50) plus
   the bytes it reads before it is ready, ``startup_fraction`` (5 %) of its
   template, at the rate of its source: its own cache (nothing), a peer
-  holding it or fetching it (after that fetch ends, if within the 2 s peer
-  timeout, else the store; ``peer_ms_per_mib``
+  holding it, or fetching it (each chunk as it lands there, no faster than
+  that fetch, if a chunk lands within the 2 s peer timeout, else the store;
+  ``peer_ms_per_mib``
   measured here, at most the NIC's share), the store (``store_ms_per_mib``
   measured here, at most the NIC's share and a share of the store's 100 Gb/s
   egress).  Rates are set when a transfer starts (no re-sharing midway).
@@ -99,6 +102,7 @@ class SimNode:
         self.cache: OrderedDict[int, int] = OrderedDict()  # template -> bytes held (LRU first)
         self.cached = 0
         self.fetching: dict[int, float] = {}  # template -> when its fetch here ends
+        self.rates: dict[int, float] = {}  # template -> the bytes/s of its fetch here
         self.streams = 0
         self.envs = 0
 
@@ -145,6 +149,7 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
         ends: list[tuple[float, str, int]] = []  # (end time, node, template)
         latencies, hits, active = [], 0, [0]  # active: transfers from the store
         live = 0  # environments of this batch placed so far (they run until it ends)
+        cold: dict[int, dict[str, int]] = {}  # template no cache holds -> creates of it placed per node
         i = 0
         while i < len(queue):
             t = queue[i]
@@ -153,10 +158,12 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
             loads = [n.load for n in fleet]
             try:
                 c0 = time.perf_counter()
+                held = any(t in by_id[h].cache for h in holders.get(t, ()))
                 if peers_on:
                     chosen = placement.place(loads, req, policy=policy, rng=rng,
                                              holders=[by_id[h].load for h in holders.get(t, ())],
-                                             cap=placement.bonus_cap(max(peak, live + 1), nodes, policy))
+                                             cap=placement.bonus_cap(max(peak, live + 1), nodes, policy),
+                                             spread=None if held else cold.get(t, {}))
                 else:
                     ok = [x for x in loads if placement.eligible(x, req, policy)]
                     if not ok:
@@ -174,6 +181,8 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 continue
             live += 1
             peak = max(peak, live)
+            if not held:
+                cold.setdefault(t, {})[chosen] = cold.get(t, {}).get(chosen, 0) + 1
             node = by_id[chosen]
             node.load.inflight += 1
             node.load.cpu_inflight += m.env_cpus
@@ -187,15 +196,19 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 start, rate, src = max(place_clock, node.fetching[t]), None, "local"
                 hits += 1
             else:
-                # a peer serves what it holds, or is fetching if that ends within the peer timeout
+                # a peer serves what it holds, and what it is fetching as each chunk lands there (the
+                # node asks it chunk by chunk behind it) if a chunk lands within the peer timeout
                 others = [by_id[h] for h in holders.get(t, ()) if h != chosen
-                          and by_id[h].fetching.get(t, 0.0) - place_clock <= m.peer_timeout_s] if peers_on else []
+                          and (by_id[h].fetching.get(t, 0.0) <= place_clock
+                               or MiB / by_id[h].rates[t] <= m.peer_timeout_s)] if peers_on else []
                 nic = m.nic_bytes_s / (node.streams + 1)
                 if others:
                     peer = min(others, key=lambda o: o.fetching.get(t, 0.0))
-                    start = max(place_clock, peer.fetching.get(t, 0.0))
+                    start = place_clock
                     rate, src = min(MiB / (costs.peer_ms_per_mib / 1000), nic,
                                     m.nic_bytes_s / (peer.streams + 1)), "peer"
+                    if peer.fetching.get(t, 0.0) > place_clock:  # its last chunk lands, then comes here
+                        rate = min(rate, peer.rates[t])
                     peer_bytes += ws
                 else:
                     rate = min(MiB / (costs.store_ms_per_mib / 1000), nic, m.store_bytes_s / (active[0] + 1))
@@ -206,7 +219,7 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 node.load.group_bytes[str(t)] = ws  # the view's "expected": placed here, counts as held
             fetch_end = start + (ws / rate if rate else 0.0)
             if src != "local":
-                node.fetching[t] = fetch_end
+                node.fetching[t], node.rates[t] = fetch_end, rate
                 holders.setdefault(t, set()).add(chosen)
             ready = fetch_end + costs.warm_create_s
             latencies.append(ready)

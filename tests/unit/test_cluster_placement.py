@@ -89,7 +89,7 @@ def test_the_cache_bonus_ends_at_the_bound_of_environments_per_node():
 
     small = Request(cpus=0.05, memory_bytes=64 << 20, groups=(("sha256:task", 200),))
     policy = Policy()
-    assert bonus_cap(32, 4, policy) == 12 and bonus_cap(1, 3, policy) == 2
+    assert bonus_cap(32, 4, policy) == 11 and bonus_cap(16, 4, policy) == 6 and bonus_cap(1, 3, policy) == 2
     assert bonus_cap(32, 4, Policy(balance=None)) is None and bonus_cap(32, 0, policy) is None
     warm_bytes = {"sha256:task": 200}
 
@@ -109,3 +109,25 @@ def test_the_cache_bonus_ends_at_the_bound_of_environments_per_node():
     nodes = [node(f"n{i}", environments=4, cpu_reserved=4) for i in range(50)] + over + [under]
     for seed in range(10):
         assert place(nodes, small, rng=random.Random(seed), cap=cap) == "under"
+
+
+def test_a_template_no_node_holds_started_by_several_creates_goes_to_two_nodes():
+    """``spread`` (the creates of a cold template placed lately, per node): the node
+    with half of them gets no bonus for the next, so the template ends warm on two
+    nodes; a template one node holds (no ``spread``) stays there."""
+    from weenv.cluster.placement import has_bonus
+
+    cold = Request(cpus=0.05, memory_bytes=64 << 20, groups=(("template:t", 1),))
+    assert has_bonus(node("a"), spread={}) and has_bonus(node("a"), spread={"b": 1})
+    assert not has_bonus(node("a"), spread={"a": 1}), "the second create of the burst goes elsewhere"
+    assert has_bonus(node("a"), spread={"a": 1, "b": 1}) and not has_bonus(node("a"), spread={"a": 2, "b": 1})
+    nodes = [node(n) for n in ("a", "b", "c", "d")]
+    spread: dict[str, int] = {}
+    for _ in range(8):
+        chosen = place(nodes, cold, spread=spread, rng=random.Random(len(spread)))
+        spread[chosen] = spread.get(chosen, 0) + 1
+        n = next(x for x in nodes if x.node_id == chosen)
+        n.group_bytes["template:t"], n.inflight = 1, n.inflight + 1  # the view's "expected"
+    assert sorted(spread.values()) == [4, 4], spread
+    warm = [node("a", group_bytes={"template:t": 1}, environments=3), node("b"), node("c")]
+    assert place(warm, cold) == "a", "held: no spread, the warm node keeps it"

@@ -28,15 +28,22 @@ FACTS = {"t": TemplateFacts(["sha256:g1", "sha256:g2"], 1.0, 1 * GiB)}
 
 
 def test_creates_of_one_template_placed_together_go_together():
+    """Creates of a template no node holds, placed together, go to two nodes (half
+    each: the next batch finds it warm on two); once a node holds it, they go there."""
     view = ClusterView()
     for n in "abcd":
         view.heartbeat(report(n, templates=FACTS))
-    view._note_demand(24)  # a rollout batch of 24 lately: together up to ceil(1.3 x 24 / 4) + 1 = 9 on a node
-    first = view.place("t", cpus=0.1).route.node_id
-    assert all(view.place("t", cpus=0.1).route.node_id == first for _ in range(5))
+    view._note_demand(24)  # a rollout batch of 24 lately: together up to ceil(1.25 x 24 / 4) + 1 = 9 on a node
+    placed = [view.place("t", cpus=0.1).route.node_id for _ in range(6)]
+    assert sorted(placed.count(n) for n in set(placed)) == [3, 3], placed
     # an unknown template too (no node knows its groups yet)
-    other = view.place("new", cpus=0.1).route.node_id
-    assert all(view.place("new", cpus=0.1).route.node_id == other for _ in range(2))
+    other = [view.place("new", cpus=0.1).route.node_id for _ in range(4)]
+    assert sorted(other.count(n) for n in set(other)) == [2, 2], other
+    view = ClusterView()
+    for n in "abcd":
+        view.heartbeat(report(n, held={"sha256:g1": 1000, "sha256:g2": 1000} if n == "c" else None, templates=FACTS))
+    view._note_demand(24)
+    assert [view.place("t", cpus=0.1).route.node_id for _ in range(4)] == ["c"] * 4, "held by one: no spread"
 
 
 def test_a_node_holding_the_working_set_gets_the_whole_share():
@@ -292,9 +299,13 @@ def test_a_chunk_this_node_asks_peers_for_is_not_waited_for_by_a_peer(tmp_path):
         t.start()
         assert asked.wait(5)
         assert peers.serve(digest) is None  # asked while this node asks a peer: not waited for
+        # ranks break the tie: a peer ranked below this node is not waited for, one above is (its
+        # answer to this node's ask is 404 at once; this node takes the chunk from the store, then serves it)
+        assert peers.serve(digest, asker_rank=peers.rank - 1) is None
+        assert peers.serve(digest, asker_rank=peers.rank + 1) is None  # (the test's held() holds nothing)
         t.join()
         assert failed and peers.serve(digest) is None
-        assert waits == [0.0, 2.0 * SERVE_WAIT_SHARE]
+        assert waits == [0.0, 0.0, 2.0 * SERVE_WAIT_SHARE, 2.0 * SERVE_WAIT_SHARE]
     finally:
         peers.close()
         server.shutdown()

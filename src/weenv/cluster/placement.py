@@ -21,6 +21,15 @@ rollouts does not pile on the nodes that hold its templates (small
 environments barely move the load: 16 of 0.05 cores on 2 cores weigh 0.4,
 less than a whole template's bonus).
 
+A template **no node holds yet**, started by several creates at once, goes
+to two nodes (at least): while the caller passes ``spread`` (per node, the
+creates of the template placed there lately), a node that has at least half
+of them (rounded up, the one placed counted) gets no bonus for it.  The next
+batch then finds the template warm on two nodes, and placing it warm need not
+pile on one (with one holder per template, two templates of a batch warm on the
+same node either pile there or one goes cold elsewhere); the second node
+fetches its chunks from the first (peer sharing), not from the store.
+
 ``reserved`` is what the node's environments reserve (their CPU reservations,
 their memory limits), ``in flight`` what creates placed there and not done yet
 ask, ``used`` what they use now (CPU cores, working set).  The nodes holding
@@ -60,7 +69,7 @@ PREFER_BONUS = 10.0
 """Taken off the preferred node's score: more than any load difference (loads are <= 1 + used_share)."""
 MAX_INFLIGHT = 8
 """Creates in progress a node may have before placement passes it over."""
-BALANCE = 0.3
+BALANCE = 0.25
 """How far over the mean of environments per node a node may be and still get the cache bonus (:func:`bonus_cap`)."""
 
 
@@ -148,12 +157,25 @@ def eligible(node: NodeLoad, request: Request, policy: Policy = Policy()) -> boo
             and node.memory_reserved + node.memory_inflight + request.memory_bytes <= node.memory_capacity)
 
 
+def has_bonus(node: NodeLoad, cap: int | None = None, spread: dict[str, int] | None = None) -> bool:
+    """Whether ``node`` may get the cache bonus: below ``cap`` environments
+    (:func:`bonus_cap`; None: no bound) and, with ``spread`` (creates of a
+    template no node holds yet placed lately, per node id), holding fewer than
+    half of them, the one placed counted (see the module docstring)."""
+    if cap is not None and node.environments + node.inflight + 1 > cap:
+        return False
+    if spread:
+        mine = spread.get(node.node_id, 0)
+        return mine == 0 or mine < math.ceil((sum(spread.values()) + 1) / 2)
+    return True
+
+
 def score(node: NodeLoad, request: Request, policy: Policy = Policy(), *, preferred: str | None = None,
-          cap: int | None = None) -> float:
-    """Lower is better: load minus the cache bonus (only below ``cap``
-    environments, :func:`bonus_cap`; None: always), minus ``prefer_bonus`` on the preferred node."""
+          cap: int | None = None, spread: dict[str, int] | None = None) -> float:
+    """Lower is better: load minus the cache bonus (only where :func:`has_bonus`),
+    minus ``prefer_bonus`` on the preferred node."""
     s = load(node, request, policy)
-    if cap is None or node.environments + node.inflight + 1 <= cap:
+    if has_bonus(node, cap, spread):
         s -= policy.cache_bonus * cached_share(node, request)
     return s - policy.prefer_bonus if node.node_id == preferred else s
 
@@ -163,14 +185,17 @@ SAMPLE_TRIES = 8
 
 
 def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(), preferred: str | None = None,
-          rng: random.Random | None = None, holders: list[NodeLoad] | None = None, cap: int | None = None) -> str:
+          rng: random.Random | None = None, holders: list[NodeLoad] | None = None, cap: int | None = None,
+          spread: dict[str, int] | None = None) -> str:
     """The id of the node ``request`` goes to, from ``nodes``.
 
     ``preferred``: a node id that wins if eligible (a hint, an origin);
     :class:`InvalidInputError` if no node of ``nodes`` has it.  ``holders``:
     the nodes holding any of the template's groups, when the caller keeps an
     index of them (None: every node is looked at).  ``cap``: environments
-    per node from which the cache bonus is off (:func:`bonus_cap`; None: never).  Raises
+    per node from which the cache bonus is off (:func:`bonus_cap`; None: never).  ``spread``:
+    for a template no node holds yet, the creates of it placed lately per node
+    id (:func:`has_bonus`; None: the template is held, or not known).  Raises
     :class:`CapacityError` when no node is eligible.
 
     Cost: O(k + holders) on a cluster with room (the ``k`` sampled nodes are
@@ -198,8 +223,8 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
     if request.groups:
         pool = holders if holders is not None else ok if ok is not None else nodes
         warm = [n for n in pool if cached_share(n, request) > 0 and eligible(n, request, policy)]
-        # those still under the cap first: a warm node past it gets no bonus (it need not be a candidate)
-        warm.sort(key=lambda n: (cap is not None and n.environments + n.inflight + 1 > cap, -cached_share(n, request)))
+        # those that may get the bonus first: a warm node past the cap gets none (it need not be a candidate)
+        warm.sort(key=lambda n: (not has_bonus(n, cap, spread), -cached_share(n, request)))
         candidates.update((n.node_id, n) for n in warm[: policy.k])
     if preferred is not None:
         for n in nodes:
@@ -207,5 +232,6 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
                 candidates[n.node_id] = n
     # equal scores (empty nodes, as a rule): a random one, not always the same (the lowest id)
     ties = {n.node_id: rng.random() for n in candidates.values()}
-    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred, cap=cap), 9),
+    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred, cap=cap,
+                                                               spread=spread), 9),
                                                    ties[n.node_id])).node_id

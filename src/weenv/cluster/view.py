@@ -91,10 +91,12 @@ class _Node:
     and it is not routed again (so a node whose environments were just killed
     is not seen as fuller than it is).  Ends with a report that lacks it taken
     ``REPORT_GRACE_S`` after the destroy."""
-    expected: dict[str, float] = field(default_factory=dict)
-    """Template -> until when (monotonic s) the node counts as holding it: placed
-    there lately, before its reports show the chunks (creates of a template
-    started together go together; its peers may ask it for them)."""
+    expected: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Template -> (until when, monotonic s, the node counts as holding it; the
+    creates of it placed there since it began): placed there lately, before its
+    reports show the chunks (creates of a template started together go to the
+    same nodes, two of them at least, :mod:`weenv.cluster.placement`; its peers
+    may ask them for its chunks)."""
 
 
 @dataclass
@@ -223,13 +225,32 @@ class ClusterView:
             alive = [n for n in loads if n.alive]
             demand = self._note_demand(sum(n.environments + n.inflight for n in alive) + 1)
             chosen = placement.place(loads, request, policy=self.policy, preferred=node,
-                                     cap=placement.bonus_cap(demand, len(alive), self.policy))
+                                     cap=placement.bonus_cap(demand, len(alive), self.policy),
+                                     spread=self._spread_locked(template, request))
             token = next(self._tokens)
             target = self._nodes[chosen]
-            target.inflight[token] = (request.cpus, request.memory_bytes, time.monotonic())
+            now = time.monotonic()
+            target.inflight[token] = (request.cpus, request.memory_bytes, now)
             peers = self._fetching_locked(template, chosen)
-            target.expected[template] = time.monotonic() + self.expect_s
+            until, count = target.expected.get(template, (0.0, 0))
+            target.expected[template] = (now + self.expect_s, count + 1 if until > now else 1)
             return Placed(self._route_of(target), token, peers)
+
+    def _spread_locked(self, template: str, request: placement.Request) -> dict[str, int] | None:
+        """For a template no alive node's report holds (some bytes of each of
+        its groups placement weighs): the creates of it placed lately per node
+        (:func:`weenv.cluster.placement.has_bonus`); None once a node holds it."""
+        now = time.monotonic()
+        spread = {}
+        for n in self._nodes.values():
+            if n.state != "alive" or n.report is None:
+                continue
+            if all(n.report.group_bytes.get(g, 0) > 0 for g, _ in request.groups):
+                return None
+            until, count = n.expected.get(template, (0.0, 0))
+            if until > now:
+                spread[n.node_id] = count
+        return spread
 
     def _fetching_locked(self, template: str, other_than: str) -> tuple[str, ...]:
         """The alive nodes but ``other_than`` that hold chunks of ``template``'s
@@ -241,7 +262,7 @@ class ClusterView:
         for n in self._nodes.values():
             if n.node_id == other_than or n.state != "alive" or n.report is None:
                 continue
-            until = n.expected.get(template, 0.0)
+            until, _ = n.expected.get(template, (0.0, 0))
             if until > now or any(n.report.group_bytes.get(g, 0) > 0 for g in groups):
                 found.append((until if until > now else 0.0, n.node_id))
         return tuple(node_id for _, node_id in sorted(found))[:MAX_HINTED]
@@ -319,7 +340,7 @@ class ClusterView:
     def _expected_bytes(self, node: _Node) -> dict[str, int]:
         """Group (or stand-in) -> bytes the node is expected to hold for templates placed there lately."""
         now = time.monotonic()
-        node.expected = {t: until for t, until in node.expected.items() if until > now}
+        node.expected = {t: e for t, e in node.expected.items() if e[0] > now}
         out: dict[str, int] = {}
         for template in node.expected:
             for g, size in self._groups_of(template, self._templates.get(template)):

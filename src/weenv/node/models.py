@@ -76,6 +76,8 @@ class CreateTiming(_Model):
     ``runtime.network``, making its network namespace and veth pair first."""
     first_command_s: float | None = None
     """Running the first command (``true``) inside the environment, if asked."""
+    reserve_s: float = 0.0
+    """The provisioner admitting it (its reservation; waiting for room when the latency objective asks)."""
     pooled: bool = False
     """The warm pool had created it ahead (:mod:`weenv.node.pool`): ``runtime_s``
     is ``runc start`` alone, and the groups and overlay phases took place before."""

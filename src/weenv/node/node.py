@@ -437,7 +437,9 @@ class Node:
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
             # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)
+            t_reserve = time.perf_counter()
             self.provisioner.reserve(env_id, res, priority=req.priority, template=digest, wait=True)
+            timing["reserve_s"] = time.perf_counter() - t_reserve
             undo.callback(self.provisioner.detach, env_id)
             if c.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))

@@ -40,8 +40,14 @@ of :mod:`weenv.server.peers`): only with the cluster's peer token (not the
 node's API key: a peer may read content-addressed chunks and nothing else),
 only chunks this node's cache holds (or is fetching for itself from the
 store or in a pack: waited for up to ``SERVE_WAIT_SHARE`` of ``timeout_s``; one
-it is asking peers for is not waited for, as two nodes asking each other would
-each wait out the other's timeout; a peer's request never makes this node fetch anything), at
+it is asking peers for is waited for only by a node asked by a peer of a
+higher **rank**, a random number each node draws and sends with its requests
+(:data:`RANK_HEADER`): of two nodes asking each other for a chunk neither
+holds, the lower-ranked one's answer waits while the other hears 404 at once
+and takes it from the store, and then serves it, so the chunk comes from the
+store once, not twice, and neither waits out a timeout (waits go down the
+ranks: the lowest asking node waits for none); a peer's request never makes
+this node fetch anything), at
 most ``serve_concurrency`` at once (more are refused, :class:`BusyError`, and
 the asker moves on: at most ``serve_concurrency`` chunks' bytes are in flight),
 and at most ``serve_bytes_per_s`` bytes a second (a token bucket: an answer
@@ -75,6 +81,8 @@ log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "x-weenv-peer-token"
 """The header a peer's chunk request carries the cluster's peer token in."""
+RANK_HEADER = "x-weenv-peer-rank"
+"""The header a peer's chunk request carries its rank in (:meth:`PeerChunks.serve`)."""
 CHUNK_PATH = "/peer/v1/chunks/"
 """``CHUNK_PATH + digest``: a node's chunk route for its peers."""
 PASS_OVER_S = 10.0
@@ -192,6 +200,8 @@ class PeerChunks:
         self._bucket = 0.0
         self._bucket_at = time.monotonic()
         self._bucket_lock = threading.Lock()
+        self.rank = random.getrandbits(62)
+        """Sent with this node's chunk requests: which of two nodes asking each other waits (:meth:`serve`)."""
 
     # --- the table -----------------------------------------------------------------------
     def update(self, update: PeerUpdate) -> None:
@@ -344,7 +354,8 @@ class PeerChunks:
         deadline = time.monotonic() + settings.timeout_s
         try:
             with http.stream("GET", peer.url.rstrip("/") + CHUNK_PATH + digest,
-                             headers={TOKEN_HEADER: settings.token}, timeout=settings.timeout_s) as r:
+                             headers={TOKEN_HEADER: settings.token, RANK_HEADER: str(self.rank)},
+                             timeout=settings.timeout_s) as r:
                 if r.status_code == 404:
                     self._count(peer_failures=1, peer_missing=1)
                     return None
@@ -395,9 +406,11 @@ class PeerChunks:
         settings = self._settings
         return bool(settings and presented and hmac.compare_digest(presented.encode(), settings.token.encode()))
 
-    def serve(self, digest: str) -> bytes | None:
+    def serve(self, digest: str, asker_rank: int | None = None) -> bytes | None:
         """Plaintext of chunk ``digest`` for a peer, if this node holds it (None
-        otherwise), within the serving bounds.  Raises :class:`BusyError` past
+        otherwise), within the serving bounds; ``asker_rank``, the asking
+        peer's :attr:`rank` (None: not sent; a fetch of the chunk asking peers
+        here is waited for only for a peer ranked above this node).  Raises :class:`BusyError` past
         ``serve_concurrency``, :class:`InvalidInputError` for a bad digest or
         before the node is in a cluster."""
         check_digest(digest)
@@ -413,8 +426,10 @@ class PeerChunks:
             asking = digest in self._asking
         try:
             # a fetch here asking peers for it is not waited for (it may be asking the asker: each would wait
-            # out the other's timeout); others are, for less than the asker waits (it hears 404, not a timeout)
-            data = self.held(digest, 0.0 if asking else settings.timeout_s * SERVE_WAIT_SHARE)
+            # out the other's timeout) unless the asker ranks higher (then this node's ask of it hears 404
+            # at once); others are, for less than the asker waits (it hears 404, not a timeout)
+            waits = not asking or (asker_rank is not None and self.rank < asker_rank)
+            data = self.held(digest, settings.timeout_s * SERVE_WAIT_SHARE if waits else 0.0)
             if data is None:
                 self._count(served_missing=1)
                 return None
