@@ -69,7 +69,14 @@ from weenv.formats.manifest import ChunkRef, GroupManifest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
 from weenv.node.peers import PeerChunks
-from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
+from weenv.packaging.profile import (
+    PrefetchPack,
+    PrefetchProfile,
+    build_pack,
+    carried_manifests,
+    load_profile,
+    publish_profile,
+)
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -404,7 +411,8 @@ class Prefetcher:
         refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
         spans = ([(index[d], off, n) for d, off, n in ranges] + carried_spans)[:MAX_PROFILE_CHUNKS]
         profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
-                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3))
+                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3),
+                                  manifests=carried_manifests(zip(rec["groups"], rec["manifests"])))  # fmt: skip
         with self._lock:
             self._profiles[rec["template"]] = profile
             if self._closed:
@@ -523,6 +531,15 @@ class Prefetcher:
         with self._lock:
             profile = self._profiles.get(template_digest)
         return list(profile.groups) if profile is not None else []
+
+    def known_manifests(self, template_digest: str) -> dict[str, bytes]:
+        """The group manifests ``template_digest``'s profile carries, if this
+        node holds the profile (never a store request), by digest, unchecked:
+        :meth:`weenv.node.manifests.NodeManifests.adopt` checks each before it
+        is used."""
+        with self._lock:
+            profile = self._profiles.get(template_digest)
+        return {d: text.encode() for d, text in profile.manifests.items()} if profile is not None else {}
 
     def wait_published(self) -> None:
         """Wait for the profiles being published (tests)."""
