@@ -293,9 +293,10 @@ def _record_profile(n: Node) -> None:
 
 
 def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_store, leak_check):
-    """A profile keeps its chunks' refs; a node that knows it starts a cold
-    start's prefetch right after resolving the template, while the (slow)
-    group manifests load, and the environment works."""
+    """A profile keeps its chunks' refs and the group manifests; a node that
+    knows it starts a cold start's prefetch right after resolving the
+    template, while the (slow) template manifest loads, reads no group
+    manifest from the store, and the environment works."""
     store = CountingStore(private_store)
     digest, groups = template_groups(store)
     with Node(paths, store=store, prefetch_record_s=30) as n:
@@ -306,11 +307,15 @@ def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_stor
 
         assert profile.pack is not None  # published with its pack
 
+        assert set(profile.manifests) == {g for g, _m in groups}  # published carrying the group manifests
+
         n.drop_caches()  # cold: chunks and manifests gone, the profile known
         store.manifest_delay = 0.2
         store.order.clear()
         env = n.create("task")
-        _pack_streamed_before_the_groups_loaded(store.order, profile, groups)
+        order = list(store.order)  # the group manifests came with the profile: only the template's is read
+        assert [x for x in order if x.startswith("manifest:")] == ["manifest:" + digest], order
+        assert order.index("pack:" + profile.pack.digest) < order.index("manifest:" + digest)
         assert n.exec(env.id, ["cat", "/workspace/hello.py"]).stdout == b"print('hello from the task')\n"
         job = n.prefetch.job(env.id)
         assert job is None or job.done.wait(60)

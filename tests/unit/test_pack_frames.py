@@ -178,3 +178,66 @@ def test_a_reader_waits_for_a_frame_being_checked(tmp_path):
     assert cache.read(ref, 0, 16) == plain[:16]
     putting.join()
     assert store.reads == 0 and cache.chunks_fetched == 1
+
+
+def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkeypatch):
+    """A demand read of a chunk whose frame a streaming pack has not received
+    yet waits for it instead of asking the store (no store read; counted as
+    prefetched), and the worker that comes to that position skips it; a frame
+    that does not come within PACK_WAIT_S, or one too far behind in the
+    pack, is fetched from the store (the right bytes either way)."""
+    import threading
+    import time
+
+    import weenv.node.prefetch as prefetch
+    from weenv.node.prefetch import TAKEN, PackStream
+
+    store, cache, pf, refs, plains = _prefetcher(tmp_path, n=3)
+    monkeypatch.setattr(prefetch, "PACK_WAIT_AHEAD_BYTES", 3 * MiB)  # these chunks are random: ~1 MiB a frame
+    store = _CountingStore(tmp_path / "store")
+    cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
+    cache.frames = pf.frame_for
+    try:
+        data, frames = build_pack(plains)
+        pack = PrefetchPack(digest=store.put_pack(data), frames=frames)
+        stream = PackStream(pack, (pack.digest, tuple(r.digest for r in refs)))
+        offsets = [sum(frames[:i]) for i in range(len(frames))]
+        with pf._lock:
+            pf._streams[stream.key] = stream
+        store.reads = 0
+        got = {}
+        reader = threading.Thread(target=lambda: got.setdefault("data", cache.read(refs[1], 0, MiB)))
+        reader.start()
+        time.sleep(0.05)
+        with pf._lock:
+            assert stream.claimed == {1}  # waiting for it
+        with pf._lock:  # the pack's reader receives frames 0 and 1
+            for i in (0, 1):
+                stream.frames[i] = data[offsets[i] : offsets[i] + frames[i]]
+                stream.buffered += frames[i]
+            stream.received = 2
+            pf._lock.notify_all()
+        reader.join(10)
+        assert got["data"] == plains[1] and store.reads == 0
+        assert cache.stats().chunks_prefetched == 1
+        with pf._lock:
+            assert 1 not in stream.frames and stream.claimed == set() and stream.take(1) is TAKEN
+
+        monkeypatch.setattr(prefetch, "PACK_WAIT_S", 0.05)  # frame 2 never comes: the store's after the wait
+        t = time.monotonic()
+        assert cache.read(refs[2], 0, MiB) == plains[2] and store.reads == 1
+        assert 0.04 < time.monotonic() - t < 5
+        with pf._lock:
+            assert stream.claimed == set()
+
+        monkeypatch.setattr(prefetch, "PACK_WAIT_AHEAD_BYTES", 1)  # too far behind: at once from the store
+        cache.clear()
+        with pf._lock:
+            stream.received, stream.frames = 0, {}
+        t = time.monotonic()
+        assert cache.read(refs[1], 0, MiB) == plains[1] and store.reads == 2
+        assert time.monotonic() - t < 0.04
+        with pf._lock:
+            del pf._streams[stream.key]
+    finally:
+        pf.close()

@@ -104,6 +104,26 @@ class NodeManifests:
                 list(pool.map(self.group, missing))
         return [self.group(g) for g in digests]
 
+    def adopt(self, digest: str, data: bytes) -> bool:
+        """Take ``data`` as group manifest ``digest`` (given by a prefetch
+        profile rather than fetched), checked as the store's bytes are: size
+        limit, sha256, kind, fields; kept in memory and on disk.  False, and
+        nothing kept, if it is not that group manifest (logged: the store's
+        copy is fetched when it is needed, this one is never used); True if
+        kept or known already."""
+        if self.has(digest):
+            return True
+        try:
+            if len(data) > MAX_MANIFEST_BYTES or sha256_digest(data) != check_digest(digest):
+                raise InvalidInputError("its bytes do not have that digest")
+            found = self._parse("group", digest, data)
+        except WeenvError as exc:
+            log.warning("group manifest %s given by a prefetch profile refused (%s); the store's is used", digest, exc)
+            return False
+        self._to_disk(digest, data)
+        self._keep(digest, found, len(data))
+        return True
+
     def has(self, digest: str) -> bool:
         """Whether manifest ``digest`` is here, in memory or on disk (no store request)."""
         with self._lock:

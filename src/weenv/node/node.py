@@ -433,7 +433,9 @@ class Node:
             if c.prefetch and self.provisioner.admitting and self.prefetch.begin_early(env_id, digest):
                 undo.callback(self.prefetch.cancel, env_id)
             # its profile names its groups: their manifests load beside the template's
-            manifest, group_manifests = self.resolver.load(digest, self.prefetch.known_groups(digest))
+            # and the group manifests it carries are taken from it (checked) rather than fetched
+            manifest, group_manifests = self.resolver.load(digest, self.prefetch.known_groups(digest),
+                                                           self.prefetch.known_manifests(digest))
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
             # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)

@@ -28,7 +28,8 @@ it arrives, to the ``workers`` threads, which check and cache it
 decode two frames at once).  A demand read of a chunk whose frame arrived
 and waits for a worker takes it (:meth:`Prefetcher.frame_for`, the cache's
 :attr:`~weenv.node.cache.ChunkCache.frames`) rather than asking the store
-again, and one of a chunk a worker is checking waits for that check.
+again, one of a frame the stream brings soon waits for it (bounded), and one
+of a chunk a worker is checking waits for that check.
 Measured on 2 cores from a loopback registry,
 the 24 chunks (8 MB stored) a Debian + Python start reads arrive in ~60 ms this
 way against ~135 ms one by one with 4 workers.  Chunks past
@@ -69,7 +70,14 @@ from weenv.formats.manifest import ChunkRef, GroupManifest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
 from weenv.node.peers import PeerChunks
-from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, load_profile, publish_profile
+from weenv.packaging.profile import (
+    PrefetchPack,
+    PrefetchProfile,
+    build_pack,
+    carried_manifests,
+    load_profile,
+    publish_profile,
+)
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -89,6 +97,14 @@ LOOKUP_WAIT_S = 1.0
 """How long :meth:`Prefetcher.begin` waits for a template's profile lookup (the one
 :meth:`Prefetcher.begin_early` started, or its own): a frozen store must not hold
 a create; the lookup's answer, when it comes, still serves later creates."""
+PACK_WAIT_S = 0.25
+"""How long a demand read waits for a chunk's frame that a streaming pack brings
+soon (:meth:`Prefetcher.frame_for`) before it fetches the chunk itself."""
+PACK_WAIT_AHEAD_BYTES = 2 << 20
+"""A demand read waits for a pack's frame only if at most this many bytes of the
+pack (that frame's included) are still to arrive before it: a few frames, which
+a stream brings in a few ms, about what a fetch of the chunk alone costs (a
+frame farther back is fetched at once)."""
 TAKEN = object()
 """What :meth:`Prefetcher._take` hands out for a pack position whose frame
 another job's worker took."""
@@ -111,6 +127,8 @@ class PackStream:
         self.ended = False
         """The reader stopped: all received, or failed (the rest is fetched one by one), or nobody waits."""
         self.jobs: list[PrefetchJob] = []
+        self.claimed: set[int] = set()
+        """Positions a demand read waits for (:meth:`Prefetcher.frame_for`): no worker takes their frames."""
         self._positions: dict[str, int] | None = None
 
     def position(self, digest: str) -> int | None:
@@ -237,18 +255,45 @@ class Prefetcher:
         cache.frames = self.frame_for  # a demand read takes a frame the pack brought before a worker did
 
     def frame_for(self, digest: str) -> bytes | None:
-        """The zstd frame of chunk ``digest`` if a pack streaming now received it
+        """The zstd frame of chunk ``digest`` if a pack streaming now brings it
         and no worker took it yet (it is taken: the caller, a demand read,
         decodes and checks it, which costs less than asking the store again);
-        else None.  The cache's :attr:`~weenv.node.cache.ChunkCache.frames`."""
+        else None.  The cache's :attr:`~weenv.node.cache.ChunkCache.frames`.
+
+        A frame not received yet, with at most :data:`PACK_WAIT_AHEAD_BYTES`
+        of the pack before it still to come, is waited for, at most
+        :data:`PACK_WAIT_S` seconds (claimed meanwhile: no worker takes it):
+        the stream is already under way, while a fetch of its own would be one
+        more request racing it for the same bytes (``weenv bench start``: a
+        cold start's mount read a chunk that way, ~10 ms from a registry on a
+        busy 2-core host, while the pack brought it a few ms later).  None if
+        the stream ends or the wait runs out first (the caller fetches it)."""
+        deadline = None
         with self._lock:
-            for stream in self._streams.values():
-                pos = stream.position(digest)
-                if pos is not None and pos < stream.received and pos in stream.frames:
-                    frame = stream.take(pos)
-                    self._lock.notify_all()  # room in the reader's buffer
-                    return frame if isinstance(frame, bytes) else None
-        return None
+            while True:
+                waiting = None
+                for stream in self._streams.values():
+                    pos = stream.position(digest)
+                    if pos is None:
+                        continue
+                    if pos < stream.received:
+                        if pos in stream.frames:
+                            stream.claimed.discard(pos)
+                            frame = stream.take(pos)
+                            self._lock.notify_all()  # room in the reader's buffer
+                            return frame if isinstance(frame, bytes) else None
+                    elif not stream.ended and sum(stream.pack.frames[stream.received : pos + 1]) <= PACK_WAIT_AHEAD_BYTES:
+                        waiting = (stream, pos)
+                if waiting is None or self._closed:
+                    return None
+                now = time.monotonic()
+                deadline = now + PACK_WAIT_S if deadline is None else deadline
+                stream, pos = waiting
+                if now >= deadline:
+                    stream.claimed.discard(pos)  # not received: a worker takes it when it comes
+                    return None
+                stream.claimed.add(pos)
+                self._lock.wait(deadline - now)
 
     # --- the create's hooks ----------------------------------------------------------
     def begin_early(self, env_id: str, template_digest: str) -> bool:
@@ -404,7 +449,8 @@ class Prefetcher:
         refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
         spans = ([(index[d], off, n) for d, off, n in ranges] + carried_spans)[:MAX_PROFILE_CHUNKS]
         profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
-                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3))
+                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3),
+                                  manifests=carried_manifests(zip(rec["groups"], rec["manifests"])))  # fmt: skip
         with self._lock:
             self._profiles[rec["template"]] = profile
             if self._closed:
@@ -523,6 +569,15 @@ class Prefetcher:
         with self._lock:
             profile = self._profiles.get(template_digest)
         return list(profile.groups) if profile is not None else []
+
+    def known_manifests(self, template_digest: str) -> dict[str, bytes]:
+        """The group manifests ``template_digest``'s profile carries, if this
+        node holds the profile (never a store request), by digest, unchecked:
+        :meth:`weenv.node.manifests.NodeManifests.adopt` checks each before it
+        is used."""
+        with self._lock:
+            profile = self._profiles.get(template_digest)
+        return {d: text.encode() for d, text in profile.manifests.items()} if profile is not None else {}
 
     def wait_published(self) -> None:
         """Wait for the profiles being published (tests)."""
@@ -703,7 +758,8 @@ class Prefetcher:
                     job.pending += 1
                     frame = None
                     if job.stream is not None and pos < job.stream.received:
-                        frame = job.stream.take(pos)
+                        # a frame a demand read waits for is that read's (frame_for)
+                        frame = TAKEN if pos in job.stream.claimed else job.stream.take(pos)
                         self._lock.notify_all()  # room in the reader's buffer
                     return job, pos, frame
                 self._lock.wait()
