@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator
 
-from weenv.formats.manifest import Resources, RuntimeConfig
+from weenv.formats.manifest import Name, Resources, RuntimeConfig
 from weenv.host.rootfs import EntryInfo
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -234,8 +234,9 @@ class SetPriorityRequest(_Model):
 
 
 class SnapshotRequest(_Model):
-    name: str | None = Field(default=None, min_length=1, max_length=128)
-    """The snapshot's template name (default ``snapshot-<hex>``)."""
+    name: Name | None = Field(default=None, min_length=1, max_length=128)
+    """The snapshot's template name (default ``snapshot-<hex>``): a template
+    name (:func:`~weenv.formats.manifest.check_name`, as :meth:`Node.snapshot` checks it)."""
 
 
 class SnapshotInfo(_Model):
@@ -289,8 +290,9 @@ class ForkResponse(_Model):
 
 
 class ResetRequest(_Model):
-    snapshot: str | None = Field(default=None, min_length=1, max_length=128)
-    """A snapshot taken on this node of the same template (default: the template's state)."""
+    snapshot: Name | None = Field(default=None, min_length=1, max_length=128)
+    """A snapshot taken on this node of the same template (default: the template's state); a
+    template name (:func:`~weenv.formats.manifest.check_name`, as :meth:`Node.reset` checks it)."""
 
 
 class PauseRequest(_Model):
