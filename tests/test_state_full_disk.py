@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import shutil
 import threading
 import time
@@ -17,7 +18,8 @@ import pytest
 from test_fork import store  # noqa: F401  (fixture: a private copy of the shared store)
 
 from weenv.config import Paths
-from weenv.errors import DiskFullError, InvalidInputError, NotFoundError, RuntimeFailedError
+from weenv.errors import (BrokenError, BusyError, DiskFullError, InvalidInputError, NotFoundError,
+                          RuntimeFailedError, StateError)
 from weenv.formats.manifest import Resources
 from weenv.node.node import Node
 from weenv.node.snapshot import CAPTURES
@@ -176,6 +178,32 @@ def test_fork_children_on_a_full_disk_fail_clearly_and_leave_nothing(small, path
     node.destroy(parent.id)
 
 
+def test_settings_creates_and_files_on_a_full_disk_fail_clearly_and_change_nothing(small, paths):
+    """Found by this session's own break-it pass: set_timeout and set_priority raised
+    on a full disk after changing the environment in memory; the files API blamed the
+    environment's own disk limit for the node's full disk."""
+    node = small
+    e = node.create("task", resources=SMALL)
+    before = node.get(e.id).model_copy()
+    with full(paths):
+        with pytest.raises(DiskFullError, match=f"environment {e.id}: cannot save its state: no space left"):
+            node.set_timeout(e.id, 1234)
+        with pytest.raises(DiskFullError, match=f"environment {e.id}: cannot save its state: no space left"):
+            node.set_priority(e.id, 7)
+        info = node.get(e.id)
+        assert (info.timeout_s, info.expires_at, info.priority) == (before.timeout_s, before.expires_at,
+                                                                    before.priority)  # fmt: skip
+        with pytest.raises(DiskFullError, match="no space left on the node's disk") as exc:
+            node.files(e.id).write_file("/tmp/x", b"y" * 100_000)
+        assert "disk limit (resources" not in str(exc.value)
+        with pytest.raises(DiskFullError, match="a new environment of template task: cannot create it.*no space"):
+            node.create("task", resources=SMALL)
+        assert node.ids() == [e.id] and leftovers(node._env(e.id).dir) == []
+        assert sorted(p.name for p in paths.environments.iterdir()) == sorted([e.id, FILLER])
+    assert node.set_timeout(e.id, 1234).timeout_s == 1234
+    node.destroy(e.id)
+
+
 def test_snapshot_and_reset_refuse_empty_and_bad_names_at_the_node(small, paths):
     node = small
     e = node.create("task", resources=SMALL)
@@ -220,3 +248,57 @@ def test_commands_racing_resets_run_in_the_environment_or_are_killed_by_the_rese
     assert node._env(e.id).agent_socket.exists()
     assert sh(node, e.id, "echo ok") == b"ok\n"
     node.destroy(e.id)
+
+
+def test_concurrent_lifecycle_calls_on_one_environment_leave_it_usable(small):
+    """Four threads calling pause, release, resume, reset (to the template and to
+    a snapshot), fork, snapshot, set_timeout and commands on one environment for
+    a few seconds: no hang, only the errors of the state the others left
+    (paused, not paused; a snapshot name taken meanwhile; a command killed by a
+    reset), and the environment usable after."""
+    node = small
+    e = node.create("task", resources=SMALL)
+    node.snapshot(e.id, "s1")
+    calls = {
+        "pause": lambda: node.pause(e.id),
+        "release": lambda: node.pause(e.id, release_memory=True),
+        "resume": lambda: node.resume(e.id),
+        "reset": lambda: node.reset(e.id),
+        "reset-s1": lambda: node.reset(e.id, "s1"),
+        "fork": lambda: [node.destroy(c.id) for c in node.fork(e.id, 2).children if not isinstance(c, Exception)],
+        "exec": lambda: node.exec(e.id, ["true"]),
+        "snapshot": lambda: node.snapshot(e.id, "s1"),
+        "timeout": lambda: node.set_timeout(e.id, 600),
+    }
+    allowed = (StateError, BusyError, BrokenError)
+    wrong: list[tuple[str, BaseException]] = []
+    done: list[str] = []
+    stop = time.monotonic() + 6
+
+    def worker(seed: int) -> None:
+        r = random.Random(seed)
+        while time.monotonic() < stop:
+            name = r.choice(list(calls))
+            try:
+                calls[name]()
+                done.append(name)
+            except allowed:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                wrong.append((name, exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    assert not wrong, wrong[:5]
+    assert {"reset", "resume", "fork", "exec"} <= set(done), done
+    if node.get(e.id).state == "paused":
+        node.resume(e.id)
+    node.reset(e.id)
+    assert sh(node, e.id, "echo ok") == b"ok\n"
+    node.delete_snapshot("s1")
+    node.destroy(e.id)
+    assert node.ids() == [] and not (node.paths.environments / CAPTURES).exists()

@@ -122,6 +122,7 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
     disk_full,
     follow as _follow,
     save_info,
+    staged_info,
 )
 from weenv.node.warm import WarmStarts, pool_key
 from weenv.packaging.buildcache import store_lock
@@ -434,7 +435,7 @@ class Node:
                 raise
             who = ("a fork child" if c.upper_from is not None else "a new environment") + \
                 f" of template {c.request.template}"
-            raise disk_full(who, f"cannot create it ({exc})", exc) from exc
+            raise disk_full(who, f"cannot create it (writing {exc.filename or 'its files'})", exc) from exc
 
     def _create_env_undone(self, t0: float, resolved: Resolved, c: _Create, pooled) -> EnvironmentInfo:
         """:meth:`_create_env`'s script, each step undone if a later one fails."""
@@ -531,13 +532,14 @@ class Node:
     def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
         """Set the environment's priority for elastic provisioning (higher: grows
         first, frozen last).  Raises :class:`NotFoundError`, or
-        :class:`InvalidInputError` for a priority not an int in [-1000, 1000]."""
+        :class:`InvalidInputError` for a priority not an int in [-1000, 1000], :class:`DiskFullError`
+        (no room to save it: the old priority stands)."""
         priority = check_priority(priority)
         e = self.table.get(env_id)
         with e.lock:  # as set_timeout
-            self.provisioner.set_priority(env_id, priority)
-            e.info.priority = priority
-            save_info(e.dir, e.info)  # kept across a restart
+            with staged_info(e.dir, e.info.model_copy(update={"priority": priority})):  # kept across a restart
+                self.provisioner.set_priority(env_id, priority)
+                e.info.priority = priority
         return e.info
 
     def reap_expired(self, now: float | None = None) -> list[str]:

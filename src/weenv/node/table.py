@@ -212,13 +212,14 @@ class EnvironmentTable:
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         """Destroy the environment ``timeout`` seconds from now (saved: a restarted
         node must not reap it at the old time).  Raises :class:`NotFoundError`, or
-        :class:`InvalidInputError` for a timeout not in (0, 7 days]."""
+        :class:`InvalidInputError` for a timeout not in (0, 7 days], :class:`DiskFullError`
+        (no room to save it: the old timeout stands)."""
         timeout = check_timeout(timeout)
         e = self.get(env_id)
         with e.lock:  # not between a pause's or reset's saved state and its step: that save would undo this one
-            e.info.timeout_s = timeout
-            e.info.expires_at = time.time() + timeout
-            save_info(e.dir, e.info)
+            after = e.info.model_copy(update={"timeout_s": timeout, "expires_at": time.time() + timeout})
+            with staged_info(e.dir, after):  # a full disk refuses it (DiskFullError): nothing changes
+                e.info.timeout_s, e.info.expires_at = after.timeout_s, after.expires_at
         return e.info
 
     def expired(self, now: float) -> list[str]:
