@@ -158,3 +158,14 @@ def test_snapshot_and_reset_names_follow_the_nodes_rule(name):
     with pytest.raises(ValidationError):
         ResetRequest(snapshot=name)
     assert SnapshotRequest(name="snap-1.ok_2").name == "snap-1.ok_2" and SnapshotRequest().name is None
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "no", "true"])
+def test_pause_release_memory_is_a_json_boolean_only(value):
+    """``{"release_memory": 1}`` or ``"yes"`` was read as true (pydantic's lax bool): a
+    pause that ends every process of the environment; now refused, as fork counts are."""
+    from weenv.node.models import PauseRequest
+
+    with pytest.raises(ValidationError):
+        PauseRequest.model_validate_json(json.dumps({"release_memory": value}))
+    assert PauseRequest.model_validate_json('{"release_memory": true}').release_memory is True

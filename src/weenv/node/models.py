@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
 
 from weenv.formats.manifest import Name, Resources, RuntimeConfig
 from weenv.host.rootfs import EntryInfo
@@ -296,9 +296,10 @@ class ResetRequest(_Model):
 
 
 class PauseRequest(_Model):
-    release_memory: bool = False
+    release_memory: StrictBool = False
     """End its processes and keep its files (memory back to the node; resume
-    starts its first process anew) instead of freezing it (:mod:`weenv.node.pause`)."""
+    starts its first process anew) instead of freezing it (:mod:`weenv.node.pause`).
+    A JSON boolean only (``1`` or ``"no"`` is refused, not read as true/false)."""
 
 
 class ResumeRequest(_Model):
