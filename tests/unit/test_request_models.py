@@ -142,3 +142,30 @@ def test_validation_errors_are_one_line_naming_the_field():
     assert "\n" not in line and line.startswith("timeout: ") and "priority: " in line
     many = [{"loc": ("body", f"f{i}"), "msg": "bad"} for i in range(8)]
     assert _describe(many).endswith("(+3 more)")
+
+
+@pytest.mark.parametrize("name", ["", "Bad Name", "-x", "a" * 129, "x/y"])
+def test_snapshot_and_reset_names_follow_the_nodes_rule(name):
+    """The request models refuse what :meth:`Node.snapshot` and :meth:`Node.reset`
+    refuse (:func:`check_name`: one rule); before, ``""`` passed the node as "no name"."""
+    from weenv.formats.manifest import check_name
+    from weenv.node.models import ResetRequest, SnapshotRequest
+
+    with pytest.raises(errors.InvalidInputError):
+        check_name(name)
+    with pytest.raises(ValidationError):
+        SnapshotRequest(name=name)
+    with pytest.raises(ValidationError):
+        ResetRequest(snapshot=name)
+    assert SnapshotRequest(name="snap-1.ok_2").name == "snap-1.ok_2" and SnapshotRequest().name is None
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "no", "true"])
+def test_pause_release_memory_is_a_json_boolean_only(value):
+    """``{"release_memory": 1}`` or ``"yes"`` was read as true (pydantic's lax bool): a
+    pause that ends every process of the environment; now refused, as fork counts are."""
+    from weenv.node.models import PauseRequest
+
+    with pytest.raises(ValidationError):
+        PauseRequest.model_validate_json(json.dumps({"release_memory": value}))
+    assert PauseRequest.model_validate_json('{"release_memory": true}').release_memory is True

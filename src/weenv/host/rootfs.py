@@ -93,9 +93,12 @@ _INVALID = {
 
 
 def _mapped(exc: OSError, path: str) -> Exception:
-    if exc.errno in (errno.EDQUOT, errno.ENOSPC):
+    if exc.errno == errno.EDQUOT:
         return DiskFullError(exc.errno, f"{path}: the environment's disk is full ({os.strerror(exc.errno)}): "
                                         "its disk limit (resources.disk_bytes) is reached")
+    if exc.errno == errno.ENOSPC:  # not its limit: the disk it shares with the node's other environments
+        return DiskFullError(exc.errno, f"{path}: no space left on the node's disk ({os.strerror(exc.errno)}), "
+                                        "below the environment's own disk limit")
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{path}: no such file or directory")
     if exc.errno in _INVALID:

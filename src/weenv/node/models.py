@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
 
-from weenv.formats.manifest import Resources, RuntimeConfig
+from weenv.formats.manifest import Name, Resources, RuntimeConfig
 from weenv.host.rootfs import EntryInfo
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -236,8 +236,9 @@ class SetPriorityRequest(_Model):
 
 
 class SnapshotRequest(_Model):
-    name: str | None = Field(default=None, min_length=1, max_length=128)
-    """The snapshot's template name (default ``snapshot-<hex>``)."""
+    name: Name | None = Field(default=None, min_length=1, max_length=128)
+    """The snapshot's template name (default ``snapshot-<hex>``): a template
+    name (:func:`~weenv.formats.manifest.check_name`, as :meth:`Node.snapshot` checks it)."""
 
 
 class SnapshotInfo(_Model):
@@ -291,14 +292,16 @@ class ForkResponse(_Model):
 
 
 class ResetRequest(_Model):
-    snapshot: str | None = Field(default=None, min_length=1, max_length=128)
-    """A snapshot taken on this node of the same template (default: the template's state)."""
+    snapshot: Name | None = Field(default=None, min_length=1, max_length=128)
+    """A snapshot taken on this node of the same template (default: the template's state); a
+    template name (:func:`~weenv.formats.manifest.check_name`, as :meth:`Node.reset` checks it)."""
 
 
 class PauseRequest(_Model):
-    release_memory: bool = False
+    release_memory: StrictBool = False
     """End its processes and keep its files (memory back to the node; resume
-    starts its first process anew) instead of freezing it (:mod:`weenv.node.pause`)."""
+    starts its first process anew) instead of freezing it (:mod:`weenv.node.pause`).
+    A JSON boolean only (``1`` or ``"no"`` is refused, not read as true/false)."""
 
 
 class ResumeRequest(_Model):

@@ -54,12 +54,13 @@ from weenv.config import Paths, private_dir
 from weenv.errors import (
     BrokenError,
     CommandTimeoutError,
+    DiskFullError,
     InvalidInputError,
     NotFoundError,
     RuntimeFailedError,
     StateError,
 )
-from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest
+from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest, check_name
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
 from weenv.host.procroot import ProcessRootFS, pin_process
 from weenv.host.rootfs import RootFS
@@ -114,11 +115,14 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
     CONTAINER_PREFIX,
     UNDELIVERED,
     Environment,
+    FULL_ERRNOS,
     EnvironmentTable,
     check_priority,
     container_id,
+    disk_full,
     follow as _follow,
     save_info,
+    staged_info,
 )
 from weenv.node.warm import WarmStarts, pool_key
 from weenv.packaging.buildcache import store_lock
@@ -383,8 +387,9 @@ class Node:
         fetched.  Raises :class:`ClosedError` (not started, closing),
         :class:`CapacityError` (``max_environments`` run or start, or the
         provisioner refuses its resources), :class:`NotFoundError` for an
-        unknown template, :class:`MountError` or :class:`RuntimeFailedError`
-        when a step fails; every step already done is undone first.
+        unknown template, :class:`DiskFullError` when a step found the node's
+        disk full (``ENOSPC``), :class:`MountError` or :class:`RuntimeFailedError`
+        when a step fails otherwise; every step already done is undone first.
         """
         self.admission.check_started()
         req = _request(request, fields)
@@ -423,6 +428,17 @@ class Node:
         """The create script: admission, rootfs, container, first command, each
         step undone if a later one fails; ``pooled`` (owned now) is started
         instead of making the environment if it still can serve."""
+        try:
+            return self._create_env_undone(t0, resolved, c, pooled)
+        except OSError as exc:  # undone: a full disk said so as any other step's failure does
+            if exc.errno not in FULL_ERRNOS or isinstance(exc, DiskFullError):
+                raise
+            who = ("a fork child" if c.upper_from is not None else "a new environment") + \
+                f" of template {c.request.template}"
+            raise disk_full(who, f"cannot create it (writing {exc.filename or 'its files'})", exc) from exc
+
+    def _create_env_undone(self, t0: float, resolved: Resolved, c: _Create, pooled) -> EnvironmentInfo:
+        """:meth:`_create_env`'s script, each step undone if a later one fails."""
         req, digest, timing = c.request, resolved.digest, {}
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         with contextlib.ExitStack() as undo:
@@ -520,12 +536,14 @@ class Node:
     def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
         """Set the environment's priority for elastic provisioning (higher: grows
         first, frozen last).  Raises :class:`NotFoundError`, or
-        :class:`InvalidInputError` for a priority not an int in [-1000, 1000]."""
+        :class:`InvalidInputError` for a priority not an int in [-1000, 1000], :class:`DiskFullError`
+        (no room to save it: the old priority stands)."""
         priority = check_priority(priority)
         e = self.table.get(env_id)
-        self.provisioner.set_priority(env_id, priority)
-        e.info.priority = priority
-        save_info(e.dir, e.info)  # kept across a restart
+        with e.lock:  # as set_timeout
+            with staged_info(e.dir, e.info.model_copy(update={"priority": priority})):  # kept across a restart
+                self.provisioner.set_priority(env_id, priority)
+                e.info.priority = priority
         return e.info
 
     def reap_expired(self, now: float | None = None) -> list[str]:
@@ -643,11 +661,13 @@ class Node:
         resizes it.  Needs the exec agent (:class:`StateError` without it).
         """
         e = self.table.get(env_id)
-        check_running(e)
-        p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open,
-                                tag=tag, primary_reader=primary_reader, user=user, tty=tty)  # fmt: skip
+        with e.gate.passing():  # not while a reset or pause replaces or freezes its container
+            check_running(e)
+            p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
+                                    stdin_open=stdin_open, tag=tag, primary_reader=primary_reader, user=user,
+                                    tty=tty)  # fmt: skip
+            self.commands.keep(e, p)  # before the gate opens: a reset now kills and forgets it
         self.prefetch.watch_command(env_id, p.wait)
-        self.commands.keep(e, p)
         return p
 
     def process(self, env_id: str, pid: int) -> Process:
@@ -803,9 +823,9 @@ class Node:
         environment's snapshot, checked before the capture: :func:`check_snapshot_name`),
         :class:`CapacityError` (the node's disk cannot hold its capture beside the
         environments' limits and the other snapshots' captures: :meth:`Captures.count`,
-        checked before publishing), :class:`MountError` (disk full: it runs on,
+        checked before publishing), :class:`DiskFullError` (disk full: it runs on,
         files kept) and what publishing raises (nothing is kept then)."""
-        name = name or new_snapshot_name()
+        name = new_snapshot_name() if name is None else check_name(name)  # "" too: the request model's rule
         e = self.table.get(env_id)
         check_snapshot_name(self.store, name, env_id)
         c = self.captures.take(e)
@@ -853,7 +873,11 @@ class Node:
         ``timing.total_s`` is the reset's seconds (``overlay_s``: its new upper dir
         and overlay, ``runtime_s``: its container run again).  Raises :class:`NotFoundError`
         (also: no such snapshot here), :class:`InvalidInputError` (another
-        template's snapshot), :class:`MountError`, :class:`RuntimeFailedError`."""
+        template's snapshot, or a name that is no template name), :class:`DiskFullError`
+        (the node's disk has no room for its state: nothing is done), :class:`MountError`,
+        :class:`RuntimeFailedError`."""
+        if snapshot is not None:
+            check_name(snapshot)  # as the request model checks it
         e = self.table.get(env_id)
         with contextlib.ExitStack() as pins:
             upper_from = None
@@ -870,14 +894,16 @@ class Node:
     def pause(self, env_id: str, *, release_memory: bool = False) -> EnvironmentInfo:
         """Freeze environment ``env_id`` (processes and memory kept); with
         ``release_memory``, end its processes and keep its files instead (also
-        of one paused already; :mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`."""
+        of one paused already; :mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
+        :class:`DiskFullError` (the node's disk has no room for its state: it runs on, untouched)."""
         return self.pauses.pause(self.table.get(env_id), release_memory=release_memory)
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
         """Thaw the paused ``env_id`` (or, its memory released, run its first process
         again over its files), its timeout ``timeout`` s from now (default its own); it stayed
         counted while paused (:mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
-        :class:`CapacityError` (only if it was not provisioned; it stays paused)."""
+        :class:`CapacityError` (only if it was not provisioned; it stays paused), :class:`DiskFullError`
+        (the node's disk has no room for its state: it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)
 
     # --- stats and caches -------------------------------------------------------------

@@ -42,6 +42,15 @@ files.  ``EnvironmentInfo.memory_released`` tells the two pauses apart.  A
 node process killed meanwhile leaves it to the next one, which adopts it
 paused without a container (:mod:`weenv.node.recovery`).  (Resume on another
 node from a published snapshot is not done here.)
+
+**A full disk.**  Each of these calls writes the state it leaves
+(``env.json``) before the step it cannot undo (a freeze, a container deleted
+or run anew; :func:`~weenv.node.table.staged_info`), and puts it in place
+after: a node disk with no room refuses the call with :class:`DiskFullError`
+(naming the environment, "no space left") before anything is done, and the
+environment stays as it was (running, or paused).  Commands do not start
+while a pause or resume freezes, ends or restarts the container (its
+:class:`~weenv.node.table.Gate`).
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from weenv.errors import InvalidInputError, StateError
 from weenv.node.cgroups import Cgroup, open_cgroups
 from weenv.node.models import EnvironmentInfo
 from weenv.node.provision import Provisioner
-from weenv.node.table import Environment, check_timeout, save_info
+from weenv.node.table import Environment, check_timeout, staged_info
 
 if TYPE_CHECKING:
     from weenv.node.commands import Commands
@@ -108,16 +117,17 @@ class Pauses:
         with e.lock:
             if e.info.state != "running":
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not running: cannot pause it")
-            cg = self.open_cgroup(f"/{e.container_id}")
-            self.provisioner.pause(e.info.id)  # thaws it if the provisioner had frozen it
-            try:
-                cg.freeze(timeout=self.freeze_timeout)
-            except BaseException:
-                self._provision(e)
-                raise
-            e.info.state = PAUSED  # the reaper passes it by (EnvironmentTable.expired)
-            e.info.paused_at = time.time()
-            save_info(e.dir, e.info)
+            paused = e.info.model_copy(update={"state": PAUSED, "paused_at": time.time()})
+            with staged_info(e.dir, paused):  # a full disk refuses here: it runs on, untouched
+                cg = self.open_cgroup(f"/{e.container_id}")
+                self.provisioner.pause(e.info.id)  # thaws it if the provisioner had frozen it
+                try:
+                    with e.gate.shut():  # no command half started in it while it freezes
+                        cg.freeze(timeout=self.freeze_timeout)
+                except BaseException:
+                    self._provision(e)
+                    raise
+                _apply(e, paused)  # the reaper passes it by (EnvironmentTable.expired)
             return e.info
 
     def release(self, e: Environment) -> EnvironmentInfo:
@@ -130,24 +140,27 @@ class Pauses:
             if e.info.state not in ("running", PAUSED) or e.info.memory_released:
                 what = "paused with its memory released" if e.info.memory_released else e.info.state
                 raise StateError(f"environment {e.info.id} is {what}: cannot release its memory")
-            procs = self.commands.forget(e)
-            for p in procs:
-                p.log.abandon()
-            self.provisioner.detach(e.info.id)  # its CPU and memory reservation goes
-            self.thaw_for_destroy(e)
-            self.containers.delete(e.info.id, e.dir, ahead=False)  # every process ends; the files stay (and the container made ahead for a reset: it runs nothing)
-            for p in procs:
-                p.wait(10)
-            try:
-                self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
-                                           f"paused environment {e.info.id}'s disk")  # fmt: skip
-            except Exception as exc:  # it had that room a moment ago; counted or not, it stays paused
-                log.warning("cannot count paused environment %s's disk: %s", e.info.id, exc)
-            if e.info.state != PAUSED:
-                e.info.paused_at = time.time()
-            e.info.state = PAUSED
-            e.info.memory_released = True
-            save_info(e.dir, e.info)
+            released = e.info.model_copy(update={"state": PAUSED, "memory_released": True,
+                                                  "paused_at": e.info.paused_at if e.info.state == PAUSED
+                                                  else time.time()})  # fmt: skip
+            # its state written before its container goes (a full disk refuses here: nothing is done),
+            # in place once it went
+            with staged_info(e.dir, released):
+                self.provisioner.detach(e.info.id)  # its CPU and memory reservation goes
+                self.thaw_for_destroy(e)
+                with e.gate.shut():  # no command half started in the container going now
+                    procs = self.commands.forget(e)
+                    for p in procs:
+                        p.log.abandon()
+                    self.containers.delete(e.info.id, e.dir, ahead=False)  # every process ends; the files stay (and the container made ahead for a reset: it runs nothing)
+                    _apply(e, released)  # commands are refused from here on (check_running)
+                for p in procs:
+                    p.wait(10)
+                try:
+                    self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
+                                               f"paused environment {e.info.id}'s disk")  # fmt: skip
+                except Exception as exc:  # it had that room a moment ago; counted or not, it stays paused
+                    log.warning("cannot count paused environment %s's disk: %s", e.info.id, exc)
             return e.info
 
     def due(self, envs: list[Environment], now: float) -> list[Environment]:
@@ -167,17 +180,17 @@ class Pauses:
         with e.lock:
             if e.info.state != PAUSED:
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not paused: cannot resume it")
-            if e.info.memory_released:
-                self._restart(e)
-            else:
-                self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority)
-                self.open_cgroup(f"/{e.container_id}").thaw()
-            e.info.state = "running"
-            e.info.paused_at = None
-            e.info.memory_released = False
-            e.info.timeout_s = timeout
-            e.info.expires_at = time.time() + timeout
-            save_info(e.dir, e.info)
+            running = e.info.model_copy(update={"state": "running", "paused_at": None, "memory_released": False,
+                                                 "timeout_s": timeout, "expires_at": time.time() + timeout})
+            with staged_info(e.dir, running):  # a full disk refuses here: it stays paused, untouched
+                with e.gate.shut():
+                    if e.info.memory_released:
+                        self._restart(e)
+                    else:
+                        self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources,
+                                                priority=e.info.priority)  # fmt: skip
+                        self.open_cgroup(f"/{e.container_id}").thaw()
+                    _apply(e, running)
             return e.info
 
     def _restart(self, e: Environment) -> None:
@@ -223,6 +236,12 @@ class Pauses:
         except Exception as exc:  # it runs anyway, with the limits it had
             log.warning("provisioning of environment %s after a failed pause failed: %s", e.info.id, exc)
             self.provisioner.detach(e.info.id)
+
+
+def _apply(e: Environment, info: EnvironmentInfo) -> None:
+    """Set ``e``'s state fields (the lifecycle's) to ``info``'s, in place (its info object is shared)."""
+    for name in ("state", "paused_at", "memory_released", "timeout_s", "expires_at"):
+        setattr(e.info, name, getattr(info, name))
 
 
 def disk_key(env_id: str) -> str:

@@ -30,7 +30,7 @@ from weenv.node.pause import disk_key
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.table import (CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable, container_id,
-                              current_container_id)
+                              current_container_id, stale_info_files)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ class Recovery:
         if not info_path.exists():
             raise InvalidInputError("it was not fully created")
         info = EnvironmentInfo.model_validate_json(info_path.read_text())
+        for tmp in stale_info_files(env_dir):  # a state the dead node was about to save: env.json holds the last
+            tmp.unlink(missing_ok=True)
         if info.id != env_dir.name:
             raise InvalidInputError(f"its env.json names {info.id!r}")
         if (env_dir / UNDELIVERED).exists():

@@ -56,7 +56,11 @@ container start and a few renames, against a create's admission, resolve,
 mounts, bundle and network, and what the episode's setup would cost again.
 A reset that fails midway leaves the environment ``stopped`` (its resources
 still held, its container id the one its bundle names; :meth:`Node.destroy`
-removes it as usual).  A destroy that begins (:meth:`Resets.forget`) stops
+removes it as usual).  Its state is written before its container is killed
+(:func:`~weenv.node.table.staged_info`): on a full node disk the reset is
+refused (:class:`DiskFullError`) with the environment as it was.  A command
+starting meanwhile waits until the new container runs (the environment's
+:class:`~weenv.node.table.Gate`); one that started before is killed with the old one.  A destroy that begins (:meth:`Resets.forget`) stops
 every preparation for that environment, even if it fails midway.
 """
 
@@ -77,7 +81,7 @@ from weenv.node.pause import Pauses
 from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
 from weenv.host import mounts
-from weenv.node.table import Environment, container_id, current_container_id, save_info
+from weenv.node.table import Environment, container_id, current_container_id, staged_info
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +238,21 @@ class Resets:
         """Reset ``e`` (running, paused or stopped) to an empty upper dir, or to
         the capture subvolume ``upper_from``; it runs afterwards.  Returns the
         phases' seconds.  Raises :class:`NotFoundError` if it is being
-        destroyed, :class:`MountError` or :class:`RuntimeFailedError` (it is
+        destroyed, :class:`DiskFullError` (no room for its state: nothing
+        done), :class:`MountError` or :class:`RuntimeFailedError` (it is
         ``stopped`` then)."""
         timing = ResetTiming()
         t = time.perf_counter()
         with e.lock:
             if e.destroyed or not e.dir.exists():
                 raise NotFoundError(f"no environment {e.info.id!r}")
-            try:
-                self._reset_locked(e, upper_from, timing, t)
-            except BaseException:
-                sync_container_id(e)  # what the reset got to: the id its bundle names
-                raise
+            after = e.info.model_copy(update={"state": "running", "memory_released": False, "paused_at": None})
+            with staged_info(e.dir, after):  # a full disk refuses here: it is as it was, untouched
+                try:
+                    self._reset_locked(e, upper_from, timing, t)
+                except BaseException:
+                    sync_container_id(e)  # what the reset got to: the id its bundle names
+                    raise
         timing.total_s = time.perf_counter() - t
         self.prepare(e, upper_from)  # the next reset's upper dir and container; the old ones deleted
         return timing
@@ -253,10 +260,21 @@ class Resets:
     def _reset_locked(self, e: Environment, upper_from: Path | None, timing: ResetTiming, t: float) -> None:
         """:meth:`reset`'s work, with ``e.lock`` held."""
         self.pauses.thaw_for_destroy(e)
+        self.provisioner.detach(e.info.id)
+        with e.gate.shut():  # no command half started in the container replaced now
+            self._replace_locked(e, upper_from, timing, t)
+        try:
+            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
+            self.provisioner.attach(e.info.id, f"/{e.container_id}")
+        except Exception as exc:  # it runs anyway, with the limits its bundle gives
+            log.warning("provisioning of environment %s after its reset failed: %s", e.info.id, exc)
+            self.provisioner.detach(e.info.id)
+
+    def _replace_locked(self, e: Environment, upper_from: Path | None, timing: ResetTiming, t: float) -> None:
+        """:meth:`reset`'s replacement of ``e``'s container and upper dir (its gate shut, its lock held)."""
         procs = self.commands.forget(e)
         for p in procs:
             p.log.abandon()
-        self.provisioner.detach(e.info.id)
         e.info.state = "stopped"
         timing.spare = self._spares.take(e.info.id, upper_from)
         timing.ahead = (timing.spare and self._makes_ahead(e)
@@ -281,13 +299,6 @@ class Resets:
         if e.info.memory_released:  # it was paused so: its disk is its own again
             self.pauses.forget(e)
             e.info.memory_released, e.info.paused_at = False, None
-        try:
-            self.provisioner.reserve(e.info.id, e.info.resources, priority=e.info.priority)
-            self.provisioner.attach(e.info.id, f"/{e.container_id}")
-        except Exception as exc:  # it runs anyway, with the limits its bundle gives
-            log.warning("provisioning of environment %s after its reset failed: %s", e.info.id, exc)
-            self.provisioner.detach(e.info.id)
-        save_info(e.dir, e.info)
 
     def _swap_ahead(self, e: Environment, procs: list, timing: ResetTiming, t: float) -> None:
         """With ``e``'s container killed: move its rootfs aside (``rootfs.old``),

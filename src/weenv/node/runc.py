@@ -42,6 +42,7 @@ runtime process per command) is not there.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -83,8 +84,8 @@ _MSG_RE = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
 # when runc has exited adopts the command (runc was its parent), writes
 # ``HOST_PID CONTAINER_PID`` to STATUS_FILE.started (the command runs: what a
 # streaming reader waits for), waits for it and writes its fate to STATUS_FILE:
-# ``exit N`` (128 + signal for a signal), ``runc-failed`` (runc's message is on
-# stderr), ``no-runc`` or ``lost``.
+# ``exit N`` (128 + signal for a signal), ``runc-failed N`` (runc's exit status;
+# its message is on stderr), ``no-runc`` or ``lost``.
 _EXEC_HELPER = """
 import os, sys
 def done(status):
@@ -102,8 +103,9 @@ try:
     runc = os.posix_spawnp(argv[0], argv, os.environ)
 except OSError:
     done("no-runc")
-if os.waitstatus_to_exitcode(os.waitpid(runc, 0)[1]) != 0:
-    done("runc-failed")
+status = os.waitstatus_to_exitcode(os.waitpid(runc, 0)[1])
+if status != 0:
+    done("runc-failed %d" % status)
 try:
     with open(pid_file) as f:
         pid = int(f.read())
@@ -296,7 +298,9 @@ class Runc:
             with open(log_path, "rb") as f:
                 f.seek(offset)
                 out = f.read(64 << 10).decode(errors="replace")
-            raise RuntimeFailedError(f"runc {verb[0]} {container_id}: {runc_message(out)}")
+            what = f"runc {' '.join(verb)} {container_id}"
+            raise RuntimeFailedError(f"{what}: {runc_message(out)}" if runc_message(out)
+                                     else silent_failure(what, returncode, bundle, self.root))  # fmt: skip
 
     def start(self, container_id: str, *, timeout: float | None = None) -> None:
         """``runc start``: run the first process of a created container.
@@ -557,11 +561,15 @@ class Runc:
         try:
             status = status_file.read_text()
         except FileNotFoundError:
-            raise RuntimeFailedError(f"exec in {container_id}: the exec helper died (status {rc})") from None
+            full = full_dirs(status_file.parent)  # it could not write its status file there
+            raise RuntimeFailedError(f"exec in {container_id}: the exec helper died (exit status {rc})"
+                                     + (f"; {_no_space(full)}" if full else "")) from None
         if status.startswith("exit "):
             return int(status[5:]), stderr
-        if status == "runc-failed":  # the command never started
-            return _start_failure(container_id, stderr)
+        if status.startswith("runc-failed"):  # the command never started
+            code = status[len("runc-failed"):].strip()
+            return _start_failure(container_id, stderr, int(code) if code.isdigit() else None,
+                                  (status_file.parent, self.root))  # fmt: skip
         if status == "no-runc":
             raise ToolMissingError(f"runc not found: {self.binary!r}")
         raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
@@ -583,7 +591,8 @@ class Runc:
             msg = runc_message(proc.stderr.decode(errors="replace"))
             if "does not exist" in msg:
                 raise NotFoundError(f"no container {cid or args[-1]!r} (runc {args[0]}): {msg}")
-            raise RuntimeFailedError(f"runc {args[0]} {' '.join(args[1:])}: {msg}")
+            what = f"runc {' '.join(args)}"
+            raise RuntimeFailedError(f"{what}: {msg}" if msg else silent_failure(what, proc.returncode, self.root))
         return proc.stdout.decode()
 
 
@@ -731,10 +740,15 @@ def exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
     return flags, list(argv)
 
 
-def _start_failure(container_id: str, stderr: bytes) -> tuple[int, bytes]:
+def _start_failure(container_id: str, stderr: bytes, status: int | None = None,
+                   dirs: tuple[Path, ...] = ()) -> tuple[int, bytes]:
     """Map runc's failure to start a command to 127/126, or raise if runc failed
-    for another reason (no such container, container stopped)."""
+    for another reason (no such container, container stopped; or it said
+    nothing: then its exit ``status`` and which of ``dirs``, where it writes,
+    is full, :func:`silent_failure`)."""
     msg = runc_message(stderr.decode(errors="replace"))
+    if not msg:
+        raise RuntimeFailedError(silent_failure(f"runc exec in {container_id}", status, *dirs))
     if "container does not exist" in msg:
         raise NotFoundError(f"no container {container_id!r}: {msg}")
     if "unable to start container process" not in msg:
@@ -743,6 +757,44 @@ def _start_failure(container_id: str, stderr: bytes) -> tuple[int, bytes]:
         'exec: "' in msg and "no such file or directory" in msg
     )
     return (EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN), (msg + "\n").encode()
+
+
+def silent_failure(what: str, status: int | None, *dirs: Path) -> str:
+    """The message of ``what`` (a runc command) that failed without a word on
+    its stderr: its exit status, and, when one of ``dirs`` (where it writes its
+    state, pid file and message) is on a full file system, that (the likely
+    cause: runc could not even write its message)."""
+    msg = f"{what} failed (runc exit status {'unknown' if status is None else status}) without a message"
+    full = full_dirs(*dirs)
+    return f"{msg}; {_no_space(full)}" if full else msg
+
+
+def _no_space(full: list[Path]) -> str:
+    return (f"no space left on the file system of {', '.join(map(str, full))} (the likely cause: "
+            f"what runc writes there, its state, pid file and messages, found no room)")
+
+
+def full_dirs(*dirs: Path) -> list[Path]:
+    """Those of ``dirs`` on a file system that refuses a new 4 KiB file
+    (``ENOSPC`` or ``EDQUOT``); the file is removed."""
+    full = []
+    for d in dirs:
+        try:
+            fd, name = tempfile.mkstemp(dir=d, prefix=".weenv-room-")
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                full.append(d)
+            continue
+        try:
+            os.write(fd, bytes(4096))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                full.append(d)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+    return full
 
 
 class _stdin_file:

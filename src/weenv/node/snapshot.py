@@ -81,7 +81,7 @@ from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
 from weenv.node.models import EnvironmentInfo, SnapshotInfo
 from weenv.node.provision import Provisioner
-from weenv.node.table import Environment
+from weenv.node.table import FULL_ERRNOS, Environment, disk_full
 from weenv.packaging.group import build_group, load_group
 from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
 from weenv.packaging.template import load_template
@@ -163,8 +163,8 @@ class Captures:
         processes are frozen meanwhile (and stay so if it was paused, or frozen
         by the provisioner).  Raises :class:`BrokenError` (its cgroup is gone or
         did not freeze), :class:`StateError` (it is not running or paused),
-        :class:`MountError` (the disk is full: nothing is left and the
-        environment runs on with its files), :class:`InvalidInputError` for a
+        :class:`DiskFullError` (the node's disk is full: nothing is left
+        and the environment runs on with its files), :class:`MountError`, :class:`InvalidInputError` for a
         ``sudo`` environment (its upper dir holds its own host id range's owners,
         not yet shifted back into a group: refused before anything is frozen)."""
         if idmap.range_of(e.dir) is not None:
@@ -184,11 +184,13 @@ class Captures:
             cg.freeze(timeout=self.freeze_timeout)
         try:
             with self._lock:
-                self.root.mkdir(mode=0o700, exist_ok=True)
                 try:
+                    self.root.mkdir(mode=0o700, exist_ok=True)
                     NodeDisk.snapshot(e.dir / SUBVOLUME, self.root, cid, readonly=True)
-                except BaseException:
+                except BaseException as exc:
                     self._remove_root()
+                    if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+                        raise disk_full(f"environment {e.info.id}", "cannot capture its file system", exc) from exc
                     raise
         finally:
             if not frozen_before:

@@ -10,14 +10,18 @@ node reaches an environment through it (:meth:`EnvironmentTable.get` raises
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import secrets
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import DiskFullError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import TemplateManifest
 from weenv.node.disk import NodeDisk
 from weenv.node.models import MAX_TIMEOUT_S, EnvironmentInfo
@@ -62,6 +66,46 @@ def current_container_id(env_id: str, env_dir: Path) -> str:
     return bundle_container_id(env_id, env_dir / "bundle")
 
 
+class Gate:
+    """Many pass at once (:meth:`passing`: a command starting), or one holds it
+    shut (:meth:`shut`: a reset or pause replacing or freezing the container),
+    waiting until those passing are through; those who come meanwhile wait
+    until it opens.  So a command starts wholly before the container it runs
+    in is replaced (and is killed and forgotten with it) or wholly after (in
+    the new one): never with the container id, the agent's socket or the bundle
+    half replaced."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._passing = 0
+        self._shut = False
+
+    @contextlib.contextmanager
+    def passing(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._shut)
+            self._passing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._passing -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def shut(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._shut)
+            self._shut = True
+            self._cond.wait_for(lambda: self._passing == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shut = False
+                self._cond.notify_all()
+
+
 class Environment:
     """What the node keeps of one environment."""
 
@@ -79,6 +123,9 @@ class Environment:
         self.cid: str | None = None
         """Its container's id when it is not :func:`container_id` (after a reset
         started a container made ahead; :func:`current_container_id`)."""
+        self.gate = Gate()
+        """Commands start through it; a reset or pause holds it shut while its
+        container is replaced or frozen (:meth:`Node.spawn`)."""
         self.destroyed = False
         """Set when its destroy begins (:meth:`Node.destroy`): background work
         (a reset's preparation) makes nothing for it from then on, even if the
@@ -165,12 +212,14 @@ class EnvironmentTable:
     def set_timeout(self, env_id: str, timeout: float) -> EnvironmentInfo:
         """Destroy the environment ``timeout`` seconds from now (saved: a restarted
         node must not reap it at the old time).  Raises :class:`NotFoundError`, or
-        :class:`InvalidInputError` for a timeout not in (0, 7 days]."""
+        :class:`InvalidInputError` for a timeout not in (0, 7 days], :class:`DiskFullError`
+        (no room to save it: the old timeout stands)."""
         timeout = check_timeout(timeout)
         e = self.get(env_id)
-        e.info.timeout_s = timeout
-        e.info.expires_at = time.time() + timeout
-        save_info(e.dir, e.info)
+        with e.lock:  # not between a pause's or reset's saved state and its step: that save would undo this one
+            after = e.info.model_copy(update={"timeout_s": timeout, "expires_at": time.time() + timeout})
+            with staged_info(e.dir, after):  # a full disk refuses it (DiskFullError): nothing changes
+                e.info.timeout_s, e.info.expires_at = after.timeout_s, after.expires_at
         return e.info
 
     def expired(self, now: float) -> list[str]:
@@ -217,10 +266,68 @@ def check_priority(priority: int) -> int:
 def save_info(env_dir: Path, info: EnvironmentInfo) -> None:
     """Write ``env_dir/env.json`` whole or not at all (a node killed mid-write
     must not leave a file recovery cannot read).  :class:`NotFoundError` if the
-    directory is gone (destroyed meanwhile)."""
-    tmp = env_dir / "env.json.tmp"
+    directory is gone (destroyed meanwhile), :class:`DiskFullError` naming the
+    environment if the node's disk is full (``env.json`` unchanged, no
+    temporary file left)."""
+    with staged_info(env_dir, info):
+        pass
+
+
+@contextlib.contextmanager
+def staged_info(env_dir: Path, info: EnvironmentInfo) -> Iterator[None]:
+    """Save ``info`` as ``env_dir/env.json`` around a step that cannot be undone
+    (a container deleted, killed or run anew): it is written to a temporary
+    file first, so a full disk refuses (:class:`DiskFullError`, raised here,
+    before the block runs: the caller has changed nothing yet), and replaces
+    ``env.json`` (a rename, no new data) only once the block ended without an
+    exception; otherwise the temporary file goes and ``env.json`` is as it was.
+    ``info`` is dumped now: pass the state the block leaves.  Writers of one
+    environment's ``env.json`` hold its lock (:attr:`Environment.lock`)."""
+    tmp = env_dir / f"env.json.{secrets.token_hex(4)}.tmp"  # two writers never share one
     try:
-        tmp.write_text(info.model_dump_json(indent=2))
-        os.replace(tmp, env_dir / "env.json")
+        with open(tmp, "x") as f:
+            f.write(info.model_dump_json(indent=2))
     except FileNotFoundError:  # destroyed meanwhile
         raise NotFoundError(f"no environment {info.id!r}") from None
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.errno in FULL_ERRNOS:
+            raise disk_full(f"environment {info.id}", "cannot save its state", exc) from exc
+        raise
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    try:
+        os.replace(tmp, env_dir / "env.json")
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, FileNotFoundError):
+            raise NotFoundError(f"no environment {info.id!r}") from None
+        if exc.errno in FULL_ERRNOS:
+            raise disk_full(f"environment {info.id}", "cannot save its state", exc) from exc
+        raise
+
+
+def stale_info_files(env_dir: Path) -> list[Path]:
+    """Temporary files of :func:`staged_info` a killed node process left in ``env_dir``."""
+    try:
+        return [env_dir / n for n in os.listdir(env_dir) if n.startswith("env.json.") and n.endswith(".tmp")]
+    except FileNotFoundError:
+        return []
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""What a write that found no room raises (the node's disk full, a quota reached)."""
+
+
+def disk_full(who: str, doing: str, exc: OSError) -> DiskFullError:
+    """:class:`DiskFullError` for ``exc`` (an ``ENOSPC`` or ``EDQUOT`` of
+    ``doing``; ``who``: ``"environment ID"``, or what was being made), its errno kept."""
+    why = ("no space left on the node's disk" if exc.errno == errno.ENOSPC
+           else "no space left under the disk quota")  # fmt: skip
+    return DiskFullError(exc.errno, f"{who}: {doing}: {why} ({os.strerror(exc.errno)})")
