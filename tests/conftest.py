@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from s3_fixture import s3_server  # noqa: F401 (a fixture: one SeaweedFS for every module of the session)
+from ray_fixture import ray_nodes  # noqa: F401 (a fixture: one Ray cluster for every module of the session)
 
 from weenv.config import Paths
 from weenv.packaging.debootstrap import debian_rootfs

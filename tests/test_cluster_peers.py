@@ -34,10 +34,10 @@ FILE = 24 * MiB
 
 
 @pytest.fixture(scope="module")
-def peer_cluster(tmp_path_factory, cluster_store):  # noqa: F811
+def peer_cluster(ray_nodes, tmp_path_factory, cluster_store):  # noqa: F811
     # a node silent for long stays listed as a peer: the gone-peer test stops a daemon under its actor;
     # the two windows the tests wait out are short (the defaults: 10 s passed over, 30 s placed)
-    for up in run_cluster(tmp_path_factory, cluster_store, max_environments=4, heartbeat_s=0.3,
+    for up in run_cluster(ray_nodes, tmp_path_factory, cluster_store, max_environments=4, heartbeat_s=0.3,
                           heartbeat_timeout_s=600, reconcile_s=0.3, cache_scan_s=0.3, peer_timeout_s=1.0,
                           peer_pass_over_s=3.0, placed_expect_s=4.0):
         yield (*up, cluster_store)
@@ -222,15 +222,16 @@ def test_a_slow_peer_and_a_gone_peer_are_passed_over_for_the_store(peer_cluster)
         assert got["peer_busy"] >= 1 and got["store_bytes"] >= FILE, got
         refused = {n: _delta(_chunks(homes, n), before_slow[n]) for n in (a, b)}
         assert sum(r["served_refused"] for r in refused.values()) == got["peer_busy"], refused
+        asks_again = time.monotonic() + config.peer_pass_over_s  # d passed a and b over (Retry-After, at most this)
         client.destroy(ed)
         # a's and b's daemons stop (their actors live, so they stay listed): d's asks are refused, the store serves
         with NodeClient(socket=Paths(home=_home(homes, d), cache=CACHE, store_url="").socket) as n:
             n.drop_cache()
-        time.sleep(config.peer_pass_over_s)  # d asks a and b again
         for gone in (a, b):
             t = time.monotonic()
             assert daemon.stop(Paths(home=_home(homes, gone), cache=CACHE, store_url=""))
             print(f"node {gone[:12]}'s daemon stopped in {time.monotonic() - t:.1f} s")
+        time.sleep(max(0.0, asks_again - time.monotonic()))  # d asks a and b again
         assert {a, b} <= {p.node_id for p in ray.get(cluster.placement_actor().peers.remote(d))}
         before = _chunks(homes, d)
         ed = _read_file_on(client, "t1", d, "/workspace/a.bin")
