@@ -4,12 +4,13 @@ module that runs weenv on Ray (test_cluster, test_cluster_peers): bringing one
 up takes 10-14 s here (29 s for the two modules' on CI).  Each module brings
 weenv up on it with its own settings and homes and takes it down again
 (:func:`test_cluster.run_cluster`: daemons, mounts and actors checked gone at
-the module's end); the Ray processes are stopped at the session's end and
-checked gone by pid.
+the module's end); the Ray processes are stopped after the run's last module
+that uses them (not kept up under the rest of the suite) and checked gone by
+pid (at the session's end, whatever is left: ``conftest.pytest_sessionfinish``).
 
-Fixtures (``tests/conftest.py`` imports them, so that every module shares one):
+Fixtures (``tests/conftest.py`` imports them):
 
-- ``ray_nodes`` (session): a :class:`RayNodes`.
+- ``ray_nodes`` (module, over one cluster for the run): a :class:`RayNodes`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-__all__ = ["RayNodes", "alive", "children", "ray_nodes"]
+__all__ = ["RayNodes", "alive", "children", "note_users", "ray_nodes", "stop"]
 
 NODES = 3
 """Alive Ray nodes (the head among them) each module starts with."""
@@ -87,10 +88,18 @@ class RayNodes:
         self.workers.remove(node)
 
 
-@pytest.fixture(scope="session")
-def ray_nodes():
-    """The session's Ray cluster (:class:`RayNodes`), this process connected to it."""
-    ray = pytest.importorskip("ray")
+_shared: RayNodes | None = None
+_users: list[str] = []
+"""The node ids of this run's tests that use ``ray_nodes``, in run order (:func:`note_users`)."""
+
+
+def note_users(items) -> None:
+    """Called with the session's items once collected (and deselected): which use ``ray_nodes``."""
+    _users[:] = [item.nodeid for item in items if "ray_nodes" in getattr(item, "fixturenames", ())]
+
+
+def _start() -> RayNodes:
+    import ray
     from ray.cluster_utils import Cluster
 
     from weenv import cluster
@@ -102,18 +111,49 @@ def ray_nodes():
         ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
         nodes.pids |= children(os.getpid()) - before
         nodes.ensure()
-        yield nodes
+    except BaseException:
+        stop(nodes)
+        raise
+    return nodes
+
+
+def stop(nodes: RayNodes | None = None) -> list[int]:
+    """Shut the Ray cluster down (the shared one by default); the Ray processes
+    that were left and had to be killed (none, normally)."""
+    global _shared
+    import ray
+
+    if nodes is None:
+        nodes, _shared = _shared, None
+        if nodes is None:
+            return []
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
     finally:
-        try:
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            c.shutdown()
-            pids = nodes.pids
-            deadline = time.monotonic() + 10
-            while any(alive(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            left = [p for p in pids if alive(p)]
-            for p in left:
-                os.kill(p, signal.SIGKILL)
-            assert not left, f"Ray processes left after shutdown: {left}"
+        nodes.cluster.shutdown()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in nodes.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in nodes.pids if alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    return left
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(request):
+    """The run's Ray cluster (:class:`RayNodes`), this process connected to it:
+    started by the first module that uses it, shut down after the last one
+    (not kept up under the rest of the suite: its processes take CPU), the
+    Ray processes checked gone by pid then."""
+    global _shared
+    pytest.importorskip("ray")
+    if _shared is None:
+        _shared = _start()
+    yield _shared
+    prefix = request.node.nodeid + "::"
+    mine = [i for i, nodeid in enumerate(_users) if nodeid.startswith(prefix)]
+    if not mine or mine[-1] == len(_users) - 1:  # no later module of the run uses it
+        left = stop()
+        assert not left, f"Ray processes left after shutdown: {left}"
