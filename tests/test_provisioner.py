@@ -246,7 +246,10 @@ def test_idle_memory_is_reclaimed_and_comes_back_without_an_oom_kill_when_it_bur
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations")
+    # a window and cool-down of half the module's: each environment created below waits for its initial
+    # reservation to fall (seven or so, one after another: 18 s with the module's 2 s and 1 s)
+    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations",
+                     cpu_window_s=1.0, cpu_cooldown_s=0.5)
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
     for e in envs:
