@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from s3_fixture import s3_server  # noqa: F401 (a fixture: one SeaweedFS for every module of the session)
+import ray_fixture
+from ray_fixture import ray_nodes  # noqa: F401 (a fixture: one Ray cluster for the modules of a run that use it)
 
 from weenv.config import Paths
 from weenv.packaging.debootstrap import debian_rootfs
@@ -48,6 +50,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         elif os.geteuid() != 0:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    ray_fixture.note_users(session.items)  # which modules share the run's Ray cluster; the last one stops it
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if ray_fixture._shared is not None:  # the run stopped before the last module that uses it (-x, an error)
+        ray_fixture.stop()
 
 
 @pytest.fixture(scope="session")

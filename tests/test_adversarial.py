@@ -551,15 +551,19 @@ def test_long_commands_do_not_block_the_api(served):
     with daemon.connect(served) as c:
         env_id = c.create("task").id
     n = 45
+    # each runs until released (at most 60 s), not 15 s: an exec after the health check releases them
+    gate = "for i in $(seq 120); do [ -e /tmp/go ] && exit 0; sleep 0.5; done; exit 1"
 
     def long_command():
         with daemon.connect(served, autostart=False) as c:
-            return c.exec(env_id, ["sleep", "15"]).exit_code
+            return c.exec(env_id, ["sh", "-c", gate]).exit_code
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         running = [pool.submit(long_command) for _ in range(n)]
         time.sleep(6)
         healthy = daemon.is_running(served)
+        with daemon.connect(served, autostart=False) as c:
+            assert c.exec(env_id, ["touch", "/tmp/go"]).exit_code == 0  # served while 45 hold their threads
         codes = [f.result(timeout=120) for f in running]
     assert codes == [0] * n
     assert healthy

@@ -2,11 +2,14 @@
 more Ray nodes (ray.cluster_utils.Cluster), each with its own weenv home, one
 node actor and daemon per node, the placement actor, the cluster client.
 
-One cluster for the module (bringing it up takes ~15 s); the tests run in order:
-one kills a node, and the last takes the cluster down and up again with the CLI.  Everything is cleaned by pid at the end: the
-daemons (through ``weenv cluster down``, or ``weenv stop`` on a killed node's
-home), the Ray processes, and the check that nothing is left: no mount or
-cgroup, no daemon process, no Ray process, the gateway's port closed.
+The Ray cluster is the session's (:mod:`ray_fixture`: test_cluster_peers runs
+on it too; bringing one up takes 10-14 s), weenv is up on it for the module;
+the tests run in order: one kills a node (and adds one), and the last takes the
+cluster down and up again with the CLI.  Everything is cleaned by pid at the
+module's end: the daemons (through ``weenv cluster down``, or ``weenv stop`` on
+a killed node's home), and the check that nothing is left: no mount or cgroup,
+no daemon process, the gateway's port closed (the Ray processes: at the
+session's end).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -22,8 +24,6 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
-
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from weenv import cluster  # noqa: E402
 from weenv.cluster.client import ClusterClient  # noqa: E402
@@ -34,28 +34,10 @@ from weenv.server import daemon  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
 
 from conftest import CACHE, system_snapshot  # noqa: E402
+from ray_fixture import alive as _alive  # noqa: E402
 
 SMALL = Resources(cpus=0.1, memory_bytes=256 << 20)
 MiB = 1 << 20
-
-
-def _children(pid: int) -> set[int]:
-    out = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.add(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -76,61 +58,48 @@ def cluster_store(tmp_path_factory, debian_root):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory, cluster_store):
-    """A running Ray cluster of 3 nodes with weenv up on it; torn down by pid."""
-    yield from run_cluster(tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
+def ray_cluster(ray_nodes, tmp_path_factory, cluster_store):
+    """The session's Ray cluster of 3 nodes with weenv up on it; taken down and checked by pid."""
+    yield from run_cluster(ray_nodes, tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
                            heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3, batch_queue_s=3)
 
 
-def run_cluster(tmp_path_factory, cluster_store, **settings):
-    """Yield ``(cluster, workers, config, homes)`` of a Ray cluster of a head and
-    two more nodes with weenv up on it (``settings``: :class:`ClusterConfig`
-    fields); everything stopped by pid and checked gone after."""
+def run_cluster(ray_nodes, tmp_path_factory, cluster_store, **settings):
+    """Yield ``(nodes, workers, config, homes)``: the session's Ray cluster
+    (:class:`ray_fixture.RayNodes`, three alive nodes) with weenv up on it
+    (``settings``: :class:`ClusterConfig` fields); weenv taken down after, its
+    daemons stopped by pid and checked gone, nothing left under ``homes``."""
     homes = tmp_path_factory.mktemp("cluster-homes")
-    before_children = _children(os.getpid())
     before = system_snapshot(homes)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray_pids = _children(os.getpid()) - before_children
+    ray_nodes.ensure()
+    if cluster.down():  # not this module's settings: a module before did not take its weenv down
+        print("a weenv cluster was up: taken down")
     daemon_pids: list[int] = []
     try:
-        ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
-        c.wait_for_nodes()
         config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
                                        **{"gateway_port": 0, **settings})
         t0 = time.monotonic()
         nodes = cluster.up(config, timeout=120)
         print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")
-        yield c, workers, config, homes
+        yield ray_nodes, ray_nodes.workers, config, homes
     finally:
         try:
-            if ray.is_initialized():
-                gateway = cluster.gateway()
-                daemon_pids = [int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
-                               for h in homes.iterdir() if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()]
-                try:
-                    cluster.down()
-                except Exception as exc:  # a killed node's daemon: stopped below
-                    print(f"cluster down: {exc}")
-                with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
-                    httpx.get(gateway.url + "/v1/health", timeout=5)
-                ray.shutdown()
+            gateway = cluster.gateway()
+            daemon_pids = [int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
+                           for h in homes.iterdir() if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()]
+            try:
+                cluster.down()
+            except Exception as exc:  # a killed node's daemon: stopped below
+                print(f"cluster down: {exc}")
+            with pytest.raises(httpx.ConnectError):  # the gateway is gone with the cluster
+                httpx.get(gateway.url + "/v1/health", timeout=5)
         finally:
-            c.shutdown()
             for home in homes.iterdir():
                 daemon.stop(Paths(home=home, cache=CACHE, store_url=cluster_store.url))
-            ray_pids |= _children(os.getpid()) - before_children
-            deadline = time.monotonic() + 10
-            while any(_alive(p) for p in ray_pids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            left = [p for p in ray_pids if _alive(p)]
-            for p in left:
-                os.kill(p, signal.SIGKILL)
             assert daemon_pids and not [p for p in daemon_pids if _alive(p)], "a node's daemon outlived the cluster"
             after = system_snapshot(homes)
             for key in after:
                 assert not sorted(set(after[key]) - set(before[key])), f"leaked {key}"
-            assert not left, f"Ray processes left after shutdown: {left}"
 
 
 def _node_of_home(homes: Path, node_id: str) -> Path:
@@ -568,7 +537,7 @@ def test_a_node_that_dies_is_gone_and_its_environments_lost(ray_cluster):
         assert other.node_id != victim_id
         client.destroy(other.id)
         # a node joining later gets its actor and daemon
-        joined = c.add_node(num_cpus=1)
+        joined = c.add_node()  # (the session's nodes: the victim's place taken)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if any(s.node_id == joined.node_id and s.state == "alive" for s in cluster.status()):

@@ -133,8 +133,8 @@ def test_cpu_quota_follows_a_burst_and_falls_back_when_idle(make_node):
     node = make_node(cpu_quota_at="reservation")  # the elastic value is the CFS quota itself
     env = node.create("task", resources=Resources(cpus=2.0, memory_bytes=GIB, pids=256))
     assert env_stats(node, env.id).cpu_quota == 0.5  # initial, not the declared 2 cores
-    node.exec(env.id, BUSY.format(s=8))  # two CPU-bound processes for 8 s
-    node.exec(env.id, BUSY.format(s=8))
+    node.exec(env.id, BUSY.format(s=5))  # two CPU-bound processes for 5 s (the raise comes in a pass or two)
+    node.exec(env.id, BUSY.format(s=5))
     # throttled at 0.5: raised at once (x2 per pass); how far depends on the host's other load
     ok = wait_for(lambda: env_stats(node, env.id).cpu_quota >= 0.99, timeout=10)
     assert ok, (node.provision_stats(env.id).events, env_stats(node, env.id).history[-10:])
@@ -246,7 +246,10 @@ def test_idle_memory_is_reclaimed_and_comes_back_without_an_oom_kill_when_it_bur
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations")
+    # a window and cool-down of half the module's: each environment created below waits for its initial
+    # reservation to fall (seven or so, one after another: 18 s with the module's 2 s and 1 s)
+    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations",
+                     cpu_window_s=1.0, cpu_cooldown_s=0.5)
     envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
             for _ in range(3)]  # fmt: skip
     for e in envs:

@@ -13,11 +13,11 @@ from weenv.config import Paths
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
 GIB = 1 << 30
-FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0)
+FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0,
+            profile_startup_s=1.0, profile_min_observed_s=2.0)  # (defaults 2 s and 5 s: 4.5 s more of waiting)
 SPIKE = ("python3 -c 'import time\nb = bytearray(300 << 20); b[::4096] = b\"x\" * (len(b) // 4096)\n"
          "t = time.time()\nwhile time.time() - t < 1.5: pass'")  # fmt: skip
 RES = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
@@ -50,9 +50,9 @@ def _recorded_then_used(paths, tmp_path, shared_store, Node):
     with Node(paths, store=shared_store, provisioning=ProvisionConfig(**FAST)) as a:
         env = a.create("task", resources=RES, first_command=False)
         assert a.provision_stats(env.id).environments[0].memory_limit == 256 * MIB  # unknown: memory_initial
-        _wait_history(a, env.id, STARTUP_S)  # the CPU of its start-up is not what it teaches
+        _wait_history(a, env.id, FAST["profile_startup_s"])  # the CPU of its start-up is not what it teaches
         a.exec(env.id, SPIKE)
-        _wait_history(a, env.id, STARTUP_S + MIN_OBSERVED_S + 1)
+        _wait_history(a, env.id, FAST["profile_startup_s"] + FAST["profile_min_observed_s"] + 1)
         digest = env.template_digest
         a.destroy(env.id)
         recorded = a.provisioner.profiles.get(digest)
@@ -75,8 +75,10 @@ def _recorded_then_used(paths, tmp_path, shared_store, Node):
 
 def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an_idle_node(paths, shared_store,
                                                                                            leak_check):  # fmt: skip
-    """An environment that lived 15 s running a short command now and then (as
-    the suite's do) teaches its template what it did after its start-up; then
+    """An environment that lived 6 s running a short command now and then (as
+    the suite's do) teaches its template what it did after its start-up (the
+    default 2 s; observed 2 s after it at least, not the default 5: it lived
+    15 s for that, running five commands 3 s apart); then
     8 concurrent 1-core creates on an idle node are all admitted by the
     default burst admission (the warm pool's test was refused after earlier
     tests had taught the shared store's template)."""
@@ -88,9 +90,10 @@ def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an
     with contextlib.suppress(NotFoundError):
         shared_store.delete_ref("usage", name)
     try:
-        with Node(paths, store=shared_store, pool_size=0) as node:
+        teach = ProvisionConfig.from_env().model_copy(update={"profile_min_observed_s": 2.0})
+        with Node(paths, store=shared_store, pool_size=0, provisioning=teach) as node:
             env = node.create("task")
-            for _ in range(5):
+            for _ in range(2):
                 assert node.exec(env.id, "python3 hello.py").exit_code == 0
                 time.sleep(3)
             node.destroy(env.id)

@@ -91,6 +91,85 @@ def test_serving_is_bounded_and_only_held_chunks(tmp_path):
     assert s.served_bytes == 2 * len(chunk)
 
 
+def test_a_rate_bound_answer_its_asker_would_give_up_on_is_refused_at_once(tmp_path):
+    """A node serving at ``serve_bytes_per_s`` slept out the wait for an
+    answer's tokens however long: answers their askers had given up on (their
+    timeout passed) took their tokens all the same, the waits piled up, held the
+    serve slots and held up the daemon's stop (test_cluster_peers' slow peers:
+    15 s of debt slept off before their daemons stopped).  A wait past
+    ``SERVE_WAIT_SHARE`` of the asker's (its header, at most ``timeout_s``) is
+    refused at once, busy, and its tokens are not taken."""
+    import hashlib
+
+    from weenv.node.peers import RateBusyError
+
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.0, serve_bytes_per_s=1 << 20)))
+    big, small = b"b" * (2 << 20), b"s" * (256 << 10)
+    chunks = {"sha256:" + hashlib.sha256(c).hexdigest(): c for c in (big, small)}
+    peers.held = lambda d, wait_s: chunks.get(d)
+    big_d, small_d = list(chunks)
+    for wait in (None, 1.0, 30.0):  # 2 MiB at 1 MiB/s: >= 1 s of tokens, past 0.75 s of a 1 s wait
+        t = time.monotonic()
+        with pytest.raises(RateBusyError) as refused:
+            peers.serve(big_d, *(() if wait is None else (None, wait)))  # 30: more than timeout_s, which bounds it
+        assert time.monotonic() - t < 0.3, "refused at once, not after the wait"
+        assert 0 < refused.value.retry_after_s <= 2.0 and refused.value.kind == "busy"
+    time.sleep(0.3)  # the bucket fills (0.3 s: 300 KiB), nothing was taken from it by the refusals
+    t = time.monotonic()
+    assert peers.serve(small_d, asker_wait_s=1.0) == small
+    assert time.monotonic() - t < 0.2, "no debt left by the refused answers"
+    with pytest.raises(RateBusyError):  # the bucket is nearly empty: 256 KiB's tokens come in ~0.2 s
+        peers.serve(small_d, asker_wait_s=0.01)
+    s = peers.stats()
+    assert (s.served_chunks, s.served_bytes, s.served_refused) == (1, len(small), 4)
+
+
+def test_an_asker_passes_a_rate_bound_peer_over_for_its_retry_after(tmp_path):
+    """A peer's 409 with Retry-After: the store serves, and the peer is not asked
+    again before then (nor past ``pass_over_s``)."""
+    import hashlib
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from weenv.node.peers import WAIT_HEADER, PeerInfo
+
+    chunk = b"r" * 4096
+    digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
+    store = FileStore(tmp_path / "store")
+    store.put_chunk(chunk)
+    waits = []
+
+    class BusyPeer(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            waits.append(self.headers.get(WAIT_HEADER))
+            self.send_response(409)
+            self.send_header("retry-after", "1")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BusyPeer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    peers = PeerChunks(store, groups=list)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.5, pass_over_s=30),
+                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        peers.learn([(digest, "sha256:g1")])
+        for wait in (0.0, 0.0, 1.1):
+            time.sleep(wait)
+            assert peers.get_chunk(digest, size=len(chunk)) == chunk  # from the store
+        s = peers.stats()
+        assert (s.peer_busy, s.peer_unreachable, s.store_chunks) == (2, 0, 3)
+        assert waits == ["1.500", "1.500"]
+    finally:
+        peers.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_create_done_counts_on_its_node_until_a_report_shows_it():
     view = ClusterView()
     view.heartbeat(report("a"))

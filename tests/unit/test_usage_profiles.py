@@ -47,6 +47,9 @@ def test_summary_of_one_environment_counts_its_bursts():
     assert p.memory_peak == 400 * MIB and p.memory_working_set == 115 * MIB
     assert summarize(T1, 1.0, cpu[:6], ws[:6], 1.0) is None  # 4 s after its start: too short to teach anything
     assert summarize(T1, 1.0, [1.0] * 6, [0] * 6, 0.5) is None  # 3 s, 2 of them its start
+    # a node's own windows (ProvisionConfig.profile_startup_s, profile_min_observed_s): 1 s of start, 3 s after it
+    short = summarize(T1, 1.0, [1.0] * 2 + [0.5] * 6, [0] * 8, 0.5, startup_s=1.0, min_observed_s=3.0)
+    assert short is not None and short.cpu_burst == pytest.approx(0.5) and short.seconds == pytest.approx(3.0)
     with pytest.raises(InvalidInputError):
         summarize(T1, 1.0, [float("nan")] * 10, [0] * 10, 1.0)
     with pytest.raises(InvalidInputError):

@@ -51,7 +51,17 @@ this node fetch anything), at
 most ``serve_concurrency`` at once (more are refused, :class:`BusyError`, and
 the asker moves on: at most ``serve_concurrency`` chunks' bytes are in flight),
 and at most ``serve_bytes_per_s`` bytes a second (a token bucket: an answer
-waits for its bytes' tokens; None: no rate bound).
+waits for its bytes' tokens; None: no rate bound).  An answer waits for its
+tokens only while its asker still waits for it: the asker sends the seconds
+it waits (:data:`WAIT_HEADER`; at most ``timeout_s``, the default without
+it), and an answer whose tokens would come later than ``SERVE_WAIT_SHARE`` of
+them after its request came is refused at once, its tokens not taken
+(:class:`RateBusyError`: 409, kind busy, ``Retry-After``: when the bucket
+would have them); the asker passes this node over for that long
+(at most ``pass_over_s``) and takes the chunk from another peer or the store.
+(A wait for tokens past the asker's timeout was slept out all the same: the
+answers it had given up on took their tokens, the debt piled up, held the
+serve slots and held up the daemon's stop.)
 
 Counters (:class:`PeerStats`, in ``GET /v1/stats`` and ``/v1/metrics``) count
 plaintext bytes: from the store, from peers, served to peers, and the peer
@@ -83,6 +93,8 @@ TOKEN_HEADER = "x-weenv-peer-token"
 """The header a peer's chunk request carries the cluster's peer token in."""
 RANK_HEADER = "x-weenv-peer-rank"
 """The header a peer's chunk request carries its rank in (:meth:`PeerChunks.serve`)."""
+WAIT_HEADER = "x-weenv-peer-wait"
+"""The header a peer's chunk request carries, in seconds, how long its asker waits for the answer."""
 CHUNK_PATH = "/peer/v1/chunks/"
 """``CHUNK_PATH + digest``: a node's chunk route for its peers."""
 PASS_OVER_S = 10.0
@@ -156,7 +168,7 @@ class PeerStats:
     peer_missing: int = 0
     """The peer did not hold it (404: evicted since its report)."""
     peer_busy: int = 0
-    """The peer refused: at its serving bound (409)."""
+    """The peer refused: at its serving bound, or its rate's tokens would come too late (409)."""
     peer_bad: int = 0
     """The peer's answer was not the chunk (size or sha256): a peer is not trusted."""
     peer_unreachable: int = 0
@@ -165,11 +177,32 @@ class PeerStats:
     served_bytes: int = 0
     """Served to peers."""
     served_refused: int = 0
-    """Peer requests refused: over ``serve_concurrency``."""
+    """Peer requests refused: over ``serve_concurrency``, or the rate's tokens too late for the asker."""
     served_missing: int = 0
     """Peer requests for chunks this node does not hold."""
     peers: int = 0
     """Peers in the table now."""
+
+
+class RateBusyError(BusyError):
+    """A peer's chunk request refused: ``serve_bytes_per_s``'s tokens for its
+    bytes would come after its asker stopped waiting; ``retry_after_s``: when
+    they would not."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def parse_wait(value: str | None) -> float | None:
+    """A :data:`WAIT_HEADER` value: seconds, > 0 and at most 60 (None: absent or not that)."""
+    if value is None or len(value) > 16 or not value.isascii():
+        return None
+    try:
+        wait = float(value)
+    except ValueError:
+        return None
+    return wait if 0 < wait <= 60 else None
 
 
 class PeerChunks:
@@ -354,13 +387,17 @@ class PeerChunks:
         deadline = time.monotonic() + settings.timeout_s
         try:
             with http.stream("GET", peer.url.rstrip("/") + CHUNK_PATH + digest,
-                             headers={TOKEN_HEADER: settings.token, RANK_HEADER: str(self.rank)},
+                             headers={TOKEN_HEADER: settings.token, RANK_HEADER: str(self.rank),
+                                      WAIT_HEADER: f"{settings.timeout_s:.3f}"},
                              timeout=settings.timeout_s) as r:
                 if r.status_code == 404:
                     self._count(peer_failures=1, peer_missing=1)
                     return None
                 if r.status_code == 409:
                     self._count(peer_failures=1, peer_busy=1)
+                    retry = r.headers.get("retry-after", "")
+                    if retry.isascii() and retry.isdigit() and len(retry) <= 4:  # rate-bound: not before then
+                        self._pass_over(peer, settings, float(retry))
                     return None
                 if r.status_code != 200:
                     raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
@@ -385,9 +422,11 @@ class PeerChunks:
             return None
         return data
 
-    def _pass_over(self, peer: PeerInfo, settings: PeerSettings) -> None:
+    def _pass_over(self, peer: PeerInfo, settings: PeerSettings, for_s: float | None = None) -> None:
+        """Ask ``peer`` nothing for ``pass_over_s`` (or ``for_s``, if shorter)."""
+        s = settings.pass_over_s if for_s is None else min(for_s, settings.pass_over_s)
         with self._lock:
-            self._passed_over[peer.node_id] = time.monotonic() + settings.pass_over_s
+            self._passed_over[peer.node_id] = time.monotonic() + s
 
     def stream_pack(self, digest: str, size: int | None = None):
         """The store's :meth:`~weenv.store.base.Store.stream_pack`, its bytes
@@ -406,14 +445,19 @@ class PeerChunks:
         settings = self._settings
         return bool(settings and presented and hmac.compare_digest(presented.encode(), settings.token.encode()))
 
-    def serve(self, digest: str, asker_rank: int | None = None) -> bytes | None:
+    def serve(self, digest: str, asker_rank: int | None = None, asker_wait_s: float | None = None) -> bytes | None:
         """Plaintext of chunk ``digest`` for a peer, if this node holds it (None
         otherwise), within the serving bounds; ``asker_rank``, the asking
         peer's :attr:`rank` (None: not sent; a fetch of the chunk asking peers
-        here is waited for only for a peer ranked above this node).  Raises :class:`BusyError` past
-        ``serve_concurrency``, :class:`InvalidInputError` for a bad digest or
+        here is waited for only for a peer ranked above this node);
+        ``asker_wait_s``: how long the asker waits for the answer (at most,
+        and by default, ``timeout_s``).  Raises :class:`BusyError` past
+        ``serve_concurrency``, :class:`RateBusyError` when the rate's tokens for
+        the chunk would come later than ``SERVE_WAIT_SHARE`` of the asker's
+        wait (not taken, then), :class:`InvalidInputError` for a bad digest or
         before the node is in a cluster."""
         check_digest(digest)
+        start = time.monotonic()
         settings = self._settings
         if settings is None:
             raise InvalidInputError("this node serves no peers (it is not in a cluster)")
@@ -429,25 +473,34 @@ class PeerChunks:
             # out the other's timeout) unless the asker ranks higher (then this node's ask of it hears 404
             # at once); others are, for less than the asker waits (it hears 404, not a timeout)
             waits = not asking or (asker_rank is not None and self.rank < asker_rank)
-            data = self.held(digest, settings.timeout_s * SERVE_WAIT_SHARE if waits else 0.0)
+            wait_s = settings.timeout_s if asker_wait_s is None else min(asker_wait_s, settings.timeout_s)
+            data = self.held(digest, wait_s * SERVE_WAIT_SHARE if waits else 0.0)
             if data is None:
                 self._count(served_missing=1)
                 return None
             if settings.serve_bytes_per_s is not None:
-                self._take_tokens(len(data), settings.serve_bytes_per_s)
+                self._take_tokens(len(data), settings.serve_bytes_per_s, start + wait_s * SERVE_WAIT_SHARE)
             self._count(served_chunks=1, served_bytes=len(data))
             return data
         finally:
             with self._lock:
                 self._serving -= 1
 
-    def _take_tokens(self, n: int, rate: int) -> None:
-        """Wait until ``n`` bytes may go at ``rate`` bytes/s (a bucket of one second's bytes)."""
+    def _take_tokens(self, n: int, rate: int, until: float) -> None:
+        """Wait until ``n`` bytes may go at ``rate`` bytes/s (a bucket of one
+        second's bytes); :class:`RateBusyError`, the tokens not taken, if that
+        is later than ``until`` (monotonic s)."""
         with self._bucket_lock:
             now = time.monotonic()
-            self._bucket = min(float(rate), self._bucket + (now - self._bucket_at) * rate) - n
-            self._bucket_at = now
-            wait = -self._bucket / rate if self._bucket < 0 else 0.0
+            level = min(float(rate), self._bucket + (now - self._bucket_at) * rate)
+            wait = (n - level) / rate if level < n else 0.0
+            if now + wait > until:
+                with self._lock:
+                    self._stats.served_refused += 1
+                late = now + wait - until
+                raise RateBusyError(f"{n} bytes at {rate} bytes/s go in {wait:.2f} s, after the asker stops "
+                                    f"waiting ({max(0.0, until - now):.2f} s)", retry_after_s=late)
+            self._bucket, self._bucket_at = level - n, now
         if wait > 0:
             time.sleep(wait)
 

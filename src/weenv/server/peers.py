@@ -1,9 +1,11 @@
 """The route a node serves its peers' chunk requests on (:mod:`weenv.node.peers`)::
 
     GET /peer/v1/chunks/{digest}   X-Weenv-Peer-Token: TOKEN  [X-Weenv-Peer-Rank: N, the asker's]
+        [X-Weenv-Peer-Wait: S, the seconds the asker waits for the answer]
         -> 200 the chunk's plaintext (application/octet-stream)
         -> 404 this node does not hold it (it fetches nothing for a peer)
-        -> 409 at the node's serving bound (kind busy); 401 without the peer token
+        -> 409 at the node's serving bound, or its rate's tokens would come after the asker
+           stops waiting (then with Retry-After: seconds) (kind busy); 401 without the peer token
 
 Only content-addressed chunk reads: the peer token opens this route and no
 other (the node's API key is not a peer's).  The node is told its peers and
@@ -12,11 +14,14 @@ the token by ``PUT /v1/peers`` (API key or Unix socket; :mod:`weenv.server.api`)
 
 from __future__ import annotations
 
+import math
+
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 from weenv.errors import AuthenticationError
 from weenv.node.node import Node
-from weenv.node.peers import CHUNK_PATH, RANK_HEADER, TOKEN_HEADER
+from weenv.node.peers import CHUNK_PATH, RANK_HEADER, TOKEN_HEADER, WAIT_HEADER, RateBusyError, parse_wait
 
 
 def peer_router(node: Node) -> APIRouter:
@@ -27,7 +32,12 @@ def peer_router(node: Node) -> APIRouter:
         if not node.peers.check_token(request.headers.get(TOKEN_HEADER)):
             raise AuthenticationError(f"a peer's chunk request needs the cluster's peer token ({TOKEN_HEADER})")
         rank = request.headers.get(RANK_HEADER, "")
-        data = node.peers.serve(digest, int(rank) if rank.isascii() and rank.isdigit() and len(rank) <= 20 else None)
+        try:
+            data = node.peers.serve(digest, int(rank) if rank.isascii() and rank.isdigit() and len(rank) <= 20 else None,
+                                    parse_wait(request.headers.get(WAIT_HEADER)))
+        except RateBusyError as exc:
+            return JSONResponse({"error": {"kind": exc.kind, "message": str(exc)}}, status_code=409,
+                                headers={"retry-after": str(max(1, math.ceil(exc.retry_after_s)))})
         if data is None:
             return Response(status_code=404)
         return Response(data, media_type="application/octet-stream")

@@ -525,7 +525,9 @@ class Provisioner:
             return
         try:
             seen = summarize(t.template, t.resources.cpus, [h.cpu_used for h in t.history],
-                             [h.working_set for h in t.history], self.config.interval_s)  # fmt: skip
+                             [h.working_set for h in t.history], self.config.interval_s,
+                             startup_s=self.config.profile_startup_s,
+                             min_observed_s=self.config.profile_min_observed_s)  # fmt: skip
             if seen is not None:
                 self.profiles.record(seen)
         except (WeenvError, OSError, ValueError) as exc:  # a profile is a hint: never fail a destroy

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
+
 MIB = 1 << 20
 
 
@@ -127,6 +129,12 @@ class ProvisionConfig(_Model):
     """Host MemAvailable below this share: freeze the lowest-priority environment."""
     history: int = Field(default=900, gt=0)
     """Samples kept per environment."""
+    profile_startup_s: float = Field(default=STARTUP_S, ge=0)
+    """Seconds of an environment's start left out of the usage profile it
+    teaches its template (:data:`~weenv.node.provision.profiles.STARTUP_S`)."""
+    profile_min_observed_s: float = Field(default=MIN_OBSERVED_S, gt=0)
+    """An environment observed for less after its start teaches its template nothing
+    (:data:`~weenv.node.provision.profiles.MIN_OBSERVED_S`)."""
 
     admission: Literal["burst", "peak", "reservations", "static"] = "burst"
     """How a new environment is admitted in ``elastic`` mode.

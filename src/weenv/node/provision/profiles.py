@@ -50,9 +50,10 @@ MAX_USAGE_PROFILE_BYTES = 64 << 10
 HALF_LIFE_S = 24 * 3600.0
 """What an environment taught weighs half as much a day later."""
 MIN_OBSERVED_S = 5.0
-"""An environment observed for less (seconds of history after its start-up) teaches nothing."""
+"""An environment observed for less (seconds of history after its start-up) teaches nothing
+(the default of ``ProvisionConfig.profile_min_observed_s``)."""
 STARTUP_S = 2.0
-"""Seconds of an environment's history left out of its profile: its start
+"""The default of ``ProvisionConfig.profile_startup_s``: seconds of an environment's history left out of its profile: its start
 (the exec agent, the create's first command) is not how it uses the node
 afterwards, and an environment that lives a few seconds (a probe, a test) is
 mostly start-up: counted, it taught its template a duty cycle of its start
@@ -120,15 +121,16 @@ class UsageProfile(BaseModel):
 
 
 def summarize(template: str, cpu_ceiling: float, cpu: list[float], working_sets: list[int], interval_s: float,
-              *, now: float | None = None) -> UsageProfile | None:
+              *, now: float | None = None, startup_s: float = STARTUP_S,
+              min_observed_s: float = MIN_OBSERVED_S) -> UsageProfile | None:
     """One environment's profile from its per-pass CPU usage (cores) and working
     sets (bytes), ``interval_s`` apart, from its start: the CPU of its first
-    :data:`STARTUP_S` seconds is left out (its memory is not: a peak there
+    ``startup_s`` seconds is left out (its memory is not: a peak there
     is one the next will need too); None if observed less than
-    :data:`MIN_OBSERVED_S` after them.  Non-finite or negative samples are an
+    ``min_observed_s`` after them.  Non-finite or negative samples are an
     :class:`InvalidInputError`."""
-    cpu = cpu[math.ceil(STARTUP_S / interval_s - 1e-9):]  # memory keeps its start: a peak there is one it needs
-    if len(cpu) * interval_s < MIN_OBSERVED_S or not working_sets:
+    cpu = cpu[math.ceil(startup_s / interval_s - 1e-9):]  # memory keeps its start: a peak there is one it needs
+    if len(cpu) * interval_s < min_observed_s or not working_sets:
         return None
     if any(not math.isfinite(x) or x < 0 for x in cpu) or any(w < 0 for w in working_sets):
         raise InvalidInputError("usage samples must be finite and non-negative")
