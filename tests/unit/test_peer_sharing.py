@@ -113,12 +113,12 @@ def test_a_rate_bound_answer_its_asker_would_give_up_on_is_refused_at_once(tmp_p
         t = time.monotonic()
         with pytest.raises(RateBusyError) as refused:
             peers.serve(big_d, *(() if wait is None else (None, wait)))  # 30: more than timeout_s, which bounds it
-        assert time.monotonic() - t < 0.3, "refused at once, not after the wait"
+        assert time.monotonic() - t < 1.0, "refused at once, not after the wait (about 2 s)"
         assert 0 < refused.value.retry_after_s <= 2.0 and refused.value.kind == "busy"
     time.sleep(0.3)  # the bucket fills (0.3 s: 300 KiB), nothing was taken from it by the refusals
     t = time.monotonic()
     assert peers.serve(small_d, asker_wait_s=1.0) == small
-    assert time.monotonic() - t < 0.2, "no debt left by the refused answers"
+    assert time.monotonic() - t < 1.0, "no debt left by the refused answers (8 s of it before)"
     with pytest.raises(RateBusyError):  # the bucket is nearly empty: 256 KiB's tokens come in ~0.2 s
         peers.serve(small_d, asker_wait_s=0.01)
     s = peers.stats()
