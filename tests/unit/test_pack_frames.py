@@ -207,8 +207,14 @@ def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkey
         store.reads = 0
         got = {}
         reader = threading.Thread(target=lambda: got.setdefault("data", cache.read(refs[1], 0, MiB)))
+        monkeypatch.setattr(prefetch, "PACK_WAIT_S", 30.0)  # however slow this machine, the read waits for it
         reader.start()
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with pf._lock:
+                if stream.claimed:
+                    break
+            time.sleep(0.005)
         with pf._lock:
             assert stream.claimed == {1}  # waiting for it
         with pf._lock:  # the pack's reader receives frames 0 and 1

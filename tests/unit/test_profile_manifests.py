@@ -122,3 +122,19 @@ def test_carried_manifests_stay_within_the_bound(monkeypatch, tmp_path):
         _profile(digest, groups, {d: canonical_json(m).decode() for d, m in groups})
     # a manifest that does not serialize back to its digest (an older writer's) is left out
     assert carried_manifests([("sha256:" + "6" * 64, groups[0][1])]) == {}
+
+
+def test_a_profile_past_the_store_bound_with_its_manifests_is_published_without_them(monkeypatch, tmp_path):
+    """The carried manifests are JSON inside JSON (escaped once more): a profile
+    near the bound with them would be refused by the store; it goes without them."""
+    store = CountingStore(tmp_path / "store")
+    digest, groups = _template(store)
+    profile = _profile(digest, groups, carried_manifests(groups))
+    bare = len(canonical_json(profile.model_copy(update={"manifests": {}})))
+    assert len(canonical_json(profile)) > bare
+    monkeypatch.setattr(P, "MAX_MANIFEST_BYTES", bare)
+    P.publish_profile(store, profile)
+    assert P.load_profile(store, digest).manifests == {}
+    monkeypatch.setattr(P, "MAX_MANIFEST_BYTES", 16 << 20)
+    P.publish_profile(store, profile)
+    assert P.load_profile(store, digest).manifests == profile.manifests

@@ -124,10 +124,12 @@ class Pauses:
                 try:
                     with e.gate.shut():  # no command half started in it while it freezes
                         cg.freeze(timeout=self.freeze_timeout)
+                        # paused before the gate opens: a command waiting there is refused (check_running),
+                        # not started in the frozen cgroup; the reaper passes it by (EnvironmentTable.expired)
+                        _apply(e, paused)
                 except BaseException:
                     self._provision(e)
                     raise
-                _apply(e, paused)  # the reaper passes it by (EnvironmentTable.expired)
             return e.info
 
     def release(self, e: Environment) -> EnvironmentInfo:

@@ -285,6 +285,10 @@ class Prefetcher:
                     elif not stream.ended and sum(stream.pack.frames[stream.received : pos + 1]) <= PACK_WAIT_AHEAD_BYTES:
                         waiting = (stream, pos)
                 if waiting is None or self._closed:
+                    for stream in self._streams.values():  # a claim of this read's is let go
+                        pos = stream.position(digest)
+                        if pos is not None:
+                            stream.claimed.discard(pos)
                     return None
                 now = time.monotonic()
                 deadline = now + PACK_WAIT_S if deadline is None else deadline

@@ -269,12 +269,12 @@ def save_info(env_dir: Path, info: EnvironmentInfo) -> None:
     directory is gone (destroyed meanwhile), :class:`DiskFullError` naming the
     environment if the node's disk is full (``env.json`` unchanged, no
     temporary file left)."""
-    with staged_info(env_dir, info):
+    with staged_info(env_dir, info, undoable=True):
         pass
 
 
 @contextlib.contextmanager
-def staged_info(env_dir: Path, info: EnvironmentInfo) -> Iterator[None]:
+def staged_info(env_dir: Path, info: EnvironmentInfo, *, undoable: bool = False) -> Iterator[None]:
     """Save ``info`` as ``env_dir/env.json`` around a step that cannot be undone
     (a container deleted, killed or run anew): it is written to a temporary
     file first, so a full disk refuses (:class:`DiskFullError`, raised here,
@@ -282,7 +282,13 @@ def staged_info(env_dir: Path, info: EnvironmentInfo) -> Iterator[None]:
     ``env.json`` (a rename, no new data) only once the block ended without an
     exception; otherwise the temporary file goes and ``env.json`` is as it was.
     ``info`` is dumped now: pass the state the block leaves.  Writers of one
-    environment's ``env.json`` hold its lock (:attr:`Environment.lock`)."""
+    environment's ``env.json`` hold its lock (:attr:`Environment.lock`).
+
+    The rename itself failing (a full file system's metadata, rarely) after
+    the block's step: with ``undoable`` (nothing in the block, the caller can
+    still give up) :class:`DiskFullError`; without, logged, not raised (the
+    step is done and the state in memory is right; ``env.json`` is behind
+    until the environment's next save)."""
     tmp = env_dir / f"env.json.{secrets.token_hex(4)}.tmp"  # two writers never share one
     try:
         with open(tmp, "x") as f:
@@ -308,9 +314,12 @@ def staged_info(env_dir: Path, info: EnvironmentInfo) -> Iterator[None]:
             tmp.unlink()
         if isinstance(exc, FileNotFoundError):
             raise NotFoundError(f"no environment {info.id!r}") from None
-        if exc.errno in FULL_ERRNOS:
+        if undoable and exc.errno in FULL_ERRNOS:
             raise disk_full(f"environment {info.id}", "cannot save its state", exc) from exc
-        raise
+        if undoable:
+            raise
+        # the block's step is done: saying "nothing was done" (DiskFullError) would be false
+        log.error("environment %s: its state is applied but not saved (env.json is behind): %s", info.id, exc)
 
 
 def stale_info_files(env_dir: Path) -> list[Path]:
