@@ -250,6 +250,44 @@ def test_commands_racing_resets_run_in_the_environment_or_are_killed_by_the_rese
     node.destroy(e.id)
 
 
+def test_a_command_arriving_while_a_pause_freezes_is_refused_not_started_frozen(small, monkeypatch):
+    """Review: a pause marked the environment paused only after its command gate
+    opened, so a command waiting at the gate started in the frozen cgroup (and
+    hung there, holding the gate: the next resume blocked with the environment's
+    lock held).  The command is made to arrive then, the marking held back."""
+    from weenv.node import pause as pause_module
+
+    node = small
+    e = node.create("task", resources=SMALL)
+    outcome: list[BaseException | int] = []
+    real_apply = pause_module._apply
+
+    def command() -> None:
+        try:
+            outcome.append(node.exec(e.id, ["true"], timeout=20).exit_code)
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=command)
+
+    def late_apply(env, info):
+        if info.state == "paused" and not waiter.is_alive():
+            waiter.start()  # it meets the gate (or, before the fix, an open one)
+            time.sleep(0.5)
+        real_apply(env, info)
+
+    monkeypatch.setattr(pause_module, "_apply", late_apply)
+    node.pause(e.id)
+    waiter.join(30)
+    assert not waiter.is_alive(), "the command hung in the frozen environment"
+    assert len(outcome) == 1 and isinstance(outcome[0], StateError), outcome
+    t = time.monotonic()
+    node.resume(e.id)
+    assert time.monotonic() - t < 10
+    assert sh(node, e.id, "echo ok") == b"ok\n"
+    node.destroy(e.id)
+
+
 def test_concurrent_lifecycle_calls_on_one_environment_leave_it_usable(small):
     """Four threads calling pause, release, resume, reset (to the template and to
     a snapshot), fork, snapshot, set_timeout and commands on one environment for
