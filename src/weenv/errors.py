@@ -42,6 +42,9 @@ daemon sends the error *kind* (the class name without ``Error``), never a class 
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class WeenvError(Exception):
     """Root of every error weenv raises on purpose."""
@@ -174,6 +177,18 @@ class DiskFullError(WeenvError, OSError):
     node's disk is full (``ENOSPC``); ``errno`` is kept."""
 
     kind = "disk_full"
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""What a write that found no room raises (the node's disk full, a quota reached)."""
+
+
+def disk_full(who: str, doing: str, exc: OSError) -> DiskFullError:
+    """:class:`DiskFullError` for ``exc`` (an ``ENOSPC`` or ``EDQUOT`` of
+    ``doing``; ``who``: ``"environment ID"``, or what was being made), its errno kept."""
+    why = ("no space left on the node's disk" if exc.errno == errno.ENOSPC
+           else "no space left under the disk quota")  # fmt: skip
+    return DiskFullError(exc.errno, f"{who}: {doing}: {why} ({os.strerror(exc.errno)})")
 
 
 class OutputLimitError(WeenvError, ValueError):

@@ -65,7 +65,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import CapacityError, DigestMismatchError, InvalidInputError
+from weenv.errors import FULL_ERRNOS, CapacityError, DigestMismatchError, InvalidInputError
 from weenv.formats.manifest import ChunkRef, check_digest
 from weenv.store.base import Store, decode_frame
 from weenv.store.file import atomic_write
@@ -407,7 +407,7 @@ class ChunkCache:
             atomic_write(path, data, durable=False)
             return
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno not in FULL_ERRNOS:
                 raise
             with self._lock:
                 freed = self._evict_locked(0, at_least=max(2 * len(data), self._bytes // 4))
@@ -415,7 +415,7 @@ class ChunkCache:
         try:
             atomic_write(path, data, durable=False)
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno not in FULL_ERRNOS:
                 raise
             raise CapacityError(
                 f"the disk of the node chunk cache {self.root} is full even after evicting "

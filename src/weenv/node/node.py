@@ -54,11 +54,13 @@ from weenv.config import Paths, private_dir
 from weenv.errors import (
     BrokenError,
     CommandTimeoutError,
+    FULL_ERRNOS,
     DiskFullError,
     InvalidInputError,
     NotFoundError,
     RuntimeFailedError,
     StateError,
+    disk_full,
 )
 from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest, check_name
 from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (where it always was)
@@ -115,11 +117,9 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
     CONTAINER_PREFIX,
     UNDELIVERED,
     Environment,
-    FULL_ERRNOS,
     EnvironmentTable,
     check_priority,
     container_id,
-    disk_full,
     follow as _follow,
     save_info,
     staged_info,

@@ -42,7 +42,6 @@ runtime process per command) is not there.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from weenv.errors import (
+    FULL_ERRNOS,
     InvalidInputError,
     NotFoundError,
     RuntimeFailedError,
@@ -782,13 +782,13 @@ def full_dirs(*dirs: Path) -> list[Path]:
         try:
             fd, name = tempfile.mkstemp(dir=d, prefix=".weenv-room-")
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in FULL_ERRNOS:
                 full.append(d)
             continue
         try:
             os.write(fd, bytes(4096))
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in FULL_ERRNOS:
                 full.append(d)
         finally:
             os.close(fd)

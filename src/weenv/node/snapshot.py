@@ -75,13 +75,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, StateError
+from weenv.errors import FULL_ERRNOS, BusyError, InvalidInputError, NotFoundError, StateError, disk_full
 from weenv.node import idmap
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
 from weenv.node.models import EnvironmentInfo, SnapshotInfo
 from weenv.node.provision import Provisioner
-from weenv.node.table import FULL_ERRNOS, Environment, disk_full
+from weenv.node.table import Environment
 from weenv.packaging.group import build_group, load_group
 from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
 from weenv.packaging.template import load_template

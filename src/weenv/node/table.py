@@ -11,7 +11,6 @@ node reaches an environment through it (:meth:`EnvironmentTable.get` raises
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import secrets
@@ -21,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
-from weenv.errors import DiskFullError, InvalidInputError, NotFoundError
+from weenv.errors import FULL_ERRNOS, InvalidInputError, NotFoundError, disk_full
 from weenv.formats.manifest import TemplateManifest
 from weenv.node.disk import NodeDisk
 from weenv.node.models import MAX_TIMEOUT_S, EnvironmentInfo
@@ -329,14 +328,3 @@ def stale_info_files(env_dir: Path) -> list[Path]:
     except FileNotFoundError:
         return []
 
-
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-"""What a write that found no room raises (the node's disk full, a quota reached)."""
-
-
-def disk_full(who: str, doing: str, exc: OSError) -> DiskFullError:
-    """:class:`DiskFullError` for ``exc`` (an ``ENOSPC`` or ``EDQUOT`` of
-    ``doing``; ``who``: ``"environment ID"``, or what was being made), its errno kept."""
-    why = ("no space left on the node's disk" if exc.errno == errno.ENOSPC
-           else "no space left under the disk quota")  # fmt: skip
-    return DiskFullError(exc.errno, f"{who}: {doing}: {why} ({os.strerror(exc.errno)})")
