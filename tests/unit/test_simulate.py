@@ -289,28 +289,74 @@ def test_a_short_burst_of_a_fifth_of_a_core_second_is_a_burst():
     assert loaded["bursts"] >= 5 and loaded["p95_burst_slowdown"] == pytest.approx(1.5, rel=0.05)
 
 
-def test_calibration_composes_the_model_with_the_unloaded_runs_and_the_quiet_static_bursts():
-    """With a background recorded, the noise composed with the model's
-    slowdowns is the unloaded runs' spread, repeated and first runs in fresh
-    environments (16 of a real run's 36 elastic bursts were first runs), with
-    the static mode's bursts that had their core on a quiet machine (the real
-    node's own spread); the static bursts under other load or beside more
-    bursts than cores are left out, and fewer than 10 quiet ones are left out."""
+def quiet_static_run(cold: float = 2.0, warm: float = 1.3) -> dict:
+    """A static mode of 2 environments: 2 first runs (``KIND:cold``) and 10
+    later ones that had their core on a quiet machine, and 3 bursts that did
+    not (under other load, beside more bursts than cores), one a first run."""
+    quiet = ([{"base": "tests:cold", "slowdown": cold, "background": 0.1, "concurrent": 1}] * 2
+             + [{"base": "tests", "slowdown": warm, "background": 0.1, "concurrent": 1}] * 10)  # fmt: skip
+    loud = [{"base": "pip:cold", "slowdown": 3.0, "background": 1.5, "concurrent": 1},
+            {"base": "pip", "slowdown": 5.0, "background": 0.0, "concurrent": 3},
+            {"base": "pip", "slowdown": 4.0, "background": None, "concurrent": 1}]  # fmt: skip
+    return {"static": {"envs": 2, "bursts": quiet + loud}}
+
+
+def test_the_workload_noise_weighs_first_runs_as_the_predicted_mode_holds_them():
+    """The noise is the static mode's quiet bursts; first runs of a kind in
+    an environment weigh as many as the predicted mode has: each of its
+    environments runs as many as a static one did (3 first runs over 2
+    environments here, 1.5 each), so 4 environments and 200 bursts hold 6
+    first runs (3 %: the p95 is a later run's 1.3) and 100 bursts 6 %
+    (the p95 is a first run's 2.0); unweighted (2 of 12) it would be 2.0
+    either way.  Fewer than 10 quiet bursts are no noise; a run whose bursts
+    do not tell first runs apart weighs each quiet burst once."""
+    from weenv_bench.simulate import p95, weighted_p95, workload_noise
+
+    real = quiet_static_run()
+    noise, weights = workload_noise(real, 2, envs=4, bursts=200)
+    assert noise == [2.0] * 2 + [1.3] * 10
+    assert weights == [6 * 10] * 2 + [194 * 2] * 10  # 6 of 200 over 2 first runs, 194 over 10 later ones
+    assert weighted_p95(list(zip(noise, weights))) == 1.3 and p95(noise) == 2.0
+    assert weighted_p95(list(zip(*workload_noise(real, 2, envs=4, bursts=100)))) == 2.0
+    assert weighted_p95(list(zip(*workload_noise(real, 2, envs=100, bursts=60)))) == 2.0  # all 60 first runs
+    few = {"static": {"envs": 2, "bursts": real["static"]["bursts"][3:]}}  # 9 quiet
+    assert workload_noise(few, 2, envs=4, bursts=200) == ([], [])
+    unmarked = {"static": {"envs": 2, "bursts": [{k: v for k, v in b.items() if k != "base"}
+                                                 for b in real["static"]["bursts"]]}}  # fmt: skip
+    assert workload_noise(unmarked, 2, envs=4, bursts=200) == (noise, [1] * 12)
+    rng = random.Random(5)
+    for n in (1, 19, 20, 21, 36, 99):
+        xs = [rng.uniform(1.0, 2.0) for _ in range(n)]
+        ws = [rng.randrange(0, 4) for _ in xs]
+        assert weighted_p95([(x, 1) for x in xs]) == p95(xs)
+        if any(ws):
+            assert weighted_p95(list(zip(xs, ws))) == p95([x for x, w in zip(xs, ws) for _ in range(w)])
+    assert weighted_p95([(1.0, 0)]) is None and weighted_p95([]) is None
+
+
+def test_calibration_composes_the_model_with_the_quiet_static_bursts_or_else_the_unloaded_runs():
+    """With a background recorded, the model's slowdowns are composed with
+    the quiet static bursts weighted as the predicted elastic mode holds its
+    first runs; with fewer than 10 of them, with the unloaded runs' spread
+    (repeated and first runs in fresh environments)."""
+    from weenv_bench.simulate import workload_noise
+
     traces = [agent_trace(s) for s in range(2)]
     sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    quiet = [{"slowdown": 1.3, "background": 0.1, "concurrent": 1}] * 12
-    loud = [{"slowdown": 3.0, "background": 1.5, "concurrent": 1}, {"slowdown": 5.0, "background": 0.0, "concurrent": 3}]
-    real = {"static": {"envs": sim["static"]["envs"], "bursts": quiet + loud * 3,
-                       "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
-            "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": 2.0,
-                        "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
-            "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0], "tests:cold": [1.0, 1.0, 1.0]}]}  # fmt: skip
+    real = quiet_static_run()
+    real["static"]["background"] = {"interval_s": 1.0, "cores": [0.0] * 120}
+    real.update({"elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": 2.0,
+                             "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
+                 "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0], "tests:cold": [1.0, 1.0, 1.0]}]})  # fmt: skip
     cal = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    assert cal["noise"] == {"from": "unloaded runs, quiet static bursts", "n": 18, "p95": 1.3}
-    assert cal["predicted"]["p95_burst_slowdown"] == pytest.approx(1.3 * sim["p95_burst_slowdown"])
-    real["static"]["bursts"] = quiet[:9] + loud
+    envs, bursts = sim["elastic"]["envs"], sim["elastic"]["bursts"]
+    assert cal["noise"]["from"] == "quiet static bursts" and cal["noise"]["n"] == 12
+    assert cal["noise"]["cold_share"] == pytest.approx(min(bursts, round(1.5 * envs)) / bursts)
+    noise, weights = workload_noise(real, 2, envs=envs, bursts=bursts)
+    assert cal["predicted"]["p95_burst_slowdown"] == with_noise(sim["_slowdowns"], noise, weights)
+    real["static"]["bursts"] = real["static"]["bursts"][3:]  # 9 quiet ones
     few = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    assert few["noise"]["n"] == 6
+    assert few["noise"]["from"] == "unloaded runs" and few["noise"]["n"] == 6
     assert few["predicted"]["p95_burst_slowdown"] == pytest.approx(sim["p95_burst_slowdown"])
     assert unloaded_spread({"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [4.0, 5.0, 6.0]}]},
                            cold=True) == [1.0, 2.0, 1.0, 0.8, 1.0, 1.2]  # fmt: skip
@@ -340,18 +386,21 @@ def test_a_default_settings_run_is_predicted_from_its_static_traces():
     --quick`` with the default settings (burst admission), 2 static and 4
     elastic environments, p95 burst slowdown 1.40 and 1.58.  Its static traces
     replayed on 2 cores predict the density exactly, 33 bursts of the real 36
-    (22 when a burst needed 0.2 cores of a sample) and the p95 at 1.20: 24 %
-    off (27 % composed with the unloaded repeated runs' spread alone, 1.15).
-    The real p95 is the second largest of 36 bursts, within [1.37, 2.48] by
-    chance alone."""
+    (22 when a burst needed 0.2 cores of a sample) and the p95 at 1.35
+    composed with its 16 quiet static bursts: 14 % off (24 % with the
+    unloaded runs pooled with them, 1.20; 27 % with the unloaded repeated
+    runs alone, 1.15).  The real p95 is the second largest of 36 bursts,
+    within [1.37, 2.48] by chance alone; over its 23 quiet bursts it is
+    1.40, the rest is bursts beside other tenants' load, which slows a
+    burst more than the cores it takes."""
     from pathlib import Path
 
     recorded = Path(__file__).parent / "data" / "provision-quick-2cores-s19.json"
     cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"]["calibration"]
     assert cal["predicted"]["density_ratio"] == cal["real"]["density_ratio"] == 2.0
-    assert cal["noise"]["from"] == "unloaded runs, quiet static bursts" and cal["noise"]["n"] >= 60
+    assert cal["noise"]["from"] == "quiet static bursts" and cal["noise"]["n"] == 16
     assert cal["predicted"]["bursts"] >= 0.9 * cal["real"]["bursts"]
-    assert cal["calibration_error"] < 0.25
+    assert cal["calibration_error"] < 0.15
     lo, hi = cal["real"]["p95_interval"]
     assert lo < cal["real"]["p95_burst_slowdown"] < hi and hi / lo > 1.5
 
@@ -366,3 +415,51 @@ def test_host_busy_cores_stay_within_the_cpus():
     assert busy_cores(200, 100, 2) == 1.0
     assert busy_cores(200, 250, 2) == 0.0  # idle read after total: clamped
     assert busy_cores(0, 0, 2) == 0.0
+
+
+RECORDED = {"420s": 0.10, "s19": 0.15, "background": 0.11, "": 0.45, "s22": 0.11}
+"""The recorded runs (``data/provision-quick-2cores-NAME.json``) and the
+error of the predicted p95 each must stay within (s22 was recorded after
+the noise was chosen)."""
+
+
+def test_the_recorded_runs_p95_is_predicted_by_the_quiet_static_bursts_better_than_pooled_with_the_unloaded_runs():
+    """Five real runs replayed: the four the noise was chosen on (the 420-s
+    run of 2026-12-04 on a quiet machine, s19, the loaded run, s14) and s22,
+    recorded after.  The predicted p95, composed with the quiet static
+    bursts weighted to the elastic mode's first runs, is within each run's
+    bound (``RECORDED``: the 420-s run 0.065, s19 0.143; the fallbacks for
+    the loaded run 0.106 and s22 0.109, too few quiet static bursts, and
+    for s14 0.443, no background recorded) and no worse than with the noise
+    before (the unloaded runs pooled with the quiet static bursts, sample
+    by sample: 0.124 and 0.240 on the first two).  The 420-s run's
+    calibration error (density predicted exactly) is within 10 %."""
+    from pathlib import Path
+
+    from weenv.node.provision import ProvisionConfig as Config
+    from weenv_bench.provision import elastic_config
+    from weenv_bench.simulate import node_spread
+
+    errors = {}
+    for name, bound in RECORDED.items():
+        path = Path(__file__).parent / "data" / f"provision-quick-2cores{'-' + name if name else ''}.json"
+        run = json.loads(path.read_text())
+        cal = simulate_recorded(path, sizes=(), log=lambda _m: None)["simulation"]["calibration"]
+        real = cal["real"]["p95_burst_slowdown"]
+        new = abs(cal["predicted"]["p95_burst_slowdown"] / real - 1)
+        cores = float(run["machine"]["cpus"])
+        background = {m: parse_background(run[m].get("background"), cores) for m in ("static", "elastic")}
+        sim = compare(parse_traces(run["static"]["traces"]), cores=cores,
+                      memory=max(GIB, run["machine"]["memory_bytes"] - Config().memory_reserve),
+                      elastic=elastic_config(run["config"]), declared=Resources(**run["config"]["declared"]),
+                      max_envs=run["config"]["max_envs"], duration_s=run["config"]["duration_s"],
+                      background=background)  # fmt: skip
+        assert sim["p95_burst_slowdown"] == cal["predicted"]["p95_burst_slowdown_model"]
+        pooled = unloaded_spread(run, cold=True) + node_spread(run, cores) if background["elastic"] else []
+        before = with_noise(sim["_slowdowns"], pooled or [b["slowdown"] for b in run["static"]["bursts"]])
+        errors[name] = (round(new, 3), round(abs(before / real - 1), 3))
+        assert new <= bound, (name, errors[name])
+        assert new <= abs(before / real - 1) + 1e-9, (name, errors[name])
+        if name == "420s":
+            assert cal["calibration_error"] <= 0.10 and cal["predicted"]["density_ratio"] == 3.0
+    assert errors["420s"][1] > 0.10 and errors["s19"][1] > 0.20  # pooled: out of bounds
