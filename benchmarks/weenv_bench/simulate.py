@@ -562,30 +562,31 @@ def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, ela
     them (:func:`workload_noise`), or with fewer than
     :data:`MIN_QUIET_BURSTS` of them the unloaded runs' spread, repeated and
     first runs in fresh environments (:func:`unloaded_spread`); else all the
-    static bursts' slowdowns, which then stand for the load too.  Errors of
-    the predicted p95 on four recorded runs (the 420-s one of 2026-12-04 and
-    the three quick ones of ``tests/unit/data``: s19, background, s14),
-    this noise against the one before (the unloaded runs pooled with the
-    quiet static bursts, sample by sample, so the static bursts' share fell
-    with a shorter run: 41 of 113 over 420 s, 16 of 88 over 180 s): 0.065
-    against 0.124, 0.143 against 0.240, 0.106 and 0.443 unchanged (too few
-    quiet static bursts; no background recorded).  Chosen leave-one-out
-    among eight candidates (the unloaded runs alone, the pooled noise, the
-    quiet static bursts alone or cold/warm weighted, lognormal fits to them,
-    whole or per kind), by the worst error on the three other runs: chosen
-    in three of the four folds (held out, the 420-s run 0.065); with s19
-    held out a lognormal fit won on the 420-s run (0.011) and missed s19 by
-    0.197.  A quiet static p95 of 16 bursts is their largest, so one slow
-    burst sets it (an unrecorded run's 2.43 against a real 1.68).  The two
-    modes' cold shares were alike in these runs (19 and 23 %, 50 and 48 %),
-    so the weights moved the 420-s run's noise p95 only from 1.570 to 1.583.
-    Returns the
-    predicted and real figures, ``noise`` (which of the three, its size, its
-    weighted p95 and the cold share it was weighted to) and
-    ``calibration_error``: the larger relative error of the two;
-    ``real.p95_interval`` is the real p95's 10-90 % bootstrap interval
-    (:func:`p95_interval`): a p95 of some 35 bursts is their second largest,
-    and one run's was 1.58 within [1.37, 2.49]."""
+    static bursts' slowdowns, which then stand for the load too.  Errors of the
+    predicted p95 on four recorded runs (``tests/unit/data``: the 420-s run of
+    2026-12-04, s19, the loaded run, s14), this noise against the one before
+    (the unloaded runs pooled with the quiet static bursts sample by sample, so
+    the static bursts' share fell with a shorter run: 41 of 113 over 420 s, 16
+    of 88 over 180 s): 0.065 against 0.124, 0.143 against 0.240, 0.106 and
+    0.443 unchanged (too few quiet static bursts; no background recorded).
+    Chosen leave-one-out (:mod:`weenv_bench.noise_choice`) among eight
+    candidates (the unloaded runs alone, the pooled noise, the quiet static
+    bursts alone or with first runs weighted, lognormal fits to them, whole or
+    per kind), by the worst error on the three other runs: chosen in three of
+    the four folds (left out, the 420-s run 0.065); with s19 left out a
+    lognormal fit won on the 420-s run (0.011) and missed s19 by 0.197.  Two
+    quick runs recorded after: s22b (a quiet machine) 0.083 (pooled 0.085), s22
+    (its static mode under other load: the unloaded runs) 0.109.  A quiet
+    static p95 of 16 bursts is their largest, so one slow burst sets it (an
+    unrecorded run's 2.43 against a real 1.68).  The two modes' shares of first
+    runs were alike in these runs (19 and 23 %, 50 and 48 %), so the weights
+    moved the 420-s run's noise p95 only from 1.570 to 1.583 (the same errors
+    as unweighted, on every run).  Returns the predicted and real figures,
+    ``noise`` (which of the three, its size, its weighted p95 and the share of
+    first runs it was weighted to) and ``calibration_error``: the larger
+    relative error of the two; ``real.p95_interval`` is the real p95's 10-90 %
+    bootstrap interval (:func:`p95_interval`): a p95 of some 35 bursts is their
+    second largest, and one run's was 1.58 within [1.37, 2.49]."""
     background = {m: parse_background(real[m].get("background"), cores) for m in ("static", "elastic")}
     sim = compare(traces, cores=cores, memory=memory, elastic=elastic, declared=declared, max_envs=max_envs,
                   duration_s=duration_s, background=background)  # fmt: skip
