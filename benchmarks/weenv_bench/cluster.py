@@ -60,6 +60,15 @@ create's seconds (p50 of local hits), a cold one's (p50 of first touches in
 ``random``), one chunk from the store and from a peer (ms per MiB, this machine: the store
 unshaped, ``store_ms_per_mib``, which the simulation takes with its own model of
 a store's egress; through the model, ``store_ms_per_mib_modelled``).
+Every create's record is in ``log`` (its seconds, batch, start within the
+batch, node, parts).
+
+**Rounds** (``rounds``, 1): both modes that many times, each on fresh homes,
+random first in even rounds and weenv first in odd ones.  ``modes`` and the
+summary's ``create_p99_s`` / ``random_create_p99_s`` are the first round's, as
+with one round (a round's p99 of 64 ``--quick`` creates is its slowest one);
+``rounds`` adds each round's figures, the p99 of all rounds' creates pooled and
+the median of the rounds' weenv/random p99 ratios.
 """
 
 from __future__ import annotations
