@@ -196,6 +196,9 @@ def cluster(
     profiles: str = typer.Option("recorded", "--profiles",
                                  help="recorded: every template's prefetch profile and pack recorded before both "
                                  "modes (a task set run before); fresh: none, each mode records its own"),
+    rounds: int = typer.Option(1, "--rounds", min=1, max=10,
+                               help="both modes this many times on fresh homes (alternating which goes first); "
+                               "the summary adds p99 over all rounds' creates pooled (the first round's stays)"),
 ) -> None:
     """Placement and peer chunk sharing: random placement from the store against weenv's, real and modelled.
 
@@ -210,7 +213,7 @@ def cluster(
         raise typer.BadParameter("--profiles is recorded or fresh")
     setup = StoreSetup(store, store_latency_ms, store_conn_mib_s, store_total_mib_s)
     result = run(quick=quick, simulate_only=simulate, json_path=json_path, store=setup, profiles=profiles,
-                 log=err.print)
+                 rounds=rounds, log=err.print)
     print(json.dumps(result["summary"]))
 
 

@@ -60,6 +60,15 @@ create's seconds (p50 of local hits), a cold one's (p50 of first touches in
 ``random``), one chunk from the store and from a peer (ms per MiB, this machine: the store
 unshaped, ``store_ms_per_mib``, which the simulation takes with its own model of
 a store's egress; through the model, ``store_ms_per_mib_modelled``).
+Every create's record is in ``log`` (its seconds, batch, start within the
+batch, node, parts).
+
+**Rounds** (``rounds``, 1): both modes that many times, each on fresh homes,
+random first in even rounds and weenv first in odd ones.  ``modes`` and the
+summary's ``create_p99_s`` / ``random_create_p99_s`` are the first round's, as
+with one round (a round's p99 of 64 ``--quick`` creates is its slowest one);
+``rounds`` adds each round's figures, the p99 of all rounds' creates pooled and
+the median of the rounds' weenv/random p99 ratios.
 """
 
 from __future__ import annotations
@@ -172,9 +181,11 @@ def build_store(store, root: Path, templates: int, task_bytes: int, log) -> dict
 
 
 def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]], batches: list[list[str]], log,
-             settle=None) -> dict:
-    """One mode on fresh homes: its creates, bytes, hits and balance.  ``settle()``:
-    called once the last batch is done, before the nodes go (``record``: until the profiles are published)."""
+             settle=None, seed: int = 7, homes: Path | None = None) -> dict:
+    """One mode on fresh homes (``homes``, default ``root / mode``): its creates,
+    bytes, hits and balance.  ``settle()``: called once the last batch is done,
+    before the nodes go (``record``: until the profiles are published).
+    ``seed``: random placement's draws."""
     import ray
 
     from weenv import cluster
@@ -183,19 +194,22 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
     from weenv.formats.manifest import Resources
     from weenv.sdk import NodeClient
 
-    homes = root / mode
+    homes = homes or root / mode
     config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=store_url, cache=str(Paths.from_env().cache),
                                    heartbeat_s=0.5, reconcile_s=0.5, cache_scan_s=0.5, peers=(mode == "weenv"))
     nodes = sorted(s.node_id for s in cluster.up(config, timeout=180))
     home_of = {n: config.home_of(n) for n in nodes}
     small = Resources(cpus=0.05, memory_bytes=64 << 20)
-    rng = random.Random(7)
-    creates, hits, counted, per_batch = [], 0, 0, []
+    rng = random.Random(seed)
+    creates, hits, counted, per_batch, batch_at = [], 0, 0, [], []
     t_mode = time.monotonic()
     with ClusterClient() as client:
         for b, names in enumerate(batches):
             held = {n: set(_chunk_files(home_of[n])) for n in nodes}
             anywhere = set().union(*held.values())
+
+            t_batch = time.monotonic()
+            batch_at.append(time.time())
 
             def one(name: str) -> dict:
                 node = rng.choice(nodes) if mode == "random" else None
@@ -206,7 +220,7 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
                 if r.exit_code != 0:
                     raise RuntimeError(f"reading the task failed in {e.id}: {r.stderr[-300:]!r}")
                 end = time.monotonic()
-                return {"template": name, "node": e.node_id, "id": e.id, "s": end - t,
+                return {"template": name, "node": e.node_id, "id": e.id, "s": end - t, "at": t - t_batch,
                         "parts": _parts(e.info.timing, made - t, end - made)}
 
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
@@ -257,6 +271,10 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
                      "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2),
                      "parts": {k: round(v, 3) for k, v in d["parts"].items()}}
                     for d in sorted(creates, key=lambda d: -d["s"])[:4]],
+        "batch_started_at": batch_at,
+        "log": [{"s": round(d["s"], 3), "batch": d["batch"], "at": round(d["at"], 3), "template": d["template"],
+                 "node": d["node"][:12], "first_touch": d["first_touch"],
+                 "parts": {k: round(v, 3) for k, v in d["parts"].items()}} for d in creates],
     }
 
 
@@ -320,13 +338,13 @@ class StoreSetup:
 
 
 def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None,
-        store: StoreSetup = StoreSetup(), profiles: str = "recorded", log=print) -> dict:
+        store: StoreSetup = StoreSetup(), profiles: str = "recorded", rounds: int = 1, log=print) -> dict:
     from weenv_bench import cluster_sim
 
     result: dict = {"machine": machine(), "quick": quick}
     real = None
     if not simulate_only:
-        real = run_real(quick=quick, store=store, profiles=profiles, log=log)
+        real = run_real(quick=quick, store=store, profiles=profiles, rounds=rounds, log=log)
         result["real"] = real
     costs = cluster_sim.Costs.from_real(real) if real else cluster_sim.Costs()
     sim = cluster_sim.run(quick=quick, costs=costs, log=log)
@@ -343,6 +361,11 @@ def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | N
         "sim_create_p99_s": head.get("weenv", {}).get("create_p99_s"),
         "sim_store_bytes_ratio": head.get("weenv", {}).get("store_bytes_ratio"),
         "store": real["store"] if real else None, "profiles": real["profiles"] if real else None,
+        # create_p99_s and random_create_p99_s: the first round's, as ever; over all rounds' creates pooled:
+        "rounds": real["rounds"]["n"] if real else None,
+        "create_p99_s_pooled": real["rounds"]["pooled"]["weenv"]["create_p99_s"] if real else None,
+        "random_create_p99_s_pooled": real["rounds"]["pooled"]["random"]["create_p99_s"] if real else None,
+        "p99_ratio_median_of_rounds": real["rounds"]["p99_ratio_median"] if real else None,
     }
     if json_path is not None:
         write_report(result, json_path, plot)
@@ -414,7 +437,11 @@ def _record_profiles(root: Path, store, node_url: str, chunks: dict[str, set[str
     return {k: out[k] for k in ("seconds", "creates", "profiles", "packs", "store_bytes")}
 
 
-def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", log) -> dict:
+def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", rounds: int = 1,
+             log) -> dict:
+    """The real part; ``rounds``: both modes that many times on fresh homes (the
+    same Ray cluster and store; random first in even rounds, weenv first in odd
+    ones), pooled in ``rounds`` (:func:`_rounds`)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -446,20 +473,27 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
                 c.add_node(num_cpus=1)
             ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
             c.wait_for_nodes()
-            modes = {}
+            modes: dict[str, dict] = {}
+            by_round: list[dict[str, dict]] = []
             recording = _record_profiles(root, built, node_url, chunks, log) if profiles == "recorded" else None
-            for mode in ("random", "weenv"):
-                dropped = _drop_profiles(built) if profiles == "fresh" else 0
-                carried0 = shaper.stats().get("answer_bytes", 0) if shaper else None
-                modes[mode] = run_mode(mode, root, node_url, chunks, batches, log)
-                m = modes[mode]
-                m["profiles_dropped_before"] = dropped
-                if shaper is not None:
-                    time.sleep(1.2)  # its counters are written every second
-                    m["link_bytes"] = shaper.stats().get("answer_bytes", 0) - carried0
-                log(f"{mode}: p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
-                    f"{m['store_bytes'] / MiB:.0f} MiB ({m['store_bytes_ratio']:.2f}x unique), peers "
-                    f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}")
+            for r in range(rounds):
+                this: dict[str, dict] = {}
+                for mode in ("random", "weenv") if r % 2 == 0 else ("weenv", "random"):  # drift hits both
+                    dropped = _drop_profiles(built) if profiles == "fresh" else 0
+                    carried0 = shaper.stats().get("answer_bytes", 0) if shaper else None
+                    m = this[mode] = run_mode(mode, root, node_url, chunks, batches, log, seed=7 + r,
+                                              homes=root / (f"{mode}-{r}" if r else mode))
+                    m["profiles_dropped_before"] = dropped
+                    if shaper is not None:
+                        time.sleep(1.2)  # its counters are written every second
+                        m["link_bytes"] = shaper.stats().get("answer_bytes", 0) - carried0
+                    log(f"{mode}" + (f" (round {r + 1}/{rounds})" if rounds > 1 else "") +
+                        f": p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
+                        f"{m['store_bytes'] / MiB:.0f} MiB ({m['store_bytes_ratio']:.2f}x unique), peers "
+                        f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}")
+                if r == 0:
+                    modes = {k: this[k] for k in ("random", "weenv")}
+                by_round.append(this)
         finally:
             if ray.is_initialized():
                 try:
@@ -471,7 +505,27 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
             built.close()
     return {"nodes": NODES, "templates": templates, "task_bytes": task_bytes, "batch": batch, "group": group,
             "iterations": iterations, "create_concurrency": CREATE_CONCURRENCY, "store_ms_per_mib": store_ms,
-            "store": described, "profiles": profiles, "recording_pass": recording, "modes": modes}
+            "store": described, "profiles": profiles, "recording_pass": recording, "modes": modes,
+            "rounds": _rounds(by_round)}
+
+
+ROUND_KEYS = ("create_p50_s", "create_p99_s", "store_bytes_ratio", "local_hit_rate", "envs_per_node_max_over_mean")
+
+
+def _rounds(by_round: list[dict[str, dict]]) -> dict:
+    """Every round's figures per mode (``modes`` holds the first round's whole),
+    and the creates of all rounds pooled: p50/p99 over ``rounds`` x the creates
+    of one round (a round's p99 of 64 creates is its slowest create), and the
+    median over rounds of each round's weenv/random p99."""
+    pooled = {}
+    for mode in ("random", "weenv"):
+        times = [d["s"] for rnd in by_round for d in rnd[mode]["log"]]
+        pooled[mode] = {"creates": len(times), "create_p50_s": pct(times, 0.5), "create_p99_s": pct(times, 0.99)}
+    ratios = [rnd["weenv"]["create_p99_s"] / rnd["random"]["create_p99_s"] for rnd in by_round]
+    return {"n": len(by_round), "by_round": [{mode: {k: rnd[mode][k] for k in ROUND_KEYS} for mode in rnd}
+                                             for rnd in by_round],
+            "pooled": pooled, "p99_ratio_by_round": ratios, "p99_ratio_median": statistics.median(ratios),
+            "p99_ratio_pooled": pooled["weenv"]["create_p99_s"] / pooled["random"]["create_p99_s"]}
 
 
 def plot(result: dict, png: Path) -> None:

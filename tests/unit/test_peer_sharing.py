@@ -245,21 +245,29 @@ def test_a_chunk_of_a_group_not_mounted_yet_comes_from_a_peer_once_learnt(tmp_pa
         server.server_close()
 
 
-def test_a_placement_names_the_nodes_placed_with_its_template_or_holding_it():
+def test_a_placement_names_the_nodes_placed_with_its_template_before_or_holding_it():
     """The peer table a node has is a heartbeat old: two creates of one template
     placed on two nodes at once both went to the store (test_cluster_peers'
-    hint test); placement knows who else fetches it, and says so."""
+    hint test); placement knows who else fetches it, and says so.  The node
+    placed first is not told of those placed after it: told of each other, each
+    took the other for a holder and neither streamed the template's pack
+    (``weenv bench cluster``: no pack bytes on 3 of 4 nodes in the first
+    batch, every chunk one by one from the store after the other's 404)."""
     view = ClusterView()
-    for n in "abc":
+    for n in "abcd":
         view.heartbeat(report(n, templates=FACTS))
     first = view.place("t", node="a")
     assert first.peers == ()  # the first: from the store
     second = view.place("t", node="b")
     assert second.peers == ("a",)  # placed with t lately
+    assert view.place("t", node="a").peers == ()  # a again: still the first, b follows it (before: ("b",))
+    assert view.place("t", node="d").peers == ("a", "b")  # the first placed first
+    assert view.place("t", node="b").peers == ("a",)
     view.heartbeat(report("c", held={"sha256:g2": 10}, templates=FACTS))
-    assert set(view.place("t", node="a").peers) == {"b", "c"}  # c holds t's own group; a itself is left out
-    view.gone("b", "test")
-    assert view.place("t", node="a").peers == ("c",)  # gone nodes are not named
+    assert view.place("t", node="a").peers == ("c",)  # c holds t's own group; a itself is left out
+    assert view.place("t", node="b").peers == ("c", "a")  # holders first
+    view.gone("c", "test")
+    assert view.place("t", node="d").peers == ("a", "b")  # gone nodes are not named
     assert view.place("other", node="a").peers == ()
 
 
@@ -274,6 +282,7 @@ def test_a_template_placed_on_a_node_counts_there_for_the_views_expect_s():
     assert view.place("t", node="b").peers == ("a",)
     time.sleep(1.1)
     assert view.place("t", node="b").peers == ()  # a's placement is over; b's own is left out
+    assert view.place("t", node="a").peers == ("b",)  # b is the first placed now
 
 
 def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):

@@ -11,7 +11,9 @@ Layout under ``root`` (``$WEENV_HOME/node/known``)::
 node reads one from memory (the most recently used, up to
 :data:`MEMORY_MANIFEST_BYTES` of their JSON), else from disk (the last
 :data:`DISK_MANIFESTS` fetched or used, by file time), else from the store
-(then writes it to both).  A file read back is checked like
+(then writes it to both), once per node however many creates want it at once
+(the others wait for that fetch: a batch's cold creates of one template on a
+node asked the store for the same manifests each).  A file read back is checked like
 the store's bytes (size limit, sha256, kind, fields); a bad one is removed and
 fetched again.
 
@@ -31,7 +33,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from weenv.errors import InvalidInputError, WeenvError
@@ -79,6 +81,7 @@ class NodeManifests:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[TemplateManifest | GroupManifest, int]] = OrderedDict()
         self._cached_bytes = 0  # the JSON sizes of what _cache holds
+        self._fetching: dict[str, Future] = {}  # digest -> its store fetch under way (its bytes)
 
     @property
     def memory_used(self) -> tuple[int, int]:
@@ -147,11 +150,33 @@ class NodeManifests:
             return found
         found, size = self._from_disk(kind, digest)
         if found is None:
-            data = self.store.get_manifest(digest)  # verified, at most MAX_MANIFEST_BYTES
+            data = self._fetch(digest)
             found, size = self._parse(kind, digest, data), len(data)
-            self._to_disk(digest, data)
         self._keep(digest, found, size)
         return found
+
+    def _fetch(self, digest: str) -> bytes:
+        """Manifest ``digest``'s bytes from the store (verified, at most
+        MAX_MANIFEST_BYTES; written to the node's disk), or those of the fetch of
+        it under way (its error raised here too): one request however many ask."""
+        with self._lock:
+            future = self._fetching.get(digest)
+            mine = future is None
+            if mine:
+                future = self._fetching[digest] = Future()
+        if not mine:
+            return future.result()
+        try:
+            data = self.store.get_manifest(digest)
+            self._to_disk(digest, data)
+            future.set_result(data)
+            return data
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._fetching[digest]
 
     def _keep(self, digest: str, manifest: TemplateManifest | GroupManifest, size: int) -> None:
         """Keep ``manifest`` (``size`` bytes of JSON) in memory; the least recently

@@ -245,6 +245,7 @@ class Prefetcher:
         self._jobs: dict[str, PrefetchJob] = {}  # env id -> job
         self._early: dict[str, PrefetchJob] = {}  # env id -> job begin_early started, until begin
         self._lookups: dict[str, Future] = {}  # env id -> begin_early's profile lookup, until begin
+        self._looking: dict[str, Future] = {}  # template digest -> the store lookup of its profile under way
         self._queue: deque[PrefetchJob] = deque()
         self._threads: list[threading.Thread] = []
         self._streams: dict[tuple, PackStream] = {}  # (pack digest, its chunks) -> the stream reading it
@@ -320,40 +321,62 @@ class Prefetcher:
         return self._look_up(template_digest, env_id) is not None
 
     def _look_up(self, template_digest: str, env_id: str | None = None) -> Future | None:
-        """Look up ``template_digest``'s profile in a thread of its own; the
-        Future is done when the lookup is (its result: the profile or None,
-        never an exception), and the answer is in ``_profiles`` unless the
-        store did not give one.  With ``env_id`` (:meth:`begin_early`'s): the
-        create's lookup, which starts its early job.  None if no thread could
-        be started."""
+        """Look up ``template_digest``'s profile in a thread of its own, or join
+        the lookup of it under way (one store lookup however many creates of
+        the template start at once); the Future is done when the lookup is
+        (its result: the profile or None, never an exception), and the answer
+        is in ``_profiles`` unless the store did not give one.  With
+        ``env_id`` (:meth:`begin_early`'s): the create's lookup, which starts
+        its early job.  None if no thread could be started."""
         lookup: Future = Future()
-        thread = threading.Thread(target=self._run_lookup, args=(template_digest, env_id, lookup),
-                                  name="weenv-prefetch-lookup", daemon=True)  # fmt: skip
+        thread = None
         with self._lock:
+            shared = self._looking.get(template_digest)
+            if shared is None:
+                shared = self._looking[template_digest] = Future()
+                thread = threading.Thread(target=self._run_lookup, args=(template_digest, shared),
+                                          name="weenv-prefetch-lookup", daemon=True)  # fmt: skip
+                self._readers = [t for t in self._readers if t.is_alive()] + [thread]
             if env_id is not None:
                 self._lookups[env_id] = lookup
-            self._readers = [t for t in self._readers if t.is_alive()] + [thread]
-        try:
-            thread.start()
-        except Exception as exc:  # no thread to be had: no prefetch for this create
-            log.warning("cannot look up the prefetch profile of %s: %s", template_digest, exc)
-            with self._lock:
-                if env_id is not None:
-                    self._lookups.pop(env_id, None)
-            lookup.set_result(None)
-            return None
+        if thread is not None:
+            try:
+                thread.start()
+            except Exception as exc:  # no thread to be had: no prefetch for this create
+                log.warning("cannot look up the prefetch profile of %s: %s", template_digest, exc)
+                with self._lock:
+                    if env_id is not None:
+                        self._lookups.pop(env_id, None)
+                    del self._looking[template_digest]
+                shared.set_result(None)  # the creates that joined it go without
+                lookup.set_result(None)
+                return None
+        shared.add_done_callback(lambda done: self._looked_up(env_id, lookup, done.result()))
         return lookup
 
-    def _run_lookup(self, template_digest: str, env_id: str | None, lookup: Future) -> None:
+    def _run_lookup(self, template_digest: str, shared: Future) -> None:
         profile = None
         try:
             profile = load_profile(self.store, template_digest)
             with self._lock:
                 self._profiles.setdefault(template_digest, profile)
-            if env_id is not None:
-                self._start_early(env_id, profile, lookup=lookup)
         except Exception as exc:  # prefetch is an optimization; the store's trouble is not 'no profile'
             log.warning("looking up the prefetch profile of %s: %s", template_digest, exc)
+        finally:
+            with self._lock:
+                if self._looking.get(template_digest) is shared:
+                    del self._looking[template_digest]
+            shared.set_result(profile)
+
+    def _looked_up(self, env_id: str | None, lookup: Future, profile: PrefetchProfile | None) -> None:
+        """One create's part of a profile lookup that ended: its early job started (``env_id``'s, if still its)."""
+        if lookup.done():  # the thread could not start: answered already
+            return
+        try:
+            if env_id is not None:
+                self._start_early(env_id, profile, lookup=lookup)
+        except Exception as exc:
+            log.warning("starting the prefetch of %s: %s", env_id, exc)
         finally:
             lookup.set_result(profile)
 

@@ -85,7 +85,9 @@ class Resolver:
         name this node never resolved, or a digest whose manifest it lacks,
         fails with :class:`StoreUnavailableError`.  Such a digest is not asked
         about here: :meth:`load` fetching its manifest is the check (one store
-        round trip fewer on a cold create), and raises as the store's would."""
+        round trip fewer on a cold create), and raises as the store's would.
+        A name this node does not know, asked by several creates at once, is
+        looked up once (the others wait for that answer)."""
         if template.startswith("sha256:"):
             if not self.manifests.has(check_digest(template)):
                 # load() fetching its manifest next is the check (~3.5 ms less from a loopback registry)
@@ -100,7 +102,7 @@ class Resolver:
         known = self.names.get(template)
         if known is None:
             try:
-                digest = self.store.resolve("templates", template)
+                digest = self._answer_now(template)  # one lookup for the node's creates of it at once
             except StoreUnavailableError as exc:
                 raise StoreUnavailableError(
                     f"cannot resolve template {template!r}: {exc}; this node never started it, "
@@ -229,22 +231,35 @@ class Resolver:
         """The store's answer for name ``template``, asked in a thread unless a
         lookup of it is under way already (shared: a frozen store holds one
         thread per name, not one per create).  ``future.asked`` is its start (monotonic)."""
+        future, mine = self._lookup(template)
+        if mine:
+            threading.Thread(target=self._answer, args=(template, future), name="weenv-resolve", daemon=True).start()
+        return future
+
+    def _answer_now(self, template: str) -> str:
+        """The store's answer for name ``template``, asked in this thread unless a
+        lookup of it is under way already (then that one's answer, or its error)."""
+        future, mine = self._lookup(template)
+        if mine:
+            self._answer(template, future)
+        return future.result()
+
+    def _lookup(self, template: str) -> tuple[Future, bool]:
+        """The lookup of name ``template`` under way, or a new one (True: the caller asks the store)."""
         with self._lock:
             future = self._asking.get(template)
             if future is not None:
-                return future
+                return future, False
             future = self._asking[template] = Future()
             future.asked = time.monotonic()
+            return future, True
 
-        def ask() -> None:
-            try:
-                future.set_result(self.store.resolve("templates", template))
-            except BaseException as exc:
-                future.set_exception(exc)
-            finally:
-                with self._lock:
-                    if self._asking.get(template) is future:
-                        del self._asking[template]
-
-        threading.Thread(target=ask, name="weenv-resolve", daemon=True).start()
-        return future
+    def _answer(self, template: str, future: Future) -> None:
+        try:
+            future.set_result(self.store.resolve("templates", template))
+        except BaseException as exc:
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                if self._asking.get(template) is future:
+                    del self._asking[template]
