@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -163,9 +165,6 @@ def test_a_reader_waits_for_a_frame_being_checked(tmp_path):
     """A reader asking for a chunk while a pack's frame of it is being decoded
     and checked waits for that check (~0.1 s for 128 MiB here) instead of
     fetching the chunk from the store again."""
-    import threading
-    import time
-
     store = _CountingStore(tmp_path / "store")
     plain = os.urandom(128 * MiB)
     ref, _ = store.put_chunk(plain)
@@ -186,9 +185,6 @@ def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkey
     prefetched), and the worker that comes to that position skips it; a frame
     that does not come within PACK_WAIT_S, or one too far behind in the
     pack, is fetched from the store (the right bytes either way)."""
-    import threading
-    import time
-
     import weenv.node.prefetch as prefetch
     from weenv.node.prefetch import TAKEN, PackStream
 
@@ -247,4 +243,113 @@ def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkey
         with pf._lock:
             del pf._streams[stream.key]
     finally:
+        pf.close()
+
+
+class _PackStore(_CountingStore):
+    """A real FileStore counting its pack reads (``streams``); with ``end``
+    cleared, a pack's reader waits after its last piece (every frame received,
+    the stream still reading) until ``end`` is set."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.streams = 0
+        self.end = threading.Event()
+        self.end.set()
+
+    def stream_pack(self, digest, size=None):
+        self.streams += 1
+        yield from super().stream_pack(digest, size)
+        self.end.wait(30)
+
+
+class _HeldPuts(ChunkCache):
+    """A real chunk cache whose :meth:`put_frame` waits for ``release``: the
+    frames the workers took stay in their hands (``putting``: how many)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.release = threading.Event()
+        self.putting = 0
+
+    def put_frame(self, chunk, frame):
+        with self._lock:
+            self.putting += 1
+        self.release.wait(30)
+        return super().put_frame(chunk, frame)
+
+
+def _held(tmp_path, plains, frames_of=None):
+    """(store, cache, prefetcher with 2 workers, refs, pack): ``plains`` stored,
+    the pack of ``frames_of`` (default ``plains``) stored, puts held."""
+    store = _PackStore(tmp_path / "store")
+    refs = [store.put_chunk(p)[0] for p in plains]
+    data, frames = build_pack(frames_of or plains)
+    pack = PrefetchPack(digest=store.put_pack(data), frames=frames)
+    store.reads = 0
+    cache = _HeldPuts(tmp_path / "cache", store, max_bytes=1 << 30)
+    return store, cache, Prefetcher(cache, store, _NoLazy(), workers=2), refs, pack
+
+
+def _until(what, pf, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        with pf._lock:
+            if what():
+                return
+        assert time.monotonic() < deadline, "the prefetcher never got there"
+        time.sleep(0.005)
+
+
+def test_a_job_arriving_while_the_frames_are_cached_joins_the_stream(tmp_path):
+    """The pack read whole, its frames still being cached (two in the
+    workers' hands, four buffered): a job of the same pack starting then
+    joins that stream (the pack is read once, tests/test_cache.py's four
+    concurrent cold starts); a job once the stream settled (every frame cached)
+    after the chunks were dropped reads the pack again: nothing is skipped."""
+    plains = [os.urandom(MiB) for _ in range(6)]
+    store, cache, pf, refs, pack = _held(tmp_path, plains)
+    try:
+        a = _job(pf, refs, pack)
+        _until(lambda: a.stream.ended and cache.putting == 2, pf)  # the reader is done, the puts are held
+        b = pf._start_job("b", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
+        cache.release.set()
+        assert a.done.wait(30) and b.done.wait(30)
+        assert store.streams == 1 and b.stream is a.stream
+        assert [cache.path(r.digest).read_bytes() for r in refs] == plains and store.reads == 0
+        with pf._lock:
+            assert pf._streams == {}  # settled
+
+        cache.clear()
+        c = pf._start_job("c", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
+        assert c.done.wait(30) and c.stream is not a.stream and store.streams == 2
+        assert [cache.path(r.digest).read_bytes() for r in refs] == plains and store.reads == 0
+    finally:
+        cache.release.set()
+        pf.close()
+
+
+def test_a_chunk_a_joined_job_skipped_is_fetched_when_its_taker_fails(tmp_path):
+    """Two jobs of one pack: the first one's workers hold frames 0 and 1
+    (frame 1 is bad) when the first job is cancelled, so nobody caches chunk 1
+    from the pack; the second job, which could not take those frames, fetches
+    chunk 1 itself once the taker is done, and caches the rest from the pack."""
+    plains = [os.urandom(MiB) for _ in range(4)]
+    store, cache, pf, refs, pack = _held(tmp_path, plains, frames_of=[plains[0], plains[0], *plains[2:]])
+    store.end.clear()
+    try:
+        a = _job(pf, refs, pack)
+        _until(lambda: a.stream.received == 4 and cache.putting == 2, pf)  # still reading
+        b = pf._start_job("b", [("sha256:" + "0" * 64, r) for r in refs], groups=None, pack=pack)
+        assert b.stream is a.stream
+        pf.cancel("e")
+        cache.release.set()
+        store.end.set()
+        assert a.done.wait(30) and b.done.wait(30) and a.cancelled
+        assert [i for i, r in enumerate(refs) if not cache.has(r.digest)] == []  # none lost
+        assert [cache.path(r.digest).read_bytes() for r in refs] == plains
+        assert store.reads == 1 and b.fetched == [1] and store.streams == 1
+    finally:
+        cache.release.set()
+        store.end.set()
         pf.close()

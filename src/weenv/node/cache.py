@@ -245,6 +245,11 @@ class ChunkCache:
         with self._lock:
             return all(d in self._index for d in digests)
 
+    def fetching_any(self, digests) -> bool:
+        """Whether a fetch (or a pack frame's decode) of a chunk of ``digests`` runs now (one lock)."""
+        with self._lock:
+            return any(d in self._inflight for d in digests)
+
     # --- fetching ----------------------------------------------------------------------
     def ensure(self, chunk: ChunkRef | str, *, prefetch: bool = False) -> Path:
         """Path of the cached plaintext of ``chunk``, fetching it if missing.

@@ -22,8 +22,9 @@ the profile naming it, then the ref ``prefetch/<hex of the template digest>``.
 **Replay.**  A create that finds a profile, and groups not fully cached, starts
 a :class:`PrefetchJob`.  With a pack, one thread streams it (one request for
 the whole working set; concurrent cold starts of the template share that
-stream, and at most ``workers`` packs stream at once) and hands each frame, as
-it arrives, to the ``workers`` threads, which check and cache it
+stream, one starting while its last frames are still being cached too (see
+:class:`PackStream`), and at most ``workers`` packs stream at once) and hands
+each frame, as it arrives, to the ``workers`` threads, which check and cache it
 (:meth:`ChunkCache.put_frame`; zstd and sha256 release the GIL, so two cores
 decode two frames at once).  A demand read of a chunk whose frame arrived
 and waits for a worker takes it (:meth:`Prefetcher.frame_for`, the cache's
@@ -107,12 +108,46 @@ a stream brings in a few ms, about what a fetch of the chunk alone costs (a
 frame farther back is fetched at once)."""
 TAKEN = object()
 """What :meth:`Prefetcher._take` hands out for a pack position whose frame
-another job's worker took."""
+another job's worker took (and is done with) or a demand read took or
+claimed: the chunk is skipped if cached, else fetched (see :class:`PackStream`)."""
 
 
 class PackStream:
     """One pack being read, shared by every job replaying it (concurrent cold
-    starts of one template read their pack once)."""
+    starts of one template read their pack once).
+
+    **The stream** goes through three states:
+
+    - *reading*: its reader runs (:attr:`ended` False);
+    - *draining*: the reader stopped (every frame arrived, or it failed: the
+      positions not received are fetched one by one), but a chunk of it is
+      still on its way to the cache: its frame buffered in :attr:`frames` for
+      a job of it, :attr:`claimed` by a demand read, or in a worker's hand
+      (:attr:`in_hand`), or the chunk being fetched or decoded in the cache
+      (by a demand read that took its frame or asks the store, or a worker);
+    - *settled*: none of that.  It leaves :attr:`Prefetcher._streams`, and a
+      later job of the pack (some of its chunks not cached: evicted, dropped,
+      a put that failed) reads the pack anew.
+
+    A job of the pack joins the stream while it is reading or draining
+    (:meth:`Prefetcher._joinable_locked`): a cold start arriving while the
+    frames are being checked and cached must not read the pack a second
+    time.  A stream whose pack turned out bad leaves at once (its pack is
+    not read again on this node).
+
+    **A position**, for a job of the stream coming to it (:meth:`Prefetcher._take`):
+
+    - not received, the reader running: the job waits;
+    - buffered: the job's worker takes it and caches it (a bad frame: it
+      fetches the chunk itself); it is in hand until that worker is done;
+    - in another worker's hand: the job waits until that worker is done;
+    - claimed by, or taken by, a demand read, or taken and done by another
+      worker (:data:`TAKEN`): skipped if cached, else fetched one by one
+      (the taker failed, was cancelled, or the chunk went since; a demand
+      read's fetch still running is waited for by the cache, not repeated);
+    - not received, the reader stopped: fetched one by one.
+
+    So a chunk another job took is never lost to a job that skips it."""
 
     def __init__(self, pack: PrefetchPack, key: tuple):
         self.pack = pack
@@ -129,6 +164,8 @@ class PackStream:
         self.jobs: list[PrefetchJob] = []
         self.claimed: set[int] = set()
         """Positions a demand read waits for (:meth:`Prefetcher.frame_for`): no worker takes their frames."""
+        self.in_hand: set[int] = set()
+        """Positions whose frame a worker took and is caching (or, the frame bad, fetching): not done yet."""
         self._positions: dict[str, int] | None = None
 
     def position(self, digest: str) -> int | None:
@@ -185,9 +222,12 @@ class PrefetchJob:
     @property
     def ready(self) -> bool:
         """Whether position :attr:`next` can be taken now: past the pack, or its
-        frame arrived (here, or taken by another job), or the pack's reader stopped."""
+        frame arrived (here, or taken by another job whose worker is done with
+        it), or the pack's reader stopped.  Caller holds the Prefetcher's lock."""
         s = self.stream
-        return s is None or self.next >= len(s.pack.frames) or self.next < s.received or s.ended
+        if s is None or self.next >= len(s.pack.frames):
+            return True
+        return self.next not in s.in_hand and (self.next < s.received or s.ended)
 
 
 class Prefetcher:
@@ -656,8 +696,11 @@ class Prefetcher:
             if pack is not None and pack.digest not in self._bad_packs:
                 # shared only by jobs that read its frames as the same chunks
                 key = (pack.digest, tuple(c.digest for _g, c in chunks[: len(pack.frames)]))
-                job.stream = self._streams.get(key)
-                if job.stream is None and len(self._streams) < self.workers:  # the first job of this pack: read it
+                for stream in list(self._streams.values()):
+                    self._retire_locked(stream)  # a settled stream is not joined: its frames are gone
+                job.stream = self._streams.get(key)  # reading or draining (see PackStream)
+                if (job.stream is None and len(self._streams) < self.workers  # the first job of this pack: read it
+                        and not self.cache.has_all(key[1])):  # unless it was all cached meanwhile
                     job.stream = self._streams[key] = PackStream(pack, key)
                     reader = threading.Thread(target=self._read_pack, args=(job.stream,),
                                               name="weenv-prefetch-pack", daemon=True)  # fmt: skip
@@ -748,14 +791,33 @@ class Prefetcher:
 
     def _end_stream_locked(self, stream: PackStream, *, bad: bool = False) -> None:
         """No more frames come from ``stream`` (the positions not received are
-        fetched one by one); a later job of its pack starts a new one, unless
-        the pack is ``bad`` (its bytes are wrong: this node never reads it again)."""
+        fetched one by one); it is joined until it settles (see
+        :class:`PackStream`), then a later job of its pack starts a new one,
+        unless the pack is ``bad`` (its bytes are wrong: it leaves at once, and
+        this node never reads it again)."""
         stream.ended = True
         if bad:
             self._bad_packs.add(stream.pack.digest)
-        if self._streams.get(stream.key) is stream:
-            del self._streams[stream.key]
+            if self._streams.get(stream.key) is stream:
+                del self._streams[stream.key]
+        self._retire_locked(stream)
         self._lock.notify_all()
+
+    def _joinable_locked(self, stream: PackStream) -> bool:
+        """Whether ``stream`` is reading or draining (:class:`PackStream`): a
+        job of its pack joins it rather than reading the pack again.  (The
+        cache's lock is taken inside this one: the cache never calls the
+        Prefetcher while it holds its own.)"""
+        if not stream.ended or stream.in_hand or stream.claimed:
+            return True
+        if stream.frames and any(not j.exhausted for j in stream.jobs):
+            return True
+        return self.cache.fetching_any(stream.key[1])
+
+    def _retire_locked(self, stream: PackStream) -> None:
+        """``stream`` leaves :attr:`_streams` once it settled (:class:`PackStream`)."""
+        if self._streams.get(stream.key) is stream and not self._joinable_locked(stream):
+            del self._streams[stream.key]
 
     def _adopt_groups(self, job: PrefetchJob, groups: list[tuple[str, GroupManifest]]) -> None:
         """Give an early job its group manifests; if it already ended, hand its
@@ -787,6 +849,8 @@ class Prefetcher:
                     if job.stream is not None and pos < job.stream.received:
                         # a frame a demand read waits for is that read's (frame_for)
                         frame = TAKEN if pos in job.stream.claimed else job.stream.take(pos)
+                        if frame is not TAKEN:
+                            job.stream.in_hand.add(pos)  # until this worker is done with it (_work)
                         self._lock.notify_all()  # room in the reader's buffer
                     return job, pos, frame
                 self._lock.wait()
@@ -796,11 +860,13 @@ class Prefetcher:
             job, pos, frame = item
             _group, chunk = job.chunks[pos]
             try:
-                if frame is TAKEN or self.cache.has(chunk.digest):  # another job's worker has it, or cached
+                # TAKEN: another job's worker is done with it (or a demand read has it): skipped
+                # if it is cached, else fetched here (that worker failed, or it went since)
+                if self.cache.has(chunk.digest):
                     with self._lock:
                         job.skipped += 1
                     continue
-                if frame is not None:  # in hand: checking it costs less than waiting
+                if isinstance(frame, bytes):  # in hand: checking it costs less than waiting
                     try:
                         cached = self.cache.put_frame(chunk, frame)
                     except DigestMismatchError as exc:  # the pack is bad: the rest comes one by one
@@ -820,6 +886,10 @@ class Prefetcher:
                         break
                 if job.cancelled or self._closed:
                     continue
+                if self.cache.has(chunk.digest):  # a demand read brought it meanwhile
+                    with self._lock:
+                        job.skipped += 1
+                    continue
                 with self._lock:
                     job.fetched.append(pos)
                     job.bytes += chunk.size
@@ -830,6 +900,11 @@ class Prefetcher:
                 log.debug("prefetch of %s failed: %s", chunk.digest, exc)
             finally:
                 with self._lock:
+                    if isinstance(frame, bytes):
+                        job.stream.in_hand.discard(pos)  # a job waiting at pos goes on (PackStream)
+                        self._lock.notify_all()
+                    if job.stream is not None:
+                        self._retire_locked(job.stream)
                     job.pending -= 1
                     if job.exhausted and job.pending == 0:
                         self._finish_locked(job)
@@ -837,6 +912,8 @@ class Prefetcher:
     def _finish_locked(self, job: PrefetchJob) -> None:
         if job.pending or job.done.is_set():
             return
+        if job.stream is not None:
+            self._retire_locked(job.stream)  # its buffered frames may be nobody's now
         job.ended = time.monotonic()
         job.done.set()
         self._jobs.pop(job.env_id, None)
