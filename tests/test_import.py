@@ -34,6 +34,7 @@ import pytest
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
 from weenv.store.file import FileStore
+from weenv_bench.import_image import DiskMeter, used_bytes
 from weenv_bench.services.dockerd import Dockerd
 from weenv_bench.services.process import alive
 from weenv_bench.services.registry import Registry
@@ -807,37 +808,6 @@ def test_a_failed_reimport_keeps_what_the_store_held_before(store, work, tmp_pat
     assert os.listdir(work) == []
 
 
-class _UsedBytes:
-    """Peak growth of a file system's used bytes (statvfs, sampled every ms) over a block."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def _used(self) -> int:
-        st = os.statvfs(self.path)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-    def __enter__(self):
-        import threading
-
-        self.base = self.peak = self._used()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._used())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.final = self._used()
-        self.peak = max(self.peak, self.final) - self.base
-        self.final -= self.base
-
-
 def test_an_import_needs_no_disk_beyond_its_stored_chunks(tmp_path):
     """A layer of 48 MiB of compressible files, imported into a store on a
     tmpfs of its own (work directory and TMPDIR there too): the file system's
@@ -857,12 +827,12 @@ def test_an_import_needs_no_disk_beyond_its_stored_chunks(tmp_path):
             layout = _write_layout(tmp_path / label, layers)
             store_dir, work = fs / label / "store", fs / label / "work"
             work.mkdir(parents=True)
-            with _UsedBytes(fs) as used:
+            with DiskMeter(lambda: used_bytes(fs), interval=0.001) as used:
                 r = import_image(str(layout), FileStore(store_dir), name=label, workdir=work, merge_small=merge)
             stored = sum(g.bytes_written for g in r.groups)
-            assert stored < data_bytes / 4 and used.final < stored + (1 << 20)
+            assert stored < data_bytes / 4 and used.final_bytes < stored + (1 << 20)
             slack = 4 << 20 if merge is None else data_bytes
-            assert used.peak <= used.final + slack, (label, used.peak, used.final, data_bytes)
+            assert used.peak_bytes <= used.final_bytes + slack, (label, used.peak_bytes, used.final_bytes, data_bytes)
             assert os.listdir(work) == []
             shutil.rmtree(fs / label)
     finally:

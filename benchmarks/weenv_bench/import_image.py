@@ -103,8 +103,7 @@ class _Scratch:
         subprocess.run(["mount", "-o", "loop", str(self.file), str(self.mount)], check=True, capture_output=True)
 
     def used(self) -> int:
-        st = os.statvfs(self.mount)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used_bytes(self.mount)
 
     def close(self) -> None:
         subprocess.run(["umount", str(self.mount)], check=False, capture_output=True)
@@ -112,31 +111,39 @@ class _Scratch:
             self.file.unlink()
 
 
-class _DiskMeter:
-    """Peak and final growth of a :class:`_Scratch`'s used bytes over a block (10 ms samples)."""
+class DiskMeter:
+    """Peak and final growth (``peak_bytes``, ``final_bytes``) of a file
+    system's used bytes (``used()``, e.g. :meth:`_Scratch.used`) over a block,
+    sampled every ``interval`` seconds."""
 
-    def __init__(self, scratch: _Scratch):
-        self.scratch = scratch
+    def __init__(self, used, interval: float = 0.01):
+        self.used, self.interval = used, interval
 
-    def __enter__(self) -> _DiskMeter:
+    def __enter__(self) -> DiskMeter:
         os.sync()
-        self.base = self.peak = self.scratch.used()
+        self.base = self.peak = self.used()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.scratch.used())
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.used())
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
         os.sync()
-        final = self.scratch.used()
+        final = self.used()
         self.peak = max(self.peak, final)
         self.peak_bytes, self.final_bytes = self.peak - self.base, final - self.base
+
+
+def used_bytes(path: str | os.PathLike[str]) -> int:
+    """statvfs(2) used bytes of the file system holding ``path``."""
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
@@ -279,7 +286,7 @@ def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, d
     dockerd.docker("builder", "prune", "-a", "-f", timeout=300, check=False)
     rows = []
 
-    def row(system: str, seconds: float, disk: _DiskMeter, mem: int, **extra) -> dict:
+    def row(system: str, seconds: float, disk: DiskMeter, mem: int, **extra) -> dict:
         r = {"image": name, "system": system, "run": run_no, "seconds": round(seconds, 2),
              "peak_disk_bytes": disk.peak_bytes, "final_disk_bytes": disk.final_bytes,
              "disk_ratio": round(disk.peak_bytes / image_bytes, 3), "peak_mem_bytes": mem, **extra}  # fmt: skip
@@ -299,7 +306,7 @@ def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, d
 
 
 def _docker_pull(dockerd, docker: _DockerSide, ref: str, scratch: _Scratch, row) -> dict:
-    with _DaemonMeter(docker.daemon_pids) as meter, _DiskMeter(scratch) as disk:
+    with _DaemonMeter(docker.daemon_pids) as meter, DiskMeter(scratch.used) as disk:
         t = time.monotonic()
         dockerd.docker("pull", "-q", ref, timeout=1800)
         seconds = time.monotonic() - t
@@ -321,7 +328,7 @@ def _weenv_import(system: str, ref: str, scratch: _Scratch, row, ref_src: Path |
         env["PYTHONPATH"] = os.pathsep.join([str(Path(ref_src) / "src"), *filter(None, [env.get("PYTHONPATH")])])
     argv = [sys.executable, "-c", _IMPORT_SCRIPT, f"docker://{ref}", str(base / "store"), str(base / "work"),
             "1" if extract else "0"]  # fmt: skip
-    with _DiskMeter(scratch) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with DiskMeter(scratch.used) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t = time.monotonic()
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         _pid, status, usage = os.wait4(child.pid, 0)  # its rusage: peak memory with its children
