@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tarfile
 from pathlib import Path
@@ -33,6 +34,7 @@ import pytest
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
 from weenv.store.file import FileStore
+from weenv_bench.import_image import DiskMeter, used_bytes
 from weenv_bench.services.dockerd import Dockerd
 from weenv_bench.services.process import alive
 from weenv_bench.services.registry import Registry
@@ -352,20 +354,67 @@ def test_every_tree_kind_matches_docker_run(kinds, import_store, paths, leak_che
 
 
 def test_streamed_and_extracted_imports_write_the_same_images(images, kinds, tmp_path):
-    """The streaming path and the old extracting one write byte-identical group images:
+    """The streaming path and the old extracting one give the same file trees:
     the Debian image (whiteouts and opaque directories, layer by layer and merged,
     deletions then applied in the tree) and the every-kind layers (alone: over the
-    Debian base they only add the same base group again), each group apart and merged."""
+    Debian base they only add the same base group again), each group apart and
+    merged.  Merged groups (data spooled, laid out in tree order by both) are
+    byte-identical; a group of one layer, whose data the streaming path writes in
+    the layer's order, has the extracting path's tree (each group image mounted
+    and listed)."""
     for archive in (images["archives"][IMAGE], kinds["layers_archive"]):
         for merge in (None, 1 << 30):
-            chunks = []
+            groups = []
             for extract in (False, True):
                 store = FileStore(tmp_path / f"s-{extract}")
                 r = import_image(str(archive), store, name="same", workdir=tmp_path, merge_small=merge,
                                  extract=extract)  # fmt: skip
-                chunks.append([[c.digest for c in g.manifest.chunks] for g in r.groups])
+                if merge is None:
+                    groups.append([_image_tree(store, g.manifest, tmp_path) for g in r.groups])
+                else:
+                    groups.append([[c.digest for c in g.manifest.chunks] for g in r.groups])
                 shutil.rmtree(tmp_path / f"s-{extract}")
-            assert chunks[0] == chunks[1], (archive.name, merge)
+            assert len(groups[0]) == len(groups[1]), (archive.name, merge)
+            for k, (streamed, extracted) in enumerate(zip(*groups)):
+                assert streamed == extracted, (archive.name, merge, k)
+
+
+def _image_tree(store, manifest, tmp_path: Path) -> dict:
+    """The tree of one group image, mounted (file-backed EROFS): path -> (type,
+    mode, owner, mtime, size, content digest (MiB blocks, zero ones by a tag),
+    link target, rdev, xattrs), and the hardlink groups."""
+    from weenv.host import mounts
+    from weenv.packaging.group import assemble_image
+
+    image, mnt = tmp_path / "tree.erofs", tmp_path / "tree-mnt"
+    mnt.mkdir()
+    assemble_image(store, manifest, image)
+    mounts.mount_erofs(image, mnt)
+    try:
+        out, inodes, zero = {}, {}, bytes(1 << 20)
+        for top, dirs, files in os.walk(mnt):
+            for name in sorted(dirs + files):
+                p = os.path.join(top, name)
+                st = os.lstat(p)
+                e = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns,
+                     {n: os.getxattr(p, n, follow_symlinks=False) for n in os.listxattr(p, follow_symlinks=False)}]
+                if stat.S_ISREG(st.st_mode):
+                    h = hashlib.sha256()
+                    with open(p, "rb") as f:
+                        for b in iter(lambda: f.read(1 << 20), b""):
+                            h.update(b"z" if b == zero else b"d" + b)
+                    e += [st.st_size, h.hexdigest()]
+                    inodes.setdefault(st.st_ino, []).append(os.path.relpath(p, mnt))
+                elif stat.S_ISLNK(st.st_mode):
+                    e.append(os.readlink(p))
+                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                    e.append(st.st_rdev)
+                out[os.path.relpath(p, mnt)] = e
+        return {"entries": out, "hardlinks": sorted(sorted(v) for v in inodes.values() if len(v) > 1)}
+    finally:
+        mounts.umount(mnt)
+        mnt.rmdir()
+        image.unlink()
 
 
 def _tar(entries: list[tuple]) -> bytes:
@@ -507,7 +556,7 @@ def test_cli_import(images, paths):
 # --- bad inputs: clear errors, nothing published, nothing left ------------------------
 def _assert_nothing_published(store, work: Path) -> None:
     assert store.list_refs("groups") == {} and store.list_refs("templates") == {}
-    assert list(store.list_chunks()) == []
+    assert list(store.list_chunks()) == [] and list(store.list_manifests()) == []
     assert os.listdir(work) == []
 
 
@@ -718,6 +767,76 @@ def test_bad_layers_are_refused_naming_the_layer_and_entry(store, work, tmp_path
             if label not in ("huge PAX header", "truncated layer"):
                 assert "entry '" in str(info.value), (label, str(info.value))
             _assert_nothing_published(store, work)
+
+
+def test_a_bad_layer_after_published_groups_leaves_nothing(store, work, tmp_path):
+    """Groups are stored as soon as their layers are verified: a bad layer 2
+    (a hardlink to nothing, then a truncated one) comes after groups 0 and 1
+    were stored (merged: group 0, then layers 1 and 2 in one group); the import
+    fails naming layer 2, and what it stored is gone (chunks, manifests), as
+    are its temporary files."""
+    good = [[_entry(f"big{i}", data=os.urandom(3 << 20))] for i in range(2)]
+    whole = _tar([_entry("x", data=os.urandom(200_000))])
+    for label, bad in (("hardlink", [_entry("h", tarfile.LNKTYPE, linkname="nope")]), ("cut", whole[:100_000])):
+        layout = _write_layout(tmp_path / label, [*good, bad])
+        for merge, published in ((None, ["0: layers 0..0", "1: layers 1..1"]), (4 << 20, ["0: layers 0..0"])):
+            said: list[str] = []  # merged: groups [0], [1, 2] (its data spooled)
+            with pytest.raises(InvalidInputError, match="layer 2 ") as info:
+                import_image(str(layout), store, name="bad", workdir=work, merge_small=merge, progress=said.append)
+            assert "no such file" in str(info.value) or "truncated" in str(info.value)
+            assert [m for m in said if m.startswith("group bad.")] == [f"group bad.{p}, publish" for p in published]
+            _assert_nothing_published(store, work)
+
+
+def test_a_failed_reimport_keeps_what_the_store_held_before(store, work, tmp_path):
+    """The same image imported again under the same name, its last layer now
+    corrupt: the groups it stored first are the earlier import's (same chunks,
+    same manifests), so the rollback deletes nothing, and the template of the
+    first import still has every manifest and chunk it needs."""
+    layout = _write_layout(tmp_path / "layout", [[_entry(f"big{i}", data=os.urandom(3 << 20))] for i in range(3)])
+    first = import_image(str(layout), store, name="again", workdir=work)
+    chunks, manifests = sorted(store.list_chunks()), sorted(store.list_manifests())
+    manifest, _ = _layout_manifest(layout)
+    blob = layout / "blobs" / "sha256" / manifest["layers"][2]["digest"].split(":")[1]
+    blob.write_bytes(blob.read_bytes()[:1 << 20])
+    with pytest.raises((InvalidInputError, DigestMismatchError), match="layer 2 "):
+        import_image(str(layout), store, name="again", workdir=work)
+    assert sorted(store.list_chunks()) == chunks and sorted(store.list_manifests()) == manifests
+    assert store.get_ref("templates", "again") == first.template_digest
+    for g in first.groups:
+        assert all(store.has_chunk(c.digest) for c in g.manifest.chunks)
+    assert os.listdir(work) == []
+
+
+def test_an_import_needs_no_disk_beyond_its_stored_chunks(tmp_path):
+    """A layer of 48 MiB of compressible files, imported into a store on a
+    tmpfs of its own (work directory and TMPDIR there too): the file system's
+    used bytes never exceed what stays (the stored chunks) by more than a few
+    chunks' writes.  (Before, each group's whole image was written to disk
+    before its chunks were stored.)  A merged group of two layers spools its
+    data: at most that much more."""
+    files = [_entry(f"d/f{i}", data=b"".join(b"line %d of file %d\n" % (j, i) for j in range(100_000)))
+             for i in range(24)]
+    data_bytes = sum(len(d) for _, d in files)
+    assert data_bytes > 40 << 20
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(fs)], check=True)
+    try:
+        for label, layers, merge in (("one", [files], None), ("merged", [files[:12], files[12:]], 1 << 30)):
+            layout = _write_layout(tmp_path / label, layers)
+            store_dir, work = fs / label / "store", fs / label / "work"
+            work.mkdir(parents=True)
+            with DiskMeter(lambda: used_bytes(fs), interval=0.001) as used:
+                r = import_image(str(layout), FileStore(store_dir), name=label, workdir=work, merge_small=merge)
+            stored = sum(g.bytes_written for g in r.groups)
+            assert stored < data_bytes / 4 and used.final_bytes < stored + (1 << 20)
+            slack = 4 << 20 if merge is None else data_bytes
+            assert used.peak_bytes <= used.final_bytes + slack, (label, used.peak_bytes, used.final_bytes, data_bytes)
+            assert os.listdir(work) == []
+            shutil.rmtree(fs / label)
+    finally:
+        subprocess.run(["umount", str(fs)], check=True)
 
 
 def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_path, paths, leak_check):

@@ -89,6 +89,13 @@ def start(
 def import_(
     quick: bool = typer.Option(False, "--quick", help="the ~1 GB image only (a few minutes)"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write JSON here (and a PNG beside it)"),
+    runs: int = typer.Option(1, help="measure each system this many times, interleaved (summary: medians)"),
+    systems: Optional[str] = typer.Option(None, help="comma-separated of docker,weenv,weenv-ref,weenv-old "
+                                          "(docker and weenv always; default all but weenv-ref)"),
+    ref_src: Optional[Path] = typer.Option(None, "--ref-src", help="another checkout: its import measured as "
+                                           "weenv-ref in the same run (e.g. the code before a change)"),
+    images: Optional[str] = typer.Option(None, help="comma-separated of import-1g,import-3g (default both; "
+                                         "--quick: import-1g)"),
 ) -> None:
     """weenv import against docker pull and the old import path: time, peak disk and memory.
 
@@ -96,7 +103,11 @@ def import_(
     from weenv_bench.import_image import run
     from weenv.cli.common import err
 
-    result = run(quick=quick, json_path=json_path, log=err.print)
+    def split(v: str | None) -> tuple[str, ...] | None:
+        return tuple(x.strip() for x in v.split(",") if x.strip()) if v else None
+
+    result = run(quick=quick, json_path=json_path, log=err.print, runs=runs, systems=split(systems),
+                 ref_src=ref_src, images=split(images))  # fmt: skip
     print(json.dumps(result["summary"]))
 
 

@@ -17,6 +17,14 @@ a private docker-registry on loopback.
 - ``weenv-old``: the same with the old path (``extract=True`` and
   ``WEENV_IMPORT_SKOPEO=1``: ``skopeo copy`` to an OCI layout, each group's
   layers extracted to a directory, the image written from it).
+- ``weenv-ref`` (with ``ref_src``): ``weenv``'s import run from another
+  checkout's ``src`` (``PYTHONPATH``), e.g. the code before a change, in the
+  same run.
+
+``runs``: each system measured that many times, the systems interleaved
+(docker, weenv, weenv-ref, weenv-old, then again); the summary takes each
+system's median.  ``systems``: the ones to measure (``docker`` and ``weenv``
+always).
 
 **Measured**: wall seconds (weenv: the importing process's whole life,
 interpreter start included); peak extra disk: every file the system writes
@@ -29,11 +37,13 @@ after the run; peak memory: weenv: the importing process and its children
 ``clear_refs``).  ``image_bytes``: Docker's image size (``docker image
 inspect .Size``, the layers unpacked).
 
-``summary`` (the first image): ``import_s``, ``docker_pull_s``, ``old_import_s``,
-``time_ratio`` (weenv over docker pull; goal <= 1), ``old_time_ratio`` (the
-old path over the new), ``disk_ratio`` (weenv's peak extra disk over the
-image's size; goal <= 1.1), ``docker_disk_ratio``, ``old_disk_ratio``,
-``peak_mem_bytes`` per system.
+``summary`` (the first image, medians over the runs): ``import_s``,
+``docker_pull_s``, ``old_import_s``, ``ref_import_s``, ``time_ratio`` (weenv
+over docker pull; goal <= 1), ``old_time_ratio`` (the old path over the
+new), ``ref_time_ratio`` (weenv-ref over docker pull), ``disk_ratio``
+(weenv's peak extra disk over the image's size; goal <= 1.1),
+``docker_disk_ratio``, ``old_disk_ratio``, ``ref_disk_ratio``,
+``peak_mem_bytes`` per system (None for a system not measured).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +75,8 @@ from weenv_bench.start import (
     packages_tree,
 )
 
-SYSTEMS = ("docker", "weenv", "weenv-old")
+SYSTEMS = ("docker", "weenv", "weenv-ref", "weenv-old")
+IMAGES = ("import-1g", "import-3g")
 _IMPORT_SCRIPT = """
 import json, sys
 from weenv.packaging.importer import import_image
@@ -91,8 +103,7 @@ class _Scratch:
         subprocess.run(["mount", "-o", "loop", str(self.file), str(self.mount)], check=True, capture_output=True)
 
     def used(self) -> int:
-        st = os.statvfs(self.mount)
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used_bytes(self.mount)
 
     def close(self) -> None:
         subprocess.run(["umount", str(self.mount)], check=False, capture_output=True)
@@ -100,37 +111,49 @@ class _Scratch:
             self.file.unlink()
 
 
-class _DiskMeter:
-    """Peak and final growth of a :class:`_Scratch`'s used bytes over a block (10 ms samples)."""
+class DiskMeter:
+    """Peak and final growth (``peak_bytes``, ``final_bytes``) of a file
+    system's used bytes (``used()``, e.g. :meth:`_Scratch.used`) over a block,
+    sampled every ``interval`` seconds."""
 
-    def __init__(self, scratch: _Scratch):
-        self.scratch = scratch
+    def __init__(self, used, interval: float = 0.01):
+        self.used, self.interval = used, interval
 
-    def __enter__(self) -> _DiskMeter:
+    def __enter__(self) -> DiskMeter:
         os.sync()
-        self.base = self.peak = self.scratch.used()
+        self.base = self.peak = self.used()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.scratch.used())
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.used())
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
         os.sync()
-        final = self.scratch.used()
+        final = self.used()
         self.peak = max(self.peak, final)
         self.peak_bytes, self.final_bytes = self.peak - self.base, final - self.base
 
 
+def used_bytes(path: str | os.PathLike[str]) -> int:
+    """statvfs(2) used bytes of the file system holding ``path``."""
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
-        scratch_bytes: int | None = None, log=print) -> dict:  # fmt: skip
+        scratch_bytes: int | None = None, log=print, runs: int = 1, systems: tuple[str, ...] | None = None,
+        ref_src: Path | None = None, images: tuple[str, ...] | None = None) -> dict:  # fmt: skip
     """Run the benchmark; return the result dict (also written to ``json_path``
-    with a PNG beside it).  ``quick``: the ~1 GB image only.  ``work``: the
+    with a PNG beside it).  ``quick``: the ~1 GB image only; ``images``: the
+    images by name (:data:`IMAGES`; default both, or the first with
+    ``quick``).  ``runs``, ``systems``, ``ref_src``: see the module doc (default
+    every system but ``weenv-ref``, which needs ``ref_src``).  ``work``: the
     directory for the registry and the scratch file system (default a new one
     in the system's temporary directory, removed).  Raises
     :class:`ToolMissingError` without docker.io / docker-registry / skopeo /
@@ -141,8 +164,22 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
 
+    from weenv.errors import InvalidInputError
+
     env_paths = Paths.from_env()
-    plan = [("import-1g", FULL_WHEELS)] + ([] if quick else [("import-3g", LARGE_WHEELS)])
+    wanted = images or (IMAGES[:1] if quick else IMAGES)
+    if unknown := set(wanted) - set(IMAGES):
+        raise InvalidInputError(f"no such bench image: {', '.join(sorted(unknown))} (one of {', '.join(IMAGES)})")
+    plan = [(n, w) for n, w in zip(IMAGES, (FULL_WHEELS, LARGE_WHEELS)) if n in wanted]
+    if systems is None:
+        systems = tuple(x for x in SYSTEMS if x != "weenv-ref" or ref_src is not None)
+    if unknown := set(systems) - set(SYSTEMS):
+        raise InvalidInputError(f"no such system: {', '.join(sorted(unknown))} (of {', '.join(SYSTEMS)})")
+    systems = tuple(x for x in SYSTEMS if x in systems or x in ("docker", "weenv"))
+    if "weenv-ref" in systems and ref_src is None:
+        raise InvalidInputError("weenv-ref needs ref_src (the other checkout)")
+    if runs < 1:
+        raise InvalidInputError(f"runs must be at least 1, not {runs}")
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="wbi-"))
     t_run = time.monotonic()
@@ -158,23 +195,11 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             dockerd = stack.enter_context(Dockerd(scratch.mount / "d", insecure_registries=[registry.address]))
             for name, wheels in plan:
                 image, measured = _measure(name, base_tree, wheels, registry=registry, dockerd=dockerd,
-                                           scratch=scratch, env_paths=env_paths, log=log)  # fmt: skip
+                                           scratch=scratch, env_paths=env_paths, log=log, runs=runs,
+                                           systems=systems, ref_src=ref_src)  # fmt: skip
                 images.append(image)
                 rows += measured
-        first = [r for r in rows if r["image"] == plan[0][0]]
-        by = {r["system"]: r for r in first}
-        summary = {
-            "image": plan[0][0],
-            "image_bytes": images[0]["image_bytes"],
-            "import_s": by["weenv"]["seconds"],
-            "docker_pull_s": by["docker"]["seconds"],
-            "old_import_s": by["weenv-old"]["seconds"],
-            "time_ratio": round(by["weenv"]["seconds"] / by["docker"]["seconds"], 2),
-            "old_time_ratio": round(by["weenv-old"]["seconds"] / by["weenv"]["seconds"], 2),
-            **{f"{k}disk_ratio": by[s]["disk_ratio"] for k, s in (("", "weenv"), ("docker_", "docker"),
-                                                                   ("old_", "weenv-old"))},  # fmt: skip
-            "peak_mem_bytes": {s: by[s]["peak_mem_bytes"] for s in SYSTEMS},
-        }
+        summary = _summary(plan[0][0], images[0]["image_bytes"], rows)
         result = {
             "benchmark": "import",
             "summary": summary,
@@ -186,12 +211,15 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "an empty file:// store, in a child process",
                 "weenv-old": "the old path: skopeo copy to an OCI layout, layers extracted to a directory per "
                 "group, the image written from it (extract=True, WEENV_IMPORT_SKOPEO=1)",
+                "weenv-ref": f"weenv's import from {ref_src}/src (PYTHONPATH)" if ref_src else None,
+                "runs": f"{runs} per system, interleaved; the summary takes medians",
                 "disk": "one loop-mounted ext4 holds all each system writes; statvfs used bytes every 10 ms, peak "
                 "minus the level before; ratio over the image's unpacked size (docker image inspect .Size)",
                 "memory": "weenv: wait4 ru_maxrss of the importing process (children included); docker: dockerd + "
                 "containerd VmHWM",
             },
-            "not_run": [] if not quick else ["the ~3 GB image (quick mode)"],
+            "not_run": [f"the {n} image" for n in IMAGES if n not in wanted]
+            + [f"system {x}" for x in SYSTEMS if x not in systems],
             "load": {"start": load_start, "end": loadavg(), "uptime": _uptime()},
             "seconds": round(time.monotonic() - t_run, 1),
             "machine": machine(),
@@ -204,9 +232,38 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _summary(image: str, image_bytes: int, rows: list[dict]) -> dict:
+    """Medians per system of image ``image``'s rows (see the module doc)."""
+
+    def med(system: str, key: str):
+        vals = [r[key] for r in rows if r["image"] == image and r["system"] == system]
+        return round(statistics.median(vals), 3) if vals else None
+
+    def ratio(a, b):
+        return round(a / b, 2) if a is not None and b else None
+
+    weenv, docker, old, ref = (med(x, "seconds") for x in ("weenv", "docker", "weenv-old", "weenv-ref"))
+    return {
+        "image": image,
+        "image_bytes": image_bytes,
+        "import_s": weenv,
+        "docker_pull_s": docker,
+        "old_import_s": old,
+        "ref_import_s": ref,
+        "time_ratio": ratio(weenv, docker),
+        "old_time_ratio": ratio(old, weenv),
+        "ref_time_ratio": ratio(ref, docker),
+        **{f"{k}disk_ratio": med(x, "disk_ratio") for k, x in (("", "weenv"), ("docker_", "docker"),
+                                                                ("old_", "weenv-old"), ("ref_", "weenv-ref"))},
+        "peak_mem_bytes": {x: med(x, "peak_mem_bytes") for x in SYSTEMS},
+    }  # fmt: skip
+
+
 def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, dockerd, scratch: _Scratch,
-             env_paths: Paths, log) -> tuple[dict, list[dict]]:  # fmt: skip
-    """Build and push image ``name``, then measure each system once; (image facts, rows)."""
+             env_paths: Paths, log, runs: int = 1, systems: tuple[str, ...] = ("docker", "weenv", "weenv-old"),
+             ref_src: Path | None = None) -> tuple[dict, list[dict]]:  # fmt: skip
+    """Build and push image ``name``, then measure each of ``systems`` ``runs``
+    times, interleaved; (image facts, rows)."""
     pkgs = packages_tree(env_paths.cache, wheels, log=log)
     context = scratch.mount / "context"
     context.mkdir()
@@ -229,50 +286,66 @@ def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, d
     dockerd.docker("builder", "prune", "-a", "-f", timeout=300, check=False)
     rows = []
 
-    def row(system: str, seconds: float, disk: _DiskMeter, mem: int, **extra) -> dict:
-        r = {"image": name, "system": system, "seconds": round(seconds, 2), "peak_disk_bytes": disk.peak_bytes,
-             "final_disk_bytes": disk.final_bytes, "disk_ratio": round(disk.peak_bytes / image_bytes, 3),
-             "peak_mem_bytes": mem, **extra}  # fmt: skip
+    def row(system: str, seconds: float, disk: DiskMeter, mem: int, **extra) -> dict:
+        r = {"image": name, "system": system, "run": run_no, "seconds": round(seconds, 2),
+             "peak_disk_bytes": disk.peak_bytes, "final_disk_bytes": disk.final_bytes,
+             "disk_ratio": round(disk.peak_bytes / image_bytes, 3), "peak_mem_bytes": mem, **extra}  # fmt: skip
         log(f"{name} {system}: {r['seconds']:.1f} s, peak disk {disk.peak_bytes / 1e9:.2f} GB "
             f"({r['disk_ratio']}x the image), final {disk.final_bytes / 1e9:.2f} GB, peak memory {mem / 1e6:.0f} MB")
         return r
 
-    with _DaemonMeter(docker.daemon_pids) as meter, _DiskMeter(scratch) as disk:
-        t = time.monotonic()
-        dockerd.docker("pull", "-q", ref, timeout=1800)
-        seconds = time.monotonic() - t
-    rows.append(row("docker", seconds, disk, meter.peak_bytes, daemon_cpu_s=round(meter.cpu_s, 2)))
-    docker.remove_images()
-
-    for system, extract in (("weenv", False), ("weenv-old", True)):
-        base = scratch.mount / system
-        for sub in ("store", "work", "tmp"):
-            (base / sub).mkdir(parents=True)
-        env = {**os.environ, "TMPDIR": str(base / "tmp")}
-        if extract:
-            env["WEENV_IMPORT_SKOPEO"] = "1"
-        argv = [sys.executable, "-c", _IMPORT_SCRIPT, f"docker://{ref}", str(base / "store"), str(base / "work"),
-                "1" if extract else "0"]  # fmt: skip
-        with _DiskMeter(scratch) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            t = time.monotonic()
-            child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
-            _pid, status, usage = os.wait4(child.pid, 0)  # its rusage: peak memory with its children
-            child.returncode = os.waitstatus_to_exitcode(status)
-            seconds = time.monotonic() - t
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
-        if child.returncode != 0:
-            from weenv.errors import RuntimeFailedError
-
-            raise RuntimeFailedError(f"{system} import failed: {stderr[-800:]}")
-        info = json.loads(stdout.strip().splitlines()[-1])
-        rows.append(row(system, seconds, disk, usage.ru_maxrss * 1024, inner_seconds=round(info["seconds"], 2),
-                        stored_bytes=info["stored_bytes"], erofs_bytes=info["image_bytes"]))  # fmt: skip
-        shutil.rmtree(base, ignore_errors=True)
+    for run_no in range(runs):
+        for system in systems:
+            if system == "docker":
+                rows.append(_docker_pull(dockerd, docker, ref, scratch, row))
+            else:
+                rows.append(_weenv_import(system, ref, scratch, row, ref_src))
     dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
     return {"name": name, "ref": ref, "image_bytes": image_bytes, "compressed_bytes": compressed,
             "wheels": list(wheels)}, rows  # fmt: skip
+
+
+def _docker_pull(dockerd, docker: _DockerSide, ref: str, scratch: _Scratch, row) -> dict:
+    with _DaemonMeter(docker.daemon_pids) as meter, DiskMeter(scratch.used) as disk:
+        t = time.monotonic()
+        dockerd.docker("pull", "-q", ref, timeout=1800)
+        seconds = time.monotonic() - t
+    r = row("docker", seconds, disk, meter.peak_bytes, daemon_cpu_s=round(meter.cpu_s, 2))
+    docker.remove_images()
+    return r
+
+
+def _weenv_import(system: str, ref: str, scratch: _Scratch, row, ref_src: Path | None) -> dict:
+    """One ``weenv import`` of ``ref`` in a child process (``system``: weenv, weenv-ref, weenv-old); its row."""
+    extract = system == "weenv-old"
+    base = scratch.mount / system
+    for sub in ("store", "work", "tmp"):
+        (base / sub).mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(base / "tmp")}
+    if extract:
+        env["WEENV_IMPORT_SKOPEO"] = "1"
+    if system == "weenv-ref":
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(ref_src) / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-c", _IMPORT_SCRIPT, f"docker://{ref}", str(base / "store"), str(base / "work"),
+            "1" if extract else "0"]  # fmt: skip
+    with DiskMeter(scratch.used) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.monotonic()
+        child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _pid, status, usage = os.wait4(child.pid, 0)  # its rusage: peak memory with its children
+        child.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.monotonic() - t
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode(errors="replace")
+    if child.returncode != 0:
+        from weenv.errors import RuntimeFailedError
+
+        raise RuntimeFailedError(f"{system} import failed: {stderr[-800:]}")
+    info = json.loads(stdout.strip().splitlines()[-1])
+    r = row(system, seconds, disk, usage.ru_maxrss * 1024, inner_seconds=round(info["seconds"], 2),
+            stored_bytes=info["stored_bytes"], erofs_bytes=info["image_bytes"])  # fmt: skip
+    shutil.rmtree(base, ignore_errors=True)
+    return r
 
 
 def plot(result: dict, png: Path) -> None:
@@ -284,12 +357,15 @@ def plot(result: dict, png: Path) -> None:
 
     names = [i["name"] for i in result["images"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    colors = {"docker": "#27a", "weenv": "#2a7", "weenv-old": "#aaa"}
+    colors = {"docker": "#27a", "weenv": "#2a7", "weenv-ref": "#7c9", "weenv-old": "#aaa"}
+    present = [x for x in SYSTEMS if any(r["system"] == x for r in result["table"])]
+    width = 0.8 / len(present)
     for ax, key, label in ((axes[0], "seconds", "import / pull, s"), (axes[1], "disk_ratio", "peak extra disk / image")):
-        for j, system in enumerate(SYSTEMS):
-            vals = [next(r[key] for r in result["table"] if r["image"] == n and r["system"] == system) for n in names]
-            xs = [i + (j - 1) * 0.27 for i in range(len(names))]
-            ax.bar(xs, vals, 0.27, label=system, color=colors[system])
+        for j, system in enumerate(present):
+            vals = [statistics.median(r[key] for r in result["table"] if r["image"] == n and r["system"] == system)
+                    for n in names]  # fmt: skip
+            xs = [i + (j - (len(present) - 1) / 2) * width for i in range(len(names))]
+            ax.bar(xs, vals, width, label=system, color=colors[system])
             for x, v in zip(xs, vals):
                 ax.annotate(f"{v:.2f}" if key == "disk_ratio" else f"{v:.0f}", (x, v), ha="center", va="bottom",
                             fontsize=7)  # fmt: skip

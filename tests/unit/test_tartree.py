@@ -147,3 +147,54 @@ def test_read_ahead_gives_the_bytes_in_order_and_its_errors():
     ahead = _ReadAhead(io.BytesIO(data))  # closed before the end: the thread stops
     ahead.read(100)
     ahead.close()
+
+
+def test_a_layer_streams_into_the_image_in_its_order_without_a_spool(tmp_path):
+    """One layer, one group: file data goes straight into the image (a
+    ChunkSink: stored as written), in the tar's order, zero blocks as holes, a
+    GNU sparse member's holes unread; the files read back from the store are
+    the tar's."""
+    from weenv.packaging.chunksink import ChunkSink
+    from weenv.packaging.erofs_extents import file_extents
+    from weenv.packaging.group import publish_sink
+    from weenv.packaging.layout import image_reader
+    from weenv.store.file import FileStore
+
+    files = {"z/last": os.urandom(300_000), "a/first": os.urandom(5 << 20) + bytes(1 << 20) + b"end",
+             "m/small": b"tiny", "m/zeros": bytes(3 << 20)}  # fmt: skip
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    store = FileStore(tmp_path / "store")
+    for layer in (buf.getvalue(), _sparse_tar(tmp_path, "--format=posix", "--sparse-version=1.0")):
+        with ChunkSink(store, 1 << 20) as sink:
+            merger = tartree.TreeMerger(tartree.View(), image=sink)
+            with tarfile.open(fileobj=io.BytesIO(layer), mode="r|") as tar:
+                merger.apply_layer(tar, "layer 0")
+            scan = write_image(merger.root, sink, uuid="6d1b8a52-4f0e-4c55-8a0e-7765656e7602",
+                               placed_blocks=merger.placed_blocks)  # fmt: skip
+            result = publish_sink(sink, store, name="g", file_count=scan.inodes, source={}, ref=False)
+        tartree.release(merger.root, image_reader(store, result.manifest, keep=False))
+        root = merger.root
+        if b"sparse" in root.children:  # its data blocks only, never its 3 GiB of holes
+            sparse = root.children[b"sparse"]
+            assert sparse.size == 3 << 30 and merger.placed_blocks == 3 and result.manifest.image_size < 4 << 20  # its block map: 3 MiB
+            pieces = list(sparse.data())
+            assert sum(p if isinstance(p, int) else len(p) for p in pieces) == 3 << 30
+            joined = b"".join(p for p in pieces if not isinstance(p, int))
+            assert b"one" * 2000 in joined and joined.endswith(b"tail!")
+            continue
+        # z/last, then a/first (its zero MiB a hole), m/zeros all holes, m/small inline
+        assert merger.placed_blocks == -(-300_000 // 4096) + (5 << 20) // 4096 + 1
+        extents = file_extents(image_reader(store, result.manifest))
+        assert extents["/z/last"] == [(4096, 4096 + 300_000)] and extents["/a/first"] == [(307200, 307200 + (5 << 20) + 3)]
+        assert extents["/m/zeros"] == extents["/m/small"] == []  # all holes; inline
+        for name, data in files.items():
+            d, f = (os.fsencode(p) for p in name.split("/"))
+            node = root.children[d].children[f]
+            got = node.data if isinstance(node.data, bytes) else b"".join(
+                bytes(p) if isinstance(p, int) else bytes(p) for p in node.data())
+            assert got == data, name

@@ -113,6 +113,8 @@ class Inode:
     _dir_blocks: list[bytes] | None = None
     _nid: int = 0
     _ino: int = 0
+    _placed: bool = False
+    """Its data is already in the image (:func:`write_data`), before :func:`write_image`."""
 
 
 def new_dir(mode: int = 0o755, **kw) -> Inode:
@@ -227,7 +229,7 @@ WRITER = "weenv-erofs 1"
 
 
 def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None = None,
-                first: Sequence[str] = ()) -> ImageStats:
+                first: Sequence[str] = (), placed_blocks: int = 0) -> ImageStats:
     """Write the EROFS image of the tree under ``root`` (a directory
     :class:`Inode`) to ``out`` (a seekable file at offset 0); returns its
     :class:`ImageStats`.
@@ -238,7 +240,11 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     in breadth-first order, except that the regular files named in ``first``
     (paths ``/a/b``, an access profile's files: :mod:`weenv.packaging.erofs_extents`)
     have their data written first, contiguous, in that order (names not in the
-    tree, or not regular files, are skipped; the file tree is the same).  Raises :class:`InvalidInputError` (see the
+    tree, or not regular files, are skipped; the file tree is the same).
+    ``placed_blocks``: blocks ``1..placed_blocks`` of ``out`` already hold
+    the data of the files marked ``_placed`` (:func:`write_data`, in the
+    order their data arrived; ``out`` is at the end of them): those keep it
+    there, the others' data follows.  Raises :class:`InvalidInputError` (see the
     module doc) before writing anything, and :class:`InvalidInputError` if a
     file yields more or fewer bytes than its size.
     """
@@ -268,22 +274,18 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
             target = node.data if isinstance(node.data, bytes) else b""
             if not target or len(target) > SYMLINK_MAX:
                 raise InvalidInputError(f"{path}: symlink target of {len(target)} bytes (1..{SYMLINK_MAX})")
-    # 1. data: regular files' blocks, from block 1
-    out.seek(BLOCK)
-    next_block = 1
+    # 1. data: regular files' blocks, from block 1 (after the placed ones)
+    next_block = 1 + placed_blocks
+    out.seek(next_block * BLOCK)
     for node, _, path in _data_order(order, first):
-        if not stat.S_ISREG(node.mode):
+        if not stat.S_ISREG(node.mode) or node._placed:
             continue
         icount, xbody = xbodies[id(node)]
         if node.size <= INLINE_MAX and INODE_SIZE + len(xbody) + node.size <= BLOCK:
             node._tail = _read_all(node, path)
             node._layout = LAYOUT_FLAT_INLINE if node._tail else LAYOUT_FLAT_PLAIN
             continue
-        node._map, next_block = _write_blocks(out, node, path, next_block)
-        if NULL_ADDR in node._map:
-            node._layout = LAYOUT_CHUNK_BASED
-        else:  # no hole: one contiguous run, found without a block map
-            node._layout, node._blkaddr, node._map = LAYOUT_FLAT_PLAIN, (node._map or [0])[0], None
+        next_block = write_data(out, node, path, next_block)
     # 2. sizes of directories and symlinks, inline tails or plain blocks; nids
     dir_sizes = {id(n): _dir_size_blocks(n) for n, _, _ in order if n.children is not None}
     pos = 0
@@ -363,6 +365,21 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     out.seek(0, os.SEEK_END)
     out.truncate(total_blocks * BLOCK)
     return ImageStats(total_blocks * BLOCK, len(order))
+
+
+def write_data(out: BinaryIO, node: Inode, path: str, next_block: int) -> int:
+    """Write the regular file ``node``'s data (its :data:`Reader`) as whole
+    blocks at block ``next_block`` of ``out`` (where ``out`` is), a hole of
+    the reader's as a hole; set its layout (``FLAT_PLAIN`` without holes,
+    else ``CHUNK_BASED``); the next free block.  ``path`` names it in
+    errors (:class:`InvalidInputError` if the reader gives more or fewer
+    bytes than ``node.size``)."""
+    node._map, next_block = _write_blocks(out, node, path, next_block)
+    if NULL_ADDR in node._map:
+        node._layout = LAYOUT_CHUNK_BASED
+    else:  # no hole: one contiguous run, found without a block map
+        node._layout, node._blkaddr, node._map = LAYOUT_FLAT_PLAIN, (node._map or [0])[0], None
+    return next_block
 
 
 def _data_order(order: list[tuple[Inode, Inode, str]], first: Sequence[str]) -> list[tuple[Inode, Inode, str]]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 import tempfile
 import time
 import uuid as uuid_mod
@@ -25,7 +23,6 @@ from weenv.formats.limits import MAX_CHUNK_SIZE
 from weenv.formats.manifest import (
     DEFAULT_CHUNK_SIZE,
     EROFS_BLOCK_SIZE,
-    ChunkRef,
     GroupManifest,
     Layout,
     canonical_json,
@@ -33,14 +30,14 @@ from weenv.formats.manifest import (
     check_name,
     manifest_kind,
     parse_group_manifest,
+    sha256_digest,
 )
+from weenv.packaging.chunksink import ChunkSink
 from weenv.packaging.erofs import check_source_dir
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.store.base import Store
 from weenv.host.punch import punch_hole
 
-PUT_WORKERS = 2
-"""Threads storing one image's chunks (this machine has 2 cores)."""
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
 
 
@@ -59,6 +56,8 @@ class BuildResult:
     """Wall time of the whole build."""
     new_chunks: tuple[str, ...] = ()
     """Digests of the chunks this build wrote (``chunks_written`` of them)."""
+    new_manifest: bool = True
+    """Whether the store did not hold the manifest before (a rollback deletes only a new one)."""
 
 
 def group_uuid(name: str, version: str) -> str:
@@ -148,66 +147,64 @@ def publish_image(
     :func:`group_uuid` of ``name``/``version``): its chunks, then the group
     manifest (``file_count`` inodes, provenance ``source``), then with ``ref``
     the ref ``groups/NAME``.  ``punch``: free each chunk's bytes of ``image``
-    once stored (``fallocate(PUNCH_HOLE)``; the file is spent afterwards), so
+    once read (``fallocate(PUNCH_HOLE)``; the file is spent afterwards), so
     the image and its stored chunks are not both on disk.  ``started``: the
     build's start (``time.monotonic()``) for :attr:`BuildResult.seconds`.
     ``layout``: how the image's file data is ordered (default: tree order).
     Raises :class:`InvalidInputError` for a bad name or chunk size and
     whatever the store raises."""
-    started = time.monotonic() if started is None else started
     check_name(name)
     _check_chunk_size(chunk_size)
-    image_size = os.stat(image).st_size
-    chunks, new, stored = _put_chunks(store, Path(image), chunk_size, punch=punch)
-    manifest = GroupManifest(
-        name=name,
-        version=version,
-        image_size=image_size,
-        chunk_size=chunk_size,
-        chunks=chunks,
-        file_count=file_count,
-        source=source,
-        layout=layout,
-    )
-    digest = store.put_manifest(canonical_json(manifest))
-    if ref:
-        store.set_ref("groups", name, digest)
-    return BuildResult(digest, manifest, len(new), stored, time.monotonic() - started, tuple(new))
-
-
-def _put_chunks(store: Store, image: Path, chunk_size: int, *,
-                punch: bool = False) -> tuple[list[ChunkRef], list[str], int]:  # fmt: skip
-    """Store ``image`` chunk by chunk: (chunk refs, digests of chunks written, stored bytes written).
-
-    Chunks are hashed, compressed and written by :data:`PUT_WORKERS` threads
-    (zstd and hashlib release the GIL), at most ``max(2, 8 MiB / chunk_size)``
-    chunks in flight beyond the workers'; refs keep the image's order."""
-    chunks: list[ChunkRef] = []
-    new: list[str] = []
-    stored = 0
-    window = PUT_WORKERS + max(2, (8 << 20) // chunk_size)
-
-    def collect(future) -> None:
-        nonlocal stored
-        ref, written = future.result()
-        chunks.append(ref)
-        if written and ref.digest not in new:
-            new.append(ref.digest)
-            stored += ref.stored_size
-
-    with open(image, "r+b" if punch else "rb") as f, ThreadPoolExecutor(PUT_WORKERS) as pool:
-        pending: deque = deque()
+    with open(image, "r+b" if punch else "rb") as f, ChunkSink(store, chunk_size) as sink:
         offset = 0
         while data := f.read(chunk_size):
             if punch:
                 punch_hole(f.fileno(), offset, len(data))
             offset += len(data)
-            pending.append(pool.submit(store.put_chunk, data))
-            if len(pending) >= window:
-                collect(pending.popleft())
-        while pending:
-            collect(pending.popleft())
-    return chunks, new, stored
+            sink.write(data)
+        return publish_sink(sink, store, name=name, version=version, file_count=file_count, source=source,
+                            ref=ref, started=started, layout=layout)  # fmt: skip
+
+
+def publish_sink(
+    sink: ChunkSink,
+    store: Store,
+    *,
+    name: str,
+    version: str = "latest",
+    file_count: int,
+    source: dict[str, str],
+    ref: bool = True,
+    started: float | None = None,
+    layout: Layout | None = None,
+) -> BuildResult:
+    """Publish the group image written to ``sink`` (:class:`ChunkSink`, its
+    chunks stored as they were written): the rest of its chunks, then the group
+    manifest, then with ``ref`` the ref ``groups/NAME`` (arguments as
+    :func:`publish_image`).  On a store error the sink is aborted (what it
+    wrote stays, unreferenced: the caller rolls back or ``weenv gc`` removes
+    it)."""
+    started = time.monotonic() if started is None else started
+    check_name(name)
+    _check_chunk_size(sink.chunk_size)
+    done = sink.finish()
+    manifest = GroupManifest(
+        name=name,
+        version=version,
+        image_size=done.size,
+        chunk_size=sink.chunk_size,
+        chunks=done.chunks,
+        file_count=file_count,
+        source=source,
+        layout=layout,
+    )
+    data = canonical_json(manifest)
+    new_manifest = not store.has_manifest(sha256_digest(data))
+    digest = store.put_manifest(data)
+    if ref:
+        store.set_ref("groups", name, digest)
+    return BuildResult(digest, manifest, len(done.new), done.stored, time.monotonic() - started, tuple(done.new),
+                       new_manifest)  # fmt: skip
 
 
 def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLike[str]) -> None:

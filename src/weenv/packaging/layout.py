@@ -21,13 +21,17 @@ from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
 
 
-def image_reader(store: Store, manifest: GroupManifest):
-    """``read_at(offset, n)`` over the group's image, fetching (and keeping) whole chunks from ``store``."""
+def image_reader(store: Store, manifest: GroupManifest, *, keep: bool = True):
+    """``read_at(offset, n)`` over the group's image, fetching whole chunks
+    from ``store`` (each checked by the store), and keeping them (``keep``)
+    or only the last one read."""
     got: dict[int, bytes] = {}
     size = manifest.chunk_size
 
     def chunk(i: int) -> bytes:
         if i not in got:
+            if not keep:
+                got.clear()
             ref = manifest.chunks[i]
             got[i] = store.get_chunk(ref.digest, stored_digest=ref.stored_digest, size=ref.size)
         return got[i]

@@ -1,26 +1,32 @@
 """``weenv import``: an existing image becomes layer groups and a template.
 
-Steps, in order; nothing is published until every layer has been read and
-verified:
+Steps, in order; no ref or template is published until every layer has been
+read and verified, and a failure deletes whatever the import stored:
 
 1. open the source (:func:`~weenv.packaging.importer.source.open_source`) and
    read its index, manifest and config, each checked against its digest;
 2. map layers to groups (:func:`plan_groups`: one group per layer, or runs of
    small adjacent layers merged);
-3. stream each group's layers, in order, into an inode tree and write its
-   EROFS image under a temporary directory
-   (:mod:`~weenv.packaging.importer.tartree`; with ``extract=True`` the old
-   path: apply them to a directory tree, :mod:`~weenv.packaging.importer.layers`,
-   and write the image from it), checking each layer's blob digest and diff_id
-   as it streams;
+3. stream each group's layers, in order, into an inode tree, checking each
+   layer's blob digest and diff_id as it streams, and write its EROFS image
+   into a :class:`~weenv.packaging.chunksink.ChunkSink`, which stores the
+   image's chunks as they are written (no image file); a group of one layer
+   has its files' data written into the image as the layer streams in
+   (:mod:`~weenv.packaging.importer.tartree`); then its manifest, by digest
+   (``ref=False``).  With ``extract=True`` the old path: each group's layers
+   applied to a directory tree (:mod:`~weenv.packaging.importer.layers`)
+   and the image written from it;
 4. turn the image config into the template's runtime config
-   (:mod:`~weenv.packaging.importer.runtime`);
-5. publish each group (by digest, ``ref=False``), then the template, then the
-   refs ``groups/NAME.K``.
+   (:mod:`~weenv.packaging.importer.runtime`; files of published groups are
+   read back from the store);
+5. publish the template, then the refs ``groups/NAME.K``.
 
-Both paths write byte-identical group images.  Any failure removes the
-temporary files; a failure in step 5 leaves at most unreferenced chunks and
-manifests (``weenv gc`` removes them), never a ref.
+Both paths give the same file trees; their images are byte-identical for
+groups of several layers (both lay file data out in tree order), not for a
+group of one layer on the streaming path (file data in the layer's order).
+A failure in steps 1-4 deletes the chunks and manifests the import stored
+and removes the temporary files; a failure in step 5 leaves at most
+unreferenced chunks and manifests (``weenv gc`` removes them), never a ref.
 """
 
 from __future__ import annotations
@@ -43,11 +49,13 @@ from weenv.formats.manifest import (
     check_name,
 )
 from weenv.packaging.erofs_writer import WRITER, write_image
-from weenv.packaging.group import BuildResult, build_group, group_uuid, publish_image
+from weenv.packaging.chunksink import ChunkSink
+from weenv.packaging.group import BuildResult, build_group, group_uuid, publish_sink
 from weenv.packaging.importer import tartree
 from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
 from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
+from weenv.packaging.layout import image_reader
 from weenv.packaging.template import create_template
 from weenv.store.base import Store
 
@@ -136,13 +144,13 @@ def import_image(
     ``org.opencontainers.image.ref.name`` or a docker ``RepoTags`` entry).
     ``merge_small``: bytes, see :func:`plan_groups`.  ``insecure``: reach a
     non-loopback registry without TLS verification.  ``workdir``: parent of the
-    temporary trees (needs about the image's unpacked size; default the
+    temporary files (the old path's trees, about the image's unpacked size;
+    the streaming path's spool of a merged group's data; default the
     system's temporary directory).  ``progress`` hears one line per step.
     ``extract``: the old path, each group's layers extracted to a directory
     under ``workdir`` then written from there (kept for comparison, ``weenv
     bench import``); by default layers stream into the image writer
-    (:mod:`~weenv.packaging.importer.tartree`: ``workdir`` then holds the
-    group images, about the image's unpacked size, freed as chunks are stored).
+    (:mod:`~weenv.packaging.importer.tartree`) and images into the store.
 
     Raises :class:`InvalidInputError` (bad source, name or image; truncated or
     corrupt archive or layer; missing blob; unsafe layer entry),
@@ -205,49 +213,66 @@ def _import_streamed(
     tmp: Path, say: Callable[[str], None],
 ) -> tuple[list[BuildResult], list[LayerStats], RuntimeConfig]:
     """The streaming path (:mod:`~weenv.packaging.importer.tartree`): each
-    group's layers merged into an inode tree (file data in a spool under
-    ``tmp``), written as ``tmp/group-K.erofs``; once every layer has been read
-    and verified, the images are published bottom to top, each image's bytes
-    freed as its chunks are stored.  Returns the groups' build results,
-    per-layer stats and the runtime config."""
+    group's layers merged into an inode tree, its image written into a
+    :class:`~weenv.packaging.chunksink.ChunkSink` (stored chunk by chunk as it
+    is written, never a file) and its chunks and manifest published by digest
+    as soon as its layers are verified.  A group of one layer has its file
+    data written into the image as it streams in; a group of several spools
+    it under ``tmp`` (a later layer may delete it).  Lower groups' files
+    (hardlinks from above, ``/etc/passwd`` for the runtime config) are read
+    back from the store.  On any failure every chunk and manifest this import
+    wrote (that the store did not hold before) is deleted again.  Returns the groups' build results, per-layer stats
+    and the runtime config."""
     started = time.monotonic()
     view = tartree.View()
     stats: list[LayerStats] = []
-    written: list[tuple[Path, int]] = []
-    with contextlib.ExitStack() as files:
+    results: list[BuildResult] = []
+    written: list[str] = []  # chunks this import stored, for the rollback
+    try:
         for k, layer_indexes in enumerate(plan):
-            spool = tartree.Spool(tmp)
-            files.callback(spool.close)
-            merger = tartree.TreeMerger(view, spool)
-            for i in layer_indexes:
-                layer = image.layers[i]
-                what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
-                with open_layer(src, layer, what, read_ahead=True) as tar:
-                    stats.append(merger.apply_layer(tar, what))
-                src.release(layer.location)
-                say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
-                    f"{stats[-1].opaque_dirs} opaque dirs")  # fmt: skip
-            path = tmp / f"group-{k}.erofs"
-            out = files.enter_context(open(path, "w+b"))
-            scan = write_image(merger.root, out, uuid=group_uuid(names[k], "latest"))
-            spool.close()
-            tartree.release(merger.root, out)
+            with contextlib.ExitStack() as group:
+                sink = group.enter_context(ChunkSink(store, chunk_size))
+                group.callback(lambda s=sink: written.extend(s.abort()))  # what it stored, for a rollback
+                if len(layer_indexes) == 1:
+                    merger = tartree.TreeMerger(view, image=sink)
+                else:
+                    spool = tartree.Spool(tmp)
+                    group.callback(spool.close)
+                    merger = tartree.TreeMerger(view, spool=spool)
+                for i in layer_indexes:
+                    layer = image.layers[i]
+                    what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
+                    with open_layer(src, layer, what, read_ahead=True) as tar:
+                        stats.append(merger.apply_layer(tar, what))
+                    src.release(layer.location)
+                    say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                        f"{stats[-1].opaque_dirs} opaque dirs")  # fmt: skip
+                scan = write_image(merger.root, sink, uuid=group_uuid(names[k], "latest"),
+                                   placed_blocks=merger.placed_blocks)  # fmt: skip
+                say(f"group {names[k]}: layers {layer_indexes[0]}..{layer_indexes[-1]}, publish")
+                result = publish_sink(sink, store, name=names[k], file_count=scan.inodes, ref=False,
+                                      started=started, source={
+                    "type": "image", "mkfs": WRITER, "image": image.reference, "config": image.config_digest,
+                    "layers": ",".join(image.layers[i].diff_id for i in layer_indexes),
+                })  # fmt: skip
+                results.append(result)
+            tartree.release(merger.root, image_reader(store, result.manifest, keep=False))
             view.apply_group(merger.root)
-            written.append((path, scan.inodes))
         runtime = runtime_from_config(image.config, view.read_file)
-    results = []
-    for k, (path, inodes) in enumerate(written):
-        layers = plan[k]
-        say(f"group {names[k]}: layers {layers[0]}..{layers[-1]}, publish")
-        results.append(publish_image(
-            path, store, name=names[k], chunk_size=chunk_size, file_count=inodes, ref=False, punch=True,
-            started=started, source={
-                "type": "image", "mkfs": WRITER, "image": image.reference, "config": image.config_digest,
-                "layers": ",".join(image.layers[i].diff_id for i in layers),
-            },
-        ))
-        path.unlink()
+    except BaseException:
+        _roll_back(store, written, [r.digest for r in results if r.new_manifest])
+        raise
     return results, stats, runtime
+
+
+def _roll_back(store: Store, chunks: list[str], manifests: list[str]) -> None:
+    """Delete what a failed import wrote (by digest: nothing refers to it)."""
+    for digest in manifests:
+        with contextlib.suppress(Exception):
+            store.delete_manifest(digest)
+    for digest in chunks:
+        with contextlib.suppress(Exception):
+            store.delete_chunk(digest)
 
 
 def _layer_size(src: ImageSource, layer) -> int:

@@ -211,6 +211,13 @@ class _ReadAhead:
             self._queue.put(exc)
 
     def read(self, n: int = -1) -> bytes:
+        if 0 <= n <= len(self._buf) - self._pos:  # within the piece at hand (tarfile reads 10 KiB at a time)
+            if self._pos == 0 and n == len(self._buf):
+                self._pos = n
+                return self._buf
+            piece = self._buf[self._pos:self._pos + n]
+            self._pos += n
+            return piece
         out = bytearray()
         while n < 0 or len(out) < n:
             if self._pos >= len(self._buf):

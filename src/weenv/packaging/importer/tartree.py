@@ -3,13 +3,17 @@
 The streaming import path (the default of :func:`~weenv.packaging.importer.import_image`):
 no layer is extracted to a directory.  Each group's layers are applied, in
 order, to an in-memory :class:`~weenv.packaging.erofs_writer.Inode` tree
-(:class:`TreeMerger`); regular files' data goes to one temporary file per
-group (:class:`Spool`), except files of at most
-:data:`~weenv.packaging.erofs_writer.INLINE_MAX` bytes, held in memory (the
-writer inlines them).  The writer then reads each file's data once from the
-spool, and each range read is punched out of it (``fallocate(PUNCH_HOLE)``),
-so the spool shrinks as the image grows: a group costs about its image's
-size on disk, not twice.
+(:class:`TreeMerger`); files of at most
+:data:`~weenv.packaging.erofs_writer.INLINE_MAX` bytes are held in memory
+(the writer inlines them).  Other regular files' data, in a group of one
+layer, is written into the group image's data area as it streams in (in
+the layer's order; the image is a
+:class:`~weenv.packaging.chunksink.ChunkSink`, stored chunk by chunk), so it
+passes once and never lands in a temporary file.  In a group of several
+layers (a later one may delete or replace a file) it goes to one temporary
+file per group (:class:`Spool`); the writer then reads each file's data once
+from the spool, in tree order, and each piece read is punched out of it
+(``fallocate(PUNCH_HOLE)``), so the spool shrinks as the image is stored.
 
 Semantics are those of :mod:`~weenv.packaging.importer.layers` (the
 extracting path, kept for comparison), applied to inodes instead of files:
@@ -32,16 +36,15 @@ themselves are bounded before ``tarfile`` allocates them
 (:class:`~weenv.packaging.tarscan.TarScan`, fed by
 :func:`~weenv.packaging.importer.layers.open_layer`).
 
-Peak disk: the spool holds one group's file data (zero blocks and holes
-left out) until the writer reads it, punched range by range as it is read;
-the group images of the import stay until they are published, each chunk
-punched as it is stored.  So the import's temporary files peak at about the
-image's unpacked size, never at twice it (``weenv bench import``, 1.2 GB
-image: 1.09x its size at the peak, the store's new chunks included).
+Peak disk: a group of one layer needs none beyond its stored chunks; a
+merged group's spool holds its file data (zero blocks and holes left out)
+until the writer reads it.  (``weenv bench import`` measures the import's
+peak.)
 
 Memory: one :class:`Inode` per entry (about 0.5 KiB, plus names and
 xattrs) for every group of the image until the import ends, files of at most
-2 KiB, and 1 MiB of read buffer.  Names (leading ``/`` and ``./`` dropped)
+2 KiB, 1 MiB of read buffer and the chunks the sink has in flight
+(about 10).  Names (leading ``/`` and ``./`` dropped)
 are bytes (``surrogateescape``).
 """
 
@@ -50,9 +53,8 @@ from __future__ import annotations
 import os
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
 from weenv.errors import InvalidInputError
 from weenv.host.punch import punch_hole
@@ -68,6 +70,7 @@ from weenv.packaging.erofs_writer import (
     check_name,
     encode_xattr,
     new_dir,
+    write_data,
 )
 from weenv.packaging.importer import layers
 from weenv.packaging.importer.layers import (
@@ -141,9 +144,9 @@ class Spool:
                     piece = os.pread(self.fd, min(READ_SIZE, length - done), spool_off + done)
                     if not piece:
                         raise InvalidInputError("the import's spool file ended early")
+                    self.punch(spool_off + done, len(piece))  # freed as read: a large file is not on disk twice
                     yield piece
                     done += len(piece)
-                self.punch(spool_off, length)
                 pos = file_off + length
             if size > pos:
                 yield size - pos
@@ -156,24 +159,23 @@ class Spool:
             self.fd = -1
 
 
-def image_reader(image: BinaryIO, node: Inode) -> Reader | bytes | None:
-    """Where a regular file of a written image lives in that image (``image``:
-    the open image file, read with pread): a reader for :func:`write_image`'s
+def image_reader(read_at: Callable[[int, int], bytes], node: Inode) -> Reader | bytes | None:
+    """Where a regular file of a written image lives in that image
+    (``read_at(offset, n)`` reads the image): a reader for :func:`write_image`'s
     layouts (inline tail, one run of blocks, block map with holes)."""
     if node._layout == LAYOUT_FLAT_INLINE or node.size == 0:
         return node._tail
-    fd = image.fileno()
     size = node.size
 
     def read() -> Iterator[bytes | int]:
         if node._layout == LAYOUT_CHUNK_BASED:
             for i, addr in enumerate(node._map):
                 n = min(BLOCK, size - i * BLOCK)
-                yield n if addr == NULL_ADDR else os.pread(fd, n, addr * BLOCK)
+                yield n if addr == NULL_ADDR else read_at(addr * BLOCK, n)
             return
         done = 0
         while done < size:
-            piece = os.pread(fd, min(READ_SIZE, size - done), node._blkaddr * BLOCK + done)
+            piece = read_at(node._blkaddr * BLOCK + done, min(READ_SIZE, size - done))
             if not piece:
                 raise InvalidInputError("a group image being imported ended early")
             yield piece
@@ -270,14 +272,31 @@ def _show(parts: Parts) -> str:
 @dataclass
 class TreeMerger:
     """The tree of one group (``root``), its layers applied in order over
-    ``view`` (the groups below); file data in ``spool``."""
+    ``view`` (the groups below).
+
+    Regular files' data goes to ``spool`` (read back by
+    :func:`~weenv.packaging.erofs_writer.write_image` in tree order), or,
+    with ``image`` (the group image's file, e.g. a
+    :class:`~weenv.packaging.chunksink.ChunkSink`; one layer per group),
+    straight into the image's data area in the order it arrives
+    (:func:`~weenv.packaging.erofs_writer.write_data`): the data passes once,
+    and no temporary file holds it.  A file a later entry of the same layer
+    replaces then keeps its blocks in the image, unreferenced.  Pass
+    :attr:`placed_blocks` to ``write_image`` then."""
 
     view: View
-    spool: Spool
+    spool: Spool | None = None
+    image: object | None = None
     root: Inode = field(init=False)
+    placed_blocks: int = 0
+    """Blocks of the image holding file data written as it arrived."""
     _new: set[Parts] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        if (self.spool is None) == (self.image is None):
+            raise ValueError("a TreeMerger takes a spool or an image, one of them")
+        if self.image is not None:
+            self.image.seek(BLOCK)
         self.root = new_dir()
         self._copy_dir_meta((), self.root)
 
@@ -374,6 +393,11 @@ class TreeMerger:
             if len(data) != size:
                 raise InvalidInputError(f"{what}: {len(data)} bytes of data, its header says {size}")
             node.data = data
+            return size
+        if self.image is not None:
+            node.data = lambda: _holed(pieces)
+            self.placed_blocks = write_data(self.image, node, what, 1 + self.placed_blocks) - 1
+            node._placed, node.data = True, None
             return size
         extents: list[tuple[int, int, int]] = []
         pos = 0
@@ -503,6 +527,26 @@ def _data_runs(piece: bytes, pos: int) -> Iterator[tuple[int, int]]:
         yield start, n
 
 
+def _holed(pieces: Iterator[bytes | int]) -> Iterator[bytes | memoryview | int]:
+    """``pieces`` (bytes from file offsets that are multiples of 4 KiB, and
+    holes as ints) with their all-zero 4 KiB blocks turned into holes."""
+    pos = 0
+    for piece in pieces:
+        if isinstance(piece, int):
+            pos += piece
+            yield piece
+            continue
+        at = 0
+        for start, end in _data_runs(piece, pos):
+            if start > at:
+                yield start - at
+            yield memoryview(piece)[start:end]
+            at = end
+        if len(piece) > at:
+            yield len(piece) - at
+        pos += len(piece)
+
+
 def _sparse_pieces(tar: tarfile.TarFile, m: tarfile.TarInfo, what: str) -> Iterator[bytes | int]:
     """A GNU sparse member's data as pieces and holes (ints), from its map,
     without reading the holes (``tarfile`` itself would fill them with zeros)."""
@@ -528,10 +572,11 @@ def _sparse_pieces(tar: tarfile.TarFile, m: tarfile.TarInfo, what: str) -> Itera
         yield m.size - pos
 
 
-def release(root: Inode, image: BinaryIO) -> None:
+def release(root: Inode, read_at: Callable[[int, int], bytes]) -> None:
     """Point every regular file of the written group tree ``root`` at its data
-    in the group's ``image`` (hardlinks to it from groups above, and
-    :meth:`View.read_file`, read it there once the spool is gone)."""
+    in the group's image, read by ``read_at(offset, n)`` (hardlinks to it from
+    groups above, and :meth:`View.read_file`, read it there once the spool is
+    gone: from the store, the image itself is never on disk)."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -543,4 +588,4 @@ def release(root: Inode, image: BinaryIO) -> None:
             if child.children is not None:
                 stack.append(child)
             elif stat.S_ISREG(child.mode):
-                child.data = image_reader(image, child)
+                child.data = image_reader(read_at, child)
