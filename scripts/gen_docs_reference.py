@@ -382,6 +382,12 @@ def _scan_module(path: Path, found: dict[str, Setting]) -> None:
                     s.doc = sentence
                     break
     for s in found.values():
+        if not s.default and module in s.modules:  # "else :data:`DEFAULT_SIZE`" in its docstring
+            pattern = rf"`{s.name}`[^`]*?(?:else|default) `([A-Z][A-Z0-9_]+)`(?! of)"
+            for ref in re.findall(pattern, _rst_to_md(s.doc)):
+                if ref in constants and not ref.startswith("WEENV_"):
+                    s.default = _shown(ast.Name(ref), constants)
+                    break
         if s.kind == "" and s.default:
             try:
                 value = ast.literal_eval(s.default)
