@@ -59,3 +59,10 @@ def test_e2b_quickstart(daemon):
     out = run_snippet("e2b_quickstart.py", daemon, E2B_API_URL=daemon.url + "/e2b",
                       E2B_SANDBOX_URL=daemon.url + "/e2b/envd", E2B_API_KEY="e2b_" + daemon.key)
     assert out == EXPECTED
+
+
+def test_tree_search(daemon):
+    out = run_snippet("tree_search.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
+    assert out == "def f(x):\n    return x * x\ndef f(x):\n    return x\n"
+    with daemon.http() as c:
+        assert "my-task-ready" not in [s["name"] for s in c.get("/snapshots").json()]
