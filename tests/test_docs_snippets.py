@@ -66,3 +66,8 @@ def test_tree_search(daemon):
     assert out == "def f(x):\n    return x * x\ndef f(x):\n    return x\n"
     with daemon.http() as c:
         assert "my-task-ready" not in [s["name"] for s in c.get("/snapshots").json()]
+
+
+def test_snapshot_group(daemon):
+    out = run_snippet("snapshot_group.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
+    assert out == "{'set up once\\n'}\n"
