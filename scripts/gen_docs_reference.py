@@ -414,8 +414,9 @@ def settings() -> list[Setting]:
 def settings_page() -> str:
     lines = ["# Settings", "", GENERATED.strip(), "",
              "Every `WEENV_*` environment variable weenv reads, found in the code (`src/weenv`, and",
-             "`scripts/setup.sh`). The node daemon reads them when it starts: set them in the environment of",
-             "`weenv serve` (or of the first `weenv` command, which starts the daemon). The default is the",
+             "`scripts/setup.sh`), with the module reading it. The node's settings are read by the daemon:",
+             "set them in the environment of `weenv serve` (or of the first `weenv` command, which starts the",
+             "daemon); `WEENV_API_*` and `WEENV_CLUSTER_*` by the SDK in your process. The default is the",
              "expression in the code where it is read (empty: computed there, see the description).", "",
              "| variable | type | default | read in | description |", "|---|---|---|---|---|"]
     for s in settings():

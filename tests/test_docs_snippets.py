@@ -5,7 +5,9 @@ as a script of its own against a real ``weenv serve`` whose store holds template
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +73,13 @@ def test_tree_search(daemon):
 def test_snapshot_group(daemon):
     out = run_snippet("snapshot_group.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
     assert out == "{'set up once\\n'}\n"
+
+
+def test_environment_tax(daemon):
+    out = run_snippet("environment_tax.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
+    share, phases = out.splitlines()
+    assert re.fullmatch(r"environment share \d+\.\d% of \d+\.\d s", share), share
+    assert 0 < float(share.split()[2].rstrip("%")) < 100
+    assert {"create", "exec", "destroy"} <= set(ast.literal_eval(phases)), phases
+    with daemon.http() as c:
+        assert c.get("/tax").json(), "the meter posted no batch to the node"
