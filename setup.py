@@ -35,4 +35,6 @@ setup(extras_require={
     # the s3:// store (weenv.store.s3)
     "s3": [BOTO3],
     "bench": [bench_requirement(), MATPLOTLIB],
+    # the documentation site (mkdocs.yml, docs/): `mkdocs build --strict`
+    "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],
 })

@@ -1,20 +1,28 @@
 """weenv: an environment manager for agentic reinforcement learning.
 
-Layout (a map of the architecture):
+Layout (a map of the architecture; the docs' ``concepts/architecture.md`` says
+more, and ``tests/unit/test_project_map.py`` checks both against the folders):
 
+- ``weenv.errors``, ``weenv.config``: the one exception root and its kinds; a home's paths.
+- ``weenv.host``: the host's mount table and mount(2), file access confined under a root
+  or through a live process's root, inotify, hole punching.
 - ``weenv.formats``: the manifests, digests, read limits and environment-tax records every layer shares.
-- ``weenv.host``: the host's mount table and mount(2), file access confined under a root.
-- ``weenv.store``: content-addressed stores of chunks and manifests (``file://``).
-- ``weenv.packaging``: layer groups (EROFS image, chunks) and templates, builds, gc.
-- ``weenv.node``: one machine: chunk cache, lazy FUSE daemon, mounts, runc, environments.
+- ``weenv.store``: content-addressed stores of chunks and manifests (``file://``,
+  ``oci://``, ``s3://``), their retries and circuit breaker.
+- ``weenv.packaging``: layer groups (EROFS image, chunks) and templates, prefetch
+  profiles, recipes, builds, ``weenv update``, gc; ``importer``: Docker/OCI images.
+- ``weenv.node``: one machine: chunk cache, lazy FUSE file system (``fuse``), group
+  mounts, runc, the exec agent (``agent``), cgroups (``cgroups``), elastic
+  provisioning (``provision``), environments, snapshot, fork, reset, pause, the warm pool.
 - ``weenv.sdk``: the Python SDK (``weenv.Sandbox``, ``weenv.AsyncSandbox``), and
-  the node's API as records (``weenv.sdk.NodeClient``).
-- ``weenv.server``: the node daemon's HTTP API, and starting and stopping it.
+  the node's API as records (``weenv.sdk.NodeClient``); ``weenv.meter()``.
+- ``weenv.server``: the node daemon's HTTP API, and starting and stopping it;
+  ``e2b``: the E2B-compatible API and envd.
+- ``weenv.cluster``: many nodes on Ray: placement, node actors, the gateway, peers.
 - ``weenv.adapters``: harnesses on weenv (mini-swe-agent, NeMo Gym).
-- ``weenv.cli``: the ``weenv`` command.
+- ``weenv.cli``: the ``weenv`` command; ``weenv.demo``: the demo.
 
-Each imports only from those above it in this list (and ``errors``, ``config``):
-``tests/unit/test_layers.py``.
+Each imports only from those above it in this list: ``tests/unit/test_layers.py``.
 """
 
 __version__ = "0.1.0"
