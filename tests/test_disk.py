@@ -7,8 +7,10 @@ admission bounds the sum of declared limits; nothing is left after close."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -118,3 +120,22 @@ def test_nothing_left_after_destroy_and_close(paths, shared_store, leak_check):
         assert not sub.exists() and list(paths.environments.iterdir()) == []
     assert not mounts.mounts_under(paths.home)
     assert _loops_of(image) == [] and not image.exists()
+
+
+FOREIGN_MOUNTS = Path(__file__).parent / "foreign_mounts.py"
+
+
+def test_a_fresh_home_starts_beside_another_homes_disconnected_fuse_mount(tmp_path, paths, shared_store, leak_check):
+    """Another home's FUSE daemon killed leaves its FUSE mount and the EROFS group
+    mount reading a file in it disconnected (ENOTCONN); a node with a fresh home
+    still makes its disk, starts, and creates and runs an environment.  The node
+    runs in a mount namespace of its own holding the broken mounts
+    (``foreign_mounts.py``), so that they stand in no other process's way."""
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, str(FOREIGN_MOUNTS),
+                        "start-node", str(tmp_path / "foreign"), str(shared_store.root)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = json.loads(r.stdout.splitlines()[-1])
+    assert seen["enotconn"] and seen["mounted"] == [True, True], seen  # the mounts were there, disconnected
+    assert seen["exit_code"] == 0 and seen["stdout"].split("\n")[0] == "up", seen
+    assert "hello.py" in seen["stdout"], seen
