@@ -13,8 +13,8 @@ Run as a program:
   until killed);
 - ``start-node DIR STORE``: with :func:`disconnected_mounts` in ``DIR``, start
   a node on ``WEENV_HOME`` (a fresh home) over the file store ``STORE``, create
-  an environment of template ``task``, run a command in it, destroy it, and
-  print one JSON line of what it saw.  Meant to run in a mount namespace of
+  two environments of template ``task`` (one with network), run a command in
+  each, destroy them, and print one JSON line of what it saw.  Meant to run in a mount namespace of
   its own (``unshare --mount --propagation private``): the broken mounts then
   stand in no other process's way on the machine, while this node's
   processes see them as they would on the host.
@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from weenv.host.mounts import MountSpec, erofs_spec, is_mounted, mount, umount
+from weenv.host.mounts import MountSpec, erofs_spec, is_mounted, mount, mounts_under, umount
 from weenv.node.fuse import protocol as P
 from weenv.node.fuse.session import Attr, FuseSession, Operations, mount_options, open_device
 
@@ -128,11 +128,18 @@ def start_node(directory: Path, store_root: Path) -> dict:
     with disconnected_mounts(directory) as (fuse_point, group_point):
         seen = {"enotconn": _enotconn(fuse_point / IMAGE_NAME.decode()),  # the EROFS mount's source
                 "mounted": [is_mounted(fuse_point), is_mounted(group_point)]}
-        with Node(Paths.from_env(), store=FileStore(store_root)) as node:
+        paths = Paths.from_env()
+        with Node(paths, store=FileStore(store_root)) as node:
             env = node.create("task")
             r = node.exec(env.id, ["sh", "-c", "echo up; ls /workspace"])
             seen.update(exit_code=r.exit_code, stdout=r.stdout.decode(), stderr=r.stderr.decode())
+            networked = node.create("task", network=True)  # its namespace, veth and rules too
+            r = node.exec(networked.id, ["cat", "/sys/class/net/eth0/operstate"])
+            seen.update(network_exit_code=r.exit_code, network_stdout=r.stdout.decode())
             node.destroy(env.id)
+            node.destroy(networked.id)
+            seen["ids"] = [env.id, networked.id]
+        seen["mounts_left"] = [point for _fstype, point in mounts_under(paths.home)]  # in this namespace
     return seen
 
 

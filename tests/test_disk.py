@@ -128,7 +128,7 @@ FOREIGN_MOUNTS = Path(__file__).parent / "foreign_mounts.py"
 def test_a_fresh_home_starts_beside_another_homes_disconnected_fuse_mount(tmp_path, paths, shared_store, leak_check):
     """Another home's FUSE daemon killed leaves its FUSE mount and the EROFS group
     mount reading a file in it disconnected (ENOTCONN); a node with a fresh home
-    still makes its disk, starts, and creates and runs an environment.  The node
+    still makes its disk, starts, and creates and runs environments (one with network).  The node
     runs in a mount namespace of its own holding the broken mounts
     (``foreign_mounts.py``), so that they stand in no other process's way."""
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, str(FOREIGN_MOUNTS),
@@ -139,3 +139,6 @@ def test_a_fresh_home_starts_beside_another_homes_disconnected_fuse_mount(tmp_pa
     assert seen["enotconn"] and seen["mounted"] == [True, True], seen  # the mounts were there, disconnected
     assert seen["exit_code"] == 0 and seen["stdout"].split("\n")[0] == "up", seen
     assert "hello.py" in seen["stdout"], seen
+    assert seen["network_exit_code"] == 0 and seen["network_stdout"].strip() in ("up", "unknown"), seen
+    left = [str(p) for i in seen["ids"] for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
+    assert not left and not seen["mounts_left"], (left, seen["mounts_left"])  # the node left nothing
