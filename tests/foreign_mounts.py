@@ -11,7 +11,7 @@ Run as a program:
 
 - ``serve MOUNTPOINT IMAGE``: the FUSE daemon (mounts, prints ``ready``, serves
   until killed);
-- ``start-node DIR STORE``: with :func:`disconnected_mounts` in ``DIR``, start
+- ``start-node DIR STORE [killed|stopped]``: with :func:`disconnected_mounts` in ``DIR``, start
   a node on ``WEENV_HOME`` (a fresh home) over the file store ``STORE``, create
   two environments of template ``task`` (one with network), run a command in
   each, destroy them, and print one JSON line of what it saw.  Meant to run in a mount namespace of
@@ -23,6 +23,7 @@ Run as a program:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -38,6 +39,7 @@ from weenv.host.mounts import MountSpec, erofs_spec, is_mounted, mount, mounts_u
 from weenv.node.fuse import protocol as P
 from weenv.node.fuse.session import Attr, FuseSession, Operations, mount_options, open_device
 
+PR_SET_PDEATHSIG = 1
 IMAGE_NAME = b"image"
 IMAGE_INO = 2
 
@@ -76,6 +78,8 @@ class OneFile(Operations):
 
 
 def serve(mountpoint: str, image: str) -> None:
+    # killed with its parent however that ends (a stopped daemon too): nothing waits on its mount after
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     fd = open_device()
     mount(MountSpec("fuse", "foreign-home", mountpoint, mount_options(fd, "allow_other")))
     FuseSession(fd, OneFile(Path(image).read_bytes()), name="foreign").start()
@@ -92,10 +96,19 @@ def _enotconn(path: Path) -> bool:
     return False
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @contextlib.contextmanager
-def disconnected_mounts(directory: Path) -> Iterator[tuple[Path, Path]]:
+def disconnected_mounts(directory: Path, how: str = "killed") -> Iterator[tuple[Path, Path]]:
     """``(FUSE mount point, EROFS mount point)`` of another home's group mount
-    whose FUSE daemon was killed (module docstring), under ``directory``."""
+    under ``directory`` whose FUSE daemon was killed (module docstring), or,
+    ``how="stopped"``, stopped (SIGSTOP): alive, it answers nothing, and every
+    access through the FUSE mount waits until it is killed at the end."""
+    if how not in ("killed", "stopped"):
+        raise ValueError(f"how: killed or stopped, not {how!r}")
     tree, image = directory / "tree", directory / "group.erofs"
     fuse_point, group_point = directory / "lazy", directory / "group"
     for d in (tree, fuse_point, group_point):
@@ -108,26 +121,32 @@ def disconnected_mounts(directory: Path) -> Iterator[tuple[Path, Path]]:
         assert daemon.stdout is not None and daemon.stdout.readline().strip() == "ready"
         mount(erofs_spec(fuse_point / IMAGE_NAME.decode(), group_point))
         assert (group_point / "hello").read_text() == "hello\n"
-        daemon.send_signal(signal.SIGKILL)
-        daemon.wait()
+        if how == "killed":
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait()
+        else:
+            daemon.send_signal(signal.SIGSTOP)
+            while not _stopped(daemon.pid):
+                time.sleep(0.01)
         yield fuse_point, group_point
     finally:
         if daemon.poll() is None:
-            daemon.kill()
+            daemon.kill()  # a stopped one too: its connection ends, and what waited on it fails
             daemon.wait()
         for point in (group_point, fuse_point):  # the EROFS mount first: it holds a file of the FUSE mount
             if is_mounted(point):
                 umount(point, detach=True)
 
 
-def start_node(directory: Path, store_root: Path) -> dict:
+def start_node(directory: Path, store_root: Path, how: str = "killed") -> dict:
     from weenv.config import Paths
     from weenv.node.node import Node
     from weenv.store.file import FileStore
 
-    with disconnected_mounts(directory) as (fuse_point, group_point):
-        seen = {"enotconn": _enotconn(fuse_point / IMAGE_NAME.decode()),  # the EROFS mount's source
-                "mounted": [is_mounted(fuse_point), is_mounted(group_point)]}
+    with disconnected_mounts(directory, how) as (fuse_point, group_point):
+        seen = {"mounted": [is_mounted(fuse_point), is_mounted(group_point)]}
+        if how == "killed":  # (a stat(2) through a stopped daemon's mount would wait for ever)
+            seen["enotconn"] = _enotconn(fuse_point / IMAGE_NAME.decode())  # the EROFS mount's source
         paths = Paths.from_env()
         with Node(paths, store=FileStore(store_root)) as node:
             env = node.create("task")
@@ -147,6 +166,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "start-node":
-        print(json.dumps(start_node(Path(sys.argv[2]), Path(sys.argv[3]))))
+        print(json.dumps(start_node(Path(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])))
     else:
         sys.exit(f"unknown command {sys.argv[1]!r}")
