@@ -28,7 +28,6 @@ process is unsafe.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import subprocess
 import sys
@@ -43,7 +42,7 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 SETUP_FAILED = 125
 """The child's exit status when it could not make the namespace or run the
-program (as ``env``(1) and ``unshare``(1) use 125/127); its stderr says why."""
+program (``unshare``(1) uses 125 for its own failures); its stderr says why."""
 
 ALWAYS_KEPT = ("/proc", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 """Paths every program needs (its mount table, devices, the dynamic linker's
@@ -109,7 +108,7 @@ def _enter(keep: list[str]) -> list[str]:
     """Unshare this process's mount namespace, make it private, detach every
     mount that holds none of ``keep``; return the points that could not be
     detached (mounts hidden under a kept one).  Raises ``OSError``."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own symbols: libc's among them
     if libc.unshare(CLONE_NEWNS) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"unshare(CLONE_NEWNS): {os.strerror(err)}")
