@@ -85,7 +85,7 @@ def store(paths) -> FileStore:
 
 def system_snapshot(prefix: Path) -> dict:
     """What a test may leak, seen from the host: mounts below ``prefix`` (an
-    environment's network namespace file is one), loop devices, cgroups named
+    environment's network namespace file is one), loop devices of images below it, cgroups named
     weenv, runc containers, FUSE connections and network interfaces named weenv
     (environments' veths)."""
     mounts = []
@@ -94,7 +94,10 @@ def system_snapshot(prefix: Path) -> dict:
             point = line.split()[1]
             if point.startswith(str(prefix)):
                 mounts.append(point)
-    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
+    # the loop devices of images below ``prefix`` (weenv attaches only its node disks' images, each in
+    # its home): another test session on the machine attaches and detaches its own meanwhile
+    loops = [line for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
+             if f"({prefix}" in line]
     cgroups = sorted(
         str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
     )

@@ -7,8 +7,11 @@ admission bounds the sum of declared limits; nothing is left after close."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -118,3 +121,35 @@ def test_nothing_left_after_destroy_and_close(paths, shared_store, leak_check):
         assert not sub.exists() and list(paths.environments.iterdir()) == []
     assert not mounts.mounts_under(paths.home)
     assert _loops_of(image) == [] and not image.exists()
+
+
+FOREIGN_MOUNTS = Path(__file__).parent / "foreign_mounts.py"
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_fresh_home_starts_beside_another_homes_broken_fuse_mount(tmp_path, paths, shared_store, leak_check, how):
+    """Another home's FUSE daemon killed leaves its FUSE mount and the EROFS group
+    mount reading a file in it disconnected (ENOTCONN); one stopped (SIGSTOP)
+    leaves them answering nothing.  A node with a fresh home still makes its
+    disk, starts, and creates and runs environments (one with network).  The
+    node runs in a mount namespace of its own holding the broken mounts
+    (``foreign_mounts.py``), so that they stand in no other process's way."""
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", sys.executable, str(FOREIGN_MOUNTS),
+                             "start-node", str(tmp_path / "foreign"), str(shared_store.root), how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # its clean-up runs: the daemon killed, the broken mounts unmounted
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"no node started in 300 s:\n{err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["mounted"] == [True, True], seen
+    if how == "killed":
+        assert seen["enotconn"], seen  # the EROFS mount's source fails as it did for mkfs.btrfs
+    assert seen["exit_code"] == 0 and seen["stdout"].split("\n")[0] == "up", seen
+    assert "hello.py" in seen["stdout"], seen
+    assert seen["network_exit_code"] == 0 and seen["network_stdout"].strip() in ("up", "unknown"), seen
+    left = [str(p) for i in seen["ids"] for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
+    assert not left and not seen["mounts_left"], (left, seen["mounts_left"])  # the node left nothing

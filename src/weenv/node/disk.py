@@ -32,6 +32,10 @@ quotas do the same); only a file system per environment would say
 
 Every btrfs operation is an ioctl made here from Python (``BTRFS_IOC_*``,
 include/uapi/linux/btrfs.h): no ``btrfs`` program runs after ``mkfs.btrfs``.
+That one runs in a mount namespace of its own holding only the mounts it needs
+(:mod:`weenv.host.mountns`): before it formats, it stat(2)s the source of every
+mount in its table, and another home's FUSE mount whose daemon was killed
+(``ENOTCONN``) would stop this node from starting.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import uuid
 from pathlib import Path
 
 from weenv.errors import CapacityError, MountError, ToolMissingError
-from weenv.host import mounts
+from weenv.host import mounts, mountns
 from weenv.node.cache import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,8 @@ RETIRED = "disk.old"
 ``disk.old.<token>`` (a name of their own each: one whose deletion failed does
 not stand in the next reset's way), or ``disk.old`` (left by an older weenv)."""
 MOUNT_OPTIONS = "discard=async"
+MKFS_TIMEOUT_S = 120.0
+"""Seconds ``mkfs.btrfs`` of a new image may take (without discards it writes a few MiB)."""
 
 
 def leftovers(directory: Path, name: str) -> list[Path]:
@@ -229,10 +235,7 @@ class NodeDisk:
         with open(self.image, "wb") as f:
             f.truncate(size)
         try:
-            r = subprocess.run([mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single", str(self.image)],
-                               capture_output=True, text=True, stdin=subprocess.DEVNULL)  # fmt: skip
-            if r.returncode != 0:
-                raise MountError(errno.EIO, f"mkfs.btrfs {self.image}: {r.stderr.strip()}")
+            self._format(mkfs)
             fd, dev = attach_loop(self.image)
             try:
                 mounts.mount(mounts.MountSpec("btrfs", dev, str(self.mountpoint), MOUNT_OPTIONS,
@@ -252,6 +255,19 @@ class NodeDisk:
         except OSError as exc:
             self.close()
             raise MountError(exc.errno, f"enabling quotas on {self.mountpoint}: {exc.strerror}") from exc
+
+    def _format(self, mkfs: str) -> None:
+        """``mkfs.btrfs`` of the image, in a mount namespace holding only the
+        mounts it needs (:func:`weenv.host.mountns.run_isolated`): it stat(2)s the
+        source of every mount it sees first, so another home's disconnected FUSE
+        mount (``ENOTCONN``) or stuck one must not be among them.  Raises :class:`MountError`."""
+        argv = [mkfs, "-q", "-f", "-K", "-m", "single", "-d", "single", str(self.image)]
+        try:
+            r = mountns.run_isolated(argv, keep=[self.image], timeout=MKFS_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise MountError(errno.ETIMEDOUT, f"mkfs.btrfs {self.image}: no end after {MKFS_TIMEOUT_S:.0f} s") from exc
+        if r.returncode != 0:
+            raise MountError(errno.EIO, f"mkfs.btrfs {self.image} (exit {r.returncode}): {r.stderr.strip()}")
 
     def default_size(self) -> int:
         """:data:`DEFAULT_SHARE` of the free bytes of the file system holding the
