@@ -240,3 +240,20 @@ def test_a_killed_writers_leftovers_are_collected_after_its_lease_expires(paths,
     assert (set(store.list_chunks()), set(store.list_manifests())) == published
     assert store.list_refs("leases") == {}
     assert_store_sound(store, tmp_path / "read", {"kept": {"kept": b"published " * 1000}})
+
+
+def test_store_check_command_exits_non_zero_on_a_missing_chunk(paths, tmp_path):
+    """``weenv store check``: 0 on a sound store; 1 and one line naming the
+    chunk and its group once a chunk a template needs is gone."""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"checked " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
+    assert code == 0, out
+    code, out = _finish(_weenv("store", "check", env=env))
+    assert code == 0 and "problems: 0" in out, out
+    store = open_store(store_url)
+    gone = sorted(store.list_chunks())[0]
+    store.delete_chunk(gone)
+    code, out = _finish(_weenv("store", "check", env=env))
+    assert code == 1 and f"missing chunk {gone} (chunk of group t.0" in out and "problems: 1" in out, out

@@ -26,8 +26,8 @@ def check(
     finally:
         s.close()
     for problem in report.problems:
-        out.print(problem, markup=False, highlight=False)
+        out.print(problem, markup=False, highlight=False, soft_wrap=True)
     err.print(f"{s.url}: {report.refs} refs, {report.manifests} manifests, {report.chunks} chunks checked; "
-              f"{len(report.problems)} problems", markup=False, highlight=False)  # fmt: skip
+              f"problems: {len(report.problems)}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
     if report.problems:
         raise typer.Exit(1)

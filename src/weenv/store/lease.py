@@ -144,9 +144,12 @@ def parse_lease(data: bytes) -> LeaseRecord:
         raise InvalidInputError(f"damaged lease record: {exc}") from None
 
 
-def read_leases(store: Store) -> Iterator[LeaseRecord]:
-    """Every lease in ``store``, live or expired (one that is dropped while it is read is left out)."""
+def read_leases(store: Store, purpose: str | None = None) -> Iterator[LeaseRecord]:
+    """Every lease in ``store`` (of ``purpose``: its id starts with it), live or
+    expired (one that is dropped while it is read is left out)."""
     for lease_id, digest in store.list_refs(REF_KIND).items():
+        if purpose is not None and not lease_id.startswith(f"{purpose}-"):
+            continue
         for _ in range(5):  # its holder may move the ref and delete the blob under us: read the ref again
             try:
                 yield parse_lease(store.get_manifest(digest))
@@ -164,7 +167,7 @@ def leased_digests(store: Store, purpose: str, *, exclude: str | None = None) ->
     """The digests named by the live leases of ``purpose`` (but lease ``exclude``)."""
     now = time.time()
     found: set[str] = set()
-    for record in read_leases(store):
+    for record in read_leases(store, purpose):
         if record.purpose == purpose and record.id != exclude and record.live(now):
             found |= record.digests
     return found
