@@ -47,13 +47,14 @@ def _expected(seed: str) -> dict[str, bytes]:
 
 
 class StalledLayout:
-    """An OCI layout of :func:`_layers` whose last layer blob is a FIFO."""
+    """An OCI layout of :func:`_layers` whose layer ``layer`` (default the
+    last) blob is a FIFO."""
 
-    def __init__(self, root: Path, seed: str):
+    def __init__(self, root: Path, seed: str, layer: int = -1):
         self.path = _write_layout(root, _layers(seed))
         index = json.loads((root / "index.json").read_text())
         manifest = json.loads((root / "blobs" / "sha256" / index["manifests"][0]["digest"].split(":")[1]).read_text())
-        self.blob = root / "blobs" / "sha256" / manifest["layers"][-1]["digest"].split(":")[1]
+        self.blob = root / "blobs" / "sha256" / manifest["layers"][layer]["digest"].split(":")[1]
         self.data = self.blob.read_bytes()
         self.blob.unlink()
         os.mkfifo(self.blob)
@@ -143,23 +144,20 @@ def assert_store_sound(store: Store, work: Path, expected: dict[str, dict[str, b
         }, name
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request, paths):
-    if request.param == "file":
-        return f"file://{paths.home / 'store'}"
-    server = request.getfixturevalue("s3_server")
-    return server.url(new_prefix("faults"))
-
-
-def test_a_failed_import_keeps_the_chunks_a_concurrent_import_published(store_url, paths, tmp_path):
-    """Import ``a`` stores its two lower groups, then its last layer breaks off
-    while import ``b`` of an image sharing those two layers runs start to end:
-    ``b`` finds their chunks stored (``a`` wrote them) and publishes a template
+@pytest.mark.parametrize("kind,layer", [("file", 0), ("file", 1), ("file", 2), ("s3", 2)])
+def test_a_failed_import_keeps_the_chunks_a_concurrent_import_published(kind, layer, request, paths, tmp_path):
+    """Import ``a`` stores its groups below layer ``layer``, then that layer
+    breaks off while import ``b`` of an image sharing the two lower layers runs
+    start to end: ``b`` finds the chunks ``a`` stored and publishes a template
     naming them.  ``a``'s rollback must not delete them.  (Before leases it
     did: ``b``'s template then read EIO.)  Two processes, one store: ``file://``
     and ``s3://`` (two nodes' importers)."""
+    if kind == "file":
+        store_url = f"file://{paths.home / 'store'}"
+    else:
+        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
     env = _env(paths, store_url)
-    stalled = StalledLayout(tmp_path / "a", "a")
+    stalled = StalledLayout(tmp_path / "a", "a", layer)
     a = _weenv("import", str(stalled.path), "--name", "a", env=env)
     fifo = stalled.wait_for_reader(a)
     try:
