@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.formats.manifest import sha256_digest
 from weenv.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class Lease:
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._lock = threading.Lock()  # the digests and generations below
         self._flush_lock = threading.Lock()  # one record write at a time
-        self._digests: set[str] = set(digests)
+        self._digests: dict[str, int] = dict.fromkeys(digests, 0)  # digest -> generation that added it
         self._wanted = 0  # generation of the digest set
         self._flushed = -1  # generation last written
         self._blob: str | None = None
@@ -242,18 +243,23 @@ class Lease:
             raise BusyError(f"lease {self.id} ({self.what}) on {self.store.url} was lost: {self._lost}")
 
     # --- naming digests ------------------------------------------------------------------
+    def expect(self, digests: Iterable[str]) -> int:
+        """Add ``digests`` to the record's next write, without writing it: a
+        writer that knows what it will store names it early, so that one write
+        serves many :meth:`cover` calls.  Returns the generation that names them."""
+        with self._lock:
+            fresh = [d for d in digests if d not in self._digests]
+            if fresh:
+                self._wanted += 1
+                self._digests.update(dict.fromkeys(fresh, self._wanted))
+            return max((self._digests[d] for d in digests), default=0) if not fresh else self._wanted
+
     def cover(self, digests: Iterable[str]) -> None:
         """Name ``digests`` in the record (written before this returns); for a
         write lease, then wait while a live delete lease names any of them.
         After it returns, a presence check of these digests is safe."""
         digests = set(digests)
-        with self._lock:
-            fresh = digests - self._digests
-            if fresh:
-                self._digests |= fresh
-                self._wanted += 1
-            gen = self._wanted
-        self._flush(gen)
+        self._flush(self.expect(digests))
         if self.purpose == "write":
             self._wait_for_deleters(digests)
 
@@ -318,6 +324,12 @@ class LeasedStore(Store):
 
     def _claim(self, space: str, digest: str) -> None:
         self.lease.cover([digest])
+
+    def expect_chunk(self, plaintext: bytes | bytearray) -> None:
+        """Name the chunk of ``plaintext`` in the lease's next write (:meth:`Lease.expect`):
+        a :class:`~weenv.packaging.chunksink.ChunkSink` calls it as it hands a chunk to its
+        workers, so one lease write covers the chunks in flight, not one each."""
+        self.lease.expect([sha256_digest(plaintext)])
 
     def _has(self, space, digest):
         return self.inner._has(space, digest)
