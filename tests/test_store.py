@@ -30,6 +30,7 @@ from weenv.formats.manifest import (
 from weenv.store import Store
 from weenv.store.check import check_store
 from weenv.store.file import FileStore
+from weenv.store import lease as lease_module
 from weenv.store.lease import Lease, LeasedStore, delete_unused, leased_digests
 from weenv.store.oci import OciStore
 from weenv.store.s3 import S3Store
@@ -361,7 +362,8 @@ class TestLeases:
             lease.check()
         assert leased_digests(store, "write") == set()
 
-    def test_delete_unused_keeps_what_a_lease_names_or_a_ref_reaches(self, store):
+    def test_delete_unused_keeps_what_a_lease_names_or_a_ref_reaches(self, store, monkeypatch):
+        monkeypatch.setattr(lease_module, "DELETE_BATCH", 2)  # several delete leases, one after another
         g_digest, g = _publish(store, "kept")
         leased_chunk, _ = store.put_chunk(b"a writer relies on this")
         loose_chunk, _ = store.put_chunk(b"no one needs this")

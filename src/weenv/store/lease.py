@@ -82,6 +82,8 @@ DEFAULT_GC_GRACE_S = 0.0
 """What gc spares by age alone (leases are what protects writers in progress)."""
 WAIT_POLL_S = 0.2
 """How often a writer blocked by a delete lease looks again."""
+DELETE_BATCH = 20_000
+"""Digests one delete lease names at most (its record: about 1.4 MB)."""
 
 
 def _seconds_from_env(var: str, default: float, *, zero: bool) -> float:
@@ -388,28 +390,25 @@ def delete_unused(store: Store, candidates: dict[str, Iterable[str]], *, reached
     :data:`weenv.store.base.SPACES`) that no live write lease (but lease
     ``exclude``, the caller's own) names and ``reached()`` does not return
     (the digests that published refs reach, read when it is called): D1-D4 of
-    the module docstring.  Stops (what is left is kept) if its own lease is
-    lost meanwhile.  Deletes manifests before chunks, so nothing stored ever
-    names a chunk that is gone."""
-    wanted = {space: sorted(set(ds)) for space, ds in candidates.items()}
-    every = {d for ds in wanted.values() for d in ds}
+    the module docstring, in batches of at most :data:`DELETE_BATCH` (a
+    lease record stays small).  Stops (what is left is kept) if its own lease
+    is lost meanwhile.  Deletes manifests before packs and chunks, so nothing
+    stored ever names a chunk that is gone."""
+    order = [(space, d) for space in ("manifests", "packs", "chunks") for d in sorted(set(candidates.get(space, ())))]
     removed: list[str] = []
-    if not every:
-        return Deleted([], [])
-    with Lease(store, purpose="delete", what=what, duration=duration, digests=every) as lease:
-        keep = leased_digests(store, "write", exclude=exclude)  # D2: leases before refs
-        keep |= reached()  # D3
-        order = [s for s in ("manifests", "packs", "chunks") if s in wanted]
-        for space in order:
-            for digest in wanted[space]:
+    for start in range(0, len(order), DELETE_BATCH):
+        batch = order[start:start + DELETE_BATCH]
+        with Lease(store, purpose="delete", what=what, duration=duration, digests=[d for _, d in batch]) as lease:
+            keep = leased_digests(store, "write", exclude=exclude)  # D2: leases before refs
+            keep |= reached()  # D3
+            for space, digest in batch:
                 if digest in keep:
                     continue
                 try:
                     lease.check(margin=min(5.0, lease.duration / 10))
                 except BusyError as exc:
                     log.warning("%s: stopping", exc)
-                    return Deleted(removed, sorted(every - set(removed)))
+                    return Deleted(removed, sorted({d for _, d in order} - set(removed)))
                 store._delete(space, digest)
                 removed.append(digest)
-    return Deleted(removed, sorted(every - set(removed)))
-
+    return Deleted(removed, sorted({d for _, d in order} - set(removed)))
