@@ -255,3 +255,23 @@ def test_store_check_command_exits_non_zero_on_a_missing_chunk(paths, tmp_path):
     store.delete_chunk(gone)
     code, out = _finish(_weenv("store", "check", env=env))
     assert code == 1 and f"missing chunk {gone} (chunk of group t.0" in out and "problems: 1" in out, out
+
+
+def test_two_nodes_import_the_same_image_into_one_s3_store(s3_server, paths, tmp_path):
+    """Two importers (as on two nodes: two processes, two homes) import one
+    image at once into one ``s3://`` store, under two names: both succeed,
+    the store check passes and both templates read back whole."""
+    store_url = s3_server.url(new_prefix("faults"))
+    layout = _write_layout(tmp_path / "image", _layers("same"))
+    procs = []
+    for node in ("n1", "n2"):
+        home = tmp_path / node
+        home.mkdir()
+        env = {**os.environ, "WEENV_HOME": str(home), "WEENV_STORE": store_url}
+        procs.append(_weenv("import", str(layout), "--name", f"t-{node}", env=env))
+    for p in procs:
+        code, out = _finish(p)
+        assert code == 0, out
+    store = open_store(store_url)
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"t-n1": _expected("same"), "t-n2": _expected("same")})
