@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,16 @@ from s3_fixture import Seaweed, new_prefix
 from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
+    TemplateManifest,
     canonical_json,
     parse_group_manifest,
     sha256_digest,
 )
 from weenv.store import Store
+from weenv.store.check import check_store
 from weenv.store.file import FileStore
+from weenv.store import lease as lease_module
+from weenv.store.lease import Lease, LeasedStore, delete_unused, leased_digests
 from weenv.store.oci import OciStore
 from weenv.store.s3 import S3Store
 
@@ -321,3 +327,106 @@ class TestStore:
             store.set_ref(kind, name, digest)
         with pytest.raises(InvalidInputError):
             store.get_ref(kind, name)
+
+
+def _publish(store: Store, name: str) -> tuple[str, GroupManifest]:
+    """A group ``name`` of one chunk, its manifest stored and ``groups/NAME`` set."""
+    m = _manifest(store, name)
+    digest = store.put_manifest(canonical_json(m))
+    store.set_ref("groups", name, digest)
+    return digest, m
+
+
+class TestLeases:
+    """The lease protocol (:mod:`weenv.store.lease`), the same on every backend."""
+
+    def test_a_lease_names_what_its_writer_stores_or_finds_stored(self, store):
+        present, _ = store.put_chunk(b"stored by someone before")
+        with Lease(store, what="test") as lease:
+            leased = LeasedStore(store, lease)
+            ref_old, written_old = leased.put_chunk(b"stored by someone before")
+            ref_new, written_new = leased.put_chunk(b"new bytes")
+            m = leased.put_manifest(b'{"media_type": "application/vnd.weenv.test"}')
+            assert (written_old, written_new) == (False, True)
+            assert leased_digests(store, "write") == {present.digest, ref_new.digest, m}
+            assert leased_digests(store, "write", exclude=lease.id) == set()
+            assert leased_digests(store, "delete") == set()
+        assert leased_digests(store, "write") == set()
+        assert store.list_refs("leases") == {}
+        assert sorted(store.list_manifests()) == [m]  # the lease's own records are gone
+
+    def test_a_held_lease_is_renewed_past_its_duration(self, store):
+        with Lease(store, duration=1.5, digests=["sha256:" + "a" * 64]) as lease:
+            time.sleep(2.5)
+            assert leased_digests(store, "write") == {"sha256:" + "a" * 64}
+            lease.check()
+        assert leased_digests(store, "write") == set()
+
+    def test_delete_unused_keeps_what_a_lease_names_or_a_ref_reaches(self, store, monkeypatch):
+        monkeypatch.setattr(lease_module, "DELETE_BATCH", 2)  # several delete leases, one after another
+        g_digest, g = _publish(store, "kept")
+        leased_chunk, _ = store.put_chunk(b"a writer relies on this")
+        loose_chunk, _ = store.put_chunk(b"no one needs this")
+        loose_manifest = store.put_manifest(b'{"media_type": "application/vnd.weenv.test"}')
+        reached = {g_digest, *(c.digest for c in g.chunks)}
+        with Lease(store, digests=[leased_chunk.digest]) as writer:
+            done = delete_unused(
+                store,
+                {"manifests": [g_digest, loose_manifest], "chunks": [leased_chunk.digest, loose_chunk.digest,
+                                                                      g.chunks[0].digest]},
+                reached=lambda: reached, what="test",
+            )
+            assert sorted(done.removed) == sorted([loose_manifest, loose_chunk.digest])
+            assert store.has_chunk(leased_chunk.digest) and store.has_manifest(g_digest)
+            # the holder's own lease does not protect from its own rollback
+            done = delete_unused(store, {"chunks": [leased_chunk.digest]}, reached=set, what="test",
+                                 exclude=writer.id)
+            assert done.removed == [leased_chunk.digest]
+        assert not store.has_chunk(loose_chunk.digest) and not store.has_manifest(loose_manifest)
+        assert store.list_refs("leases") == {}
+        assert check_store(store).ok
+
+    def test_a_writer_waits_while_a_delete_lease_names_its_chunk(self, store):
+        plaintext = b"garbage about to be deleted"
+        ref, _ = store.put_chunk(plaintext)
+        results = []
+        with Lease(store, purpose="delete", digests=[ref.digest]) as deleter:
+            with Lease(store, what="writer") as lease:
+                writer = threading.Thread(target=lambda: results.append(LeasedStore(store, lease).put_chunk(plaintext)))
+                writer.start()
+                time.sleep(1.0)
+                assert writer.is_alive() and results == []  # it may not trust the chunk it sees
+                store.delete_chunk(ref.digest)  # the deleter goes on
+                time.sleep(0.3)
+                deleter.drop()
+                writer.join(30)
+                assert results == [(ref, True)]  # written again, once the delete was over
+        assert store.get_chunk(ref.digest) == plaintext
+
+    def test_an_expired_lease_protects_nothing(self, store):
+        lease = Lease(store, duration=1.0, digests=["sha256:" + "b" * 64]).take()
+        lease._stop.set()  # its holder stops renewing it (as if killed)
+        lease._renewer.join()
+        assert leased_digests(store, "write") == {"sha256:" + "b" * 64}
+        time.sleep(1.2)
+        assert leased_digests(store, "write") == set()
+        with pytest.raises(BusyError, match="lost"):
+            lease.check()
+        lease.drop()
+
+    def test_store_check_reports_missing_and_corrupt_blobs(self, store):
+        g_digest, g = _publish(store, "g")
+        template = store.put_manifest(canonical_json(TemplateManifest(name="t", groups=[g_digest])))
+        store.set_ref("templates", "t", template)
+        extra, _ = store.put_chunk(b"an unreferenced chunk")
+        assert check_store(store).ok
+        store._put("chunks", extra.digest, zstandard.ZstdCompressor().compress(b"other bytes"))
+        store.delete_chunk(g.chunks[0].digest)
+        problems = check_store(store).problems
+        assert len(problems) == 2, problems
+        assert any(p.startswith(f"missing chunk {g.chunks[0].digest}") for p in problems)
+        assert any(p.startswith(f"corrupt chunk {extra.digest}") for p in problems)
+        store.delete_manifest(g_digest)
+        problems = check_store(store).problems
+        assert any(f"missing manifest {g_digest} (ref groups/g)" in p for p in problems)
+        assert any(f"missing manifest {g_digest} (group of template t" in p for p in problems)

@@ -20,6 +20,7 @@ from rich.markup import escape
 from weenv.cli import cluster, daemon, environments, image, packaging, state
 from weenv.cli import build as build_cli
 from weenv.cli import stats as stats_cli
+from weenv.cli import storecheck
 from weenv.cli.common import err
 from weenv.errors import ToolMissingError, WeenvError
 
@@ -28,6 +29,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 app.add_typer(packaging.group_app, name="group")
 app.add_typer(packaging.template_app, name="template")
 app.add_typer(cluster.app, name="cluster")
+app.add_typer(storecheck.app, name="store")
 for sub in (environments.app, state.app, daemon.app):
     app.registered_commands += sub.registered_commands
 app.registered_commands += build_cli.app.registered_commands  # build, update, gc, dedupe

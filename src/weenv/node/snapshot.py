@@ -85,6 +85,7 @@ from weenv.node.table import Environment
 from weenv.packaging.group import build_group, load_group
 from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
 from weenv.packaging.template import load_template
+from weenv.store.lease import Lease, LeasedStore
 from weenv.packaging.upperdir import clean_upper
 from weenv.store import Store
 
@@ -291,7 +292,13 @@ class Captures:
             upper = self.root / scratch / "upper"
             clean_upper(upper)
             info = c.info
-            with publish_lock():
+            # The lease names the group's chunks, its manifest, the template's and
+            # the groups below until the ref is set (weenv.store.lease).
+            with publish_lock(), Lease(store, what=f"snapshot {name}") as lease:
+                lease.cover(c.template.groups)
+                for g in c.template.groups:
+                    lease.cover(ref.digest for ref in load_group(store, g).chunks)
+                store = LeasedStore(store, lease)
                 result = build_group(upper, store, name=name, version=c.id, workdir=workdir, ref=False,
                                      source={"type": SNAPSHOT_SOURCE, "environment": info.id,
                                              "template": c.template_digest})  # fmt: skip
@@ -301,6 +308,7 @@ class Captures:
                 manifest = TemplateManifest(name=name, version=c.id, groups=[*c.template.groups, result.digest],
                                             runtime=runtime)  # fmt: skip
                 digest = store.put_manifest(canonical_json(manifest))
+                lease.check()
                 try:  # the ref only if it is still what the check saw: of two publishes of a name, one wins
                     store.swap_ref("templates", name, digest, expected=seen)
                 except BusyError as exc:

@@ -90,6 +90,7 @@ from weenv.packaging.recipe import (
 from weenv.packaging.template import load_template
 from weenv.packaging.upperdir import clean_upper
 from weenv.store.base import Store
+from weenv.store.lease import Lease, LeasedStore
 
 Progress = Callable[[str, str], None]
 """``progress(component, status)``: what the builder is doing, for a display."""
@@ -175,15 +176,20 @@ def build_recipe(
     t0 = time.monotonic()
     results: list[ComponentResult] = []
     below: list[str] = []
-    with buildcache.store_lock(paths, exclusive=False):
+    # The lease names every chunk and manifest the build stores or reuses
+    # (weenv.store.lease) until its template is published.
+    with buildcache.store_lock(paths, exclusive=False), Lease(store, what=f"build {recipe.template.name}") as lease:
+        store = LeasedStore(store, lease)
         for comp in recipe.component:
             say(comp.name, "hashing inputs")
             key = buildcache.component_key(recipe, comp, below)
             hit = buildcache.lookup(store, key)
             if hit is not None:
                 say(comp.name, "cached")
-                results.append(ComponentResult(comp.name, hit, key, True,
-                                               image_size=load_group(store, hit).image_size))
+                lease.cover([hit])
+                cached = load_group(store, hit)
+                lease.cover(c.digest for c in cached.chunks)
+                results.append(ComponentResult(comp.name, hit, key, True, image_size=cached.image_size))
             else:
                 t = time.monotonic()
                 r = build_component(recipe, comp, below, store, paths, say, cache_key=key, environments=environments)
@@ -196,6 +202,7 @@ def build_recipe(
                 say(comp.name, "built")
             below.append(results[-1].digest)
 
+        lease.check()
         for comp, res in zip(recipe.component, results):
             store.set_ref("groups", comp.name, res.digest)
         tpl = recipe.template

@@ -200,6 +200,9 @@ class ChunkSink:
     def _submit(self, index: int, data: bytes | bytearray) -> None:
         while len(self._pending) >= self.window:
             self._collect()
+        expect = getattr(self.store, "expect_chunk", None)  # a leased store: one lease write per batch
+        if expect is not None:
+            expect(data)
         self._pending.append((index, self._pool.submit(self.store.put_chunk, data)))
 
     def _collect(self) -> None:

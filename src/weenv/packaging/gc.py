@@ -14,13 +14,17 @@ the CLI asks the node daemon of ``$WEENV_HOME``
 :class:`DaemonError` rather than guess when a daemon runs but does not answer);
 in-process nodes give their own.  Builds of the same home hold the store lock
 shared (:func:`weenv.packaging.buildcache.store_lock`); gc takes it exclusive and
-refuses while a build runs.  Publishers outside this home (another machine
-sharing the store) are not seen: run gc where nothing else publishes.
+refuses while a build runs.  Writers anywhere else (another home or machine
+sharing the store) are seen through their leases (:mod:`weenv.store.lease`):
+gc keeps what a live write lease names, deletes by the protocol there, and
+removes expired leases; with a grace period it also keeps what was stored
+more recently than that.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +41,7 @@ from weenv.formats.manifest import (
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
+from weenv.store.lease import REF_KIND, LeaseRecord, delete_unused, gc_grace_seconds, is_lease, leased_digests, parse_lease
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,12 @@ class _Reach:
     packs: set[str] = field(default_factory=set)
 
 
-def _load(store: Store, digest: str) -> TemplateManifest | GroupManifest | None:
+def _load(store: Store, digest: str, *, leases: bool = False) -> TemplateManifest | GroupManifest | LeaseRecord | None:
+    """The manifest ``digest`` parsed (with ``leases``, a lease record too), None if unreadable."""
     try:
         data = store.get_manifest(digest)
+        if leases and is_lease(data):
+            return parse_lease(data)
         kind = manifest_kind(data)
         return parse_template_manifest(data) if kind == "template" else parse_group_manifest(data)
     except (NotFoundError, InvalidInputError):
@@ -133,12 +141,33 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
             if pack is not None:
                 reach.packs.add(pack)
         for g_digest in t.groups:
-            if g_digest in reach.manifests:
-                continue
-            g = _load(store, g_digest)
-            if isinstance(g, GroupManifest):
-                reach.manifests.add(g_digest)
-                reach.chunks.update(c.digest for c in g.chunks)
+            _reach_group(store, g_digest, reach)
+
+
+def _reach_group(store: Store, digest: str, reach: _Reach) -> None:
+    if digest in reach.manifests:
+        return
+    g = _load(store, digest)
+    if isinstance(g, GroupManifest):
+        reach.manifests.add(digest)
+        reach.chunks.update(c.digest for c in g.chunks)
+
+
+def published_digests(store: Store) -> set[str]:
+    """Every manifest, chunk and pack a ref of any kind reaches (a rollback's
+    "someone published it"; read when called)."""
+    reach = _Reach()
+    _reach(store, store.list_refs("templates").values(), reach)
+    for kind in ("groups", "buildcache"):
+        for digest in store.list_refs(kind).values():
+            _reach_group(store, digest, reach)
+    for kind in ("prefetch", "usage"):
+        for digest in store.list_refs(kind).values():
+            reach.manifests.add(digest)
+            pack = _pack_of(store, digest)
+            if pack is not None:
+                reach.packs.add(pack)
+    return reach.manifests | reach.chunks | reach.packs
 
 
 def collect(
@@ -147,18 +176,25 @@ def collect(
     *,
     in_use: Iterable[str] | Callable[[], Iterable[str]],
     dry_run: bool = False,
+    grace: float | None = None,
 ) -> GcResult:
     """Remove what no template ref nor running environment reaches (module docstring).
 
     ``in_use``: template digests of running environments, or a function
     returning them, called once the store lock is held (the CLI's:
     :func:`weenv.server.daemon.running_templates`).  ``dry_run``: only report.
-    Raises :class:`InvalidInputError` (a build is running) and what ``in_use``
-    raises (:class:`DaemonError`: a daemon running, not answering).
+    ``grace``: seconds; blobs stored more recently are kept (default
+    :func:`~weenv.store.lease.gc_grace_seconds`).  What a live write lease
+    names is kept; deletes follow :func:`~weenv.store.lease.delete_unused`, so
+    a writer that finds a blob stored while gc runs keeps it.  Expired leases
+    are removed.  Raises :class:`InvalidInputError` (a build is running) and
+    what ``in_use`` raises (:class:`DaemonError`: a daemon running, not answering).
     """
     paths = paths or Paths.from_env()
+    grace = gc_grace_seconds() if grace is None else grace
     with store_lock(paths, exclusive=True):
         running = list(in_use() if callable(in_use) else in_use)
+        leased = leased_digests(store, "write")  # before the refs: see weenv.store.lease
         by_ref = _Reach()
         _reach(store, store.list_refs("templates").values(), by_ref)
         reach = _Reach(set(by_ref.manifests), set(by_ref.chunks), set(by_ref.packs))
@@ -166,15 +202,46 @@ def collect(
 
         sizes: dict[str, int] = {}
         doomed: list[str] = []
+        stale_leases: list[str] = []
+        now = time.time()
         for digest in store.list_manifests():
-            if digest in reach.manifests:
+            if digest in reach.manifests or digest in leased:
+                continue
+            m = _load(store, digest, leases=True)
+            if isinstance(m, LeaseRecord):
+                if not m.live(now):
+                    stale_leases.append(digest)
                 continue
             doomed.append(digest)
-            g = _load(store, digest)
-            if isinstance(g, GroupManifest):
-                sizes.update((c.digest, c.stored_size) for c in g.chunks)
-        chunks = [d for d in store.list_chunks() if d not in reach.chunks]
-        packs = [d for d in store.list_packs() if d not in reach.packs]
+            if isinstance(m, GroupManifest):
+                sizes.update((c.digest, c.stored_size) for c in m.chunks)
+        chunks = [d for d in store.list_chunks() if d not in reach.chunks and d not in leased]
+        packs = [d for d in store.list_packs() if d not in reach.packs and d not in leased]
+        if grace > 0:
+            doomed, chunks, packs = (
+                [d for d in ds if _older(store, space, d, now - grace)]
+                for space, ds in (("manifests", doomed), ("chunks", chunks), ("packs", packs))
+            )
+        lease_refs = [(n, d) for n, d in store.list_refs(REF_KIND).items() if d in stale_leases]
+        cache_files = _unreachable_cache_files(paths.chunk_cache, reach.chunks)
+        cache_bytes = sum(_size(p) for p in cache_files)
+        if not dry_run:
+
+            def reached_now() -> set[str]:
+                again = _Reach()
+                _reach(store, [*store.list_refs("templates").values(), *running], again)
+                return again.manifests | again.chunks | again.packs
+
+            done = delete_unused(store, {"manifests": doomed, "chunks": chunks, "packs": packs},
+                                 reached=reached_now, what="gc")  # fmt: skip
+            removed = set(done.removed)
+            doomed, chunks, packs = ([d for d in ds if d in removed] for ds in (doomed, chunks, packs))
+            for name, digest in lease_refs:
+                store.delete_ref(REF_KIND, name, expected=digest)
+            for digest in stale_leases:
+                store.delete_manifest(digest)
+            for p in cache_files:
+                p.unlink(missing_ok=True)
         gone = set(doomed)
         refs = [
             (kind, name, digest)
@@ -182,19 +249,9 @@ def collect(
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
         ]
-        cache_files = _unreachable_cache_files(paths.chunk_cache, reach.chunks)
-        cache_bytes = sum(_size(p) for p in cache_files)
         if not dry_run:
             for kind, name, digest in refs:
                 store.delete_ref(kind, name, expected=digest)
-            for digest in doomed:
-                store.delete_manifest(digest)
-            for digest in chunks:
-                store.delete_chunk(digest)
-            for digest in packs:
-                store.delete_pack(digest)
-            for p in cache_files:
-                p.unlink(missing_ok=True)
         return GcResult(
             manifests_removed=sorted(doomed),
             chunks_removed=len(chunks),
@@ -206,6 +263,12 @@ def collect(
             kept_for_running=sorted(reach.manifests - by_ref.manifests),
             dry_run=dry_run,
         )
+
+
+def _older(store: Store, space: str, digest: str, cutoff: float) -> bool:
+    """Whether blob ``digest`` was stored before ``cutoff`` (unknown: yes)."""
+    when = store._modified(space, digest)
+    return when is None or when < cutoff
 
 
 def _size(p: Path) -> int:

@@ -12,7 +12,8 @@ A store keeps four things:
   ``buildcache/KEY`` maps a recipe component's cache key (hex) to the group
   manifest built from it (:mod:`weenv.packaging.buildcache`);
   ``prefetch/<hex of a template digest>`` points at the template's prefetch
-  profile (:mod:`weenv.node.prefetch`).
+  profile (:mod:`weenv.node.prefetch`);
+  ``leases/ID`` points at a lease record (:mod:`weenv.store.lease`).
 
 Compression and digest checks live here, once; a backend only moves bytes
 (``_put_blob`` / ``_get_blob`` ...).  Every read is verified: a chunk whose
@@ -36,7 +37,7 @@ from weenv.errors import BusyError, ContentLimitError, DigestMismatchError, Inva
 from weenv.formats.limits import MAX_CHUNK_SIZE, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
 from weenv.formats.manifest import ChunkRef, check_digest, check_name, sha256_digest
 
-REF_KINDS = ("templates", "groups", "buildcache", "prefetch", "usage")
+REF_KINDS = ("templates", "groups", "buildcache", "prefetch", "usage", "leases")
 SPACES = ("chunks", "manifests", "packs")
 ZSTD_LEVEL = 3
 SPACE_LIMITS = {"chunks": frame_bound(MAX_CHUNK_SIZE), "manifests": MAX_MANIFEST_BYTES, "packs": MAX_PACK_BYTES}
@@ -87,6 +88,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _delete(self, space: str, digest: str) -> None:
         """Remove blob ``digest`` (no error if absent)."""
+
+    def _modified(self, space: str, digest: str) -> float | None:
+        """When blob ``digest`` was stored (``time.time()`` scale), or None if
+        the backend cannot tell or it is absent (``weenv gc``'s grace period)."""
+        return None
+
+    def _claim(self, space: str, digest: str) -> None:
+        """Called before a put asks whether blob ``digest`` is stored: a
+        :class:`weenv.store.lease.LeasedStore` names it in its lease here."""
 
     @abc.abstractmethod
     def set_ref(self, kind: str, name: str, digest: str) -> None:
@@ -150,6 +160,7 @@ class Store(abc.ABC):
             stored_size=len(frame),
             stored_digest=sha256_digest(frame),
         )
+        self._claim("chunks", digest)
         if self._has("chunks", digest):
             return ref, False
         self._put("chunks", digest, frame)
@@ -201,6 +212,7 @@ class Store(abc.ABC):
     def put_pack(self, data: bytes) -> str:
         """Store a prefetch pack; return the sha256 digest of its bytes."""
         digest = sha256_digest(data)
+        self._claim("packs", digest)
         if not self._has("packs", digest):
             self._put("packs", digest, data)
         return digest
@@ -231,6 +243,7 @@ class Store(abc.ABC):
     def put_manifest(self, data: bytes) -> str:
         """Store manifest bytes (canonical JSON); return their digest."""
         digest = sha256_digest(data)
+        self._claim("manifests", digest)
         if not self._has("manifests", digest):
             self._put("manifests", digest, data)
         return digest

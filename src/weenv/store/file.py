@@ -165,6 +165,13 @@ class FileStore(Store):
                 if not name.startswith(".tmp-"):
                     yield f"sha256:{name}"
 
+    def _modified(self, space: str, digest: str) -> float | None:
+        try:
+            with self._os_errors("read"):
+                return self._path(space, digest).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
     def _delete(self, space: str, digest: str) -> None:
         with self._os_errors("delete from"):
             self._path(space, digest).unlink(missing_ok=True)

@@ -383,6 +383,17 @@ class S3Store(Store):
 
         return self._call(f"checking {space[:-1]} {digest}", attempt)
 
+    def _modified(self, space: str, digest: str) -> float | None:
+        key = self._blob_key(space, digest)
+
+        def attempt(deadline: float) -> float | None:
+            try:
+                return self._request("head_object", Key=key)["LastModified"].timestamp()
+            except _Missing:
+                return None
+
+        return self._call(f"checking {space[:-1]} {digest}", attempt)
+
     def _put(self, space: str, digest: str, data: bytes) -> None:
         self._put_object(self._blob_key(space, digest), data, f"writing {space[:-1]} {digest}")
 

@@ -24,14 +24,19 @@ read and verified, and a failure deletes whatever the import stored:
 Both paths give the same file trees; their images are byte-identical for
 groups of several layers (both lay file data out in tree order), not for a
 group of one layer on the streaming path (file data in the layer's order).
-A failure in steps 1-4 deletes the chunks and manifests the import stored
-and removes the temporary files; a failure in step 5 leaves at most
-unreferenced chunks and manifests (``weenv gc`` removes them), never a ref.
+The import holds a write lease (:mod:`weenv.store.lease`) naming every chunk
+and manifest it stores or finds stored, from before it asks the store until
+its template and refs are published, so neither ``weenv gc`` nor another
+import's rollback deletes them under it.  A failure in steps 1-4 deletes the
+chunks and manifests the import stored that no one else relies on, and
+removes the temporary files; a failure in step 5 leaves at most unreferenced
+chunks and manifests (``weenv gc`` removes them), never a ref.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import stat
@@ -57,7 +62,11 @@ from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
 from weenv.packaging.layout import image_reader
 from weenv.packaging.template import create_template
+from weenv.packaging.gc import published_digests
 from weenv.store.base import Store
+from weenv.store.lease import Lease, LeasedStore, delete_unused
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,36 +181,40 @@ def import_image(
         for group_name in names:
             check_name(group_name)
         tmp = Path(tempfile.mkdtemp(dir=workdir, prefix="weenv-import-"))
-        if not extract:
+        with Lease(store, what=f"import {name}") as lease:
+            leased = LeasedStore(store, lease)
+            if not extract:
+                try:
+                    results, stats, runtime = _import_streamed(src, image, plan, names, leased, chunk_size, tmp, say)
+                finally:
+                    _rmtree(tmp)
+                return _finish(leased, name, names, results, runtime, plan, stats, started)
             try:
-                results, stats, runtime = _import_streamed(src, image, plan, names, store, chunk_size, tmp, say)
+                trees, stats, runtime = _unpack(src, image, plan, tmp, say)
+                results = []
+                for k, (tree, group_name) in enumerate(zip(trees, names)):
+                    layers = plan[k]
+                    say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, EROFS image + publish")
+                    results.append(build_group(
+                        tree, leased, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
+                        source={
+                            "type": "image",
+                            "image": image.reference,
+                            "config": image.config_digest,
+                            "layers": ",".join(image.layers[i].diff_id for i in layers),
+                        },
+                    ))
+                    shutil.rmtree(tree, ignore_errors=True)
             finally:
                 _rmtree(tmp)
-            return _finish(store, name, names, results, runtime, plan, stats, started)
-        try:
-            trees, stats, runtime = _unpack(src, image, plan, tmp, say)
-            results = []
-            for k, (tree, group_name) in enumerate(zip(trees, names)):
-                layers = plan[k]
-                say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, EROFS image + publish")
-                results.append(build_group(
-                    tree, store, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
-                    source={
-                        "type": "image",
-                        "image": image.reference,
-                        "config": image.config_digest,
-                        "layers": ",".join(image.layers[i].diff_id for i in layers),
-                    },
-                ))
-                shutil.rmtree(tree, ignore_errors=True)
-        finally:
-            _rmtree(tmp)
-    return _finish(store, name, names, results, runtime, plan, stats, started)
+            return _finish(leased, name, names, results, runtime, plan, stats, started)
 
 
-def _finish(store: Store, name: str, names: list[str], results: list[BuildResult], runtime: RuntimeConfig,
+def _finish(store: LeasedStore, name: str, names: list[str], results: list[BuildResult], runtime: RuntimeConfig,
             plan: list[list[int]], stats: list[LayerStats], started: float) -> ImportResult:  # fmt: skip
-    """Publish the template, then the groups' refs."""
+    """Publish the template, then the groups' refs (while the import's lease
+    still holds: a lease lost meanwhile may have let gc take what they name)."""
+    store.lease.check()
     digest, manifest = create_template(store, name, [r.digest for r in results], runtime=runtime)
     for group_name, r in zip(names, results):
         store.set_ref("groups", group_name, r.digest)
@@ -209,7 +222,7 @@ def _finish(store: Store, name: str, names: list[str], results: list[BuildResult
 
 
 def _import_streamed(
-    src: ImageSource, image: Image, plan: list[list[int]], names: list[str], store: Store, chunk_size: int,
+    src: ImageSource, image: Image, plan: list[list[int]], names: list[str], store: LeasedStore, chunk_size: int,
     tmp: Path, say: Callable[[str], None],
 ) -> tuple[list[BuildResult], list[LayerStats], RuntimeConfig]:
     """The streaming path (:mod:`~weenv.packaging.importer.tartree`): each
@@ -220,8 +233,9 @@ def _import_streamed(
     data written into the image as it streams in; a group of several spools
     it under ``tmp`` (a later layer may delete it).  Lower groups' files
     (hardlinks from above, ``/etc/passwd`` for the runtime config) are read
-    back from the store.  On any failure every chunk and manifest this import
-    wrote (that the store did not hold before) is deleted again.  Returns the groups' build results, per-layer stats
+    back from the store.  On any failure the chunks and manifests this import
+    wrote (that the store did not hold before) are deleted again, but those
+    another writer's lease names or a ref reaches (:func:`_roll_back`).  Returns the groups' build results, per-layer stats
     and the runtime config."""
     started = time.monotonic()
     view = tartree.View()
@@ -265,14 +279,18 @@ def _import_streamed(
     return results, stats, runtime
 
 
-def _roll_back(store: Store, chunks: list[str], manifests: list[str]) -> None:
-    """Delete what a failed import wrote (by digest: nothing refers to it)."""
-    for digest in manifests:
-        with contextlib.suppress(Exception):
-            store.delete_manifest(digest)
-    for digest in chunks:
-        with contextlib.suppress(Exception):
-            store.delete_chunk(digest)
+def _roll_back(store: LeasedStore, chunks: list[str], manifests: list[str]) -> None:
+    """Delete what a failed import wrote, but what another import or build
+    relies on (its lease names it: it found it stored and did not write it
+    again) or a ref reaches (someone published it meanwhile); the order that
+    makes this safe is :mod:`weenv.store.lease`'s.  A failure here leaves
+    unreferenced blobs for ``weenv gc``."""
+    try:
+        delete_unused(store.inner, {"manifests": manifests, "chunks": chunks},
+                      reached=lambda: published_digests(store.inner), what="import rollback",
+                      exclude=store.lease.id)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the import's own error is the one to raise
+        log.warning("rollback of an import left blobs in %s for gc: %s", store.url, exc)
 
 
 def _layer_size(src: ImageSource, layer) -> int:

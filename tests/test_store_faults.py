@@ -1,0 +1,277 @@
+"""Concurrent writers, rollbacks, gc and a killed writer on one store, with real
+processes (``python -m weenv import`` / ``gc``), each ending with
+:func:`~weenv.store.check.check_store` passing and every published template's
+files read back (each group's image assembled from the store, mounted, every
+file read and compared).
+
+A layer whose download breaks or stalls: the image is an OCI layout whose
+last layer blob is a FIFO.  The importer opens it after it has stored and
+published (by digest) its lower groups, and blocks there until the test
+writes the blob into the FIFO: all of it (the import goes on), or half of it
+then EOF (a download cut short: the import fails and rolls back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from s3_fixture import new_prefix
+from test_import import _entry, _write_layout
+
+from weenv.formats.manifest import parse_template_manifest
+from weenv.host.mounts import erofs_spec, mount, umount
+from weenv.packaging.group import assemble_image, load_group
+from weenv.store import Store, open_store
+from weenv.store.check import check_store
+
+MIB = 1 << 20
+
+
+def _layers(seed: str) -> list[list[tuple]]:
+    """Two big shared layers (the same bytes in every image) and a top layer of ``seed``'s own."""
+    shared = [[_entry(f"big{i}", data=hashlib.shake_256(f"shared {i}".encode()).digest(3 * MIB))] for i in range(2)]
+    top = [_entry(f"top-{seed}", data=hashlib.shake_256(seed.encode()).digest(MIB + 17))]
+    return [*shared, top]
+
+
+def _expected(seed: str) -> dict[str, bytes]:
+    return {info.name: data for layer in _layers(seed) for info, data in layer}
+
+
+class StalledLayout:
+    """An OCI layout of :func:`_layers` whose layer ``layer`` (default the
+    last) blob is a FIFO."""
+
+    def __init__(self, root: Path, seed: str, layer: int = -1):
+        self.path = _write_layout(root, _layers(seed))
+        index = json.loads((root / "index.json").read_text())
+        manifest = json.loads((root / "blobs" / "sha256" / index["manifests"][0]["digest"].split(":")[1]).read_text())
+        self.blob = root / "blobs" / "sha256" / manifest["layers"][layer]["digest"].split(":")[1]
+        self.data = self.blob.read_bytes()
+        self.blob.unlink()
+        os.mkfifo(self.blob)
+
+    def wait_for_reader(self, proc: subprocess.Popen, timeout: float = 120) -> int:
+        """Block until the importer has opened the last layer (its lower groups
+        are stored and published by digest); the FIFO's write end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return os.open(self.blob, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                if proc.poll() is not None:
+                    raise AssertionError(f"the import ended early: {_output(proc)}") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError("the import never opened its last layer") from None
+                time.sleep(0.05)
+
+    def feed(self, fd: int, *, cut: bool) -> None:
+        """Write the blob (``cut``: its first half) into the FIFO and close it."""
+        os.set_blocking(fd, True)
+        data = self.data[: len(self.data) // 2] if cut else self.data
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _weenv(*args: str, env: dict[str, str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "weenv", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, **kwargs)  # fmt: skip
+
+
+def _output(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    return out.decode(errors="replace")
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out = _output(proc)
+    return proc.returncode, out
+
+
+def _env(paths, store_url: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "WEENV_HOME": str(paths.home), "WEENV_STORE": store_url, **extra}
+
+
+def read_back(store: Store, work: Path) -> dict[str, dict[str, bytes]]:
+    """Every published template's files: ``{template: {path: bytes}}`` (its
+    groups assembled from the store, every chunk checked, mounted bottom to
+    top, the top one's file winning)."""
+    found = {}
+    for name, digest in store.list_refs("templates").items():
+        template = parse_template_manifest(store.get_manifest(digest))
+        files: dict[str, bytes] = {}
+        for k, g in enumerate(template.groups):
+            image, target = work / f"{name}.{k}.img", work / f"{name}.{k}.mnt"
+            target.mkdir(parents=True)
+            assemble_image(store, load_group(store, g), image)
+            mount(erofs_spec(image, target))
+            try:
+                for dirpath, _dirs, names in os.walk(target):
+                    for n in names:
+                        p = Path(dirpath) / n
+                        if p.is_file() and not p.is_symlink():
+                            files[str(p.relative_to(target))] = p.read_bytes()
+            finally:
+                umount(target)
+            image.unlink()
+        found[name] = files
+    return found
+
+
+def assert_store_sound(store: Store, work: Path, expected: dict[str, dict[str, bytes]]) -> None:
+    """The store check passes and the published templates are exactly ``expected``, file for file."""
+    report = check_store(store)
+    assert report.ok, report.problems
+    got = read_back(store, work)
+    assert sorted(got) == sorted(expected)
+    for name, files in expected.items():
+        assert {p: hashlib.sha256(d).hexdigest() for p, d in got[name].items()} == {
+            p: hashlib.sha256(d).hexdigest() for p, d in files.items()
+        }, name
+
+
+@pytest.mark.parametrize("kind,layer", [("file", 0), ("file", 1), ("file", 2), ("s3", 2)])
+def test_a_failed_import_keeps_the_chunks_a_concurrent_import_published(kind, layer, request, paths, tmp_path):
+    """Import ``a`` stores its groups below layer ``layer``, then that layer
+    breaks off while import ``b`` of an image sharing the two lower layers runs
+    start to end: ``b`` finds the chunks ``a`` stored and publishes a template
+    naming them.  ``a``'s rollback must not delete them.  (Before leases it
+    did: ``b``'s template then read EIO.)  Two processes, one store: ``file://``
+    and ``s3://`` (two nodes' importers)."""
+    if kind == "file":
+        store_url = f"file://{paths.home / 'store'}"
+    else:
+        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    env = _env(paths, store_url)
+    stalled = StalledLayout(tmp_path / "a", "a", layer)
+    a = _weenv("import", str(stalled.path), "--name", "a", env=env)
+    fifo = stalled.wait_for_reader(a)
+    try:
+        b_layout = _write_layout(tmp_path / "b", _layers("b"))
+        b = _weenv("import", str(b_layout), "--name", "b", env=env)
+        code, out = _finish(b)
+        assert code == 0, out
+    finally:
+        stalled.feed(fifo, cut=True)
+    code, out = _finish(a)
+    assert code != 0 and "truncated" in out, out
+    store = open_store(store_url)
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"b": _expected("b")})
+
+
+def test_gc_during_an_import_keeps_what_the_import_stored(paths, tmp_path):
+    """``weenv gc`` runs while an import has stored and published (by digest)
+    its lower groups but not yet its template: gc keeps them (the import's
+    lease names them), the import then finishes, and its template reads back.
+    (Before leases gc deleted the group manifests and the import failed with
+    ``no manifest``.)"""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    old = _write_layout(tmp_path / "old", [[_entry("old", data=b"unreferenced " * 1000)]])
+    code, out = _finish(_weenv("import", str(old), "--name", "old", env=env))
+    assert code == 0, out
+    store = open_store(store_url)
+    store.delete_ref("templates", "old")  # garbage now: gc must still remove it
+    garbage = set(store.list_manifests())
+
+    stalled = StalledLayout(tmp_path / "a", "a")
+    a = _weenv("import", str(stalled.path), "--name", "a", env=env)
+    fifo = stalled.wait_for_reader(a)
+    try:
+        code, out = _finish(_weenv("gc", env=env))
+        assert code == 0, out
+        assert not garbage & set(store.list_manifests())  # gc did collect the real garbage
+    finally:
+        stalled.feed(fifo, cut=False)
+    code, out = _finish(a)
+    assert code == 0, out
+    code, out = _finish(_weenv("gc", env=env))
+    assert code == 0, out
+    assert_store_sound(store, tmp_path / "read", {"a": _expected("a")})
+
+
+def test_a_killed_writers_leftovers_are_collected_after_its_lease_expires(paths, tmp_path):
+    """An import killed with SIGKILL mid-publish (its lower groups stored, its
+    template not): gc keeps what it stored while its lease lives, and removes
+    all of it (chunks, manifests, the lease record) once the lease expired
+    unrenewed."""
+    lease_s = 8.0
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url, WEENV_STORE_LEASE_S=str(lease_s))
+    kept = _write_layout(tmp_path / "kept", [[_entry("kept", data=b"published " * 1000)]])
+    code, out = _finish(_weenv("import", str(kept), "--name", "kept", env=env))
+    assert code == 0, out
+    store = open_store(store_url)
+    published = (set(store.list_chunks()), set(store.list_manifests()))
+
+    stalled = StalledLayout(tmp_path / "a", "a")
+    a = _weenv("import", str(stalled.path), "--name", "a", env=env)
+    fifo = stalled.wait_for_reader(a)
+    os.kill(a.pid, signal.SIGKILL)
+    killed_at = time.time()
+    a.wait()
+    os.close(fifo)
+    left = (set(store.list_chunks()) - published[0], set(store.list_manifests()) - published[1])
+    assert left[0] and left[1], "the killed import had stored nothing"
+    code, out = _finish(_weenv("gc", env=env))
+    assert code == 0, out
+    assert time.time() < killed_at + lease_s, "gc ran too late to tell"
+    assert left[0] <= set(store.list_chunks()) and left[1] <= set(store.list_manifests())  # not before
+    time.sleep(max(0.0, killed_at + lease_s + 0.5 - time.time()))
+    code, out = _finish(_weenv("gc", env=env))
+    assert code == 0, out
+    assert (set(store.list_chunks()), set(store.list_manifests())) == published
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"kept": {"kept": b"published " * 1000}})
+
+
+def test_store_check_command_exits_non_zero_on_a_missing_chunk(paths, tmp_path):
+    """``weenv store check``: 0 on a sound store; 1 and one line naming the
+    chunk and its group once a chunk a template needs is gone."""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"checked " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
+    assert code == 0, out
+    code, out = _finish(_weenv("store", "check", env=env))
+    assert code == 0 and "problems: 0" in out, out
+    store = open_store(store_url)
+    gone = sorted(store.list_chunks())[0]
+    store.delete_chunk(gone)
+    code, out = _finish(_weenv("store", "check", env=env))
+    assert code == 1 and f"missing chunk {gone} (chunk of group t.0" in out and "problems: 1" in out, out
+
+
+def test_two_nodes_import_the_same_image_into_one_s3_store(s3_server, paths, tmp_path):
+    """Two importers (as on two nodes: two processes, two homes) import one
+    image at once into one ``s3://`` store, under two names: both succeed,
+    the store check passes and both templates read back whole."""
+    store_url = s3_server.url(new_prefix("faults"))
+    layout = _write_layout(tmp_path / "image", _layers("same"))
+    procs = []
+    for node in ("n1", "n2"):
+        home = tmp_path / node
+        home.mkdir()
+        env = {**os.environ, "WEENV_HOME": str(home), "WEENV_STORE": store_url}
+        procs.append(_weenv("import", str(layout), "--name", f"t-{node}", env=env))
+    for p in procs:
+        code, out = _finish(p)
+        assert code == 0, out
+    store = open_store(store_url)
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"t-n1": _expected("same"), "t-n2": _expected("same")})
