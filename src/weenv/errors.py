@@ -72,17 +72,20 @@ class InvalidInputError(WeenvError, ValueError):
 class UnknownUserError(InvalidInputError):
     """A command or file call named a user the environment does not have (HTTP 400)."""
 
+    kind = "unknown_user"
+
 
 class PseudoFileError(InvalidInputError):
     """A file call reached a file of a kernel pseudo file system (procfs,
     sysfs, cgroupfs...) inside an environment: the host side, which holds
-    every capability, neither reads nor writes it (HTTP 400).  ``fs``: the kind."""
+    every capability, neither reads nor writes it (HTTP 400).  ``fs``: the
+    file system's kind."""
+
+    kind = "pseudo_file"
 
     def __init__(self, message: str, fs: str = ""):
         super().__init__(message)
         self.fs = fs
-
-    kind = "unknown_user"
 
 
 class DigestMismatchError(WeenvError, OSError):
@@ -219,6 +222,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         LostError,
         InvalidInputError,
         UnknownUserError,
+        PseudoFileError,
         NetworkForbiddenError,
         DigestMismatchError,
         ContentLimitError,
