@@ -115,6 +115,25 @@ def test_paused_sandbox_is_not_running_async(served):
     asyncio.run(main())
 
 
+def test_auto_paused_sandbox_is_not_running_until_connect(served):
+    """E2B's test_auto_pause_without_auto_resume_requires_connect."""
+    from e2b import SandboxState
+
+    s = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": False})
+    try:
+        s.files.write("/home/user/marker.txt", "kept")
+        deadline = time.monotonic() + 60
+        while s.get_info().state != SandboxState.PAUSED and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert s.get_info().state == SandboxState.PAUSED
+        assert not s.is_running()
+        s.connect()
+        assert s.get_info().state == SandboxState.RUNNING and s.is_running()
+        assert s.files.read("/home/user/marker.txt") == "kept"
+    finally:
+        s.kill()
+
+
 # --- pseudo files read inside ------------------------------------------------------------------
 def test_pseudo_files_are_read_inside_with_the_callers_rights(sandbox):
     """E2B's pause tests read ``/proc/sys/kernel/random/boot_id`` through the
