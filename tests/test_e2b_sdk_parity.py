@@ -99,6 +99,34 @@ def test_paused_sandbox_is_not_running_until_connect(served):
         s.kill()
 
 
+def test_a_paused_sandboxs_ports_answer_502_until_connect(served):
+    """E2B's proxy answers 502 "was not found" for a port of a paused sandbox
+    (without auto-resume), at once: the frozen server is not waited for."""
+    import httpx
+
+    s = Sandbox.create("base", timeout=120)
+    try:
+        s.commands.run("python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1", background=True)
+        host = s.get_host(8000)
+
+        def get() -> httpx.Response:
+            return httpx.get(served.daemon.url + "/", headers={"Host": host}, timeout=20)
+
+        deadline = time.monotonic() + 30
+        while get().status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert get().status_code == 200
+        s.pause()
+        t = time.monotonic()
+        r = get()
+        assert r.status_code == 502 and "was not found" in r.json()["message"], r.text
+        assert time.monotonic() - t < 10
+        s.connect()
+        assert get().status_code == 200
+    finally:
+        s.kill()
+
+
 def test_paused_sandbox_is_not_running_async(served):
     async def main():
         s = await AsyncSandbox.create("base", timeout=120)
