@@ -1,7 +1,8 @@
 """E2B's own SDK tests' expectations, through the official ``e2b`` SDK against a
 real ``weenv serve``, over a ``base`` template like E2B's (Debian, user ``user``
-with home and working directory ``/home/user``): a paused sandbox is not
-running until a connect or resume; pseudo files (``/proc``, ``/sys``) are read
+with home and working directory ``/home/user``): a paused sandbox (paused
+by a call or at its timeout) is not running, and its ports answer 502, until
+a connect or resume; pseudo files (``/proc``, ``/sys``) are read
 inside the sandbox with the caller's rights and nothing outside becomes
 readable; ``Template.exists("base")``; a directory's size and a link's type and
 target; a file written again keeps no metadata of before; an expired signed
