@@ -235,7 +235,7 @@ def test_files_list_exists_remove_rename_make_dir(sbx):
     assert set(entries) == {"b", "f.txt", "link"}
     assert entries["b"].type.value == "dir" and entries["f.txt"].type.value == "file"
     assert entries["f.txt"].size == 5 and entries["f.txt"].path == "/tmp/tree/a/f.txt"
-    assert entries["link"].type.value == "symlink" and entries["link"].symlink_target == "/tmp/tree/a/f.txt"  # resolved, absolute (envd)
+    assert entries["link"].type.value == "file" and entries["link"].symlink_target == "/tmp/tree/a/f.txt"  # envd: the target's type; resolved, absolute
     deep = [e.path for e in sbx.files.list("/tmp/tree", depth=3)]
     assert "/tmp/tree/a/b" in deep and "/tmp/tree/a/f.txt" in deep
 

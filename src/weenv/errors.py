@@ -6,7 +6,9 @@
     ├── NotFoundError(LookupError)        unknown template, group, chunk, environment, path
     │   └── LostError                     an environment whose cluster node is gone (weenv.cluster)
     ├── InvalidInputError(ValueError)     a bad name, digest, directory, manifest or request
-    │   └── UnknownUserError              a user the environment's /etc/passwd does not name
+    │   ├── UnknownUserError              a user the environment's /etc/passwd does not name
+    │   └── PseudoFileError               a file of a kernel pseudo file system (procfs, sysfs...),
+    │                                     which the host side does not read or write
     ├── DigestMismatchError(OSError)      bytes whose sha256 is not the digest they were asked by
     │   └── ContentLimitError             store content past a read limit (:mod:`weenv.formats.limits`)
     ├── MountError(OSError)               mount(2) / umount(2) / FUSE setup failed
@@ -71,6 +73,19 @@ class UnknownUserError(InvalidInputError):
     """A command or file call named a user the environment does not have (HTTP 400)."""
 
     kind = "unknown_user"
+
+
+class PseudoFileError(InvalidInputError):
+    """A file call reached a file of a kernel pseudo file system (procfs,
+    sysfs, cgroupfs...) inside an environment: the host side, which holds
+    every capability, neither reads nor writes it (HTTP 400).  ``fs``: the
+    file system's kind."""
+
+    kind = "pseudo_file"
+
+    def __init__(self, message: str, fs: str = ""):
+        super().__init__(message)
+        self.fs = fs
 
 
 class DigestMismatchError(WeenvError, OSError):
@@ -207,6 +222,7 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         LostError,
         InvalidInputError,
         UnknownUserError,
+        PseudoFileError,
         NetworkForbiddenError,
         DigestMismatchError,
         ContentLimitError,

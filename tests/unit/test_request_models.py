@@ -122,7 +122,7 @@ def test_an_error_sent_by_the_server_comes_back_as_its_class(kind):
 def test_statuses_are_client_errors_only_for_what_a_client_can_fix():
     assert {k for k, s in STATUS.items() if 400 <= s < 500} == {"not_found", "invalid_input", "authentication",
                                                                  "timeout", "output_limit", "too_large", "busy", "state", "limit_refused",
-                                                                     "unknown_user", "network_forbidden"}  # fmt: skip
+                                                                     "unknown_user", "pseudo_file", "network_forbidden"}  # fmt: skip
     assert set(STATUS) <= set(ERROR_KINDS)
     assert error_response("authentication", "no key").headers["www-authenticate"] == "Bearer"
 

@@ -21,8 +21,10 @@ inside (``/tmp/k -> /proc/kallsyms``, ``-> /proc/kmsg``, which blocks) would
 otherwise read kernel addresses or the host's kernel log as root, and a write
 there (``/proc/PID/oom_score_adj``) could do more than a process inside may.
 An allowlist, not a denylist: a pseudo file system the kernel adds later is
-refused too.  Such a path raises :class:`InvalidInputError` naming the kind
-(listing and stat of those directories stay allowed: they read no content).
+refused too.  Such a path raises :class:`~weenv.errors.PseudoFileError` naming
+the kind (listing and stat of those directories stay allowed: they read no
+content); a caller that must read such a file has a process inside the
+environment read it, with that process's rights (E2B's files API does).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import posixpath
 import select
 import weakref
 from typing import BinaryIO
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError, PseudoFileError
 from weenv.host.rootfs import _DIR, RootFS, _libc
 
 CONTENT_FS = {
@@ -93,6 +96,20 @@ class ProcessRootFS(RootFS):
         super()._require_file(fd, path)
         _require_content_fs(fd, path)
 
+    def on_pseudo_fs(self, path: str) -> bool:
+        """Whether ``path``, or the deepest of its parents that resolves from
+        here, lies on a file system outside :data:`CONTENT_FS`: a path of the
+        process's ``/proc`` that only exists for processes inside (``/proc/self``)
+        resolves nowhere from outside, though its ``/proc`` is procfs."""
+        while True:
+            try:
+                with self._open(path, os.O_PATH) as fd:
+                    return fs_type(fd) not in CONTENT_FS
+            except (NotFoundError, InvalidInputError):
+                if path in ("/", ""):
+                    return False
+                path = posixpath.dirname(path.rstrip("/")) or "/"
+
     def open_write(self, path: str, mode: int = 0o644, *, make_parents: bool = True,
                    owner: tuple[int, int] | None = None) -> BinaryIO:  # fmt: skip
         f = super().open_write(path, mode, make_parents=make_parents, owner=owner)
@@ -105,12 +122,12 @@ class ProcessRootFS(RootFS):
 
 
 def _require_content_fs(fd: int, path: str) -> None:
-    """Raise :class:`InvalidInputError` unless the open file ``fd`` lies on one of :data:`CONTENT_FS`."""
+    """Raise :class:`PseudoFileError` unless the open file ``fd`` lies on one of :data:`CONTENT_FS`."""
     magic = fs_type(fd)
     if magic not in CONTENT_FS:
         kind = PSEUDO_FS.get(magic, f"a file system of type {magic:#x}")
-        raise InvalidInputError(f"{path}: on {kind}, which is not a file system of files' content: "
-                                "its files are not read or written from outside the environment")
+        raise PseudoFileError(f"{path}: on {kind}, which is not a file system of files' content: "
+                              "its files are not read or written from outside the environment", kind)
 
 
 def pin_process(pid: int, *, expect_cgroup: str | None = None) -> int:

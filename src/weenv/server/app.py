@@ -48,6 +48,7 @@ STATUS = {
     "not_found": 404,
     "invalid_input": 400,
     "unknown_user": 400,
+    "pseudo_file": 400,
     "network_forbidden": 403,
     "authentication": 401,
     "timeout": 408,

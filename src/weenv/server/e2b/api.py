@@ -67,7 +67,7 @@ network mounts when asked 0.6.4: :mod:`weenv.server.e2b.watch`)."""
 CLIENT_ID = "weenv"
 
 KIND_STATUS = {
-    "not_found": 404, "invalid_input": 400, "unknown_user": 400, "network_forbidden": 403, "timeout": 408, "authentication": 401,
+    "not_found": 404, "invalid_input": 400, "unknown_user": 400, "pseudo_file": 400, "network_forbidden": 403, "timeout": 408, "authentication": 401,
     "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
     "too_large": 413, "closed": 503, "busy": 409, "state": 409, "broken": 502,
 }  # fmt: skip

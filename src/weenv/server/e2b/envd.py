@@ -10,7 +10,8 @@ SDK sends it on every envd request).
 
 Endpoints (under this app's prefix)::
 
-    GET  /health                              204 (the sandbox runs)
+    GET  /health                              204 (the sandbox runs; 502 while it is paused, as
+                                              every endpoint: the SDK's ``is_running`` is false)
     GET  /files?path=P                        the file's bytes
     POST /files?path=P                        multipart/form-data (``file`` parts; the part's
                                               file name is the path when ``path`` is absent)
@@ -67,6 +68,16 @@ _HOST_RE = re.compile(r"^\d+-([A-Za-z0-9]+)\.")
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _paused(sb: Sandbox) -> Response | None:
+    """The answer for a paused sandbox (None: it runs).  E2B's proxy finds no
+    running sandbox behind a paused one and answers 502 "The sandbox was not
+    found", which the SDK reads as not running (``is_running`` false,
+    ``SandboxNotRunningException``).  A connect or resume makes it answer again."""
+    if sb.info.state == "paused":
+        return _error(502, f"The sandbox {sb.id} was not found: it is paused (connect to it or resume it)")
+    return None
 
 
 def sandbox_id_of(request: Request) -> str | None:
@@ -174,7 +185,7 @@ class Envd:
         sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
         if sb is None:
             return _error(502, f"The sandbox {sid} was not found")
-        return sb
+        return _paused(sb) or sb
 
     async def health(self, request: Request) -> Response:
         sb = await self._sandbox(request)
@@ -219,6 +230,7 @@ class Envd:
             sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
             if sb is None:
                 return _error(502, f"The sandbox {sid} was not found")
+            sb = _paused(sb) or sb
         if isinstance(sb, Response):
             return sb
         path = request.query_params.get("path")

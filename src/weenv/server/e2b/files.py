@@ -9,8 +9,8 @@ at the template's working directory when it names one (not ``/``), else at
 the user's home (envd: always the home); files and parent directories an
 upload or ``MakeDir`` creates belong to the user (envd writes as root and
 chowns them: mode bits do not limit what a user's file calls reach, as
-anyone who may call envd may also name ``root``); ``Stat`` follows symbolic links and reports the
-link itself in ``is_symlink``/``symlink_target``; ``ListDir`` walks ``depth``
+anyone who may call envd may also name ``root``); ``Stat`` reports a symbolic link with its
+target's type and ``symlink_target`` (no ``is_symlink``, as envd); ``ListDir`` walks ``depth``
 levels without following links; ``MakeDir`` answers ``already_exists`` for an
 existing directory; ``Move`` creates the destination's parents; ``Remove``
 removes a tree and succeeds when nothing is there (``os.RemoveAll``).
@@ -22,6 +22,8 @@ All calls block (run them in a worker thread).
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import posixpath
 import re
@@ -30,7 +32,7 @@ from typing import BinaryIO
 
 from google.protobuf.message import Message
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import CommandTimeoutError, InvalidInputError, NotFoundError, PseudoFileError
 from weenv.host.rootfs import RootFS
 from weenv.node.users import Identity
 from weenv.server.e2b.connect import RpcError
@@ -172,14 +174,32 @@ def _file_type(mode: int) -> int:
     return FT.Value("FILE_TYPE_UNSPECIFIED")
 
 
+def entry_size(lst: os.stat_result) -> int:
+    """The ``size`` of an entry whose ``lstat`` is ``lst``: its ``st_size``,
+    but a directory's as ext4 (E2B's sandboxes' root file system) reports it:
+    the whole blocks it takes, at least one (4096 for a new one).  The
+    environments' disk is btrfs, which counts a directory's names' bytes
+    instead (0 for an empty one); E2B's SDK tests read a directory's size as
+    more than 0."""
+    if not st.S_ISDIR(lst.st_mode):
+        return lst.st_size
+    block = lst.st_blksize or 4096
+    return max(block, -(-lst.st_size // block) * block)
+
+
 def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> Message:
     """The ``EntryInfo`` of the entry at ``path`` whose ``lstat`` is ``lst``.
-    A symbolic link gets its target's type (``FILE_TYPE_SYMLINK`` if it points
-    nowhere), ``is_symlink`` and ``symlink_target``: the absolute path it
-    resolves to (envd's), not the link's text."""
+    A symbolic link is reported as envd reports it: its target's type and
+    permission bits, its own size, ``Lrwxrwxrwx`` (Go's form) as permissions,
+    and ``symlink_target``: the absolute path it resolves to, not the link's
+    text.  ``is_symlink`` is left unset, as envd leaves it (its protocol has no
+    such field): the SDK then gives a link to a file the type ``file`` and its
+    ``symlink_target``, as E2B's SDK tests expect.  A link that points nowhere
+    is ``FILE_TYPE_SYMLINK`` (envd: unspecified, which the SDK drops from a
+    listing): weenv keeps it listed, with where it points."""
     e = filesystem_pb.EntryInfo(
-        name=_text(posixpath.basename(path) or "/"), path=_text(path), size=lst.st_size, mode=st.S_IMODE(lst.st_mode),
-        permissions=st.filemode(lst.st_mode), owner=names.user(fs.inside_id(lst.st_uid)),
+        name=_text(posixpath.basename(path) or "/"), path=_text(path), size=entry_size(lst),
+        mode=st.S_IMODE(lst.st_mode), permissions=st.filemode(lst.st_mode), owner=names.user(fs.inside_id(lst.st_uid)),
         group=names.group(fs.inside_id(lst.st_gid)),
     )  # fmt: skip
     e.modified_time.FromNanoseconds(lst.st_mtime_ns)
@@ -187,12 +207,14 @@ def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> M
     if st.S_ISREG(lst.st_mode) or st.S_ISDIR(lst.st_mode):
         e.metadata.update(read_metadata(fs, path))
     if st.S_ISLNK(lst.st_mode):
-        e.is_symlink = True
         e.symlink_target = _text(fs.realpath(path))
+        e.permissions = "L" + e.permissions[1:]
         try:
-            e.type = _file_type(fs.stat_target(path).st_mode)
+            target = fs.stat_target(path).st_mode
         except (NotFoundError, InvalidInputError):
             e.type = FT.Value("FILE_TYPE_SYMLINK")
+        else:  # followed to the end: never a link itself
+            e.type, e.mode = _file_type(target), st.S_IMODE(target)
     return e
 
 
@@ -217,9 +239,20 @@ def upload_metadata(headers) -> dict[str, str]:
 
 
 def set_metadata(f: BinaryIO, path: str, metadata: dict[str, str]) -> None:
-    """Store ``metadata`` on the open file ``f`` (at ``path``) as ``user.e2b.*``
-    extended attributes.  Raises :class:`InvalidInputError` where the file
-    system keeps none."""
+    """Make ``metadata`` the whole metadata of the open file ``f`` (at
+    ``path``), as ``user.e2b.*`` extended attributes: as envd, a file written
+    again keeps none of an earlier upload's keys (truncating a file keeps its
+    extended attributes, so they are removed here).  Raises
+    :class:`InvalidInputError` where the file system keeps none and
+    ``metadata`` has some."""
+    try:
+        stale = [n for n in os.listxattr(f.fileno()) if n.startswith(XATTR_PREFIX)
+                 and n[len(XATTR_PREFIX):] not in metadata]  # fmt: skip
+        for name in stale:
+            os.removexattr(f.fileno(), name)
+    except OSError as exc:
+        if metadata or exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise InvalidInputError(f"{path}: cannot replace its metadata: {exc.strerror}") from exc
     for key, value in metadata.items():
         try:
             os.setxattr(f.fileno(), XATTR_PREFIX + key, value.encode())
@@ -340,23 +373,68 @@ def remove(node, sb: Sandbox, req, who: Identity) -> Message:
 
 # --- the /files endpoint ------------------------------------------------------------------
 def open_read(node, sb: Sandbox, path: str, who: Identity) -> BinaryIO:
-    """The file ``path`` open for reading; NotFoundError / InvalidInputError / RpcError."""
-    return fs_of(node, sb).open_read(resolve(sb, path, who))
+    """The file ``path`` open for reading; NotFoundError / InvalidInputError /
+    RpcError.  A file of a kernel pseudo file system (``/proc``, ``/sys``,
+    directly or through links) is read by a process inside the sandbox, as
+    ``who`` (:func:`read_inside`), never by the daemon from outside."""
+    full = resolve(sb, path, who)
+    fs = fs_of(node, sb)
+    try:
+        return fs.open_read(full)
+    except PseudoFileError:
+        pass
+    except NotFoundError:
+        on_pseudo_fs = getattr(fs.fs, "on_pseudo_fs", None)  # a ProcessRootFS: the sandbox runs
+        if on_pseudo_fs is None or not on_pseudo_fs(full):  # not under /proc/self and the like
+            raise
+    return io.BytesIO(read_inside(node, sb, full, who))
+
+
+PSEUDO_READ_TIMEOUT_S = 10.0
+"""Seconds a read of a pseudo file inside a sandbox may take (some block: a pipe of the kernel's)."""
+MAX_PSEUDO_READ = 64 << 20
+"""Most bytes one read of a pseudo file inside a sandbox returns."""
+_READ_SCRIPT = 'if [ -d "$1" ]; then exit 3; fi; exec cat -- "$1"'
+"""Run by ``/bin/sh`` inside: the file's bytes on stdout, ``cat``'s complaint on stderr, 3 for a directory."""
+
+
+def read_inside(node, sb: Sandbox, path: str, who: Identity) -> bytes:
+    """The content of ``path`` (absolute) as a process of the sandbox running
+    as ``who`` reads it: in the sandbox's namespaces, cgroup and user, with
+    its capabilities and nothing more, so it sees only what that user sees
+    there (E2B's envd reads inside the sandbox too).  Raises NotFoundError
+    (missing), InvalidInputError (a directory), OSError EACCES (refused to
+    that user), CommandTimeoutError (past :data:`PSEUDO_READ_TIMEOUT_S`)."""
+    p = node.spawn(sb.id, ["/bin/sh", "-c", _READ_SCRIPT, "sh", path], user=who, cwd="/",
+                   timeout=PSEUDO_READ_TIMEOUT_S, primary_reader=True)  # fmt: skip
+    r = node.collect(p, MAX_PSEUDO_READ)
+    if r.timed_out:
+        raise CommandTimeoutError(f"reading {path} inside the sandbox took more than {PSEUDO_READ_TIMEOUT_S:g} s")
+    if r.exit_code == 0:
+        return r.stdout
+    if r.exit_code == 3:
+        raise InvalidInputError(f"path '{path}' is a directory")
+    why = r.stderr.decode(errors="replace").strip().rpartition(": ")[2] or f"exit status {r.exit_code}"
+    if "No such file" in why:
+        raise NotFoundError(f"path '{path}' does not exist")
+    raise OSError(errno.EACCES if "denied" in why or "not permitted" in why else errno.EIO,
+                  f"error opening file '{path}': {why}")
 
 
 def open_write(node, sb: Sandbox, path: str, who: Identity,
                metadata: dict[str, str] | None = None) -> tuple[BinaryIO, dict]:  # fmt: skip
     """The file ``path`` truncated or created (parents too, owned by ``who``)
-    and open for writing, with ``metadata`` (:func:`upload_metadata`) stored on
-    it, and the ``/files`` answer entry for it."""
+    and open for writing, with ``metadata`` (:func:`upload_metadata`) as its
+    whole metadata (an earlier upload's keys removed), and the ``/files``
+    answer entry for it."""
     full = resolve(sb, path, who)
     f = fs_of(node, sb).open_write(full, owner=owner(who))
     entry: dict = {"name": posixpath.basename(full), "type": "file", "path": full}
+    try:
+        set_metadata(f, full, metadata or {})
+    except BaseException:
+        f.close()
+        raise
     if metadata:
-        try:
-            set_metadata(f, full, metadata)
-        except BaseException:
-            f.close()
-            raise
         entry["metadata"] = metadata
     return f, entry

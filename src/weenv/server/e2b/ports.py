@@ -158,7 +158,7 @@ class PortProxy:
     async def _connect(self, scope, sandbox_id: str, port: int, refuse):
         """A connected socket to ``port`` of the sandbox (in the relay's own
         thread limiter), or None once ``refuse(status, message)`` has answered
-        why not: no such sandbox (502), no traffic token (403), port closed (502)."""
+        why not: no such sandbox or a paused one (502), no traffic token (403), port closed (502)."""
         try:
             return await anyio.to_thread.run_sync(self._open, sandbox_id, port,
                                                   Headers(scope=scope).get(TOKEN_HEADER),
@@ -198,6 +198,8 @@ class PortProxy:
         """A connection to ``port`` of the sandbox; :class:`_NoToken` when it is
         private and ``token`` is not its traffic token (blocking)."""
         info = self.node.table.get(sandbox_id).info  # NotFoundError
+        if info.state == "paused":  # E2B's proxy finds no running sandbox behind it: 502, until a connect or resume
+            raise NotFoundError(f"sandbox {sandbox_id} is paused")
         if not info.public_traffic and not self.sandboxes.traffic_token_matches(sandbox_id, token):
             raise _NoToken
         return self.node.open_port(sandbox_id, port)

@@ -15,6 +15,10 @@ none, so the signature is checked against each running sandbox's token (one
 sha256 each: ~1 µs) and the one it matches is the sandbox.  A 256-bit
 signature cannot match a sandbox whose token its maker did not hold, so this
 tells nothing of which sandboxes exist.
+
+As envd (``validateSigning``), the signature is checked before its expiry: a
+URL no token signed is 401 "invalid signature", a signed one whose time has
+passed is 401 "signature is already expired" (the words E2B's SDK tests read).
 """
 
 from __future__ import annotations
@@ -45,24 +49,24 @@ def signature(path: str, operation: str, user: str, token: str, expiration: int 
     return PREFIX + base64.b64encode(digest).rstrip(b"=").decode("ascii")
 
 
-def expiration_of(value: str | None, now: float | None = None) -> int | None:
+def expiration_of(value: str | None) -> int | None:
     """The URL's ``signature_expiration`` as a Unix second (None: none given).
-    Raises :class:`SignatureError` when it is not an integer or has passed."""
+    Raises :class:`SignatureError` when it is not an integer (whether it has
+    passed is :func:`signer`'s to say, after the signature)."""
     if value is None or value == "":
         return None
     if len(value) > 20 or not value.lstrip("-").isdigit():
         raise SignatureError(f"signature_expiration must be a Unix time in seconds, not {value[:20]!r}")
-    expiration = int(value)
-    if expiration < (time.time() if now is None else now):
-        raise SignatureError("the signature is already expired")
-    return expiration
+    return int(value)
 
 
 def signer(presented: str, path: str, operation: str, user: str, expiration: int | None,
-           candidates: Iterable[str], token_of: Callable[[str], str]) -> str:
+           candidates: Iterable[str], token_of: Callable[[str], str], now: float | None = None) -> str:
     """The sandbox among ``candidates`` (ids) whose token signed ``presented``
     for this path, operation, user and expiration.  Raises :class:`SignatureError`
-    for a malformed signature or one no candidate's token made."""
+    for a malformed signature, one no candidate's token made ("invalid
+    signature") and, after that, one whose expiration is before ``now``
+    (default: the time now; "signature is already expired")."""
     if len(presented) > MAX_SIGNATURE_CHARS or not presented.startswith(PREFIX):
         raise SignatureError("a signature is 'v1_' and 43 base64 characters")
     given = presented.encode("ascii", errors="replace")
@@ -74,5 +78,7 @@ def signer(presented: str, path: str, operation: str, user: str, expiration: int
         if hmac.compare_digest(given, wanted):
             found = sandbox_id  # no early return: the time does not say where it matched
     if found is None:
-        raise SignatureError("invalid signature for this path, operation and user")
+        raise SignatureError("invalid signature")
+    if expiration is not None and expiration < (time.time() if now is None else now):
+        raise SignatureError("signature is already expired")
     return found

@@ -3,7 +3,8 @@ over :class:`weenv.server.e2b.builds.Templates`.
 
 Endpoints (paths and JSON as in E2B's public ``spec/openapi.yml``)::
 
-    GET    /templates/aliases/{alias}                 -> TemplateAliasResponse (404 if unknown)
+    GET    /templates/aliases/{alias}                 -> TemplateAliasResponse (404 if unknown; an E2B
+                                                      template's name, or a template of the node's store)
     POST   /v3/templates                              TemplateBuildRequestV3 -> 202 TemplateRequestResponseV3
     GET    /templates/{id}/files/{hash}               -> 201 TemplateBuildFileUpload (present, url, headers)
     PUT    /templates/{id}/files/{hash}/upload        the COPY's tar (weenv's upload link; token header)
@@ -42,7 +43,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import AliasChoices, Field, ValidationError
 
-from weenv.errors import NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError
 from weenv.node.stepbuild import BuildSpec
 from weenv.packaging.steps import MAX_STEPS, Step, check_steps
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
@@ -133,10 +134,22 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
 
     @router.get("/templates/aliases/{alias}")
     def alias(alias: str) -> dict:
-        t = templates.find(alias)
-        if t is None or ":" in alias:
-            raise E2BError(404, f"template alias {alias!r} not found")
-        return {"templateID": t.id, "public": t.public}
+        if ":" not in alias:
+            t = templates.find(alias)
+            if t is not None:
+                return {"templateID": t.id, "public": t.public}
+            if store_template(alias):  # a template of the node's store (weenv build, import): a create starts it
+                return {"templateID": alias, "public": True}
+        raise E2BError(404, f"template alias {alias!r} not found")
+
+    def store_template(name: str) -> bool:
+        """Whether the node's store has a template ref ``name``: one made without
+        E2B's build API (``weenv build``, ``weenv import``), as a node's ``base``
+        is; every caller of the node may start it, hence public."""
+        try:
+            return templates.store.ref_or_none("templates", name) is not None
+        except InvalidInputError:  # not a name a ref may have
+            return False
 
     @router.get("/weenv/templates/{ref}")
     def resolve(ref: str) -> dict:
