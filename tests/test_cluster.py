@@ -34,6 +34,7 @@ from weenv.server import daemon  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
 
 from conftest import CACHE, system_snapshot  # noqa: E402
+from net_sockets import beyond_loopback, descendants, sockets_of  # noqa: E402
 from ray_fixture import alive as _alive  # noqa: E402
 
 SMALL = Resources(cpus=0.1, memory_bytes=256 << 20)
@@ -183,31 +184,43 @@ def test_bad_hints_and_a_full_cluster_get_clear_errors(ray_cluster):
                 client.destroy(e.id)
 
 
-def test_create_latency_through_the_cluster_against_direct(ray_cluster):
-    """Not a bound: the figure for the report (printed)."""
+def _cluster_pids(ray_nodes, homes: Path) -> set[int]:
+    """This driver, the Ray processes, every node's daemon and what each started."""
+    daemons = {int(p.read_text()) for h in homes.iterdir()
+               if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()}  # fmt: skip
+    return descendants({os.getpid(), *ray_nodes.pids, *daemons})
+
+
+def test_nothing_the_cluster_opens_leaves_loopback(ray_cluster):
+    """Every socket of the test cluster (Ray's processes and workers, the node
+    actors, the gateway, the nodes' daemons and their helpers, this driver)
+    listens on and talks to 127.0.0.0/8 or ::1 only, read from /proc while
+    environments run on every node and traffic goes through the gateway: no
+    wildcard bind, nothing on the machine's interface address."""
     from weenv.sdk import NodeClient
 
+    c, workers, config, homes = ray_cluster
     gw = cluster.gateway()
     with ClusterClient() as client, NodeClient(api_url=gw.url, api_key=gw.api_key) as through_gateway:
-        times = {"cluster": [], "direct": [], "gateway": []}
-        for _ in range(5):
-            t = time.monotonic()
-            e = client.create("t1", resources=SMALL)
-            times["cluster"].append(time.monotonic() - t)
-            route = client.route(e.id)
-            client.destroy(e.id)
-            t = time.monotonic()
-            g = through_gateway.create("t1", resources=SMALL)
-            times["gateway"].append(time.monotonic() - t)
+        made = [client.create("t1", resources=SMALL, node=n) for n in _alive_nodes()]
+        try:
+            g = through_gateway.create("t2", resources=SMALL)
+            assert through_gateway.exec(g.id, "echo hi").stdout == b"hi\n"
+            for e in made:
+                assert client.exec(e.id, "head -c 1 /workspace/a.bin | wc -c").stdout.strip() == b"1"
+            pids = _cluster_pids(c, homes)
+            sockets = sockets_of(pids)
+            commands = {s.command for s in sockets}
+            assert {"gcs_server", "raylet"} <= commands and len(sockets) > 20, sorted(commands)
+            outside = beyond_loopback(sockets)
+            assert not outside, "sockets beyond loopback:\n" + "\n".join(sorted({str(s) for s in outside}))
+            assert httpx.URL(gw.url).host == "127.0.0.1"
+            assert all(httpx.URL(s.api_url).host == "127.0.0.1" for s in cluster.status())
             through_gateway.destroy(g.id)
-            with NodeClient(api_url=route.api_url, api_key=route.api_key) as direct:
-                t = time.monotonic()
-                d = direct.create("t1", resources=SMALL)
-                times["direct"].append(time.monotonic() - t)
-                direct.destroy(d.id)
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        print(f"create p50: cluster {med['cluster'] * 1000:.1f} ms, gateway {med['gateway'] * 1000:.1f} ms, "
-              f"direct {med['direct'] * 1000:.1f} ms")
+        finally:
+            for e in made:
+                client.destroy(e.id)
+        _wait_forgotten(client)
 
 
 # --- the cluster's one address (weenv.cluster.gateway) ------------------------------------
