@@ -527,6 +527,21 @@ def test_bad_cluster_urls_hints_and_keys_get_clear_errors(ray_cluster):
     assert httpx.get(gw.url + "/v1/health").json() == {"status": "ok", "cluster": True}
 
 
+UNPOOLED = Resources(cpus=0.1, memory_bytes=264 << 20)
+"""A request no other test makes: no node's warm pool holds an environment ready for it."""
+
+
+def _settled(directory: Path, quiet_s: float = 1.0, timeout: float = 30.0) -> set[str]:
+    """The entries of ``directory`` once they stayed the same for ``quiet_s``."""
+    seen, since, deadline = set(os.listdir(directory)), time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = set(os.listdir(directory))
+        if now != seen:
+            seen, since = now, time.monotonic()
+    return seen
+
+
 def _kill_tree(pids: set[int]) -> None:
     for p in pids:
         try:
@@ -552,32 +567,29 @@ def test_a_node_killed_mid_create_is_gone_with_its_daemon_and_leaves_nothing(ray
         victim = workers[0]
         victim_id = victim.node_id
         paths = Paths(home=_node_of_home(homes, victim_id), cache=CACHE, store_url=config.store)
-        kept = client.create("t1", resources=SMALL, node=victim_id)  # made before: lost with the node
+        kept = client.create("t1", resources=UNPOOLED, node=victim_id)  # made before: lost with the node
         assert kept.node_id == victim_id
         daemon_pid = int(paths.pidfile.read_text())
-        before = set(os.listdir(paths.environments))
+        before = _settled(paths.environments)  # the warm pool's fills for earlier tests' requests done
         outcome: dict = {}
 
         def create() -> None:
             with ClusterClient() as other:
                 try:
-                    outcome["env"] = other.create("t1", resources=SMALL, node=victim_id)
+                    outcome["env"] = other.create("t1", resources=UNPOOLED, node=victim_id)
                 except Exception as exc:
                     outcome["error"] = exc
 
         making = threading.Thread(target=create)
         making.start()
         deadline = time.monotonic() + 60
-        while not (half := set(os.listdir(paths.environments)) - before):  # the daemon is making it
-            assert time.monotonic() < deadline and making.is_alive(), ("the create never began", outcome)
-            time.sleep(0.002)
-        (env_id,) = half
-        while not environment_dirs(env_id):  # its container being made (runc create makes the cgroups first)
-            assert time.monotonic() < deadline and making.is_alive(), ("no container was made", outcome)
+        # the daemon is making it: its directory, and its container's cgroups (runc create makes them first)
+        while not (half := {d for d in set(os.listdir(paths.environments)) - before if environment_dirs(d)}):
+            assert time.monotonic() < deadline and making.is_alive(), ("no container was being made", outcome)
             time.sleep(0.001)
         tree = descendants({daemon_pid})
-        c.remove_node(victim)  # its raylet and the node actor die
-        _kill_tree(tree)  # and the node's daemon with everything it started
+        _kill_tree(tree)  # the node's daemon with everything it started, at once
+        c.remove_node(victim)  # and its raylet and the node actor
         assert "env" not in outcome, "the create returned before the node died: not a kill mid-create"
         making.join(timeout=120)
         assert not making.is_alive(), "the create in flight hangs after its node died"
