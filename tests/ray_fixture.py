@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from weenv.cluster.loopback import LOOPBACK, keep_on_loopback, node_args
+
+keep_on_loopback()  # before anything imports ray: the driver keeps 127.0.0.1 (weenv.cluster.loopback)
+
 __all__ = ["RayNodes", "alive", "children", "note_users", "ray_nodes", "stop"]
 
 NODES = 3
@@ -71,14 +75,14 @@ class RayNodes:
         live = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         self.workers = [w for w in self.workers if w.node_id in live]
         while len(self.workers) + 1 < NODES:
-            self.workers.append(self.cluster.add_node(num_cpus=1))
+            self.workers.append(self.cluster.add_node(**node_args(num_cpus=1)))
         self.cluster.wait_for_nodes()
         self.pids |= children(os.getpid()) - before
 
     def add_node(self):
         """A node joining the cluster (its processes stopped at the session's end too)."""
         before = children(os.getpid())
-        node = self.cluster.add_node(num_cpus=1)
+        node = self.cluster.add_node(**node_args(num_cpus=1))
         self.workers.append(node)
         self.pids |= children(os.getpid()) - before
         return node
@@ -99,16 +103,17 @@ def note_users(items) -> None:
 
 
 def _start() -> RayNodes:
+    keep_on_loopback()
     import ray
     from ray.cluster_utils import Cluster
 
     from weenv import cluster
 
     before = children(os.getpid())
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args=node_args(num_cpus=1, include_dashboard=False))
     nodes = RayNodes(c, pids=children(os.getpid()) - before)
     try:
-        ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
+        ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False, _node_ip_address=LOOPBACK)
         nodes.pids |= children(os.getpid()) - before
         nodes.ensure()
     except BaseException:

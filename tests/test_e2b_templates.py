@@ -232,7 +232,14 @@ def test_a_failing_step_is_named_with_its_log(e2bd, base_image):
     assert status["status"] == "error" and status["reason"]["step"] == "2"
     assert "about to fail" in status["reason"]["message"]
     assert any(e["message"] == "about to fail" for e in status["reason"]["logEntries"])
-    assert not Template.exists("t-fails:default") or True
+    # as E2B: the name was taken when the build was requested, so the template exists (with its failed
+    # build), but nothing starts from it, by name, tag or id
+    assert Template.exists("t-fails")
+    before = e2bd.environment_ids()
+    for ref in ("t-fails", "t-fails:default", t["templateID"]):
+        with pytest.raises(Exception, match="tag 'default' does not exist for template 't-fails'"):
+            Sandbox.create(ref, timeout=30)
+    assert e2bd.environment_ids() == before
     _quiet_nothing_left(e2bd)
 
 

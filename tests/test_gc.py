@@ -136,6 +136,67 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
         daemon.stop(paths)
 
 
+def test_a_snapshot_is_kept_while_named_or_running_and_collected_after(debian_root, store, paths, tmp_path,
+                                                                         leak_check):
+    """A snapshot (the environment's capture published as one more group on its
+    template's) is kept by gc while its ref names it, and while an environment
+    created from it runs after its ref is deleted; once neither holds it, gc
+    removes its template manifest, its capture group and the chunks only it
+    held, and leaves the template it was taken of whole."""
+    from weenv.node.snapshot import delete_snapshot
+
+    build_group(debian_root, store, name="base")
+    build_group(_tree(tmp_path / "task", {"workspace/v": b"task\n"}), store, name="task")
+    create_template(store, "t", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+    def collect_when_free():
+        """gc, once the daemon's background publishes (a destroyed environment's prefetch profile) let it."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return collect(store, paths, in_use=lambda: daemon.running_templates(paths))
+            except InvalidInputError as exc:
+                if "a build is running" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    daemon.start_background(paths)
+    try:
+        with daemon.connect(paths, autostart=False) as client:
+            env = client.create("t")
+            written = os.urandom(3 << 20)  # chunks no other group has
+            client.write_file(env.id, "/workspace/state.bin", written)
+            snap = client.snapshot(env.id, "snap1")
+            client.destroy(env.id)
+            capture = _chunks(store, snap.group)
+            template_chunks = set().union(*(_chunks(store, g) for g in load_template(store, "t")[1].groups))
+            own = capture - template_chunks
+            assert own and store.list_refs("templates")["snap1"] == snap.digest
+
+            r = collect_when_free()  # named by its ref: kept
+            assert snap.digest not in r.manifests_removed and snap.group not in r.manifests_removed
+            assert store.has_manifest(snap.digest) and all(store.has_chunk(c) for c in capture)
+
+            child = client.create("snap1")  # running from it, then its ref deleted: kept for the child
+            delete_snapshot(store, "snap1")
+            r = collect_when_free()
+            assert snap.digest in r.kept_for_running and snap.group in r.kept_for_running
+            assert store.has_manifest(snap.group) and all(store.has_chunk(c) for c in own)
+            assert client.read_file(child.id, "/workspace/state.bin") == written
+            client.destroy(child.id)
+
+            r = collect_when_free()  # nothing holds it: collected
+            assert snap.digest in r.manifests_removed and snap.group in r.manifests_removed
+            assert not store.has_manifest(snap.digest) and not store.has_manifest(snap.group)
+            assert not [c for c in own if store.has_chunk(c)], "chunks only the snapshot held are left"
+            assert all(store.has_chunk(c) for c in template_chunks)
+            _all_intact(store, tmp_path)
+            again = client.create("t")  # the template it was taken of still starts
+            assert client.exec(again.id, ["cat", "v"]).stdout == b"task\n"
+            client.destroy(again.id)
+    finally:
+        daemon.stop(paths)
+
+
 def test_gc_refuses_when_it_cannot_tell_what_runs(populated, store, paths):
     # a daemon that is alive but does not answer: its pidfile names a live process
     sleeper = subprocess.Popen(["sleep", "60"])

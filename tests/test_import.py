@@ -29,8 +29,10 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import httpx
 import pytest
 
+from registry_fixture import oci_registry  # noqa: F401 - a fixture
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
 from weenv.store.file import FileStore
@@ -882,3 +884,73 @@ def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_pat
     assert not mounts.mounts_under(root) and not root.exists() and not registry_root.exists()
     assert not pids_mentioning(str(root) + "/")
     assert not list(Path("/sys/fs/cgroup").glob(f"*/{cgroup_parent}"))
+
+
+# --- zstd-compressed layers (OCI tar+zstd), pulled from a registry ------------------------
+ZSTD_LAYER = "application/vnd.oci.image.layer.v1.tar+zstd"
+
+
+def _push_zstd_image(layers: list[bytes], root: Path, address: str, repository: str) -> str:
+    """An OCI layout of ``layers`` (tar bytes), each zstd-compressed with media type
+    ``tar+zstd``, copied as is to ``docker://ADDRESS/REPOSITORY:1``; that reference."""
+    import zstandard
+
+    layout = _write_layout(root, layers)
+    manifest, _ = _layout_manifest(layout)
+    blobs = layout / "blobs" / "sha256"
+    for desc in manifest["layers"]:
+        raw = (blobs / desc["digest"].split(":")[1]).read_bytes()
+        packed = zstandard.ZstdCompressor(level=3).compress(raw)
+        digest = hashlib.sha256(packed).hexdigest()
+        (blobs / digest).write_bytes(packed)
+        desc.update(mediaType=ZSTD_LAYER, digest=f"sha256:{digest}", size=len(packed))  # diff_ids: the tars'
+    data = json.dumps(manifest).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    (blobs / digest).write_bytes(data)
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{digest}", "size": len(data),
+         "annotations": {"org.opencontainers.image.ref.name": "1"}}]}))  # fmt: skip
+    reference = f"{address}/{repository}:1"
+    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:1",
+                    f"docker://{reference}"], check=True, capture_output=True)  # fmt: skip
+    return reference
+
+
+def test_zstd_layers_from_a_registry(oci_registry, store, work, tmp_path):
+    """Two tar+zstd layers pushed to the loopback registry as they are (the
+    registry serves zstd frames): the import reads both, the second's whiteout
+    deletes a file of the first, and each group image holds the files' bytes."""
+    from registry_fixture import new_repository
+
+    big = os.urandom(3 << 20)  # more than a chunk, and incompressible: the group's bytes are these
+    reference = _push_zstd_image([
+        _tar([_entry("srv/", tarfile.DIRTYPE, mode=0o755), _entry("srv/big.bin", data=big),
+              _entry("srv/gone.txt", data=b"deleted above\n"), _entry("srv/kept.txt", data=b"kept\n")]),
+        _tar([_entry("srv/.wh.gone.txt"), _entry("srv/new.txt", data=b"from layer two\n")]),
+    ], tmp_path / "layout", oci_registry.address, new_repository())
+    # what the registry serves is zstd: the magic number of a zstd frame
+    repo, tag = reference.split("/", 1)[1].rsplit(":", 1)
+    served = httpx.get(f"http://{oci_registry.address}/v2/{repo}/manifests/{tag}",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30).json()
+    assert [d["mediaType"] for d in served["layers"]] == [ZSTD_LAYER] * 2
+    first = httpx.get(f"http://{oci_registry.address}/v2/{repo}/blobs/{served['layers'][0]['digest']}", timeout=30)
+    assert first.content[:4] == b"\x28\xb5\x2f\xfd"
+
+    r = import_image(f"docker://{reference}", store, name="zstd", workdir=work)
+    assert len(r.groups) == 2
+    lower, upper = (_image_tree(store, g.manifest, tmp_path)["entries"] for g in r.groups)
+    assert lower["srv/big.bin"][6:] == [len(big), _digest_as_image_tree(big)]
+    assert lower["srv/kept.txt"][6] == 5 and "srv/gone.txt" in lower
+    assert upper["srv/new.txt"][6:] == [15, _digest_as_image_tree(b"from layer two\n")]
+    whiteout = upper["srv/gone.txt"]  # overlayfs's own form: a character device 0/0
+    assert stat.S_ISCHR(whiteout[0]) and whiteout[6] == 0
+    assert not list(work.iterdir()), "the import's work directory is left empty"
+
+
+def _digest_as_image_tree(data: bytes) -> str:
+    """A file's content digest as :func:`_image_tree` computes it (MiB blocks, zero ones tagged)."""
+    h, zero = hashlib.sha256(), bytes(1 << 20)
+    for i in range(0, len(data), 1 << 20):
+        b = data[i:i + (1 << 20)]
+        h.update(b"z" if b == zero else b"d" + b)
+    return h.hexdigest()

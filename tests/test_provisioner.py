@@ -130,26 +130,27 @@ BUSY = "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: p
 
 
 def test_cpu_quota_follows_a_burst_and_falls_back_when_idle(make_node):
-    node = make_node(cpu_quota_at="reservation")  # the elastic value is the CFS quota itself
+    # an initial quota of 0.2 core: two CPU-bound processes run out of it in every period even on a
+    # host busy with other work (at 0.5 the host's other load could keep them below it: no throttling)
+    node = make_node(cpu_quota_at="reservation", cpu_initial=0.2)  # the elastic value is the CFS quota itself
     env = node.create("task", resources=Resources(cpus=2.0, memory_bytes=GIB, pids=256))
-    assert env_stats(node, env.id).cpu_quota == 0.5  # initial, not the declared 2 cores
+    assert env_stats(node, env.id).cpu_quota == 0.2  # initial, not the declared 2 cores
+    assert env_stats(node, env.id).throttled_periods == 0
     node.exec(env.id, BUSY.format(s=5))  # two CPU-bound processes for 5 s (the raise comes in a pass or two)
     node.exec(env.id, BUSY.format(s=5))
-    # throttled at 0.5: raised at once (x2 per pass); how far depends on the host's other load
+    # throttled at 0.2: raised at once (x2 per pass); how far depends on the host's other load
     ok = wait_for(lambda: env_stats(node, env.id).cpu_quota >= 0.99, timeout=10)
     assert ok, (node.provision_stats(env.id).events, env_stats(node, env.id).history[-10:])
     s = env_stats(node, env.id)
-    # the burst was throttled at 0.5 and the quota followed it: the periods the quota ran out in
-    # (nr_throttled, what the controller acts on; the kernel's throttled time is accounted apart
-    # and was once still 0 here in a full run)
-    # the raise below is the controller's answer to that throttling; the counters read after it
-    # were 0 in two full runs (not understood), so they are reported, not asserted
-    print(f'throttled: {s.throttled_periods} periods, {s.throttled_s} s')
+    # the burst was throttled and the quota followed it: the periods the quota ran out in (nr_throttled,
+    # what the controller acts on; the kernel's throttled time is accounted apart and may stay 0)
+    assert s.throttled_periods >= 1, (s.throttled_periods, s.throttled_s, s.history[-10:])
+    assert any(h.throttled > 0 for h in s.history), s.history[-10:]
     assert any(e.kind == "raise" and "cpu" in e.message for e in node.provision_stats(env.id).events)
     # idle again: after the window and cool-down the quota steps down to the floor
     assert wait_for(lambda: env_stats(node, env.id).cpu_quota <= 0.11, timeout=30)
     hist = env_stats(node, env.id).history
-    assert max(h.cpu_used for h in hist) > 0.55 and hist[-1].cpu_used < 0.1  # above the initial 0.5
+    assert max(h.cpu_used for h in hist) > 0.25 and hist[-1].cpu_used < 0.1  # above the initial 0.2
 
 
 BURST = ("python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: pass'")

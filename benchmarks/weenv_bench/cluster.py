@@ -442,6 +442,9 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
     """The real part; ``rounds``: both modes that many times on fresh homes (the
     same Ray cluster and store; random first in even rounds, weenv first in odd
     ones), pooled in ``rounds`` (:func:`_rounds`)."""
+    from weenv.cluster.loopback import LOOPBACK, keep_on_loopback, node_args
+
+    keep_on_loopback()  # every Ray process, daemon and the gateway on 127.0.0.1
     import ray
     from ray.cluster_utils import Cluster
 
@@ -467,11 +470,11 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
         described.update(store_ms_per_mib=store_ms, store_ms_per_mib_modelled=modelled_ms)
         log(f"store: a chunk {store_ms:.1f} ms/MiB" + (f", through the model {modelled_ms:.1f} ms/MiB"
                                                        if modelled_ms else ""))
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        c = Cluster(initialize_head=True, head_node_args=node_args(num_cpus=1, include_dashboard=False))
         try:
             for _ in range(NODES - 1):
-                c.add_node(num_cpus=1)
-            ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False)
+                c.add_node(**node_args(num_cpus=1))
+            ray.init(address=c.address, namespace=cluster.NAMESPACE, log_to_driver=False, _node_ip_address=LOOPBACK)
             c.wait_for_nodes()
             modes: dict[str, dict] = {}
             by_round: list[dict[str, dict]] = []

@@ -41,6 +41,12 @@ def init_ray(address: str | None = None) -> None:
     """Connect this process to the Ray cluster at ``address`` (None: ``RAY_ADDRESS``
     or the local one), in weenv's namespace; nothing if it is connected already.
     Raises :class:`DaemonError` if no Ray cluster answers there."""
+    import os
+
+    from weenv.cluster.loopback import is_loopback_address, keep_on_loopback
+
+    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+        keep_on_loopback()  # else Ray rewrites 127.0.0.1 to the machine's interface address
     ray = _ray()
     if ray.is_initialized():
         return

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from weenv.errors import InvalidInputError
 from weenv.node import network
-from weenv.node.cgroups import open_cgroups
+from weenv.node.cgroups import open_cgroups, remove_environment_dirs
 from weenv.node.container import Containers
 from weenv.node.groups import GroupMounts, clear_stale
 from weenv.node.lazyfs import LazyFS
@@ -186,6 +186,10 @@ class Recovery:
         self.provisioner.detach(env_id)
         with logged(f"removing the container of leftover environment {env_id}"):
             self.containers.delete(env_id, env_dir)
+        # a create killed inside `runc create` leaves the container's cgroups and no container runc knows
+        busy = remove_environment_dirs(env_id)
+        if busy:
+            log.warning("cgroups of leftover environment %s not removed: %s", env_id, "; ".join(busy))
         self.containers.teardown_network(env_id, env_dir)
         self.snapshotter.unmount_all(env_dir)
         self.snapshotter.remove_dir(env_dir)

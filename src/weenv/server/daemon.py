@@ -373,12 +373,9 @@ def _leftovers(paths: Paths) -> list[str]:
 def _cgroups_of(env_id: str) -> list[str]:
     """The cgroup directories of environment ``env_id`` (``weenv-<id>``, and
     ``weenv-<id>.N`` of containers a reset made ahead, in any hierarchy)."""
-    import glob
+    from weenv.node.cgroups import environment_dirs
 
-    if not env_id or "/" in env_id or "*" in env_id:
-        return []
-    return [c for name in (glob.escape(env_id), glob.escape(env_id) + ".*")
-            for c in glob.glob(f"/sys/fs/cgroup/*/weenv-{name}") + glob.glob(f"/sys/fs/cgroup/weenv-{name}")]
+    return [str(d) for d in environment_dirs(env_id)]
 
 
 def _read_pid(paths: Paths) -> int | None:

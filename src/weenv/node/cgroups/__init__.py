@@ -91,7 +91,37 @@ def open_cgroups(path: str, *, layout: Layout | None = None, version: int | None
     return CgroupV1(path, layout.v1)
 
 
+def environment_dirs(env_id: str) -> list[Path]:
+    """Every cgroup directory of environment ``env_id``'s containers on this host
+    (``weenv-<id>`` and ``weenv-<id>.N``, the containers a reset made ahead), in
+    any hierarchy, named ones (``systemd``, ``unified``) too: where runc made them."""
+    import glob
+
+    if not env_id or "/" in env_id or "*" in env_id:
+        return []
+    return [Path(c) for name in (glob.escape(env_id), glob.escape(env_id) + ".*")
+            for c in glob.glob(f"{CGROUP_ROOT}/*/weenv-{name}") + glob.glob(f"{CGROUP_ROOT}/weenv-{name}")]
+
+
+def remove_environment_dirs(env_id: str) -> list[str]:
+    """Remove the cgroup directories of ``env_id`` (:func:`environment_dirs`) that
+    have no task left: those a create killed between ``runc create`` making
+    them and runc recording its container leaves, which ``runc delete`` does not
+    know.  Returns the ones that could not be removed (still in use), with why."""
+    failed = []
+    for d in environment_dirs(env_id):
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failed.append(f"{d}: {exc.strerror}")
+    return failed
+
+
 __all__ = [
+    "environment_dirs",
+    "remove_environment_dirs",
     "CPU_PERIOD_US",
     "Cgroup",
     "CgroupError",
