@@ -56,6 +56,10 @@ RANGE_FILE = "userns"
 """In an environment's directory: its range's first host id (decimal); the
 environment runs in a user namespace exactly when it exists."""
 
+USERNS_ENV = "WEENV_USERNS"
+"""The node setting giving every environment a user namespace of its own
+(``on``) or only those of templates with ``runtime.sudo`` (``off``, the default)."""
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -72,6 +76,17 @@ def _check(ret: int, what: str) -> int:
         err = ctypes.get_errno()
         raise MountError(f"{what}: {os.strerror(err)}")
     return ret
+
+
+def userns_from_env() -> bool:
+    """Whether :data:`USERNS_ENV` puts every environment in a user namespace of
+    its own; raises :class:`InvalidInputError` naming the variable for a value not on/off."""
+    value = os.environ.get(USERNS_ENV, "off").strip().lower()
+    if value in ("on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no", ""):
+        return False
+    raise InvalidInputError(f"{USERNS_ENV}={value!r}: want on or off")
 
 
 def check_range(host_id: int, size: int = ID_RANGE) -> None:
@@ -268,3 +283,4 @@ def check_traversable(path: Path) -> None:
             raise InvalidInputError(
                 f"sudo environments need every directory above their rootfs searchable by others "
                 f"(o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; chmod o+x it or move the home")
+
