@@ -1,6 +1,7 @@
 """Root inside an environment is Docker's root, in a user namespace of its own
 (``WEENV_USERNS=on``): Docker's default capabilities, nothing more, every file
-it makes owned on the host by the environment's host id range.
+it makes owned on the host by the environment's host id range; and snapshot,
+fork and reset of such environments keep owners and modes exactly.
 
 Real runc over the shared Debian template ``task``, a node whose home lies
 below a directory others may search (0711, as every parent of a
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,6 +26,7 @@ from weenv.node import idmap
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
 from weenv.node.disk import NodeDisk
 from weenv.node.node import Node
+from weenv.node.snapshot import CAPTURES
 from weenv.store.file import FileStore
 
 # a user, a file of theirs root chowned, one root chmodded, their 0700 directory,
@@ -35,6 +38,10 @@ SETUP = (
     " echo s > /home/user/secret/s; ln -s f /home/user/link; ln /home/user/f /home/user/hard';"
     " chmod 640 /home/user/f; cp /usr/bin/id /usr/local/bin/suid-id; chmod 4755 /usr/local/bin/suid-id;"
     " mkdir -p /srv/team && chown :team /srv/team && chmod 2770 /srv/team; rm /etc/hostname"
+)
+LISTING = (
+    "find /tmp /home /srv /etc /usr/local /var/lib/dpkg -xdev -printf '%p %U %G %m %y\\n' | sort;"
+    " stat -c %h /home/user/f; test $(stat -c %i /home/user/f) = $(stat -c %i /home/user/hard) && echo one-inode"
 )
 
 
@@ -169,3 +176,76 @@ def test_bad_setting_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("WEENV_USERNS", "maybe")
     with pytest.raises(InvalidInputError, match="WEENV_USERNS"):
         idmap.userns_from_env()
+
+
+# --- snapshot, fork and reset keep owners and modes --------------------------------------------
+def test_fork_child_in_another_range_has_the_parents_owners(node):
+    parent = node.create("task").id
+    sh(node, parent, SETUP)
+    want = sh(node, parent, LISTING)
+    result = node.fork(parent, 2)
+    assert all(not isinstance(c, Exception) for c in result.children), result
+    children = [c.id for c in result.children]
+    ranges = {host_range(node, e) for e in (parent, *children)}
+    assert len(ranges) == 3
+    for child in children:
+        assert sh(node, child, LISTING) == want
+        assert sh(node, child, "runuser -u user -- cat /home/user/f").strip() == "mine"
+        host_id = host_range(node, child)
+        assert os.lstat(node.snapshotter.dir(child) / "rootfs/home/user/f").st_uid == host_id + 1000
+        assert sh(node, child, "test -e /etc/hostname && echo yes || echo no").strip() == "no"
+    assert not (node.paths.environments / CAPTURES).exists() or not any((node.paths.environments / CAPTURES).iterdir())
+
+
+def test_reset_to_a_snapshot_and_create_from_it_keep_owners(node):
+    env = node.create("task").id
+    sh(node, env, SETUP)
+    want = sh(node, env, LISTING)
+    info = node.snapshot(env, "owners-kept")
+    sh(node, env, "chown -R 0:0 /home/user; chmod 700 /tmp/x; rm -rf /srv/team")
+    assert sh(node, env, LISTING) != want
+    node.reset(env, "owners-kept")
+    assert sh(node, env, LISTING) == want
+    # a new environment of the published snapshot (its top group holds the ids as they are inside)
+    other = node.create(info.name).id
+    assert host_range(node, other) != host_range(node, env)
+    assert sh(node, other, LISTING) == want
+    assert sh(node, other, "/usr/local/bin/suid-id -u", user="user").strip() == "0"  # setuid works inside
+
+
+# --- the shift itself, on a plain directory ------------------------------------------------------
+def test_shift_owners_moves_ids_keeping_modes_links_and_file_capabilities(tmp_path):
+    src, dst = idmap.RANGE_BASE, idmap.RANGE_BASE + 3 * idmap.ID_RANGE
+    sub = tmp_path / "sub"
+    upper = sub / "upper"
+    (sub / "upper/d").mkdir(parents=True)
+    (sub / "work").mkdir()
+    f = sub / "upper/d/f"
+    f.write_text("x")
+    os.link(f, sub / "upper/hard")
+    os.symlink("d/f", sub / "upper/link")
+    for p, (u, g) in ((sub / "work", (0, 0)), (sub / "upper", (0, 0)), (sub / "upper/d", (1000, 1000)),
+                      (f, (0, 50)), (sub / "upper/link", (1000, 2000))):
+        os.chown(p, src + u, src + g, follow_symlinks=False)
+    os.chown(sub / "work", src, src)
+    os.chmod(f, 0o6755)
+    v3 = struct.pack("<IIIIII", 0x03000001, 1 << 13, 0, 0, 0, src)  # cap_net_raw+ep for range src's root
+    os.setxattr(f, idmap.XATTR_CAPS, v3)
+    outside = sub / "upper/outside"
+    outside.write_text("y")
+    os.chown(outside, 7, 7)  # not of range src: left
+    assert idmap.range_of_subvolume(sub) == src
+    idmap.shift_owners(upper, src, dst)
+    os.chown(sub / "work", dst, dst)
+    assert idmap.range_of_subvolume(sub) == dst
+    st = os.lstat(f)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (dst, dst + 50, 0o6755)
+    assert os.getxattr(f, idmap.XATTR_CAPS)[20:] == struct.pack("<I", dst)
+    assert os.lstat(sub / "upper/link").st_uid == dst + 1000 and os.lstat(sub / "upper/d").st_gid == dst + 1000
+    assert os.lstat(outside).st_uid == 7
+    idmap.shift_owners(upper, dst, 0)
+    os.chown(sub / "work", 0, 0)  # back to the ids as they are inside: host root's capabilities, version 2
+    assert os.lstat(f).st_uid == 0 and stat.S_IMODE(os.lstat(f).st_mode) == 0o6755
+    caps = os.getxattr(f, idmap.XATTR_CAPS)
+    assert len(caps) == 20 and struct.unpack_from("<I", caps)[0] == 0x02000001
+    assert idmap.range_of_subvolume(sub) == 0

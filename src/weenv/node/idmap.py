@@ -30,6 +30,8 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import stat
+import struct
 from pathlib import Path
 
 from weenv.errors import CapacityError, InvalidInputError, MountError
@@ -284,3 +286,94 @@ def check_traversable(path: Path) -> None:
                 f"sudo environments need every directory above their rootfs searchable by others "
                 f"(o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; chmod o+x it or move the home")
 
+
+# --- owners of captures: an upper dir written in one range, started in another ----------
+XATTR_CAPS = "security.capability"
+_VFS_CAP_V2, _VFS_CAP_V3 = 0x02000000, 0x03000000
+"""``VFS_CAP_REVISION_2`` and ``_3`` (``linux/capability.h``): a version-3
+value carries the host uid of the user namespace's root it holds for (``rootid``)."""
+
+
+def range_of_subvolume(subvolume: Path) -> int:
+    """The first host id of the range whose view the upper dir in ``subvolume``
+    (an environment's disk subvolume or a capture of it) holds: the owner of
+    its ``work`` dir, which :func:`own_upper` gives to the range's root and
+    which nothing inside the environment can reach; 0 for one written without
+    a user namespace (host ids as they are inside)."""
+    uid = os.lstat(Path(subvolume) / "work").st_uid
+    return uid if uid >= RANGE_BASE and (uid - RANGE_BASE) % ID_RANGE == 0 else 0
+
+
+def _shifted(i: int, src: int, dst: int) -> int:
+    return dst + (i - src) if src <= i < src + ID_RANGE else i
+
+
+def shift_owners(upper: Path, src: int, dst: int) -> int:
+    """Move the owners in the upper dir ``upper`` (every entry, hard links
+    once) from range ``src``'s host ids to range ``dst``'s (0: the ids as
+    they are inside, as in an environment without a user namespace), so that
+    inside the environment over range ``dst`` every file has the owner and
+    group it had inside the one over ``src``.  Modes stay exactly
+    (``chown(2)`` clears set-user-ID and set-group-ID: put back), and so do
+    file capabilities (``chown(2)`` drops them: put back, a version-3 one's
+    ``rootid`` shifted like an owner).  Ids outside ``src``'s range are left.
+    Returns the number of entries changed; nothing when ``src == dst``.
+    POSIX ACL entries naming users are not shifted."""
+    if src == dst:
+        return 0
+    changed, seen = 0, set()
+    top = os.fspath(upper)
+    for dirpath, dirnames, filenames in os.walk(top):
+        names = [dirpath] if dirpath == top else []
+        names += [os.path.join(dirpath, n) for n in dirnames + filenames]
+        for path in names:
+            st = os.lstat(path)
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            uid, gid = _shifted(st.st_uid, src, dst), _shifted(st.st_gid, src, dst)
+            if (uid, gid) == (st.st_uid, st.st_gid):
+                continue
+            _chown_keeping(path, st, uid, gid, src, dst)
+            changed += 1
+    return changed
+
+
+def _chown_keeping(path: str, st: os.stat_result, uid: int, gid: int, src: int, dst: int) -> None:
+    """``lchown`` ``path`` keeping its mode and file capabilities (see :func:`shift_owners`)."""
+    if stat.S_ISLNK(st.st_mode):
+        os.chown(path, uid, gid, follow_symlinks=False)
+        return
+    caps = None
+    if stat.S_ISREG(st.st_mode):
+        try:
+            caps = os.getxattr(path, XATTR_CAPS, follow_symlinks=False)
+        except OSError:
+            caps = None
+    os.chown(path, uid, gid, follow_symlinks=False)
+    if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+        os.chmod(path, stat.S_IMODE(st.st_mode))  # not a symlink (Linux has no lchmod)
+    if caps is not None:
+        os.setxattr(path, XATTR_CAPS, _shifted_caps(caps, src, dst), follow_symlinks=False)
+
+
+def _shifted_caps(caps: bytes, src: int, dst: int) -> bytes:
+    """A ``security.capability`` value for the file's new range: a version-3
+    one's ``rootid`` shifted like an owner; a version-2 one (no ``rootid``:
+    host root's) gets ``rootid`` ``dst`` (capabilities for the range's root,
+    as if set inside it); one whose ``rootid`` becomes 0 is written as
+    version 2, as the kernel itself stores host root's."""
+    if len(caps) < 20:
+        return caps
+    magic = struct.unpack_from("<I", caps)[0]
+    revision, flags = magic & 0xFF000000, magic & 0x00FFFFFF
+    if revision == _VFS_CAP_V3 and len(caps) >= 24:
+        rootid = _shifted(struct.unpack_from("<I", caps, 20)[0], src, dst)
+    elif revision == _VFS_CAP_V2 and src == 0:
+        rootid = dst
+    else:
+        return caps
+    if rootid == 0:
+        return struct.pack("<I", _VFS_CAP_V2 | flags) + caps[4:20]
+    return struct.pack("<I", _VFS_CAP_V3 | flags) + caps[4:20] + struct.pack("<I", rootid)
