@@ -281,8 +281,9 @@ def check_traversable(path: Path) -> None:
     for parent in Path(path).absolute().parents:
         if not os.stat(parent).st_mode & 0o001:
             raise InvalidInputError(
-                f"sudo environments need every directory above their rootfs searchable by others "
-                f"(o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; chmod o+x it or move the home")
+                f"environments in a user namespace (sudo, WEENV_USERNS) need every directory above their "
+                f"rootfs searchable by others (o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; "
+                "chmod o+x it or move the home")
 
 
 # --- owners of captures: an upper dir written in one range, started in another ----------

@@ -475,9 +475,9 @@ class Node:
             if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
                 network.check_policy(self.containers.network_allowed)
             if lowers is None:
+                userns = self.containers.wants_userns(manifest.runtime) and c.sudo
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
-                                                  timing, upper_from=c.upper_from,
-                                                  userns=self.containers.wants_userns(manifest.runtime) and c.sudo)  # fmt: skip
+                                                  timing, upper_from=c.upper_from, userns=userns)  # fmt: skip
                 _check_command(req.template, runtime, self.snapshotter.dir(env_id) / "rootfs")
                 self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
                                      undo, timing, start=True, egress=egress)  # fmt: skip
