@@ -132,11 +132,23 @@ def test_without_sudo_setuid_is_refused_clearly(served):
         sbx.kill()
 
 
-def test_snapshot_of_a_sudo_sandbox_is_refused_clearly(served):
+def test_snapshot_of_a_sudo_sandbox_starts_with_its_owners_and_sudo(served):
+    """A snapshot of a sudo sandbox (its files owned by its host id range) starts
+    in another range with the same owners and modes inside, and sudo works there."""
+    script = ("sudo sh -c 'mkdir -m 750 /srv/mine && chown user:user /srv/mine && touch /etc/by-root'"
+              " && echo x > /srv/mine/f")
+    listing = "stat -c '%n %U %G %a' /srv/mine /srv/mine/f /etc/by-root /home/user"
     sbx = Sandbox.create("sudo", timeout=120)
     try:
-        with pytest.raises(Exception, match="sudo"):
-            sbx.create_snapshot()
+        sbx.commands.run(script, user="user")
+        want = sbx.commands.run(listing, user="user").stdout
+        snap = sbx.create_snapshot()
+        again = Sandbox.create(snap.snapshot_id, timeout=120)
+        try:
+            assert again.commands.run(listing, user="user").stdout == want
+            assert again.commands.run("sudo id -u", user="user").stdout.strip() == "0"
+        finally:
+            again.kill()
         assert sbx.commands.run("sudo id -u", user="user").stdout.strip() == "0"  # it runs on
     finally:
         sbx.kill()

@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -202,6 +204,32 @@ def test_bad_ranges_refused_before_anything_is_made():
     for host_id, size in ((0, idmap.ID_RANGE), (1, 0), (2**32 - 5, idmap.ID_RANGE)):
         with pytest.raises(InvalidInputError):
             idmap.UserNamespace(host_id, size)
+
+
+def test_user_namespaces_made_at_once_by_many_threads_all_finish():
+    """Fork children, environments of a pool or a burst of creates make their
+    user namespaces in threads at once.  A helper made by ``fork`` inherited
+    the other threads' pipes: each waited for an end of file another held,
+    and both creates hung for good."""
+    done: list[int] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps, as on a busy node
+
+    def make(i: int) -> None:
+        for _ in range(20):
+            with idmap.UserNamespace(idmap.RANGE_BASE + (4000 + i) * idmap.ID_RANGE) as ns:
+                assert os.readlink(f"/proc/self/fd/{ns.fd}").startswith("user:[")
+        done.append(i)
+
+    threads = [threading.Thread(target=make, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert sorted(done) == list(range(8))
 
 
 def test_erofs_group_mount_can_be_idmapped(base):

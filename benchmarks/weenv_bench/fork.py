@@ -33,6 +33,7 @@ Writes JSON (``summary``, every row, the machine) and a PNG with ``--json``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -44,6 +45,7 @@ from weenv_bench import machine, write_report
 
 from weenv.config import Paths
 from weenv.node.cgroups import open_cgroups
+from weenv.node.idmap import SEARCHABLE_MODE
 from weenv.node.node import Node
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
@@ -128,7 +130,9 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
     counts = counts or (1, 16, 100)
     parent_mb = parent_mb if parent_mb is not None else (20 if quick else 100)
     repeats = repeats or (3 if quick else 10)
-    work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-fork-"))
+    if work is None:  # searchable by others: runc's init in a user namespace (WEENV_USERNS) opens the rootfs by path
+        work = Path(tempfile.mkdtemp(prefix="weenv-bench-fork-"))
+        os.chmod(work, SEARCHABLE_MODE)
     cache = Paths.from_env().cache
     try:
         store = FileStore(work / "store")

@@ -82,6 +82,7 @@ from typing import Self
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
+from weenv.node.idmap import SEARCHABLE_MODE
 from weenv_bench import machine, write_report
 
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
@@ -606,6 +607,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     env_paths = Paths.from_env()
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-start-"))
+    if own:  # searchable by others: runc's init in a user namespace (WEENV_USERNS) opens the rootfs by path
+        os.chmod(work, SEARCHABLE_MODE)
     t_run = time.monotonic()
     load_start = loadavg()
     try:

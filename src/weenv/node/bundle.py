@@ -50,7 +50,8 @@ Where weenv differs from ``runc spec``, and why:
   root, then show as 65534 and root inside cannot write ``/etc``; an idmapped
   clone of each EROFS group mount fixes that (0.13 ms per group, plus ~2 ms to
   make the userns), while a ``chown -R`` through the overlay copies the whole
-  tree up (5.2 s, 228 MB).  A template with ``runtime.sudo`` takes it:
+  tree up (5.2 s, 228 MB).  A template with ``runtime.sudo`` takes it (every
+  environment does on a node with ``WEENV_USERNS=on``):
   ``userns=`` (the namespace, its mappings, and no ``noNewPrivileges`` so that
   ``sudo`` works) over lowers idmapped by :mod:`weenv.node.idmap`, with a
   host id range per environment (:class:`~weenv.node.container.Containers`,

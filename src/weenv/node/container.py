@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.errors import RuntimeFailedError
+from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node import nameserver, network
 from weenv.node.nameserver import DnsProxy
 from weenv.node.agent import AgentBinary, listen as agent_listen
 from weenv.node import idmap
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
+from weenv.node.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, write_bundle
 from weenv.host.rootfs import RootFS
 from weenv.node.disk import leftovers
 from weenv.node.runc import Runc
@@ -49,6 +49,15 @@ RESOLV_FILE = "resolv.conf"
 """An environment with network's ``/etc/resolv.conf``, in its directory (outside its rootfs)."""
 
 
+def check_capabilities(capabilities: tuple[str, ...]) -> None:
+    """Refuse (:class:`InvalidInputError`) a capability set beyond Docker's default
+    (:data:`DOCKER_DEFAULT_CAPS`): what root inside a user namespace may hold at most."""
+    extra = sorted(set(capabilities) - set(DOCKER_DEFAULT_CAPS))
+    if extra:
+        raise InvalidInputError(f"capabilities {', '.join(extra)} are beyond Docker's default set: "
+                                "an environment may hold fewer, never more")
+
+
 class Containers:
     """Bundles and runc containers of environments (``runc``'s state root is the node's)."""
 
@@ -61,6 +70,19 @@ class Containers:
         """The node's policy (``WEENV_NETWORK``): False refuses environments with network."""
         self.dns = DnsProxy()
         """The name servers of its environments with network (:mod:`weenv.node.nameserver`)."""
+        self.userns_all = idmap.userns_from_env()
+        """Whether every environment runs in a user namespace of its own (``WEENV_USERNS``,
+        :mod:`weenv.node.idmap`), else only those of templates with ``runtime.sudo``."""
+
+    def wants_userns(self, runtime: RuntimeConfig) -> bool:
+        """Whether an environment of a template with ``runtime`` gets a user namespace (and a host id range)."""
+        return runtime.sudo or self.userns_all
+
+    def default_capabilities(self) -> tuple[str, ...]:
+        """The capability set of a create that names none: Docker's default
+        where every environment has a user namespace (root inside is an
+        unprivileged id range on the host), else runc's."""
+        return DOCKER_DEFAULT_CAPS if self.userns_all else RUNC_DEFAULT_CAPS
 
     def make(self, env_id: str, env_dir: Path, runtime: RuntimeConfig, resources: Resources,
              capabilities: tuple[str, ...], undo: contextlib.ExitStack, timing: dict, *, start: bool,
@@ -72,12 +94,19 @@ class Containers:
         ``timing["runtime_s"]``.  Returns its address (None without network).
         An environment with a host id range (:func:`weenv.node.idmap.range_of`,
         given by :meth:`Snapshotter.prepare`) runs in a user namespace over it,
-        without ``noNewPrivileges``, its bounding set :data:`DOCKER_DEFAULT_CAPS`
-        (what ``sudo``'s root holds, in that namespace only; commands as other
-        users hold none).  Raises :class:`NetworkForbiddenError` (network on a
+        without ``noNewPrivileges``, with ``capabilities`` (at most
+        :data:`DOCKER_DEFAULT_CAPS`, in that namespace only; commands as other
+        users hold none); one of a template with ``runtime.sudo`` holds all of
+        Docker's (what ``sudo``'s root holds).  Raises :class:`NetworkForbiddenError` (network on a
         node whose policy forbids it, before anything is made),
-        :class:`RuntimeFailedError` when runc fails."""
+        :class:`InvalidInputError` (capabilities beyond Docker's default in a
+        user namespace), :class:`RuntimeFailedError` when runc fails."""
         t = time.perf_counter()
+        host_id = idmap.range_of(env_dir)
+        if host_id is not None:
+            check_capabilities(capabilities)
+            if runtime.sudo:
+                capabilities = (*capabilities, *(c for c in DOCKER_DEFAULT_CAPS if c not in capabilities))
         if runtime.network:
             network.check_policy(self.network_allowed)
         link = self._network(env_id, env_dir, runtime.network, undo, egress)
@@ -86,9 +115,6 @@ class Containers:
         bundle = env_dir / "bundle"
         bundle.mkdir()
         agent = self.agent.get()
-        host_id = idmap.range_of(env_dir)
-        if host_id is not None:
-            capabilities = (*capabilities, *(c for c in DOCKER_DEFAULT_CAPS if c not in capabilities))
         agent_user = None
         if agent is not None:  # the template's user with its groups, from the environment's own files
             who = lookup_user(RootFS(env_dir / "rootfs"), runtime.user)

@@ -69,10 +69,10 @@ from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
 from weenv.node.agent import AgentBinary
 from weenv.node.agent.client import AgentUnavailable
-from weenv.node.bundle import AGENT_PATH, RUNC_DEFAULT_CAPS
+from weenv.node.bundle import AGENT_PATH
 from weenv.node.cache import ChunkCache
 from weenv.node.commands import KEEP_FINISHED, Commands, collect
-from weenv.node.container import Containers
+from weenv.node.container import Containers, check_capabilities
 from weenv.node.disk import NodeDisk
 from weenv.node.fork import ForkResult, Forks
 from weenv.node.groups import GroupMounts
@@ -357,7 +357,7 @@ class Node:
         self,
         request: CreateRequest | str,
         *,
-        capabilities: tuple[str, ...] = RUNC_DEFAULT_CAPS,
+        capabilities: tuple[str, ...] | None = None,
         prefetch: bool = True,
         undelivered: bool = False,
         sudo: bool = True,
@@ -373,7 +373,10 @@ class Node:
         which :meth:`reap_expired` destroys it (default :data:`DEFAULT_TIMEOUT_S`).
 
         In-process callers only: ``capabilities``, the processes' capability
-        set (default runc's; build environments pass
+        set (default :meth:`Containers.default_capabilities`: Docker's where
+        every environment has a user namespace, ``WEENV_USERNS``, else runc's;
+        in a user namespace at most Docker's, :class:`InvalidInputError`
+        otherwise; build environments pass
         :data:`~weenv.node.bundle.DOCKER_DEFAULT_CAPS`); ``prefetch``, record the
         template's prefetch profile on its first start and replay it on later
         cold starts (off for transient build environments, which never use the
@@ -397,6 +400,10 @@ class Node:
         if hint is not None:  # the gateway's word to this node, not a label of the environment
             req = req.model_copy(update={"metadata": {k: v for k, v in req.metadata.items() if k != PEERS_HINT}})
         peer_hint = tuple(p for p in (hint or "").split(",") if p)
+        if capabilities is None:
+            capabilities = self.containers.default_capabilities()
+        elif self.containers.userns_all and sudo:
+            check_capabilities(tuple(capabilities))
         return self._admitted_create(_Create(req, tuple(capabilities), prefetch, undelivered, sudo=sudo,
                                              peer_hint=peer_hint))
 
@@ -468,9 +475,9 @@ class Node:
             if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
                 network.check_policy(self.containers.network_allowed)
             if lowers is None:
+                userns = self.containers.wants_userns(manifest.runtime) and c.sudo
                 lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
-                                                  timing, upper_from=c.upper_from,
-                                                  userns=manifest.runtime.sudo and c.sudo)  # fmt: skip
+                                                  timing, upper_from=c.upper_from, userns=userns)  # fmt: skip
                 _check_command(req.template, runtime, self.snapshotter.dir(env_id) / "rootfs")
                 self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
                                      undo, timing, start=True, egress=egress)  # fmt: skip
@@ -865,7 +872,8 @@ class Node:
                             network=info.network, allow_out=info.allow_out, deny_out=info.deny_out,
                             public_traffic=info.public_traffic,
                             timeout=info.timeout_s if timeout is None else timeout)  # fmt: skip
-        return self._admitted_create(_Create(req, RUNC_DEFAULT_CAPS, False, False, upper_from=c.path))
+        return self._admitted_create(_Create(req, self.containers.default_capabilities(), False, False,
+                                             upper_from=c.path))  # fmt: skip
 
     def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
         """Environment ``env_id`` back in place to its template's state, or to

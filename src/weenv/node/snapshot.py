@@ -165,12 +165,10 @@ class Captures:
         by the provisioner).  Raises :class:`BrokenError` (its cgroup is gone or
         did not freeze), :class:`StateError` (it is not running or paused),
         :class:`DiskFullError` (the node's disk is full: nothing is left
-        and the environment runs on with its files), :class:`MountError`, :class:`InvalidInputError` for a
-        ``sudo`` environment (its upper dir holds its own host id range's owners,
-        not yet shifted back into a group: refused before anything is frozen)."""
-        if idmap.range_of(e.dir) is not None:
-            raise InvalidInputError(f"environment {e.info.id} runs with sudo (in a user namespace): "
-                                    "snapshot and fork of it are not supported yet")
+        and the environment runs on with its files), :class:`MountError`.
+        An environment in a user namespace is captured as it is, its files
+        owned by its host id range: what starts from the capture, or
+        publishes it, moves them (:func:`weenv.node.idmap.shift_owners`)."""
         with e.lock:  # not while it is destroyed or reset
             if e.info.state not in ("running", "paused") or not e.dir.exists():
                 raise StateError(f"environment {e.info.id} is {e.info.state}: cannot capture it")
@@ -290,6 +288,7 @@ class Captures:
         NodeDisk.snapshot(c.path, self.root, scratch, readonly=False)
         try:
             upper = self.root / scratch / "upper"
+            idmap.shift_owners(upper, idmap.range_of_subvolume(c.path), 0)  # the ids as they are inside
             clean_upper(upper)
             info = c.info
             # The lease names the group's chunks, its manifest, the template's and

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from weenv.config import PRIVATE_MODE
-from weenv.errors import InvalidInputError, MountError
+from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
@@ -99,14 +99,13 @@ class Snapshotter:
         ``userns``: the environment gets a host id range of its own
         (:func:`weenv.node.idmap.allocate`), its upper dir is the range's
         root's and its overlay lies over idmapped clones of the group mounts.
+        A capture's files keep their owners inside whatever range (or none)
+        either environment has (:meth:`make_upper`).
         Raises :class:`MountError` (and what the group mounts raise),
-        :class:`InvalidInputError` when ``userns`` is asked with ``upper_from``
-        (a capture holds unshifted ids) or where the range cannot reach its rootfs,
+        :class:`InvalidInputError` where the range cannot reach its rootfs,
         :class:`CapacityError` when no range is free."""
         env_dir = self.dir(env_id)
         if userns:
-            if upper_from is not None:
-                raise InvalidInputError("a sudo (user-namespace) environment cannot start from a capture")
             idmap.open_parents(env_dir)
         env_dir.mkdir(mode=PRIVATE_MODE)
         undo.callback(self.remove_dir, env_dir)
@@ -127,11 +126,7 @@ class Snapshotter:
 
         threading.Thread(target=acquire, name=f"weenv-groups-{env_id}", daemon=True).start()
         try:
-            if upper_from is None:
-                self.disk.make(env_dir, disk_bytes)  # upper and work dirs, with the disk limit
-            else:
-                self.disk.clone(upper_from, env_dir, disk_bytes)
-            self._own_upper(env_dir, SUBVOLUME)
+            self.make_upper(env_dir, disk_bytes, upper_from, SUBVOLUME)  # with the disk limit
             (env_dir / "rootfs").mkdir()
         finally:
             upper_s = time.perf_counter() - t
@@ -193,13 +188,6 @@ class Snapshotter:
             return None
         return points if len(points) == len(lowers) else None
 
-    def _own_upper(self, env_dir: Path, name: str) -> None:
-        """Give subvolume ``name``'s upper and work dirs to the range's root (if the environment has a range)."""
-        host_id = idmap.range_of(env_dir)
-        if host_id is not None:
-            sub = env_dir / name
-            idmap.own_upper(sub / "upper", sub / "work", host_id)
-
     def replace_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, *, spare: bool = False) -> None:
         """Give the unmounted environment in ``env_dir`` a new upper dir: empty,
         or a snapshot of the capture subvolume ``upper_from``.  ``spare``: the
@@ -214,15 +202,24 @@ class Snapshotter:
 
     def make_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, name: str) -> None:
         """Make subvolume ``name`` in ``env_dir``: an empty upper dir, or a snapshot
-        of the capture subvolume ``upper_from``, its quota ``disk_bytes``.  Raises :class:`MountError`."""
+        of the capture subvolume ``upper_from``, its quota ``disk_bytes``.
+        Its owners are the environment's range's (:func:`weenv.node.idmap.range_of`,
+        0 without one): an empty one's root is the range's root; a snapshot's
+        files are moved from the range the capture was taken in
+        (:func:`~weenv.node.idmap.range_of_subvolume`) to it
+        (:func:`~weenv.node.idmap.shift_owners`), so owners and modes inside
+        are the captured environment's.  Raises :class:`MountError`."""
+        host_id = idmap.range_of(env_dir)
+        sub = env_dir / name
         if upper_from is None:
             self.disk.make(env_dir, disk_bytes, name)
-        elif idmap.range_of(env_dir) is not None:
-            raise InvalidInputError("a sudo (user-namespace) environment cannot be reset to a snapshot: "
-                                    "its files are owned by its own host id range")
+            if host_id is not None:
+                idmap.own_upper(sub / "upper", sub / "work", host_id)
         else:
             self.disk.clone(upper_from, env_dir, disk_bytes, name)
-        self._own_upper(env_dir, name)
+            idmap.shift_owners(sub / "upper", idmap.range_of_subvolume(upper_from), host_id or 0)
+            if host_id is not None:  # the clone's work dir is a new one
+                os.chown(sub / "work", host_id, host_id)
 
     def make_spare(self, env_dir: Path, disk_bytes: int, upper_from: Path | None) -> None:
         """Make, ahead of a reset, the upper dir :meth:`replace_upper` would make

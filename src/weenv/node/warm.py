@@ -53,7 +53,7 @@ class WarmStarts:
         res = Resources.model_validate_json(key.resources) if key.resources else manifest.runtime.resources
         with contextlib.ExitStack() as undo:
             lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, {},
-                                              userns=manifest.runtime.sudo)  # fmt: skip
+                                              userns=self.containers.wants_userns(manifest.runtime))  # fmt: skip
             self.containers.make(env_id, self.snapshotter.dir(env_id), manifest.runtime, res, key.capabilities,
                                  undo, {}, start=False)  # fmt: skip
             return Pooled(key, env_id, lowers, undo.pop_all())
