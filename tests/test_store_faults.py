@@ -275,3 +275,57 @@ def test_two_nodes_import_the_same_image_into_one_s3_store(s3_server, paths, tmp
     store = open_store(store_url)
     assert store.list_refs("leases") == {}
     assert_store_sound(store, tmp_path / "read", {"t-n1": _expected("same"), "t-n2": _expected("same")})
+
+
+def _put_lease_ref(store: Store, name: str, data: bytes, *, corrupt: bool = False) -> None:
+    """Ref ``leases/NAME`` at a blob of ``data`` (``corrupt``: stored under another digest), as any
+    machine sharing the store can write one."""
+    digest = hashlib.sha256(b"not these bytes" if corrupt else data).hexdigest()
+    store._put("manifests", f"sha256:{digest}", data)
+    store.set_ref("leases", name, f"sha256:{digest}")
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, request, paths, tmp_path):
+    """Lease records another machine wrote into the shared store: past the
+    manifest limit, other bytes than their digest, JSON nested too deep,
+    not UTF-8, and a delete lease that expires in a far future naming a chunk
+    the import needs.  The import ends (the last with a clear error naming
+    the lease, not a wait for ever), gc removes the damaged records, and the
+    store check passes.  (Before: the first three made every import and gc
+    fail, the last made the import wait for ever.)"""
+    from weenv.store.lease import LEASE_MEDIA_TYPE
+
+    if kind == "file":
+        store_url = f"file://{paths.home / 'store'}"
+    else:
+        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    env = _env(paths, store_url, WEENV_STORE_LEASE_S="3")
+    store = open_store(store_url)
+    _put_lease_ref(store, "delete-huge", b" " * (17 << 20))
+    _put_lease_ref(store, "delete-corrupt", b"{}", corrupt=True)
+    _put_lease_ref(store, "delete-deep", b"[" * 200_000 + b"]" * 200_000)
+    _put_lease_ref(store, "write-binary", b"\xff\xfe\x80{")
+    layout = _write_layout(tmp_path / "a", [[_entry("f", data=b"leased " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "a", env=env))
+    assert code == 0, out
+    assert "is skipped" in out, out
+
+    held = _write_layout(tmp_path / "b", [[_entry("f", data=b"held " * 1000)]])
+    scratch = f"file://{tmp_path / 'scratch'}"  # the same import elsewhere: the chunks it will need
+    code, out = _finish(_weenv("import", str(held), "--name", "b", env=_env(paths, scratch)))
+    assert code == 0, out
+    chunk = min(open_store(scratch).list_chunks())
+    forever = {"media_type": LEASE_MEDIA_TYPE, "id": "delete-forever", "purpose": "delete", "holder": "elsewhere:1",
+               "what": "by hand", "expires": 1e300, "digests": [chunk]}  # fmt: skip
+    _put_lease_ref(store, "delete-forever", json.dumps(forever).encode())
+    started = time.monotonic()
+    code, out = _finish(_weenv("import", str(held), "--name", "b", env=env))
+    assert code != 0 and "delete-forever (by hand, elsewhere:1" in out and "leases/ID" in out, out
+    assert time.monotonic() - started < 60
+    store.delete_ref("leases", "delete-forever")
+
+    code, out = _finish(_weenv("gc", env=env))
+    assert code == 0, out
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"a": {"f": b"leased " * 1000}})

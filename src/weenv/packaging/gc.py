@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weenv.config import Paths
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
     TemplateManifest,
@@ -207,7 +207,10 @@ def collect(
         for digest in store.list_manifests():
             if digest in reach.manifests or digest in leased:
                 continue
-            m = _load(store, digest, leases=True)
+            try:
+                m = _load(store, digest, leases=True)
+            except DigestMismatchError:  # other bytes than its digest, or past the manifest limit: garbage
+                m = None
             if isinstance(m, LeaseRecord):
                 if not m.live(now):
                     stale_leases.append(digest)
@@ -245,7 +248,7 @@ def collect(
         gone = set(doomed)
         refs = [
             (kind, name, digest)
-            for kind in ("groups", "buildcache", "prefetch", "usage")
+            for kind in ("groups", "buildcache", "prefetch", "usage", REF_KIND)  # a damaged lease's too
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
         ]

@@ -68,7 +68,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import sha256_digest
 from weenv.store.base import Store
 
@@ -82,6 +82,8 @@ DEFAULT_GC_GRACE_S = 0.0
 """What gc spares by age alone (leases are what protects writers in progress)."""
 WAIT_POLL_S = 0.2
 """How often a writer blocked by a delete lease looks again."""
+MAX_WAIT_LEASES = 2
+"""A writer waits for a delete lease at most this many times its own lease's duration."""
 DELETE_BATCH = 20_000
 """Digests one delete lease names at most (its record: about 1.4 MB)."""
 
@@ -132,7 +134,7 @@ def is_lease(data: bytes) -> bool:
     """Whether manifest-space blob ``data`` is a lease record."""
     try:
         return json.loads(data).get("media_type") == LEASE_MEDIA_TYPE
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -143,8 +145,11 @@ def parse_lease(data: bytes) -> LeaseRecord:
             raise ValueError("not a lease")
         return LeaseRecord(str(doc["id"]), str(doc["purpose"]), str(doc["holder"]), str(doc.get("what", "")),
                            float(doc["expires"]), frozenset(doc["digests"]))  # fmt: skip
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InvalidInputError(f"damaged lease record: {exc}") from None
+
+
+_warned: set[tuple[str, str]] = set()  # damaged records logged already: (store url, digest)
 
 
 def read_leases(store: Store, purpose: str | None = None) -> Iterator[LeaseRecord]:
@@ -161,8 +166,10 @@ def read_leases(store: Store, purpose: str | None = None) -> Iterator[LeaseRecor
                 digest = store.ref_or_none(REF_KIND, lease_id)
                 if digest is None:
                     break
-            except InvalidInputError as exc:
-                log.warning("lease %s in %s: %s", lease_id, store.url, exc)
+            except (InvalidInputError, DigestMismatchError) as exc:  # damaged, or past the manifest limit
+                if (store.url, digest) not in _warned:  # once per record, not at every lease write
+                    _warned.add((store.url, digest))
+                    log.warning("lease %s in %s is skipped: %s", lease_id, store.url, exc)
                 break
 
 
@@ -291,9 +298,22 @@ class Lease:
                 self._deleting = leased_digests(self.store, "delete")
 
     def _wait_for_deleters(self, digests: set[str]) -> None:
+        """Wait while a live delete lease names one of ``digests``, at most
+        :data:`MAX_WAIT_LEASES` times this lease's duration: a deleter renews its
+        lease only while it deletes, so a delete lease that lives longer is
+        not a delete in progress (a record whose ``expires`` lies far ahead:
+        a clock far off, or a record written by hand) and a clear error beats
+        waiting for ever."""
         blocked = digests & self._deleting
+        give_up = time.monotonic() + MAX_WAIT_LEASES * self.duration
         while blocked:
             log.info("lease %s waits for a delete of %d digests to end", self.id, len(blocked))
+            if time.monotonic() > give_up:
+                holders = [f"{r.id} ({r.what}, {r.holder}, expires {r.expires:.10g})" for r in read_leases(self.store, "delete")
+                           if r.live() and r.digests & blocked][:3]  # fmt: skip
+                raise BusyError(f"{self.store.url}: {len(blocked)} digests ({min(blocked)}...) stay named by delete "
+                                f"leases for more than {MAX_WAIT_LEASES * self.duration:.0f} s: {', '.join(holders)}; "
+                                f"if no gc or rollback runs, remove their refs leases/ID")  # fmt: skip
             time.sleep(WAIT_POLL_S)
             self.check()
             deleting = leased_digests(self.store, "delete")
