@@ -329,3 +329,46 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
     assert code == 0, out
     assert store.list_refs("leases") == {}
     assert_store_sound(store, tmp_path / "read", {"a": {"f": b"leased " * 1000}})
+
+
+def _stop_when_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], timeout: float = 120) -> None:
+    """SIGSTOP ``proc`` as soon as a chunk not in ``before`` appears under ``chunks`` (a file:// store's)."""
+    deadline = time.monotonic() + timeout
+    while not {p.name for p in chunks.rglob("*") if p.is_file()} - before:
+        assert proc.poll() is None, _output(proc)
+        assert time.monotonic() < deadline, "it stored no chunk"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGSTOP)
+
+
+def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(paths, tmp_path):
+    """``weenv update`` stops (SIGSTOP) once it has stored the first chunks of
+    its new group; ``weenv gc`` from another home (another node: this home's
+    store lock does not hold it) runs meanwhile; the update goes on and
+    publishes.  The new template reads back whole.  (Before, the update held
+    no lease: gc deleted those chunks and the update published a template
+    naming them.)"""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"first " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
+    assert code == 0, out
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    expected = {f"f{i}": hashlib.shake_256(f"update {i}".encode()).digest(MIB) for i in range(64)}
+    for name, data in expected.items():
+        (tree / name).write_bytes(data)
+    chunks = paths.home / "store" / "chunks"
+    before = {p.name for p in chunks.rglob("*") if p.is_file()}
+    up = _weenv("update", "t", "--component", "t.0", "--from-dir", str(tree), env=env)
+    _stop_when_it_stores(up, chunks, before)
+    try:
+        other = tmp_path / "other-home"
+        other.mkdir()
+        code, out = _finish(_weenv("gc", env={**env, "WEENV_HOME": str(other)}))
+        assert code == 0, out
+    finally:
+        os.kill(up.pid, signal.SIGCONT)
+    code, out = _finish(up)
+    assert code == 0, out
+    assert_store_sound(open_store(store_url), tmp_path / "read", {"t": expected})
