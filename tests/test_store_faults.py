@@ -334,7 +334,7 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
 def _stop_when_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], timeout: float = 120) -> None:
     """SIGSTOP ``proc`` as soon as a chunk not in ``before`` appears under ``chunks`` (a file:// store's)."""
     deadline = time.monotonic() + timeout
-    while not {p.name for p in chunks.rglob("*") if p.is_file()} - before:
+    while not {p.name for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")} - before:
         assert proc.poll() is None, _output(proc)
         assert time.monotonic() < deadline, "it stored no chunk"
         time.sleep(0.005)
@@ -372,3 +372,33 @@ def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(path
     code, out = _finish(up)
     assert code == 0, out
     assert_store_sound(open_store(store_url), tmp_path / "read", {"t": expected})
+
+
+def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
+    """A template copy between stores (:func:`~weenv.packaging.transfer.copy_template`,
+    in a process of its own) stops (SIGSTOP) once it has copied its first
+    chunks; ``weenv gc`` of the destination runs meanwhile; the copy goes on
+    and publishes.  The copy reads back whole.  (Before, the copy held no
+    lease: gc deleted those chunks, and a chunk it had found present was not
+    named anywhere either.)"""
+    src_url, dst_url = f"file://{tmp_path / 'src'}", f"file://{paths.home / 'store'}"
+    expected = {f"f{i}": hashlib.shake_256(f"copy {i}".encode()).digest(MIB) for i in range(64)}
+    layout = _write_layout(tmp_path / "t", [[_entry(n, data=d) for n, d in expected.items()]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=_env(paths, src_url)))
+    assert code == 0, out
+    chunks = paths.home / "store" / "chunks"
+    chunks.mkdir(parents=True)
+    copy = subprocess.Popen([sys.executable, "-c", "import sys; from weenv.store import open_store; "
+                             "from weenv.packaging.transfer import copy_template; "
+                             "copy_template(open_store(sys.argv[1]), open_store(sys.argv[2]), 't', parallel=1)",
+                             src_url, dst_url], env=_env(paths, dst_url), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    _stop_when_it_stores(copy, chunks, set())
+    try:
+        code, out = _finish(_weenv("gc", env=_env(paths, dst_url)))
+        assert code == 0, out
+    finally:
+        os.kill(copy.pid, signal.SIGCONT)
+    code, out = _finish(copy)
+    assert code == 0, out
+    assert_store_sound(open_store(dst_url), tmp_path / "read", {"t": expected})
