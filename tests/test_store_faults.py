@@ -331,14 +331,24 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
     assert_store_sound(store, tmp_path / "read", {"a": {"f": b"leased " * 1000}})
 
 
-def _stop_when_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], timeout: float = 120) -> None:
-    """SIGSTOP ``proc`` as soon as a chunk not in ``before`` appears under ``chunks`` (a file:// store's)."""
+def _gc_while_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], env: dict[str, str],
+                       timeout: float = 120) -> None:  # fmt: skip
+    """SIGSTOP writer ``proc`` as soon as a chunk not in ``before`` appears
+    under ``chunks`` (a file:// store's), run ``weenv gc`` (``env``), SIGCONT
+    it and check that it then publishes."""
     deadline = time.monotonic() + timeout
     while not {p.name for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")} - before:
         assert proc.poll() is None, _output(proc)
         assert time.monotonic() < deadline, "it stored no chunk"
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        code, out = _finish(_weenv("gc", env=env))
+        assert code == 0, out
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    code, out = _finish(proc)
+    assert code == 0, out
 
 
 def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(paths, tmp_path):
@@ -361,16 +371,9 @@ def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(path
     chunks = paths.home / "store" / "chunks"
     before = {p.name for p in chunks.rglob("*") if p.is_file()}
     up = _weenv("update", "t", "--component", "t.0", "--from-dir", str(tree), env=env)
-    _stop_when_it_stores(up, chunks, before)
-    try:
-        other = tmp_path / "other-home"
-        other.mkdir()
-        code, out = _finish(_weenv("gc", env={**env, "WEENV_HOME": str(other)}))
-        assert code == 0, out
-    finally:
-        os.kill(up.pid, signal.SIGCONT)
-    code, out = _finish(up)
-    assert code == 0, out
+    other = tmp_path / "other-home"
+    other.mkdir()
+    _gc_while_it_stores(up, chunks, before, {**env, "WEENV_HOME": str(other)})
     assert_store_sound(open_store(store_url), tmp_path / "read", {"t": expected})
 
 
@@ -393,12 +396,5 @@ def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
                              "copy_template(open_store(sys.argv[1]), open_store(sys.argv[2]), 't', parallel=1)",
                              src_url, dst_url], env=_env(paths, dst_url), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
-    _stop_when_it_stores(copy, chunks, set())
-    try:
-        code, out = _finish(_weenv("gc", env=_env(paths, dst_url)))
-        assert code == 0, out
-    finally:
-        os.kill(copy.pid, signal.SIGCONT)
-    code, out = _finish(copy)
-    assert code == 0, out
+    _gc_while_it_stores(copy, chunks, set(), _env(paths, dst_url))
     assert_store_sound(open_store(dst_url), tmp_path / "read", {"t": expected})
