@@ -398,3 +398,31 @@ def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
                             stderr=subprocess.STDOUT)  # fmt: skip
     _gc_while_it_stores(copy, chunks, set(), _env(paths, dst_url))
     assert_store_sound(open_store(dst_url), tmp_path / "read", {"t": expected})
+
+
+def test_an_import_paused_past_its_lease_refuses_to_publish(paths, tmp_path):
+    """An import paused (SIGSTOP) longer than its lease, after it stored its
+    lower groups; gc runs meanwhile and removes them (the lease expired); the
+    import is resumed and its last layer arrives: it must fail, not publish a
+    template naming what gc removed, and the store check passes."""
+    lease_s = 4.0
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url, WEENV_STORE_LEASE_S=str(lease_s))
+    stalled = StalledLayout(tmp_path / "a", "a")
+    a = _weenv("import", str(stalled.path), "--name", "a", env=env)
+    fifo = stalled.wait_for_reader(a)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        time.sleep(lease_s + 1)
+        store = open_store(store_url)
+        stored = set(store.list_chunks())
+        code, out = _finish(_weenv("gc", env=env))
+        assert code == 0, out
+        assert not stored & set(store.list_chunks()), "gc kept what an expired lease named"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+        stalled.feed(fifo, cut=False)
+    code, out = _finish(a)
+    assert code != 0 and "was lost" in out, out
+    assert store.list_refs("templates") == {}
+    assert_store_sound(store, tmp_path / "read", {})

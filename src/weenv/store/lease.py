@@ -288,12 +288,17 @@ class Lease:
                                "digests": digests}, sort_keys=True).encode()  # fmt: skip
             blob = self.store.put_manifest(data)
             self.store.set_ref(REF_KIND, self.id, blob)
+            landed, before = time.time(), self._expires
             old, self._blob, self._expires, self._flushed = self._blob, blob, expires, gen
             if old is not None and old != blob:
                 try:
                     self.store.delete_manifest(old)
                 except (StoreUnavailableError, NotFoundError) as exc:
                     log.warning("lease %s: old record %s stays until gc: %s", self.id, old, exc)
+            if old is not None and landed >= before:  # the write took (or was paused) past the old record's
+                # expiry: a deleter may have gone by meanwhile, so the new record must not revive the lease
+                self._lost = f"a write of its record ended at {landed:.0f}, after it expired at {before:.0f}"
+                self.check()
             if self.purpose == "write":  # read after this write: what the waits go by
                 self._deleting = leased_digests(self.store, "delete")
 
