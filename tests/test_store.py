@@ -437,6 +437,23 @@ class TestLeases:
         lease.drop()
         assert store.list_refs("leases") == {}
 
+    def test_a_writers_lease_write_reads_no_other_write_lease(self, store):
+        """A writer's lease write reads the delete leases only: the requests it
+        takes do not grow with the writers sharing the store (before, each one
+        read every lease's ref, a write lease's too, and asked whether its own
+        new record was stored)."""
+        if not isinstance(store, S3Store):
+            pytest.skip("counts an s3:// store's requests")
+        others = [Lease(store, what=f"other {i}", digests=[f"sha256:{i:064x}"]).take() for i in range(12)]
+        try:
+            with Lease(store, what="counted") as lease:
+                before = store.stats().requests
+                lease.cover(["sha256:" + "e" * 64])
+                assert store.stats().requests - before <= 4  # record, ref, old record, one listing
+        finally:
+            for other in others:
+                other.drop()
+
     def test_store_check_reports_missing_and_corrupt_blobs(self, store):
         g_digest, g = _publish(store, "g")
         template = store.put_manifest(canonical_json(TemplateManifest(name="t", groups=[g_digest])))
