@@ -426,3 +426,67 @@ def test_an_import_paused_past_its_lease_refuses_to_publish(paths, tmp_path):
     assert code != 0 and "was lost" in out, out
     assert store.list_refs("templates") == {}
     assert_store_sound(store, tmp_path / "read", {})
+
+
+_DELETER = """
+import pathlib, sys, time
+from weenv.store import open_store
+from weenv.store.lease import delete_unused
+from weenv.packaging.group import load_group
+store, go = open_store(sys.argv[1]), pathlib.Path(sys.argv[2])
+template, group = sys.argv[3:5]
+chunks = [c.digest for c in load_group(store, group).chunks]
+
+def reached():  # D3, after its lease (D1) and its read of the write leases (D2): wait for the test
+    while not go.exists():
+        time.sleep(0.05)
+    return set()
+
+print(delete_unused(store, {"manifests": [template, group], "chunks": chunks}, reached=reached, what="test gc"))
+"""
+
+
+def _wait_for_lease(store: Store, purpose: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(n.startswith(f"{purpose}-") for n in store.list_refs("leases")):
+        assert proc.poll() is None, _output(proc)
+        assert time.monotonic() < deadline, f"no {purpose} lease"
+        time.sleep(0.02)
+
+
+def test_a_build_whose_cached_group_a_gc_deletes_meanwhile_builds_it_again(paths, tmp_path):
+    """A build finds its component's group in the build cache (all its chunks
+    stored) while a gc (another process) that already read the write leases
+    is about to delete that group, no template naming it: the build waits for
+    that delete, then must build the component again, not publish a template
+    naming what the gc deleted.  (Before, it looked for the chunks before its
+    lease named them and never again: it failed, or published a template
+    whose chunks were gone.)"""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    recipe = tmp_path / "recipe"
+    (recipe / "base").mkdir(parents=True)
+    data = hashlib.shake_256(b"cached group").digest(3 * MIB)
+    (recipe / "base" / "data.bin").write_bytes(data)
+    (recipe / "recipe.toml").write_text('[template]\nname = "t"\n[[component]]\nname = "base"\n'
+                                       '[[component.step]]\nkind = "from_dir"\npath = "base"\n')  # fmt: skip
+    code, out = _finish(_weenv("build", str(recipe / "recipe.toml"), env=env))
+    assert code == 0, out
+    store = open_store(store_url)
+    group, template = store.get_ref("groups", "base"), store.get_ref("templates", "t")
+    store.delete_ref("templates", "t")  # the cached group is garbage now
+    go = tmp_path / "go"
+    deleter = subprocess.Popen([sys.executable, "-c", _DELETER, store_url, str(go), template, group], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        _wait_for_lease(store, "delete", deleter)
+        build = _weenv("build", str(recipe / "recipe.toml"), env=env)
+        _wait_for_lease(store, "write", build)
+        time.sleep(1.0)  # it finds the group cached, names it and waits for the delete
+    finally:
+        go.touch()
+    code, out = _finish(deleter)
+    assert code == 0 and "removed=[" in out and group in out, out
+    code, out = _finish(build)
+    assert code == 0, out
+    assert_store_sound(store, tmp_path / "read", {"t": {"data.bin": data}})
