@@ -490,3 +490,25 @@ def test_a_build_whose_cached_group_a_gc_deletes_meanwhile_builds_it_again(paths
     code, out = _finish(build)
     assert code == 0, out
     assert_store_sound(store, tmp_path / "read", {"t": {"data.bin": data}})
+
+
+def test_gc_deletes_nothing_a_template_it_cannot_read_may_name(paths, tmp_path):
+    """A template whose group manifest this weenv cannot read (a newer
+    weenv's schema version, written by another node sharing the store): gc
+    stops with a clear error and deletes nothing (before, it took the group
+    for unreachable and deleted it and its chunks under a published template)."""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"future " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
+    assert code == 0, out
+    store = open_store(store_url)
+    template = json.loads(store.get_manifest(store.get_ref("templates", "t")))
+    group = json.loads(store.get_manifest(template["groups"][0]))
+    group.update(schema_version=3, media_type="application/vnd.weenv.group.v3+json")
+    template["groups"] = [store.put_manifest(json.dumps(group, sort_keys=True).encode())]
+    store.set_ref("templates", "t", store.put_manifest(json.dumps(template, sort_keys=True).encode()))
+    before = (set(store.list_chunks()), set(store.list_manifests()))
+    code, out = _finish(_weenv("gc", env=env))
+    assert code != 0 and "cannot be read" in out and template["groups"][0] in out, out
+    assert (set(store.list_chunks()), set(store.list_manifests())) == before

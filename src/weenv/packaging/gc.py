@@ -118,11 +118,27 @@ def _pack_of(store: Store, profile_digest: str) -> str | None:
         return None
 
 
+def _must_load(store: Store, digest: str, what: str) -> TemplateManifest | GroupManifest | None:
+    """Manifest ``digest`` that ``what`` reaches, None if it is gone (a dangling
+    ref: nothing to keep); :class:`InvalidInputError` if it is stored but
+    cannot be read here (a newer weenv's schema, damaged bytes): what it names
+    is unknown, so nothing may be deleted on its account."""
+    try:
+        data = store.get_manifest(digest)
+        kind = manifest_kind(data)
+        return parse_template_manifest(data) if kind == "template" else parse_group_manifest(data)
+    except NotFoundError:
+        return None
+    except (InvalidInputError, DigestMismatchError) as exc:
+        raise InvalidInputError(f"{what} {digest} in {store.url} cannot be read ({exc}): gc stops and deletes "
+                                f"nothing, since it cannot tell what that manifest keeps") from None  # fmt: skip
+
+
 def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
     for digest in templates:
         if digest in reach.manifests:
             continue
-        t = _load(store, digest)
+        t = _must_load(store, digest, "template")
         if not isinstance(t, TemplateManifest):
             continue  # a dangling ref: nothing to keep
         reach.manifests.add(digest)
@@ -147,7 +163,7 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
 def _reach_group(store: Store, digest: str, reach: _Reach) -> None:
     if digest in reach.manifests:
         return
-    g = _load(store, digest)
+    g = _must_load(store, digest, "group")
     if isinstance(g, GroupManifest):
         reach.manifests.add(digest)
         reach.chunks.update(c.digest for c in g.chunks)
