@@ -331,6 +331,17 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
     assert_store_sound(store, tmp_path / "read", {"a": {"f": b"leased " * 1000}})
 
 
+def _imported(paths, tmp_path: Path, name: str, files: dict[str, bytes]) -> tuple[dict[str, str], Store]:
+    """A file:// store in ``paths``' home with template ``name`` of one layer of ``files``
+    imported by ``weenv import``; the environment for ``weenv`` and the store."""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / name, [[_entry(n, data=d) for n, d in files.items()]])
+    code, out = _finish(_weenv("import", str(layout), "--name", name, env=env))
+    assert code == 0, out
+    return env, open_store(store_url)
+
+
 def _gc_while_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], env: dict[str, str],
                        timeout: float = 120) -> None:  # fmt: skip
     """SIGSTOP writer ``proc`` as soon as a chunk not in ``before`` appears
@@ -358,11 +369,7 @@ def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(path
     publishes.  The new template reads back whole.  (Before, the update held
     no lease: gc deleted those chunks and the update published a template
     naming them.)"""
-    store_url = f"file://{paths.home / 'store'}"
-    env = _env(paths, store_url)
-    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"first " * 1000)]])
-    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
-    assert code == 0, out
+    env, store = _imported(paths, tmp_path, "t", {"f": b"first " * 1000})
     tree = tmp_path / "tree"
     tree.mkdir()
     expected = {f"f{i}": hashlib.shake_256(f"update {i}".encode()).digest(MIB) for i in range(64)}
@@ -374,7 +381,7 @@ def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(path
     other = tmp_path / "other-home"
     other.mkdir()
     _gc_while_it_stores(up, chunks, before, {**env, "WEENV_HOME": str(other)})
-    assert_store_sound(open_store(store_url), tmp_path / "read", {"t": expected})
+    assert_store_sound(store, tmp_path / "read", {"t": expected})
 
 
 def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
@@ -497,12 +504,7 @@ def test_gc_deletes_nothing_a_template_it_cannot_read_may_name(paths, tmp_path):
     weenv's schema version, written by another node sharing the store): gc
     stops with a clear error and deletes nothing (before, it took the group
     for unreachable and deleted it and its chunks under a published template)."""
-    store_url = f"file://{paths.home / 'store'}"
-    env = _env(paths, store_url)
-    layout = _write_layout(tmp_path / "t", [[_entry("f", data=b"future " * 1000)]])
-    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=env))
-    assert code == 0, out
-    store = open_store(store_url)
+    env, store = _imported(paths, tmp_path, "t", {"f": b"future " * 1000})
     template = json.loads(store.get_manifest(store.get_ref("templates", "t")))
     group = json.loads(store.get_manifest(template["groups"][0]))
     group.update(schema_version=3, media_type="application/vnd.weenv.group.v3+json")
