@@ -47,7 +47,12 @@ deleter reads the leases (D2) before the refs (D3): if D2 precedes the drop it
 sees the lease, else D3 follows the ref's publication and reaches ``D``
 through it.  Either way ``D`` stays.  Both sides' waits are bounded by lease
 expiry, and a holder whose lease expired before it could renew it must not go
-on (:meth:`Lease.check`: a writer refuses to publish, a deleter stops).  Clocks
+on (:meth:`Lease.check`: a writer refuses to publish, a deleter stops); a
+renewal whose write ended after the old record expired does not revive the
+lease (a deleter may have read the leases in the gap).  A writer waits for a
+delete lease at most :data:`MAX_WAIT_LEASES` times its own duration, then
+fails naming it (a record expiring far ahead was not written by a deleter at
+work).  A record that cannot be read protects nothing and is skipped.  Clocks
 of the nodes sharing a store are assumed to agree to well within a lease's
 duration.
 
