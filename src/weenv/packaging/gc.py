@@ -131,7 +131,8 @@ def _must_load(store: Store, digest: str, what: str) -> TemplateManifest | Group
         return None
     except (InvalidInputError, DigestMismatchError) as exc:
         raise InvalidInputError(f"{what} {digest} in {store.url} cannot be read ({exc}): gc stops and deletes "
-                                f"nothing, since it cannot tell what that manifest keeps") from None  # fmt: skip
+                                f"nothing, since it cannot tell what that manifest keeps (a newer weenv's gc "
+                                f"can; if it is garbage, delete the ref that reaches it)") from None  # fmt: skip
 
 
 def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
