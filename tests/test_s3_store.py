@@ -212,19 +212,18 @@ def test_an_update_does_not_lose_a_template_moved_meanwhile(kind, s3, paths, tmp
     first, _ = create_template(store, "t", ["app"])
     other = build_group(tmp_path / "v3", store, name="app")  # another writer's version of "app"
     elsewhere = store.put_manifest(canonical_json(TemplateManifest(name="t", version="x", groups=[other.digest])))
-    real_put = store.put_manifest
+    real_put = store._put  # what put_manifest stores through (the update's leased view of the store too)
 
-    def put_then_another_writer_publishes_t(data: bytes) -> str:
-        digest = real_put(data)
-        if b'"application/vnd.weenv.template' in data and digest != elsewhere:
+    def put_then_another_writer_publishes_t(space: str, digest: str, data: bytes) -> None:
+        real_put(space, digest, data)
+        if space == "manifests" and b'"application/vnd.weenv.template' in data and digest != elsewhere:
             store.set_ref("templates", "t", elsewhere)  # the other writer, between the update's read and write
-        return digest
 
-    store.put_manifest = put_then_another_writer_publishes_t
+    store._put = put_then_another_writer_publishes_t
     with pytest.raises(BusyError, match=f"templates/t in {store.url} points at {elsewhere}, not {first}"):
         update_component(store, "t", "app", tmp_path / "v2", paths=paths)
     assert store.get_ref("templates", "t") == elsewhere
-    store.put_manifest = real_put
+    store._put = real_put
     updated = update_component(store, "t", "app", tmp_path / "v2", paths=paths)  # from what t is now
     assert updated.previous_digest == elsewhere and store.get_ref("templates", "t") == updated.template_digest
 

@@ -414,6 +414,46 @@ class TestLeases:
             lease.check()
         lease.drop()
 
+    def test_a_lease_whose_renewal_lands_after_it_expired_stays_lost(self, store, monkeypatch):
+        """A holder paused (or a store slow) between its expiry check and the
+        write of its renewed record: the record it writes then names a fresh
+        expiry, but a deleter may have gone by in the gap, so the lease stays
+        lost (before, the late write revived it and the writer published)."""
+        lease = Lease(store, duration=1.0, digests=["sha256:" + "c" * 64]).take()
+        lease._stop.set()  # renewals by hand below
+        lease._renewer.join()
+        set_ref = type(store).set_ref
+
+        def late(self, kind, name, digest):  # the write lands after the old record expired
+            time.sleep(1.5)
+            return set_ref(self, kind, name, digest)
+
+        monkeypatch.setattr(type(store), "set_ref", late)
+        with pytest.raises(BusyError, match="after it expired"):
+            lease.cover(["sha256:" + "d" * 64])
+        monkeypatch.setattr(type(store), "set_ref", set_ref)
+        with pytest.raises(BusyError, match="lost"):
+            lease.check()
+        lease.drop()
+        assert store.list_refs("leases") == {}
+
+    def test_a_writers_lease_write_reads_no_other_write_lease(self, store):
+        """A writer's lease write reads the delete leases only: the requests it
+        takes do not grow with the writers sharing the store (before, each one
+        read every lease's ref, a write lease's too, and asked whether its own
+        new record was stored)."""
+        if not isinstance(store, S3Store):
+            pytest.skip("counts an s3:// store's requests")
+        others = [Lease(store, what=f"other {i}", digests=[f"sha256:{i:064x}"]).take() for i in range(12)]
+        try:
+            with Lease(store, what="counted") as lease:
+                before = store.stats().requests
+                lease.cover(["sha256:" + "e" * 64])
+                assert store.stats().requests - before <= 4  # record, ref, old record, one listing
+        finally:
+            for other in others:
+                other.drop()
+
     def test_store_check_reports_missing_and_corrupt_blobs(self, store):
         g_digest, g = _publish(store, "g")
         template = store.put_manifest(canonical_json(TemplateManifest(name="t", groups=[g_digest])))

@@ -275,3 +275,242 @@ def test_two_nodes_import_the_same_image_into_one_s3_store(s3_server, paths, tmp
     store = open_store(store_url)
     assert store.list_refs("leases") == {}
     assert_store_sound(store, tmp_path / "read", {"t-n1": _expected("same"), "t-n2": _expected("same")})
+
+
+def _put_lease_ref(store: Store, name: str, data: bytes, *, corrupt: bool = False) -> None:
+    """Ref ``leases/NAME`` at a blob of ``data`` (``corrupt``: stored under another digest), as any
+    machine sharing the store can write one."""
+    digest = hashlib.sha256(b"not these bytes" if corrupt else data).hexdigest()
+    store._put("manifests", f"sha256:{digest}", data)
+    store.set_ref("leases", name, f"sha256:{digest}")
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, request, paths, tmp_path):
+    """Lease records another machine wrote into the shared store: past the
+    manifest limit, other bytes than their digest, JSON nested too deep,
+    not UTF-8, and a delete lease that expires in a far future naming a chunk
+    the import needs.  The import ends (the last with a clear error naming
+    the lease, not a wait for ever), gc removes the damaged records, and the
+    store check passes.  (Before: the first three made every import and gc
+    fail, the last made the import wait for ever.)"""
+    from weenv.store.lease import LEASE_MEDIA_TYPE
+
+    if kind == "file":
+        store_url = f"file://{paths.home / 'store'}"
+    else:
+        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    env = _env(paths, store_url, WEENV_STORE_LEASE_S="3")
+    store = open_store(store_url)
+    _put_lease_ref(store, "delete-huge", b" " * (17 << 20))
+    _put_lease_ref(store, "delete-corrupt", b"{}", corrupt=True)
+    _put_lease_ref(store, "delete-deep", b"[" * 200_000 + b"]" * 200_000)
+    _put_lease_ref(store, "write-binary", b"\xff\xfe\x80{")
+    layout = _write_layout(tmp_path / "a", [[_entry("f", data=b"leased " * 1000)]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "a", env=env))
+    assert code == 0, out
+    assert "is skipped" in out, out
+
+    held = _write_layout(tmp_path / "b", [[_entry("f", data=b"held " * 1000)]])
+    scratch = f"file://{tmp_path / 'scratch'}"  # the same import elsewhere: the chunks it will need
+    code, out = _finish(_weenv("import", str(held), "--name", "b", env=_env(paths, scratch)))
+    assert code == 0, out
+    chunk = min(open_store(scratch).list_chunks())
+    forever = {"media_type": LEASE_MEDIA_TYPE, "id": "delete-forever", "purpose": "delete", "holder": "elsewhere:1",
+               "what": "by hand", "expires": 1e300, "digests": [chunk]}  # fmt: skip
+    _put_lease_ref(store, "delete-forever", json.dumps(forever).encode())
+    started = time.monotonic()
+    code, out = _finish(_weenv("import", str(held), "--name", "b", env=env))
+    assert code != 0 and "delete-forever (by hand, elsewhere:1" in out and "leases/ID" in out, out
+    assert time.monotonic() - started < 60
+    store.delete_ref("leases", "delete-forever")
+
+    code, out = _finish(_weenv("gc", env=env))
+    assert code == 0, out
+    assert store.list_refs("leases") == {}
+    assert_store_sound(store, tmp_path / "read", {"a": {"f": b"leased " * 1000}})
+
+
+def _imported(paths, tmp_path: Path, name: str, files: dict[str, bytes]) -> tuple[dict[str, str], Store]:
+    """A file:// store in ``paths``' home with template ``name`` of one layer of ``files``
+    imported by ``weenv import``; the environment for ``weenv`` and the store."""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    layout = _write_layout(tmp_path / name, [[_entry(n, data=d) for n, d in files.items()]])
+    code, out = _finish(_weenv("import", str(layout), "--name", name, env=env))
+    assert code == 0, out
+    return env, open_store(store_url)
+
+
+def _gc_while_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], env: dict[str, str],
+                       timeout: float = 120) -> None:  # fmt: skip
+    """SIGSTOP writer ``proc`` as soon as a chunk not in ``before`` appears
+    under ``chunks`` (a file:// store's), run ``weenv gc`` (``env``), SIGCONT
+    it and check that it then publishes."""
+    deadline = time.monotonic() + timeout
+    while not {p.name for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")} - before:
+        assert proc.poll() is None, _output(proc)
+        assert time.monotonic() < deadline, "it stored no chunk"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        code, out = _finish(_weenv("gc", env=env))
+        assert code == 0, out
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    code, out = _finish(proc)
+    assert code == 0, out
+
+
+def test_gc_from_another_home_during_an_update_keeps_what_the_update_stored(paths, tmp_path):
+    """``weenv update`` stops (SIGSTOP) once it has stored the first chunks of
+    its new group; ``weenv gc`` from another home (another node: this home's
+    store lock does not hold it) runs meanwhile; the update goes on and
+    publishes.  The new template reads back whole.  (Before, the update held
+    no lease: gc deleted those chunks and the update published a template
+    naming them.)"""
+    env, store = _imported(paths, tmp_path, "t", {"f": b"first " * 1000})
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    expected = {f"f{i}": hashlib.shake_256(f"update {i}".encode()).digest(MIB) for i in range(64)}
+    for name, data in expected.items():
+        (tree / name).write_bytes(data)
+    chunks = paths.home / "store" / "chunks"
+    before = {p.name for p in chunks.rglob("*") if p.is_file()}
+    up = _weenv("update", "t", "--component", "t.0", "--from-dir", str(tree), env=env)
+    other = tmp_path / "other-home"
+    other.mkdir()
+    _gc_while_it_stores(up, chunks, before, {**env, "WEENV_HOME": str(other)})
+    assert_store_sound(store, tmp_path / "read", {"t": expected})
+
+
+def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
+    """A template copy between stores (:func:`~weenv.packaging.transfer.copy_template`,
+    in a process of its own) stops (SIGSTOP) once it has copied its first
+    chunks; ``weenv gc`` of the destination runs meanwhile; the copy goes on
+    and publishes.  The copy reads back whole.  (Before, the copy held no
+    lease: gc deleted those chunks, and a chunk it had found present was not
+    named anywhere either.)"""
+    src_url, dst_url = f"file://{tmp_path / 'src'}", f"file://{paths.home / 'store'}"
+    expected = {f"f{i}": hashlib.shake_256(f"copy {i}".encode()).digest(MIB) for i in range(64)}
+    layout = _write_layout(tmp_path / "t", [[_entry(n, data=d) for n, d in expected.items()]])
+    code, out = _finish(_weenv("import", str(layout), "--name", "t", env=_env(paths, src_url)))
+    assert code == 0, out
+    chunks = paths.home / "store" / "chunks"
+    chunks.mkdir(parents=True)
+    copy = subprocess.Popen([sys.executable, "-c", "import sys; from weenv.store import open_store; "
+                             "from weenv.packaging.transfer import copy_template; "
+                             "copy_template(open_store(sys.argv[1]), open_store(sys.argv[2]), 't', parallel=1)",
+                             src_url, dst_url], env=_env(paths, dst_url), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    _gc_while_it_stores(copy, chunks, set(), _env(paths, dst_url))
+    assert_store_sound(open_store(dst_url), tmp_path / "read", {"t": expected})
+
+
+def test_an_import_paused_past_its_lease_refuses_to_publish(paths, tmp_path):
+    """An import paused (SIGSTOP) longer than its lease, after it stored its
+    lower groups; gc runs meanwhile and removes them (the lease expired); the
+    import is resumed and its last layer arrives: it must fail, not publish a
+    template naming what gc removed, and the store check passes."""
+    lease_s = 4.0
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url, WEENV_STORE_LEASE_S=str(lease_s))
+    stalled = StalledLayout(tmp_path / "a", "a")
+    a = _weenv("import", str(stalled.path), "--name", "a", env=env)
+    fifo = stalled.wait_for_reader(a)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        time.sleep(lease_s + 1)
+        store = open_store(store_url)
+        stored = set(store.list_chunks())
+        code, out = _finish(_weenv("gc", env=env))
+        assert code == 0, out
+        assert not stored & set(store.list_chunks()), "gc kept what an expired lease named"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+        stalled.feed(fifo, cut=False)
+    code, out = _finish(a)
+    assert code != 0 and "was lost" in out, out
+    assert store.list_refs("templates") == {}
+    assert_store_sound(store, tmp_path / "read", {})
+
+
+_DELETER = """
+import pathlib, sys, time
+from weenv.store import open_store
+from weenv.store.lease import delete_unused
+from weenv.packaging.group import load_group
+store, go = open_store(sys.argv[1]), pathlib.Path(sys.argv[2])
+template, group = sys.argv[3:5]
+chunks = [c.digest for c in load_group(store, group).chunks]
+
+def reached():  # D3, after its lease (D1) and its read of the write leases (D2): wait for the test
+    while not go.exists():
+        time.sleep(0.05)
+    return set()
+
+print(delete_unused(store, {"manifests": [template, group], "chunks": chunks}, reached=reached, what="test gc"))
+"""
+
+
+def _wait_for_lease(store: Store, purpose: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(n.startswith(f"{purpose}-") for n in store.list_refs("leases")):
+        assert proc.poll() is None, _output(proc)
+        assert time.monotonic() < deadline, f"no {purpose} lease"
+        time.sleep(0.02)
+
+
+def test_a_build_whose_cached_group_a_gc_deletes_meanwhile_builds_it_again(paths, tmp_path):
+    """A build finds its component's group in the build cache (all its chunks
+    stored) while a gc (another process) that already read the write leases
+    is about to delete that group, no template naming it: the build waits for
+    that delete, then must build the component again, not publish a template
+    naming what the gc deleted.  (Before, it looked for the chunks before its
+    lease named them and never again: it failed, or published a template
+    whose chunks were gone.)"""
+    store_url = f"file://{paths.home / 'store'}"
+    env = _env(paths, store_url)
+    recipe = tmp_path / "recipe"
+    (recipe / "base").mkdir(parents=True)
+    data = hashlib.shake_256(b"cached group").digest(3 * MIB)
+    (recipe / "base" / "data.bin").write_bytes(data)
+    (recipe / "recipe.toml").write_text('[template]\nname = "t"\n[[component]]\nname = "base"\n'
+                                       '[[component.step]]\nkind = "from_dir"\npath = "base"\n')  # fmt: skip
+    code, out = _finish(_weenv("build", str(recipe / "recipe.toml"), env=env))
+    assert code == 0, out
+    store = open_store(store_url)
+    group, template = store.get_ref("groups", "base"), store.get_ref("templates", "t")
+    store.delete_ref("templates", "t")  # the cached group is garbage now
+    go = tmp_path / "go"
+    deleter = subprocess.Popen([sys.executable, "-c", _DELETER, store_url, str(go), template, group], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        _wait_for_lease(store, "delete", deleter)
+        build = _weenv("build", str(recipe / "recipe.toml"), env=env)
+        _wait_for_lease(store, "write", build)
+        time.sleep(1.0)  # it finds the group cached, names it and waits for the delete
+    finally:
+        go.touch()
+    code, out = _finish(deleter)
+    assert code == 0 and "removed=[" in out and group in out, out
+    code, out = _finish(build)
+    assert code == 0, out
+    assert_store_sound(store, tmp_path / "read", {"t": {"data.bin": data}})
+
+
+def test_gc_deletes_nothing_a_template_it_cannot_read_may_name(paths, tmp_path):
+    """A template whose group manifest this weenv cannot read (a newer
+    weenv's schema version, written by another node sharing the store): gc
+    stops with a clear error and deletes nothing (before, it took the group
+    for unreachable and deleted it and its chunks under a published template)."""
+    env, store = _imported(paths, tmp_path, "t", {"f": b"future " * 1000})
+    template = json.loads(store.get_manifest(store.get_ref("templates", "t")))
+    group = json.loads(store.get_manifest(template["groups"][0]))
+    group.update(schema_version=3, media_type="application/vnd.weenv.group.v3+json")
+    template["groups"] = [store.put_manifest(json.dumps(group, sort_keys=True).encode())]
+    store.set_ref("templates", "t", store.put_manifest(json.dumps(template, sort_keys=True).encode()))
+    before = (set(store.list_chunks()), set(store.list_manifests()))
+    code, out = _finish(_weenv("gc", env=env))
+    assert code != 0 and "cannot be read" in out and template["groups"][0] in out, out
+    assert (set(store.list_chunks()), set(store.list_manifests())) == before

@@ -400,7 +400,7 @@ def _check_group_version(data: bytes, digest: str | None) -> None:
     does not read (a newer weenv wrote it); anything else is left to the model."""
     try:
         obj = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return
     if not isinstance(obj, dict):
         return
@@ -446,8 +446,8 @@ def manifest_kind(data: bytes) -> str:
     """``"group"`` or ``"template"`` from a manifest's ``media_type``."""
     try:
         media_type = json.loads(data).get("media_type")
-    except (ValueError, AttributeError) as exc:
-        raise InvalidInputError("manifest is not a JSON object") from exc
+    except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: arrays nested too deep
+        raise InvalidInputError("manifest is not a JSON object") from None
     if isinstance(media_type, str) and _GROUP_MEDIA_RE.match(media_type):
         return "group"  # of any version: parse_group_manifest says which it cannot read
     if media_type == TEMPLATE_MEDIA_TYPE:

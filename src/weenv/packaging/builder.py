@@ -67,6 +67,7 @@ from weenv.errors import (
     ToolMissingError,
 )
 from weenv.formats.manifest import (
+    GroupManifest,
     Resources,
     RuntimeConfig,
     TemplateManifest,
@@ -183,13 +184,10 @@ def build_recipe(
         for comp in recipe.component:
             say(comp.name, "hashing inputs")
             key = buildcache.component_key(recipe, comp, below)
-            hit = buildcache.lookup(store, key)
+            hit = _cached(store, lease, key)
             if hit is not None:
                 say(comp.name, "cached")
-                lease.cover([hit])
-                cached = load_group(store, hit)
-                lease.cover(c.digest for c in cached.chunks)
-                results.append(ComponentResult(comp.name, hit, key, True, image_size=cached.image_size))
+                results.append(ComponentResult(comp.name, hit[0], key, True, image_size=hit[1].image_size))
             else:
                 t = time.monotonic()
                 r = build_component(recipe, comp, below, store, paths, say, cache_key=key, environments=environments)
@@ -220,6 +218,25 @@ def build_recipe(
             digest, written = store.put_manifest(data), len(data)
             store.set_ref("templates", tpl.name, digest)
     return RecipeResult(tpl.name, digest, written > 0, results, time.monotonic() - t0, written)
+
+
+def _cached(store: LeasedStore, lease: Lease, key: str) -> tuple[str, GroupManifest] | None:
+    """The cached group of ``key`` and its manifest, once ``lease`` names it
+    and its chunks and they are still stored (looked at after the lease is
+    written: a gc that deleted them meanwhile makes it a miss, so the
+    component is built again); None on a miss."""
+    hit = buildcache.lookup(store, key)
+    if hit is None:
+        return None
+    lease.cover([hit])
+    try:
+        cached = load_group(store, hit)
+    except NotFoundError:
+        return None
+    lease.cover(c.digest for c in cached.chunks)
+    if buildcache.lookup(store, key) != hit:  # the presence check that counts: after the lease
+        return None
+    return hit, cached
 
 
 def build_component(

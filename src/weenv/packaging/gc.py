@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weenv.config import Paths
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
     TemplateManifest,
@@ -118,11 +118,28 @@ def _pack_of(store: Store, profile_digest: str) -> str | None:
         return None
 
 
+def _must_load(store: Store, digest: str, what: str) -> TemplateManifest | GroupManifest | None:
+    """Manifest ``digest`` that ``what`` reaches, None if it is gone (a dangling
+    ref: nothing to keep); :class:`InvalidInputError` if it is stored but
+    cannot be read here (a newer weenv's schema, damaged bytes): what it names
+    is unknown, so nothing may be deleted on its account."""
+    try:
+        data = store.get_manifest(digest)
+        kind = manifest_kind(data)
+        return parse_template_manifest(data) if kind == "template" else parse_group_manifest(data)
+    except NotFoundError:
+        return None
+    except (InvalidInputError, DigestMismatchError) as exc:
+        raise InvalidInputError(f"{what} {digest} in {store.url} cannot be read ({exc}): gc stops and deletes "
+                                f"nothing, since it cannot tell what that manifest keeps (a newer weenv's gc "
+                                f"can; if it is garbage, delete the ref that reaches it)") from None  # fmt: skip
+
+
 def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
     for digest in templates:
         if digest in reach.manifests:
             continue
-        t = _load(store, digest)
+        t = _must_load(store, digest, "template")
         if not isinstance(t, TemplateManifest):
             continue  # a dangling ref: nothing to keep
         reach.manifests.add(digest)
@@ -147,7 +164,7 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
 def _reach_group(store: Store, digest: str, reach: _Reach) -> None:
     if digest in reach.manifests:
         return
-    g = _load(store, digest)
+    g = _must_load(store, digest, "group")
     if isinstance(g, GroupManifest):
         reach.manifests.add(digest)
         reach.chunks.update(c.digest for c in g.chunks)
@@ -207,7 +224,10 @@ def collect(
         for digest in store.list_manifests():
             if digest in reach.manifests or digest in leased:
                 continue
-            m = _load(store, digest, leases=True)
+            try:
+                m = _load(store, digest, leases=True)
+            except DigestMismatchError:  # other bytes than its digest, or past the manifest limit: garbage
+                m = None
             if isinstance(m, LeaseRecord):
                 if not m.live(now):
                     stale_leases.append(digest)
@@ -245,7 +265,7 @@ def collect(
         gone = set(doomed)
         refs = [
             (kind, name, digest)
-            for kind in ("groups", "buildcache", "prefetch", "usage")
+            for kind in ("groups", "buildcache", "prefetch", "usage", REF_KIND)  # a damaged lease's too
             for name, digest in store.list_refs(kind).items()
             if digest in gone or not store.has_manifest(digest)
         ]

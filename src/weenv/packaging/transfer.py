@@ -18,6 +18,7 @@ from weenv.formats.manifest import ChunkRef, sha256_digest
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 from weenv.store.base import Store, decode_frame
+from weenv.store.lease import Lease
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,17 @@ def copy_template(src: Store, dst: Store, template: str, *, name: str | None = N
     digest, manifest = load_template(src, template)
     groups = [(g, load_group(src, g)) for g in manifest.groups]
     refs = list({c.digest: c for _, g in groups for c in g.chunks}.values())
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        written = list(pool.map(lambda c: _copy_chunk(src, dst, c), refs))
-    for group_digest, group in groups:
-        dst.put_manifest(src.get_manifest(group_digest))
-        if group_refs:
-            dst.set_ref("groups", group.name, group_digest)
-    dst.put_manifest(src.get_manifest(digest))
-    dst.set_ref("templates", name or manifest.name, digest)
+    with Lease(dst, what=f"copy {manifest.name}") as lease:
+        # named before any presence check, until the template is published (weenv.store.lease)
+        lease.cover([*(c.digest for c in refs), *manifest.groups, digest])
+        with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+            written = list(pool.map(lambda c: _copy_chunk(src, dst, c), refs))
+        for group_digest, group in groups:
+            dst.put_manifest(src.get_manifest(group_digest))
+            if group_refs:
+                dst.set_ref("groups", group.name, group_digest)
+        dst.put_manifest(src.get_manifest(digest))
+        lease.check()
+        dst.set_ref("templates", name or manifest.name, digest)
     copied = sum(1 for n in written if n)
     return CopyResult(digest, copied, len(refs) - copied, sum(written))

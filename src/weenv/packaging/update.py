@@ -31,6 +31,7 @@ from weenv.packaging.layout import startup_files
 from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.template import load_template
 from weenv.store.base import Store
+from weenv.store.lease import Lease, LeasedStore
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,10 @@ def update_component(
     """
     t0 = time.monotonic()
     paths = paths or Paths.from_env()
-    with store_lock(paths, exclusive=False):
+    with store_lock(paths, exclusive=False), Lease(store, what=f"update {template}") as lease:
+        # the lease names what it stores or finds stored until the template is published:
+        # gc from another home (the store lock is this home's only) keeps it meanwhile
+        store = LeasedStore(store, lease)
         old_digest, old = load_template(store, template)
         named = store.ref_or_none("templates", old.name)  # what the name points at now, for the swap
         names = [load_group(store, g).name for g in old.groups]
@@ -123,7 +127,9 @@ def update_component(
             runtime=old.runtime, prefetch=None,
         )  # fmt: skip
         data = canonical_json(manifest)
+        store.lease.cover(groups)  # the groups it keeps
         digest = store.put_manifest(data)
+        store.lease.check()
         store.swap_ref("templates", old.name, digest, expected=named)  # a concurrent update is not lost
     written = r.bytes_written + len(canonical_json(r.manifest)) + len(data)
     return UpdateResult(

@@ -127,6 +127,12 @@ class Store(abc.ABC):
             raise ref_moved(self.url, kind, name, current, expected)
         self.set_ref(kind, name, digest)
 
+    def ref_names(self, kind: str) -> list[str]:
+        """The names of the refs of ``kind``, without reading them (backends
+        that can list names alone override this default, :meth:`list_refs`):
+        a reader that wants a few of many refs reads only those."""
+        return sorted(self.list_refs(kind))
+
     def ref_or_none(self, kind: str, name: str) -> str | None:
         """The digest ref ``kind/name`` points at, or None if it does not exist."""
         try:

@@ -137,5 +137,5 @@ def check_store(store: Store, *, deep: bool = True) -> CheckReport:
 def _media_type(data: bytes) -> str:
     try:
         return str(json.loads(data).get("media_type") or "unknown")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return "unparsable"

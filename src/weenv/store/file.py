@@ -239,6 +239,14 @@ class FileStore(Store):
             with self._os_errors("delete from"):
                 path.unlink(missing_ok=True)
 
+    def ref_names(self, kind: str) -> list[str]:
+        self._check_ref(kind, "x")
+        base = self.root / "refs" / kind
+        with self._os_errors("read"):
+            if not base.is_dir():
+                return []
+            return sorted(p.name for p in base.iterdir() if not p.name.startswith(".tmp-"))
+
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind``; a damaged ref (not a digest) is left out with a warning."""
         self._check_ref(kind, "x")

@@ -47,7 +47,12 @@ deleter reads the leases (D2) before the refs (D3): if D2 precedes the drop it
 sees the lease, else D3 follows the ref's publication and reaches ``D``
 through it.  Either way ``D`` stays.  Both sides' waits are bounded by lease
 expiry, and a holder whose lease expired before it could renew it must not go
-on (:meth:`Lease.check`: a writer refuses to publish, a deleter stops).  Clocks
+on (:meth:`Lease.check`: a writer refuses to publish, a deleter stops); a
+renewal whose write ended after the old record expired does not revive the
+lease (a deleter may have read the leases in the gap).  A writer waits for a
+delete lease at most :data:`MAX_WAIT_LEASES` times its own duration, then
+fails naming it (a record expiring far ahead was not written by a deleter at
+work).  A record that cannot be read protects nothing and is skipped.  Clocks
 of the nodes sharing a store are assumed to agree to well within a lease's
 duration.
 
@@ -68,7 +73,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
+from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import sha256_digest
 from weenv.store.base import Store
 
@@ -82,6 +87,8 @@ DEFAULT_GC_GRACE_S = 0.0
 """What gc spares by age alone (leases are what protects writers in progress)."""
 WAIT_POLL_S = 0.2
 """How often a writer blocked by a delete lease looks again."""
+MAX_WAIT_LEASES = 2
+"""A writer waits for a delete lease at most this many times its own lease's duration."""
 DELETE_BATCH = 20_000
 """Digests one delete lease names at most (its record: about 1.4 MB)."""
 
@@ -132,7 +139,7 @@ def is_lease(data: bytes) -> bool:
     """Whether manifest-space blob ``data`` is a lease record."""
     try:
         return json.loads(data).get("media_type") == LEASE_MEDIA_TYPE
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -143,26 +150,36 @@ def parse_lease(data: bytes) -> LeaseRecord:
             raise ValueError("not a lease")
         return LeaseRecord(str(doc["id"]), str(doc["purpose"]), str(doc["holder"]), str(doc.get("what", "")),
                            float(doc["expires"]), frozenset(doc["digests"]))  # fmt: skip
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InvalidInputError(f"damaged lease record: {exc}") from None
+
+
+_warned: set[tuple[str, str]] = set()  # damaged records logged already: (store url, digest)
 
 
 def read_leases(store: Store, purpose: str | None = None) -> Iterator[LeaseRecord]:
     """Every lease in ``store`` (of ``purpose``: its id starts with it), live or
     expired (one that is dropped while it is read is left out)."""
-    for lease_id, digest in store.list_refs(REF_KIND).items():
+    for lease_id in store.ref_names(REF_KIND):  # names first: a writer reads only the (few) delete leases
         if purpose is not None and not lease_id.startswith(f"{purpose}-"):
             continue
+        try:
+            digest = store.ref_or_none(REF_KIND, lease_id)
+        except (InvalidInputError, DigestMismatchError) as exc:  # a damaged ref
+            log.warning("lease %s in %s is skipped: %s", lease_id, store.url, exc)
+            continue
         for _ in range(5):  # its holder may move the ref and delete the blob under us: read the ref again
+            if digest is None:  # dropped meanwhile
+                break
             try:
                 yield parse_lease(store.get_manifest(digest))
                 break
             except NotFoundError:
                 digest = store.ref_or_none(REF_KIND, lease_id)
-                if digest is None:
-                    break
-            except InvalidInputError as exc:
-                log.warning("lease %s in %s: %s", lease_id, store.url, exc)
+            except (InvalidInputError, DigestMismatchError) as exc:  # damaged, or past the manifest limit
+                if (store.url, digest) not in _warned:  # once per record, not at every lease write
+                    _warned.add((store.url, digest))
+                    log.warning("lease %s in %s is skipped: %s", lease_id, store.url, exc)
                 break
 
 
@@ -279,21 +296,40 @@ class Lease:
             data = json.dumps({"media_type": LEASE_MEDIA_TYPE, "id": self.id, "purpose": self.purpose,
                                "holder": self.holder, "what": self.what, "expires": expires,
                                "digests": digests}, sort_keys=True).encode()  # fmt: skip
-            blob = self.store.put_manifest(data)
+            blob = sha256_digest(data)  # new bytes each time (its expiry): written without asking first
+            self.store._put("manifests", blob, data)
             self.store.set_ref(REF_KIND, self.id, blob)
+            landed, before = time.time(), self._expires
             old, self._blob, self._expires, self._flushed = self._blob, blob, expires, gen
             if old is not None and old != blob:
                 try:
                     self.store.delete_manifest(old)
                 except (StoreUnavailableError, NotFoundError) as exc:
                     log.warning("lease %s: old record %s stays until gc: %s", self.id, old, exc)
+            if old is not None and landed >= before:  # the write took (or was paused) past the old record's
+                # expiry: a deleter may have gone by meanwhile, so the new record must not revive the lease
+                self._lost = f"a write of its record ended at {landed:.0f}, after it expired at {before:.0f}"
+                self.check()
             if self.purpose == "write":  # read after this write: what the waits go by
                 self._deleting = leased_digests(self.store, "delete")
 
     def _wait_for_deleters(self, digests: set[str]) -> None:
+        """Wait while a live delete lease names one of ``digests``, at most
+        :data:`MAX_WAIT_LEASES` times this lease's duration: a deleter renews its
+        lease only while it deletes, so a delete lease that lives longer is
+        not a delete in progress (a record whose ``expires`` lies far ahead:
+        a clock far off, or a record written by hand) and a clear error beats
+        waiting for ever."""
         blocked = digests & self._deleting
+        give_up = time.monotonic() + MAX_WAIT_LEASES * self.duration
         while blocked:
             log.info("lease %s waits for a delete of %d digests to end", self.id, len(blocked))
+            if time.monotonic() > give_up:
+                holders = [f"{r.id} ({r.what}, {r.holder}, expires {r.expires:.10g})" for r in read_leases(self.store, "delete")
+                           if r.live() and r.digests & blocked][:3]  # fmt: skip
+                raise BusyError(f"{self.store.url}: {len(blocked)} digests ({min(blocked)}...) stay named by delete "
+                                f"leases for more than {MAX_WAIT_LEASES * self.duration:.0f} s: {', '.join(holders)}; "
+                                f"if no gc or rollback runs, remove their refs leases/ID")  # fmt: skip
             time.sleep(WAIT_POLL_S)
             self.check()
             deleting = leased_digests(self.store, "delete")
@@ -368,6 +404,9 @@ class LeasedStore(Store):
 
     def list_refs(self, kind):
         return self.inner.list_refs(kind)
+
+    def ref_names(self, kind):
+        return self.inner.ref_names(kind)
 
     def delete_ref(self, kind, name, *, expected=None):
         return self.inner.delete_ref(kind, name, expected=expected)

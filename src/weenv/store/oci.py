@@ -682,6 +682,12 @@ class OciStore(Store):
         except (KeyError, TypeError, InvalidInputError) as exc:
             raise DigestMismatchError(f"tag {tag} in {self.url} is not a weenv ref: {exc!r}") from None
 
+    def ref_names(self, kind: str) -> list[str]:
+        """One tag listing, no ref read."""
+        self._check_ref(kind, "x")
+        prefix = self._ref_prefix(kind)
+        return sorted(tag[len(prefix):] for tag in self._tags() if tag.startswith(prefix))
+
     def list_refs(self, kind: str) -> dict[str, str]:
         self._check_ref(kind, "x")
         prefix = self._ref_prefix(kind)

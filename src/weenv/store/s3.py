@@ -497,6 +497,12 @@ class S3Store(Store):
         except _Precondition:
             raise BusyError(f"ref {kind}/{name} in {self.url} was moved by another writer meanwhile") from None
 
+    def ref_names(self, kind: str) -> list[str]:
+        """One listing, no ref read."""
+        self._check_ref(kind, "x")
+        base = self._key("refs", kind) + "/"
+        return sorted(key[len(base):] for key in self._keys(base))
+
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind``; a damaged one (not a digest, or past
         ``MAX_REF_BYTES``) is left out with a warning."""
