@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 RUNTIMES = ("auto", "crun", "runc")
 """The values of the runtime setting."""
-DEFAULT_RUNTIME = "runc"
+DEFAULT_RUNTIME = "auto"
 """The runtime setting when ``WEENV_RUNTIME`` is not set."""
 RUNTIME_FILE = "runtime"
 """In a bundle: the name of the runtime that made its container (``crun`` or ``runc``)."""
