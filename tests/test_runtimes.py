@@ -241,6 +241,8 @@ def test_a_node_restarted_with_the_other_runtime_adopts_through_the_one_that_mad
         monkeypatch.setenv("WEENV_RUNTIME", second)
         pids.append(daemon.start_background(p))
         client = daemon.connect(p, autostart=False)
+        said = [line for line in p.daemon_log.read_text().splitlines() if line.startswith("weenv: OCI runtime")]
+        assert said == [f"weenv: OCI runtime {first}", f"weenv: OCI runtime {second}"]  # the startup log
         assert client.exec(old, "cat /workspace/kept.txt").stdout == b"kept\n"
         new = client.create("task").id
         assert _containers(p) == {f"weenv-{old}": (first, "running"), f"weenv-{new}": (second, "running")}

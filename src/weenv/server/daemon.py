@@ -76,6 +76,7 @@ def serve(
         node.start()
     except BusyError:
         raise DaemonError(f"a weenv daemon already serves {paths.home}") from None
+    print(f"weenv: OCI runtime {node.runtime.name}", file=sys.stderr)
     sockets: list[socket.socket] = []
     e2b = None
     try:
