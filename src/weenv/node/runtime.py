@@ -25,11 +25,13 @@ runtime adopts the running containers through the one that made them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -37,7 +39,7 @@ from typing import Any
 
 from weenv.errors import InvalidInputError, ToolMissingError
 from weenv.node.cgroups import CGROUP_ROOT, detect
-from weenv.node.runc import Runc
+from weenv.node.runc import EXEC_FIFO, Runc
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +54,37 @@ RUNTIME_FILE = "runtime"
 class Crun(Runc):
     """crun with its state in ``root`` (``crun --root``): :class:`Runc`'s
     commands, which crun takes as they are.  crun is started from its file
-    (no sealed copy: that is runc's own start-up cost) and its created
-    containers are started by ``crun start`` (a C program: ~1 ms)."""
+    (no sealed copy: that is runc's own start-up cost); a created container
+    is started here through its exec FIFO as ``crun start`` does
+    (:meth:`_start_through_fifo`), saving a process start."""
 
     name = "crun"
-    fifo_version = None
+    fifo_version = (1, 8)
     sealed = False
+
+    def _start_through_fifo(self, container_id: str, timeout: float) -> bool:
+        """crun 1.8's start of a created container: its first process waits
+        reading ``ROOT/ID/exec.fifo``; ``crun start`` writes one byte to it and
+        removes it (crun then says ``running``; ``libcrun_container_start``,
+        which also runs poststart hooks and waits on a notify socket: weenv's
+        bundles have neither).  True if done so; False when no process reads
+        the FIFO (then ``crun start`` answers)."""
+        path = self.root / container_id / EXEC_FIFO
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # ENXIO: no reader
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                return False
+            os.write(fd, b"0")
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
 
     def status_file(self, container_id: str) -> dict[str, Any]:
         """crun's record of a container (``ROOT/ID/status``: ``bundle``,
