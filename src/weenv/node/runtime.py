@@ -75,16 +75,14 @@ class Crun(Runc):
         except OSError:
             return False
         try:
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-                return False
-            os.write(fd, b"0")
+            started = stat.S_ISFIFO(os.fstat(fd).st_mode) and os.write(fd, b"0") == 1
         except OSError:
-            return False
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return True
+            started = False
+        os.close(fd)
+        if started:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return started
 
     def status_file(self, container_id: str) -> dict[str, Any]:
         """crun's record of a container (``ROOT/ID/status``: ``bundle``,
