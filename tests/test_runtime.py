@@ -166,6 +166,20 @@ def test_exec_basics(env):
     assert env.sh("kill -KILL $$").exit_code == 137
 
 
+def test_exec_starts_from_the_containers_process(runc, overlay_root, tmp_path):
+    """A command gets the container's user, working dir and variables unless
+    it names its own; its variables override the container's by name."""
+    config = RuntimeConfig(user="1000:1000", working_dir="/tmp", env={"FOO": "bar", "PATH": "/usr/bin:/bin"})
+    e = start(runc, overlay_root, tmp_path / "bundle", config)
+    try:
+        script = "id -u; pwd; echo $FOO $PATH; grep NoNewPrivs /proc/self/status"
+        assert e.sh(script).stdout == b"1000\n/tmp\nbar /usr/bin:/bin\nNoNewPrivs:\t1\n"
+        r = e.sh(script, user="0:0", cwd="/", env={"FOO": "baz"})
+        assert r.stdout == b"0\n/\nbaz /usr/bin:/bin\nNoNewPrivs:\t1\n"
+    finally:
+        runc.delete(e.id, force=True)
+
+
 def test_exec_start_failures(env, runc):
     r = env.runc.exec(env.id, ["no-such-command"])
     assert r.exit_code == 127 and re.search(rb"executable file .*not found", r.stderr)

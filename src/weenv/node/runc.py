@@ -476,14 +476,13 @@ class Runc:
         command's process tree (daemonized, reparented to the container's first
         process) are not killed.
         """
-        flags, command = exec_args(argv, env, cwd, user)
+        exec_args(argv, env, cwd, user)  # bad arguments: before anything is made
         _check_id(container_id)
-        flags = self.exec_flags(container_id) + flags
         with tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp, \
                 tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 _stdin_file(stdin) as inp:  # fmt: skip
             pid_file, status_file = Path(tmp) / "pid", Path(tmp) / "status"
-            runc = self._argv("exec", "--detach", "--pid-file", str(pid_file), *flags, container_id, *command)
+            runc = self._exec_argv(container_id, argv, env, cwd, user, None, Path(tmp))
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(status_file), str(pid_file), *runc],
@@ -539,23 +538,11 @@ class Runc:
         are its own, not the first process's).
         Raises :class:`InvalidInputError` for bad arguments.
         """
-        flags, command = exec_args(argv, env, cwd, user)
+        exec_args(argv, env, cwd, user)  # bad arguments: before anything is made
         _check_id(container_id)
-        flags = self.exec_flags(container_id) + flags
         tmp = Path(tempfile.mkdtemp(prefix="weenv-exec-"))
         try:
-            if process is not None:
-                spec = {**process, "args": command, "terminal": False}
-                if env is not None:
-                    spec["env"] = [f"{k}={v}" for k, v in env.items()]
-                if cwd is not None:
-                    spec["cwd"] = cwd
-                if user is not None:
-                    uid, _, gid = user.partition(":")
-                    spec["user"] = {**spec.get("user", {}), "uid": int(uid), "gid": int(gid or uid)}
-                (tmp / "process.json").write_text(json.dumps(spec))
-                flags, command = ["--process", str(tmp / "process.json")], []
-            runc = self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
+            runc = self._exec_argv(container_id, argv, env, cwd, user, process, tmp)
             with _stdin_file(None if stdin_pipe else stdin) as inp:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(tmp / "status"), str(tmp / "pid"), *runc],
@@ -586,10 +573,25 @@ class Runc:
             raise ToolMissingError(f"{self.name} not found: {self.binary!r}")
         raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
 
-    def exec_flags(self, container_id: str) -> list[str]:
-        """Flags ``exec`` needs so that a command gets what the container's
-        first process has (runc takes it from the container: none)."""
-        return []
+    def _exec_argv(self, container_id: str, argv, env: dict[str, str] | None, cwd: str | None,
+                   user: str | None, process: dict | None, tmp: Path) -> list[str]:  # fmt: skip
+        """The runtime's ``exec --detach --pid-file TMP/pid`` command line of
+        :meth:`exec` and :meth:`spawn`; with ``process`` (an OCI process
+        object), ``--process TMP/process.json`` holding it with the command's
+        argv, ``env`` (replacing its variables), ``cwd`` and ``user`` filled in."""
+        flags, command = exec_args(argv, env, cwd, user)
+        if process is not None:
+            spec = {**process, "args": command, "terminal": False}
+            if env is not None:
+                spec["env"] = [f"{k}={v}" for k, v in env.items()]
+            if cwd is not None:
+                spec["cwd"] = cwd
+            if user is not None:
+                uid, _, gid = user.partition(":")
+                spec["user"] = {**spec.get("user", {}), "uid": int(uid), "gid": int(gid or uid)}
+            (tmp / "process.json").write_text(json.dumps(spec))
+            flags, command = ["--process", str(tmp / "process.json")], []
+        return self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
 
     @staticmethod
     def is_missing(msg: str) -> bool:

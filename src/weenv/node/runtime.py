@@ -92,14 +92,24 @@ class Crun(Runc):
         except (OSError, ValueError):
             return {}
 
-    def exec_flags(self, container_id: str) -> list[str]:
-        # crun exec does not take noNewPrivileges from the container's process as runc does
-        bundle = self.status_file(container_id).get("bundle")
-        try:
-            config = json.loads((Path(bundle) / "config.json").read_text()) if bundle else {}
-        except (OSError, ValueError):
-            config = {}
-        return ["--no-new-privs"] if config.get("process", {}).get("noNewPrivileges") else []
+    def _exec_argv(self, container_id: str, argv, env: dict[str, str] | None, cwd: str | None,
+                   user: str | None, process: dict | None, tmp: Path) -> list[str]:  # fmt: skip
+        """As :meth:`Runc._exec_argv`, but a command without its own
+        ``process`` gets the container's first process (its bundle's
+        ``config.json``) with ``env`` overriding its variables by name: crun
+        1.8's ``exec`` flags do not start from it as runc's do (without
+        ``--user`` it runs as uid 0, without ``--cwd`` in ``/``, with
+        ``--env`` only those variables, and without ``noNewPrivileges``)."""
+        if process is None:
+            bundle = self.status_file(container_id).get("bundle")
+            try:
+                process = json.loads((Path(bundle) / "config.json").read_text())["process"] if bundle else None
+            except (OSError, ValueError, KeyError):
+                process = None
+            if process is not None and env is not None:
+                merged = dict(e.partition("=")[::2] for e in process.get("env", []))
+                env = {**merged, **env}
+        return super()._exec_argv(container_id, argv, env, cwd, user, process, tmp)
 
     def delete(self, container_id: str, force: bool = True, *, bundle: Path | None = None) -> None:
         """:meth:`Runc.delete`, then the container's cgroup directories crun
