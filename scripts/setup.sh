@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
-# weenv drives (runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
+# weenv drives (crun and runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
 # registry for the benchmarks), then a venv in .venv with weenv, its test
 # tools (SeaweedFS's weed for the s3:// tests), matplotlib, mini-swe-agent
 # (weenv[minisweagent]), boto3 (weenv[s3]), MkDocs with the Material theme
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(runc tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
+packages=(runc crun tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +23,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
 fi
 [ -e /dev/fuse ] || modprobe fuse
+
+# crun 1.x refuses a hybrid cgroup host (v1 hierarchies, a cgroup2 one beside
+# them) whose cgroup2 hierarchy holds controllers: bind each of them to a v1
+# hierarchy of its own (a controller moves only while no cgroup below uses
+# it).  A pure v2 or pure v1 host is left as it is.
+if [ "$(stat -f -c %T /sys/fs/cgroup)" = tmpfs ] && [ "$(stat -f -c %T /sys/fs/cgroup/unified 2>/dev/null)" = cgroup2fs ]; then
+  for c in $(cat /sys/fs/cgroup/unified/cgroup.controllers); do
+    echo "setup: hybrid cgroups: binding the $c controller from the cgroup2 hierarchy to a v1 hierarchy at /sys/fs/cgroup/$c (crun refuses controllers on cgroup2 here)" >&2
+    mkdir -p "/sys/fs/cgroup/$c"
+    mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c"
+  done
+fi
 
 # weenv needs Python >= 3.11.4 (tarfile's extraction filters, PEP 706); Debian 12's
 # python3 is 3.11.2: then the newest 3.11+ that pyenv has

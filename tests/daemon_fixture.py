@@ -70,10 +70,11 @@ class Daemon:
         with open("/proc/mounts") as f:
             left = [line.split()[1] for line in f if line.split()[1].startswith(str(self.home))]
         assert not left, f"mounts left: {left}"
-        runc_root = self.home / "run" / "runc"
-        if runc_root.exists():
-            out = subprocess.run(["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True)
-            assert out.stdout.strip() == "", f"runc containers left: {out.stdout}"
+        for runtime in ("runc", "crun"):  # each OCI runtime's state root in the home
+            root = self.home / "run" / runtime
+            if root.exists():
+                out = subprocess.run([runtime, "--root", str(root), "list", "-q"], capture_output=True, text=True)
+                assert out.stdout.strip() == "", f"{runtime} containers left: {out.stdout}"
         cgroups = [str(p) for i in self.ids for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
         assert not cgroups, f"cgroups left: {cgroups}"
         assert not self.paths.socket.exists()

@@ -32,7 +32,8 @@ from weenv.errors import (
 from weenv.formats.manifest import Resources
 from weenv.host import mounts
 from weenv.node.node import CONTAINER_PREFIX, Node
-from weenv.node.runc import Runc, children
+from weenv.node.runc import children
+from weenv.node.runtime import KINDS, NodeRuntime
 from weenv.packaging.group import build_group
 from weenv.server import daemon
 from weenv.store.file import FileStore
@@ -72,9 +73,9 @@ def _pid(paths: Paths) -> int | None:
 
 
 def _containers(paths: Paths) -> list[str]:
-    if not paths.runc_root.is_dir():
-        return []
-    return [s["id"] for s in Runc(paths.runc_root).list() if s.get("id", "").startswith(CONTAINER_PREFIX)]
+    """The environments' containers in the home, in either OCI runtime's state root."""
+    return [s["id"] for name, root in paths.runtime_roots.items() if root.is_dir()
+            for s in KINDS[name](root).list() if s.get("id", "").startswith(CONTAINER_PREFIX)]  # fmt: skip
 
 
 def _descendants(pid: int) -> set[int]:
@@ -580,7 +581,7 @@ def test_exec_is_killed_when_its_client_goes_away(served):
                       timeout=3) as h:  # fmt: skip
         with pytest.raises(httpx.ReadTimeout):
             h.post(f"/environments/{env_id}/commands", json={"command": ["sleep", "60"]})
-    init = Runc(served.runc_root).state(CONTAINER_PREFIX + env_id)["pid"]
+    init = NodeRuntime("runc", served.runtime_roots).state(CONTAINER_PREFIX + env_id)["pid"]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if not [p for p in _descendants(init) if _cmdline(p) == ["sleep", "60"]]:

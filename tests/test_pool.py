@@ -66,12 +66,17 @@ def test_second_create_fills_the_pool_and_the_next_create_starts_the_pooled_envi
     _warm_up(node)
     _wait_ready(node)
     (cid, status), = _containers(node).items()
-    assert status == "created" and node.list() == []  # waiting in runc's exec FIFO, not an environment yet
-    pid = json.loads(subprocess.run(["runc", "--root", str(paths.runc_root), "state", cid],
+    assert status == "created" and node.list() == []  # waiting in the runtime's exec FIFO, not an environment yet
+    name, root = node.runtime.name, paths.runtime_roots[node.runtime.name]
+    pid = json.loads(subprocess.run([name, "--root", str(root), "state", cid],
                                     capture_output=True, text=True, check=True).stdout)["pid"]
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        assert f.read().split(b"\0")[1:2] == [b"init"]  # nothing of the template ran yet
-    assert os.readlink(f"/proc/{pid}/exe").startswith("/memfd:runc")  # runc's sealed copy
+    with open(f"/proc/{pid}/cmdline", "rb") as f:  # nothing of the template ran yet: still the runtime's process
+        argv = f.read().split(b"\0")
+    if name == "runc":
+        assert argv[1:2] == [b"init"]
+        assert os.readlink(f"/proc/{pid}/exe").startswith("/memfd:runc")  # runc's sealed copy
+    else:
+        assert Path(argv[0].decode()).name == name and b"create" in argv
 
     hits = node.stats().pool_hits
     info = node.create("task")

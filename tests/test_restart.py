@@ -142,8 +142,10 @@ class _Home:
         self.fifos.clear()
 
     def container_pid(self, env_id: str) -> int:
-        out = subprocess.run(["runc", "--root", str(self.paths.runc_root), "state", f"weenv-{env_id}"],
-                             capture_output=True, text=True, check=True).stdout
+        cid = f"weenv-{env_id}"
+        name, root = next((n, r) for n, r in self.paths.runtime_roots.items() if (r / cid).is_dir())
+        out = subprocess.run([name, "--root", str(root), "state", cid], capture_output=True, text=True,
+                             check=True).stdout  # fmt: skip
         import json
 
         return json.loads(out)["pid"]
@@ -298,13 +300,19 @@ def test_killed_holder_is_replaced_and_restart_still_works(restart_home):
 
 
 def _statuses(paths: Paths, env_id: str) -> dict[str, str]:
-    """Container id -> runc status of environment ``env_id``'s containers (its own, made ahead, replaced)."""
+    """Container id -> the OCI runtime's status of environment ``env_id``'s containers (its own, made ahead,
+    replaced), whichever runtime holds them."""
     import json
 
-    out = subprocess.run(["runc", "--root", str(paths.runc_root), "list", "--format", "json"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return {c["id"]: c["status"] for c in json.loads(out or "null") or []
-            if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+    found = {}
+    for name, root in paths.runtime_roots.items():
+        if not root.is_dir():
+            continue
+        out = subprocess.run([name, "--root", str(root), "list", "--format", "json"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        found |= {c["id"]: c["status"] for c in json.loads(out.strip() or "null") or []
+                  if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+    return found
 
 
 def test_reset_after_a_restart_follows_the_container_made_ahead(restart_home):
@@ -480,7 +488,8 @@ def test_batch_interrupted_by_a_crash_keeps_only_what_the_client_received(restar
 
 
 def runc_ids(paths) -> list[str]:
-    return [d.name for d in paths.runc_root.iterdir()] if paths.runc_root.is_dir() else []
+    """The containers in the home's OCI runtimes' state roots."""
+    return [d.name for root in paths.runtime_roots.values() if root.is_dir() for d in root.iterdir()]
 
 
 def test_stop_without_a_daemon_clears_a_killed_one(restart_home):
@@ -525,7 +534,7 @@ def test_stop_interrupted_by_a_kill_reports_honestly_and_finishes(restart_home):
     assert holder.pid_of(home.paths.run) is None
     assert not mounts_under(home.paths.home)
     assert not [c for i in ids for c in Path("/sys/fs/cgroup").glob(f"*/weenv-{i}")]
-    assert not any(envs.iterdir()) and not any(home.paths.runc_root.iterdir())
+    assert not any(envs.iterdir()) and not runc_ids(home.paths)
     assert daemon._leftovers(home.paths) == []
 
 

@@ -6,6 +6,7 @@ Real runc containers on an overlay over the cached Debian tree; no mocks.
 from __future__ import annotations
 
 import fcntl
+import re
 import hashlib
 import os
 import shutil
@@ -31,6 +32,7 @@ from weenv.node.bundle import (
 )
 from weenv.node.cgroups import open_cgroups
 from weenv.node.runc import INIT_PID_FILE, MEMFD_SEALS, Runc
+from weenv.node.runtime import Crun, crun_refusal
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -85,11 +87,20 @@ def overlay_root(tmp_path, debian_root):
     umount(root)
 
 
-@pytest.fixture
-def runc(tmp_path):
-    r = Runc(tmp_path / "runc-state", RUNC)
+@pytest.fixture(params=["runc", "crun"])
+def runc(request, tmp_path):
+    """The OCI runtime under test: each test of this module runs against runc and crun."""
+    if request.param == "crun" and (why := crun_refusal()) is not None:
+        pytest.skip(f"crun cannot run here: {why}")
+    r = Runc(tmp_path / "runc-state", RUNC) if request.param == "runc" else Crun(tmp_path / "crun-state")
     yield r
     r.close()
+
+
+def runc_only(runtime: Runc) -> None:
+    """Skip a test of what only runc does (its exec FIFO, its sealed binary)."""
+    if runtime.name != "runc":
+        pytest.skip(f"runc's own mechanism, not {runtime.name}'s")
 
 
 @pytest.fixture
@@ -155,9 +166,23 @@ def test_exec_basics(env):
     assert env.sh("kill -KILL $$").exit_code == 137
 
 
+def test_exec_starts_from_the_containers_process(runc, overlay_root, tmp_path):
+    """A command gets the container's user, working dir and variables unless
+    it names its own; its variables override the container's by name."""
+    config = RuntimeConfig(user="1000:1000", working_dir="/tmp", env={"FOO": "bar", "PATH": "/usr/bin:/bin"})
+    e = start(runc, overlay_root, tmp_path / "bundle", config)
+    try:
+        script = "id -u; pwd; echo $FOO $PATH; grep NoNewPrivs /proc/self/status"
+        assert e.sh(script).stdout == b"1000\n/tmp\nbar /usr/bin:/bin\nNoNewPrivs:\t1\n"
+        r = e.sh(script, user="0:0", cwd="/", env={"FOO": "baz"})
+        assert r.stdout == b"0\n/\nbaz /usr/bin:/bin\nNoNewPrivs:\t1\n"
+    finally:
+        runc.delete(e.id, force=True)
+
+
 def test_exec_start_failures(env, runc):
     r = env.runc.exec(env.id, ["no-such-command"])
-    assert r.exit_code == 127 and b"executable file not found" in r.stderr
+    assert r.exit_code == 127 and re.search(rb"executable file .*not found", r.stderr)
     assert env.runc.exec(env.id, ["/no/such/file"]).exit_code == 127
     assert env.runc.exec(env.id, ["/etc/passwd"]).exit_code == 126
     r = env.runc.exec(env.id, ["true"], cwd="/no/such/dir")
@@ -327,23 +352,25 @@ def test_kill_delete_leaves_nothing(runc, overlay_root, tmp_path):
 
 
 def test_start_reads_the_exec_fifo_as_runc_start_does(runc, overlay_root, tmp_path):
-    """Runc.start of a created container: its first process runs (runc says
+    """start of a created container goes through its exec FIFO in this process
+    (runc: read, crun: written): its first process runs (the runtime says
     running, the FIFO is gone); a second start, and a start of a container whose
-    first process died, get runc's own answers; nothing is left after delete."""
+    first process died, get the runtime's own answers; nothing is left after delete."""
     cid = new_id()
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     write_bundle(bundle, overlay_root, RuntimeConfig(), hostname="box", cgroups_path=f"/weenv-{cid}", resources=LIMITS)
     runc.create(cid, bundle)
     assert runc.state(cid)["status"] == "created" and (runc.root / cid / "exec.fifo").exists()
-    t = time.perf_counter()
+    t, fifo_starts = time.perf_counter(), runc.fifo_starts
     runc.start(cid, timeout=10)
     took = time.perf_counter() - t
+    assert runc.fifo_starts == fifo_starts + 1
     assert runc.state(cid)["status"] == "running" and not (runc.root / cid / "exec.fifo").exists()
     assert runc.exec(cid, "echo up").stdout == b"up\n"
     print(f"\nstart: {took * 1000:.2f} ms")
-    with pytest.raises(RuntimeFailedError, match="cannot start"):
-        runc.start(cid)  # runc's answer: it runs already
+    with pytest.raises(RuntimeFailedError, match="cannot start|cannot open"):
+        runc.start(cid)  # the runtime's answer: it runs already
     runc.delete(cid, force=True)
     other = new_id()
     (tmp_path / "b2").mkdir()
@@ -430,6 +457,7 @@ def test_runc_runs_from_a_sealed_copy_of_its_binary(env, runc):
     (all four seals: else each runc init copies its binary again), holding the
     binary's bytes, unwritable; closing frees it, and a missing binary still
     gives ToolMissingError."""
+    runc_only(runc)
     path = runc.executable.path()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -459,6 +487,7 @@ def test_runc_follows_a_changed_binary(runc, tmp_path):
     run a copy of the new file; the copy replaced stays open (a call handed its
     path may not have run it yet) until close; a binary set to a missing
     file fails as that file would."""
+    runc_only(runc)
     own = tmp_path / "bin" / "runc"
     own.parent.mkdir()
     shutil.copy2(RUNC, own)

@@ -26,11 +26,10 @@ from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MS_NOSUID, MountSpec, mount, mount_erofs, overlay_escape, umount
 from weenv.node import idmap
 from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
-from weenv.node.runc import Runc
+from weenv.node.runtime import NodeRuntime
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
-RUNC = shutil.which("runc") or "/usr/sbin/runc"
 HOST_ID = 200_000
 """The host range's first id (uid and gid 0 inside)."""
 SUDO_CACHE = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv")) / "sudo-layer"
@@ -116,10 +115,11 @@ def test_idmapped_lower_shows_host_ids_shifted(userns_root):
     assert (root / "usr/bin/sudo").stat().st_mode & 0o4000
 
 
-def start_user_env(root: Path, tmp_path: Path) -> tuple[Runc, str, Path]:
-    """runc runs ``sleep infinity`` as uid 1000 over ``root`` in the range's
-    namespace, with no capabilities but Docker's bounding set (what sudo's root gets)."""
-    runc = Runc(tmp_path / "runc-state", RUNC)
+def start_user_env(root: Path, tmp_path: Path) -> tuple[NodeRuntime, str, Path]:
+    """The node's OCI runtime (``WEENV_RUNTIME``: crun or runc) runs ``sleep
+    infinity`` as uid 1000 over ``root`` in the range's namespace, with no
+    capabilities but Docker's bounding set (what sudo's root gets)."""
+    runc = NodeRuntime.for_setting(None, {"runc": tmp_path / "runc-state", "crun": tmp_path / "crun-state"})
     cid = "u" + uuid.uuid4().hex[:12]
     bundle = tmp_path / "bundle"
     bundle.mkdir()

@@ -103,3 +103,13 @@ class Paths:
     def runc_root(self) -> Path:
         """runc's state directory (``runc --root``), private to this home."""
         return self.run / "runc"
+
+    @property
+    def crun_root(self) -> Path:
+        """crun's state directory (``crun --root``), private to this home."""
+        return self.run / "crun"
+
+    @property
+    def runtime_roots(self) -> dict[str, Path]:
+        """OCI runtime name -> its state directory."""
+        return {"runc": self.runc_root, "crun": self.crun_root}

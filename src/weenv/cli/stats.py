@@ -164,6 +164,8 @@ def stats(
         _pyplot()  # no matplotlib: say so before asking the daemon
     with client() as c:
         s = c.provision_stats(env_id)
+        runtime = c.stats().runtime
+    out.print(f"OCI runtime: {runtime}", highlight=False)
     out.print(totals_table(s))
     out.print(environments_table(s))
     if env_id is not None and s.environments:

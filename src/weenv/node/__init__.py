@@ -8,8 +8,9 @@ short scripts over the parts below, each a module named after what it holds.
   images read lazily, chunks from ``cache.py``, ``prefetch.py``),
   ``snapshotter.py`` (mount plans: overlay of groups + upper dir), ``disk.py``
   (the node's btrfs disk: upper dirs as subvolumes with quotas).
-- Running: ``bundle.py`` (OCI bundle), ``container.py`` / ``runc.py``,
-  ``launcher.py`` with the exec agent (``agent/``) and runc as backends,
+- Running: ``bundle.py`` (OCI bundle), ``container.py``, ``runtime.py``
+  (the OCI runtime: crun or runc) / ``runc.py`` (their command line),
+  ``launcher.py`` with the exec agent (``agent/``) and the runtime as backends,
   ``commands.py`` / ``process.py`` (commands and their output), ``users.py``,
   ``network.py`` (per-environment network namespace and nft rules),
   ``cgroups/``.

@@ -412,6 +412,8 @@ class NodeStats(_Model):
     """Commands started through environments' exec agents (the fast path)."""
     exec_runc: int = 0
     """Commands started with ``runc exec`` (no agent in the environment, or it was gone)."""
+    runtime: str = "runc"
+    """The OCI runtime that makes the node's containers: ``crun`` or ``runc``."""
     exec_agent_error: str | None = None
     """Why the node has no exec agent (e.g. no C compiler), None if it has one."""
     pool_ready: int = 0

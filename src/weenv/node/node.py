@@ -101,7 +101,7 @@ from weenv.node.provision.profiles import TemplateProfiles  # issue 19
 from weenv.node.recovery import Recovery, logged
 from weenv.node.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
-from weenv.node.runc import Runc
+from weenv.node.runtime import NodeRuntime
 from weenv.node.snapshot import (
     Capture,
     Captures,
@@ -170,6 +170,7 @@ class Node:
         exec_agent: bool = True,
         pool_size: int | None = None,
         disk_bytes: int | None = None,
+        runtime: str | None = None,
     ):
         """``max_environments``: creates past it raise :class:`CapacityError`
         (None: no limit).  ``output_retain_bytes``: output kept per background
@@ -184,7 +185,10 @@ class Node:
         (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool).
         ``disk_bytes``: the size of the environments' disk, which bounds the sum
         of their declared disk limits (:mod:`weenv.node.disk`; default
-        ``WEENV_DISK_BYTES``, else 80% of the home file system's free space)."""
+        ``WEENV_DISK_BYTES``, else 80% of the home file system's free space).
+        ``runtime``: the OCI runtime setting, ``auto``, ``crun`` or ``runc``
+        (:mod:`weenv.node.runtime`; default ``WEENV_RUNTIME``); chosen here,
+        and :class:`ToolMissingError` when ``crun`` is asked for and cannot run."""
         self.paths = paths = paths or Paths.from_env()
         self.home = HomeLock(paths)
         self.store = store or open_store(paths.store_url, check=False)  # starts while the store is down
@@ -210,7 +214,9 @@ class Node:
                                        profiles=TemplateProfiles(paths.node / "usage", self.store))
         self.disk = NodeDisk(paths.node / "disk.img", paths.environments, size=disk_bytes)
         self.snapshotter = Snapshotter(paths.environments, self.groups, self.disk)
-        self.runc = Runc(paths.runc_root)
+        self.runtime = NodeRuntime.for_setting(runtime, paths.runtime_roots)
+        """The OCI runtime: crun or runc (:mod:`weenv.node.runtime`)."""
+        self.runc = self.runtime  # the name earlier code knows it by
         self.agent = AgentBinary(paths.cache, enabled=exec_agent)
         self.containers = Containers(self.runc, self.agent)
         self.launchers = Launchers(self.runc)
@@ -939,6 +945,7 @@ class Node:
             cache_bytes_fetched=self.cache.bytes_fetched,
             exec_agent=self.exec_counts["agent"],
             exec_runc=self.exec_counts["runc"],
+            runtime=self.runtime.name,
             exec_agent_error=self.agent.error,
             pool_ready=pool.ready,
             pool_hits=pool.hits,

@@ -28,6 +28,7 @@ from weenv.node.manifests import NodeManifests
 from weenv.node.models import EnvironmentInfo
 from weenv.node.pause import disk_key
 from weenv.node.provision import Provisioner
+from weenv.node.runtime import recorded_runtime
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.table import (CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable, container_id,
                               current_container_id, stale_info_files)
@@ -93,7 +94,8 @@ class Recovery:
                 continue
             self.table.add(e)
             kept.add(e.container_id)
-            log.info("recovered environment %s (template %s)", env_id, e.info.template)
+            log.info("recovered environment %s (template %s, container made by %s)", env_id, e.info.template,
+                     recorded_runtime(env_dir / "bundle") or "runc")  # fmt: skip
         for cid, st in status.items():
             if cid and cid.startswith(CONTAINER_PREFIX) and cid not in kept:
                 log.warning("removing container %s (%s) left without its environment", cid, st)

@@ -151,8 +151,9 @@ class SealedBinary:
     (:data:`MEMFD_SEALS`).  A copy replaced stays open until :meth:`close`: a
     call that was handed its path may not have executed it yet."""
 
-    def __init__(self, binary: str):
+    def __init__(self, binary: str, *, sealed: bool = True):
         self.binary = binary
+        self.sealed = sealed
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._pid = 0
@@ -162,8 +163,8 @@ class SealedBinary:
     def path(self) -> str:
         with self._lock:
             found = shutil.which(self.binary)
-            if found is None:
-                return self.binary
+            if found is None or not self.sealed:
+                return self.binary if found is None else found
             try:
                 st = os.stat(found)
             except OSError:
@@ -215,10 +216,18 @@ class Runc:
     start, state, list, kill, delete) counts as hung.
     """
 
-    def __init__(self, root: Path, binary: str = "runc", *, command_timeout: float = 60.0):
+    name = "runc"
+    """The runtime's name: in messages, settings and what each bundle records (:data:`RUNTIME_FILE`)."""
+    fifo_version: tuple[int, ...] | None = FIFO_VERSION
+    """The release (major, minor) whose exec FIFO :meth:`start` opens itself; None: never."""
+    sealed = True
+    """Run the binary from a sealed in-memory copy (:class:`SealedBinary`)."""
+
+    def __init__(self, root: Path, binary: str | None = None, *, command_timeout: float = 60.0):
         self.root = Path(root)
+        binary = binary or self.name
         self.command_timeout = command_timeout
-        self.executable = SealedBinary(binary)
+        self.executable = SealedBinary(binary, sealed=self.sealed)
         self.fifo_starts = 0
         """Starts done through the exec FIFO in this process (:meth:`start`), not by ``runc start``."""
         self._versions: dict[str, tuple[int, ...] | None] = {}
@@ -237,7 +246,7 @@ class Runc:
                                  timeout=self.command_timeout).stdout.decode(errors="replace")  # fmt: skip
         except (OSError, subprocess.SubprocessError):
             out = ""
-        m = re.match(r"runc version (\d+)\.(\d+)(?:\.(\d+))?", out)
+        m = re.match(rf"{self.name} version (\d+)\.(\d+)(?:\.(\d+))?", out)
         found = tuple(int(g) for g in m.groups() if g is not None) if m else None
         with self._versions_lock:
             self._versions[path] = found
@@ -285,20 +294,20 @@ class Runc:
                     stdin=subprocess.DEVNULL if stdin is None else stdin, stdout=log, stderr=log,
                 )  # fmt: skip
             except FileNotFoundError as exc:
-                raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
+                raise ToolMissingError(f"{self.name} not found: {self.binary!r}") from exc
             try:
                 returncode = _wait(proc, self.command_timeout)  # not Popen.wait: it sleeps up to 50 ms
             except BaseException as exc:  # a timeout, or an interrupt: runc goes too
                 proc.kill()
                 proc.wait()
                 if isinstance(exc, subprocess.TimeoutExpired):
-                    raise RuntimeFailedError(f"runc {verb[0]} {container_id}: hung") from exc
+                    raise RuntimeFailedError(f"{self.name} {verb[0]} {container_id}: hung") from exc
                 raise
         if returncode != 0:
             with open(log_path, "rb") as f:
                 f.seek(offset)
                 out = f.read(64 << 10).decode(errors="replace")
-            what = f"runc {' '.join(verb)} {container_id}"
+            what = f"{self.name} {' '.join(verb)} {container_id}"
             raise RuntimeFailedError(f"{what}: {runc_message(out)}" if runc_message(out)
                                      else silent_failure(what, returncode, bundle, self.root))  # fmt: skip
 
@@ -316,7 +325,8 @@ class Runc:
         _check_id(container_id)
         timeout = self.command_timeout if timeout is None else timeout
         version = self.version()
-        if version is not None and version[:2] == FIFO_VERSION and self._start_through_fifo(container_id, timeout):
+        if (version is not None and self.fifo_version is not None and version[:2] == self.fifo_version
+                and self._start_through_fifo(container_id, timeout)):  # fmt: skip
             self.fifo_starts += 1
             return
         self._run("start", container_id, timeout=timeout)
@@ -466,13 +476,13 @@ class Runc:
         command's process tree (daemonized, reparented to the container's first
         process) are not killed.
         """
-        flags, command = exec_args(argv, env, cwd, user)
+        exec_args(argv, env, cwd, user)  # bad arguments: before anything is made
         _check_id(container_id)
         with tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp, \
                 tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 _stdin_file(stdin) as inp:  # fmt: skip
             pid_file, status_file = Path(tmp) / "pid", Path(tmp) / "status"
-            runc = self._argv("exec", "--detach", "--pid-file", str(pid_file), *flags, container_id, *command)
+            runc = self._exec_argv(container_id, argv, env, cwd, user, None, Path(tmp))
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(status_file), str(pid_file), *runc],
@@ -528,22 +538,11 @@ class Runc:
         are its own, not the first process's).
         Raises :class:`InvalidInputError` for bad arguments.
         """
-        flags, command = exec_args(argv, env, cwd, user)
+        exec_args(argv, env, cwd, user)  # bad arguments: before anything is made
         _check_id(container_id)
         tmp = Path(tempfile.mkdtemp(prefix="weenv-exec-"))
         try:
-            if process is not None:
-                spec = {**process, "args": command, "terminal": False}
-                if env is not None:
-                    spec["env"] = [f"{k}={v}" for k, v in env.items()]
-                if cwd is not None:
-                    spec["cwd"] = cwd
-                if user is not None:
-                    uid, _, gid = user.partition(":")
-                    spec["user"] = {**spec.get("user", {}), "uid": int(uid), "gid": int(gid or uid)}
-                (tmp / "process.json").write_text(json.dumps(spec))
-                flags, command = ["--process", str(tmp / "process.json")], []
-            runc = self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
+            runc = self._exec_argv(container_id, argv, env, cwd, user, process, tmp)
             with _stdin_file(None if stdin_pipe else stdin) as inp:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(tmp / "status"), str(tmp / "pid"), *runc],
@@ -569,10 +568,35 @@ class Runc:
         if status.startswith("runc-failed"):  # the command never started
             code = status[len("runc-failed"):].strip()
             return _start_failure(container_id, stderr, int(code) if code.isdigit() else None,
-                                  (status_file.parent, self.root))  # fmt: skip
+                                  (status_file.parent, self.root), runtime=self.name)  # fmt: skip
         if status == "no-runc":
-            raise ToolMissingError(f"runc not found: {self.binary!r}")
+            raise ToolMissingError(f"{self.name} not found: {self.binary!r}")
         raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
+
+    def _exec_argv(self, container_id: str, argv, env: dict[str, str] | None, cwd: str | None,
+                   user: str | None, process: dict | None, tmp: Path) -> list[str]:  # fmt: skip
+        """The runtime's ``exec --detach --pid-file TMP/pid`` command line of
+        :meth:`exec` and :meth:`spawn`; with ``process`` (an OCI process
+        object), ``--process TMP/process.json`` holding it with the command's
+        argv, ``env`` (replacing its variables), ``cwd`` and ``user`` filled in."""
+        flags, command = exec_args(argv, env, cwd, user)
+        if process is not None:
+            spec = {**process, "args": command, "terminal": False}
+            if env is not None:
+                spec["env"] = [f"{k}={v}" for k, v in env.items()]
+            if cwd is not None:
+                spec["cwd"] = cwd
+            if user is not None:
+                uid, _, gid = user.partition(":")
+                spec["user"] = {**spec.get("user", {}), "uid": int(uid), "gid": int(gid or uid)}
+            (tmp / "process.json").write_text(json.dumps(spec))
+            flags, command = ["--process", str(tmp / "process.json")], []
+        return self._argv("exec", "--detach", "--pid-file", str(tmp / "pid"), *flags, container_id, *command)
+
+    @staticmethod
+    def is_missing(msg: str) -> bool:
+        """Whether the runtime's message ``msg`` says there is no such container."""
+        return "does not exist" in msg
 
     def _argv(self, *args: str) -> list[str]:
         return [self.executable.path(), "--root", str(self.root), *args]
@@ -584,14 +608,14 @@ class Runc:
                 self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
             )  # fmt: skip
         except FileNotFoundError as exc:
-            raise ToolMissingError(f"runc not found: {self.binary!r}") from exc
+            raise ToolMissingError(f"{self.name} not found: {self.binary!r}") from exc
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeFailedError(f"runc {' '.join(args)}: no answer in {timeout} s") from exc
+            raise RuntimeFailedError(f"{self.name} {' '.join(args)}: no answer in {timeout} s") from exc
         if proc.returncode != 0:
             msg = runc_message(proc.stderr.decode(errors="replace"))
-            if "does not exist" in msg:
-                raise NotFoundError(f"no container {cid or args[-1]!r} (runc {args[0]}): {msg}")
-            what = f"runc {' '.join(args)}"
+            if self.is_missing(msg):
+                raise NotFoundError(f"no container {cid or args[-1]!r} ({self.name} {args[0]}): {msg}")
+            what = f"{self.name} {' '.join(args)}"
             raise RuntimeFailedError(f"{what}: {msg}" if msg else silent_failure(what, proc.returncode, self.root))
         return proc.stdout.decode()
 
@@ -741,21 +765,23 @@ def exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
 
 
 def _start_failure(container_id: str, stderr: bytes, status: int | None = None,
-                   dirs: tuple[Path, ...] = ()) -> tuple[int, bytes]:
+                   dirs: tuple[Path, ...] = (), *, runtime: str = "runc") -> tuple[int, bytes]:
     """Map runc's failure to start a command to 127/126, or raise if runc failed
     for another reason (no such container, container stopped; or it said
     nothing: then its exit ``status`` and which of ``dirs``, where it writes,
     is full, :func:`silent_failure`)."""
     msg = runc_message(stderr.decode(errors="replace"))
     if not msg:
-        raise RuntimeFailedError(silent_failure(f"runc exec in {container_id}", status, *dirs))
-    if "container does not exist" in msg:
+        raise RuntimeFailedError(silent_failure(f"{runtime} exec in {container_id}", status, *dirs))
+    if "container does not exist" in msg or (f"/{container_id}/status`: No such file" in msg):
         raise NotFoundError(f"no container {container_id!r}: {msg}")
-    if "unable to start container process" not in msg:
-        raise RuntimeFailedError(f"runc exec in {container_id}: {msg}")
+    # crun: "executable file `ARGV0` not found in $PATH: ...", "open executable: ...", "chdir to `DIR`: ..."
+    crun_exec = msg.startswith(("exec", "open executable", "chdir"))
+    if "unable to start container process" not in msg and not crun_exec:
+        raise RuntimeFailedError(f"{runtime} exec in {container_id}: {msg}")
     not_found = "executable file not found" in msg or (
-        'exec: "' in msg and "no such file or directory" in msg
-    )
+        'exec: "' in msg and "no such file or directory" in msg.lower()
+    ) or (msg.startswith(("executable file", "exec")) and ("not found" in msg or "No such file" in msg))
     return (EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN), (msg + "\n").encode()
 
 
@@ -764,7 +790,7 @@ def silent_failure(what: str, status: int | None, *dirs: Path) -> str:
     its stderr: its exit status, and, when one of ``dirs`` (where it writes its
     state, pid file and message) is on a full file system, that (the likely
     cause: runc could not even write its message)."""
-    msg = f"{what} failed (runc exit status {'unknown' if status is None else status}) without a message"
+    msg = f"{what} failed (exit status {'unknown' if status is None else status}) without a message"
     full = full_dirs(*dirs)
     return f"{msg}; {_no_space(full)}" if full else msg
 

@@ -76,6 +76,7 @@ def serve(
         node.start()
     except BusyError:
         raise DaemonError(f"a weenv daemon already serves {paths.home}") from None
+    print(f"weenv: OCI runtime {node.runtime.name}", file=sys.stderr)
     sockets: list[socket.socket] = []
     e2b = None
     try:
@@ -359,11 +360,10 @@ def _leftovers(paths: Paths) -> list[str]:
         ids |= {d.name for d in paths.environments.iterdir()}
         if ids:
             left.append(f"{len(ids)} environment dirs")
-    if paths.runc_root.is_dir():
-        containers = [d.name for d in paths.runc_root.iterdir()]
-        if containers:
-            left.append(f"{len(containers)} containers")
-        ids |= {c.removeprefix("weenv-") for c in containers}
+    containers = [d.name for root in paths.runtime_roots.values() if root.is_dir() for d in root.iterdir()]
+    if containers:
+        left.append(f"{len(containers)} containers")
+    ids |= {c.removeprefix("weenv-") for c in containers}
     cgroups = sorted({c for i in ids for c in _cgroups_of(i)})
     if cgroups:
         left.append(f"{len(cgroups)} cgroups")
