@@ -161,6 +161,68 @@ def test_a_rebuild_taken_whole_from_the_cache_starts_no_build_environment(e2bd, 
     _quiet_nothing_left(e2bd)
 
 
+def test_a_build_whose_cached_step_a_gc_deletes_meanwhile_runs_it_again(e2bd, base_image, tmp_path):
+    """A build finds a step's group in the build cache while a gc (another
+    process) that already read the write leases is about to delete that
+    group, no template naming it: the build waits for that delete, then must
+    run the step again, not publish a template naming what the gc deleted.
+    (Before, it took the cached group with no lease and never looked again.)"""
+    import subprocess
+    import sys
+    import threading
+
+    from test_store_faults import _DELETER, _finish, _wait_for_lease
+    from weenv.packaging.group import load_group
+    from weenv.packaging.template import load_template
+    from weenv.store.file import FileStore
+
+    token = os.urandom(6).hex()
+    tpl = Template().from_image(base_image).run_cmd(f"echo {token} > /tmp/token")
+    Template.build(tpl, f"t-gc-a-{token}")
+    store = FileStore(e2bd.daemon.home.parent / "store")
+    template, manifest = load_template(store, f"t-gc-a-{token}")
+    group = manifest.groups[-1]  # the RUN step's
+    with e2bd.api() as c:
+        [tid] = [t["templateID"] for t in c.get("/templates").json() if t["names"][0] == f"t-gc-a-{token}"]
+        assert c.delete(f"/templates/{tid}").status_code == 204  # the step's group is garbage now
+    go = tmp_path / "go"
+    deleter = subprocess.Popen([sys.executable, "-c", _DELETER, store.url, str(go), template, group],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    logs: list = []
+    errors: list = []
+
+    def build() -> None:
+        try:
+            Template.build(tpl, f"t-gc-b-{token}", on_build_logs=logs.append)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    builder = threading.Thread(target=build)
+    try:
+        _wait_for_lease(store, "delete", deleter)
+        builder.start()
+        deadline = time.monotonic() + 60
+        while builder.is_alive() and not any(n.startswith("write-") for n in store.list_refs("leases")):
+            assert time.monotonic() < deadline, "the build took no write lease"
+            time.sleep(0.02)
+        time.sleep(1.0)  # it finds the step cached, names its group and waits for the delete
+    finally:
+        go.touch()
+    code, out = _finish(deleter)
+    assert code == 0 and "removed=[" in out and group in out, out
+    builder.join(300)
+    assert not errors, errors
+    _, built = load_template(store, f"t-gc-b-{token}")
+    assert all(store.has_chunk(c.digest) for g in built.groups for c in load_group(store, g).chunks)
+    assert _runs(logs), [e.message for e in logs]  # the step ran again
+    sb = Sandbox.create(f"t-gc-b-{token}", timeout=60)
+    try:
+        assert sb.commands.run("cat /tmp/token").stdout.split() == [token]
+    finally:
+        sb.kill()
+    _quiet_nothing_left(e2bd)
+
+
 def test_from_template_and_async_build(e2bd, base_image):
     import asyncio
 

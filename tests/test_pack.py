@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,47 @@ def _templates(store: FileStore, tmp_path: Path, count: int) -> list[str]:
         create_template(store, f"t{i}", ["base", f"g{i}"], runtime=RuntimeConfig(working_dir="/workspace"))
         names.append(f"t{i}")
     return names
+
+
+class GcBeforeProfileStore(CountingStore):
+    """A real FileStore where ``weenv gc`` of another home (another node sharing
+    the store) runs right before the first prefetch profile is published: its
+    pack stored, the profile naming it not yet."""
+
+    def __init__(self, root, env: dict[str, str]):
+        super().__init__(root)
+        self.env = env
+        self.gc: tuple[int, str] | None = None
+
+    def set_ref(self, kind, name, digest):
+        if kind == "prefetch" and self.gc is None:
+            r = subprocess.run([sys.executable, "-m", "weenv", "gc"], env=self.env, capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+            self.gc = (r.returncode, r.stdout + r.stderr)
+        return super().set_ref(kind, name, digest)
+
+
+def test_gc_between_a_pack_and_its_profile_keeps_the_pack(tmp_path, paths, private_store, leak_check):  # noqa: F811
+    """A gc of another home runs after a node stored a prefetch pack and before
+    it published the profile naming it: the pack stays (the publication's write
+    lease names it), so the published profile's pack is in the store and a
+    cold start streams it.  (Before, the gc deleted the pack under the profile.)"""
+    env = {**os.environ, "WEENV_HOME": str(tmp_path / "other-home"), "WEENV_CACHE": str(tmp_path / "other-cache"),
+           "WEENV_STORE": f"file://{private_store}"}  # fmt: skip
+    store = GcBeforeProfileStore(private_store, env)
+    with Node(paths, store=store, prefetch_record_s=30) as n:
+        _record_profile(n)
+        assert store.gc is not None and store.gc[0] == 0, store.gc
+        profile = load_profile(store, load_template(store, "task")[0])
+        assert profile is not None and profile.pack is not None
+        assert store.has_pack(profile.pack.digest), store.gc
+        n.drop_caches()
+        store.order.clear()
+        env = n.create("task")
+        _read_some(n, env.id)
+        _wait_cached(n, profile.refs)
+        assert f"pack:{profile.pack.digest}" in store.order
+        n.destroy(env.id)
 
 
 def test_many_templates_cold_at_once(tmp_path, paths, private_store, leak_check):  # noqa: F811

@@ -67,7 +67,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as Futur
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.limits import MAX_PROFILE_CHUNKS
-from weenv.formats.manifest import ChunkRef, GroupManifest
+from weenv.formats.manifest import ChunkRef, GroupManifest, sha256_digest
 from weenv.node.cache import ChunkCache
 from weenv.node.lazyfs import LazyFS
 from weenv.node.peers import PeerChunks
@@ -80,6 +80,7 @@ from weenv.packaging.profile import (
     publish_profile,
 )
 from weenv.store.base import Store
+from weenv.store.lease import Lease, LeasedStore
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +239,9 @@ class Prefetcher:
     chunk).  ``record_s``: the longest recording window (seconds).
     ``pack_bytes``: plaintext bytes of the profile's first chunks a published
     pack holds (0: no packs).  ``publish_lock()``: a context manager held while
-    a profile and its pack are published (the node's shared store lock, so that
-    ``weenv gc`` never removes a pack between its upload and its profile's).
+    a profile and its pack are published (the node's shared store lock: a
+    ``weenv gc`` of the same home waits; a write lease keeps any other gc from
+    removing a pack between its upload and its profile's).
     ``on_group_complete(digest, manifest)``: called (in a thread) for each group
     of a finished job.  ``peers``: the node's
     :class:`~weenv.node.peers.PeerChunks` (the cache's chunk source) or None:
@@ -554,19 +556,23 @@ class Prefetcher:
         return chunks, spans
 
     def _publish(self, profile: PrefetchProfile) -> None:
+        # The write lease names the pack from before it is stored until the
+        # profile naming it is published (weenv.store.lease): a gc of another
+        # node or home in between keeps it.
         try:
-            with self.publish_lock():
-                profile = self._with_pack(profile)
-                digest = publish_profile(self.store, profile)
+            with self.publish_lock(), Lease(self.store, what=f"prefetch profile of {profile.template}") as lease:
+                profile = self._with_pack(profile, lease)
+                lease.check()
+                digest = publish_profile(LeasedStore(self.store, lease), profile)
             log.info("published prefetch profile %s of %s: %d chunks, %s", digest, profile.template,
                      len(profile.chunks), f"a pack of {len(profile.pack.frames)}" if profile.pack else "no pack")
         except Exception as exc:
             log.warning("cannot publish the prefetch profile of %s: %s", profile.template, exc)
 
-    def _with_pack(self, profile: PrefetchProfile) -> PrefetchProfile:
+    def _with_pack(self, profile: PrefetchProfile, lease: Lease) -> PrefetchProfile:
         """``profile`` with a pack of its first ``pack_bytes`` of chunks, stored
-        (the chunks read from the node cache); ``profile`` itself if packs are
-        off or the pack cannot be made."""
+        once ``lease`` names it (the chunks read from the node cache);
+        ``profile`` itself if packs are off or the pack cannot be made."""
         refs, total = [], 0
         for ref in profile.refs:
             if total + ref.size > self.pack_bytes:
@@ -577,6 +583,7 @@ class Prefetcher:
             return profile
         try:
             data, frames = build_pack(self.cache.read(ref, 0, ref.size, prefetch=True) for ref in refs)
+            lease.cover([sha256_digest(data)])  # before put_pack looks whether it is stored
             pack = PrefetchPack(digest=self.packs.put_pack(data), frames=frames)
         except Exception as exc:
             log.warning("no prefetch pack for %s: %s", profile.template, exc)

@@ -83,6 +83,7 @@ from weenv.packaging.steps import (
 from weenv.packaging.template import load_template
 from weenv.packaging.upperdir import clean_upper
 from weenv.store.base import Store
+from weenv.store.lease import Lease, LeasedStore, covered
 
 FORMAT = 1
 """Bumped when the same steps would build other trees (part of every key)."""
@@ -218,13 +219,43 @@ def _record(store: Store, key: str, state: _State, env: dict[str, str] | None = 
     buildcache.record(store, key, store.put_manifest(data))
 
 
-def _lookup(store: Store, key: str, user: str) -> tuple[_State, dict[str, str]] | None:
-    """The state recorded for ``key`` if it and all its groups' chunks are in the store."""
+def _stored(store: Store, digest: str) -> bool:
+    """Whether template manifest ``digest``, its groups and their chunks are all in the store."""
     try:
-        _, manifest = load_template(store, store.get_ref(buildcache.REF_KIND, key))
-        for digest in manifest.groups:
-            if not all(store.has_chunk(c.digest) for c in load_group(store, digest).chunks):
-                return None
+        _, manifest = load_template(store, digest)
+        return all(store.has_chunk(c.digest) for g in manifest.groups for c in load_group(store, g).chunks)
+    except WeenvError:
+        return False
+
+
+def _reached(store: Store, digest: str) -> list[str]:
+    """The groups of template manifest ``digest`` and their chunks."""
+    _, manifest = load_template(store, digest)
+    return [*manifest.groups, *(c.digest for g in manifest.groups for c in load_group(store, g).chunks)]
+
+
+def _reuse(store: Store, lease: Lease, find: Callable[[], str | None]) -> str | None:
+    """The template manifest ``find()`` names, once ``lease`` names it, its
+    groups and their chunks and they are still stored (None if not)."""
+    return covered(lease, lambda: (d if (d := find()) is not None and _stored(store, d) else None),
+                   lambda d: _reached(store, d))  # fmt: skip
+
+
+def _lookup(store: Store, lease: Lease, key: str, user: str) -> tuple[_State, dict[str, str]] | None:
+    """The state recorded for ``key`` if it and all its groups' chunks are in
+    the store, once ``lease`` names them (what a gc deletes meanwhile is a miss)."""
+
+    def find() -> str | None:
+        try:
+            return store.get_ref(buildcache.REF_KIND, key)
+        except WeenvError:
+            return None
+
+    digest = _reuse(store, lease, find)
+    if digest is None:
+        return None
+    try:
+        _, manifest = load_template(store, digest)
     except WeenvError:
         return None
     uid, gid = parse_user(manifest.runtime.user)
@@ -397,24 +428,37 @@ class TemplateBuild:
         self.files, self.log = files, log
         self.work = paths.home / "build" / f"e2b-{secrets.token_hex(6)}"
         self.session = _Session(store, paths, self.work, spec.resources)
+        self.lease: Lease | None = None
 
     def cancel(self) -> None:
         self.session.cancel()
 
-    def run(self) -> BuildOutcome:
-        """Build; raises :class:`StepFailedError`, :class:`BuildCancelledError`,
-        :class:`NotFoundError` (no such image or template), :class:`InvalidInputError`."""
+    def run(self, publish: Callable[[BuildOutcome], None] | None = None) -> BuildOutcome:
+        """Build, then ``publish(outcome)`` (sets the template's ref) while the
+        build's write lease still names all the template reaches (groups it
+        stored or reused from the cache, their chunks; weenv.store.lease).
+        Raises :class:`StepFailedError`, :class:`BuildCancelledError`,
+        :class:`NotFoundError` (no such image or template), :class:`InvalidInputError`,
+        :class:`BusyError` (the lease was lost: nothing is published)."""
         from weenv.packaging.builder import _remove_work
 
-        with buildcache.store_lock(self.paths, exclusive=False):
+        store = self.store
+        with buildcache.store_lock(self.paths, exclusive=False), Lease(store, what=f"e2b build {self.name}") as lease:
+            self.lease = lease
+            self.store = self.session.store = LeasedStore(store, lease)
             self.work.mkdir(parents=True)
             try:
-                return self._build()
+                outcome = self._build()
             finally:
                 try:
                     self.session.close()
                 finally:
                     _remove_work(self.work)
+                    self.store = self.session.store = store
+            if publish is not None:
+                lease.check()
+                publish(outcome)
+            return outcome
 
     def _build(self) -> BuildOutcome:
         spec, log = self.spec, self.log
@@ -438,7 +482,7 @@ class TemplateBuild:
                     raise StepFailedError(f"step {label} ({step.describe()[:200]}): {exc}", step=label) from exc
                 log(f"{where}", step=label)
                 continue
-            hit = None if forced else _lookup(self.store, key, advance(ctx, step).user)
+            hit = None if forced else _lookup(self.store, self.lease, key, advance(ctx, step).user)
             if hit is not None:
                 state = replace(hit[0], account=replace(hit[0].account, name=advance(ctx, step).user))
                 ctx = advance(ctx, step)
@@ -491,10 +535,17 @@ class TemplateBuild:
         if (spec.from_image is None) == (spec.from_template is None):
             raise StepFailedError("exactly one of fromImage and fromTemplate must be given", step="base")
         if spec.from_template is not None:
-            try:
-                digest, manifest = load_template(self.store, spec.from_template)
-            except NotFoundError as exc:
-                raise StepFailedError(f"fromTemplate {spec.from_template!r}: no such template", step="base") from exc
+            def named() -> str | None:
+                try:
+                    return load_template(self.store, spec.from_template)[0]
+                except NotFoundError:
+                    return None
+
+            digest = _reuse(self.store, self.lease, named)  # the build relies on its groups until it publishes
+            if digest is None:
+                raise StepFailedError(f"fromTemplate {spec.from_template!r}: no such template (or not all its "
+                                      "groups and chunks are stored)", step="base")  # fmt: skip
+            _, manifest = load_template(self.store, digest)
             env = dict(manifest.runtime.env)
             home = env.pop("HOME", "/")
             user = env.pop("USER", manifest.runtime.user.split(":")[0])
@@ -509,7 +560,7 @@ class TemplateBuild:
         except (NotFoundError, InvalidInputError, RuntimeFailedError, ToolMissingError) as exc:
             raise StepFailedError(str(exc), step="base") from exc
         key = hashlib.sha256(f"{FORMAT}\0image\0{ref}\0{digest}".encode()).hexdigest()
-        hit = _lookup(self.store, key, "root")
+        hit = _lookup(self.store, self.lease, key, "root")
         if hit is not None:
             log(f"CACHED [builder base] FROM {ref}", step="base")
             cached.append("base")
@@ -518,7 +569,7 @@ class TemplateBuild:
         from weenv.packaging.importer import import_image
 
         try:
-            result = import_image(f"docker://{ref}", self.store, name=f"e2b-base-{key[:24]}", workdir=self.work,
+            result = import_image(f"docker://{ref}", self.store.inner, name=f"e2b-base-{key[:24]}", workdir=self.work,
                                   progress=lambda m: log(m, step="base"))  # fmt: skip
         except (NotFoundError, InvalidInputError, RuntimeFailedError) as exc:
             raise StepFailedError(f"fromImage {ref}: {exc}", step="base") from exc
@@ -526,6 +577,8 @@ class TemplateBuild:
         env = {k: v for k, v in result.template.runtime.env.items() if k not in ("HOME", "USER")}
         state = _State(tuple(result.template.groups), ROOT)
         _record(self.store, key, state, env)
+        if _lookup(self.store, self.lease, key, "root") is None:  # the lease names the import's groups from here on
+            raise StepFailedError(f"fromImage {ref}: its import was deleted from the store meanwhile", step="base")
         ran.append("base")
         return key, state, Context(env={k: v for k, v in env.items() if k != "PATH" or v != DEFAULT_PATH})
 

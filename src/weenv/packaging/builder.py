@@ -91,7 +91,7 @@ from weenv.packaging.recipe import (
 from weenv.packaging.template import load_template
 from weenv.packaging.upperdir import clean_upper
 from weenv.store.base import Store
-from weenv.store.lease import Lease, LeasedStore
+from weenv.store.lease import Lease, LeasedStore, covered
 
 Progress = Callable[[str, str], None]
 """``progress(component, status)``: what the builder is doing, for a display."""
@@ -222,21 +222,17 @@ def build_recipe(
 
 def _cached(store: LeasedStore, lease: Lease, key: str) -> tuple[str, GroupManifest] | None:
     """The cached group of ``key`` and its manifest, once ``lease`` names it
-    and its chunks and they are still stored (looked at after the lease is
-    written: a gc that deleted them meanwhile makes it a miss, so the
-    component is built again); None on a miss."""
-    hit = buildcache.lookup(store, key)
+    and its chunks and they are still stored (:func:`~weenv.store.lease.covered`:
+    a gc that deleted them meanwhile makes it a miss, so the component is
+    built again); None on a miss."""
+    hit = covered(lease, lambda: buildcache.lookup(store, key),
+                  lambda digest: [c.digest for c in load_group(store, digest).chunks])  # fmt: skip
     if hit is None:
         return None
-    lease.cover([hit])
     try:
-        cached = load_group(store, hit)
+        return hit, load_group(store, hit)
     except NotFoundError:
         return None
-    lease.cover(c.digest for c in cached.chunks)
-    if buildcache.lookup(store, key) != hit:  # the presence check that counts: after the lease
-        return None
-    return hit, cached
 
 
 def build_component(

@@ -349,6 +349,23 @@ class Lease:
                 log.warning("could not renew lease %s on %s: %s", self.id, self.store.url, exc)
 
 
+def covered(lease: Lease, find: Callable[[], str | None], reached: Callable[[str], Iterable[str]]) -> str | None:
+    """The digest ``find()`` names, once ``lease`` names it and the digests
+    ``reached(it)`` lists, and ``find()`` still names it (W3 for what a writer
+    reuses: ``find`` checks that it and all it reaches are stored, and only
+    the check made after the lease is written counts, so a gc that deleted
+    them meanwhile makes it a miss); None on a miss (``reached`` raising
+    :class:`NotFoundError` included)."""
+    hit = find()
+    if hit is None:
+        return None
+    try:
+        lease.cover([hit, *reached(hit)])
+    except NotFoundError:
+        return None
+    return hit if find() == hit else None
+
+
 class LeasedStore(Store):
     """``store`` seen through write lease ``lease``: every chunk, manifest and
     pack stored through it is named in the lease before the store is asked

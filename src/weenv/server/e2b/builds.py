@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.formats.manifest import DEFAULT_DISK_BYTES, MAX_DISK_BYTES, Resources
-from weenv.node.stepbuild import MAX_LINE_BYTES, BuildSpec, StepFailedError, TemplateBuild
+from weenv.node.stepbuild import MAX_LINE_BYTES, BuildOutcome, BuildSpec, StepFailedError, TemplateBuild
 from weenv.server.e2b.buildlog import BuildLogBook, cut_line
 from weenv.server.e2b.uploads import Uploads
 
@@ -302,6 +302,20 @@ class Templates:
             self._log(b.id, message, level=level, step=step, output=output)
 
         build = TemplateBuild(spec, self.store, self.node.paths, name=t.name, files=self.uploads.path, log=log)
+
+        def publish(outcome: BuildOutcome) -> None:
+            """Run by the build while its lease still names what the template reaches."""
+            with self._lock:
+                if not self.owns_ref(t):
+                    raise StepFailedError(f"template name {t.name!r} was taken in the store meanwhile by a template "
+                                          f"that is not this one's: its ref was left as it is", step="base")  # fmt: skip
+                b.status, b.digest = "ready", outcome.template_digest
+                b.steps_run, b.steps_cached = outcome.steps_run, outcome.steps_cached
+                b.finished_at = b.updated_at = time.time()
+                if t.id in self._records and t.latest_ready() is b:
+                    self.store.set_ref("templates", t.name, outcome.template_digest)
+                self._save()
+
         try:
             with self._slots:
                 with self._lock:
@@ -310,7 +324,7 @@ class Templates:
                         self._running[b.id] = (self._running[b.id][0], build)
                 if cancelled:
                     raise StepFailedError("the build was cancelled (its template was deleted)", step="base")
-                outcome = build.run()
+                build.run(publish)
         except StepFailedError as exc:
             self._fail(t, b, str(exc), exc.step)
         except WeenvError as exc:
@@ -318,17 +332,6 @@ class Templates:
         except Exception as exc:  # noqa: BLE001 - a bug must still end the build as an error
             self._fail(t, b, f"internal error: {type(exc).__name__}: {exc}", "base")
         else:
-            with self._lock:
-                if not self.owns_ref(t):
-                    self._fail(t, b, f"template name {t.name!r} was taken in the store meanwhile by a template "
-                                     f"that is not this one's: its ref was left as it is", "base")  # fmt: skip
-                    return
-                b.status, b.digest = "ready", outcome.template_digest
-                b.steps_run, b.steps_cached = outcome.steps_run, outcome.steps_cached
-                b.finished_at = b.updated_at = time.time()
-                if t.id in self._records and t.latest_ready() is b:
-                    self.store.set_ref("templates", t.name, outcome.template_digest)
-                self._save()
             self._log(b.id, "Build finished: ready", final=True)
         finally:
             with self._lock:
