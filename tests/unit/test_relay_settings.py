@@ -45,7 +45,7 @@ def test_many_slow_relayed_connects_leave_the_shared_thread_pool_alone():
     waiting = []
 
     class SlowNode:
-        table = types.SimpleNamespace(get=lambda sid: types.SimpleNamespace(info=types.SimpleNamespace(public_traffic=True)))
+        table = types.SimpleNamespace(get=lambda sid: types.SimpleNamespace(info=types.SimpleNamespace(public_traffic=True, state="running")))
 
         def open_port(self, sandbox_id, port):
             waiting.append(port)
@@ -61,7 +61,9 @@ def test_many_slow_relayed_connects_leave_the_shared_thread_pool_alone():
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy), base_url="http://d")
         relays = [asyncio.ensure_future(client.get("/", headers={"Host": f"{8000 + i}-0123456789ab.e2b.app"}))
                   for i in range(50)]
-        while len(waiting) < CONNECT_THREADS:
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(waiting) < CONNECT_THREADS:  # a relay that fails before its connect never gets here
+            assert asyncio.get_running_loop().time() < deadline, f"only {len(waiting)} connects began"
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
         assert len(waiting) == CONNECT_THREADS  # the rest wait for the relay's own threads
