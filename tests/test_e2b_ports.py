@@ -190,7 +190,14 @@ def test_relays_cannot_take_the_connections_the_api_needs(daemon, public):
     assert _get(daemon, host, "/headers").status_code == 200  # room again
 
 
-def test_the_namespace_of_a_sandbox_without_network_is_pinned(node, tmp_path):
+@pytest.fixture
+def on_runc(monkeypatch):
+    """The node runs runc (WEENV_RUNTIME=runc): the test rewrites runc's own
+    state file (``ROOT/ID/state.json``; crun keeps another, ``ROOT/ID/status``)."""
+    monkeypatch.setenv("WEENV_RUNTIME", "runc")
+
+
+def test_the_namespace_of_a_sandbox_without_network_is_pinned(on_runc, node, tmp_path):
     """A sandbox without network is reached in the namespace of its first
     process.  That was found as ``/proc/PID/ns/net`` of the number runc
     reported: a number that names another process by the time it is opened (a
@@ -203,7 +210,7 @@ def test_the_namespace_of_a_sandbox_without_network_is_pinned(node, tmp_path):
     mine = node.spawn(env.id, ["python3", "-c", serve, str(PORT), "env"])
     other = subprocess.Popen(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c "
                               f"\"$0\" {PORT} impostor", serve], stdout=subprocess.PIPE, text=True)  # fmt: skip
-    state_file = node.runc.root / node.table.get(env.id).container_id / "state.json"
+    state_file = node.runc.chosen.root / node.table.get(env.id).container_id / "state.json"
     saved = state_file.read_bytes()
     try:
         assert other.stdout.readline() == "ready\n"
