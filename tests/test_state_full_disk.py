@@ -130,7 +130,13 @@ def test_memory_releasing_pause_resume_and_reset_on_a_full_disk(small, paths):
     node.destroy(e.id)
 
 
-def test_runc_failing_silently_on_a_full_disk_says_what_ran_and_why(small, paths):
+@pytest.fixture
+def on_runc(monkeypatch):
+    """The node runs runc (WEENV_RUNTIME=runc): the test reads runc's own words."""
+    monkeypatch.setenv("WEENV_RUNTIME", "runc")
+
+
+def test_runc_failing_silently_on_a_full_disk_says_what_ran_and_why(on_runc, small, paths):
     """runc run of a bundle on the full disk: it cannot write its pid file, nor
     its message into the first process's log there (before: the message was empty)."""
     node = small

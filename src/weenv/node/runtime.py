@@ -330,7 +330,11 @@ class NodeRuntime:
 
 
 def _record(bundle: Path, name: str) -> None:
-    (Path(bundle) / RUNTIME_FILE).write_text(name)
+    """Record in ``bundle`` that runtime ``name`` makes its container; a bundle
+    already recording it is not written again (a resume on a full disk then
+    fails with the runtime's own words, not on this file)."""
+    if recorded_runtime(bundle) != name:
+        (Path(bundle) / RUNTIME_FILE).write_text(name)
 
 
 def recorded_runtime(bundle: Path) -> str | None:
