@@ -11,7 +11,7 @@ reservations).  Per fork it prints:
   threads), its waited children (runc), the children's cgroups (``runc init``
   once in them, the exec agent, the first command) and the whole machine
   (``/proc/stat``: what is left is the kernel's work for others, e.g. kworkers);
-- each create phase (:class:`~weenv.node.models.CreateTiming`) and each timed
+- each create phase (:class:`~weenv.api.models.CreateTiming`) and each timed
   step inside it: median wall per child and the sum of the calling thread's
   CPU (``time.thread_time``) over the children.
 
@@ -125,7 +125,7 @@ def main() -> None:
         os.environ.setdefault("WEENV_CACHE", "/var/cache/weenv")
         from weenv_bench.fork import SMALL, _write_script
 
-        import weenv.node.container as container_mod
+        import weenv.node.runtime.container as container_mod
         import weenv.node.node as node_mod
         from weenv.config import Paths
         from weenv.formats.manifest import RuntimeConfig

@@ -102,7 +102,7 @@ def system_snapshot(prefix: Path) -> dict:
         str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
     )
     fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
-    veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.network's
+    veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.runtime.network's
     return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths,
             "nft tables": nft_tables()}
 

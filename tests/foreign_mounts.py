@@ -36,8 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weenv.host.mounts import MountSpec, erofs_spec, is_mounted, mount, mounts_under, umount
-from weenv.node.fuse import protocol as P
-from weenv.node.fuse.session import Attr, FuseSession, Operations, mount_options, open_device
+from weenv.node.data.fuse import protocol as P
+from weenv.node.data.fuse.session import Attr, FuseSession, Operations, mount_options, open_device
 
 PR_SET_PDEATHSIG = 1
 IMAGE_NAME = b"image"

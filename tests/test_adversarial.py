@@ -32,8 +32,8 @@ from weenv.errors import (
 from weenv.formats.manifest import Resources
 from weenv.host import mounts
 from weenv.node.node import CONTAINER_PREFIX, Node
-from weenv.node.runc import children
-from weenv.node.runtime import KINDS, NodeRuntime
+from weenv.node.runtime.runc import children
+from weenv.node.runtime.runtime import KINDS, NodeRuntime
 from weenv.packaging.group import build_group
 from weenv.server import daemon
 from weenv.store.file import FileStore

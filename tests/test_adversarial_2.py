@@ -105,7 +105,7 @@ def test_holder_pid_file_naming_another_homes_holder(tmp_path):
     """A damaged (or stale, pid reused) holder pid file naming another home's
     holder: ``release`` (``weenv stop``, a daemon start) could not reach it by
     its socket and SIGKILLed it, cutting the other home's FUSE connection."""
-    from weenv.node.fuse import holder
+    from weenv.node.data.fuse import holder
 
     a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
     a.mkdir(parents=True)

@@ -20,7 +20,7 @@ import zstandard
 from test_lazy import LazyNode, build, drop_page_cache
 
 from weenv.errors import CapacityError, DigestMismatchError
-from weenv.node.cache import ChunkCache
+from weenv.node.data.cache import ChunkCache
 from weenv.node.node import Node
 from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.group import load_group

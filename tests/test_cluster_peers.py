@@ -1,5 +1,5 @@
 """Peer chunk sharing on a real Ray cluster on this machine (weenv.cluster.peers,
-weenv.node.peers): a head and two more nodes, each with its own weenv home and
+weenv.node.data.peers): a head and two more nodes, each with its own weenv home and
 chunk cache, reading one file store.  A chunk comes from a peer that holds it
 instead of the store; a template started on two nodes at once comes from the
 store once; a peer answering other bytes, a slow peer (busy: its rate's
@@ -22,7 +22,7 @@ from weenv import cluster  # noqa: E402
 from weenv.cluster.client import ClusterClient  # noqa: E402
 from weenv.config import Paths  # noqa: E402
 from weenv.formats.manifest import parse_group_manifest  # noqa: E402
-from weenv.node.peers import PeerSettings, PeerUpdate  # noqa: E402
+from weenv.node.data.peers import PeerSettings, PeerUpdate  # noqa: E402
 from weenv.sdk import NodeClient  # noqa: E402
 from weenv.server import daemon  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node.fuse.session import MAX_BACKGROUND
+from weenv.node.data.fuse.session import MAX_BACKGROUND
 from weenv.node.node import Node
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.group import build_group, load_group

@@ -5,7 +5,7 @@ Debian's ``sudo`` package and a ``user`` account with ``NOPASSWD: ALL``
 (:func:`test_userns.sudo_layer`, skipped when the package cannot be
 downloaded); template ``plain`` is the same without ``runtime.sudo``.  Each
 environment of ``sudo`` runs in a user namespace over a host id range of its
-own (:mod:`weenv.node.idmap`); nothing of it may outlive it.  No mocks.
+own (:mod:`weenv.node.runtime.idmap`); nothing of it may outlive it.  No mocks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from daemon_fixture import environ, start_daemon  # noqa: E402
 from e2b_fixture import e2b_daemon  # noqa: E402
 from test_userns import range_processes as userns_processes, sudo_layer  # noqa: E402
 from weenv.formats.manifest import RuntimeConfig  # noqa: E402
-from weenv.node import idmap  # noqa: E402
+from weenv.node.runtime import idmap  # noqa: E402
 from weenv.packaging.group import build_group  # noqa: E402
 from weenv.packaging.template import create_template  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402

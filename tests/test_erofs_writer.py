@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from weenv.host.mounts import erofs_spec, mount, umount
-from weenv.node.cache import ChunkCache
-from weenv.node.groups import GroupMounts
-from weenv.node.lazyfs import LazyFS
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.groups import GroupMounts
+from weenv.node.data.lazyfs import LazyFS
 from weenv.packaging.group import assemble_image, build_group
 from weenv.store.file import FileStore
 

@@ -1,4 +1,4 @@
-"""The exec agent (weenv.node.agent): commands in a started environment without
+"""The exec agent (weenv.node.runtime.agent): commands in a started environment without
 ``runc exec``, with the first process's isolation, and the fallback to runc.
 
 Real environments on a started Node (the ``node`` fixture); isolation is read
@@ -18,11 +18,11 @@ import pytest
 
 from weenv.errors import InvalidInputError, OutputLimitError, RuntimeFailedError
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node import agent
-from weenv.node.bundle import AGENT_PATH, INIT_PATH, build_config
-from weenv.node.commands import collect
+from weenv.node.runtime import agent
+from weenv.node.runtime.bundle import AGENT_PATH, INIT_PATH, build_config
+from weenv.node.runtime.commands import collect
 from weenv.node.node import Node
-from weenv.node.runc import children
+from weenv.node.runtime.runc import children
 from weenv.node.table import AGENT_SOCKET
 from weenv.formats.manifest import RuntimeConfig
 

@@ -18,7 +18,7 @@ from test_network_lists import _reach, far_hosts, no_leak  # noqa: F401  (fixtur
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, NotFoundError, StateError
 from weenv.node.node import Node
-from weenv.node.snapshot import CAPTURES
+from weenv.node.state.snapshot import CAPTURES
 from weenv.store.file import FileStore
 
 # the parent's changes to the template: a new file, a changed one, a deleted base

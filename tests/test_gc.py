@@ -11,7 +11,7 @@ import pytest
 
 from weenv.errors import DaemonError, InvalidInputError
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node.cache import ChunkCache
+from weenv.node.data.cache import ChunkCache
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.gc import collect, dedupe_report
 from weenv.packaging.group import assemble_image, build_group, load_group
@@ -126,7 +126,7 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
             assert client.exec(env.id, ["cat", "v"]).stdout == b"one\n"
             client.destroy(env.id)
             time.sleep(0.5)  # the daemon publishes the template's prefetch profile in the background
-            profile = store.list_refs("prefetch").get(old_t.split(":", 1)[1])  # weenv.node.prefetch
+            profile = store.list_refs("prefetch").get(old_t.split(":", 1)[1])  # weenv.node.data.prefetch
             r = collect(store, paths, in_use=lambda: daemon.running_templates(paths))
             assert sorted(r.manifests_removed) == sorted([old_t, old_task.digest] + ([profile] if profile else []))
             env = client.create("t")
@@ -143,7 +143,7 @@ def test_a_snapshot_is_kept_while_named_or_running_and_collected_after(debian_ro
     created from it runs after its ref is deleted; once neither holds it, gc
     removes its template manifest, its capture group and the chunks only it
     held, and leaves the template it was taken of whole."""
-    from weenv.node.snapshot import delete_snapshot
+    from weenv.node.state.snapshot import delete_snapshot
 
     build_group(debian_root, store, name="base")
     build_group(_tree(tmp_path / "task", {"workspace/v": b"task\n"}), store, name="task")

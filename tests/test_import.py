@@ -464,7 +464,7 @@ def test_distroless_image_from_the_registry_starts_and_runs(dockerd, store, path
     """``FROM scratch`` + one static binary (no shell, no ``sleep``), pushed to a
     loopback registry and imported from it: the environment starts (its pid 1
     is weenv's exec agent, not the image's ``sleep``) and runs the binary."""
-    from weenv.node.bundle import AGENT_PATH
+    from weenv.node.runtime.bundle import AGENT_PATH
     from weenv.node.node import Node
 
     ctx = tmp_path / "ctx"

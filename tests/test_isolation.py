@@ -26,8 +26,8 @@ import pytest
 from test_restart import restart_home  # noqa: F401  (fixture)
 
 from weenv.host.mounts import mounts_under
-from weenv.node import nameserver, network
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS
+from weenv.node.runtime import nameserver, network
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS
 
 AS_NOBODY = ["runuser", "-u", "nobody", "--"]
 """An unprivileged host user (setpriv --reuid keeps its capabilities until the execve, which then finds
@@ -252,7 +252,7 @@ def test_network_environment_reaches_out_through_nat_but_never_the_host(node, ne
     for addr in host_addresses():
         if not addr.startswith("127."):
             assert connect_from(node, env.id, addr, host_server) == "TimeoutError", addr
-    r = node.exec(env.id, "cat /etc/resolv.conf")  # its own name server (weenv.node.nameserver), not the host's
+    r = node.exec(env.id, "cat /etc/resolv.conf")  # its own name server (weenv.node.runtime.nameserver), not the host's
     assert r.stdout == nameserver.RESOLV_CONF.encode()
 
 
@@ -372,7 +372,7 @@ def test_network_after_daemon_crash_recovery_and_stop(restart_home, outside):
     from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.template import create_template
     from weenv.server import daemon
-    from weenv.node.fuse import holder
+    from weenv.node.data.fuse import holder
 
     home = restart_home
     create_template(home.store, "rn", ["base", "data"], runtime=RuntimeConfig(network=True, working_dir="/data"))

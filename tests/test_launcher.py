@@ -1,4 +1,4 @@
-"""The launcher seam (weenv.node.launcher): the exec agent and ``runc exec``
+"""The launcher seam (weenv.node.runtime.launcher): the exec agent and ``runc exec``
 start a command the same way.  One suite, run against each backend alone (no
 fallback), on real environments of a started Node."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from weenv.node.commands import collect
+from weenv.node.runtime.commands import collect
 
 BACKENDS = ["agent", "runc"]
 

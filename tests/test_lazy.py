@@ -23,9 +23,9 @@ import zstandard
 
 from weenv.errors import DigestMismatchError, MountError
 from weenv.host.mounts import mounts_under
-from weenv.node.cache import ChunkCache
-from weenv.node.groups import GroupMounts, clear_stale
-from weenv.node.lazyfs import LazyFS
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.groups import GroupMounts, clear_stale
+from weenv.node.data.lazyfs import LazyFS
 from weenv.packaging.group import build_group
 from weenv.store.file import FileStore
 
@@ -481,9 +481,9 @@ def test_stop_while_busy_does_not_hang(fusectl, tmp_path, paths, counting_store,
 
 CRASHING_DAEMON = r"""
 import os, sys
-from weenv.node.cache import ChunkCache
-from weenv.node.groups import GroupMounts
-from weenv.node.lazyfs import LazyFS
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.groups import GroupMounts
+from weenv.node.data.lazyfs import LazyFS
 from weenv.packaging.group import load_group
 from weenv.store.file import FileStore
 home, digest = sys.argv[1], sys.argv[2]
@@ -522,8 +522,8 @@ def test_clear_stale_after_a_crash(tmp_path, paths, store, leak_check):
 
 WITHDRAWN_REQUEST = r"""
 import os, subprocess, sys, time
-from weenv.node.cache import ChunkCache
-from weenv.node.lazyfs import LazyFS
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.lazyfs import LazyFS
 from weenv.store.file import FileStore
 home = sys.argv[1]
 fs = LazyFS(home + "/node/lazy", ChunkCache(home + "/node/cache", FileStore(home + "/store")))

@@ -8,7 +8,7 @@ EIO for read(2)) in bounded time, never a hang, while the node keeps serving.
 The mapping is made by python3 *inside* the environment.  Never map a lazily
 loaded file from the daemon's (or this test's) own Python process: the fault
 would be taken while holding the GIL, which LazyFS's FUSE thread needs to
-answer it (see :mod:`weenv.node.lazyfs`).
+answer it (see :mod:`weenv.node.data.lazyfs`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from conftest import nft_tables, system_snapshot
 from daemon_fixture import start_daemon
 from test_isolation import ANSWER_PEER, connect_from, env_address, far_host, host_addresses, host_server  # noqa: F401
 from weenv.errors import InvalidInputError, NetworkForbiddenError
-from weenv.node import network
+from weenv.node.runtime import network
 from weenv.node.node import Node
 
 HOSTS = {"one": ("198.19.7.1/30", "198.19.7.2/30"), "two": ("198.19.7.5/30", "198.19.7.6/30")}

@@ -1,4 +1,4 @@
-"""The warm pool (weenv.node.pool): environments created ahead with ``runc
+"""The warm pool (weenv.node.state.pool): environments created ahead with ``runc
 create``, started by the next create of their template; real runc, overlay
 and group mounts."""
 
@@ -374,7 +374,7 @@ def kill_a_node_holding_a_pooled_environment(paths, store, tmp_path) -> int | No
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         assert proc.stdout.readline() == b"ready\n"
-        from weenv.node.fuse import holder
+        from weenv.node.data.fuse import holder
 
         return holder.pid_of(paths.run)
     finally:

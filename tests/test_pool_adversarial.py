@@ -1,4 +1,4 @@
-"""Adversarial tests of the warm pool (weenv.node.pool wired into Node):
+"""Adversarial tests of the warm pool (weenv.node.state.pool wired into Node):
 races between creates, fills, close, drop_caches and configure; pooled
 containers damaged from outside; admission and capacity around a take;
 templates that move; a killed node.  Real runc, overlay and group mounts.
@@ -27,7 +27,7 @@ import pytest
 
 from weenv.errors import CapacityError, MountError, NotFoundError
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.node.fuse import holder
+from weenv.node.data.fuse import holder
 from weenv.node.node import Node, _overlay_lowers
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.template import create_template, load_template

@@ -1,4 +1,4 @@
-"""Streamed and background commands on one node (Node.spawn/run, weenv.node.process),
+"""Streamed and background commands on one node (Node.spawn/run, weenv.node.runtime.process),
 lifetimes (timeouts, the reaper) and capacity, without the HTTP server."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from weenv.errors import CapacityError, InvalidInputError, NotFoundError, OutputLimitError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import open_cgroups
-from weenv.node.models import ProcessEvent
+from weenv.api.models import ProcessEvent
 from weenv.node.node import CONTAINER_PREFIX, Node
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.host import mounts
-from weenv.node.buildenv import NodeBuildEnvironments
+from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.node.node import Node
 from weenv.packaging.builder import StepFailedError, build_recipe
 from weenv.packaging.group import load_group

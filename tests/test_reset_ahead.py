@@ -1,5 +1,5 @@
 """Robustness of resets that start a container made ahead (review findings on
-:mod:`weenv.node.reset`), with real mounts, btrfs subvolumes and runc."""
+:mod:`weenv.node.state.reset`), with real mounts, btrfs subvolumes and runc."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from test_fork import EXPECTED, SETUP, TREE, _containers_of, node, sh, store  # noqa: F401  (fixtures)
 from weenv.host import mounts
-from weenv.node.agent.client import spawn
+from weenv.node.runtime.agent.client import spawn
 from weenv.node.node import Node
 
 

@@ -28,8 +28,8 @@ from weenv.config import Paths
 from weenv.errors import WeenvError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import mounts_under
-from weenv.node.fuse import holder
-from weenv.node.models import CreateRequest
+from weenv.node.data.fuse import holder
+from weenv.api.models import CreateRequest
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.template import create_template, load_template
 from weenv.sdk import NodeClient

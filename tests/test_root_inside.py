@@ -22,11 +22,11 @@ import pytest
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
-from weenv.node import idmap
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
+from weenv.node.runtime import idmap
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
 from weenv.node.disk import NodeDisk
 from weenv.node.node import Node
-from weenv.node.snapshot import CAPTURES
+from weenv.node.state.snapshot import CAPTURES
 from weenv.store.file import FileStore
 
 # a user, a file of theirs root chowned, one root chmodded, their 0700 directory,

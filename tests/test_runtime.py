@@ -25,14 +25,14 @@ from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, T
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.host.rootfs import RootFS
-from weenv.node.bundle import (
+from weenv.node.runtime.bundle import (
     MASKED_PATHS,
     RUNC_DEFAULT_CAPS,
     write_bundle,
 )
 from weenv.node.cgroups import open_cgroups
-from weenv.node.runc import INIT_PID_FILE, MEMFD_SEALS, Runc
-from weenv.node.runtime import Crun, crun_refusal
+from weenv.node.runtime.runc import INIT_PID_FILE, MEMFD_SEALS, Runc
+from weenv.node.runtime.runtime import Crun, crun_refusal
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

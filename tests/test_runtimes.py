@@ -1,5 +1,5 @@
 """One behaviour suite for the node's OCI runtimes: every test runs against
-runc and crun (:mod:`weenv.node.runtime`), through a real node; no mocks.
+runc and crun (:mod:`weenv.node.runtime.runtime`), through a real node; no mocks.
 
 What a runtime does for weenv: create and start (also apart: the warm pool's
 create, then start), exec (the exec agent's start pipe, and the runtime's own
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from weenv.errors import InvalidInputError, ToolMissingError
-from weenv.node.models import CreateRequest
+from weenv.api.models import CreateRequest
 from weenv.node.node import Node
-from weenv.node.runtime import RUNTIME_FILE, NodeRuntime, choose_runtime, crun_refusal, runtime_setting
+from weenv.node.runtime.runtime import RUNTIME_FILE, NodeRuntime, choose_runtime, crun_refusal, runtime_setting
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -200,7 +200,7 @@ def test_the_setting_and_the_choice(monkeypatch):
 def test_a_node_told_to_use_a_crun_that_cannot_run_refuses_to_start(paths, shared_store, caplog):
     with pytest.raises(ToolMissingError, match="WEENV_RUNTIME=crun but crun cannot run here"):
         NodeRuntime.for_setting("crun", paths.runtime_roots, crun_binary="/no/such/crun")
-    with caplog.at_level("WARNING", logger="weenv.node.runtime"):
+    with caplog.at_level("WARNING", logger="weenv.node.runtime.runtime"):
         r = NodeRuntime.for_setting("auto", paths.runtime_roots, crun_binary="/no/such/crun")
     assert r.name == "runc"
     warned = [m for m in caplog.messages if "OCI runtime: runc" in m]

@@ -22,7 +22,7 @@ from weenv.errors import (BrokenError, BusyError, DiskFullError, InvalidInputErr
                           RuntimeFailedError, StateError)
 from weenv.formats.manifest import Resources
 from weenv.node.node import Node
-from weenv.node.snapshot import CAPTURES
+from weenv.node.state.snapshot import CAPTURES
 
 MiB = 1 << 20
 SMALL = Resources(cpus=0.5, memory_bytes=256 * MiB, pids=256, disk_bytes=64 * MiB)
@@ -261,7 +261,7 @@ def test_a_command_arriving_while_a_pause_freezes_is_refused_not_started_frozen(
     opened, so a command waiting at the gate started in the frozen cgroup (and
     hung there, holding the gate: the next resume blocked with the environment's
     lock held).  The command is made to arrive then, the marking held back."""
-    from weenv.node import pause as pause_module
+    from weenv.node.state import pause as pause_module
 
     node = small
     e = node.create("task", resources=SMALL)

@@ -20,9 +20,9 @@ from daemon_fixture import start_daemon
 from registry_fixture import registry  # noqa: F401 (fixture)
 
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node.cache import ChunkCache
+from weenv.node.data.cache import ChunkCache
 from weenv.node.node import Node
-from weenv.node.prefetch import LOOKUP_WAIT_S, Prefetcher
+from weenv.node.data.prefetch import LOOKUP_WAIT_S, Prefetcher
 from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.packaging.transfer import copy_template

@@ -1,7 +1,7 @@
 """``sudo`` inside an environment in a user namespace (issue 17 item 5).
 
 Real runc 1.1.5 over an overlay whose lowers are idmapped clones
-(:mod:`weenv.node.idmap`) of the cached Debian tree and of a layer holding
+(:mod:`weenv.node.runtime.idmap`) of the cached Debian tree and of a layer holding
 Debian's ``sudo`` package, with a ``user`` account (uid 1000) given
 ``NOPASSWD: ALL``.  No mocks.
 """
@@ -24,9 +24,9 @@ import pytest
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MS_NOSUID, MountSpec, mount, mount_erofs, overlay_escape, umount
-from weenv.node import idmap
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS, write_bundle
-from weenv.node.runtime import NodeRuntime
+from weenv.node.runtime import idmap
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, write_bundle
+from weenv.node.runtime.runtime import NodeRuntime
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 

@@ -1,4 +1,4 @@
-"""Commands and files as the user a caller names (weenv.node.users, the exec
+"""Commands and files as the user a caller names (weenv.node.runtime.users, the exec
 agent's identities, envd's ``user``), through the node, weenv's own API and the
 real ``e2b`` SDK against ``weenv serve``.
 

@@ -284,7 +284,7 @@ def _peer_ms_per_mib(nodes, home_of, config) -> float | None:
     import ray
 
     from weenv import cluster
-    from weenv.node.peers import CHUNK_PATH, TOKEN_HEADER
+    from weenv.node.data.peers import CHUNK_PATH, TOKEN_HEADER
 
     settings = ray.get(cluster.placement_actor().peer_settings.remote())
     for n in nodes:

@@ -45,7 +45,7 @@ from weenv_bench import machine, write_report
 
 from weenv.config import Paths
 from weenv.node.cgroups import open_cgroups
-from weenv.node.idmap import SEARCHABLE_MODE
+from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv.node.node import Node
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group

@@ -82,7 +82,7 @@ from typing import Self
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
-from weenv.node.idmap import SEARCHABLE_MODE
+from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv_bench import machine, write_report
 
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
@@ -289,7 +289,7 @@ def _released_together(n: int, start) -> list:
 PHASES = ("manifest_s", "groups_s", "upper_s", "overlay_s", "runtime_s", "create_s", "command_s",
           "prefetch_begin_s", "prefetch_end_s", "pack_chunks", "demand_chunks")  # fmt: skip
 """The phases of one start a row reports (p50 over its starts; seconds unless named otherwise):
-the create's own (:class:`~weenv.node.models.CreateTiming`: manifests, group
+the create's own (:class:`~weenv.api.models.CreateTiming`: manifests, group
 mounts (``upper_s``, the upper dir made meanwhile, is a part of them),
 overlay, runc; ``create_s`` the whole create), ``command_s`` from the create's
 return to the first output (spawn, the agent, the command), the background
@@ -673,7 +673,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "daemon": "weenv: this process (node + benchmark threads) + reaped children (runc); "
                 "docker: dockerd + containerd (/proc); peak = VmHWM after clear_refs",
                 "concurrency": "starts of a round released together by a barrier; concurrency 1 repeats rounds",
-                "pool": "weenv's warm pool at its default size (weenv.node.pool): a template created twice gets "
+                "pool": "weenv's warm pool at its default size (weenv.node.state.pool): a template created twice gets "
                 "environments created ahead (runc create), which later creates start (runc start); rows count "
                 f"them in pooled_starts. {NO_POOL}: the warm starts at concurrency 1 again with the pool off "
                 "(pool size 0), every create running runc run",

@@ -69,7 +69,7 @@ from pathlib import Path
 from weenv_bench import machine, write_report
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
-from weenv.node.buildenv import NodeBuildEnvironments
+from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.packaging.builder import build_recipe, host_ca_bundle, pip_wheel
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.recipe import parse_recipe

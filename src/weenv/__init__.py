@@ -7,13 +7,18 @@ more, and ``tests/unit/test_project_map.py`` checks both against the folders):
 - ``weenv.host``: the host's mount table and mount(2), file access confined under a root
   or through a live process's root, inotify, hole punching.
 - ``weenv.formats``: the manifests, digests, read limits and environment-tax records every layer shares.
+- ``weenv.api``: the wire contract: request and response models the SDK, server, node
+  and cluster share.
 - ``weenv.store``: content-addressed stores of chunks and manifests (``file://``,
   ``oci://``, ``s3://``), their retries and circuit breaker.
 - ``weenv.packaging``: layer groups (EROFS image, chunks) and templates, prefetch
   profiles, recipes, builds, ``weenv update``, gc; ``importer``: Docker/OCI images.
-- ``weenv.node``: one machine: chunk cache, lazy FUSE file system (``fuse``), group
-  mounts, runc, the exec agent (``agent``), cgroups (``cgroups``), elastic
-  provisioning (``provision``), environments, snapshot, fork, reset, pause, the warm pool.
+- ``weenv.node``: one machine, in wings: ``data`` (chunk cache, lazy FUSE file system,
+  group mounts, prefetch, peers), ``runtime`` (one container: bundle, runc/crun, the exec
+  agent, commands, network), ``state`` (snapshot, fork, reset, pause, recovery, the warm
+  pool); beside them cgroups (``cgroups``), elastic provisioning (``provision``), the
+  environment table, the node's disk.
+- ``weenv.build``: builds run in node environments (step builds, the builder's environments).
 - ``weenv.sdk``: the Python SDK (``weenv.Sandbox``, ``weenv.AsyncSandbox``), and
   the node's API as records (``weenv.sdk.NodeClient``); ``weenv.meter()``.
 - ``weenv.server``: the node daemon's HTTP API, and starting and stopping it;

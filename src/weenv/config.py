@@ -18,8 +18,11 @@ holder) goes through them.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from weenv.errors import InvalidInputError
 
 
 PRIVATE_MODE = 0o700
@@ -113,3 +116,15 @@ class Paths:
     def runtime_roots(self) -> dict[str, Path]:
         """OCI runtime name -> its state directory."""
         return {"runc": self.runc_root, "crun": self.crun_root}
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"1073741824"``, ``"512M"``, ``"10GiB"`` -> bytes (binary units).
+    Raises :class:`InvalidInputError`."""
+    m = _SIZE.match(text or "")
+    if not m:
+        raise InvalidInputError(f"bad size {text!r}: want bytes, or a number with K, M, G or T")
+    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))

@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import RuntimeConfig, TemplateManifest, check_digest, check_name
-from weenv.node.bundle import build_config
+from weenv.node.runtime.bundle import build_config
 from weenv.node.cgroups import CgroupV2
-from weenv.node.runc import exec_args
+from weenv.node.runtime.runc import exec_args
 from weenv.packaging.importer.source import check_blob_digest
 
 DIGEST = "sha256:" + "ab" * 32

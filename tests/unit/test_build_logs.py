@@ -1,11 +1,11 @@
 """A build's log bounded in bytes (:mod:`weenv.server.e2b.buildlog`) and a step's
-output cut into bounded lines as it is read (``weenv.node.stepbuild._Lines``)."""
+output cut into bounded lines as it is read (``weenv.build.stepbuild._Lines``)."""
 
 from __future__ import annotations
 
 import json
 
-from weenv.node.stepbuild import MAX_LINE_BYTES, _Lines
+from weenv.build.stepbuild import MAX_LINE_BYTES, _Lines
 from weenv.server.e2b.buildlog import BuildLogBook
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.host.rootfs import RootFS
-from weenv.node.stepbuild import docker_reference, step_key
+from weenv.build.stepbuild import docker_reference, step_key
 from weenv.packaging.steps import (
     Account,
     Context,

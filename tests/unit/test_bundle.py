@@ -1,4 +1,4 @@
-"""The OCI bundle's config.json as data (:func:`weenv.node.bundle.build_config`):
+"""The OCI bundle's config.json as data (:func:`weenv.node.runtime.bundle.build_config`):
 no runc, nothing mounted."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, build_config, write_bundle
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, build_config, write_bundle
 
 
 def test_bundle_config(tmp_path):
@@ -65,7 +65,7 @@ def test_bundle_config(tmp_path):
 def test_the_agent_holds_the_environment_in_place_of_sleep():
     """With the agent, the default command (``sleep infinity``) is never the
     image's: the agent alone is pid 1 (no init, no command after ``--``)."""
-    from weenv.node.bundle import AGENT_PATH, INIT_PATH
+    from weenv.node.runtime.bundle import AGENT_PATH, INIT_PATH
 
     agent, init = Path("/x/weenv-agent"), Path("/usr/bin/tini-static")
     held = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init, agent=agent)

@@ -4,7 +4,7 @@ two by two on its nodes, and each create looked its name, its manifests and its
 prefetch profile up for itself): the template name's lookup
 (weenv.node.resolver.Resolver.resolve), each manifest's fetch
 (weenv.node.manifests.NodeManifests) and the profile's lookup
-(weenv.node.prefetch.Prefetcher.begin_early) are shared by the creates asking
+(weenv.node.data.prefetch.Prefetcher.begin_early) are shared by the creates asking
 at once; an error of the shared request reaches every one of them."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from weenv.errors import StoreUnavailableError
 from weenv.formats.manifest import sha256_digest
-from weenv.node.cache import ChunkCache
+from weenv.node.data.cache import ChunkCache
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node.prefetch import Prefetcher
+from weenv.node.data.prefetch import Prefetcher
 from weenv.node.resolver import Resolver
 from weenv.packaging.profile import PrefetchProfile, publish_profile
 from weenv.store.file import FileStore

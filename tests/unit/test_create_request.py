@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from weenv.errors import InvalidInputError
-from weenv.node.models import CreateRequest
+from weenv.api.models import CreateRequest
 from weenv.node.node import _request
 
 

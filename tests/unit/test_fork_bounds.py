@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from weenv.errors import InvalidInputError
-from weenv.node.fork import DEFAULT_MAX_FORK, check_count, max_fork_from_env
-from weenv.node.models import ForkRequest, ResumeRequest, SnapshotRequest
+from weenv.node.state.fork import DEFAULT_MAX_FORK, check_count, max_fork_from_env
+from weenv.api.models import ForkRequest, ResumeRequest, SnapshotRequest
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_snapshot_and_resume_requests_are_bounded():
 
 
 def test_the_pause_release_time_comes_from_the_environment(monkeypatch):
-    from weenv.node.pause import release_after_from_env
+    from weenv.node.state.pause import release_after_from_env
 
     monkeypatch.delenv("WEENV_PAUSE_RELEASE_S", raising=False)
     assert release_after_from_env() is None
@@ -73,14 +73,14 @@ def test_the_pause_release_time_comes_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("body", [{"release_memory": "yes please"}, {"memory": 1}])
 def test_pause_requests_out_of_bounds_are_refused(body):
-    from weenv.node.models import PauseRequest
+    from weenv.api.models import PauseRequest
 
     with pytest.raises(ValidationError):
         PauseRequest.model_validate(body)
 
 
 def test_create_requests_take_only_kill_or_pause_at_their_timeout():
-    from weenv.node.models import CreateRequest
+    from weenv.api.models import CreateRequest
 
     assert CreateRequest(template="t", on_timeout="pause").on_timeout == "pause"
     with pytest.raises(ValidationError):

@@ -1,10 +1,10 @@
-"""An environment's own nft table (:func:`weenv.node.network.egress_ruleset`):
+"""An environment's own nft table (:func:`weenv.node.runtime.network.egress_ruleset`):
 the order of its verdicts, which allow entries open a local range, and the
 name servers read from a resolver configuration."""
 
 from __future__ import annotations
 
-from weenv.node import network
+from weenv.node.runtime import network
 
 ENV = "0123456789abcdef"
 
@@ -22,7 +22,7 @@ def _elements(script: str, name: str) -> str:
 def test_local_ranges_drop_before_the_lists_and_only_named_entries_open_them():
     egress = network.Egress(internet=False, allow=("10.1.2.3/32", "0.0.0.0/0", "192.168.0.0/16"), deny=("1.2.3.0/24",))
     script = network.egress_ruleset(ENV, egress, network.LOCAL_RANGES + ("192.0.2.0/24",))
-    assert _chain(script) == [  # no port-53 exception: DNS follows the policy (weenv.node.nameserver)
+    assert _chain(script) == [  # no port-53 exception: DNS follows the policy (weenv.node.runtime.nameserver)
         "ip daddr @allow_local accept",
         "ct state established,related accept",
         "ip daddr @local drop",
@@ -53,7 +53,8 @@ def test_name_servers_are_the_ipv4_nameserver_lines(tmp_path):
 
 
 def test_domain_patterns_and_the_name_policy():
-    from weenv.node.nameserver import domain, matches
+    from weenv.api.names import domain
+    from weenv.node.runtime.nameserver import matches
 
     assert domain("Example.COM.") == "example.com" and domain("*.svc.weenv.test") == "*.svc.weenv.test"
     for bad in ("localhost", "10.0.0.1", "-a.com", "a..b", "*", "*.com.", "a b.com", "x" * 64 + ".com"):
@@ -63,7 +64,7 @@ def test_domain_patterns_and_the_name_policy():
     assert not network.Egress(internet=True, deny=("0.0.0.0/0",)).names().open
     assert network.Egress(internet=True, deny=("1.2.3.0/24",)).names().open
     assert network.Egress(internet=False, domains=("a.com",)).names() == \
-        __import__("weenv.node.nameserver", fromlist=["x"]).NamePolicy(names=("a.com",), open=False)
+        __import__("weenv.node.runtime.nameserver", fromlist=["x"]).NamePolicy(names=("a.com",), open=False)
 
 
 def test_the_input_chain_drops_spoofed_sources_before_it_accepts_replies():

@@ -9,7 +9,7 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.node.provision.arbiter import CpuMoments, predicted_cpu_peak
-from weenv.node.pool import pool_size_from_env
+from weenv.node.state.pool import pool_size_from_env
 from weenv.node.provision.models import ProvisionConfig
 
 

@@ -1,10 +1,10 @@
-"""A command's output log (:class:`weenv.node.process.OutputLog`): bounded
+"""A command's output log (:class:`weenv.node.runtime.process.OutputLog`): bounded
 retention, readers that attach, close."""
 
 from __future__ import annotations
 
-from weenv.node.models import ProcessEvent
-from weenv.node.process import OutputLog
+from weenv.api.models import ProcessEvent
+from weenv.node.runtime.process import OutputLog
 
 
 def test_output_log_drops_unread_and_waits_for_readers():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from weenv.node.cache import ChunkCache
-from weenv.node.prefetch import Prefetcher
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.prefetch import Prefetcher
 from weenv.packaging.profile import PrefetchPack, PrefetchProfile, build_pack, frame_bound
 from weenv.store.file import FileStore
 
@@ -85,7 +85,7 @@ def test_frame_declaring_a_huge_plaintext_is_not_decoded(tmp_path):
         import os, resource, sys, zstandard
         sys.path.insert(0, {SRC!r})
         from pathlib import Path
-        from weenv.node.cache import ChunkCache
+        from weenv.node.data.cache import ChunkCache
         from weenv.store.file import FileStore
         from weenv.errors import DigestMismatchError
         root = Path(sys.argv[1])
@@ -140,7 +140,7 @@ def test_a_demand_read_takes_a_frame_a_pack_brought(tmp_path):
 def test_frame_for_takes_a_received_frame_once(tmp_path):
     """:meth:`Prefetcher.frame_for` hands out a frame a pack stream received and
     no worker took, once; the worker that comes to it then skips it (TAKEN)."""
-    from weenv.node.prefetch import TAKEN, PackStream
+    from weenv.node.data.prefetch import TAKEN, PackStream
 
     store, cache, pf, refs, plains = _prefetcher(tmp_path, n=2)
     try:
@@ -185,8 +185,8 @@ def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkey
     prefetched), and the worker that comes to that position skips it; a frame
     that does not come within PACK_WAIT_S, or one too far behind in the
     pack, is fetched from the store (the right bytes either way)."""
-    import weenv.node.prefetch as prefetch
-    from weenv.node.prefetch import TAKEN, PackStream
+    import weenv.node.data.prefetch as prefetch
+    from weenv.node.data.prefetch import TAKEN, PackStream
 
     store, cache, pf, refs, plains = _prefetcher(tmp_path, n=3)
     monkeypatch.setattr(prefetch, "PACK_WAIT_AHEAD_BYTES", 3 * MiB)  # these chunks are random: ~1 MiB a frame

@@ -1,4 +1,4 @@
-"""Users of an environment from its own /etc/passwd and /etc/group (weenv.node.users)."""
+"""Users of an environment from its own /etc/passwd and /etc/group (weenv.node.runtime.users)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from weenv.errors import InvalidInputError, UnknownUserError
-from weenv.node import users
+from weenv.node.runtime import users
 from weenv.host.rootfs import RootFS
 
 PASSWD = """root:x:0:0:root:/root:/bin/bash

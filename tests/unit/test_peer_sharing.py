@@ -1,6 +1,6 @@
 """Peer sharing's plain logic: the cluster view's peer tables and its counting of
 templates placed lately (weenv.cluster.view), and a node's serving bounds
-(weenv.node.peers).  No Ray, no daemon."""
+(weenv.node.data.peers).  No Ray, no daemon."""
 
 import threading
 import time
@@ -10,7 +10,7 @@ import pytest
 from weenv.cluster.node import NodeReport, TemplateFacts
 from weenv.cluster.view import ClusterView
 from weenv.errors import BusyError, InvalidInputError
-from weenv.node.peers import PeerChunks, PeerSettings, PeerUpdate
+from weenv.node.data.peers import PeerChunks, PeerSettings, PeerUpdate
 from weenv.store.file import FileStore
 
 GiB = 1 << 30
@@ -101,7 +101,7 @@ def test_a_rate_bound_answer_its_asker_would_give_up_on_is_refused_at_once(tmp_p
     refused at once, busy, and its tokens are not taken."""
     import hashlib
 
-    from weenv.node.peers import RateBusyError
+    from weenv.node.data.peers import RateBusyError
 
     peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
     peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.0, serve_bytes_per_s=1 << 20)))
@@ -131,7 +131,7 @@ def test_an_asker_passes_a_rate_bound_peer_over_for_its_retry_after(tmp_path):
     import hashlib
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from weenv.node.peers import WAIT_HEADER, PeerInfo
+    from weenv.node.data.peers import WAIT_HEADER, PeerInfo
 
     chunk = b"r" * 4096
     digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
@@ -209,7 +209,7 @@ def test_a_chunk_of_a_group_not_mounted_yet_comes_from_a_peer_once_learnt(tmp_pa
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from weenv.errors import NotFoundError
-    from weenv.node.peers import CHUNK_PATH, TOKEN_HEADER, PeerInfo
+    from weenv.node.data.peers import CHUNK_PATH, TOKEN_HEADER, PeerInfo
 
     chunk = b"y" * 4096
     digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
@@ -291,7 +291,7 @@ def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):
     import hashlib
     import socket
 
-    from weenv.node.peers import PeerInfo
+    from weenv.node.data.peers import PeerInfo
 
     chunk = b"w" * 4096
     digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
@@ -316,8 +316,8 @@ def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):
 
 
 def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updates(tmp_path, monkeypatch):
-    from weenv.node import peers as peers_module
-    from weenv.node.peers import PeerInfo
+    from weenv.node.data import peers as peers_module
+    from weenv.node.data.peers import PeerInfo
 
     peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
     table = [PeerInfo(node_id=n, url=f"http://{n}:1") for n in "ab"]
@@ -349,7 +349,7 @@ def test_a_chunk_this_node_asks_peers_for_is_not_waited_for_by_a_peer(tmp_path):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from weenv.errors import NotFoundError
-    from weenv.node.peers import SERVE_WAIT_SHARE, PeerInfo
+    from weenv.node.data.peers import SERVE_WAIT_SHARE, PeerInfo
 
     digest = "sha256:" + hashlib.sha256(b"z").hexdigest()
     asked = threading.Event()
@@ -406,9 +406,9 @@ def test_a_pack_half_cached_or_held_by_peers_is_not_streamed_in_a_cluster(tmp_pa
     the unique bytes from the store, 9 packs of 8.8 MB for 8 templates)."""
     import os as _os
 
-    from weenv.node.cache import ChunkCache
-    from weenv.node.peers import PeerInfo
-    from weenv.node.prefetch import Prefetcher
+    from weenv.node.data.cache import ChunkCache
+    from weenv.node.data.peers import PeerInfo
+    from weenv.node.data.prefetch import Prefetcher
 
     store = FileStore(tmp_path / "store")
     refs = [store.put_chunk(_os.urandom(1000))[0] for _ in range(4)]

@@ -53,7 +53,7 @@ def test_unreadable_recipe(tmp_path):
 
 def test_a_run_step_without_build_environments_is_refused_before_any_build(tmp_path):
     """packaging does not import the node: build_recipe is handed the runtime of
-    ``run``/``pip`` steps (``weenv.node.buildenv.NodeBuildEnvironments``); without
+    ``run``/``pip`` steps (``weenv.build.buildenv.NodeBuildEnvironments``); without
     one it refuses such a recipe in one line, before anything is built or written."""
     from weenv.config import Paths
     from weenv.packaging.builder import build_recipe

@@ -1,5 +1,5 @@
 """Request validation (the models the node, server and SDK share,
-:mod:`weenv.node.models`) and the error mapping of the HTTP boundary
+:mod:`weenv.api.models`) and the error mapping of the HTTP boundary
 (:mod:`weenv.errors` kinds <-> :mod:`weenv.server.app` statuses)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from weenv import errors
 from weenv.errors import ERROR_KINDS, WeenvError
-from weenv.node.models import (
+from weenv.api.models import (
     MAX_TIMEOUT_S,
     BatchCreateEvent,
     BatchCreateRequest,
@@ -149,7 +149,7 @@ def test_snapshot_and_reset_names_follow_the_nodes_rule(name):
     """The request models refuse what :meth:`Node.snapshot` and :meth:`Node.reset`
     refuse (:func:`check_name`: one rule); before, ``""`` passed the node as "no name"."""
     from weenv.formats.manifest import check_name
-    from weenv.node.models import ResetRequest, SnapshotRequest
+    from weenv.api.models import ResetRequest, SnapshotRequest
 
     with pytest.raises(errors.InvalidInputError):
         check_name(name)
@@ -164,7 +164,7 @@ def test_snapshot_and_reset_names_follow_the_nodes_rule(name):
 def test_pause_release_memory_is_a_json_boolean_only(value):
     """``{"release_memory": 1}`` or ``"yes"`` was read as true (pydantic's lax bool): a
     pause that ends every process of the environment; now refused, as fork counts are."""
-    from weenv.node.models import PauseRequest
+    from weenv.api.models import PauseRequest
 
     with pytest.raises(ValidationError):
         PauseRequest.model_validate_json(json.dumps({"release_memory": value}))

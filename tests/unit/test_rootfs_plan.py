@@ -36,7 +36,7 @@ def test_no_groups_is_refused(tmp_path):
 
 
 def test_the_rootfs_made_ahead_is_beside_over_the_spare(tmp_path):
-    """A reset's container made ahead (weenv.node.reset) gets its own overlay,
+    """A reset's container made ahead (weenv.node.state.reset) gets its own overlay,
     ``rootfs.next`` over the spare subvolume, the same lowers and flags."""
     from weenv.node.disk import SPARE
 
@@ -50,7 +50,7 @@ def test_the_rootfs_made_ahead_is_beside_over_the_spare(tmp_path):
 
 
 def test_container_ids_made_ahead_count_on():
-    from weenv.node.reset import next_container_id
+    from weenv.node.state.reset import next_container_id
 
     assert next_container_id("abc", "weenv-abc") == "weenv-abc.1"
     assert next_container_id("abc", "weenv-abc.1") == "weenv-abc.2"

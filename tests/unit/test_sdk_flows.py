@@ -361,7 +361,7 @@ def test_async_callbacks_may_be_coroutines(daemon):
 
 # --- the node client (what the CLI uses) ------------------------------------------------------
 def test_node_client_batch_reports_each_event_as_it_comes_and_keeps_failures(daemon):
-    from weenv.node.models import CreateRequest
+    from weenv.api.models import CreateRequest
     from weenv.sdk import NodeClient
 
     seen = []
@@ -375,7 +375,7 @@ def test_node_client_batch_reports_each_event_as_it_comes_and_keeps_failures(dae
 
 
 def test_node_client_records_commands_stats_and_admin(daemon):
-    from weenv.node.models import ExecResult
+    from weenv.api.models import ExecResult
     from weenv.sdk import AsyncNodeClient, NodeClient
 
     ran = ExecResult(exit_code=0, stdout=b"out\xff", stderr=b"", duration_s=0.1)

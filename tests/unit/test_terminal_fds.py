@@ -1,5 +1,5 @@
 """Which descriptors the node accepts from the exec agent as a terminal's master
-(:func:`weenv.node.agent.client.is_terminal_master`): the agent runs inside the
+(:func:`weenv.node.runtime.agent.client.is_terminal_master`): the agent runs inside the
 environment, so a descriptor it sends is checked before the node reads it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from weenv.node.agent.client import is_terminal_master
+from weenv.node.runtime.agent.client import is_terminal_master
 
 
 def test_only_a_pseudo_terminal_master_is_taken_for_one(tmp_path):

@@ -1,4 +1,4 @@
-"""Host id ranges of sudo environments (:func:`weenv.node.idmap.allocate`): disjoint, taken back, refused when full."""
+"""Host id ranges of sudo environments (:func:`weenv.node.runtime.idmap.allocate`): disjoint, taken back, refused when full."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from weenv.errors import CapacityError
 from weenv.formats.manifest import RuntimeConfig, canonical_json
-from weenv.node import idmap
+from weenv.node.runtime import idmap
 
 
 def test_ranges_are_disjoint_released_and_reused(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from weenv.errors import ERROR_KINDS, InvalidInputError, MountError, NotFoundError
 from weenv.host.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, erofs_spec, overlay_escape, overlay_spec
-from weenv.node.fuse import protocol as fp
+from weenv.node.data.fuse import protocol as fp
 from weenv.server.e2b import connect
 from weenv.server.e2b.proto import build, filesystem_pb, process_pb
 

@@ -20,7 +20,7 @@ def build(
     recipe: Annotated[Path, typer.Argument(help="the recipe (TOML)")],
 ) -> None:
     """Build every component of RECIPE (cached per component) and publish the template."""
-    from weenv.node.buildenv import NodeBuildEnvironments
+    from weenv.build.buildenv import NodeBuildEnvironments
     from weenv.packaging.builder import build_recipe
     from weenv.packaging.recipe import load_recipe
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
-from weenv.node.models import CreateTiming, ExecResult
+from weenv.api.models import CreateTiming, ExecResult
 from weenv.store import open_store
 
 out = Console()

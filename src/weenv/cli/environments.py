@@ -20,7 +20,7 @@ from weenv.cli.common import (
 )
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources
-from weenv.node.models import BatchCreateEvent, CreateRequest
+from weenv.api.models import BatchCreateEvent, CreateRequest
 
 app = typer.Typer()
 

@@ -105,7 +105,7 @@ class PlacementActor:
         return self.view.peers(report.node_id), self._peer_settings
 
     def peer_settings(self):
-        """The cluster's :class:`~weenv.node.peers.PeerSettings` (None without peer sharing)."""
+        """The cluster's :class:`~weenv.node.data.peers.PeerSettings` (None without peer sharing)."""
         return self._peer_settings
 
     def peers(self, node_id: str) -> list:

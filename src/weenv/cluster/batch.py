@@ -32,7 +32,7 @@ from starlette.responses import Response
 from weenv.cluster import proxy
 from weenv.cluster.placement import MAX_INFLIGHT
 from weenv.errors import CapacityError, WeenvError
-from weenv.node.models import BatchCreateRequest
+from weenv.api.models import BatchCreateRequest
 from weenv.server.api import NDJSON, _ClosingStream
 
 if TYPE_CHECKING:

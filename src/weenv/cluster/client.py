@@ -20,8 +20,8 @@ from weenv.cluster import _ray, placement_actor
 from weenv.cluster.view import Route
 from weenv.errors import DaemonError, LostError
 from weenv.formats.manifest import Resources
-from weenv.node.peers import PEERS_HINT
-from weenv.node.models import EnvironmentInfo, ExecResult, WriteInfo
+from weenv.node.data.peers import PEERS_HINT
+from weenv.api.models import EnvironmentInfo, ExecResult, WriteInfo
 from weenv.sdk import NodeClient
 
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from weenv.config import Paths
 from weenv.cluster.view import EXPECT_S
-from weenv.node.peers import PASS_OVER_S
+from weenv.node.data.peers import PASS_OVER_S
 
 NAMESPACE = "weenv"
 """The Ray namespace of weenv's actors."""

@@ -78,8 +78,8 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.formats.tax import TaxBatch, TaxReport
-from weenv.node.models import MAX_METADATA_ENTRIES, BatchCreateRequest, CreateRequest, NodeStats
-from weenv.node.peers import PEERS_HINT
+from weenv.api.models import MAX_METADATA_ENTRIES, BatchCreateRequest, CreateRequest, NodeStats
+from weenv.node.data.peers import PEERS_HINT
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.e2b import signed
@@ -95,7 +95,7 @@ NODE_HINT = "weenv.node"
 """Metadata key: the node to prefer (a hint); set by the gateway to the node chosen."""
 NEAR_HINT = "weenv.near"
 """Metadata key: an environment whose node to prefer."""
-# PEERS_HINT (weenv.node.peers): set by the gateway to the nodes that hold or fetch the template (Placed.peers)
+# PEERS_HINT (weenv.node.data.peers): set by the gateway to the nodes that hold or fetch the template (Placed.peers)
 LOST_STATUS = 410
 MAX_LIST_PAGES = 100
 """Pages of 1,000 asked of one node for one E2B listing (100,000 sandboxes)."""

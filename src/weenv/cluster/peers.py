@@ -1,4 +1,4 @@
-"""Peer chunk sharing, the cluster's side (the node's side: :mod:`weenv.node.peers`).
+"""Peer chunk sharing, the cluster's side (the node's side: :mod:`weenv.node.data.peers`).
 
 The placement actor makes the cluster's peer token (random, per cluster: it
 opens only the peers' chunk route) and answers each heartbeat with the
@@ -16,7 +16,7 @@ import httpx
 from weenv.cluster.config import ClusterConfig
 from weenv.config import Paths
 from weenv.errors import DaemonError
-from weenv.node.peers import PeerInfo, PeerSettings, PeerUpdate
+from weenv.node.data.peers import PeerInfo, PeerSettings, PeerUpdate
 
 
 def peer_settings(config: ClusterConfig, token: str) -> PeerSettings:

@@ -1,6 +1,6 @@
 """The cluster's figures at its gateway, from every alive node's.
 
-- ``GET /v1/stats``: one :class:`~weenv.node.models.NodeStats` (the shape one
+- ``GET /v1/stats``: one :class:`~weenv.api.models.NodeStats` (the shape one
   node answers, so ``NodeClient.stats()`` works against the cluster): counts
   summed over the nodes, maps summed key by key (``groups_mounted``,
   ``chunks``), ``exec_agent_error`` the first node's that has one (its node
@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from weenv.formats.tax import MAX_BATCHES, PHASES, TaxBatch, TaxReport
-from weenv.node.models import NodeStats
+from weenv.api.models import NodeStats
 
 NODE_LABEL = "node"
 

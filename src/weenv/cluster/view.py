@@ -28,7 +28,7 @@ from weenv.cluster import placement
 from weenv.cluster.node import NodeReport, TemplateFacts
 from weenv.errors import InvalidInputError, LostError, NotFoundError
 from weenv.formats.manifest import Resources
-from weenv.node.peers import MAX_HINTED, PeerInfo
+from weenv.node.data.peers import MAX_HINTED, PeerInfo
 
 HEARTBEAT_TIMEOUT_S = 10.0
 """A node silent this long is gone."""
@@ -258,7 +258,7 @@ class ClusterView:
         """The alive nodes but ``other_than`` that hold chunks of ``template``'s
         own groups or were placed with it lately *before* ``other_than`` was
         (holders, then the first placed first; at most
-        :data:`~weenv.node.peers.MAX_HINTED`).  The first node placed with a
+        :data:`~weenv.node.data.peers.MAX_HINTED`).  The first node placed with a
         template no node holds is named to the others, never they to it: it
         streams the template's prefetch pack from the store and they follow
         it.  (Naming each to each made every node placed with it take its

@@ -316,7 +316,7 @@ class RuntimeConfig(_Model):
     resources: Resources = Field(default_factory=Resources)
     network: bool = False
     """Whether the environment reaches out: its own network namespace with a veth pair
-    to the host, NATed, the host itself unreachable (:mod:`weenv.node.network`); default:
+    to the host, NATed, the host itself unreachable (:mod:`weenv.node.runtime.network`); default:
     its own namespace, loopback only.  Never the host's network namespace."""
     default_command: Annotated[list[str] | None, AfterValidator(_check_argv)] = None
     """The command an imported image would run (its Entrypoint + Cmd), kept for
@@ -333,7 +333,7 @@ class RuntimeConfig(_Model):
     sudo: bool = False
     """Whether setuid programs (``sudo``) work inside: each environment then runs
     in a user namespace of its own over an unprivileged host id range, without
-    ``noNewPrivileges`` (:mod:`weenv.node.idmap`, README's "Security model");
+    ``noNewPrivileges`` (:mod:`weenv.node.runtime.idmap`, README's "Security model");
     left out of the JSON when False, so other templates keep their digests."""
 
     @model_serializer(mode="wrap")

@@ -131,7 +131,7 @@ def overlay_spec(
     cgroup already refuses device nodes but runc's defaults (on its own ``/dev``).
     ``nosuid=False`` (a ``sudo`` environment in a user namespace, whose setuid
     files must count inside): ``nodev`` only; its files are then all owned by
-    its unprivileged host id range (:mod:`weenv.node.idmap`).
+    its unprivileged host id range (:mod:`weenv.node.runtime.idmap`).
     """
     if not lowers_bottom_to_top:
         raise MountError("an overlay needs at least one lower dir")

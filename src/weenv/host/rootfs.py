@@ -147,7 +147,7 @@ class RootFS:
     so an instance is cheap and safe to share between threads.
 
     ``shift``: the host id of id 0 inside (an environment in a user namespace,
-    :mod:`weenv.node.idmap`; default 0, none): what a call creates is owned by
+    :mod:`weenv.node.runtime.idmap`; default 0, none): what a call creates is owned by
     ``shift + uid`` on the host, root's by ``shift``, so that inside it shows
     as ``uid`` (:meth:`inside_id` maps a ``stat`` owner back).
     """

@@ -1,22 +1,37 @@
 """One machine's environments: :class:`weenv.node.node.Node` is a facade of
 short scripts over the parts below, each a module named after what it holds.
 
-- Resolving and admitting: ``resolver.py`` (template name -> digest, with the
-  node's last known digest while the store is down), ``admission.py``,
-  ``provision/`` (CPU quota and memory limit that follow observed usage).
-- Assembling a rootfs: ``groups.py`` and ``lazyfs.py`` / ``fuse/`` (group
-  images read lazily, chunks from ``cache.py``, ``prefetch.py``),
-  ``snapshotter.py`` (mount plans: overlay of groups + upper dir), ``disk.py``
-  (the node's btrfs disk: upper dirs as subvolumes with quotas).
-- Running: ``bundle.py`` (OCI bundle), ``container.py``, ``runtime.py``
-  (the OCI runtime: crun or runc) / ``runc.py`` (their command line),
-  ``launcher.py`` with the exec agent (``agent/``) and the runtime as backends,
-  ``commands.py`` / ``process.py`` (commands and their output), ``users.py``,
-  ``network.py`` (per-environment network namespace and nft rules),
-  ``cgroups/``.
-- State: ``table.py`` (the environment table and reaper), ``home.py`` (the
-  home's lock and layout), ``recovery.py`` (after a crash), ``pool.py`` /
-  ``warm.py`` (environments created ahead), ``snapshot.py``, ``fork.py``,
-  ``reset.py``, ``pause.py``; ``buildenv.py`` / ``stepbuild.py`` (build steps
-  run in node environments).
+Floors, bottom first (``tests/unit/test_layers.py`` checks them; a module
+imports only its own floor or those below it, and the two wings of one floor
+never import each other):
+
+1. Below the wings: ``home.py`` (the home's lock and layout), ``table.py``
+   (the environment table and reaper), ``disk.py`` (the node's btrfs disk:
+   upper dirs as subvolumes with quotas), ``cgroups/`` (v1 and v2 behind one
+   interface), ``manifests.py`` (manifests the node last resolved).
+2. The wings, side by side:
+
+   - ``data/``: group images read lazily: ``cache.py`` (the chunk cache),
+     ``peers.py`` (chunks from other nodes), ``prefetch.py`` (recorded access
+     order, packs), ``lazyfs.py`` / ``fuse/`` (a group image as one file, its
+     missing ranges fetched on a read), ``groups.py`` (one EROFS mount per group).
+   - ``runtime/``: one container and its commands: ``bundle.py`` (OCI bundle),
+     ``container.py``, ``runtime.py`` (the OCI runtime: crun or runc) /
+     ``runc.py`` (their command line), ``launcher.py`` with the exec agent
+     (``agent/``) and the runtime as backends, ``commands.py`` / ``process.py``
+     (commands and their output), ``users.py``, ``idmap.py`` (user namespace
+     ranges), ``network.py`` / ``nameserver.py`` (network namespace, nft
+     rules, name server).
+
+3. Operations over environments: ``state/`` (``snapshot.py``, ``fork.py``,
+   ``reset.py``, ``pause.py``, ``recovery.py`` after a crash, ``pool.py`` /
+   ``warm.py``: environments created ahead), and beside it ``snapshotter.py``
+   (mount plans: overlay of groups + upper dir), ``resolver.py`` (template name
+   -> digest, with the node's last known digest while the store is down),
+   ``admission.py``, ``provision/`` (CPU quota and memory limit that follow
+   observed usage).
+4. ``node.py``: the :class:`~weenv.node.node.Node` facade.
+
+The request and response models the node speaks are :mod:`weenv.api`'s; builds
+run in node environments are :mod:`weenv.build`'s.
 """

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from weenv.errors import CapacityError, MountError, ToolMissingError
 from weenv.host import mounts, mountns
-from weenv.node.cache import parse_bytes
+from weenv.config import parse_bytes
 
 log = logging.getLogger(__name__)
 

@@ -3,32 +3,32 @@
 A :class:`Node` owns, for one ``WEENV_HOME`` (:mod:`weenv.node.home`), the parts
 below and runs each operation as a short script over them:
 
-- the node chunk cache (:class:`~weenv.node.cache.ChunkCache`), filled from the store;
-- the lazy FUSE file system (:class:`~weenv.node.lazyfs.LazyFS`) that shows each
+- the node chunk cache (:class:`~weenv.node.data.cache.ChunkCache`), filled from the store;
+- the lazy FUSE file system (:class:`~weenv.node.data.lazyfs.LazyFS`) that shows each
   group image as one file whose reads fetch missing chunks on demand;
-- one shared read-only EROFS mount per group (:class:`~weenv.node.groups.GroupMounts`);
+- one shared read-only EROFS mount per group (:class:`~weenv.node.data.groups.GroupMounts`);
 - the resolver (:mod:`weenv.node.resolver`): template name -> digest, manifests;
 - admission (:mod:`weenv.node.admission`, and the provisioner's reservations);
 - the snapshotter (:mod:`weenv.node.snapshotter`): each environment's directory,
   its upper dir (a subvolume with a quota on the node's disk, :mod:`weenv.node.disk`)
   and its overlay rootfs, planned apart from mounted (:mod:`weenv.host.mounts`);
-- the container service (:mod:`weenv.node.container`): bundle, network
-  namespace, runc container with an exec agent inside (:mod:`weenv.node.agent`);
-- commands (:mod:`weenv.node.commands`) started through a launcher
-  (:mod:`weenv.node.launcher`: the exec agent, or ``runc exec``);
+- the container service (:mod:`weenv.node.runtime.container`): bundle, network
+  namespace, runc container with an exec agent inside (:mod:`weenv.node.runtime.agent`);
+- commands (:mod:`weenv.node.runtime.commands`) started through a launcher
+  (:mod:`weenv.node.runtime.launcher`: the exec agent, or ``runc exec``);
 - the environment table with timeouts and the reaper (:mod:`weenv.node.table`);
-- the warm pool (:mod:`weenv.node.pool`, :mod:`weenv.node.warm`): environments of
+- the warm pool (:mod:`weenv.node.state.pool`, :mod:`weenv.node.state.warm`): environments of
   recently repeated creates made ahead up to ``runc create``, which a matching
   create only starts;
-- crash recovery (:mod:`weenv.node.recovery`);
+- crash recovery (:mod:`weenv.node.state.recovery`);
 - state: captures of an environment's file system and snapshots published
-  from them (:mod:`weenv.node.snapshot`), forks (:mod:`weenv.node.fork`),
-  resets in place (:mod:`weenv.node.reset`), pause and resume with the cgroup
-  freezer (:mod:`weenv.node.pause`).
+  from them (:mod:`weenv.node.state.snapshot`), forks (:mod:`weenv.node.state.fork`),
+  resets in place (:mod:`weenv.node.state.reset`), pause and resume with the cgroup
+  freezer (:mod:`weenv.node.state.pause`).
 
 State needed after a restart lives on disk and in the kernel: ``env.json``,
 runc's state, the overlay and group mounts, the cgroups; the lazy file
-system's connection is kept by the FUSE holder (:mod:`weenv.node.fuse.holder`).
+system's connection is kept by the FUSE holder (:mod:`weenv.node.data.fuse.holder`).
 A node started on a home whose previous node process was killed adopts its
 running environments (:meth:`Node.start`).
 
@@ -67,21 +67,21 @@ from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (
 from weenv.host.procroot import ProcessRootFS, pin_process
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
-from weenv.node.agent import AgentBinary
-from weenv.node.agent.client import AgentUnavailable
-from weenv.node.bundle import AGENT_PATH
-from weenv.node.cache import ChunkCache
-from weenv.node.commands import KEEP_FINISHED, Commands, collect
-from weenv.node.container import Containers, check_capabilities
+from weenv.node.runtime.agent import AgentBinary
+from weenv.node.runtime.agent.client import AgentUnavailable
+from weenv.node.runtime.bundle import AGENT_PATH
+from weenv.node.data.cache import ChunkCache
+from weenv.node.runtime.commands import KEEP_FINISHED, Commands, collect
+from weenv.node.runtime.container import Containers, check_capabilities
 from weenv.node.disk import NodeDisk
-from weenv.node.fork import ForkResult, Forks
-from weenv.node.groups import GroupMounts
+from weenv.node.state.fork import ForkResult, Forks
+from weenv.node.data.groups import GroupMounts
 from weenv.node.home import HomeLock
-from weenv.node.launcher import Launchers
-from weenv.node.lazyfs import LazyFS
+from weenv.node.runtime.launcher import Launchers
+from weenv.node.data.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node import idmap, network
-from weenv.node.models import (
+from weenv.node.runtime import idmap, network
+from weenv.api.models import (
     DEFAULT_TIMEOUT_S,
     CreateRequest,
     CreateTiming,
@@ -91,18 +91,18 @@ from weenv.node.models import (
     ProcessInfo,
     TemplateInfo,
 )
-from weenv.node.pause import Pauses, check_running, release_after_from_env
-from weenv.node.peers import PEERS_HINT, PeerChunks
-from weenv.node.pool import pool_size_from_env
-from weenv.node.prefetch import PACK_BYTES, Prefetcher
-from weenv.node.process import DEFAULT_RETAIN, Process
+from weenv.node.state.pause import Pauses, check_running, release_after_from_env
+from weenv.node.data.peers import PEERS_HINT, PeerChunks
+from weenv.node.state.pool import pool_size_from_env
+from weenv.node.data.prefetch import PACK_BYTES, Prefetcher
+from weenv.node.runtime.process import DEFAULT_RETAIN, Process
 from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
 from weenv.node.provision.profiles import TemplateProfiles  # issue 19
-from weenv.node.recovery import Recovery, logged
-from weenv.node.reset import Resets
+from weenv.node.state.recovery import Recovery, logged
+from weenv.node.state.reset import Resets
 from weenv.node.resolver import Resolved, Resolver
-from weenv.node.runtime import NodeRuntime
-from weenv.node.snapshot import (
+from weenv.node.runtime.runtime import NodeRuntime
+from weenv.node.state.snapshot import (
     Capture,
     Captures,
     SnapshotInfo,
@@ -112,7 +112,7 @@ from weenv.node.snapshot import (
     new_snapshot_name,
 )
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.users import Identity
+from weenv.node.runtime.users import Identity
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
     CONTAINER_PREFIX,
     UNDELIVERED,
@@ -124,7 +124,7 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
     save_info,
     staged_info,
 )
-from weenv.node.warm import WarmStarts, pool_key
+from weenv.node.state.warm import WarmStarts, pool_key
 from weenv.packaging.buildcache import store_lock
 from weenv.store import Store, open_store
 
@@ -177,23 +177,23 @@ class Node:
         command that nobody reads (older output is dropped).  ``cache_bytes``:
         the node chunk cache's bound (default ``WEENV_CACHE_BYTES``, else 20% of
         its file system, at most 10 GiB).  ``prefetch_workers``,
-        ``prefetch_record_s``, ``prefetch_pack_bytes``: see :mod:`weenv.node.prefetch`.  ``exec_agent``:
+        ``prefetch_record_s``, ``prefetch_pack_bytes``: see :mod:`weenv.node.data.prefetch`.  ``exec_agent``:
         run commands through an agent inside each environment (built into
         ``WEENV_CACHE`` on first use; False: always ``runc exec``).  ``pool_size``:
         environments the warm pool keeps created ahead per template (with the
         same resources and capabilities) created twice recently
-        (:mod:`weenv.node.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool).
+        (:mod:`weenv.node.state.pool`; default ``WEENV_POOL_SIZE``, else 1; 0: no pool).
         ``disk_bytes``: the size of the environments' disk, which bounds the sum
         of their declared disk limits (:mod:`weenv.node.disk`; default
         ``WEENV_DISK_BYTES``, else 80% of the home file system's free space).
         ``runtime``: the OCI runtime setting, ``auto``, ``crun`` or ``runc``
-        (:mod:`weenv.node.runtime`; default ``WEENV_RUNTIME``); chosen here,
+        (:mod:`weenv.node.runtime.runtime`; default ``WEENV_RUNTIME``); chosen here,
         and :class:`ToolMissingError` when ``crun`` is asked for and cannot run."""
         self.paths = paths = paths or Paths.from_env()
         self.home = HomeLock(paths)
         self.store = store or open_store(paths.store_url, check=False)  # starts while the store is down
         self.peers = PeerChunks(self.store, groups=lambda: self.lazyfs.manifests())
-        """Chunks from peer nodes before the store, once the node is in a cluster (:mod:`weenv.node.peers`)."""
+        """Chunks from peer nodes before the store, once the node is in a cluster (:mod:`weenv.node.data.peers`)."""
         self.cache = ChunkCache(paths.chunk_cache, self.peers, max_bytes=cache_bytes)
         self.peers.held = self._held_for_peer
         self.lazyfs = LazyFS(paths.lazy_mountpoint, self.cache, run_dir=paths.run)  # + the FUSE holder
@@ -215,7 +215,7 @@ class Node:
         self.disk = NodeDisk(paths.node / "disk.img", paths.environments, size=disk_bytes)
         self.snapshotter = Snapshotter(paths.environments, self.groups, self.disk)
         self.runtime = NodeRuntime.for_setting(runtime, paths.runtime_roots)
-        """The OCI runtime: crun or runc (:mod:`weenv.node.runtime`)."""
+        """The OCI runtime: crun or runc (:mod:`weenv.node.runtime.runtime`)."""
         self.runc = self.runtime  # the name earlier code knows it by
         self.agent = AgentBinary(paths.cache, enabled=exec_agent)
         self.containers = Containers(self.runc, self.agent)
@@ -226,7 +226,7 @@ class Node:
                                size=pool_size_from_env() if pool_size is None else pool_size,
                                may_fill=lambda ready: self.admission.may_pool(ready, self.provisioner.admitting))
         self.pool = self.warm.pool
-        """Environments created ahead (:mod:`weenv.node.pool`)."""
+        """Environments created ahead (:mod:`weenv.node.state.pool`)."""
         self.recovery = Recovery(table=self.table, snapshotter=self.snapshotter, containers=self.containers,
                                  groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
@@ -252,7 +252,7 @@ class Node:
         earlier node process of this home left running (it was killed) or
         clear it.  Idempotent.
 
-        Recovery: if the home's FUSE holder (:mod:`weenv.node.fuse.holder`)
+        Recovery: if the home's FUSE holder (:mod:`weenv.node.data.fuse.holder`)
         still keeps the lazy file system's connection, this node takes it over
         (reads that were waiting are served again), adopts the group mounts and
         every environment whose container still runs (its pid 1, overlay,
@@ -262,7 +262,7 @@ class Node:
         the lazy file system's connection is gone: environments reading any
         group through it are removed with the lazy mounts, and those whose
         every group is mounted directly from its assembled image (no FUSE on
-        their read path) are adopted as above (:mod:`weenv.node.recovery`).
+        their read path) are adopted as above (:mod:`weenv.node.state.recovery`).
 
         One node per ``WEENV_HOME``: it holds an flock(2) on ``run/weenv.lock``
         until :meth:`close` (the daemon's node is that one).  Raises
@@ -383,7 +383,7 @@ class Node:
         every environment has a user namespace, ``WEENV_USERNS``, else runc's;
         in a user namespace at most Docker's, :class:`InvalidInputError`
         otherwise; build environments pass
-        :data:`~weenv.node.bundle.DOCKER_DEFAULT_CAPS`); ``prefetch``, record the
+        :data:`~weenv.node.runtime.bundle.DOCKER_DEFAULT_CAPS`); ``prefetch``, record the
         template's prefetch profile on its first start and replay it on later
         cold starts (off for transient build environments, which never use the
         warm pool); ``undelivered``, the caller hands the environment on (a
@@ -563,7 +563,7 @@ class Node:
         """Destroy every environment whose ``expires_at`` has passed (or, created
         with ``on_timeout="pause"``, pause it releasing its memory); their ids.
         Then release the memory of those paused longer than
-        ``WEENV_PAUSE_RELEASE_S`` (:mod:`weenv.node.pause`)."""
+        ``WEENV_PAUSE_RELEASE_S`` (:mod:`weenv.node.state.pause`)."""
         now = time.time() if now is None else now
         reaped = self.table.reap(self._expire, now)
         for e in self.pauses.due(self.table.all(), now):
@@ -626,7 +626,7 @@ class Node:
         The output comes through pipes (:meth:`run`): past ``max_output`` bytes
         the command is killed (:class:`OutputLimitError`), and what a background
         descendant (``cmd &``) writes after the command returned goes to the
-        node's :class:`~weenv.node.process.PipeSink`, never to a file on the host.
+        node's :class:`~weenv.node.runtime.process.PipeSink`, never to a file on the host.
         """
         r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output,
                      user=user)
@@ -653,7 +653,7 @@ class Node:
         (or could not start: then its pid is 0 and it has already ended with
         127/126 and the reason on stderr, as runc words it).
 
-        Its output streams through ``process.log`` (see :mod:`weenv.node.process`);
+        Its output streams through ``process.log`` (see :mod:`weenv.node.runtime.process`);
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
         ``primary_reader`` attaches a reader that sees every event (a foreground
         stream; read it to the end or detach it).  The process is kept under
@@ -662,7 +662,7 @@ class Node:
         ``user``: who it runs as, a name of the environment's ``/etc/passwd``
         or ``"UID[:GID]"`` (default: the template's user), with that user's
         gid, supplementary groups (``/etc/group``) and ``HOME``/``USER``/
-        ``LOGNAME`` (:mod:`weenv.node.users`).  Raises :class:`NotFoundError`
+        ``LOGNAME`` (:mod:`weenv.node.runtime.users`).  Raises :class:`NotFoundError`
         for an unknown environment, :class:`UnknownUserError` for a user it
         does not have and :class:`InvalidInputError` for a bad command,
         variable, directory, user or terminal size.
@@ -908,14 +908,14 @@ class Node:
     def pause(self, env_id: str, *, release_memory: bool = False) -> EnvironmentInfo:
         """Freeze environment ``env_id`` (processes and memory kept); with
         ``release_memory``, end its processes and keep its files instead (also
-        of one paused already; :mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
+        of one paused already; :mod:`weenv.node.state.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
         :class:`DiskFullError` (the node's disk has no room for its state: it runs on, untouched)."""
         return self.pauses.pause(self.table.get(env_id), release_memory=release_memory)
 
     def resume(self, env_id: str, *, timeout: float | None = None) -> EnvironmentInfo:
         """Thaw the paused ``env_id`` (or, its memory released, run its first process
         again over its files), its timeout ``timeout`` s from now (default its own); it stayed
-        counted while paused (:mod:`weenv.node.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
+        counted while paused (:mod:`weenv.node.state.pause`).  Raises :class:`NotFoundError`, :class:`StateError`,
         :class:`CapacityError` (only if it was not provisioned; it stays paused), :class:`DiskFullError`
         (the node's disk has no room for its state: it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)

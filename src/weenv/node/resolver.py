@@ -23,7 +23,7 @@ from typing import Literal
 from weenv.errors import NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import GroupManifest, TemplateManifest, check_digest
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node.models import TemplateInfo
+from weenv.api.models import TemplateInfo
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 from weenv.store import Store
@@ -177,7 +177,7 @@ class Resolver:
         are what is returned, fetched as without a hint).
 
         ``offered``: group manifests by digest that the profile carries
-        (:meth:`weenv.node.prefetch.Prefetcher.known_manifests`): taken
+        (:meth:`weenv.node.data.prefetch.Prefetcher.known_manifests`): taken
         instead of fetched once checked (:meth:`NodeManifests.adopt`; one that
         fails the check is fetched from the store), while the template's own
         manifest is fetched (that fetch stays the check that the template

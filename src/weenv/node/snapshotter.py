@@ -3,8 +3,8 @@
 An environment's directory (``environments/<id>/``) holds its rootfs mount
 point, its upper and work dirs (a subvolume of the node's disk with the
 environment's disk limit, :mod:`weenv.node.disk`) and, beside them, the bundle
-and the agent's socket (:mod:`weenv.node.container`).  Its rootfs is an
-overlay of the template's group mounts (:class:`~weenv.node.groups.GroupMounts`,
+and the agent's socket (:mod:`weenv.node.runtime.container`).  Its rootfs is an
+overlay of the template's group mounts (:class:`~weenv.node.data.groups.GroupMounts`,
 shared read-only) under its private upper dir.
 
 As containerd's snapshotter does, computing the mounts (:func:`rootfs_mounts`,
@@ -31,15 +31,15 @@ from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
-from weenv.node import idmap
+from weenv.node.runtime import idmap
 from weenv.node.disk import SPARE, SUBVOLUME, NodeDisk, leftovers
-from weenv.node.groups import GroupMounts
+from weenv.node.data.groups import GroupMounts
 
 log = logging.getLogger(__name__)
 
 IDMAPPED = "idmapped"
 """In a user-namespace environment's directory: ``N/``, the idmapped clone of its
-``N``-th lower (:func:`weenv.node.idmap.idmapped_clone`), the overlay's real lowers."""
+``N``-th lower (:func:`weenv.node.runtime.idmap.idmapped_clone`), the overlay's real lowers."""
 LOWERS_FILE = "lowers.json"
 """In ``IDMAPPED/``: the group mount points the clones were made of (a list of paths), for recovery."""
 RANGE_DIR_MODE = 0o710
@@ -91,13 +91,13 @@ class Snapshotter:
         """Make environment ``env_id``'s directory, take its group mounts (cold
         ones in parallel), make its upper dir with ``disk_bytes`` as its limit
         (empty, or with ``upper_from`` a capture's subvolume,
-        :mod:`weenv.node.snapshot`: a snapshot of it) and mount its overlay rootfs; each step's undo pushed on ``undo``.
+        :mod:`weenv.node.state.snapshot`: a snapshot of it) and mount its overlay rootfs; each step's undo pushed on ``undo``.
         The upper dir is made while the group mounts are taken (in a thread of
         their own): ``timing`` gets ``groups_s``, seconds until both are done,
         ``upper_s``, the upper dir's part of them, and ``overlay_s``, the overlay mount's after.  Returns the
         overlay's lower dirs (group mount points, as ``groups`` lists them).
         ``userns``: the environment gets a host id range of its own
-        (:func:`weenv.node.idmap.allocate`), its upper dir is the range's
+        (:func:`weenv.node.runtime.idmap.allocate`), its upper dir is the range's
         root's and its overlay lies over idmapped clones of the group mounts.
         A capture's files keep their owners inside whatever range (or none)
         either environment has (:meth:`make_upper`).
@@ -203,11 +203,11 @@ class Snapshotter:
     def make_upper(self, env_dir: Path, disk_bytes: int, upper_from: Path | None, name: str) -> None:
         """Make subvolume ``name`` in ``env_dir``: an empty upper dir, or a snapshot
         of the capture subvolume ``upper_from``, its quota ``disk_bytes``.
-        Its owners are the environment's range's (:func:`weenv.node.idmap.range_of`,
+        Its owners are the environment's range's (:func:`weenv.node.runtime.idmap.range_of`,
         0 without one): an empty one's root is the range's root; a snapshot's
         files are moved from the range the capture was taken in
-        (:func:`~weenv.node.idmap.range_of_subvolume`) to it
-        (:func:`~weenv.node.idmap.shift_owners`), so owners and modes inside
+        (:func:`~weenv.node.runtime.idmap.range_of_subvolume`) to it
+        (:func:`~weenv.node.runtime.idmap.shift_owners`), so owners and modes inside
         are the captured environment's.  Raises :class:`MountError`."""
         host_id = idmap.range_of(env_dir)
         sub = env_dir / name

@@ -18,13 +18,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from weenv.errors import FULL_ERRNOS, InvalidInputError, NotFoundError, disk_full
 from weenv.formats.manifest import TemplateManifest
 from weenv.node.disk import NodeDisk
-from weenv.node.models import MAX_TIMEOUT_S, EnvironmentInfo
-from weenv.node.process import Process
+from weenv.api.models import MAX_TIMEOUT_S, EnvironmentInfo
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ an environment."""
 
 CONTAINER_FILE = "container"
 """In a bundle directory: the id of the container made from it, when it is not
-:func:`container_id` (a container made ahead for a reset, :mod:`weenv.node.reset`)."""
+:func:`container_id` (a container made ahead for a reset, :mod:`weenv.node.state.reset`)."""
 
 
 def container_id(env_id: str) -> str:
@@ -113,8 +112,10 @@ class Environment:
         self.template = template
         self.dir = dir
         self.lock = threading.Lock()
-        self.processes: dict[int, Process] = {}
-        """Streamed and background commands by pid inside the environment (under the table's lock)."""
+        self.processes: dict[int, Any] = {}
+        """Streamed and background commands by pid inside the environment (under the table's lock):
+        :class:`weenv.node.runtime.process.Process` objects, kept here untyped so that the table,
+        below the runtime, does not import it."""
         self.lowers: list[Path] = []
         """The group mount points its overlay uses (lazy or direct), as the template lists its groups."""
         self.init_pid: int | None = None

@@ -2,7 +2,7 @@
 
 :func:`~weenv.packaging.builder.build_recipe` is given a
 :class:`BuildEnvironments` (the node implements it:
-:class:`weenv.node.buildenv.NodeBuildEnvironments`; the CLI passes it), so
+:class:`weenv.build.buildenv.NodeBuildEnvironments`; the CLI passes it), so
 packaging never imports the node.  The builder starts one build environment
 per component from a scratch template, copies tree steps into its
 :attr:`~BuildEnvironment.root`, runs commands with

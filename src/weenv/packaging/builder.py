@@ -10,11 +10,11 @@ store (nothing is rebuilt or written).  A miss builds the component's tree:
   groups below.
 - **With ``run``/``pip`` steps**: a *build environment* is started by the
   :class:`~weenv.packaging.buildenv.BuildEnvironments` the caller gives
-  (the node's: :class:`weenv.node.buildenv.NodeBuildEnvironments`, a private
+  (the node's: :class:`weenv.build.buildenv.NodeBuildEnvironments`, a private
   in-process :class:`~weenv.node.node.Node` whose home is under
   ``$WEENV_HOME/build``, so it never touches the daemon's environments) from
   a scratch template of the groups below (an empty group if there are none),
-  with network (its own namespace, NATed out: :mod:`weenv.node.network`), Docker's
+  with network (its own namespace, NATed out: :mod:`weenv.node.runtime.network`), Docker's
   default capabilities and root as the user.
   Tree steps copy into its root through the overlay, confined to it (the
   destination directory is opened with openat2 ``RESOLVE_IN_ROOT``); commands
@@ -162,7 +162,7 @@ def build_recipe(
     """Build and publish every component of ``recipe`` and its template.
 
     ``environments`` starts the build environments of components with
-    ``run``/``pip`` steps (:class:`weenv.node.buildenv.NodeBuildEnvironments`).
+    ``run``/``pip`` steps (:class:`weenv.build.buildenv.NodeBuildEnvironments`).
     Raises :class:`InvalidInputError` (a missing source, a bad tree, such a
     component without ``environments``, before anything is built),
     :class:`StepFailedError` (a step exited non-zero or timed out),
@@ -172,7 +172,7 @@ def build_recipe(
     needing = [c.name for c in recipe.component if c.needs_environment]
     if needing and environments is None:
         raise InvalidInputError(f"components {needing} have run/pip steps: build_recipe needs environments "
-                                "(weenv.node.buildenv.NodeBuildEnvironments)")
+                                "(weenv.build.buildenv.NodeBuildEnvironments)")
     say = progress or (lambda _c, _s: None)
     t0 = time.monotonic()
     results: list[ComponentResult] = []

@@ -144,7 +144,7 @@ def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
             continue  # a dangling ref: nothing to keep
         reach.manifests.add(digest)
         profiles = [t.prefetch] if t.prefetch else []
-        try:  # a profile recorded by a node (weenv.node.prefetch): prefetch/<hex of the template digest>
+        try:  # a profile recorded by a node (weenv.node.data.prefetch): prefetch/<hex of the template digest>
             profiles.append(store.get_ref("prefetch", digest.split(":", 1)[1]))
         except (NotFoundError, InvalidInputError):
             pass

@@ -1,7 +1,7 @@
 """The prefetch profile format: which chunks a template's start reads, in order, and their pack.
 
 A node records a profile on a template's first start and publishes it beside the
-template (:mod:`weenv.node.prefetch` records and replays it):
+template (:mod:`weenv.node.data.prefetch` records and replays it):
 
 - the profile: canonical JSON as a manifest (:class:`PrefetchProfile`, media
   type ``application/vnd.weenv.prefetch.v1+json``);

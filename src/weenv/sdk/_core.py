@@ -54,7 +54,7 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.formats.manifest import Resources
-from weenv.node.models import (
+from weenv.api.models import (
     BatchCreateEvent,
     BatchCreateRequest,
     CreateRequest,

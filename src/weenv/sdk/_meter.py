@@ -53,7 +53,7 @@ def record_call(config: Any, method: str, path: str, started: float, waited: flo
     tallies = _tallies()
     if not tallies:
         return
-    from weenv.node.models import EnvironmentInfo
+    from weenv.api.models import EnvironmentInfo
     from weenv.sdk._core import CommandResult
 
     phase, env_id = phase_of(method, path.split("?", 1)[0])

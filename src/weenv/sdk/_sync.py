@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Literal
 import httpx
 
 from weenv.errors import WeenvError
-from weenv.node.models import (
+from weenv.api.models import (
     BatchCreateEvent,
     CreateRequest,
     EntryInfo,
@@ -524,7 +524,7 @@ class NodeClient:
     operators (:meth:`weenv.server.daemon.connect` makes one for a home,
     starting its daemon if asked): environments by id, commands run to their
     end with their output captured, the node's stats, its chunk cache, its
-    shutdown.  It takes and returns the node's models (:mod:`weenv.node.models`).
+    shutdown.  It takes and returns the node's models (:mod:`weenv.api.models`).
 
     Where the daemon is: ``socket`` (a Unix socket, needing no key), else as a
     sandbox finds it.  ``request_timeout``: seconds a request may wait for its

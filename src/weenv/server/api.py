@@ -1,6 +1,6 @@
 """The weenv API (``/v1``): FastAPI routes over a :class:`~weenv.node.node.Node`.
 
-JSON bodies are the models of :mod:`weenv.node.models`; streamed answers are
+JSON bodies are the models of :mod:`weenv.api.models`; streamed answers are
 NDJSON (``application/x-ndjson``: one JSON object per line, sent as it is
 ready, bytes base64-encoded)::
 
@@ -8,7 +8,7 @@ ready, bytes base64-encoded)::
                                                       without one, only {"status": "ok"})
     GET    /v1/metrics                                -> Prometheus text format
     GET    /v1/stats                                  -> NodeStats
-    PUT    /v1/peers                                  PeerUpdate -> 204 (a cluster node's peers, weenv.node.peers)
+    PUT    /v1/peers                                  PeerUpdate -> 204 (a cluster node's peers, weenv.node.data.peers)
     GET    /v1/stats/provision?env=ID                 -> ProvisionStats (quotas, usage history, events)
     GET    /v1/templates                              -> [TemplateInfo]
     GET    /v1/templates/{name}                       -> TemplateInfo
@@ -88,8 +88,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
 from weenv.formats.manifest import Resources
-from weenv.node.fork import ForkResult
-from weenv.node.models import (
+from weenv.node.state.fork import ForkResult
+from weenv.api.models import (
     BatchCreateEvent,
     BatchCreateRequest,
     CreateRequest,
@@ -117,8 +117,8 @@ from weenv.node.models import (
     WriteInfo,
 )
 from weenv.node.node import Node
-from weenv.node.peers import PeerUpdate
-from weenv.node.process import Process
+from weenv.node.data.peers import PeerUpdate
+from weenv.node.runtime.process import Process
 from weenv.node.provision import ProvisionStats
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.metrics import CONTENT_TYPE, Metrics

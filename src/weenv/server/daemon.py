@@ -20,7 +20,7 @@ refused), closes connections silent for 5 s, and bounds request bodies
 A daemon killed by SIGKILL (or crashed) leaves its environments running: the
 next daemon on the home (started on demand by the next client, or by
 ``weenv serve``) takes over their FUSE connection from the home's FUSE holder
-(``run/fuse-holder.pid``, :mod:`weenv.node.fuse.holder`) and adopts them
+(``run/fuse-holder.pid``, :mod:`weenv.node.data.fuse.holder`) and adopts them
 (:meth:`~weenv.node.node.Node.start`).  :func:`stop` with no daemon running
 does that too, then destroys them: nothing stays, the holder included.
 """
@@ -346,7 +346,7 @@ def _leftovers(paths: Paths) -> list[str]:
     below it, its FUSE holder, environment dirs, runc containers and the
     cgroups of the environments those name."""
     from weenv.host import mounts
-    from weenv.node.fuse import holder
+    from weenv.node.data.fuse import holder
 
     left = []
     points = mounts.mounts_under(paths.home)

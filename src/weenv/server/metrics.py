@@ -11,7 +11,7 @@ Exposed at ``GET /v1/metrics`` in the text format::
     weenv_reaped_total                  counter  environments destroyed when their timeout passed
     weenv_bytes_fetched_total           counter  stored bytes fetched from the store (chunk cache misses)
     weenv_chunks_fetched_total          counter  chunks fetched from the store
-    weenv_chunk_source_bytes_total{source} counter plaintext chunk bytes fetched: store, peer (weenv.node.peers)
+    weenv_chunk_source_bytes_total{source} counter plaintext chunk bytes fetched: store, peer (weenv.node.data.peers)
     weenv_peer_failures_total{kind}     counter  peer chunk requests that gave none: missing, busy, bad, unreachable
     weenv_peer_served_bytes_total       counter  plaintext chunk bytes served to peers
     weenv_pool_ready                    gauge    environments the warm pool holds created ahead

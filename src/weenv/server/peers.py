@@ -1,4 +1,4 @@
-"""The route a node serves its peers' chunk requests on (:mod:`weenv.node.peers`)::
+"""The route a node serves its peers' chunk requests on (:mod:`weenv.node.data.peers`)::
 
     GET /peer/v1/chunks/{digest}   X-Weenv-Peer-Token: TOKEN  [X-Weenv-Peer-Rank: N, the asker's]
         [X-Weenv-Peer-Wait: S, the seconds the asker waits for the answer]
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from weenv.errors import AuthenticationError
 from weenv.node.node import Node
-from weenv.node.peers import CHUNK_PATH, RANK_HEADER, TOKEN_HEADER, WAIT_HEADER, RateBusyError, parse_wait
+from weenv.node.data.peers import CHUNK_PATH, RANK_HEADER, TOKEN_HEADER, WAIT_HEADER, RateBusyError, parse_wait
 
 
 def peer_router(node: Node) -> APIRouter:

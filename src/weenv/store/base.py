@@ -12,7 +12,7 @@ A store keeps four things:
   ``buildcache/KEY`` maps a recipe component's cache key (hex) to the group
   manifest built from it (:mod:`weenv.packaging.buildcache`);
   ``prefetch/<hex of a template digest>`` points at the template's prefetch
-  profile (:mod:`weenv.node.prefetch`);
+  profile (:mod:`weenv.node.data.prefetch`);
   ``leases/ID`` points at a lease record (:mod:`weenv.store.lease`).
 
 Compression and digest checks live here, once; a backend only moves bytes

@@ -20,7 +20,7 @@ Lifetime of an environment: :meth:`Provisioner.reserve` (admission; its
 initial reservation counts against the node from then on), :meth:`attach` once its
 cgroup exists (writes the initial limits), :meth:`detach` before its cgroup is
 removed.  While the environment is paused (the cgroup freezer,
-:mod:`weenv.node.pause`) it is not controlled (:meth:`pause` to :meth:`resume`)
+:mod:`weenv.node.state.pause`) it is not controlled (:meth:`pause` to :meth:`resume`)
 but stays reserved: a frozen environment still holds its memory, so its memory
 limit (what it may hold: at most that is resident while it cannot run) and its
 disk limit count against admission and against the memory the arbiter grants

@@ -1,7 +1,7 @@
 """Models of elastic provisioning: its configuration and what it reports.
 
 Shared by the controller, the node, the HTTP server and its client, as the
-node's other models are (:mod:`weenv.node.models`).
+node's other models are (:mod:`weenv.api.models`).
 """
 
 from __future__ import annotations

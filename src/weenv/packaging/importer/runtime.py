@@ -6,7 +6,7 @@ keep running; commands are exec'd beside it):
 
 - ``Entrypoint`` + ``Cmd`` -> ``default_command`` (what ``docker run IMAGE``
   would run); the first process stays ``sleep infinity``, which the node
-  runs as its own exec agent (:data:`weenv.node.bundle.HOLD_COMMAND`), so
+  runs as its own exec agent (:data:`weenv.node.runtime.bundle.HOLD_COMMAND`), so
   images without ``sleep`` start.
 - ``Env`` (``KEY=VALUE`` list) -> ``env``; like Docker, ``PATH`` gets Docker's
   default and ``HOME`` the user's home from the image's ``/etc/passwd`` (or

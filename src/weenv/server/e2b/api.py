@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from weenv.errors import WeenvError
-from weenv.node.models import Envs, Metadata
+from weenv.api.models import Envs, Metadata
 from weenv.server.e2b.readiness import start_and_wait_ready
 from weenv.server.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
@@ -97,7 +97,7 @@ class NetworkConfig(_Body):
 
     def allowed(self) -> list[str]:
         """``allowOut``, with ``dnsServers`` when it names a domain."""
-        from weenv.node.nameserver import domain
+        from weenv.api.names import domain
 
         has_name = any(len(a) <= 253 and domain(a) is not None for a in self.allow_out)
         return [*self.allow_out, *(self.dns_servers if has_name else [])]

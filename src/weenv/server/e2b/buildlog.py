@@ -6,7 +6,7 @@ log only grows at its end.  A build's ``RUN`` may print gigabytes, so what
 is kept is bounded in bytes (each entry counted as its message's UTF-8 bytes
 plus :data:`ENTRY_BYTES` for its timestamp, level and step):
 
-- **per line**: a message is cut to :data:`~weenv.node.stepbuild.MAX_LINE_BYTES`
+- **per line**: a message is cut to :data:`~weenv.build.stepbuild.MAX_LINE_BYTES`
   bytes, ending ``… [N bytes cut]`` (the step's output is cut the same way as
   it is read, so a line without newline never grows in memory either);
 - **the first and the last**: every entry is kept until the log holds
@@ -27,7 +27,7 @@ import collections
 import datetime
 import time
 
-from weenv.node.stepbuild import MAX_LINE_BYTES
+from weenv.build.stepbuild import MAX_LINE_BYTES
 
 MAX_LOG_BYTES = 4 << 20
 """Bytes of one build's log."""

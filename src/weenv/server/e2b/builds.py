@@ -3,7 +3,7 @@ their COPY steps, and the builds running in background threads.
 
 An E2B *template* has an id (20 random characters), one name, tags (``default``
 unless others are asked for) each pointing at a build, and builds; a build that
-succeeded is a weenv template manifest (:mod:`weenv.node.stepbuild`), and
+succeeded is a weenv template manifest (:mod:`weenv.build.stepbuild`), and
 the store's ref ``templates/NAME`` follows the template's latest ready build, so
 ``weenv`` itself, ``Sandbox.create("NAME")``, ``"NAME:TAG"``, ``"ID"`` and
 ``"NAME:BUILD_ID"`` all start it.  That ref is the template's only while it
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
 from weenv.node.node import Node
 from weenv.formats.manifest import DEFAULT_DISK_BYTES, MAX_DISK_BYTES, Resources
-from weenv.node.stepbuild import MAX_LINE_BYTES, BuildOutcome, BuildSpec, StepFailedError, TemplateBuild
+from weenv.build.stepbuild import MAX_LINE_BYTES, BuildOutcome, BuildSpec, StepFailedError, TemplateBuild
 from weenv.server.e2b.buildlog import BuildLogBook, cut_line
 from weenv.server.e2b.uploads import Uploads
 

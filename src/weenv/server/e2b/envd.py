@@ -53,7 +53,7 @@ from weenv.errors import (
     UnknownUserError,
     WeenvError,
 )
-from weenv.node.users import Identity
+from weenv.node.runtime.users import Identity
 from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService

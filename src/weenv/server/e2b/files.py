@@ -2,7 +2,7 @@
 over a sandbox's confined root with its mounts, as its processes see them
 (:meth:`weenv.node.node.Node.mounted_files`: ``/proc``, ``/dev``, ``/dev/shm``).
 
-Every call is made as the user it names (:class:`~weenv.node.users.Identity`:
+Every call is made as the user it names (:class:`~weenv.node.runtime.users.Identity`:
 the RPC's basic-auth user, ``/files``' ``username``, default the template's).
 Behaviour follows E2B's envd: ``~`` is the user's home; relative paths start
 at the template's working directory when it names one (not ``/``), else at
@@ -34,7 +34,7 @@ from google.protobuf.message import Message
 
 from weenv.errors import CommandTimeoutError, InvalidInputError, NotFoundError, PseudoFileError
 from weenv.host.rootfs import RootFS
-from weenv.node.users import Identity
+from weenv.node.runtime.users import Identity
 from weenv.server.e2b.connect import RpcError
 from weenv.server.e2b.proto import filesystem_pb
 from weenv.server.e2b.sandboxes import Sandbox

@@ -1,7 +1,7 @@
 """envd's process service (``process.Process``) over weenv's streamed commands.
 
 A command is the node's streamed process (:meth:`weenv.node.node.Node.spawn`,
-a :class:`weenv.node.process.Process`), whose output log the RPC streams follow: ``Start`` sends the start event (the pid inside the
+a :class:`weenv.node.runtime.process.Process`), whose output log the RPC streams follow: ``Start`` sends the start event (the pid inside the
 sandbox), each stdout/stderr chunk as it arrives, then the end event;
 ``Connect`` attaches to a running command and sends what comes next.  The
 command's deadline is the call's ``Connect-Timeout-Ms`` (as envd: the command is
@@ -19,7 +19,7 @@ A ``Start`` with ``pty`` runs the command on a pseudo-terminal the exec agent
 allocates inside the sandbox (:meth:`weenv.node.node.Node.spawn`'s ``tty``):
 its output comes as ``pty`` data, ``SendInput`` takes ``pty`` input (and only
 that, as envd), ``Update`` resizes it; sizes are 1 to
-:data:`~weenv.node.commands.MAX_TTY_SIDE` columns and rows.
+:data:`~weenv.node.runtime.commands.MAX_TTY_SIDE` columns and rows.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import anyio.to_thread
 from google.protobuf.message import Message
 
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
-from weenv.node.commands import check_tty_size
+from weenv.node.runtime.commands import check_tty_size
 from weenv.node.node import Node
-from weenv.node.process import Process
-from weenv.node.users import Identity
+from weenv.node.runtime.process import Process
+from weenv.node.runtime.users import Identity
 from weenv.server.e2b.connect import CallContext, RpcError
 from weenv.server.e2b.files import fs_of, resolve
 from weenv.server.e2b.proto import process_pb

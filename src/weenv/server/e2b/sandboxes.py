@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node.models import EnvironmentInfo
+from weenv.api.models import EnvironmentInfo
 from weenv.node.node import Node
-from weenv.node.users import Identity
+from weenv.node.runtime.users import Identity
 from weenv.formats.manifest import RuntimeConfig
 from weenv.packaging.template import load_template
 

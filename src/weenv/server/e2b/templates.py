@@ -44,7 +44,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import AliasChoices, Field, ValidationError
 
 from weenv.errors import InvalidInputError, NotFoundError
-from weenv.node.stepbuild import BuildSpec
+from weenv.build.stepbuild import BuildSpec
 from weenv.packaging.steps import MAX_STEPS, Step, check_steps
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
 from weenv.server.e2b.builds import Build, TemplateRecord, Templates

@@ -1,0 +1,136 @@
+"""Launchers: how a command starts inside an environment.
+
+A :class:`Launcher` starts one command (argv, variables, working dir, stdin)
+in a running environment and returns its :class:`~weenv.node.runtime.process.Spawned`,
+which :class:`~weenv.node.runtime.process.Process` drives the same way whatever
+started it.  Two backends:
+
+- :class:`AgentLauncher`: the exec agent inside the environment
+  (:mod:`weenv.node.runtime.agent`), one connect per command, no runc process;
+- :class:`RuncLauncher`: ``runc exec`` (:mod:`weenv.node.runtime.runc`).
+
+:class:`Launchers` picks one per command: the agent when its socket is there,
+``runc exec`` otherwise or when the agent does not answer (for this command,
+or from now on when it is gone for good), and counts what each started.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import logging
+import threading
+
+from weenv.errors import StateError
+from weenv.node.runtime.agent import AgentUnavailable, spawn as agent_spawn
+from weenv.node.runtime.bundle import CAPS_ANNOTATION
+from weenv.node.runtime.process import Spawned
+from weenv.node.runtime.runc import Runc, exec_args
+from weenv.node.table import Environment
+from weenv.node.runtime.users import Identity
+
+log = logging.getLogger(__name__)
+
+
+class Launcher(abc.ABC):
+    """Starts commands inside running environments."""
+
+    name: str
+    """Its key in :attr:`Launchers.counts` (and ``NodeStats.exec_*``)."""
+
+    @abc.abstractmethod
+    def spawn(self, e: Environment, argv: list[str], env: dict[str, str], cwd: str,
+              stdin: bytes | None, stdin_pipe: bool, user: Identity, tty: tuple[int, int] | None = None) -> Spawned:
+        """Start ``argv`` (checked by :func:`~weenv.node.runtime.runc.exec_args`) in ``e``
+        with exactly the variables ``env``, in ``cwd``, as ``user`` (its uid,
+        gid and supplementary groups); ``stdin``: bytes written then closed, or
+        ``stdin_pipe``: a pipe kept open; ``tty``: ``(cols, rows)`` of a new
+        pseudo-terminal inside ``e`` the command runs on instead (its stdin,
+        stdout and stderr).  A command that cannot start still returns (its
+        pid 0, ended 127/126)."""
+
+
+class AgentLauncher(Launcher):
+    """Through the exec agent; raises :class:`AgentUnavailable` when it does not answer."""
+
+    name = "agent"
+
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
+        ident = f"{user.spec}:{','.join(map(str, user.groups))}"
+        return agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
+                           cgroup=f"/{e.container_id}", ident=ident, tty=tty)  # fmt: skip
+
+
+class RuncLauncher(Launcher):
+    """Through ``runc exec``, with a process of the environment's capability set
+    (its bundle's :data:`~weenv.node.runtime.bundle.CAPS_ANNOTATION`: the first
+    process also holds the agent's) and the user's groups."""
+
+    name = "runc"
+
+    def __init__(self, runc: Runc):
+        self.runc = runc
+
+    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
+        if tty is not None:
+            raise StateError(f"environment {e.info.id!r} has no exec agent running, which a terminal needs")
+        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=user.spec, stdin=stdin,
+                               stdin_pipe=stdin_pipe, process=_process(e, user))  # fmt: skip
+
+
+def _process(e: Environment, user: Identity) -> dict | None:
+    """The OCI process for a ``runc exec`` in ``e`` as ``user``: its bundle's,
+    with the environment's capabilities and ``user``'s groups (None without a
+    readable bundle: runc's own defaults)."""
+    try:
+        config = json.loads((e.dir / "bundle" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    process = dict(config.get("process") or {})
+    caps = (config.get("annotations") or {}).get(CAPS_ANNOTATION)
+    if caps is not None:
+        names = [c for c in caps.split(",") if c]
+        process["capabilities"] = {k: names for k in ("bounding", "effective", "permitted", "ambient")}
+    process["user"] = {"uid": user.uid, "gid": user.gid, "additionalGids": list(user.groups[1:])}
+    return process
+
+
+class Launchers:
+    """The agent where it answers, ``runc exec`` otherwise (see the module's doc)."""
+
+    def __init__(self, runc: Runc):
+        self.agent = AgentLauncher()
+        self.runc = RuncLauncher(runc)
+        self.counts = {"agent": 0, "runc": 0}
+        """Commands started through each launcher (``runc``: the fallback)."""
+        self._lock = threading.Lock()
+
+    def launch(self, e: Environment, command: list[str] | str, env: dict[str, str], cwd: str,
+               stdin: bytes | None, stdin_pipe: bool, user: Identity, *, only: Launcher | None = None,
+               tty: tuple[int, int] | None = None) -> Spawned:
+        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``
+        (``tty``: on a new terminal, see :meth:`Launcher.spawn`: through the
+        agent alone, :class:`StateError` without one); raises
+        :class:`InvalidInputError` for a bad command, variable or directory.
+        ``only``: through that launcher, with no fallback (its own errors raised)."""
+        _flags, argv = exec_args(command, env, cwd, user.spec)  # raises for bad input
+        if only is not None:
+            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+        if e.agent_socket.exists():
+            try:
+                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+            except AgentUnavailable as exc:
+                if exc.gone:  # for good: later commands go straight to runc
+                    log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
+                    with contextlib.suppress(FileNotFoundError):
+                        e.agent_socket.unlink()
+                else:
+                    log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
+        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+
+    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
+        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+        with self._lock:
+            self.counts[launcher.name] += 1
+        return spawned
