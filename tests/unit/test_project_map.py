@@ -34,3 +34,19 @@ def test_the_package_docstring_names_every_top_level_folder():
     top = {f for f in folders() if "/" not in f}
     missing, stale = top - named, {n for n in named - top if not (SRC / f"{n}.py").exists()}
     assert not missing and not stale, f"weenv/__init__.py's map: missing {sorted(missing)}, no such folder {sorted(stale)}"
+
+
+def test_the_node_package_docstring_names_every_module_of_its_top_and_wings():
+    """``weenv/node/__init__.py`` draws the node's floors: it names every module
+    and folder at ``node/``'s top and in each wing (``data/``, ``runtime/``,
+    ``state/``), and nothing that is not there."""
+    import weenv.node
+
+    node = SRC / "node"
+    wings = [p for p in node.iterdir() if p.is_dir() and p.name in ("data", "runtime", "state")]
+    actual = set()
+    for folder in (node, *wings):
+        actual |= {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                   if p.name not in ("__init__.py", "__pycache__") and (p.suffix == ".py" or p.is_dir())}
+    named = set(re.findall(r"``(\w+(?:\.py|/))``", weenv.node.__doc__))
+    assert named == actual, f"weenv/node/__init__.py's map: missing {sorted(actual - named)}, no such module {sorted(named - actual)}"
