@@ -36,6 +36,7 @@ from registry_fixture import oci_registry  # noqa: F401 - a fixture
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
 from weenv.store.file import FileStore
+from weenv_bench.extracting_import import import_extracting
 from weenv_bench.import_image import DiskMeter, used_bytes
 from weenv_bench.services.dockerd import Dockerd
 from weenv_bench.services.process import alive
@@ -369,8 +370,8 @@ def test_streamed_and_extracted_imports_write_the_same_images(images, kinds, tmp
             groups = []
             for extract in (False, True):
                 store = FileStore(tmp_path / f"s-{extract}")
-                r = import_image(str(archive), store, name="same", workdir=tmp_path, merge_small=merge,
-                                 extract=extract)  # fmt: skip
+                run = import_extracting if extract else import_image
+                r = run(str(archive), store, name="same", workdir=tmp_path, merge_small=merge)
                 if merge is None:
                     groups.append([_image_tree(store, g.manifest, tmp_path) for g in r.groups])
                 else:
@@ -762,12 +763,11 @@ def test_bad_layers_are_refused_naming_the_layer_and_entry(store, work, tmp_path
     }
     for label, (layers, message) in cases.items():
         layout = _write_layout(tmp_path / label.replace(" ", "-"), layers)
-        for extract in (False,):
-            with pytest.raises(InvalidInputError, match=message) as info:
-                import_image(str(layout), store, name="bad", workdir=work, extract=extract)
-            assert "layer 0 (sha256:" in str(info.value), (label, str(info.value))
-            if label not in ("huge PAX header", "truncated layer"):
-                assert "entry '" in str(info.value), (label, str(info.value))
+        with pytest.raises(InvalidInputError, match=message) as info:
+            import_image(str(layout), store, name="bad", workdir=work)
+        assert "layer 0 (sha256:" in str(info.value), (label, str(info.value))
+        if label not in ("huge PAX header", "truncated layer"):
+            assert "entry '" in str(info.value), (label, str(info.value))
             _assert_nothing_published(store, work)
 
 

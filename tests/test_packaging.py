@@ -30,7 +30,8 @@ from weenv.formats.manifest import (
     sha256_digest,
 )
 from weenv.host.mounts import erofs_spec, mount, umount
-from weenv.packaging.erofs import count_inodes, mkfs_erofs, mkfs_version
+from weenv.packaging.erofs import count_inodes
+from weenv_bench.mkfs_erofs import mkfs_erofs, mkfs_version
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template

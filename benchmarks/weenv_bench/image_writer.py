@@ -26,7 +26,8 @@ from pathlib import Path
 from weenv_bench import machine
 
 from weenv.errors import WeenvError
-from weenv.packaging.erofs import DEFAULT_UUID, count_inodes, mkfs_erofs, mkfs_version
+from weenv.packaging.erofs import count_inodes
+from weenv_bench.mkfs_erofs import DEFAULT_UUID, mkfs_erofs, mkfs_version
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 
 

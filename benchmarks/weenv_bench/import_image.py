@@ -14,7 +14,7 @@ a private docker-registry on loopback.
 - ``weenv``: ``weenv import docker://REF`` into an empty ``file://`` store, the
   default path (layers streamed from the registry over HTTP into the EROFS
   writer, :mod:`weenv.packaging.importer.tartree`).
-- ``weenv-old``: the same with the old path (``extract=True`` and
+- ``weenv-old``: the same with the old path (:mod:`weenv_bench.extracting_import` and
   ``WEENV_IMPORT_SKOPEO=1``: ``skopeo copy`` to an OCI layout, each group's
   layers extracted to a directory, the image written from it).
 - ``weenv-ref`` (with ``ref_src``): ``weenv``'s import run from another
@@ -82,7 +82,9 @@ import json, sys
 from weenv.packaging.importer import import_image
 from weenv.store.file import FileStore
 source, store, work, extract = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-r = import_image(source, FileStore(store), name="bench", workdir=work, extract=extract)
+if extract:  # the old path, kept in the benchmarks
+    from weenv_bench.extracting_import import import_extracting as import_image
+r = import_image(source, FileStore(store), name="bench", workdir=work)
 print(json.dumps({"seconds": r.seconds, "groups": len(r.groups),
                   "image_bytes": sum(g.manifest.image_size for g in r.groups),
                   "stored_bytes": sum(g.manifest.stored_size for g in r.groups)}))
@@ -210,7 +212,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                 "weenv": "weenv import docker://REF (default: layers streamed over HTTP into the EROFS writer) into "
                 "an empty file:// store, in a child process",
                 "weenv-old": "the old path: skopeo copy to an OCI layout, layers extracted to a directory per "
-                "group, the image written from it (extract=True, WEENV_IMPORT_SKOPEO=1)",
+                "group, the image written from it (weenv_bench.extracting_import, WEENV_IMPORT_SKOPEO=1)",
                 "weenv-ref": f"weenv's import from {ref_src}/src (PYTHONPATH)" if ref_src else None,
                 "runs": f"{runs} per system, interleaved; the summary takes medians",
                 "disk": "one loop-mounted ext4 holds all each system writes; statvfs used bytes every 10 ms, peak "

@@ -21,8 +21,6 @@ def import_(
         help="merge adjacent layers smaller than this (e.g. 1M) into one group")] = None,
     insecure: Annotated[bool, typer.Option(help="reach a non-loopback registry without TLS verification")] = False,
     chunk_size: Annotated[str, typer.Option(help="chunk size, e.g. 1M")] = "1M",
-    extract: Annotated[bool, typer.Option(
-        help="the old path: extract layers to a directory first (default: stream them into the image)")] = False,
 ) -> None:
     """Import a container image: one group per layer (or merged), and a template."""
     from weenv.packaging.importer import import_image
@@ -30,7 +28,7 @@ def import_(
     r = import_image(
         source, store(), name=name, ref=ref, insecure=insecure,
         merge_small=parse_size(merge_small) if merge_small else None,
-        chunk_size=parse_size(chunk_size), extract=extract, progress=lambda line: err.print(line, highlight=False),
+        chunk_size=parse_size(chunk_size), progress=lambda line: err.print(line, highlight=False),
     )
     for g, layers in zip(r.groups, r.group_layers):
         span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"

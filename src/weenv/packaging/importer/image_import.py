@@ -13,9 +13,9 @@ read and verified, and a failure deletes whatever the import stored:
    image's chunks as they are written (no image file); a group of one layer
    has its files' data written into the image as the layer streams in
    (:mod:`~weenv.packaging.importer.tartree`); then its manifest, by digest
-   (``ref=False``).  With ``extract=True`` the old path: each group's layers
-   applied to a directory tree (:mod:`~weenv.packaging.importer.layers`)
-   and the image written from it;
+   (``ref=False``).  (The old path, each group's layers applied to a
+   directory tree and the image written from it, is kept in the benchmarks
+   for comparison: ``weenv_bench.extracting_import``);
 4. turn the image config into the template's runtime config
    (:mod:`~weenv.packaging.importer.runtime`; files of published groups are
    read back from the store);
@@ -39,7 +39,6 @@ import contextlib
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,9 +54,9 @@ from weenv.formats.manifest import (
 )
 from weenv.packaging.erofs_writer import WRITER, write_image
 from weenv.packaging.chunksink import ChunkSink
-from weenv.packaging.group import BuildResult, build_group, group_uuid, publish_sink
+from weenv.packaging.group import BuildResult, group_uuid, publish_sink
 from weenv.packaging.importer import tartree
-from weenv.packaging.importer.layers import GroupTree, LayerStats, View, open_layer
+from weenv.packaging.importer.layers import LayerStats, open_layer
 from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
 from weenv.packaging.layout import image_reader
@@ -142,7 +141,6 @@ def import_image(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     workdir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
-    extract: bool = False,
 ) -> ImportResult:
     """Import the image at ``source`` (an OCI layout directory, a ``docker save``
     or OCI archive, or ``docker://HOST/REPO:TAG``) into ``store`` as groups
@@ -156,10 +154,10 @@ def import_image(
     temporary files (the old path's trees, about the image's unpacked size;
     the streaming path's spool of a merged group's data; default the
     system's temporary directory).  ``progress`` hears one line per step.
-    ``extract``: the old path, each group's layers extracted to a directory
-    under ``workdir`` then written from there (kept for comparison, ``weenv
-    bench import``); by default layers stream into the image writer
-    (:mod:`~weenv.packaging.importer.tartree`) and images into the store.
+    Layers stream into the image writer
+    (:mod:`~weenv.packaging.importer.tartree`) and images into the store (the
+    old extracting path, for comparison, is the benchmarks'
+    ``weenv_bench.extracting_import``).
 
     Raises :class:`InvalidInputError` (bad source, name or image; truncated or
     corrupt archive or layer; missing blob; unsafe layer entry),
@@ -174,40 +172,24 @@ def import_image(
     with open_source(source, insecure=insecure) as src:
         image = src.read_image(ref)
         say(f"{image.reference}: {len(image.layers)} layers, config {image.config_digest[:19]}")
-        if not image.layers:
-            raise InvalidInputError(f"{image.reference}: the image has no layers")
-        plan = plan_groups([_layer_size(src, layer) for layer in image.layers], merge_small)
-        names = [f"{name}.{k}" for k in range(len(plan))]
-        for group_name in names:
-            check_name(group_name)
+        plan, names = plan_image(src, image, name, merge_small)
         tmp = Path(tempfile.mkdtemp(dir=workdir, prefix="weenv-import-"))
         with Lease(store, what=f"import {name}") as lease:
             leased = LeasedStore(store, lease)
-            if not extract:
-                try:
-                    results, stats, runtime = _import_streamed(src, image, plan, names, leased, chunk_size, tmp, say)
-                finally:
-                    _rmtree(tmp)
-                return _finish(leased, name, names, results, runtime, plan, stats, started)
             try:
-                trees, stats, runtime = _unpack(src, image, plan, tmp, say)
-                results = []
-                for k, (tree, group_name) in enumerate(zip(trees, names)):
-                    layers = plan[k]
-                    say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, EROFS image + publish")
-                    results.append(build_group(
-                        tree, leased, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
-                        source={
-                            "type": "image",
-                            "image": image.reference,
-                            "config": image.config_digest,
-                            "layers": ",".join(image.layers[i].diff_id for i in layers),
-                        },
-                    ))
-                    shutil.rmtree(tree, ignore_errors=True)
+                results, stats, runtime = _import_streamed(src, image, plan, names, leased, chunk_size, tmp, say)
             finally:
                 _rmtree(tmp)
             return _finish(leased, name, names, results, runtime, plan, stats, started)
+
+
+def plan_image(src: ImageSource, image: Image, name: str, merge_small: int | None) -> tuple[list[list[int]], list[str]]:
+    """The groups of ``image`` (:func:`plan_groups`) and their names ``NAME.K``, checked."""
+    if not image.layers:
+        raise InvalidInputError(f"{image.reference}: the image has no layers")
+    plan = plan_groups([_layer_size(src, layer) for layer in image.layers], merge_small)
+    names = [check_name(f"{name}.{k}") for k in range(len(plan))]
+    return plan, names
 
 
 def _finish(store: LeasedStore, name: str, names: list[str], results: list[BuildResult], runtime: RuntimeConfig,
@@ -297,39 +279,6 @@ def _layer_size(src: ImageSource, layer) -> int:
     if layer.size is not None:
         return layer.size
     return src.blob_size(layer.location)
-
-
-def _unpack(
-    src: ImageSource, image: Image, plan: list[list[int]], tmp: Path, say: Callable[[str], None]
-) -> tuple[list[Path], list[LayerStats], RuntimeConfig]:
-    """Apply every layer to its group's tree under ``tmp``; return the trees,
-    per-layer stats and the runtime config (read while the trees exist)."""
-    view = View()
-    trees: list[Path] = []
-    stats: list[LayerStats] = []
-    for k, layer_indexes in enumerate(plan):
-        tree = GroupTree(tmp / f"group-{k}", k, view, trees)
-        for i in layer_indexes:
-            layer = image.layers[i]
-            what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
-            with open_layer(src, layer, what) as tar:
-                stats.append(tree.apply_layer(tar, what))
-            say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
-                f"{stats[-1].opaque_dirs} opaque dirs")
-        tree.finish()
-        view.apply_group(tree.root, k)
-        trees.append(tree.root)
-
-    def read_file(path: str) -> bytes | None:
-        parts = tuple(p for p in path.split("/") if p)
-        group = view.lookup(parts)
-        if not isinstance(group, int):
-            return None
-        f = trees[group].joinpath(*parts)
-        st = os.lstat(f)
-        return f.read_bytes() if stat.S_ISREG(st.st_mode) else None
-
-    return trees, stats, runtime_from_config(image.config, read_file)
 
 
 def _rmtree(path: Path) -> None:

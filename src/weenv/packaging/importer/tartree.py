@@ -15,8 +15,8 @@ file per group (:class:`Spool`); the writer then reads each file's data once
 from the spool, in tree order, and each piece read is punched out of it
 (``fallocate(PUNCH_HOLE)``), so the spool shrinks as the image is stored.
 
-Semantics are those of :mod:`~weenv.packaging.importer.layers` (the
-extracting path, kept for comparison), applied to inodes instead of files:
+Semantics are those of :mod:`~weenv.packaging.importer.layers` (the old
+extracting path follows them too: ``weenv_bench.extracting_import``), applied to inodes instead of files:
 image-spec v1.0 ``layer.md`` "Applying Changesets" within a group, and what a
 group deletes from the groups below in overlayfs's own form
 (Documentation/filesystems/overlayfs.rst): a character device 0/0 for
