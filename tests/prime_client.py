@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from prime_sandboxes import (
@@ -35,10 +36,11 @@ def error_of(fn) -> str:
 
 def sync_flow() -> None:
     c = SandboxClient(APIClient())
-    sb = c.create(CreateSandboxRequest(name="sync-one", docker_image=IMAGE, labels=["weenv-test", "sync"],
-                                       environment_vars={"GREETING": "hi"}, timeout_minutes=10))
+    sb = c.create(CreateSandboxRequest(name="sync-one", docker_image=IMAGE, labels=["weenv-test", "sync"], timeout_minutes=-1,
+                                       environment_vars={"GREETING": "hi"}))
     c.wait_for_creation(sb.id)
-    out["sync_status"] = c.get(sb.id).status
+    got = c.get(sb.id)
+    out["sync_status"], out["sync_timeout_minutes"] = got.status, got.timeout_minutes
     r = c.execute_command(sb.id, 'echo "$GREETING $(id -u)"; echo oops >&2; exit 3', timeout=30)
     out["sync_exec"] = [r.stdout, r.stderr, r.exit_code]
     r = c.execute_command(sb.id, "pwd; echo $EXTRA", working_dir="/tmp", env={"EXTRA": "x1"})
@@ -59,6 +61,10 @@ def sync_flow() -> None:
     out["sync_read_file"] = c.read_file(sb.id, "/tmp/b.txt").content
     out["sync_missing_download"] = error_of(lambda: c.download_file(sb.id, "/nope/none", "/dev/null"))
     out["sync_bad_image"] = error_of(lambda: c.create(CreateSandboxRequest(name="bad", docker_image="no-such-image:1")))
+    job = c.start_background_job(sb.id, "sleep 1; echo done-$GREETING; echo err >&2; exit 4", working_dir="/tmp")
+    while not (status := c.get_background_job(sb.id, job)).completed:
+        time.sleep(0.2)
+    out["sync_background"] = [status.exit_code, status.stdout, status.stderr]
     out["sync_list_ids"] = [s.id for s in c.list(labels=["sync"]).sandboxes]
     out["sync_id"] = sb.id
     c.delete(sb.id)

@@ -73,6 +73,8 @@ def test_prime_sandboxes_client_sync_and_async(served, e2b_base_image, tmp_path)
     assert seen["sync_read_file"] == "bytes here\n"
     assert "404" in seen["sync_missing_download"] and "/nope/none" in seen["sync_missing_download"]
     assert "no-such-image:1" in seen["sync_bad_image"] and "404" in seen["sync_bad_image"]
+    assert seen["sync_background"] == [4, "done-hi\n", "err\n"]
+    assert seen["sync_timeout_minutes"] == 7 * 24 * 60  # -1: the longest weenv allows
     assert seen["sync_list_ids"] == [seen["sync_id"]]
     assert "404" in seen["sync_after_delete"]
     assert seen["sync_exec_after_delete"].startswith("SandboxNotRunningError"), seen["sync_exec_after_delete"]
@@ -99,6 +101,8 @@ def test_gateway_refuses_bad_timeouts_tokens_and_requests(served):
         assert "/api/v1/sandbox" in c.get("/openapi.json").json()["paths"]
         assert c.get("/api/v1/sandbox", headers={"authorization": "Bearer nope"}).status_code == 401
         r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "task", "timeout_minutes": 0})
+        assert r.status_code == 400 and "timeout_minutes must be at least 1" in r.json()["detail"]
+        r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "task", "timeout_minutes": -2})
         assert r.status_code == 422 and "timeout_minutes" in r.json()["detail"]
         r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "task", "gpu_count": 1})
         assert r.status_code == 400 and "GPU" in r.json()["detail"]

@@ -80,7 +80,8 @@ class CreateSandbox(_Body):
     gpu_count: int = Field(default=0, ge=0)
     network_allowlist: list[str] | None = Field(default=None, max_length=1024)
     network_denylist: list[str] | None = Field(default=None, max_length=1024)
-    timeout_minutes: int = Field(default=60, ge=1, le=int(MAX_TIMEOUT_S // 60))
+    timeout_minutes: int = Field(default=60, ge=-1, le=int(MAX_TIMEOUT_S // 60))
+    """Minutes the sandbox lives; -1 (what ``verifiers`` sends): the longest weenv allows."""
     environment_vars: dict[str, str] | None = None
     secrets: dict[str, str] | None = None
     labels: list[str] = Field(default_factory=list, max_length=64)
@@ -145,6 +146,8 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
             raise InvalidInputError("gpu_count: weenv sandboxes have no GPUs")
         if not body.docker_image:
             raise InvalidInputError("docker_image is required (a weenv template name)")
+        if body.timeout_minutes == 0:
+            raise InvalidInputError("timeout_minutes must be at least 1 (or -1: the longest lifetime weenv allows)")
         template = images.template(body.docker_image)
         try:
             resources = Resources(cpus=body.cpu_cores, memory_bytes=int(body.memory_gb * (1 << 30)),
@@ -159,7 +162,8 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
             network = {"network": False, "allow_out": body.network_allowlist}
         elif body.network_denylist is not None:
             network = {"network": True, "deny_out": body.network_denylist}
-        info = node.create(template, timeout=float(body.timeout_minutes * 60), resources=resources,
+        lifetime = MAX_TIMEOUT_S if body.timeout_minutes == -1 else float(body.timeout_minutes * 60)
+        info = node.create(template, timeout=lifetime, resources=resources,
                            envs={**(body.environment_vars or {}), **(body.secrets or {})}, metadata=metadata,
                            **network)  # fmt: skip
         return view(info)

@@ -8,7 +8,7 @@ The control plane's ``POST /api/v1/sandbox/{id}/auth`` (and a create's
                                                 start, stdout/stderr data, end events
     POST /upload?path=                          multipart part ``file`` -> FileUploadResponse
     GET  /download?path=                        the file's bytes
-    GET  /read-file?path=&offset=&length=       {"content": text, "size": n, ...}
+    GET  /read-file?path=&offset=&length=       {"content": text, "size": n, ...} (offset < 0: the tail)
 
 Each request needs ``Authorization: Bearer TOKEN`` (the sandbox's gateway
 token, :class:`~weenv.server.prime.sandboxes.Tokens`): 401 otherwise.  A
@@ -224,28 +224,29 @@ class Gateway:
         try:
             offset = int(q.get("offset", "0"))
             length = int(q["length"]) if "length" in q else None
-            if offset < 0 or (length is not None and length < 0):
+            if length is not None and length < 0:
                 raise ValueError
         except ValueError:
-            return _detail(400, "offset and length are whole numbers of bytes, not negative")
+            return _detail(400, "offset is a whole number of bytes (negative: from the end), length one not negative")
 
-        def read() -> tuple[bytes, int]:
+        def read() -> tuple[bytes, int, int]:
             who = self.node.user(sb.id, None)
             with files.open_read(self.node, sb, path, who) as f:
                 total = f.seek(0, 2)
-                f.seek(min(offset, total))
+                start = max(0, total + offset) if offset < 0 else min(offset, total)  # negative: the file's tail
+                f.seek(start)
                 want = MAX_READ_FILE if length is None else min(length, MAX_READ_FILE)
-                return f.read(want), total
+                return f.read(want), total, start
 
         try:
-            data, total = await anyio.to_thread.run_sync(read)
+            data, total, start = await anyio.to_thread.run_sync(read)
         except NotFoundError as exc:
             return _detail(404, str(exc))
         except (InvalidInputError, RpcError) as exc:
             return _detail(400, str(exc))
         return JSONResponse({"content": data.decode("utf-8", errors="replace"), "size": len(data),
-                             "total_size": total, "offset": min(offset, total),
-                             "truncated": min(offset, total) + len(data) < total})  # fmt: skip
+                             "total_size": total, "offset": start,
+                             "truncated": start > 0 or start + len(data) < total})  # fmt: skip
 
 
 class _Counting:
