@@ -92,6 +92,12 @@ async def async_flow() -> None:
             out["async_timeout"] = "no error"
         except CommandTimeoutError as exc:
             out["async_timeout"] = f"CommandTimeoutError: {exc}"
+        jobs = [await c.start_background_job(i, f"echo bg-{n}") for n, i in enumerate(ids)]
+        done = await c.get_background_jobs(jobs)
+        while not all(s.completed for s in done):
+            await asyncio.sleep(0.2)
+            done = await c.get_background_jobs(jobs)
+        out["async_background"] = [[s.exit_code, s.stdout] for s in done]
         out["async_list_ids"] = sorted(s.id for s in (await c.list(labels=["async"])).sandboxes)
         out["async_ids"] = sorted(ids)
         statuses = await c.get_sandbox_statuses(ids)

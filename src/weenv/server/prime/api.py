@@ -182,6 +182,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
 
     @router.post("/sandbox")
     async def create(body: CreateSandbox, request: Request) -> dict:
+        """A new sandbox (a weenv environment) from ``docker_image``, with its gateway auth."""
         sandbox = await anyio.to_thread.run_sync(create_once, body)
         return {**sandbox, "gatewayAuth": gateway_auth(request, sandbox["id"])}
 
@@ -189,6 +190,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
     async def list_(page: Annotated[int, Query(ge=1)] = 1, per_page: Annotated[int, Query(ge=1, le=1000)] = 50,
                     status: str | None = None, labels: Annotated[list[str] | None, Query()] = None,
                     is_active: bool | None = None) -> dict:  # fmt: skip
+        """The sandboxes, newest first, filtered by status and labels, a page of them."""
         infos = await anyio.to_thread.run_sync(node.list)
         infos = sorted(infos, key=lambda i: i.created_at, reverse=True)
         if status:
@@ -202,6 +204,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
 
     @router.post("/sandbox/status:batchGet")
     async def statuses(body: SandboxIds) -> dict:
+        """The status of each named sandbox, or why it has none."""
         found, errors = [], []
         for sid in body.sandbox_ids:
             try:
@@ -214,6 +217,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
 
     @router.delete("/sandbox")
     async def bulk_delete(request: Request) -> dict:
+        """Delete the named sandboxes, or those with all the labels."""
         try:
             body = BulkDelete.model_validate(json.loads(await request.body() or b"{}"))
         except (ValueError, ValidationError) as exc:
@@ -236,20 +240,24 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
 
     @router.get("/sandbox/{sandbox_id}")
     async def get(sandbox_id: str) -> dict:
+        """One sandbox."""
         return view(await anyio.to_thread.run_sync(node.get, sandbox_id))
 
     @router.delete("/sandbox/{sandbox_id}")
     async def delete(sandbox_id: str) -> dict:
+        """Delete one sandbox."""
         await anyio.to_thread.run_sync(node.destroy, sandbox_id)
         return {"success": True, "sandbox_id": sandbox_id}
 
     @router.post("/sandbox/{sandbox_id}/auth")
     async def auth(sandbox_id: str, request: Request) -> dict:
+        """The sandbox's gateway address and token."""
         await anyio.to_thread.run_sync(node.get, sandbox_id)
         return gateway_auth(request, sandbox_id)
 
     @router.get("/sandbox/{sandbox_id}/error-context")
     async def error_context(sandbox_id: str) -> dict:
+        """Why a sandbox is not running (``TERMINATED`` once gone)."""
         try:
             info = await anyio.to_thread.run_sync(node.get, sandbox_id)
         except NotFoundError:
@@ -258,6 +266,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
 
     @router.get("/sandbox/{sandbox_id}/logs")
     async def logs(sandbox_id: str) -> dict:
+        """Its console log: empty (weenv keeps none)."""
         await anyio.to_thread.run_sync(node.get, sandbox_id)
         return {"logs": ""}
 
