@@ -98,6 +98,17 @@ async def async_flow() -> None:
             await asyncio.sleep(0.2)
             done = await c.get_background_jobs(jobs)
         out["async_background"] = [[s.exit_code, s.stdout] for s in done]
+        proc = await c.open_process(ids[0], "read line; echo got-$line; echo to-err >&2; exit 5")
+        await proc.write_stdin(b"hello\n")
+        code = await proc.wait()
+        got = b"".join([chunk async for chunk in proc.stdout])
+        err = b"".join([chunk async for chunk in proc.stderr])
+        out["async_process"] = [code, got.decode(), err.decode()]
+        await proc.aclose()
+        proc = await c.open_process(ids[1], "sleep 60")
+        await proc.terminate()
+        out["async_process_terminated"] = await proc.wait()
+        await proc.aclose()
         out["async_list_ids"] = sorted(s.id for s in (await c.list(labels=["async"])).sandboxes)
         out["async_ids"] = sorted(ids)
         statuses = await c.get_sandbox_statuses(ids)

@@ -83,6 +83,8 @@ def test_prime_sandboxes_client_sync_and_async(served, e2b_base_image, tmp_path)
     assert seen["async_read"] == "async bytes" and seen["async_download"] == "async bytes"
     assert seen["async_timeout"].startswith("CommandTimeoutError")
     assert seen["async_background"] == [[0, "bg-0\n"], [0, "bg-1\n"]]  # the batch status falls back to commands
+    assert seen["async_process"] == [5, "got-hello\n", "to-err\n"]  # a live process: stdin in, output, exit
+    assert seen["async_process_terminated"] != 0
     assert seen["async_list_ids"] == seen["async_ids"]
     assert seen["async_statuses"] == ["RUNNING", "RUNNING"]
     assert seen["registry_exec"] == "ok\n"

@@ -4,8 +4,11 @@ The control plane's ``POST /api/v1/sandbox/{id}/auth`` (and a create's
 ``gatewayAuth``) names ``{gateway_url}/{user_ns}/{job_id}``: here
 ``{daemon}/prime/gateway/weenv/{sandbox id}``.  Under it::
 
-    POST /command_session.CommandSession/Start  Connect server stream (binary protobuf):
-                                                start, stdout/stderr data, end events
+    POST /command_session.CommandSession/Start       Connect server stream (binary protobuf):
+                                                     start, stdout/stderr data, end events
+    POST /command_session.CommandSession/Connect     the same events of a running command, from now
+    POST /command_session.CommandSession/SendInput   stdin for a command started with ``stdin``
+    POST /command_session.CommandSession/SendSignal  SIGTERM or SIGKILL to it
     POST /upload?path=                          multipart part ``file`` -> FileUploadResponse
     GET  /download?path=                        the file's bytes
     GET  /read-file?path=&offset=&length=       {"content": text, "size": n, ...} (offset < 0: the tail)
@@ -21,7 +24,10 @@ when the image has no bash), as the spec's ``user`` (default: the template's),
 in ``cwd`` (default: the template's working directory, else the user's home),
 with the spec's variables over the sandbox's; it is killed at the call's
 ``Connect-Timeout-Ms`` (the client's ``timeout``), which must be a positive
-number of milliseconds.  Its events are field for field E2B's process events,
+number of milliseconds.  A command started with a ``session_uuid`` is tagged
+with it: ``Connect``, ``SendInput`` and ``SendSignal`` name it so (or by pid),
+and a ``Start`` repeating it attaches to the running command instead of
+starting another (the client's retry).  Its events are field for field E2B's process events,
 so the stream is envd's (:mod:`weenv.server.e2b.processes`) re-encoded.
 """
 
@@ -44,18 +50,19 @@ from weenv.errors import (
     UnknownUserError,
     WeenvError,
 )
+from weenv.node.process import Process
 from weenv.server.auth import presented_key
 from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import CODE_STATUS, CallContext, Method, RpcError, serve
 from weenv.server.e2b.envd import _chunks
-from weenv.server.e2b.processes import _follow
+from weenv.server.e2b.processes import _follow, _write_stdin, send_signal
 from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
 from weenv.server.prime.proto import command_pb
 from weenv.server.prime.sandboxes import Tokens
 
 MAX_READ_FILE = 16 << 20
 """Most bytes one ``read-file`` answers (a longer read is truncated and says so)."""
-START = "command_session.CommandSession/Start"
+SERVICE = "command_session.CommandSession"
 
 
 def _gone(sid: str) -> JSONResponse:
@@ -92,11 +99,17 @@ class Gateway:
         self.sandboxes = sandboxes
         self.node = sandboxes.node
         self.tokens = tokens
-        self._start = Method(command_pb.StartRequest, command_pb.StartResponse, self._run, streaming=True)
+        pb = command_pb
+        self._methods = {
+            "Start": Method(pb.StartRequest, pb.StartResponse, self._run, streaming=True),
+            "Connect": Method(pb.ConnectRequest, pb.ConnectResponse, self._connect, streaming=True),
+            "SendInput": Method(pb.SendInputRequest, pb.SendInputResponse, self._send_input),
+            "SendSignal": Method(pb.SendSignalRequest, pb.SendSignalResponse, self._send_signal),
+        }
 
     def routes(self) -> list[Route]:
         base = "/{ns}/{sid}"
-        return [Route(f"{base}/{START}", self.start, methods=["POST"]),
+        return [Route(f"{base}/{SERVICE}/{{method}}", self.rpc, methods=["POST"]),
                 Route(f"{base}/upload", self.upload, methods=["POST"]),
                 Route(f"{base}/download", self.download, methods=["GET"]),
                 Route(f"{base}/read-file", self.read_file, methods=["GET"])]  # fmt: skip
@@ -119,8 +132,11 @@ class Gateway:
         return _gone(sid) if sb is None else sb
 
     # --- commands -----------------------------------------------------------------------
-    async def start(self, request: Request) -> Response:
+    async def rpc(self, request: Request) -> Response:
         sid = request.path_params["sid"]
+        method = self._methods.get(request.path_params["method"])
+        if method is None:
+            return _rpc_error(RpcError("unimplemented", f"{SERVICE}/{request.path_params['method']} is not served by weenv"))
         if not self.tokens.matches(sid, presented_key(request.headers)):
             return _rpc_error(RpcError("unauthenticated", "missing or wrong gateway token"))
         try:
@@ -130,15 +146,74 @@ class Gateway:
         sb = await anyio.to_thread.run_sync(self.sandboxes.find, sid)
         if sb is None:
             return _rpc_error(RpcError("not_found", f"sandbox {sid} is gone"))
-        return await serve(request, self._start, {"sandbox": sb, "node": self.node, "timeout": timeout})
+        return await serve(request, method, {"sandbox": sb, "node": self.node, "timeout": timeout})
 
     async def _run(self, req, ctx: CallContext) -> AsyncIterator[Message]:
+        """``Start``: a new command; with a ``session_uuid`` already running, that
+        command again (the client's create-or-attach retry)."""
         sb: Sandbox = ctx.state["sandbox"]
+        if req.HasField("session_uuid") and req.session_uuid:
+            p = await anyio.to_thread.run_sync(self._session, sb, req.session_uuid)
+            if p is not None:
+                async for item in self._attach(p, ctx, command_pb.StartResponse):
+                    yield item
+                return
         p = await anyio.to_thread.run_sync(self._spawn, sb, req, ctx.state["timeout"])
         assert p.primary is not None
-        wrap = lambda ev: command_pb.StartResponse(event=command_pb.CommandSessionEvent.FromString(ev.SerializeToString()))
-        async for item in _follow(p, p.primary, ctx, wrap):
+        async for item in _follow(p, p.primary, ctx, _wrapper(command_pb.StartResponse)):
             yield item
+
+    async def _connect(self, req, ctx: CallContext) -> AsyncIterator[Message]:
+        """``Connect``: the events of a running (or just ended) command from now on."""
+        p = await anyio.to_thread.run_sync(self._selected, ctx.state["sandbox"], req.session)
+        async for item in self._attach(p, ctx, command_pb.ConnectResponse):
+            yield item
+
+    async def _attach(self, p: Process, ctx: CallContext, response) -> AsyncIterator[Message]:
+        reader = p.log.attach()
+        # output already kept is not replayed (as the client expects); its end is
+        tail = [e for e in (p.log.read(reader, 0) or []) if e.type in ("end", "error")]
+        start = command_pb.CommandSessionEvent(start=command_pb.CommandSessionEvent.StartEvent(pid=p.pid or 0))
+        yield response(event=start)
+        async for item in _follow(p, reader, ctx, _wrapper(response), sent_start=True, pending=tail):
+            yield item
+
+    async def _send_input(self, req, ctx: CallContext) -> Message:
+        p = await anyio.to_thread.run_sync(self._selected, ctx.state["sandbox"], req.session)
+        if req.input.WhichOneof("input") != "stdin":
+            raise RpcError("invalid_argument", "only stdin input is served (no PTY)")
+        if not p.stdin_open:
+            raise RpcError("failed_precondition", "the command's stdin is not open (start it with stdin)")
+        await _write_stdin(p, req.input.stdin, eof=False)
+        return command_pb.SendInputResponse()
+
+    async def _send_signal(self, req, ctx: CallContext) -> Message:
+        p = await anyio.to_thread.run_sync(self._selected, ctx.state["sandbox"], req.session)
+        await send_signal(p, req.signal)
+        return command_pb.SendSignalResponse()
+
+    def _session(self, sb: Sandbox, session_uuid: str) -> Process | None:
+        """The command started with ``session_uuid`` (its tag), running or kept after its end."""
+        for info in sorted(self.node.processes(sb.id), key=lambda i: not i.running):
+            if info.tag == session_uuid:
+                try:
+                    return self.node.process(sb.id, info.pid)
+                except NotFoundError:
+                    return None
+        return None
+
+    def _selected(self, sb: Sandbox, selector) -> Process:
+        kind = selector.WhichOneof("selector")
+        if kind is None:
+            raise RpcError("invalid_argument", "no session selected (pid or session_uuid)")
+        try:
+            p = self.node.process(sb.id, selector.pid) if kind == "pid" else self._session(sb, selector.session_uuid)
+        except NotFoundError:
+            p = None
+        if p is None:
+            what = f"pid {selector.pid}" if kind == "pid" else f"session {selector.session_uuid!r}"
+            raise RpcError("not_found", f"no command with {what}")
+        return p
 
     def _spawn(self, sb: Sandbox, req, timeout: float | None):
         spec = req.command
@@ -159,7 +234,8 @@ class Gateway:
             cmd = "/bin/sh"
         try:
             return self.node.spawn(sb.id, [cmd, *spec.args], env=dict(spec.envs), cwd=cwd, timeout=timeout,
-                                   primary_reader=True, user=who)  # fmt: skip
+                                   primary_reader=True, user=who, stdin_open=req.HasField("stdin") and req.stdin,
+                                   tag=req.session_uuid if req.HasField("session_uuid") and req.session_uuid else None)
         except InvalidInputError as exc:
             raise RpcError("invalid_argument", str(exc)) from exc
 
@@ -247,6 +323,12 @@ class Gateway:
         return JSONResponse({"content": data.decode("utf-8", errors="replace"), "size": len(data),
                              "total_size": total, "offset": start,
                              "truncated": start > 0 or start + len(data) < total})  # fmt: skip
+
+
+def _wrapper(response):
+    """E2B process events (:func:`weenv.server.e2b.processes._follow`) as ``response``
+    messages: the two event messages are the same on the wire, field for field."""
+    return lambda ev: response(event=command_pb.CommandSessionEvent.FromString(ev.SerializeToString()))
 
 
 class _Counting:

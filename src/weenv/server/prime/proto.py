@@ -2,8 +2,9 @@
 
 The ``prime-sandboxes`` client runs a command as one server-streaming Connect
 call, ``command_session.CommandSession/Start``, in binary protobuf.  The
-schema below restates the subset weenv serves (a start request, the stream of
-start, data, end and keepalive events) with the client's package, message
+schema below restates the subset weenv serves (``Start`` and ``Connect``, the
+streams of start, data, end and keepalive events; ``SendInput`` and
+``SendSignal`` for a live process, named by its session) with the client's package, message
 names, field names, numbers and types: the wire contract.  Built as E2B's
 envd schemas are (:func:`weenv.server.e2b.proto.build`, no ``protoc`` step).
 """
@@ -34,8 +35,17 @@ message CommandSessionEvent {
   message KeepAlive {}
   oneof event { StartEvent start = 1; DataEvent data = 2; EndEvent end = 3; KeepAlive keepalive = 4; }
 }
+enum Signal { SIGNAL_UNSPECIFIED = 0; SIGNAL_SIGTERM = 15; SIGNAL_SIGKILL = 9; }
+message CommandSessionSelector { oneof selector { uint32 pid = 1; string session_uuid = 3; } }
+message CommandInput { oneof input { bytes stdin = 1; bytes pty = 2; } }
 message StartRequest { CommandSpec command = 1; optional PTY pty = 2; optional bool stdin = 4; optional string session_uuid = 5; }
 message StartResponse { CommandSessionEvent event = 1; }
+message ConnectRequest { CommandSessionSelector session = 1; }
+message ConnectResponse { CommandSessionEvent event = 1; }
+message SendInputRequest { CommandSessionSelector session = 1; CommandInput input = 2; optional string input_uuid = 3; }
+message SendInputResponse {}
+message SendSignalRequest { CommandSessionSelector session = 1; Signal signal = 2; optional string signal_uuid = 3; }
+message SendSignalResponse {}
 """
 
 command_pb = build(COMMAND_SESSION_PROTO, "weenv/prime/command_session.proto")
