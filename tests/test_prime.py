@@ -109,6 +109,8 @@ def test_gateway_refuses_bad_timeouts_tokens_and_requests(served):
         assert r.status_code == 422 and "timeout_minutes" in r.json()["detail"]
         r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "task", "gpu_count": 1})
         assert r.status_code == 400 and "GPU" in r.json()["detail"]
+        r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "127.0.0.1:1/none/such:1"})
+        assert r.status_code == 404 and "'127.0.0.1:1/none/such:1' could not be imported" in r.json()["detail"]
         sb = c.post("/api/v1/sandbox", json={"name": "raw", "docker_image": "task"}).json()
         served.daemon.track(sb["id"])
         try:

@@ -23,7 +23,12 @@ import re
 import threading
 from collections.abc import Callable
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.errors import (
+    InvalidInputError,
+    NotFoundError,
+    RuntimeFailedError,
+    ToolMissingError,
+)
 from weenv.node.node import Node
 from weenv.packaging.template import load_template
 
@@ -120,6 +125,6 @@ class Images:
             log.info("importing %s as template %s", image, name)
             try:
                 import_image(f"docker://{image}", self.node.store, name=name)
-            except (NotFoundError, InvalidInputError) as exc:
+            except (NotFoundError, InvalidInputError, RuntimeFailedError, ToolMissingError) as exc:
                 raise NotFoundError(f"image {image!r} could not be imported from its loopback registry: {exc}") from exc
             return name
