@@ -49,7 +49,7 @@ def sync_flow() -> None:
     out["sync_timeout_nan"] = error_of(lambda: c.execute_command(sb.id, "true", timeout=math.nan))
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "up.bin")
-        payload = bytes(range(256)) * 4096
+        payload = bytes(range(256)) * 36864  # 9 MiB: past the daemon's 8 MiB body limit of requests but uploads
         Path(src).write_bytes(payload)
         up = c.upload_file(sb.id, "/tmp/dir/up.bin", src)
         out["sync_upload"] = [up.success, up.path, up.size]
