@@ -113,8 +113,10 @@ def test_gateway_refuses_bad_timeouts_tokens_and_requests(served):
         assert r.status_code == 400 and "GPU" in r.json()["detail"]
         r = c.post("/api/v1/sandbox", json={"name": "x", "docker_image": "127.0.0.1:1/none/such:1"})
         assert r.status_code == 404 and "'127.0.0.1:1/none/such:1' could not be imported" in r.json()["detail"]
-        sb = c.post("/api/v1/sandbox", json={"name": "raw", "docker_image": "task"}).json()
+        sb = c.post("/api/v1/sandbox", json={"name": "raw", "docker_image": "task", "idempotency_key": "k1"}).json()
         served.daemon.track(sb["id"])
+        again = c.post("/api/v1/sandbox", json={"name": "raw", "docker_image": "task", "idempotency_key": "k1"})
+        assert again.json()["id"] == sb["id"]  # a create retried with its key is the same sandbox
         try:
             auth = sb["gatewayAuth"]
             url = f"{auth['gateway_url']}/{auth['user_ns']}/{auth['job_id']}/command_session.CommandSession/Start"
