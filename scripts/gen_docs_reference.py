@@ -135,6 +135,8 @@ class Apps:
     e2b: object
     envd_routes: list
     close: Callable[[], None]
+    prime: object = None
+    prime_gateway_routes: list = field(default_factory=list)
 
 
 def build_apps() -> Apps:
@@ -152,13 +154,18 @@ def build_apps() -> Apps:
     node = Node(Paths(home=root / "home", cache=root / "cache", store_url=""), store=FileStore(root / "store"))
     app = create_app(node)
     e2b = create_e2b_app(node, api_keys=["e2b_" + "0" * 32])
+    from weenv.server.auth import ApiKey
+    from weenv.server.prime import create_prime_app
+
+    prime = create_prime_app(node, api_key=ApiKey("0" * 40), sandboxes=e2b.state.sandboxes)
 
     def close() -> None:
         e2b.state.templates.close()
         e2b.state.watches.close()
         tmp.cleanup()
 
-    return Apps(app, e2b, e2b.state.envd.routes(), close)
+    gateway = next(r for r in prime.routes if getattr(r, "path", "") == "/gateway")
+    return Apps(app, e2b, e2b.state.envd.routes(), close, prime, gateway.routes)
 
 
 HTTP_METHODS = ("get", "put", "post", "delete", "patch")
@@ -190,6 +197,8 @@ def http_page() -> str:
         weenv_routes = openapi_routes(apps.weenv.openapi())
         e2b_routes = openapi_routes(apps.e2b.openapi())
         envd = [(sorted(m for m in r.methods if m != "HEAD"), r.path) for r in apps.envd_routes]
+        prime_routes = openapi_routes(apps.prime.openapi())
+        prime_gateway = [(sorted(m for m in r.methods if m != "HEAD"), r.path) for r in apps.prime_gateway_routes]
     finally:
         apps.close()
     lines = ["# HTTP API", "", GENERATED.strip(), "",
@@ -216,6 +225,17 @@ def http_page() -> str:
         lines.append(f"| {', '.join(methods)} | `/e2b/envd{path}` |")
     lines += ["", "Connect RPC methods served at `/e2b/envd/SERVICE/METHOD`:", ""]
     lines += [f"- `{m}`" for m in _envd_methods()]
+    lines += ["", "## prime-sandboxes API (under `/prime`)", "",
+              "The `prime-sandboxes` client reaches it with `PRIME_API_BASE_URL=http://HOST:PORT/prime` and",
+              "`PRIME_API_KEY=<the key>` ([guide](../guides/prime-sandboxes.md)); its OpenAPI document is",
+              "`/prime/openapi.json`. Errors are `{\"detail\": ...}`.", "", "| method | path | what |", "|---|---|---|"]
+    for method, path, summary, description in prime_routes:
+        what = _first_sentence(description) or summary
+        lines.append(f"| {method} | `/prime{path}` | {_cell(_rst_to_md(what))} |")
+    lines += ["", "The gateway (under `/prime/gateway/weenv/SANDBOX_ID`, with the sandbox's gateway token as",
+              "`Authorization: Bearer`):", "", "| methods | path |", "|---|---|"]
+    for methods, path in prime_gateway:
+        lines.append(f"| {', '.join(methods)} | `/prime/gateway{path}` |")
     return "\n".join(lines) + "\n"
 
 

@@ -100,3 +100,15 @@ if [ ! -x "$harbor_venv/bin/harbor" ] || ! "$harbor_venv/bin/python" -c 'import 
   "$harbor_venv/bin/pip" install --quiet --disable-pip-version-check 'harbor[e2b]' 2>&1 | grep -v 'is ignored' || true
   "$harbor_venv/bin/python" -c 'import e2b, harbor'
 fi
+# prime-sandboxes (Prime Intellect's sandbox client, which verifiers' environments use; driven by
+# tests/test_prime.py against `weenv serve`) and verifiers: a venv of their own, /work/venvs/prime
+# (WEENV_PRIME_VENV), as their connectrpc wants another protobuf-py than the e2b SDK in .venv.
+# verifiers needs Python >= 3.11: the interpreter .venv was made with.
+prime_venv="${WEENV_PRIME_VENV:-/work/venvs/prime}"
+if [ ! -x "$prime_venv/bin/python" ] || ! "$prime_venv/bin/python" -c 'import prime_sandboxes, verifiers' 2>/dev/null; then
+  echo "setup: making the prime-sandboxes venv $prime_venv" >&2
+  mkdir -p "$(dirname "$prime_venv")"
+  "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv "$prime_venv"
+  "$prime_venv/bin/pip" install --quiet --disable-pip-version-check prime-sandboxes verifiers 2>&1 | grep -v 'is ignored' || true
+  "$prime_venv/bin/python" -c 'import prime_sandboxes, verifiers'
+fi

@@ -105,7 +105,12 @@ def serve(
                          reap_interval=reap_interval)
         e2b = create_e2b_app(node, api_keys=[api_key.e2b])
         app.mount("/e2b", e2b)
-        app.state.envd_credentialed = e2b.state.envd_credentialed  # envd tokens count as credentials (BodyLimit)
+        from weenv.server.prime import create_prime_app
+
+        prime = create_prime_app(node, api_key=api_key, sandboxes=e2b.state.sandboxes, resolve=e2b.state.templates.resolve)
+        app.mount("/prime", prime)
+        # envd tokens and prime gateway tokens count as credentials (BodyLimit)
+        app.state.envd_credentialed = lambda scope: e2b.state.envd_credentialed(scope) or prime.state.credentialed(scope)
         # the SDK's download_url/upload_url join "/files" to the sandbox URL with urljoin, which drops
         # E2B_SANDBOX_URL's /e2b/envd: envd's /files (signed URLs) answers at the root too
         app.router.routes.append(Route("/files", e2b.state.envd.files, methods=["GET", "POST"]))

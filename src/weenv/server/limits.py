@@ -78,7 +78,8 @@ IDLE_TIMEOUT_S = 5
 
 _UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^(/e2b/envd)?/files$")),
             ("PUT", re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload$")),
-            ("POST", re.compile(r"^/e2b/envd/process\.Process/StreamInput$")))  # client-streamed: counted as it arrives
+            ("POST", re.compile(r"^/e2b/envd/process\.Process/StreamInput$")),
+            ("POST", re.compile(r"^/prime/gateway/[^/]+/[^/]+/upload$")))  # client-streamed: counted as it arrives
 
 
 def raise_nofile_limit() -> tuple[int, int]:

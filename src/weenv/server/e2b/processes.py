@@ -236,11 +236,7 @@ class ProcessService:
     async def send_signal(self, req, ctx: CallContext) -> Message:
         sb: Sandbox = ctx.state["sandbox"]
         p = await anyio.to_thread.run_sync(_selected, self.node, sb, req.process)
-        names = {9: "KILL", 15: "TERM"}
-        if req.signal not in names:
-            raise RpcError("invalid_argument", f"unsupported signal {req.signal}")
-        _KILLED.add(p)
-        await anyio.to_thread.run_sync(p.kill, names[req.signal])
+        await send_signal(p, req.signal)
         return process_pb.SendSignalResponse()
 
     async def send_input(self, req, ctx: CallContext) -> Message:
@@ -282,6 +278,16 @@ class ProcessService:
             except InvalidInputError as exc:
                 raise RpcError("failed_precondition", str(exc)) from exc
         return process_pb.UpdateResponse()
+
+
+async def send_signal(p: Process, signal: int) -> None:
+    """SIGKILL (9) or SIGTERM (15) to ``p`` (its end event then names the
+    signal); RpcError ``invalid_argument`` for another."""
+    names = {9: "KILL", 15: "TERM"}
+    if signal not in names:
+        raise RpcError("invalid_argument", f"unsupported signal {signal} (SIGTERM or SIGKILL)")
+    _KILLED.add(p)
+    await anyio.to_thread.run_sync(p.kill, names[signal])
 
 
 async def _send_input(p: Process, given) -> None:
