@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
-from weenv.node.models import MAX_TIMEOUT_S
+from weenv.api.models import MAX_TIMEOUT_S
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.prime.images import Images
 from weenv.server.prime.sandboxes import (

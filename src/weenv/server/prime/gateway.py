@@ -50,7 +50,7 @@ from weenv.errors import (
     UnknownUserError,
     WeenvError,
 )
-from weenv.node.process import Process
+from weenv.node.runtime.process import Process
 from weenv.server.auth import presented_key
 from weenv.server.e2b import files, multipart
 from weenv.server.e2b.connect import CODE_STATUS, CallContext, Method, RpcError, serve

@@ -18,7 +18,7 @@ import hmac
 import json
 import threading
 
-from weenv.node.models import EnvironmentInfo
+from weenv.api.models import EnvironmentInfo
 
 NAME_KEY = "prime.name"
 IMAGE_KEY = "prime.image"
