@@ -151,17 +151,17 @@ def test_an_action_posted_from_another_origin_is_refused(page, sdk, daemon):
 
 def test_without_the_key_nothing_of_an_environment_is_served(browser, sdk, daemon):
     with create(sdk) as sb:
-        with httpx.Client(base_url=daemon.url, timeout=30) as http:
-            for cookies in ({}, {"weenv_key": "0" * 40}):
+        for cookies in ({}, {"weenv_key": "0" * 40}):
+            with httpx.Client(base_url=daemon.url, timeout=30, cookies=cookies) as http:
                 for path in (*PAGES, "/ui/login", "/ui/static/ui.js", "/ui/static/ui.css"):
-                    r = http.get(path, cookies=cookies)
+                    r = http.get(path)
                     assert sb.id not in r.text, path
                     if path in PAGES:
                         assert r.status_code == 303 and r.headers["location"] == "/ui/login", path
-                r = http.post(f"/ui/environments/{sb.id}/kill", cookies=cookies, headers={"origin": daemon.url})
+                r = http.post(f"/ui/environments/{sb.id}/kill", headers={"origin": daemon.url})
                 assert r.status_code == 401 and sb.id not in r.text
-            r = http.get("/ui/", headers={"x-api-key": daemon.key})  # a script's key works too
-            assert r.status_code == 200 and sb.id in r.text
+        r = httpx.get(daemon.url + "/ui/", headers={"x-api-key": daemon.key}, timeout=30)  # a script's key too
+        assert r.status_code == 200 and sb.id in r.text
         assert state(sdk, sb.id) == "running"
         context = browser.new_context(base_url=daemon.url)
         try:

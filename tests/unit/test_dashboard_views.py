@@ -29,11 +29,9 @@ def test_the_key_comes_as_a_header_or_the_cookie():
     assert form_token(KEY) != form_token(ApiKey("cd" * 20)) and len(form_token(KEY)) == 32
 
 
-def test_hit_rate_counts_demand_fetches_only():
-    stats = CacheStats(chunks_fetched=10, bytes_fetched=0, bytes_served=1000, fetch_errors=0, chunks_prefetched=8)
-    assert abs(cache_hit_rate(stats, 1000) - 0.8) < 1e-9  # 2 of 10 chunks fetched on demand: 200 of 1000 bytes
-    assert cache_hit_rate(CacheStats(0, 0, 0, 0), 0) is None
-    assert cache_hit_rate(CacheStats(4, 0, 10, 0), 1000) == 0.0  # clipped
+def test_hit_rate_is_the_share_of_reads_that_found_their_chunk():
+    assert cache_hit_rate(CacheStats(0, 0, 0, 0, reads_hit=3, reads_missed=1)) == 0.75
+    assert cache_hit_rate(CacheStats(0, 0, 0, 0)) is None
 
 
 def test_ages_and_sizes_read_as_people_write_them():

@@ -135,9 +135,8 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
         except _Refused as exc:
             return render("error.html", request, exc.status, token="", error=str(exc))
         except WeenvError as exc:
-            from weenv.server.app import (
-                STATUS,  # the API's kind -> status table (app imports this module)
-            )
+            # the API's kind -> status table (app imports this module: not at its top)
+            from weenv.server.app import STATUS
 
             return render("error.html", request, STATUS.get(exc.kind, 500), token="",
                           error=f"{action} {env_id}: {exc}")

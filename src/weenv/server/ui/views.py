@@ -74,7 +74,7 @@ def node_health(node) -> dict[str, Any]:
     cache = node.cache.stats()
     peers = node.peers.stats()
     provision = node.provision_stats()
-    hit_rate = cache_hit_rate(cache, peers.store_bytes + peers.peer_bytes)
+    hit_rate = cache_hit_rate(cache)
     admissions = [e for e in provision.events if e.kind == "admission"]
     totals = provision.totals
     return {
@@ -83,6 +83,7 @@ def node_health(node) -> dict[str, Any]:
         "environments": stats.environments,
         "paused": totals.paused,
         "hit_rate": f"{hit_rate:.1%}" if hit_rate is not None else "-",
+        "reads": f"{cache.reads_hit} hit, {cache.reads_missed} missed, {cache.chunks_prefetched} chunks prefetched",
         "cache": f"{size(cache.bytes_cached)} in {cache.chunks_cached} chunks"
                  + (f" of {size(cache.max_bytes)}" if cache.max_bytes else ""),
         "served": size(cache.bytes_served),
@@ -103,16 +104,10 @@ def node_health(node) -> dict[str, Any]:
     }
 
 
-def cache_hit_rate(cache, fetched_bytes: int) -> float | None:
-    """The share of the bytes served to environments that were in the cache
-    when read: one less the bytes fetched on demand (the plaintext fetched,
-    ``fetched_bytes``, times the share of fetched chunks that were not
-    prefetched: the cache counts chunks, not bytes, by why) over the bytes
-    served.  None before anything was served."""
-    if cache.bytes_served <= 0:
-        return None
-    demand_share = 1.0 - cache.chunks_prefetched / cache.chunks_fetched if cache.chunks_fetched else 0.0
-    return min(1.0, max(0.0, 1.0 - fetched_bytes * demand_share / cache.bytes_served))
+def cache_hit_rate(cache) -> float | None:
+    """The share of reads that found their chunk in the node cache (None before any read)."""
+    reads = cache.reads_hit + cache.reads_missed
+    return cache.reads_hit / reads if reads else None
 
 
 def templates(node) -> dict[str, Any]:
