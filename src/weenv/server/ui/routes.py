@@ -53,7 +53,7 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
     """The ``/ui`` routes over ``node`` (and ``metrics.tax``, the node's tax book)."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("weenv.server.ui", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
-    r = APIRouter(prefix=PATH, include_in_schema=False)
+    r = APIRouter(prefix=PATH, tags=["dashboard"])
 
     def credentials(request: Request) -> str | None:
         """``"socket"``, ``"header"`` or ``"cookie"``: how the request is allowed; None: it is not."""
@@ -87,10 +87,12 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
 
     @r.get("/login")
     def login_form(request: Request) -> Response:
+        """The dashboard's login form (no key needed; it holds no node data)."""
         return render("login.html", request, token="")
 
     @r.post("/login")
     def login(request: Request, key: str = Form("")) -> Response:
+        """Log in to the dashboard: a right ``key`` sets the ``weenv_key`` cookie (HttpOnly, SameSite=Strict)."""
         origin = request.headers.get("origin")
         why = foreign_origin(request.headers, request.url.scheme) if origin is not None else None
         if why is not None:
@@ -105,28 +107,34 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
 
     @r.post("/logout")
     def logout(request: Request) -> Response:
+        """Log out of the dashboard: the ``weenv_key`` cookie is cleared."""
         response = RedirectResponse(f"{PATH}/login", status_code=303, headers=NO_STORE)
         response.delete_cookie(COOKIE, path=PATH, httponly=True, samesite="strict")
         return response
 
     @r.get("/")
     def environments_page(request: Request) -> Response:
+        """The dashboard's environments page (HTML): state, template, age, usage against quota, actions."""
         return page("environments.html", request, lambda: {"rows": views.environments(node)})
 
     @r.get("/node")
     def node_page(request: Request) -> Response:
+        """The dashboard's node health page (HTML): chunk cache, chunk sources, admission, OOM kills, runtime."""
         return page("node.html", request, lambda: {"h": views.node_health(node)})
 
     @r.get("/templates")
     def templates_page(request: Request) -> Response:
+        """The dashboard's templates page (HTML): templates, their groups and sizes."""
         return page("templates.html", request, lambda: views.templates(node))
 
     @r.get("/tax")
     def tax_page(request: Request) -> Response:
+        """The dashboard's environment tax page (HTML): meters' batches by phase, the node's own seconds."""
         return page("tax.html", request, lambda: views.tax(metrics.tax))
 
     @r.post("/environments/{env_id}/{action}")
     def act(env_id: str, action: str, request: Request, token: str | None = Form(None)) -> Response:
+        """An action of the dashboard on an environment: kill, pause, resume or snapshot (the page's own posts only)."""
         try:
             check_post(request, token)
             if action not in ACTIONS:
@@ -144,6 +152,7 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
 
     @r.get("/static/{name}")
     def static(name: str) -> Response:
+        """The dashboard's stylesheet and script (no key needed; no node data)."""
         if name not in STATIC:
             return Response("not found", status_code=404, media_type="text/plain")
         body = resources.files("weenv.server.ui").joinpath("static", name).read_bytes()
