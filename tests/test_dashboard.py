@@ -184,6 +184,7 @@ def test_the_tax_chart_moves_while_a_meter_is_open(page, sdk, shots):
         sb.commands.run("true")
         bar = page.locator('g.bar[data-batch="dashboard-live"] rect')
         expect(bar.first).to_be_visible(timeout=5000)  # posted while the meter is open
+        assert bar.count() >= 1 and page.locator('tr[data-batch="dashboard-live"]').count() == 1
         page.screenshot(path=shots / "tax.png", full_page=True)
 
 
@@ -194,4 +195,5 @@ def test_node_and_templates_pages(page, sdk, shots):
     page.screenshot(path=shots / "node.png", full_page=True)
     page.goto("/ui/templates")
     expect(page.locator('tr[data-template="task"]')).to_contain_text("MiB")
+    assert page.locator('tr[data-template="task"] .group').count() == 2  # base and task
     page.screenshot(path=shots / "templates.png", full_page=True)
