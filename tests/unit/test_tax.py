@@ -117,6 +117,14 @@ def test_the_book_keeps_the_newest_batches_and_sums_phases():
     assert r.node["exec"] == 0.25 and r.requests["exec"] == 2 and r.node["create"] == 0.0
 
 
+def test_the_book_keeps_the_newest_post_of_an_open_batch():
+    book = TaxBook()
+    book.report_batch(TaxBatch.model_validate(batch(name="it", wall_s=1.0)))
+    book.report_batch(TaxBatch.model_validate(batch(name="other", wall_s=1.0)))
+    book.report_batch(TaxBatch.model_validate(batch(name="it", wall_s=2.0)))  # the same batch, later
+    assert [(b.name, b.wall_s) for b in book.report().batches] == [("it", 2.0), ("other", 1.0)]
+
+
 class Proc:
     def __init__(self, started_at, duration_s):
         self.started_at, self.duration_s = started_at, duration_s
@@ -188,3 +196,18 @@ def test_without_a_meter_nothing_is_counted(slow):
         pass
     sb.kill()
     assert tally.env_s == 0.0 and tally.environments == {}
+
+
+def test_an_open_meter_posts_its_tally_every_interval(slow):
+    with weenv.meter("live", report_every=0.05) as tally:
+        weenv.Sandbox.create("task")
+        deadline = time.monotonic() + 5
+        while not hasattr(slow, "reported") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hasattr(slow, "reported"), "no post while the meter was open"
+        live = TaxBatch.model_validate_json(slow.reported)
+        assert live.name == "live" and live.environments == 1 and tally.ended is None
+    final = TaxBatch.model_validate_json(slow.reported)  # the closing post comes last
+    assert final.started_at == live.started_at and final.wall_s >= live.wall_s
+    with pytest.raises(ValueError, match="report_every"):
+        weenv.meter(report_every=-1)

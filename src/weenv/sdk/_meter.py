@@ -12,10 +12,12 @@ phase :func:`weenv.formats.tax.phase_of` gives its request, for the environment 
 names; a command's own run time (the node's ``duration_s``) is counted apart,
 as ``command_s``.  Time in the caller's own callbacks (``on_stdout``,
 ``on_ready``) is left out.  Meters are process-wide: two open at once both
-count every call.  On exit the tally is closed and, with ``report=True``,
-posted to each daemon whose environments it counted (``POST /v1/tax``, that
-daemon's environments only), where ``weenv stats --tax`` shows it; a report
-that fails is logged, never raised.
+count every call.  With ``report=True`` the tally is posted to each daemon
+whose environments it counted (``POST /v1/tax``, that daemon's environments
+only) every ``report_every`` seconds while the meter is open (so the
+dashboard's tax chart moves during an iteration; a daemon keeps the newest
+post of a batch) and once more on exit, closed; ``weenv stats --tax`` shows
+it.  A report that fails is logged, never raised.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 _active: list[Tally] = []
 _lock = threading.Lock()
 REPORT_TIMEOUT_S = 5.0
+REPORT_EVERY_S = 5.0
+"""Seconds between the posts of an open meter's tally (``meter(report_every=...)``)."""
 
 
 def metering() -> bool:
@@ -95,22 +99,43 @@ def note_created(config: Any, env_id: str, started: float) -> None:
 class meter:  # noqa: N801 - used as weenv.meter(), a context manager like contextlib's
     """Measure the environment tax of the SDK calls made inside (see the module
     docstring); ``name``: the batch's name in reports (default: its start time);
-    ``report``: post the tally to the daemons it counted at exit."""
+    ``report``: post the tally to the daemons it counted, every ``report_every``
+    seconds while open (None or 0: only at exit) and at exit."""
 
-    def __init__(self, name: str | None = None, *, report: bool = True):
+    def __init__(self, name: str | None = None, *, report: bool = True, report_every: float | None = REPORT_EVERY_S):
+        if report_every is not None and not (report_every >= 0):
+            raise ValueError(f"report_every must be a number of seconds >= 0 (or None), not {report_every!r}")
         self.tally = Tally(name)
         self.report = report
+        self.report_every = report_every or None
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
 
     def _open(self) -> Tally:
         self.tally = Tally(self.tally.name)
         with _lock:
             _active.append(self.tally)
+        if self.report and self.report_every:
+            self._stop = threading.Event()
+            self._reporter = threading.Thread(target=self._report_periodically, name="weenv-meter", daemon=True)
+            self._reporter.start()
         return self.tally
+
+    def _report_periodically(self) -> None:
+        """Post the open tally every ``report_every`` seconds (in a thread of
+        its own, for both faces: a post never holds the caller's event loop)."""
+        while not self._stop.wait(self.report_every):
+            for where, config in list(self.tally.nodes.items()):
+                _post(config, self.tally.batch(where))
 
     def _close(self) -> Tally:
         with _lock:
             if self.tally in _active:
                 _active.remove(self.tally)
+        self._stop.set()
+        if self._reporter is not None:  # its post in flight lands before the closing one
+            self._reporter.join()
+            self._reporter = None
         return self.tally.close()
 
     def __enter__(self) -> Tally:

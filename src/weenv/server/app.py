@@ -4,7 +4,8 @@
 The weenv API is under ``/v1`` (:mod:`weenv.server.api` lists every endpoint);
 its OpenAPI document is at ``/openapi.json`` (browsable at ``/docs``).  Other
 routers (the E2B-compatible API) are mounted beside it on the same app and share
-its :class:`~weenv.node.node.Node`.
+its :class:`~weenv.node.node.Node`; the dashboard is at ``/ui``
+(:mod:`weenv.server.ui`).
 
 Errors of ``/v1`` requests are ``{"error": {"kind": KIND, "message": TEXT}}``
 with a status from the kind (:data:`STATUS`); malformed JSON and invalid fields
@@ -41,6 +42,7 @@ from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
 from weenv.server.peers import peer_router
 from weenv.server.tax import EnvSeconds
+from weenv.server.ui import ui_router
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,7 @@ def create_app(
     app.include_router(api_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket,
                                   on_shutdown=on_shutdown, max_output=max_output))
     app.include_router(peer_router(node))
+    app.include_router(ui_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket))
     return app
 
 

@@ -11,7 +11,8 @@
 - :class:`TaxBook` keeps those sums and the batches that SDK meters report
   (``POST /v1/tax``: the client's view, with its wall time and the rollouts'
   spans; the newest :data:`~weenv.formats.tax.MAX_BATCHES`, in memory: a daemon
-  restart forgets them).  ``GET /v1/tax`` and ``weenv stats --tax`` show both.
+  restart forgets them).  An open meter posts its batch again and again (same
+  name and start): the newest post replaces the one before.  ``GET /v1/tax`` and ``weenv stats --tax`` show both.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class TaxBook:
 
     def report_batch(self, batch: TaxBatch) -> None:
         with self._lock:
+            for i, b in enumerate(self._batches):
+                if b.name == batch.name and b.started_at == batch.started_at:
+                    self._batches[i] = batch  # an open meter's newer tally of the same batch
+                    return
             self._batches.append(batch)
 
     def report(self) -> TaxReport:

@@ -118,6 +118,10 @@ class CacheStats:
     bytes_cached: int = 0
     """Plaintext bytes in the cache now (at most ``max_bytes``)."""
     max_bytes: int = 0
+    reads_hit: int = 0
+    """Reads (not prefetches) that found their chunk in the cache."""
+    reads_missed: int = 0
+    """Reads that did not: they fetched the chunk, or waited for its fetch."""
 
 
 @dataclass
@@ -274,9 +278,16 @@ class ChunkCache:
         None if the chunk is cached, on disk or in flight."""
         digest = chunk.digest if isinstance(chunk, ChunkRef) else check_digest(chunk)
         path = self.path(digest)
+        counted = prefetch or frame is not None  # reads only count as hits or misses
         while True:
             with self._lock:
                 entry = self._index.get(digest)
+                if not counted:
+                    counted = True
+                    if entry is not None:
+                        self._reads_hit += 1
+                    else:
+                        self._reads_missed += 1
                 if frame is not None and (entry is not None or digest in self._inflight):
                     return None
                 if entry is not None and entry.verified:
@@ -506,12 +517,14 @@ class ChunkCache:
             return CacheStats(
                 self._chunks_fetched, self._bytes_fetched, self._bytes_served, self._fetch_errors,
                 self._evicted, self._prefetched, self._invalid, len(self._index), self._bytes, self.max_bytes,
+                self._reads_hit, self._reads_missed,
             )  # fmt: skip
 
     def reset_stats(self) -> None:
         with getattr(self, "_lock", threading.Lock()):
             self._chunks_fetched = self._bytes_fetched = self._bytes_served = self._fetch_errors = 0
             self._evicted = self._prefetched = self._invalid = 0
+            self._reads_hit = self._reads_missed = 0
 
     def cached_digests(self) -> list[str]:
         """Digests of every cached chunk (a directory walk; for tools and tests)."""
