@@ -65,6 +65,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from weenv.config import settings
 from weenv.errors import FULL_ERRNOS, CapacityError, DigestMismatchError, InvalidInputError
 from weenv.formats.manifest import ChunkRef, check_digest
 from weenv.store.base import Store, decode_frame
@@ -82,24 +83,12 @@ class _FrameRejected(Exception):
     """What waiters of a chunk get when the pack frame its leader held was bad: they ask again."""
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """``"1073741824"``, ``"512M"``, ``"10GiB"`` -> bytes (binary units).
-    Raises :class:`InvalidInputError`."""
-    m = _SIZE.match(text or "")
-    if not m:
-        raise InvalidInputError(f"bad size {text!r}: want bytes, or a number with K, M, G or T")
-    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
-
-
 def default_max_bytes(root: str | os.PathLike[str]) -> int:
     """``WEENV_CACHE_BYTES`` if set, else 20% of the file system holding ``root``
     (which must exist), at most 10 GiB."""
-    env = os.environ.get("WEENV_CACHE_BYTES")
-    if env:
-        return parse_bytes(env)
+    bound = settings().cache.max_bytes
+    if bound is not None:
+        return bound
     st = os.statvfs(root)
     return min(DEFAULT_MAX_BYTES_CAP, int(st.f_blocks * st.f_frsize * DEFAULT_MAX_FRACTION))
 
