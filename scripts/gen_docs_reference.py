@@ -269,8 +269,8 @@ def settings_page() -> str:
         lines.append("")
     lines += ["## Others", "",
               "| variable | default | description |", "|---|---|---|",
-              f"| `{config.CONFIG_ENV}` | `$WEENV_HOME/config.toml` | The settings file (TOML), read below the "
-              "environment; a named file that does not exist is an error. |"]
+              (f"| `{config.CONFIG_ENV}` | `$WEENV_HOME/config.toml` | The settings file (TOML), read below the "
+               "environment; a named file that does not exist is an error. |")]
     for name, default, doc in setup_sh_settings():
         lines.append(f"| `{name}` | `{_cell(default)}` | {_cell(doc)} (read by `scripts/setup.sh`) |")
     return "\n".join(lines) + "\n"

@@ -42,7 +42,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from weenv.errors import InvalidInputError
 
@@ -482,7 +486,7 @@ class Paths:
     store_url: str
 
     @classmethod
-    def from_env(cls) -> "Paths":
+    def from_env(cls) -> Paths:
         """The paths of :func:`settings` (``WEENV_HOME``, ``WEENV_CACHE``, ``WEENV_STORE``)."""
         p = settings().paths
         home = p.home.absolute()

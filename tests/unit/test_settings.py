@@ -140,9 +140,8 @@ def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
         arg = None
         if isinstance(node, ast.Call) and node.args:
             f = node.func
-            if isinstance(f, ast.Attribute) and (f.attr == "getenv" or f.attr in ("get", "pop") and is_environ(f.value)):
-                arg = node.args[0]
-            elif isinstance(f, ast.Name) and f.id == "getenv":
+            if isinstance(f, ast.Attribute) and (f.attr == "getenv" or f.attr in ("get", "pop") and is_environ(f.value)) \
+                    or isinstance(f, ast.Name) and f.id == "getenv":
                 arg = node.args[0]
         elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
             arg = node.slice
