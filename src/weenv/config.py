@@ -436,11 +436,17 @@ def load(environ: dict[str, str] | None = None) -> Loaded:
 
 
 _cache: tuple[object, Loaded] | None = None
+_variables: tuple[str, ...] | None = None
+"""Every variable a setting is read from (and ``WEENV_CONFIG``), once known."""
 
 
 def _stamp() -> object:
     """What the settings depend on: the ``WEENV_*`` variables and the file's identity."""
-    variables = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIX)))
+    global _variables
+    if _variables is None:
+        _variables = (CONFIG_ENV, *(extra(info)["env"] for _, _, info in fields()))
+    environ = os.environ
+    variables = tuple(environ.get(name) for name in _variables)
     path, _ = config_path()
     try:
         st = path.stat()
