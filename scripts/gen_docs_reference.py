@@ -5,10 +5,9 @@
 - ``reference/http.md``: every HTTP route, from the OpenAPI schemas of weenv's
   node API and of the E2B-compatible API (the FastAPI apps are built over a node
   that is never started), and envd's routes from the E2B app's route table;
-- ``reference/settings.md``: every ``WEENV_*`` variable the code reads, found by a
-  scan of ``src/weenv``'s syntax trees (the string constants naming one), with the
-  default and type read where it is read and the docstring that describes it, and
-  those ``scripts/setup.sh`` reads;
+- ``reference/settings.md``: every setting, from the settings model
+  (:class:`weenv.config.Settings`: variable, file key, what it accepts, unit,
+  default, description), and the ``WEENV_*`` variables ``scripts/setup.sh`` reads;
 - ``reference/errors.md``: the error kinds of :mod:`weenv.errors` and the HTTP
   status the daemon answers each with (:data:`weenv.server.app.STATUS`);
 - ``reference/metrics.md``: the Prometheus metric names, from a scan of the
@@ -26,8 +25,8 @@ import ast
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,210 +239,60 @@ def http_page() -> str:
 
 
 # --- settings ----------------------------------------------------------------------------------------
-@dataclass
-class Setting:
-    name: str
-    modules: list[str] = field(default_factory=list)
-    default: str = ""
-    kind: str = ""
-    doc: str = ""
-
-
-CONVERTERS = {"int": "integer", "float": "number", "Path": "path", "parse_bytes": "bytes (`64G` or a number)",
-              "bool": "boolean"}
-
-
-def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
-    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-
-
-def _docstrings(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
-    """``(owner, text)`` of every docstring of a module: of the module, each class and
-    function, and each attribute docstring (a string right after an assignment)."""
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if not isinstance(body, list):
-            continue
-        for i, stmt in enumerate(body):
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
-                owner = node if i == 0 else body[i - 1]
-                yield owner, stmt.value.value
-
-
-def _sentence_naming(text: str, names: tuple[str, ...]) -> str | None:
-    """The first sentence of ``text`` that names one of ``names``."""
-    flat = " ".join(text.split())
-    for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z`:(])|\s+-\s+(?=`)", flat):
-        if any(re.search(rf"\b{re.escape(n)}\b", sentence) for n in names):
-            return sentence
-    return None
-
-
 def _first_sentence(text: str) -> str:
     flat = " ".join(text.split())
     return re.split(r"(?<=\.)\s+(?=[A-Z`:(])", flat)[0] if flat else ""
 
 
-def _module_constants(tree: ast.Module) -> dict[str, ast.expr]:
-    out = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            out[stmt.targets[0].id] = stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
-            out[stmt.target.id] = stmt.value
+def _shown_default(value: object) -> str:
+    return "" if value is None else f"`{_cell(value)}`"
+
+
+def setup_sh_settings() -> list[tuple[str, str, str]]:
+    """``(variable, default, description)`` of each ``WEENV_*`` variable ``scripts/setup.sh`` reads."""
+    text = SETUP_SH.read_text()
+    out = []
+    for match in re.finditer(r"\$\{(WEENV_[A-Z0-9_]+):-([^}]*)\}", text):
+        comment = [line.lstrip("# ") for line in text.splitlines() if line.startswith("#") and match[1] in line]
+        out.append((match[1], match[2], comment[0] if comment else ""))
     return out
 
 
-def _shown(expr: ast.expr, constants: dict[str, ast.expr]) -> str:
-    """``expr`` as code, a module constant replaced by its value when that is a literal."""
-    if isinstance(expr, ast.Name) and expr.id in constants:
-        value = constants[expr.id]
-        try:
-            return repr(ast.literal_eval(value))
-        except ValueError:
-            return f"{expr.id} = {ast.unparse(value)}"
-    return ast.unparse(expr)
-
-
-def _reads(call: ast.Call, name_expr: ast.AST) -> bool:
-    """Whether ``call`` reads the environment with ``name_expr`` as its variable."""
-    func = call.func
-    attr = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    return attr in ("get", "getenv") and bool(call.args) and call.args[0] is name_expr
-
-
-def _field_of_class(cls: ast.ClassDef, name: str) -> tuple[str, str, str] | None:
-    """``(annotation, default, docstring)`` of field ``name`` of a model class."""
-    for i, stmt in enumerate(cls.body):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
-            default = ""
-            if isinstance(stmt.value, ast.Call):
-                for kw in stmt.value.keywords:
-                    if kw.arg == "default":
-                        default = ast.unparse(kw.value)
-            elif stmt.value is not None:
-                default = ast.unparse(stmt.value)
-            doc = ""
-            following = cls.body[i + 1] if i + 1 < len(cls.body) else None
-            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                doc = str(following.value.value)
-            return ast.unparse(stmt.annotation), default, doc
-    return None
-
-
-def _enclosing(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> ast.AST | None:
-    """The function, class or module ``node`` lies in."""
-    while node is not None and not isinstance(node, ast.FunctionDef | ast.ClassDef | ast.Module):
-        node = parents.get(node)
-    return node
-
-
-def _scan_module(path: Path, found: dict[str, Setting]) -> None:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    parents = _parents(tree)
-    constants = _module_constants(tree)
-    module = "weenv." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
-    docs = list(_docstrings(tree))
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and SETTING_RE.match(node.value)):
-            continue
-        name = node.value
-        s = found.setdefault(name, Setting(name))
-        if module not in s.modules:
-            s.modules.append(module)
-        parent = parents.get(node)
-        aliases = (name,)
-        readers: list[ast.AST] = []  # the functions whose docstrings come first
-        # NAME = "WEENV_X" at module level: the reads go through NAME
-        if isinstance(parent, ast.Assign) and isinstance(parent.targets[0], ast.Name):
-            alias = parent.targets[0].id
-            aliases = (name, alias)
-            for call in ast.walk(tree):
-                if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name) \
-                        and call.args[0].id == alias and _reads(call, call.args[0]):
-                    readers.append(_enclosing(call, parents))
-                    if len(call.args) > 1:
-                        s.default = s.default or _shown(call.args[1], constants)
-        # os.environ.get("WEENV_X", DEFAULT)
-        if isinstance(parent, ast.Call) and _reads(parent, node):
-            if len(parent.args) > 1 and not s.default:
-                s.default = _shown(parent.args[1], constants)
-            outer = parents.get(parent)
-            if isinstance(outer, ast.BoolOp):  # os.environ.get(...) or None
-                outer = parents.get(outer)
-            if isinstance(outer, ast.Call) and not s.kind:
-                fname = getattr(outer.func, "id", getattr(outer.func, "attr", ""))
-                s.kind = CONVERTERS.get(fname, "")
-        # {"field": "WEENV_X", ...} in a classmethod of a model: the field's type, default and docstring
-        if isinstance(parent, ast.Dict):
-            key = parent.keys[parent.values.index(node)] if node in parent.values else None
-            cls = parent
-            while cls is not None and not isinstance(cls, ast.ClassDef):
-                cls = parents.get(cls)
-            if isinstance(key, ast.Constant) and cls is not None:
-                hit = _field_of_class(cls, key.value)
-                if hit:
-                    annotation, default, doc = hit
-                    s.kind = s.kind or f"`{annotation}`"
-                    s.default = s.default or default
-                    s.doc = s.doc or (_first_sentence(doc) + f" (`{cls.name}.{key.value}`)" if doc else
-                                      f"`{cls.name}.{key.value}`")
-        # ("WEENV_X", "key", int, default) tuples walked in a loop
-        if isinstance(parent, ast.Tuple) and not s.kind:
-            for element in parent.elts:
-                if isinstance(element, ast.Name) and element.id in CONVERTERS:
-                    s.kind = CONVERTERS[element.id]
-        if not s.doc:
-            readers.append(_enclosing(node, parents))
-            candidates = [text for r in readers for owner, text in docs if owner is r] + [text for _, text in docs]
-            for text in candidates:
-                sentence = _sentence_naming(text, aliases)
-                if sentence:
-                    s.doc = sentence
-                    break
-    for s in found.values():
-        if not s.default and module in s.modules:  # "else :data:`DEFAULT_SIZE`" in its docstring
-            pattern = rf"`{s.name}`[^`]*?(?:else|default) `([A-Z][A-Z0-9_]+)`(?! of)"
-            for ref in re.findall(pattern, _rst_to_md(s.doc)):
-                if ref in constants and not ref.startswith("WEENV_"):
-                    s.default = _shown(ast.Name(ref), constants)
-                    break
-        if s.kind == "" and s.default:
-            try:
-                value = ast.literal_eval(s.default)
-            except (ValueError, SyntaxError):
-                continue
-            s.kind = {int: "integer", float: "number", str: "string"}.get(type(value), "")
-
-
-def settings() -> list[Setting]:
-    """Every ``WEENV_*`` variable ``src/weenv`` names, then those ``scripts/setup.sh`` reads."""
-    found: dict[str, Setting] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        _scan_module(path, found)
-    for match in re.finditer(r"\$\{(WEENV_[A-Z0-9_]+):-([^}]*)\}", SETUP_SH.read_text()):
-        s = found.setdefault(match[1], Setting(match[1]))
-        s.modules.append("scripts/setup.sh")
-        s.default = s.default or repr(match[2])
-        s.kind = s.kind or "path"
-        comment = [line for line in SETUP_SH.read_text().splitlines() if line.startswith("#") and match[1] in line]
-        s.doc = s.doc or (" ".join(c.lstrip("# ") for c in comment[:1]))
-    return sorted(found.values(), key=lambda s: s.name)
-
-
 def settings_page() -> str:
+    """One table per group of :class:`weenv.config.Settings`, from the model itself."""
+    _importable()
+    from weenv import config
+
     lines = ["# Settings", "", GENERATED.strip(), "",
-             "Every `WEENV_*` environment variable weenv reads, found in the code (`src/weenv`, and",
-             "`scripts/setup.sh`), with the module reading it. The node's settings are read by the daemon:",
-             "set them in the environment of `weenv serve` (or of the first `weenv` command, which starts the",
-             "daemon); `WEENV_API_*` and `WEENV_CLUSTER_*` by the SDK in your process. The default is the",
-             "expression in the code where it is read (empty: computed there, see the description).", "",
-             "| variable | type | default | read in | description |", "|---|---|---|---|---|"]
-    for s in settings():
-        default = f"`{_cell(s.default)}`" if s.default else ""
-        kind = s.kind
-        where = ", ".join(f"`{m}`" for m in s.modules)
-        lines.append(f"| `{s.name}` | {kind} | {default} | {where} | {_cell(_rst_to_md(s.doc))} |")
+             "Every setting is a field of `weenv.config.Settings`, one table per group. Each is read from, in",
+             "this order of precedence:", "",
+             "1. its environment variable (an empty variable counts as unset);",
+             f"2. the settings file (TOML, one table per group): `{config.CONFIG_ENV}` if set, else",
+             "   `$WEENV_HOME/config.toml` when it exists;",
+             "3. the default.", "",
+             "A bad value stops the command with one line naming the variable (or the file and key) and what it",
+             "accepts; so does an unknown group or key in the file, or a file that is not TOML. `weenv config`",
+             "prints every setting, its value and where it came from (`--json` for a program).", "",
+             "The node's settings are read by the daemon: set them in the environment of `weenv serve` (or of",
+             "the first `weenv` command, which starts the daemon) or in its home's `config.toml`; the `client`",
+             "group is read by the SDK in your process.", "",
+             "```toml", "# $WEENV_HOME/config.toml", "[pool]", "size = 4", "", "[network]", 'cidr = "10.210.0.0/16"',
+             "```", ""]
+    for group, model in config.groups().items():
+        lines += [f"## `[{group}]`", "", _rst_to_md(_first_sentence(model.__doc__ or "")), "",
+                  "| variable | key | type | unit | default | description |", "|---|---|---|---|---|---|"]
+        for key, info in model.model_fields.items():
+            meta = config.extra(info)
+            kind = _cell(meta["accepts"])
+            lines.append(f"| `{meta['env']}` | `{key}` | {kind} | {_cell(meta['unit'])} | "
+                         f"{_shown_default(info.default)} | {_cell(info.description)} |")
+        lines.append("")
+    lines += ["## Others", "",
+              "| variable | default | description |", "|---|---|---|",
+              (f"| `{config.CONFIG_ENV}` | `$WEENV_HOME/config.toml` | The settings file (TOML), read below the "
+               "environment; a named file that does not exist is an error. |")]
+    for name, default, doc in setup_sh_settings():
+        lines.append(f"| `{name}` | `{_cell(default)}` | {_cell(doc)} (read by `scripts/setup.sh`) |")
     return "\n".join(lines) + "\n"
 
 

@@ -92,7 +92,19 @@ def test_every_setting_the_code_names(pages):
     assert named <= rows, f"missing from reference/settings.md: {sorted(named - rows)}"
     assert {"WEENV_NEMO_VENV", "WEENV_HARBOR_VENV"} <= rows  # scripts/setup.sh's
     home = next(line for line in page.splitlines() if line.startswith("| `WEENV_HOME`"))
-    assert "/var/lib/weenv" in home and "weenv.config" in home
+    assert "/var/lib/weenv" in home and "| `home` |" in home
+
+
+def test_every_field_of_the_settings_model(pages):
+    """Each field of the settings model has a row under its group's table, with its file key."""
+    from weenv.config import Settings
+
+    page = pages["reference/settings.md"]
+    for group, info in Settings.model_fields.items():
+        table = _section(page, f"## `[{group}]`")
+        for key, field in info.annotation.model_fields.items():
+            env = field.json_schema_extra["env"]
+            assert f"| `{env}` | `{key}` |" in table, (group, key)
 
 
 def test_every_metric_a_node_exposes(pages):

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from weenv.config import Paths
+from weenv.config import Paths, settings
 from weenv.errors import (
     ClosedError,
     InvalidInputError,
@@ -160,7 +160,7 @@ def docker_reference(image: str) -> str:
         raise InvalidInputError(f"fromImage {image!r} is not an image reference")
     first, _, rest = ref.partition("/")
     if not rest or not ("." in first or ":" in first or first == "localhost"):
-        registry = os.environ.get("WEENV_E2B_REGISTRY", DEFAULT_REGISTRY)
+        registry = settings().build.e2b_registry
         ref = f"{registry}/{'library/' if not rest and registry == DEFAULT_REGISTRY else ''}{ref}"
     last = ref.rsplit("/", 1)[-1]
     if ":" not in last and "@" not in last:

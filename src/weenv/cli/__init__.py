@@ -20,6 +20,7 @@ from rich.markup import escape
 from weenv.cli import cluster, daemon, environments, image, packaging, state
 from weenv.cli import build as build_cli
 from weenv.cli import stats as stats_cli
+from weenv.cli import settings as settings_cli
 from weenv.cli import storecheck
 from weenv.cli.common import err
 from weenv.errors import ToolMissingError, WeenvError
@@ -35,6 +36,7 @@ for sub in (environments.app, state.app, daemon.app):
 app.registered_commands += build_cli.app.registered_commands  # build, update, gc, dedupe
 app.registered_commands += image.app.registered_commands  # import
 app.registered_commands += stats_cli.app.registered_commands  # stats (issue 5)
+app.registered_commands += settings_cli.app.registered_commands  # config
 
 BENCH_MISSING = ("the benchmarks are not installed: pip install 'weenv[bench]' "
                  "(from a checkout: pip install '.[bench]')")

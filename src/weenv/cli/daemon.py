@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -9,7 +11,7 @@ import typer
 from rich.console import Console
 
 from weenv.cli.common import err
-from weenv.config import Paths
+from weenv.config import CONFIG_ENV, Paths
 
 app = typer.Typer()
 
@@ -20,6 +22,8 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help="also serve the API on TCP (0: any free port); "
                                                      "clients then need the key in $WEENV_HOME/run/api-key")] = None,
     max_environments: Annotated[Optional[int], typer.Option(help="refuse creates past this many (503)")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="settings file (TOML; default: WEENV_CONFIG, else "
+                                                        "$WEENV_HOME/config.toml); the environment overrides it")] = None,
 ) -> None:
     """Run the node daemon in the foreground (Ctrl-C stops it cleanly).
 
@@ -28,6 +32,8 @@ def serve(
     key (header X-API-Key or Authorization: Bearer)."""
     from weenv.server.daemon import serve as _serve
 
+    if config is not None:  # the daemon and what it starts read the settings through this variable
+        os.environ[CONFIG_ENV] = str(config.absolute())
     _serve(Paths.from_env(), host=host, port=port, max_environments=max_environments)
 
 

@@ -12,10 +12,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from weenv.config import settings
 from weenv.errors import AuthenticationError, DaemonError, InvalidInputError
 
 
@@ -100,8 +100,9 @@ def connect_cluster(url: str | None = None, *, api_key: str | None = None, addre
     gateway of the Ray cluster at ``address`` this process can reach), with
     ``api_key`` (None: ``WEENV_CLUSTER_KEY``, else the gateway's own, asked of
     Ray).  Raises as :func:`connect`."""
-    url = url or os.environ.get("WEENV_CLUSTER_URL") or None
-    api_key = api_key or os.environ.get("WEENV_CLUSTER_KEY") or None
+    client = settings().client
+    url = url or client.cluster_url
+    api_key = api_key or client.cluster_key
     if url is None or api_key is None:
         from weenv import cluster
 

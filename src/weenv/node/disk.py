@@ -52,9 +52,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from weenv.config import settings
 from weenv.errors import CapacityError, MountError, ToolMissingError
 from weenv.host import mounts, mountns
-from weenv.config import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,8 @@ class NodeDisk:
     def __init__(self, image: Path, mountpoint: Path, size: int | None = None):
         self.image = Path(image)
         self.mountpoint = Path(mountpoint)
-        env = os.environ.get("WEENV_DISK_BYTES")
-        if size is None and env:
-            size = parse_bytes(env)  # "64G" or bytes
+        if size is None:
+            size = settings().disk.size_bytes
         if size is not None and size < MIN_IMAGE_BYTES:
             raise CapacityError(f"a node disk of {size} bytes is too small (at least {MIN_IMAGE_BYTES >> 20} MiB)")
         self.asked = size

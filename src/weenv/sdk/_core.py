@@ -153,13 +153,14 @@ class ConnectionConfig:
         URL, the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
         ``socket``: that Unix socket (a given home's daemon), whatever the
         environment names; it needs no key."""
-        from weenv.config import Paths
+        from weenv.config import Paths, settings
 
         timeout = DEFAULT_REQUEST_TIMEOUT if request_timeout is None else request_timeout
         if socket is not None:
             return cls(socket=str(socket), api_key=api_key, request_timeout=timeout)
-        api_url = api_url or os.environ.get("WEENV_API_URL") or None
-        api_key = api_key or os.environ.get("WEENV_API_KEY") or None
+        client = settings().client
+        api_url = api_url or client.api_url
+        api_key = api_key or client.api_key
         if api_url:
             if not api_url.startswith(("http://", "https://")):
                 raise InvalidInputError(f"WEENV_API_URL {api_url!r} is not an http(s) URL")

@@ -73,6 +73,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from weenv.config import settings
 from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import sha256_digest
 from weenv.store.base import Store
@@ -93,28 +94,14 @@ DELETE_BATCH = 20_000
 """Digests one delete lease names at most (its record: about 1.4 MB)."""
 
 
-def _seconds_from_env(var: str, default: float, *, zero: bool) -> float:
-    raw = os.environ.get(var)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (0 <= value < float("inf")) or (value == 0 and not zero):
-        want = "a number of seconds, 0 or more" if zero else "a positive number of seconds"
-        raise InvalidInputError(f"{var}={raw!r}: want {want}")
-    return value
-
-
 def lease_seconds() -> float:
     """``WEENV_STORE_LEASE_S``: how long a lease lives unrenewed (default :data:`DEFAULT_LEASE_S`)."""
-    return _seconds_from_env("WEENV_STORE_LEASE_S", DEFAULT_LEASE_S, zero=False)
+    return settings().store.lease_s
 
 
 def gc_grace_seconds() -> float:
     """``WEENV_GC_GRACE_S``: gc spares blobs stored more recently (default :data:`DEFAULT_GC_GRACE_S`)."""
-    return _seconds_from_env("WEENV_GC_GRACE_S", DEFAULT_GC_GRACE_S, zero=True)
+    return settings().store.gc_grace_s
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import ValidationError
 
+from weenv.config import settings
 from weenv.errors import (
     BusyError,
     ContentLimitError,
@@ -159,7 +160,7 @@ def _parse_url(url: str, overrides: dict[str, Any]) -> tuple[str, str, S3Options
         options = S3Options(**(query | overrides))
     except (ValueError, ValidationError) as exc:
         raise InvalidInputError(f"bad options for {url!r}: {exc}") from exc
-    endpoint = options.endpoint or os.environ.get("WEENV_S3_ENDPOINT") or None
+    endpoint = options.endpoint or settings().store.s3_endpoint
     if endpoint is not None and urlsplit(endpoint).scheme not in ("http", "https"):
         raise InvalidInputError(f"bad S3 endpoint {endpoint!r} for {url!r}: an http:// or https:// URL")
     region = options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or DEFAULT_REGION

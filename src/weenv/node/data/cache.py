@@ -65,7 +65,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from weenv.config import parse_bytes
+from weenv.config import settings
 from weenv.errors import FULL_ERRNOS, CapacityError, DigestMismatchError, InvalidInputError
 from weenv.formats.manifest import ChunkRef, check_digest
 from weenv.store.base import Store, decode_frame
@@ -86,9 +86,9 @@ class _FrameRejected(Exception):
 def default_max_bytes(root: str | os.PathLike[str]) -> int:
     """``WEENV_CACHE_BYTES`` if set, else 20% of the file system holding ``root``
     (which must exist), at most 10 GiB."""
-    env = os.environ.get("WEENV_CACHE_BYTES")
-    if env:
-        return parse_bytes(env)
+    bound = settings().cache.max_bytes
+    if bound is not None:
+        return bound
     st = os.statvfs(root)
     return min(DEFAULT_MAX_BYTES_CAP, int(st.f_blocks * st.f_frsize * DEFAULT_MAX_FRACTION))
 

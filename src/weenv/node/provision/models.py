@@ -6,11 +6,11 @@ node's other models are (:mod:`weenv.api.models`).
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from weenv.config import settings
 from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
@@ -218,7 +218,7 @@ class ProvisionConfig(_Model):
 
         from weenv.errors import InvalidInputError
 
-        given = {k: os.environ[v] for k, v in keys.items() if os.environ.get(v)}
+        given = settings().provision.model_dump()
         try:
             return cls(**given)
         except ValidationError as exc:

@@ -35,6 +35,7 @@ import struct
 import subprocess
 from pathlib import Path
 
+from weenv.config import settings
 from weenv.errors import CapacityError, InvalidInputError, MountError
 
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
@@ -85,12 +86,7 @@ def _check(ret: int, what: str) -> int:
 def userns_from_env() -> bool:
     """Whether :data:`USERNS_ENV` puts every environment in a user namespace of
     its own; raises :class:`InvalidInputError` naming the variable for a value not on/off."""
-    value = os.environ.get(USERNS_ENV, "off").strip().lower()
-    if value in ("on", "1", "true", "yes"):
-        return True
-    if value in ("off", "0", "false", "no", ""):
-        return False
-    raise InvalidInputError(f"{USERNS_ENV}={value!r}: want on or off")
+    return settings().runtime.userns
 
 
 def check_range(host_id: int, size: int = ID_RANGE) -> None:

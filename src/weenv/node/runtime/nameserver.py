@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import socket
 import struct
 import threading
@@ -64,6 +63,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 
+from weenv.config import settings
 from weenv.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class NamePolicy:
 def upstream_from_env(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[tuple[str, int]]:
     """:data:`UPSTREAM_ENV` (``ADDRESS[:PORT],...``) or the IPv4 name servers of
     ``resolv_conf`` (port 53).  Raises :class:`InvalidInputError` naming the variable."""
-    raw = os.environ.get(UPSTREAM_ENV, "").strip()
+    raw = settings().network.dns_upstream or ""
     if not raw:
         from weenv.node.runtime.network import name_servers
 

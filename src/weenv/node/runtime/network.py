@@ -103,9 +103,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from weenv.config import settings
 from weenv.errors import (
     CapacityError,
-    InvalidInputError,
     MountError,
     NetworkForbiddenError,
     RuntimeFailedError,
@@ -141,12 +141,7 @@ POLICY_ENV = "WEENV_NETWORK"
 def policy_from_env() -> bool:
     """Whether :data:`POLICY_ENV` lets environments have network; raises
     :class:`InvalidInputError` naming the variable for a value not on/off."""
-    value = os.environ.get(POLICY_ENV, "on").strip().lower()
-    if value in ("on", "1", "true", "yes", ""):
-        return True
-    if value in ("off", "0", "false", "no"):
-        return False
-    raise InvalidInputError(f"{POLICY_ENV}={value!r}: want on or off")
+    return settings().network.enabled
 
 
 def check_policy(allowed: bool) -> None:
@@ -274,14 +269,7 @@ class Link:
 def cidr_from_env() -> ipaddress.IPv4Network:
     """:data:`CIDR_ENV` (default :data:`DEFAULT_CIDR`) as a network of at least
     one /30; raises :class:`InvalidInputError` naming the variable."""
-    value = os.environ.get(CIDR_ENV, DEFAULT_CIDR)
-    try:
-        net = ipaddress.IPv4Network(value, strict=True)
-    except ValueError as exc:
-        raise InvalidInputError(f"{CIDR_ENV}={value!r}: want an IPv4 network such as {DEFAULT_CIDR} ({exc})") from None
-    if net.prefixlen > 30:
-        raise InvalidInputError(f"{CIDR_ENV}={value!r}: want a /30 or larger")
-    return net
+    return settings().network.cidr
 
 
 def host_ifname(env_id: str) -> str:

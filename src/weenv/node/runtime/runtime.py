@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weenv.config import settings
 from weenv.errors import InvalidInputError, ToolMissingError
 from weenv.node.cgroups import CGROUP_ROOT, detect
 from weenv.node.runtime.runc import EXEC_FIFO, Runc
@@ -162,7 +163,7 @@ def runtime_setting(value: str | None = None) -> str:
     """``value``, else ``WEENV_RUNTIME``, else :data:`DEFAULT_RUNTIME`; one of
     :data:`RUNTIMES`.  Raises :class:`InvalidInputError` for another value."""
     if value is None:
-        value = os.environ.get("WEENV_RUNTIME") or DEFAULT_RUNTIME
+        value = settings().runtime.name
     if value not in RUNTIMES:
         raise InvalidInputError(f"WEENV_RUNTIME={value!r}: want one of {', '.join(RUNTIMES)}")
     return value

@@ -24,12 +24,12 @@ dropped once every child has its upper dir (the children keep the extents).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from weenv.config import settings
 from weenv.errors import InvalidInputError, RuntimeFailedError, WeenvError
 from weenv.api.models import EnvironmentInfo
 from weenv.node.state.snapshot import Capture, Captures
@@ -45,12 +45,7 @@ FORK_WORKERS = 8
 
 def max_fork_from_env() -> int:
     """``WEENV_MAX_FORK`` (a positive integer), else :data:`DEFAULT_MAX_FORK`."""
-    raw = os.environ.get("WEENV_MAX_FORK")
-    if not raw:
-        return DEFAULT_MAX_FORK
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidInputError(f"WEENV_MAX_FORK={raw!r}: want a positive integer")
-    return int(raw)
+    return settings().runtime.max_fork
 
 
 def check_count(count: int, maximum: int) -> int:

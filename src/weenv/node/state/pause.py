@@ -56,12 +56,12 @@ while a pause or resume freezes, ends or restarts the container (its
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from weenv.errors import InvalidInputError, StateError
+from weenv.config import settings
+from weenv.errors import StateError
 from weenv.node.cgroups import Cgroup, open_cgroups
 from weenv.api.models import EnvironmentInfo
 from weenv.node.provision import Provisioner
@@ -79,16 +79,7 @@ PAUSED = "paused"
 def release_after_from_env() -> float | None:
     """``WEENV_PAUSE_RELEASE_S``: seconds after which a paused environment's memory
     is released (a positive number), else None (never, unless asked)."""
-    raw = os.environ.get("WEENV_PAUSE_RELEASE_S")
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise InvalidInputError(f"WEENV_PAUSE_RELEASE_S={raw!r}: want a positive number of seconds")
-    return value
+    return settings().runtime.pause_release_s
 
 
 class Pauses:

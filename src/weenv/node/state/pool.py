@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from weenv.config import settings
 from weenv.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -444,13 +444,4 @@ def _check(size: int, max_templates: int, idle_s: float) -> None:
 def pool_size_from_env() -> int:
     """``WEENV_POOL_SIZE`` (environments per key, 0: no pool), else :data:`DEFAULT_SIZE`.
     Raises :class:`InvalidInputError` for a value that is not an integer >= 0."""
-    value = os.environ.get("WEENV_POOL_SIZE")
-    if value is None or value == "":
-        return DEFAULT_SIZE
-    try:
-        size = int(value)
-    except ValueError:
-        size = -1
-    if size < 0:
-        raise InvalidInputError(f"WEENV_POOL_SIZE={value!r}: want an integer >= 0")
-    return size
+    return settings().pool.size

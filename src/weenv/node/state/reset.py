@@ -67,13 +67,13 @@ every preparation for that environment, even if it fails midway.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weenv.config import settings
 from weenv.errors import MountError, NotFoundError, RuntimeFailedError
 from weenv.node.runtime.commands import Commands
 from weenv.node.runtime.container import Containers
@@ -392,4 +392,4 @@ def next_container_id(env_id: str, current: str) -> str:
 
 def ahead_from_env() -> bool:
     """``WEENV_RESET_AHEAD``: ``0`` turns off containers made ahead for resets (default on)."""
-    return os.environ.get("WEENV_RESET_AHEAD", "1").strip() not in ("0", "false", "no", "off")
+    return settings().runtime.reset_ahead

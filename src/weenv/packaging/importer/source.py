@@ -50,6 +50,7 @@ from typing import IO, Any
 
 import httpx
 
+from weenv.config import settings
 from weenv.errors import (
     DigestMismatchError,
     InvalidInputError,
@@ -594,7 +595,7 @@ def open_source(source: str, *, insecure: bool = False) -> ImageSource:
     does not exist, :class:`InvalidInputError` if it is neither."""
     if source.startswith("docker://"):
         rest = source[len("docker://"):]
-        if "/" in rest and _is_loopback(rest.split("/", 1)[0]) and not os.environ.get("WEENV_IMPORT_SKOPEO"):
+        if "/" in rest and _is_loopback(rest.split("/", 1)[0]) and not settings().build.import_skopeo:
             stream = RegistryStream(source)
             try:
                 stream.read_image()

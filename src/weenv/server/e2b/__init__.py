@@ -23,7 +23,6 @@ Connect protocol (connectrpc.com/docs/protocol).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 
@@ -31,6 +30,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers, QueryParams
 from starlette.routing import Mount
 
+from weenv.config import settings
 from weenv.errors import InvalidInputError
 from weenv.node.node import Node
 from weenv.server.e2b.api import install_error_handlers, key_checker, key_dependency, make_api
@@ -65,13 +65,12 @@ def create_e2b_app(node: Node, *, api_keys: Iterable[str]) -> FastAPI:
     # envd access tokens keyed by the first API key: stable across restarts, new with a new key
     secret = token_secret(keys[0])
     sandboxes = Sandboxes(node, token_secret=secret)
-    limits = {k: conv(os.environ[v]) for k, v, conv in (("ttl_s", "WEENV_E2B_UPLOAD_TTL_S", float),
-              ("max_total", "WEENV_E2B_UPLOADS_MAX_BYTES", int)) if v in os.environ}  # fmt: skip
-    templates = Templates(node, secret=secret, **limits)
+    server = settings().server
+    templates = Templates(node, secret=secret, ttl_s=server.e2b_upload_ttl_s, max_total=server.e2b_uploads_max_bytes)
     app = FastAPI(title="weenv: E2B-compatible API", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     check = key_checker(keys)
-    ready_timeout = float(os.environ.get("WEENV_E2B_READY_TIMEOUT_S", READY_TIMEOUT_S))
+    ready_timeout = server.e2b_ready_timeout_s
     app.include_router(make_api(sandboxes, check, resolve=templates.resolve, ready_timeout=ready_timeout))
     keyed, uploads = make_template_api(templates, key_dependency(check))
     app.include_router(keyed)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 
@@ -59,7 +58,8 @@ import h11
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from weenv.errors import InvalidInputError, NotFoundError
+from weenv.config import settings
+from weenv.errors import NotFoundError
 from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE, relay_websocket  # noqa: F401 - MAX_WS_MESSAGE for the daemon
 from weenv.server.limits import DRAIN_BYTES, MAX_BODY, drain
 
@@ -83,19 +83,9 @@ def relay_settings(tcp_cap: int) -> dict[str, float | int]:
     of ``tcp_cap``, at most ``tcp_cap - 8``) and ``WEENV_RELAY_IDLE_S``
     (default :data:`RELAY_IDLE_S`).  Raises :class:`InvalidInputError` naming
     the variable for a value that is not a positive number."""
-    out: dict[str, float | int] = {}
-    for name, key, kind, default in (("WEENV_RELAY_MAX", "max_relays", int, max(1, tcp_cap // 4)),
-                                     ("WEENV_RELAY_IDLE_S", "idle_timeout", float, RELAY_IDLE_S)):  # fmt: skip
-        raw = os.environ.get(name, "").strip()
-        try:
-            value = kind(raw) if raw else default
-        except ValueError:
-            value = 0
-        if not value > 0 or value != value:
-            raise InvalidInputError(f"{name}={raw!r}: want a positive number")
-        out[key] = value
-    out["max_relays"] = max(1, min(int(out["max_relays"]), tcp_cap - 8))
-    return out
+    server = settings().server
+    max_relays = server.relay_max or max(1, tcp_cap // 4)
+    return {"max_relays": max(1, min(max_relays, tcp_cap - 8)), "idle_timeout": server.relay_idle_s}
 
 
 class PortProxy:
