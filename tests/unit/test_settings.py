@@ -173,7 +173,9 @@ def test_no_module_but_config_reads_a_weenv_variable():
 
 def test_module_defaults_are_the_models():
     """Constants the modules keep for their callers and docs agree with the model's defaults."""
-    from weenv.node.state import fork, network, pool, runtime, stepbuild
+    from weenv.build import stepbuild
+    from weenv.node.runtime import network, runtime
+    from weenv.node.state import fork, pool
     from weenv.node.provision.models import ProvisionConfig
     from weenv.server import e2b
     from weenv.server.e2b import ports, uploads
