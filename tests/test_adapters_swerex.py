@@ -22,6 +22,7 @@ from swerex.runtime.abstract import (
     Command,
     CreateBashSessionRequest,
     ReadFileRequest,
+    UploadRequest,
     WriteFileRequest,
 )
 from swerex.runtime.remote import RemoteRuntime
@@ -57,7 +58,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, shared_store):
+def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, shared_store,
+                                                                                           tmp_path):
+    (tmp_path / "up" / "sub").mkdir(parents=True)
+    (tmp_path / "up" / "sub" / "data.txt").write_text("uploaded\n")
     task_groups = load_template(shared_store, "task")[1].groups
 
     async def scenario():
@@ -91,6 +95,8 @@ def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_wri
             assert (await rt.read_file(ReadFileRequest(path="/workspace/hello.py"))).content.startswith("print(")
             out = await rt.execute(Command(command="wc -l < /workspace/notes/a.txt", shell=True))
             assert out.stdout.strip() == "2"
+            await rt.upload(UploadRequest(source_path=str(tmp_path / "up"), target_path="/workspace/up"))
+            assert (await rt.read_file(ReadFileRequest(path="/workspace/up/sub/data.txt"))).content == "uploaded\n"
             await rt.close_session(CloseBashSessionRequest(session="s"))
             env_id = d.env_id
         finally:
