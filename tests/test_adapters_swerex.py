@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("swerex", reason="swe-rex is not installed (weenv[swerex])")
 
 from conftest import system_snapshot
-from daemon_fixture import start_daemon
+from daemon_fixture import environ, start_daemon
 from swerex.exceptions import CommandTimeoutError, DeploymentNotStartedError
 from swerex.runtime.abstract import (
     BashAction,
@@ -36,7 +36,8 @@ from weenv.packaging.template import load_template
 def daemon(shared_store, tmp_path_factory):
     root = tmp_path_factory.mktemp("swerex")
     before = system_snapshot(root)
-    d = start_daemon(root / "home", shared_store.url)
+    with environ(WEENV_RELAY_IDLE_S="2"):  # the relay's default idle end, short: a quiet command outlives it
+        d = start_daemon(root / "home", shared_store.url)
     try:
         yield d
     finally:
@@ -78,6 +79,15 @@ def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_wri
             assert out.output.split() == ["/tmp", "hello-weenv"] and out.exit_code == 0
             failed = await rt.run_in_session(BashAction(session="s", command="false", check="silent"))
             assert failed.exit_code == 1
+            # quiet for longer than the relay's idle end (2 s here): the runtime asked a longer one
+            out = await rt.run_in_session(BashAction(session="s", command="sleep 3; echo woke", timeout=30))
+            assert out.output.strip() == "woke"
+            relay = {"Host": f"8000-{d.env_id}.weenv", "X-API-Key": "not-checked-by-the-relay"}
+            with daemon.http(key=None) as http:
+                r = http.get("/is_alive", headers={**relay, "x-weenv-relay-idle": "600"})
+                assert r.status_code == 403 and "x-weenv-key" in r.json()["message"]
+                r = http.get("/is_alive", headers={**relay, "x-weenv-relay-idle": "nan", "x-weenv-key": daemon.key})
+                assert r.status_code == 400 and "x-weenv-relay-idle" in r.json()["message"]
 
             # a command past its timeout: SWE-ReX raises, the interrupt ends it, the session goes on
             with pytest.raises(CommandTimeoutError):

@@ -30,6 +30,7 @@ from swerex.runtime.remote import RemoteRuntime
 
 from weenv.adapters._resources import GIB, MIB, ceiling
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
+from weenv.server.e2b.ports import IDLE_HEADER, KEY_HEADER
 
 SERVER_PORT = 8000
 """The server's port on the environment's loopback (swerex-remote's default)."""
@@ -61,6 +62,9 @@ class WeenvDeploymentConfig(BaseModel):
     """Seconds ``start()`` waits for the environment and the server to answer."""
     runtime_timeout: float = Field(default=10.0, gt=0)
     """``RemoteRuntime``'s timeout: seconds an ``is_alive`` may take."""
+    request_idle: float = Field(default=3600.0, gt=0, le=86400.0)
+    """Seconds a runtime request may wait for its answer with no byte moving (a session
+    command's longest run): asked of the daemon's port relay, whose own default is 60 s."""
 
     type: Literal["weenv"] = "weenv"
     """Discriminator for (de)serialization/CLI. Do not change."""
@@ -79,18 +83,22 @@ class WeenvDeploymentConfig(BaseModel):
 
 class WeenvRuntime(RemoteRuntime):
     """SWE-ReX's ``RemoteRuntime`` addressed through the daemon's port relay:
-    every request carries ``Host: PORT-ENVID.weenv``.  Once its deployment is
-    stopped, every call raises ``DeploymentNotStartedError`` naming the environment."""
+    every request carries ``Host: PORT-ENVID.weenv`` and, with the node's API
+    key, the relay's idle timeout it may wait for an answer (a command quiet
+    for minutes is no idle connection).  Once its deployment is stopped,
+    every call raises ``DeploymentNotStartedError`` naming the environment."""
 
-    def __init__(self, *, relay_host: str, env_id: str, **kwargs: Any):
+    def __init__(self, *, relay_host: str, env_id: str, node_key: str | None, request_idle: float, **kwargs: Any):
         super().__init__(**kwargs)
-        self._relay_host = relay_host
+        self._relay = {"Host": relay_host}
+        if node_key:
+            self._relay.update({IDLE_HEADER: f"{request_idle:g}", KEY_HEADER: node_key})
         self._env_id = env_id
         self._stopped = False
 
     @property
     def _headers(self) -> dict[str, str]:
-        return {**super()._headers, "Host": self._relay_host}
+        return {**super()._headers, **self._relay}
 
     def _check(self) -> None:
         if self._stopped:
@@ -181,7 +189,8 @@ class WeenvDeployment(AbstractDeployment):
                 background=True, tag="swerex-remote")
             self._runtime = WeenvRuntime(host=api_url, auth_token=token, timeout=c.runtime_timeout,
                                          relay_host=f"{SERVER_PORT}-{self._sandbox.id}.{RELAY_DOMAIN}",
-                                         env_id=self._sandbox.id, logger=self.logger)  # fmt: skip
+                                         env_id=self._sandbox.id, node_key=api_key, request_idle=c.request_idle,
+                                         logger=self.logger)  # fmt: skip
             await self._wait_until_alive(server)
         except BaseException:
             await self.stop()
