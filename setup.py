@@ -32,6 +32,8 @@ setup(extras_require={
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],
     "nemo": ["nemo-gym>=0.4; python_version >= '3.12'"],
+    # SWE-ReX's deployment (weenv.adapters.swerex); its RemoteRuntime needs aiohttp, which swe-rex does not declare
+    "swerex": ["swe-rex>=1.4", "aiohttp>=3.9"],
     # many nodes on Ray (weenv.cluster, `weenv cluster`)
     "cluster": ["ray[default]>=2.40"],
     # the s3:// store (weenv.store.s3)

@@ -3,7 +3,7 @@
 # weenv drives (crun and runc, tini, erofs-utils, fuse3, debootstrap, dockerd and a
 # registry for the benchmarks, chromium for the dashboard's browser tests), then a venv in .venv with weenv, its test
 # tools (SeaweedFS's weed for the s3:// tests), matplotlib, mini-swe-agent
-# (weenv[minisweagent]), boto3 (weenv[s3]), MkDocs with the Material theme
+# (weenv[minisweagent]), SWE-ReX (weenv[swerex]), boto3 (weenv[s3]), MkDocs with the Material theme
 # (weenv[docs]: the documentation site, `mkdocs build --strict`), and the
 # benchmarks (benchmarks/, weenv-bench), both editable; and NeMo Gym's venv,
 # /work/venvs/nemo (Python 3.12 from pyenv; $WEENV_NEMO_VENV to move it), with
@@ -52,11 +52,11 @@ if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
   "$base" -m venv .venv
 fi
 stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
-if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,cluster,s3,docs]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, pydantic_settings'
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,swerex,cluster,s3,docs]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
+  .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp'
   touch .venv/.weenv-installed
 fi
 

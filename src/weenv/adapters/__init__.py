@@ -6,8 +6,11 @@
 - :mod:`weenv.adapters.nemo`: ``WeenvProvider``, a NeMo Gym sandbox provider
   registered as ``weenv`` in the ``nemo_gym.sandbox_providers`` entry point
   group (``pip install 'weenv[nemo]'``).
+- :mod:`weenv.adapters.swerex`: ``WeenvDeployment``, a SWE-ReX deployment
+  (``pip install 'weenv[swerex]'``) whose runtime server runs in an
+  environment, its files a layer group of their own.
 
-Both map the harness's resources onto an environment's *ceiling*
+These map the harness's resources onto an environment's *ceiling*
 (:class:`~weenv.formats.manifest.Resources`: ``cpus``, ``memory_bytes``,
 ``disk_bytes``): under elastic provisioning an environment starts near the
 node's floor (``ProvisionConfig.cpu_floor`` / ``memory_floor``) and grows up

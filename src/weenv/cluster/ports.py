@@ -16,9 +16,11 @@ client of its own: the private sandbox's token check (403), the body bound
 
 Limits at the gateway: at most ``max_relays`` relays at once (one more: 503
 at once); ``idle_timeout`` seconds with no byte either way ends one (the
-node's own idle timeout usually ends it first); ``max_body`` bytes of a
-request body.  A sandbox the cluster does not know (or lost with its node)
-is E2B's 502 ``{"code", "message", "sandboxId", "port"}``, as on one node;
+node's own idle timeout usually ends it first; an HTTP request asking its
+own, :data:`~weenv.server.e2b.ports.IDLE_HEADER`, gets it here too: the node
+checks the key that must come with it and refuses at once without it);
+``max_body`` bytes of a request body.  A sandbox the cluster does not know
+(or lost with its node) is E2B's 502 ``{"code", "message", "sandboxId", "port"}``, as on one node;
 a node that cannot be reached, 502 too.
 """
 
@@ -29,8 +31,15 @@ import socket
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from weenv.errors import LostError, NotFoundError, WeenvError
-from weenv.server.e2b.ports import RELAY_IDLE_S, _answer, port_named, relay_http, ws_refusal
+from weenv.errors import InvalidInputError, LostError, NotFoundError, WeenvError
+from weenv.server.e2b.ports import (
+    RELAY_IDLE_S,
+    _answer,
+    asked_idle,
+    port_named,
+    relay_http,
+    ws_refusal,
+)
 from weenv.server.e2b.wsrelay import relay_websocket
 from weenv.server.limits import MAX_BODY
 
@@ -69,6 +78,11 @@ class ClusterPorts:
 
         if websocket and (await receive())["type"] != "websocket.connect":
             return
+        try:
+            idle = self.idle_timeout if websocket else asked_idle(scope, self.idle_timeout)
+        except InvalidInputError as exc:
+            await refuse(400, str(exc))
+            return
         if self.relays >= self.max_relays:
             await refuse(503, f"the cluster's gateway relays {self.max_relays} connections to sandbox ports already")
             return
@@ -83,7 +97,7 @@ class ClusterPorts:
                                           keep_token=True)
                 else:
                     status = await relay_http(sock, scope, receive, send, max_body=self.max_body,
-                                              idle=self.idle_timeout, keep_token=True)
+                                              idle=idle, keep_token=True)
                     if status is not None:
                         await refuse(*status)
             finally:

@@ -119,7 +119,8 @@ def serve(
 
         tcp_cap = limits.tcp_connection_cap(nofile)
         # outermost: E2B's PORT-ID. hosts to sandbox ports, at most a quarter of the TCP connections
-        app.add_middleware(PortProxy, node=node, sandboxes=e2b.state.sandboxes, **relay_settings(tcp_cap))
+        app.add_middleware(PortProxy, node=node, sandboxes=e2b.state.sandboxes, api_key=api_key,
+                           **relay_settings(tcp_cap))
         http = limits.tcp_protocol(tcp_cap)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http,
                                 # WebSocket upgrades (get_host's relay) on a protocol the connection cap still

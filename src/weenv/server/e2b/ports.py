@@ -39,7 +39,13 @@ idle checks once the request's head is in, and one connection into the sandbox):
   answered).
 - **Idle**: a relay in which no byte moved either way for ``idle_timeout``
   seconds (default :data:`RELAY_IDLE_S`, ``WEENV_RELAY_IDLE_S``) ends: 504 if
-  the sandbox had not answered yet, else its answer is cut short.
+  the sandbox had not answered yet, else its answer is cut short.  An HTTP
+  request may ask another idle timeout, up to :data:`MAX_RELAY_IDLE_S`, in
+  the :data:`IDLE_HEADER` header (seconds) if it carries the daemon's API key
+  in :data:`KEY_HEADER` (a server in the sandbox that answers only when a
+  long command ends, as SWE-ReX's does: :mod:`weenv.adapters.swerex`); a bad
+  value is answered 400, a missing or wrong key 403.  Neither header reaches
+  the sandbox.
 
 Errors carry E2B's ``{"code", "message"}``: 502 for an unknown sandbox or a
 port nothing listens on (``The sandbox is running but port is not open``),
@@ -69,9 +75,17 @@ TOKEN_HEADER = "e2b-traffic-access-token"
 """The header carrying a private sandbox's traffic access token (E2B's name)."""
 RELAY_IDLE_S = 60.0
 """Seconds a relay may move no byte either way before it ends."""
+IDLE_HEADER = "x-weenv-relay-idle"
+"""The header of an HTTP request asking its own idle timeout, seconds (with :data:`KEY_HEADER`)."""
+KEY_HEADER = "x-weenv-key"
+"""The header carrying the daemon's API key for :data:`IDLE_HEADER` (``X-API-Key`` is the sandbox's own)."""
+MAX_RELAY_IDLE_S = 86400.0
+"""The longest idle timeout a request may ask."""
 _HOST = re.compile(r"^(\d{1,5})-([0-9a-f]{12})\.")
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
-        b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode()}  # fmt: skip
+        b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode(), IDLE_HEADER.encode(), KEY_HEADER.encode()}  # fmt: skip
+_NODE_CHECKS = {TOKEN_HEADER.encode(), IDLE_HEADER.encode(), KEY_HEADER.encode()}
+"""What a gateway relaying to the node passes on for the node to check."""
 READ_SIZE = 64 << 10
 CONNECT_THREADS = 8
 """Relayed connects running at once (threads of the relay's own limiter, not anyio's shared 40)."""
@@ -92,11 +106,14 @@ class PortProxy:
     """ASGI middleware relaying ``PORT-ID.`` hosts to sandbox ports (see the
     module docstring).  ``sandboxes``: the E2B face's registry, whose traffic
     tokens a private sandbox's requests must carry; ``max_relays``,
-    ``max_body`` (bytes), ``idle_timeout`` (seconds): the limits."""
+    ``max_body`` (bytes), ``idle_timeout`` (seconds): the limits; ``api_key``:
+    the daemon's (:class:`~weenv.server.auth.ApiKey`), which a request asking
+    its own idle timeout must carry (None: no request may)."""
 
     def __init__(self, app, node, sandboxes, *, max_relays: int = 256, max_body: int = MAX_BODY,
-                 idle_timeout: float = RELAY_IDLE_S):
+                 idle_timeout: float = RELAY_IDLE_S, api_key=None):
         self.app = app
+        self.api_key = api_key
         self.node = node
         self.sandboxes = sandboxes
         self.max_relays = max_relays
@@ -122,6 +139,15 @@ class PortProxy:
         async def answer(status: int, message: str) -> None:
             await _answer(scope, receive, send, status, message, sandbox_id, port)
 
+        try:
+            idle = asked_idle(scope, self.idle_timeout)
+        except InvalidInputError as exc:
+            await answer(400, str(exc))
+            return
+        if idle != self.idle_timeout and (self.api_key is None
+                                          or not self.api_key.matches(Headers(scope=scope).get(KEY_HEADER))):
+            await answer(403, f"{IDLE_HEADER} needs the daemon's API key in the {KEY_HEADER} header")
+            return
         length = Headers(scope=scope).get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             if length.isdigit() and int(length) <= DRAIN_BYTES:
@@ -137,7 +163,7 @@ class PortProxy:
             if sock is None:
                 return
             try:
-                status = await relay_http(sock, scope, receive, send, max_body=self.max_body, idle=self.idle_timeout)
+                status = await relay_http(sock, scope, receive, send, max_body=self.max_body, idle=idle)
             finally:
                 sock.close()
             if status is not None:
@@ -193,6 +219,22 @@ class PortProxy:
         if not info.public_traffic and not self.sandboxes.traffic_token_matches(sandbox_id, token):
             raise _NoToken
         return self.node.open_port(sandbox_id, port)
+
+
+def asked_idle(scope, default: float) -> float:
+    """The idle timeout an HTTP request asks in :data:`IDLE_HEADER` (``default``
+    without it).  Raises :class:`InvalidInputError` for a value that is not
+    seconds in (0, :data:`MAX_RELAY_IDLE_S`]."""
+    raw = Headers(scope=scope).get(IDLE_HEADER)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_RELAY_IDLE_S:  # NaN fails too
+        raise InvalidInputError(f"{IDLE_HEADER}: {raw[:40]!r} is not seconds in (0, {MAX_RELAY_IDLE_S:g}]")
+    return value
 
 
 def port_named(scope) -> tuple[int, str] | None:
@@ -266,8 +308,8 @@ async def relay_http(sock: socket.socket, scope, receive, send, *, max_body: int
     """One request from ``scope``/``receive`` to the connected ``sock``, its
     answer to ``send``, within the limits; ``(status, message)`` to answer
     when it failed before the sandbox answered, else None.  ``keep_token``:
-    pass the traffic access token on (the cluster's gateway relaying to the
-    node that checks it)."""
+    pass the traffic access token and an asked idle timeout with its key on
+    (the cluster's gateway relaying to the node that checks them)."""
     sock.setblocking(False)
     reader, writer = await asyncio.open_connection(sock=sock)
     clock = _Clock(idle)
@@ -275,7 +317,7 @@ async def relay_http(sock: socket.socket, scope, receive, send, *, max_body: int
     path = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
         path += b"?" + scope["query_string"]
-    hop = _HOP - {TOKEN_HEADER.encode()} if keep_token else _HOP
+    hop = _HOP - _NODE_CHECKS if keep_token else _HOP
     headers = [(k, v) for k, v in scope["headers"] if k.lower() not in hop] + [(b"connection", b"close")]
     framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers)
     if not framed and scope["method"] not in ("GET", "HEAD", "OPTIONS", "DELETE"):
