@@ -220,6 +220,11 @@ def _root(conn: _Connection, task: Task, state: TaskState) -> _Root:
         with contextlib.suppress(WeenvError):
             conn.drive(_core.kill(info.id))
         raise
+    other = task._roots.get(key)
+    if other is not None and other.digest == state.digest:  # a concurrent group made one meanwhile: share it
+        with contextlib.suppress(WeenvError):
+            conn.drive(_core.kill(info.id))
+        return other
     root = task._roots[key] = _Root(info.id, state.digest, info.metadata.get(NODE_HINT))
     return root
 
