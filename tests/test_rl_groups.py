@@ -17,7 +17,9 @@ from daemon_fixture import environ, start_daemon
 import weenv
 from weenv.errors import InvalidInputError, SetupError
 from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.packaging.template import create_template
+from weenv.packaging.gc import collect
+from weenv.packaging.group import load_group
+from weenv.packaging.template import create_template, load_template
 from weenv.sdk.groups import state_name
 from weenv.store.file import FileStore
 
@@ -224,8 +226,15 @@ def test_two_groups_at_once_share_one_state_and_one_root(node):
     assert node.environments() == before, "a second root of the same state outlived the task"
 
 
-def test_the_state_is_reused_after_a_daemon_restart(node, task, first):
-    node.restart()
+def test_the_state_is_kept_by_gc_and_reused_after_a_daemon_restart(node, task, first):
+    state = first[0].state
+    node.daemon.stop()
+    store = FileStore(node.store_url.removeprefix("file://"))
+    swept = collect(store, node.daemon.paths, in_use=[], grace=0)  # no daemon, no environment: refs only
+    assert swept.manifests_removed, "gc found nothing to remove: the deleted states' groups should go"
+    assert state.digest not in swept.manifests_removed
+    assert all(store.has_chunk(c.digest) for c in load_group(store, load_template(store, state.name)[1].groups[-1]).chunks)
+    node.daemon = node._start()
     with weenv.rollout_group(task, 2, **node.where) as group:
         assert not group.state.built and group.state.digest == first[0].state.digest
         assert [sb.files.read("/workspace/token") for sb in group] == [first[1][0][1]] * 2
