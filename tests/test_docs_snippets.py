@@ -75,6 +75,13 @@ def test_snapshot_group(daemon):
     assert out == "{'set up once\\n'}\n"
 
 
+def test_rl_groups(daemon):
+    out = run_snippet("rl_groups.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
+    assert out == "0 True {'installed once\\n'}\n1 False {'installed once\\n'}\nTrue\n"
+    with daemon.http() as c:
+        assert not [s["name"] for s in c.get("/snapshots").json() if s["name"].startswith("my-task-state-")]
+
+
 def test_environment_tax(daemon):
     out = run_snippet("environment_tax.py", daemon, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key)
     share, phases = out.splitlines()

@@ -32,14 +32,19 @@ Each imports only from those above it in this list: ``tests/unit/test_layers.py`
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncSandbox", "Sandbox", "__version__", "connect_cluster", "meter"]
+__all__ = ["AsyncSandbox", "AsyncTree", "Sandbox", "Task", "Tree", "__version__", "async_release_task",
+           "async_rollout_group", "connect_cluster", "meter", "release_task", "rollout_group"]
+_SDK = ("Sandbox", "AsyncSandbox", "meter", "Task", "rollout_group", "async_rollout_group", "release_task",
+        "async_release_task", "Tree", "AsyncTree")
 
 
 def __getattr__(name: str):
-    """``weenv.Sandbox``, ``weenv.AsyncSandbox`` and ``weenv.meter`` (the
-    environment tax of a batch, :mod:`weenv.sdk._meter`), imported on first use
-    (the CLI does not pay for the SDK's imports)."""
-    if name in ("Sandbox", "AsyncSandbox", "meter"):
+    """``weenv.Sandbox``, ``weenv.AsyncSandbox``, ``weenv.meter`` (the
+    environment tax of a batch, :mod:`weenv.sdk._meter`) and the RL groups'
+    ``weenv.Task``, ``weenv.rollout_group``, ``weenv.Tree`` and their async
+    twins (:mod:`weenv.sdk.groups`), imported on first use (the CLI does not
+    pay for the SDK's imports)."""
+    if name in _SDK:
         from weenv import sdk
 
         return getattr(sdk, name)

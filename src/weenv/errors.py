@@ -214,6 +214,14 @@ class RequestTooLargeError(WeenvError, ValueError):
     kind = "too_large"
 
 
+class SetupError(WeenvError, RuntimeError):
+    """A task's setup failed or did not finish in its time (the SDK's
+    :mod:`weenv.sdk.groups`): the message holds the command and its output;
+    nothing of the setup is left."""
+
+    kind = "setup"
+
+
 ERROR_KINDS: dict[str, type[WeenvError]] = {
     cls.kind: cls
     for cls in (
@@ -243,5 +251,6 @@ ERROR_KINDS: dict[str, type[WeenvError]] = {
         DiskFullError,
         OutputLimitError,
         RequestTooLargeError,
+        SetupError,
     )
 }

@@ -23,6 +23,12 @@ def test_sync_face_is_generated_from_the_async_face():
     assert gen.SYNC.read_text() == expected, "src/weenv/sdk/_sync.py is stale: run scripts/gen_sync.py"
 
 
+def test_the_groups_sync_face_is_generated_from_their_async_face():
+    gen = load_generator()
+    expected = gen.generate_groups(gen.GROUPS_ASYNC.read_text())
+    assert gen.GROUPS_SYNC.read_text() == expected, "src/weenv/sdk/_groups_sync.py is stale: run scripts/gen_sync.py"
+
+
 def test_the_generator_notices_an_edit_of_the_async_face():
     """An edit of ``_async.py`` changes the generated face (the check can fail)."""
     gen = load_generator()

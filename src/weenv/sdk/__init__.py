@@ -14,7 +14,9 @@
         ...
     print(tally.share, tally.phases)                          # weenv.formats.tax.Tally
 
-:class:`AsyncSandbox` offers the same calls as coroutines.  The daemon is found
+:class:`AsyncSandbox` offers the same calls as coroutines.  RL groups (a task's
+setup run once, a group forked from its state) and tree search:
+:mod:`weenv.sdk.groups` (``weenv.Task``, ``weenv.rollout_group``, ``weenv.Tree``).  The daemon is found
 by ``api_url``/``api_key`` arguments, else ``WEENV_API_URL`` and ``WEENV_API_KEY``
 (TCP), else the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
 :class:`NodeClient` (and :class:`AsyncNodeClient`) is the node's API as records
@@ -37,15 +39,26 @@ from weenv.errors import (
     InvalidInputError,
     NotFoundError,
     OutputLimitError,
+    SetupError,
     WeenvError,
 )
 from weenv.sdk._async import AsyncCommandHandle, AsyncNodeClient, AsyncSandbox
 from weenv.sdk._core import CommandResult
+from weenv.sdk._groups_async import (
+    AsyncGroup,
+    AsyncTree,
+    async_release_task,
+    async_rollout_group,
+)
+from weenv.sdk._groups_sync import Group, Tree, release_task, rollout_group
 from weenv.sdk._meter import meter
 from weenv.sdk._sync import CommandHandle, NodeClient, Sandbox
+from weenv.sdk.groups import Task, TaskState
 
 __all__ = [
-    "AsyncCommandHandle", "AsyncNodeClient", "AsyncSandbox", "AuthenticationError", "CapacityError",
-    "CommandHandle", "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NodeClient",
-    "NotFoundError", "OutputLimitError", "Sandbox", "WeenvError", "meter",
+    "AsyncCommandHandle", "AsyncGroup", "AsyncNodeClient", "AsyncSandbox", "AsyncTree", "AuthenticationError",
+    "CapacityError", "CommandHandle", "CommandResult", "CommandTimeoutError", "DaemonError", "Group",
+    "InvalidInputError", "NodeClient", "NotFoundError", "OutputLimitError", "Sandbox", "SetupError", "Task",
+    "TaskState", "Tree", "WeenvError", "async_release_task", "async_rollout_group", "meter", "release_task",
+    "rollout_group",
 ]

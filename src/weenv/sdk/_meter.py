@@ -96,6 +96,16 @@ def note_created(config: Any, env_id: str, started: float) -> None:
         t.begin(env_id, started, node=config.where)
 
 
+def note_begun(config: Any, env_ids: list[str], started: float) -> None:
+    """Environments one call made (a fork's children) exist since monotonic
+    ``started``: their spans begin then (the call's seconds are counted once,
+    as that call's)."""
+    for t in _tallies():
+        t.nodes.setdefault(config.where, config)
+        for env_id in env_ids:
+            t.begin(env_id, started, node=config.where)
+
+
 class meter:  # noqa: N801 - used as weenv.meter(), a context manager like contextlib's
     """Measure the environment tax of the SDK calls made inside (see the module
     docstring); ``name``: the batch's name in reports (default: its start time);
