@@ -99,7 +99,7 @@ def _run(served, api: str, env_id: str, workdir: Path) -> str:
            "--phases", PHASES, "--checks", "not_a_server_error", "--workers", "1",
            "--request-timeout", str(REQUEST_TIMEOUT_S), "--no-color", "--suppress-health-check", "all",
            *(a for op in EXCLUDED[api] for a in ("--exclude-operation-id", op))]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600,
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600, check=False,
                          env=dict(os.environ, SCHEMATHESIS_HOOKS=""))  # fmt: skip
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"schemathesis found failures in the {api} API:\n{out[-12000:]}"

@@ -19,10 +19,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from weenv.errors import WeenvError
-from weenv.formats.manifest import canonical_json, manifest_kind, parse_group_manifest, parse_template_manifest
+from weenv.formats.manifest import (
+    canonical_json,
+    manifest_kind,
+    parse_group_manifest,
+    parse_template_manifest,
+)
 from weenv.node.cache import ChunkCache
 from weenv.packaging.group import build_group
-from weenv.packaging.profile import REF_KIND, PrefetchPack, PrefetchProfile, build_pack, load_profile, ref_name
+from weenv.packaging.profile import (
+    REF_KIND,
+    PrefetchPack,
+    PrefetchProfile,
+    build_pack,
+    load_profile,
+    ref_name,
+)
 from weenv.packaging.template import create_template
 from weenv.store.base import decode_frame
 from weenv.store.file import FileStore
