@@ -13,6 +13,7 @@ headers' checksums fixed after the mutation so that ``tarfile`` reads past them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,16 @@ def fuzz_settings(examples: int) -> settings:
     """``examples`` inputs (times :data:`SCALE`), the same ones every run."""
     return settings(max_examples=examples * SCALE, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+
+
+@contextlib.contextmanager
+def expect_only(*allowed: type[BaseException]):
+    """The block may raise only ``allowed`` (weenv's own errors): any other
+    exception is the finding, and fails the example with its traceback."""
+    try:
+        yield
+    except allowed:
+        pass
 
 
 def corpus(target: str) -> list[bytes]:
