@@ -52,11 +52,11 @@ if [ ! -x .venv/bin/python ] || ! py_ok .venv/bin/python; then
   "$base" -m venv .venv
 fi
 stale() { for f in pyproject.toml setup.py benchmarks/pyproject.toml; do [ "$f" -nt .venv/.weenv-installed ] && return 0; done; return 1; }
-if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
+if ! .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp, hypothesis, schemathesis' 2>/dev/null || [ ! -x .venv/bin/weed ] || stale; then
   echo "setup: installing weenv and its benchmarks into .venv" >&2
   # the benchmarks editable beside weenv: '.[bench]' would install a copy of them
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test,plot,minisweagent,swerex,cluster,s3,docs]' -e ./benchmarks 2>&1 | grep -v 'is ignored' || true
-  .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp'
+  .venv/bin/python -c 'import weenv, weenv_bench, pytest, boto3, mkdocs, material, playwright, pydantic_settings, swerex, aiohttp, hypothesis, schemathesis'
   touch .venv/.weenv-installed
 fi
 

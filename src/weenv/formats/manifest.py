@@ -177,6 +177,8 @@ class GroupManifest(_Model):
     def _version_defaults(cls, data):
         if isinstance(data, dict):
             version = data.get("schema_version", GROUP_SCHEMA_VERSION)
+            if type(version) is not int:  # a list or object (unhashable) is no version: the field check names it
+                return data
             if version in GROUP_MEDIA_TYPES and "media_type" not in data:
                 data = {**data, "media_type": GROUP_MEDIA_TYPES[version]}
             if version == 2 and data.get("layout") is None:

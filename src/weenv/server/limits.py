@@ -187,6 +187,12 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
     return BoundedH11Protocol
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""A control character in a request path (percent-decoded): no route of weenv's or E2B's
+API takes one, and Starlette's route patterns end in ``$``, which matches before a final
+newline: ``/e2b/templates/%0A`` reached the E2B app as ``templates/`` (answered 501)."""
+
+
 def _error_body(path: str, status: int, kind: str, message: str) -> tuple[int, bytes]:
     """``(status, body)``: the error body of the API ``path`` belongs to (E2B's or weenv's)."""
     if path.startswith("/e2b/"):
@@ -223,6 +229,12 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        if _CONTROL.search(path):  # routes match with "$", which passes a trailing newline: refused before routing
+            status, body = _error_body(path, 400, "invalid_input", f"request path {path[:200]!r} holds a control character")
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
         upload = any(scope["method"] == m and r.match(path) for m, r in _UPLOADS)
         limit = self.max_upload if upload else self.max_body
         anonymous = self.credentialed is not None and not self.credentialed(scope)

@@ -187,7 +187,7 @@ class ImageSource(contextlib.AbstractContextManager):
             raise DigestMismatchError(f"{self.reference}: {what} has digest {actual}, expected {digest}")
         try:
             doc = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested too deep
             raise InvalidInputError(f"{self.reference}: {what} is not JSON: {exc}") from exc
         if not isinstance(doc, dict):
             raise InvalidInputError(f"{self.reference}: {what} is not a JSON object")
@@ -204,13 +204,13 @@ class _LayoutMixin:
         index, _ = self.read_json("index.json", "index.json")  # type: ignore[attr-defined]
         desc = _select_manifest(index, ref, self.reference)
         for _depth in range(4):
-            media_type = desc.get("mediaType", "")
+            media_type = _text(desc.get("mediaType", ""), f"{self.reference}: a descriptor's mediaType")
             digest = check_blob_digest(desc.get("digest"), f"{self.reference}: descriptor")
             doc, _ = self.read_json(  # type: ignore[attr-defined]
                 _blob_path(digest), f"{media_type or 'manifest'} {digest}", digest=digest,
                 size=desc.get("size"),
             )
-            media_type = media_type or doc.get("mediaType", "")
+            media_type = media_type or _text(doc.get("mediaType", ""), f"{self.reference}: {digest}'s mediaType")
             if media_type in INDEX_TYPES or (not media_type and "manifests" in doc):
                 desc = _select_platform(doc, self.reference)
                 continue
@@ -220,7 +220,7 @@ class _LayoutMixin:
         raise InvalidInputError(f"{self.reference}: indexes nested too deeply")
 
     def _image_from_manifest(self, manifest: dict, manifest_digest: str) -> Image:
-        cdesc = manifest.get("config") or {}
+        cdesc = _object(manifest.get("config") or {}, f"{self.reference}: manifest {manifest_digest}'s config")
         cdigest = check_blob_digest(cdesc.get("digest"), f"{self.reference}: config descriptor")
         config, _ = self.read_json(  # type: ignore[attr-defined]
             _blob_path(cdigest), f"config {cdigest}", digest=cdigest, size=cdesc.get("size")
@@ -231,8 +231,10 @@ class _LayoutMixin:
         diff_ids = _diff_ids(config, len(layer_descs), self.reference)
         layers = []
         for i, (d, diff_id) in enumerate(zip(layer_descs, diff_ids)):
+            d = _object(d, f"{self.reference}: layer {i}'s descriptor")
             digest = check_blob_digest(d.get("digest"), f"{self.reference}: layer {i}")
-            media_type = d.get("mediaType", "application/vnd.oci.image.layer.v1.tar")
+            media_type = _text(d.get("mediaType", "application/vnd.oci.image.layer.v1.tar"),
+                               f"{self.reference}: layer {i}'s mediaType")
             if media_type not in LAYER_TYPES:
                 raise InvalidInputError(f"{self.reference}: layer {i} has unsupported media type {media_type!r}")
             layers.append(Layer(i, diff_id, digest, d.get("size"), media_type, _blob_path(digest)))
@@ -244,27 +246,63 @@ def _blob_path(digest: str) -> str:
     return f"blobs/{algorithm}/{hexdigest}"
 
 
+def _object(value: Any, what: str) -> dict:
+    """``value`` if it is a JSON object, else :class:`InvalidInputError` naming ``what``."""
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{what} is not a JSON object")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    """``value`` if it is a JSON string, else :class:`InvalidInputError` naming ``what``."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} is not a string")
+    return value
+
+
+def _objects(value: Any, what: str) -> list[dict]:
+    """``value`` if it is a JSON array of objects, else :class:`InvalidInputError` naming ``what``."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise InvalidInputError(f"{what} is not an array of objects")
+    return value
+
+
+def _ref_name(descriptor: dict) -> str:
+    """A descriptor's ``org.opencontainers.image.ref.name`` annotation ("?" if none)."""
+    annotations = descriptor.get("annotations")
+    name = annotations.get(REF_NAME_ANNOTATION, "?") if isinstance(annotations, dict) else "?"
+    return name if isinstance(name, str) else "?"
+
+
+def _repo_tags(entry: dict) -> list[str]:
+    """A ``docker save`` manifest entry's ``RepoTags`` (those that are strings)."""
+    tags = entry.get("RepoTags")
+    return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
+
+
 def _select_manifest(index: dict, ref: str | None, where: str) -> dict:
     manifests = index.get("manifests")
     if not isinstance(manifests, list) or not manifests:
         raise InvalidInputError(f"{where}: index.json lists no manifests")
+    manifests = _objects(manifests, f"{where}: index.json's manifests")
     if ref is not None:
-        found = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME_ANNOTATION) == ref]
+        found = [m for m in manifests if _ref_name(m) == ref]
         if not found:
-            names = sorted({(m.get("annotations") or {}).get(REF_NAME_ANNOTATION, "?") for m in manifests})
+            names = sorted({_ref_name(m) for m in manifests})
             raise NotFoundError(f"{where}: no image named {ref!r} (the layout has: {', '.join(names)})")
         return found[0]
     if len(manifests) > 1:
-        names = sorted({(m.get("annotations") or {}).get(REF_NAME_ANNOTATION, "?") for m in manifests})
+        names = sorted({_ref_name(m) for m in manifests})
         raise InvalidInputError(f"{where} holds {len(manifests)} images; choose one with --ref ({', '.join(names)})")
     return manifests[0]
 
 
 def _select_platform(index: dict, where: str) -> dict:
     arch = _ARCH.get(platform.machine(), platform.machine())
-    manifests = index.get("manifests") or []
+    manifests = _objects(index.get("manifests") or [], f"{where}: the image index's manifests")
     for m in manifests:
-        p = m.get("platform") or {}
+        p = m.get("platform")
+        p = p if isinstance(p, dict) else {}
         if p.get("os", "linux") == "linux" and p.get("architecture") == arch:
             return m
     if len(manifests) == 1:
@@ -273,7 +311,7 @@ def _select_platform(index: dict, where: str) -> dict:
 
 
 def _diff_ids(config: dict, count: int, where: str) -> list[str]:
-    rootfs = config.get("rootfs") or {}
+    rootfs = _object(config.get("rootfs") or {}, f"{where}: the config's rootfs")
     diff_ids = rootfs.get("diff_ids")
     if not isinstance(diff_ids, list) or len(diff_ids) != count:
         raise InvalidInputError(
@@ -366,18 +404,19 @@ class TarArchive(_LayoutMixin, ImageSource):
                 if len(data) > MAX_JSON_BYTES:
                     raise InvalidInputError(f"{self.reference}: manifest.json is larger than {MAX_JSON_BYTES} bytes")
                 entries = json.loads(data)
-            except (ValueError, OSError, tarfile.TarError, EOFError) as exc:
+            except (ValueError, RecursionError, OSError, tarfile.TarError, EOFError) as exc:
                 raise InvalidInputError(f"{self.reference}: bad manifest.json: {exc}") from exc
         if not isinstance(entries, list) or not entries:
             raise InvalidInputError(f"{self.reference}: manifest.json lists no image")
+        entries = _objects(entries, f"{self.reference}: manifest.json")
         if ref is not None:
-            chosen = [e for e in entries if ref in (e.get("RepoTags") or [])]
+            chosen = [e for e in entries if ref in _repo_tags(e)]
             if not chosen:
-                tags = sorted(t for e in entries for t in (e.get("RepoTags") or []))
+                tags = sorted(t for e in entries for t in _repo_tags(e))
                 raise NotFoundError(f"{self.reference}: no image tagged {ref!r} (the archive has: {', '.join(tags)})")
             entry = chosen[0]
         elif len(entries) > 1:
-            tags = sorted(t for e in entries for t in (e.get("RepoTags") or []))
+            tags = sorted(t for e in entries for t in _repo_tags(e))
             raise InvalidInputError(f"{self.reference} holds {len(entries)} images; choose one with --ref ({', '.join(tags)})")
         else:
             entry = entries[0]

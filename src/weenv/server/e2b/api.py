@@ -77,8 +77,14 @@ class E2BError(HTTPException):
     """An E2B API error answer (``{"code", "message"}``)."""
 
 
-def error_json(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+API_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+"""The HTTP methods of E2B's API: a route weenv lacks under one of them is a
+feature not served yet (501); any other method (TRACE, OPTIONS...) on a path
+weenv serves is the client's mistake (405, with the methods the path takes)."""
+
+
+def error_json(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
 
 
 class _Body(BaseModel):
@@ -411,6 +417,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if not isinstance(exc, E2BError) and exc.status_code == 405 and request.method not in API_METHODS:
+            return error_json(405, f"{request.method} is not a method of E2B's API (this path takes "
+                                   f"{(exc.headers or {}).get('Allow', 'others')})", headers=exc.headers)
         if not isinstance(exc, E2BError) and exc.status_code in (404, 405):  # no route: not "not found"
             return error_json(501, unserved_message(request.method, _api_path(request)))
         return error_json(exc.status_code, str(exc.detail))

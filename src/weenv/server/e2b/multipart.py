@@ -27,6 +27,8 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 
 from weenv.errors import InvalidInputError
 
+MAX_BOUNDARY = 256
+"""Longest multipart boundary taken, bytes (RFC 2046 allows 70; python-multipart's parser refuses past 256)."""
 OpenTarget = Callable[[str], tuple[BinaryIO, dict[str, str]]]
 """Opens a file part's target path for writing: ``(file, answer entry)``."""
 
@@ -98,9 +100,11 @@ async def write_parts(content_type: str, body: AsyncIterable[bytes], open_target
     boundary = options.get(b"boundary")
     if not boundary:
         raise InvalidInputError("a multipart upload without a boundary")
+    if len(boundary) > MAX_BOUNDARY:
+        raise InvalidInputError(f"a multipart boundary of {len(boundary)} bytes (at most {MAX_BOUNDARY} are taken)")
     parts = _Parts(open_target, path)
-    parser = MultipartParser(boundary, parts.callbacks())
     try:
+        parser = MultipartParser(boundary, parts.callbacks())
         async for chunk in body:
             await anyio.to_thread.run_sync(parser.write, chunk)
         parser.finalize()

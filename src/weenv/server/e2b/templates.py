@@ -184,7 +184,8 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         template_id: str,
         files_hash: str,
         token: Annotated[str | None, Header(alias=UPLOAD_HEADER)] = None,
-        content_length: Annotated[int | None, Header()] = None,
+        # the transport's own header, not a parameter of the API (its schema does not offer it)
+        content_length: Annotated[int | None, Header(include_in_schema=False)] = None,
     ) -> Response:
         templates.uploads.check_token(token, template_id, files_hash)
         writer = await anyio.to_thread.run_sync(templates.uploads.writer, template_id, files_hash, content_length)
