@@ -65,7 +65,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from weenv.config import settings
-from weenv.errors import NotFoundError
+from weenv.errors import InvalidInputError, NotFoundError
 from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE, relay_websocket  # noqa: F401 - MAX_WS_MESSAGE for the daemon
 from weenv.server.limits import DRAIN_BYTES, MAX_BODY, drain
 

@@ -28,7 +28,6 @@ from weenv.formats.manifest import RuntimeConfig
 from weenv.api.models import EnvironmentInfo
 from weenv.node.node import Node
 from weenv.node.runtime.users import Identity
-from weenv.formats.manifest import RuntimeConfig
 from weenv.packaging.template import load_template
 
 DEFAULT_TIMEOUT_S = 300
