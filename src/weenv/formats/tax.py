@@ -241,6 +241,8 @@ def _seconds(v: float) -> float:
 
 # --- wire models -----------------------------------------------------------------------
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+LAST_UNIX_TIME = 253402300799.0
+"""9999-12-31T23:59:59Z: the last second a date of four digits can show."""
 
 
 class TaxBatch(BaseModel):
@@ -250,8 +252,8 @@ class TaxBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_BATCH_NAME)]
-    started_at: float = Field(ge=0, allow_inf_nan=False)
-    """Unix time the batch began."""
+    started_at: float = Field(ge=0, le=LAST_UNIX_TIME, allow_inf_nan=False)
+    """Unix time the batch began (before year 10000: pages format it as a date)."""
     wall_s: Seconds
     rollout_s: Seconds
     environments: int = Field(ge=0, le=1 << 20)
