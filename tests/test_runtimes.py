@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import InvalidInputError, ToolMissingError
+from weenv.errors import InvalidInputError, RuntimeFailedError, ToolMissingError
 from weenv.api.models import CreateRequest
 from weenv.node.node import Node
 from weenv.node.runtime.runtime import RUNTIME_FILE, NodeRuntime, choose_runtime, crun_refusal, runtime_setting
@@ -300,5 +301,26 @@ def test_a_pooled_container_whose_process_was_killed_is_removed_and_the_create_m
         assert cid == f"weenv-{info.id}" and st["pid"] != killed and st["status"] == "running"
         assert node.exec(info.id, "python3 hello.py").stdout == b"hello from the task\n"
         node.destroy(info.id)
+    assert _containers(paths) == {}
+    assert _runtime_leftovers(paths, runtime) == {"state": [], "processes": []}
+
+
+def test_the_runtime_killed_as_it_creates_leaves_nothing_after_recovery(runtime, paths, shared_store, leak_check,
+                                                                        tmp_path):  # fmt: skip
+    """The runtime's ``run`` is killed (SIGKILL) once it has made the container,
+    before it answers: the create fails saying so and removes that container;
+    a node started again on the home finds nothing to adopt, and nothing is left."""
+    real = shutil.which(runtime)
+    killed = tmp_path / f"killed-{runtime}"
+    killed.write_text(f'#!/bin/sh\ncase " $* " in *" run "*) "{real}" "$@"; kill -KILL $$;; esac\nexec "{real}" "$@"\n')
+    killed.chmod(0o755)
+    with Node(paths, store=shared_store, runtime=runtime, pool_size=0) as node:
+        node.runtime.binary = str(killed)
+        with pytest.raises(RuntimeFailedError, match=rf"^{runtime} run --detach weenv-\w+ was killed by SIGKILL"):
+            node.create("task")
+        node.runtime.binary = real
+        assert _containers(paths) == {}
+    with Node(paths, store=shared_store, runtime=runtime, pool_size=0) as node:
+        assert node.list() == []
     assert _containers(paths) == {}
     assert _runtime_leftovers(paths, runtime) == {"state": [], "processes": []}

@@ -153,7 +153,7 @@ def test_the_runtime_failing_on_a_full_disk_says_what_ran_and_why(on_runtime, sm
             node.runc.run_detached(env.container_id, env.dir / "bundle")
     msg = str(exc.value)
     assert f"{on_runtime} run --detach {env.container_id}" in msg and "exit status 1" in msg, msg
-    assert "no space left" in msg and str(env.dir / "bundle") in msg, msg
+    assert "no space left" in msg and str(env.dir / "bundle") in msg and f"what {on_runtime} writes" in msg, msg
     assert node.runc.state(env.container_id) is None  # nothing left of it
     assert node.resume(e.id).state == "running"
     node.destroy(e.id)
