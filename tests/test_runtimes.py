@@ -13,6 +13,9 @@ limits, delete of a frozen container...) run against both in test_runtime.py.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import InvalidInputError, ToolMissingError
+from weenv.errors import InvalidInputError, RuntimeFailedError, ToolMissingError
 from weenv.api.models import CreateRequest
 from weenv.node.node import Node
 from weenv.node.runtime.runtime import RUNTIME_FILE, NodeRuntime, choose_runtime, crun_refusal, runtime_setting
@@ -256,3 +259,68 @@ def test_a_node_restarted_with_the_other_runtime_adopts_through_the_one_that_mad
         client.close()
     finally:
         daemon.stop(p)
+
+
+def _runtime_leftovers(paths, runtime: str) -> dict:
+    """What the node's runtime left in its home: state directories in its root and
+    processes naming the home (a ``crun create`` or ``runc init`` waiting)."""
+    root = paths.runtime_roots[runtime]
+    own = str(os.getpid())
+    procs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if pid != own and str(paths.home) in cmdline:
+            procs.append(cmdline)
+    return {"state": sorted(p.name for p in root.iterdir()) if root.is_dir() else [], "processes": procs}
+
+
+def test_a_pooled_container_whose_process_was_killed_is_removed_and_the_create_made_anew(
+        runtime, paths, shared_store, leak_check):
+    """The warm pool's container, made ahead by the runtime's ``create``, has
+    its waiting first process killed (as by the OOM killer or an operator):
+    the create that takes it fails to start it, removes it and creates its
+    environment anew; the node closed after (another one made ahead by then
+    or under way) leaves no container, state directory or runtime process."""
+    with Node(paths, store=shared_store, runtime=runtime, pool_size=1) as node:
+        for _ in range(2):
+            node.destroy(node.create("task").id)
+        deadline = time.monotonic() + 30
+        while node.pool.stats().ready < 1:
+            assert time.monotonic() < deadline, "the pool did not fill"
+            time.sleep(0.05)
+        (cid, made), = _containers(paths).items()
+        assert made == (runtime, "created")
+        killed = node.runtime.state(cid)["pid"]
+        os.kill(killed, signal.SIGKILL)
+        info = node.create("task")
+        assert not info.timing.pooled and node.pool.stats().hits == 0
+        st = node.runtime.state(cid)  # its id, made anew: another first process, running
+        assert cid == f"weenv-{info.id}" and st["pid"] != killed and st["status"] == "running"
+        assert node.exec(info.id, "python3 hello.py").stdout == b"hello from the task\n"
+        node.destroy(info.id)
+    assert _containers(paths) == {}
+    assert _runtime_leftovers(paths, runtime) == {"state": [], "processes": []}
+
+
+def test_the_runtime_killed_as_it_creates_leaves_nothing_after_recovery(runtime, paths, shared_store, leak_check,
+                                                                        tmp_path):  # fmt: skip
+    """The runtime's ``run`` is killed (SIGKILL) once it has made the container,
+    before it answers: the create fails saying so and removes that container;
+    a node started again on the home finds nothing to adopt, and nothing is left."""
+    real = shutil.which(runtime)
+    killed = tmp_path / f"killed-{runtime}"
+    killed.write_text(f'#!/bin/sh\ncase " $* " in *" run "*) "{real}" "$@"; kill -KILL $$;; esac\nexec "{real}" "$@"\n')
+    killed.chmod(0o755)
+    with Node(paths, store=shared_store, runtime=runtime, pool_size=0) as node:
+        node.runtime.binary = str(killed)
+        with pytest.raises(RuntimeFailedError, match=rf"^{runtime} run --detach weenv-\w+ was killed by SIGKILL"):
+            node.create("task")
+        node.runtime.binary = real
+        assert _containers(paths) == {}
+    with Node(paths, store=shared_store, runtime=runtime, pool_size=0) as node:
+        assert node.list() == []
+    assert _containers(paths) == {}
+    assert _runtime_leftovers(paths, runtime) == {"state": [], "processes": []}

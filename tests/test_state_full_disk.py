@@ -22,6 +22,7 @@ from weenv.errors import (BrokenError, BusyError, DiskFullError, InvalidInputErr
                           RuntimeFailedError, StateError)
 from weenv.formats.manifest import Resources
 from weenv.node.node import Node
+from weenv.node.runtime.runtime import crun_refusal
 from weenv.node.state.snapshot import CAPTURES
 
 MiB = 1 << 20
@@ -130,16 +131,20 @@ def test_memory_releasing_pause_resume_and_reset_on_a_full_disk(small, paths):
     node.destroy(e.id)
 
 
-@pytest.fixture
-def on_runc(monkeypatch):
-    """The node runs runc (WEENV_RUNTIME=runc): the test reads runc's own words."""
-    monkeypatch.setenv("WEENV_RUNTIME", "runc")
+@pytest.fixture(params=["runc", "crun"])
+def on_runtime(request, monkeypatch):
+    """The node runs runc, then crun (WEENV_RUNTIME): the test reads the runtime's own words."""
+    if request.param == "crun" and (why := crun_refusal()) is not None:
+        pytest.skip(f"crun cannot run here: {why}")
+    monkeypatch.setenv("WEENV_RUNTIME", request.param)
+    return request.param
 
 
-def test_runc_failing_silently_on_a_full_disk_says_what_ran_and_why(on_runc, small, paths):
-    """runc run of a bundle on the full disk: it cannot write its pid file, nor
-    its message into the first process's log there (before: the message was empty)."""
+def test_the_runtime_failing_on_a_full_disk_says_what_ran_and_why(on_runtime, small, paths):
+    """runc (crun) run of a bundle on the full disk: it cannot write its pid file, nor
+    its message into the first process's log there (before: runc's message was empty)."""
     node = small
+    assert node.runtime.name == on_runtime
     e = node.create("task", resources=SMALL)
     node.pause(e.id, release_memory=True)  # its container gone: run it by hand below
     env = node._env(e.id)
@@ -147,8 +152,8 @@ def test_runc_failing_silently_on_a_full_disk_says_what_ran_and_why(on_runc, sma
         with pytest.raises(RuntimeFailedError) as exc:
             node.runc.run_detached(env.container_id, env.dir / "bundle")
     msg = str(exc.value)
-    assert f"runc run --detach {env.container_id}" in msg and "exit status 1" in msg, msg
-    assert "no space left" in msg and str(env.dir / "bundle") in msg, msg
+    assert f"{on_runtime} run --detach {env.container_id}" in msg and "exit status 1" in msg, msg
+    assert "no space left" in msg and str(env.dir / "bundle") in msg and f"what {on_runtime} writes" in msg, msg
     assert node.runc.state(env.container_id) is None  # nothing left of it
     assert node.resume(e.id).state == "running"
     node.destroy(e.id)

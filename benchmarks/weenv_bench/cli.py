@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+RUNTIMES_HELP = ("OCI runtimes to run the node with, one whole run each, side by side in the JSON "
+                 "(comma-separated of runc,crun; default: the node's WEENV_RUNTIME)")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: weenv against the usual way, side by side.")
 
 
@@ -72,16 +74,19 @@ def start(
                                                "default tree, then profile: weenv update --profile)"),
     commands: Optional[list[str]] = typer.Option(None, "--command", help="first commands besides echo "
                                                  "(repeat; default numpy)"),
+    runtimes: Optional[str] = typer.Option(None, "--runtimes", help=RUNTIMES_HELP),
 ) -> None:
     """Time to a new environment's first output, cold and warm: weenv against Docker.
 
     Weenv (oci:// store) against Docker (pull + run), both from one loopback docker-registry."""
+    from weenv_bench.runtimes import parse_runtimes
     from weenv_bench.start import LAYOUTS, run
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, concurrency=tuple(concurrency) if concurrency else None,
                  large=large, docker=docker, layouts=tuple(layout) if layout else LAYOUTS,
-                 commands=tuple(commands) if commands is not None else ("numpy",), log=err.print)
+                 commands=tuple(commands) if commands is not None else ("numpy",),
+                 runtimes=parse_runtimes(runtimes), log=err.print)
     print(json.dumps(result["summary"]))
 
 
@@ -141,16 +146,18 @@ def fork(
     counts: Optional[list[int]] = typer.Option(None, "--count", help="children per fork (repeat; default 1 16 100)"),
     parent_mb: Optional[int] = typer.Option(None, help="MB the parent writes first (default 100; quick 20)"),
     docker: bool = typer.Option(True, "--docker/--no-docker", help="Docker's commit + run and pause side by side"),
+    runtimes: Optional[str] = typer.Option(None, "--runtimes", help=RUNTIMES_HELP),
 ) -> None:
     """Fork, snapshot, reset and pause of one running environment, timed.
 
     Fork into N children, snapshot (and a cold create from it), reset against
     destroy + create, pause and resume, of one running environment."""
     from weenv_bench.fork import run
+    from weenv_bench.runtimes import parse_runtimes
     from weenv.cli.common import err
 
     result = run(quick=quick, json_path=json_path, counts=tuple(counts) if counts else None,
-                 parent_mb=parent_mb, docker=docker, log=err.print)
+                 parent_mb=parent_mb, docker=docker, runtimes=parse_runtimes(runtimes), log=err.print)
     print(json.dumps(result["summary"]))
 
 

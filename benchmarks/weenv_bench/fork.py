@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weenv_bench import machine, write_report
+from weenv_bench.runtimes import side_by_side
 
 from weenv.config import Paths
 from weenv.node.cgroups import open_cgroups
@@ -74,15 +75,16 @@ def _memory(env_id: str) -> int:
     return open_cgroups(f"/weenv-{env_id}").usage().memory_working_set
 
 
-def _write_script(parent_mb: int) -> str:
-    """The parent's writes: ``parent_mb`` MB of 1 MiB files, 2,000 small files and one big file."""
+def _write_script(parent_mb: int, small_files: int = 2000) -> str:
+    """The parent's writes: ``parent_mb`` MB of 1 MiB files, ``small_files`` small files and one big file."""
     return (f"mkdir -p /workspace/repo/src && cd /workspace/repo && "
             f"for i in $(seq {parent_mb // 2}); do head -c 1M /dev/urandom > blob$i; done && "
-            f"for i in $(seq 2000); do head -c 500 /dev/urandom > src/f$i.py; done && "
+            f"for i in $(seq {small_files}); do head -c 500 /dev/urandom > src/f$i.py; done && "
             f"head -c {(parent_mb - parent_mb // 2)}M /dev/urandom > big.bin && sync")  # fmt: skip
 
 
-def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int, log=print) -> dict:
+def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int, log=print,
+               small_files: int = 2000) -> dict:
     """Docker's side (see the module doc): ``{"fork": [...], "commit": [...], "pause": [...], "unpause": [...]}``."""
     from weenv_bench.services.dockerd import Dockerd
 
@@ -98,7 +100,7 @@ def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int
             return cid
 
         parent = start("bench-fork:base")
-        d.docker("exec", parent, "sh", "-c", _write_script(parent_mb), timeout=600)
+        d.docker("exec", parent, "sh", "-c", _write_script(parent_mb, small_files), timeout=600)
         for n in counts:
             for r in range(max(1, repeats // max(1, n // 4))):
                 image = f"bench-fork:child-{n}-{r}"
@@ -126,7 +128,24 @@ def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int
 
 def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int, ...] | None = None,
         parent_mb: int | None = None, repeats: int | None = None, work: Path | None = None,
-        docker: bool = True, log=print) -> dict:
+        docker: bool = True, runtimes: tuple[str, ...] | None = None, runtime: str | None = None,
+        small_files: int = 2000, log=print) -> dict:
+    """Run the benchmark; return the result (also written to ``json_path``, a
+    PNG beside it).  ``small_files``: how many small files the parent writes besides
+    its ``parent_mb`` MB (each one a process at the parent's 5% of a CPU).  ``runtime``: the node's OCI runtime setting (None: the
+    node's own); ``runtimes``: run once per named runtime and merge
+    (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run only)."""
+    if runtimes:
+        def one(name: str, first: bool) -> dict:
+            log(f"--- runtime {name}")
+            return run(quick=quick, counts=counts, parent_mb=parent_mb, repeats=repeats, docker=docker and first,
+                       work=None if work is None else Path(work) / name, runtime=name, small_files=small_files,
+                       log=log)  # fmt: skip
+
+        result = side_by_side(runtimes, one, _runtime_figures)
+        if json_path is not None:
+            write_report(result, json_path, plot)
+        return result
     counts = counts or (1, 16, 100)
     parent_mb = parent_mb if parent_mb is not None else (20 if quick else 100)
     repeats = repeats or (3 if quick else 10)
@@ -145,11 +164,12 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         # 100 children of one parent whose writes the burst model just learned
         # (CPU-heavy) are refused by the default latency objective on 2 cores;
         # forks here measure the data path, so admission counts reservations
-        with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0,
+        with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0, runtime=runtime,
                   provisioning=ProvisionConfig(admission="reservations")) as node:
+            runtime_name = node.runtime.name
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
-            r = node.exec(parent.id, ["sh", "-c", _write_script(parent_mb)])
+            r = node.exec(parent.id, ["sh", "-c", _write_script(parent_mb, small_files)])
             assert r.exit_code == 0, r.stderr
             parent_disk = node.disk_usage(parent.id)[0]
             for n in counts:
@@ -191,7 +211,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                 node.resume(parent.id)
                 node.exec(parent.id, ["true"])  # its first process and agent run again
                 rows["resume_release"].append(time.perf_counter() - t)
-            with Node(Paths(work / "home2", cache, store.url), store=store, pool_size=0) as second:
+            with Node(Paths(work / "home2", cache, store.url), store=store, pool_size=0, runtime=runtime) as second:
                 cold = second.create("bench-fork-snap")
                 second.destroy(cold.id)
                 warm = second.create("bench-fork-snap")
@@ -199,9 +219,10 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
             node.destroy(parent.id)
         if docker:
             log("docker: commit + run, pause/unpause")
-            rows["docker"] = run_docker(base, counts, parent_mb, repeats, log=log)
+            rows["docker"] = run_docker(base, counts, parent_mb, repeats, log=log, small_files=small_files)
         by_n = {n: [x for x in rows["fork"] if x["n"] == n] for n in counts}
         summary = {
+            "runtime": runtime_name,
             **{f"fork_{n}_s": statistics.median(x["total_s"] for x in xs) for n, xs in by_n.items()},
             "parent_pause_s": statistics.median(x["pause_s"] for x in rows["fork"]),
             "parent_disk_bytes": parent_disk,
@@ -242,6 +263,14 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _runtime_figures(result: dict) -> dict:
+    """The figures of one run that tell OCI runtimes apart."""
+    s = result["summary"]
+    keys = [f"fork_{n}_s" for n in result["counts"]] + ["reset_s", "destroy_create_s", "pause_s", "resume_s",
+                                                        "resume_release_s", "create_from_snapshot_warm_s"]
+    return {k: s[k] for k in keys}
 
 
 def plot(result: dict, png: Path) -> None:

@@ -84,6 +84,7 @@ from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv_bench import machine, write_report
+from weenv_bench.runtimes import side_by_side
 
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
 """~80 MB installed: with the ~220 MB Debian tree, a ~300 MB template."""
@@ -416,6 +417,7 @@ class _WeenvSide:
             "bytes_fetched_after_prefetch": round(statistics.median(fetched_total)),
             "fetched_fraction": round(statistics.median(fetched_first) / self.stored_bytes, 4),
             "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+            "cpu_ms_per_start": round(meter.cpu_s / len(times) * 1000, 1),
             "direct_mounts": len(self.node.groups.mounted_directly()),
             "pooled_starts": pooled, "pool_size": self.node.pool.size, "layout": self.layout,
             "phases_p50_s": _phase_medians(phases),
@@ -570,7 +572,7 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
         concurrency: tuple[int, ...] | None = None, cold_runs: int | None = None,
         warm_runs: int | None = None, exec_runs: int | None = None, commands: tuple[str, ...] = ("numpy",),
         large: bool | None = None, docker: bool = True, layouts: tuple[str, ...] = LAYOUTS,
-        log=print) -> dict:  # fmt: skip
+        runtimes: tuple[str, ...] | None = None, runtime: str | None = None, log=print) -> dict:  # fmt: skip
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
@@ -580,7 +582,10 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     round each).  ``large``: also the ~3 GB template (:data:`LARGE_WHEELS`), at
     concurrency 1 only (default: unless ``quick``).  ``docker``: measure Docker
     too (False: weenv alone, no dockerd; the Docker figures are None).
-    ``layouts``: the group layouts measured, in order (:data:`LAYOUTS`).  ``work``: directory for
+    ``layouts``: the group layouts measured, in order (:data:`LAYOUTS`).  ``runtime``: the node's
+    OCI runtime setting (None: the node's own); ``runtimes``: the whole run once per named
+    runtime, merged (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run
+    only; ``work`` then ``work/<runtime>``).  ``work``: directory for
     the stores, the node's home and the build context (default: a temporary
     one, removed).  Raises :class:`ToolMissingError` without docker.io /
     docker-registry / debootstrap, :class:`RuntimeFailedError` if a build, push
@@ -591,6 +596,17 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
 
+    if runtimes:
+        def one(name: str, first: bool) -> dict:
+            log(f"--- runtime {name}")
+            return run(quick=quick, work=None if work is None else Path(work) / name, concurrency=concurrency,
+                       cold_runs=cold_runs, warm_runs=warm_runs, exec_runs=exec_runs, commands=commands,
+                       large=large, docker=docker and first, layouts=layouts, runtime=name, log=log)  # fmt: skip
+
+        result = side_by_side(runtimes, one, _runtime_figures)
+        if json_path is not None:
+            write_report(result, json_path, plot)
+        return result
     levels = tuple(concurrency or ((1, 16) if quick else (1, 16, 64)))
     runs = _Runs(
         cold=cold_runs or (3 if quick else 5),
@@ -626,7 +642,8 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                              "dockerd_cgroup_parent": dockerd.cgroup_parent}  # fmt: skip
             measured = [
                 _measure_template(name, base_tree, wheels, lv, ex, runs, registry=registry, dockerd=dockerd,
-                                  work=work / name, env_paths=env_paths, log=log, layouts=layouts, docker=docker)
+                                  work=work / name, env_paths=env_paths, log=log, layouts=layouts, docker=docker,
+                                  runtime=runtime)
                 for name, wheels, lv, ex in plan
             ]  # fmt: skip
         main = measured[0]
@@ -638,15 +655,19 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
                          and (system != "weenv" or r["layout"] == layout)), {})  # fmt: skip
 
         cold, warm, no_pool = row("weenv", "cold"), row("weenv", "warm"), row("weenv", NO_POOL)
+        c16 = row("weenv", "cold", 16)
         d_cold, d_warm = row("docker", "cold"), row("docker", "warm")
         result = {
             "benchmark": "start",
             "summary": {
+                "runtime": main["runtime"],
                 "cold_p50_s": cold["p50_s"],
                 **{f"cold_p50_{lay}_layout_s": row("weenv", "cold", layout=lay)["p50_s"] for lay in layouts},
                 "cold_phases_p50_s": cold["phases_p50_s"],
                 "warm_p50_s": warm["p50_s"],
                 "warm_no_pool_p50_s": no_pool["p50_s"],
+                "c16_p50_s": c16.get("p50_s"),
+                "cpu_ms_per_create": no_pool["cpu_ms_per_start"],
                 "docker_cold_p50_s": d_cold.get("p50_s"),
                 "docker_warm_p50_s": d_warm.get("p50_s"),
                 "cold_ratio": round(d_cold["p50_s"] / cold["p50_s"], 1) if d_cold else None,
@@ -710,7 +731,8 @@ class _Runs:
 
 def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], levels: tuple[int, ...],
                       extra: tuple[str, ...], runs: _Runs, *, registry, dockerd, work: Path,
-                      env_paths: Paths, log, layouts: tuple[str, ...] = LAYOUTS, docker: bool = True) -> dict:  # fmt: skip
+                      env_paths: Paths, log, layouts: tuple[str, ...] = LAYOUTS, docker: bool = True,
+                      runtime: str | None = None) -> dict:  # fmt: skip
     """Build template ``name`` (the Debian tree + ``wheels``) for both systems,
     publish both to ``registry``, and measure both; return ``{"rows", "exec",
     "template", "publish"}`` (rows carry ``template``).  The node, the build
@@ -754,7 +776,8 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
 
         # weenv phases
         paths = Paths(home=work / "home", cache=env_paths.cache, store_url=oci.url)
-        node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"))
+        node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"), runtime=runtime)
+        runtime_name = node.runtime.name
         node.start()
         stack.callback(node.close)
         side = _WeenvSide(node, name, stored_bytes, log)
@@ -803,7 +826,8 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         node.close()
         if not docker:
             return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, None, content,
-                                    first, extra, weenv_build_s, weenv_push_s, copied, None, None)
+                                    first, extra, weenv_build_s, weenv_push_s, copied, None, None) | {
+                                        "runtime": runtime_name}
 
         # Docker: import + build + push the same trees
         t = time.monotonic()
@@ -841,7 +865,8 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
 
     return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content,
-                            first, extra, weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s)
+                            first, extra, weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s) | {
+                                "runtime": runtime_name}
 
 
 def _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content, first, extra,
@@ -867,6 +892,17 @@ def _template_result(name, rows, execs, groups, template_bytes, stored_bytes, im
             "docker_push_s": None if docker_push_s is None else round(docker_push_s, 2),
         },
     }
+
+
+RUNTIME_KEYS = ("cold_p50_s", "warm_p50_s", "warm_no_pool_p50_s", "c16_p50_s", "cpu_ms_per_create")
+"""The summary's figures that tell OCI runtimes apart (``summary.runtimes.<name>``):
+``c16_p50_s`` the cold starts at concurrency 16, ``cpu_ms_per_create`` this
+process's CPU and its reaped children's (the runtime) per warm start without
+the pool (every one a runtime ``run``, nothing fetched), the first command included."""
+
+
+def _runtime_figures(result: dict) -> dict:
+    return {k: result["summary"][k] for k in RUNTIME_KEYS}
 
 
 def _relayout(store, name: str, trees: dict, paths, record) -> tuple[str, int, dict]:

@@ -562,7 +562,7 @@ class Runc:
         except FileNotFoundError:
             full = full_dirs(status_file.parent)  # it could not write its status file there
             raise RuntimeFailedError(f"exec in {container_id}: the exec helper died (exit status {rc})"
-                                     + (f"; {_no_space(full)}" if full else "")) from None
+                                     + (f"; {_no_space(full, self.name)}" if full else "")) from None
         if status.startswith("exit "):
             return int(status[5:]), stderr
         if status.startswith("runc-failed"):  # the command never started
@@ -790,14 +790,24 @@ def silent_failure(what: str, status: int | None, *dirs: Path) -> str:
     its stderr: its exit status, and, when one of ``dirs`` (where it writes its
     state, pid file and message) is on a full file system, that (the likely
     cause: runc could not even write its message)."""
-    msg = f"{what} failed (exit status {'unknown' if status is None else status}) without a message"
+    if status is not None and status < 0:  # subprocess's way of saying a signal ended it
+        msg = f"{what} was killed by {_signal_name(-status)} before it answered"
+    else:
+        msg = f"{what} failed (exit status {'unknown' if status is None else status}) without a message"
     full = full_dirs(*dirs)
-    return f"{msg}; {_no_space(full)}" if full else msg
+    return f"{msg}; {_no_space(full, what.partition(' ')[0])}" if full else msg
 
 
-def _no_space(full: list[Path]) -> str:
+def _signal_name(number: int) -> str:
+    try:
+        return signals.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _no_space(full: list[Path], runtime: str = "runc") -> str:
     return (f"no space left on the file system of {', '.join(map(str, full))} (the likely cause: "
-            f"what runc writes there, its state, pid file and messages, found no room)")
+            f"what {runtime} writes there, its state, pid file and messages, found no room)")
 
 
 def full_dirs(*dirs: Path) -> list[Path]:
