@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("swerex", reason="swe-rex is not installed (weenv[swerex])")
 
-from conftest import system_snapshot
+from conftest import store_copy_without_profiles, system_snapshot
 from daemon_fixture import environ, start_daemon
 from swerex.exceptions import CommandTimeoutError, DeploymentNotStartedError
 from swerex.runtime.abstract import (
@@ -33,11 +33,18 @@ from weenv.packaging.template import load_template
 
 
 @pytest.fixture(scope="module")
-def daemon(shared_store, tmp_path_factory):
+def store(shared_store, tmp_path_factory):
+    """A copy of the shared store: the deployment publishes its derived template
+    (``task.swerex-KEY``) there, which other modules listing templates must not see."""
+    return store_copy_without_profiles(shared_store, tmp_path_factory.mktemp("swerex-store") / "store")
+
+
+@pytest.fixture(scope="module")
+def daemon(store, tmp_path_factory):
     root = tmp_path_factory.mktemp("swerex")
     before = system_snapshot(root)
     with environ(WEENV_RELAY_IDLE_S="2"):  # the relay's default idle end, short: a quiet command outlives it
-        d = start_daemon(root / "home", shared_store.url)
+        d = start_daemon(root / "home", store.url)
     try:
         yield d
     finally:
@@ -50,8 +57,8 @@ def daemon(shared_store, tmp_path_factory):
             assert not new, f"leaked {key}: {new}"
 
 
-def deployment(daemon, shared_store, **kw) -> WeenvDeployment:
-    return WeenvDeployment(template="task", store=shared_store.url, api_url=daemon.url, api_key=daemon.key,
+def deployment(daemon, store, **kw) -> WeenvDeployment:
+    return WeenvDeployment(template="task", store=store.url, api_url=daemon.url, api_key=daemon.key,
                            cpus=0.5, memory_mib=512, **kw)
 
 
@@ -59,14 +66,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, shared_store,
+def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, store,
                                                                                            tmp_path):
     (tmp_path / "up" / "sub").mkdir(parents=True)
     (tmp_path / "up" / "sub" / "data.txt").write_text("uploaded\n")
-    task_groups = load_template(shared_store, "task")[1].groups
+    task_groups = load_template(store, "task")[1].groups
 
     async def scenario():
-        d = deployment(daemon, shared_store)
+        d = deployment(daemon, store)
         await d.start()
         try:
             daemon.track(d.env_id)
@@ -124,18 +131,18 @@ def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_wri
     env_id = run(scenario())
     with daemon.http() as http:
         assert env_id not in [e["id"] for e in http.get("/environments").json()]
-    assert load_template(shared_store, "task")[1].groups == task_groups  # the task's template is untouched
+    assert load_template(store, "task")[1].groups == task_groups  # the task's template is untouched
 
 
-def test_bad_input_is_refused_clearly(daemon, shared_store):
+def test_bad_input_is_refused_clearly(daemon, store):
     with pytest.raises(NotFoundError, match="template 'no-such-task' does not exist"):
-        run(WeenvDeployment(template="no-such-task", store=shared_store.url, api_url=daemon.url,
+        run(WeenvDeployment(template="no-such-task", store=store.url, api_url=daemon.url,
                             api_key=daemon.key).start())
     with pytest.raises(InvalidInputError, match="exactly one of 'template' and 'image'"):
         WeenvDeployment(api_url=daemon.url)
     with pytest.raises(DeploymentNotStartedError, match="not started"):
         _ = WeenvDeployment(template="task").runtime
-    cfg = WeenvDeploymentConfig(template="task", store=shared_store.url)
+    cfg = WeenvDeploymentConfig(template="task", store=store.url)
     assert isinstance(cfg.get_deployment(), WeenvDeployment)
     with daemon.http() as http:
         assert http.get("/environments").json() == []
