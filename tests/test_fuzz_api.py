@@ -1,6 +1,7 @@
 """API fuzzing: Schemathesis against the OpenAPI schemas a real ``weenv serve``
-publishes, weenv's (``/openapi.json``) and the E2B face's
-(``/e2b/openapi.json``), with the API key.
+publishes, weenv's (``/openapi.json``), the E2B face's
+(``/e2b/openapi.json``) and the prime-sandboxes control plane's
+(``/prime/openapi.json``), with the API key.
 
 Each run is bounded (a fixed seed, :data:`EXAMPLES` cases per operation, the
 fuzzing phase and the stateful phase, whose links Schemathesis infers from the
@@ -56,13 +57,18 @@ EXCLUDED = {
         "fork_sandboxes__sandbox_id__fork_post": "each case forks new sandboxes",
         "start_build_v2_templates__template_id__builds__build_id__post": "a build pulls its (fuzzed) base image",
     },
+    "prime": {
+        "delete_api_v1_sandbox__sandbox_id__delete": "destroys the sandbox under test",
+        "bulk_delete_api_v1_sandbox_delete": "a fuzzed label or id list may name the sandbox under test",
+    },
 }
 """Operation ids left out of each API's run, with why."""
-UNEXPECTED_METHODS = {"weenv": "", "e2b": '[phases.coverage]\nunexpected-methods = ["TRACE", "OPTIONS", "QUERY"]\n'}
+UNEXPECTED_METHODS = {"weenv": "", "prime": "", "e2b": '[phases.coverage]\nunexpected-methods = ["TRACE", "OPTIONS", "QUERY"]\n'}
 """Methods a path does not take, sent by the coverage phase: the E2B face answers one of E2B's
 API methods (GET, POST, PUT, PATCH, DELETE) that a path lacks with 501, by design ("weenv does
 not serve PUT /sandboxes/ID/timeout yet": E2B may have that route), others with 405."""
-API = {"weenv": ("/openapi.json", "", "env_id", ""), "e2b": ("/e2b/openapi.json", "/e2b", "sandbox_id", "e2b_")}
+API = {"weenv": ("/openapi.json", "", "env_id", ""), "e2b": ("/e2b/openapi.json", "/e2b", "sandbox_id", "e2b_"),
+       "prime": ("/prime/openapi.json", "/prime", "sandbox_id", "")}
 """API -> (schema path, base path, id parameter of its environment operations, API key prefix)."""
 
 
@@ -90,7 +96,7 @@ def test_published_schemas_offer_no_transport_header_as_a_parameter(served):
     fuzzer) offered them as parameters sends a length its body does not have,
     and the daemon waits for bytes that never come."""
     with served.http() as c:
-        for path in ("/openapi.json", "/e2b/openapi.json"):
+        for path in ("/openapi.json", "/e2b/openapi.json", "/prime/openapi.json"):
             schema = c.get(served.url + path).json()
             headers = {p["name"].lower() for ops in schema["paths"].values() for op in ops.values()
                        for p in op.get("parameters", []) if p["in"] == "header"}  # fmt: skip
@@ -113,7 +119,7 @@ def _run(served, api: str, env_id: str, workdir: Path) -> str:
     return out
 
 
-@pytest.mark.parametrize("api", ["weenv", "e2b"])
+@pytest.mark.parametrize("api", ["weenv", "e2b", "prime"])
 def test_fuzzed_requests_get_no_server_error_and_leave_nothing(served, api, tmp_path):
     with served.http() as c:
         r = c.post("/environments", json={"template": "task", "timeout": 900})
