@@ -173,6 +173,22 @@ def test_without_the_setting_root_holds_runcs_three(shared_store, paths, leak_ch
         assert caps_inside(n, env)["CapEff"] == cap_mask(RUNC_DEFAULT_CAPS)
 
 
+def test_a_home_below_a_private_directory_runs_root_with_its_powers(shared_store, paths, leak_check, monkeypatch):
+    """pytest's home lies below a 0700 directory the range's root cannot search:
+    the environments' directories are reached through /run instead (``node/envs``
+    a link to them), so root inside starts and ``chown`` works."""
+    monkeypatch.setenv("WEENV_USERNS", "on")
+    assert any(not os.stat(d).st_mode & 0o001 for d in paths.home.parents)
+    with Node(paths, store=shared_store, pool_size=0) as n:
+        env = n.create("task").id
+        sh(n, env, "touch /tmp/x; chown 1000:2000 /tmp/x")
+        assert sh(n, env, "stat -c '%u %g' /tmp/x").strip() == "1000 2000"
+        assert paths.environments.is_symlink()
+        assert n.snapshotter.dir(env).parent == paths.environments.resolve()
+        envs = paths.environments.resolve()
+    assert not envs.exists()
+
+
 def test_bad_setting_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("WEENV_USERNS", "maybe")
     with pytest.raises(InvalidInputError, match="WEENV_USERNS"):
