@@ -19,7 +19,7 @@ import pytest
 
 from weenv.config import Paths
 from weenv.node import idmap
-from weenv.node.bundle import DOCKER_DEFAULT_CAPS, AGENT_PATH, cap_mask
+from weenv.node.bundle import AGENT_PATH, DOCKER_DEFAULT_CAPS, cap_mask
 from weenv.node.node import Node
 from weenv.store.file import FileStore
 
