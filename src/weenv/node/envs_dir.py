@@ -11,7 +11,8 @@ A home below such a directory (``/root/...``, a private ``$HOME``) would
 then refuse every such environment; opening the directory to others would
 change a mode weenv does not own.
 
-So when a directory above the home does not let others search it, the
+So when every environment runs in a user namespace (``WEENV_USERNS``) and a
+directory above the home does not let others search it, the
 environments' directory is one under :data:`ALIAS_ROOT` (``/run``, 0711 up
 to it) named after the home, and ``node/envs`` is a symbolic link to it for
 people and tools that look there.  Every path the node hands to the runtime
@@ -30,6 +31,7 @@ import os
 from pathlib import Path
 
 from weenv.config import Paths
+from weenv.node import idmap
 
 ALIAS_ROOT = Path("/run/weenv-envs")
 """Parent of the environments' directories of homes below a directory others cannot search."""
@@ -55,13 +57,14 @@ def alias_of(paths: Paths) -> Path:
 
 def environments_dir(paths: Paths) -> Path:
     """The directory holding the environments of the home of ``paths`` (see the
-    module docstring): ``node/envs`` where the directories above the node's
-    own (``node/``, opened by the node itself) are searchable by others or the
-    disk is already mounted there, else :func:`alias_of`."""
+    module docstring): ``node/envs`` where not every environment has a user
+    namespace, the directories above the node's own (``node/``, opened by the
+    node itself) are searchable by others or the disk is already mounted
+    there, else :func:`alias_of`."""
     envs = paths.environments.absolute()
     if envs.is_symlink():
         return alias_of(paths)
-    if os.path.ismount(envs) or searchable_above(paths.node):
+    if os.path.ismount(envs) or not idmap.userns_from_env() or searchable_above(paths.node):
         return envs
     return alias_of(paths)
 
