@@ -188,8 +188,10 @@ def _unescape(field: str) -> str:
 
 
 def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """``(fstype, mount point)`` of every mount at or below ``prefix``, from /proc/mounts."""
-    prefix = os.fspath(Path(prefix).absolute())
+    """``(fstype, mount point)`` of every mount at or below ``prefix``, from /proc/mounts
+    (``prefix`` with its symbolic links resolved, as the kernel names mount points:
+    a home's ``node/envs`` may be a link, :mod:`weenv.node.runtime.envs_dir`)."""
+    prefix = os.path.realpath(Path(prefix).absolute())
     found = []
     with open("/proc/self/mounts") as f:
         for line in f:
