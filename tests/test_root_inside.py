@@ -23,7 +23,7 @@ import pytest
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
-from weenv.node.runtime.runtime import idmap
+from weenv.node.runtime import idmap
 from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
 from weenv.node.disk import NodeDisk
 from weenv.node.node import Node

@@ -80,7 +80,7 @@ from weenv.node.home import HomeLock
 from weenv.node.runtime.launcher import Launchers
 from weenv.node.data.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node.runtime.runtime import envs_dir, idmap, network
+from weenv.node.runtime import envs_dir, idmap, network
 from weenv.api.models import (
     DEFAULT_TIMEOUT_S,
     CreateRequest,
