@@ -16,6 +16,7 @@ import stat
 import struct
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,22 @@ def test_without_the_setting_root_holds_runcs_three(shared_store, paths, leak_ch
         assert caps_inside(n, env)["CapEff"] == cap_mask(RUNC_DEFAULT_CAPS)
 
 
+def test_a_home_below_a_private_directory_runs_root_with_its_powers(shared_store, paths, leak_check, monkeypatch):
+    """pytest's home lies below a 0700 directory the range's root cannot search:
+    the environments' directories are reached through /run instead (``node/envs``
+    a link to them), so root inside starts and ``chown`` works."""
+    monkeypatch.setenv("WEENV_USERNS", "on")
+    assert any(not os.stat(d).st_mode & 0o001 for d in paths.home.parents)
+    with Node(paths, store=shared_store, pool_size=0) as n:
+        env = n.create("task").id
+        sh(n, env, "touch /tmp/x; chown 1000:2000 /tmp/x")
+        assert sh(n, env, "stat -c '%u %g' /tmp/x").strip() == "1000 2000"
+        assert paths.environments.is_symlink()
+        assert n.snapshotter.dir(env).parent == paths.environments.resolve()
+        envs = paths.environments.resolve()
+    assert not envs.exists()
+
+
 def test_bad_setting_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("WEENV_USERNS", "maybe")
     with pytest.raises(InvalidInputError, match="WEENV_USERNS"):
@@ -249,3 +266,29 @@ def test_shift_owners_moves_ids_keeping_modes_links_and_file_capabilities(tmp_pa
     caps = os.getxattr(f, idmap.XATTR_CAPS)
     assert len(caps) == 20 and struct.unpack_from("<I", caps)[0] == 0x02000001
     assert idmap.range_of_subvolume(sub) == 0
+
+
+def test_network_with_a_user_namespace_answers_on_a_port(node):
+    """An environment with network in its user namespace starts (its network
+    namespace is owned by that user namespace, so runc's sysfs mount works),
+    mounts nothing over the host, and answers on a port through the node."""
+    env = node.create("task", network=True).id
+    # its own sysfs, not the host's bound in (crun's fallback when the mount is refused)
+    assert sh(node, env, "id -u; ls /sys/class/net").split() == ["0", "eth0", "lo"]
+    sh(node, env, "cd /tmp && (python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1 &)")
+    for _ in range(200):
+        try:
+            sock = node.open_port(env, 8000)
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("nothing answers on port 8000")
+    with sock:
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert sock.recv(12).startswith(b"HTTP/1.0 200")
+    # the network namespace's owner is the environment's, root inside is the range's root
+    env_dir = node.snapshotter.dir(env)
+    pid = node.runc.state(node.table.get(env).container_id)["pid"]
+    assert os.stat(f"/proc/{pid}/ns/user").st_ino == os.stat(env_dir / "netns.owner").st_ino
+    assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(env_dir / "netns").st_ino

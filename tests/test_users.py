@@ -18,6 +18,7 @@ import pytest
 from conftest import system_snapshot
 from daemon_fixture import start_daemon
 from weenv.errors import UnknownUserError
+from weenv.node.runtime.bundle import cap_mask
 from weenv.node.node import Node
 from weenv.packaging.group import build_group
 from weenv.formats.manifest import RuntimeConfig
@@ -66,13 +67,16 @@ def _who(out: bytes) -> tuple[str, dict[str, int]]:
 def test_commands_run_as_the_named_user(paths, accounts_store, leak_check, exec_agent):
     with Node(paths, store=accounts_store, exec_agent=exec_agent, pool_size=0) as node:
         env = node.create("accounts").id
+        env_caps = cap_mask(node.containers.default_capabilities())  # runc's three, Docker's with WEENV_USERNS
+        if not node.containers.userns_all:
+            assert env_caps == ENV_CAPS
         who, caps = _who(node.exec(env, ID).stdout)  # the template's user: 1000, its groups from /etc/group
         assert who == "1000 1000 1000 2000 /home/user user"
-        assert caps["CapEff"] == caps["CapPrm"] == 0 and caps["CapBnd"] == ENV_CAPS
+        assert caps["CapEff"] == caps["CapPrm"] == 0 and caps["CapBnd"] == env_caps
         who, caps = _who(node.exec(env, ID, user="root").stdout)
         assert who == "0 0 0 /root root"
         # root holds the environment's set, never the three the agent keeps to switch users
-        assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == ENV_CAPS
+        assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == env_caps
         assert node.exec(env, ID, user="worker").stdout.decode().splitlines()[0] == "1001 1001 1001 2000 /home/worker worker"
         assert node.exec(env, "id -u; id -g; echo $HOME", user="4242:7").stdout == b"4242\n7\n/\n"
         assert node.exec(env, "cat /srv/secret", user="root").stdout == b"root only\n"

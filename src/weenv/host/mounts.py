@@ -188,16 +188,27 @@ def _unescape(field: str) -> str:
 
 
 def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """``(fstype, mount point)`` of every mount at or below ``prefix``, from /proc/mounts."""
-    prefix = os.fspath(Path(prefix).absolute())
-    found = []
+    """``(fstype, mount point)`` of every mount at or below ``prefix``, from /proc/mounts.
+
+    ``prefix`` is taken as written when anything is mounted at or below it by that
+    name: resolving it would stat it, and a FUSE mount point whose server died
+    (a killed daemon's lazy mount, before the next one serves it again) blocks
+    every stat forever.  Else its symbolic links are resolved, as the kernel
+    names mount points: a home's ``node/envs`` may be a link
+    (:mod:`weenv.node.runtime.envs_dir`)."""
     with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            point = _unescape(fields[1])
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-                found.append((fields[2], point))
-    return found
+        table = [(fields[2], _unescape(fields[1])) for fields in map(str.split, f) if len(fields) > 2]
+    literal = os.fspath(Path(prefix).absolute())
+    found = _at_or_below(table, literal)
+    if found:
+        return found
+    resolved = os.path.realpath(literal)
+    return _at_or_below(table, resolved) if resolved != literal else []
+
+
+def _at_or_below(table: list[tuple[str, str]], prefix: str) -> list[tuple[str, str]]:
+    return [(fstype, point) for fstype, point in table
+            if point == prefix or point.startswith(prefix.rstrip("/") + "/")]
 
 
 def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:

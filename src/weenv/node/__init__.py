@@ -20,8 +20,10 @@ never import each other):
      ``runc.py`` (their command line), ``launcher.py`` with the exec agent
      (``agent/``) and the runtime as backends, ``commands.py`` / ``process.py``
      (commands and their output), ``users.py``, ``idmap.py`` (user namespace
-     ranges), ``network.py`` / ``nameserver.py`` (network namespace, nft
-     rules, name server).
+     ranges), ``envs_dir.py`` (environments' directories where a user
+     namespace can reach them), ``network.py`` / ``owned_netns.py`` /
+     ``nameserver.py`` (network namespace, owned by the environment's user
+     namespace when it has one; nft rules, name server).
 
 3. Operations over environments: ``state/`` (``snapshot.py``, ``fork.py``,
    ``reset.py``, ``pause.py``, ``recovery.py`` after a crash, ``pool.py`` /

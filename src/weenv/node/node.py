@@ -80,7 +80,7 @@ from weenv.node.home import HomeLock
 from weenv.node.runtime.launcher import Launchers
 from weenv.node.data.lazyfs import LazyFS
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node.runtime import idmap, network
+from weenv.node.runtime import envs_dir, idmap, network
 from weenv.api.models import (
     DEFAULT_TIMEOUT_S,
     CreateRequest,
@@ -212,8 +212,11 @@ class Node:
         self.admission = Admission(max_environments, count=lambda: len(self.table))
         self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env(),  # quotas follow usage
                                        profiles=TemplateProfiles(paths.node / "usage", self.store))
-        self.disk = NodeDisk(paths.node / "disk.img", paths.environments, size=disk_bytes)
-        self.snapshotter = Snapshotter(paths.environments, self.groups, self.disk)
+        self.envs = envs_dir.environments_dir(paths)
+        """The environments' directories: ``node/envs``, or one reached through searchable directories
+        only when a directory above the home is closed to others (:mod:`weenv.node.runtime.envs_dir`)."""
+        self.disk = NodeDisk(paths.node / "disk.img", self.envs, size=disk_bytes)
+        self.snapshotter = Snapshotter(self.envs, self.groups, self.disk)
         self.runtime = NodeRuntime.for_setting(runtime, paths.runtime_roots)
         """The OCI runtime: crun or runc (:mod:`weenv.node.runtime.runtime`)."""
         self.runc = self.runtime  # the name earlier code knows it by
@@ -231,7 +234,7 @@ class Node:
                                  groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
                                  provisioner=self.provisioner, group_mounts=paths.group_mounts,
                                  lazy_mountpoint=paths.lazy_mountpoint)
-        self.captures = Captures(paths.environments, disk=self.provisioner)
+        self.captures = Captures(self.envs, disk=self.provisioner)
         self.pauses = Pauses(self.provisioner, containers=self.containers, commands=self.commands,
                              release_after=release_after_from_env())  # fmt: skip
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
@@ -272,8 +275,8 @@ class Node:
             return self
         for d in (self.paths.node, self.paths.run):  # closed to other users: see weenv.config
             private_dir(d)
-        for d in (self.paths.environments, self.paths.group_mounts):
-            d.mkdir(parents=True, exist_ok=True)
+        envs_dir.prepare(self.paths, self.envs)
+        self.paths.group_mounts.mkdir(parents=True, exist_ok=True)
         self.home.take()
         self.admission.open()
         try:
@@ -282,7 +285,7 @@ class Node:
             self.home.release()
             raise
         self.provisioner.disk_capacity = self.disk.size
-        self.resets.check_moves(self.paths.environments)
+        self.resets.check_moves(self.envs)
         self.captures.open()  # an earlier node process's captures are gone with it
         self.pool.open()
         try:
@@ -344,6 +347,7 @@ class Node:
                 self.commands.reset()
                 self.captures.close()
                 self.disk.close()  # every environment is gone: its directory, subvolume and overlay
+                envs_dir.release(self.paths, self.envs)
                 self.containers.dns.close()
                 self.runc.close()
             finally:

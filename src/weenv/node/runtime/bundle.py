@@ -283,6 +283,7 @@ def build_config(
     agent_user: str | None = None,
     resolv_conf: Path | None = None,
     userns: tuple[int, int] | None = None,
+    userns_path: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` of an environment, as data (no I/O).
 
@@ -306,8 +307,11 @@ def build_config(
     ``runtime.network`` and refused without it; ``userns``: ``(host_id, size)``
     to run in a user namespace mapping uids and gids ``0..size-1`` to the host's
     ``host_id..`` (the rootfs's lowers idmapped the same way,
-    :mod:`weenv.node.runtime.idmap`), and then without ``noNewPrivileges`` so that
-    setuid programs (``sudo``) work: root they make is the host's ``host_id``.  Raises
+    :mod:`weenv.node.idmap`), and then without ``noNewPrivileges`` so that
+    setuid programs (``sudo``) work: root they make is the host's ``host_id``;
+    ``userns_path``: with ``userns``, an existing user namespace of that mapping
+    to join (the one owning ``netns``, :mod:`weenv.node.runtime.owned_netns`) in
+    place of a new one.  Raises
     :class:`InvalidInputError` for a bad user, hostname, working dir, command,
     environment variable name or network namespace.
     """
@@ -343,7 +347,8 @@ def build_config(
         host_id, size = userns
         if host_id <= 0 or size <= 0 or host_id + size > 2**32 - 1:
             raise InvalidInputError(f"bad user namespace range {host_id}+{size}")
-        namespaces.insert(0, {"type": "user"})
+        namespaces.insert(0, {"type": "user", "path": os.fspath(Path(userns_path).absolute())} if userns_path
+                          else {"type": "user"})
     linux: dict[str, Any] = {
         "cgroupsPath": cgroups_path,
         "resources": {
@@ -398,6 +403,7 @@ def write_bundle(
     agent_user: str | None = None,
     resolv_conf: Path | None = None,
     userns: tuple[int, int] | None = None,
+    userns_path: Path | None = None,
 ) -> Path:
     """Write ``bundle_dir/config.json`` (see :func:`build_config`) and return its path.
 
@@ -407,7 +413,7 @@ def write_bundle(
     config = build_config(
         rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
         resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
-        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf, userns=userns,
+        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf, userns=userns, userns_path=userns_path,
     )  # fmt: skip
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")

@@ -109,7 +109,7 @@ class Containers:
                 capabilities = (*capabilities, *(c for c in DOCKER_DEFAULT_CAPS if c not in capabilities))
         if runtime.network:
             network.check_policy(self.network_allowed)
-        link = self._network(env_id, env_dir, runtime.network, undo, egress)
+        link = self._network(env_id, env_dir, runtime.network, undo, egress, host_id)
         netns = link.netns if link is not None else None
         cid = container_id(env_id)
         bundle = env_dir / "bundle"
@@ -133,6 +133,7 @@ class Containers:
             agent_user=agent_user,
             resolv_conf=env_dir / RESOLV_FILE if link is not None else None,
             userns=None if host_id is None else (host_id, idmap.ID_RANGE),
+            userns_path=link.userns if link is not None else None,
         )
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         undo.callback(self.delete, env_id, env_dir)
@@ -296,13 +297,14 @@ class Containers:
         return state["status"] if state else None
 
     def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack,
-                 egress: network.Egress) -> network.Link | None:
-        """With ``wanted``: environment ``env_id``'s own network namespace,
-        link and egress table, its teardown pushed on ``undo``; its link, or None."""
+                 egress: network.Egress, host_id: int | None = None) -> network.Link | None:
+        """With ``wanted``: environment ``env_id``'s own network namespace
+        (owned by a user namespace over range ``host_id``, if given), link and
+        egress table, its teardown pushed on ``undo``; its link, or None."""
         if not wanted:
             return None
         undo.callback(network.teardown, env_id, env_dir)
-        link = network.setup(env_id, env_dir, self.net_cidr, egress)
+        link = network.setup(env_id, env_dir, self.net_cidr, egress, host_id)
         self.serve_names(env_id, env_dir, egress)
         undo.callback(self.dns.detach, env_id)
         return link

@@ -96,6 +96,35 @@ def check_range(host_id: int, size: int = ID_RANGE) -> None:
         raise InvalidInputError(f"bad host id range {host_id}+{size}: want 1 <= start, end < 2^32-1")
 
 
+@contextlib.contextmanager
+def mapped_child(host_id: int, size: int = ID_RANGE, *, net: bool = False):
+    """A short-lived child in a new user namespace mapping ids ``0..size-1`` to
+    host ``host_id..`` (and, with ``net``, in a new network namespace that
+    user namespace owns); yields its pid while it waits, then lets it exit.
+    Raises :class:`MountError` when the kernel refuses."""
+    check_range(host_id, size)
+    try:
+        child = subprocess.Popen([UNSHARE, "--user", *(["--net"] if net else []), "--", "/bin/sh", "-c", "echo; read _"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 close_fds=True, env={})  # fmt: skip
+    except OSError as exc:
+        raise MountError(f"cannot run {UNSHARE} to make a user namespace: {exc}") from exc
+    try:
+        if child.stdout.read(1) != b"\n":
+            raise MountError(f"unshare(CLONE_NEWUSER) failed in the helper process: "
+                             f"{child.stderr.read().decode(errors='replace').strip()}")  # fmt: skip
+        line = f"0 {host_id} {size}\n".encode()
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child.pid}/{name}", "wb", buffering=0) as f:
+                f.write(line)
+        yield child.pid
+    finally:
+        child.stdin.close()  # the child exits
+        child.stdout.close()
+        child.stderr.close()
+        child.wait()
+
+
 class UserNamespace:
     """A user namespace mapping ids ``0..size-1`` to host ``host_id..``, held by
     :attr:`fd` (``O_RDONLY`` of its ``/proc/PID/ns/user``); :meth:`close` it.
@@ -109,27 +138,8 @@ class UserNamespace:
     """
 
     def __init__(self, host_id: int, size: int = ID_RANGE):
-        check_range(host_id, size)
-        try:
-            child = subprocess.Popen([UNSHARE, "--user", "--", "/bin/sh", "-c", "echo; read _"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     close_fds=True, env={})  # fmt: skip
-        except OSError as exc:
-            raise MountError(f"cannot run {UNSHARE} to make a user namespace: {exc}") from exc
-        try:
-            if child.stdout.read(1) != b"\n":
-                raise MountError(f"unshare(CLONE_NEWUSER) failed in the helper process: "
-                                 f"{child.stderr.read().decode(errors='replace').strip()}")  # fmt: skip
-            line = f"0 {host_id} {size}\n".encode()
-            for name in ("uid_map", "gid_map"):
-                with open(f"/proc/{child.pid}/{name}", "wb", buffering=0) as f:
-                    f.write(line)
-            self.fd = os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            child.stdin.close()  # the child exits
-            child.stdout.close()
-            child.stderr.close()
-            child.wait()
+        with mapped_child(host_id, size) as pid:
+            self.fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         self.host_id, self.size = host_id, size
 
     def close(self) -> None:

@@ -106,12 +106,11 @@ from pathlib import Path
 from weenv.config import settings
 from weenv.errors import (
     CapacityError,
-    MountError,
     NetworkForbiddenError,
     RuntimeFailedError,
     ToolMissingError,
 )
-from weenv.host import mounts
+from weenv.node.runtime import owned_netns
 
 CIDR_ENV = "WEENV_NET_CIDR"
 DEFAULT_CIDR = "10.200.0.0/16"
@@ -264,6 +263,8 @@ class Link:
     host_if: str
     host_addr: ipaddress.IPv4Interface
     env_addr: ipaddress.IPv4Interface
+    userns: Path | None = None
+    """The user namespace owning :attr:`netns` (:mod:`weenv.node.runtime.owned_netns`), None: the host's."""
 
 
 def cidr_from_env() -> ipaddress.IPv4Network:
@@ -328,10 +329,13 @@ def ensure_rules(also: str = "") -> None:
         fwd.write_text("1\n")
 
 
-def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress()) -> Link:
+def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress(),
+          host_id: int | None = None) -> Link:
     """Make environment ``env_id``'s namespace (``env_dir/netns``), veth pair,
     addresses, routes and its own table (see the module docstring); return its
-    :class:`Link`.
+    :class:`Link`.  With ``host_id`` (the environment's host id range) the
+    namespace is owned by a user namespace over that range, made with it
+    (:mod:`weenv.node.runtime.owned_netns`).
     On failure nothing is left (:func:`teardown`) and :class:`RuntimeFailedError`
     (a command failed), :class:`ToolMissingError` (no ``ip``, ``nft`` or
     ``unshare``) or :class:`CapacityError` (no free /30 in ``cidr``) is raised."""
@@ -345,7 +349,10 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
             netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
             ensure_rules(own_rules)  # its own table before its veth exists: no packet of it passes unfiltered
             host_addr, env_addr = _free_subnet(cidr)
-            _run(["unshare", f"--net={netns}", "true"])
+            if host_id is None:
+                _run(["unshare", f"--net={netns}", "true"])
+            else:
+                owned_netns.make(env_dir / owned_netns.USERNS_FILE, netns, host_id)
             _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
             Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1\n")
             _run(["ip", "-b", "-"], input=f"addr add {host_addr} dev {host_if}\nlink set {host_if} up\n")
@@ -355,7 +362,8 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
     except BaseException:
         teardown(env_id, env_dir)
         raise
-    return Link(netns, host_if, host_addr, env_addr)
+    return Link(netns, host_if, host_addr, env_addr,
+                None if host_id is None else env_dir / owned_netns.USERNS_FILE)
 
 
 def teardown(env_id: str, env_dir: Path) -> None:
@@ -369,13 +377,8 @@ def teardown(env_id: str, env_dir: Path) -> None:
             _run(["nft", "delete", "table", "inet", env_table(env_id)], check=False)  # if it has one
             if not _weenv_links():  # the last environment with network on this machine: no rule is needed
                 _run(["nft", "delete", "table", "inet", TABLE], check=False)
-    if mounts.is_mounted(netns):
-        try:
-            mounts.umount(netns)
-        except MountError:
-            mounts.umount(netns, detach=True)
-    with contextlib.suppress(FileNotFoundError):
-        netns.unlink()
+    owned_netns.unpin(netns)
+    owned_netns.unpin(env_dir / owned_netns.USERNS_FILE)
 
 
 _CLONE_NEWNET = 0x40000000
