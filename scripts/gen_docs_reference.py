@@ -105,9 +105,15 @@ def _param_row(param) -> str:
 
 
 def cli_page() -> str:
-    lines = ["# Command line", "", GENERATED.strip(), "",
-             "Every command of `weenv`, with its arguments and options, as `weenv COMMAND --help` prints them.",
-             "A mistake prints one line, `weenv: error: ...`, and exits 1.", ""]
+    lines = [
+        "# Command line",
+        "",
+        GENERATED.strip(),
+        "",
+        "Every command of `weenv`, with its arguments and options, as `weenv COMMAND --help` prints them.",
+        "A mistake prints one line, `weenv: error: ...`, and exits 1.",
+        "",
+    ]
     for path, command in cli_commands():
         if path == "weenv":
             continue
@@ -200,39 +206,74 @@ def http_page() -> str:
         prime_gateway = [(sorted(m for m in r.methods if m != "HEAD"), r.path) for r in apps.prime_gateway_routes]
     finally:
         apps.close()
-    lines = ["# HTTP API", "", GENERATED.strip(), "",
-             "`weenv serve` answers on its Unix socket (`$WEENV_HOME/run/weenv.sock`, no key) and, with `--port`,",
-             "on TCP (the key of `$WEENV_HOME/run/api-key` in `X-API-Key` or `Authorization: Bearer`).",
-             "The OpenAPI document is served at `/openapi.json` (browse it at `/docs`); the E2B one at",
-             "`/e2b/openapi.json`. Errors are `{\"error\": {\"kind\": ..., \"message\": ...}}` with the status of",
-             "[the error kinds](errors.md).", "",
-             "## weenv's API", "", "| method | path | what |", "|---|---|---|"]
+    lines = [
+        "# HTTP API",
+        "",
+        GENERATED.strip(),
+        "",
+        "`weenv serve` answers on its Unix socket (`$WEENV_HOME/run/weenv.sock`, no key) and, with `--port`,",
+        "on TCP (the key of `$WEENV_HOME/run/api-key` in `X-API-Key` or `Authorization: Bearer`).",
+        "The OpenAPI document is served at `/openapi.json` (browse it at `/docs`); the E2B one at",
+        '`/e2b/openapi.json`. Errors are `{"error": {"kind": ..., "message": ...}}` with the status of',
+        "[the error kinds](errors.md).",
+        "",
+        "## weenv's API",
+        "",
+        "| method | path | what |",
+        "|---|---|---|",
+    ]
     for method, path, summary, description in weenv_routes:
         what = _first_sentence(description) or summary
         lines.append(f"| {method} | `{path}` | {_cell(_rst_to_md(what))} |")
-    lines += ["", "## E2B-compatible API (under `/e2b`)", "",
-              "The `e2b` SDK reaches it with `E2B_API_URL=http://HOST:PORT/e2b` and `E2B_API_KEY=e2b_<the key>`.",
-              "", "| method | path | what |", "|---|---|---|"]
+    lines += [
+        "",
+        "## E2B-compatible API (under `/e2b`)",
+        "",
+        "The `e2b` SDK reaches it with `E2B_API_URL=http://HOST:PORT/e2b` and `E2B_API_KEY=e2b_<the key>`.",
+        "",
+        "| method | path | what |",
+        "|---|---|---|",
+    ]
     for method, path, summary, description in e2b_routes:
         what = _first_sentence(description) or summary
         lines.append(f"| {method} | `/e2b{path}` | {_cell(_rst_to_md(what))} |")
-    lines += ["", "## envd (under `/e2b/envd`)", "",
-              "The sandbox side (`E2B_SANDBOX_URL=http://HOST:PORT/e2b/envd`), each request naming its sandbox",
-              "(`E2b-Sandbox-Id`) and carrying its access token (`X-Access-Token`). `/files` also answers at the",
-              "daemon's root (signed URLs).", "", "| methods | path |", "|---|---|"]
+    lines += [
+        "",
+        "## envd (under `/e2b/envd`)",
+        "",
+        "The sandbox side (`E2B_SANDBOX_URL=http://HOST:PORT/e2b/envd`), each request naming its sandbox",
+        "(`E2b-Sandbox-Id`) and carrying its access token (`X-Access-Token`). `/files` also answers at the",
+        "daemon's root (signed URLs).",
+        "",
+        "| methods | path |",
+        "|---|---|",
+    ]
     for methods, path in envd:
         lines.append(f"| {', '.join(methods)} | `/e2b/envd{path}` |")
     lines += ["", "Connect RPC methods served at `/e2b/envd/SERVICE/METHOD`:", ""]
     lines += [f"- `{m}`" for m in _envd_methods()]
-    lines += ["", "## prime-sandboxes API (under `/prime`)", "",
-              "The `prime-sandboxes` client reaches it with `PRIME_API_BASE_URL=http://HOST:PORT/prime` and",
-              "`PRIME_API_KEY=<the key>` ([guide](../guides/prime-sandboxes.md)); its OpenAPI document is",
-              "`/prime/openapi.json`. Errors are `{\"detail\": ...}`.", "", "| method | path | what |", "|---|---|---|"]
+    lines += [
+        "",
+        "## prime-sandboxes API (under `/prime`)",
+        "",
+        "The `prime-sandboxes` client reaches it with `PRIME_API_BASE_URL=http://HOST:PORT/prime` and",
+        "`PRIME_API_KEY=<the key>` ([guide](../guides/prime-sandboxes.md)); its OpenAPI document is",
+        '`/prime/openapi.json`. Errors are `{"detail": ...}`.',
+        "",
+        "| method | path | what |",
+        "|---|---|---|",
+    ]
     for method, path, summary, description in prime_routes:
         what = _first_sentence(description) or summary
         lines.append(f"| {method} | `/prime{path}` | {_cell(_rst_to_md(what))} |")
-    lines += ["", "The gateway (under `/prime/gateway/weenv/SANDBOX_ID`, with the sandbox's gateway token as",
-              "`Authorization: Bearer`):", "", "| methods | path |", "|---|---|"]
+    lines += [
+        "",
+        "The gateway (under `/prime/gateway/weenv/SANDBOX_ID`, with the sandbox's gateway token as",
+        "`Authorization: Bearer`):",
+        "",
+        "| methods | path |",
+        "|---|---|",
+    ]
     for methods, path in prime_gateway:
         lines.append(f"| {', '.join(methods)} | `/prime/gateway{path}` |")
     return "\n".join(lines) + "\n"
@@ -263,34 +304,64 @@ def settings_page() -> str:
     _importable()
     from weenv import config
 
-    lines = ["# Settings", "", GENERATED.strip(), "",
-             "Every setting is a field of `weenv.config.Settings`, one table per group. Each is read from, in",
-             "this order of precedence:", "",
-             "1. its environment variable (an empty variable counts as unset);",
-             f"2. the settings file (TOML, one table per group): `{config.CONFIG_ENV}` if set, else",
-             "   `$WEENV_HOME/config.toml` when it exists;",
-             "3. the default.", "",
-             "A bad value stops the command with one line naming the variable (or the file and key) and what it",
-             "accepts; so does an unknown group or key in the file, or a file that is not TOML. `weenv config`",
-             "prints every setting, its value and where it came from (`--json` for a program).", "",
-             "The node's settings are read by the daemon: set them in the environment of `weenv serve` (or of",
-             "the first `weenv` command, which starts the daemon) or in its home's `config.toml`; the `client`",
-             "group is read by the SDK in your process.", "",
-             "```toml", "# $WEENV_HOME/config.toml", "[pool]", "size = 4", "", "[network]", 'cidr = "10.210.0.0/16"',
-             "```", ""]
+    lines = [
+        "# Settings",
+        "",
+        GENERATED.strip(),
+        "",
+        "Every setting is a field of `weenv.config.Settings`, one table per group. Each is read from, in",
+        "this order of precedence:",
+        "",
+        "1. its environment variable (an empty variable counts as unset);",
+        f"2. the settings file (TOML, one table per group): `{config.CONFIG_ENV}` if set, else",
+        "   `$WEENV_HOME/config.toml` when it exists;",
+        "3. the default.",
+        "",
+        "A bad value stops the command with one line naming the variable (or the file and key) and what it",
+        "accepts; so does an unknown group or key in the file, or a file that is not TOML. `weenv config`",
+        "prints every setting, its value and where it came from (`--json` for a program).",
+        "",
+        "The node's settings are read by the daemon: set them in the environment of `weenv serve` (or of",
+        "the first `weenv` command, which starts the daemon) or in its home's `config.toml`; the `client`",
+        "group is read by the SDK in your process.",
+        "",
+        "```toml",
+        "# $WEENV_HOME/config.toml",
+        "[pool]",
+        "size = 4",
+        "",
+        "[network]",
+        'cidr = "10.210.0.0/16"',
+        "```",
+        "",
+    ]
     for group, model in config.groups().items():
-        lines += [f"## `[{group}]`", "", _rst_to_md(_first_sentence(model.__doc__ or "")), "",
-                  "| variable | key | type | unit | default | description |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## `[{group}]`",
+            "",
+            _rst_to_md(_first_sentence(model.__doc__ or "")),
+            "",
+            "| variable | key | type | unit | default | description |",
+            "|---|---|---|---|---|---|",
+        ]
         for key, info in model.model_fields.items():
             meta = config.extra(info)
             kind = _cell(meta["accepts"])
-            lines.append(f"| `{meta['env']}` | `{key}` | {kind} | {_cell(meta['unit'])} | "
-                         f"{_shown_default(info.default)} | {_cell(info.description)} |")
+            lines.append(
+                f"| `{meta['env']}` | `{key}` | {kind} | {_cell(meta['unit'])} | "
+                f"{_shown_default(info.default)} | {_cell(info.description)} |"
+            )
         lines.append("")
-    lines += ["## Others", "",
-              "| variable | default | description |", "|---|---|---|",
-              (f"| `{config.CONFIG_ENV}` | `$WEENV_HOME/config.toml` | The settings file (TOML), read below the "
-               "environment; a named file that does not exist is an error. |")]
+    lines += [
+        "## Others",
+        "",
+        "| variable | default | description |",
+        "|---|---|---|",
+        (
+            f"| `{config.CONFIG_ENV}` | `$WEENV_HOME/config.toml` | The settings file (TOML), read below the "
+            "environment; a named file that does not exist is an error. |"
+        ),
+    ]
     for name, default, doc in setup_sh_settings():
         lines.append(f"| `{name}` | `{_cell(default)}` | {_cell(doc)} (read by `scripts/setup.sh`) |")
     return "\n".join(lines) + "\n"
@@ -307,8 +378,11 @@ def error_kinds() -> list[tuple[str, str, str, int, str]]:
     out = []
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.WeenvError)]
     for cls in sorted(classes, key=lambda c: c.kind):
-        builtins = [b.__name__ for b in cls.__mro__[1:] if b.__module__ == "builtins" and b not in (Exception,
-                                                                                                   BaseException, object)]
+        builtins = [
+            b.__name__
+            for b in cls.__mro__[1:]
+            if b.__module__ == "builtins" and b not in (Exception, BaseException, object)
+        ]
         parent = cls.__mro__[1].__name__
         own = vars(cls).get("__doc__")
         doc = _first_sentence(own) if own else tree_lines.get(cls.__name__, "")
@@ -321,21 +395,39 @@ def errors_page() -> str:
     from weenv import errors
 
     tree = (errors.__doc__ or "").split("::", 1)[1].split("\n\n")[1] if "::" in (errors.__doc__ or "") else ""
-    lines = ["# Errors", "", GENERATED.strip(), "",
-             "Every error weenv raises on purpose is a `weenv.errors.WeenvError`; each also inherits the",
-             "matching builtin, so `except LookupError` catches `NotFoundError`. Over HTTP the daemon answers",
-             "`{\"error\": {\"kind\": KIND, \"message\": ...}}` with the status below, and the SDK raises the",
-             "same class again.", "", "```", tree.strip("\n"), "```", "",
-             "| kind | class | also a | HTTP status | what |", "|---|---|---|---|---|"]
+    lines = [
+        "# Errors",
+        "",
+        GENERATED.strip(),
+        "",
+        "Every error weenv raises on purpose is a `weenv.errors.WeenvError`; each also inherits the",
+        "matching builtin, so `except LookupError` catches `NotFoundError`. Over HTTP the daemon answers",
+        '`{"error": {"kind": KIND, "message": ...}}` with the status below, and the SDK raises the',
+        "same class again.",
+        "",
+        "```",
+        tree.strip("\n"),
+        "```",
+        "",
+        "| kind | class | also a | HTTP status | what |",
+        "|---|---|---|---|---|",
+    ]
     for kind, cls, builtins, status, doc in error_kinds():
         lines.append(f"| `{kind}` | `{cls}` | {builtins} | {status} | {_cell(_rst_to_md(doc))} |")
     return "\n".join(lines) + "\n"
 
 
 # --- metrics -----------------------------------------------------------------------------------------
-METRIC_CALLS = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Summary": "summary",
-                "CounterMetricFamily": "counter", "GaugeMetricFamily": "gauge",
-                "HistogramMetricFamily": "histogram", "SummaryMetricFamily": "summary"}
+METRIC_CALLS = {
+    "Counter": "counter",
+    "Gauge": "gauge",
+    "Histogram": "histogram",
+    "Summary": "summary",
+    "CounterMetricFamily": "counter",
+    "GaugeMetricFamily": "gauge",
+    "HistogramMetricFamily": "histogram",
+    "SummaryMetricFamily": "summary",
+}
 
 
 def metrics() -> list[tuple[str, str, list[str], str, str]]:
@@ -367,10 +459,17 @@ def metrics() -> list[tuple[str, str, list[str], str, str]]:
 
 
 def metrics_page() -> str:
-    lines = ["# Metrics", "", GENERATED.strip(), "",
-             "Prometheus text at `GET /v1/metrics` of a node (with its API key on TCP); the cluster's address",
-             "serves every node's metrics labelled `node=\"ID\"`, and the `weenv_cluster_*` gauges of its own.", "",
-             "| metric | type | labels | help | defined in |", "|---|---|---|---|---|"]
+    lines = [
+        "# Metrics",
+        "",
+        GENERATED.strip(),
+        "",
+        "Prometheus text at `GET /v1/metrics` of a node (with its API key on TCP); the cluster's address",
+        'serves every node\'s metrics labelled `node="ID"`, and the `weenv_cluster_*` gauges of its own.',
+        "",
+        "| metric | type | labels | help | defined in |",
+        "|---|---|---|---|---|",
+    ]
     for exposed, kind, labels, help_text, module in metrics():
         shown = ", ".join(f"`{label}`" for label in labels)
         lines.append(f"| `{exposed}` | {kind} | {shown} | {_cell(help_text)} | `{module}` |")

@@ -66,8 +66,9 @@ Generated from :mod:`weenv.sdk._async` (the one source of both faces) by
 """'''
 
 
-def generate(async_source: str, *, replacements: dict[str, str] = REPLACEMENTS, docstring: str = DOCSTRING,
-             header: str = HEADER) -> str:
+def generate(
+    async_source: str, *, replacements: dict[str, str] = REPLACEMENTS, docstring: str = DOCSTRING, header: str = HEADER
+) -> str:
     """The text of ``_sync.py`` for ``async_source``, the text of ``_async.py``
     (or another pair's: ``replacements``, ``docstring``, ``header``).
 
@@ -95,8 +96,12 @@ Generated from :mod:`weenv.sdk._groups_async` by ``scripts/gen_sync.py``.
 
 def generate_groups(async_source: str) -> str:
     """The text of ``_groups_sync.py`` for ``async_source``, the text of ``_groups_async.py``."""
-    return generate(async_source, replacements=GROUPS_REPLACEMENTS, docstring=GROUPS_DOCSTRING,
-                    header=HEADER.replace("_async.py", "_groups_async.py"))
+    return generate(
+        async_source,
+        replacements=GROUPS_REPLACEMENTS,
+        docstring=GROUPS_DOCSTRING,
+        header=HEADER.replace("_async.py", "_groups_async.py"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

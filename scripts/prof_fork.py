@@ -81,7 +81,10 @@ def process_cpu() -> dict[int, tuple[str, float]]:
 
 
 def cgroup_cpu(env_id: str) -> float:
-    for p in (f"/sys/fs/cgroup/cpuacct/weenv-{env_id}/cpuacct.usage", f"/sys/fs/cgroup/cpu,cpuacct/weenv-{env_id}/cpuacct.usage"):
+    for p in (
+        f"/sys/fs/cgroup/cpuacct/weenv-{env_id}/cpuacct.usage",
+        f"/sys/fs/cgroup/cpu,cpuacct/weenv-{env_id}/cpuacct.usage",
+    ):
         try:
             return int(Path(p).read_text()) / 1e9
         except OSError:
@@ -97,8 +100,11 @@ def cgroup_cpu(env_id: str) -> float:
 
 def throttled(env_id: str) -> tuple[int, float]:
     """(periods throttled, seconds throttled) of the environment's cgroup."""
-    for p in (f"/sys/fs/cgroup/cpu/weenv-{env_id}/cpu.stat", f"/sys/fs/cgroup/cpu,cpuacct/weenv-{env_id}/cpu.stat",
-              f"/sys/fs/cgroup/weenv-{env_id}/cpu.stat"):
+    for p in (
+        f"/sys/fs/cgroup/cpu/weenv-{env_id}/cpu.stat",
+        f"/sys/fs/cgroup/cpu,cpuacct/weenv-{env_id}/cpu.stat",
+        f"/sys/fs/cgroup/weenv-{env_id}/cpu.stat",
+    ):
         try:
             stat = dict(line.split() for line in Path(p).read_text().splitlines())
         except OSError:
@@ -116,17 +122,18 @@ def main() -> None:
     ap.add_argument("--parent-mb", type=int, default=20)
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--workers", type=int)
-    ap.add_argument("--empty-uppers", action="store_true",
-                    help="an experiment, not a fork: children get an empty upper dir (a new subvolume) instead of "
-                         "a snapshot of the capture, to see what the per-child btrfs snapshot costs")
+    ap.add_argument(
+        "--empty-uppers",
+        action="store_true",
+        help="an experiment, not a fork: children get an empty upper dir (a new subvolume) instead of "
+        "a snapshot of the capture, to see what the per-child btrfs snapshot costs",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="weenv-prof-fork-") as tmp:
         work = Path(tmp)
         os.environ.setdefault("WEENV_CACHE", "/var/cache/weenv")
-        from weenv_bench.fork import SMALL, _write_script
-
-        import weenv.node.runtime.container as container_mod
         import weenv.node.node as node_mod
+        import weenv.node.runtime.container as container_mod
         from weenv.config import Paths
         from weenv.formats.manifest import RuntimeConfig
         from weenv.node.node import Node
@@ -135,6 +142,7 @@ def main() -> None:
         from weenv.packaging.group import build_group
         from weenv.packaging.template import create_template
         from weenv.store.file import FileStore
+        from weenv_bench.fork import SMALL, _write_script
 
         cache = Paths.from_env().cache
         store = FileStore(work / "store")
@@ -196,8 +204,10 @@ def main() -> None:
                 thr = [throttled(c.id) for c in kids]
                 self_cpu = (t1.user - t_self.user) + (t1.system - t_self.system)
                 kids_cpu = (t1.children_user - t_self.children_user) + (t1.children_system - t_self.children_system)
-                print(f"\n== fork {args.n} #{rep + 1}: {res.total_s:.3f} s wall, pause {res.pause_s * 1e3:.1f} ms,"
-                      f" {len(errors)} failed {errors[:2]}")
+                print(
+                    f"\n== fork {args.n} #{rep + 1}: {res.total_s:.3f} s wall, pause {res.pause_s * 1e3:.1f} ms,"
+                    f" {len(errors)} failed {errors[:2]}"
+                )
                 print(f"CPU s: node process {self_cpu:.2f}, waited children (runc) {kids_cpu:.2f}, child cgroups "
                       f"{cg:.2f}, machine {busy1 - busy:.2f} (other {busy1 - busy - self_cpu - kids_cpu - cg:.2f});"
                       f" per child {(busy1 - busy) / max(1, len(kids)) * 1e3:.1f} ms")  # fmt: skip
@@ -206,10 +216,14 @@ def main() -> None:
                     if pid != os.getpid() and pid in procs:  # kworkers change their names with their work
                         by_name[name.split("-")[0] if name.startswith("kworker") else name] += v - procs[pid][1]
                 top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-                print("other processes alive before and after (CPU s): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0.005))
-                print(f"throttled: {sum(1 for n, _ in thr if n)} of {len(kids)} children, {sum(n for n, _ in thr)} periods,"
-                      f" {sum(s for _, s in thr):.2f} s in all")
+                print(
+                    "other processes alive before and after (CPU s): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0.005)
+                )
+                print(
+                    f"throttled: {sum(1 for n, _ in thr if n)} of {len(kids)} children, {sum(n for n, _ in thr)} periods,"
+                    f" {sum(s for _, s in thr):.2f} s in all"
+                )
                 phases = ["manifest_s", "reserve_s", "groups_s", "upper_s", "overlay_s", "runtime_s",
                           "first_command_s", "total_s"]  # fmt: skip
                 for ph in phases:
@@ -217,8 +231,10 @@ def main() -> None:
                     print(f"  phase {ph:18s} median {statistics.median(xs) * 1e3:7.1f} ms   max {max(xs) * 1e3:7.1f}")
                 for key, vals in sorted(STEPS.items(), key=lambda kv: -sum(v[1] for v in kv[1])):
                     walls, cpus = [v[0] for v in vals], [v[1] for v in vals]
-                    print(f"  step {key:24s} n={len(vals):3d} median wall {statistics.median(walls) * 1e3:7.1f} ms"
-                          f"  thread CPU sum {sum(cpus) * 1e3:7.0f} ms ({sum(cpus) / max(1, len(kids)) * 1e3:5.1f}/child)")
+                    print(
+                        f"  step {key:24s} n={len(vals):3d} median wall {statistics.median(walls) * 1e3:7.1f} ms"
+                        f"  thread CPU sum {sum(cpus) * 1e3:7.0f} ms ({sum(cpus) / max(1, len(kids)) * 1e3:5.1f}/child)"
+                    )
                 t = time.perf_counter()
                 for c in kids:
                     node.destroy(c.id)

@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from s3_fixture import s3_server  # noqa: F401 (a fixture: one SeaweedFS for every module of the session)
+
 import ray_fixture
 from ray_fixture import ray_nodes  # noqa: F401 (a fixture: one Ray cluster for the modules of a run that use it)
-
+from s3_fixture import s3_server  # noqa: F401 (a fixture: one SeaweedFS for every module of the session)
 from weenv.config import Paths
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.store.file import FileStore
@@ -35,8 +35,12 @@ def pytest_ignore_collect(collection_path, config):
     """``-m unit`` alone collects only ``tests/unit/``: the integration modules
     import what only a root machine's setup installs (the benchmarks, harness
     venvs), so they are not even imported."""
-    if config.getoption("markexpr", "").strip() == "unit" and collection_path.suffix == ".py" \
-            and collection_path.name.startswith("test_") and not collection_path.is_relative_to(UNIT):
+    if (
+        config.getoption("markexpr", "").strip() == "unit"
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and not collection_path.is_relative_to(UNIT)
+    ):
         return True
     return None
 
@@ -96,15 +100,22 @@ def system_snapshot(prefix: Path) -> dict:
                 mounts.append(point)
     # the loop devices of images below ``prefix`` (weenv attaches only its node disks' images, each in
     # its home): another test session on the machine attaches and detaches its own meanwhile
-    loops = [line for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
-             if f"({prefix}" in line]
-    cgroups = sorted(
-        str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir()
-    )
+    loops = [
+        line
+        for line in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
+        if f"({prefix}" in line
+    ]
+    cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if "weenv" in p.name and p.is_dir())
     fuse_conns = sorted(os.listdir("/sys/fs/fuse/connections")) if os.path.isdir("/sys/fs/fuse/connections") else []
     veths = sorted(n for n in os.listdir("/sys/class/net") if n.startswith("weenv"))  # weenv.node.runtime.network's
-    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "fuse": fuse_conns, "interfaces": veths,
-            "nft tables": nft_tables()}
+    return {
+        "mounts": mounts,
+        "loops": loops,
+        "cgroups": cgroups,
+        "fuse": fuse_conns,
+        "interfaces": veths,
+        "nft tables": nft_tables(),
+    }
 
 
 def nft_tables() -> list[str]:
@@ -134,8 +145,8 @@ def leak_check(tmp_path):
 def shared_store(tmp_path_factory, debian_root):
     """A store holding the Debian base group, a small task group and template
     ``task`` (base + task, working dir /workspace), built once per session."""
-    from weenv.packaging.group import build_group
     from weenv.formats.manifest import RuntimeConfig
+    from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
 
     root = tmp_path_factory.mktemp("shared-store")

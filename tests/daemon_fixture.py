@@ -42,8 +42,9 @@ class Daemon:
         return httpx.Client(base_url=self.url + "/v1", headers=headers, timeout=kw.pop("timeout", 300), **kw)
 
     def unix_http(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.paths.socket)), base_url="http://weenv/v1",
-                            timeout=300)
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.paths.socket)), base_url="http://weenv/v1", timeout=300
+        )
 
     def track(self, *ids: str) -> None:
         self.ids.update(ids)
@@ -95,7 +96,11 @@ def start_daemon(home: Path, store_url: str, *args: str, nofile: int | None = No
     with open(home / "serve.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "weenv", "serve", "--port", "0", *args],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
             preexec_fn=limit if nofile is not None else None,
         )
     url_file = home / "run" / "api-url"

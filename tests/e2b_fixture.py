@@ -37,25 +37,37 @@ class E2B:
         with open("/proc/mounts") as f:
             mounts = [line.split()[1] for line in f if line.split()[1].startswith(str(build))]
         cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/weenv-*") if p.is_dir())
-        return {"mounts": mounts, "work": sorted(p.name for p in build.iterdir()) if build.is_dir() else [],
-                "environments": self.environment_ids(), "cgroups": cgroups}  # fmt: skip
-
+        return {
+            "mounts": mounts,
+            "work": sorted(p.name for p in build.iterdir()) if build.is_dir() else [],
+            "environments": self.environment_ids(),
+            "cgroups": cgroups,
+        }
 
     def build_runs(self) -> list[list[str]]:
         """Per build, oldest first, the steps it ran (not from the cache), as
         their Dockerfile lines: the build logs' ``[builder N/M] LINE`` entries."""
         out = []
         with self.api() as c:
-            builds = sorted(((b["createdAt"], t["templateID"], b["buildID"]) for t in c.get("/templates").json()
-                             for b in c.get(f"/templates/{t['templateID']}").json()["builds"]))  # fmt: skip
+            builds = sorted(
+                (b["createdAt"], t["templateID"], b["buildID"])
+                for t in c.get("/templates").json()
+                for b in c.get(f"/templates/{t['templateID']}").json()["builds"]
+            )
             for _, tid, bid in builds:
                 entries, offset = [], 0
-                while page := c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": offset}
-                                    ).json()["logEntries"]:  # fmt: skip
+                while page := c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": offset}).json()[
+                    "logEntries"
+                ]:
                     entries += page
                     offset += len(page)
-                out.append([m.split("] ", 1)[1] for m in (e["message"] for e in entries)
-                            if re.match(r"^\[builder \d+/\d+\] (RUN|COPY|WORKDIR|USER) ", m) and ": done in" not in m])
+                out.append(
+                    [
+                        m.split("] ", 1)[1]
+                        for m in (e["message"] for e in entries)
+                        if re.match(r"^\[builder \d+/\d+\] (RUN|COPY|WORKDIR|USER) ", m) and ": done in" not in m
+                    ]
+                )
         return out
 
 

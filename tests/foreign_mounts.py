@@ -68,7 +68,7 @@ class OneFile(Operations):
         return IMAGE_INO, P.FOPEN_KEEP_CACHE
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
-        return self.data[offset:offset + size]
+        return self.data[offset : offset + size]
 
     def opendir(self, ino: int) -> int:
         return 1
@@ -115,8 +115,9 @@ def disconnected_mounts(directory: Path, how: str = "killed") -> Iterator[tuple[
         d.mkdir(parents=True)
     (tree / "hello").write_text("hello\n")
     subprocess.run(["mkfs.erofs", "--quiet", str(image), str(tree)], check=True)
-    daemon = subprocess.Popen([sys.executable, __file__, "serve", str(fuse_point), str(image)],
-                              stdout=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen(
+        [sys.executable, __file__, "serve", str(fuse_point), str(image)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert daemon.stdout is not None and daemon.stdout.readline().strip() == "ready"
         mount(erofs_spec(fuse_point / IMAGE_NAME.decode(), group_point))

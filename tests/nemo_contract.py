@@ -21,7 +21,6 @@ from nemo_gym.sandbox import (
     Sandbox,
     SandboxCreateError,
     SandboxSpec,
-    SandboxStatus,
     get_provider_class,
     list_providers,
 )
@@ -31,18 +30,30 @@ import weenv
 
 async def contract(template: str, tmp: Path) -> dict:
     seen: dict = {"providers": list_providers(), "class": get_provider_class("weenv").__module__}
-    spec = SandboxSpec(image="registry.example/" + template, ttl_s=120, ready_timeout_s=60, workdir="/work/run",
-                       env={"EPISODE": "7"}, metadata={"run": "contract"}, files={"/work/run/task.txt": "solve me"},
-                       resources={"cpu": 0.5, "memory_mib": 256}, provider_options={"priority": 5})
+    spec = SandboxSpec(
+        image="registry.example/" + template,
+        ttl_s=120,
+        ready_timeout_s=60,
+        workdir="/work/run",
+        env={"EPISODE": "7"},
+        metadata={"run": "contract"},
+        files={"/work/run/task.txt": "solve me"},
+        resources={"cpu": 0.5, "memory_mib": 256},
+        provider_options={"priority": 5},
+    )
     provider = {"weenv": {"image_rewrites": [{"from": "registry.example/", "to": ""}]}}
     with weenv.meter("nemo-batch") as tally:
         async with AsyncSandbox(provider, spec) as sb:
             await sb.start()
             raw = sb._handle.raw
             seen["id"], seen["node"] = sb._handle.sandbox_id, raw.node
-            seen["info"] = {"cpus": raw.info.resources.cpus, "memory": raw.info.resources.memory_bytes,
-                            "priority": raw.info.priority, "metadata": raw.info.metadata,
-                            "timeout_s": raw.info.timeout_s}
+            seen["info"] = {
+                "cpus": raw.info.resources.cpus,
+                "memory": raw.info.resources.memory_bytes,
+                "priority": raw.info.priority,
+                "metadata": raw.info.metadata,
+                "timeout_s": raw.info.timeout_s,
+            }
             seen["status"] = (await sb.status()).value
             r = await sb.exec("pwd; cat task.txt; echo $EPISODE; echo err >&2; exit 3")
             seen["exec"] = [r.stdout, r.stderr, r.return_code, r.error_type]

@@ -31,7 +31,8 @@ class Socket:
     @property
     def listening(self) -> bool:
         return (self.table.startswith("tcp") and self.state == TCP_LISTEN) or (
-            self.table.startswith("udp") and self.remote[1] == 0)
+            self.table.startswith("udp") and self.remote[1] == 0
+        )
 
     def __str__(self) -> str:
         what = "listens on" if self.listening else "talks"
@@ -44,7 +45,7 @@ def parse_address(text: str) -> tuple[str, int]:
     each 32-bit word in the host's byte order (little-endian here)."""
     hex_addr, hex_port = text.split(":")
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(words)), int(hex_port, 16)
 
 

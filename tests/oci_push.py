@@ -25,8 +25,9 @@ def _blob(layout: Path, data: bytes) -> dict:
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
-def push_tree(tree: Path, work: Path, address: str, repository: str, tag: str = "1",
-              env: list[str] | None = None) -> str:  # fmt: skip
+def push_tree(
+    tree: Path, work: Path, address: str, repository: str, tag: str = "1", env: list[str] | None = None
+) -> str:
     """Push ``tree`` as ``ADDRESS/REPOSITORY:TAG``; returns that reference."""
     layout = work / "layout"
     (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
@@ -43,23 +44,44 @@ def push_tree(tree: Path, work: Path, address: str, repository: str, tag: str = 
     if not target.exists():
         target.hardlink_to(tar)
     config = {
-        "architecture": "amd64", "os": "linux",
+        "architecture": "amd64",
+        "os": "linux",
         "config": {"Env": env or ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_digest}"]},
-    }  # fmt: skip
+    }
     manifest = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **_blob(layout, json.dumps(config).encode())},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": f"sha256:{layer_digest}",
-                    "size": tar.stat().st_size}],
-    }  # fmt: skip
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            **_blob(layout, json.dumps(config).encode()),
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": f"sha256:{layer_digest}",
+                "size": tar.stat().st_size,
+            }
+        ],
+    }
     m = _blob(layout, json.dumps(manifest).encode())
-    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", **m,
-                                                 "annotations": {"org.opencontainers.image.ref.name": tag}}]}
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                **m,
+                "annotations": {"org.opencontainers.image.ref.name": tag},
+            }
+        ],
+    }
     (layout / "index.json").write_text(json.dumps(index))
     reference = f"{address}/{repository}:{tag}"
-    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:{tag}",
-                    f"docker://{reference}"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:{tag}", f"docker://{reference}"],
+        check=True,
+        capture_output=True,
+    )
     return reference
 
 

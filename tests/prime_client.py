@@ -36,8 +36,15 @@ def error_of(fn) -> str:
 
 def sync_flow() -> None:
     c = SandboxClient(APIClient())
-    sb = c.create(CreateSandboxRequest(name="sync-one", docker_image=IMAGE, labels=["weenv-test", "sync"], timeout_minutes=-1,
-                                       environment_vars={"GREETING": "hi"}))
+    sb = c.create(
+        CreateSandboxRequest(
+            name="sync-one",
+            docker_image=IMAGE,
+            labels=["weenv-test", "sync"],
+            timeout_minutes=-1,
+            environment_vars={"GREETING": "hi"},
+        )
+    )
     c.wait_for_creation(sb.id)
     got = c.get(sb.id)
     out["sync_status"], out["sync_timeout_minutes"] = got.status, got.timeout_minutes
@@ -75,9 +82,12 @@ def sync_flow() -> None:
 async def async_flow() -> None:
     c = AsyncSandboxClient()
     try:
-        sbs = await asyncio.gather(*(c.create(CreateSandboxRequest(name=f"a{i}", docker_image=IMAGE,
-                                                                     labels=["weenv-test", "async"]))
-                                     for i in range(2)))  # fmt: skip
+        sbs = await asyncio.gather(
+            *(
+                c.create(CreateSandboxRequest(name=f"a{i}", docker_image=IMAGE, labels=["weenv-test", "async"]))
+                for i in range(2)
+            )
+        )
         ids = [s.id for s in sbs]
         await c.bulk_wait_for_creation(ids)
         rs = await asyncio.gather(*(c.execute_command(i, f"echo {n} > /tmp/n; cat /tmp/n") for n, i in enumerate(ids)))
@@ -117,7 +127,9 @@ async def async_flow() -> None:
             sb = await c.create(CreateSandboxRequest(name="from-registry", docker_image=REGISTRY_IMAGE))
             out["registry_id"] = sb.id
             await c.wait_for_creation(sb.id)
-            out["registry_exec"] = (await c.execute_command(sb.id, "cat /etc/debian_version >/dev/null && echo ok")).stdout
+            out["registry_exec"] = (
+                await c.execute_command(sb.id, "cat /etc/debian_version >/dev/null && echo ok")
+            ).stdout
             await c.delete(sb.id)
         deleted = await c.bulk_delete(labels=["async"])
         out["async_bulk_deleted"] = sorted(deleted.succeeded)

@@ -93,7 +93,10 @@ class Registry:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 ["docker-registry", "serve", str(self.config)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ import itertools
 import os
 
 import pytest
+
 from daemon_fixture import environ
 from weenv_bench.services.seaweedfs import BUCKET, CREDENTIALS, Seaweed
 

@@ -69,10 +69,13 @@ def agent(cfg: dict, commands: list[str], think_s: float = 0.0):
 
 def test_the_agent_loop_runs_real_commands_and_submits(remote):
     cfg = config()
-    a, env = agent(cfg, [
-        "cd /workspace && python3 hello.py > out.txt && echo oops >&2 && cat out.txt",
-        "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /workspace/out.txt && id -u",
-    ])
+    a, env = agent(
+        cfg,
+        [
+            "cd /workspace && python3 hello.py > out.txt && echo oops >&2 && cat out.txt",
+            "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /workspace/out.txt && id -u",
+        ],
+    )
     remote.track(env.env_id)
     try:
         assert type(env).__module__ == "weenv.adapters.minisweagent"
@@ -124,11 +127,15 @@ def test_a_metered_rollout_batch_adds_up_to_its_wall_time(remote):
     t0 = time.monotonic()
     with weenv.meter("msa-batch") as tally:
         for i in range(4):
-            a, env = agent(cfg, [
-                f"cd /workspace && python3 -c 'print({i} * 7)' > r.txt && cat input.txt",
-                "sleep 0.4; ls /workspace",
-                "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /workspace/r.txt",
-            ], think_s=think)
+            a, env = agent(
+                cfg,
+                [
+                    f"cd /workspace && python3 -c 'print({i} * 7)' > r.txt && cat input.txt",
+                    "sleep 0.4; ls /workspace",
+                    "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat /workspace/r.txt",
+                ],
+                think_s=think,
+            )
             remote.track(env.env_id)
             try:
                 env.sandbox.files.write("/workspace/input.txt", f"task {i}\n")
@@ -162,21 +169,36 @@ def test_a_metered_rollout_batch_adds_up_to_its_wall_time(remote):
     assert abs(mine[0]["share"] - tally.share) < 1e-6
     env = dict(os.environ, WEENV_HOME=str(remote.home), COLUMNS="250")
     env.pop("WEENV_API_URL")
-    out = subprocess.run([sys.executable, "-m", "weenv", "stats", "--tax"], env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "weenv", "stats", "--tax"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if "msa-batch" in line)
     assert f"{tally.share:.1%}" in row and f"{p['create']:.3f}" in row
     assert "node (all clients)" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "weenv", "stats", "--tax", "some-id"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "weenv", "stats", "--tax", "some-id"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "--tax shows batches" in bad.stderr
 
 
 def test_bad_tax_reports_are_refused(remote):
     with remote.http() as http:
-        good = {"name": "x", "started_at": 1, "wall_s": 1, "rollout_s": 1, "environments": 1,
-                "phases": {"create": 0.5}, "command_s": 0, "other_s": 0.5, "share": 0.5}
+        good = {
+            "name": "x",
+            "started_at": 1,
+            "wall_s": 1,
+            "rollout_s": 1,
+            "environments": 1,
+            "phases": {"create": 0.5},
+            "command_s": 0,
+            "other_s": 0.5,
+            "share": 0.5,
+        }
         for bad in ({**good, "wall_s": 1e999}, {**good, "phases": {"think": 1}}, {**good, "name": "x" * 257}):
             r = http.post("/tax", content=json.dumps(bad), headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["kind"] == "invalid_input", r.text

@@ -38,17 +38,22 @@ def daemon(shared_store, tmp_path_factory):
 
 
 def test_nemo_gyms_provider_contract_runs_in_weenv_environments(daemon):
-    env = dict(os.environ, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key,
-               PYTHONPATH=str(HERE.parent / "src"))
-    out = subprocess.run([str(PYTHON), str(HERE / "nemo_contract.py"), "task"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    env = dict(os.environ, WEENV_API_URL=daemon.url, WEENV_API_KEY=daemon.key, PYTHONPATH=str(HERE.parent / "src"))
+    out = subprocess.run(
+        [str(PYTHON), str(HERE / "nemo_contract.py"), "task"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     daemon.track(seen["id"])
     assert "weenv" in seen["providers"] and seen["class"] == "weenv.adapters.nemo"
     assert seen["node"] == daemon.url
-    assert seen["info"] == {"cpus": 0.5, "memory": 256 << 20, "priority": 5, "metadata": {"run": "contract"},
-                            "timeout_s": 120.0}
+    assert seen["info"] == {
+        "cpus": 0.5,
+        "memory": 256 << 20,
+        "priority": 5,
+        "metadata": {"run": "contract"},
+        "timeout_s": 120.0,
+    }
     assert seen["status"] == "running"
     assert seen["exec"] == ["/work/run\nsolve me7\n", "err\n", 3, None]  # workdir, spec.files, spec.env
     assert seen["exec_env"] == ["y\n0\n", 0]

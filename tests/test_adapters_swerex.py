@@ -12,8 +12,6 @@ import pytest
 
 pytest.importorskip("swerex", reason="swe-rex is not installed (weenv[swerex])")
 
-from conftest import store_copy_without_profiles, system_snapshot
-from daemon_fixture import environ, start_daemon
 from swerex.exceptions import CommandTimeoutError, DeploymentNotStartedError
 from swerex.runtime.abstract import (
     BashAction,
@@ -27,6 +25,8 @@ from swerex.runtime.abstract import (
 )
 from swerex.runtime.remote import RemoteRuntime
 
+from conftest import store_copy_without_profiles, system_snapshot
+from daemon_fixture import environ, start_daemon
 from weenv.adapters.swerex import WeenvDeployment, WeenvDeploymentConfig
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.packaging.template import load_template
@@ -58,16 +58,16 @@ def daemon(store, tmp_path_factory):
 
 
 def deployment(daemon, store, **kw) -> WeenvDeployment:
-    return WeenvDeployment(template="task", store=store.url, api_url=daemon.url, api_key=daemon.key,
-                           cpus=0.5, memory_mib=512, **kw)
+    return WeenvDeployment(
+        template="task", store=store.url, api_url=daemon.url, api_key=daemon.key, cpus=0.5, memory_mib=512, **kw
+    )
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, store,
-                                                                                           tmp_path):
+def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_writes_files(daemon, store, tmp_path):
     (tmp_path / "up" / "sub").mkdir(parents=True)
     (tmp_path / "up" / "sub" / "data.txt").write_text("uploaded\n")
     task_groups = load_template(store, "task")[1].groups
@@ -100,15 +100,23 @@ def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_wri
             with pytest.raises(CommandTimeoutError):
                 await rt.run_in_session(BashAction(session="s", command="sleep 300", timeout=1))
             await rt.run_in_session(BashInterruptAction(session="s"))
-            out = await rt.run_in_session(BashAction(session="s", command=(
-                'pwd; echo "$GREETING"; for p in /proc/[0-9]*/cmdline; do tr "\\0" " " < $p; echo; done '
-                '| grep -c "^sleep 300" || true')))
+            out = await rt.run_in_session(
+                BashAction(
+                    session="s",
+                    command=(
+                        'pwd; echo "$GREETING"; for p in /proc/[0-9]*/cmdline; do tr "\\0" " " < $p; echo; done '
+                        '| grep -c "^sleep 300" || true'
+                    ),
+                )
+            )
             assert out.output.split() == ["/tmp", "hello-weenv", "0"]
             with pytest.raises(CommandTimeoutError):
                 await rt.execute(Command(command=["sleep", "300"], timeout=1))
 
             await rt.write_file(WriteFileRequest(path="/workspace/notes/a.txt", content="line one\nline two\n"))
-            assert (await rt.read_file(ReadFileRequest(path="/workspace/notes/a.txt"))).content == "line one\nline two\n"
+            assert (
+                await rt.read_file(ReadFileRequest(path="/workspace/notes/a.txt"))
+            ).content == "line one\nline two\n"
             assert (await rt.read_file(ReadFileRequest(path="/workspace/hello.py"))).content.startswith("print(")
             out = await rt.execute(Command(command="wc -l < /workspace/notes/a.txt", shell=True))
             assert out.stdout.strip() == "2"
@@ -136,8 +144,7 @@ def test_a_session_keeps_its_directory_and_variables_times_out_and_reads_and_wri
 
 def test_bad_input_is_refused_clearly(daemon, store):
     with pytest.raises(NotFoundError, match="template 'no-such-task' does not exist"):
-        run(WeenvDeployment(template="no-such-task", store=store.url, api_url=daemon.url,
-                            api_key=daemon.key).start())
+        run(WeenvDeployment(template="no-such-task", store=store.url, api_url=daemon.url, api_key=daemon.key).start())
     with pytest.raises(InvalidInputError, match="exactly one of 'template' and 'image'"):
         WeenvDeployment(api_url=daemon.url)
     with pytest.raises(DeploymentNotStartedError, match="not started"):

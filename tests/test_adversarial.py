@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -43,10 +42,15 @@ from weenv_bench.services.process import alive
 
 
 def _weenv(paths: Paths, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache),
-               WEENV_STORE=paths.store_url)  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "weenv", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache), WEENV_STORE=paths.store_url)
+    return subprocess.run(
+        [sys.executable, "-m", "weenv", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _one_line_error(proc: subprocess.CompletedProcess) -> None:
@@ -74,8 +78,13 @@ def _pid(paths: Paths) -> int | None:
 
 def _containers(paths: Paths) -> list[str]:
     """The environments' containers in the home, in either OCI runtime's state root."""
-    return [s["id"] for name, root in paths.runtime_roots.items() if root.is_dir()
-            for s in KINDS[name](root).list() if s.get("id", "").startswith(CONTAINER_PREFIX)]  # fmt: skip
+    return [
+        s["id"]
+        for name, root in paths.runtime_roots.items()
+        if root.is_dir()
+        for s in KINDS[name](root).list()
+        if s.get("id", "").startswith(CONTAINER_PREFIX)
+    ]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -224,8 +233,9 @@ def test_concurrent_builds_of_one_group_agree(paths, tmp_path):
     (src / "small").write_text("hi\n")
     env = dict(os.environ, WEENV_HOME=str(paths.home))
     argv = [sys.executable, "-m", "weenv", "group", "build", str(src), "--name", "same"]
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(3)]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     digests = {o.strip() for o, _e in outs}
@@ -324,8 +334,9 @@ def test_background_output_does_not_go_to_a_hidden_host_file(node, paths):
     env_dir = str(paths.environments / info.id)
     targets = [os.readlink(f"/proc/{sleepers[0]}/fd/{n}") for n in (1, 2)]
     for target in targets:
-        assert (target.startswith("pipe:") or target == "/dev/null"
-                or target.startswith(env_dir)), f"background stdout/stderr is {target}"  # fmt: skip
+        assert target.startswith("pipe:") or target == "/dev/null" or target.startswith(env_dir), (
+            f"background stdout/stderr is {target}"
+        )
 
 
 def test_second_node_on_a_home_in_use_is_refused(paths, shared_store, leak_check):
@@ -349,8 +360,7 @@ def test_second_node_on_a_home_in_use_is_refused(paths, shared_store, leak_check
             node.close()
         """)
         env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_STORE=shared_store.url)
-        second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                env=env, timeout=120)  # fmt: skip
+        second = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
         alive = first.exec(info.id, ["echo", "alive"])
         assert second.returncode == 3, second.stdout + second.stderr
         assert alive.stdout == b"alive\n"
@@ -577,8 +587,9 @@ def test_exec_is_killed_when_its_client_goes_away(served):
 
     with daemon.connect(served) as c:
         env_id = c.create("task").id
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weenv/v1",
-                      timeout=3) as h:  # fmt: skip
+    with httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://weenv/v1", timeout=3
+    ) as h:
         with pytest.raises(httpx.ReadTimeout):
             h.post(f"/environments/{env_id}/commands", json={"command": ["sleep", "60"]})
     init = NodeRuntime("runc", served.runtime_roots).state(CONTAINER_PREFIX + env_id)["pid"]

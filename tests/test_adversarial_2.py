@@ -13,12 +13,9 @@ import subprocess
 import sys
 
 import pytest
+
 from test_restart import restart_home  # noqa: F401  (fixture)
-
 from weenv.errors import InvalidInputError
-
-
-
 
 # --- weenv bench rollout options ------------------------------------------------------------
 
@@ -28,8 +25,14 @@ def test_bench_rollout_non_finite_think_scale_is_one_line(paths, value):
     """``--think-scale nan`` passed the ``think_scale < 0`` check and the benchmark
     started (downloads, builds) to sleep NaN seconds later."""
     env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache), WEENV_STORE=paths.store_url)
-    proc = subprocess.run([sys.executable, "-m", "weenv", "bench", "rollout", "--quick", "--think-scale", value],
-                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weenv", "bench", "rollout", "--quick", "--think-scale", value],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith("weenv: error:") and "think_scale" in proc.stderr, proc.stderr[-2000:]

@@ -16,8 +16,18 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
     out = tmp_path / "provision.json"
     # 15 s a mode, think times at a quarter of the real ones (seed 7: each agent's first burst and first
     # rollout come within its first 4 s of think time, so every mode has bursts and rollouts)
-    result = run(quick=True, json_path=out, max_envs=3, duration_s=15, think_s=1.0, steps=4, baseline_runs=1,
-                 sim_sizes=((16, 64),), sim_duration_s=20, log=lambda _msg: None)  # fmt: skip
+    result = run(
+        quick=True,
+        json_path=out,
+        max_envs=3,
+        duration_s=15,
+        think_s=1.0,
+        steps=4,
+        baseline_runs=1,
+        sim_sizes=((16, 64),),
+        sim_duration_s=20,
+        log=lambda _msg: None,
+    )
     written = json.loads(out.read_text())
     s = written["summary"]
     assert set(SUMMARY) <= set(s) and s == json.loads(json.dumps(result["summary"]))
@@ -31,8 +41,9 @@ def test_provision_benchmark_static_against_elastic(paths, debian_root, leak_che
         assert [n for _t, n in m["held"]] == sorted(n for _t, n in m["held"])  # admitted over time, never dropped
     assert written["config"]["elastic"]["admission"] == "burst"
     # each environment's usage recorded, replayed through the real provisioner (issue 19)
-    assert set(written["static"]["traces"]) == {e for e in written["static"]["history"] if
-                                                len(written["static"]["history"][e]) >= 2}  # fmt: skip
+    assert set(written["static"]["traces"]) == {
+        e for e in written["static"]["history"] if len(written["static"]["history"][e]) >= 2
+    }
     assert set(s["sim"]["16"]) == {"density_ratio", "p95_burst_slowdown", "bursts_slowed_over_10pct", "oom_kills"}
     assert s["sim"]["16"]["oom_kills"] == 0 and s["calibration_error"] is not None
     # the machine's other load, per second of each mode, replayed beside the traces in the calibration

@@ -52,7 +52,8 @@ def test_prepared_task_holds_the_bug_and_patches(prepared, tmp_path):
         buggy = (task.project / spec.path).read_text()
         assert spec.mutated in buggy and spec.original not in buggy
         assert spec.mutated in buggy.splitlines()[task.bug_line - 1] or spec.mutated.startswith(
-            buggy.splitlines()[task.bug_line - 1])
+            buggy.splitlines()[task.bug_line - 1]
+        )
         # the fixing patch restores the sdist's file with the real patch(1)
         copy = tmp_path / spec.name
         subprocess.run(["cp", "-a", str(task.project), str(copy)], check=True)
@@ -130,28 +131,30 @@ def test_tasks_are_verified_inside_weenv(prepared, paths, debian_root, leak_chec
     passes it; a "bug" that breaks none of the named tests is refused."""
     import dataclasses
 
-    from weenv_bench.rollout import templates
-    from weenv_bench.rollout.tasks import runtime_tree
     from weenv.formats.manifest import Resources
     from weenv.store.file import FileStore
+    from weenv_bench.rollout import templates
+    from weenv_bench.rollout.tasks import runtime_tree
 
     good = prepared[1]  # idna
     spec = dataclasses.replace(good.spec, name="idna-harmless", mutated="    if len(label) >  63:")
     harmless = prepare_task(paths.cache, spec, fetch_sdists(paths.cache, (spec.sdist,))[0])
     store = FileStore(tmp_path / "store")
-    built = templates.build_weenv(store, debian_root, runtime_tree(paths.cache), [good, harmless],
-                                  Resources(), tmp_path, log=lambda _m: None)  # fmt: skip
+    built = templates.build_weenv(
+        store, debian_root, runtime_tree(paths.cache), [good, harmless], Resources(), tmp_path, log=lambda _m: None
+    )
     marks = tmp_path / "marks"
-    checks = templates.verify_tasks(store, {"idna": built["idna"]}, tmp_path / "home", marks=marks,
-                                    log=lambda _m: None)  # fmt: skip
+    checks = templates.verify_tasks(store, {"idna": built["idna"]}, tmp_path / "home", marks=marks, log=lambda _m: None)
     assert {k: v["exit_code"] for k, v in checks["idna"].items()} == {"none": 1, "wrong": 1, "right": 0}
     assert len(list(marks.iterdir())) == 1
-    again = templates.verify_tasks(store, {"idna": built["idna"]}, tmp_path / "unused-home", marks=marks,
-                                   log=lambda _m: None)  # fmt: skip
+    again = templates.verify_tasks(
+        store, {"idna": built["idna"]}, tmp_path / "unused-home", marks=marks, log=lambda _m: None
+    )
     assert again == checks and not (tmp_path / "unused-home").exists()  # remembered: no node started
     with pytest.raises(RuntimeFailedError, match="idna-harmless.*exit 0, want 1"):
-        templates.verify_tasks(store, {"idna-harmless": built["idna-harmless"]}, tmp_path / "home2", marks=marks,
-                               log=lambda _m: None)  # fmt: skip
+        templates.verify_tasks(
+            store, {"idna-harmless": built["idna-harmless"]}, tmp_path / "home2", marks=marks, log=lambda _m: None
+        )
     assert len(list(marks.iterdir())) == 1
 
 
@@ -161,8 +164,17 @@ def test_quick_rollout_benchmark_weenv_against_docker(paths, debian_root, leak_c
     work = tmp_path / "work"
     work.mkdir()
     # a pool of 3 published tasks (quick: 6), 2 of them in the iteration: a pool larger than the iteration
-    result = run(quick=True, json_path=out, work=work, pool=3, tasks=2, group=4, concurrency=4, steps=(10, 12),
-                 log=lambda _msg: None)  # fmt: skip
+    result = run(
+        quick=True,
+        json_path=out,
+        work=work,
+        pool=3,
+        tasks=2,
+        group=4,
+        concurrency=4,
+        steps=(10, 12),
+        log=lambda _msg: None,
+    )
 
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from weenv_bench.fork import run
-from weenv_bench.runtimes import parse_runtimes
 
 from weenv.errors import InvalidInputError
 from weenv.node.runtime.runtime import crun_refusal
+from weenv_bench.fork import run
+from weenv_bench.runtimes import parse_runtimes
 
 
 @pytest.mark.unit
@@ -28,8 +28,17 @@ def test_fork_benchmark_runs_each_runtime_side_by_side(paths, leak_check, tmp_pa
         pytest.skip(f"crun cannot run here: {why}")
     out = tmp_path / "fork.json"
     work = tmp_path / "work"
-    result = run(counts=(1,), parent_mb=1, small_files=10, repeats=1, docker=False, runtimes=("runc", "crun"), work=work,
-                 json_path=out, log=lambda _m: None)  # fmt: skip
+    result = run(
+        counts=(1,),
+        parent_mb=1,
+        small_files=10,
+        repeats=1,
+        docker=False,
+        runtimes=("runc", "crun"),
+        work=work,
+        json_path=out,
+        log=lambda _m: None,
+    )
 
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))

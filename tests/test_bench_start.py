@@ -25,14 +25,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_quick_start_benchmark_weenv_against_docker(
-    paths, debian_root, leak_check, tmp_path
-):
+def test_quick_start_benchmark_weenv_against_docker(paths, debian_root, leak_check, tmp_path):
     out = tmp_path / "start.json"
     work = tmp_path / "work"
     work.mkdir()
-    result = run(quick=True, json_path=out, work=work, cold_runs=2, warm_runs=3, exec_runs=10,
-                 commands=(), log=lambda _msg: None)  # fmt: skip
+    result = run(
+        quick=True, json_path=out, work=work, cold_runs=2, warm_runs=3, exec_runs=10, commands=(), log=lambda _msg: None
+    )
 
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
@@ -49,10 +48,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     assert s["cold_ratio"] == round(s["docker_cold_p50_s"] / s["cold_p50_s"], 1)
     # a cold weenv start fetches part of the template; a cold Docker start pulls it all
     assert 0 < s["fetched_fraction"] < 1
-    assert (
-        s["warm_p50_s"] < s["cold_p50_s"]
-        and s["docker_warm_p50_s"] < s["docker_cold_p50_s"]
-    )
+    assert s["warm_p50_s"] < s["cold_p50_s"] and s["docker_warm_p50_s"] < s["docker_cold_p50_s"]
     assert 250e6 < s["template_bytes"] < 600e6
 
     rows = {(r["system"], r["kind"], r["concurrency"]): r for r in written["table"]}
@@ -60,23 +56,27 @@ def test_quick_start_benchmark_weenv_against_docker(
         for kind in ("cold", "warm"):
             for c in (1, 16):
                 r = rows[(system, kind, c)]
-                assert r["n"] == (
-                    c
-                    if c > 1
-                    else {"cold": 2 if system == "weenv" else 1, "warm": 3}[kind]
-                )
+                assert r["n"] == (c if c > 1 else {"cold": 2 if system == "weenv" else 1, "warm": 3}[kind])
                 assert 0 < r["p50_s"] <= r["p99_s"]
                 assert r["daemon_cpu_s"] >= 0 and r["daemon_peak_bytes"] > 0
     assert {r["template"] for r in written["table"]} == {"start-quick"} == {t["name"] for t in written["templates"]}
     assert any("3 GB" in n for n in written["not_run"])  # quick: no large template
     # cold starts as built (tree layout), then with the groups republished by weenv update --profile
-    cold = {r["layout"]: r for r in written["table"]
-            if r["system"] == "weenv" and r["kind"] == "cold" and r["concurrency"] == 1}  # fmt: skip
+    cold = {
+        r["layout"]: r
+        for r in written["table"]
+        if r["system"] == "weenv" and r["kind"] == "cold" and r["concurrency"] == 1
+    }
     assert set(cold) == {"tree", "profile"} and s["cold_p50_s"] == cold["profile"]["p50_s"]
-    assert s["cold_p50_tree_layout_s"] == cold["tree"]["p50_s"] and s["cold_phases_p50_s"] == cold["profile"]["phases_p50_s"]
+    assert (
+        s["cold_p50_tree_layout_s"] == cold["tree"]["p50_s"]
+        and s["cold_phases_p50_s"] == cold["profile"]["phases_p50_s"]
+    )
     for r in cold.values():  # the create's phases and the time to the first output after it
         phases = r["phases_p50_s"]
-        assert {"manifest_s", "groups_s", "overlay_s", "runtime_s", "create_s", "command_s", "demand_chunks"} <= set(phases)
+        assert {"manifest_s", "groups_s", "overlay_s", "runtime_s", "create_s", "command_s", "demand_chunks"} <= set(
+            phases
+        )
         assert 0 < phases["create_s"] < r["p50_s"] * 2 and phases["runtime_s"] > 0
     assert rows[("weenv", "warm", 1)]["bytes_fetched"] == 0  # warm: nothing fetched
     # warm x1 right after cold x1: the second create fills the warm pool, the third starts that one
@@ -85,11 +85,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     assert (no_pool["n"], no_pool["pooled_starts"], no_pool["pool_size"]) == (3, 0, 0)
     assert s["warm_no_pool_p50_s"] == no_pool["p50_s"] > 0
     assert rows[("weenv", "cold", 16)]["bytes_fetched"] > 0
-    assert (
-        rows[("docker", "cold", 1)]["bytes_fetched"]
-        == written["template"]["docker_image_bytes"]
-        > 50e6
-    )
+    assert rows[("docker", "cold", 1)]["bytes_fetched"] == written["template"]["docker_image_bytes"] > 50e6
     assert {e["system"] for e in written["exec"]} == {"weenv", "docker"}
     assert written["machine"]["cpus"] >= 1 and len(written["load"]["start"]) == 3
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -101,9 +97,7 @@ def test_quick_start_benchmark_weenv_against_docker(
     assert not Path(root).exists()
     assert not process.pids_mentioning(root + "/")
     assert not mounts.mounts_under(Path(root))
-    assert not list(
-        Path("/sys/fs/cgroup").glob("*/" + services["dockerd_cgroup_parent"].strip("/"))
-    )
+    assert not list(Path("/sys/fs/cgroup").glob("*/" + services["dockerd_cgroup_parent"].strip("/")))
     assert not mounts.mounts_under(work)
     assert not (work / "registry").exists()
     assert not process.pids_mentioning(str(work) + "/")

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from test_lazy import LazyNode, build, drop_page_cache
 
+from test_lazy import LazyNode, build, drop_page_cache
 from weenv.errors import CapacityError, DigestMismatchError
 from weenv.node.data.cache import ChunkCache
 from weenv.node.node import Node
-from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.group import load_group
+from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.template import load_template
 from weenv.store.file import FileStore
 
@@ -74,7 +74,9 @@ def private_store(tmp_path, shared_store) -> Path:
     """A copy of the shared store (hard links: instant; writes replace files by rename)."""
     root = tmp_path / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
-    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)  # profiles other tests recorded
+    subprocess.run(
+        ["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True
+    )  # profiles other tests recorded
     return root
 
 
@@ -175,7 +177,10 @@ def test_full_disk_evicts_then_fails_clearly(tmp_path, paths, store, leak_check)
 
 # --- restarts --------------------------------------------------------------------------
 def _read_some(node: Node, env_id: str) -> None:
-    r = node.exec(env_id, ["sh", "-c", "cat /workspace/hello.py; head -c 1000000 /workspace/big.bin | md5sum; python3 -c 'print(1)'"])
+    r = node.exec(
+        env_id,
+        ["sh", "-c", "cat /workspace/hello.py; head -c 1000000 /workspace/big.bin | md5sum; python3 -c 'print(1)'"],
+    )
     assert r.exit_code == 0 and b"hello from the task" in r.stdout, r
 
 
@@ -290,8 +295,10 @@ def test_prefetch_recorded_and_replayed(tmp_path, paths, private_store, leak_che
         calls = slow.calls
         assert all(calls[c.digest] == 1 for c in wanted)  # prefetch and demand never fetch twice
         s = n.cache.stats()
-        print(f"\nprofile {len(wanted)} chunks; prefetched {s.chunks_prefetched}, demand "
-              f"{s.chunks_fetched - s.chunks_prefetched}; profile done {elapsed:.2f} s after the create began")
+        print(
+            f"\nprofile {len(wanted)} chunks; prefetched {s.chunks_prefetched}, demand "
+            f"{s.chunks_fetched - s.chunks_prefetched}; profile done {elapsed:.2f} s after the create began"
+        )
         assert 0 < s.chunks_prefetched <= len(job.fetched)  # a demand read may have joined a prefetch, or won
         _read_some(n, env.id)
         n.destroy(env.id)
@@ -336,8 +343,9 @@ def test_prefetch_starts_before_the_manifests_load(tmp_path, paths, private_stor
         n.destroy(env.id)
 
     # a node that never started the template looks its profile up beside the manifests
-    subprocess.run(["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images"), str(paths.node / "known")],
-                   check=True)  # its chunks, images and kept manifests and names
+    subprocess.run(
+        ["rm", "-rf", str(paths.chunk_cache), str(paths.node / "images"), str(paths.node / "known")], check=True
+    )  # its chunks, images and kept manifests and names
     fresh = CountingStore(private_store)
     fresh.manifest_delay = 0.2
     with Node(paths, store=fresh) as n:
@@ -380,8 +388,10 @@ def test_prefetch_pack(tmp_path, paths, private_store, leak_check):
         assert slow.order.count("pack:" + profile.pack.digest) == 1
         from_store = sum(slow.calls[r.digest] for r in profile.refs)
         assert from_store <= 2  # the mounts' own first reads may come before the pack
-        print(f"\npack {profile.pack.size} bytes: {len(profile.refs) - from_store} of {len(profile.refs)} "
-              f"chunks from it, {from_store} on their own")
+        print(
+            f"\npack {profile.pack.size} bytes: {len(profile.refs) - from_store} of {len(profile.refs)} "
+            f"chunks from it, {from_store} on their own"
+        )
         n.destroy(env.id)
 
         # concurrent cold starts of the template read its pack once
@@ -419,8 +429,17 @@ def test_prefetch_pack_of_the_first_chunks(tmp_path, paths, private_store, leak_
         _record_profile(n)
         sizes = [r.size for r in n.prefetch.profile(digest).refs]
     assert len(sizes) > 3
-    subprocess.run(["rm", "-rf", str(private_store / "refs" / REF_KIND), str(private_store / "packs"),
-                    str(paths.chunk_cache), str(paths.node / "images")], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "rm",
+            "-rf",
+            str(private_store / "refs" / REF_KIND),
+            str(private_store / "packs"),
+            str(paths.chunk_cache),
+            str(paths.node / "images"),
+        ],
+        check=True,
+    )
     with Node(paths, store=store, prefetch_record_s=30, prefetch_pack_bytes=sum(sizes[:2])) as n:
         _record_profile(n)
     profile = load_profile(store, digest)  # what another node reads
@@ -482,8 +501,9 @@ def test_put_frame(tmp_path, paths):
     third, _ = store.put_chunk(os.urandom(MiB))
     slow_bad = zstandard.ZstdCompressor().compress(bytes(128 * MiB))  # ~0.1 s to decode and hash
     errors = []
-    checker = threading.Thread(target=lambda: errors.append(pytest.raises(DigestMismatchError, cache.put_frame,
-                                                                          third, slow_bad)))  # fmt: skip
+    checker = threading.Thread(
+        target=lambda: errors.append(pytest.raises(DigestMismatchError, cache.put_frame, third, slow_bad))
+    )
     checker.start()
     time.sleep(0.01)
     assert cache.read(third, 0, MiB) == store.get_chunk(third.digest)

@@ -89,8 +89,10 @@ def spawn(g: Cgroup, code: str) -> subprocess.Popen:
     """A Python process moved into ``g`` before it runs ``code``."""
     p = subprocess.Popen(
         [sys.executable, "-c", "import sys; sys.stdin.readline()\n" + code],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     g.spawned.append(p)
     g.add_process(p.pid)
     p.stdin.write(b"go\n")
@@ -240,5 +242,3 @@ def test_freeze_and_thaw(cg):
     assert not cg.limits().frozen
     assert wait_for(lambda: cg.usage().cpu_usage_s - a > 0.1)
     assert p.poll() is None
-
-

@@ -17,7 +17,11 @@ def weenv(paths, *args, check=True, input=None, timeout=300):
     env = dict(os.environ, WEENV_HOME=str(paths.home))
     proc = subprocess.run(
         [sys.executable, "-m", "weenv", *args],
-        capture_output=True, text=True, env=env, input=input, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        input=input,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"weenv {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")

@@ -26,18 +26,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import CACHE, system_snapshot  # noqa: E402
+from net_sockets import beyond_loopback, descendants, sockets_of  # noqa: E402
+from ray_fixture import alive as _alive  # noqa: E402
 from weenv import cluster  # noqa: E402
 from weenv.cluster.client import ClusterClient  # noqa: E402
 from weenv.config import Paths  # noqa: E402
 from weenv.errors import CapacityError, InvalidInputError, LostError, NotFoundError, WeenvError  # noqa: E402
 from weenv.formats.manifest import Resources, RuntimeConfig  # noqa: E402
-from weenv.server import daemon  # noqa: E402
 from weenv.node.cgroups import environment_dirs  # noqa: E402
+from weenv.server import daemon  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
-
-from conftest import CACHE, system_snapshot  # noqa: E402
-from net_sockets import beyond_loopback, descendants, sockets_of  # noqa: E402
-from ray_fixture import alive as _alive  # noqa: E402
 
 SMALL = Resources(cpus=0.1, memory_bytes=256 << 20)
 MiB = 1 << 20
@@ -63,8 +62,17 @@ def cluster_store(tmp_path_factory, debian_root):
 @pytest.fixture(scope="module")
 def ray_cluster(ray_nodes, tmp_path_factory, cluster_store):
     """The session's Ray cluster of 3 nodes with weenv up on it; taken down and checked by pid."""
-    yield from run_cluster(ray_nodes, tmp_path_factory, cluster_store, max_environments=2, heartbeat_s=0.3,
-                           heartbeat_timeout_s=5, reconcile_s=0.3, cache_scan_s=0.3, batch_queue_s=3)
+    yield from run_cluster(
+        ray_nodes,
+        tmp_path_factory,
+        cluster_store,
+        max_environments=2,
+        heartbeat_s=0.3,
+        heartbeat_timeout_s=5,
+        reconcile_s=0.3,
+        cache_scan_s=0.3,
+        batch_queue_s=3,
+    )
 
 
 def run_cluster(ray_nodes, tmp_path_factory, cluster_store, **settings):
@@ -79,8 +87,9 @@ def run_cluster(ray_nodes, tmp_path_factory, cluster_store, **settings):
         print("a weenv cluster was up: taken down")
     daemon_pids: list[int] = []
     try:
-        config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE),
-                                       **{"gateway_port": 0, **settings})
+        config = cluster.ClusterConfig(
+            home=f"{homes}/{{node}}", store=cluster_store.url, cache=str(CACHE), **{"gateway_port": 0, **settings}
+        )
         t0 = time.monotonic()
         nodes = cluster.up(config, timeout=120)
         print(f"cluster up: {len(nodes)} nodes in {time.monotonic() - t0:.1f} s")
@@ -88,8 +97,11 @@ def run_cluster(ray_nodes, tmp_path_factory, cluster_store, **settings):
     finally:
         try:
             gateway = cluster.gateway()
-            daemon_pids = [int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
-                           for h in homes.iterdir() if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()]
+            daemon_pids = [
+                int(Paths(home=h, cache=CACHE, store_url="").pidfile.read_text())
+                for h in homes.iterdir()
+                if Paths(home=h, cache=CACHE, store_url="").pidfile.exists()
+            ]
             try:
                 cluster.down()
             except Exception as exc:  # a killed node's daemon: stopped below
@@ -188,8 +200,9 @@ def test_bad_hints_and_a_full_cluster_get_clear_errors(ray_cluster):
 
 def _cluster_pids(ray_nodes, homes: Path) -> set[int]:
     """This driver, the Ray processes, every node's daemon and what each started."""
-    daemons = {int(p.read_text()) for h in homes.iterdir()
-               if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()}  # fmt: skip
+    daemons = {
+        int(p.read_text()) for h in homes.iterdir() if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()
+    }
     return descendants({os.getpid(), *ray_nodes.pids, *daemons})
 
 
@@ -280,8 +293,10 @@ def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
                 time.sleep(0.1)
             w.stop()
             assert "watched.txt" in names
-            listed = {s.sandbox_id: s.metadata["weenv.node"] for s in e2b.Sandbox.list(
-                query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()}  # fmt: skip
+            listed = {
+                s.sandbox_id: s.metadata["weenv.node"]
+                for s in e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"who": "sdk"})).next_items()
+            }
             assert listed == {sb.sandbox_id: n for sb, n in zip(made, nodes)}, "listed over every node"
             # "near environment X" through the E2B API: placed on X's node (each node runs one: any could take it)
             for sb, n in ((made[0], nodes[0]), (made[-1], nodes[-1])):
@@ -292,8 +307,9 @@ def test_the_e2b_sdk_unchanged_against_the_cluster_address(ray_cluster):
                 finally:
                     near.kill()
             # a wrong access token is refused at the gateway, as on one node
-            r = httpx.get(gw.url + "/e2b/envd/health", headers={"e2b-sandbox-id": made[0].sandbox_id,
-                                                                  "x-access-token": "0" * 32})  # fmt: skip
+            r = httpx.get(
+                gw.url + "/e2b/envd/health", headers={"e2b-sandbox-id": made[0].sandbox_id, "x-access-token": "0" * 32}
+            )
             assert r.status_code == 401
         finally:
             for sb in made:
@@ -335,8 +351,12 @@ def test_e2b_template_build_through_the_cluster_address(ray_cluster, tmp_path):
     ctx = tmp_path / "ctx"
     ctx.mkdir()
     (ctx / "hello.txt").write_text("copied\n")
-    tpl = (e2b.Template(file_context_path=str(ctx)).from_template("t1").copy("hello.txt", "/opt/hello.txt", user="root")
-           .run_cmd("echo built > /opt/built.txt", user="root"))  # fmt: skip
+    tpl = (
+        e2b.Template(file_context_path=str(ctx))
+        .from_template("t1")
+        .copy("hello.txt", "/opt/hello.txt", user="root")
+        .run_cmd("echo built > /opt/built.txt", user="root")
+    )
     with environ(**gw.environ()):
         info = e2b.Template.build(tpl, "c-built:v1", tags=["stable"], cpu_count=2, memory_mb=256)
         records = {n: _node_of_home(homes, n) / "e2b" / "templates.json" for n in nodes}
@@ -354,8 +374,14 @@ def test_e2b_template_build_through_the_cluster_address(ray_cluster, tmp_path):
     headers = {"x-api-key": "e2b_" + gw.api_key}
     with environ(**gw.environ()):
         assert {t.tag for t in e2b.Template.get_tags("c-built")} == {"v1", "stable"}
-        refs = [*(("c-built", n) for n in nodes), (info.template_id, nodes[-1]), ("c-built:stable", nodes[-1]),
-                ("c-built:v1", held[0]), (info.template_id, held[0]), (info.template_id, None)]
+        refs = [
+            *(("c-built", n) for n in nodes),
+            (info.template_id, nodes[-1]),
+            ("c-built:stable", nodes[-1]),
+            ("c-built:v1", held[0]),
+            (info.template_id, held[0]),
+            (info.template_id, None),
+        ]
         for ref, node in refs:  # each right after a kill on the node it names: no wait for a heartbeat
             t = time.monotonic()
             sb = e2b.Sandbox.create(ref, timeout=120, metadata={"weenv.node": node} if node else None)
@@ -373,7 +399,7 @@ def test_e2b_template_build_through_the_cluster_address(ray_cluster, tmp_path):
         assert httpx.put(up, headers={"x-weenv-upload-token": "x"}, content=b"0").status_code == 401
         assert httpx.delete(f"{gw.url}/e2b/templates/{info.template_id}", headers=headers).status_code == 204
         assert not e2b.Template.exists("c-built")
-        with pytest.raises(Exception):
+        with pytest.raises(e2b.exceptions.SandboxException):
             e2b.Sandbox.create("c-built", timeout=60)
     with ClusterClient() as client:
         _wait_forgotten(client)
@@ -675,8 +701,9 @@ def test_stats_metrics_and_port_relays_through_the_gateway(ray_cluster):
                 sb.commands.run(f"python3 /tmp/server.py {PORT} >/dev/null 2>&1", background=True)
                 host = sb.get_host(PORT)
                 deadline = time.monotonic() + 20
-                while (r := httpx.get(gw.url + "/headers", headers={"Host": host, "x-mine": "1"}, timeout=10)
-                       ).status_code != 200 and time.monotonic() < deadline:  # fmt: skip
+                while (
+                    r := httpx.get(gw.url + "/headers", headers={"Host": host, "x-mine": "1"}, timeout=10)
+                ).status_code != 200 and time.monotonic() < deadline:
                     time.sleep(0.2)
                 assert r.status_code == 200 and r.json()["x-mine"] == "1", r.text
                 body = os.urandom(2 * MiB)
@@ -745,7 +772,9 @@ def test_batches_racing_for_the_room_are_refused_or_queued_never_hung(ray_cluste
     made, refused = [], []
     for status, doc in results:
         if status == 503:
-            assert doc["error"]["kind"] == "capacity" and "more than the cluster can hold now" in doc["error"]["message"]
+            assert (
+                doc["error"]["kind"] == "capacity" and "more than the cluster can hold now" in doc["error"]["message"]
+            )
             continue
         assert status == 200, doc
         assert sorted(ev["index"] for ev in doc) == list(range(6)), "a line per item"
@@ -781,8 +810,9 @@ def test_the_cli_takes_the_cluster_down_and_up_leaving_nothing(ray_cluster):
     environ_ = {**os.environ, "RAY_ADDRESS": c.address, "WEENV_CACHE": str(CACHE)}
 
     def weenv(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "weenv", "cluster", *args], env=environ_, capture_output=True,
-                              text=True, timeout=240)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "weenv", "cluster", *args], env=environ_, capture_output=True, text=True, timeout=240
+        )
 
     alive = _alive_nodes()
     r = weenv("status")
@@ -790,8 +820,11 @@ def test_the_cli_takes_the_cluster_down_and_up_leaving_nothing(ray_cluster):
     assert all(n[:12] in r.stdout for n in alive) and r.stdout.count("alive") == len(alive), r.stdout
     gw = cluster.gateway()
     assert gw.url in r.stderr and gw.api_key in r.stderr
-    pids = {h.name: int(p.read_text()) for h in homes.iterdir()
-            if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()}  # fmt: skip
+    pids = {
+        h.name: int(p.read_text())
+        for h in homes.iterdir()
+        if (p := Paths(home=h, cache=CACHE, store_url="").pidfile).exists()
+    }
     assert len(pids) >= len(alive)
 
     gone = [s.node_id for s in cluster.status() if s.state == "gone"]  # the node an earlier test killed

@@ -18,6 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import CACHE  # noqa: E402
+from test_cluster import SMALL, cluster_store, run_cluster  # noqa: E402,F401  (cluster_store: a fixture)
 from weenv import cluster  # noqa: E402
 from weenv.cluster.client import ClusterClient  # noqa: E402
 from weenv.config import Paths  # noqa: E402
@@ -25,9 +27,6 @@ from weenv.formats.manifest import parse_group_manifest  # noqa: E402
 from weenv.node.data.peers import PeerSettings, PeerUpdate  # noqa: E402
 from weenv.sdk import NodeClient  # noqa: E402
 from weenv.server import daemon  # noqa: E402
-
-from conftest import CACHE  # noqa: E402
-from test_cluster import SMALL, cluster_store, run_cluster  # noqa: E402,F401  (cluster_store: a fixture)
 
 MiB = 1 << 20
 FILE = 24 * MiB
@@ -37,9 +36,19 @@ FILE = 24 * MiB
 def peer_cluster(ray_nodes, tmp_path_factory, cluster_store):  # noqa: F811
     # a node silent for long stays listed as a peer: the gone-peer test stops a daemon under its actor;
     # the two windows the tests wait out are short (the defaults: 10 s passed over, 30 s placed)
-    for up in run_cluster(ray_nodes, tmp_path_factory, cluster_store, max_environments=4, heartbeat_s=0.3,
-                          heartbeat_timeout_s=600, reconcile_s=0.3, cache_scan_s=0.3, peer_timeout_s=1.0,
-                          peer_pass_over_s=3.0, placed_expect_s=4.0):
+    for up in run_cluster(
+        ray_nodes,
+        tmp_path_factory,
+        cluster_store,
+        max_environments=4,
+        heartbeat_s=0.3,
+        heartbeat_timeout_s=600,
+        reconcile_s=0.3,
+        cache_scan_s=0.3,
+        peer_timeout_s=1.0,
+        peer_pass_over_s=3.0,
+        placed_expect_s=4.0,
+    ):
         yield (*up, cluster_store)
 
 
@@ -80,8 +89,11 @@ def _read_file_on(client: ClusterClient, template: str, node: str, path: str) ->
 
 def _set_peer_settings(homes: Path, node_id: str, settings: PeerSettings) -> None:
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(_home(homes, node_id) / "run" / "weenv.sock"))) as h:
-        r = h.put("http://weenv/v1/peers", content=PeerUpdate(settings=settings).model_dump_json(),
-                  headers={"content-type": "application/json"})
+        r = h.put(
+            "http://weenv/v1/peers",
+            content=PeerUpdate(settings=settings).model_dump_json(),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 204, r.text
 
 

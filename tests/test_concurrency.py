@@ -88,7 +88,9 @@ def store_root(tmp_path_factory, shared_store) -> Path:
     tmp = tmp_path_factory.mktemp("concurrency")
     root = tmp / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
-    subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)  # profiles other tests recorded
+    subprocess.run(
+        ["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True
+    )  # profiles other tests recorded
     store = FileStore(root)
     tree = tmp / "slow"
     (tree / "data").mkdir(parents=True)
@@ -121,14 +123,14 @@ class MountWatch:
                 for line in f:
                     _src, point, fstype = line.split()[:3]
                     if fstype == "erofs" and point.startswith(self.root):
-                        group = point[len(self.root):].split(".")[0]
+                        group = point[len(self.root) :].split(".")[0]
                         now[group] += 1
                         self.seen.add(point)
             for group, n in now.items():
                 self.most[group] = max(self.most[group], n)
             self._stop.wait(0.001)
 
-    def __enter__(self) -> "MountWatch":
+    def __enter__(self) -> MountWatch:
         self._thread.start()
         return self
 
@@ -163,8 +165,11 @@ def test_concurrent_cold_creates_mount_each_group_once(store_root, paths, leak_c
             points = [str(node.groups.path(g)) for g, _m in groups]
             assert watch.seen == set(points)  # no other mount ever appeared (no second or failed one)
             assert all(watch.most[p.rsplit("/", 1)[1]] == 1 for p in points)
-            erofs = [p for line in open("/proc/mounts") if (f := line.split())[2] == "erofs"
-                     and (p := f[1]).startswith(str(paths.group_mounts))]
+            erofs = [
+                p
+                for line in open("/proc/mounts")
+                if (f := line.split())[2] == "erofs" and (p := f[1]).startswith(str(paths.group_mounts))
+            ]
             assert sorted(erofs) == sorted(points)
             assert node.groups.mounted() == {g: CREATES for g, _m in groups}
             assert max(store.reads.values()) == 1  # single-flight fetches: no chunk read twice
@@ -176,9 +181,11 @@ def test_concurrent_cold_creates_mount_each_group_once(store_root, paths, leak_c
                 results = list(pool.map(run, infos))
             assert [(r.exit_code, r.stdout) for r in results] == [(0, b"hello from the task\n")] * CREATES
             assert len({i.id for i in infos}) == CREATES
-            print(f"\n{CREATES} concurrent cold creates: {elapsed:.2f} s; per create p50 "
-                  f"{sorted(i.timing.total_s for i in infos)[CREATES // 2]:.3f} s; "
-                  f"{sum(store.reads.values())} chunks fetched")
+            print(
+                f"\n{CREATES} concurrent cold creates: {elapsed:.2f} s; per create p50 "
+                f"{sorted(i.timing.total_s for i in infos)[CREATES // 2]:.3f} s; "
+                f"{sum(store.reads.values())} chunks fetched"
+            )
         finally:
             destroy_all(node, [i.id for i in infos])
 
@@ -268,7 +275,9 @@ def test_many_stuck_reads_hold_up_no_cached_read(store_root, paths, leak_check):
         node.destroy(warm.id)
         node.groups.unmount_unused()  # chunks stay in the node cache; page cache gone with the mounts
         assert node.groups.mounted() == {}
-        env = node.create("slow", first_command=False, prefetch=False)  # mounts group slow (its metadata is fetched now)
+        env = node.create(
+            "slow", first_command=False, prefetch=False
+        )  # mounts group slow (its metadata is fetched now)
         store.gated = {c.digest for c in slow[slow_digest].chunks if not node.cache.has(c.digest)}
         big = node.groups.path(slow_digest) / "data" / "big.bin"
         readers = []
@@ -327,6 +336,7 @@ def test_threads_return_to_the_baseline_after_a_burst(node):
     """Issue 13, finding 16: a burst of create/exec/destroy cycles (8 at once)
     leaves no thread behind (each create's first command had a 60 s timeout
     timer that a fast pump missed to cancel: one thread per create for a minute)."""
+
     def cycle(_):
         e = node.create("task")
         node.exec(e.id, ["true"], timeout=30)

@@ -12,10 +12,10 @@ import threading
 
 import httpx
 import pytest
-from daemon_fixture import start_daemon
 from playwright.sync_api import expect, sync_playwright
 
 import weenv
+from daemon_fixture import start_daemon
 from weenv import Sandbox
 
 SMALL = {"cpus": 0.05, "memory_bytes": 64 << 20, "pids": 128}
@@ -106,8 +106,9 @@ def test_an_action_on_an_environment_that_is_gone_says_so(page, sdk, daemon):
     page.goto("/ui/")
     token = page.locator(f'tr[data-env="{sb.id}"] input[name=token]').first.get_attribute("value")
     sb.kill()
-    r = page.request.post(f"/ui/environments/{sb.id}/pause", form={"token": token},
-                          headers={"origin": daemon.url})  # the page's own origin, its cookie
+    r = page.request.post(
+        f"/ui/environments/{sb.id}/pause", form={"token": token}, headers={"origin": daemon.url}
+    )  # the page's own origin, its cookie
     assert r.status == 404
     assert f"pause {sb.id}: no environment" in html.unescape(r.text())
     r = page.request.post(f"/ui/environments/{sb.id}/explode", form={"token": token}, headers={"origin": daemon.url})
@@ -120,8 +121,10 @@ def test_an_action_posted_from_another_origin_is_refused(page, sdk, daemon):
     with create(sdk) as sb:
         page.goto("/ui/")
         token = page.locator(f'tr[data-env="{sb.id}"] input[name=token]').first.get_attribute("value")
-        form = (f'<form id="f" method="post" action="{daemon.url}/ui/environments/{sb.id}/kill">'
-                f'<input name="token" value="{token}"></form>').encode()
+        form = (
+            f'<form id="f" method="post" action="{daemon.url}/ui/environments/{sb.id}/kill">'
+            f'<input name="token" value="{token}"></form>'
+        ).encode()
 
         class Evil(http.server.BaseHTTPRequestHandler):
             def do_GET(self):

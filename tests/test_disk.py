@@ -59,12 +59,18 @@ def test_write_past_the_limit_fails_inside_and_the_node_goes_on(node, paths):
 
 def test_many_small_files_reach_the_limit_too(node):
     """Metadata counts: empty files cannot exhaust the node's disk either."""
-    info = node.create("task", resources=Resources(cpus=0.5, memory_bytes=256 * MiB, pids=256,
-                                                   disk_bytes=16 * MiB))
-    r = node.exec(info.id, ["python3", "-c",
-                            "import os\nos.mkdir('/tmp/d')\n"
-                            "try:\n  [open(f'/tmp/d/{i}', 'w').close() for i in range(200000)]\n"
-                            "except OSError as e: print(e.errno)"], timeout=120)
+    info = node.create("task", resources=Resources(cpus=0.5, memory_bytes=256 * MiB, pids=256, disk_bytes=16 * MiB))
+    r = node.exec(
+        info.id,
+        [
+            "python3",
+            "-c",
+            "import os\nos.mkdir('/tmp/d')\n"
+            "try:\n  [open(f'/tmp/d/{i}', 'w').close() for i in range(200000)]\n"
+            "except OSError as e: print(e.errno)",
+        ],
+        timeout=120,
+    )
     assert r.stdout.strip() == str(errno.EDQUOT).encode(), (r.stdout, r.stderr)
     node.destroy(info.id)
 
@@ -134,9 +140,23 @@ def test_a_fresh_home_starts_beside_another_homes_broken_fuse_mount(tmp_path, pa
     disk, starts, and creates and runs environments (one with network).  The
     node runs in a mount namespace of its own holding the broken mounts
     (``foreign_mounts.py``), so that they stand in no other process's way."""
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", sys.executable, str(FOREIGN_MOUNTS),
-                             "start-node", str(tmp_path / "foreign"), str(shared_store.root), how],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            str(FOREIGN_MOUNTS),
+            "start-node",
+            str(tmp_path / "foreign"),
+            str(shared_store.root),
+            how,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:

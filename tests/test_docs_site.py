@@ -17,9 +17,25 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_mkdocs_build_strict(tmp_path):
     site = tmp_path / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-                        "--site-dir", str(site)], capture_output=True, text=True, timeout=600, env=env,
-                       stdin=subprocess.DEVNULL, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     settings = (site / "reference" / "settings" / "index.html").read_text()
     assert "WEENV_HOME" in settings and "WEENV_POOL_SIZE" in settings

@@ -31,8 +31,9 @@ def daemon(shared_store, tmp_path_factory):
     store = root / "store"  # a private copy: my-task is published into it
     subprocess.run(["cp", "-al", str(shared_store.root), str(store)], check=True)
     small = Resources(cpus=0.1, memory_bytes=128 << 20, pids=256)  # 9 environments on any test machine
-    create_template(FileStore(store), "my-task", ["base", "task"],
-                    runtime=RuntimeConfig(working_dir="/workspace", resources=small))
+    create_template(
+        FileStore(store), "my-task", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace", resources=small)
+    )
     d = start_daemon(root / "home", FileStore(store).url)
     try:
         yield d
@@ -43,8 +44,14 @@ def daemon(shared_store, tmp_path_factory):
 def run_snippet(name: str, daemon, **env: str) -> str:
     """Run ``docs/snippets/NAME`` as a script with ``env`` added; its stdout."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("WEENV_API_", "E2B_"))} | env
-    r = subprocess.run([sys.executable, str(SNIPPETS / name)], env=environ, capture_output=True, text=True,
-                       timeout=300, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, str(SNIPPETS / name)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, f"{name} exited {r.returncode}:\n{r.stderr}\n{daemon.log()}"
     with daemon.http() as c:
         assert c.get("/environments").json() == [], "the snippet left environments"
@@ -58,8 +65,13 @@ def test_sdk_quickstart(daemon):
 
 def test_e2b_quickstart(daemon):
     pytest.importorskip("e2b")
-    out = run_snippet("e2b_quickstart.py", daemon, E2B_API_URL=daemon.url + "/e2b",
-                      E2B_SANDBOX_URL=daemon.url + "/e2b/envd", E2B_API_KEY="e2b_" + daemon.key)
+    out = run_snippet(
+        "e2b_quickstart.py",
+        daemon,
+        E2B_API_URL=daemon.url + "/e2b",
+        E2B_SANDBOX_URL=daemon.url + "/e2b/envd",
+        E2B_API_KEY="e2b_" + daemon.key,
+    )
     assert out == EXPECTED
 
 

@@ -17,7 +17,6 @@ import pytest
 
 e2b = pytest.importorskip("e2b")
 
-from conftest import system_snapshot
 from e2b import CommandExitException, Sandbox
 from e2b.exceptions import (
     AuthenticationException,
@@ -27,6 +26,7 @@ from e2b.exceptions import (
     TimeoutException,
 )
 
+from conftest import system_snapshot
 from daemon_fixture import Daemon, environ, start_daemon
 from weenv.server.e2b import create_e2b_app
 
@@ -105,8 +105,10 @@ def test_create_list_connect_set_timeout_kill(daemon):
 
 def test_metrics(sbx):
     """``get_metrics``: the provisioner's history of CPU and memory, and the disk the sandbox wrote."""
-    sbx.commands.run("head -c 3000000 /dev/urandom > /tmp/written && "
-                     "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < 2: pass'")
+    sbx.commands.run(
+        "head -c 3000000 /dev/urandom > /tmp/written && "
+        "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < 2: pass'"
+    )
     deadline = time.monotonic() + 20
     while not (metrics := sbx.get_metrics()) or metrics[-1].disk_used < 3_000_000:
         assert time.monotonic() < deadline, metrics
@@ -235,7 +237,9 @@ def test_files_list_exists_remove_rename_make_dir(sbx):
     assert set(entries) == {"b", "f.txt", "link"}
     assert entries["b"].type.value == "dir" and entries["f.txt"].type.value == "file"
     assert entries["f.txt"].size == 5 and entries["f.txt"].path == "/tmp/tree/a/f.txt"
-    assert entries["link"].type.value == "file" and entries["link"].symlink_target == "/tmp/tree/a/f.txt"  # envd: the target's type; resolved, absolute
+    assert (
+        entries["link"].type.value == "file" and entries["link"].symlink_target == "/tmp/tree/a/f.txt"
+    )  # envd: the target's type; resolved, absolute
     deep = [e.path for e in sbx.files.list("/tmp/tree", depth=3)]
     assert "/tmp/tree/a/b" in deep and "/tmp/tree/a/f.txt" in deep
 
@@ -270,9 +274,12 @@ def test_envd_routing_and_token(daemon, sbx):
     assert r.status_code == 401
     with pytest.raises(AuthenticationException):
         Sandbox(
-            sandbox_id=sbx.sandbox_id, sandbox_domain=None, envd_version=sbx._envd_version,
-            envd_access_token="wrong", connection_config=_config(sbx, "wrong"),
-        ).files.list("/")  # fmt: skip
+            sandbox_id=sbx.sandbox_id,
+            sandbox_domain=None,
+            envd_version=sbx._envd_version,
+            envd_access_token="wrong",
+            connection_config=_config(sbx, "wrong"),
+        ).files.list("/")
 
 
 def test_envd_is_no_existence_oracle(daemon, sbx):
@@ -280,8 +287,11 @@ def test_envd_is_no_existence_oracle(daemon, sbx):
     answer (status and body) in about the same time; with the token of a sandbox
     that is gone, the SDK learns it is not running."""
     base = daemon.sandbox_url
-    probes = [("GET", "/health", None), ("GET", "/files?path=/etc/hostname", None),
-              ("POST", "/filesystem.Filesystem/ListDir", {"path": "/"})]
+    probes = [
+        ("GET", "/health", None),
+        ("GET", "/files?path=/etc/hostname", None),
+        ("POST", "/filesystem.Filesystem/ListDir", {"path": "/"}),
+    ]
 
     def answers(sid: str, headers: dict) -> list[tuple[int, str]]:
         out = []
@@ -342,9 +352,18 @@ def test_a_gzip_bomb_upload_inflates_in_small_pieces(daemon, sbx):
     pid = daemon.daemon.proc.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5\n")  # reset the peak (VmHWM) to the current RSS
     before = daemon.daemon.rss_peak_kib()
-    r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/bomb.bin"}, content=body, timeout=60,
-                   headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
-                            "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    r = httpx.post(
+        f"{daemon.sandbox_url}/files",
+        params={"path": "/tmp/bomb.bin"},
+        content=body,
+        timeout=60,
+        headers={
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "X-Access-Token": sbx._envd_access_token,
+            "Content-Type": "application/octet-stream",
+            "Content-Encoding": "gzip",
+        },
+    )
     grown = daemon.daemon.rss_peak_kib() - before
     assert r.status_code == 200, r.text
     assert sbx.commands.run("stat -c %s /tmp/bomb.bin").stdout == f"{size}\n"
@@ -363,8 +382,12 @@ def test_a_multipart_upload_of_many_files_is_streamed_into_the_sandbox(daemon, s
     pid = daemon.daemon.proc.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5\n")  # reset the peak (VmHWM) to the current RSS
     before = daemon.daemon.rss_peak_kib()
-    r = httpx.post(f"{daemon.sandbox_url}/files", files=parts, timeout=120,
-                   headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token})
+    r = httpx.post(
+        f"{daemon.sandbox_url}/files",
+        files=parts,
+        timeout=120,
+        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token},
+    )
     grown = daemon.daemon.rss_peak_kib() - before
     assert r.status_code == 200, r.text
     assert [e["path"] for e in r.json()] == [f"/tmp/many/{i}.bin" for i in range(count)]
@@ -377,8 +400,12 @@ def test_a_multipart_upload_of_many_files_is_streamed_into_the_sandbox(daemon, s
     r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/one"}, files=parts[:3], headers=h)
     assert r.status_code == 400 and "several files" in r.json()["message"]
     req = httpx.Request("POST", f"{daemon.sandbox_url}/files", files=parts[:1], headers=h)
-    r = httpx.post(f"{daemon.sandbox_url}/files", content=req.read()[:-200], timeout=30,
-                   headers={**h, "content-type": req.headers["content-type"]})
+    r = httpx.post(
+        f"{daemon.sandbox_url}/files",
+        content=req.read()[:-200],
+        timeout=30,
+        headers={**h, "content-type": req.headers["content-type"]},
+    )
     assert r.status_code == 400 and "closing boundary" in r.json()["message"], r.text
 
 
@@ -395,8 +422,9 @@ def test_an_upload_past_the_disk_limit_is_507(daemon):
             blob = b"x" * (100 << 20)
             r = httpx.post(f"{daemon.sandbox_url}/files", files={"file": ("/tmp/big", blob)}, headers=h, timeout=60)
             assert r.status_code == 507 and "disk" in r.json()["message"], r.text
-            r = httpx.post(f"{daemon.sandbox_url}/files", params={"path": "/tmp/big2"}, content=blob, headers=h,
-                           timeout=60)
+            r = httpx.post(
+                f"{daemon.sandbox_url}/files", params={"path": "/tmp/big2"}, content=blob, headers=h, timeout=60
+            )
             assert r.status_code == 507, r.text
         finally:
             assert c.delete(f"/environments/{env}").status_code == 204
@@ -418,7 +446,9 @@ def test_connect_protocol_details(daemon, sbx):
     assert r.status_code == 501 and r.json()["code"] == "unimplemented"
     r = httpx.post(f"{url}/filesystem.Filesystem/WatchDir", json={}, headers=h)  # served, as a stream only
     assert r.status_code == 415
-    r = httpx.post(f"{url}/filesystem.Filesystem/Stat", content=b"{not json", headers={**h, "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{url}/filesystem.Filesystem/Stat", content=b"{not json", headers={**h, "Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
 
     start = process_pb.StartRequest()
@@ -426,8 +456,9 @@ def test_connect_protocol_details(daemon, sbx):
     start.process.args.extend(["-c", "printf abc; exit 4"])
     payload = start.SerializeToString()
     body = bytes([0]) + len(payload).to_bytes(4, "big") + payload
-    r = httpx.post(f"{url}/process.Process/Start", content=body,
-                   headers={**h, "Content-Type": "application/connect+proto"})  # fmt: skip
+    r = httpx.post(
+        f"{url}/process.Process/Start", content=body, headers={**h, "Content-Type": "application/connect+proto"}
+    )
     assert r.status_code == 200
     frames, data = [], r.content
     while data:

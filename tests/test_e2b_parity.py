@@ -48,8 +48,12 @@ def test_list_is_newest_first_and_filters_by_start_time(daemon, two):  # noqa: F
     assert [i.sandbox_id for i in after] == [b.sandbox_id]
     future = datetime.datetime(2099, 1, 1, tzinfo=datetime.UTC)
     assert Sandbox.list(query=SandboxQuery(started_after=future)).next_items() == []
-    r = _api(daemon, "GET", "/v2/sandboxes", params={"startedBefore": (b_start - datetime.timedelta(seconds=0.5)).isoformat(),
-                                                     "metadata": "suite=parity"})  # fmt: skip
+    r = _api(
+        daemon,
+        "GET",
+        "/v2/sandboxes",
+        params={"startedBefore": (b_start - datetime.timedelta(seconds=0.5)).isoformat(), "metadata": "suite=parity"},
+    )
     assert [s["sandboxID"] for s in r.json()] == [a.sandbox_id]
 
     for params in ({"startedAfter": "yesterday"}, {"startedBefore": "2024-01-01T00:00:00"}, {"order": "newest"}):
@@ -60,8 +64,10 @@ def test_list_is_newest_first_and_filters_by_start_time(daemon, two):  # noqa: F
 
 def test_symlink_target_is_the_resolved_absolute_path(two):
     s = two[0]
-    s.commands.run("mkdir -p /tmp/d/sub && echo hi > /tmp/d/sub/test.txt && cd /tmp/d && ln -sf sub/test.txt link "
-                   "&& ln -sfn sub subdir && ln -sf subdir/test.txt chained && ln -sf nowhere dangling")
+    s.commands.run(
+        "mkdir -p /tmp/d/sub && echo hi > /tmp/d/sub/test.txt && cd /tmp/d && ln -sf sub/test.txt link "
+        "&& ln -sfn sub subdir && ln -sf subdir/test.txt chained && ln -sf nowhere dangling"
+    )
     info = s.files.get_info("/tmp/d/link")
     assert info.symlink_target == "/tmp/d/sub/test.txt"
     assert s.files.get_info("/tmp/d/chained").symlink_target == "/tmp/d/sub/test.txt"
@@ -104,10 +110,13 @@ def test_pseudo_files_are_read_inside_with_the_sandboxs_rights(two):
     from e2b.exceptions import InvalidArgumentException
 
     s = two[0]
-    s.commands.run("ln -sf /proc/kallsyms /tmp/k && ln -sf /proc/kmsg /tmp/kmsg && ln -sf /sys/kernel/notes /tmp/n "
-                   "&& ln -sf ../proc/1/status /tmp/status && ln -sf /proc/sys/kernel/random/boot_id /tmp/boot")
-    cgroup_file = s.commands.run("ls /sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/*/cgroup.procs 2>/dev/null | head -1",
-                                 ).stdout.strip()  # fmt: skip
+    s.commands.run(
+        "ln -sf /proc/kallsyms /tmp/k && ln -sf /proc/kmsg /tmp/kmsg && ln -sf /sys/kernel/notes /tmp/n "
+        "&& ln -sf ../proc/1/status /tmp/status && ln -sf /proc/sys/kernel/random/boot_id /tmp/boot"
+    )
+    cgroup_file = s.commands.run(
+        "ls /sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/*/cgroup.procs 2>/dev/null | head -1",
+    ).stdout.strip()
     assert cgroup_file
     for path in ("/tmp/kmsg", "/proc/kmsg"):
         t = time.monotonic()
@@ -160,9 +169,13 @@ def test_kill_during_a_command_async(daemon):  # noqa: F811
 
 def test_unserved_routes_are_501_naming_the_feature(daemon, two):  # noqa: F811
     sid = two[0].sandbox_id
-    for method, path, word in [("GET", "/volumes", "volumes"),
-                               ("GET", f"/sandboxes/{sid}/logs", "logs"), ("GET", "/secrets", "secrets"),
-                               ("GET", "/default-templates", "default templates"), ("PUT", f"/sandboxes/{sid}/timeout", "")]:  # fmt: skip
+    for method, path, word in [
+        ("GET", "/volumes", "volumes"),
+        ("GET", f"/sandboxes/{sid}/logs", "logs"),
+        ("GET", "/secrets", "secrets"),
+        ("GET", "/default-templates", "default templates"),
+        ("PUT", f"/sandboxes/{sid}/timeout", ""),
+    ]:
         r = _api(daemon, method, path)
         assert r.status_code == 501, (path, r.status_code, r.text)
         assert r.json()["code"] == 501 and word in r.json()["message"] and "weenv does not serve" in r.json()["message"]
@@ -176,8 +189,11 @@ def test_file_metadata_fields_as_the_sdk_reads_them(daemon, two):  # noqa: F811
     from e2b import FileType
 
     s = two[1]
-    s.commands.run("mkdir -p /tmp/m && printf 12345 > /tmp/m/f && chmod 640 /tmp/m/f && "
-                   "touch -d '2021-02-03 04:05:06Z' /tmp/m/f && ln -sf f /tmp/m/l", user="root")
+    s.commands.run(
+        "mkdir -p /tmp/m && printf 12345 > /tmp/m/f && chmod 640 /tmp/m/f && "
+        "touch -d '2021-02-03 04:05:06Z' /tmp/m/f && ln -sf f /tmp/m/l",
+        user="root",
+    )
     owner = s.commands.run("stat -c '%U %G' /tmp/m/f", user="root").stdout.split()
     info = s.files.get_info("/tmp/m/f")
     assert (info.type, info.size, info.mode, info.permissions) == (FileType.FILE, 5, 0o640, "-rw-r-----")
@@ -195,8 +211,12 @@ def test_file_metadata_fields_as_the_sdk_reads_them(daemon, two):  # noqa: F811
     assert {e.name: e.metadata for e in s.files.list("/tmp/m")}["tagged"] == {"origin": "agent", "step": "3"}
     assert "user.e2b.origin" in s.commands.run("python3 -c \"import os; print(os.listxattr('/tmp/m/tagged'))\"").stdout
 
-    headers = {"E2b-Sandbox-Id": s.sandbox_id, "X-Access-Token": s._envd_access_token,
-               "Content-Type": "application/octet-stream", **{f"X-Metadata-k{i}": "v" for i in range(65)}}  # fmt: skip
+    headers = {
+        "E2b-Sandbox-Id": s.sandbox_id,
+        "X-Access-Token": s._envd_access_token,
+        "Content-Type": "application/octet-stream",
+        **{f"X-Metadata-k{i}": "v" for i in range(65)},
+    }
     r = httpx.post(daemon.sandbox_url + "/files", params={"path": "/tmp/m/many"}, headers=headers, content=b"x")
     assert r.status_code == 400 and "metadata" in r.json()["message"]
     assert not s.files.exists("/tmp/m/many")

@@ -77,8 +77,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, shared_store):
-    with e2b_daemon(tmp_path_factory.mktemp("e2b-ports"), None, shared_store.url, WEENV_RELAY_MAX="4",
-                    WEENV_RELAY_IDLE_S="2") as d:  # fmt: skip
+    with e2b_daemon(
+        tmp_path_factory.mktemp("e2b-ports"), None, shared_store.url, WEENV_RELAY_MAX="4", WEENV_RELAY_IDLE_S="2"
+    ) as d:
         yield d
 
 
@@ -88,8 +89,9 @@ def _serve(sbx: Sandbox, daemon: E2B, headers: dict | None = None) -> str:
     sbx.commands.run(f"python3 /tmp/server.py {PORT} >/dev/null 2>&1", background=True)
     host = sbx.get_host(PORT)
     deadline = time.monotonic() + 20
-    while (r := httpx.get(daemon.daemon.url + "/headers", headers={"Host": host, **(headers or {})}, timeout=5)
-           ).status_code != 200 and time.monotonic() < deadline:  # fmt: skip
+    while (
+        r := httpx.get(daemon.daemon.url + "/headers", headers={"Host": host, **(headers or {})}, timeout=5)
+    ).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert r.status_code == 200, r.text
     sbx.files.write("/tmp/requests", "")
@@ -106,8 +108,9 @@ def public(daemon):
 
 def _get(daemon, host: str, path: str, **kw) -> httpx.Response:
     headers = {"Host": host, **kw.pop("headers", {})}
-    return httpx.request(kw.pop("method", "GET"), daemon.daemon.url + path, headers=headers,
-                         timeout=kw.pop("timeout", 10), **kw)  # fmt: skip
+    return httpx.request(
+        kw.pop("method", "GET"), daemon.daemon.url + path, headers=headers, timeout=kw.pop("timeout", 10), **kw
+    )
 
 
 def test_a_private_sandboxs_ports_need_its_traffic_token(daemon, public):
@@ -120,8 +123,11 @@ def test_a_private_sandboxs_ports_need_its_traffic_token(daemon, public):
         assert token and len(token) == 32 and token != s._envd_access_token  # noqa: SLF001
         assert public[0].traffic_access_token is None  # public (E2B's default): none
         host = _serve(s, daemon, {"e2b-traffic-access-token": token})
-        for headers in ({}, {"e2b-traffic-access-token": "0" * 32},
-                        {"e2b-traffic-access-token": Sandbox.connect(public[0].sandbox_id).traffic_access_token or ""}):
+        for headers in (
+            {},
+            {"e2b-traffic-access-token": "0" * 32},
+            {"e2b-traffic-access-token": Sandbox.connect(public[0].sandbox_id).traffic_access_token or ""},
+        ):
             r = _get(daemon, host, "/headers", headers=headers)
             assert r.status_code == 403 and "traffic access token" in r.json()["message"], r.text
         assert s.files.read("/tmp/requests") == ""  # none of them reached it
@@ -205,11 +211,16 @@ def test_the_namespace_of_a_sandbox_without_network_is_pinned(on_runc, node, tmp
     state is made to name another process, in a namespace of its own serving
     the same port: the relay must refuse it, never connect there."""
     env = node.create("task")
-    serve = "import socket,sys\ns=socket.create_server(('127.0.0.1',int(sys.argv[1])))\nprint('ready',flush=True)\n" \
-            "while True:\n c,_=s.accept(); c.sendall(sys.argv[2].encode()); c.close()"
+    serve = (
+        "import socket,sys\ns=socket.create_server(('127.0.0.1',int(sys.argv[1])))\nprint('ready',flush=True)\n"
+        "while True:\n c,_=s.accept(); c.sendall(sys.argv[2].encode()); c.close()"
+    )
     mine = node.spawn(env.id, ["python3", "-c", serve, str(PORT), "env"])
-    other = subprocess.Popen(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {sys.executable} -c "
-                              f"\"$0\" {PORT} impostor", serve], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    other = subprocess.Popen(
+        ["unshare", "--net", "sh", "-c", f'ip link set lo up && exec {sys.executable} -c "$0" {PORT} impostor', serve],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     state_file = node.runc.chosen.root / node.table.get(env.id).container_id / "state.json"
     saved = state_file.read_bytes()
     try:
@@ -322,8 +333,9 @@ class _WsClient:
         u = httpx.URL(url)
         self.sock = socket.create_connection((u.host, u.port), timeout=15)
         self.ws = WSConnection(ConnectionType.CLIENT)
-        self.sock.sendall(self.ws.send(Request(host=host, target=target, subprotocols=list(subprotocols),
-                                               extra_headers=list(extra))))  # fmt: skip
+        self.sock.sendall(
+            self.ws.send(Request(host=host, target=target, subprotocols=list(subprotocols), extra_headers=list(extra)))
+        )
         self.pending: list = []
 
     def next(self):

@@ -35,8 +35,12 @@ from weenv.packaging.group import build_group  # noqa: E402
 from weenv.packaging.template import create_template  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
 
-USER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home/user",
-            "USER": "user", "LANG": "C.UTF-8"}  # fmt: skip
+USER_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/home/user",
+    "USER": "user",
+    "LANG": "C.UTF-8",
+}
 
 
 def user_layer(debian_root: Path, at: Path) -> Path:
@@ -59,8 +63,12 @@ def served(shared_store, debian_root):
         subprocess.run(["cp", "-al", str(shared_store.root), str(root / "store")], check=True)
         store = FileStore(root / "store")
         build_group(user_layer(debian_root, root / "user-layer"), store, name="e2b-user")
-        create_template(store, "base", ["base", "e2b-user"],
-                        runtime=RuntimeConfig(user="1000:1000", working_dir="/home/user", env=USER_ENV))
+        create_template(
+            store,
+            "base",
+            ["base", "e2b-user"],
+            runtime=RuntimeConfig(user="1000:1000", working_dir="/home/user", env=USER_ENV),
+        )
         with e2b_daemon(root, None, store.url) as d:
             yield d
     finally:
@@ -180,15 +188,18 @@ def test_pseudo_files_are_read_inside_with_the_callers_rights(sandbox):
     assert uid_of(sandbox.files.read("/proc/self/status", user="root")) == "0"
     # the reader is a process of the sandbox: its pid namespace, its mounts
     assert sandbox.files.read("/proc/1/cmdline", format="bytes") == base64.b64decode(
-        sandbox.commands.run("base64 -w0 /proc/1/cmdline").stdout)
+        sandbox.commands.run("base64 -w0 /proc/1/cmdline").stdout
+    )
     mounts = sandbox.files.read("/proc/self/mounts")
     assert mounts == sandbox.commands.run("cat /proc/self/mounts").stdout
     # through a link planted inside, as a process there would read it
     sandbox.commands.run("ln -sf /proc/sys/kernel/random/boot_id /tmp/boot")
     assert sandbox.files.read("/tmp/boot") == boot
     # sysfs too
-    assert sandbox.files.read("/sys/kernel/mm/transparent_hugepage/enabled") == sandbox.commands.run(
-        "cat /sys/kernel/mm/transparent_hugepage/enabled").stdout
+    assert (
+        sandbox.files.read("/sys/kernel/mm/transparent_hugepage/enabled")
+        == sandbox.commands.run("cat /sys/kernel/mm/transparent_hugepage/enabled").stdout
+    )
 
 
 def test_pseudo_file_reads_have_the_sandboxs_rights_not_the_daemons(sandbox):
@@ -198,13 +209,18 @@ def test_pseudo_file_reads_have_the_sandboxs_rights_not_the_daemons(sandbox):
     secret = Path(tempfile.mkdtemp(prefix="weenv-host-only-")) / "secret"
     secret.write_text("host only\n")
     try:
-        for path in (f"/proc/1/root{secret}", f"/proc/self/root{secret}", f"/proc/{os.getpid()}/root{secret}",
-                     f"/proc/{os.getpid()}/environ"):
+        for path in (
+            f"/proc/1/root{secret}",
+            f"/proc/self/root{secret}",
+            f"/proc/{os.getpid()}/root{secret}",
+            f"/proc/{os.getpid()}/environ",
+        ):
             with pytest.raises(SandboxException) as err:
                 sandbox.files.read(path, request_timeout=20)
             assert "host only" not in str(err.value)
-        pid = sandbox.commands.run("SECRET=root-only nohup sleep 300 >/dev/null 2>&1 & echo $!",
-                                   user="root").stdout.strip()  # fmt: skip
+        pid = sandbox.commands.run(
+            "SECRET=root-only nohup sleep 300 >/dev/null 2>&1 & echo $!", user="root"
+        ).stdout.strip()
         with pytest.raises(SandboxException, match="denied"):  # another user's process: not to the user
             sandbox.files.read(f"/proc/{pid}/environ", request_timeout=20)
         assert b"SECRET=root-only" in sandbox.files.read(f"/proc/{pid}/environ", user="root", format="bytes")

@@ -80,8 +80,11 @@ def test_bad_signatures_are_refused(two):
         "a read signature to write": _with(good, path="/tmp/secret.txt"),
     }
     for what, url in cases.items():
-        r = (httpx.post(url, files={"file": ("x", b"overwritten")}, timeout=30) if what == "a read signature to write"
-             else httpx.get(url, timeout=30))
+        r = (
+            httpx.post(url, files={"file": ("x", b"overwritten")}, timeout=30)
+            if what == "a read signature to write"
+            else httpx.get(url, timeout=30)
+        )
         assert r.status_code == 401, (what, r.status_code, r.text)
         assert b"secret" not in r.content, what
     assert a.files.read("/tmp/secret.txt") == "secret\n"  # the write was refused

@@ -27,15 +27,20 @@ from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
 
 from daemon_fixture import environ, start_daemon  # noqa: E402
 from e2b_fixture import e2b_daemon  # noqa: E402
-from test_userns import range_processes as userns_processes, sudo_layer  # noqa: E402
+from test_userns import range_processes as userns_processes  # noqa: E402
+from test_userns import sudo_layer
 from weenv.formats.manifest import RuntimeConfig  # noqa: E402
 from weenv.node.runtime import idmap  # noqa: E402
 from weenv.packaging.group import build_group  # noqa: E402
 from weenv.packaging.template import create_template  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
 
-USER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home/user",
-            "USER": "user", "LANG": "C.UTF-8"}  # fmt: skip
+USER_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/home/user",
+    "USER": "user",
+    "LANG": "C.UTF-8",
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +55,12 @@ def served(shared_store, debian_root):
         store = FileStore(root / "store")
         build_group(sudo_layer(debian_root), store, name="sudo-layer")
         for name, sudo in (("sudo", True), ("plain", False)):
-            create_template(store, name, ["base", "sudo-layer"],
-                            runtime=RuntimeConfig(user="1000:1000", working_dir="/home/user", env=USER_ENV,
-                                                  sudo=sudo))  # fmt: skip
+            create_template(
+                store,
+                name,
+                ["base", "sudo-layer"],
+                runtime=RuntimeConfig(user="1000:1000", working_dir="/home/user", env=USER_ENV, sudo=sudo),
+            )
         with e2b_daemon(root, None, store.url) as d:
             d.store_url = store.url
             yield d
@@ -135,8 +143,9 @@ def test_without_sudo_setuid_is_refused_clearly(served):
 def test_snapshot_of_a_sudo_sandbox_starts_with_its_owners_and_sudo(served):
     """A snapshot of a sudo sandbox (its files owned by its host id range) starts
     in another range with the same owners and modes inside, and sudo works there."""
-    script = ("sudo sh -c 'mkdir -m 750 /srv/mine && chown user:user /srv/mine && touch /etc/by-root'"
-              " && echo x > /srv/mine/f")
+    script = (
+        "sudo sh -c 'mkdir -m 750 /srv/mine && chown user:user /srv/mine && touch /etc/by-root' && echo x > /srv/mine/f"
+    )
     listing = "stat -c '%n %U %G %a' /srv/mine /srv/mine/f /etc/by-root /home/user"
     sbx = Sandbox.create("sudo", timeout=120)
     try:
@@ -170,7 +179,8 @@ def test_resets_of_a_sudo_sandbox_start_the_container_made_ahead(served):
             assert r.stdout.split() == ["0", "no"], r
             deadline = time.monotonic() + 10  # the next one made ahead, in the background
             while time.monotonic() < deadline and not _cgroup_names(sbx.sandbox_id) >= {
-                    f"weenv-{sbx.sandbox_id}.{n + 1}"}:  # fmt: skip
+                f"weenv-{sbx.sandbox_id}.{n + 1}"
+            }:
                 time.sleep(0.05)
         # the first reset ran its container again (no spare yet), the next two started the one made ahead
         assert _cgroup_names(sbx.sandbox_id) == {f"weenv-{sbx.sandbox_id}.2", f"weenv-{sbx.sandbox_id}.3"}

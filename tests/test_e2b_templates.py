@@ -40,8 +40,9 @@ def base_image(e2b_base_image):
 
 @pytest.fixture(scope="module")
 def e2bd(tmp_path_factory, oci_registry):  # noqa: F811
-    with e2b_daemon(tmp_path_factory.mktemp("e2b-templates"), oci_registry,
-                    WEENV_E2B_READY_TIMEOUT_S=str(READY_TIMEOUT_S)) as d:
+    with e2b_daemon(
+        tmp_path_factory.mktemp("e2b-templates"), oci_registry, WEENV_E2B_READY_TIMEOUT_S=str(READY_TIMEOUT_S)
+    ) as d:
         yield d
 
 
@@ -53,8 +54,11 @@ def _quiet_nothing_left(d: E2B) -> None:
 
 def _runs(logs: list) -> list[str]:
     """The steps a build ran (not from the cache): their ``[builder N/M] TYPE ...`` lines."""
-    return [m for m in (e.message for e in logs) if re.match(r"^\[builder \d+/\d+\] (RUN|COPY|WORKDIR|USER) ", m)
-            and ": done in" not in m]
+    return [
+        m
+        for m in (e.message for e in logs)
+        if re.match(r"^\[builder \d+/\d+\] (RUN|COPY|WORKDIR|USER) ", m) and ": done in" not in m
+    ]
 
 
 # --- builds ---------------------------------------------------------------------------------
@@ -88,7 +92,8 @@ def test_build_from_image_with_every_step_kind(e2bd, base_image, tmp_path):
         r = sb.commands.run(
             "id; echo $HOME; pwd; cat /tmp/build-user /tmp/build-home /srv/data/env.txt /srv/work/marker; "
             "cat /opt/app/hello.txt; run-it; stat -c '%U %a' /opt/app/hello.txt /usr/local/bin/run-it /srv/work; "
-            "grep '^user:' /etc/passwd; echo GREETING=$GREETING")
+            "grep '^user:' /etc/passwd; echo GREETING=$GREETING"
+        )
         out = r.stdout.splitlines()
         assert out[0].startswith("uid=1000(user) gid=1000(user)"), out
         assert out[1:3] == ["/home/user", "/srv/work"], out  # E2B's default user; the last WORKDIR
@@ -106,8 +111,15 @@ def test_rebuild_after_changing_the_last_line_runs_only_it(e2bd, base_image, tmp
     ctx = tmp_path / "ctx"
     ctx.mkdir()
     (ctx / "data.txt").write_text("data\n")
-    lines = [f"FROM {base_image}", "USER root", "RUN echo one > /one", "COPY data.txt /opt/data.txt",
-             "WORKDIR /opt", "ENV STAGE=two", "RUN echo $STAGE > /two"]
+    lines = [
+        f"FROM {base_image}",
+        "USER root",
+        "RUN echo one > /one",
+        "COPY data.txt /opt/data.txt",
+        "WORKDIR /opt",
+        "ENV STAGE=two",
+        "RUN echo $STAGE > /two",
+    ]
 
     def build(name: str, last: str) -> tuple[list[str], list]:
         logs: list = []
@@ -186,8 +198,11 @@ def test_a_build_whose_cached_step_a_gc_deletes_meanwhile_runs_it_again(e2bd, ba
         [tid] = [t["templateID"] for t in c.get("/templates").json() if t["names"][0] == f"t-gc-a-{token}"]
         assert c.delete(f"/templates/{tid}").status_code == 204  # the step's group is garbage now
     go = tmp_path / "go"
-    deleter = subprocess.Popen([sys.executable, "-c", _DELETER, store.url, str(go), template, group],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deleter = subprocess.Popen(
+        [sys.executable, "-c", _DELETER, store.url, str(go), template, group],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     logs: list = []
     errors: list = []
 
@@ -242,8 +257,11 @@ def test_from_template_and_async_build(e2bd, base_image):
 
 
 def test_start_and_ready_commands(e2bd, base_image):
-    tpl = (Template().from_image(base_image)
-           .set_start_cmd("sleep 1; echo up > /tmp/ready; exec sleep infinity", wait_for_file("/tmp/ready")))
+    tpl = (
+        Template()
+        .from_image(base_image)
+        .set_start_cmd("sleep 1; echo up > /tmp/ready; exec sleep infinity", wait_for_file("/tmp/ready"))
+    )
     Template.build(tpl, "t-ready")
     t0 = time.monotonic()
     sb = Sandbox.create("t-ready", timeout=60)
@@ -366,8 +384,10 @@ def test_bad_requests(e2bd, base_image):
         host, port = e2bd.daemon.url.removeprefix("http://").split(":")
         path = url.removeprefix(e2bd.daemon.url)
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(f"PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {5 << 30}\r\n"
-                      f"x-weenv-upload-token: {headers['x-weenv-upload-token']}\r\n\r\n".encode())
+            s.sendall(
+                f"PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {5 << 30}\r\n"
+                f"x-weenv-upload-token: {headers['x-weenv-upload-token']}\r\n\r\n".encode()
+            )
             assert s.recv(4096).startswith(b"HTTP/1.1 413")
         files = e2bd.daemon.home / "e2b" / "files"
         assert not list(files.glob(".*.part")) and not (files / f"{'cd' * 32}.tar").exists()
@@ -385,8 +405,10 @@ def test_deleting_a_template_cancels_its_build(e2bd, base_image):
     with e2bd.api() as c:
         tid, bid = _request(c, "t-cancel")
         steps = [{"type": "RUN", "args": ["echo started; sleep 300"]}]
-        assert c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": steps}
-                      ).status_code == 202  # fmt: skip
+        assert (
+            c.post(f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": base_image, "steps": steps}).status_code
+            == 202
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             s = c.get(f"/templates/{tid}/builds/{bid}/status").json()
@@ -411,8 +433,10 @@ def _raw_put(d, url: str, headers: dict, length: int, body: bytes, wait: float =
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     with socket.create_connection((host, int(port))) as s:
         s.settimeout(wait)
-        s.sendall(f"PUT {url.removeprefix(d.url)} HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n{head}\r\n"
-                  .encode() + body)  # fmt: skip
+        s.sendall(
+            f"PUT {url.removeprefix(d.url)} HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n{head}\r\n".encode()
+            + body
+        )
         answer = b""
         while b"}" not in answer:
             chunk = s.recv(65536)
@@ -483,7 +507,8 @@ def test_a_build_printing_200_mb_keeps_a_bounded_log(e2bd, base_image):
         tid, bid = t["templateID"], t["builds"][0]["buildID"]
         entries, size, offset = [], 0, 0
         while page := (r := c.get(f"/templates/{tid}/builds/{bid}/status", params={"logsOffset": offset})).json()[
-                "logEntries"]:  # fmt: skip
+            "logEntries"
+        ]:
             entries += page
             size += len(r.content)
             offset += len(page)
@@ -497,14 +522,24 @@ def test_a_build_printing_200_mb_keeps_a_bounded_log(e2bd, base_image):
 
 def test_upload_tokens_expire_open_one_route_and_unbuilt_uploads_go(tmp_path_factory, oci_registry):  # noqa: F811
     """A node whose uploads live 3 s and hold at most 1 MiB together."""
-    with e2b_daemon(tmp_path_factory.mktemp("e2b-uploads"), oci_registry, WEENV_E2B_UPLOAD_TTL_S="3",
-                    WEENV_E2B_UPLOADS_MAX_BYTES=str(1 << 20)) as d, d.api() as c:  # fmt: skip
+    with (
+        e2b_daemon(
+            tmp_path_factory.mktemp("e2b-uploads"),
+            oci_registry,
+            WEENV_E2B_UPLOAD_TTL_S="3",
+            WEENV_E2B_UPLOADS_MAX_BYTES=str(1 << 20),
+        ) as d,
+        d.api() as c,
+    ):
         files = d.daemon.home / "e2b" / "files"
         tid, _ = _request(c, "t-up")
         first = c.get(f"/templates/{tid}/files/{'12' * 32}").json()
         # the token is no credential elsewhere: a keyless body past 64 KiB is refused, not read whole for a 401
-        r = httpx.post(d.api_url + "/sandboxes", content=b"{" + b" " * (1 << 20) + b"}",
-                       headers={**first["headers"], "content-type": "application/json"})  # fmt: skip
+        r = httpx.post(
+            d.api_url + "/sandboxes",
+            content=b"{" + b" " * (1 << 20) + b"}",
+            headers={**first["headers"], "content-type": "application/json"},
+        )
         assert r.status_code == 413 and "65536" in r.text, r.text
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -532,6 +567,8 @@ def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image)
     sandboxes' disk quota), each called with the SDK's own generated client."""
     from e2b.api.client.api.templates import (
         get_templates_template_id_builds_build_id_logs as build_logs,
+    )
+    from e2b.api.client.api.templates import (
         get_v2_templates,
         patch_templates_template_id,
         patch_v_2_templates_template_id,
@@ -540,8 +577,9 @@ def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image)
     from e2b.api.client_sync import get_api_client
     from e2b.connection_config import ConnectionConfig
 
-    info = Template.build(Template().from_image(base_image).run_cmd("echo one; echo two"), "t-v2a",
-                          min_free_disk_mb=12 << 10)  # 12 GiB: above the 10 GiB default quota
+    info = Template.build(
+        Template().from_image(base_image).run_cmd("echo one; echo two"), "t-v2a", min_free_disk_mb=12 << 10
+    )  # 12 GiB: above the 10 GiB default quota
     Template.build(Template().from_image(base_image), "t-v2b")
     client = get_api_client(ConnectionConfig())
     page = get_v2_templates.sync_detailed(client=client, limit=1)
@@ -555,12 +593,17 @@ def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image)
     mine = next(t for t in get_v2_templates.sync(client=client) if t.names == ["t-v2a"])
     assert mine.public is False and mine.disk_size_mb == 12 << 10 and mine.build_status.value == "ready"
 
-    r = patch_v_2_templates_template_id.sync_detailed(info.template_id, client=client,
-                                                      body=TemplateUpdateRequest(public=True))
+    r = patch_v_2_templates_template_id.sync_detailed(
+        info.template_id, client=client, body=TemplateUpdateRequest(public=True)
+    )
     assert r.status_code == 200 and r.parsed.names == ["t-v2a"], r.content
     assert next(t for t in get_v2_templates.sync(client=client) if t.names == ["t-v2a"]).public is True
-    assert patch_templates_template_id.sync_detailed("t-v2a", client=client,
-                                                     body=TemplateUpdateRequest(public=False)).status_code == 200
+    assert (
+        patch_templates_template_id.sync_detailed(
+            "t-v2a", client=client, body=TemplateUpdateRequest(public=False)
+        ).status_code
+        == 200
+    )
     with e2bd.api() as c:
         assert c.get("/templates/aliases/t-v2a").json()["public"] is False
         assert c.patch("/v2/templates/t-absent", json={"public": True}).status_code == 404
@@ -570,16 +613,20 @@ def test_list_v2_update_and_build_logs_through_the_sdks_client(e2bd, base_image)
     assert "one" in messages and "two" in messages, messages
     paged, cursor = [], None
     while True:
-        r = client.get_httpx_client().get(f"/templates/{info.template_id}/builds/{info.build_id}/logs",
-                                           params={"limit": 2, **({"pageCursor": cursor} if cursor else {})})
+        r = client.get_httpx_client().get(
+            f"/templates/{info.template_id}/builds/{info.build_id}/logs",
+            params={"limit": 2, **({"pageCursor": cursor} if cursor else {})},
+        )
         paged += r.json()["logs"]
         if not (cursor := r.json().get("nextCursor")):
             break
     assert [e["message"] for e in paged] == messages and [e["id"] for e in paged] == [str(i) for i in range(len(paged))]
     backward = build_logs.sync(info.template_id, info.build_id, client=client, direction=LogsDirection.BACKWARD)
     assert [e.message for e in backward.logs] == messages[::-1]
-    assert all(e.level.value in ("warn", "error") for e in
-               build_logs.sync(info.template_id, info.build_id, client=client, level=LogLevel.WARN).logs)
+    assert all(
+        e.level.value in ("warn", "error")
+        for e in build_logs.sync(info.template_id, info.build_id, client=client, level=LogLevel.WARN).logs
+    )
     last_ms = int(everything[-1].timestamp.timestamp() * 1000)
     after = build_logs.sync(info.template_id, info.build_id, client=client, cursor=last_ms).logs
     assert after and after[-1].message == messages[-1] and len(after) < len(messages)

@@ -16,7 +16,8 @@ import pytest
 
 e2b = pytest.importorskip("e2b")
 
-from e2b import AsyncSandbox, FilesystemEventType as T, Sandbox
+from e2b import AsyncSandbox, Sandbox
+from e2b import FilesystemEventType as T
 from e2b.exceptions import FileNotFoundException, InvalidArgumentException, SandboxException
 
 from test_e2b import TEMPLATE, daemon  # noqa: F401  (the module's daemon fixture)
@@ -48,8 +49,11 @@ def until(check, timeout: float = 15.0, what: str = ""):
 def collect(handle, want: set, timeout: float = 15.0) -> list[tuple]:
     """``(type, name)`` of the polling watcher's events until ``want`` are all in."""
     seen: list[tuple] = []
-    until(lambda: (seen.extend((e.type, e.name) for e in handle.get_new_events()) or want <= set(seen)),
-          timeout, f"wanted {want}")  # fmt: skip
+    until(
+        lambda: seen.extend((e.type, e.name) for e in handle.get_new_events()) or want <= set(seen),
+        timeout,
+        f"wanted {want}",
+    )
     return seen
 
 
@@ -73,8 +77,9 @@ def test_polling_watcher_reports_each_kind(daemon, sbx):  # noqa: F811
     base, h = watched(daemon, s, "/tmp/w")
     assert inotify_watches(daemon) == base + 1  # not recursive: the directory alone
     s.commands.run("echo x > /tmp/w/a && chmod 600 /tmp/w/a && mv /tmp/w/a /tmp/w/b && rm /tmp/w/b")
-    seen = collect(h, {(T.CREATE, "a"), (T.WRITE, "a"), (T.CHMOD, "a"), (T.RENAME, "a"), (T.CREATE, "b"),
-                       (T.REMOVE, "b")})  # fmt: skip
+    seen = collect(
+        h, {(T.CREATE, "a"), (T.WRITE, "a"), (T.CHMOD, "a"), (T.RENAME, "a"), (T.CREATE, "b"), (T.REMOVE, "b")}
+    )
     assert seen.index((T.CREATE, "a")) < seen.index((T.RENAME, "a")) < seen.index((T.REMOVE, "b"))
     s.files.write("/tmp/w/up.txt", "through the files API")  # the host side's writes are seen too
     collect(h, {(T.CREATE, "up.txt"), (T.WRITE, "up.txt")})
@@ -156,12 +161,14 @@ def test_unread_events_are_bounded(daemon, sbx):  # noqa: F811
     s = sbx
     base, h = watched(daemon, s, "/tmp/flood")
     s.commands.run(f"cd /tmp/flood && seq {watch.MAX_QUEUED + 10} | xargs touch")
+
     def failed():
         try:
             h.get_new_events()
         except SandboxException as exc:
             return exc
         return None
+
     err = until(failed, 30)
     assert "events were lost" in str(err)
     assert until(lambda: inotify_watches(daemon) == base)  # the failed watcher let go of its watch
@@ -186,8 +193,9 @@ def test_streamed_watch_async(daemon):  # noqa: F811
         try:
             await s.commands.run("mkdir -p /tmp/s/sub")
             events, ended = [], []
-            h = await s.files.watch_dir("/tmp/s", on_event=events.append, on_exit=ended.append, recursive=True,
-                                        include_entry=True)  # fmt: skip
+            h = await s.files.watch_dir(
+                "/tmp/s", on_event=events.append, on_exit=ended.append, recursive=True, include_entry=True
+            )
             await s.commands.run("echo 1 > /tmp/s/sub/f && chmod 644 /tmp/s/sub/f && rm /tmp/s/sub/f")
             deadline = time.monotonic() + 15
             while {(T.CREATE, "sub/f"), (T.REMOVE, "sub/f")} - {(e.type, e.name) for e in events}:

@@ -149,13 +149,18 @@ def tree_record(root: Path) -> dict[str, tuple]:
             names = sorted(os.listxattr(p, follow_symlinks=False))
             xattrs = {k: os.getxattr(p, k, follow_symlinks=False) for k in names}
             out[rel] = (
-                oct(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, st.st_nlink,
+                oct(st.st_mode),
+                st.st_uid,
+                st.st_gid,
+                st.st_mtime_ns,
+                st.st_nlink,
                 st.st_size if kind != stat.S_IFDIR else None,
                 st.st_rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else None,
                 os.readlink(p) if kind == stat.S_IFLNK else None,
-                xattrs, first.setdefault(st.st_ino, rel),
+                xattrs,
+                first.setdefault(st.st_ino, rel),
                 _content(p, st.st_size) if kind == stat.S_IFREG else None,
-            )  # fmt: skip
+            )
     return out
 
 

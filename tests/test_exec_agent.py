@@ -18,13 +18,12 @@ import pytest
 
 from weenv.errors import InvalidInputError, OutputLimitError, RuntimeFailedError
 from weenv.formats.manifest import RuntimeConfig
+from weenv.node.node import Node
 from weenv.node.runtime import agent
 from weenv.node.runtime.bundle import AGENT_PATH, INIT_PATH, build_config
 from weenv.node.runtime.commands import collect
-from weenv.node.node import Node
 from weenv.node.runtime.runc import children
 from weenv.node.table import AGENT_SOCKET
-from weenv.formats.manifest import RuntimeConfig
 
 # Prints, for this process, pid 1 and the environment's command (pid 1's child that
 # is not the agent; pid 1 itself when the agent holds the environment, as for the
@@ -77,8 +76,9 @@ def test_fast_path_has_the_first_process_isolation(node):
     # and the same as a command started by runc exec (the fallback: the environment's set, not the
     # first process's, which also holds the agent's CAP_SETUID, CAP_SETGID and CAP_SETPCAP)
     e = node._env(info.id)
-    via_runc = collect(node.commands.start(e, ["python3", "-c", PROBE], launcher=node.launchers.runc,
-                                           primary_reader=True))
+    via_runc = collect(
+        node.commands.start(e, ["python3", "-c", PROBE], launcher=node.launchers.runc, primary_reader=True)
+    )
     assert via_runc.exit_code == 0, via_runc.stderr
     runc_self = json.loads(via_runc.stdout)["self"]
     assert _isolation(runc_self) == _isolation(seen["self"])
@@ -129,15 +129,26 @@ def test_start_failures_are_clear(node):
     assert r.exit_code == 126 and b"chdir" in r.stderr
     p = node.spawn(info.id, ["no-such-command"])
     assert p.pid == 0 and p.wait(10) and p.exit_code == 127
-    for bad in (dict(command=[]), dict(command=["true"], cwd="rel"), dict(command=["true"], env={"A=B": "1"}),
-                dict(command=["a\0b"])):
+    for bad in (
+        dict(command=[]),
+        dict(command=["true"], cwd="rel"),
+        dict(command=["true"], env={"A=B": "1"}),
+        dict(command=["a\0b"]),
+    ):
         with pytest.raises(InvalidInputError):
             node.exec(info.id, **bad)
 
 
 def _cmdlines(node: Node, env_id: str) -> list[str]:
-    r = node.exec(env_id, ["python3", "-c", "import glob\nfor f in glob.glob('/proc/[0-9]*/cmdline'):\n"
-                           "  try: print(open(f).read().replace(chr(0), ' ').strip())\n  except OSError: pass"])
+    r = node.exec(
+        env_id,
+        [
+            "python3",
+            "-c",
+            "import glob\nfor f in glob.glob('/proc/[0-9]*/cmdline'):\n"
+            "  try: print(open(f).read().replace(chr(0), ' ').strip())\n  except OSError: pass",
+        ],
+    )
     return r.stdout.decode().splitlines()
 
 
@@ -201,7 +212,9 @@ def test_agent_killed_inside_falls_back_to_runc(node):
     os.kill(handler, signal.SIGKILL)  # the command's handler dies: a clear error, no hang
     assert running.wait(10)
     assert isinstance(running.error, RuntimeFailedError) and "exec agent" in str(running.error)
-    r = node.exec(info.id, "for p in /proc/[0-9]*; do [ \"$(cat $p/comm)\" = weenv-agent ] && kill -9 ${p#/proc/}; done; true")
+    r = node.exec(
+        info.id, 'for p in /proc/[0-9]*; do [ "$(cat $p/comm)" = weenv-agent ] && kill -9 ${p#/proc/}; done; true'
+    )
     assert r.exit_code == 0
     time.sleep(0.2)
     before = node.stats()
@@ -254,13 +267,25 @@ def test_node_without_agent_uses_runc(paths, shared_store, leak_check):
 
 
 def test_bundle_and_build(tmp_path):
-    config = build_config(tmp_path, RuntimeConfig(command=["sleep", "1"]), hostname="h", cgroups_path="/x",
-                          init=Path("/usr/bin/tini-static"), agent=tmp_path / "agent")  # fmt: skip
+    config = build_config(
+        tmp_path,
+        RuntimeConfig(command=["sleep", "1"]),
+        hostname="h",
+        cgroups_path="/x",
+        init=Path("/usr/bin/tini-static"),
+        agent=tmp_path / "agent",
+    )
     # the agent runs as root with the set and the three it needs to switch users, and becomes 0:0 (the template's)
     assert config["process"]["args"] == [AGENT_PATH, "-u", "0:0", "-c", "20000420", "--", INIT_PATH, "--", "sleep", "1"]
     assert config["process"]["user"] == {"uid": 0, "gid": 0}
     assert set(config["process"]["capabilities"]["permitted"]) == {
-        "CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"}
+        "CAP_AUDIT_WRITE",
+        "CAP_KILL",
+        "CAP_NET_BIND_SERVICE",
+        "CAP_SETUID",
+        "CAP_SETGID",
+        "CAP_SETPCAP",
+    }
     (m,) = [m for m in config["mounts"] if m["destination"] == AGENT_PATH]
     assert m["source"] == str(tmp_path / "agent") and "ro" in m["options"] and "nosuid" in m["options"]
     first = agent.build_agent(tmp_path / "cache")

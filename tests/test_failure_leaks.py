@@ -19,9 +19,9 @@ import pytest
 
 from weenv.errors import CapacityError, NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import RuntimeConfig
-from weenv.node.runtime import network
 from weenv.node.node import Node
 from weenv.node.provision.models import ProvisionConfig
+from weenv.node.runtime import network
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 

@@ -139,8 +139,10 @@ def test_reset_restores_the_template_or_the_snapshot_in_place(node, paths):
     assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no") == b"no\n"
     assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n", pid1
     info = node.reset(e.id)  # the template's state
-    assert sh(node, e.id, "cat /workspace/hello.py; test -e /etc/hostname && echo hostname") \
+    assert (
+        sh(node, e.id, "cat /workspace/hello.py; test -e /etc/hostname && echo hostname")
         == b"print('hello from the task')\nhostname\n"
+    )
     print(f"\nreset: {info.timing.total_s * 1000:.1f} ms")
     with pytest.raises(NotFoundError):
         node.reset(e.id, "no-such-snapshot")
@@ -174,8 +176,11 @@ def test_a_reset_to_a_snapshot_deleted_meanwhile_keeps_the_environment(node, pat
 
 def _containers_of(node: Node, env_id: str) -> dict[str, str]:
     """Container id -> runc status of every container of ``env_id`` (its own, made ahead, replaced)."""
-    return {c["id"]: c["status"] for c in node.runc.list()
-            if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+    return {
+        c["id"]: c["status"]
+        for c in node.runc.list()
+        if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")
+    }
 
 
 def _cgroups_of(env_id: str) -> set[str]:
@@ -198,27 +203,36 @@ def test_reset_starts_the_container_made_ahead_and_leaves_none_behind(node, path
         sh(node, e.id, "echo episode > /workspace/episode.txt; sleep 1000 >/dev/null 2>&1 &")
         t = node.resets.reset(node.table.get(e.id), node.captures.named("ahead-snap").path)
         assert t.ahead and t.spare, t
-        print(f"\nreset {n} (made ahead): {t.total_s * 1000:.1f} ms: stop {t.stop_s * 1000:.1f}, "
-              f"overlay {t.overlay_s * 1000:.1f}, runc start {t.runtime_s * 1000:.1f}")
+        print(
+            f"\nreset {n} (made ahead): {t.total_s * 1000:.1f} ms: stop {t.stop_s * 1000:.1f}, "
+            f"overlay {t.overlay_s * 1000:.1f}, runc start {t.runtime_s * 1000:.1f}"
+        )
         assert node.table.get(e.id).container_id == f"weenv-{e.id}.{n}"
         assert node.get(e.id).state == "running"
         assert sh(node, e.id, TREE) == EXPECTED
-        assert sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no; pgrep -x sleep || echo none") \
+        assert (
+            sh(node, e.id, "test -e /workspace/episode.txt && echo yes || echo no; pgrep -x sleep || echo none")
             == b"no\nnone\n"
+        )
         assert Path(node.get(e.id).rootfs, "workspace/new/a.txt").read_bytes() == b"one\n"  # the host's view follows
         node.resets.close()
         assert _containers_of(node, e.id) == {f"weenv-{e.id}.{n}": "running", f"weenv-{e.id}.{n + 1}": "created"}
         assert not (node.snapshotter.dir(e.id) / "rootfs.old").is_mount()  # the old rootfs, moved aside, went
-        assert _cgroups_of(e.id) >= {f"weenv-{e.id}.{n}"} and f"weenv-{e.id}.{n - 1}" not in _cgroups_of(e.id) \
+        assert (
+            _cgroups_of(e.id) >= {f"weenv-{e.id}.{n}"}
+            and f"weenv-{e.id}.{n - 1}" not in _cgroups_of(e.id)
             and f"weenv-{e.id}" not in _cgroups_of(e.id)
+        )
         used, _limit = node.disk_usage(e.id)
         assert used > 0  # the upper dir the kernel counts is the new one
     # to the template's state: its spare is not of that source, so the container runs again
     sh(node, e.id, "echo x > /workspace/x.txt")
     t = node.resets.reset(node.table.get(e.id), None)
     assert not t.ahead and node.table.get(e.id).container_id == f"weenv-{e.id}.3"
-    assert sh(node, e.id, "cat /workspace/hello.py; test -e /workspace/x.txt && echo yes || echo no") \
+    assert (
+        sh(node, e.id, "cat /workspace/hello.py; test -e /workspace/x.txt && echo yes || echo no")
         == b"print('hello from the task')\nno\n"
+    )
     node.resets.close()
     assert _containers_of(node, e.id) == {f"weenv-{e.id}.3": "running", f"weenv-{e.id}.4": "created"}
     node.destroy(e.id)
@@ -302,7 +316,7 @@ def test_pause_stops_cpu_and_resume_keeps_pid_and_memory(node):
         node.exec(e.id, ["true"])
     with pytest.raises(StateError):
         node.pause(e.id)
-    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    assert node.reap_expired(now=time.time() + 10**7) == []  # its timeout stands still
     node.resume(e.id)
     time.sleep(0.3)
     n1 = _counter(root / "tmp/n")
@@ -330,7 +344,9 @@ def test_a_fork_past_capacity_lists_each_failed_child_and_leaves_nothing(paths, 
         assert len(ok) == 2 and len(failed) == 2 and all(isinstance(f, CapacityError) for f in failed), result
         for c in ok:
             assert sh(node, c.id, "cat /workspace/p.txt") == b"p\n"
-        assert sorted(node.snapshotter.dirs()) == sorted(node.snapshotter.dir(i) for i in [parent.id, *(c.id for c in ok)])
+        assert sorted(node.snapshotter.dirs()) == sorted(
+            node.snapshotter.dir(i) for i in [parent.id, *(c.id for c in ok)]
+        )
         assert captures(paths) == []
         for c in ok:
             node.destroy(c.id)
@@ -386,7 +402,7 @@ def test_a_paused_environment_stays_paused_across_a_node_restart(paths, store, l
     paused (its processes kept), and resume goes on."""
     script = f"""
 import os, sys, time
-sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+sys.path.insert(0, {str(Path(__file__).parents[1] / "src")!r})
 from weenv.node.node import Node
 from weenv.store.file import FileStore
 from weenv.config import Paths
@@ -413,7 +429,7 @@ def test_a_memory_released_environment_stays_paused_across_a_node_restart(paths,
     resume runs its first process over its files."""
     script = f"""
 import os, sys
-sys.path.insert(0, {str(Path(__file__).parents[1] / 'src')!r})
+sys.path.insert(0, {str(Path(__file__).parents[1] / "src")!r})
 from weenv.node.node import Node
 from weenv.store.file import FileStore
 from weenv.config import Paths
@@ -502,8 +518,9 @@ def test_fork_children_keep_the_parents_network_policy(node, store, far_hosts, n
     from weenv.packaging.template import load_template
 
     _digest, m = load_template(store, "task")  # "task" with network: true (by digest, no ref)
-    net_template = store.put_manifest(canonical_json(
-        m.model_copy(update={"runtime": m.runtime.model_copy(update={"network": True})})))
+    net_template = store.put_manifest(
+        canonical_json(m.model_copy(update={"runtime": m.runtime.model_copy(update={"network": True})}))
+    )
     one, two = far_hosts["one"], far_hosts["two"]
     cases = {
         "off": ({"network": False}, {"one": False, "two": False}),
@@ -519,8 +536,11 @@ def test_fork_children_keep_the_parents_network_policy(node, store, far_hosts, n
         assert not isinstance(child, Exception), child
         made.append(child.id)
         assert _reach(node, child.id, far_hosts) == reach, name
-        assert (child.network, child.allow_out, child.deny_out) == (parent.network, parent.allow_out,
-                                                                     parent.deny_out), name  # fmt: skip
+        assert (child.network, child.allow_out, child.deny_out) == (
+            parent.network,
+            parent.allow_out,
+            parent.deny_out,
+        ), name
     node.snapshot(made[2], "limited-net")  # the "denied" parent
     assert node.template("limited-net").runtime.network is False
     node.delete_snapshot("limited-net")
@@ -656,12 +676,14 @@ def test_a_memory_releasing_pause_ends_processes_keeps_files_and_resume_restarts
         node.exec(e.id, ["true"])
     with pytest.raises(StateError):
         node.pause(e.id, release_memory=True)
-    assert node.reap_expired(now=time.time() + 10 ** 7) == []  # its timeout stands still
+    assert node.reap_expired(now=time.time() + 10**7) == []  # its timeout stands still
     info = node.resume(e.id)
     assert info.state == "running" and not info.memory_released and info.paused_at is None
     assert node.provision_stats().totals.disk_held == 0
-    assert sh(node, e.id, "cat /workspace/kept.txt /workspace/while-paused.txt; test -e /etc/hostname || echo gone") \
+    assert (
+        sh(node, e.id, "cat /workspace/kept.txt /workspace/while-paused.txt; test -e /etc/hostname || echo gone")
         == b"kept\nhost\ngone\n"
+    )
     assert sh(node, e.id, "pgrep -x sleep || echo none") == b"none\n"  # processes did not survive
     with pytest.raises(StateError):
         node.resume(e.id)

@@ -92,8 +92,11 @@ def test_a_snapshot_or_e2b_template_never_repoints_a_name_it_does_not_own(remote
     """A snapshot named like the store's built template ``task``, or like another
     environment's snapshot, and an E2B template build of either name, are
     refused (409) and move no ref; an environment re-takes its own snapshot's name."""
-    with remote.http() as c, Sandbox.create("task", timeout=120, resources=SMALL) as a, \
-            Sandbox.create("task", timeout=120, resources=SMALL) as b:
+    with (
+        remote.http() as c,
+        Sandbox.create("task", timeout=120, resources=SMALL) as a,
+        Sandbox.create("task", timeout=120, resources=SMALL) as b,
+    ):
         remote.track(a.id, b.id)
 
         def digest(name: str) -> str:
@@ -118,8 +121,9 @@ def test_a_snapshot_or_e2b_template_never_repoints_a_name_it_does_not_own(remote
                 r = e2b.post("/v3/templates", json={"name": name, "cpuCount": 1, "memoryMB": 512})
                 assert r.status_code == 409 and "takes a name of its own" in r.json()["message"], r.text
             assert not [t for t in e2b.get("/templates").json() if t["names"] in (["task"], ["owned"])]
-            free = [e2b.post("/v3/templates", json={"name": "e2b-own", "cpuCount": 1, "memoryMB": 512})
-                    for _ in range(2)]  # a free name, then its own template's again
+            free = [
+                e2b.post("/v3/templates", json={"name": "e2b-own", "cpuCount": 1, "memoryMB": 512}) for _ in range(2)
+            ]  # a free name, then its own template's again
             assert [r.status_code for r in free] == [202, 202], [r.text for r in free]
             assert free[0].json()["templateID"] == free[1].json()["templateID"]
             assert e2b.delete(f"/templates/{free[0].json()['templateID']}").status_code == 204
@@ -134,8 +138,9 @@ def test_cli_pause_resume_fork_snapshot_reset(remote):
     env = dict(os.environ, WEENV_HOME=str(remote.home))
 
     def weenv(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "weenv", *args], capture_output=True, text=True, env=env,
-                              timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "weenv", *args], capture_output=True, text=True, env=env, timeout=120
+        )
 
     with Sandbox.create("task", timeout=120, resources=SMALL) as sb:
         remote.track(sb.id)

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import store_copy_without_profiles, system_snapshot
 from daemon_fixture import start_daemon
 
@@ -63,12 +64,19 @@ EXCLUDED = {
     },
 }
 """Operation ids left out of each API's run, with why."""
-UNEXPECTED_METHODS = {"weenv": "", "prime": "", "e2b": '[phases.coverage]\nunexpected-methods = ["TRACE", "OPTIONS", "QUERY"]\n'}
+UNEXPECTED_METHODS = {
+    "weenv": "",
+    "prime": "",
+    "e2b": '[phases.coverage]\nunexpected-methods = ["TRACE", "OPTIONS", "QUERY"]\n',
+}
 """Methods a path does not take, sent by the coverage phase: the E2B face answers one of E2B's
 API methods (GET, POST, PUT, PATCH, DELETE) that a path lacks with 501, by design ("weenv does
 not serve PUT /sandboxes/ID/timeout yet": E2B may have that route), others with 405."""
-API = {"weenv": ("/openapi.json", "", "env_id", ""), "e2b": ("/e2b/openapi.json", "/e2b", "sandbox_id", "e2b_"),
-       "prime": ("/prime/openapi.json", "/prime", "sandbox_id", "")}
+API = {
+    "weenv": ("/openapi.json", "", "env_id", ""),
+    "e2b": ("/e2b/openapi.json", "/e2b", "sandbox_id", "e2b_"),
+    "prime": ("/prime/openapi.json", "/prime", "sandbox_id", ""),
+}
 """API -> (schema path, base path, id parameter of its environment operations, API key prefix)."""
 
 
@@ -98,8 +106,13 @@ def test_published_schemas_offer_no_transport_header_as_a_parameter(served):
     with served.http() as c:
         for path in ("/openapi.json", "/e2b/openapi.json", "/prime/openapi.json"):
             schema = c.get(served.url + path).json()
-            headers = {p["name"].lower() for ops in schema["paths"].values() for op in ops.values()
-                       for p in op.get("parameters", []) if p["in"] == "header"}  # fmt: skip
+            headers = {
+                p["name"].lower()
+                for ops in schema["paths"].values()
+                for op in ops.values()
+                for p in op.get("parameters", [])
+                if p["in"] == "header"
+            }
             assert not headers & {"content-length", "transfer-encoding"}, (path, headers)
 
 
@@ -107,13 +120,42 @@ def _run(served, api: str, env_id: str, workdir: Path) -> str:
     schema_path, base, id_param, key_prefix = API[api]
     config = workdir / f"schemathesis-{api}.toml"
     config.write_text(f'[parameters]\n"path.{id_param}" = "{env_id}"\n' + UNEXPECTED_METHODS[api])
-    cmd = [str(SCHEMATHESIS), "--config-file", str(config), "run", served.url + schema_path, "--url", served.url + base,
-           "-H", f"x-api-key: {key_prefix}{served.key}", "--max-examples", str(EXAMPLES * SCALE), "--seed", str(SEED),
-           "--phases", PHASES, "--checks", "not_a_server_error", "--workers", "1",
-           "--request-timeout", str(REQUEST_TIMEOUT_S), "--no-color", "--suppress-health-check", "all",
-           *(a for op in EXCLUDED[api] for a in ("--exclude-operation-id", op))]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=600, check=False,
-                         env=dict(os.environ, SCHEMATHESIS_HOOKS=""))  # fmt: skip
+    cmd = [
+        str(SCHEMATHESIS),
+        "--config-file",
+        str(config),
+        "run",
+        served.url + schema_path,
+        "--url",
+        served.url + base,
+        "-H",
+        f"x-api-key: {key_prefix}{served.key}",
+        "--max-examples",
+        str(EXAMPLES * SCALE),
+        "--seed",
+        str(SEED),
+        "--phases",
+        PHASES,
+        "--checks",
+        "not_a_server_error",
+        "--workers",
+        "1",
+        "--request-timeout",
+        str(REQUEST_TIMEOUT_S),
+        "--no-color",
+        "--suppress-health-check",
+        "all",
+        *(a for op in EXCLUDED[api] for a in ("--exclude-operation-id", op)),
+    ]
+    run = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        timeout=600,
+        check=False,
+        env=dict(os.environ, SCHEMATHESIS_HOOKS=""),
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"schemathesis found failures in the {api} API:\n{out[-12000:]}"
     return out

@@ -96,8 +96,12 @@ def test_gc_keeps_the_packs_of_kept_profiles(populated, store, paths, tmp_path):
         refs = [load_group(store, t.groups[0]).chunks[0], load_group(store, t.groups[1]).chunks[0]]  # task: its own
         data, frames = build_pack(store.get_chunk(r.digest) for r in refs)
         packs[name] = PrefetchPack(digest=store.put_pack(data), frames=frames)
-        publish_profile(store, PrefetchProfile(template=template, groups=t.groups, chunks=[(0, 0), (1, 0)],
-                                               refs=refs, pack=packs[name], window_s=1.0))  # fmt: skip
+        publish_profile(
+            store,
+            PrefetchProfile(
+                template=template, groups=t.groups, chunks=[(0, 0), (1, 0)], refs=refs, pack=packs[name], window_s=1.0
+            ),
+        )
     assert packs["t2"] != packs["t1_old"]
     loose = store.put_pack(b"no profile names this")
     update_component(store, "t1", "task1", _tree(tmp_path / "t1b", {"w/a2": os.urandom(1 << 20)}), paths=paths)
@@ -136,8 +140,7 @@ def test_gc_spares_what_a_running_environment_uses(debian_root, store, paths, tm
         daemon.stop(paths)
 
 
-def test_a_snapshot_is_kept_while_named_or_running_and_collected_after(debian_root, store, paths, tmp_path,
-                                                                         leak_check):
+def test_a_snapshot_is_kept_while_named_or_running_and_collected_after(debian_root, store, paths, tmp_path, leak_check):
     """A snapshot (the environment's capture published as one more group on its
     template's) is kept by gc while its ref names it, and while an environment
     created from it runs after its ref is deleted; once neither holds it, gc
@@ -148,6 +151,7 @@ def test_a_snapshot_is_kept_while_named_or_running_and_collected_after(debian_ro
     build_group(debian_root, store, name="base")
     build_group(_tree(tmp_path / "task", {"workspace/v": b"task\n"}), store, name="task")
     create_template(store, "t", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
+
     def collect_when_free():
         """gc, once the daemon's background publishes (a destroyed environment's prefetch profile) let it."""
         deadline = time.monotonic() + 30
@@ -235,8 +239,6 @@ def test_dedupe_report(store, tmp_path):
     assert r.group_bytes == base_size + sum(task_sizes)
     assert r.unique_bytes <= r.group_bytes and r.stored_bytes > 8 << 20  # random data does not compress
     assert r.dedupe_ratio == r.logical_bytes / r.unique_bytes > 2.4 and r.ratio > 2.4
-
-
 
 
 def test_gc_spares_what_is_leased_or_younger_than_its_grace_period(store, paths, monkeypatch):

@@ -31,7 +31,8 @@ VENV = Path(os.environ.get("WEENV_HARBOR_VENV", "/work/venvs/harbor"))
 HARBOR = VENV / "bin" / "harbor"
 
 pytestmark = pytest.mark.skipif(
-    not HARBOR.exists(), reason=f"Harbor's venv {VENV} is absent (scripts/setup.sh makes it with Python >= 3.12)")
+    not HARBOR.exists(), reason=f"Harbor's venv {VENV} is absent (scripts/setup.sh makes it with Python >= 3.12)"
+)
 
 TASK_TOML = """\
 schema_version = "1.4"
@@ -93,8 +94,9 @@ echo $ok > /logs/verifier/reward.txt
 """
 
 
-def _task(root: Path, name: str, dockerfile: str, files: dict[str, str], solve: str, test: str,
-          verifier_user: str = "") -> Path:  # fmt: skip
+def _task(
+    root: Path, name: str, dockerfile: str, files: dict[str, str], solve: str, test: str, verifier_user: str = ""
+) -> Path:
     task = root / name
     (task / "environment").mkdir(parents=True, exist_ok=True)
     (task / "solution").mkdir(exist_ok=True)
@@ -113,22 +115,51 @@ def _task(root: Path, name: str, dockerfile: str, files: dict[str, str], solve: 
 
 def _harbor(d, path: Path, jobs: Path, name: str) -> tuple[list[dict], float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(E2B_API_URL=d.api_url, E2B_SANDBOX_URL=d.sandbox_url, E2B_API_KEY=d.key,
-               E2B_DOMAIN="weenv.invalid", HOME=str(jobs.parent))  # fmt: skip
+    env.update(
+        E2B_API_URL=d.api_url,
+        E2B_SANDBOX_URL=d.sandbox_url,
+        E2B_API_KEY=d.key,
+        E2B_DOMAIN="weenv.invalid",
+        HOME=str(jobs.parent),
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([str(HARBOR), "run", "-p", str(path), "-a", "oracle", "-e", "e2b", "-o", str(jobs),
-                           "--job-name", name, "-n", "2", "-y", "-q"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=jobs.parent)  # fmt: skip
+    proc = subprocess.run(
+        [
+            str(HARBOR),
+            "run",
+            "-p",
+            str(path),
+            "-a",
+            "oracle",
+            "-e",
+            "e2b",
+            "-o",
+            str(jobs),
+            "--job-name",
+            name,
+            "-n",
+            "2",
+            "-y",
+            "-q",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=jobs.parent,
+    )
     seconds = time.monotonic() - t0
     results = [json.loads(p.read_text()) for p in (jobs / name).glob("*/result.json")]
-    assert proc.returncode == 0 and results, f"harbor exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and results, (
+        f"harbor exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return results, seconds
 
 
 def _rewards(results: list[dict]) -> dict[str, float | None]:
     out = {}
     for r in results:
-        rewards = ((r.get("verifier_result") or {}).get("rewards") or {})
+        rewards = (r.get("verifier_result") or {}).get("rewards") or {}
         out[r["task_name"]] = rewards.get("reward")
         assert r.get("exception_info") is None, json.dumps(r.get("exception_info"), indent=1)[:3000]
     return out
@@ -149,15 +180,27 @@ def weenv_e2b(harbor_root, oci_registry):  # noqa: F811
 
 def test_harbor_task_needing_root_and_its_one_line_rebuild(weenv_e2b, harbor_root, e2b_base_image):  # noqa: F811
     d, tasks, jobs = weenv_e2b, harbor_root / "tasks", harbor_root / "jobs"
-    _task(tasks, "root-task", ROOT_DOCKERFILE.format(image=e2b_base_image, last="first"), {"data.txt": "data\n"},
-          ROOT_SOLVE, ROOT_TEST.format(last="first"))
+    _task(
+        tasks,
+        "root-task",
+        ROOT_DOCKERFILE.format(image=e2b_base_image, last="first"),
+        {"data.txt": "data\n"},
+        ROOT_SOLVE,
+        ROOT_TEST.format(last="first"),
+    )
     results, seconds = _harbor(d, tasks / "root-task", jobs, "first")
     assert _rewards(results) == {"root-task": 1.0}, results
     print(f"harbor, the root task built and run: {seconds:.1f} s")
 
     # its Dockerfile changes in its last line: the rebuild runs that line alone of the Dockerfile's
-    _task(tasks, "root-task", ROOT_DOCKERFILE.format(image=e2b_base_image, last="second"), {"data.txt": "data\n"},
-          ROOT_SOLVE, ROOT_TEST.format(last="second"))
+    _task(
+        tasks,
+        "root-task",
+        ROOT_DOCKERFILE.format(image=e2b_base_image, last="second"),
+        {"data.txt": "data\n"},
+        ROOT_SOLVE,
+        ROOT_TEST.format(last="second"),
+    )
     results, seconds = _harbor(d, tasks / "root-task", jobs, "second")
     assert _rewards(results) == {"root-task": 1.0}
     print(f"harbor, the root task rebuilt and run: {seconds:.1f} s")
@@ -188,10 +231,18 @@ def test_harbor_task_running_as_user(weenv_e2b, harbor_root, e2b_base_image):  #
 
     Template.build(Template().from_image(e2b_base_image), "probe-base")
     if not _runs_commands_as_named_users("probe-base"):
-        pytest.skip("envd runs every command as the template's user: Harbor's transfers as root "
-                    "(mkdir /solution, /tests) need envd's user selection (issue 15, item 3, commands and files)")
-    _task(tasks, "user-task", USER_DOCKERFILE.format(image=e2b_base_image), {"notes.txt": "notes\n"},
-          USER_SOLVE, USER_TEST)
+        pytest.skip(
+            "envd runs every command as the template's user: Harbor's transfers as root "
+            "(mkdir /solution, /tests) need envd's user selection (issue 15, item 3, commands and files)"
+        )
+    _task(
+        tasks,
+        "user-task",
+        USER_DOCKERFILE.format(image=e2b_base_image),
+        {"notes.txt": "notes\n"},
+        USER_SOLVE,
+        USER_TEST,
+    )
     results, seconds = _harbor(d, tasks / "user-task", jobs, "user")
     assert _rewards(results) == {"user-task": 1.0}, results
     print(f"harbor, the user task built and run: {seconds:.1f} s")

@@ -155,14 +155,17 @@ def images(dockerd, debian_root, tmp_path_factory):
     (small / "tree" / "hello.txt").write_text("hello-import\n" * 100)
     (small / "more").mkdir()
     (small / "more" / "data.bin").write_bytes(os.urandom(50_000))
-    (small / "Dockerfile").write_text("FROM scratch\nCOPY tree/ /\nCOPY more/ /more/\nCMD [\"/hello\"]\n")
+    (small / "Dockerfile").write_text('FROM scratch\nCOPY tree/ /\nCOPY more/ /more/\nCMD ["/hello"]\n')
     dockerd.docker("build", "-q", "-t", SMALL, str(small))
     archives = {}
     for tag, file in ((IMAGE, "image.tar"), (NOBODY, "nobody.tar"), (SMALL, "small.tar")):
         archives[tag] = work / file
         dockerd.docker("save", "-o", str(work / file), tag)
-    listing = json.loads(dockerd.docker("run", "--rm", "--network", "none", "--user", "0:0",
-                                        "--entrypoint", "python3", IMAGE, "-c", LISTING).stdout)
+    listing = json.loads(
+        dockerd.docker(
+            "run", "--rm", "--network", "none", "--user", "0:0", "--entrypoint", "python3", IMAGE, "-c", LISTING
+        ).stdout
+    )
     return {"archives": archives, "docker_listing": listing, "work": work}
 
 
@@ -298,6 +301,7 @@ def _docker_archive(base_archive: Path, layers: list[bytes], dest: Path, tag: st
     config["history"] = []
     names = [name for name, _ in base_layers]
     with tarfile.open(dest, "w") as out:
+
         def add(name: str, data: bytes) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -323,12 +327,17 @@ def kinds(dockerd, images, tmp_path_factory):
     ``docker run``.  ``layers_archive``: the two layers alone (no base)."""
     work = tmp_path_factory.mktemp("kinds")
     layers = []
-    for k, (make, fmt) in enumerate(((_kinds_tree, ["--format=posix", "--xattrs", "--xattrs-include=*"]),
-                                     (_sparse_tree, ["--format=posix", "--sparse", "--sparse-version=1.0"]))):  # fmt: skip
+    for k, (make, fmt) in enumerate(
+        (
+            (_kinds_tree, ["--format=posix", "--xattrs", "--xattrs-include=*"]),
+            (_sparse_tree, ["--format=posix", "--sparse", "--sparse-version=1.0"]),
+        )
+    ):
         tree = work / f"tree{k}"
         make(tree)
-        out = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", *fmt, "-cf", "-", "."],
-                             capture_output=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["tar", "-C", str(tree), "--numeric-owner", *fmt, "-cf", "-", "."], capture_output=True, check=True
+        )
         layers.append(out.stdout)
         subprocess.run(["rm", "-rf", str(tree)], check=True)
     assert len(layers[1]) < 1 << 20  # the 4 GiB file's holes are not in the tar
@@ -336,8 +345,22 @@ def kinds(dockerd, images, tmp_path_factory):
     tag = "weenv-import-kinds:1"
     _docker_archive(images["archives"][IMAGE], layers, archive, tag)
     dockerd.docker("load", "-i", str(archive))
-    listing = json.loads(dockerd.docker("run", "--rm", "--network", "none", "--user", "0:0", "--entrypoint",
-                                        "python3", tag, "-c", LISTING, timeout=600).stdout)  # fmt: skip
+    listing = json.loads(
+        dockerd.docker(
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--user",
+            "0:0",
+            "--entrypoint",
+            "python3",
+            tag,
+            "-c",
+            LISTING,
+            timeout=600,
+        ).stdout
+    )
     dockerd.docker("rmi", tag)
     alone = work / "kinds-alone.tar"
     _docker_archive(images["archives"][IMAGE], layers, alone, "weenv-import-kinds-alone:1", base=0)
@@ -399,8 +422,14 @@ def _image_tree(store, manifest, tmp_path: Path) -> dict:
             for name in sorted(dirs + files):
                 p = os.path.join(top, name)
                 st = os.lstat(p)
-                e = [stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns,
-                     {n: os.getxattr(p, n, follow_symlinks=False) for n in os.listxattr(p, follow_symlinks=False)}]
+                e = [
+                    stat.S_IFMT(st.st_mode),
+                    stat.S_IMODE(st.st_mode),
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_mtime_ns,
+                    {n: os.getxattr(p, n, follow_symlinks=False) for n in os.listxattr(p, follow_symlinks=False)},
+                ]
                 if stat.S_ISREG(st.st_mode):
                     h = hashlib.sha256()
                     with open(p, "rb") as f:
@@ -433,10 +462,20 @@ def test_hardlink_to_a_file_of_an_earlier_layer(images, store, tmp_path, paths, 
     its own the file is copied (overlayfs cannot link across layers), merged
     into one group with it a hardlink; the environment reads it under every name."""
     archive = tmp_path / "hl.tar"
-    _docker_archive(images["archives"][IMAGE], [
-        _tar([_entry("srv/", tarfile.DIRTYPE, mode=0o755), _entry("srv/a", data=b"A" * 10_000)]),
-        _tar([_entry("srv/b", tarfile.LNKTYPE, linkname="srv/a"), _entry("srv/c", tarfile.LNKTYPE, linkname="./srv/b")]),
-    ], archive, "hl:1")
+    _docker_archive(
+        images["archives"][IMAGE],
+        [
+            _tar([_entry("srv/", tarfile.DIRTYPE, mode=0o755), _entry("srv/a", data=b"A" * 10_000)]),
+            _tar(
+                [
+                    _entry("srv/b", tarfile.LNKTYPE, linkname="srv/a"),
+                    _entry("srv/c", tarfile.LNKTYPE, linkname="./srv/b"),
+                ]
+            ),
+        ],
+        archive,
+        "hl:1",
+    )
     for merge, links in ((None, 2), (1 << 20, 3)):
         name = f"hl{links}"
         r = import_image(str(archive), store, name=name, workdir=tmp_path, merge_small=merge)
@@ -465,8 +504,8 @@ def test_distroless_image_from_the_registry_starts_and_runs(dockerd, store, path
     """``FROM scratch`` + one static binary (no shell, no ``sleep``), pushed to a
     loopback registry and imported from it: the environment starts (its pid 1
     is weenv's exec agent, not the image's ``sleep``) and runs the binary."""
-    from weenv.node.runtime.bundle import AGENT_PATH
     from weenv.node.node import Node
+    from weenv.node.runtime.bundle import AGENT_PATH
 
     ctx = tmp_path / "ctx"
     ctx.mkdir()
@@ -587,8 +626,11 @@ def test_truncated_archive(images, store, work, tmp_path):
         import_image(str(bad), store, name="cut", workdir=work)
     _assert_nothing_published(store, work)
     # An intact archive whose layer.tar is only the first half of the layer.
-    _repack(images["archives"][SMALL], bad,
-            lambda name, data: data[: len(data) // 2] if name.endswith("layer.tar") else data)
+    _repack(
+        images["archives"][SMALL],
+        bad,
+        lambda name, data: data[: len(data) // 2] if name.endswith("layer.tar") else data,
+    )
     with pytest.raises((InvalidInputError, DigestMismatchError), match="truncated|diff_id"):
         import_image(str(bad), store, name="cut", workdir=work)
     _assert_nothing_published(store, work)
@@ -613,14 +655,20 @@ def _repack(archive: Path, dest: Path, edit, *, json_first: bool = False) -> Non
 
 def test_corrupted_layer_in_docker_archive(images, store, work, tmp_path):
     bad = tmp_path / "bad.tar"
-    _repack(images["archives"][SMALL], bad,
-            lambda name, data: data.replace(b"hello-import", b"jello-import") if name.endswith("layer.tar") else data)
+    _repack(
+        images["archives"][SMALL],
+        bad,
+        lambda name, data: data.replace(b"hello-import", b"jello-import") if name.endswith("layer.tar") else data,
+    )
     with pytest.raises(DigestMismatchError, match="diff_id"):
         import_image(str(bad), store, name="bad", workdir=work)
     _assert_nothing_published(store, work)
     # A config whose bytes do not match its name (its digest).
-    _repack(images["archives"][SMALL], bad,
-            lambda name, data: data + b" " if name.endswith(".json") and name != "manifest.json" else data)
+    _repack(
+        images["archives"][SMALL],
+        bad,
+        lambda name, data: data + b" " if name.endswith(".json") and name != "manifest.json" else data,
+    )
     with pytest.raises(DigestMismatchError, match="config"):
         import_image(str(bad), store, name="bad", workdir=work)
     _assert_nothing_published(store, work)
@@ -629,8 +677,17 @@ def test_corrupted_layer_in_docker_archive(images, store, work, tmp_path):
 @pytest.fixture
 def small_layout(images, tmp_path) -> Path:
     layout = tmp_path / "layout"
-    subprocess.run(["skopeo", "copy", "--quiet", "--dest-compress", f"docker-archive:{images['archives'][SMALL]}",
-                    f"oci:{layout}:v1"], check=True)
+    subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--dest-compress",
+            f"docker-archive:{images['archives'][SMALL]}",
+            f"oci:{layout}:v1",
+        ],
+        check=True,
+    )
     return layout
 
 
@@ -708,14 +765,27 @@ def _write_layout(root: Path, layers: list[list[tuple]]) -> Path:
         d = put(entries if isinstance(entries, bytes) else _tar(entries))
         descs.append({"mediaType": "application/vnd.oci.image.layer.v1.tar", **d})
         diff_ids.append(d["digest"])
-    config = put(json.dumps({"architecture": "amd64", "os": "linux", "config": {},
-                             "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode())
-    manifest = put(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                               "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config},
-                               "layers": descs}).encode())
+    config = put(
+        json.dumps(
+            {"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+        ).encode()
+    )
+    manifest = put(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config},
+                "layers": descs,
+            }
+        ).encode()
+    )
     (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", **manifest}]}))
+    (root / "index.json").write_text(
+        json.dumps(
+            {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", **manifest}]}
+        )
+    )
     return root
 
 
@@ -724,10 +794,10 @@ def test_hostile_entries_do_not_escape(store, work, tmp_path):
     outside.mkdir()
     cases = {
         "dotdot": [[_entry("../../escaped", data=b"x")]],
-        "symlink-parent": [[_entry("link", tarfile.SYMTYPE, linkname=str(outside)),
-                            _entry("link/evil", data=b"x")]],
-        "relative-symlink-parent": [[_entry("up", tarfile.SYMTYPE, linkname="../../../../.."),
-                                     _entry("up/tmp/evil", data=b"x")]],
+        "symlink-parent": [[_entry("link", tarfile.SYMTYPE, linkname=str(outside)), _entry("link/evil", data=b"x")]],
+        "relative-symlink-parent": [
+            [_entry("up", tarfile.SYMTYPE, linkname="../../../../.."), _entry("up/tmp/evil", data=b"x")]
+        ],
         "hardlink-out": [[_entry("h", tarfile.LNKTYPE, linkname="../../etc/passwd")]],
         "hardlink-missing": [[_entry("h", tarfile.LNKTYPE, linkname="nope")]],
     }
@@ -757,8 +827,10 @@ def test_bad_layers_are_refused_naming_the_layer_and_entry(store, work, tmp_path
         "huge PAX header": ([[_pax("f", {"comment": "c" * (2 << 20)})]], "PAX extended header of"),
         "truncated layer": ([whole[: len(whole) // 2]], "truncated"),
         "dotdot": ([[_entry("a/../../x", data=b"x")]], "climbs out"),
-        "through a symlink": ([[_entry("l", tarfile.SYMTYPE, linkname="/etc"), _entry("l/passwd", data=b"x")]],
-                              "which this layer made a symlink"),
+        "through a symlink": (
+            [[_entry("l", tarfile.SYMTYPE, linkname="/etc"), _entry("l/passwd", data=b"x")]],
+            "which this layer made a symlink",
+        ),
         "hardlink to nothing": ([[_entry("h", tarfile.LNKTYPE, linkname="nope")]], "no such file"),
     }
     for label, (layers, message) in cases.items():
@@ -800,7 +872,7 @@ def test_a_failed_reimport_keeps_what_the_store_held_before(store, work, tmp_pat
     chunks, manifests = sorted(store.list_chunks()), sorted(store.list_manifests())
     manifest, _ = _layout_manifest(layout)
     blob = layout / "blobs" / "sha256" / manifest["layers"][2]["digest"].split(":")[1]
-    blob.write_bytes(blob.read_bytes()[:1 << 20])
+    blob.write_bytes(blob.read_bytes()[: 1 << 20])
     with pytest.raises((InvalidInputError, DigestMismatchError), match="layer 2 "):
         import_image(str(layout), store, name="again", workdir=work)
     assert sorted(store.list_chunks()) == chunks and sorted(store.list_manifests()) == manifests
@@ -817,8 +889,9 @@ def test_an_import_needs_no_disk_beyond_its_stored_chunks(tmp_path):
     chunks' writes.  (Before, each group's whole image was written to disk
     before its chunks were stored.)  A merged group of two layers spools its
     data: at most that much more."""
-    files = [_entry(f"d/f{i}", data=b"".join(b"line %d of file %d\n" % (j, i) for j in range(100_000)))
-             for i in range(24)]
+    files = [
+        _entry(f"d/f{i}", data=b"".join(b"line %d of file %d\n" % (j, i) for j in range(100_000))) for i in range(24)
+    ]
     data_bytes = sum(len(d) for _, d in files)
     assert data_bytes > 40 << 20
     fs = tmp_path / "fs"
@@ -847,8 +920,10 @@ def test_symlink_from_a_lower_layer_is_shadowed_not_followed(store, work, tmp_pa
     image layer), never in OUTSIDE; merged into one group the same."""
     outside = tmp_path / "outside"
     outside.mkdir()
-    layers = [[_entry("link", tarfile.SYMTYPE, linkname=str(outside)), _entry("keep", data=b"k")],
-              [_entry("link/x", data=b"x"), _entry(".wh.keep")]]
+    layers = [
+        [_entry("link", tarfile.SYMTYPE, linkname=str(outside)), _entry("keep", data=b"k")],
+        [_entry("link/x", data=b"x"), _entry(".wh.keep")],
+    ]
     layout = _write_layout(tmp_path / "layout", layers)
     for merge in (None, 1 << 20):
         r = import_image(str(layout), store, name="shadow", workdir=work, merge_small=merge)
@@ -864,10 +939,17 @@ def test_dockerd_and_registry_stop_by_pid_and_leave_nothing(debian_root, tmp_pat
     from weenv.host import mounts
     from weenv_bench.services.process import pids_mentioning
 
-    files = ["./usr/bin/sleep", "./usr/lib/x86_64-linux-gnu/libc.so.6", "./lib64/ld-linux-x86-64.so.2",
-             "./usr/lib64/ld-linux-x86-64.so.2"]
-    tree = subprocess.run(["tar", "-C", str(debian_root), "-c", *[f for f in files if (debian_root / f).exists()]],
-                          capture_output=True, check=True).stdout
+    files = [
+        "./usr/bin/sleep",
+        "./usr/lib/x86_64-linux-gnu/libc.so.6",
+        "./lib64/ld-linux-x86-64.so.2",
+        "./usr/lib64/ld-linux-x86-64.so.2",
+    ]
+    tree = subprocess.run(
+        ["tar", "-C", str(debian_root), "-c", *[f for f in files if (debian_root / f).exists()]],
+        capture_output=True,
+        check=True,
+    ).stdout
     with Registry(tmp_path / "registry") as registry, Dockerd() as d:
         root, registry_root = d.root, registry.root
         pids = [d.pid, registry.pid]
@@ -907,12 +989,27 @@ def _push_zstd_image(layers: list[bytes], root: Path, address: str, repository: 
     data = json.dumps(manifest).encode()
     digest = hashlib.sha256(data).hexdigest()
     (blobs / digest).write_bytes(data)
-    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{digest}", "size": len(data),
-         "annotations": {"org.opencontainers.image.ref.name": "1"}}]}))  # fmt: skip
+    (layout / "index.json").write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "manifests": [
+                    {
+                        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                        "digest": f"sha256:{digest}",
+                        "size": len(data),
+                        "annotations": {"org.opencontainers.image.ref.name": "1"},
+                    }
+                ],
+            }
+        )
+    )
     reference = f"{address}/{repository}:1"
-    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:1",
-                    f"docker://{reference}"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:1", f"docker://{reference}"],
+        check=True,
+        capture_output=True,
+    )
     return reference
 
 
@@ -923,15 +1020,29 @@ def test_zstd_layers_from_a_registry(oci_registry, store, work, tmp_path):
     from registry_fixture import new_repository
 
     big = os.urandom(3 << 20)  # more than a chunk, and incompressible: the group's bytes are these
-    reference = _push_zstd_image([
-        _tar([_entry("srv/", tarfile.DIRTYPE, mode=0o755), _entry("srv/big.bin", data=big),
-              _entry("srv/gone.txt", data=b"deleted above\n"), _entry("srv/kept.txt", data=b"kept\n")]),
-        _tar([_entry("srv/.wh.gone.txt"), _entry("srv/new.txt", data=b"from layer two\n")]),
-    ], tmp_path / "layout", oci_registry.address, new_repository())
+    reference = _push_zstd_image(
+        [
+            _tar(
+                [
+                    _entry("srv/", tarfile.DIRTYPE, mode=0o755),
+                    _entry("srv/big.bin", data=big),
+                    _entry("srv/gone.txt", data=b"deleted above\n"),
+                    _entry("srv/kept.txt", data=b"kept\n"),
+                ]
+            ),
+            _tar([_entry("srv/.wh.gone.txt"), _entry("srv/new.txt", data=b"from layer two\n")]),
+        ],
+        tmp_path / "layout",
+        oci_registry.address,
+        new_repository(),
+    )
     # what the registry serves is zstd: the magic number of a zstd frame
     repo, tag = reference.split("/", 1)[1].rsplit(":", 1)
-    served = httpx.get(f"http://{oci_registry.address}/v2/{repo}/manifests/{tag}",
-                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30).json()
+    served = httpx.get(
+        f"http://{oci_registry.address}/v2/{repo}/manifests/{tag}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        timeout=30,
+    ).json()
     assert [d["mediaType"] for d in served["layers"]] == [ZSTD_LAYER] * 2
     first = httpx.get(f"http://{oci_registry.address}/v2/{repo}/blobs/{served['layers'][0]['digest']}", timeout=30)
     assert first.content[:4] == b"\x28\xb5\x2f\xfd"
@@ -951,6 +1062,6 @@ def _digest_as_image_tree(data: bytes) -> str:
     """A file's content digest as :func:`_image_tree` computes it (MiB blocks, zero ones tagged)."""
     h, zero = hashlib.sha256(), bytes(1 << 20)
     for i in range(0, len(data), 1 << 20):
-        b = data[i:i + (1 << 20)]
+        b = data[i : i + (1 << 20)]
         h.update(b"z" if b == zero else b"d" + b)
     return h.hexdigest()

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_restart import restart_home  # noqa: F401  (fixture)
 
+from test_restart import restart_home  # noqa: F401  (fixture)
 from weenv.host.mounts import mounts_under
 from weenv.node.runtime import nameserver, network
 from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS
@@ -53,8 +53,9 @@ def traversable_ancestors(path: Path):
 
 
 def run_as_nobody(program: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*AS_NOBODY, str(program), "-c", "import os; print(os.geteuid())"],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    return subprocess.run(
+        [*AS_NOBODY, str(program), "-c", "import os; print(os.geteuid())"], capture_output=True, text=True, timeout=30
+    )
 
 
 # --- finding 1: setuid files and device nodes ---------------------------------------------------
@@ -77,8 +78,14 @@ def test_setuid_file_made_inside_is_not_root_on_the_host(node, paths):
             assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
         # A home opened by hand (or a path reached another way) still gives no setuid root:
         # the overlay is mounted nosuid on the host.
-        opened = [paths.node, paths.environments, env_dir, env_dir / "disk", env_dir / "disk/upper",
-                  env_dir / "disk/upper/tmp"]
+        opened = [
+            paths.node,
+            paths.environments,
+            env_dir,
+            env_dir / "disk",
+            env_dir / "disk/upper",
+            env_dir / "disk/upper/tmp",
+        ]
         modes = [stat.S_IMODE(d.stat().st_mode) for d in opened]
         try:
             for d in opened:
@@ -152,8 +159,12 @@ def connect_from(node, env_id: str, host: str, port: int) -> str:
 
 def env_address(env_id: str) -> ipaddress.IPv4Address:
     """The environment's address: its host veth's + 1."""
-    out = subprocess.run(["ip", "-j", "-4", "addr", "show", "dev", network.host_ifname(env_id)],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "-j", "-4", "addr", "show", "dev", network.host_ifname(env_id)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return ipaddress.IPv4Address(json.loads(out)[0]["addr_info"][0]["local"]) + 1
 
 
@@ -208,15 +219,23 @@ def far_host(ns: Path, link: str, host_end: str, far_end: str, port: int, word: 
     subprocess.run(["unshare", f"--net={ns}", "true"], check=True)
     server = None
     try:
-        subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(ns)],
-                       check=True)  # fmt: skip
-        subprocess.run(["ip", "-b", "-"], input=f"addr add {host_end} dev {link}\nlink set {link} up\n",
-                       text=True, check=True)  # fmt: skip
-        subprocess.run(["nsenter", f"--net={ns}", "ip", "-b", "-"], text=True, check=True,
-                       input=f"link set lo up\naddr add {far_end} dev eth0\nlink set eth0 up\n")  # fmt: skip
-        server = subprocess.Popen(["nsenter", f"--net={ns}", sys.executable, "-c", ANSWER_PEER,
-                                   far_end.split("/")[0], str(port), word],
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.run(
+            ["ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", str(ns)], check=True
+        )
+        subprocess.run(
+            ["ip", "-b", "-"], input=f"addr add {host_end} dev {link}\nlink set {link} up\n", text=True, check=True
+        )
+        subprocess.run(
+            ["nsenter", f"--net={ns}", "ip", "-b", "-"],
+            text=True,
+            check=True,
+            input=f"link set lo up\naddr add {far_end} dev eth0\nlink set eth0 up\n",
+        )
+        server = subprocess.Popen(
+            ["nsenter", f"--net={ns}", sys.executable, "-c", ANSWER_PEER, far_end.split("/")[0], str(port), word],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline() == "ready\n"
         yield far_end.split("/")[0]
     finally:
@@ -232,13 +251,13 @@ def outside(tmp_path):
     """A network namespace standing in for the internet (:func:`far_host` on
     :data:`OUTSIDE`); each connection is answered with ``outside PEER_ADDRESS``."""
     host_end, far_end, port = OUTSIDE
-    with far_host(tmp_path / "outside-netns", f"wvtout{os.getpid() % 100000}", host_end, far_end, port,
-                   "outside") as far:  # fmt: skip
+    with far_host(
+        tmp_path / "outside-netns", f"wvtout{os.getpid() % 100000}", host_end, far_end, port, "outside"
+    ) as far:
         yield far, port
 
 
-def test_network_environment_reaches_out_through_nat_but_never_the_host(node, net_template, host_server,
-                                                                        outside):  # fmt: skip
+def test_network_environment_reaches_out_through_nat_but_never_the_host(node, net_template, host_server, outside):
     """With ``network: true`` an environment shared the host's namespace: the
     host's 127.0.0.1 (the daemon's TCP API too) answered it.  Now it has its
     own namespace and veth, reaches a server beyond the host (masqueraded: the
@@ -266,8 +285,9 @@ def test_a_stale_or_flushed_table_is_made_whole_by_the_next_create(node, net_tem
     env = node.create(net_template)
     host_end = str(env_address(env.id) - 1)
     assert connect_from(node, env.id, host_end, host_server) == "TimeoutError"
-    listed = subprocess.run(["nft", "list", "table", "inet", network.TABLE], capture_output=True, text=True,
-                            check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        ["nft", "list", "table", "inet", network.TABLE], capture_output=True, text=True, check=True
+    ).stdout
     assert 'iifname "weenv*" drop' in listed.split("chain forward")[0] and "chain stale" not in listed, listed
 
 
@@ -277,8 +297,10 @@ def test_network_environment_sees_no_host_abstract_socket_and_binds_no_host_port
         host_sock.bind("\0" + name)
         host_sock.listen()
         env = node.create(net_template)
-        code = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
-                "try:\n    s.connect('\\0' + sys.argv[1]); print('connected')\nexcept OSError as e: print(type(e).__name__)")
+        code = (
+            "import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect('\\0' + sys.argv[1]); print('connected')\nexcept OSError as e: print(type(e).__name__)"
+        )
         r = node.exec(env.id, ["python3", "-c", code, name])
         assert r.stdout == b"ConnectionRefusedError\n", r
     p = node.spawn(env.id, ["python3", "-c", ANSWER_PEER, "0.0.0.0", "8081", "env"])
@@ -340,8 +362,7 @@ def test_failed_create_with_network_leaves_no_namespace_veth_or_rule(node, share
     from weenv.packaging.template import load_template
 
     _digest, m = load_template(shared_store, "task")
-    m = m.model_copy(update={"runtime": m.runtime.model_copy(update={"network": True,
-                                                                     "command": ["/nonexistent"]})})
+    m = m.model_copy(update={"runtime": m.runtime.model_copy(update={"network": True, "command": ["/nonexistent"]})})
     digest = shared_store.put_manifest(canonical_json(m))
     before = set(os.listdir("/sys/class/net"))
     with pytest.raises(RuntimeFailedError):
@@ -370,9 +391,9 @@ def test_network_after_daemon_crash_recovery_and_stop(restart_home, outside):
     the FUSE holder killed too it removes it; ``weenv stop`` removes the rest:
     no veth, namespace file or mount is left."""
     from weenv.formats.manifest import RuntimeConfig
+    from weenv.node.data.fuse import holder
     from weenv.packaging.template import create_template
     from weenv.server import daemon
-    from weenv.node.data.fuse import holder
 
     home = restart_home
     create_template(home.store, "rn", ["base", "data"], runtime=RuntimeConfig(network=True, working_dir="/data"))

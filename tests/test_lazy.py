@@ -166,9 +166,7 @@ def test_lazy_fetch(tmp_path, counting_store, lazy):
     assert data == (src / "data" / "big3.bin").read_bytes()
     big = lazy.cache.stats()
     assert BIG_SIZE // MiB <= big.chunks_fetched - small.chunks_fetched <= BIG_SIZE // MiB + 2
-    assert big.bytes_fetched == sum(
-        c.stored_size for c in res.manifest.chunks if lazy.cache.has(c.digest)
-    )
+    assert big.bytes_fetched == sum(c.stored_size for c in res.manifest.chunks if lazy.cache.has(c.digest))
 
     # Warm (chunk cache, through FUSE) and hot (page cache) reads of the same file.
     path = mp / "data" / "big3.bin"
@@ -317,10 +315,10 @@ def test_corrupt_chunk_gives_eio(tmp_path, counting_store, lazy):
     # right bytes if the kernel used small folios and it lies before the bad chunk.
     folio = bad_lo // (2 * MiB) * (2 * MiB)
     probe = folio + MiB
-    out = subprocess.run(
-        [sys.executable, "-c", THP_PROBE, str(path), str(probe)], capture_output=True, timeout=60
+    out = subprocess.run([sys.executable, "-c", THP_PROBE, str(path), str(probe)], capture_output=True, timeout=60)
+    print(
+        f"\nmmap(MADV_HUGEPAGE) {bad_lo - probe} bytes before the bad chunk: rc={out.returncode}, {len(out.stdout)} bytes"
     )
-    print(f"\nmmap(MADV_HUGEPAGE) {bad_lo - probe} bytes before the bad chunk: rc={out.returncode}, {len(out.stdout)} bytes")
     assert out.returncode == -signal.SIGBUS or out.stdout == victim[probe : probe + 4096]
 
     with pytest.raises(OSError) as info:
@@ -500,7 +498,9 @@ def test_clear_stale_after_a_crash(tmp_path, paths, store, leak_check):
     src, res = build(tmp_path, store)
     out = subprocess.run(
         [sys.executable, "-c", CRASHING_DAEMON, str(paths.home), res.digest],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     n = LazyNode(paths, store)
     try:
@@ -556,8 +556,9 @@ def test_a_withdrawn_request_does_not_stall_the_daemon(paths, store, leak_check)
     GIL forever (seen in CI: ``Node.close`` after a failed build step); weenv's
     own FUSE session reads with the GIL released."""
     try:
-        out = subprocess.run([sys.executable, "-c", WITHDRAWN_REQUEST, str(paths.home)],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", WITHDRAWN_REQUEST, str(paths.home)], capture_output=True, text=True, timeout=60
+        )
     except subprocess.TimeoutExpired:  # killed: its FUSE mount stays behind, dead
         clear_stale(paths.group_mounts, paths.lazy_mountpoint)
         pytest.fail("the daemon stalled after a FUSE request was withdrawn")

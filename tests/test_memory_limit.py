@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from weenv.formats.manifest import Resources
 from weenv.errors import MountError
+from weenv.formats.manifest import Resources
 from weenv.host.mounts import _DirectIO, mount_erofs, mount_info
 from weenv.node.node import Node
 from weenv.node.provision import ProvisionConfig
@@ -31,13 +31,23 @@ ROUNDS = 12
 # (the limit + 48 MiB, every page touched) waits at it ~1 s while python3
 # starts again and again; the reclaim at the limit evicts python3's own pages,
 # so each start faults them in from the group image.
-PROVISIONING = dict(interval_s=0.3, check_interval_s=0.3, memory_initial=128 * MIB, memory_headroom=0.0,
-                    memory_min_headroom=16 * MIB, memory_raise_factor=1.0, memory_hold_s=3600,
-                    admission="reservations", memory_idle_after_s=1e9)
-ROUND = ("python3 -c 'import time\nb = bytearray({hog})\nb[::4096] = b\"x\" * (len(b) // 4096)\n"
-         "time.sleep(0.2)' &\nsleep 0.1\n"
-         "for i in 1 2 3 4 5 6; do python3 -c 'import json, email.parser, http.client'; echo \"py $?\"; done\n"
-         "wait $!; echo \"hog $?\"\n")
+PROVISIONING = dict(
+    interval_s=0.3,
+    check_interval_s=0.3,
+    memory_initial=128 * MIB,
+    memory_headroom=0.0,
+    memory_min_headroom=16 * MIB,
+    memory_raise_factor=1.0,
+    memory_hold_s=3600,
+    admission="reservations",
+    memory_idle_after_s=1e9,
+)
+ROUND = (
+    'python3 -c \'import time\nb = bytearray({hog})\nb[::4096] = b"x" * (len(b) // 4096)\n'
+    "time.sleep(0.2)' &\nsleep 0.1\n"
+    "for i in 1 2 3 4 5 6; do python3 -c 'import json, email.parser, http.client'; echo \"py $?\"; done\n"
+    'wait $!; echo "hog $?"\n'
+)
 
 
 def evict_page_cache(path) -> None:

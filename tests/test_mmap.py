@@ -143,8 +143,10 @@ def test_a_failed_fetch_under_mmap_is_an_error_in_the_program(failure, mapped, p
         else:
             store.failing = set(inside)
         r, took = mmap_sha256(node, info.id)
-        print(f"\n{failure}: exit {r.exit_code} after {took:.2f} s, {store.failed} store reads failed; "
-              f"stderr {r.stderr.decode(errors='replace').strip()[-200:]!r}")
+        print(
+            f"\n{failure}: exit {r.exit_code} after {took:.2f} s, {store.failed} store reads failed; "
+            f"stderr {r.stderr.decode(errors='replace').strip()[-200:]!r}"
+        )
         assert not r.timed_out and took < BOUND_S
         assert r.stdout == b""  # never a hash of wrong bytes
         assert r.exit_code == SIGBUS_EXIT or (r.exit_code != 0 and b"Input/output error" in r.stderr)
@@ -162,4 +164,3 @@ def test_a_failed_fetch_under_mmap_is_an_error_in_the_program(failure, mapped, p
         r, _took = mmap_sha256(node, info.id)
         assert (r.exit_code, r.stdout.decode().strip()) == (0, hashlib.sha256(data).hexdigest()), r.stderr
         node.destroy(info.id)
-

@@ -48,10 +48,19 @@ def test_a_program_that_cannot_run_is_reported(tmp_path):
 
 def test_without_the_right_to_make_a_namespace_it_says_so():
     # root without CAP_SYS_ADMIN (gone from the bounding set): unshare(CLONE_NEWNS) needs it
-    r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c",
-                        "from weenv.host import mountns; r = mountns.run_isolated(['/bin/true']); "
-                        "print(r.returncode); print(r.stderr)"],
-                       capture_output=True, text=True, cwd="/")  # fmt: skip
+    r = subprocess.run(
+        [
+            "setpriv",
+            "--bounding-set=-sys_admin",
+            sys.executable,
+            "-c",
+            "from weenv.host import mountns; r = mountns.run_isolated(['/bin/true']); "
+            "print(r.returncode); print(r.stderr)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
     assert r.returncode == 0, r.stderr
     code, _, message = r.stdout.partition("\n")
     assert int(code) == mountns.SETUP_FAILED

@@ -26,8 +26,8 @@ from conftest import nft_tables, system_snapshot
 from daemon_fixture import start_daemon
 from test_isolation import ANSWER_PEER, connect_from, env_address, far_host, host_addresses, host_server  # noqa: F401
 from weenv.errors import InvalidInputError, NetworkForbiddenError
-from weenv.node.runtime import network
 from weenv.node.node import Node
+from weenv.node.runtime import network
 
 HOSTS = {"one": ("198.19.7.1/30", "198.19.7.2/30"), "two": ("198.19.7.5/30", "198.19.7.6/30")}
 PORT = 8090
@@ -51,13 +51,19 @@ def far_hosts(tmp_path):
     """Two namespaces beyond the host (``one``, ``two``), each answering
     ``NAME PEER`` on :data:`PORT`; name -> address."""
     with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}",
-                                                   host_end, far_end, PORT, name))
-               for name, (host_end, far_end) in HOSTS.items()}
+        yield {
+            name: stack.enter_context(
+                far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}", host_end, far_end, PORT, name)
+            )
+            for name, (host_end, far_end) in HOSTS.items()
+        }
 
 
-LOCAL_HOSTS = {"pa": ("172.31.250.1/30", "172.31.250.2/30"), "pb": ("192.168.250.1/30", "192.168.250.2/30"),
-               "pc": ("100.64.250.1/30", "100.64.250.2/30")}
+LOCAL_HOSTS = {
+    "pa": ("172.31.250.1/30", "172.31.250.2/30"),
+    "pb": ("192.168.250.1/30", "192.168.250.2/30"),
+    "pc": ("100.64.250.1/30", "100.64.250.2/30"),
+}
 """Test hosts in RFC 1918's 172.16/12 and 192.168/16 and CGNAT's 100.64/10 (network namespaces made here)."""
 
 
@@ -66,9 +72,12 @@ def local_hosts(tmp_path):
     """Three namespaces on private addresses (:data:`LOCAL_HOSTS`), each answering
     ``NAME PEER`` on :data:`PORT`, as a LAN's machines would; name -> address."""
     with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}",
-                                                   host_end, far_end, PORT, name))
-               for name, (host_end, far_end) in LOCAL_HOSTS.items()}
+        yield {
+            name: stack.enter_context(
+                far_host(tmp_path / f"ns-{name}", f"wvt{name}{os.getpid() % 10000}", host_end, far_end, PORT, name)
+            )
+            for name, (host_end, far_end) in LOCAL_HOSTS.items()
+        }
 
 
 PROBE_ALL = """
@@ -134,8 +143,9 @@ def test_network_on_request_and_egress_lists(node, far_hosts, host_server, no_le
     assert not [t for t in _tables() if t.startswith("weenv-")]
 
 
-def test_local_destinations_are_dropped_unless_an_allow_entry_names_them(node, local_hosts, far_hosts, host_server,
-                                                                         no_leak):  # noqa: F811
+def test_local_destinations_are_dropped_unless_an_allow_entry_names_them(
+    node, local_hosts, far_hosts, host_server, no_leak
+):  # noqa: F811
     """An environment with network reached every private address the host
     routes to (RFC 1918, CGNAT, the host's LAN: other machines of the
     cluster, their Ray and weenv ports).  Now they are dropped by default; an
@@ -148,8 +158,9 @@ def test_local_destinations_are_dropped_unless_an_allow_entry_names_them(node, l
     assert _reach_all(node, on.id, far_hosts) == {"one": True, "two": True}  # beyond the LAN: as before
     everything = node.create("task", allow_out=["0.0.0.0/0"])
     assert _reach_all(node, everything.id, local_hosts) == none
-    named = node.create("task", network=True, deny_out=["0.0.0.0/0"],
-                        allow_out=[f"{local_hosts['pa']}/32", "100.64.0.0/10"])  # fmt: skip
+    named = node.create(
+        "task", network=True, deny_out=["0.0.0.0/0"], allow_out=[f"{local_hosts['pa']}/32", "100.64.0.0/10"]
+    )
     assert _reach_all(node, named.id, local_hosts) == {"pa": True, "pb": False, "pc": True}
     assert _reach_all(node, named.id, far_hosts) == {"one": False, "two": False}
     hosts = [a for a in host_addresses() if not a.startswith("127.")]
@@ -244,8 +255,11 @@ def name_server(tmp_path, far_hosts):
     log_file = tmp_path / "queries"
     log_file.touch()
     ns = tmp_path / "ns-two"
-    server = subprocess.Popen(["nsenter", f"--net={ns}", sys.executable, "-c", DNS_SERVER, two, "53",
-                               json.dumps(names), str(log_file)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        ["nsenter", f"--net={ns}", sys.executable, "-c", DNS_SERVER, two, "53", json.dumps(names), str(log_file)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline() == "ready\n"
         yield two, log_file
@@ -274,9 +288,13 @@ def test_names_in_allow_out_open_their_answers_and_dns_follows_the_policy(node, 
 
     named = node.create("task", allow_out=["svc.weenv.test", "*.wild.weenv.test"])  # internet off
     assert named.allow_out == ["svc.weenv.test", "*.wild.weenv.test"]
-    assert resolve(named.id) == {"svc.weenv.test": f"{one} one", "a.b.wild.weenv.test": f"{one} one",
-                                 "wild.weenv.test": "unresolved",  # a wildcard names subdomains only
-                                 "other.weenv.test": "unresolved", "direct": "TimeoutError"}
+    assert resolve(named.id) == {
+        "svc.weenv.test": f"{one} one",
+        "a.b.wild.weenv.test": f"{one} one",
+        "wild.weenv.test": "unresolved",  # a wildcard names subdomains only
+        "other.weenv.test": "unresolved",
+        "direct": "TimeoutError",
+    }
     assert connect_from(node, named.id, two, PORT) == "TimeoutError"  # only what an allowed name answered
     asked = log_file.read_text().split()
     assert "svc.weenv.test" in asked and "other.weenv.test" not in asked and "wild.weenv.test" not in asked
@@ -285,8 +303,9 @@ def test_names_in_allow_out_open_their_answers_and_dns_follows_the_policy(node, 
     closed = node.create("task", allow_out=[f"{one}/32"])  # network, no internet, no names: no DNS
     assert resolve(closed.id) == {n: "unresolved" for n in names} | {"direct": "TimeoutError"}
     assert log_file.read_text() == ""  # no query of it left the node
-    rules = subprocess.run(["nft", "list", "table", "inet", network.env_table(closed.id)], capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
+    rules = subprocess.run(
+        ["nft", "list", "table", "inet", network.env_table(closed.id)], capture_output=True, text=True, check=True
+    ).stdout
     assert "dport 53" not in rules and "allow_dns" in rules
 
     walled = node.create("task", network=True, allow_out=["svc.weenv.test"], deny_out=["0.0.0.0/0"])
@@ -318,7 +337,7 @@ def test_a_node_whose_policy_forbids_network_refuses_it(paths, shared_store, mon
 
 
 def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, far_hosts, name_server, monkeypatch):
-    e2b = pytest.importorskip("e2b")
+    pytest.importorskip("e2b")
     from e2b import Sandbox
     from e2b.exceptions import InvalidArgumentException, SandboxException
 
@@ -333,18 +352,25 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
             mp.setenv("E2B_API_URL", url + "/e2b")
             mp.setenv("E2B_SANDBOX_URL", url + "/e2b/envd")
             mp.setenv("E2B_API_KEY", "e2b_" + daemon.key)
-            probe = f"import socket,sys\ntry:\n socket.create_connection((sys.argv[1], {PORT}), timeout=1.5)\n" \
-                    " print('ok')\nexcept OSError as e:\n print(type(e).__name__)"
+            probe = (
+                f"import socket,sys\ntry:\n socket.create_connection((sys.argv[1], {PORT}), timeout=1.5)\n"
+                " print('ok')\nexcept OSError as e:\n print(type(e).__name__)"
+            )
 
             def reach(sbx, addr):
-                return sbx.commands.run(f"python3 -c \"{probe}\" {addr}").stdout.strip()
+                return sbx.commands.run(f'python3 -c "{probe}" {addr}').stdout.strip()
 
             sbx = Sandbox.create("task", allow_internet_access=True, timeout=120)
-            lists = Sandbox.create("task", allow_internet_access=False, timeout=120,
-                                   network={"allow_out": [f"{one}/32"]})
+            lists = Sandbox.create(
+                "task", allow_internet_access=False, timeout=120, network={"allow_out": [f"{one}/32"]}
+            )
             closed = Sandbox.create("task", timeout=120)
-            named = Sandbox.create("task", allow_internet_access=True, timeout=120,  # E2B's domain pattern
-                                   network={"allow_out": ["svc.weenv.test"], "deny_out": ["0.0.0.0/0"]})
+            named = Sandbox.create(
+                "task",
+                allow_internet_access=True,
+                timeout=120,  # E2B's domain pattern
+                network={"allow_out": ["svc.weenv.test"], "deny_out": ["0.0.0.0/0"]},
+            )
             try:
                 assert reach(named, "svc.weenv.test") == "ok" and reach(named, "other.weenv.test") == "gaierror"
                 assert reach(named, two) == "TimeoutError"
@@ -352,8 +378,10 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
                 assert reach(lists, one) == "ok" and reach(lists, two) == "TimeoutError"
                 assert reach(closed, one) != "ok"  # no network unless asked
                 # get_host: PORT-ID.DOMAIN, proxied by the daemon to the port inside the sandbox
-                sbx.commands.run("cd /tmp && echo served > index.html && python3 -m http.server 8000 "
-                                 ">/dev/null 2>&1", background=True)
+                sbx.commands.run(
+                    "cd /tmp && echo served > index.html && python3 -m http.server 8000 >/dev/null 2>&1",
+                    background=True,
+                )
                 host = sbx.get_host(8000)
                 assert host.startswith(f"8000-{sbx.sandbox_id}.")
                 deadline = time.monotonic() + 20
@@ -370,11 +398,14 @@ def test_e2b_sdk_network_options_and_get_host(tmp_path_factory, shared_store, fa
                 unknown = httpx.get(url + "/", headers={"Host": "8000-0123456789ab.e2b.app"}, timeout=5)
                 assert unknown.status_code == 502 and "not found" in unknown.text
                 # a sandbox without network is reachable the same way (inside its own namespace)
-                closed.commands.run("cd /tmp && echo closed > index.html && python3 -m http.server 8000 "
-                                    ">/dev/null 2>&1", background=True)
+                closed.commands.run(
+                    "cd /tmp && echo closed > index.html && python3 -m http.server 8000 >/dev/null 2>&1",
+                    background=True,
+                )
                 deadline = time.monotonic() + 20
-                while (r := httpx.get(url + "/index.html", headers={"Host": closed.get_host(8000)}, timeout=5)
-                       ).status_code != 200 and time.monotonic() < deadline:
+                while (
+                    r := httpx.get(url + "/index.html", headers={"Host": closed.get_host(8000)}, timeout=5)
+                ).status_code != 200 and time.monotonic() < deadline:
                     time.sleep(0.2)
                 assert r.text == "closed\n"
             finally:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from conftest import store_copy_without_profiles  # at import: in a run with tests/unit, "conftest" is that one later
 
+from conftest import store_copy_without_profiles  # at import: in a run with tests/unit, "conftest" is that one later
 from weenv.errors import (
     InvalidInputError,
     MountError,
@@ -92,7 +92,9 @@ def test_paths_cannot_escape_the_root(node, tmp_path):
     files = node.files(info.id)
     host_target = tmp_path / "host-secret"
     host_target.write_text("host")
-    node.exec(info.id, f"ln -s {host_target} /workspace/abs-link; ln -s ../../../../../../{host_target} /workspace/rel-link")
+    node.exec(
+        info.id, f"ln -s {host_target} /workspace/abs-link; ln -s ../../../../../../{host_target} /workspace/rel-link"
+    )
     for link in ("/workspace/abs-link", "/workspace/rel-link"):
         with pytest.raises(NotFoundError):
             files.read_file(link)  # resolves inside the root, where no such file exists
@@ -207,7 +209,9 @@ def test_a_name_that_moves_or_goes_between_creates(private_store, paths, tmp_pat
         assert env.template_digest == one
         node.destroy(env.id)
 
-        two, _ = create_template(private_store, "moving", ["base", "v2"], runtime=RuntimeConfig(working_dir="/workspace"))
+        two, _ = create_template(
+            private_store, "moving", ["base", "v2"], runtime=RuntimeConfig(working_dir="/workspace")
+        )
         env = node.create("moving")
         assert env.template_digest == two
         assert node.exec(env.id, ["cat", "which"]).stdout == b"two\n"

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from registry_fixture import Registry, free_port, new_repository, oci_registry, registry  # noqa: F401 (fixtures)
 
+from registry_fixture import Registry, free_port, new_repository, oci_registry, registry  # noqa: F401 (fixtures)
 from weenv.errors import InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import DEFAULT_CHUNK_SIZE, GROUP_MEDIA_TYPE, sha256_digest
 from weenv.node.node import Node
@@ -29,8 +29,15 @@ from weenv.store import open_store
 from weenv.store.file import FileStore
 from weenv.store.oci import CHUNK_ARTIFACT_TYPE, CHUNK_MEDIA_TYPE, OciStore
 
-FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05, "probe_interval": 1,
-        "probe_timeout": 0.5}
+FAST = {
+    "connect_timeout": 1,
+    "read_timeout": 1,
+    "timeout": 3,
+    "retries": 3,
+    "backoff": 0.05,
+    "probe_interval": 1,
+    "probe_timeout": 0.5,
+}
 
 
 # --- a TCP fault injector between the store and the registry ------------------------------------
@@ -216,8 +223,11 @@ def test_group_round_trip_and_layout(oci, oci_registry, tmp_path):
     chunk_manifest = oci._get_manifest_json("chunk-" + manifest.chunks[0].digest[7:])
     assert chunk_manifest["artifactType"] == CHUNK_ARTIFACT_TYPE
     assert chunk_manifest["layers"] == [
-        {"mediaType": CHUNK_MEDIA_TYPE, "digest": manifest.chunks[0].stored_digest,
-         "size": manifest.chunks[0].stored_size}
+        {
+            "mediaType": CHUNK_MEDIA_TYPE,
+            "digest": manifest.chunks[0].stored_digest,
+            "size": manifest.chunks[0].stored_size,
+        }
     ]
     group_manifest = oci._get_manifest_json("manifest-" + result.digest[7:])
     assert group_manifest["artifactType"] == group_manifest["config"]["mediaType"] == GROUP_MEDIA_TYPE
@@ -306,8 +316,7 @@ def test_5xx_answers_are_retried_with_backoff(oci_registry, proxy):
 
 
 def test_retries_outlast_a_registry_restart(registry):
-    s = OciStore(registry.url("weenv/restart"), connect_timeout=1, read_timeout=2, timeout=20, retries=10,
-                 backoff=0.1)
+    s = OciStore(registry.url("weenv/restart"), connect_timeout=1, read_timeout=2, timeout=20, retries=10, backoff=0.1)
     ref, _ = s.put_chunk(b"survives a restart")
     registry.stop()
     restarter = threading.Timer(1.0, registry.start)
@@ -346,8 +355,12 @@ def test_registry_killed_mid_read_is_an_error_within_the_timeout(registry):
     assert isinstance(outcome["error"], StoreUnavailableError)
     assert outcome["elapsed"] < FAST["timeout"] + 0.5
     # and every other operation fails the same way, quickly
-    for call in (lambda: s.has_chunk(ref.digest), lambda: s.put_chunk(b"x"), lambda: list(s.list_chunks()),
-                 lambda: s.get_ref("templates", "t")):
+    for call in (
+        lambda: s.has_chunk(ref.digest),
+        lambda: s.put_chunk(b"x"),
+        lambda: list(s.list_chunks()),
+        lambda: s.get_ref("templates", "t"),
+    ):
         started = time.monotonic()
         with pytest.raises(StoreUnavailableError):
             call()
@@ -390,9 +403,7 @@ def test_a_hung_registry_times_out_then_fails_fast_until_a_probe_is_answered(reg
 # --- through a node -----------------------------------------------------------------------------
 
 
-def test_registry_death_gives_eio_in_the_environment_and_the_node_serves_on(
-    paths, shared_store, registry, leak_check
-):
+def test_registry_death_gives_eio_in_the_environment_and_the_node_serves_on(paths, shared_store, registry, leak_check):
     oci = OciStore(registry.url("weenv/node"), **FAST)
     copy_template(shared_store, oci, "task")
     task_group = load_template(oci, "task")[1].groups[-1]  # holds /workspace

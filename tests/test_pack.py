@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from test_cache import CountingStore, _read_some, _record_profile, _wait_cached, private_store  # noqa: F401
-
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node.node import Node
 from weenv.packaging.group import build_group
@@ -104,8 +103,9 @@ class GcBeforeProfileStore(CountingStore):
 
     def set_ref(self, kind, name, digest):
         if kind == "prefetch" and self.gc is None:
-            r = subprocess.run([sys.executable, "-m", "weenv", "gc"], env=self.env, capture_output=True, text=True,
-                               timeout=300)  # fmt: skip
+            r = subprocess.run(
+                [sys.executable, "-m", "weenv", "gc"], env=self.env, capture_output=True, text=True, timeout=300
+            )
             self.gc = (r.returncode, r.stdout + r.stderr)
         return super().set_ref(kind, name, digest)
 
@@ -115,8 +115,12 @@ def test_gc_between_a_pack_and_its_profile_keeps_the_pack(tmp_path, paths, priva
     it published the profile naming it: the pack stays (the publication's write
     lease names it), so the published profile's pack is in the store and a
     cold start streams it.  (Before, the gc deleted the pack under the profile.)"""
-    env = {**os.environ, "WEENV_HOME": str(tmp_path / "other-home"), "WEENV_CACHE": str(tmp_path / "other-cache"),
-           "WEENV_STORE": f"file://{private_store}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "WEENV_HOME": str(tmp_path / "other-home"),
+        "WEENV_CACHE": str(tmp_path / "other-cache"),
+        "WEENV_STORE": f"file://{private_store}",
+    }
     store = GcBeforeProfileStore(private_store, env)
     with Node(paths, store=store, prefetch_record_s=30) as n:
         _record_profile(n)
@@ -213,8 +217,11 @@ def test_drop_caches_right_after_destroy_keeps_the_bound(tmp_path, paths, privat
         n.destroy(env.id)
         n.drop_caches()
         time.sleep(1.5)  # the in-flight fetches land
-        on_disk = sum(p.stat().st_size for p in (paths.chunk_cache / "sha256").glob("*/*") if p.is_file()) \
-            if (paths.chunk_cache / "sha256").exists() else 0
+        on_disk = (
+            sum(p.stat().st_size for p in (paths.chunk_cache / "sha256").glob("*/*") if p.is_file())
+            if (paths.chunk_cache / "sha256").exists()
+            else 0
+        )
         st = n.cache.stats()
         assert st.bytes_cached == on_disk, f"cache counts {st.bytes_cached} bytes, holds {on_disk} on disk"
 

@@ -31,10 +31,10 @@ from weenv.formats.manifest import (
 )
 from weenv.host.mounts import erofs_spec, mount, umount
 from weenv.packaging.erofs import count_inodes
-from weenv_bench.mkfs_erofs import mkfs_erofs, mkfs_version
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.packaging.group import assemble_image, build_group, load_group
 from weenv.packaging.template import create_template, load_template
+from weenv_bench.mkfs_erofs import mkfs_erofs, mkfs_version
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -73,6 +73,7 @@ def _set_capability(path: Path) -> None:
 
 def make_tree(root: Path) -> None:
     """Populate ``root`` (an empty directory) with every file kind EROFS must keep."""
+
     def write(rel: str, data: bytes, mode: int = 0o644) -> Path:
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -188,8 +189,7 @@ def snapshot(root: Path) -> dict[str, dict]:
             "nlink": st.st_nlink,
             "inode": first_path.setdefault(st.st_ino, rel),
             "xattrs": {
-                k: os.getxattr(p, k, follow_symlinks=False)
-                for k in sorted(os.listxattr(p, follow_symlinks=False))
+                k: os.getxattr(p, k, follow_symlinks=False) for k in sorted(os.listxattr(p, follow_symlinks=False))
             },
         }
         if not stat.S_ISDIR(st.st_mode):
@@ -269,8 +269,9 @@ def test_group_round_trip_keeps_every_file_kind(tree, store, tmp_path, leak_chec
 
 
 def test_writer_is_deterministic_and_refuses_what_it_cannot_store(tmp_path):
-    from weenv.packaging.erofs_writer import Inode, new_dir
     import io
+
+    from weenv.packaging.erofs_writer import Inode, new_dir
 
     a, b = _same_tree_twice(tmp_path)
     images = []

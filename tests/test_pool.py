@@ -65,11 +65,12 @@ def test_second_create_fills_the_pool_and_the_next_create_starts_the_pooled_envi
 
     _warm_up(node)
     _wait_ready(node)
-    (cid, status), = _containers(node).items()
+    ((cid, status),) = _containers(node).items()
     assert status == "created" and node.list() == []  # waiting in the runtime's exec FIFO, not an environment yet
     name, root = node.runtime.name, paths.runtime_roots[node.runtime.name]
-    pid = json.loads(subprocess.run([name, "--root", str(root), "state", cid],
-                                    capture_output=True, text=True, check=True).stdout)["pid"]
+    pid = json.loads(
+        subprocess.run([name, "--root", str(root), "state", cid], capture_output=True, text=True, check=True).stdout
+    )["pid"]
     with open(f"/proc/{pid}/cmdline", "rb") as f:  # nothing of the template ran yet: still the runtime's process
         argv = f.read().split(b"\0")
     if name == "runc":
@@ -370,8 +371,11 @@ def kill_a_node_holding_a_pooled_environment(paths, store, tmp_path) -> int | No
         "while node.pool.stats().ready < 1:\n    time.sleep(0.01)\n"
         "print('ready', flush=True)\ntime.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, str(script), str(store.root)], stdout=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(store.root)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         assert proc.stdout.readline() == b"ready\n"
         from weenv.node.data.fuse import holder

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import pytest
 
+from test_pool import kill_a_node_holding_a_pooled_environment
 from weenv.errors import CapacityError, MountError, NotFoundError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.data.fuse import holder
 from weenv.node.node import Node, _overlay_lowers
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.template import create_template, load_template
-
-from test_pool import kill_a_node_holding_a_pooled_environment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,14 +42,19 @@ def on_runc(monkeypatch):
     nodes run runc (the node's runtime under WEENV_RUNTIME=runc)."""
     monkeypatch.setenv("WEENV_RUNTIME", "runc")
 
+
 REAL_RUNC = shutil.which("runc") or "runc"
 
 
 # --- what a test may leave behind ------------------------------------------------------
 def _containers(paths) -> dict[str, str]:
     """runc's containers under the home: id -> status."""
-    r = subprocess.run([REAL_RUNC, "--root", str(paths.runc_root), "list", "--format", "json"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [REAL_RUNC, "--root", str(paths.runc_root), "list", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if r.returncode != 0:
         return {}
     return {s["id"]: s["status"] for s in (json.loads(r.stdout or "null") or [])}
@@ -71,8 +75,11 @@ def _weenv_cgroups() -> set[str]:
 
 
 def _leaks(paths, cgroups_before: set[str]) -> dict:
-    return {"containers": _containers(paths), "mounts": _mounts(paths),
-            "cgroups": sorted(_weenv_cgroups() - cgroups_before)}
+    return {
+        "containers": _containers(paths),
+        "mounts": _mounts(paths),
+        "cgroups": sorted(_weenv_cgroups() - cgroups_before),
+    }
 
 
 def _wait_for(cond, what: str = "", timeout: float = 30.0, poll: float = 0.01) -> None:
@@ -107,6 +114,7 @@ def _in_thread(fn, out: dict, name: str) -> threading.Thread:
             out[name] = fn()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             out[name] = exc
+
     t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
     return t
@@ -133,8 +141,9 @@ def home(paths, shared_store, leak_check):
         with contextlib.suppress(Exception):
             Node(paths, store=shared_store, pool_size=0).start().close()
     for cid in _containers(paths):
-        subprocess.run([REAL_RUNC, "--root", str(paths.runc_root), "delete", "--force", cid],
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [REAL_RUNC, "--root", str(paths.runc_root), "delete", "--force", cid], capture_output=True, timeout=60
+        )
     for point in sorted(_mounts(paths), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True)
     for cg in sorted(_weenv_cgroups() - before, key=len, reverse=True):
@@ -185,7 +194,8 @@ def test_close_while_a_create_waits_for_a_fill_leaves_nothing(paths, shared_stor
         chain.append(repr(e)[:300])
         e = e.__context__
     assert not any(leaks.values()) and not isinstance(r, MountError), (
-        f"after close: leaked {leaks}; the create -> {chain or repr(r)[:200]}")
+        f"after close: leaked {leaks}; the create -> {chain or repr(r)[:200]}"
+    )
 
 
 def test_drop_caches_waits_for_pooled_environments_being_removed(paths, shared_store, home, tmp_path):
@@ -207,7 +217,8 @@ def test_drop_caches_waits_for_pooled_environments_being_removed(paths, shared_s
     _wait_for(lambda: not _containers(paths), "the removal ended")
     mounted = node.groups.mounted()
     assert not left and not mounted, (
-        f"drop_caches returned while pooled containers remained: {left}; groups mounted once they went: {mounted}")
+        f"drop_caches returned while pooled containers remained: {left}; groups mounted once they went: {mounted}"
+    )
 
 
 def test_the_pool_never_holds_more_than_max_environments_allow(paths, shared_store, home, tmp_path):
@@ -238,8 +249,13 @@ def test_a_create_refused_admission_keeps_the_pooled_environment(paths, shared_s
     another: a full node churns one create+destroy per refused request.
     Expected: the refused create leaves the ready environment in the pool and
     is not counted as a hit."""
-    node = _start(home, paths, shared_store, pool_size=1,
-                  provisioning=ProvisionConfig(mode="static", cpu_capacity=1.0, cpu_overcommit=1.0))
+    node = _start(
+        home,
+        paths,
+        shared_store,
+        pool_size=1,
+        provisioning=ProvisionConfig(mode="static", cpu_capacity=1.0, cpu_overcommit=1.0),
+    )
     _warm_up(node)
     _wait_ready(node)
     a = node.create("task")  # 1 of 1 core reserved
@@ -343,7 +359,8 @@ def test_a_pooled_environment_whose_overlay_was_unmounted_is_not_started(paths, 
     finally:
         node.destroy(info.id)
     assert host_view is not None and inside == b"seen\n", (
-        f"pooled={info.timing.pooled}: host rootfs overlay {host_view}, file written on the host read inside: {inside!r}")
+        f"pooled={info.timing.pooled}: host rootfs overlay {host_view}, file written on the host read inside: {inside!r}"
+    )
 
 
 # --- templates that move -----------------------------------------------------------------
@@ -421,8 +438,12 @@ def test_a_pooled_container_deleted_from_outside_is_created_anew(paths, shared_s
     _warm_up(node)
     _wait_ready(node)
     (cid,) = _created(paths)
-    subprocess.run([REAL_RUNC, "--root", str(paths.runc_root), "delete", "--force", cid], check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [REAL_RUNC, "--root", str(paths.runc_root), "delete", "--force", cid],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     info = node.create("task")
     assert not info.timing.pooled
     assert node.exec(info.id, ["python3", "hello.py"]).stdout == b"hello from the task\n"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from e2b_fixture import e2b_daemon
 from oci_push import e2b_base_image  # noqa: F401 - a fixture
 from registry_fixture import oci_registry  # noqa: F401 - a fixture
-
 from weenv.server.e2b.connect import envelope
 from weenv.server.prime.proto import command_pb
 from weenv.store.file import FileStore
@@ -35,7 +35,8 @@ PYTHON = VENV / "bin" / "python"
 CLIENT = Path(__file__).with_name("prime_client.py")
 
 pytestmark = pytest.mark.skipif(
-    not PYTHON.exists(), reason=f"the prime-sandboxes venv {VENV} is absent (scripts/setup.sh makes it)")
+    not PYTHON.exists(), reason=f"the prime-sandboxes venv {VENV} is absent (scripts/setup.sh makes it)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +52,16 @@ def served(shared_store):
 
 
 def run_client(served, tmp_path: Path, *args: str) -> dict:
-    env = {**os.environ, "PRIME_API_BASE_URL": served.daemon.url + "/prime", "PRIME_API_KEY": served.daemon.key,
-           "HOME": str(tmp_path)}  # the client's auth cache (~/.prime) stays in the test's directory
+    env = {
+        **os.environ,
+        "PRIME_API_BASE_URL": served.daemon.url + "/prime",
+        "PRIME_API_KEY": served.daemon.key,
+        "HOME": str(tmp_path),
+    }  # the client's auth cache (~/.prime) stays in the test's directory
     env.pop("PYTHONPATH", None)
-    out = subprocess.run([str(PYTHON), str(CLIENT), *args], check=False, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(PYTHON), str(CLIENT), *args], check=False, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, f"client failed:\n{out.stderr[-4000:]}\n{served.daemon.log()}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,8 +137,12 @@ def test_gateway_refuses_bad_timeouts_tokens_and_requests(served):
             r = httpx.post(url, content=body, headers={**headers, "authorization": "Bearer " + "0" * 64})
             assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
             upload = url.replace("command_session.CommandSession/Start", "upload")
-            r = httpx.post(upload, params={"path": "/tmp/x"}, files={"file": ("x", b"y" * (1 << 20))},
-                           headers={"authorization": "Bearer " + "0" * 64})
+            r = httpx.post(
+                upload,
+                params={"path": "/tmp/x"},
+                files={"file": ("x", b"y" * (1 << 20))},
+                headers={"authorization": "Bearer " + "0" * 64},
+            )
             assert r.status_code in (401, 413), r.text  # a wrong token may not send a big body
             r = httpx.post(url, content=body, headers={**headers, "connect-timeout-ms": "5000"})
             assert r.status_code == 200 and b"ran\n" in r.content

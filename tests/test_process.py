@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from weenv.api.models import ProcessEvent
 from weenv.errors import CapacityError, InvalidInputError, NotFoundError, OutputLimitError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import open_cgroups
-from weenv.api.models import ProcessEvent
 from weenv.node.node import CONTAINER_PREFIX, Node
 
 
@@ -27,8 +27,9 @@ def _events(p):
 
 def test_spawn_streams_in_order_with_pid_and_exit(node):
     info = node.create("task", envs={"FROM_CREATE": "c"})
-    p = node.spawn(info.id, "echo o1; sleep 0.2; echo e1 >&2; sleep 0.2; echo o2; echo $FROM_CREATE; exit 3",
-                   primary_reader=True)
+    p = node.spawn(
+        info.id, "echo o1; sleep 0.2; echo e1 >&2; sleep 0.2; echo o2; echo $FROM_CREATE; exit 3", primary_reader=True
+    )
     assert p.pid and p.pid > 1
     evs = _events(p)
     assert [e.type for e in evs] == ["start", "stdout", "stderr", "stdout", "end"]
@@ -173,7 +174,10 @@ def test_kill_reaches_setsid_and_double_forked_children_and_spares_other_command
     other = node.spawn(info.id, ["sleep", "1000"], tag="other")
     cmd = node.spawn(info.id, "setsid sleep 1001 & (sleep 1002 &) ; exec sleep 1003")
     deadline = time.monotonic() + 10
-    ps = lambda: _sleeps(node, info.id)
+
+    def ps():
+        return _sleeps(node, info.id)
+
     while time.monotonic() < deadline and len(ps()) < 4:
         time.sleep(0.05)
     assert ps() == ["sleep 1000", "sleep 1001", "sleep 1002", "sleep 1003"]

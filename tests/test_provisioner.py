@@ -78,8 +78,15 @@ def test_admission_counts_how_bursts_overlap(make_node):
 
 
 # --- on real environments ---------------------------------------------------------------------
-FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0,
-            admission="reservations", memory_idle_after_s=1e9)  # the rules of issue 5 alone (19: test_template_profiles)
+FAST = dict(
+    interval_s=0.2,
+    cpu_window_s=2.0,
+    cpu_cooldown_s=1.0,
+    memory_hold_s=1.5,
+    memory_half_life_s=1.0,
+    admission="reservations",
+    memory_idle_after_s=1e9,
+)  # the rules of issue 5 alone (19: test_template_profiles)
 
 
 @pytest.fixture
@@ -153,7 +160,7 @@ def test_cpu_quota_follows_a_burst_and_falls_back_when_idle(make_node):
     assert max(h.cpu_used for h in hist) > 0.25 and hist[-1].cpu_used < 0.1  # above the initial 0.2
 
 
-BURST = ("python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: pass'")
+BURST = "python3 -c 'import time\nt = time.time()\nwhile time.time() - t < {s}: pass'"
 
 
 @pytest.mark.parametrize("quota_at", ["ceiling", "reservation"])
@@ -188,10 +195,12 @@ def test_a_burst_after_idle_is_throttled_only_when_the_quota_follows_usage(make_
         assert any(e.kind == "raise" and e.message.startswith("cpu 0.1") for e in node.provision_stats(env.id).events)
 
 
-ALLOC = ("python3 -c 'import time\nchunks = []\n"
-         "for _ in range({n}):\n    chunks.append(bytearray({step}))\n    "
-         "for i in range(0, len(chunks[-1]), 4096): chunks[-1][i] = 1\n    time.sleep({pause})\n"
-         "print(\"held\", flush=True)\ntime.sleep({hold})'")  # fmt: skip
+ALLOC = (
+    "python3 -c 'import time\nchunks = []\n"
+    "for _ in range({n}):\n    chunks.append(bytearray({step}))\n    "
+    "for i in range(0, len(chunks[-1]), 4096): chunks[-1][i] = 1\n    time.sleep({pause})\n"
+    'print("held", flush=True)\ntime.sleep({hold})\''
+)
 
 
 def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_hold(make_node):
@@ -224,15 +233,16 @@ def test_idle_memory_is_reclaimed_and_comes_back_without_an_oom_kill_when_it_bur
     ``memory.reclaim`` first).  Its next burst, 512 MiB of heap at once
     (within its declared 1 GiB), waits at the lowered limit until the
     controller raises it: no OOM kill."""
-    node = make_node(memory_idle_after_s=1.0, memory_hold_s=600.0, memory_half_life_s=600.0,
-                     memory_initial=768 * MIB)  # fmt: skip
+    node = make_node(memory_idle_after_s=1.0, memory_hold_s=600.0, memory_half_life_s=600.0, memory_initial=768 * MIB)
     env = node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256))
     r = node.exec(env.id, "head -c 300M /dev/zero > /tmp/cache && sync", timeout=120)
     assert r.exit_code == 0, r.stderr
     assert wait_for(lambda: env_stats(node, env.id).history[-1].memory_usage >= 250 * MIB, timeout=10)
     # idle: the limit follows the working set (the cache is not in it), the kernel drops the cache
-    assert wait_for(lambda: env_stats(node, env.id).memory_limit <= 256 * MIB, timeout=30), \
-        (env_stats(node, env.id).history[-5:], node.provision_stats(env.id).events[-10:])
+    assert wait_for(lambda: env_stats(node, env.id).memory_limit <= 256 * MIB, timeout=30), (
+        env_stats(node, env.id).history[-5:],
+        node.provision_stats(env.id).events[-10:],
+    )
     assert wait_for(lambda: env_stats(node, env.id).history[-1].memory_usage <= 256 * MIB, timeout=10)
     limits = [h.memory_limit for h in env_stats(node, env.id).history]
     assert limits[0] == 768 * MIB and min(limits) <= 256 * MIB
@@ -249,10 +259,18 @@ def test_idle_memory_is_reclaimed_and_comes_back_without_an_oom_kill_when_it_bur
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
     # a window and cool-down of half the module's: each environment created below waits for its initial
     # reservation to fall (seven or so, one after another: 18 s with the module's 2 s and 1 s)
-    node = make_node(cpu_capacity=1.0, cpu_overcommit=1.0, cpu_initial=0.3, admission="reservations",
-                     cpu_window_s=1.0, cpu_cooldown_s=0.5)
-    envs = [node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
-            for _ in range(3)]  # fmt: skip
+    node = make_node(
+        cpu_capacity=1.0,
+        cpu_overcommit=1.0,
+        cpu_initial=0.3,
+        admission="reservations",
+        cpu_window_s=1.0,
+        cpu_cooldown_s=0.5,
+    )
+    envs = [
+        node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
+        for _ in range(3)
+    ]
     for e in envs:
         node.exec(e.id, BUSY.format(s=3))
     sums = []
@@ -270,8 +288,9 @@ def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_n
     more = []
     with pytest.raises(CapacityError):  # until the idle quotas (~0.1 core each) fill 1 core
         for _ in range(20):
-            more.append(node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256),
-                                    first_command=False))  # fmt: skip
+            more.append(
+                node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256), first_command=False)
+            )
             assert node.provision_stats().totals.cpu_reservation_sum <= 1.0 + 1e-6
             # its initial reservation (0.3) is held until the cool-down shows it idle
             assert wait_for(lambda: env_stats(node, more[-1].id).cpu_reservation <= 0.12, timeout=10)
@@ -303,7 +322,9 @@ def test_memory_bomb_contained_without_killing_others(make_node):
     node = make_node()
     res = Resources(cpus=1.0, memory_bytes=768 * MIB, pids=256)
     bomb, other = node.create("task", resources=res), node.create("task", resources=res)
-    pid = node.exec(other.id, "python3 -c 'import time; b = bytearray(200 << 20); time.sleep(60)' > /dev/null 2>&1 & echo $!").stdout.strip()
+    pid = node.exec(
+        other.id, "python3 -c 'import time; b = bytearray(200 << 20); time.sleep(60)' > /dev/null 2>&1 & echo $!"
+    ).stdout.strip()
     r = node.exec(bomb.id, BOMB, timeout=120)
     assert r.exit_code == 137 and not r.timed_out  # SIGKILL by the OOM killer, at the ceiling
     assert wait_for(lambda: env_stats(node, bomb.id).oom_kills >= 1, timeout=5)
@@ -392,8 +413,13 @@ def test_weenv_stats_table_and_plot(paths, shared_store, tmp_path, leak_check):
     import subprocess
     import sys
 
-    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_STORE=f"file://{shared_store.root}",
-               WEENV_PROVISION_INTERVAL="0.2", COLUMNS="200")  # fmt: skip
+    env = dict(
+        os.environ,
+        WEENV_HOME=str(paths.home),
+        WEENV_STORE=f"file://{shared_store.root}",
+        WEENV_PROVISION_INTERVAL="0.2",
+        COLUMNS="200",
+    )
 
     def weenv(*args):
         p = subprocess.run([sys.executable, "-m", "weenv", *args], capture_output=True, text=True, env=env, timeout=300)

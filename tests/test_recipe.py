@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.errors import InvalidInputError, NotFoundError
 from weenv.host import mounts
-from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.node.node import Node
 from weenv.packaging.builder import StepFailedError, build_recipe
 from weenv.packaging.group import load_group
@@ -37,8 +37,6 @@ def build(store, paths, recipe_path):
 def group_names(store, template):
     _, t = load_template(store, template)
     return [load_group(store, g).name for g in t.groups]
-
-
 
 
 # --- tree components: cache and update -----------------------------------------------------
@@ -125,8 +123,11 @@ def test_copy_and_from_dir_results_inside_an_environment(tree_recipe, debian_roo
     build(store, paths, write_recipe(tree_recipe.parent, text))
     with Node(paths, store=store) as node:
         env = node.create("tree")
-        r = node.exec(env.id, "stat -c '%a %u:%g %n' /usr/local/bin/tool.sh /workspace/extra/notes.txt "
-                              "/workspace/main.py; tool.sh; cat /etc/os-release")  # fmt: skip
+        r = node.exec(
+            env.id,
+            "stat -c '%a %u:%g %n' /usr/local/bin/tool.sh /workspace/extra/notes.txt "
+            "/workspace/main.py; tool.sh; cat /etc/os-release",
+        )
         assert r.exit_code == 0, r
         assert r.stdout.decode().splitlines() == [
             "755 0:0 /usr/local/bin/tool.sh",
@@ -161,8 +162,10 @@ def test_update_republishes_one_group(tree_recipe, store, paths, tmp_path, leak_
 
 
 def test_missing_source_is_a_clear_error(tmp_path, store, paths):
-    path = write_recipe(tmp_path, '[template]\nname = "t"\n[[component]]\nname = "a"\n'
-                                  '[[component.step]]\nkind = "from_dir"\npath = "nowhere"\n')  # fmt: skip
+    path = write_recipe(
+        tmp_path,
+        '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "from_dir"\npath = "nowhere"\n',
+    )
     with pytest.raises(InvalidInputError, match="nowhere is not a directory"):
         build(store, paths, path)
     assert store.list_refs("templates") == {} and list(store.list_manifests()) == []
@@ -225,14 +228,27 @@ def test_run_steps_whiteouts_and_rebuilds(run_recipe, store, paths, leak_check):
     assert first.rebuilt == ["base", "patch", "dep", "indep", "task"]
     with Node(paths, store=store) as node:
         env = node.create("run")
-        r = node.exec(env.id, "ls -A /usr/share/doc; cat /etc/dep-saw-patch /etc/x /opt/tools/t task.txt; "
-                              "test -e /etc/hostname || echo no-hostname; test -d /usr/share/man || echo no-man; "
-                              "ls /usr/share/man2 | head -1; stat -c %a /etc/issue")  # fmt: skip
+        r = node.exec(
+            env.id,
+            "ls -A /usr/share/doc; cat /etc/dep-saw-patch /etc/x /opt/tools/t task.txt; "
+            "test -e /etc/hostname || echo no-hostname; test -d /usr/share/man || echo no-man; "
+            "ls /usr/share/man2 | head -1; stat -c %a /etc/issue",
+        )
         assert r.exit_code == 0, r
         # the opaque /usr/share/doc hides every lower entry; whiteouts hide deleted files
         assert r.stdout.decode().split() == [
-            "fresh", "patch", "v1", "x", "tool", "the", "task", "no-hostname", "no-man", "cs", "600",
-        ]  # fmt: skip
+            "fresh",
+            "patch",
+            "v1",
+            "x",
+            "tool",
+            "the",
+            "task",
+            "no-hostname",
+            "no-man",
+            "cs",
+            "600",
+        ]
     dep = load_group(store, store.get_ref("groups", "dep"))
     assert dep.image_size < 8 << 20 < load_group(store, store.get_ref("groups", "base")).image_size
 
@@ -252,7 +268,9 @@ def test_pip_step_installs_a_real_package(debian_root, tmp_path, store, paths, l
     d = tmp_path / "recipe"
     d.mkdir()
     (d / "requirements.txt").write_text("six==1.17.0\n")
-    path = write_recipe(d, f"""
+    path = write_recipe(
+        d,
+        f"""
 [template]
 name = "py"
 [[component]]
@@ -266,7 +284,8 @@ name = "deps"
 kind = "pip"
 requirements_file = "requirements.txt"
 requirements = ["idna==3.10"]
-""")
+""",
+    )
     result = build(store, paths, path)
     assert result.rebuilt == ["base", "deps"]
     with Node(paths, store=store) as node:
@@ -282,7 +301,9 @@ requirements = ["idna==3.10"]
 
 
 def test_failing_step_shows_output_and_publishes_nothing(debian_root, tmp_path, store, paths, leak_check):
-    path = write_recipe(tmp_path, f"""
+    path = write_recipe(
+        tmp_path,
+        f"""
 [template]
 name = "bad"
 [[component]]
@@ -295,7 +316,8 @@ name = "broken"
 [[component.step]]
 kind = "run"
 commands = ["echo first-ok", "echo to-stdout; echo to-stderr >&2; exit 3", "echo never"]
-""")
+""",
+    )
     before_manifests = set(store.list_manifests())
     with pytest.raises(StepFailedError) as info:
         build(store, paths, path)
@@ -316,7 +338,9 @@ def test_cli_build_and_failure(tree_recipe, paths, tmp_path, leak_check):
     env = dict(os.environ, WEENV_HOME=str(paths.home))
 
     def weenv(*args):
-        return subprocess.run([sys.executable, "-m", "weenv", *args], capture_output=True, text=True, check=False, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "weenv", *args], capture_output=True, text=True, check=False, env=env
+        )
 
     p = weenv("build", str(tree_recipe))
     assert p.returncode == 0, p.stderr
@@ -329,8 +353,9 @@ def test_cli_build_and_failure(tree_recipe, paths, tmp_path, leak_check):
     p = weenv("update", "tree", "--component", "task", "--from-dir", str(tmp_path / "t2"))
     assert p.returncode == 0, p.stderr
     assert "template tree version 2: task" in p.stderr and "published in" in p.stderr
-    bad = write_recipe(tmp_path, '[template]\nname = "t"\n[[component]]\nname = "a"\n'
-                                 '[[component.step]]\nkind = "teleport"\n')  # fmt: skip
+    bad = write_recipe(
+        tmp_path, '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "teleport"\n'
+    )
     p = weenv("build", str(bad))
     assert p.returncode == 1 and "weenv: error:" in p.stderr and "teleport" in p.stderr
     assert "Traceback" not in p.stderr
@@ -339,8 +364,11 @@ def test_cli_build_and_failure(tree_recipe, paths, tmp_path, leak_check):
 def test_clean_upper_of_a_real_overlay(node, tmp_path):
     """What overlayfs leaves in an upper dir on this kernel, and what clean_upper keeps."""
     env = node.create("task")
-    r = node.exec(env.id, "rm /etc/hostname /etc/issue.net && rm -r /usr/share/doc && mkdir /usr/share/doc "
-                          "&& chmod 600 /etc/issue && echo new > /etc/new")  # fmt: skip
+    r = node.exec(
+        env.id,
+        "rm /etc/hostname /etc/issue.net && rm -r /usr/share/doc && mkdir /usr/share/doc "
+        "&& chmod 600 /etc/issue && echo new > /etc/new",
+    )
     assert r.exit_code == 0, r
     upper = node.stop(env.id)
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from test_fork import EXPECTED, SETUP, TREE, _containers_of, node, sh, store  # noqa: F401  (fixtures)
 from weenv.host import mounts
-from weenv.node.runtime.agent.client import spawn
 from weenv.node.node import Node
+from weenv.node.runtime.agent.client import spawn
 
 
 def test_a_command_of_a_stale_container_id_goes_in_the_cgroup_of_the_agent_answering(node):  # noqa: F811

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from weenv.api.models import CreateRequest
 from weenv.config import Paths
 from weenv.errors import WeenvError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import mounts_under
 from weenv.node.data.fuse import holder
-from weenv.api.models import CreateRequest
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.template import create_template, load_template
 from weenv.sdk import NodeClient
@@ -144,8 +144,9 @@ class _Home:
     def container_pid(self, env_id: str) -> int:
         cid = f"weenv-{env_id}"
         name, root = next((n, r) for n, r in self.paths.runtime_roots.items() if (r / cid).is_dir())
-        out = subprocess.run([name, "--root", str(root), "state", cid], capture_output=True, text=True,
-                             check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [name, "--root", str(root), "state", cid], capture_output=True, text=True, check=True
+        ).stdout
         import json
 
         return json.loads(out)["pid"]
@@ -193,10 +194,15 @@ def test_sigkill_daemon_keeps_environment_and_serves_cold_reads(restart_home, de
     t0 = time.monotonic()
     client = home.start()
     took = time.monotonic() - t0
-    rss = next(line.split()[1] for line in Path(f"/proc/{first_holder}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
-    print(f"\nfirst start {first_start:.2f} s; restart (new daemon answering, 1 environment recovered) "
-          f"{took:.2f} s; holder RSS {rss} KiB")
+    rss = next(
+        line.split()[1]
+        for line in Path(f"/proc/{first_holder}/status").read_text().splitlines()
+        if line.startswith("VmRSS:")
+    )
+    print(
+        f"\nfirst start {first_start:.2f} s; restart (new daemon answering, 1 environment recovered) "
+        f"{took:.2f} s; holder RSS {rss} KiB"
+    )
     assert home.daemon_pid() != first_daemon
     assert holder.pid_of(home.paths.run) == first_holder  # the same connection, kept by the same holder
     envs = {e.id: e for e in client.list()}
@@ -226,7 +232,9 @@ def test_sigkill_daemon_keeps_the_environments_disk(restart_home):
     res = Resources(cpus=0.5, memory_bytes=256 << 20, pids=256, disk_bytes=64 << 20)
     env_id = client.create("r", resources=res).id
     home.env_ids.add(env_id)
-    assert client.exec(env_id, ["sh", "-c", "echo kept > /tmp/mine && head -c 32M /dev/zero > /tmp/fill"]).exit_code == 0
+    assert (
+        client.exec(env_id, ["sh", "-c", "echo kept > /tmp/mine && head -c 32M /dev/zero > /tmp/fill"]).exit_code == 0
+    )
     home.kill(home.daemon_pid())
     client.close()
     assert [t for t, p in mounts_under(home.paths.home) if p == str(home.paths.environments)] == ["btrfs"]
@@ -308,10 +316,14 @@ def _statuses(paths: Paths, env_id: str) -> dict[str, str]:
     for name, root in paths.runtime_roots.items():
         if not root.is_dir():
             continue
-        out = subprocess.run([name, "--root", str(root), "list", "--format", "json"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        found |= {c["id"]: c["status"] for c in json.loads(out.strip() or "null") or []
-                  if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")}  # fmt: skip
+        out = subprocess.run(
+            [name, "--root", str(root), "list", "--format", "json"], capture_output=True, text=True, check=True
+        ).stdout
+        found |= {
+            c["id"]: c["status"]
+            for c in json.loads(out.strip() or "null") or []
+            if c["id"] == f"weenv-{env_id}" or c["id"].startswith(f"weenv-{env_id}.")
+        }
     return found
 
 
@@ -327,8 +339,11 @@ def test_reset_after_a_restart_follows_the_container_made_ahead(restart_home):
     _wait_for(lambda: _statuses(home.paths, env_id).get(f"weenv-{env_id}.1") == "created", 10, "a container made ahead")
     client.exec(env_id, ["sh", "-c", "echo one > /data/episode.txt"])
     client.reset(env_id, "restart-snap")
-    _wait_for(lambda: _statuses(home.paths, env_id) == {f"weenv-{env_id}.1": "running",
-                                                        f"weenv-{env_id}.2": "created"}, 10, "the next one made ahead")
+    _wait_for(
+        lambda: _statuses(home.paths, env_id) == {f"weenv-{env_id}.1": "running", f"weenv-{env_id}.2": "created"},
+        10,
+        "the next one made ahead",
+    )
     client.exec(env_id, ["sh", "-c", "echo two > /data/episode.txt"])
 
     home.kill(home.daemon_pid())
@@ -521,8 +536,9 @@ def test_stop_interrupted_by_a_kill_reports_honestly_and_finishes(restart_home):
     holder_pid = home.holder_pid()
     daemon_pid = home.daemon_pid()
     client.close()
-    stop = subprocess.Popen([sys.executable, "-m", "weenv", "stop"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    stop = subprocess.Popen(
+        [sys.executable, "-m", "weenv", "stop"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     envs = home.paths.environments
     _wait_for(lambda: len(list(envs.iterdir())) < len(ids), 60, "the stop's first destroy")
     home.kill(daemon_pid)

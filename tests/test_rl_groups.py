@@ -12,9 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from daemon_fixture import environ, start_daemon
 
 import weenv
+from daemon_fixture import environ, start_daemon
 from weenv.errors import InvalidInputError, SetupError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.packaging.gc import collect
@@ -70,8 +70,9 @@ def node(shared_store, tmp_path_factory):
     store = root / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(store)], check=True)
     small = Resources(cpus=0.05, memory_bytes=96 << 20, pids=128)  # a group of 16, its root and a setup
-    create_template(FileStore(store), TEMPLATE, ["base", "task"],
-                    runtime=RuntimeConfig(working_dir="/workspace", resources=small))
+    create_template(
+        FileStore(store), TEMPLATE, ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace", resources=small)
+    )
     n = Node(root, FileStore(store).url)
     try:
         yield n
@@ -90,8 +91,10 @@ def first(node, task):
     with weenv.rollout_group(task, 16, **node.where) as group:
         for i, sb in enumerate(group):
             sb.files.write("/workspace/mine", f"rollout {i}")
-        seen = [(sb.files.read("/workspace/setup.txt"), sb.files.read("/workspace/token"),
-                 sb.files.read("/workspace/mine")) for sb in group]
+        seen = [
+            (sb.files.read("/workspace/setup.txt"), sb.files.read("/workspace/token"), sb.files.read("/workspace/mine"))
+            for sb in group
+        ]
     return group, seen
 
 
@@ -171,8 +174,10 @@ def test_a_state_gone_from_the_store_is_rebuilt_and_said_so(node, caplog):
     with weenv.rollout_group(gone, 1, **node.where) as g:
         token = g[0].files.read("/workspace/token")
     assert weenv.Sandbox.delete_snapshot(g.state.name, **node.where)
-    with caplog.at_level(logging.WARNING, logger="weenv.sdk.groups"), \
-            weenv.rollout_group(gone, 1, **node.where) as again:
+    with (
+        caplog.at_level(logging.WARNING, logger="weenv.sdk.groups"),
+        weenv.rollout_group(gone, 1, **node.where) as again,
+    ):
         assert again[0].files.read("/workspace/token") != token
     assert again.state.built and "gone from the store" in again.state.rebuilt
     assert again.root != g.root and g.root not in node.environments()  # the old state's root went with it
@@ -233,7 +238,9 @@ def test_the_state_is_kept_by_gc_and_reused_after_a_daemon_restart(node, task, f
     swept = collect(store, node.daemon.paths, in_use=[], grace=0)  # no daemon, no environment: refs only
     assert swept.manifests_removed, "gc found nothing to remove: the deleted states' groups should go"
     assert state.digest not in swept.manifests_removed
-    assert all(store.has_chunk(c.digest) for c in load_group(store, load_template(store, state.name)[1].groups[-1]).chunks)
+    assert all(
+        store.has_chunk(c.digest) for c in load_group(store, load_template(store, state.name)[1].groups[-1]).chunks
+    )
     node.daemon = node._start()
     with weenv.rollout_group(task, 2, **node.where) as group:
         assert not group.state.built and group.state.digest == first[0].state.digest

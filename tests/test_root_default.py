@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from weenv.config import Paths
+from weenv.node.node import Node
 from weenv.node.runtime import idmap
 from weenv.node.runtime.bundle import AGENT_PATH, DOCKER_DEFAULT_CAPS, cap_mask
-from weenv.node.node import Node
 from weenv.store.file import FileStore
 
 
@@ -95,8 +95,10 @@ def test_root_inside_cannot_act_on_the_host(node):
     assert run(node, env, "hostname weenv-x")[0] != 0 and os.uname().nodename == nodename
 
 
-DEB_CONTROL = ("Package: weenv-apt-probe\nVersion: 1.0\nArchitecture: all\n"
-               "Maintainer: weenv <weenv@localhost>\nDescription: probe\n")
+DEB_CONTROL = (
+    "Package: weenv-apt-probe\nVersion: 1.0\nArchitecture: all\n"
+    "Maintainer: weenv <weenv@localhost>\nDescription: probe\n"
+)
 
 
 def test_apt_installs_from_a_loopback_repository_dropping_to_apt(node, tmp_path):
@@ -117,10 +119,16 @@ def test_apt_installs_from_a_loopback_repository_dropping_to_apt(node, tmp_path)
     files.write_file("/srv/repo/probe.deb", (repo / "probe.deb").read_bytes())
     files.write_file("/srv/repo/Packages", packages)
     files.write_file("/etc/apt/sources.list.d/loop.list", b"deb [trusted=yes] http://127.0.0.1:8080 ./\n")
-    sh(node, env, "cd /srv/repo && (python3 -m http.server 8080 --bind 127.0.0.1 >/dev/null 2>&1 &);"
-                  " for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8080))'"
-                  " 2>/dev/null && break; sleep 0.1; done")
+    sh(
+        node,
+        env,
+        "cd /srv/repo && (python3 -m http.server 8080 --bind 127.0.0.1 >/dev/null 2>&1 &);"
+        " for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8080))'"
+        " 2>/dev/null && break; sleep 0.1; done",
+    )
     out = sh(node, env, "apt-get update 2>&1 && apt-get install -y weenv-apt-probe 2>&1")
     assert "setgroups" not in out and "seteuid" not in out, out
-    assert sh(node, env, "cat /opt/apt-probe/f; dpkg-query -W -f '${Status}' weenv-apt-probe") == \
-        "probe\ninstall ok installed"
+    assert (
+        sh(node, env, "cat /opt/apt-probe/f; dpkg-query -W -f '${Status}' weenv-apt-probe")
+        == "probe\ninstall ok installed"
+    )

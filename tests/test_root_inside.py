@@ -23,10 +23,10 @@ import pytest
 
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
-from weenv.node.runtime import idmap
-from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
 from weenv.node.disk import NodeDisk
 from weenv.node.node import Node
+from weenv.node.runtime import idmap
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, cap_mask
 from weenv.node.state.snapshot import CAPTURES
 from weenv.store.file import FileStore
 
@@ -95,8 +95,9 @@ def caps_inside(node: Node, env_id: str) -> dict[str, int]:
 def test_root_holds_dockers_default_capabilities_and_no_more(node):
     env = node.create("task").id
     caps = caps_inside(node, env)
-    assert caps["CapEff"] == caps["CapBnd"] == caps["CapPrm"] == cap_mask(DOCKER_DEFAULT_CAPS), \
-        {k: hex(v) for k, v in caps.items()}
+    assert caps["CapEff"] == caps["CapBnd"] == caps["CapPrm"] == cap_mask(DOCKER_DEFAULT_CAPS), {
+        k: hex(v) for k, v in caps.items()
+    }
     assert sh(node, env, "id -u").strip() == "0"
     host_id = host_range(node, env)
     # root inside is the range's first id on the host, never host root
@@ -122,8 +123,11 @@ def test_root_inside_has_roots_everyday_powers(node):
     sh(node, env, SETUP)
     assert sh(node, env, "runuser -u user -- id -u").strip() == "1000"
     assert sh(node, env, "cat /home/user/secret/s").strip() == "s"  # 0700 of another user
-    assert sh(node, env, "stat -c '%u %g %a' /tmp/x /home/user/f /usr/local/bin/suid-id").split("\n")[:3] == \
-        ["1000 2000 644", "1000 1000 640", "0 0 4755"]
+    assert sh(node, env, "stat -c '%u %g %a' /tmp/x /home/user/f /usr/local/bin/suid-id").split("\n")[:3] == [
+        "1000 2000 644",
+        "1000 1000 640",
+        "0 0 4755",
+    ]
     # the user's 0700 directory is closed to other users inside
     r = node.exec(env, ["sh", "-c", "runuser -u nobody -- cat /home/user/secret/s"])
     assert r.exit_code != 0
@@ -144,7 +148,8 @@ def test_dpkg_installs_a_local_package_with_its_owners(node, tmp_path):
     (tree / "DEBIAN").mkdir(parents=True)
     (tree / "DEBIAN/control").write_text(
         "Package: weenv-probe\nVersion: 1.0\nArchitecture: all\nMaintainer: weenv <weenv@localhost>\n"
-        "Description: probe\n")
+        "Description: probe\n"
+    )
     (tree / "DEBIAN/postinst").write_text("#!/bin/sh\nset -e\nchown 1000:1000 /opt/probe/by-postinst\n")
     os.chmod(tree / "DEBIAN/postinst", 0o755)
     (tree / "opt/probe").mkdir(parents=True)
@@ -157,8 +162,7 @@ def test_dpkg_installs_a_local_package_with_its_owners(node, tmp_path):
     sh(node, env, "useradd -u 1000 user")
     node.files(env).write_file("/tmp/probe.deb", deb.read_bytes())
     sh(node, env, "dpkg -i /tmp/probe.deb")
-    assert sh(node, env, "stat -c %u:%g /opt/probe/owned /opt/probe/by-postinst").split() == \
-        ["1000:1000", "1000:1000"]
+    assert sh(node, env, "stat -c %u:%g /opt/probe/owned /opt/probe/by-postinst").split() == ["1000:1000", "1000:1000"]
     assert "ii  weenv-probe" in sh(node, env, "dpkg -l weenv-probe")
     host_id = host_range(node, env)
     assert os.lstat(node.snapshotter.dir(env) / "rootfs/opt/probe/owned").st_uid == host_id + 1000
@@ -241,8 +245,13 @@ def test_shift_owners_moves_ids_keeping_modes_links_and_file_capabilities(tmp_pa
     f.write_text("x")
     os.link(f, sub / "upper/hard")
     os.symlink("d/f", sub / "upper/link")
-    for p, (u, g) in ((sub / "work", (0, 0)), (sub / "upper", (0, 0)), (sub / "upper/d", (1000, 1000)),
-                      (f, (0, 50)), (sub / "upper/link", (1000, 2000))):
+    for p, (u, g) in (
+        (sub / "work", (0, 0)),
+        (sub / "upper", (0, 0)),
+        (sub / "upper/d", (1000, 1000)),
+        (f, (0, 50)),
+        (sub / "upper/link", (1000, 2000)),
+    ):
         os.chown(p, src + u, src + g, follow_symlinks=False)
     os.chown(sub / "work", src, src)
     os.chmod(f, 0o6755)

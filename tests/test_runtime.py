@@ -6,9 +6,9 @@ Real runc containers on an overlay over the cached Debian tree; no mocks.
 from __future__ import annotations
 
 import fcntl
-import re
 import hashlib
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -25,12 +25,12 @@ from weenv.errors import InvalidInputError, NotFoundError, RuntimeFailedError, T
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.mounts import MountSpec, mount, overlay_spec, umount
 from weenv.host.rootfs import RootFS
+from weenv.node.cgroups import open_cgroups
 from weenv.node.runtime.bundle import (
     MASKED_PATHS,
     RUNC_DEFAULT_CAPS,
     write_bundle,
 )
-from weenv.node.cgroups import open_cgroups
 from weenv.node.runtime.runc import INIT_PID_FILE, MEMFD_SEALS, Runc
 from weenv.node.runtime.runtime import Crun, crun_refusal
 
@@ -69,9 +69,14 @@ def start(runc: Runc, rootfs: Path, bundle: Path, runtime: RuntimeConfig | None 
     cid = new_id()
     bundle.mkdir(exist_ok=True)
     write_bundle(
-        bundle, rootfs, runtime or RuntimeConfig(), hostname="box-" + cid,
-        cgroups_path=f"/weenv-{cid}", resources=LIMITS, init=init,
-    )  # fmt: skip
+        bundle,
+        rootfs,
+        runtime or RuntimeConfig(),
+        hostname="box-" + cid,
+        cgroups_path=f"/weenv-{cid}",
+        resources=LIMITS,
+        init=init,
+    )
     runc.run_detached(cid, bundle)
     return Env(runc, cid, rootfs, bundle)
 
@@ -188,8 +193,12 @@ def test_exec_start_failures(env, runc):
     r = env.runc.exec(env.id, ["true"], cwd="/no/such/dir")
     assert r.exit_code == 126 and b"chdir" in r.stderr
     assert env.sh("no-such-command").exit_code == 127  # the shell's own answer
-    for bad in (dict(argv=[]), dict(argv=["true"], user="root"), dict(argv=["true"], cwd="rel"),
-                dict(argv=["true"], env={"A=B": "1"})):
+    for bad in (
+        dict(argv=[]),
+        dict(argv=["true"], user="root"),
+        dict(argv=["true"], cwd="rel"),
+        dict(argv=["true"], env={"A=B": "1"}),
+    ):
         with pytest.raises(InvalidInputError):
             env.runc.exec(env.id, **bad)
     with pytest.raises(NotFoundError):
@@ -198,8 +207,7 @@ def test_exec_start_failures(env, runc):
 
 def test_exec_big_output(env):
     script = (
-        "import sys; sys.stderr.buffer.write(b'e' * (1 << 20)); "
-        "sys.stdout.buffer.write(bytes(range(256)) * 204800)"
+        "import sys; sys.stderr.buffer.write(b'e' * (1 << 20)); sys.stdout.buffer.write(bytes(range(256)) * 204800)"
     )
     r = env.runc.exec(env.id, ["python3", "-c", script])
     assert r.exit_code == 0
@@ -220,9 +228,13 @@ def test_exec_timeout_kills_command_and_children(env):
     assert 1 <= r.duration_s < 5 and time.monotonic() - t < 6
     init = env.init_pid()
     assert cgroup_procs(env.cgroup_name) == {init}
-    live = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if host_cmdline(p) == b"sleep\x00100\x00" and proc_state(p) not in ("Z", "")
-            and env.cgroup_name in Path(f"/proc/{p}/cgroup").read_text()]
+    live = [
+        p
+        for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if host_cmdline(p) == b"sleep\x00100\x00"
+        and proc_state(p) not in ("Z", "")
+        and env.cgroup_name in Path(f"/proc/{p}/cgroup").read_text()
+    ]
     assert live == []
     assert env.runc.exec(env.id, ["true"], timeout=5).exit_code == 0
     # pid 1 here is `sleep infinity`, which never reaps: the killed processes stay
@@ -231,8 +243,11 @@ def test_exec_timeout_kills_command_and_children(env):
 
 
 def children_of(pid: int) -> list[int]:
-    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    return [
+        int(c)
+        for t in os.listdir(f"/proc/{pid}/task")
+        for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()
+    ]
 
 
 def test_init_reaps_orphans(env_init):
@@ -284,13 +299,16 @@ def test_isolation(env):
     assert env.runc.exec(env.id, ["cat", "/proc/sys/kernel/hostname"]).stdout == f"box-{env.id}\n".encode()
 
     status = dict(
-        line.split(":\t", 1) for line in env.runc.exec(env.id, ["cat", "/proc/self/status"]).stdout.decode().splitlines()
+        line.split(":\t", 1)
+        for line in env.runc.exec(env.id, ["cat", "/proc/self/status"]).stdout.decode().splitlines()
     )
     want = sum(1 << CAP_BITS[c] for c in RUNC_DEFAULT_CAPS)
     assert int(status["CapEff"], 16) == want == 0x20000420
     assert int(status["CapBnd"], 16) == want
     assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
-    user = dict(line.split(":\t", 1) for line in env.sh("cat /proc/self/status", user="1000:1000").stdout.decode().splitlines())
+    user = dict(
+        line.split(":\t", 1) for line in env.sh("cat /proc/self/status", user="1000:1000").stdout.decode().splitlines()
+    )
     assert int(user["CapEff"], 16) == 0
 
     masked = [p for p in MASKED_PATHS if os.path.exists(p)]  # which exist depends on the kernel
@@ -322,7 +340,7 @@ def test_cgroup_limits(env):
     assert cgroup_procs(name) == {env.init_pid()}
     # The limits as the environment sees them (its own cgroup, read-only).
     assert env.sh("cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max").stdout == b"200\n"
-    r = env.sh("python3 -c 'import os; [os.fork() or os.execvp(\"sleep\", [\"sleep\", \"2\"]) for _ in range(300)]'")
+    r = env.sh('python3 -c \'import os; [os.fork() or os.execvp("sleep", ["sleep", "2"]) for _ in range(300)]\'')
     assert r.exit_code != 0 and b"BlockingIOError" in r.stderr  # fork fails at the pids limit
 
 
@@ -374,8 +392,9 @@ def test_start_reads_the_exec_fifo_as_runc_start_does(runc, overlay_root, tmp_pa
     runc.delete(cid, force=True)
     other = new_id()
     (tmp_path / "b2").mkdir()
-    write_bundle(tmp_path / "b2", overlay_root, RuntimeConfig(), hostname="box", cgroups_path=f"/weenv-{other}",
-                 resources=LIMITS)  # fmt: skip
+    write_bundle(
+        tmp_path / "b2", overlay_root, RuntimeConfig(), hostname="box", cgroups_path=f"/weenv-{other}", resources=LIMITS
+    )
     runc.create(other, tmp_path / "b2")
     os.kill(runc.state(other)["pid"], signal.SIGKILL)  # its runc init dies waiting
     deadline = time.monotonic() + 5
@@ -567,7 +586,10 @@ def test_rootfs_basics(tree):
     assert (root / "a/owned").stat().st_uid == 1000
     os.symlink("b/c.txt", root / "a/ln")
     assert [(e.name, e.type) for e in fs.list_dir("/a")] == [
-        ("b", "dir"), ("ln", "symlink"), ("owned", "file"), ("run.sh", "file")
+        ("b", "dir"),
+        ("ln", "symlink"),
+        ("owned", "file"),
+        ("run.sh", "file"),
     ]
     assert fs.stat("/a/ln").type == "file" and fs.stat("/a/ln", follow_symlinks=False).type == "symlink"
     assert fs.exists("/a/ln") and not fs.exists("/nope") and not fs.exists("/a/b/c.txt/x")

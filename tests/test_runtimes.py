@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from weenv.errors import InvalidInputError, RuntimeFailedError, ToolMissingError
 from weenv.api.models import CreateRequest
+from weenv.errors import InvalidInputError, RuntimeFailedError, ToolMissingError
 from weenv.node.node import Node
 from weenv.node.runtime.runtime import RUNTIME_FILE, NodeRuntime, choose_runtime, crun_refusal, runtime_setting
 
@@ -60,8 +60,9 @@ def _containers(paths) -> dict[str, tuple[str, str]]:
     for name, root in paths.runtime_roots.items():
         if not root.is_dir():
             continue
-        out = subprocess.run([name, "--root", str(root), "list", "--format", "json"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [name, "--root", str(root), "list", "--format", "json"], capture_output=True, text=True, check=True
+        ).stdout
         found |= {c["id"]: (name, c["status"]) for c in json.loads(out.strip() or "null") or []}
     return found
 
@@ -126,7 +127,7 @@ def test_the_warm_pool_creates_then_starts(runtime, paths, shared_store, leak_ch
         while node.pool.stats().ready < 1:
             assert time.monotonic() < deadline, "the pool did not fill"
             time.sleep(0.05)
-        (cid, (made_by, status)), = _containers(paths).items()
+        ((cid, (made_by, status)),) = _containers(paths).items()
         assert (made_by, status) == (runtime, "created")
         info = node.create("task")
         assert info.timing.pooled and cid == f"weenv-{info.id}"
@@ -144,8 +145,7 @@ def test_an_environment_with_network(rnode):
     rnode.destroy(info.id)
 
 
-def test_a_sudo_environment_in_its_own_user_namespace(runtime, shared_store, debian_root, monkeypatch,
-                                                      leak_check):  # fmt: skip
+def test_a_sudo_environment_in_its_own_user_namespace(runtime, shared_store, debian_root, monkeypatch, leak_check):
     import shutil
     import tempfile
 
@@ -164,14 +164,21 @@ def test_a_sudo_environment_in_its_own_user_namespace(runtime, shared_store, deb
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
     store = FileStore(root)
     build_group(sudo_layer(debian_root), store, name="sudo-layer")
-    create_template(store, "sudo", ["base", "sudo-layer"],
-                    runtime=RuntimeConfig(user="1000:1000", working_dir="/", sudo=True))  # fmt: skip
+    create_template(
+        store, "sudo", ["base", "sudo-layer"], runtime=RuntimeConfig(user="1000:1000", working_dir="/", sudo=True)
+    )
     with Node(paths, store=store, runtime=runtime, pool_size=0) as node:
         info = node.create("sudo")
         r = node.exec(info.id, "id -u; sudo id -u; sudo touch /root/made-by-root && echo ok")
         assert r.stdout == b"1000\n0\nok\n", r.stderr
-        host_uid = int(subprocess.run(["stat", "-c", "%u", f"/proc/{node.runtime.state(node.table.get(info.id).container_id)['pid']}"],
-                                      capture_output=True, text=True, check=True).stdout)  # fmt: skip
+        host_uid = int(
+            subprocess.run(
+                ["stat", "-c", "%u", f"/proc/{node.runtime.state(node.table.get(info.id).container_id)['pid']}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         assert host_uid != 0  # root inside is not root outside
         node.destroy(info.id)
     assert _containers(paths) == {}
@@ -189,8 +196,10 @@ def test_the_setting_and_the_choice(monkeypatch):
         runtime_setting()
     assert choose_runtime("runc") == ("runc", None)
     # crun missing: auto falls back to runc saying why; crun refuses in one line
-    assert choose_runtime("auto", crun_binary="/no/such/crun") == ("runc", "no '/no/such/crun' on PATH "
-                                                                           "(Debian: apt-get install crun)")
+    assert choose_runtime("auto", crun_binary="/no/such/crun") == (
+        "runc",
+        "no '/no/such/crun' on PATH (Debian: apt-get install crun)",
+    )
     with pytest.raises(ToolMissingError) as err:
         choose_runtime("crun", crun_binary="/no/such/crun")
     assert "\n" not in str(err.value) and "/no/such/crun" in str(err.value)
@@ -212,7 +221,8 @@ def test_a_node_told_to_use_a_crun_that_cannot_run_refuses_to_start(paths, share
 
 @pytest.mark.parametrize("first,second", [("runc", "crun"), ("crun", "runc")])
 def test_a_node_restarted_with_the_other_runtime_adopts_through_the_one_that_made_them(
-        first, second, tmp_path, shared_store, paths, monkeypatch, leak_check):  # fmt: skip
+    first, second, tmp_path, shared_store, paths, monkeypatch, leak_check
+):
     """A daemon killed and started again with the other runtime adopts the
     running environment through the runtime that made it (commands, reset,
     destroy); its new environments are made by the new runtime."""
@@ -278,7 +288,8 @@ def _runtime_leftovers(paths, runtime: str) -> dict:
 
 
 def test_a_pooled_container_whose_process_was_killed_is_removed_and_the_create_made_anew(
-        runtime, paths, shared_store, leak_check):
+    runtime, paths, shared_store, leak_check
+):
     """The warm pool's container, made ahead by the runtime's ``create``, has
     its waiting first process killed (as by the OOM killer or an operator):
     the create that takes it fails to start it, removes it and creates its
@@ -291,7 +302,7 @@ def test_a_pooled_container_whose_process_was_killed_is_removed_and_the_create_m
         while node.pool.stats().ready < 1:
             assert time.monotonic() < deadline, "the pool did not fill"
             time.sleep(0.05)
-        (cid, made), = _containers(paths).items()
+        ((cid, made),) = _containers(paths).items()
         assert made == (runtime, "created")
         killed = node.runtime.state(cid)["pid"]
         os.kill(killed, signal.SIGKILL)
@@ -305,8 +316,9 @@ def test_a_pooled_container_whose_process_was_killed_is_removed_and_the_create_m
     assert _runtime_leftovers(paths, runtime) == {"state": [], "processes": []}
 
 
-def test_the_runtime_killed_as_it_creates_leaves_nothing_after_recovery(runtime, paths, shared_store, leak_check,
-                                                                        tmp_path):  # fmt: skip
+def test_the_runtime_killed_as_it_creates_leaves_nothing_after_recovery(
+    runtime, paths, shared_store, leak_check, tmp_path
+):
     """The runtime's ``run`` is killed (SIGKILL) once it has made the container,
     before it answers: the create fails saying so and removes that container;
     a node started again on the home finds nothing to adopt, and nothing is left."""

@@ -11,8 +11,8 @@ import socket
 import time
 
 import pytest
-from s3_fixture import BUCKET, new_prefix
 
+from s3_fixture import BUCKET, new_prefix
 from weenv.errors import BusyError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import TemplateManifest, canonical_json
 from weenv.node.node import Node
@@ -24,8 +24,15 @@ from weenv.store import open_store
 from weenv.store.file import FileStore
 from weenv.store.s3 import S3Store
 
-FAST = {"connect_timeout": 0.5, "read_timeout": 0.5, "timeout": 2, "retries": 3, "backoff": 0.05,
-        "probe_interval": 0.5, "probe_timeout": 0.3}  # fmt: skip
+FAST = {
+    "connect_timeout": 0.5,
+    "read_timeout": 0.5,
+    "timeout": 2,
+    "retries": 3,
+    "backoff": 0.05,
+    "probe_interval": 0.5,
+    "probe_timeout": 0.3,
+}
 DIGEST = "sha256:" + "ab" * 32
 
 
@@ -82,8 +89,15 @@ def test_open_store_url_options_and_environment(s3_server, monkeypatch):
         assert with_env.has_chunk(ref.digest)
     finally:
         with_env.close()
-    for bad in ("s3://", "s3://UPPER/x", "s3://ab/x", f"s3://{BUCKET}/a/../b", f"s3://{BUCKET}/x?timeout=-1",
-                f"s3://{BUCKET}/x?colour=red", f"s3://{BUCKET}/x?endpoint=ftp://h"):  # fmt: skip
+    for bad in (
+        "s3://",
+        "s3://UPPER/x",
+        "s3://ab/x",
+        f"s3://{BUCKET}/a/../b",
+        f"s3://{BUCKET}/x?timeout=-1",
+        f"s3://{BUCKET}/x?colour=red",
+        f"s3://{BUCKET}/x?endpoint=ftp://h",
+    ):
         with pytest.raises(InvalidInputError):
             open_store(bad)
 

@@ -43,9 +43,11 @@ def test_lifecycle_commands_and_files(remote):
         remote.track(sb.id)
         assert sb.info.metadata == {"run": "a"} and sb.info.template == "task"
         out, err, order = [], [], []
-        r = sb.commands.run("echo one; sleep 0.3; echo two >&2; sleep 0.3; echo $EPISODE; exit 4",
-                            on_stdout=lambda s: (out.append(s), order.append("out")),
-                            on_stderr=lambda s: (err.append(s), order.append("err")))
+        r = sb.commands.run(
+            "echo one; sleep 0.3; echo two >&2; sleep 0.3; echo $EPISODE; exit 4",
+            on_stdout=lambda s: (out.append(s), order.append("out")),
+            on_stderr=lambda s: (err.append(s), order.append("err")),
+        )
         assert (r.exit_code, r.stdout, r.stderr) == (4, "one\n9\n", "two\n")
         assert order == ["out", "err", "out"] and "".join(out) == "one\n9\n"
         r = sb.commands.run(["pwd"], cwd="/tmp", envs={"X": "1"})
@@ -107,8 +109,9 @@ def test_large_file_upload_download(remote, tmp_path):
 
 def test_create_many(remote):
     ready = []
-    sbs = Sandbox.create_many("task", count=6, timeout=120, resources=SMALL, metadata={"batch": "1"},
-                              on_ready=lambda i, sb: ready.append(i))
+    sbs = Sandbox.create_many(
+        "task", count=6, timeout=120, resources=SMALL, metadata={"batch": "1"}, on_ready=lambda i, sb: ready.append(i)
+    )
     try:
         remote.track(*(s.id for s in sbs))
         assert len({s.id for s in sbs}) == 6 and sorted(ready) == list(range(6))
@@ -149,8 +152,11 @@ def test_priority_at_create_and_later(remote):
     import httpx
 
     def provisioned(env_id):
-        r = httpx.get(f"{remote.url}/v1/stats/provision", params={"env": env_id},
-                      headers={"Authorization": f"Bearer {remote.key}"})  # fmt: skip
+        r = httpx.get(
+            f"{remote.url}/v1/stats/provision",
+            params={"env": env_id},
+            headers={"Authorization": f"Bearer {remote.key}"},
+        )
         return r.json()["environments"][0]["priority"]
 
     with Sandbox.create("task", timeout=60, resources=SMALL, priority=5) as sb:
@@ -255,8 +261,10 @@ def test_output_past_the_cap_is_an_error_the_command_killed_the_client_bounded(r
     assert lines["left"] == "0", out.stdout  # neither head nor the sleep after it runs on
     traced_mib = int(lines["traced"]) / 2**20
     grown_mib = (int(lines["rss"]) - int(lines["rss0"])) / 1024
-    print(f"client: Python allocations peak {traced_mib:.0f} MiB, peak RSS grew {grown_mib:.0f} MiB "
-          f"during the run; error after {lines['limit'].split()[0]} s")
+    print(
+        f"client: Python allocations peak {traced_mib:.0f} MiB, peak RSS grew {grown_mib:.0f} MiB "
+        f"during the run; error after {lines['limit'].split()[0]} s"
+    )
     assert traced_mib < 64 + 32, traced_mib  # the 64 MiB kept and a few chunks in flight
     assert grown_mib < 64 + 64, grown_mib
 

@@ -85,8 +85,9 @@ def test_templates_lifecycle_and_timeout(daemon, api):
     assert len(t["groups"]) == 2 and t["image_bytes"] > 0 and t["runtime"]["working_dir"] == "/workspace"
     assert error_of(api.get("/templates/nope")) == (404, "not_found")
 
-    r = api.post("/environments", json={"template": "task", "timeout": 120, "metadata": {"run": "7"},
-                                         "envs": {"EPISODE": "3"}})
+    r = api.post(
+        "/environments", json={"template": "task", "timeout": 120, "metadata": {"run": "7"}, "envs": {"EPISODE": "3"}}
+    )
     assert r.status_code == 201
     info = r.json()
     daemon.track(info["id"])
@@ -109,21 +110,37 @@ def test_templates_lifecycle_and_timeout(daemon, api):
 def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(daemon, api, env):
     cases = [
         (api.post("/environments", json={"template": "no-such-template"}), 404, "not_found", "no-such-template"),
-        (api.post("/environments", content=b"{not json", headers={"content-type": "application/json"}),
-         400, "invalid_input", "JSON"),
+        (
+            api.post("/environments", content=b"{not json", headers={"content-type": "application/json"}),
+            400,
+            "invalid_input",
+            "JSON",
+        ),
         (api.post("/environments", json={"template": "task", "timeout": -5}), 400, "invalid_input", "timeout"),
         (api.post("/environments", json={"template": "task", "timeout": 0}), 400, "invalid_input", "timeout"),
         (api.post("/environments", json={"template": "task", "colour": "red"}), 400, "invalid_input", "colour"),
         (api.post("/environments", json={}), 400, "invalid_input", "template"),
         (api.post(f"/environments/{env}/commands", json={"command": []}), 400, "invalid_input", "command"),
-        (api.post(f"/environments/{env}/commands", json={"command": "true", "timeout": -1}), 400, "invalid_input",
-         "timeout"),
-        (api.post(f"/environments/{env}/commands", json={"command": "true", "cwd": "rel"}), 400, "invalid_input",
-         "rel"),
+        (
+            api.post(f"/environments/{env}/commands", json={"command": "true", "timeout": -1}),
+            400,
+            "invalid_input",
+            "timeout",
+        ),
+        (
+            api.post(f"/environments/{env}/commands", json={"command": "true", "cwd": "rel"}),
+            400,
+            "invalid_input",
+            "rel",
+        ),
         (api.post("/environments/nope/commands", json={"command": "true"}), 404, "not_found", "nope"),
         (api.get("/no/such/route"), 404, "not_found", "/v1/no/such/route"),
-        (api.post(f"/environments/{env}/commands", json={"command": "head -c 100000000 /dev/zero"}),
-         413, "output_limit", "more than"),
+        (
+            api.post(f"/environments/{env}/commands", json={"command": "head -c 100000000 /dev/zero"}),
+            413,
+            "output_limit",
+            "more than",
+        ),
     ]
     for r, status, kind, words in cases:
         assert error_of(r) == (status, kind), r.text
@@ -137,8 +154,11 @@ def test_bad_requests_get_clear_errors_and_the_daemon_keeps_serving(daemon, api,
 def test_streamed_command_order_exit_code_and_timing(api, env):
     t0 = time.monotonic()
     arrivals = []
-    with api.stream("POST", f"/environments/{env}/commands/stream",
-                    json={"command": "echo o1; sleep 1; echo e1 >&2; sleep 0.3; echo o2; exit 7"}) as r:
+    with api.stream(
+        "POST",
+        f"/environments/{env}/commands/stream",
+        json={"command": "echo o1; sleep 1; echo e1 >&2; sleep 0.3; echo o2; exit 7"},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith(ND)
         for line in r.iter_lines():
             if line.strip():
@@ -155,14 +175,16 @@ def test_streamed_command_order_exit_code_and_timing(api, env):
 def test_command_timeouts_and_big_streamed_output(api, env):
     r = api.post(f"/environments/{env}/commands", json={"command": "sleep 30", "timeout": 0.5}).json()
     assert r["timed_out"] and r["exit_code"] == 137 and r["duration_s"] < 10
-    with api.stream("POST", f"/environments/{env}/commands/stream",
-                    json={"command": "echo before; sleep 30", "timeout": 0.5}) as s:
+    with api.stream(
+        "POST", f"/environments/{env}/commands/stream", json={"command": "echo before; sleep 30", "timeout": 0.5}
+    ) as s:
         evs = events(s.iter_lines())
     assert evs[-1]["type"] == "end" and evs[-1]["timed_out"] and evs[-1]["exit_code"] == 137
     # 200 MB through the stream: it flows (back-pressure), no output limit there
     total = 0
-    with api.stream("POST", f"/environments/{env}/commands/stream",
-                    json={"command": ["head", "-c", str(200 << 20), "/dev/zero"]}) as s:
+    with api.stream(
+        "POST", f"/environments/{env}/commands/stream", json={"command": ["head", "-c", str(200 << 20), "/dev/zero"]}
+    ) as s:
         for e in events(s.iter_lines()):
             if e["type"] == "stdout":
                 total += len(base64.b64decode(e["data"]))
@@ -175,11 +197,14 @@ def test_background_command_stdin_kill_and_wait(daemon, api, env):
     assert r.status_code == 201
     cat = r.json()
     assert cat["running"] and cat["tag"] == "echo" and cat["pid"] > 1
-    ok = api.post(f"/environments/{env}/processes/{cat['pid']}/stdin",
-                  json={"data": base64.b64encode(b"hello ").decode()})
+    ok = api.post(
+        f"/environments/{env}/processes/{cat['pid']}/stdin", json={"data": base64.b64encode(b"hello ").decode()}
+    )
     assert ok.status_code == 204
-    api.post(f"/environments/{env}/processes/{cat['pid']}/stdin",
-             json={"data": base64.b64encode(b"world").decode(), "eof": True})
+    api.post(
+        f"/environments/{env}/processes/{cat['pid']}/stdin",
+        json={"data": base64.b64encode(b"world").decode(), "eof": True},
+    )
     done = api.post(f"/environments/{env}/processes/{cat['pid']}/wait", params={"timeout": 10}).json()
     assert done["running"] is False and done["exit_code"] == 0
     with api.stream("GET", f"/environments/{env}/processes/{cat['pid']}/output") as s:
@@ -191,8 +216,10 @@ def test_background_command_stdin_kill_and_wait(daemon, api, env):
     assert api.post(f"/environments/{env}/processes/{sleeper['pid']}/kill", json={}).status_code == 204
     done = api.post(f"/environments/{env}/processes/{sleeper['pid']}/wait", params={"timeout": 10}).json()
     assert done["exit_code"] == 137 and not done["running"]
-    assert error_of(api.post(f"/environments/{env}/processes/{sleeper['pid']}/kill",
-                             json={"signal": "NOPE"})) == (400, "invalid_input")
+    assert error_of(api.post(f"/environments/{env}/processes/{sleeper['pid']}/kill", json={"signal": "NOPE"})) == (
+        400,
+        "invalid_input",
+    )
     assert error_of(api.get(f"/environments/{env}/processes/999999")) == (404, "not_found")
 
 
@@ -222,7 +249,9 @@ def test_files_text_binary_dirs_and_confinement(api, env):
     st = api.get(base + "/stat", params={"path": "/rel/bin.dat"}).json()
     assert st["type"] == "file" and st["size"] == len(blob)
     assert api.post(base + "/mkdir", params={"path": "/workspace/x/y"}).status_code == 204
-    assert api.post(base + "/rename", json={"src": "/workspace/a/b.txt", "dst": "/workspace/x/y/c.txt"}).status_code == 204
+    assert (
+        api.post(base + "/rename", json={"src": "/workspace/a/b.txt", "dst": "/workspace/x/y/c.txt"}).status_code == 204
+    )
     names = {e["name"]: e["type"] for e in api.get(base + "/list", params={"path": "/workspace/x/y"}).json()}
     assert names == {"c.txt": "file"}
     assert "hello.py" in [e["name"] for e in api.get(base + "/list", params={"path": "/workspace"}).json()]
@@ -277,8 +306,14 @@ def test_100mb_upload_and_download_streamed(daemon, api, env, tmp_path):
 
 def test_put_past_the_disk_limit_is_refused(daemon, api):
     """Issue 13, finding 5: a file write through the API hits the environment's disk limit."""
-    r = api.post("/environments", json={"template": "task", "timeout": 600, "resources": {
-        "cpus": 0.5, "memory_bytes": 256 << 20, "pids": 256, "disk_bytes": 64 << 20}})
+    r = api.post(
+        "/environments",
+        json={
+            "template": "task",
+            "timeout": 600,
+            "resources": {"cpus": 0.5, "memory_bytes": 256 << 20, "pids": 256, "disk_bytes": 64 << 20},
+        },
+    )
     assert r.status_code == 201, r.text
     env = r.json()["id"]
     daemon.track(env)
@@ -326,8 +361,12 @@ def test_batch_create_64_streams_each_as_ready(daemon, api):
     metrics = api.get("/metrics").text
     assert "weenv_environments " in metrics and 'weenv_creates_total{result="ok"}' in metrics
     assert "weenv_create_seconds_bucket" in metrics and "weenv_bytes_fetched_total" in metrics
-    takes = {r: float(line.split()[-1]) for line in metrics.splitlines() for r in ("hit", "miss")
-             if line.startswith(f'weenv_pool_takes_total{{result="{r}"}}')}
+    takes = {
+        r: float(line.split()[-1])
+        for line in metrics.splitlines()
+        for r in ("hit", "miss")
+        if line.startswith(f'weenv_pool_takes_total{{result="{r}"}}')
+    }
     assert takes["hit"] + takes["miss"] >= 63 and "weenv_pool_ready " in metrics  # every create looked
     for e in ok:
         assert api.delete(f"/environments/{e['environment']['id']}").status_code == 204
@@ -437,13 +476,18 @@ def test_oversized_requests_are_refused_before_they_are_read(daemon, api, env):
     # a 100 MB body announced: 413 at once, without reading it (nothing of it is sent)
     t = time.monotonic()
     for path in (b"/v1/environments", b"/v1/no/such/route", b"/e2b/v2/sandboxes"):
-        answer = _raw_request(daemon.url, b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                              b"x-api-key: " + daemon.key.encode() + b"\r\ncontent-length: 100000000\r\n\r\n")
+        answer = _raw_request(
+            daemon.url,
+            b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"x-api-key: " + daemon.key.encode() + b"\r\ncontent-length: 100000000\r\n\r\n",
+        )
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert time.monotonic() - t < 5
     # streamed (chunked, no length) past the limit: 413, and the daemon kept at most about the limit
     rss = daemon.rss_peak_kib()
-    r = api.post("/environments", content=(b" " * (1 << 20) for _ in range(64)), headers={"content-type": "application/json"})
+    r = api.post(
+        "/environments", content=(b" " * (1 << 20) for _ in range(64)), headers={"content-type": "application/json"}
+    )
     assert error_of(r) == (413, "too_large") and str(MAX_BODY) in r.text
     assert daemon.rss_peak_kib() - rss < 48 << 10
     # metadata, envs and resources bounded (the models' limits, the node's capacity)
@@ -465,14 +509,18 @@ def test_oversized_requests_are_refused_before_they_are_read(daemon, api, env):
         r = api.post("/environments", json={"template": "task", **extra})
         assert error_of(r) == (status, kind), (extra.keys(), r.text[:300])
         assert words in r.json()["error"]["message"], r.text[:300]
-    r = api.post("/environments/batch", json={"items": [{"template": "task"}, {"template": "task",
-                                                          "resources": {"memory_bytes": 10**12}}]})
+    r = api.post(
+        "/environments/batch",
+        json={"items": [{"template": "task"}, {"template": "task", "resources": {"memory_bytes": 10**12}}]},
+    )
     assert error_of(r) == (400, "invalid_input") and "items.1.resources.memory_bytes" in r.text
     r = api.post(f"/environments/{env}/commands", json={"command": "true", "env": {"": "x"}})
     assert error_of(r) == (400, "invalid_input")
     # E2B's create too
     h = {"X-API-Key": "e2b_" + daemon.key}
-    r = httpx.post(daemon.url + "/e2b/v2/sandboxes", headers=h, json={"templateID": "task", "metadata": {"k": "v" * 5000}})
+    r = httpx.post(
+        daemon.url + "/e2b/v2/sandboxes", headers=h, json={"templateID": "task", "metadata": {"k": "v" * 5000}}
+    )
     assert r.status_code == 400 and "metadata" in r.json()["message"]
     assert api.get("/environments").status_code == 200 and len(api.get("/environments").content) < 1 << 20
 
@@ -489,27 +537,38 @@ def test_a_keyless_request_may_not_send_a_big_body(daemon, env):
     assert error_of(keyless) == (413, "too_large") and str(ANONYMOUS_BODY) in keyless.text
     small = httpx.post(daemon.url + "/v1/environments", json={"template": "task"})
     assert error_of(small) == (401, "authentication")
-    wrong = httpx.post(daemon.url + "/v1/environments", content=body,
-                       headers={"content-type": "application/json", "x-api-key": "0" * 40})
+    wrong = httpx.post(
+        daemon.url + "/v1/environments",
+        content=body,
+        headers={"content-type": "application/json", "x-api-key": "0" * 40},
+    )
     assert error_of(wrong) == (413, "too_large")
     with daemon.http() as keyed:  # past the anonymous limit, refused by the model (metadata), not by size
-        assert error_of(keyed.post("/environments", content=body, headers={"content-type": "application/json"})) \
-            == (400, "invalid_input")
+        assert error_of(keyed.post("/environments", content=body, headers={"content-type": "application/json"})) == (
+            400,
+            "invalid_input",
+        )
     for path in ("/e2b/envd/files?path=/tmp/up", "/e2b/envd/process.Process/Start"):  # envd: its access token
-        assert httpx.post(daemon.url + path, content=b"x" * (1 << 20),
-                          headers={"e2b-sandbox-id": env}).status_code == 413
+        assert (
+            httpx.post(daemon.url + path, content=b"x" * (1 << 20), headers={"e2b-sandbox-id": env}).status_code == 413
+        )
     token = httpx.get(f"{daemon.url}/e2b/sandboxes/{env}", headers={"x-api-key": "e2b_" + daemon.key}).json()
     files = {"file": ("up", b"x" * (1 << 20))}
-    r = httpx.post(daemon.url + "/e2b/envd/files?path=/tmp/up", files=files,
-                   headers={"e2b-sandbox-id": env, "x-access-token": token["envdAccessToken"]})
+    r = httpx.post(
+        daemon.url + "/e2b/envd/files?path=/tmp/up",
+        files=files,
+        headers={"e2b-sandbox-id": env, "x-access-token": token["envdAccessToken"]},
+    )
     assert r.status_code == 200, r.text
     with daemon.http() as keyed:
         assert keyed.get(f"/environments/{env}/files/stat", params={"path": "/tmp/up"}).json()["size"] == 1 << 20
 
 
 def test_names_that_are_not_utf8_list_and_round_trip(api, env):
-    r = api.post(f"/environments/{env}/commands",
-                 json={"command": "mkdir -p /tmp/n && touch \"$(printf '/tmp/n/\\377x')\" /tmp/n/ok"})
+    r = api.post(
+        f"/environments/{env}/commands",
+        json={"command": "mkdir -p /tmp/n && touch \"$(printf '/tmp/n/\\377x')\" /tmp/n/ok"},
+    )
     assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
     r = api.get(f"/environments/{env}/files/list", params={"path": "/tmp/n"})
     assert r.status_code == 200, r.text
@@ -577,7 +636,7 @@ def test_a_flood_of_idle_tcp_connections_leaves_the_socket_answering(shared_stor
         with d.http() as c:
             assert c.get("/environments").status_code == 200
         limits = Path(f"/proc/{d.proc.pid}/limits").read_text()
-        line, = [line for line in limits.splitlines() if line.startswith("Max open files")]
+        (line,) = [line for line in limits.splitlines() if line.startswith("Max open files")]
         d_soft, d_hard = (int(v) for v in line.split()[3:5])  # "Max open files  SOFT  HARD  files"
         assert d_soft == d_hard > 1024, line  # started with a soft 1,024: raised to the hard limit
         print(f"opened {flood} connections in {opened:.2f} s; create+exec over the socket {answered:.2f} s")

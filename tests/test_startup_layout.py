@@ -19,10 +19,12 @@ from weenv.packaging.update import update_component
 from weenv.store.file import FileStore
 
 COMMAND = ["python3", "-c", "import json, email.parser, http.client, argparse; print('up')"]
-TREE = ("cd / && find / -xdev \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o "
-        "-printf '%p %y %m %s\\n' | sort | sha256sum && "
-        "find / -xdev \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f -print0 "
-        "| sort -z | xargs -0 sha256sum | sha256sum")  # fmt: skip
+TREE = (
+    "cd / && find / -xdev \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o "
+    "-printf '%p %y %m %s\\n' | sort | sha256sum && "
+    "find / -xdev \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f -print0 "
+    "| sort -z | xargs -0 sha256sum | sha256sum"
+)
 
 
 def _cold_first_command(n: Node, template: str) -> tuple[int, str]:
@@ -41,7 +43,8 @@ def _cold_first_command(n: Node, template: str) -> tuple[int, str]:
 
 
 def test_a_group_rebuilt_with_its_profile_keeps_its_tree_and_a_cold_start_fetches_fewer_chunks(
-        tmp_path, paths, shared_store, debian_root, leak_check):  # fmt: skip
+    tmp_path, paths, shared_store, debian_root, leak_check
+):
     root = tmp_path / "store"
     subprocess.run(["cp", "-al", str(shared_store.root), str(root)], check=True)
     subprocess.run(["rm", "-rf", str(root / "refs" / REF_KIND), str(root / "packs")], check=True)

@@ -15,11 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
-from test_fork import store  # noqa: F401  (fixture: a private copy of the shared store)
 
+from test_fork import store  # noqa: F401  (fixture: a private copy of the shared store)
 from weenv.config import Paths
-from weenv.errors import (BrokenError, BusyError, DiskFullError, InvalidInputError, NotFoundError,
-                          RuntimeFailedError, StateError)
+from weenv.errors import (
+    BrokenError,
+    BusyError,
+    DiskFullError,
+    InvalidInputError,
+    NotFoundError,
+    RuntimeFailedError,
+    StateError,
+)
 from weenv.formats.manifest import Resources
 from weenv.node.node import Node
 from weenv.node.runtime.runtime import crun_refusal
@@ -108,9 +115,11 @@ def test_memory_releasing_pause_resume_and_reset_on_a_full_disk(small, paths):
     sh(node, e.id, "echo kept > /workspace/kept.txt")
     e_dir = node._env(e.id).dir
     with full(paths):
-        for what, call in (("pause", lambda: node.pause(e.id, release_memory=True)),
-                           ("freeze", lambda: node.pause(e.id)),
-                           ("reset", lambda: node.reset(e.id))):
+        for what, call in (
+            ("pause", lambda: node.pause(e.id, release_memory=True)),
+            ("freeze", lambda: node.pause(e.id)),
+            ("reset", lambda: node.reset(e.id)),
+        ):
             with pytest.raises(DiskFullError, match=f"(?i){e.id}.*no space left") as exc:
                 call()
             assert exc.value.errno == errno.ENOSPC, what
@@ -202,8 +211,11 @@ def test_settings_creates_and_files_on_a_full_disk_fail_clearly_and_change_nothi
         with pytest.raises(DiskFullError, match=f"environment {e.id}: cannot save its state: no space left"):
             node.set_priority(e.id, 7)
         info = node.get(e.id)
-        assert (info.timeout_s, info.expires_at, info.priority) == (before.timeout_s, before.expires_at,
-                                                                    before.priority)  # fmt: skip
+        assert (info.timeout_s, info.expires_at, info.priority) == (
+            before.timeout_s,
+            before.expires_at,
+            before.priority,
+        )
         with pytest.raises(DiskFullError, match="no space left on the node's disk") as exc:
             node.files(e.id).write_file("/tmp/x", b"y" * 100_000)
         assert "disk limit (resources" not in str(exc.value)

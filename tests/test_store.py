@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
+
 from registry_fixture import Registry, new_repository, oci_registry  # noqa: F401 (a fixture)
 from s3_fixture import Seaweed, new_prefix
-
 from weenv.errors import BusyError, DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.formats.manifest import (
     GroupManifest,
@@ -28,9 +28,9 @@ from weenv.formats.manifest import (
     sha256_digest,
 )
 from weenv.store import Store
+from weenv.store import lease as lease_module
 from weenv.store.check import check_store
 from weenv.store.file import FileStore
-from weenv.store import lease as lease_module
 from weenv.store.lease import Lease, LeasedStore, delete_unused, leased_digests
 from weenv.store.oci import OciStore
 from weenv.store.s3 import S3Store
@@ -320,7 +320,9 @@ class TestStore:
         with pytest.raises(InvalidInputError):
             store.swap_ref("templates", "t", "sha256:x", expected=b)
 
-    @pytest.mark.parametrize("kind,name", [("chunks", "a"), ("group", "a"), ("groups", "A"), ("groups", "../x"), ("groups", "")])
+    @pytest.mark.parametrize(
+        "kind,name", [("chunks", "a"), ("group", "a"), ("groups", "A"), ("groups", "../x"), ("groups", "")]
+    )
     def test_bad_refs_are_invalid_input(self, store, kind, name):
         digest = "sha256:" + "0" * 64
         with pytest.raises(InvalidInputError):
@@ -372,15 +374,17 @@ class TestLeases:
         with Lease(store, digests=[leased_chunk.digest]) as writer:
             done = delete_unused(
                 store,
-                {"manifests": [g_digest, loose_manifest], "chunks": [leased_chunk.digest, loose_chunk.digest,
-                                                                      g.chunks[0].digest]},
-                reached=lambda: reached, what="test",
+                {
+                    "manifests": [g_digest, loose_manifest],
+                    "chunks": [leased_chunk.digest, loose_chunk.digest, g.chunks[0].digest],
+                },
+                reached=lambda: reached,
+                what="test",
             )
             assert sorted(done.removed) == sorted([loose_manifest, loose_chunk.digest])
             assert store.has_chunk(leased_chunk.digest) and store.has_manifest(g_digest)
             # the holder's own lease does not protect from its own rollback
-            done = delete_unused(store, {"chunks": [leased_chunk.digest]}, reached=set, what="test",
-                                 exclude=writer.id)
+            done = delete_unused(store, {"chunks": [leased_chunk.digest]}, reached=set, what="test", exclude=writer.id)
             assert done.removed == [leased_chunk.digest]
         assert not store.has_chunk(loose_chunk.digest) and not store.has_manifest(loose_manifest)
         assert store.list_refs("leases") == {}

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from s3_fixture import new_prefix
 from test_import import _entry, _write_layout
-
 from weenv.formats.manifest import parse_template_manifest
 from weenv.host.mounts import erofs_spec, mount, umount
 from weenv.packaging.group import assemble_image, load_group
@@ -80,7 +80,7 @@ class StalledLayout:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except BrokenPipeError:
             pass
         finally:
@@ -88,8 +88,9 @@ class StalledLayout:
 
 
 def _weenv(*args: str, env: dict[str, str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "weenv", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, **kwargs)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "weenv", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs
+    )
 
 
 def _output(proc: subprocess.Popen) -> str:
@@ -316,8 +317,15 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
     code, out = _finish(_weenv("import", str(held), "--name", "b", env=_env(paths, scratch)))
     assert code == 0, out
     chunk = min(open_store(scratch).list_chunks())
-    forever = {"media_type": LEASE_MEDIA_TYPE, "id": "delete-forever", "purpose": "delete", "holder": "elsewhere:1",
-               "what": "by hand", "expires": 1e300, "digests": [chunk]}  # fmt: skip
+    forever = {
+        "media_type": LEASE_MEDIA_TYPE,
+        "id": "delete-forever",
+        "purpose": "delete",
+        "holder": "elsewhere:1",
+        "what": "by hand",
+        "expires": 1e300,
+        "digests": [chunk],
+    }
     _put_lease_ref(store, "delete-forever", json.dumps(forever).encode())
     started = time.monotonic()
     code, out = _finish(_weenv("import", str(held), "--name", "b", env=env))
@@ -342,8 +350,9 @@ def _imported(paths, tmp_path: Path, name: str, files: dict[str, bytes]) -> tupl
     return env, open_store(store_url)
 
 
-def _gc_while_it_stores(proc: subprocess.Popen, chunks: Path, before: set[str], env: dict[str, str],
-                       timeout: float = 120) -> None:  # fmt: skip
+def _gc_while_it_stores(
+    proc: subprocess.Popen, chunks: Path, before: set[str], env: dict[str, str], timeout: float = 120
+) -> None:
     """SIGSTOP writer ``proc`` as soon as a chunk not in ``before`` appears
     under ``chunks`` (a file:// store's), run ``weenv gc`` (``env``), SIGCONT
     it and check that it then publishes."""
@@ -398,11 +407,20 @@ def test_gc_during_a_template_copy_keeps_what_the_copy_stored(paths, tmp_path):
     assert code == 0, out
     chunks = paths.home / "store" / "chunks"
     chunks.mkdir(parents=True)
-    copy = subprocess.Popen([sys.executable, "-c", "import sys; from weenv.store import open_store; "
-                             "from weenv.packaging.transfer import copy_template; "
-                             "copy_template(open_store(sys.argv[1]), open_store(sys.argv[2]), 't', parallel=1)",
-                             src_url, dst_url], env=_env(paths, dst_url), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    copy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from weenv.store import open_store; "
+            "from weenv.packaging.transfer import copy_template; "
+            "copy_template(open_store(sys.argv[1]), open_store(sys.argv[2]), 't', parallel=1)",
+            src_url,
+            dst_url,
+        ],
+        env=_env(paths, dst_url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     _gc_while_it_stores(copy, chunks, set(), _env(paths, dst_url))
     assert_store_sound(open_store(dst_url), tmp_path / "read", {"t": expected})
 
@@ -475,16 +493,21 @@ def test_a_build_whose_cached_group_a_gc_deletes_meanwhile_builds_it_again(paths
     (recipe / "base").mkdir(parents=True)
     data = hashlib.shake_256(b"cached group").digest(3 * MIB)
     (recipe / "base" / "data.bin").write_bytes(data)
-    (recipe / "recipe.toml").write_text('[template]\nname = "t"\n[[component]]\nname = "base"\n'
-                                       '[[component.step]]\nkind = "from_dir"\npath = "base"\n')  # fmt: skip
+    (recipe / "recipe.toml").write_text(
+        '[template]\nname = "t"\n[[component]]\nname = "base"\n[[component.step]]\nkind = "from_dir"\npath = "base"\n'
+    )
     code, out = _finish(_weenv("build", str(recipe / "recipe.toml"), env=env))
     assert code == 0, out
     store = open_store(store_url)
     group, template = store.get_ref("groups", "base"), store.get_ref("templates", "t")
     store.delete_ref("templates", "t")  # the cached group is garbage now
     go = tmp_path / "go"
-    deleter = subprocess.Popen([sys.executable, "-c", _DELETER, store_url, str(go), template, group], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deleter = subprocess.Popen(
+        [sys.executable, "-c", _DELETER, store_url, str(go), template, group],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         _wait_for_lease(store, "delete", deleter)
         build = _weenv("build", str(recipe / "recipe.toml"), env=env)

@@ -23,9 +23,9 @@ import tracemalloc
 
 import pytest
 import zstandard
+
 from registry_fixture import new_repository, oci_registry  # noqa: F401 (fixtures)
 from s3_fixture import new_prefix
-
 from weenv.errors import ContentLimitError, DigestMismatchError, InvalidInputError
 from weenv.formats.limits import MAX_CHUNKS, MAX_MANIFEST_BYTES, MAX_PACK_BYTES, frame_bound
 from weenv.formats.manifest import TemplateManifest, canonical_json, sha256_digest
@@ -56,8 +56,7 @@ def store(request, tmp_path):
     s.close()
 
 
-def _blob(store, space: str, data: bytes, *, digest: str | None = None, sparse: int = 0,
-          tagged: bool = False) -> str:
+def _blob(store, space: str, data: bytes, *, digest: str | None = None, sparse: int = 0, tagged: bool = False) -> str:
     """Put ``data`` as a raw blob of ``space``, not checked: under ``digest`` (default
     its sha256) in a file store (``sparse``: that many bytes of holes instead, cheap)
     or an S3 store (as an object of that key), as a registry blob (addressed by its sha256) in an OCI store (``tagged``: with
@@ -104,9 +103,10 @@ def _group_json(n: int, chunk_size: int = 4096) -> bytes:
     digest = "sha256:" + "ab" * 32
     ref = f'{{"digest":"{digest}","size":{chunk_size},"stored_digest":"{digest}","stored_size":100}}'
     return (
-        '{"block_size":4096,"chunk_size":%d,"chunks":[%s],"created":"2024-01-01T00:00:00Z","file_count":1,'
-        '"image_size":%d,"media_type":"application/vnd.weenv.group.v1+json","name":"big","schema_version":1,'
-        '"source":{},"version":"latest"}' % (chunk_size, ",".join([ref] * n), n * chunk_size)
+        f'{{"block_size":4096,"chunk_size":{chunk_size},"chunks":[{",".join([ref] * n)}],'
+        '"created":"2024-01-01T00:00:00Z","file_count":1,'
+        f'"image_size":{n * chunk_size},"media_type":"application/vnd.weenv.group.v1+json","name":"big",'
+        '"schema_version":1,"source":{},"version":"latest"}'
     ).encode()
 
 

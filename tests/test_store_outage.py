@@ -16,27 +16,35 @@ import os
 import time
 
 import pytest
+
 from daemon_fixture import start_daemon
 from registry_fixture import registry  # noqa: F401 (fixture)
-
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node.data.cache import ChunkCache
-from weenv.node.node import Node
 from weenv.node.data.prefetch import LOOKUP_WAIT_S, Prefetcher
+from weenv.node.node import Node
 from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.packaging.transfer import copy_template
 from weenv.store.file import FileStore
 from weenv.store.oci import OciStore
 
-FAST = {"connect_timeout": 1, "read_timeout": 1, "timeout": 3, "retries": 3, "backoff": 0.05,
-        "probe_interval": 1, "probe_timeout": 0.5}  # fmt: skip
+FAST = {
+    "connect_timeout": 1,
+    "read_timeout": 1,
+    "timeout": 3,
+    "retries": 3,
+    "backoff": 0.05,
+    "probe_interval": 1,
+    "probe_timeout": 0.5,
+}
 HELLO = ["python3", "hello.py"]
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_a_daemon_started_while_the_store_is_down_starts_cached_templates(paths, shared_store, registry, leak_check,
-                                                                          monkeypatch, fault):  # fmt: skip
+def test_a_daemon_started_while_the_store_is_down_starts_cached_templates(
+    paths, shared_store, registry, leak_check, monkeypatch, fault
+):
     """A node learns template "task" (its manifests, chunks and name); with the
     registry then killed or frozen, a daemon started on that home starts (its
     store sends nothing when it opens), creates "task" quickly from the name's
@@ -132,17 +140,21 @@ def test_reads_with_a_frozen_store_fail_fast_and_succeed_once_it_is_back(paths, 
     create_template(local, "files", ["base", "files"], runtime=RuntimeConfig(working_dir="/"))
     oci = OciStore(registry.url("weenv/frozen"), **fast)
     copy_template(local, oci, "files")
-    read_all = ["python3", "-c", (
-        "import hashlib, sys, time\n"
-        "for i in range(8):\n"
-        "    t = time.monotonic()\n"
-        "    try:\n"
-        "        h = hashlib.sha256(open(f'/data/f{i}', 'rb').read()).hexdigest()\n"
-        "    except OSError as exc:\n"
-        "        h = f'errno{exc.errno}'\n"
-        "    print(f'/data/f{i}', h, round(time.monotonic() - t, 2), flush=True)\n"
-        "    time.sleep(float(sys.argv[1]))\n"
-    )]  # fmt: skip
+    read_all = [
+        "python3",
+        "-c",
+        (
+            "import hashlib, sys, time\n"
+            "for i in range(8):\n"
+            "    t = time.monotonic()\n"
+            "    try:\n"
+            "        h = hashlib.sha256(open(f'/data/f{i}', 'rb').read()).hexdigest()\n"
+            "    except OSError as exc:\n"
+            "        h = f'errno{exc.errno}'\n"
+            "    print(f'/data/f{i}', h, round(time.monotonic() - t, 2), flush=True)\n"
+            "    time.sleep(float(sys.argv[1]))\n"
+        ),
+    ]
     apart = 1.5 * fast["probe_interval"]  # reads spread over the outage, as a process's are
     try:
         with Node(paths, store=oci, pool_size=0) as node:

@@ -16,15 +16,25 @@ from weenv.node.provision import ProvisionConfig
 
 MIB = 1 << 20
 GIB = 1 << 30
-FAST = dict(interval_s=0.2, cpu_window_s=2.0, cpu_cooldown_s=1.0, memory_hold_s=1.5, memory_half_life_s=1.0,
-            profile_startup_s=1.0, profile_min_observed_s=2.0)  # (defaults 2 s and 5 s: 4.5 s more of waiting)
-SPIKE = ("python3 -c 'import time\nb = bytearray(300 << 20); b[::4096] = b\"x\" * (len(b) // 4096)\n"
-         "t = time.time()\nwhile time.time() - t < 1.5: pass'")  # fmt: skip
+FAST = dict(
+    interval_s=0.2,
+    cpu_window_s=2.0,
+    cpu_cooldown_s=1.0,
+    memory_hold_s=1.5,
+    memory_half_life_s=1.0,
+    profile_startup_s=1.0,
+    profile_min_observed_s=2.0,
+)  # (defaults 2 s and 5 s: 4.5 s more of waiting)
+SPIKE = (
+    'python3 -c \'import time\nb = bytearray(300 << 20); b[::4096] = b"x" * (len(b) // 4096)\n'
+    "t = time.time()\nwhile time.time() - t < 1.5: pass'"
+)
 RES = Resources(cpus=1.0, memory_bytes=GIB, pids=256)
 
 
-def test_a_profile_recorded_by_one_environment_sizes_the_next_on_a_fresh_node(paths, tmp_path, shared_store,
-                                                                               leak_check):  # fmt: skip
+def test_a_profile_recorded_by_one_environment_sizes_the_next_on_a_fresh_node(
+    paths, tmp_path, shared_store, leak_check
+):
     from weenv.node.node import Node
 
     name = shared_store.get_ref("templates", "task").split(":")[1]
@@ -73,8 +83,9 @@ def _recorded_then_used(paths, tmp_path, shared_store, Node):
         b.destroy(env.id)
 
 
-def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an_idle_node(paths, shared_store,
-                                                                                           leak_check):  # fmt: skip
+def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an_idle_node(
+    paths, shared_store, leak_check
+):
     """An environment that lived 6 s running a short command now and then (as
     the suite's do) teaches its template what it did after its start-up (the
     default 2 s; observed 2 s after it at least, not the default 5: it lived
@@ -100,8 +111,12 @@ def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an
             node.provisioner.profiles.close()  # published
             taught = node.provisioner.profiles.get(env.template_digest)
         assert taught is not None and taught.cpu_mean < 0.01, taught
-        with Node(paths, store=shared_store, pool_size=0,
-                  provisioning=ProvisionConfig.from_env().model_copy(update={"admission": "burst"})) as node:
+        with Node(
+            paths,
+            store=shared_store,
+            pool_size=0,
+            provisioning=ProvisionConfig.from_env().model_copy(update={"admission": "burst"}),
+        ) as node:
             assert node.provisioner.config.admission == "burst"
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 infos = list(pool.map(lambda _: node.create("task", first_command=False), range(8)))
@@ -126,12 +141,23 @@ def test_a_create_the_objective_refuses_waits_for_room_on_a_real_node(paths, sha
     from weenv.node.provision.profiles import UsageProfile
 
     digest = shared_store.get_ref("templates", "task")
-    bursty = UsageProfile(template=digest, cpu_duty=0.2, cpu_burst=1.0, cpu_p95=1.0, memory_working_set=20 * MIB,
-                          memory_peak=40 * MIB, seconds=600.0, environments=10, updated=time.time())  # fmt: skip
+    bursty = UsageProfile(
+        template=digest,
+        cpu_duty=0.2,
+        cpu_burst=1.0,
+        cpu_p95=1.0,
+        memory_working_set=20 * MIB,
+        memory_peak=40 * MIB,
+        seconds=600.0,
+        environments=10,
+        updated=time.time(),
+    )
     config = ProvisionConfig.from_env().model_copy(update={"cpu_capacity": 2.0, "admission_wait_s": 60.0})
     assert config.admission == "burst"  # the default
-    with concurrent.futures.ThreadPoolExecutor(2) as pool, \
-            Node(paths, store=shared_store, pool_size=0, provisioning=config) as node:  # the node closes first
+    with (
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+        Node(paths, store=shared_store, pool_size=0, provisioning=config) as node,
+    ):  # the node closes first
         node.provisioner.profiles.record(bursty)
         a, b = (node.create("task", resources=RES, first_command=False) for _ in range(2))
         third = pool.submit(node.create, "task", resources=RES, first_command=False)
@@ -155,9 +181,20 @@ def test_a_test_leaves_a_bursty_profile_in_the_shared_store(shared_store):
     from weenv.node.provision.profiles import UsageProfile, publish
 
     digest = shared_store.get_ref("templates", "task")
-    publish(shared_store, UsageProfile(template=digest, cpu_duty=0.5, cpu_burst=1.0, cpu_p95=1.0,
-                                       memory_working_set=MIB, memory_peak=MIB, seconds=60.0, environments=1,
-                                       updated=time.time()))  # fmt: skip
+    publish(
+        shared_store,
+        UsageProfile(
+            template=digest,
+            cpu_duty=0.5,
+            cpu_burst=1.0,
+            cpu_p95=1.0,
+            memory_working_set=MIB,
+            memory_peak=MIB,
+            seconds=60.0,
+            environments=1,
+            updated=time.time(),
+        ),
+    )
     assert shared_store.list_refs("usage")
 
 

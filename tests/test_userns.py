@@ -53,8 +53,11 @@ def sudo_layer(debian_root: Path) -> Path:
         shutil.copytree(tmp / "tree/lib", tmp / "tree/usr/lib", dirs_exist_ok=True, symlinks=True)
         shutil.rmtree(tmp / "tree/lib")
     etc = tmp / "tree/etc"
-    for name, line in (("passwd", "user:x:1000:1000::/home/user:/bin/sh\n"), ("group", "user:x:1000:\n"),
-                       ("shadow", "user:*:19000:0:99999:7:::\n")):  # fmt: skip
+    for name, line in (
+        ("passwd", "user:x:1000:1000::/home/user:/bin/sh\n"),
+        ("group", "user:x:1000:\n"),
+        ("shadow", "user:*:19000:0:99999:7:::\n"),
+    ):
         (etc / name).write_text((debian_root / "etc" / name).read_text() + line)
     os.chmod(etc / "shadow", 0o640)
     (etc / "sudoers.d/user").write_text("user ALL=(ALL:ALL) NOPASSWD: ALL\n")
@@ -98,8 +101,15 @@ def userns_root(base, debian_root, request):
                 idmap.idmapped_clone(lower, target, ns)
                 mounted.append(target)
         lowerdir = ":".join(overlay_escape(p) for p in reversed(mounted))
-        mount(MountSpec("overlay", "overlay", os.fspath(root),
-                        f"lowerdir={lowerdir},upperdir={upper},workdir={work}", getattr(request, "param", 0)))  # fmt: skip
+        mount(
+            MountSpec(
+                "overlay",
+                "overlay",
+                os.fspath(root),
+                f"lowerdir={lowerdir},upperdir={upper},workdir={work}",
+                getattr(request, "param", 0),
+            )
+        )
         mounted.append(root)
         yield root, upper
     finally:
@@ -124,9 +134,16 @@ def start_user_env(root: Path, tmp_path: Path) -> tuple[NodeRuntime, str, Path]:
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     runtime = RuntimeConfig(user="1000:1000")
-    path = write_bundle(bundle, root, runtime, hostname="box-" + cid, cgroups_path=f"/weenv-{cid}",
-                        resources=Resources(cpus=0.5, memory_bytes=256 << 20, pids=200),
-                        capabilities=DOCKER_DEFAULT_CAPS, userns=(HOST_ID, idmap.ID_RANGE))  # fmt: skip
+    path = write_bundle(
+        bundle,
+        root,
+        runtime,
+        hostname="box-" + cid,
+        cgroups_path=f"/weenv-{cid}",
+        resources=Resources(cpus=0.5, memory_bytes=256 << 20, pids=200),
+        capabilities=DOCKER_DEFAULT_CAPS,
+        userns=(HOST_ID, idmap.ID_RANGE),
+    )
     config = json.loads(path.read_text())
     caps = config["process"]["capabilities"]
     for k in ("effective", "permitted", "ambient"):  # user holds nothing; sudo's root gets the bounding set
@@ -157,7 +174,14 @@ def test_sudo_as_user_in_user_namespace(userns_root, tmp_path):
         assert pid, (state, (bundle / "init.log").read_text()[-2000:])
         host_uid = int(Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0])
         assert host_uid == HOST_ID + 1000  # uid 1000 inside is the range's 1000 on the host
-        r = runc.exec(cid, ["sh", "-c", "id -u; sudo id -u; sudo touch /made-by-root; sudo sh -c 'echo $$ > /tmp/p; sleep 30' & sleep 1; cat /tmp/p"])
+        r = runc.exec(
+            cid,
+            [
+                "sh",
+                "-c",
+                "id -u; sudo id -u; sudo touch /made-by-root; sudo sh -c 'echo $$ > /tmp/p; sleep 30' & sleep 1; cat /tmp/p",
+            ],
+        )
         assert r.exit_code == 0, r.stderr
         out = r.stdout.decode().split()
         assert out[:2] == ["1000", "0"], r.stdout

@@ -18,10 +18,10 @@ import pytest
 from conftest import system_snapshot
 from daemon_fixture import start_daemon
 from weenv.errors import UnknownUserError
-from weenv.node.runtime.bundle import cap_mask
-from weenv.node.node import Node
-from weenv.packaging.group import build_group
 from weenv.formats.manifest import RuntimeConfig
+from weenv.node.node import Node
+from weenv.node.runtime.bundle import cap_mask
+from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 
@@ -38,8 +38,9 @@ def accounts_store(tmp_path_factory, shared_store, debian_root):
     (src / "etc").mkdir(parents=True)
     passwd = (debian_root / "etc" / "passwd").read_text()
     group = (debian_root / "etc" / "group").read_text()
-    (src / "etc" / "passwd").write_text(passwd + "user:x:1000:1000::/home/user:/bin/sh\n"
-                                        "worker:x:1001:1001::/home/worker:/bin/sh\n")
+    (src / "etc" / "passwd").write_text(
+        passwd + "user:x:1000:1000::/home/user:/bin/sh\nworker:x:1001:1001::/home/worker:/bin/sh\n"
+    )
     (src / "etc" / "group").write_text(group + "user:x:1000:\nworker:x:1001:\ntools:x:2000:worker,user\n")
     for name, uid in (("user", 1000), ("worker", 1001)):
         (src / "home" / name).mkdir(parents=True)
@@ -77,7 +78,10 @@ def test_commands_run_as_the_named_user(paths, accounts_store, leak_check, exec_
         assert who == "0 0 0 /root root"
         # root holds the environment's set, never the three the agent keeps to switch users
         assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == env_caps
-        assert node.exec(env, ID, user="worker").stdout.decode().splitlines()[0] == "1001 1001 1001 2000 /home/worker worker"
+        assert (
+            node.exec(env, ID, user="worker").stdout.decode().splitlines()[0]
+            == "1001 1001 1001 2000 /home/worker worker"
+        )
         assert node.exec(env, "id -u; id -g; echo $HOME", user="4242:7").stdout == b"4242\n7\n/\n"
         assert node.exec(env, "cat /srv/secret", user="root").stdout == b"root only\n"
         denied = node.exec(env, "cat /srv/secret")  # mode bits hold for the user
@@ -94,7 +98,7 @@ def test_commands_run_as_the_named_user(paths, accounts_store, leak_check, exec_
 
 
 def test_e2b_sdk_user_on_commands_and_files(tmp_path_factory, accounts_store):
-    e2b = pytest.importorskip("e2b")
+    pytest.importorskip("e2b")
     from e2b import CommandExitException, Sandbox
     from e2b.exceptions import AuthenticationException
 
@@ -103,8 +107,11 @@ def test_e2b_sdk_user_on_commands_and_files(tmp_path_factory, accounts_store):
     daemon = start_daemon(home, accounts_store.url)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            for key, value in (("E2B_API_URL", daemon.url + "/e2b"), ("E2B_SANDBOX_URL", daemon.url + "/e2b/envd"),
-                               ("E2B_API_KEY", "e2b_" + daemon.key)):
+            for key, value in (
+                ("E2B_API_URL", daemon.url + "/e2b"),
+                ("E2B_SANDBOX_URL", daemon.url + "/e2b/envd"),
+                ("E2B_API_KEY", "e2b_" + daemon.key),
+            ):
                 mp.setenv(key, value)
             _e2b_user_calls(Sandbox, CommandExitException, AuthenticationException)
     finally:
@@ -119,8 +126,10 @@ def _e2b_user_calls(Sandbox, CommandExitException, AuthenticationException) -> N
     sbx = Sandbox.create("accounts", timeout=120)
     try:
         assert sbx.commands.run("id -u", user="root").stdout == "0\n"
-        assert sbx.commands.run("id -un; pwd; echo $HOME $USER $LOGNAME", user="user").stdout == \
-            "user\n/home/user\n/home/user user user\n"  # working dir /: the user's home, as envd
+        assert (
+            sbx.commands.run("id -un; pwd; echo $HOME $USER $LOGNAME", user="user").stdout
+            == "user\n/home/user\n/home/user user user\n"
+        )  # working dir /: the user's home, as envd
         assert sbx.commands.run("id -u").stdout == "1000\n"  # no user: the template's
         assert sbx.commands.run("pwd", user="root").stdout == "/root\n"
         with pytest.raises(AuthenticationException, match="invalid username: 'ghost'"):
@@ -129,8 +138,10 @@ def _e2b_user_calls(Sandbox, CommandExitException, AuthenticationException) -> N
             sbx.commands.run("cat /srv/secret", user="user")
 
         sbx.files.write("notes/a.txt", "mine", user="user")  # relative: the user's home
-        assert sbx.commands.run("stat -c '%U:%G %n' /home/user/notes /home/user/notes/a.txt",
-                                user="user").stdout == "user:user /home/user/notes\nuser:user /home/user/notes/a.txt\n"
+        assert (
+            sbx.commands.run("stat -c '%U:%G %n' /home/user/notes /home/user/notes/a.txt", user="user").stdout
+            == "user:user /home/user/notes\nuser:user /home/user/notes/a.txt\n"
+        )
         sbx.files.write("/opt/tool/conf", "root's", user="root")
         assert sbx.commands.run("stat -c %u /opt/tool/conf").stdout == "0\n"
         assert sbx.files.read("~/notes/a.txt", user="user") == "mine"

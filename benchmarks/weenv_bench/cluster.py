@@ -89,8 +89,19 @@ from weenv_bench import machine, write_report
 MiB = 1 << 20
 NODES = 4
 CREATE_CONCURRENCY = 8
-SUMMARY_KEYS = ("nodes", "creates", "store_bytes_ratio", "peer_bytes", "local_hit_rate", "create_p99_s",
-                "random_create_p99_s", "sim_nodes", "sim_creates", "sim_create_p99_s", "sim_store_bytes_ratio")
+SUMMARY_KEYS = (
+    "nodes",
+    "creates",
+    "store_bytes_ratio",
+    "peer_bytes",
+    "local_hit_rate",
+    "create_p99_s",
+    "random_create_p99_s",
+    "sim_nodes",
+    "sim_creates",
+    "sim_create_p99_s",
+    "sim_store_bytes_ratio",
+)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -114,8 +125,17 @@ def plan(templates: int, batch: int, group: int, iterations: int, seed: int = 0)
     return out
 
 
-PARTS = ("cluster_s", "manifest_s", "reserve_s", "groups_s", "overlay_s", "runtime_s", "first_command_s",
-         "node_other_s", "read_s")
+PARTS = (
+    "cluster_s",
+    "manifest_s",
+    "reserve_s",
+    "groups_s",
+    "overlay_s",
+    "runtime_s",
+    "first_command_s",
+    "node_other_s",
+    "read_s",
+)
 """A create's parts (:func:`_parts`), in order."""
 
 
@@ -131,16 +151,22 @@ def _parts(timing, create_s: float, read_s: float) -> dict[str, float]:
     the store)."""
     node = {k: getattr(timing, k) or 0.0 for k in PARTS[1:-2]} if timing is not None else {}
     total = timing.total_s if timing is not None else 0.0
-    return {"cluster_s": max(0.0, create_s - total), **node,
-            "node_other_s": max(0.0, total - sum(node.values())), "read_s": read_s}
+    return {
+        "cluster_s": max(0.0, create_s - total),
+        **node,
+        "node_other_s": max(0.0, total - sum(node.values())),
+        "read_s": read_s,
+    }
 
 
 def _breakdown(creates: list[dict]) -> dict:
     """Per part, its mean over all creates and over the slowest 5 % (at least 3): what p99 is made of."""
     slow = sorted(creates, key=lambda d: -d["s"])[: max(3, len(creates) // 20)]
-    return {"all": {k: statistics.mean(d["parts"][k] for d in creates) for k in PARTS} if creates else {},
-            "slowest": {k: statistics.mean(d["parts"][k] for d in slow) for k in PARTS} if slow else {},
-            "slowest_n": len(slow)}
+    return {
+        "all": {k: statistics.mean(d["parts"][k] for d in creates) for k in PARTS} if creates else {},
+        "slowest": {k: statistics.mean(d["parts"][k] for d in slow) for k in PARTS} if slow else {},
+        "slowest_n": len(slow),
+    }
 
 
 def _chunk_files(home: Path) -> dict[str, int]:
@@ -180,13 +206,21 @@ def build_store(store, root: Path, templates: int, task_bytes: int, log) -> dict
     return chunks
 
 
-def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]], batches: list[list[str]], log,
-             settle=None, seed: int = 7, homes: Path | None = None) -> dict:
+def run_mode(
+    mode: str,
+    root: Path,
+    store_url: str,
+    chunks: dict[str, set[str]],
+    batches: list[list[str]],
+    log,
+    settle=None,
+    seed: int = 7,
+    homes: Path | None = None,
+) -> dict:
     """One mode on fresh homes (``homes``, default ``root / mode``): its creates,
     bytes, hits and balance.  ``settle()``: called once the last batch is done,
     before the nodes go (``record``: until the profiles are published).
     ``seed``: random placement's draws."""
-    import ray
 
     from weenv import cluster
     from weenv.cluster.client import ClusterClient
@@ -195,8 +229,15 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
     from weenv.sdk import NodeClient
 
     homes = homes or root / mode
-    config = cluster.ClusterConfig(home=f"{homes}/{{node}}", store=store_url, cache=str(Paths.from_env().cache),
-                                   heartbeat_s=0.5, reconcile_s=0.5, cache_scan_s=0.5, peers=(mode == "weenv"))
+    config = cluster.ClusterConfig(
+        home=f"{homes}/{{node}}",
+        store=store_url,
+        cache=str(Paths.from_env().cache),
+        heartbeat_s=0.5,
+        reconcile_s=0.5,
+        cache_scan_s=0.5,
+        peers=(mode == "weenv"),
+    )
     nodes = sorted(s.node_id for s in cluster.up(config, timeout=180))
     home_of = {n: config.home_of(n) for n in nodes}
     small = Resources(cpus=0.05, memory_bytes=64 << 20)
@@ -220,8 +261,14 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
                 if r.exit_code != 0:
                     raise RuntimeError(f"reading the task failed in {e.id}: {r.stderr[-300:]!r}")
                 end = time.monotonic()
-                return {"template": name, "node": e.node_id, "id": e.id, "s": end - t, "at": t - t_batch,
-                        "parts": _parts(e.info.timing, made - t, end - made)}
+                return {
+                    "template": name,
+                    "node": e.node_id,
+                    "id": e.id,
+                    "s": end - t,
+                    "at": t - t_batch,
+                    "parts": _parts(e.info.timing, made - t, end - made),
+                }
 
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
                 done = list(pool.map(one, names))
@@ -238,8 +285,10 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
             creates += done
             with concurrent.futures.ThreadPoolExecutor(CREATE_CONCURRENCY) as pool:
                 list(pool.map(lambda d: client.destroy(d["id"]), done))
-            log(f"{mode}: batch {b + 1}/{len(batches)}: p50 {pct([d['s'] for d in done], 0.5):.2f} s, "
-                f"envs per node {counts}")
+            log(
+                f"{mode}: batch {b + 1}/{len(batches)}: p50 {pct([d['s'] for d in done], 0.5):.2f} s, "
+                f"envs per node {counts}"
+            )
     if settle is not None:
         settle()
     stats = {}
@@ -254,27 +303,52 @@ def run_mode(mode: str, root: Path, store_url: str, chunks: dict[str, set[str]],
     store_bytes = sum(s["store_bytes"] for s in stats.values())
     times = [d["s"] for d in creates]
     return {
-        "mode": mode, "seconds": time.monotonic() - t_mode, "creates": len(creates),
-        "create_p50_s": pct(times, 0.5), "create_p99_s": pct(times, 0.99),
+        "mode": mode,
+        "seconds": time.monotonic() - t_mode,
+        "creates": len(creates),
+        "create_p50_s": pct(times, 0.5),
+        "create_p99_s": pct(times, 0.99),
         "warm_create_p50_s": pct([d["s"] for d in creates if d["held_share"] >= 0.5], 0.5),
         "cold_create_p50_s": pct([d["s"] for d in creates if d["first_touch"]], 0.5),
-        "store_bytes": store_bytes, "peer_bytes": sum(s["peer_bytes"] for s in stats.values()),
+        "store_bytes": store_bytes,
+        "peer_bytes": sum(s["peer_bytes"] for s in stats.values()),
         "pack_bytes": sum(s["pack_bytes"] for s in stats.values()),
         "peer_failures": sum(s["peer_failures"] for s in stats.values()),
-        "unique_bytes": sum(union.values()), "store_bytes_ratio": store_bytes / max(1, sum(union.values())),
-        "local_hit_rate": hits / counted if counted else None, "local_counted": counted,
-        "envs_per_node_max_over_mean": max(per_batch), "envs_per_node_max_over_mean_by_batch": per_batch,
+        "unique_bytes": sum(union.values()),
+        "store_bytes_ratio": store_bytes / max(1, sum(union.values())),
+        "local_hit_rate": hits / counted if counted else None,
+        "local_counted": counted,
+        "envs_per_node_max_over_mean": max(per_batch),
+        "envs_per_node_max_over_mean_by_batch": per_batch,
         "creates_per_node": {n[:12]: sum(d["node"] == n for d in creates) for n in nodes},
-        "node_stats": {n[:12]: s for n, s in stats.items()}, "peer_ms_per_mib": peer_ms,
+        "node_stats": {n[:12]: s for n, s in stats.items()},
+        "peer_ms_per_mib": peer_ms,
         "breakdown": _breakdown(creates),
-        "slowest": [{"s": round(d["s"], 3), "batch": d["batch"], "template": d["template"], "node": d["node"][:12],
-                     "first_touch": d["first_touch"], "held_share": round(d["held_share"], 2),
-                     "parts": {k: round(v, 3) for k, v in d["parts"].items()}}
-                    for d in sorted(creates, key=lambda d: -d["s"])[:4]],
+        "slowest": [
+            {
+                "s": round(d["s"], 3),
+                "batch": d["batch"],
+                "template": d["template"],
+                "node": d["node"][:12],
+                "first_touch": d["first_touch"],
+                "held_share": round(d["held_share"], 2),
+                "parts": {k: round(v, 3) for k, v in d["parts"].items()},
+            }
+            for d in sorted(creates, key=lambda d: -d["s"])[:4]
+        ],
         "batch_started_at": batch_at,
-        "log": [{"s": round(d["s"], 3), "batch": d["batch"], "at": round(d["at"], 3), "template": d["template"],
-                 "node": d["node"][:12], "first_touch": d["first_touch"],
-                 "parts": {k: round(v, 3) for k, v in d["parts"].items()}} for d in creates],
+        "log": [
+            {
+                "s": round(d["s"], 3),
+                "batch": d["batch"],
+                "at": round(d["at"], 3),
+                "template": d["template"],
+                "node": d["node"][:12],
+                "first_touch": d["first_touch"],
+                "parts": {k: round(v, 3) for k, v in d["parts"].items()},
+            }
+            for d in creates
+        ],
     }
 
 
@@ -337,8 +411,16 @@ class StoreSetup:
         return LinkModel(self.latency_ms / 1000, self.conn_mib_s * MiB or None, self.total_mib_s * MiB or None)
 
 
-def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | None = None,
-        store: StoreSetup = StoreSetup(), profiles: str = "recorded", rounds: int = 1, log=print) -> dict:
+def run(
+    *,
+    quick: bool = False,
+    simulate_only: bool = False,
+    json_path: Path | None = None,
+    store: StoreSetup = StoreSetup(),
+    profiles: str = "recorded",
+    rounds: int = 1,
+    log=print,
+) -> dict:
     from weenv_bench import cluster_sim
 
     result: dict = {"machine": machine(), "quick": quick}
@@ -353,14 +435,19 @@ def run(*, quick: bool = False, simulate_only: bool = False, json_path: Path | N
     r = real["modes"]["random"] if real else {}
     head = sim["runs"][0] if sim["runs"] else {}
     result["summary"] = {
-        "nodes": NODES if real else None, "creates": w.get("creates"),
-        "store_bytes_ratio": w.get("store_bytes_ratio"), "peer_bytes": w.get("peer_bytes"),
-        "local_hit_rate": w.get("local_hit_rate"), "create_p99_s": w.get("create_p99_s"),
+        "nodes": NODES if real else None,
+        "creates": w.get("creates"),
+        "store_bytes_ratio": w.get("store_bytes_ratio"),
+        "peer_bytes": w.get("peer_bytes"),
+        "local_hit_rate": w.get("local_hit_rate"),
+        "create_p99_s": w.get("create_p99_s"),
         "random_create_p99_s": r.get("create_p99_s"),
-        "sim_nodes": head.get("nodes"), "sim_creates": head.get("creates"),
+        "sim_nodes": head.get("nodes"),
+        "sim_creates": head.get("creates"),
         "sim_create_p99_s": head.get("weenv", {}).get("create_p99_s"),
         "sim_store_bytes_ratio": head.get("weenv", {}).get("store_bytes_ratio"),
-        "store": real["store"] if real else None, "profiles": real["profiles"] if real else None,
+        "store": real["store"] if real else None,
+        "profiles": real["profiles"] if real else None,
         # create_p99_s and random_create_p99_s: the first round's, as ever; over all rounds' creates pooled:
         "rounds": real["rounds"]["n"] if real else None,
         "create_p99_s_pooled": real["rounds"]["pooled"]["weenv"]["create_p99_s"] if real else None,
@@ -411,9 +498,15 @@ def _the_store(setup: StoreSetup, root: Path, log):
             return
         with Shaper(server.endpoint, model, root / "netshape") as shaper:
             log(f"store: SeaweedFS at {server.endpoint}, the nodes' link {model.describe()} at {shaper.endpoint}")
-            yield store, server.url("bench", endpoint=shaper.endpoint), {
-                "kind": "s3 (SeaweedFS on loopback) through a modelled link", "model": model.describe(),
-                "shaper": shaper}
+            yield (
+                store,
+                server.url("bench", endpoint=shaper.endpoint),
+                {
+                    "kind": "s3 (SeaweedFS on loopback) through a modelled link",
+                    "model": model.describe(),
+                    "shaper": shaper,
+                },
+            )
 
 
 def _record_profiles(root: Path, store, node_url: str, chunks: dict[str, set[str]], log) -> dict:
@@ -429,16 +522,18 @@ def _record_profiles(root: Path, store, node_url: str, chunks: dict[str, set[str
         while len(store.list_refs("prefetch")) < len(names) and time.monotonic() < deadline:
             time.sleep(0.5)
 
-    out = run_mode("record", root, node_url, chunks, [names[i : i + 8] for i in range(0, len(names), 8)], log,
-                   settle=published)
+    out = run_mode(
+        "record", root, node_url, chunks, [names[i : i + 8] for i in range(0, len(names), 8)], log, settle=published
+    )
     out["profiles"] = len(store.list_refs("prefetch"))
     out["packs"] = len(list(store.list_packs()))
     log(f"recorded: {out['profiles']} profiles, {out['packs']} packs for {len(names)} templates")
     return {k: out[k] for k in ("seconds", "creates", "profiles", "packs", "store_bytes")}
 
 
-def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", rounds: int = 1,
-             log) -> dict:
+def run_real(
+    *, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "recorded", rounds: int = 1, log
+) -> dict:
     """The real part; ``rounds``: both modes that many times on fresh homes (the
     same Ray cluster and store; random first in even rounds, weenv first in odd
     ones), pooled in ``rounds`` (:func:`_rounds`)."""
@@ -455,8 +550,10 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
     group, iterations = 4, 2
     batches = plan(templates, batch, group, iterations)
     os.environ["WEENV_POOL_SIZE"] = "0"  # inherited by the raylets, their actors and daemons
-    with tempfile.TemporaryDirectory(prefix="weenv-bench-cluster-") as tmp, \
-            _the_store(store, Path(tmp), log) as (built, node_url, described):
+    with (
+        tempfile.TemporaryDirectory(prefix="weenv-bench-cluster-") as tmp,
+        _the_store(store, Path(tmp), log) as (built, node_url, described),
+    ):
         root = Path(tmp)
         shaper = described.pop("shaper", None)
         chunks = build_store(built, root, templates, task_bytes, log)
@@ -468,8 +565,10 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
             modelled_ms = _store_ms_per_mib(far, some)
             far.close()
         described.update(store_ms_per_mib=store_ms, store_ms_per_mib_modelled=modelled_ms)
-        log(f"store: a chunk {store_ms:.1f} ms/MiB" + (f", through the model {modelled_ms:.1f} ms/MiB"
-                                                       if modelled_ms else ""))
+        log(
+            f"store: a chunk {store_ms:.1f} ms/MiB"
+            + (f", through the model {modelled_ms:.1f} ms/MiB" if modelled_ms else "")
+        )
         c = Cluster(initialize_head=True, head_node_args=node_args(num_cpus=1, include_dashboard=False))
         try:
             for _ in range(NODES - 1):
@@ -484,16 +583,27 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
                 for mode in ("random", "weenv") if r % 2 == 0 else ("weenv", "random"):  # drift hits both
                     dropped = _drop_profiles(built) if profiles == "fresh" else 0
                     carried0 = shaper.stats().get("answer_bytes", 0) if shaper else None
-                    m = this[mode] = run_mode(mode, root, node_url, chunks, batches, log, seed=7 + r,
-                                              homes=root / (f"{mode}-{r}" if r else mode))
+                    m = this[mode] = run_mode(
+                        mode,
+                        root,
+                        node_url,
+                        chunks,
+                        batches,
+                        log,
+                        seed=7 + r,
+                        homes=root / (f"{mode}-{r}" if r else mode),
+                    )
                     m["profiles_dropped_before"] = dropped
                     if shaper is not None:
                         time.sleep(1.2)  # its counters are written every second
                         m["link_bytes"] = shaper.stats().get("answer_bytes", 0) - carried0
-                    log(f"{mode}" + (f" (round {r + 1}/{rounds})" if rounds > 1 else "") +
-                        f": p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
+                    log(
+                        f"{mode}"
+                        + (f" (round {r + 1}/{rounds})" if rounds > 1 else "")
+                        + f": p50 {m['create_p50_s']:.2f} s p99 {m['create_p99_s']:.2f} s, store "
                         f"{m['store_bytes'] / MiB:.0f} MiB ({m['store_bytes_ratio']:.2f}x unique), peers "
-                        f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}")
+                        f"{m['peer_bytes'] / MiB:.0f} MiB, local hits {m['local_hit_rate']}"
+                    )
                 if r == 0:
                     modes = {k: this[k] for k in ("random", "weenv")}
                 by_round.append(this)
@@ -506,10 +616,21 @@ def run_real(*, quick: bool, store: StoreSetup = StoreSetup(), profiles: str = "
                 ray.shutdown()
             c.shutdown()
             built.close()
-    return {"nodes": NODES, "templates": templates, "task_bytes": task_bytes, "batch": batch, "group": group,
-            "iterations": iterations, "create_concurrency": CREATE_CONCURRENCY, "store_ms_per_mib": store_ms,
-            "store": described, "profiles": profiles, "recording_pass": recording, "modes": modes,
-            "rounds": _rounds(by_round)}
+    return {
+        "nodes": NODES,
+        "templates": templates,
+        "task_bytes": task_bytes,
+        "batch": batch,
+        "group": group,
+        "iterations": iterations,
+        "create_concurrency": CREATE_CONCURRENCY,
+        "store_ms_per_mib": store_ms,
+        "store": described,
+        "profiles": profiles,
+        "recording_pass": recording,
+        "modes": modes,
+        "rounds": _rounds(by_round),
+    }
 
 
 ROUND_KEYS = ("create_p50_s", "create_p99_s", "store_bytes_ratio", "local_hit_rate", "envs_per_node_max_over_mean")
@@ -525,10 +646,14 @@ def _rounds(by_round: list[dict[str, dict]]) -> dict:
         times = [d["s"] for rnd in by_round for d in rnd[mode]["log"]]
         pooled[mode] = {"creates": len(times), "create_p50_s": pct(times, 0.5), "create_p99_s": pct(times, 0.99)}
     ratios = [rnd["weenv"]["create_p99_s"] / rnd["random"]["create_p99_s"] for rnd in by_round]
-    return {"n": len(by_round), "by_round": [{mode: {k: rnd[mode][k] for k in ROUND_KEYS} for mode in rnd}
-                                             for rnd in by_round],
-            "pooled": pooled, "p99_ratio_by_round": ratios, "p99_ratio_median": statistics.median(ratios),
-            "p99_ratio_pooled": pooled["weenv"]["create_p99_s"] / pooled["random"]["create_p99_s"]}
+    return {
+        "n": len(by_round),
+        "by_round": [{mode: {k: rnd[mode][k] for k in ROUND_KEYS} for mode in rnd} for rnd in by_round],
+        "pooled": pooled,
+        "p99_ratio_by_round": ratios,
+        "p99_ratio_median": statistics.median(ratios),
+        "p99_ratio_pooled": pooled["weenv"]["create_p99_s"] / pooled["random"]["create_p99_s"],
+    }
 
 
 def plot(result: dict, png: Path) -> None:
@@ -561,8 +686,13 @@ def plot(result: dict, png: Path) -> None:
     ax = axes[2]
     for run_ in result["simulation"]["runs"]:
         for mode, style in (("weenv", "-"), ("random", "--")):
-            ax.plot(run_["batch_sizes"], run_[mode]["p99_by_batch"], style, marker="o",
-                    label=f"{mode}, {run_['nodes']} nodes")
+            ax.plot(
+                run_["batch_sizes"],
+                run_[mode]["p99_by_batch"],
+                style,
+                marker="o",
+                label=f"{mode}, {run_['nodes']} nodes",
+            )
     ax.set_xlabel("concurrent creates in the batch")
     ax.set_ylabel("create p99 (s, modelled)")
     ax.set_title("simulation")

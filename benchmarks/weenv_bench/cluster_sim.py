@@ -70,12 +70,14 @@ class Costs:
     source: str = "defaults (no real run)"
 
     @classmethod
-    def from_real(cls, real: dict) -> "Costs":
+    def from_real(cls, real: dict) -> Costs:
         w = real["modes"]["weenv"]
-        return cls(warm_create_s=w["warm_create_p50_s"] or cls.warm_create_s,
-                   store_ms_per_mib=real["store_ms_per_mib"],
-                   peer_ms_per_mib=w["peer_ms_per_mib"] or cls.peer_ms_per_mib,
-                   source="measured by this run's real part")
+        return cls(
+            warm_create_s=w["warm_create_p50_s"] or cls.warm_create_s,
+            store_ms_per_mib=real["store_ms_per_mib"],
+            peer_ms_per_mib=w["peer_ms_per_mib"] or cls.peer_ms_per_mib,
+            source="measured by this run's real part",
+        )
 
 
 @dataclass
@@ -123,8 +125,9 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (i + 1) ** s for i in range(n)]
 
 
-def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: Costs, m: Model = Model(),
-             seed: int = 0) -> dict:
+def simulate(
+    nodes: int, templates: int, batches: list[int], mode: str, costs: Costs, m: Model = Model(), seed: int = 0
+) -> dict:
     """``batches``: concurrent creates per batch, in order.  Returns per-batch and overall figures."""
     rng = random.Random(seed)
     sizes = [rng.randint(m.size_min, m.size_max) for _ in range(templates)]
@@ -160,10 +163,15 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
                 c0 = time.perf_counter()
                 held = any(t in by_id[h].cache for h in holders.get(t, ()))
                 if peers_on:
-                    chosen = placement.place(loads, req, policy=policy, rng=rng,
-                                             holders=[by_id[h].load for h in holders.get(t, ())],
-                                             cap=placement.bonus_cap(max(peak, live + 1), nodes, policy),
-                                             spread=None if held else cold.get(t, {}))
+                    chosen = placement.place(
+                        loads,
+                        req,
+                        policy=policy,
+                        rng=rng,
+                        holders=[by_id[h].load for h in holders.get(t, ())],
+                        cap=placement.bonus_cap(max(peak, live + 1), nodes, policy),
+                        spread=None if held else cold.get(t, {}),
+                    )
                 else:
                     ok = [x for x in loads if placement.eligible(x, req, policy)]
                     if not ok:
@@ -198,15 +206,26 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
             else:
                 # a peer serves what it holds, and what it is fetching as each chunk lands there (the
                 # node asks it chunk by chunk behind it) if a chunk lands within the peer timeout
-                others = [by_id[h] for h in holders.get(t, ()) if h != chosen
-                          and (by_id[h].fetching.get(t, 0.0) <= place_clock
-                               or MiB / by_id[h].rates[t] <= m.peer_timeout_s)] if peers_on else []
+                others = (
+                    [
+                        by_id[h]
+                        for h in holders.get(t, ())
+                        if h != chosen
+                        and (
+                            by_id[h].fetching.get(t, 0.0) <= place_clock or MiB / by_id[h].rates[t] <= m.peer_timeout_s
+                        )
+                    ]
+                    if peers_on
+                    else []
+                )
                 nic = m.nic_bytes_s / (node.streams + 1)
                 if others:
                     peer = min(others, key=lambda o: o.fetching.get(t, 0.0))
                     start = place_clock
-                    rate, src = min(MiB / (costs.peer_ms_per_mib / 1000), nic,
-                                    m.nic_bytes_s / (peer.streams + 1)), "peer"
+                    rate, src = (
+                        min(MiB / (costs.peer_ms_per_mib / 1000), nic, m.nic_bytes_s / (peer.streams + 1)),
+                        "peer",
+                    )
                     if peer.fetching.get(t, 0.0) > place_clock:  # its last chunk lands, then comes here
                         rate = min(rate, peer.rates[t])
                     peer_bytes += ws
@@ -238,15 +257,29 @@ def simulate(nodes: int, templates: int, batches: list[int], mode: str, costs: C
             holders[t] = {nid for nid in holders[t] if t in by_id[nid].cache}
         counts = [n.envs for n in fleet]
         mean = sum(counts) / len(counts)
-        out_batches.append({"creates": len(queue), "p50_s": _pct(latencies, 0.5), "p99_s": _pct(latencies, 0.99),
-                            "hit_rate": hits / len(queue), "max_over_mean": max(counts) / mean if mean else None})
+        out_batches.append(
+            {
+                "creates": len(queue),
+                "p50_s": _pct(latencies, 0.5),
+                "p99_s": _pct(latencies, 0.99),
+                "hit_rate": hits / len(queue),
+                "max_over_mean": max(counts) / mean if mean else None,
+            }
+        )
     unique = sum(int(sizes[t] * m.startup_fraction) for t in needed)
     last = out_batches[-1]
-    return {"batches": out_batches, "create_p50_s": last["p50_s"], "create_p99_s": last["p99_s"],
-            "hit_rate": last["hit_rate"], "max_over_mean": last["max_over_mean"],
-            "store_bytes": store_bytes, "peer_bytes": peer_bytes, "unique_bytes": unique,
-            "store_bytes_ratio": store_bytes / unique if unique else None,
-            "place_us": place_s / max(1, place_n) * 1e6}
+    return {
+        "batches": out_batches,
+        "create_p50_s": last["p50_s"],
+        "create_p99_s": last["p99_s"],
+        "hit_rate": last["hit_rate"],
+        "max_over_mean": last["max_over_mean"],
+        "store_bytes": store_bytes,
+        "peer_bytes": peer_bytes,
+        "unique_bytes": unique,
+        "store_bytes_ratio": store_bytes / unique if unique else None,
+        "place_us": place_s / max(1, place_n) * 1e6,
+    }
 
 
 def _end(node: SimNode, m: Model, src: str, active: list[int]) -> None:
@@ -286,9 +319,11 @@ def run(*, quick: bool = False, costs: Costs = Costs(), log=print) -> dict:
             res["p99_by_batch"] = [b["p99_s"] for b in res["batches"][warmup:]]
             res["sim_seconds"] = time.monotonic() - t
             row[mode] = res
-            log(f"sim {nodes} nodes, {templates} templates, {mode}: p50 {res['create_p50_s']:.2f} s "
+            log(
+                f"sim {nodes} nodes, {templates} templates, {mode}: p50 {res['create_p50_s']:.2f} s "
                 f"p99 {res['create_p99_s']:.2f} s, store {res['store_bytes_ratio']:.2f}x unique, hits "
                 f"{res['hit_rate']:.2f}, max/mean {res['max_over_mean']:.2f}, place {res['place_us']:.0f} us "
-                f"({res['sim_seconds']:.0f} s)")
+                f"({res['sim_seconds']:.0f} s)"
+            )
         runs.append(row)
     return {"model": asdict(m), "costs": asdict(costs), "warmup_batches": warmup, "runs": runs}

@@ -59,8 +59,11 @@ def import_extracting(
     source: str,
     store: Store,
     *,
-    name: str | None = None, merge_small: int | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    workdir: str | os.PathLike[str] | None = None, progress: Callable[[str], None] | None = None,
+    name: str | None = None,
+    merge_small: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    workdir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ImportResult:
     """:func:`weenv.packaging.importer.image_import.import_image` by the old path
     (the only image of ``source``, a loopback or TLS registry): each group's
@@ -81,15 +84,22 @@ def import_extracting(
                 for k, (tree, group_name) in enumerate(zip(trees, names)):
                     layers = plan[k]
                     say(f"group {group_name}: layers {layers[0]}..{layers[-1]}, EROFS image + publish")
-                    results.append(build_group(
-                        tree, leased, name=group_name, chunk_size=chunk_size, workdir=tmp, ref=False,
-                        source={
-                            "type": "image",
-                            "image": image.reference,
-                            "config": image.config_digest,
-                            "layers": ",".join(image.layers[i].diff_id for i in layers),
-                        },
-                    ))
+                    results.append(
+                        build_group(
+                            tree,
+                            leased,
+                            name=group_name,
+                            chunk_size=chunk_size,
+                            workdir=tmp,
+                            ref=False,
+                            source={
+                                "type": "image",
+                                "image": image.reference,
+                                "config": image.config_digest,
+                                "layers": ",".join(image.layers[i].diff_id for i in layers),
+                            },
+                        )
+                    )
                     shutil.rmtree(tree, ignore_errors=True)
             finally:
                 _rmtree(tmp)
@@ -111,8 +121,10 @@ def _unpack(
             what = f"{image.reference}: layer {i} ({layer.digest or layer.diff_id})"
             with open_layer(src, layer, what) as tar:
                 stats.append(tree.apply_layer(tar, what))
-            say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
-                f"{stats[-1].opaque_dirs} opaque dirs")
+            say(
+                f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                f"{stats[-1].opaque_dirs} opaque dirs"
+            )
         tree.finish()
         view.apply_group(tree.root, k)
         trees.append(tree.root)
@@ -173,8 +185,9 @@ class GroupTree:
                 os.utime(self._path(parts), ns=(ns, ns), follow_symlinks=False)
         self._dir_times.clear()
 
-    def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: tuple[str, ...],
-               stats: LayerStats, what: str) -> None:
+    def _apply(
+        self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: tuple[str, ...], stats: LayerStats, what: str
+    ) -> None:
         if apply_marker(self, m, parts, stats, f"{what}: {m.name!r}"):
             return
         if not parts:
@@ -340,8 +353,16 @@ class GroupTree:
             self._dir_times[parts] = 0
 
     # --- metadata -----------------------------------------------------------------------
-    def _set_meta(self, path: Path, m: tarfile.TarInfo, parts: tuple[str, ...], *,
-                  is_dir: bool = False, symlink: bool = False, clear_xattrs: bool = False) -> None:
+    def _set_meta(
+        self,
+        path: Path,
+        m: tarfile.TarInfo,
+        parts: tuple[str, ...],
+        *,
+        is_dir: bool = False,
+        symlink: bool = False,
+        clear_xattrs: bool = False,
+    ) -> None:
         os.chown(path, m.uid, m.gid, follow_symlinks=False)
         if not symlink:
             os.chmod(path, m.mode & 0o7777)
@@ -419,7 +440,7 @@ def _copy_sparse(src: IO[bytes], fd: int) -> int:
         view = memoryview(buf)
         start = 0  # first byte of the current run of data blocks
         for off in range(0, n, BLOCK):
-            if buf[off:off + BLOCK] == _ZERO_BLOCK[:min(BLOCK, n - off)]:
+            if buf[off : off + BLOCK] == _ZERO_BLOCK[: min(BLOCK, n - off)]:
                 if start < off:
                     os.pwrite(fd, view[start:off], pos + start)
                 start = off + BLOCK

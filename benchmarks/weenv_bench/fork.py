@@ -41,19 +41,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from weenv_bench import machine, write_report
-from weenv_bench.runtimes import side_by_side
-
 from weenv.config import Paths
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.cgroups import open_cgroups
-from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv.node.node import Node
+from weenv.node.provision.models import ProvisionConfig
+from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.group import build_group
-from weenv.formats.manifest import Resources, RuntimeConfig
-from weenv.node.provision.models import ProvisionConfig
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
+from weenv_bench import machine, write_report
+from weenv_bench.runtimes import side_by_side
 
 MiB = 1 << 20
 DOCKER_WORKERS = 8
@@ -77,20 +76,28 @@ def _memory(env_id: str) -> int:
 
 def _write_script(parent_mb: int, small_files: int = 2000) -> str:
     """The parent's writes: ``parent_mb`` MB of 1 MiB files, ``small_files`` small files and one big file."""
-    return (f"mkdir -p /workspace/repo/src && cd /workspace/repo && "
-            f"for i in $(seq {parent_mb // 2}); do head -c 1M /dev/urandom > blob$i; done && "
-            f"for i in $(seq {small_files}); do head -c 500 /dev/urandom > src/f$i.py; done && "
-            f"head -c {(parent_mb - parent_mb // 2)}M /dev/urandom > big.bin && sync")  # fmt: skip
+    return (
+        f"mkdir -p /workspace/repo/src && cd /workspace/repo && "
+        f"for i in $(seq {parent_mb // 2}); do head -c 1M /dev/urandom > blob$i; done && "
+        f"for i in $(seq {small_files}); do head -c 500 /dev/urandom > src/f$i.py; done && "
+        f"head -c {(parent_mb - parent_mb // 2)}M /dev/urandom > big.bin && sync"
+    )
 
 
-def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int, log=print,
-               small_files: int = 2000) -> dict:
+def run_docker(
+    tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int, log=print, small_files: int = 2000
+) -> dict:
     """Docker's side (see the module doc): ``{"fork": [...], "commit": [...], "pause": [...], "unpause": [...]}``."""
     from weenv_bench.services.dockerd import Dockerd
 
     rows: dict = {"fork": [], "commit": [], "pause": [], "unpause": []}
-    limits = ["--network", "none", f"--cpus={SMALL.cpus}", f"--memory={SMALL.memory_bytes}",
-              f"--pids-limit={SMALL.pids}"]  # fmt: skip
+    limits = [
+        "--network",
+        "none",
+        f"--cpus={SMALL.cpus}",
+        f"--memory={SMALL.memory_bytes}",
+        f"--pids-limit={SMALL.pids}",
+    ]
     with Dockerd() as d:
         d.import_tree(tree, "bench-fork:base")
 
@@ -113,8 +120,10 @@ def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int
                 rows["commit"].append(commit_s)
                 d.docker("rm", "-f", *kids, timeout=600)
                 d.docker("rmi", image)
-            log(f"docker commit + run {n}: "
-                f"{statistics.median(x['total_s'] for x in rows['fork'] if x['n'] == n) * 1000:.0f} ms")  # fmt: skip
+            log(
+                f"docker commit + run {n}: "
+                f"{statistics.median(x['total_s'] for x in rows['fork'] if x['n'] == n) * 1000:.0f} ms"
+            )
         for _ in range(repeats):
             t = time.perf_counter()
             d.docker("pause", parent)
@@ -126,21 +135,40 @@ def run_docker(tree: Path, counts: tuple[int, ...], parent_mb: int, repeats: int
     return rows
 
 
-def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int, ...] | None = None,
-        parent_mb: int | None = None, repeats: int | None = None, work: Path | None = None,
-        docker: bool = True, runtimes: tuple[str, ...] | None = None, runtime: str | None = None,
-        small_files: int = 2000, log=print) -> dict:
+def run(
+    *,
+    quick: bool = False,
+    json_path: Path | None = None,
+    counts: tuple[int, ...] | None = None,
+    parent_mb: int | None = None,
+    repeats: int | None = None,
+    work: Path | None = None,
+    docker: bool = True,
+    runtimes: tuple[str, ...] | None = None,
+    runtime: str | None = None,
+    small_files: int = 2000,
+    log=print,
+) -> dict:
     """Run the benchmark; return the result (also written to ``json_path``, a
     PNG beside it).  ``small_files``: how many small files the parent writes besides
     its ``parent_mb`` MB (each one a process at the parent's 5% of a CPU).  ``runtime``: the node's OCI runtime setting (None: the
     node's own); ``runtimes``: run once per named runtime and merge
     (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run only)."""
     if runtimes:
+
         def one(name: str, first: bool) -> dict:
             log(f"--- runtime {name}")
-            return run(quick=quick, counts=counts, parent_mb=parent_mb, repeats=repeats, docker=docker and first,
-                       work=None if work is None else Path(work) / name, runtime=name, small_files=small_files,
-                       log=log)  # fmt: skip
+            return run(
+                quick=quick,
+                counts=counts,
+                parent_mb=parent_mb,
+                repeats=repeats,
+                docker=docker and first,
+                work=None if work is None else Path(work) / name,
+                runtime=name,
+                small_files=small_files,
+                log=log,
+            )
 
         result = side_by_side(runtimes, one, _runtime_figures)
         if json_path is not None:
@@ -159,13 +187,25 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
         base = debian_rootfs(cache)
         build_group(base, store, name="base", workdir=work)
         create_template(store, "bench-fork", ["base"], runtime=RuntimeConfig(working_dir="/workspace"))
-        rows: dict = {"fork": [], "reset": [], "destroy_create": [], "pause": [], "resume": [],
-                      "pause_release": [], "resume_release": []}  # fmt: skip
+        rows: dict = {
+            "fork": [],
+            "reset": [],
+            "destroy_create": [],
+            "pause": [],
+            "resume": [],
+            "pause_release": [],
+            "resume_release": [],
+        }
         # 100 children of one parent whose writes the burst model just learned
         # (CPU-heavy) are refused by the default latency objective on 2 cores;
         # forks here measure the data path, so admission counts reservations
-        with Node(Paths(work / "home", cache, store.url), store=store, pool_size=0, runtime=runtime,
-                  provisioning=ProvisionConfig(admission="reservations")) as node:
+        with Node(
+            Paths(work / "home", cache, store.url),
+            store=store,
+            pool_size=0,
+            runtime=runtime,
+            provisioning=ProvisionConfig(admission="reservations"),
+        ) as node:
             runtime_name = node.runtime.name
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
@@ -181,9 +221,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                     assert not errors, f"fork {n}: {len(errors)} children failed, first: {errors[:3]}"
                     disk = [node.disk_usage(c.id)[0] for c in kids]
                     mem = [_memory(c.id) for c in kids]
-                    rows["fork"].append({"n": n, "total_s": res.total_s, "pause_s": res.pause_s,
-                                         "child_disk_bytes": statistics.median(disk),
-                                         "child_memory_bytes": statistics.median(mem), "parent_memory_bytes": mem0})
+                    rows["fork"].append(
+                        {
+                            "n": n,
+                            "total_s": res.total_s,
+                            "pause_s": res.pause_s,
+                            "child_disk_bytes": statistics.median(disk),
+                            "child_memory_bytes": statistics.median(mem),
+                            "parent_memory_bytes": mem0,
+                        }
+                    )
                     for c in kids:
                         node.destroy(c.id)
                 log(f"fork {n}: {statistics.median([x['total_s'] for x in rows['fork'] if x['n'] == n]) * 1000:.0f} ms")
@@ -228,16 +275,20 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
             "parent_disk_bytes": parent_disk,
             "child_disk_bytes": statistics.median(x["child_disk_bytes"] for x in rows["fork"]),
             "child_memory_bytes": statistics.median(x["child_memory_bytes"] for x in rows["fork"]),
-            "snapshot_s": snapshot_s, "snapshot_bytes_published": snap.bytes_published,
+            "snapshot_s": snapshot_s,
+            "snapshot_bytes_published": snap.bytes_published,
             "snapshot_capture_s": snap.capture_s,
-            "create_from_snapshot_cold_s": cold.timing.total_s, "create_from_snapshot_warm_s": warm.timing.total_s,
+            "create_from_snapshot_cold_s": cold.timing.total_s,
+            "create_from_snapshot_warm_s": warm.timing.total_s,
             "cold_bytes_fetched": cold.timing.bytes_fetched,
-            "reset_s": statistics.median(rows["reset"]), "destroy_create_s": statistics.median(rows["destroy_create"]),
-            "pause_s": statistics.median(rows["pause"]), "resume_s": statistics.median(rows["resume"]),
+            "reset_s": statistics.median(rows["reset"]),
+            "destroy_create_s": statistics.median(rows["destroy_create"]),
+            "pause_s": statistics.median(rows["pause"]),
+            "resume_s": statistics.median(rows["resume"]),
             "pause_release_s": statistics.median(rows["pause_release"]),
             "resume_release_s": statistics.median(rows["resume_release"]),
             "reset_speedup": statistics.median(rows["destroy_create"]) / statistics.median(rows["reset"]),
-        }  # fmt: skip
+        }
         if docker:
             dk = rows["docker"]
             for n in counts:
@@ -245,19 +296,28 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
                 summary[f"fork_{n}_ratio"] = summary[f"docker_fork_{n}_s"] / summary[f"fork_{n}_s"]
             if 100 in counts:
                 summary["fork_ratio"] = summary["fork_100_ratio"]
-            summary.update(docker_commit_s=statistics.median(dk["commit"]),
-                           docker_pause_s=statistics.median(dk["pause"]),
-                           docker_unpause_s=statistics.median(dk["unpause"]))  # fmt: skip
+            summary.update(
+                docker_commit_s=statistics.median(dk["commit"]),
+                docker_pause_s=statistics.median(dk["pause"]),
+                docker_unpause_s=statistics.median(dk["unpause"]),
+            )
         result = {
-            "benchmark": "fork", "quick": quick, "counts": list(counts), "parent_mb": parent_mb, "repeats": repeats,
+            "benchmark": "fork",
+            "quick": quick,
+            "counts": list(counts),
+            "parent_mb": parent_mb,
+            "repeats": repeats,
             "summary": summary,
             "stats": {
                 **{f"fork_{n}": _stats([x["total_s"] for x in xs]) for n, xs in by_n.items()},
-                "reset": _stats(rows["reset"]), "destroy_create": _stats(rows["destroy_create"]),
-                "pause": _stats(rows["pause"]), "resume": _stats(rows["resume"]),
+                "reset": _stats(rows["reset"]),
+                "destroy_create": _stats(rows["destroy_create"]),
+                "pause": _stats(rows["pause"]),
+                "resume": _stats(rows["resume"]),
             },
-            "rows": rows, "machine": machine(),
-        }  # fmt: skip
+            "rows": rows,
+            "machine": machine(),
+        }
         if json_path is not None:
             write_report(result, json_path, plot)
         return result
@@ -268,8 +328,14 @@ def run(*, quick: bool = False, json_path: Path | None = None, counts: tuple[int
 def _runtime_figures(result: dict) -> dict:
     """The figures of one run that tell OCI runtimes apart."""
     s = result["summary"]
-    keys = [f"fork_{n}_s" for n in result["counts"]] + ["reset_s", "destroy_create_s", "pause_s", "resume_s",
-                                                        "resume_release_s", "create_from_snapshot_warm_s"]
+    keys = [f"fork_{n}_s" for n in result["counts"]] + [
+        "reset_s",
+        "destroy_create_s",
+        "pause_s",
+        "resume_s",
+        "resume_release_s",
+        "create_from_snapshot_warm_s",
+    ]
     return {k: s[k] for k in keys}
 
 
@@ -294,7 +360,9 @@ def plot(result: dict, png: Path) -> None:
     a.set_ylabel("s until every child answered (log)")
     a.set_title("fork")
     a.legend()
-    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s", "pause_release_s", "resume_release_s"] + (["docker_pause_s", "docker_unpause_s"] if docker else [])
+    names = ["reset_s", "destroy_create_s", "pause_s", "resume_s", "pause_release_s", "resume_release_s"] + (
+        ["docker_pause_s", "docker_unpause_s"] if docker else []
+    )
     b.bar([n[:-2].replace("_", "\n") for n in names], [s[n] * 1000 for n in names])
     b.set_ylabel("ms (p50)")
     b.set_title("reset vs destroy + create; pause, resume")

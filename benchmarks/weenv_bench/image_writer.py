@@ -23,12 +23,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from weenv_bench import machine
-
 from weenv.errors import WeenvError
 from weenv.packaging.erofs import count_inodes
-from weenv_bench.mkfs_erofs import DEFAULT_UUID, mkfs_erofs, mkfs_version
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
+from weenv_bench import machine
+from weenv_bench.mkfs_erofs import DEFAULT_UUID, mkfs_erofs, mkfs_version
 
 
 def _warm(src: Path) -> int:
@@ -58,8 +57,9 @@ def _mkfs(src: Path, image: Path) -> None:
     mkfs_erofs(src, image, uuid=DEFAULT_UUID)
 
 
-def _time(tools: dict[str, Callable[[Path, Path], None]], src: Path, runs: int,
-          workdir: Path) -> dict[str, tuple[list[float], int] | str]:  # fmt: skip
+def _time(
+    tools: dict[str, Callable[[Path, Path], None]], src: Path, runs: int, workdir: Path
+) -> dict[str, tuple[list[float], int] | str]:
     """Per tool: seconds of each of ``runs`` writes of ``src``'s image and the image's
     bytes, or the first line of its error.  The tools take turns, the first one
     alternating run by run, so a load that comes and goes weighs on both alike."""
@@ -83,8 +83,14 @@ def _time(tools: dict[str, Callable[[Path, Path], None]], src: Path, runs: int,
     return out
 
 
-def run(trees: list[Path], *, runs: int = 3, workdir: Path | None = None, json_path: Path | None = None,
-        log: Callable[[str], None] = lambda _m: None) -> dict:  # fmt: skip
+def run(
+    trees: list[Path],
+    *,
+    runs: int = 3,
+    workdir: Path | None = None,
+    json_path: Path | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict:
     """Benchmark both writers on each of ``trees`` (see the module doc)."""
     workdir = Path(workdir or tempfile.gettempdir())
     rows = []
@@ -103,9 +109,13 @@ def run(trees: list[Path], *, runs: int = 3, workdir: Path | None = None, json_p
         if "writer_s" in row and "mkfs_s" in row:
             row["ratio"] = round(row["writer_s"] / row["mkfs_s"], 2)
         rows.append(row)
-    result = {"summary": rows, "runs": runs, "writer": WRITER, "mkfs": f"mkfs.erofs {mkfs_version()}",
-              "machine": machine()}  # fmt: skip
+    result = {
+        "summary": rows,
+        "runs": runs,
+        "writer": WRITER,
+        "mkfs": f"mkfs.erofs {mkfs_version()}",
+        "machine": machine(),
+    }
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
-

@@ -99,8 +99,11 @@ class _Scratch:
         self.file, self.mount = parent / "scratch.ext4", parent / "m"
         with open(self.file, "wb") as f:
             f.truncate(size)
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1", "-m", "0",
-                        str(self.file)], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1", "-m", "0", str(self.file)],
+            check=True,
+            capture_output=True,
+        )
         self.mount.mkdir()
         subprocess.run(["mount", "-o", "loop", str(self.file), str(self.mount)], check=True, capture_output=True)
 
@@ -148,9 +151,18 @@ def used_bytes(path: str | os.PathLike[str]) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
-        scratch_bytes: int | None = None, log=print, runs: int = 1, systems: tuple[str, ...] | None = None,
-        ref_src: Path | None = None, images: tuple[str, ...] | None = None) -> dict:  # fmt: skip
+def run(
+    *,
+    quick: bool = False,
+    json_path: Path | None = None,
+    work: Path | None = None,
+    scratch_bytes: int | None = None,
+    log=print,
+    runs: int = 1,
+    systems: tuple[str, ...] | None = None,
+    ref_src: Path | None = None,
+    images: tuple[str, ...] | None = None,
+) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it).  ``quick``: the ~1 GB image only; ``images``: the
     images by name (:data:`IMAGES`; default both, or the first with
@@ -162,11 +174,10 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     debootstrap, :class:`RuntimeFailedError` if a build, push, pull or import
     fails.  The dockerd and the registry are stopped by PID, the scratch file
     system unmounted and removed in every case."""
+    from weenv.errors import InvalidInputError
     from weenv.packaging.debootstrap import debian_rootfs
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
-
-    from weenv.errors import InvalidInputError
 
     env_paths = Paths.from_env()
     wanted = images or (IMAGES[:1] if quick else IMAGES)
@@ -196,9 +207,19 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             registry = stack.enter_context(Registry(work / "registry"))
             dockerd = stack.enter_context(Dockerd(scratch.mount / "d", insecure_registries=[registry.address]))
             for name, wheels in plan:
-                image, measured = _measure(name, base_tree, wheels, registry=registry, dockerd=dockerd,
-                                           scratch=scratch, env_paths=env_paths, log=log, runs=runs,
-                                           systems=systems, ref_src=ref_src)  # fmt: skip
+                image, measured = _measure(
+                    name,
+                    base_tree,
+                    wheels,
+                    registry=registry,
+                    dockerd=dockerd,
+                    scratch=scratch,
+                    env_paths=env_paths,
+                    log=log,
+                    runs=runs,
+                    systems=systems,
+                    ref_src=ref_src,
+                )
                 images.append(image)
                 rows += measured
         summary = _summary(plan[0][0], images[0]["image_bytes"], rows)
@@ -255,15 +276,28 @@ def _summary(image: str, image_bytes: int, rows: list[dict]) -> dict:
         "time_ratio": ratio(weenv, docker),
         "old_time_ratio": ratio(old, weenv),
         "ref_time_ratio": ratio(ref, docker),
-        **{f"{k}disk_ratio": med(x, "disk_ratio") for k, x in (("", "weenv"), ("docker_", "docker"),
-                                                                ("old_", "weenv-old"), ("ref_", "weenv-ref"))},
+        **{
+            f"{k}disk_ratio": med(x, "disk_ratio")
+            for k, x in (("", "weenv"), ("docker_", "docker"), ("old_", "weenv-old"), ("ref_", "weenv-ref"))
+        },
         "peak_mem_bytes": {x: med(x, "peak_mem_bytes") for x in SYSTEMS},
-    }  # fmt: skip
+    }
 
 
-def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, dockerd, scratch: _Scratch,
-             env_paths: Paths, log, runs: int = 1, systems: tuple[str, ...] = ("docker", "weenv", "weenv-old"),
-             ref_src: Path | None = None) -> tuple[dict, list[dict]]:  # fmt: skip
+def _measure(
+    name: str,
+    base_tree: Path,
+    wheels: tuple[str, ...],
+    *,
+    registry,
+    dockerd,
+    scratch: _Scratch,
+    env_paths: Paths,
+    log,
+    runs: int = 1,
+    systems: tuple[str, ...] = ("docker", "weenv", "weenv-old"),
+    ref_src: Path | None = None,
+) -> tuple[dict, list[dict]]:
     """Build and push image ``name``, then measure each of ``systems`` ``runs``
     times, interleaved; (image facts, rows)."""
     pkgs = packages_tree(env_paths.cache, wheels, log=log)
@@ -281,30 +315,47 @@ def _measure(name: str, base_tree: Path, wheels: tuple[str, ...], *, registry, d
     dockerd.docker("push", ref, timeout=1800)
     image_bytes = int(dockerd.docker("image", "inspect", "--format", "{{.Size}}", ref).stdout.decode().strip())
     compressed = _registry_image_bytes(registry, "bench/import", name)
-    log(f"{name}: {image_bytes / 1e9:.2f} GB unpacked, {compressed / 1e9:.2f} GB compressed "
-        f"(built and pushed in {time.monotonic() - t:.0f} s)")  # fmt: skip
+    log(
+        f"{name}: {image_bytes / 1e9:.2f} GB unpacked, {compressed / 1e9:.2f} GB compressed "
+        f"(built and pushed in {time.monotonic() - t:.0f} s)"
+    )
     docker = _DockerSide(dockerd, ref, compressed, log)
     docker.remove_images()
     dockerd.docker("builder", "prune", "-a", "-f", timeout=300, check=False)
     rows = []
 
     def row(system: str, seconds: float, disk: DiskMeter, mem: int, **extra) -> dict:
-        r = {"image": name, "system": system, "run": run_no, "seconds": round(seconds, 2),
-             "peak_disk_bytes": disk.peak_bytes, "final_disk_bytes": disk.final_bytes,
-             "disk_ratio": round(disk.peak_bytes / image_bytes, 3), "peak_mem_bytes": mem, **extra}  # fmt: skip
-        log(f"{name} {system}: {r['seconds']:.1f} s, peak disk {disk.peak_bytes / 1e9:.2f} GB "
-            f"({r['disk_ratio']}x the image), final {disk.final_bytes / 1e9:.2f} GB, peak memory {mem / 1e6:.0f} MB")
+        r = {
+            "image": name,
+            "system": system,
+            "run": run_no,
+            "seconds": round(seconds, 2),
+            "peak_disk_bytes": disk.peak_bytes,
+            "final_disk_bytes": disk.final_bytes,
+            "disk_ratio": round(disk.peak_bytes / image_bytes, 3),
+            "peak_mem_bytes": mem,
+            **extra,
+        }
+        log(
+            f"{name} {system}: {r['seconds']:.1f} s, peak disk {disk.peak_bytes / 1e9:.2f} GB "
+            f"({r['disk_ratio']}x the image), final {disk.final_bytes / 1e9:.2f} GB, peak memory {mem / 1e6:.0f} MB"
+        )
         return r
 
-    for run_no in range(runs):
+    for run_no in range(runs):  # noqa: B007 (the row builders above read it)
         for system in systems:
             if system == "docker":
                 rows.append(_docker_pull(dockerd, docker, ref, scratch, row))
             else:
                 rows.append(_weenv_import(system, ref, scratch, row, ref_src))
     dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
-    return {"name": name, "ref": ref, "image_bytes": image_bytes, "compressed_bytes": compressed,
-            "wheels": list(wheels)}, rows  # fmt: skip
+    return {
+        "name": name,
+        "ref": ref,
+        "image_bytes": image_bytes,
+        "compressed_bytes": compressed,
+        "wheels": list(wheels),
+    }, rows
 
 
 def _docker_pull(dockerd, docker: _DockerSide, ref: str, scratch: _Scratch, row) -> dict:
@@ -328,8 +379,15 @@ def _weenv_import(system: str, ref: str, scratch: _Scratch, row, ref_src: Path |
         env["WEENV_IMPORT_SKOPEO"] = "1"
     if system == "weenv-ref":
         env["PYTHONPATH"] = os.pathsep.join([str(Path(ref_src) / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    argv = [sys.executable, "-c", _IMPORT_SCRIPT, f"docker://{ref}", str(base / "store"), str(base / "work"),
-            "1" if extract else "0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        _IMPORT_SCRIPT,
+        f"docker://{ref}",
+        str(base / "store"),
+        str(base / "work"),
+        "1" if extract else "0",
+    ]
     with DiskMeter(scratch.used) as disk, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t = time.monotonic()
         child = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
@@ -344,8 +402,15 @@ def _weenv_import(system: str, ref: str, scratch: _Scratch, row, ref_src: Path |
 
         raise RuntimeFailedError(f"{system} import failed: {stderr[-800:]}")
     info = json.loads(stdout.strip().splitlines()[-1])
-    r = row(system, seconds, disk, usage.ru_maxrss * 1024, inner_seconds=round(info["seconds"], 2),
-            stored_bytes=info["stored_bytes"], erofs_bytes=info["image_bytes"])  # fmt: skip
+    r = row(
+        system,
+        seconds,
+        disk,
+        usage.ru_maxrss * 1024,
+        inner_seconds=round(info["seconds"], 2),
+        stored_bytes=info["stored_bytes"],
+        erofs_bytes=info["image_bytes"],
+    )
     shutil.rmtree(base, ignore_errors=True)
     return r
 
@@ -362,21 +427,28 @@ def plot(result: dict, png: Path) -> None:
     colors = {"docker": "#27a", "weenv": "#2a7", "weenv-ref": "#7c9", "weenv-old": "#aaa"}
     present = [x for x in SYSTEMS if any(r["system"] == x for r in result["table"])]
     width = 0.8 / len(present)
-    for ax, key, label in ((axes[0], "seconds", "import / pull, s"), (axes[1], "disk_ratio", "peak extra disk / image")):
+    for ax, key, label in (
+        (axes[0], "seconds", "import / pull, s"),
+        (axes[1], "disk_ratio", "peak extra disk / image"),
+    ):
         for j, system in enumerate(present):
-            vals = [statistics.median(r[key] for r in result["table"] if r["image"] == n and r["system"] == system)
-                    for n in names]  # fmt: skip
+            vals = [
+                statistics.median(r[key] for r in result["table"] if r["image"] == n and r["system"] == system)
+                for n in names
+            ]
             xs = [i + (j - (len(present) - 1) / 2) * width for i in range(len(names))]
             ax.bar(xs, vals, width, label=system, color=colors[system])
             for x, v in zip(xs, vals):
-                ax.annotate(f"{v:.2f}" if key == "disk_ratio" else f"{v:.0f}", (x, v), ha="center", va="bottom",
-                            fontsize=7)  # fmt: skip
+                ax.annotate(
+                    f"{v:.2f}" if key == "disk_ratio" else f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7
+                )
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel(label)
     axes[0].legend()
     s = result["summary"]
-    fig.suptitle(f"import of {s['image']}: {s['time_ratio']}x docker pull's time, disk {s['disk_ratio']}x the image",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"import of {s['image']}: {s['time_ratio']}x docker pull's time, disk {s['disk_ratio']}x the image", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

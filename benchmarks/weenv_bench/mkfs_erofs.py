@@ -114,9 +114,7 @@ def mkfs_erofs(
     if proc.returncode != 0:
         image.unlink(missing_ok=True)
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-_STDERR_TAIL_LINES:])
-        raise RuntimeFailedError(
-            f"mkfs.erofs failed (exit {proc.returncode}) building {image} from {source}:\n{tail}"
-        )
+        raise RuntimeFailedError(f"mkfs.erofs failed (exit {proc.returncode}) building {image} from {source}:\n{tail}")
     return scan
 
 

@@ -26,8 +26,17 @@ from statistics import NormalDist
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
 from weenv_bench.provision import elastic_config
-from weenv_bench.simulate import (GIB, MIN_QUIET_BURSTS, compare, parse_background, parse_traces, quiet_static_bursts,
-                                  unloaded_spread, with_noise, workload_noise)
+from weenv_bench.simulate import (
+    GIB,
+    MIN_QUIET_BURSTS,
+    compare,
+    parse_background,
+    parse_traces,
+    quiet_static_bursts,
+    unloaded_spread,
+    with_noise,
+    workload_noise,
+)
 
 POINTS = 200
 """Quantiles drawn from a fitted lognormal."""
@@ -57,12 +66,21 @@ def per_kind(bursts: list[dict], *, robust: bool) -> list[float]:
     return [x for xs in kinds.values() for x in lognormal(xs if len(xs) >= 3 else everything, robust=robust)]
 
 
-CANDIDATES = ("quiet static, first runs weighted", "quiet static", "unloaded runs", "pooled", "lognormal",
-              "lognormal robust", "lognormal per kind", "lognormal per kind robust")  # fmt: skip
+CANDIDATES = (
+    "quiet static, first runs weighted",
+    "quiet static",
+    "unloaded runs",
+    "pooled",
+    "lognormal",
+    "lognormal robust",
+    "lognormal per kind",
+    "lognormal per kind robust",
+)
 
 
-def candidates(run: dict, sim: dict, cores: float, *,
-               background: bool) -> dict[str, tuple[list[float], list[int] | None]]:  # fmt: skip
+def candidates(
+    run: dict, sim: dict, cores: float, *, background: bool
+) -> dict[str, tuple[list[float], list[int] | None]]:
     """Each candidate's noise (values, weights or None) for ``run``, whose
     simulation is ``sim`` (:func:`~weenv_bench.simulate.compare`);
     ``background``: the elastic mode's was recorded."""
@@ -74,13 +92,17 @@ def candidates(run: dict, sim: dict, cores: float, *,
         return dict.fromkeys(CANDIDATES, (unloaded, None))
     q = [b["slowdown"] for b in quiet]
     return {
-        "quiet static, first runs weighted": workload_noise(run, cores, envs=sim["elastic"]["envs"],
-                                                            bursts=sim["elastic"]["bursts"]),
-        "quiet static": (q, None), "unloaded runs": (unloaded, None), "pooled": (unloaded + q, None),
-        "lognormal": (lognormal(q, robust=False), None), "lognormal robust": (lognormal(q, robust=True), None),
+        "quiet static, first runs weighted": workload_noise(
+            run, cores, envs=sim["elastic"]["envs"], bursts=sim["elastic"]["bursts"]
+        ),
+        "quiet static": (q, None),
+        "unloaded runs": (unloaded, None),
+        "pooled": (unloaded + q, None),
+        "lognormal": (lognormal(q, robust=False), None),
+        "lognormal robust": (lognormal(q, robust=True), None),
         "lognormal per kind": (per_kind(quiet, robust=False), None),
         "lognormal per kind robust": (per_kind(quiet, robust=True), None),
-    }  # fmt: skip
+    }
 
 
 def errors(run: dict) -> dict[str, float]:
@@ -88,11 +110,16 @@ def errors(run: dict) -> dict[str, float]:
     (a recorded run's JSON, as ``weenv bench provision --simulate`` reads it)."""
     cfg, cores = run["config"], float(run["machine"]["cpus"])
     background = {m: parse_background(run[m].get("background"), cores) for m in ("static", "elastic")}
-    sim = compare(parse_traces(run["static"]["traces"]), cores=cores,
-                  memory=max(GIB, run["machine"]["memory_bytes"] - ProvisionConfig().memory_reserve),
-                  elastic=elastic_config(cfg),
-                  declared=Resources(**cfg["declared"]), max_envs=cfg["max_envs"], duration_s=cfg["duration_s"],
-                  background=background)  # fmt: skip
+    sim = compare(
+        parse_traces(run["static"]["traces"]),
+        cores=cores,
+        memory=max(GIB, run["machine"]["memory_bytes"] - ProvisionConfig().memory_reserve),
+        elastic=elastic_config(cfg),
+        declared=Resources(**cfg["declared"]),
+        max_envs=cfg["max_envs"],
+        duration_s=cfg["duration_s"],
+        background=background,
+    )
     real = run["elastic"]["p95_burst_slowdown"]
     noises = candidates(run, sim, cores, background=bool(background["elastic"]))
     return {c: abs(with_noise(sim["_slowdowns"], noise, weights) / real - 1) for c, (noise, weights) in noises.items()}
@@ -100,6 +127,7 @@ def errors(run: dict) -> dict[str, float]:
 
 def choose(table: dict[str, dict[str, float]], runs: list[str]) -> str:
     """The candidate whose errors on ``runs``, the worst first, are smallest."""
+
     def key(c: str):
         return sorted((round(table[r][c], 6) for r in runs), reverse=True), CANDIDATES.index(c)
 
@@ -117,7 +145,7 @@ def leave_one_out(table: dict[str, dict[str, float]], runs: list[str]) -> dict[s
 
 def main(argv: list[str]) -> None:
     held = argv.index("--held-out") if "--held-out" in argv else len(argv)
-    paths, held_out = argv[:held], argv[held + 1:]
+    paths, held_out = argv[:held], argv[held + 1 :]
     table = {Path(p).stem: errors(json.loads(Path(p).read_text())) for p in paths + held_out}
     names = list(table)
     widths = [max(7, len(n)) + 2 for n in names]
@@ -128,8 +156,10 @@ def main(argv: list[str]) -> None:
     for r, (c, e) in leave_one_out(table, train).items():
         print(f"left out {r}: chosen {c!r}, its error there {e:.3f}")
     best = choose(table, train)
-    print(f"chosen on all {len(train)}: {best!r}" + "".join(f"; {Path(p).stem} {table[Path(p).stem][best]:.3f}"
-                                                          for p in held_out))  # fmt: skip
+    print(
+        f"chosen on all {len(train)}: {best!r}"
+        + "".join(f"; {Path(p).stem} {table[Path(p).stem][best]:.3f}" for p in held_out)
+    )
 
 
 if __name__ == "__main__":

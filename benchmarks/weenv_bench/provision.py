@@ -121,21 +121,25 @@ from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 from weenv_bench import machine, write_report
-from weenv_bench.simulate import NODE_SIZES, QUIET_CORES, calibrate, p95_draws, parse_traces, run_sizes, traces_of
 from weenv_bench.rollout.trajectory import THINK_MAX_S, THINK_MEDIAN_S, THINK_SIGMA, think_time
+from weenv_bench.simulate import NODE_SIZES, QUIET_CORES, calibrate, p95_draws, parse_traces, run_sizes, traces_of
 
 DECLARED = Resources(cpus=1.0, memory_bytes=1536 << 20, pids=1024)
 WHEELS = ("pip==24.3.1", "six==1.17.0", "idna==3.20")
 BURSTS = {
     "tests": "python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_idna.py tests/test_intranges.py",
     "pip": "d=$(mktemp -d) && python3 /wheels/pip-24.3.1-py3-none-any.whl/pip install -q --no-index "
-           "--disable-pip-version-check --find-links /wheels --target $d six idna && rm -rf $d",
+    "--disable-pip-version-check --find-links /wheels --target $d six idna && rm -rf $d",
     "compile": "python3 -m compileall -q -f -j1 /usr/lib/python3.11/email /usr/lib/python3.11/json "
-               "/usr/lib/python3.11/xml",
+    "/usr/lib/python3.11/xml",
     "memory": "python3 -c 'import time; b = bytearray(600 << 20); b[::4096] = b\"x\" * (len(b) // 4096); time.sleep(1)'",
-}  # fmt: skip
-LIGHT = ("cat README.rst > /dev/null", "grep -rn 'def ' idna/core.py | head -n 30 > /dev/null",
-         "ls -la . tests > /dev/null", "head -n 80 idna/codec.py > /dev/null")  # fmt: skip
+}
+LIGHT = (
+    "cat README.rst > /dev/null",
+    "grep -rn 'def ' idna/core.py | head -n 30 > /dev/null",
+    "ls -la . tests > /dev/null",
+    "head -n 80 idna/codec.py > /dev/null",
+)
 """An agent's other steps: reading, searching, listing (milliseconds)."""
 
 
@@ -143,8 +147,22 @@ def _wheels(cache: Path) -> Path:
     d = cache / "pip" / "wheels-provision"
     if not all(list(d.glob(w.split("==")[0] + "-" + w.split("==")[1] + "-*.whl")) for w in WHEELS):
         d.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--no-deps", "--only-binary=:all:", "-d", str(d), *WHEELS], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                str(d),
+                *WHEELS,
+            ],
+            check=True,
+        )
     return d
 
 
@@ -161,8 +179,12 @@ def build(paths: Paths, store: FileStore, work: Path, log) -> str:
         t = time.monotonic()
         build_group(tree, store, name=name)
         log(f"  group {name}: {time.monotonic() - t:.1f} s")
-    create_template(store, "bench-provision", ["base", "deps", "task"],
-                    runtime=RuntimeConfig(working_dir=f"/workspace/{project}", resources=DECLARED))  # fmt: skip
+    create_template(
+        store,
+        "bench-provision",
+        ["base", "deps", "task"],
+        runtime=RuntimeConfig(working_dir=f"/workspace/{project}", resources=DECLARED),
+    )
     return "bench-provision"
 
 
@@ -194,8 +216,10 @@ def baseline(node, template: str, log, runs: int = 3) -> dict[str, list[float]]:
                 out.setdefault(f"{kind}:cold", []).append(_burst(node, info.id, kind))
         finally:
             node.destroy(info.id)
-    log("  first in a fresh environment: "
-        + ", ".join(f"{k} {statistics.median(out[k + ':cold']):.2f} s" for k in BURSTS))  # fmt: skip
+    log(
+        "  first in a fresh environment: "
+        + ", ".join(f"{k} {statistics.median(out[k + ':cold']):.2f} s" for k in BURSTS)
+    )
     return out
 
 
@@ -296,14 +320,12 @@ def _concurrency(bursts: list[dict]) -> None:
         b["concurrent"] = peak
 
 
-
-
 def _background_during(bursts: list[dict], background: list[float], every: float) -> None:
     """Set each burst's ``background``: the most cores the machine's other
     work used in the samples (``every`` seconds from the mode's start) its
     run overlapped (None without samples)."""
     for b in bursts:
-        xs = background[int(b["start"] // every):int(b["end"] // every) + 1]
+        xs = background[int(b["start"] // every) : int(b["end"] // every) + 1]
         b["background"] = max(xs) if xs else None
 
 
@@ -327,9 +349,21 @@ def ratio_interval(num: list[float], den: list[float], *, draws: int = 2000) -> 
     return [r[int(0.1 * draws)], r[int(0.9 * draws)]]
 
 
-def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float, think_s: float,
-             steps: int, burst_every: int, base: dict[str, float], seed: int, log,
-             admit_every_s: float = 1.0) -> dict:  # fmt: skip
+def run_mode(
+    node,
+    template: str,
+    *,
+    mode: str,
+    max_envs: int,
+    duration_s: float,
+    think_s: float,
+    steps: int,
+    burst_every: int,
+    base: dict[str, float],
+    seed: int,
+    log,
+    admit_every_s: float = 1.0,
+) -> dict:
     """Run the workload for ``duration_s``: a scheduler thread asks the node for
     one more environment every ``admit_every_s`` (until ``max_envs`` are held),
     as a trainer's rollout stage would, and each admitted environment starts
@@ -374,8 +408,17 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
                 key = kind if kind in done else f"{kind}:cold"
                 done.add(kind)
                 with lock:
-                    bursts.append({"env": env_id, "kind": kind, "base": key, "seconds": d, "slowdown": d / base[key],
-                                   "start": start - t0, "end": time.monotonic() - t0})  # fmt: skip
+                    bursts.append(
+                        {
+                            "env": env_id,
+                            "kind": kind,
+                            "base": key,
+                            "seconds": d,
+                            "slowdown": d / base[key],
+                            "start": start - t0,
+                            "end": time.monotonic() - t0,
+                        }
+                    )
             with lock:
                 rollouts[i] = rollouts.get(i, 0) + 1
 
@@ -414,21 +457,31 @@ def run_mode(node, template: str, *, mode: str, max_envs: int, duration_s: float
     mean_held = sum(n for _, n in held) / len(held) if held else 0.0
     return {
         "traces": traces_of(history, node.provisioner.config.interval_s),
-        "mode": mode, "envs": len(envs), "mean_envs": mean_held, "held": held, "refusals": refusals[-20:],
-        "wall_s": wall, "rollouts": sum(rollouts.values()),
-        "rollouts_per_hour": sum(rollouts.values()) / wall * 3600, "bursts": bursts,
+        "mode": mode,
+        "envs": len(envs),
+        "mean_envs": mean_held,
+        "held": held,
+        "refusals": refusals[-20:],
+        "wall_s": wall,
+        "rollouts": sum(rollouts.values()),
+        "rollouts_per_hour": sum(rollouts.values()) / wall * 3600,
+        "bursts": bursts,
         "p95_burst_slowdown": p95([b["slowdown"] for b in bursts]),
         "p50_burst_slowdown": statistics.median([b["slowdown"] for b in bursts]) if bursts else None,
         # bursts during which at most `cores` bursts of this mode ran at once: each could have a core
         "p95_burst_slowdown_uncontended": p95([b["slowdown"] for b in bursts if b["concurrent"] <= cores]),
         "uncontended_bursts": sum(b["concurrent"] <= cores for b in bursts),
-        "env_cpu_cores": ours, **host,
+        "env_cpu_cores": ours,
+        **host,
         "other_cpu_cores": None if host["host_busy_cores"] is None else max(0.0, host["host_busy_cores"] - ours),
         "node_cpu_cores": load.node_cpu_s / wall,
         "background": {"interval_s": load.every, "cores": load.background},
-        "oom_kills": oom, "throttled_s": throttled, "errors": errors, "history": history,
+        "oom_kills": oom,
+        "throttled_s": throttled,
+        "errors": errors,
+        "history": history,
         "events": [e.model_dump() for e in st.events][-200:],
-    }  # fmt: skip
+    }
 
 
 def _rescore(mode: dict, base: dict[str, float]) -> None:
@@ -455,9 +508,11 @@ def plot(result: dict, path: Path) -> None:
     modes = [result["static"], result["elastic"]]
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
     names = [m["mode"] for m in modes]
-    for ax, key, title in ((axes[0], "envs", "environments held"),
-                           (axes[1], "rollouts_per_hour", "rollouts / hour"),
-                           (axes[2], "p95_burst_slowdown", "p95 burst slowdown (×)")):  # fmt: skip
+    for ax, key, title in (
+        (axes[0], "envs", "environments held"),
+        (axes[1], "rollouts_per_hour", "rollouts / hour"),
+        (axes[2], "p95_burst_slowdown", "p95 burst slowdown (×)"),
+    ):
         ax.bar(names, [m[key] or 0 for m in modes], color=["C7", "C0"])
         ax.set_title(title)
         for x, m in enumerate(modes):
@@ -469,8 +524,9 @@ def plot(result: dict, path: Path) -> None:
     axes[3].set_title("burst slowdown CDF")
     axes[3].set_xlabel("× unloaded")
     axes[3].legend()
-    fig.suptitle(f"weenv bench provision ({result['config']['label']}): static vs elastic, "
-                 f"{result['machine']['cpus']} cores")  # fmt: skip
+    fig.suptitle(
+        f"weenv bench provision ({result['config']['label']}): static vs elastic, {result['machine']['cpus']} cores"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -496,26 +552,39 @@ def simulated(result: dict, *, sizes=NODE_SIZES, duration_s: float = 300.0, log=
     cores = float(result["machine"]["cpus"])
     memory = max(1 << 30, result["machine"]["memory_bytes"] - ProvisionConfig().memory_reserve)
     log(f"simulating: {len(traces)} traces on {cores:g} cores (calibration), then {[c for c, _ in sizes]} cores")
-    cal = calibrate(traces, result, cores=cores, memory=memory, elastic=elastic, declared=declared,
-                    max_envs=cfg["max_envs"], duration_s=cfg["duration_s"])  # fmt: skip
+    cal = calibrate(
+        traces,
+        result,
+        cores=cores,
+        memory=memory,
+        elastic=elastic,
+        declared=declared,
+        max_envs=cfg["max_envs"],
+        duration_s=cfg["duration_s"],
+    )
     log(f"  calibration: predicted {cal['predicted']}, real {cal['real']}, error {cal['calibration_error']}")
-    return {"calibration": cal, "sizes": run_sizes(traces, elastic=elastic, declared=declared,
-                                                   duration_s=duration_s, sizes=sizes, log=log)}  # fmt: skip
+    return {
+        "calibration": cal,
+        "sizes": run_sizes(traces, elastic=elastic, declared=declared, duration_s=duration_s, sizes=sizes, log=log),
+    }
 
 
 def sim_summary(sim: dict) -> dict:
     """The summary's ``sim`` (per node size) and ``calibration_error``."""
     keys = ("density_ratio", "p95_burst_slowdown", "bursts_slowed_over_10pct", "oom_kills")
-    return {"sim": {cores: {k: r[k] for k in keys} for cores, r in sim["sizes"].items()},
-            "calibration_error": sim["calibration"]["calibration_error"]}  # fmt: skip
+    return {
+        "sim": {cores: {k: r[k] for k in keys} for cores, r in sim["sizes"].items()},
+        "calibration_error": sim["calibration"]["calibration_error"],
+    }
 
 
 MAX_RESULT_BYTES = 256 << 20
 """A recorded run's JSON read by ``--simulate`` at most (bytes)."""
 
 
-def simulate_recorded(traces_path: Path, *, json_path: Path | None = None, sizes=NODE_SIZES,
-                      duration_s: float = 300.0, log=print) -> dict:  # fmt: skip
+def simulate_recorded(
+    traces_path: Path, *, json_path: Path | None = None, sizes=NODE_SIZES, duration_s: float = 300.0, log=print
+) -> dict:
     """``weenv bench provision --simulate --traces PATH``: the simulation alone,
     from the JSON a real run wrote (its traces, config, machine and figures);
     returns it with ``summary`` (the real run's and :func:`sim_summary`'s keys).
@@ -534,16 +603,23 @@ def simulate_recorded(traces_path: Path, *, json_path: Path | None = None, sizes
         raise InvalidInputError(f"{traces_path}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise InvalidInputError(f"{traces_path}: not JSON ({exc})") from None
-    if not isinstance(recorded, dict) or not all(isinstance(recorded.get(k), dict)
-                                                 for k in ("config", "machine", "static", "elastic")):  # fmt: skip
-        raise InvalidInputError(f"{traces_path}: not the JSON of a weenv bench provision run "
-                                "(needs config, machine, static and elastic)")  # fmt: skip
+    if not isinstance(recorded, dict) or not all(
+        isinstance(recorded.get(k), dict) for k in ("config", "machine", "static", "elastic")
+    ):
+        raise InvalidInputError(
+            f"{traces_path}: not the JSON of a weenv bench provision run (needs config, machine, static and elastic)"
+        )
     try:
         sim = simulated(recorded, sizes=sizes, duration_s=duration_s, log=log)
     except (KeyError, TypeError) as exc:
         raise InvalidInputError(f"{traces_path}: a field is missing or of the wrong type ({exc})") from None
-    out = {"config": recorded["config"], "machine": recorded["machine"], "traces_from": str(traces_path),
-           "simulation": sim, "summary": {**(recorded.get("summary") or {}), **sim_summary(sim)}}  # fmt: skip
+    out = {
+        "config": recorded["config"],
+        "machine": recorded["machine"],
+        "traces_from": str(traces_path),
+        "simulation": sim,
+        "summary": {**(recorded.get("summary") or {}), **sim_summary(sim)},
+    }
     if json_path is not None:
         write_report(out, json_path, plot_sim)
     return out
@@ -566,17 +642,26 @@ def plot_sim(result: dict, path: Path) -> None:
     for ax in axes:
         ax.set_xlabel("cores")
     err = result["simulation"]["calibration"]["calibration_error"]
-    fig.suptitle("weenv bench provision --simulate: calibration error "
-                 + ("n/a" if err is None else f"{err:.2f}"))  # fmt: skip
+    fig.suptitle("weenv bench provision --simulate: calibration error " + ("n/a" if err is None else f"{err:.2f}"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | None = None,
-        duration_s: float | None = None, think_s: float | None = None, log=print,
-        cpu_quota_at: str | None = None, baseline_runs: int | None = None, steps: int | None = None,
-        sim_sizes=NODE_SIZES, sim_duration_s: float = 300.0) -> dict:  # fmt: skip
+def run(
+    *,
+    quick: bool = False,
+    json_path: Path | None = None,
+    max_envs: int | None = None,
+    duration_s: float | None = None,
+    think_s: float | None = None,
+    log=print,
+    cpu_quota_at: str | None = None,
+    baseline_runs: int | None = None,
+    steps: int | None = None,
+    sim_sizes=NODE_SIZES,
+    sim_duration_s: float = 300.0,
+) -> dict:
     """Run the benchmark in a private home under ``$WEENV_HOME``, then the
     simulation of its traces (:func:`simulated`: ``sim_sizes``, ``sim_duration_s``
     each); return the result (and write JSON + PNG when ``json_path`` is given)."""
@@ -596,16 +681,20 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         "steps": steps or (12 if quick else 24),
         "burst_every": 4,
         "think_distribution": f"lognormal, median think_s, sigma {THINK_SIGMA}, capped at {THINK_MAX_S:g} s "
-                              f"x think_s / {THINK_MEDIAN_S:g}, seeded (weenv bench rollout's)",
+        f"x think_s / {THINK_MEDIAN_S:g}, seeded (weenv bench rollout's)",
         "declared": DECLARED.model_dump(),
         "overcommit": {"static": 1.0, "elastic_cpu": from_env.cpu_overcommit, "memory": 1.0},
         # the node's defaults (WEENV_* as the node reads them: admission "burst", the latency
         # objective); creates do not wait for room: the scheduler below asks again every second
-        "elastic": {"interval_s": from_env.interval_s, "cpu_quota_at": cpu_quota_at,
-                    "admission": from_env.admission, "admission_sigmas": from_env.admission_sigmas,
-                    "admission_wait_s": 0.0,
-                    "admission_burst_risk": from_env.admission_burst_risk,
-                    "admission_min_history_s": from_env.admission_min_history_s},
+        "elastic": {
+            "interval_s": from_env.interval_s,
+            "cpu_quota_at": cpu_quota_at,
+            "admission": from_env.admission,
+            "admission_sigmas": from_env.admission_sigmas,
+            "admission_wait_s": 0.0,
+            "admission_burst_risk": from_env.admission_burst_risk,
+            "admission_min_history_s": from_env.admission_min_history_s,
+        },
     }
     try:
         store = FileStore(home / "store")
@@ -625,16 +714,25 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
         # Bracketed: the machine is shared, its load drifts; each mode is compared
         # with the unloaded runs just before and just after it.
         passes = [measure_baseline("before static")]
-        modes = (("static", ProvisionConfig(mode="static", **common)),
-                 ("elastic", elastic_config(cfg)))
-        for i, (mode, pc) in enumerate(modes):
+        modes = (("static", ProvisionConfig(mode="static", **common)), ("elastic", elastic_config(cfg)))
+        for mode, pc in modes:
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
             # the baseline after this mode is not known yet: slowdowns are recomputed below
             base = {k: statistics.median(v) for k, v in passes[-1].items()}
             with Node(paths, store=store, provisioning=pc) as node:
-                result[mode] = run_mode(node, template, mode=mode, max_envs=cfg["max_envs"],
-                                        duration_s=cfg["duration_s"], think_s=cfg["think_s"], steps=cfg["steps"],
-                                        burst_every=cfg["burst_every"], base=base, seed=7, log=log)  # fmt: skip
+                result[mode] = run_mode(
+                    node,
+                    template,
+                    mode=mode,
+                    max_envs=cfg["max_envs"],
+                    duration_s=cfg["duration_s"],
+                    think_s=cfg["think_s"],
+                    steps=cfg["steps"],
+                    burst_every=cfg["burst_every"],
+                    base=base,
+                    seed=7,
+                    log=log,
+                )
             passes.append(measure_baseline(f"after {mode}"))
             around = {k: statistics.median(passes[-2][k] + passes[-1][k]) for k in passes[-1]}
             _rescore(result[mode], around)
@@ -657,20 +755,28 @@ def run(*, quick: bool = False, json_path: Path | None = None, max_envs: int | N
             "throttled_s": per_mode("throttled_s"),
             "p50_burst_slowdown": per_mode("p50_burst_slowdown"),
             "p95_burst_slowdown_uncontended": per_mode("p95_burst_slowdown_uncontended"),
-            "uncontended_bursts": {m: f"{r['uncontended_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
+            "uncontended_bursts": {
+                m: f"{r['uncontended_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))
+            },
             "other_cpu_cores": per_mode("other_cpu_cores"),
             "loadavg1_mean": per_mode("loadavg1_mean"),
             "p95_unloaded": p95_unloaded(passes),
-            "p95_slowdown_vs_static": (e["p95_burst_slowdown"] / s["p95_burst_slowdown"]
-                                       if e["p95_burst_slowdown"] and s["p95_burst_slowdown"] else None),
+            "p95_slowdown_vs_static": (
+                e["p95_burst_slowdown"] / s["p95_burst_slowdown"]
+                if e["p95_burst_slowdown"] and s["p95_burst_slowdown"]
+                else None
+            ),
             "node_cpu_cores": per_mode("node_cpu_cores"),
             "p95_burst_slowdown_quiet": per_mode("p95_burst_slowdown_quiet"),
             "quiet_bursts": {m: f"{r['quiet_bursts']}/{len(r['bursts'])}" for m, r in (("static", s), ("elastic", e))},
-            "p95_slowdown_vs_static_interval": ratio_interval([b["slowdown"] for b in e["bursts"]],
-                                                              [b["slowdown"] for b in s["bursts"]]),
-            "p95_slowdown_vs_static_quiet": (e["p95_burst_slowdown_quiet"] / s["p95_burst_slowdown_quiet"]
-                                             if e["p95_burst_slowdown_quiet"] and s["p95_burst_slowdown_quiet"]
-                                             else None),
+            "p95_slowdown_vs_static_interval": ratio_interval(
+                [b["slowdown"] for b in e["bursts"]], [b["slowdown"] for b in s["bursts"]]
+            ),
+            "p95_slowdown_vs_static_quiet": (
+                e["p95_burst_slowdown_quiet"] / s["p95_burst_slowdown_quiet"]
+                if e["p95_burst_slowdown_quiet"] and s["p95_burst_slowdown_quiet"]
+                else None
+            ),
         }
         result["simulation"] = simulated(result, sizes=sim_sizes, duration_s=sim_duration_s, log=log)
         result["summary"].update(sim_summary(result["simulation"]))

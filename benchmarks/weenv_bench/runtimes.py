@@ -30,8 +30,9 @@ def parse_runtimes(value: str | None) -> tuple[str, ...] | None:
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     unknown = [n for n in names if n not in NAMES]
     if unknown:
-        raise InvalidInputError(f"--runtimes: unknown runtime {unknown[0]!r}; want a comma-separated list of "
-                                f"{', '.join(NAMES)}")  # fmt: skip
+        raise InvalidInputError(
+            f"--runtimes: unknown runtime {unknown[0]!r}; want a comma-separated list of {', '.join(NAMES)}"
+        )
     if len(set(names)) != len(names):
         raise InvalidInputError(f"--runtimes: {value!r} names a runtime twice")
     return names
@@ -48,8 +49,7 @@ def default_first(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda n: n != default))
 
 
-def side_by_side(names: Sequence[str], run_one: Callable[[str, bool], dict],
-                 figures: Callable[[dict], dict]) -> dict:  # fmt: skip
+def side_by_side(names: Sequence[str], run_one: Callable[[str, bool], dict], figures: Callable[[dict], dict]) -> dict:
     """Run ``run_one(runtime, first)`` for every runtime in ``names`` (the
     default one first, :func:`default_first`; ``first`` is True for it) and
     merge the results as this module says; ``figures(result)`` picks a run's

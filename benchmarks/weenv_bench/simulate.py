@@ -115,11 +115,14 @@ def parse_traces(data: object) -> list[Trace]:
             raise InvalidInputError(f"trace of {env_id}: {len(t)} samples (2 to {MAX_TRACE_POINTS})")
         for i, (a, c, w) in enumerate(zip(t, cpu, ws)):
             if not (_number(a) and _number(c) and _number(w)) or c < 0 or w < 0:
-                raise InvalidInputError(f"trace of {env_id}: sample {i} has a negative or non-finite value "
-                                        f"(t {a!r}, cpu {c!r}, working_set {w!r})")  # fmt: skip
+                raise InvalidInputError(
+                    f"trace of {env_id}: sample {i} has a negative or non-finite value "
+                    f"(t {a!r}, cpu {c!r}, working_set {w!r})"
+                )
             if i and not 0 < a - t[i - 1] <= 1.5 * dt:
-                raise InvalidInputError(f"trace of {env_id}: a gap of {a - t[i - 1]:.2f} s before sample {i} "
-                                        f"(samples are {dt:g} s apart)")  # fmt: skip
+                raise InvalidInputError(
+                    f"trace of {env_id}: a gap of {a - t[i - 1]:.2f} s before sample {i} (samples are {dt:g} s apart)"
+                )
         out.append(Trace(float(dt), tuple(float(c) for c in cpu), tuple(int(w) for w in ws)))
     return out
 
@@ -156,10 +159,15 @@ def traces_of(history: dict[str, list[dict]], interval_s: float) -> dict[str, di
     history (points with ``t``, ``cpu_used``, ``working_set``); environments
     with fewer than 2 points are left out."""
     return {
-        env_id: {"interval_s": interval_s, "t": [round(p["t"], 3) for p in pts],
-                 "cpu": [round(p["cpu_used"], 4) for p in pts], "working_set": [p["working_set"] for p in pts]}
-        for env_id, pts in history.items() if len(pts) >= 2
-    }  # fmt: skip
+        env_id: {
+            "interval_s": interval_s,
+            "t": [round(p["t"], 3) for p in pts],
+            "cpu": [round(p["cpu_used"], 4) for p in pts],
+            "working_set": [p["working_set"] for p in pts],
+        }
+        for env_id, pts in history.items()
+        if len(pts) >= 2
+    }
 
 
 class Clock:
@@ -276,10 +284,21 @@ class SimCgroup:
     def usage(self) -> Usage:
         e = self.env
         ws = e.working_set()
-        return Usage(at=self.clock.now, cpu_usage_s=e.cpu_s, cpu_periods=0, cpu_throttled_periods=0,
-                     cpu_throttled_s=0.0, memory_usage=ws, memory_working_set=ws, memory_peak=ws,
-                     memory_failcnt=0, memory_under_oom=e.ws > e.limit, oom_kills=e.oom_kills, pids_current=1,
-                     pids_failcnt=0)  # fmt: skip
+        return Usage(
+            at=self.clock.now,
+            cpu_usage_s=e.cpu_s,
+            cpu_periods=0,
+            cpu_throttled_periods=0,
+            cpu_throttled_s=0.0,
+            memory_usage=ws,
+            memory_working_set=ws,
+            memory_peak=ws,
+            memory_failcnt=0,
+            memory_under_oom=e.ws > e.limit,
+            oom_kills=e.oom_kills,
+            pids_current=1,
+            pids_failcnt=0,
+        )
 
     def pressure(self) -> Pressure:
         return Pressure(0, 0, self.env.ws > self.env.limit)
@@ -331,9 +350,19 @@ def profiles_from(traces: list[Trace], declared: Resources, template: str = TEMP
     return profiles
 
 
-def simulate(traces: list[Trace], *, cores: float, memory: int, config: ProvisionConfig, declared: Resources,
-             max_envs: int, duration_s: float, step_s: float = 0.1, learn: bool = True,
-             background: tuple[float, list[float]] | None = None) -> dict:  # fmt: skip
+def simulate(
+    traces: list[Trace],
+    *,
+    cores: float,
+    memory: int,
+    config: ProvisionConfig,
+    declared: Resources,
+    max_envs: int,
+    duration_s: float,
+    step_s: float = 0.1,
+    learn: bool = True,
+    background: tuple[float, list[float]] | None = None,
+) -> dict:
     """Replay ``traces`` on a node of ``cores`` and ``memory`` bytes (see the
     module doc); returns ``envs`` (most held), ``mean_envs``, ``bursts``,
     ``slowdowns`` (each burst's), ``p95_burst_slowdown``,
@@ -345,8 +374,10 @@ def simulate(traces: list[Trace], *, cores: float, memory: int, config: Provisio
     if not traces:
         raise InvalidInputError("no usage trace to replay")
     if not (cores > 0 and memory > 0 and declared.cpus <= cores and declared.memory_bytes <= memory):
-        raise InvalidInputError(f"a node of {cores:g} cores and {memory / GIB:.1f} GiB cannot hold environments "
-                                f"of {declared.cpus:g} cores and {declared.memory_bytes / GIB:.1f} GiB")  # fmt: skip
+        raise InvalidInputError(
+            f"a node of {cores:g} cores and {memory / GIB:.1f} GiB cannot hold environments "
+            f"of {declared.cpus:g} cores and {declared.memory_bytes / GIB:.1f} GiB"
+        )
     clock = Clock()
     envs: list[SimEnv] = []
     cfg = config.model_copy(update={"cpu_capacity": float(cores), "memory_capacity": int(memory)})
@@ -372,8 +403,12 @@ def simulate(traces: list[Trace], *, cores: float, memory: int, config: Provisio
                     refusals += 1
                     break
                 tr = traces[len(envs) % len(traces)]
-                e = SimEnv(tr, declared, pos=(len(envs) // len(traces) * 37) % len(tr.cpu),
-                           phase=(len(envs) * 0.618034) % 1.0 * tr.interval_s)  # fmt: skip
+                e = SimEnv(
+                    tr,
+                    declared,
+                    pos=(len(envs) // len(traces) * 37) % len(tr.cpu),
+                    phase=(len(envs) * 0.618034) % 1.0 * tr.interval_s,
+                )
                 envs.append(e)
                 cgroups[env_id] = SimCgroup(e, clock)
                 prov.attach(env_id, env_id)
@@ -392,11 +427,15 @@ def simulate(traces: list[Trace], *, cores: float, memory: int, config: Provisio
         prov.detach(f"sim{i}")
     slow = [s for e in envs for s in e.slowdowns]
     return {
-        "envs": len(envs), "mean_envs": statistics.fmean(held) if held else 0.0, "bursts": len(slow),
-        "slowdowns": slow, "p95_burst_slowdown": p95(slow),
+        "envs": len(envs),
+        "mean_envs": statistics.fmean(held) if held else 0.0,
+        "bursts": len(slow),
+        "slowdowns": slow,
+        "p95_burst_slowdown": p95(slow),
         "bursts_slowed_over_10pct": (sum(s > 1.1 for s in slow) / len(slow)) if slow else 0.0,
-        "oom_kills": sum(e.oom_kills for e in envs), "refusals": refusals,
-    }  # fmt: skip
+        "oom_kills": sum(e.oom_kills for e in envs),
+        "refusals": refusals,
+    }
 
 
 def p95(values: list[float]) -> float | None:
@@ -421,30 +460,58 @@ def p95_interval(values: list[float], draws: int = 2000) -> list[float] | None:
     return [r[int(0.1 * draws)], r[int(0.9 * draws)]] if r else None
 
 
-def compare(traces: list[Trace], *, cores: float, memory: int, elastic: ProvisionConfig, declared: Resources,
-            max_envs: int, duration_s: float, step_s: float = 0.1,
-            background: dict[str, tuple[float, list[float]] | None] | None = None) -> dict:  # fmt: skip
+def compare(
+    traces: list[Trace],
+    *,
+    cores: float,
+    memory: int,
+    elastic: ProvisionConfig,
+    declared: Resources,
+    max_envs: int,
+    duration_s: float,
+    step_s: float = 0.1,
+    background: dict[str, tuple[float, list[float]] | None] | None = None,
+) -> dict:
     """Static and elastic side by side on one modelled node: the summary's
     ``sim`` fields for it (``density_ratio``, ``p95_burst_slowdown``,
     ``bursts_slowed_over_10pct``, ``oom_kills``: elastic's) and each mode's
     figures (without the per-burst list).  ``background``: per mode
     (``static``, ``elastic``), its background load (:func:`simulate`)."""
     bg = background or {}
-    static = simulate(traces, cores=cores, memory=memory, config=ProvisionConfig(mode="static", cpu_overcommit=1.0),
-                      declared=declared, max_envs=max_envs, duration_s=duration_s, step_s=step_s,
-                      background=bg.get("static"))  # fmt: skip
-    el = simulate(traces, cores=cores, memory=memory, config=elastic, declared=declared, max_envs=max_envs,
-                  duration_s=duration_s, step_s=step_s, background=bg.get("elastic"))  # fmt: skip
+    static = simulate(
+        traces,
+        cores=cores,
+        memory=memory,
+        config=ProvisionConfig(mode="static", cpu_overcommit=1.0),
+        declared=declared,
+        max_envs=max_envs,
+        duration_s=duration_s,
+        step_s=step_s,
+        background=bg.get("static"),
+    )
+    el = simulate(
+        traces,
+        cores=cores,
+        memory=memory,
+        config=elastic,
+        declared=declared,
+        max_envs=max_envs,
+        duration_s=duration_s,
+        step_s=step_s,
+        background=bg.get("elastic"),
+    )
     brief = {m: {k: v for k, v in r.items() if k != "slowdowns"} for m, r in (("static", static), ("elastic", el))}
     return {
-        "cores": cores, "memory_gib": memory / GIB, **brief,
+        "cores": cores,
+        "memory_gib": memory / GIB,
+        **brief,
         "density_ratio": el["envs"] / static["envs"] if static["envs"] else None,
         "p95_burst_slowdown": el["p95_burst_slowdown"],
         "p95_burst_slowdown_static": static["p95_burst_slowdown"],
         "bursts_slowed_over_10pct": el["bursts_slowed_over_10pct"],
         "oom_kills": el["oom_kills"],
         "_slowdowns": el["slowdowns"],
-    }  # fmt: skip
+    }
 
 
 def with_noise(slowdowns: list[float], noise: list[float], weights: list[int] | None = None) -> float | None:
@@ -496,9 +563,11 @@ def quiet_static_bursts(real: dict, cores: float) -> list[dict]:
     """The real static mode's bursts that met neither the machine's other load
     (``background`` below :data:`QUIET_CORES`) nor more of the run's bursts
     than ``cores`` (``concurrent``)."""
-    return [b for b in real["static"].get("bursts", [])
-            if b.get("background") is not None and b["background"] < QUIET_CORES
-            and b.get("concurrent", 1) <= cores]  # fmt: skip
+    return [
+        b
+        for b in real["static"].get("bursts", [])
+        if b.get("background") is not None and b["background"] < QUIET_CORES and b.get("concurrent", 1) <= cores
+    ]
 
 
 def node_spread(real: dict, cores: float) -> list[float]:
@@ -548,8 +617,17 @@ def workload_noise(real: dict, cores: float, *, envs: int, bursts: int) -> tuple
     return slowdowns, [n_cold * warm if _cold(b) else (bursts - n_cold) * cold for b in quiet]
 
 
-def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, elastic: ProvisionConfig,
-              declared: Resources, max_envs: int, duration_s: float) -> dict:  # fmt: skip
+def calibrate(
+    traces: list[Trace],
+    real: dict,
+    *,
+    cores: float,
+    memory: int,
+    elastic: ProvisionConfig,
+    declared: Resources,
+    max_envs: int,
+    duration_s: float,
+) -> dict:
     """Replay a real run's ``traces`` on a node of the real machine's size and
     predict that run's elastic density and p95 burst slowdown; ``real``: the
     run's ``static`` and ``elastic`` results (``envs``, ``p95_burst_slowdown``,
@@ -588,8 +666,16 @@ def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, ela
     bootstrap interval (:func:`p95_interval`): a p95 of some 35 bursts is their
     second largest, and one run's was 1.58 within [1.37, 2.49]."""
     background = {m: parse_background(real[m].get("background"), cores) for m in ("static", "elastic")}
-    sim = compare(traces, cores=cores, memory=memory, elastic=elastic, declared=declared, max_envs=max_envs,
-                  duration_s=duration_s, background=background)  # fmt: skip
+    sim = compare(
+        traces,
+        cores=cores,
+        memory=memory,
+        elastic=elastic,
+        declared=declared,
+        max_envs=max_envs,
+        duration_s=duration_s,
+        background=background,
+    )
     noise, weights, source = [], None, "static bursts"
     if background["elastic"]:
         noise, weights = workload_noise(real, cores, envs=sim["elastic"]["envs"], bursts=sim["elastic"]["bursts"])
@@ -610,43 +696,90 @@ def calibrate(traces: list[Trace], real: dict, *, cores: float, memory: int, ela
     if r_p95 and predicted_p95:
         errors.append(abs(predicted_p95 - r_p95) / r_p95)
     return {
-        "cores": cores, "memory_gib": memory / GIB,
-        "predicted": {"density_ratio": sim["density_ratio"], "elastic_envs": sim["elastic"]["envs"],
-                      "p95_burst_slowdown": predicted_p95, "p95_burst_slowdown_model": sim["p95_burst_slowdown"],
-                      "bursts": sim["elastic"]["bursts"]},
-        "real": {"density_ratio": real_density, "elastic_envs": r_el, "p95_burst_slowdown": r_p95,
-                 "bursts": len(real["elastic"].get("bursts", [])),
-                 "p95_interval": p95_interval([b["slowdown"] for b in real["elastic"].get("bursts", [])])},
-        "noise": {"from": source, "n": len(noise), "p95": weighted_p95(list(zip(noise, counts))),
-                  "cold_share": cold / sum(counts) if cold is not None and sum(counts) else None},
+        "cores": cores,
+        "memory_gib": memory / GIB,
+        "predicted": {
+            "density_ratio": sim["density_ratio"],
+            "elastic_envs": sim["elastic"]["envs"],
+            "p95_burst_slowdown": predicted_p95,
+            "p95_burst_slowdown_model": sim["p95_burst_slowdown"],
+            "bursts": sim["elastic"]["bursts"],
+        },
+        "real": {
+            "density_ratio": real_density,
+            "elastic_envs": r_el,
+            "p95_burst_slowdown": r_p95,
+            "bursts": len(real["elastic"].get("bursts", [])),
+            "p95_interval": p95_interval([b["slowdown"] for b in real["elastic"].get("bursts", [])]),
+        },
+        "noise": {
+            "from": source,
+            "n": len(noise),
+            "p95": weighted_p95(list(zip(noise, counts))),
+            "cold_share": cold / sum(counts) if cold is not None and sum(counts) else None,
+        },
         "background_cores": {m: statistics.fmean(b[1]) if b and b[1] else None for m, b in background.items()},
         "calibration_error": max(errors) if errors else None,
-    }  # fmt: skip
+    }
 
 
 NODE_SIZES = ((16, 64), (64, 256), (192, 768))
 """Modelled nodes: (cores, GiB), 4 GiB per core as general-purpose cloud machines have."""
 
 
-def run_sizes(traces: list[Trace], *, elastic: ProvisionConfig, declared: Resources, duration_s: float = 300.0,
-              sizes=NODE_SIZES, log=print) -> dict[str, dict]:  # fmt: skip
+def run_sizes(
+    traces: list[Trace],
+    *,
+    elastic: ProvisionConfig,
+    declared: Resources,
+    duration_s: float = 300.0,
+    sizes=NODE_SIZES,
+    log=print,
+) -> dict[str, dict]:
     """:func:`compare` for each of ``sizes``: ``{"<cores>": figures}``."""
     import time
 
     out = {}
     for cores, gib in sizes:
         t = time.monotonic()
-        r = compare(traces, cores=cores, memory=gib * GIB, elastic=elastic, declared=declared,
-                    max_envs=cores * 16, duration_s=duration_s)  # fmt: skip
+        r = compare(
+            traces,
+            cores=cores,
+            memory=gib * GIB,
+            elastic=elastic,
+            declared=declared,
+            max_envs=cores * 16,
+            duration_s=duration_s,
+        )
         r.pop("_slowdowns")
         r["sim_seconds"] = round(time.monotonic() - t, 1)
-        log(f"  simulated {cores} cores, {gib} GiB: static {r['static']['envs']}, elastic {r['elastic']['envs']} "
+        log(
+            f"  simulated {cores} cores, {gib} GiB: static {r['static']['envs']}, elastic {r['elastic']['envs']} "
             f"(x{r['density_ratio']:.2f}), p95 burst slowdown {r['p95_burst_slowdown']}, "
-            f"{r['bursts_slowed_over_10pct']:.1%} slowed > 10 %, {r['sim_seconds']} s")  # fmt: skip
+            f"{r['bursts_slowed_over_10pct']:.1%} slowed > 10 %, {r['sim_seconds']} s"
+        )
         out[str(cores)] = r
     return out
 
 
-__all__ = ["Clock", "SimCgroup", "SimEnv", "Trace", "calibrate", "compare", "node_spread", "p95_draws", "p95_interval",
-           "parse_background", "parse_traces", "quiet_static_bursts", "run_sizes", "share", "simulate", "traces_of",
-           "weighted_p95", "with_noise", "workload_noise"]
+__all__ = [
+    "Clock",
+    "SimCgroup",
+    "SimEnv",
+    "Trace",
+    "calibrate",
+    "compare",
+    "node_spread",
+    "p95_draws",
+    "p95_interval",
+    "parse_background",
+    "parse_traces",
+    "quiet_static_bursts",
+    "run_sizes",
+    "share",
+    "simulate",
+    "traces_of",
+    "weighted_p95",
+    "with_noise",
+    "workload_noise",
+]

@@ -89,10 +89,18 @@ from weenv_bench.runtimes import side_by_side
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
 """~80 MB installed: with the ~220 MB Debian tree, a ~300 MB template."""
 FULL_WHEELS = QUICK_WHEELS + (
-    "scipy==1.14.1", "pandas==2.2.3", "pyarrow==18.1.0", "scikit-learn==1.6.0", "polars==1.17.1",
-    "opencv-python-headless==4.10.0.84", "matplotlib==3.9.4", "pillow==11.0.0", "duckdb==1.1.3",
-    "lxml==5.3.0", "statsmodels==0.14.4",
-)  # fmt: skip
+    "scipy==1.14.1",
+    "pandas==2.2.3",
+    "pyarrow==18.1.0",
+    "scikit-learn==1.6.0",
+    "polars==1.17.1",
+    "opencv-python-headless==4.10.0.84",
+    "matplotlib==3.9.4",
+    "pillow==11.0.0",
+    "duckdb==1.1.3",
+    "lxml==5.3.0",
+    "statsmodels==0.14.4",
+)
 """~790 MB installed: with the Debian tree, a ~1 GB template."""
 LARGE_WHEELS = FULL_WHEELS + ("torch==2.5.1", "jax==0.4.35", "jaxlib==0.4.35")
 """~2.9 GB installed (torch's wheel alone ~1.75 GB): with the Debian tree, a ~3 GB template."""
@@ -123,8 +131,15 @@ files in tree order), then ``profile`` (each group whose data the first start
 read republished by ``weenv update --profile``: those files first, in access
 order).  Cold starts are measured in both; warm starts, concurrency above 1
 and the exec round trip in the last one, which the summary reports."""
-SUMMARY_KEYS = ("cold_p50_s", "warm_p50_s", "docker_cold_p50_s", "docker_warm_p50_s", "cold_ratio",
-                "fetched_fraction", "exec_p50_s")  # fmt: skip
+SUMMARY_KEYS = (
+    "cold_p50_s",
+    "warm_p50_s",
+    "docker_cold_p50_s",
+    "docker_warm_p50_s",
+    "cold_ratio",
+    "fetched_fraction",
+    "exec_p50_s",
+)
 
 
 # --- content -------------------------------------------------------------------------------
@@ -145,9 +160,24 @@ def packages_tree(cache: Path, wheels: tuple[str, ...], log=print) -> Path:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     log(f"pip download {len(wheels)} wheels into {wheel_dir} ...")
-    _run([*pip, "download", "--only-binary=:all:", "--no-deps", "--python-version", "3.11",
-          "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64",
-          "-d", str(wheel_dir), *wheels], "pip download")  # fmt: skip
+    _run(
+        [
+            *pip,
+            "download",
+            "--only-binary=:all:",
+            "--no-deps",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux2014_x86_64",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "-d",
+            str(wheel_dir),
+            *wheels,
+        ],
+        "pip download",
+    )
     files = []
     for spec in wheels:
         name, version = spec.split("==")
@@ -181,9 +211,7 @@ def packages_tree(cache: Path, wheels: tuple[str, ...], log=print) -> Path:
 def _run(argv: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
     if proc.returncode != 0:
-        raise RuntimeFailedError(
-            f"{what} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-1200:]}"
-        )
+        raise RuntimeFailedError(f"{what} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-1200:]}")
     return proc
 
 
@@ -204,8 +232,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _stats(values: list[float]) -> dict:
-    return {"n": len(values), "p50_s": round(statistics.median(values), 4),
-            "p99_s": round(_percentile(values, 0.99), 4), "max_s": round(max(values), 4)}  # fmt: skip
+    return {
+        "n": len(values),
+        "p50_s": round(statistics.median(values), 4),
+        "p99_s": round(_percentile(values, 0.99), 4),
+        "max_s": round(max(values), 4),
+    }
 
 
 def loadavg() -> list[float]:
@@ -287,8 +319,19 @@ def _released_together(n: int, start) -> list:
 
 
 # --- weenv side ----------------------------------------------------------------------------
-PHASES = ("manifest_s", "groups_s", "upper_s", "overlay_s", "runtime_s", "create_s", "command_s",
-          "prefetch_begin_s", "prefetch_end_s", "pack_chunks", "demand_chunks")  # fmt: skip
+PHASES = (
+    "manifest_s",
+    "groups_s",
+    "upper_s",
+    "overlay_s",
+    "runtime_s",
+    "create_s",
+    "command_s",
+    "prefetch_begin_s",
+    "prefetch_end_s",
+    "pack_chunks",
+    "demand_chunks",
+)
 """The phases of one start a row reports (p50 over its starts; seconds unless named otherwise):
 the create's own (:class:`~weenv.api.models.CreateTiming`: manifests, group
 mounts (``upper_s``, the upper dir made meanwhile, is a part of them),
@@ -368,12 +411,27 @@ class _WeenvSide:
                 f"first command in weenv failed (exit {code}): {err.decode(errors='replace')[-600:]}"
             )
         t = info.timing
-        phases = {"manifest_s": t.manifest_s, "groups_s": t.groups_s, "upper_s": t.upper_s,
-                  "overlay_s": t.overlay_s, "runtime_s": t.runtime_s, "create_s": created,
-                  "command_s": first - created}  # fmt: skip
-        return {"env": info.id, "seconds": first, "create_s": created, "fetched_at": fetched,
-                "output": out.decode().strip(), "pooled": t.pooled, "phases": phases, "job": job, "t0": m0,
-                "demand_chunks": demand}  # fmt: skip
+        phases = {
+            "manifest_s": t.manifest_s,
+            "groups_s": t.groups_s,
+            "upper_s": t.upper_s,
+            "overlay_s": t.overlay_s,
+            "runtime_s": t.runtime_s,
+            "create_s": created,
+            "command_s": first - created,
+        }
+        return {
+            "env": info.id,
+            "seconds": first,
+            "create_s": created,
+            "fetched_at": fetched,
+            "output": out.decode().strip(),
+            "pooled": t.pooled,
+            "phases": phases,
+            "job": job,
+            "t0": m0,
+            "demand_chunks": demand,
+        }
 
     def destroy(self, env_id: str) -> None:
         job = self.node.prefetch.job(env_id)
@@ -389,9 +447,7 @@ class _WeenvSide:
             if job is not None:
                 job.done.wait(max(0.0, deadline - time.monotonic()))
 
-    def phase(
-        self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND
-    ) -> dict:
+    def phase(self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND) -> dict:
         """``rounds`` rounds of ``concurrency`` starts released together; cold
         rounds drop caches first."""
         times, fetched_first, fetched_total, pooled, phases = [], [], [], 0, []
@@ -412,21 +468,34 @@ class _WeenvSide:
                     self.destroy(r["env"])
             loads.append(loadavg())
         row = {
-            "system": "weenv", "command": command, "kind": kind, "concurrency": concurrency, **_stats(times),
+            "system": "weenv",
+            "command": command,
+            "kind": kind,
+            "concurrency": concurrency,
+            **_stats(times),
             "bytes_fetched": round(statistics.median(fetched_first)),
             "bytes_fetched_after_prefetch": round(statistics.median(fetched_total)),
             "fetched_fraction": round(statistics.median(fetched_first) / self.stored_bytes, 4),
-            "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
+            "daemon_cpu_s": round(meter.cpu_s, 2),
+            "daemon_peak_bytes": meter.peak_bytes,
             "cpu_ms_per_start": round(meter.cpu_s / len(times) * 1000, 1),
             "direct_mounts": len(self.node.groups.mounted_directly()),
-            "pooled_starts": pooled, "pool_size": self.node.pool.size, "layout": self.layout,
+            "pooled_starts": pooled,
+            "pool_size": self.node.pool.size,
+            "layout": self.layout,
             "phases_p50_s": _phase_medians(phases),
-            "loadavg": loads, "times_s": [round(t, 4) for t in times],
-        }  # fmt: skip
-        self.log(f"weenv {command} {kind} x{concurrency} ({self.layout} layout): p50 {row['p50_s']:.3f} s, "
-                 f"p99 {row['p99_s']:.3f} s, fetched {row['bytes_fetched'] / 1e6:.1f} MB; phases p50 "
-                 + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.1f}" if k.endswith("_s") else f"{k} {v}"
-                             for k, v in row["phases_p50_s"].items()) + " (ms)")  # fmt: skip
+            "loadavg": loads,
+            "times_s": [round(t, 4) for t in times],
+        }
+        self.log(
+            f"weenv {command} {kind} x{concurrency} ({self.layout} layout): p50 {row['p50_s']:.3f} s, "
+            f"p99 {row['p99_s']:.3f} s, fetched {row['bytes_fetched'] / 1e6:.1f} MB; phases p50 "
+            + ", ".join(
+                f"{k.removesuffix('_s')} {v * 1000:.1f}" if k.endswith("_s") else f"{k} {v}"
+                for k, v in row["phases_p50_s"].items()
+            )
+            + " (ms)"
+        )
         return row
 
     def exec_rtt(self, runs: int) -> dict:
@@ -489,8 +558,12 @@ class _DockerSide:
         argv, expect = COMMANDS[command]
         with tempfile.TemporaryFile() as errf:
             t0 = time.perf_counter()
-            proc = subprocess.Popen([DOCKER, "run", "--rm", "--network", "none", self.ref, *argv],
-                                    stdout=subprocess.PIPE, stderr=errf, env=self.dockerd.env())  # fmt: skip
+            proc = subprocess.Popen(
+                [DOCKER, "run", "--rm", "--network", "none", self.ref, *argv],
+                stdout=subprocess.PIPE,
+                stderr=errf,
+                env=self.dockerd.env(),
+            )
             line = proc.stdout.readline()
             first = time.perf_counter() - t0
             proc.stdout.read()
@@ -502,40 +575,33 @@ class _DockerSide:
             raise RuntimeFailedError(f"docker run failed (exit {code}): {err[-600:]}")
         return {"seconds": first, "output": line.decode().strip()}
 
-    def phase(
-        self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND
-    ) -> dict:
+    def phase(self, kind: str, concurrency: int, rounds: int, command: str = MAIN_COMMAND) -> dict:
         times = []
         with _DaemonMeter(self.daemon_pids) as meter:
             loads = [loadavg()]
             for _ in range(rounds):
                 if kind == "cold":
                     self.remove_images()
-                times += [
-                    r["seconds"]
-                    for r in _released_together(
-                        concurrency, lambda: self.start(command)
-                    )
-                ]
+                times += [r["seconds"] for r in _released_together(concurrency, lambda: self.start(command))]
             loads.append(loadavg())
         row = {
-            "system": "docker", "command": command, "kind": kind, "concurrency": concurrency, **_stats(times),
+            "system": "docker",
+            "command": command,
+            "kind": kind,
+            "concurrency": concurrency,
+            **_stats(times),
             "bytes_fetched": self.image_bytes if kind == "cold" else 0,
-            "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
-            "loadavg": loads, "times_s": [round(t, 4) for t in times],
-        }  # fmt: skip
-        self.log(
-            f"docker {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s"
-        )
+            "daemon_cpu_s": round(meter.cpu_s, 2),
+            "daemon_peak_bytes": meter.peak_bytes,
+            "loadavg": loads,
+            "times_s": [round(t, 4) for t in times],
+        }
+        self.log(f"docker {command} {kind} x{concurrency}: p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s")
         return row
 
     def exec_rtt(self, runs: int) -> dict:
         cid = (
-            self.dockerd.docker(
-                "run", "-d", "--network", "none", self.ref, "sleep", "infinity"
-            )
-            .stdout.decode()
-            .strip()
+            self.dockerd.docker("run", "-d", "--network", "none", self.ref, "sleep", "infinity").stdout.decode().strip()
         )
         try:
             times = []
@@ -568,11 +634,23 @@ def _registry_image_bytes(registry, repository: str, tag: str) -> int:
 
 
 # --- the run -------------------------------------------------------------------------------
-def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None,
-        concurrency: tuple[int, ...] | None = None, cold_runs: int | None = None,
-        warm_runs: int | None = None, exec_runs: int | None = None, commands: tuple[str, ...] = ("numpy",),
-        large: bool | None = None, docker: bool = True, layouts: tuple[str, ...] = LAYOUTS,
-        runtimes: tuple[str, ...] | None = None, runtime: str | None = None, log=print) -> dict:  # fmt: skip
+def run(
+    *,
+    quick: bool = False,
+    json_path: Path | None = None,
+    work: Path | None = None,
+    concurrency: tuple[int, ...] | None = None,
+    cold_runs: int | None = None,
+    warm_runs: int | None = None,
+    exec_runs: int | None = None,
+    commands: tuple[str, ...] = ("numpy",),
+    large: bool | None = None,
+    docker: bool = True,
+    layouts: tuple[str, ...] = LAYOUTS,
+    runtimes: tuple[str, ...] | None = None,
+    runtime: str | None = None,
+    log=print,
+) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
@@ -597,11 +675,23 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     from weenv_bench.services.registry import Registry
 
     if runtimes:
+
         def one(name: str, first: bool) -> dict:
             log(f"--- runtime {name}")
-            return run(quick=quick, work=None if work is None else Path(work) / name, concurrency=concurrency,
-                       cold_runs=cold_runs, warm_runs=warm_runs, exec_runs=exec_runs, commands=commands,
-                       large=large, docker=docker and first, layouts=layouts, runtime=name, log=log)  # fmt: skip
+            return run(
+                quick=quick,
+                work=None if work is None else Path(work) / name,
+                concurrency=concurrency,
+                cold_runs=cold_runs,
+                warm_runs=warm_runs,
+                exec_runs=exec_runs,
+                commands=commands,
+                large=large,
+                docker=docker and first,
+                layouts=layouts,
+                runtime=name,
+                log=log,
+            )
 
         result = side_by_side(runtimes, one, _runtime_figures)
         if json_path is not None:
@@ -638,21 +728,46 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             dockerd = None
             if docker:
                 dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
-                services |= {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
-                             "dockerd_cgroup_parent": dockerd.cgroup_parent}  # fmt: skip
+                services |= {
+                    "dockerd_pid": dockerd.pid,
+                    "dockerd_root": str(dockerd.root),
+                    "dockerd_cgroup_parent": dockerd.cgroup_parent,
+                }
             measured = [
-                _measure_template(name, base_tree, wheels, lv, ex, runs, registry=registry, dockerd=dockerd,
-                                  work=work / name, env_paths=env_paths, log=log, layouts=layouts, docker=docker,
-                                  runtime=runtime)
+                _measure_template(
+                    name,
+                    base_tree,
+                    wheels,
+                    lv,
+                    ex,
+                    runs,
+                    registry=registry,
+                    dockerd=dockerd,
+                    work=work / name,
+                    env_paths=env_paths,
+                    log=log,
+                    layouts=layouts,
+                    docker=docker,
+                    runtime=runtime,
+                )
                 for name, wheels, lv, ex in plan
-            ]  # fmt: skip
+            ]
         main = measured[0]
         rows = [r for m in measured for r in m["rows"]]
 
         def row(system: str, kind: str, c: int = 1, layout: str | None = layouts[-1]) -> dict:
-            return next((r for r in main["rows"] if r["system"] == system and r["kind"] == kind
-                         and r["concurrency"] == c and r["command"] == MAIN_COMMAND
-                         and (system != "weenv" or r["layout"] == layout)), {})  # fmt: skip
+            return next(
+                (
+                    r
+                    for r in main["rows"]
+                    if r["system"] == system
+                    and r["kind"] == kind
+                    and r["concurrency"] == c
+                    and r["command"] == MAIN_COMMAND
+                    and (system != "weenv" or r["layout"] == layout)
+                ),
+                {},
+            )
 
         cold, warm, no_pool = row("weenv", "cold"), row("weenv", "warm"), row("weenv", NO_POOL)
         c16 = row("weenv", "cold", 16)
@@ -729,10 +844,23 @@ class _Runs:
     """Cold rounds of the other first commands."""
 
 
-def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], levels: tuple[int, ...],
-                      extra: tuple[str, ...], runs: _Runs, *, registry, dockerd, work: Path,
-                      env_paths: Paths, log, layouts: tuple[str, ...] = LAYOUTS, docker: bool = True,
-                      runtime: str | None = None) -> dict:  # fmt: skip
+def _measure_template(
+    name: str,
+    base_tree: Path,
+    wheels: tuple[str, ...],
+    levels: tuple[int, ...],
+    extra: tuple[str, ...],
+    runs: _Runs,
+    *,
+    registry,
+    dockerd,
+    work: Path,
+    env_paths: Paths,
+    log,
+    layouts: tuple[str, ...] = LAYOUTS,
+    docker: bool = True,
+    runtime: str | None = None,
+) -> dict:
     """Build template ``name`` (the Debian tree + ``wheels``) for both systems,
     publish both to ``registry``, and measure both; return ``{"rows", "exec",
     "template", "publish"}`` (rows carry ``template``).  The node, the build
@@ -741,9 +869,9 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
     from weenv.node.provision import ProvisionConfig
     from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
+    from weenv.packaging.transfer import copy_template
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
-    from weenv.packaging.transfer import copy_template
 
     work.mkdir(parents=True, exist_ok=True)
     pkgs = packages_tree(env_paths.cache, wheels, log=log)
@@ -759,8 +887,10 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
     groups = (base_g.manifest, pkgs_g.manifest)
     template_bytes = sum(g.image_size for g in groups)
     stored_bytes = sum(g.stored_size for g in groups)
-    log(f"weenv template {name}: {template_bytes / 1e6:.0f} MB image, {stored_bytes / 1e6:.0f} MB stored "
-        f"(built in {weenv_build_s:.1f} s)")  # fmt: skip
+    log(
+        f"weenv template {name}: {template_bytes / 1e6:.0f} MB image, {stored_bytes / 1e6:.0f} MB stored "
+        f"(built in {weenv_build_s:.1f} s)"
+    )
 
     rows: list[dict] = []
     execs: list[dict] = []
@@ -796,16 +926,28 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
                 if layout == "profile":  # the user's path: weenv update --profile, group by group
                     t = time.monotonic()
                     side.template, side.stored_bytes, first = _relayout(oci, name, trees, paths, record)
-                    log(f"weenv: groups laid out by the recorded profile (weenv update --profile) and "
-                        f"started once in {time.monotonic() - t:.1f} s")  # fmt: skip
+                    log(
+                        f"weenv: groups laid out by the recorded profile (weenv update --profile) and "
+                        f"started once in {time.monotonic() - t:.1f} s"
+                    )
                 else:
                     first = record()
             if first is None:
                 raise RuntimeFailedError(f"the prefetch profile of {name} read no group's data: nothing to lay out")
-            rows.append({"system": "weenv", "command": MAIN_COMMAND, "kind": "first_start", "concurrency": 1,
-                         **_stats([first["seconds"]]), "bytes_fetched": first["fetched_at"],
-                         "daemon_cpu_s": round(meter.cpu_s, 2), "daemon_peak_bytes": meter.peak_bytes,
-                         "layout": layout, "note": "no prefetch profile yet (it records one)"})  # fmt: skip
+            rows.append(
+                {
+                    "system": "weenv",
+                    "command": MAIN_COMMAND,
+                    "kind": "first_start",
+                    "concurrency": 1,
+                    **_stats([first["seconds"]]),
+                    "bytes_fetched": first["fetched_at"],
+                    "daemon_cpu_s": round(meter.cpu_s, 2),
+                    "daemon_peak_bytes": meter.peak_bytes,
+                    "layout": layout,
+                    "note": "no prefetch profile yet (it records one)",
+                }
+            )
             log(f"weenv first start (records the prefetch profile): {first['seconds']:.3f} s")
             last = i == len(layouts) - 1
             for c in levels if last else levels[:1]:
@@ -825,17 +967,32 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         execs.append(side.exec_rtt(runs.exec))
         node.close()
         if not docker:
-            return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, None, content,
-                                    first, extra, weenv_build_s, weenv_push_s, copied, None, None) | {
-                                        "runtime": runtime_name}
+            return _template_result(
+                name,
+                rows,
+                execs,
+                groups,
+                template_bytes,
+                stored_bytes,
+                None,
+                content,
+                first,
+                extra,
+                weenv_build_s,
+                weenv_push_s,
+                copied,
+                None,
+                None,
+            ) | {"runtime": runtime_name}
 
         # Docker: import + build + push the same trees
         t = time.monotonic()
         dockerd.import_tree(base_tree, DOCKER_BASE)
         context = work / "context"
         context.mkdir()
-        proc = subprocess.run(["cp", "-a", "--link", str(pkgs), str(context / "packages")],
-                              capture_output=True, check=False)  # fmt: skip
+        proc = subprocess.run(
+            ["cp", "-a", "--link", str(pkgs), str(context / "packages")], capture_output=True, check=False
+        )
         if proc.returncode != 0:
             shutil.copytree(pkgs, context / "packages", symlinks=True)
         (context / "Dockerfile").write_text(DOCKERFILE.format(base=DOCKER_BASE))
@@ -846,8 +1003,10 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         dockerd.docker("push", ref, timeout=1800)
         docker_push_s = time.monotonic() - t
         image_bytes = _registry_image_bytes(registry, "bench/start", name)
-        log(f"docker image: {image_bytes / 1e6:.0f} MB compressed (import+build {docker_build_s:.1f} s, "
-            f"push {docker_push_s:.1f} s)")  # fmt: skip
+        log(
+            f"docker image: {image_bytes / 1e6:.0f} MB compressed (import+build {docker_build_s:.1f} s, "
+            f"push {docker_push_s:.1f} s)"
+        )
         shutil.rmtree(context, ignore_errors=True)
 
         dside = _DockerSide(dockerd, ref, image_bytes, log)
@@ -864,26 +1023,61 @@ def _measure_template(name: str, base_tree: Path, wheels: tuple[str, ...], level
         dside.remove_images()
         dockerd.docker("rmi", "-f", DOCKER_BASE, timeout=300, check=False)
 
-    return _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content,
-                            first, extra, weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s) | {
-                                "runtime": runtime_name}
+    return _template_result(
+        name,
+        rows,
+        execs,
+        groups,
+        template_bytes,
+        stored_bytes,
+        image_bytes,
+        content,
+        first,
+        extra,
+        weenv_build_s,
+        weenv_push_s,
+        copied,
+        docker_build_s,
+        docker_push_s,
+    ) | {"runtime": runtime_name}
 
 
-def _template_result(name, rows, execs, groups, template_bytes, stored_bytes, image_bytes, content, first, extra,
-                     weenv_build_s, weenv_push_s, copied, docker_build_s, docker_push_s) -> dict:  # fmt: skip
+def _template_result(
+    name,
+    rows,
+    execs,
+    groups,
+    template_bytes,
+    stored_bytes,
+    image_bytes,
+    content,
+    first,
+    extra,
+    weenv_build_s,
+    weenv_push_s,
+    copied,
+    docker_build_s,
+    docker_push_s,
+) -> dict:
     for r in rows:
         r["template"] = name
     return {
         "rows": rows,
         "exec": execs,
         "template": {
-            "name": name, "image_bytes": template_bytes, "stored_bytes": stored_bytes,
-            "groups": [{"name": g.name, "image_bytes": g.image_size, "stored_bytes": g.stored_size,
-                        "chunks": len(g.chunks)} for g in groups],
-            "docker_image_bytes": image_bytes, **content,
-            "first_command": COMMANDS[MAIN_COMMAND][0], "first_output": first["output"],
+            "name": name,
+            "image_bytes": template_bytes,
+            "stored_bytes": stored_bytes,
+            "groups": [
+                {"name": g.name, "image_bytes": g.image_size, "stored_bytes": g.stored_size, "chunks": len(g.chunks)}
+                for g in groups
+            ],
+            "docker_image_bytes": image_bytes,
+            **content,
+            "first_command": COMMANDS[MAIN_COMMAND][0],
+            "first_output": first["output"],
             "other_commands": {k: COMMANDS[k][0] for k in extra},
-        },  # fmt: skip
+        },
         "publish": {
             "weenv_build_s": round(weenv_build_s, 2),
             "weenv_copy_to_registry_s": round(weenv_push_s, 2),
@@ -938,9 +1132,7 @@ def _relayout(store, name: str, trees: dict, paths, record) -> tuple[str, int, d
 
 def _uptime() -> str:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        return subprocess.run(
-            ["uptime"], capture_output=True, text=True, timeout=5, check=False
-        ).stdout.strip()
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
     return ""
 
 
@@ -963,9 +1155,19 @@ def plot(result: dict, png: Path) -> None:
     for j, (system, color) in enumerate((("weenv", "#2a7"), ("docker", "#27a"))):
         xs, p50, err = [], [], []
         for i, (template, command, kind, c, layout) in enumerate(labels):
-            r = next((r for r in rows if r["system"] == system and r.get("template", "") == template
-                      and r["kind"] == kind and r["concurrency"] == c and r["command"] == command
-                      and (system != "weenv" or r.get("layout", "") == layout)), None)  # fmt: skip
+            r = next(
+                (
+                    r
+                    for r in rows
+                    if r["system"] == system
+                    and r.get("template", "") == template
+                    and r["kind"] == kind
+                    and r["concurrency"] == c
+                    and r["command"] == command
+                    and (system != "weenv" or r.get("layout", "") == layout)
+                ),
+                None,
+            )
             if r is None:
                 continue
             xs.append(i + (j - 0.5) * width)
@@ -988,14 +1190,19 @@ def plot(result: dict, png: Path) -> None:
                 va="bottom",
                 fontsize=7,
             )
-    ax.set_xticks(range(len(labels)), [f"{t.removeprefix('start-')}\n{cmd}\n{k} x{c}\n{lay}" for t, cmd, k, c, lay in labels],
-                  fontsize=7)  # fmt: skip
+    ax.set_xticks(
+        range(len(labels)),
+        [f"{t.removeprefix('start-')}\n{cmd}\n{k} x{c}\n{lay}" for t, cmd, k, c, lay in labels],
+        fontsize=7,
+    )
     ax.set_yscale("log")
     ax.set_ylabel("time to first output, s (p50; whisker p99)")
     s = result["summary"]
-    ax.set_title(f"start of {s['template']} ({s['template_bytes'] / 1e9:.2f} GB): cold ratio {s['cold_ratio']}x, "
-                 f"fetched {s['fetched_fraction'] * 100:.1f}%, exec p50 {s['exec_p50_s'] * 1000:.1f} ms",
-                 fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"start of {s['template']} ({s['template_bytes'] / 1e9:.2f} GB): cold ratio {s['cold_ratio']}x, "
+        f"fetched {s['fetched_fraction'] * 100:.1f}%, exec p50 {s['exec_p50_s'] * 1000:.1f} ms",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)

@@ -98,12 +98,18 @@ def run(runs: int = 3, log=print) -> dict:
     cache = Path(os.environ.get("WEENV_CACHE", "/var/cache/weenv"))
     os.environ.update(CREDENTIALS)  # the S3 server's, as a user sets them
     results = {}
-    with (tempfile.TemporaryDirectory(prefix="weenv-bench-stores-") as tmp, Registry(Path(tmp) / "registry") as reg,
-          Seaweed(Path(tmp) / "seaweedfs") as s3_server):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="weenv-bench-stores-") as tmp,
+        Registry(Path(tmp) / "registry") as reg,
+        Seaweed(Path(tmp) / "seaweedfs") as s3_server,
+    ):
         root = Path(tmp)
         file_store = _template(cache, root)
-        stores: dict[str, Store] = {"file": file_store, "oci": OciStore(f"oci://{reg.address}/bench/stores"),
-                                    "s3": S3Store(s3_server.url("bench/stores"))}  # fmt: skip
+        stores: dict[str, Store] = {
+            "file": file_store,
+            "oci": OciStore(f"oci://{reg.address}/bench/stores"),
+            "s3": S3Store(s3_server.url("bench/stores")),
+        }
         try:
             for name, store in stores.items():
                 if store is not file_store:

@@ -95,8 +95,11 @@ def measure(store: Store, refs: list[ChunkRef], threads: int) -> dict:
 def run(count: int, threads: int) -> dict:
     chunks = real_chunks(count)
     os.environ.update(CREDENTIALS)  # the S3 server's, as a user sets them
-    with (tempfile.TemporaryDirectory(prefix="weenv-bench-store-") as tmp, Registry(Path(tmp) / "registry") as reg,
-          Seaweed(Path(tmp) / "seaweedfs") as s3_server):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="weenv-bench-store-") as tmp,
+        Registry(Path(tmp) / "registry") as reg,
+        Seaweed(Path(tmp) / "seaweedfs") as s3_server,
+    ):
         file_store = FileStore(Path(tmp) / "store")
         refs = [file_store.put_chunk(c)[0] for c in chunks]
         remote = {"oci": OciStore(f"oci://{reg.address}/bench/chunks"), "s3": S3Store(s3_server.url("bench/chunks"))}

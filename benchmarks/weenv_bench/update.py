@@ -66,20 +66,29 @@ import threading
 import time
 from pathlib import Path
 
-from weenv_bench import machine, write_report
+from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.config import Paths
 from weenv.errors import RuntimeFailedError
-from weenv.build.buildenv import NodeBuildEnvironments
 from weenv.packaging.builder import build_recipe, host_ca_bundle, pip_wheel
 from weenv.packaging.debootstrap import debian_rootfs
 from weenv.packaging.recipe import parse_recipe
 from weenv.store.file import FileStore
+from weenv_bench import machine, write_report
 
 SDISTS = (
-    "six==1.17.0", "idna==3.10", "packaging==24.2", "toml==0.10.2", "iniconfig==2.0.0",
-    "pluggy==1.5.0", "attrs==24.3.0", "pyparsing==3.2.0", "tomli==2.2.1", "wcwidth==0.2.13",
-    "certifi==2024.12.14", "markupsafe==3.0.2",
-)  # fmt: skip
+    "six==1.17.0",
+    "idna==3.10",
+    "packaging==24.2",
+    "toml==0.10.2",
+    "iniconfig==2.0.0",
+    "pluggy==1.5.0",
+    "attrs==24.3.0",
+    "pyparsing==3.2.0",
+    "tomli==2.2.1",
+    "wcwidth==0.2.13",
+    "certifi==2024.12.14",
+    "markupsafe==3.0.2",
+)
 """Real sdists, one per template's task component (the first N are used)."""
 RUNTIME_REQUIREMENTS = ("pytest==8.3.4",)
 QUICK_RUNTIME_REQUIREMENTS = ("iniconfig==2.0.0",)
@@ -143,10 +152,22 @@ def fetch_sdists(cache: Path, specs: tuple[str, ...]) -> list[Path]:
         if not tree.is_dir():
             with tempfile.TemporaryDirectory(dir=base) as tmp:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
-                     "--disable-pip-version-check", "-d", tmp, spec],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--no-binary=:all:",
+                        "--disable-pip-version-check",
+                        "-d",
+                        tmp,
+                        spec,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 archives = list(Path(tmp).glob("*.tar.gz"))
                 if proc.returncode != 0 or not archives:
                     raise RuntimeFailedError(f"pip download {spec} failed:\n{proc.stderr[-800:]}")
@@ -200,19 +221,36 @@ def _replace_file(path: Path, data: bytes) -> None:
 class _DockerSide:
     """Docker's half: imports the base, builds and pushes each template, measures."""
 
-    def __init__(self, dockerd, registry, context: Path, names: list[str], requirements: tuple[str, ...],
-                 files_url: str, wheel: str, log):  # fmt: skip
+    def __init__(
+        self,
+        dockerd,
+        registry,
+        context: Path,
+        names: list[str],
+        requirements: tuple[str, ...],
+        files_url: str,
+        wheel: str,
+        log,
+    ):
         self.dockerd, self.registry, self.context, self.names = dockerd, registry, context, names
         self.requirements, self.files_url, self.wheel, self.log = requirements, files_url, wheel, log
 
     def import_base(self, tree: Path) -> float:
         """``tar -c TREE | docker import - weenv-bench/base``; return seconds."""
         t0 = time.monotonic()
-        tar = subprocess.Popen(["tar", "-C", str(tree), "--xattrs", "--numeric-owner", "-c", "."],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        tar = subprocess.Popen(
+            ["tar", "-C", str(tree), "--xattrs", "--numeric-owner", "-c", "."],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
-            imp = subprocess.run([self._docker, "import", "-", DOCKER_BASE], stdin=tar.stdout,
-                                 capture_output=True, env=self.dockerd.env(), check=False)  # fmt: skip
+            imp = subprocess.run(
+                [self._docker, "import", "-", DOCKER_BASE],
+                stdin=tar.stdout,
+                capture_output=True,
+                env=self.dockerd.env(),
+                check=False,
+            )
         finally:
             tar.stdout.close()
             tar_err = tar.stderr.read()
@@ -238,24 +276,42 @@ class _DockerSide:
         for i, name in enumerate(self.names):
             before, t = self.registry.blob_bytes(), time.monotonic()
             dockerfile = self.context / f"Dockerfile.{name}"
-            dockerfile.write_text(DOCKERFILE.format(
-                base=DOCKER_BASE, url=self.files_url, wheel=self.wheel, i=i,
-                requirements=" ".join(self.requirements)))  # fmt: skip
+            dockerfile.write_text(
+                DOCKERFILE.format(
+                    base=DOCKER_BASE,
+                    url=self.files_url,
+                    wheel=self.wheel,
+                    i=i,
+                    requirements=" ".join(self.requirements),
+                )
+            )
             ref = self.registry.reference(f"bench/{name}", tag)
-            build = self.dockerd.docker("build", "--network", "host", "--force-rm", "-f", str(dockerfile),
-                                        "-t", ref, str(self.context), timeout=1800)  # fmt: skip
+            build = self.dockerd.docker(
+                "build",
+                "--network",
+                "host",
+                "--force-rm",
+                "-f",
+                str(dockerfile),
+                "-t",
+                ref,
+                str(self.context),
+                timeout=1800,
+            )
             built = time.monotonic() - t
             out = build.stdout.decode(errors="replace")
             pushed = self._push(ref)
-            rows.append({
-                "template": name,
-                "layers_rebuilt": _layers_rebuilt(out),
-                "layers_pushed": pushed["layers_pushed"],
-                "uploaded_bytes": pushed["uploaded_bytes"],
-                "registry_bytes": self.registry.blob_bytes() - before,
-                "build_seconds": round(built, 3),
-                "seconds": round(time.monotonic() - t, 3),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "template": name,
+                    "layers_rebuilt": _layers_rebuilt(out),
+                    "layers_pushed": pushed["layers_pushed"],
+                    "uploaded_bytes": pushed["uploaded_bytes"],
+                    "registry_bytes": self.registry.blob_bytes() - before,
+                    "build_seconds": round(built, 3),
+                    "seconds": round(time.monotonic() - t, 3),
+                }
+            )
         total = time.monotonic() - t0 + extra_seconds
         added = self.registry.blob_bytes() - start_bytes
         self.log(f"docker {label}: {added} bytes stored by the registry in {total:.1f} s")
@@ -275,7 +331,9 @@ class _DockerSide:
         manifest = r.json()
         # docker push names a layer by its diff ID's first 12 hex digits; the
         # image's diff IDs and the manifest's (compressed) layers are in the same order
-        diff_ids = json.loads(self.dockerd.docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", ref).stdout)
+        diff_ids = json.loads(
+            self.dockerd.docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", ref).stdout
+        )
         layers = [ly for d, ly in zip(diff_ids, manifest["layers"]) if d.split(":", 1)[1][:12] in pushed_ids]
         uploaded = sum(ly["size"] for ly in layers) + manifest["config"]["size"] + len(r.content)
         return {"layers_pushed": len(layers), "uploaded_bytes": uploaded}
@@ -296,8 +354,15 @@ def _layers_rebuilt(build_output: str) -> int:
     return n
 
 
-def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None = None, quick: bool = False,
-        base_change: bool | None = None, log=print) -> dict:  # fmt: skip
+def run(
+    templates: int = 8,
+    *,
+    json_path: Path | None = None,
+    work: Path | None = None,
+    quick: bool = False,
+    base_change: bool | None = None,
+    log=print,
+) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
@@ -319,7 +384,9 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
     requirements = QUICK_RUNTIME_REQUIREMENTS if quick else RUNTIME_REQUIREMENTS
     env_paths = Paths.from_env()
     own = work is None
-    work = Path(work or tempfile.mkdtemp(prefix="weenv-bench-update-", dir=env_paths.home if env_paths.home.is_dir() else None))
+    work = Path(
+        work or tempfile.mkdtemp(prefix="weenv-bench-update-", dir=env_paths.home if env_paths.home.is_dir() else None)
+    )
     try:
         paths = Paths(home=work / "home", cache=env_paths.cache, store_url=f"file://{work / 'home' / 'store'}")
         store = FileStore(work / "home" / "store")
@@ -336,11 +403,19 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
         for name, task in zip(names, tasks):
             shutil.copytree(task, context / "tasks" / name, symlinks=True)
         recipes = [
-            parse_recipe(RECIPE.format(i=i, base=base, tools=tools, task=context / "tasks" / name,
-                                       requirements=json.dumps(list(requirements))),
-                         base_dir=work, origin=name)
+            parse_recipe(
+                RECIPE.format(
+                    i=i,
+                    base=base,
+                    tools=tools,
+                    task=context / "tasks" / name,
+                    requirements=json.dumps(list(requirements)),
+                ),
+                base_dir=work,
+                origin=name,
+            )
             for i, name in enumerate(names)
-        ]  # fmt: skip
+        ]
         files = work / "files"  # pip's wheel and the CA bundle, for Docker's RUN
         files.mkdir()
         wheel = pip_wheel(paths.cache)
@@ -351,8 +426,14 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
             rows, t0 = [], time.monotonic()
             for recipe in recipes:
                 r = build_recipe(recipe, store, paths, environments=NodeBuildEnvironments())
-                rows.append({"template": r.template, "rebuilt": r.rebuilt, "bytes": r.bytes_published,
-                             "seconds": round(r.seconds, 3)})  # fmt: skip
+                rows.append(
+                    {
+                        "template": r.template,
+                        "rebuilt": r.rebuilt,
+                        "bytes": r.bytes_published,
+                        "seconds": round(r.seconds, 3),
+                    }
+                )
             total = time.monotonic() - t0
             log(f"weenv {label}: {sum(x['bytes'] for x in rows)} bytes published in {total:.1f} s")
             return rows, total
@@ -362,8 +443,12 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
         with contextlib.ExitStack() as stack:
             registry = stack.enter_context(Registry(work / "registry"))
             dockerd = stack.enter_context(Dockerd(insecure_registries=[registry.address]))
-            services = {"dockerd_pid": dockerd.pid, "dockerd_root": str(dockerd.root),
-                        "dockerd_cgroup_parent": dockerd.cgroup_parent, "registry_pid": registry.pid}  # fmt: skip
+            services = {
+                "dockerd_pid": dockerd.pid,
+                "dockerd_root": str(dockerd.root),
+                "dockerd_cgroup_parent": dockerd.cgroup_parent,
+                "registry_pid": registry.pid,
+            }
             url = stack.enter_context(_file_server(files))
             docker = _DockerSide(dockerd, registry, context, names, requirements, url, wheel.name, log)
 
@@ -371,22 +456,38 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
             import_s = docker.import_base(base)
             d_initial, d_initial_s, d_initial_bytes = docker.round("v1", "initial build", extra_seconds=import_s)
             initial = {
-                "weenv": {"bytes": sum(x["bytes"] for x in w_initial), "seconds": round(w_initial_s, 3),
-                          "per_template": w_initial},
-                "docker": {"registry_bytes": d_initial_bytes, "seconds": round(d_initial_s, 3),
-                           "uploaded_bytes": sum(x["uploaded_bytes"] for x in d_initial),
-                           "import_seconds": round(import_s, 3), "per_template": d_initial},
-            }  # fmt: skip
+                "weenv": {
+                    "bytes": sum(x["bytes"] for x in w_initial),
+                    "seconds": round(w_initial_s, 3),
+                    "per_template": w_initial,
+                },
+                "docker": {
+                    "registry_bytes": d_initial_bytes,
+                    "seconds": round(d_initial_s, 3),
+                    "uploaded_bytes": sum(x["uploaded_bytes"] for x in d_initial),
+                    "import_seconds": round(import_s, 3),
+                    "per_template": d_initial,
+                },
+            }
 
             _write_tools(tools, "v2")  # the shared change
-            changes.append(_measure("tools", "one file of the shared tools component (/opt/tools/lint)",
-                                    weenv_round, docker, "v2"))  # fmt: skip
+            changes.append(
+                _measure("tools", "one file of the shared tools component (/opt/tools/lint)", weenv_round, docker, "v2")
+            )
             if base_change:
                 target = base / BASE_CHANGED_FILE
                 _replace_file(target, target.read_bytes() + b'WEENV_BENCH_UPDATE="1"\n')
                 import_s = docker.import_base(base)
-                changes.append(_measure("base", f"one file of the shared Debian base (/{BASE_CHANGED_FILE})",
-                                        weenv_round, docker, "v3", import_seconds=import_s))  # fmt: skip
+                changes.append(
+                    _measure(
+                        "base",
+                        f"one file of the shared Debian base (/{BASE_CHANGED_FILE})",
+                        weenv_round,
+                        docker,
+                        "v3",
+                        import_seconds=import_s,
+                    )
+                )
         head = changes[0]
         result = {
             "benchmark": "update",
@@ -400,15 +501,15 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
             },
             "change": head["change"],
             "docker_bytes_measure": "growth of the registry's blob storage (layers, configs, manifests; "
-                                    "a blob shared by repositories counted once); uploaded_bytes: compressed "
-                                    "sizes of layers docker push reported Pushed + configs + manifests",
+            "a blob shared by repositories counted once); uploaded_bytes: compressed "
+            "sizes of layers docker push reported Pushed + configs + manifests",
             "runtime_requirements": list(requirements),
             "initial": initial,
             "changes": changes,
             "scaling": head["scaling"],
             "docker_services": services,
             "machine": machine(),
-        }  # fmt: skip
+        }
         if json_path is not None:
             write_report(result, json_path, plot)
         return result
@@ -419,8 +520,10 @@ def run(templates: int = 8, *, json_path: Path | None = None, work: Path | None 
 
 def _write_tools(tools: Path, version: str) -> None:
     """The shared tools at ``version``: only ``lint`` differs between versions."""
-    for name, text in (("run-tests", '#!/bin/sh\nexec python3 -m pytest -q "$@"\n'),
-                       ("lint", f"#!/bin/sh\necho lint {version}\n")):  # fmt: skip
+    for name, text in (
+        ("run-tests", '#!/bin/sh\nexec python3 -m pytest -q "$@"\n'),
+        ("lint", f"#!/bin/sh\necho lint {version}\n"),
+    ):
         path = tools / name
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
@@ -428,7 +531,9 @@ def _write_tools(tools: Path, version: str) -> None:
             os.chmod(path, 0o755)
 
 
-def _measure(name: str, change: str, weenv_round, docker: _DockerSide, tag: str, *, import_seconds: float = 0.0) -> dict:
+def _measure(
+    name: str, change: str, weenv_round, docker: _DockerSide, tag: str, *, import_seconds: float = 0.0
+) -> dict:
     """One change: rebuild and republish both sides; the table row and scaling."""
     w_rows, w_s = weenv_round(f"after changing {change}")
     d_rows, d_s, d_bytes = docker.round(tag, f"after changing {change}", extra_seconds=import_seconds)
@@ -441,11 +546,16 @@ def _measure(name: str, change: str, weenv_round, docker: _DockerSide, tag: str,
         "name": name,
         "change": change,
         "weenv": {"bytes": w_bytes, "seconds": round(w_s, 3), "per_template": w_rows},
-        "docker": {"registry_bytes": d_bytes, "uploaded_bytes": sum(x["uploaded_bytes"] for x in d_rows),
-                   "seconds": round(d_s, 3), "import_seconds": round(import_seconds, 3), "per_template": d_rows},
+        "docker": {
+            "registry_bytes": d_bytes,
+            "uploaded_bytes": sum(x["uploaded_bytes"] for x in d_rows),
+            "seconds": round(d_s, 3),
+            "import_seconds": round(import_seconds, 3),
+            "per_template": d_rows,
+        },
         "bytes_ratio": _ratio(d_bytes, w_bytes),
         "scaling": scaling,
-    }  # fmt: skip
+    }
 
 
 def _ratio(docker_bytes: int, weenv_bytes: int) -> float | None:

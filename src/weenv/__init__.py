@@ -32,10 +32,32 @@ Each imports only from those above it in this list: ``tests/unit/test_layers.py`
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncSandbox", "AsyncTree", "Sandbox", "Task", "Tree", "__version__", "async_release_task",
-           "async_rollout_group", "connect_cluster", "meter", "release_task", "rollout_group"]
-_SDK = ("Sandbox", "AsyncSandbox", "meter", "Task", "rollout_group", "async_rollout_group", "release_task",
-        "async_release_task", "Tree", "AsyncTree")
+__all__ = [
+    "AsyncSandbox",
+    "AsyncTree",
+    "Sandbox",
+    "Task",
+    "Tree",
+    "__version__",
+    "async_release_task",
+    "async_rollout_group",
+    "connect_cluster",
+    "meter",
+    "release_task",
+    "rollout_group",
+]
+_SDK = (
+    "Sandbox",
+    "AsyncSandbox",
+    "meter",
+    "Task",
+    "rollout_group",
+    "async_rollout_group",
+    "release_task",
+    "async_release_task",
+    "Tree",
+    "AsyncTree",
+)
 
 
 def __getattr__(name: str):

@@ -99,13 +99,18 @@ Bytes = Annotated[int, BeforeValidator(_bytes), Field(ge=0)]
 """A byte count: an integer, or a string such as ``64G`` (binary units)."""
 
 
-def setting(default: Any, env: str, doc: str, *, unit: str = "", accepts: str = "", secret: bool = False,
-            **constraints: Any) -> Any:
+def setting(
+    default: Any, env: str, doc: str, *, unit: str = "", accepts: str = "", secret: bool = False, **constraints: Any
+) -> Any:
     """A field of a settings group: ``default``, its variable ``env``, a one-line
     ``doc``, the ``unit`` of its value, what it ``accepts`` (said in errors),
     and whether it is a ``secret`` (never printed)."""
-    return Field(default, description=doc, **constraints,
-                 json_schema_extra={"env": env, "unit": unit, "accepts": accepts, "secret": secret})
+    return Field(
+        default,
+        description=doc,
+        **constraints,
+        json_schema_extra={"env": env, "unit": unit, "accepts": accepts, "secret": secret},
+    )
 
 
 def extra(info: FieldInfo) -> dict[str, Any]:
@@ -121,164 +126,301 @@ class _Group(BaseModel):
 class PathSettings(_Group):
     """Where a node keeps its state and where weenv finds its store."""
 
-    home: Path = setting(Path(DEFAULT_HOME), "WEENV_HOME",
-                         "The embedded store, the node's chunk cache, mounts, environments, the daemon's "
-                         "socket and log.", unit="path", accepts="a directory path")
-    cache: Path = setting(Path("/var/cache/weenv"), "WEENV_CACHE",
-                          "Big downloads slow to redo and safe to share between homes (debootstrap output, "
-                          "PyPI files).", unit="path", accepts="a directory path")
-    store: str | None = setting(None, "WEENV_STORE",
-                                "The store URL (file://, oci://, s3://); unset: file://$WEENV_HOME/store.",
-                                unit="URL", accepts="a store URL")
+    home: Path = setting(
+        Path(DEFAULT_HOME),
+        "WEENV_HOME",
+        "The embedded store, the node's chunk cache, mounts, environments, the daemon's socket and log.",
+        unit="path",
+        accepts="a directory path",
+    )
+    cache: Path = setting(
+        Path("/var/cache/weenv"),
+        "WEENV_CACHE",
+        "Big downloads slow to redo and safe to share between homes (debootstrap output, PyPI files).",
+        unit="path",
+        accepts="a directory path",
+    )
+    store: str | None = setting(
+        None,
+        "WEENV_STORE",
+        "The store URL (file://, oci://, s3://); unset: file://$WEENV_HOME/store.",
+        unit="URL",
+        accepts="a store URL",
+    )
 
 
 class StoreSettings(_Group):
     """Writers' leases and gc in a store, and the S3 endpoint."""
 
-    lease_s: float = setting(300.0, "WEENV_STORE_LEASE_S",
-                             "How long a writer's lease protects its digests without being renewed.",
-                             unit="s", accepts="a positive number of seconds", gt=0)
-    gc_grace_s: float = setting(0.0, "WEENV_GC_GRACE_S", "gc spares blobs stored more recently than this.",
-                                unit="s", accepts="a number of seconds, 0 or more", ge=0)
-    s3_endpoint: str | None = setting(None, "WEENV_S3_ENDPOINT",
-                                      "The S3 endpoint URL of s3:// stores; unset: botocore's own "
-                                      "(AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS).", unit="URL",
-                                      accepts="an http(s) URL")
+    lease_s: float = setting(
+        300.0,
+        "WEENV_STORE_LEASE_S",
+        "How long a writer's lease protects its digests without being renewed.",
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
+    gc_grace_s: float = setting(
+        0.0,
+        "WEENV_GC_GRACE_S",
+        "gc spares blobs stored more recently than this.",
+        unit="s",
+        accepts="a number of seconds, 0 or more",
+        ge=0,
+    )
+    s3_endpoint: str | None = setting(
+        None,
+        "WEENV_S3_ENDPOINT",
+        "The S3 endpoint URL of s3:// stores; unset: botocore's own (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS).",
+        unit="URL",
+        accepts="an http(s) URL",
+    )
 
 
 class CacheSettings(_Group):
     """The node chunk cache."""
 
-    max_bytes: Bytes | None = setting(None, "WEENV_CACHE_BYTES",
-                                      "Bound of the node chunk cache; unset: 20% of its file system, at most "
-                                      "10 GiB.", unit="bytes", accepts="bytes, or a number with K, M, G or T")
+    max_bytes: Bytes | None = setting(
+        None,
+        "WEENV_CACHE_BYTES",
+        "Bound of the node chunk cache; unset: 20% of its file system, at most 10 GiB.",
+        unit="bytes",
+        accepts="bytes, or a number with K, M, G or T",
+    )
 
 
 class PoolSettings(_Group):
     """The warm pool of started environments."""
 
-    size: int = setting(1, "WEENV_POOL_SIZE", "Environments kept started ahead per template (0: no pool).",
-                        unit="environments", accepts="an integer >= 0", ge=0)
+    size: int = setting(
+        1,
+        "WEENV_POOL_SIZE",
+        "Environments kept started ahead per template (0: no pool).",
+        unit="environments",
+        accepts="an integer >= 0",
+        ge=0,
+    )
 
 
 class RuntimeSettings(_Group):
     """The OCI runtime and what environments run with."""
 
     name: Literal["auto", "crun", "runc"] = setting(
-        "auto", "WEENV_RUNTIME", "The OCI runtime: auto (crun if it runs here, else runc), crun or runc.",
-        accepts="one of auto, crun, runc")
-    userns: bool = setting(False, "WEENV_USERNS",
-                           "Every environment runs in a user namespace of its own (root inside is not root "
-                           "outside).", accepts="on or off")
-    reset_ahead: bool = setting(True, "WEENV_RESET_AHEAD",
-                                "Resets start a container made ahead of time.", accepts="on or off")
-    max_fork: int = setting(100, "WEENV_MAX_FORK", "Children one fork may ask for.", unit="environments",
-                            accepts="a positive integer", ge=1)
+        "auto",
+        "WEENV_RUNTIME",
+        "The OCI runtime: auto (crun if it runs here, else runc), crun or runc.",
+        accepts="one of auto, crun, runc",
+    )
+    userns: bool = setting(
+        False,
+        "WEENV_USERNS",
+        "Every environment runs in a user namespace of its own (root inside is not root outside).",
+        accepts="on or off",
+    )
+    reset_ahead: bool = setting(
+        True, "WEENV_RESET_AHEAD", "Resets start a container made ahead of time.", accepts="on or off"
+    )
+    max_fork: int = setting(
+        100, "WEENV_MAX_FORK", "Children one fork may ask for.", unit="environments", accepts="a positive integer", ge=1
+    )
     pause_release_s: float | None = setting(
-        None, "WEENV_PAUSE_RELEASE_S",
+        None,
+        "WEENV_PAUSE_RELEASE_S",
         "Seconds after which a paused environment's memory is released; unset: never, unless asked.",
-        unit="s", accepts="a positive number of seconds", gt=0)
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
 
 
 class DiskSettings(_Group):
     """The node disk holding environments' upper dirs (btrfs image)."""
 
-    size_bytes: Bytes | None = setting(None, "WEENV_DISK_BYTES",
-                                       "Size of the node disk image; unset: 80% of the home file system's "
-                                       "free space.", unit="bytes", accepts="bytes, or a number with K, M, G or T")
+    size_bytes: Bytes | None = setting(
+        None,
+        "WEENV_DISK_BYTES",
+        "Size of the node disk image; unset: 80% of the home file system's free space.",
+        unit="bytes",
+        accepts="bytes, or a number with K, M, G or T",
+    )
 
 
 class NetworkSettings(_Group):
     """Environments' network."""
 
-    enabled: bool = setting(True, "WEENV_NETWORK",
-                            "The node's policy: off refuses environments with network.", accepts="on or off")
+    enabled: bool = setting(
+        True, "WEENV_NETWORK", "The node's policy: off refuses environments with network.", accepts="on or off"
+    )
     cidr: Annotated[ipaddress.IPv4Network, BeforeValidator(_ipv4_network)] = setting(
-        ipaddress.IPv4Network("10.200.0.0/16"), "WEENV_NET_CIDR",
-        "Where environments with network get their /30.", unit="IPv4 network",
-        accepts="an IPv4 network of a /30 or larger, such as 10.200.0.0/16")
+        ipaddress.IPv4Network("10.200.0.0/16"),
+        "WEENV_NET_CIDR",
+        "Where environments with network get their /30.",
+        unit="IPv4 network",
+        accepts="an IPv4 network of a /30 or larger, such as 10.200.0.0/16",
+    )
     dns_upstream: Annotated[str | None, BeforeValidator(_upstreams)] = setting(
-        None, "WEENV_DNS_UPSTREAM",
+        None,
+        "WEENV_DNS_UPSTREAM",
         "Name servers environments' names are resolved through; unset: the IPv4 ones of /etc/resolv.conf.",
-        unit="ADDRESS[:PORT],...", accepts="IPv4 ADDRESS[:PORT],...")
+        unit="ADDRESS[:PORT],...",
+        accepts="IPv4 ADDRESS[:PORT],...",
+    )
 
 
 class ProvisionSettings(_Group):
     """Elastic provisioning and admission (the rest of its knobs: ``ProvisionConfig``)."""
 
     mode: Literal["elastic", "static", "off"] = setting(
-        "elastic", "WEENV_PROVISION_MODE",
+        "elastic",
+        "WEENV_PROVISION_MODE",
         "elastic: quotas follow usage; static: declared resources; off: no admission, no adjustment.",
-        accepts="one of elastic, static, off")
-    interval_s: float = setting(1.0, "WEENV_PROVISION_INTERVAL", "Time between two passes of the controller.",
-                                unit="s", accepts="a positive number of seconds", gt=0)
-    cpu_overcommit: float = setting(4.0, "WEENV_CPU_OVERCOMMIT",
-                                    "The sum of CPU quotas may reach the cores times this.", unit="ratio",
-                                    accepts="a positive number", gt=0)
-    memory_overcommit: float = setting(1.0, "WEENV_MEMORY_OVERCOMMIT",
-                                       "The sum of memory limits may reach the memory times this.", unit="ratio",
-                                       accepts="a positive number", gt=0)
-    disk_overcommit: float = setting(4.0, "WEENV_DISK_OVERCOMMIT",
-                                     "The sum of declared disk limits may reach the node disk's size times this.",
-                                     unit="ratio", accepts="a positive number", gt=0)
+        accepts="one of elastic, static, off",
+    )
+    interval_s: float = setting(
+        1.0,
+        "WEENV_PROVISION_INTERVAL",
+        "Time between two passes of the controller.",
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
+    cpu_overcommit: float = setting(
+        4.0,
+        "WEENV_CPU_OVERCOMMIT",
+        "The sum of CPU quotas may reach the cores times this.",
+        unit="ratio",
+        accepts="a positive number",
+        gt=0,
+    )
+    memory_overcommit: float = setting(
+        1.0,
+        "WEENV_MEMORY_OVERCOMMIT",
+        "The sum of memory limits may reach the memory times this.",
+        unit="ratio",
+        accepts="a positive number",
+        gt=0,
+    )
+    disk_overcommit: float = setting(
+        4.0,
+        "WEENV_DISK_OVERCOMMIT",
+        "The sum of declared disk limits may reach the node disk's size times this.",
+        unit="ratio",
+        accepts="a positive number",
+        gt=0,
+    )
     cpu_quota_at: Literal["ceiling", "reservation"] = setting(
-        "ceiling", "WEENV_CPU_QUOTA_AT",
+        "ceiling",
+        "WEENV_CPU_QUOTA_AT",
         "An elastic environment's CFS quota: its declared cores (ceiling) or its elastic reservation.",
-        accepts="one of ceiling, reservation")
+        accepts="one of ceiling, reservation",
+    )
     admission: Literal["burst", "peak", "reservations", "static"] = setting(
-        "burst", "WEENV_ADMISSION", "How a new environment is admitted in elastic mode.",
-        accepts="one of burst, peak, reservations, static")
-    admission_sigmas: float = setting(2.0, "WEENV_ADMISSION_SIGMAS",
-                                      "admission=peak: standard deviations above the mean the predicted peak is.",
-                                      unit="sigmas", accepts="a number >= 0", ge=0)
-    admission_wait_s: float = setting(20.0, "WEENV_ADMISSION_WAIT",
-                                      "admission=burst: how long a refused create waits for room.", unit="s",
-                                      accepts="a number of seconds from 0 to 3600", ge=0, le=3600)
+        "burst",
+        "WEENV_ADMISSION",
+        "How a new environment is admitted in elastic mode.",
+        accepts="one of burst, peak, reservations, static",
+    )
+    admission_sigmas: float = setting(
+        2.0,
+        "WEENV_ADMISSION_SIGMAS",
+        "admission=peak: standard deviations above the mean the predicted peak is.",
+        unit="sigmas",
+        accepts="a number >= 0",
+        ge=0,
+    )
+    admission_wait_s: float = setting(
+        20.0,
+        "WEENV_ADMISSION_WAIT",
+        "admission=burst: how long a refused create waits for room.",
+        unit="s",
+        accepts="a number of seconds from 0 to 3600",
+        ge=0,
+        le=3600,
+    )
 
 
 class ServerSettings(_Group):
     """The daemon's E2B-compatible API and its port relay."""
 
-    e2b_upload_ttl_s: float = setting(3600.0, "WEENV_E2B_UPLOAD_TTL_S",
-                                      "How long an upload token lives, and an upload no build holds is kept.",
-                                      unit="s", accepts="a positive number of seconds", gt=0)
-    e2b_uploads_max_bytes: Bytes = setting(16 << 30, "WEENV_E2B_UPLOADS_MAX_BYTES",
-                                           "Bytes all template uploads of a node hold at once.", unit="bytes",
-                                           accepts="bytes, or a number with K, M, G or T")
-    e2b_ready_timeout_s: float = setting(120.0, "WEENV_E2B_READY_TIMEOUT_S",
-                                         "How long a create waits for a template's ready command.", unit="s",
-                                         accepts="a positive number of seconds", gt=0)
-    relay_max: int | None = setting(None, "WEENV_RELAY_MAX",
-                                    "Port-relay connections at once; unset: a quarter of the daemon's TCP "
-                                    "connection cap (always at most the cap - 8).", unit="connections",
-                                    accepts="a positive integer", gt=0)
-    relay_idle_s: float = setting(60.0, "WEENV_RELAY_IDLE_S", "A relayed connection quiet this long ends.",
-                                  unit="s", accepts="a positive number of seconds", gt=0)
+    e2b_upload_ttl_s: float = setting(
+        3600.0,
+        "WEENV_E2B_UPLOAD_TTL_S",
+        "How long an upload token lives, and an upload no build holds is kept.",
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
+    e2b_uploads_max_bytes: Bytes = setting(
+        16 << 30,
+        "WEENV_E2B_UPLOADS_MAX_BYTES",
+        "Bytes all template uploads of a node hold at once.",
+        unit="bytes",
+        accepts="bytes, or a number with K, M, G or T",
+    )
+    e2b_ready_timeout_s: float = setting(
+        120.0,
+        "WEENV_E2B_READY_TIMEOUT_S",
+        "How long a create waits for a template's ready command.",
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
+    relay_max: int | None = setting(
+        None,
+        "WEENV_RELAY_MAX",
+        "Port-relay connections at once; unset: a quarter of the daemon's TCP "
+        "connection cap (always at most the cap - 8).",
+        unit="connections",
+        accepts="a positive integer",
+        gt=0,
+    )
+    relay_idle_s: float = setting(
+        60.0,
+        "WEENV_RELAY_IDLE_S",
+        "A relayed connection quiet this long ends.",
+        unit="s",
+        accepts="a positive number of seconds",
+        gt=0,
+    )
 
 
 class BuildSettings(_Group):
     """Builds and imports."""
 
-    e2b_registry: str = setting("docker.io", "WEENV_E2B_REGISTRY",
-                                "Registry of an E2B template's FROM image named without one.", unit="host",
-                                accepts="a registry host")
-    import_skopeo: bool = setting(False, "WEENV_IMPORT_SKOPEO",
-                                  "Import images from a loopback registry through skopeo too (tests).",
-                                  accepts="on or off")
+    e2b_registry: str = setting(
+        "docker.io",
+        "WEENV_E2B_REGISTRY",
+        "Registry of an E2B template's FROM image named without one.",
+        unit="host",
+        accepts="a registry host",
+    )
+    import_skopeo: bool = setting(
+        False,
+        "WEENV_IMPORT_SKOPEO",
+        "Import images from a loopback registry through skopeo too (tests).",
+        accepts="on or off",
+    )
 
 
 class ClientSettings(_Group):
     """Where the SDK and the CLI find a daemon or a cluster (read in the user's process)."""
 
-    api_url: str | None = setting(None, "WEENV_API_URL",
-                                  "The daemon's http(s) URL; unset: the local daemon's Unix socket.", unit="URL",
-                                  accepts="an http(s) URL")
-    api_key: str | None = setting(None, "WEENV_API_KEY", "The API key for WEENV_API_URL.",
-                                  accepts="an API key", secret=True)
-    cluster_url: str | None = setting(None, "WEENV_CLUSTER_URL", "A cluster's gateway URL.", unit="URL",
-                                      accepts="an http(s) URL")
-    cluster_key: str | None = setting(None, "WEENV_CLUSTER_KEY", "The API key of WEENV_CLUSTER_URL.",
-                                      accepts="an API key", secret=True)
+    api_url: str | None = setting(
+        None,
+        "WEENV_API_URL",
+        "The daemon's http(s) URL; unset: the local daemon's Unix socket.",
+        unit="URL",
+        accepts="an http(s) URL",
+    )
+    api_key: str | None = setting(
+        None, "WEENV_API_KEY", "The API key for WEENV_API_URL.", accepts="an API key", secret=True
+    )
+    cluster_url: str | None = setting(
+        None, "WEENV_CLUSTER_URL", "A cluster's gateway URL.", unit="URL", accepts="an http(s) URL"
+    )
+    cluster_key: str | None = setting(
+        None, "WEENV_CLUSTER_KEY", "The API key of WEENV_CLUSTER_URL.", accepts="an API key", secret=True
+    )
 
 
 class Settings(BaseSettings):
@@ -301,11 +443,14 @@ class Settings(BaseSettings):
     client: ClientSettings = Field(default_factory=ClientSettings)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource,
-                                   dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource,
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         # first wins: arguments, then WEENV_* variables, then the settings file
         return init_settings, _LayerSource(settings_cls, "env"), _LayerSource(settings_cls, "file")
 
@@ -402,16 +547,19 @@ def _one_line(exc: ValidationError, env: Layer, file: Layer, path: Path) -> Inva
     loc = [str(p) for p in err.get("loc", ())]
     known = groups()
     if not loc or loc[0] not in known:
-        return InvalidInputError(f"settings file {path}: unknown group [{loc[0] if loc else '?'}]; "
-                                 f"known: {', '.join(known)}")
+        return InvalidInputError(
+            f"settings file {path}: unknown group [{loc[0] if loc else '?'}]; known: {', '.join(known)}"
+        )
     group = loc[0]
     if len(loc) == 1:
         return InvalidInputError(f"settings file {path}: {group} must be a table ([{group}])")
     key = loc[1]
     info = known[group].model_fields.get(key)
     if info is None:
-        return InvalidInputError(f"settings file {path}: unknown setting [{group}] {key}; "
-                                 f"known in [{group}]: {', '.join(known[group].model_fields)}")
+        return InvalidInputError(
+            f"settings file {path}: unknown setting [{group}] {key}; "
+            f"known in [{group}]: {', '.join(known[group].model_fields)}"
+        )
     meta = extra(info)
     want = meta["accepts"] or err["msg"]
     if key in env.get(group, {}):
@@ -563,4 +711,3 @@ class Paths:
     def runtime_roots(self) -> dict[str, Path]:
         """OCI runtime name -> its state directory."""
         return {"runc": self.runc_root, "crun": self.crun_root}
-

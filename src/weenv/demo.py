@@ -56,8 +56,17 @@ def deps_tree(cache: Path, requirements: list[str]) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-deps-"))
     try:
         target = tmp / SITE_PACKAGES
-        _pip("install", "--quiet", "--disable-pip-version-check", "--target", str(target),
-             "--python-version", "3.11", "--only-binary=:all:", *requirements)
+        _pip(
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            "--python-version",
+            "3.11",
+            "--only-binary=:all:",
+            *requirements,
+        )
         shutil.rmtree(target / "bin", ignore_errors=True)  # scripts with the host's shebang
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(root)
@@ -73,8 +82,17 @@ def sdist(cache: Path, requirement: str) -> Path:
     found = sorted(d.glob("*.tar.gz")) if d.is_dir() else []
     if not found:
         d.mkdir(parents=True, exist_ok=True)
-        _pip("download", "--quiet", "--disable-pip-version-check", "--no-deps",
-             "--no-binary", ":all:", "-d", str(d), requirement)
+        _pip(
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(d),
+            requirement,
+        )
         found = sorted(d.glob("*.tar.gz"))
         if not found:
             raise RuntimeFailedError(f"pip found no sdist for {requirement}")
@@ -105,13 +123,18 @@ def _library_deps(project_dir: Path) -> list[str]:
 
 
 def _pytest_summary(text: str) -> str:
-    lines = [l.strip("= ") for l in text.strip().splitlines() if l.strip()]
+    lines = [line.strip("= ") for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
 
 
-def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
-             test_requirements: tuple[str, ...] = DEFAULT_TEST_REQUIREMENTS,
-             keep_daemon: bool = False, console: Console | None = None) -> int:
+def run_demo(
+    paths: Paths,
+    *,
+    library: str = DEFAULT_LIBRARY,
+    test_requirements: tuple[str, ...] = DEFAULT_TEST_REQUIREMENTS,
+    keep_daemon: bool = False,
+    console: Console | None = None,
+) -> int:
     """Run the demo; return 0 if the test suite passed in both starts."""
     from weenv.server import daemon
 
@@ -142,8 +165,9 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
             f"{r.chunks_written} new, {r.seconds:.1f} s"
         )
     template = f"demo-{name}"
-    runtime = RuntimeConfig(working_dir=f"/workspace/{project}",
-                            resources=Resources(cpus=2.0, memory_bytes=2 << 30, pids=4096))
+    runtime = RuntimeConfig(
+        working_dir=f"/workspace/{project}", resources=Resources(cpus=2.0, memory_bytes=2 << 30, pids=4096)
+    )
     digest, _ = create_template(store, template, list(built), runtime=runtime)
     console.print(f"  template [bold]{template}[/bold] {digest[:19]}: {' + '.join(built)}")
 
@@ -158,16 +182,18 @@ def run_demo(paths: Paths, *, library: str = DEFAULT_LIBRARY,
             fetched0 = client.stats().cache_bytes_fetched
             info = client.create(template)
             try:
-                r = client.exec(info.id, ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                          "-o", "addopts=", "tests"], timeout=900)
+                r = client.exec(
+                    info.id,
+                    ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "tests"],
+                    timeout=900,
+                )
             finally:
                 client.destroy(info.id)
             fetched = client.stats().cache_bytes_fetched - fetched0
             summary = _pytest_summary(r.stdout.decode(errors="replace"))
             ok = ok and r.exit_code == 0
             results[label] = (info.timing, r, fetched)
-            console.print(f"  environment {info.id}: pytest exit {r.exit_code}: {summary} "
-                          f"({r.duration_s:.1f} s)")
+            console.print(f"  environment {info.id}: pytest exit {r.exit_code}: {summary} ({r.duration_s:.1f} s)")
             if r.exit_code != 0:
                 console.print(r.stdout.decode(errors="replace")[-3000:], markup=False)
                 console.print(r.stderr.decode(errors="replace")[-2000:], markup=False)

@@ -201,8 +201,7 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def disk_full(who: str, doing: str, exc: OSError) -> DiskFullError:
     """:class:`DiskFullError` for ``exc`` (an ``ENOSPC`` or ``EDQUOT`` of
     ``doing``; ``who``: ``"environment ID"``, or what was being made), its errno kept."""
-    why = ("no space left on the node's disk" if exc.errno == errno.ENOSPC
-           else "no space left under the disk quota")  # fmt: skip
+    why = "no space left on the node's disk" if exc.errno == errno.ENOSPC else "no space left under the disk quota"
     return DiskFullError(exc.errno, f"{who}: {doing}: {why} ({os.strerror(exc.errno)})")
 
 

@@ -14,8 +14,14 @@ ROOT_FIXTURES = {"debian_root", "shared_store", "node", "leak_check"}
 
 def pytest_runtest_setup(item):
     defs = getattr(item, "_fixtureinfo", None)
-    used = {name for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ())
-            if name in ROOT_FIXTURES and fixturedefs[-1].baseid in ("", "tests")}
+    used = {
+        name
+        for name, fixturedefs in (defs.name2fixturedefs.items() if defs else ())
+        if name in ROOT_FIXTURES and fixturedefs[-1].baseid in ("", "tests")
+    }
     if used:
-        pytest.fail(f"{item.nodeid}: a unit test may not use the root tier's fixtures {sorted(used)}; "
-                    "move it out of tests/unit/", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid}: a unit test may not use the root tier's fixtures {sorted(used)}; "
+            "move it out of tests/unit/",
+            pytrace=False,
+        )

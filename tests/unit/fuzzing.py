@@ -31,8 +31,14 @@ CORPUS = Path(__file__).resolve().parents[1] / "fuzz" / "corpus"
 
 def fuzz_settings(examples: int) -> settings:
     """``examples`` inputs (times :data:`SCALE`), the same ones every run."""
-    return settings(max_examples=examples * SCALE, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+    return settings(
+        max_examples=examples * SCALE,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
 
 
 @contextlib.contextmanager
@@ -51,8 +57,21 @@ def corpus(target: str) -> list[bytes]:
     return [p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()] if folder.is_dir() else []
 
 
-EDGE_NUMBERS = (b"0", b"-1", b"1", b"7", b"77777777777", b"99999999999999999999", b"18446744073709551617",
-                b"2147483648", b"+1", b"1e9", b"0x10", b" ", b"")
+EDGE_NUMBERS = (
+    b"0",
+    b"-1",
+    b"1",
+    b"7",
+    b"77777777777",
+    b"99999999999999999999",
+    b"18446744073709551617",
+    b"2147483648",
+    b"+1",
+    b"1e9",
+    b"0x10",
+    b" ",
+    b"",
+)
 """Numbers (and non-numbers) a size, length or count field is set to."""
 _DIGITS = re.compile(rb"[0-9]+")
 
@@ -66,7 +85,9 @@ def _mutate(draw, seeds: list[bytes], max_ops: int) -> bytes:
         if op == "flip" and data:
             data[pos] ^= 1 << draw(st.integers(0, 7))
         elif op == "byte" and data:
-            data[pos] = draw(st.sampled_from((0, 0xFF, 0x7F, 0x80, 0x0A, 0x20, 0x22, 0x2F, 0x3D, 0x5C)) | st.integers(0, 255))
+            data[pos] = draw(
+                st.sampled_from((0, 0xFF, 0x7F, 0x80, 0x0A, 0x20, 0x22, 0x2F, 0x3D, 0x5C)) | st.integers(0, 255)
+            )
         elif op == "insert":
             data[pos:pos] = draw(st.binary(max_size=64))
         elif op == "delete":
@@ -90,8 +111,13 @@ def _mutate(draw, seeds: list[bytes], max_ops: int) -> bytes:
 
 def mutated(seeds: list[bytes], *, max_ops: int = 6, raw_size: int = 1024) -> st.SearchStrategy[bytes]:
     """A seed with 1..``max_ops`` mutations, or (one in five) arbitrary bytes."""
-    return st.one_of(_mutate(seeds, max_ops), _mutate(seeds, max_ops), _mutate(seeds, max_ops),
-                     _mutate(seeds, max_ops), st.binary(max_size=raw_size))  # fmt: skip
+    return st.one_of(
+        _mutate(seeds, max_ops),
+        _mutate(seeds, max_ops),
+        _mutate(seeds, max_ops),
+        _mutate(seeds, max_ops),
+        st.binary(max_size=raw_size),
+    )
 
 
 def fix_tar_checksums(data: bytes) -> bytes:
@@ -110,17 +136,25 @@ def tar_mutated(seeds: list[bytes]) -> st.SearchStrategy[bytes]:
     """Tars mutated as by :func:`mutated`, with their headers' checksums fixed
     (four in five) so the mutation reaches the fields."""
     return st.tuples(mutated(seeds, raw_size=2048), st.integers(0, 4)).map(
-        lambda t: fix_tar_checksums(t[0]) if t[1] else t[0])
+        lambda t: fix_tar_checksums(t[0]) if t[1] else t[0]
+    )
 
 
 JSON_EDGES = st.one_of(
-    st.none(), st.booleans(), st.sampled_from((-1, 0, 2**31, 2**63, 2**64 + 1, 10**30, -(10**30), 1e308, -0.0)),
-    st.integers(), st.floats(allow_nan=False), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.sampled_from((-1, 0, 2**31, 2**63, 2**64 + 1, 10**30, -(10**30), 1e308, -0.0)),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
     st.sampled_from(("", "\x00", "..", "/", "sha256:" + "0" * 64, "sha256:" + "g" * 64, "\ud800", "a" * 300)),
 )
 """JSON values a mutated document's field is set to."""
-_JSON_VALUES = st.recursive(JSON_EDGES, lambda inner: st.lists(inner, max_size=3)
-                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)  # fmt: skip
+_JSON_VALUES = st.recursive(
+    JSON_EDGES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def _paths(doc, prefix=()) -> list[tuple]:

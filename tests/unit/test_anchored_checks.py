@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import RuntimeConfig, TemplateManifest, check_digest, check_name
-from weenv.node.runtime.bundle import build_config
 from weenv.node.cgroups import CgroupV2
+from weenv.node.runtime.bundle import build_config
 from weenv.node.runtime.runc import exec_args
 from weenv.packaging.importer.source import check_blob_digest
 
@@ -56,4 +56,3 @@ def test_a_cgroup_path_with_a_trailing_newline_is_refused(tmp_path):
     assert CgroupV2("/weenv-x", tmp_path).path == "/weenv-x"
     with pytest.raises(InvalidInputError, match="cgroup path"):
         CgroupV2("/weenv-x\n", tmp_path)
-

@@ -34,7 +34,7 @@ def test_a_log_keeps_its_first_and_last_bytes_and_never_moves_an_entry():
         if i == 100:
             seen = list(book.entries)
     book.add("[builder 1/2] RUN spam: done in 3 s", step="1")
-    for i in range(100_000):
+    for _ in range(100_000):
         book.add("y" * 100_000, step="2", output=True)  # a 100 KB line, 100,000 times: 10 GB printed
     book.add("step 2 exited 1", level="error", step="2", final=True)
     assert book.bytes <= 200_000 + 4096 + 200 and _size(book) < 220_000, book.bytes

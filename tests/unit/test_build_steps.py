@@ -9,15 +9,15 @@ import tarfile
 
 import pytest
 
+from weenv.build.stepbuild import docker_reference, step_key
 from weenv.errors import InvalidInputError
 from weenv.host.rootfs import RootFS
-from weenv.build.stepbuild import docker_reference, step_key
 from weenv.packaging.steps import (
+    MAX_ENV_BYTES,
+    MAX_ENV_VALUE_BYTES,
     Account,
     Context,
     Step,
-    MAX_ENV_BYTES,
-    MAX_ENV_VALUE_BYTES,
     advance,
     check_steps,
     copy_archive,
@@ -30,9 +30,13 @@ from weenv.packaging.steps import (
 
 def test_steps_are_checked():
     assert Step.model_validate({"type": "run", "args": ["make"]}).check().type == "RUN"
-    for bad in ({"type": "RUN", "args": []}, {"type": "ENV", "args": ["A"]}, {"type": "WORKDIR", "args": []},
-                {"type": "COPY", "args": ["a", "/b"]}, {"type": "COPY", "args": ["a", "/b", "", "9z"],
-                                                         "filesHash": "0" * 64}):  # fmt: skip
+    for bad in (
+        {"type": "RUN", "args": []},
+        {"type": "ENV", "args": ["A"]},
+        {"type": "WORKDIR", "args": []},
+        {"type": "COPY", "args": ["a", "/b"]},
+        {"type": "COPY", "args": ["a", "/b", "", "9z"], "filesHash": "0" * 64},
+    ):
         with pytest.raises(InvalidInputError):
             Step.model_validate(bad).check()
     with pytest.raises(ValueError):
@@ -43,8 +47,13 @@ def test_steps_are_checked():
 
 def test_context_follows_the_steps():
     ctx = Context()
-    for s in (Step(type="USER", args=["user"]), Step(type="WORKDIR", args=["/srv"]), Step(type="WORKDIR", args=["app"]),
-              Step(type="ENV", args=["A", "1", "B", "${A}-$A-$UNSET."]), Step(type="RUN", args=["true"])):
+    for s in (
+        Step(type="USER", args=["user"]),
+        Step(type="WORKDIR", args=["/srv"]),
+        Step(type="WORKDIR", args=["app"]),
+        Step(type="ENV", args=["A", "1", "B", "${A}-$A-$UNSET."]),
+        Step(type="RUN", args=["true"]),
+    ):
         ctx = advance(ctx, s)
     assert ctx == Context(user="user", workdir="/srv/app", env={"A": "1", "B": "1-1-."})
 
@@ -59,7 +68,10 @@ def test_variables_are_bounded_as_they_expand():
     one_step = [Step(type="ENV", args=["A", "x" * 100_000]), Step(type="ENV", args=["B", "${A}" * 250_000])]
     with pytest.raises(InvalidInputError, match="step 2: .*once expanded"):
         check_steps(one_step)
-    many = [Step(type="ENV", args=[f"V{i}", "y" * MAX_ENV_VALUE_BYTES]) for i in range(MAX_ENV_BYTES // MAX_ENV_VALUE_BYTES + 1)]
+    many = [
+        Step(type="ENV", args=[f"V{i}", "y" * MAX_ENV_VALUE_BYTES])
+        for i in range(MAX_ENV_BYTES // MAX_ENV_VALUE_BYTES + 1)
+    ]
     with pytest.raises(InvalidInputError, match=rf"more than {MAX_ENV_BYTES} bytes"):
         check_steps(many)
     fits = check_steps([Step(type="ENV", args=["A", "é" * 1000]), Step(type="ENV", args=["B", "$A" * 60])])
@@ -180,14 +192,32 @@ def test_a_copy_through_a_link_out_of_the_upload_is_refused(tmp_path):
     unpack_upload(tmp_path / "up.tar", stage)
     owner = Account(name="user", uid=1000, gid=1000, home="/home/user")
     with pytest.raises(InvalidInputError, match="symbolic link out of the upload"):
-        copy_archive(stage, Step(type="COPY", args=["l/etc/hostname", "/x"], filesHash="1" * 64), Context(), owner,
-                     "/home/user", tmp_path / "out.tar")  # fmt: skip
-    copy_archive(stage, Step(type="COPY", args=["l", "/x"], filesHash="1" * 64), Context(), owner,
-                 "/home/user", tmp_path / "link.tar")  # fmt: skip
+        copy_archive(
+            stage,
+            Step(type="COPY", args=["l/etc/hostname", "/x"], filesHash="1" * 64),
+            Context(),
+            owner,
+            "/home/user",
+            tmp_path / "out.tar",
+        )
+    copy_archive(
+        stage,
+        Step(type="COPY", args=["l", "/x"], filesHash="1" * 64),
+        Context(),
+        owner,
+        "/home/user",
+        tmp_path / "link.tar",
+    )
     with tarfile.open(tmp_path / "link.tar") as t:
         assert [(m.name, m.issym(), m.linkname) for m in t.getmembers()] == [("x", True, "/")]
-    copy_archive(stage, Step(type="COPY", args=["d/a.txt", "/srv/"], filesHash="1" * 64), Context(), owner,
-                 "/home/user", tmp_path / "file.tar")  # fmt: skip
+    copy_archive(
+        stage,
+        Step(type="COPY", args=["d/a.txt", "/srv/"], filesHash="1" * 64),
+        Context(),
+        owner,
+        "/home/user",
+        tmp_path / "file.tar",
+    )
     with tarfile.open(tmp_path / "file.tar") as t:
         assert [(m.name, m.uid, t.extractfile(m).read()) for m in t.getmembers()] == [("a.txt", 1000, b"hi")]
 

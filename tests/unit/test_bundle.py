@@ -37,9 +37,15 @@ def test_bundle_config(tmp_path):
     dests = [m["destination"] for m in c["mounts"]]
     assert dests == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys", "/sys/fs/cgroup"]
 
-    net = build_config(Path("/r"), RuntimeConfig(network=True), hostname="h", cgroups_path="/c",
-                       resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7), seccomp=False,
-                       netns=Path("/e/netns"))  # fmt: skip
+    net = build_config(
+        Path("/r"),
+        RuntimeConfig(network=True),
+        hostname="h",
+        cgroups_path="/c",
+        resources=Resources(cpus=2.5, memory_bytes=1 << 30, pids=7),
+        seccomp=False,
+        netns=Path("/e/netns"),
+    )
     assert {"type": "network", "path": "/e/netns"} in net["linux"]["namespaces"]  # never the host's
     for network, netns in ((True, None), (False, Path("/e/netns"))):
         with pytest.raises(InvalidInputError):
@@ -47,8 +53,14 @@ def test_bundle_config(tmp_path):
     assert net["mounts"][-1]["destination"] == "/etc/resolv.conf" and "ro" in net["mounts"][-1]["options"]
     assert net["linux"]["resources"]["cpu"]["quota"] == 250000 and "seccomp" not in net["linux"]
     assert net["linux"]["resources"]["pids"] == {"limit": 7}
-    wide = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c",
-                        capabilities=DOCKER_DEFAULT_CAPS, init=Path("/usr/bin/tini-static"))
+    wide = build_config(
+        Path("/r"),
+        RuntimeConfig(),
+        hostname="h",
+        cgroups_path="/c",
+        capabilities=DOCKER_DEFAULT_CAPS,
+        init=Path("/usr/bin/tini-static"),
+    )
     assert "CAP_CHOWN" in wide["process"]["capabilities"]["effective"]
     assert wide["process"]["args"] == ["/dev/weenv-init", "--", "sleep", "infinity"]
     assert wide["mounts"][-1]["source"] == "/usr/bin/tini-static"
@@ -71,8 +83,9 @@ def test_the_agent_holds_the_environment_in_place_of_sleep():
     held = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init, agent=agent)
     assert held["process"]["args"] == [AGENT_PATH, "-u", "0:0", "-c", "20000420", "--"]
     assert INIT_PATH not in [m["destination"] for m in held["mounts"]]
-    own = build_config(Path("/r"), RuntimeConfig(command=["/app", "serve"]), hostname="h", cgroups_path="/c",
-                       init=init, agent=agent)  # fmt: skip
+    own = build_config(
+        Path("/r"), RuntimeConfig(command=["/app", "serve"]), hostname="h", cgroups_path="/c", init=init, agent=agent
+    )
     assert own["process"]["args"][-4:] == [INIT_PATH, "--", "/app", "serve"]
     alone = build_config(Path("/r"), RuntimeConfig(), hostname="h", cgroups_path="/c", init=init)
     assert alone["process"]["args"] == [INIT_PATH, "--", "sleep", "infinity"]  # no agent: nothing of weenv's to hold

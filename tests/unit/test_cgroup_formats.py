@@ -27,7 +27,7 @@ def _v2_tree(tmp_path: Path) -> Path:
         "cgroup.freeze": "0\n",
         "cgroup.events": "populated 1\nfrozen 0\n",
         "cpu.stat": "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\nnr_periods 40\n"
-                    "nr_throttled 7\nthrottled_usec 350000\nnr_bursts 0\nburst_usec 0\n",
+        "nr_throttled 7\nthrottled_usec 350000\nnr_bursts 0\nburst_usec 0\n",
         "cpu.max": "max 100000\n",
         "memory.current": str(300 * MIB) + "\n",
         "memory.peak": str(320 * MIB) + "\n",
@@ -35,12 +35,12 @@ def _v2_tree(tmp_path: Path) -> Path:
         "memory.high": "max\n",
         "memory.reclaim": "",
         "memory.stat": f"anon {200 * MIB}\nfile {100 * MIB}\nactive_file {40 * MIB}\n"
-                       f"inactive_file {60 * MIB}\nshmem 0\n",
+        f"inactive_file {60 * MIB}\nshmem 0\n",
         "memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n",
         "pids.current": "9\n",
         "pids.max": "max\n",
         "pids.events": "max 3\n",
-    }  # fmt: skip
+    }
     for name, text in files.items():
         (g / name).write_text(text)
     return root
@@ -55,7 +55,13 @@ def test_v2_reads_the_kernel_formats(tmp_path):
     assert (u.memory_usage, u.memory_working_set, u.memory_peak) == (300 * MIB, 240 * MIB, 320 * MIB)
     assert (u.memory_failcnt, u.oom_kills, u.pids_current, u.pids_failcnt) == (12, 1, 9, 3)
     lim = g.limits()
-    assert (lim.cpu_quota, lim.cpu_period_us, lim.memory_limit, lim.pids_limit, lim.frozen) == (None, 100000, None, None, False)
+    assert (lim.cpu_quota, lim.cpu_period_us, lim.memory_limit, lim.pids_limit, lim.frozen) == (
+        None,
+        100000,
+        None,
+        None,
+        False,
+    )
 
 
 def test_v2_writes_the_kernel_formats(tmp_path):

@@ -29,7 +29,7 @@ def test_chunks_are_the_images_bytes_in_order(tmp_path):
     i = 0
     while pos < len(data):
         n = sizes[i % len(sizes)]
-        sink.write(data[pos:pos + n])
+        sink.write(data[pos : pos + n])
         pos += n
         i += 1
         assert len(sink._pending) <= 3

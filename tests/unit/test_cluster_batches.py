@@ -33,8 +33,10 @@ class Nodes:
 
     def __init__(self, view: ClusterView, templates: int):
         self.view = view
-        self.facts = {f"c{i}": TemplateFacts(groups=["sha256:base", f"sha256:task{i}"], cpus=0.05,
-                                             memory_bytes=64 * MiB) for i in range(templates)}
+        self.facts = {
+            f"c{i}": TemplateFacts(groups=["sha256:base", f"sha256:task{i}"], cpus=0.05, memory_bytes=64 * MiB)
+            for i in range(templates)
+        }
         self.sizes = {"sha256:base": BASE, **{f"sha256:task{i}": TASK for i in range(templates)}}
         self.held: dict[str, dict[str, int]] = {n: {} for n in NODES}
         self.envs: dict[str, dict[str, str]] = {n: {} for n in NODES}  # env id -> template
@@ -44,12 +46,26 @@ class Nodes:
 
     def report(self, n: str) -> None:
         envs = self.envs[n]
-        self.view.heartbeat(NodeReport(
-            node_id=n, home=f"/h/{n}", api_url=f"http://{n}:1", api_key="k" * 40, at=time.time(), cpu_capacity=2.0,
-            memory_capacity=8 * GiB, cpu_reserved=0.05 * len(envs), memory_reserved=64 * MiB * len(envs),
-            cpu_used=0.0, memory_used=0, environments=list(envs), group_bytes=dict(self.held[n]),
-            group_sizes=self.sizes, templates={t: self.facts[t] for t in self.known},
-            reservations={e: (0.05, 64 * MiB) for e in envs}))
+        self.view.heartbeat(
+            NodeReport(
+                node_id=n,
+                home=f"/h/{n}",
+                api_url=f"http://{n}:1",
+                api_key="k" * 40,
+                at=time.time(),
+                cpu_capacity=2.0,
+                memory_capacity=8 * GiB,
+                cpu_reserved=0.05 * len(envs),
+                memory_reserved=64 * MiB * len(envs),
+                cpu_used=0.0,
+                memory_used=0,
+                environments=list(envs),
+                group_bytes=dict(self.held[n]),
+                group_sizes=self.sizes,
+                templates={t: self.facts[t] for t in self.known},
+                reservations={e: (0.05, 64 * MiB) for e in envs},
+            )
+        )
 
     def made(self, n: str, env_id: str, template: str) -> None:
         """A create ended on ``n``: the base's read part and the whole task are in its cache."""
@@ -96,7 +112,7 @@ def test_a_batch_of_many_templates_sharing_a_base_is_balanced_and_stays_warm():
                 if holders[t]:
                     counted += 1
                     hits += n in holders[t]
-            for n, t, env_id in placed:
+            for n, _t, env_id in placed:
                 view.forget(env_id)
                 del nodes.envs[n][env_id]
             for n in NODES:

@@ -94,8 +94,10 @@ def test_the_cache_bonus_ends_at_the_bound_of_environments_per_node():
     warm_bytes = {"sha256:task": 200}
 
     def cluster(on_warm: int):
-        return [node("warm", cpus=2, environments=on_warm, cpu_reserved=0.05 * on_warm, group_bytes=warm_bytes),
-                *(node(f"cold{i}", cpus=2, environments=4, cpu_reserved=0.2) for i in range(3))]
+        return [
+            node("warm", cpus=2, environments=on_warm, cpu_reserved=0.05 * on_warm, group_bytes=warm_bytes),
+            *(node(f"cold{i}", cpus=2, environments=4, cpu_reserved=0.2) for i in range(3)),
+        ]
 
     cap = bonus_cap(32, 4, policy)
     assert place(cluster(cap - 1), small, cap=cap) == "warm", "below the bound: the bonus counts"

@@ -9,9 +9,20 @@ GiB = 1 << 30
 def report(node_id: str, *, cpus: float = 2, memory: int = 8 * GiB, envs: int = 0) -> NodeReport:
     import time
 
-    return NodeReport(node_id=node_id, home=f"/h/{node_id}", api_url=f"http://{node_id}:1", api_key="k" * 40,
-                      at=time.time(), cpu_capacity=cpus, memory_capacity=memory, cpu_reserved=0.0,
-                      memory_reserved=0, cpu_used=0.0, memory_used=0, environments=[f"{node_id}-{i}" for i in range(envs)])
+    return NodeReport(
+        node_id=node_id,
+        home=f"/h/{node_id}",
+        api_url=f"http://{node_id}:1",
+        api_key="k" * 40,
+        at=time.time(),
+        cpu_capacity=cpus,
+        memory_capacity=memory,
+        cpu_reserved=0.0,
+        memory_reserved=0,
+        cpu_used=0.0,
+        memory_used=0,
+        environments=[f"{node_id}-{i}" for i in range(envs)],
+    )
 
 
 def test_room_counts_what_fits_across_nodes_by_capacity_and_max_environments():

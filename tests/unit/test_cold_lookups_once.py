@@ -13,17 +13,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from test_manifest_hint import _template as _two_group_template
 
 from weenv.errors import StoreUnavailableError
 from weenv.formats.manifest import sha256_digest
 from weenv.node.data.cache import ChunkCache
-from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.data.prefetch import Prefetcher
+from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.resolver import Resolver
 from weenv.packaging.profile import PrefetchProfile, publish_profile
 from weenv.store.file import FileStore
-
-from test_manifest_hint import _template as _two_group_template
 
 DELAY_S = 0.1
 """Each store request below takes this long: long enough for the other creates to arrive meanwhile."""
@@ -132,8 +131,7 @@ def test_cold_creates_at_once_look_the_template_s_profile_up_once(tmp_path):
     ref = store.put_chunk(data)[0]
     group = "sha256:" + "0" * 64
     digest = sha256_digest(b"a template")
-    publish_profile(store, PrefetchProfile(template=digest, groups=[group], chunks=[(0, 0)], refs=[ref],
-                                           window_s=0.1))  # fmt: skip
+    publish_profile(store, PrefetchProfile(template=digest, groups=[group], chunks=[(0, 0)], refs=[ref], window_s=0.1))
     cache = ChunkCache(tmp_path / "cache", store, max_bytes=1 << 30)
     pf = Prefetcher(cache, store, _NoLazy())
     try:

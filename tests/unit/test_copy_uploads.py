@@ -33,8 +33,7 @@ def _header(name: str, kind: bytes, size: int) -> bytes:
     return info.tobuf(format=tarfile.USTAR_FORMAT if size < 8 << 30 else tarfile.GNU_FORMAT)
 
 
-@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME,
-                                  tarfile.GNUTYPE_LONGLINK])  # fmt: skip
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK])
 @pytest.mark.parametrize("compressed", [False, True])
 def test_a_huge_extended_header_is_refused_before_its_body_is_read(kind, compressed):
     """A 1 GiB PAX / GNU long-name header: refused on its 512-byte header, with
@@ -42,7 +41,9 @@ def test_a_huge_extended_header_is_refused_before_its_body_is_read(kind, compres
     head = _header("././@LongLink", kind, 1 << 30)
     data = gzip.compress(head) if compressed else head
     scan = TarScan(max_entries=10, max_bytes=1 << 20)
-    with pytest.raises(InvalidInputError, match=f"header of {1 << 30} bytes at offset 0 .at most {MAX_TAR_HEADER_BYTES}"):
+    with pytest.raises(
+        InvalidInputError, match=f"header of {1 << 30} bytes at offset 0 .at most {MAX_TAR_HEADER_BYTES}"
+    ):
         scan.feed(data)
 
 
@@ -82,8 +83,12 @@ def _real_tar(fmt: int, compress: bool) -> bytes:
     buf = io.BytesIO()
     long_dir = "d" * 120
     with tarfile.open(fileobj=buf, mode="w:gz" if compress else "w", format=fmt) as tar:
-        for name, kind, data in [(long_dir, tarfile.DIRTYPE, b""), (f"{long_dir}/é-{'f' * 150}", tarfile.REGTYPE, b"x" * 1000),
-                                 ("link", tarfile.SYMTYPE, b""), ("empty", tarfile.REGTYPE, b"")]:  # fmt: skip
+        for name, kind, data in [
+            (long_dir, tarfile.DIRTYPE, b""),
+            (f"{long_dir}/é-{'f' * 150}", tarfile.REGTYPE, b"x" * 1000),
+            ("link", tarfile.SYMTYPE, b""),
+            ("empty", tarfile.REGTYPE, b""),
+        ]:
             info = tarfile.TarInfo(name)
             info.type, info.size = kind, len(data)
             if kind == tarfile.SYMTYPE:
@@ -175,8 +180,11 @@ def test_an_upload_of_other_files_does_not_match(tmp_path):
     _context(ctx)
     want = sdk.calculate_files_hash("app", "/d", str(ctx), [], False, None)
     step = Step(type="COPY", args=["app", "/d"], filesHash=want)
-    for change in (lambda: (ctx / "app" / "a.txt").write_text("HELLO\n"), lambda: (ctx / "app" / "run.sh").chmod(0o700),
-                   lambda: (ctx / "app" / "new").write_text("")):  # fmt: skip
+    for change in (
+        lambda: (ctx / "app" / "a.txt").write_text("HELLO\n"),
+        lambda: (ctx / "app" / "run.sh").chmod(0o700),
+        lambda: (ctx / "app" / "new").write_text(""),
+    ):
         change()
         with sdk.tar_file_stream("app", str(ctx), [], False, True) as f:
             (tmp_path / "up.tar").write_bytes(f.read())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from weenv.errors import InvalidInputError
 from weenv.api.models import CreateRequest
+from weenv.errors import InvalidInputError
 from weenv.node.node import _request
 
 
@@ -17,10 +17,18 @@ def test_keywords_make_the_shared_model():
     assert _request(given, {}) is given
 
 
-@pytest.mark.parametrize("fields", [
-    {"timeout": -1}, {"timeout": 8 * 86400}, {"timeout": float("inf")}, {"priority": 1001},
-    {"envs": {"A=B": "1"}}, {"envs": {"A": "a\0b"}}, {"metadata": {"": "v"}},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"timeout": -1},
+        {"timeout": 8 * 86400},
+        {"timeout": float("inf")},
+        {"priority": 1001},
+        {"envs": {"A=B": "1"}},
+        {"envs": {"A": "a\0b"}},
+        {"metadata": {"": "v"}},
+    ],
+)
 def test_bad_fields_are_invalid_input(fields):
     with pytest.raises(InvalidInputError):
         _request("task", fields)

@@ -37,7 +37,7 @@ def _section(page: str, heading: str) -> str:
     """The text of ``page`` under the heading line ``heading``, up to the next heading of its level."""
     assert heading + "\n" in page, f"{heading} missing from the page"
     start = page.index(heading + "\n")
-    rest = page[start + len(heading) + 1:]
+    rest = page[start + len(heading) + 1 :]
     end = rest.find("\n## ")
     return rest if end < 0 else rest[:end]
 
@@ -70,12 +70,16 @@ ROUTE_RE = re.compile(r"@\w+\.(get|post|put|delete|patch)\(\s*\"([^\"]+)\"")
 def test_every_route_the_server_declares(pages):
     rows = re.findall(r"^\| (GET|POST|PUT|DELETE|PATCH) \| `([^`]+)` \|", pages["reference/http.md"], re.M)
     assert len(rows) > 50
-    declared = [(m.upper(), p, path.relative_to(ROOT)) for path in sorted((SRC / "server").rglob("*.py"))
-                for m, p in ROUTE_RE.findall(path.read_text())]
+    declared = [
+        (m.upper(), p, path.relative_to(ROOT))
+        for path in sorted((SRC / "server").rglob("*.py"))
+        for m, p in ROUTE_RE.findall(path.read_text())
+    ]
     assert len(declared) > 50
     for method, route, where in declared:
-        assert any(m == method and p.endswith(route) for m, p in rows), \
+        assert any(m == method and p.endswith(route) for m, p in rows), (
             f"{method} {route} ({where}) missing from reference/http.md"
+        )
 
 
 def test_envd_routes(pages):
@@ -87,7 +91,9 @@ def test_envd_routes(pages):
 def test_every_setting_the_code_names(pages):
     page = pages["reference/settings.md"]
     rows = set(re.findall(r"^\| `(WEENV_[A-Z0-9_]+)` \|", page, re.M))
-    named = {name for path in SRC.rglob("*.py") for name in re.findall(r"\bWEENV_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    named = {
+        name for path in SRC.rglob("*.py") for name in re.findall(r"\bWEENV_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())
+    }
     assert len(named) >= 30
     assert named <= rows, f"missing from reference/settings.md: {sorted(named - rows)}"
     assert {"WEENV_NEMO_VENV", "WEENV_HARBOR_VENV"} <= rows  # scripts/setup.sh's

@@ -47,9 +47,14 @@ def test_a_token_expires_and_opens_its_own_route_only(uploads):
     uploads.check_token(tok, "t1", H1)
     route = f"/e2b/templates/t1/files/{H1}/upload"
     assert uploads.authorises(tok, "PUT", route)
-    for method, path in [("POST", route), ("PUT", f"/e2b/templates/t1/files/{H2}/upload"),
-                         ("PUT", f"/e2b/templates/t2/files/{H1}/upload"), ("POST", "/e2b/sandboxes"),
-                         ("PUT", "/v1/environments/x/files"), ("POST", "/e2b/envd/files")]:  # fmt: skip
+    for method, path in [
+        ("POST", route),
+        ("PUT", f"/e2b/templates/t1/files/{H2}/upload"),
+        ("PUT", f"/e2b/templates/t2/files/{H1}/upload"),
+        ("POST", "/e2b/sandboxes"),
+        ("PUT", "/v1/environments/x/files"),
+        ("POST", "/e2b/envd/files"),
+    ]:
         assert not uploads.authorises(tok, method, path), (method, path)
     with pytest.raises(AuthenticationError, match="wrong upload token"):
         uploads.check_token(tok, "t1", H2)

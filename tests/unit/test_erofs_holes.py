@@ -69,15 +69,15 @@ def test_holes_are_holes_and_the_rest_is_stored_as_given(seed):
     for p in pieces:
         n = p if isinstance(p, int) else len(p)
         if isinstance(p, int):
-            hole[at:at + n] = b"\1" * n
+            hole[at : at + n] = b"\1" * n
         at += n
-    holes = [all(hole[i:i + BLOCK]) for i in range(0, len(content), BLOCK)]
+    holes = [all(hole[i : i + BLOCK]) for i in range(0, len(content), BLOCK)]
     if not any(holes):
         assert layout == FLAT_PLAIN
-        read = image[i_u * BLOCK:i_u * BLOCK + size]
+        read = image[i_u * BLOCK : i_u * BLOCK + size]
     else:
         assert layout == CHUNK_BASED and [b == NULL_ADDR for b in bmap] == holes
-        read = b"".join(bytes(BLOCK) if b == NULL_ADDR else image[b * BLOCK:(b + 1) * BLOCK] for b in bmap)[:size]
+        read = b"".join(bytes(BLOCK) if b == NULL_ADDR else image[b * BLOCK : (b + 1) * BLOCK] for b in bmap)[:size]
     assert read == content
 
 

@@ -13,9 +13,22 @@ TOP = ["AsyncSandbox", "Sandbox", "__version__", "connect_cluster", "meter"]
 """``weenv.__all__``: what ``import weenv`` offers."""
 
 SDK = [
-    "AsyncCommandHandle", "AsyncNodeClient", "AsyncSandbox", "AuthenticationError", "CapacityError",
-    "CommandHandle", "CommandResult", "CommandTimeoutError", "DaemonError", "InvalidInputError", "NodeClient",
-    "NotFoundError", "OutputLimitError", "Sandbox", "WeenvError", "meter",
+    "AsyncCommandHandle",
+    "AsyncNodeClient",
+    "AsyncSandbox",
+    "AuthenticationError",
+    "CapacityError",
+    "CommandHandle",
+    "CommandResult",
+    "CommandTimeoutError",
+    "DaemonError",
+    "InvalidInputError",
+    "NodeClient",
+    "NotFoundError",
+    "OutputLimitError",
+    "Sandbox",
+    "WeenvError",
+    "meter",
 ]
 """``weenv.sdk.__all__``."""
 

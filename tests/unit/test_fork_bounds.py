@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from weenv.api.models import ForkRequest, ResumeRequest, SnapshotRequest
 from weenv.errors import InvalidInputError
 from weenv.node.state.fork import DEFAULT_MAX_FORK, check_count, max_fork_from_env
-from weenv.api.models import ForkRequest, ResumeRequest, SnapshotRequest
 
 pytestmark = pytest.mark.unit
 
@@ -33,8 +33,9 @@ def test_the_maximum_comes_from_the_environment(monkeypatch):
             max_fork_from_env()
 
 
-@pytest.mark.parametrize("body", [{"count": 0}, {"count": 10_001}, {"timeout": 0}, {"timeout": float("inf")},
-                                  {"count": 1, "extra": 1}])
+@pytest.mark.parametrize(
+    "body", [{"count": 0}, {"count": 10_001}, {"timeout": 0}, {"timeout": float("inf")}, {"count": 1, "extra": 1}]
+)
 def test_fork_requests_out_of_bounds_are_refused(body):
     with pytest.raises(ValidationError):
         ForkRequest.model_validate(body)

@@ -34,20 +34,31 @@ from weenv.server.e2b.proto import filesystem_pb, process_pb
 pytestmark = pytest.mark.timeout(120)
 
 SDK_MESSAGES = {
-    "process.Process/Start": (process_pb.StartRequest, {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"],
-                              "envs": {"A": "b"}, "cwd": "/home/user"}, "pty": {"size": {"cols": 80, "rows": 24}},
-                              "tag": "t", "stdin": True}),
+    "process.Process/Start": (
+        process_pb.StartRequest,
+        {
+            "process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"], "envs": {"A": "b"}, "cwd": "/home/user"},
+            "pty": {"size": {"cols": 80, "rows": 24}},
+            "tag": "t",
+            "stdin": True,
+        },
+    ),
     "process.Process/Connect": (process_pb.ConnectRequest, {"process": {"pid": 12}}),
     "process.Process/SendInput": (process_pb.SendInputRequest, {"process": {"tag": "t"}, "input": {"stdin": "aGkK"}}),
     "process.Process/SendSignal": (process_pb.SendSignalRequest, {"process": {"pid": 3}, "signal": "SIGNAL_SIGKILL"}),
     "process.Process/StreamInput": (process_pb.StreamInputRequest, {"data": {"input": {"pty": "aGkK"}}}),
-    "process.Process/Update": (process_pb.UpdateRequest, {"process": {"pid": 3}, "pty": {"size": {"cols": 1, "rows": 2}}}),
+    "process.Process/Update": (
+        process_pb.UpdateRequest,
+        {"process": {"pid": 3}, "pty": {"size": {"cols": 1, "rows": 2}}},
+    ),
     "filesystem.Filesystem/ListDir": (filesystem_pb.ListDirRequest, {"path": "/home/user", "depth": 2}),
     "filesystem.Filesystem/Move": (filesystem_pb.MoveRequest, {"source": "/a", "destination": "/b"}),
-    "filesystem.Filesystem/WatchDir": (filesystem_pb.WatchDirRequest, {"path": "/tmp", "recursive": True,
-                                       "includeEntry": True}),
+    "filesystem.Filesystem/WatchDir": (
+        filesystem_pb.WatchDirRequest,
+        {"path": "/tmp", "recursive": True, "includeEntry": True},
+    ),
     "filesystem.Filesystem/CreateWatcher": (filesystem_pb.CreateWatcherRequest, {"path": "/", "recursive": False}),
-}  # fmt: skip
+}
 """A call of each kind the SDK makes, by Connect path: (request message type, its JSON)."""
 STREAMING = {"process.Process/Start", "process.Process/Connect", "filesystem.Filesystem/WatchDir"}
 CLIENT_STREAMING = {"process.Process/StreamInput"}
@@ -65,8 +76,11 @@ ENVELOPED = [envelope(0, m) + envelope(2, b"{}") for m in JSON_SEEDS[:3] + PROTO
 
 def _method(call: str) -> Method:
     cls, _ = SDK_MESSAGES[call]
-    out = {"process.Process/Start": process_pb.StartResponse, "process.Process/Connect": process_pb.ConnectResponse,
-           "filesystem.Filesystem/WatchDir": filesystem_pb.WatchDirResponse}.get(call, process_pb.ListResponse)  # fmt: skip
+    out = {
+        "process.Process/Start": process_pb.StartResponse,
+        "process.Process/Connect": process_pb.ConnectResponse,
+        "filesystem.Filesystem/WatchDir": filesystem_pb.WatchDirResponse,
+    }.get(call, process_pb.ListResponse)
 
     async def unary(msg, ctx):
         return out()
@@ -91,8 +105,14 @@ def _request(headers: dict[str, str], chunks: list[bytes], method: str = "POST")
     async def receive() -> dict:
         return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-    scope = {"type": "http", "method": method, "path": "/", "query_string": b"", "root_path": "",
-             "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": "/",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()],
+    }
     return Request(scope, receive)
 
 
@@ -108,29 +128,54 @@ async def _call(call: str, headers: dict[str, str], body: bytes, cuts: list[int]
     return response.status_code
 
 
-CONTENT_TYPES = st.sampled_from(["application/json", "application/proto", "application/connect+json",
-                                 "application/connect+proto", "application/JSON; charset=utf-8", "text/plain", "",
-                                 "application/connect+", "application/"])  # fmt: skip
-HEADERS = st.fixed_dictionaries({"content-type": CONTENT_TYPES}, optional={
-    "connect-timeout-ms": st.sampled_from(["0", "1000", "-1", "99999999999", "1e3", "", " 5"]),
-    "connect-protocol-version": st.sampled_from(["1", "2", ""]),
-    "connect-content-encoding": st.sampled_from(["identity", "gzip"]),
-    "content-encoding": st.sampled_from(["identity", "br"])})  # fmt: skip
-BODIES = mutated(JSON_SEEDS + PROTO_SEEDS + ENVELOPED) | json_mutated(JSON_SEEDS) \
-    | json_mutated(JSON_SEEDS).map(lambda m: envelope(0, m)) | mutated(PROTO_SEEDS).map(lambda m: envelope(0, m))
+CONTENT_TYPES = st.sampled_from(
+    [
+        "application/json",
+        "application/proto",
+        "application/connect+json",
+        "application/connect+proto",
+        "application/JSON; charset=utf-8",
+        "text/plain",
+        "",
+        "application/connect+",
+        "application/",
+    ]
+)
+HEADERS = st.fixed_dictionaries(
+    {"content-type": CONTENT_TYPES},
+    optional={
+        "connect-timeout-ms": st.sampled_from(["0", "1000", "-1", "99999999999", "1e3", "", " 5"]),
+        "connect-protocol-version": st.sampled_from(["1", "2", ""]),
+        "connect-content-encoding": st.sampled_from(["identity", "gzip"]),
+        "content-encoding": st.sampled_from(["identity", "br"]),
+    },
+)
+BODIES = (
+    mutated(JSON_SEEDS + PROTO_SEEDS + ENVELOPED)
+    | json_mutated(JSON_SEEDS)
+    | json_mutated(JSON_SEEDS).map(lambda m: envelope(0, m))
+    | mutated(PROTO_SEEDS).map(lambda m: envelope(0, m))
+)
 
 
 @fuzz_settings(400)
-@given(call=st.sampled_from(sorted(SDK_MESSAGES)), headers=HEADERS, body=BODIES,
-       cuts=st.lists(st.integers(0, 600), max_size=3))  # fmt: skip
+@given(
+    call=st.sampled_from(sorted(SDK_MESSAGES)),
+    headers=HEADERS,
+    body=BODIES,
+    cuts=st.lists(st.integers(0, 600), max_size=3),
+)
 def test_connect_calls_answer_any_body_with_a_connect_error_never_raise(call, headers, body, cuts):
     status = asyncio.run(_call(call, headers, body, cuts))
     assert status < 500 or status == 501, status  # 501: an unsupported compression, the protocol's unimplemented
 
 
 @fuzz_settings(300)
-@given(cls=st.sampled_from([SDK_MESSAGES[c][0] for c in sorted(SDK_MESSAGES)]),
-       data=mutated(PROTO_SEEDS) | json_mutated(JSON_SEEDS), codec=st.sampled_from(["json", "proto"]))  # fmt: skip
+@given(
+    cls=st.sampled_from([SDK_MESSAGES[c][0] for c in sorted(SDK_MESSAGES)]),
+    data=mutated(PROTO_SEEDS) | json_mutated(JSON_SEEDS),
+    codec=st.sampled_from(["json", "proto"]),
+)
 def test_protobuf_and_json_messages_decode_or_raise_a_connect_error(cls, data, codec):
     try:
         connect._Codec(codec).decode(data, cls)
@@ -140,9 +185,11 @@ def test_protobuf_and_json_messages_decode_or_raise_a_connect_error(cls, data, c
 
 def _multipart_seeds() -> list[tuple[str, bytes]]:
     out = []
-    for files in ([("file", ("hello.txt", b"hello\n"))],
-                  [("file", ("a/b.bin", bytes(range(256)))), ("file", ("c.txt", b"c" * 100))],
-                  [("file", ("\u00e9t\u00e9.txt", b"x"))]):
+    for files in (
+        [("file", ("hello.txt", b"hello\n"))],
+        [("file", ("a/b.bin", bytes(range(256)))), ("file", ("c.txt", b"c" * 100))],
+        [("file", ("\u00e9t\u00e9.txt", b"x"))],
+    ):
         req = httpx.Request("POST", "http://sandbox/files", files=files, data={"note": "x"})
         out.append((req.headers["content-type"], req.read()))
     return out
@@ -168,9 +215,13 @@ async def _upload(content_type: str, body: bytes, cuts: list[int], path: str | N
 
 
 @fuzz_settings(300)
-@given(seed=st.sampled_from(range(len(MULTIPART))), body=mutated([b for _, b in MULTIPART]),
-       content_type=st.none() | mutated([c.encode() for c, _ in MULTIPART], max_ops=2),
-       cuts=st.lists(st.integers(0, 700), max_size=3), path=st.none() | st.just("/home/user/f"))  # fmt: skip
+@given(
+    seed=st.sampled_from(range(len(MULTIPART))),
+    body=mutated([b for _, b in MULTIPART]),
+    content_type=st.none() | mutated([c.encode() for c, _ in MULTIPART], max_ops=2),
+    cuts=st.lists(st.integers(0, 700), max_size=3),
+    path=st.none() | st.just("/home/user/f"),
+)
 def test_multipart_upload_parser_raises_only_weenv_errors(seed, body, content_type, cuts, path):
     ctype = MULTIPART[seed][0] if content_type is None else content_type.decode("latin-1")
     try:
@@ -186,8 +237,10 @@ def test_seeds_are_answered_as_good_calls():
         body = json.dumps(SDK_MESSAGES[call][1]).encode()
         ctype = "application/json"
         if call in STREAMING or call in CLIENT_STREAMING:
-            body, ctype = envelope(0, body) + (envelope(2, b"{}") if call in CLIENT_STREAMING else b""), \
-                "application/connect+json"  # fmt: skip
+            body, ctype = (
+                envelope(0, body) + (envelope(2, b"{}") if call in CLIENT_STREAMING else b""),
+                "application/connect+json",
+            )
         assert asyncio.run(_call(call, {"content-type": ctype}, body, [])) == 200, call
     for ctype, body in MULTIPART:
         assert asyncio.run(_upload(ctype, body, [], None))

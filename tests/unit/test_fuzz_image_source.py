@@ -42,29 +42,55 @@ def _layer() -> bytes:
 
 
 LAYER = _layer()
-CONFIG = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/bin"], "Cmd": ["sh"]},
-                     "rootfs": {"type": "layers", "diff_ids": [_digest(LAYER)]}}).encode()  # fmt: skip
+CONFIG = json.dumps(
+    {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Env": ["PATH=/bin"], "Cmd": ["sh"]},
+        "rootfs": {"type": "layers", "diff_ids": [_digest(LAYER)]},
+    }
+).encode()
 
 
 def _manifest(config: bytes) -> bytes:
-    return json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": _digest(config),
-                                  "size": len(config)},
-                       "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": _digest(LAYER),
-                                   "size": len(LAYER)}]}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": _digest(config),
+                "size": len(config),
+            },
+            "layers": [
+                {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": _digest(LAYER), "size": len(LAYER)}
+            ],
+        }
+    ).encode()
 
 
 def _index(manifest: bytes) -> bytes:
-    return json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": _digest(manifest), "size": len(manifest),
-         "annotations": {"org.opencontainers.image.ref.name": "latest"}, "platform": {"os": "linux",
-                                                                                   "architecture": "amd64"}}]}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": _digest(manifest),
+                    "size": len(manifest),
+                    "annotations": {"org.opencontainers.image.ref.name": "latest"},
+                    "platform": {"os": "linux", "architecture": "amd64"},
+                }
+            ],
+        }
+    ).encode()
 
 
 MANIFEST = _manifest(CONFIG)
 INDEX = _index(MANIFEST)
-DOCKER = json.dumps([{"Config": f"{_digest(CONFIG)[7:]}.json", "RepoTags": ["img:latest"],
-                      "Layers": ["layer.tar"]}]).encode()  # fmt: skip
+DOCKER = json.dumps(
+    [{"Config": f"{_digest(CONFIG)[7:]}.json", "RepoTags": ["img:latest"], "Layers": ["layer.tar"]}]
+).encode()
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +113,12 @@ def _layout(root: Path, index: bytes, manifest: bytes, config: bytes) -> Path:
 
 def _docker(path: Path, manifest: bytes, config: bytes) -> Path:
     with tarfile.open(path, "w") as tar:
-        for name, data in (("manifest.json", manifest), (f"{_digest(config)[7:]}.json", config),
-                           (f"{_digest(CONFIG)[7:]}.json", CONFIG), ("layer.tar", LAYER)):  # fmt: skip
+        for name, data in (
+            ("manifest.json", manifest),
+            (f"{_digest(config)[7:]}.json", config),
+            (f"{_digest(CONFIG)[7:]}.json", CONFIG),
+            ("layer.tar", LAYER),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -111,10 +141,15 @@ def test_oci_layout_documents_are_read_or_refused_with_weenv_errors(work, docs, 
 
 
 @fuzz_settings(150)
-@given(docs=st.one_of(json_mutated([DOCKER]).map(lambda m: (m, CONFIG)),
-                      json_mutated([CONFIG]).map(lambda c: (DOCKER.replace(_digest(CONFIG)[7:].encode(),
-                                                                           _digest(c)[7:].encode()), c))),
-       ref=st.sampled_from([None, "img:latest"]))  # fmt: skip
+@given(
+    docs=st.one_of(
+        json_mutated([DOCKER]).map(lambda m: (m, CONFIG)),
+        json_mutated([CONFIG]).map(
+            lambda c: (DOCKER.replace(_digest(CONFIG)[7:].encode(), _digest(c)[7:].encode()), c)
+        ),
+    ),
+    ref=st.sampled_from([None, "img:latest"]),
+)
 def test_docker_archive_manifest_and_config_are_read_or_refused_with_weenv_errors(work, docs, ref):
     with expect_only(WeenvError), TarArchive(_docker(work / "image.tar", *docs)) as source:
         source.read_image(ref)

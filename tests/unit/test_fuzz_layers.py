@@ -40,8 +40,13 @@ def _tar(fmt: int, entries: list[tuple[str, str, bytes | str]], pax: dict[str, s
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
                 continue
-            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "link": tarfile.LNKTYPE,
-                         "fifo": tarfile.FIFOTYPE, "char": tarfile.CHRTYPE}[kind]  # fmt: skip
+            info.type = {
+                "dir": tarfile.DIRTYPE,
+                "symlink": tarfile.SYMTYPE,
+                "link": tarfile.LNKTYPE,
+                "fifo": tarfile.FIFOTYPE,
+                "char": tarfile.CHRTYPE,
+            }[kind]
             if kind in ("symlink", "link"):
                 info.linkname = data
             if kind == "file_x":
@@ -51,9 +56,17 @@ def _tar(fmt: int, entries: list[tuple[str, str, bytes | str]], pax: dict[str, s
 
 
 def _seeds() -> list[bytes]:
-    layer = [("dir", "app", b""), ("file", "app/main.py", b"print('hi')\n" * 20), ("symlink", "app/l", "main.py"),
-             ("link", "app/h", "app/main.py"), ("file", "app/.wh.gone", b""), ("dir", "etc", b""),
-             ("file", "etc/.wh..wh..opq", b""), ("fifo", "run.fifo", b""), ("file", "z" * 120 + "/long", b"x" * 600)]
+    layer = [
+        ("dir", "app", b""),
+        ("file", "app/main.py", b"print('hi')\n" * 20),
+        ("symlink", "app/l", "main.py"),
+        ("link", "app/h", "app/main.py"),
+        ("file", "app/.wh.gone", b""),
+        ("dir", "etc", b""),
+        ("file", "etc/.wh..wh..opq", b""),
+        ("fifo", "run.fifo", b""),
+        ("file", "z" * 120 + "/long", b"x" * 600),
+    ]
     pax = _tar(tarfile.PAX_FORMAT, layer, {"comment": "seed"})
     gnu = _tar(tarfile.GNU_FORMAT, layer)
     ustar = _tar(tarfile.USTAR_FORMAT, layer[:8])
@@ -61,14 +74,20 @@ def _seeds() -> list[bytes]:
     with tarfile.open(fileobj=xattr, mode="w", format=tarfile.PAX_FORMAT) as tar:
         info = tarfile.TarInfo("x")
         info.size = 3
-        info.pax_headers = {"SCHILY.xattr.user.k": "v", "SCHILY.xattr.security.capability": "\x01\x00\x00\x02",
-                            "mtime": "1700000000.5", "uname": "root"}  # fmt: skip
+        info.pax_headers = {
+            "SCHILY.xattr.user.k": "v",
+            "SCHILY.xattr.security.capability": "\x01\x00\x00\x02",
+            "mtime": "1700000000.5",
+            "uname": "root",
+        }
         tar.addfile(info, io.BytesIO(b"abc"))
     return [pax, gnu, ustar, xattr.getvalue(), *corpus("tar")]
 
 
 SEEDS = _seeds()
-COMPRESSED = [gzip.compress(s, mtime=0) for s in SEEDS[:2]] + [zstandard.ZstdCompressor().compress(s) for s in SEEDS[:2]]
+COMPRESSED = [gzip.compress(s, mtime=0) for s in SEEDS[:2]] + [
+    zstandard.ZstdCompressor().compress(s) for s in SEEDS[:2]
+]
 
 
 def _scan(data: bytes, cuts: list[int], **kw) -> None:
@@ -81,8 +100,11 @@ def _scan(data: bytes, cuts: list[int], **kw) -> None:
 
 
 @fuzz_settings(400)
-@given(data=tar_mutated(SEEDS) | mutated([gzip.compress(s, mtime=0) for s in SEEDS]),
-       cuts=st.lists(st.integers(0, 8192), max_size=4), sparse=st.booleans())  # fmt: skip
+@given(
+    data=tar_mutated(SEEDS) | mutated([gzip.compress(s, mtime=0) for s in SEEDS]),
+    cuts=st.lists(st.integers(0, 8192), max_size=4),
+    sparse=st.booleans(),
+)
 def test_tar_scanner_raises_only_weenv_errors(data, cuts, sparse):
     with expect_only(WeenvError):
         _scan(data, cuts, sparse=sparse)

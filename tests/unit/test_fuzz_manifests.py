@@ -61,10 +61,15 @@ class Seeds:
         self.frames = [self.store._get("chunks", r.digest) for r in refs]
         pack, sizes = build_pack(self.plaintexts)
         self.pack = pack
-        profile = PrefetchProfile(template=self.template_digest, groups=[built.digest],
-                                  chunks=[(0, i) for i in range(len(refs))], refs=refs,
-                                  pack=PrefetchPack(digest=self.store.put_pack(pack), frames=sizes),
-                                  manifests={built.digest: self.group.decode()}, window_s=1.5)  # fmt: skip
+        profile = PrefetchProfile(
+            template=self.template_digest,
+            groups=[built.digest],
+            chunks=[(0, i) for i in range(len(refs))],
+            refs=refs,
+            pack=PrefetchPack(digest=self.store.put_pack(pack), frames=sizes),
+            manifests={built.digest: self.group.decode()},
+            window_s=1.5,
+        )
         self.profile = canonical_json(profile)
         self.refs = refs
 
@@ -121,8 +126,11 @@ def test_prefetch_profile_and_pack_are_read_or_refused_with_weenv_errors(seeds, 
 
 
 @fuzz_settings(300)
-@given(frame=mutated(SEEDS.frames + [SEEDS.pack], max_ops=4), which=st.integers(0, len(SEEDS.refs) - 1),
-       sized=st.booleans())  # fmt: skip
+@given(
+    frame=mutated(SEEDS.frames + [SEEDS.pack], max_ops=4),
+    which=st.integers(0, len(SEEDS.refs) - 1),
+    sized=st.booleans(),
+)
 def test_chunk_decoder_raises_only_weenv_errors(frame, which, sized):
     ref = SEEDS.refs[which]
     with expect_only(WeenvError):

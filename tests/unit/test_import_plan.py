@@ -11,8 +11,10 @@ from weenv.packaging.importer.runtime import resolve_user
 
 
 def test_resolve_user():
-    files = {"/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nsvc:x:1001:1002::/srv:/bin/false\n",
-             "/etc/group": b"root:x:0:\nstaff:x:50:\n"}
+    files = {
+        "/etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nsvc:x:1001:1002::/srv:/bin/false\n",
+        "/etc/group": b"root:x:0:\nstaff:x:50:\n",
+    }
     read = files.get
     assert resolve_user("", read) == (0, 0, "/root")
     assert resolve_user("svc", read) == (1001, 1002, "/srv")

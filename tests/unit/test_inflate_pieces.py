@@ -17,7 +17,7 @@ def test_a_gzip_bomb_inflates_in_pieces_of_at_most_the_limit():
     inflate = zlib.decompressobj(wbits=31)
     total = 0
     for i in range(0, len(bomb), 65536):  # as the request's chunks come
-        for piece in inflated(inflate, bomb[i:i + 65536], 1 << 20):
+        for piece in inflated(inflate, bomb[i : i + 65536], 1 << 20):
             assert len(piece) <= 1 << 20
             assert piece.count(0) == len(piece)
             total += len(piece)
@@ -28,7 +28,7 @@ def test_pieces_join_to_the_original_bytes():
     data = bytes(range(256)) * 40000 + b"tail"
     gz = zlib.compress(data, wbits=31)
     inflate = zlib.decompressobj(wbits=31)
-    out = b"".join(p for i in range(0, len(gz), 1000) for p in inflated(inflate, gz[i:i + 1000], 4096))
+    out = b"".join(p for i in range(0, len(gz), 1000) for p in inflated(inflate, gz[i : i + 1000], 4096))
     assert out == data
 
 

@@ -85,8 +85,9 @@ def upward_imports(src: Path = SRC) -> list[str]:
         for line, name in imported(ast.parse(path.read_text(), str(path)), module, path.name == "__init__.py"):
             other = layer_of(name)
             if other is not None and other > own:
-                bad.append(f"{path.relative_to(src)}:{line}: {module} ({LAYERS[own][0]}) imports "
-                           f"{name} ({LAYERS[other][0]})")
+                bad.append(
+                    f"{path.relative_to(src)}:{line}: {module} ({LAYERS[own][0]}) imports {name} ({LAYERS[other][0]})"
+                )
     return bad
 
 
@@ -96,11 +97,25 @@ def test_no_module_imports_from_a_higher_layer():
 
 
 NODE_FLOORS: list[list[tuple[str, tuple[str, ...]]]] = [
-    [("below the wings", ("weenv.node.home", "weenv.node.table", "weenv.node.disk", "weenv.node.cgroups",
-                          "weenv.node.manifests"))],
+    [
+        (
+            "below the wings",
+            ("weenv.node.home", "weenv.node.table", "weenv.node.disk", "weenv.node.cgroups", "weenv.node.manifests"),
+        )
+    ],
     [("data", ("weenv.node.data",)), ("runtime", ("weenv.node.runtime",))],
-    [("operations", ("weenv.node.state", "weenv.node.snapshotter", "weenv.node.resolver", "weenv.node.admission",
-                     "weenv.node.provision"))],
+    [
+        (
+            "operations",
+            (
+                "weenv.node.state",
+                "weenv.node.snapshotter",
+                "weenv.node.resolver",
+                "weenv.node.admission",
+                "weenv.node.provision",
+            ),
+        )
+    ],
     [("top", ("weenv.node.node", "weenv.node"))],
 ]
 """The floors inside ``weenv.node``, bottom first; each floor holds one or more
@@ -154,8 +169,13 @@ def test_every_node_module_has_a_floor():
 def test_node_keeps_at_most_ten_modules_at_its_top():
     top = SRC / "weenv" / "node"
     wings = {"data", "runtime", "state"}
-    modules = [p.name for p in top.iterdir() if p.name not in wings and p.name not in ("__init__.py", "__pycache__")
-               and (p.suffix == ".py" or (p / "__init__.py").exists())]
+    modules = [
+        p.name
+        for p in top.iterdir()
+        if p.name not in wings
+        and p.name not in ("__init__.py", "__pycache__")
+        and (p.suffix == ".py" or (p / "__init__.py").exists())
+    ]
     assert len(modules) <= 10, f"node/ holds {len(modules)} modules at its top: {sorted(modules)}"
 
 

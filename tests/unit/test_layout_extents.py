@@ -5,7 +5,6 @@ bytes (the kernel's on-disk format) say where every file's data lies."""
 from __future__ import annotations
 
 import io
-import os
 import stat
 
 from weenv.packaging.erofs_extents import file_extents, files_in_chunks
@@ -35,7 +34,7 @@ def _image(first=()) -> bytes:
 
 
 def _reader(img: bytes):
-    return lambda off, n: img[off:off + n]
+    return lambda off, n: img[off : off + n]
 
 
 def test_extents_read_back_where_the_writer_put_each_file():

@@ -4,15 +4,16 @@ which the cluster's loopback test uses), and weenv's test of a loopback Ray addr
 from __future__ import annotations
 
 from net_sockets import Socket, beyond_loopback, parse_address, parse_table
-
 from weenv.cluster.loopback import is_loopback_address
 
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
 
 def _line(local: str, remote: str, state: str, inode: int) -> str:
-    return (f"   0: {local} {remote} {state} 00000000:00000000 00:00000000 00000000     0        0 {inode} "
-            "1 0 100 0 0 10 0\n")
+    return (
+        f"   0: {local} {remote} {state} 00000000:00000000 00:00000000 00000000     0        0 {inode} "
+        "1 0 100 0 0 10 0\n"
+    )
 
 
 def test_addresses_as_the_kernel_writes_them():
@@ -24,8 +25,9 @@ def test_addresses_as_the_kernel_writes_them():
 
 
 def test_a_table_by_inode_without_sockets_no_process_holds():
-    table = parse_table(HEADER + _line("0100007F:1F90", "00000000:0000", "0A", 11)
-                        + _line("0100007F:1F90", "0100007F:C000", "06", 0))  # TIME_WAIT: no inode
+    table = parse_table(
+        HEADER + _line("0100007F:1F90", "00000000:0000", "0A", 11) + _line("0100007F:1F90", "0100007F:C000", "06", 0)
+    )  # TIME_WAIT: no inode
     assert table == {11: (("127.0.0.1", 8080), ("0.0.0.0", 0), 0x0A)}
 
 
@@ -34,14 +36,22 @@ def _s(table: str, local: tuple, remote: tuple = ("0.0.0.0", 0), state: int = 0x
 
 
 def test_what_is_beyond_loopback():
-    inside = [_s("tcp", ("127.0.0.1", 80)), _s("tcp", ("127.0.0.5", 80)), _s("tcp6", ("::1", 80)),
-              _s("tcp", ("127.0.0.1", 5000), ("127.0.0.1", 80), 0x01),
-              _s("tcp6", ("::ffff:127.0.0.1", 5000), ("::ffff:127.0.0.1", 80), 0x01),
-              _s("udp", ("0.0.0.0", 0), state=0x07)]  # an unbound UDP socket: nowhere
-    outside = [_s("tcp", ("0.0.0.0", 80)), _s("tcp6", ("::", 80)), _s("tcp", ("192.0.2.2", 80)),
-               _s("tcp", ("127.0.0.1", 5000), ("192.0.2.2", 80), 0x01),
-               _s("tcp6", ("::ffff:192.0.2.2", 5000), ("::ffff:192.0.2.2", 80), 0x01),
-               _s("udp", ("0.0.0.0", 53), state=0x07)]
+    inside = [
+        _s("tcp", ("127.0.0.1", 80)),
+        _s("tcp", ("127.0.0.5", 80)),
+        _s("tcp6", ("::1", 80)),
+        _s("tcp", ("127.0.0.1", 5000), ("127.0.0.1", 80), 0x01),
+        _s("tcp6", ("::ffff:127.0.0.1", 5000), ("::ffff:127.0.0.1", 80), 0x01),
+        _s("udp", ("0.0.0.0", 0), state=0x07),
+    ]  # an unbound UDP socket: nowhere
+    outside = [
+        _s("tcp", ("0.0.0.0", 80)),
+        _s("tcp6", ("::", 80)),
+        _s("tcp", ("192.0.2.2", 80)),
+        _s("tcp", ("127.0.0.1", 5000), ("192.0.2.2", 80), 0x01),
+        _s("tcp6", ("::ffff:192.0.2.2", 5000), ("::ffff:192.0.2.2", 80), 0x01),
+        _s("udp", ("0.0.0.0", 53), state=0x07),
+    ]
     assert beyond_loopback(inside) == []
     assert beyond_loopback(outside) == outside
     assert "listens on 0.0.0.0:80" in str(outside[0]) and "-> 192.0.2.2:80" in str(outside[3])

@@ -40,14 +40,20 @@ D1 = "sha256:" + "1" * 64
 
 def chunk(size: int, fill: bytes = b"c") -> ChunkRef:
     data = fill * size
-    return ChunkRef(digest=sha256_digest(data), size=size, stored_size=size // 2 + 1,
-                    stored_digest=sha256_digest(data + b"z"))  # fmt: skip
+    return ChunkRef(
+        digest=sha256_digest(data), size=size, stored_size=size // 2 + 1, stored_digest=sha256_digest(data + b"z")
+    )
 
 
 def group(sizes=(4096, 4096, 100), chunk_size=4096, **kw) -> GroupManifest:
-    fields = dict(name="base", image_size=sum(sizes), chunk_size=chunk_size,
-                  chunks=[chunk(s, bytes([i + 65])) for i, s in enumerate(sizes)], file_count=3,
-                  created="2026-01-01T00:00:00Z")  # fmt: skip
+    fields = dict(
+        name="base",
+        image_size=sum(sizes),
+        chunk_size=chunk_size,
+        chunks=[chunk(s, bytes([i + 65])) for i, s in enumerate(sizes)],
+        file_count=3,
+        created="2026-01-01T00:00:00Z",
+    )
     fields.update(kw)
     return GroupManifest(**fields)
 
@@ -59,9 +65,22 @@ def test_sha256_digest_is_the_oci_form_of_hashlib_sha256(data):
     assert check_digest(sha256_digest(data)) == sha256_digest(data)
 
 
-@pytest.mark.parametrize("bad", ["", "sha256:", "sha256:" + "0" * 63, "sha256:" + "0" * 65, "sha256:" + "A" * 64,
-                                 "sha512:" + "0" * 64, "0" * 64, " sha256:" + "0" * 64, "sha256:" + "0" * 64 + "\n",
-                                 None, 7])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "sha256:",
+        "sha256:" + "0" * 63,
+        "sha256:" + "0" * 65,
+        "sha256:" + "A" * 64,
+        "sha512:" + "0" * 64,
+        "0" * 64,
+        " sha256:" + "0" * 64,
+        "sha256:" + "0" * 64 + "\n",
+        None,
+        7,
+    ],
+)
 def test_check_digest_refuses_what_is_not_a_sha256_digest(bad):
     with pytest.raises(InvalidInputError, match="not a sha256 digest"):
         check_digest(bad)
@@ -100,9 +119,15 @@ def test_a_manifests_digest_is_the_sha256_of_its_canonical_json_and_survives_a_r
 
 def test_any_field_change_changes_the_digest():
     m = group()
-    digests = {m.digest(), group(name="other").digest(), group(version="2").digest(),
-               group(file_count=4).digest(), group(source={"from": "x"}).digest(),
-               group(created="2026-01-01T00:00:01Z").digest(), group(sizes=(4096, 4096, 101)).digest()}  # fmt: skip
+    digests = {
+        m.digest(),
+        group(name="other").digest(),
+        group(version="2").digest(),
+        group(file_count=4).digest(),
+        group(source={"from": "x"}).digest(),
+        group(created="2026-01-01T00:00:01Z").digest(),
+        group(sizes=(4096, 4096, 101)).digest(),
+    }
     assert len(digests) == 7
 
 
@@ -118,8 +143,9 @@ def test_template_digest_and_round_trip():
 def test_unset_default_command_is_left_out_so_old_digests_hold():
     t = TemplateManifest(name="t", groups=[D0], created="2026-01-01T00:00:00Z")
     assert "default_command" not in json.loads(canonical_json(t))["runtime"]
-    with_cmd = TemplateManifest(name="t", groups=[D0], created=t.created,
-                                runtime=RuntimeConfig(default_command=["/bin/sh", "-c", "echo hi"]))  # fmt: skip
+    with_cmd = TemplateManifest(
+        name="t", groups=[D0], created=t.created, runtime=RuntimeConfig(default_command=["/bin/sh", "-c", "echo hi"])
+    )
     assert json.loads(canonical_json(with_cmd))["runtime"]["default_command"] == ["/bin/sh", "-c", "echo hi"]
     assert with_cmd.digest() != t.digest()
     assert parse_template_manifest(canonical_json(with_cmd)) == with_cmd
@@ -134,22 +160,37 @@ def test_group_defaults_schema_and_stored_size():
     assert group(sizes=(), chunk_size=4096).image_size == 0  # an empty image has no chunks
 
 
-@pytest.mark.parametrize("sizes, image_size, chunk_size", [
-    ((4096, 100), 4000, 4096),       # the sum is not the image size
-    ((100, 4096), 4196, 4096),       # a short chunk before the last
-    ((4096, 5000), 9096, 4096),      # the last longer than a chunk
-    ((4096, 0), 4096, 4096),         # an empty last chunk
-    ((), 10, 4096),                  # no chunks for a non-empty image
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sizes, image_size, chunk_size",
+    [
+        ((4096, 100), 4000, 4096),  # the sum is not the image size
+        ((100, 4096), 4196, 4096),  # a short chunk before the last
+        ((4096, 5000), 9096, 4096),  # the last longer than a chunk
+        ((4096, 0), 4096, 4096),  # an empty last chunk
+        ((), 10, 4096),  # no chunks for a non-empty image
+    ],
+)
 def test_chunks_must_tile_the_image(sizes, image_size, chunk_size):
     with pytest.raises(ValidationError, match="do not tile"):
         group(sizes=sizes, image_size=image_size, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("change", [{"schema_version": 1}, {"media_type": GROUP_MEDIA_TYPE_V1},
-                                    {"media_type": TEMPLATE_MEDIA_TYPE}, {"chunk_size": 0},
-                                    {"layout": {"order": "profile"}}, {"layout": {"order": "tree", "profile": D0}},
-                                    {"layout": {"order": "size"}}, {"image_size": -1}, {"file_count": -1}, {"name": "Bad"}, {"extra": 1}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"schema_version": 1},
+        {"media_type": GROUP_MEDIA_TYPE_V1},
+        {"media_type": TEMPLATE_MEDIA_TYPE},
+        {"chunk_size": 0},
+        {"layout": {"order": "profile"}},
+        {"layout": {"order": "tree", "profile": D0}},
+        {"layout": {"order": "size"}},
+        {"image_size": -1},
+        {"file_count": -1},
+        {"name": "Bad"},
+        {"extra": 1},
+    ],
+)
 def test_parse_group_manifest_refuses_bad_fields_as_invalid_input(change):
     obj = json.loads(canonical_json(group()))
     obj.update(change)
@@ -158,10 +199,12 @@ def test_parse_group_manifest_refuses_bad_fields_as_invalid_input(change):
 
 
 # --- schema versions ---------------------------------------------------------------------------
-V1_JSON = (b'{"block_size":4096,"chunk_size":4096,"chunks":[{"digest":"' + D0.encode() + b'","size":100,'
-           b'"stored_digest":"' + D1.encode() + b'","stored_size":51}],"created":"2026-01-01T00:00:00Z",'
-           b'"file_count":3,"image_size":100,"media_type":"application/vnd.weenv.group.v1+json","name":"base",'
-           b'"schema_version":1,"source":{},"version":"latest"}')
+V1_JSON = (
+    b'{"block_size":4096,"chunk_size":4096,"chunks":[{"digest":"' + D0.encode() + b'","size":100,'
+    b'"stored_digest":"' + D1.encode() + b'","stored_size":51}],"created":"2026-01-01T00:00:00Z",'
+    b'"file_count":3,"image_size":100,"media_type":"application/vnd.weenv.group.v1+json","name":"base",'
+    b'"schema_version":1,"source":{},"version":"latest"}'
+)
 """A group manifest as weenv wrote them before v2 (its canonical JSON, byte for byte)."""
 
 
@@ -188,10 +231,17 @@ def test_a_v1_group_manifest_has_no_layout():
         group(schema_version=1, layout=Layout())
 
 
-@pytest.mark.parametrize("change", [{"schema_version": 3}, {"schema_version": 0}, {"schema_version": "2"},
-                                    {"schema_version": True},
-                                    {"schema_version": 3, "media_type": "application/vnd.weenv.group.v3+json"},
-                                    {"media_type": "application/vnd.weenv.group.v3+json"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"schema_version": 3},
+        {"schema_version": 0},
+        {"schema_version": "2"},
+        {"schema_version": True},
+        {"schema_version": 3, "media_type": "application/vnd.weenv.group.v3+json"},
+        {"media_type": "application/vnd.weenv.group.v3+json"},
+    ],
+)
 def test_an_unknown_group_schema_version_is_named_with_the_digest_in_one_line(change):
     obj = json.loads(canonical_json(group()))
     obj.update(change)
@@ -203,8 +253,9 @@ def test_an_unknown_group_schema_version_is_named_with_the_digest_in_one_line(ch
         parse_group_manifest(data, D0)
     message = str(e.value)
     shown = repr(change.get("schema_version", 3))
-    assert message == (f"group manifest {D0} has schema version {shown}: this node reads versions 1, 2 "
-                       "(written by a newer weenv?)")
+    assert message == (
+        f"group manifest {D0} has schema version {shown}: this node reads versions 1, 2 (written by a newer weenv?)"
+    )
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe"])
@@ -231,8 +282,17 @@ def test_manifests_are_frozen():
 
 
 # --- template manifest checks ------------------------------------------------------------------
-@pytest.mark.parametrize("change", [{"groups": []}, {"groups": ["sha256:nope"]}, {"schema_version": 2},
-                                    {"media_type": GROUP_MEDIA_TYPE}, {"prefetch": "x"}, {"name": ""}])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"groups": []},
+        {"groups": ["sha256:nope"]},
+        {"schema_version": 2},
+        {"media_type": GROUP_MEDIA_TYPE},
+        {"prefetch": "x"},
+        {"name": ""},
+    ],
+)
 def test_parse_template_manifest_refuses_bad_fields(change):
     obj = json.loads(canonical_json(TemplateManifest(name="t", groups=[D0])))
     obj.update(change)
@@ -249,11 +309,21 @@ def test_manifest_kind_from_the_media_type():
 
 
 # --- resources and runtime config --------------------------------------------------------------
-@pytest.mark.parametrize("fields", [
-    {"cpus": 0}, {"cpus": -1}, {"cpus": float("nan")}, {"cpus": float("inf")}, {"cpus": MAX_CPUS * 2},
-    {"memory_bytes": MIN_MEMORY_BYTES - 1}, {"memory_bytes": MAX_MEMORY_BYTES + 1},
-    {"pids": 0}, {"pids": MAX_PIDS + 1}, {"gpus": 1},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cpus": 0},
+        {"cpus": -1},
+        {"cpus": float("nan")},
+        {"cpus": float("inf")},
+        {"cpus": MAX_CPUS * 2},
+        {"memory_bytes": MIN_MEMORY_BYTES - 1},
+        {"memory_bytes": MAX_MEMORY_BYTES + 1},
+        {"pids": 0},
+        {"pids": MAX_PIDS + 1},
+        {"gpus": 1},
+    ],
+)
 def test_resources_out_of_range_are_refused(fields):
     with pytest.raises(ValidationError):
         Resources(**fields)
@@ -266,11 +336,24 @@ def test_resources_at_their_bounds_are_accepted():
     assert (r.cpus, r.memory_bytes, r.pids) == (0.001, MIN_MEMORY_BYTES, 1)
 
 
-@pytest.mark.parametrize("fields", [
-    {"command": []}, {"command": ["a\0b"]}, {"default_command": ["x\0"]}, {"user": "root"}, {"user": "1:x"},
-    {"user": "-1"}, {"user": "12345678901"}, {"working_dir": "rel"}, {"working_dir": "/a\0b"},
-    {"env": {"": "1"}}, {"env": {"A=B": "1"}}, {"env": {"A": "x\0"}}, {"extra": True},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"command": []},
+        {"command": ["a\0b"]},
+        {"default_command": ["x\0"]},
+        {"user": "root"},
+        {"user": "1:x"},
+        {"user": "-1"},
+        {"user": "12345678901"},
+        {"working_dir": "rel"},
+        {"working_dir": "/a\0b"},
+        {"env": {"": "1"}},
+        {"env": {"A=B": "1"}},
+        {"env": {"A": "x\0"}},
+        {"extra": True},
+    ],
+)
 def test_runtime_config_refuses_bad_fields(fields):
     with pytest.raises(ValidationError):
         RuntimeConfig(**fields)

@@ -36,10 +36,13 @@ class SlowStore(FileStore):
 
 def _template(store: FileStore) -> tuple[str, list[str]]:
     groups = [
-        store.put_manifest(canonical_json(GroupManifest.model_construct(
-            name=f"g{i}", image_size=0, chunk_size=1 << 20, chunks=[], file_count=0)))
+        store.put_manifest(
+            canonical_json(
+                GroupManifest.model_construct(name=f"g{i}", image_size=0, chunk_size=1 << 20, chunks=[], file_count=0)
+            )
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     template = TemplateManifest(name="t", version="1", groups=groups, runtime=RuntimeConfig(command=["sh"]))
     return store.put_manifest(canonical_json(template)), groups
 

@@ -46,8 +46,10 @@ def test_every_default_local_range_is_dropped():
 
 def test_name_servers_are_the_ipv4_nameserver_lines(tmp_path):
     conf = tmp_path / "resolv.conf"
-    conf.write_text("# comment\nsearch example\nnameserver 10.255.255.53\nnameserver ::1\nnameserver bad\n"
-                    "nameserver 192.0.2.1 # second\nnameserver 10.255.255.53\n")
+    conf.write_text(
+        "# comment\nsearch example\nnameserver 10.255.255.53\nnameserver ::1\nnameserver bad\n"
+        "nameserver 192.0.2.1 # second\nnameserver 10.255.255.53\n"
+    )
     assert network.name_servers(conf) == ("10.255.255.53", "192.0.2.1")
     assert network.name_servers(tmp_path / "missing") == ()
 
@@ -63,8 +65,9 @@ def test_domain_patterns_and_the_name_policy():
     assert matches("example.com", ("example.com",)) and not matches("badexample.com", ("*.example.com",))
     assert not network.Egress(internet=True, deny=("0.0.0.0/0",)).names().open
     assert network.Egress(internet=True, deny=("1.2.3.0/24",)).names().open
-    assert network.Egress(internet=False, domains=("a.com",)).names() == \
-        __import__("weenv.node.runtime.nameserver", fromlist=["x"]).NamePolicy(names=("a.com",), open=False)
+    assert network.Egress(internet=False, domains=("a.com",)).names() == __import__(
+        "weenv.node.runtime.nameserver", fromlist=["x"]
+    ).NamePolicy(names=("a.com",), open=False)
 
 
 def test_the_input_chain_drops_spoofed_sources_before_it_accepts_replies():
@@ -72,5 +75,8 @@ def test_the_input_chain_drops_spoofed_sources_before_it_accepts_replies():
     ``established`` accept (test_adversarial_builds has it with running code)."""
     body = network.ruleset().split("chain input {", 1)[1].split("}", 1)[0]
     rules = [line.strip() for line in body.splitlines() if line.strip().startswith("iifname")]
-    assert rules == ['iifname "weenv*" fib saddr . iif oif missing drop',
-                     'iifname "weenv*" ct state established,related accept', 'iifname "weenv*" drop']
+    assert rules == [
+        'iifname "weenv*" fib saddr . iif oif missing drop',
+        'iifname "weenv*" ct state established,related accept',
+        'iifname "weenv*" drop',
+    ]

@@ -19,17 +19,22 @@ CHUNK = 1 << 20
 def _refs(chunks: int) -> list[ChunkRef]:
     return [
         ChunkRef.model_construct(
-            digest="sha256:" + hashlib.sha256(b"%d" % i).hexdigest(), size=CHUNK, stored_size=CHUNK // 2,
+            digest="sha256:" + hashlib.sha256(b"%d" % i).hexdigest(),
+            size=CHUNK,
+            stored_size=CHUNK // 2,
             stored_digest="sha256:" + hashlib.sha256(b"s%d" % i).hexdigest(),
         )
         for i in range(chunks)
-    ]  # fmt: skip
+    ]
 
 
 def _group(store: FileStore, name: str, chunks: int) -> tuple[str, int]:
     """Store a group manifest ``name`` of ``chunks`` chunk refs; ``(digest, bytes of its JSON)``."""
-    data = canonical_json(GroupManifest.model_construct(name=name, image_size=chunks * CHUNK, chunk_size=CHUNK,
-                                                        chunks=_refs(chunks), file_count=1))  # fmt: skip
+    data = canonical_json(
+        GroupManifest.model_construct(
+            name=name, image_size=chunks * CHUNK, chunk_size=CHUNK, chunks=_refs(chunks), file_count=1
+        )
+    )
     return store.put_manifest(data), len(data)
 
 

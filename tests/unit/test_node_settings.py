@@ -9,19 +9,22 @@ import pytest
 
 from weenv.errors import InvalidInputError
 from weenv.node.provision.arbiter import CpuMoments, predicted_cpu_peak
-from weenv.node.state.pool import pool_size_from_env
 from weenv.node.provision.models import ProvisionConfig
+from weenv.node.state.pool import pool_size_from_env
 
 
-@pytest.mark.parametrize("var, value", [
-    ("WEENV_ADMISSION", "bogus"),
-    ("WEENV_ADMISSION", "PEAK"),
-    ("WEENV_ADMISSION_SIGMAS", "abc"),
-    ("WEENV_ADMISSION_SIGMAS", "-1"),
-    ("WEENV_ADMISSION_SIGMAS", "nan"),
-    ("WEENV_ADMISSION_SIGMAS", "inf"),
-    ("WEENV_ADMISSION_SIGMAS", "1e400"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("WEENV_ADMISSION", "bogus"),
+        ("WEENV_ADMISSION", "PEAK"),
+        ("WEENV_ADMISSION_SIGMAS", "abc"),
+        ("WEENV_ADMISSION_SIGMAS", "-1"),
+        ("WEENV_ADMISSION_SIGMAS", "nan"),
+        ("WEENV_ADMISSION_SIGMAS", "inf"),
+        ("WEENV_ADMISSION_SIGMAS", "1e400"),
+    ],
+)
 def test_bad_admission_setting_is_one_clear_line(monkeypatch, var, value):
     """A bad value used to give pydantic's multi-line dump naming the field, not
     the variable (and inf / 1e400 sigmas were taken)."""

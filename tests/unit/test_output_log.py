@@ -9,7 +9,7 @@ from weenv.node.runtime.process import OutputLog
 
 def test_output_log_drops_unread_and_waits_for_readers():
     log = OutputLog(retain_bytes=10)
-    for i in range(5):
+    for _ in range(5):
         log.append(ProcessEvent(type="stdout", data=b"12345"))
     assert log.dropped == 15
     r = log.attach()

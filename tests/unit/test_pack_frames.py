@@ -52,10 +52,22 @@ def test_frame_sizes_must_be_positive_and_within_zstd_bound(tmp_path):
     digest = store.put_pack(data)
     for bad in ([0, frames[1]], [-5, frames[1]], [frames[0], frame_bound(refs[1].size) + 1]):
         with pytest.raises(ValidationError):
-            PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
-                            refs=refs, pack={"digest": digest, "frames": bad}, window_s=1.0)  # fmt: skip
-    PrefetchProfile(template="sha256:" + "1" * 64, groups=["sha256:" + "0" * 64], chunks=[(0, 0), (0, 1)],
-                    refs=refs, pack={"digest": digest, "frames": frames}, window_s=1.0)  # fmt: skip
+            PrefetchProfile(
+                template="sha256:" + "1" * 64,
+                groups=["sha256:" + "0" * 64],
+                chunks=[(0, 0), (0, 1)],
+                refs=refs,
+                pack={"digest": digest, "frames": bad},
+                window_s=1.0,
+            )
+    PrefetchProfile(
+        template="sha256:" + "1" * 64,
+        groups=["sha256:" + "0" * 64],
+        chunks=[(0, 0), (0, 1)],
+        refs=refs,
+        pack={"digest": digest, "frames": frames},
+        window_s=1.0,
+    )
 
 
 def test_a_pack_of_wrong_frames_is_not_read_again(tmp_path):

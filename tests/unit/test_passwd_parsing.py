@@ -7,8 +7,8 @@ import os
 import pytest
 
 from weenv.errors import InvalidInputError, UnknownUserError
-from weenv.node.runtime import users
 from weenv.host.rootfs import RootFS
+from weenv.node.runtime import users
 
 PASSWD = """root:x:0:0:root:/root:/bin/bash
 # a comment

@@ -25,10 +25,21 @@ class FakeCgroup:
 
     def usage(self) -> Usage:
         ws = self.working_set
-        return Usage(at=time.monotonic(), cpu_usage_s=0.0, cpu_periods=0, cpu_throttled_periods=0,
-                     cpu_throttled_s=0.0, memory_usage=ws, memory_working_set=ws, memory_peak=ws,
-                     memory_failcnt=0, memory_under_oom=False, oom_kills=0, pids_current=1,
-                     pids_failcnt=0)  # fmt: skip
+        return Usage(
+            at=time.monotonic(),
+            cpu_usage_s=0.0,
+            cpu_periods=0,
+            cpu_throttled_periods=0,
+            cpu_throttled_s=0.0,
+            memory_usage=ws,
+            memory_working_set=ws,
+            memory_peak=ws,
+            memory_failcnt=0,
+            memory_under_oom=False,
+            oom_kills=0,
+            pids_current=1,
+            pids_failcnt=0,
+        )
 
     def pressure(self) -> Pressure:
         return Pressure(cpu_periods=0, cpu_throttled_periods=0, memory_under_oom=False)
@@ -56,9 +67,14 @@ class FakeCgroup:
 @pytest.fixture
 def provisioner():
     groups: dict[str, FakeCgroup] = {}
-    cfg = ProvisionConfig(mode="elastic", memory_capacity=1024 * MIB, memory_overcommit=1.0,
-                          memory_initial=256 * MIB, memory_low_watermark=0.0,
-                          memory_critical_watermark=0.0)  # fmt: skip
+    cfg = ProvisionConfig(
+        mode="elastic",
+        memory_capacity=1024 * MIB,
+        memory_overcommit=1.0,
+        memory_initial=256 * MIB,
+        memory_low_watermark=0.0,
+        memory_critical_watermark=0.0,
+    )
     p = Provisioner(cfg, open_cgroup=lambda path: groups.setdefault(path, FakeCgroup()))
     p.groups = groups
     return p
@@ -72,7 +88,7 @@ def _add(p: Provisioner, env_id: str) -> FakeCgroup:
 
 def test_a_paused_environment_keeps_its_memory_in_admission_and_from_the_others(provisioner):
     p = provisioner
-    a, b, c = _add(p, "a"), _add(p, "b"), _add(p, "c")
+    a, b, _c = _add(p, "a"), _add(p, "b"), _add(p, "c")
     _add(p, "d")  # 4 x 256 MiB: the node's 1 GiB
     p.pause("b")
     p.pause("c")

@@ -18,10 +18,23 @@ TOKEN = "ab" * 20
 
 
 def report(node_id, held=None, templates=None, envs=()):
-    return NodeReport(node_id=node_id, home="/h", api_url=f"http://{node_id}:1", api_key="k", at=time.time(),
-                      cpu_capacity=8, memory_capacity=32 * GiB, cpu_reserved=0, memory_reserved=0, cpu_used=0,
-                      memory_used=0, environments=list(envs), group_bytes=held or {},
-                      group_sizes={"sha256:g1": 1000, "sha256:g2": 1000}, templates=templates or {})
+    return NodeReport(
+        node_id=node_id,
+        home="/h",
+        api_url=f"http://{node_id}:1",
+        api_key="k",
+        at=time.time(),
+        cpu_capacity=8,
+        memory_capacity=32 * GiB,
+        cpu_reserved=0,
+        memory_reserved=0,
+        cpu_used=0,
+        memory_used=0,
+        environments=list(envs),
+        group_bytes=held or {},
+        group_sizes={"sha256:g1": 1000, "sha256:g2": 1000},
+        templates=templates or {},
+    )
 
 
 FACTS = {"t": TemplateFacts(["sha256:g1", "sha256:g2"], 1.0, 1 * GiB)}
@@ -155,8 +168,12 @@ def test_an_asker_passes_a_rate_bound_peer_over_for_its_retry_after(tmp_path):
     peers = PeerChunks(store, groups=list)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.5, pass_over_s=30),
-                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        peers.update(
+            PeerUpdate(
+                settings=PeerSettings(token=TOKEN, timeout_s=1.5, pass_over_s=30),
+                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])],
+            )
+        )
         peers.learn([(digest, "sha256:g1")])
         for wait in (0.0, 0.0, 1.1):
             time.sleep(wait)
@@ -231,8 +248,9 @@ def test_a_chunk_of_a_group_not_mounted_yet_comes_from_a_peer_once_learnt(tmp_pa
     peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)  # nothing mounted
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN),
-                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        peers.update(
+            PeerUpdate(settings=PeerSettings(token=TOKEN), peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])])
+        )
         with pytest.raises(NotFoundError):  # no group known for it: the store, which lacks it
             peers.get_chunk(digest, size=len(chunk))
         peers.learn([(digest, "sha256:g1")])
@@ -302,8 +320,12 @@ def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):
         port = s.getsockname()[1]
     peers = PeerChunks(store, groups=list)
     try:
-        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.0, pass_over_s=1.0),
-                                peers=[PeerInfo(node_id="a", url=f"http://127.0.0.1:{port}", groups=["sha256:g1"])]))
+        peers.update(
+            PeerUpdate(
+                settings=PeerSettings(token=TOKEN, timeout_s=1.0, pass_over_s=1.0),
+                peers=[PeerInfo(node_id="a", url=f"http://127.0.0.1:{port}", groups=["sha256:g1"])],
+            )
+        )
         peers.learn([(digest, "sha256:g1")])
         unreachable = []
         for wait in (0.0, 0.0, 1.1):
@@ -372,8 +394,12 @@ def test_a_chunk_this_node_asks_peers_for_is_not_waited_for_by_a_peer(tmp_path):
     peers.held = lambda d, wait_s: waits.append(wait_s)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=2.0),
-                                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])]))
+        peers.update(
+            PeerUpdate(
+                settings=PeerSettings(token=TOKEN, timeout_s=2.0),
+                peers=[PeerInfo(node_id="a", url=url, groups=["sha256:g1"])],
+            )
+        )
         peers.learn([(digest, "sha256:g1")])
         failed = []
 
@@ -416,8 +442,7 @@ def test_a_pack_half_cached_or_held_by_peers_is_not_streamed_in_a_cluster(tmp_pa
     cache = ChunkCache(tmp_path / "cache", peers)
     prefetch = Prefetcher(cache, store, lazyfs=None, peers=peers)  # no FUSE: only the pack decision is used
     try:
-        head = [("sha256:base", refs[0]), ("sha256:base", refs[1]), ("sha256:task", refs[2]),
-                ("sha256:task", refs[3])]
+        head = [("sha256:base", refs[0]), ("sha256:base", refs[1]), ("sha256:task", refs[2]), ("sha256:task", refs[3])]
         cache.ensure(refs[0])
         cache.ensure(refs[1])  # half of the pack's bytes cached
         assert not prefetch._peers_have_pack(head)  # one node alone: the pack as before

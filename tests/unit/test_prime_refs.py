@@ -11,19 +11,34 @@ from weenv.server.prime.gateway import command_timeout
 from weenv.server.prime.images import imported_name, is_loopback_registry, registry_host
 
 
-@pytest.mark.parametrize(("image", "host"), [
-    ("task", None), ("python:3.11", None), ("library/ubuntu:22.04", None),
-    ("127.0.0.1:5000/repo:1", "127.0.0.1:5000"), ("localhost/repo", "localhost"),
-    ("registry.example.com/a/b:2", "registry.example.com"), ("[::1]:5000/r:1", "[::1]:5000"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("image", "host"),
+    [
+        ("task", None),
+        ("python:3.11", None),
+        ("library/ubuntu:22.04", None),
+        ("127.0.0.1:5000/repo:1", "127.0.0.1:5000"),
+        ("localhost/repo", "localhost"),
+        ("registry.example.com/a/b:2", "registry.example.com"),
+        ("[::1]:5000/r:1", "[::1]:5000"),
+    ],
+)
 def test_registry_host(image, host):
     assert registry_host(image) == host
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1:5000", True), ("127.9.9.9", True), ("localhost:5000", True), ("[::1]:5000", True),
-    ("10.0.0.1:5000", False), ("registry.example.com", False), ("localhost.example.com:5000", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1:5000", True),
+        ("127.9.9.9", True),
+        ("localhost:5000", True),
+        ("[::1]:5000", True),
+        ("10.0.0.1:5000", False),
+        ("registry.example.com", False),
+        ("localhost.example.com:5000", False),
+    ],
+)
 def test_only_loopback_registries_are_imported_from(host, loopback):
     assert is_loopback_registry(host) is loopback
 

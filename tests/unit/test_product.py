@@ -36,12 +36,18 @@ def weenv(*args: str, hide: tuple[str, ...] = (), home: Path | None = None) -> s
     """``weenv ARGS`` from this checkout (its ``src/`` and ``benchmarks/``) as if
     the top-level packages in ``hide`` were not installed."""
     code = f"HIDDEN = {hide!r}\n{HIDE}\nfrom weenv.cli import main\nsys.argv = ['weenv', *{args!r}]\nmain()\n"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]),
-               COLUMNS="200")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]), COLUMNS="200")
     if home is not None:
         env["WEENV_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
-                          stdin=subprocess.DEVNULL, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        cwd="/",
+    )
 
 
 def test_the_wheel_holds_the_product_alone(tmp_path):
@@ -55,9 +61,23 @@ def test_the_wheel_holds_the_product_alone(tmp_path):
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
-                    "-w", str(out), str(src)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     (wheel,) = out.glob("weenv-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -78,8 +98,10 @@ def test_the_wheel_holds_the_product_alone(tmp_path):
 def test_the_cli_does_not_import_matplotlib_or_the_benchmarks():
     """The product's modules load neither matplotlib nor a benchmark (only the
     ``weenv bench`` commands' definitions, :mod:`weenv_bench.cli`)."""
-    code = ("import sys, weenv.cli, weenv.demo, weenv.server.daemon, weenv.sdk\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'weenv_bench')))")
+    code = (
+        "import sys, weenv.cli, weenv.demo, weenv.server.daemon, weenv.sdk\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'weenv_bench')))"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "['weenv_bench', 'weenv_bench.cli']", r.stdout + r.stderr
@@ -98,8 +120,10 @@ def test_bench_without_the_benchmarks_is_one_line():
     for args in (("bench",), ("bench", "--help"), ("bench", "start", "--quick")):
         r = weenv(*args, hide=("weenv_bench",))
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        assert r.stderr.strip() == ("weenv: error: the benchmarks are not installed: pip install 'weenv[bench]' "
-                                    "(from a checkout: pip install '.[bench]')"), r.stderr
+        assert r.stderr.strip() == (
+            "weenv: error: the benchmarks are not installed: pip install 'weenv[bench]' "
+            "(from a checkout: pip install '.[bench]')"
+        ), r.stderr
     r = weenv("--help", hide=("weenv_bench",))
     assert r.returncode == 0 and "bench" in r.stdout and "group" in r.stdout
 

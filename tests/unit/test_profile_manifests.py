@@ -38,8 +38,9 @@ class CountingStore(FileStore):
 
 def _group(i: int) -> GroupManifest:
     data = bytes([i]) * 4096
-    chunk = ChunkRef(digest=sha256_digest(data), size=len(data), stored_size=len(data),
-                     stored_digest=sha256_digest(b"z" + data))  # fmt: skip
+    chunk = ChunkRef(
+        digest=sha256_digest(data), size=len(data), stored_size=len(data), stored_digest=sha256_digest(b"z" + data)
+    )
     return GroupManifest(name=f"g{i}", version="1", image_size=4096, chunk_size=4096, chunks=[chunk], file_count=1)
 
 
@@ -50,8 +51,14 @@ def _template(store) -> tuple[str, list[tuple[str, GroupManifest]]]:
 
 
 def _profile(digest: str, groups, manifests: dict[str, str]) -> PrefetchProfile:
-    return PrefetchProfile(template=digest, groups=[d for d, _m in groups], chunks=[(0, 0)],
-                           refs=[groups[0][1].chunks[0]], window_s=0.1, manifests=manifests)  # fmt: skip
+    return PrefetchProfile(
+        template=digest,
+        groups=[d for d, _m in groups],
+        chunks=[(0, 0)],
+        refs=[groups[0][1].chunks[0]],
+        window_s=0.1,
+        manifests=manifests,
+    )
 
 
 def _resolver(tmp_path, store) -> Resolver:

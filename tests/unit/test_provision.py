@@ -9,8 +9,15 @@ import random
 import pytest
 
 from weenv.node.provision import ProvisionConfig
-from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, admits, arbitrate, burst_contention
-from weenv.node.provision.arbiter import predicted_cpu_peak
+from weenv.node.provision.arbiter import (
+    Budget,
+    Claim,
+    CpuMoments,
+    admits,
+    arbitrate,
+    burst_contention,
+    predicted_cpu_peak,
+)
 from weenv.node.provision.policy import EnvPolicy, Observation, percentile
 
 MIB = 1 << 20
@@ -18,9 +25,18 @@ GIB = 1 << 30
 
 
 def obs(at, cpu=0.0, throttled=0.0, ws=0, usage=None, failcnt=0, under_oom=False, dt=1.0):
-    return Observation(at=at, dt=dt, cpu_cores=cpu, throttled=throttled,
-                       memory_usage=ws if usage is None else usage, working_set=ws,
-                       failcnt_delta=failcnt, under_oom=under_oom, oom_kills_delta=0, pids=1)  # fmt: skip
+    return Observation(
+        at=at,
+        dt=dt,
+        cpu_cores=cpu,
+        throttled=throttled,
+        memory_usage=ws if usage is None else usage,
+        working_set=ws,
+        failcnt_delta=failcnt,
+        under_oom=under_oom,
+        oom_kills_delta=0,
+        pids=1,
+    )
 
 
 def step(p: EnvPolicy, o: Observation):
@@ -96,8 +112,15 @@ def test_memory_raised_at_once_near_the_limit_and_lowered_after_hold_in_steps():
 
 
 def test_floor_and_ceiling_bound_everything():
-    cfg = ProvisionConfig(cpu_floor=0.2, memory_floor=128 * MIB, cpu_cooldown_s=0, memory_hold_s=0,
-                          cpu_min_headroom=0, memory_min_headroom=0, memory_half_life_s=1)
+    cfg = ProvisionConfig(
+        cpu_floor=0.2,
+        memory_floor=128 * MIB,
+        cpu_cooldown_s=0,
+        memory_hold_s=0,
+        cpu_min_headroom=0,
+        memory_min_headroom=0,
+        memory_half_life_s=1,
+    )
     p = EnvPolicy(cfg, cpu_ceiling=1.0, memory_ceiling=512 * MIB, now=0)
     for t in range(1, 50):
         w = step(p, obs(t, cpu=0 if t > 5 else 3.0, throttled=1.0 if t <= 5 else 0, ws=(10 if t > 5 else 900) * MIB))
@@ -109,14 +132,29 @@ def test_floor_and_ceiling_bound_everything():
 
 # --- arbiter ----------------------------------------------------------------------------------
 def budget(cpu=2.0, memory=4 * GIB, available=20 * GIB):
-    return Budget(cpu=cpu, memory=memory, memory_capacity=memory, memory_available=available,
-                  low_watermark=0.1, critical_watermark=0.05)  # fmt: skip
+    return Budget(
+        cpu=cpu,
+        memory=memory,
+        memory_capacity=memory,
+        memory_available=available,
+        low_watermark=0.1,
+        critical_watermark=0.05,
+    )
 
 
 def claim(i, *, prio=0, cpu=0.5, cpu_want=0.5, mem=256 * MIB, mem_want=256 * MIB, pressure=False, frozen=False):
-    return Claim(env_id=f"e{i}", priority=prio, cpu_quota=cpu, cpu_want=cpu_want, cpu_floor=0.1,
-                 memory_limit=mem, memory_want=mem_want, memory_pressure=pressure,
-                 working_set=mem // 2, frozen=frozen)  # fmt: skip
+    return Claim(
+        env_id=f"e{i}",
+        priority=prio,
+        cpu_quota=cpu,
+        cpu_want=cpu_want,
+        cpu_floor=0.1,
+        memory_limit=mem,
+        memory_want=mem_want,
+        memory_pressure=pressure,
+        working_set=mem // 2,
+        frozen=frozen,
+    )
 
 
 def test_arbiter_keeps_the_sum_of_quotas_within_the_budget():
@@ -126,9 +164,17 @@ def test_arbiter_keeps_the_sum_of_quotas_within_the_budget():
         claims = []
         for i in range(rng.randint(1, 30)):
             cpu = rng.uniform(0.1, 1.0)
-            claims.append(claim(i, prio=rng.randint(0, 2), cpu=cpu, cpu_want=rng.uniform(0.1, 4),
-                                mem=rng.randint(64, 512) * MIB, mem_want=rng.randint(64, 2048) * MIB,
-                                pressure=rng.random() < 0.5))  # fmt: skip
+            claims.append(
+                claim(
+                    i,
+                    prio=rng.randint(0, 2),
+                    cpu=cpu,
+                    cpu_want=rng.uniform(0.1, 4),
+                    mem=rng.randint(64, 512) * MIB,
+                    mem_want=rng.randint(64, 2048) * MIB,
+                    pressure=rng.random() < 0.5,
+                )
+            )
         if sum(c.cpu_floor for c in claims) > b.cpu:
             continue
         d = arbitrate(claims, b)
@@ -154,13 +200,23 @@ def test_arbiter_grants_by_priority_then_freezes_the_lowest_and_refuses_growth()
     assert d.freeze == ["e0"] and not d.admitting
     assert any(k == "freeze" and e == "e0" for e, k, _ in d.events)
     # equal priorities: nobody is frozen, growth is refused
-    d = arbitrate([claim(0, mem=300 * MIB, mem_want=900 * MIB, pressure=True),
-                   claim(1, mem=300 * MIB, mem_want=900 * MIB, pressure=True)], b)  # fmt: skip
+    d = arbitrate(
+        [
+            claim(0, mem=300 * MIB, mem_want=900 * MIB, pressure=True),
+            claim(1, mem=300 * MIB, mem_want=900 * MIB, pressure=True),
+        ],
+        b,
+    )
     assert d.freeze == [] and not d.admitting
     assert sorted(e for e, k, _ in d.events if k == "refused") == ["e0", "e1"]
     # the frozen one is thawed once its memory fits, and admission resumes
-    d = arbitrate([claim(0, mem=300 * MIB, mem_want=400 * MIB, pressure=True, frozen=True),
-                   claim(1, prio=1, mem=200 * MIB, mem_want=200 * MIB)], b)  # fmt: skip
+    d = arbitrate(
+        [
+            claim(0, mem=300 * MIB, mem_want=400 * MIB, pressure=True, frozen=True),
+            claim(1, prio=1, mem=200 * MIB, mem_want=200 * MIB),
+        ],
+        b,
+    )
     assert d.thaw == ["e0"] and d.admitting and d.memory["e0"] == 400 * MIB
 
 
@@ -263,8 +319,10 @@ def test_burst_contention_equals_enumerating_every_busy_set():
     rng = random.Random(5)
     for _ in range(300):
         capacity = rng.choice([1.0, 2.0, 3.0, 4.0])
-        envs = [CpuMoments.prior(min(capacity, rng.choice([0.5, 1.0, 1.5, 2.0, 0.87])), rng.random() * 0.6)
-                for _ in range(rng.randint(0, 7))]  # fmt: skip
+        envs = [
+            CpuMoments.prior(min(capacity, rng.choice([0.5, 1.0, 1.5, 2.0, 0.87])), rng.random() * 0.6)
+            for _ in range(rng.randint(0, 7))
+        ]
         assert burst_contention(envs, capacity) == pytest.approx(_contention_by_enumeration(envs, capacity), abs=1e-12)
 
 

@@ -25,8 +25,9 @@ def test_the_quick_start_commands():
 def test_the_python_examples_are_the_tested_snippets():
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     snippets = {p.name: p.read_text() for p in (ROOT / "docs" / "snippets").glob("*.py")}
-    assert blocks and all(block in snippets.values() for block in blocks), \
+    assert blocks and all(block in snippets.values() for block in blocks), (
         "a README Python example differs from docs/snippets/ (edit the snippet, then copy it)"
+    )
     assert {"sdk_quickstart.py", "e2b_quickstart.py"} <= {n for n, text in snippets.items() if text in blocks}
 
 

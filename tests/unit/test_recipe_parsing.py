@@ -13,21 +13,33 @@ from weenv.packaging.recipe import load_recipe, parse_recipe
     [
         ("[template\nname=1", "not valid TOML"),
         ('[template]\nname = "t"\n', "component: Field required"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "frobnicate"\n',
-         "component 1 ('a'), step 1 (frobnicate): Input tag 'frobnicate'"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\n'
-         'commands = "true"\ncolour = "red"\n', "component 1 ('a'), step 1 (run), colour: Extra inputs"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "copy"\n'
-         'src = "x"\ndest = "relative"\n', "not an absolute path"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "pip"\n',
-         "needs requirements"),
-        ('[template]\nname = "T!"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n',
-         "template, name"),
-        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n'
-         '[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "y"\n', "repeated: a"),
+        (
+            '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "frobnicate"\n',
+            "component 1 ('a'), step 1 (frobnicate): Input tag 'frobnicate'",
+        ),
+        (
+            '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\n'
+            'commands = "true"\ncolour = "red"\n',
+            "component 1 ('a'), step 1 (run), colour: Extra inputs",
+        ),
+        (
+            '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "copy"\n'
+            'src = "x"\ndest = "relative"\n',
+            "not an absolute path",
+        ),
+        ('[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "pip"\n', "needs requirements"),
+        (
+            '[template]\nname = "T!"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n',
+            "template, name",
+        ),
+        (
+            '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "x"\n'
+            '[[component]]\nname = "a"\n[[component.step]]\nkind = "run"\ncommands = "y"\n',
+            "repeated: a",
+        ),
         ('[template]\nname = "t"\n[[component]]\nname = "a"\nstep = []\n', "component 1 ('a'), step"),
     ],
-)  # fmt: skip
+)
 def test_malformed_recipes_give_clear_errors(text, expected):
     with pytest.raises(InvalidInputError) as info:
         parse_recipe(text, origin="r.toml")
@@ -63,7 +75,8 @@ def test_a_run_step_without_build_environments_is_refused_before_any_build(tmp_p
     recipe = parse_recipe(
         '[template]\nname = "t"\n[[component]]\nname = "base"\n[[component.step]]\nkind = "from_dir"\n'
         'path = "tree"\n[[component]]\nname = "deps"\n[[component.step]]\nkind = "run"\ncommands = "true"\n',
-        base_dir=tmp_path)  # fmt: skip
+        base_dir=tmp_path,
+    )
     store = FileStore(tmp_path / "store")
     paths = Paths(home=tmp_path / "home", cache=tmp_path / "cache", store_url=str(tmp_path / "store"))
     with pytest.raises(InvalidInputError, match=r"\['deps'\] have run/pip steps: build_recipe needs environments"):

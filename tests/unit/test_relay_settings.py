@@ -17,8 +17,15 @@ def test_defaults_are_a_quarter_of_the_tcp_cap_and_a_minute(monkeypatch):
     assert relay_settings(1024) == {"max_relays": 1016, "idle_timeout": 2.5}
 
 
-@pytest.mark.parametrize("name,value", [("WEENV_RELAY_MAX", "0"), ("WEENV_RELAY_MAX", "many"),
-                                        ("WEENV_RELAY_IDLE_S", "-1"), ("WEENV_RELAY_IDLE_S", "nan")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("WEENV_RELAY_MAX", "0"),
+        ("WEENV_RELAY_MAX", "many"),
+        ("WEENV_RELAY_IDLE_S", "-1"),
+        ("WEENV_RELAY_IDLE_S", "nan"),
+    ],
+)
 def test_a_bad_value_names_its_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidInputError, match=name):
@@ -45,7 +52,9 @@ def test_many_slow_relayed_connects_leave_the_shared_thread_pool_alone():
     waiting = []
 
     class SlowNode:
-        table = types.SimpleNamespace(get=lambda sid: types.SimpleNamespace(info=types.SimpleNamespace(public_traffic=True, state="running")))
+        table = types.SimpleNamespace(
+            get=lambda sid: types.SimpleNamespace(info=types.SimpleNamespace(public_traffic=True, state="running"))
+        )
 
         def open_port(self, sandbox_id, port):
             waiting.append(port)
@@ -59,8 +68,10 @@ def test_many_slow_relayed_connects_leave_the_shared_thread_pool_alone():
 
     async def main():
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy), base_url="http://d")
-        relays = [asyncio.ensure_future(client.get("/", headers={"Host": f"{8000 + i}-0123456789ab.e2b.app"}))
-                  for i in range(50)]
+        relays = [
+            asyncio.ensure_future(client.get("/", headers={"Host": f"{8000 + i}-0123456789ab.e2b.app"}))
+            for i in range(50)
+        ]
         deadline = asyncio.get_running_loop().time() + 30
         while len(waiting) < CONNECT_THREADS:  # a relay that fails before its connect never gets here
             assert asyncio.get_running_loop().time() < deadline, f"only {len(waiting)} connects began"

@@ -10,7 +10,6 @@ import pytest
 from pydantic import ValidationError
 
 from weenv import errors
-from weenv.errors import ERROR_KINDS, WeenvError
 from weenv.api.models import (
     MAX_TIMEOUT_S,
     BatchCreateEvent,
@@ -24,18 +23,28 @@ from weenv.api.models import (
     SetPriorityRequest,
     SetTimeoutRequest,
 )
-from weenv.server.app import STATUS, _describe, error_response
+from weenv.errors import ERROR_KINDS, WeenvError
 from weenv.sdk import _core
+from weenv.server.app import STATUS, _describe, error_response
 
 
 # --- requests --------------------------------------------------------------------------------
-@pytest.mark.parametrize("fields", [
-    {"template": ""}, {"template": "t", "timeout": 0}, {"template": "t", "timeout": -5},
-    {"template": "t", "timeout": MAX_TIMEOUT_S + 1}, {"template": "t", "timeout": float("inf")},
-    {"template": "t", "timeout": float("nan")}, {"template": "t", "priority": 1001},
-    {"template": "t", "priority": -1001}, {"template": "t", "resources": {"cpus": 0}},
-    {"template": "t", "colour": "red"}, {},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"template": ""},
+        {"template": "t", "timeout": 0},
+        {"template": "t", "timeout": -5},
+        {"template": "t", "timeout": MAX_TIMEOUT_S + 1},
+        {"template": "t", "timeout": float("inf")},
+        {"template": "t", "timeout": float("nan")},
+        {"template": "t", "priority": 1001},
+        {"template": "t", "priority": -1001},
+        {"template": "t", "resources": {"cpus": 0}},
+        {"template": "t", "colour": "red"},
+        {},
+    ],
+)
 def test_bad_create_requests_are_refused(fields):
     with pytest.raises(ValidationError):
         CreateRequest(**fields)
@@ -47,9 +56,15 @@ def test_a_create_request_at_its_bounds_and_over_json():
     assert CreateRequest(template="t").first_command is True and CreateRequest(template="t").envs == {}
 
 
-@pytest.mark.parametrize("fields", [{"items": []}, {"items": [{"template": "t"}] * 4097},
-                                    {"items": [{"template": "t"}], "concurrency": 0},
-                                    {"items": [{"template": "t"}], "concurrency": 257}])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"items": []},
+        {"items": [{"template": "t"}] * 4097},
+        {"items": [{"template": "t"}], "concurrency": 0},
+        {"items": [{"template": "t"}], "concurrency": 257},
+    ],
+)
 def test_batch_bounds(fields):
     with pytest.raises(ValidationError):
         BatchCreateRequest(**fields)
@@ -69,8 +84,16 @@ def test_set_priority_bounds():
             SetPriorityRequest(priority=bad)
 
 
-@pytest.mark.parametrize("fields", [{"command": ["x"], "timeout": 0}, {"command": ["x"], "timeout": float("nan")},
-                                    {"command": ["x"], "tag": "t" * 257}, {"command": 5}, {"cmd": ["x"]}])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"command": ["x"], "timeout": 0},
+        {"command": ["x"], "timeout": float("nan")},
+        {"command": ["x"], "tag": "t" * 257},
+        {"command": 5},
+        {"cmd": ["x"]},
+    ],
+)
 def test_bad_exec_requests_are_refused(fields):
     with pytest.raises(ValidationError):
         ExecRequest(**fields)
@@ -120,9 +143,20 @@ def test_an_error_sent_by_the_server_comes_back_as_its_class(kind):
 
 
 def test_statuses_are_client_errors_only_for_what_a_client_can_fix():
-    assert {k for k, s in STATUS.items() if 400 <= s < 500} == {"not_found", "invalid_input", "authentication",
-                                                                 "timeout", "output_limit", "too_large", "busy", "state", "limit_refused",
-                                                                     "unknown_user", "pseudo_file", "network_forbidden"}  # fmt: skip
+    assert {k for k, s in STATUS.items() if 400 <= s < 500} == {
+        "not_found",
+        "invalid_input",
+        "authentication",
+        "timeout",
+        "output_limit",
+        "too_large",
+        "busy",
+        "state",
+        "limit_refused",
+        "unknown_user",
+        "pseudo_file",
+        "network_forbidden",
+    }
     assert set(STATUS) <= set(ERROR_KINDS)
     assert error_response("authentication", "no key").headers["www-authenticate"] == "Bearer"
 
@@ -148,8 +182,8 @@ def test_validation_errors_are_one_line_naming_the_field():
 def test_snapshot_and_reset_names_follow_the_nodes_rule(name):
     """The request models refuse what :meth:`Node.snapshot` and :meth:`Node.reset`
     refuse (:func:`check_name`: one rule); before, ``""`` passed the node as "no name"."""
-    from weenv.formats.manifest import check_name
     from weenv.api.models import ResetRequest, SnapshotRequest
+    from weenv.formats.manifest import check_name
 
     with pytest.raises(errors.InvalidInputError):
         check_name(name)

@@ -24,7 +24,9 @@ def _app() -> FastAPI:
     return app
 
 
-@pytest.mark.parametrize("path", ["/e2b/templates/%0A", "/e2b/templates/a%0Ab", "/e2b/templates/%09", "/e2b/templates/%00"])
+@pytest.mark.parametrize(
+    "path", ["/e2b/templates/%0A", "/e2b/templates/a%0Ab", "/e2b/templates/%09", "/e2b/templates/%00"]
+)
 def test_an_e2b_path_with_a_control_character_is_400_in_e2b_form(path):
     with TestClient(_app()) as client:
         r = client.get(path)

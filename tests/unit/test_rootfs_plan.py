@@ -46,7 +46,9 @@ def test_the_rootfs_made_ahead_is_beside_over_the_spare(tmp_path):
     assert ahead.target == str(env_dir / "rootfs.next") and ahead.flags == own.flags
     options = dict(o.split("=", 1) for o in ahead.options.split(","))
     assert options["lowerdir"] == "/g/task:/g/base"
-    assert Path(options["upperdir"]) == env_dir / SPARE / "upper" and Path(options["workdir"]) == env_dir / SPARE / "work"
+    assert (
+        Path(options["upperdir"]) == env_dir / SPARE / "upper" and Path(options["workdir"]) == env_dir / SPARE / "work"
+    )
 
 
 def test_container_ids_made_ahead_count_on():

@@ -54,11 +54,22 @@ def test_url_options_and_environment(monkeypatch):
         store.close()
 
 
-@pytest.mark.parametrize("url", [
-    "s3://", "s3://A-bucket/x", "s3://ab/x", "s3://bucket_1/x", "s3://b..c/x", "s3://bucket/a//b",
-    "s3://bucket/a/../b", "s3://bucket/x?timeout=0", "s3://bucket/x?colour=red", "s3://bucket/x?endpoint=ftp://h",
-    "s3://bucket/x?timeout",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://",
+        "s3://A-bucket/x",
+        "s3://ab/x",
+        "s3://bucket_1/x",
+        "s3://b..c/x",
+        "s3://bucket/a//b",
+        "s3://bucket/a/../b",
+        "s3://bucket/x?timeout=0",
+        "s3://bucket/x?colour=red",
+        "s3://bucket/x?endpoint=ftp://h",
+        "s3://bucket/x?timeout",
+    ],
+)
 def test_bad_urls_are_invalid_input(url):
     with pytest.raises(InvalidInputError):
         open_store(url, check=False)
@@ -79,9 +90,16 @@ def test_an_unchecked_store_opens_while_nothing_listens_and_its_first_operation_
 
 
 def test_without_boto3_an_s3_url_says_what_to_install():
-    code = (f"HIDDEN = ('boto3', 'botocore')\n{HIDE}\nfrom weenv.store import open_store\n"
-            "open_store('s3://my-bucket/p', check=False)\n")  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    code = (
+        f"HIDDEN = ('boto3', 'botocore')\n{HIDE}\nfrom weenv.store import open_store\n"
+        "open_store('s3://my-bucket/p', check=False)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 1
     assert "ToolMissingError: s3://my-bucket/p needs boto3: pip install 'weenv[s3]'" in r.stderr, r.stderr

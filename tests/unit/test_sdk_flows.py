@@ -30,8 +30,17 @@ URL = "http://node.test:7000"
 
 
 def env_info(env_id: str, template: str = "task", **kw) -> dict:
-    return {"id": env_id, "template": template, "template_digest": "sha256:" + "0" * 64, "created_at": 1.0,
-            "state": "running", "rootfs": f"/r/{env_id}", "resources": {}, "timing": {}, **kw}  # fmt: skip
+    return {
+        "id": env_id,
+        "template": template,
+        "template_digest": "sha256:" + "0" * 64,
+        "created_at": 1.0,
+        "state": "running",
+        "rootfs": f"/r/{env_id}",
+        "resources": {},
+        "timing": {},
+        **kw,
+    }
 
 
 def b64(data: bytes) -> str:
@@ -66,8 +75,9 @@ class FakeDaemon:
         parts = path.removeprefix("/v1/").split("/")
         if parts == ["environments"] and method == "POST":
             env_id = f"e{len(self.envs)}"
-            self.envs[env_id] = env_info(env_id, body["template"], envs=body["envs"], metadata=body["metadata"],
-                                         priority=body["priority"])  # fmt: skip
+            self.envs[env_id] = env_info(
+                env_id, body["template"], envs=body["envs"], metadata=body["metadata"], priority=body["priority"]
+            )
             return httpx.Response(200, json=self.envs[env_id])
         if parts == ["environments", "batch"]:
             lines = []
@@ -91,14 +101,24 @@ class FakeDaemon:
             cmd = body["command"]
             text = (" ".join(cmd) if isinstance(cmd, list) else cmd).encode()
             if body.get("timeout"):
-                return httpx.Response(200, content=ndjson({"type": "start", "pid": 7},
-                                                          {"type": "end", "exit_code": 137, "timed_out": True,
-                                                           "duration_s": body["timeout"]}))  # fmt: skip
+                return httpx.Response(
+                    200,
+                    content=ndjson(
+                        {"type": "start", "pid": 7},
+                        {"type": "end", "exit_code": 137, "timed_out": True, "duration_s": body["timeout"]},
+                    ),
+                )
             half = len(text) // 2
-            return httpx.Response(200, content=ndjson(
-                {"type": "start", "pid": 7}, {"type": "stdout", "data": b64(text[:half])},
-                {"type": "stderr", "data": b64(b"warn")}, {"type": "stdout", "data": b64(text[half:])},
-                {"type": "end", "exit_code": 3, "timed_out": False, "duration_s": 0.5}))  # fmt: skip
+            return httpx.Response(
+                200,
+                content=ndjson(
+                    {"type": "start", "pid": 7},
+                    {"type": "stdout", "data": b64(text[:half])},
+                    {"type": "stderr", "data": b64(b"warn")},
+                    {"type": "stdout", "data": b64(text[half:])},
+                    {"type": "end", "exit_code": 3, "timed_out": False, "duration_s": 0.5},
+                ),
+            )
         if rest == ["files"]:
             key = (env_id, request.url.params["path"])
             if method == "PUT":
@@ -112,8 +132,16 @@ class FakeDaemon:
             key = (env_id, request.url.params["path"])
             if key not in self.files:
                 return error(404, "not_found", f"no file {key[1]}")
-            return httpx.Response(200, json={"name": key[1].rsplit("/", 1)[-1], "path": key[1], "type": "file",
-                                             "size": len(self.files[key]), "mode": 0o644})  # fmt: skip
+            return httpx.Response(
+                200,
+                json={
+                    "name": key[1].rsplit("/", 1)[-1],
+                    "path": key[1],
+                    "type": "file",
+                    "size": len(self.files[key]),
+                    "mode": 0o644,
+                },
+            )
         return error(400, "invalid_input", f"unknown {method} {path}")
 
 
@@ -136,8 +164,7 @@ def serve(monkeypatch, fake: FakeDaemon) -> FakeDaemon:
 
 # --- create, info, kill ----------------------------------------------------------------------
 def test_create_sends_the_request_model_with_the_key_and_returns_a_sandbox(daemon):
-    s = Sandbox.create("task", timeout=60, envs={"A": "1"}, metadata={"run": "7"}, priority=5,
-                       resources={"cpus": 0.5})  # fmt: skip
+    s = Sandbox.create("task", timeout=60, envs={"A": "1"}, metadata={"run": "7"}, priority=5, resources={"cpus": 0.5})
     req = daemon.requests[0]
     assert (req.method, str(req.url)) == ("POST", URL + "/v1/environments")
     assert req.headers["x-api-key"] == "k" * 40
@@ -153,7 +180,7 @@ def test_create_sends_the_request_model_with_the_key_and_returns_a_sandbox(daemo
 def test_a_context_manager_kills_on_exit_even_after_an_error(daemon):
     with pytest.raises(ZeroDivisionError):
         with Sandbox.create("task"):
-            1 / 0
+            raise ZeroDivisionError
     assert daemon.envs == {} and daemon.requests[-1].method == "DELETE"
 
 
@@ -164,8 +191,17 @@ def test_kill_of_a_gone_sandbox_is_false_and_is_running_false(daemon):
     assert s.kill() is False
 
 
-@pytest.mark.parametrize("kw", [{"timeout": 0}, {"timeout": -1}, {"timeout": float("nan")}, {"priority": 1001},
-                                {"resources": {"cpus": 0}}, {"resources": {"bogus": 1}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"timeout": 0},
+        {"timeout": -1},
+        {"timeout": float("nan")},
+        {"priority": 1001},
+        {"resources": {"cpus": 0}},
+        {"resources": {"bogus": 1}},
+    ],
+)
 def test_bad_create_arguments_are_invalid_input_before_any_request(daemon, kw):
     with pytest.raises(InvalidInputError):
         Sandbox.create("task", **kw)
@@ -200,8 +236,12 @@ def test_a_timed_out_command_raises_with_its_result(daemon):
 
 def test_an_error_event_in_the_stream_raises_its_kind(daemon):
     s = Sandbox.create("task")
-    daemon.answers[("POST", f"/v1/environments/{s.id}/commands/stream")] = httpx.Response(200, content=ndjson(
-        {"type": "start", "pid": 1}, {"type": "error", "error": {"kind": "output_limit", "message": "too much"}}))
+    daemon.answers[("POST", f"/v1/environments/{s.id}/commands/stream")] = httpx.Response(
+        200,
+        content=ndjson(
+            {"type": "start", "pid": 1}, {"type": "error", "error": {"kind": "output_limit", "message": "too much"}}
+        ),
+    )
     with pytest.raises(OutputLimitError, match="too much"):
         s.commands.run("yes")
 
@@ -209,7 +249,8 @@ def test_an_error_event_in_the_stream_raises_its_kind(daemon):
 def test_a_stream_that_ends_before_the_command_is_a_daemon_error(daemon):
     s = Sandbox.create("task")
     daemon.answers[("POST", f"/v1/environments/{s.id}/commands/stream")] = httpx.Response(
-        200, content=ndjson({"type": "start", "pid": 1}, {"type": "stdout", "data": b64(b"x")}))
+        200, content=ndjson({"type": "start", "pid": 1}, {"type": "stdout", "data": b64(b"x")})
+    )
     with pytest.raises(DaemonError, match="ended before"):
         s.commands.run("true")
 
@@ -284,12 +325,18 @@ def test_create_many_count_needs_one_template(daemon):
 
 
 # --- error answers and transport failures ------------------------------------------------------
-@pytest.mark.parametrize("status, kind, cls", [
-    (404, "not_found", NotFoundError), (400, "invalid_input", InvalidInputError),
-    (401, "authentication", AuthenticationError), (408, "timeout", CommandTimeoutError),
-    (413, "output_limit", OutputLimitError), (503, "capacity", CapacityError),
-    (500, "no_such_kind", WeenvError),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "status, kind, cls",
+    [
+        (404, "not_found", NotFoundError),
+        (400, "invalid_input", InvalidInputError),
+        (401, "authentication", AuthenticationError),
+        (408, "timeout", CommandTimeoutError),
+        (413, "output_limit", OutputLimitError),
+        (503, "capacity", CapacityError),
+        (500, "no_such_kind", WeenvError),
+    ],
+)
 def test_error_answers_raise_the_class_of_their_kind(daemon, status, kind, cls):
     daemon.answers[("POST", "/v1/environments")] = error(status, kind, f"the {kind} message")
     with pytest.raises(cls, match=f"the {kind} message") as info:
@@ -303,9 +350,14 @@ def test_an_error_answer_that_is_not_weenvs_is_a_daemon_error_with_the_status(da
         Sandbox.create("task")
 
 
-@pytest.mark.parametrize("exc, cls", [(httpx.ConnectError("refused"), DaemonError),
-                                      (httpx.ReadTimeout("slow"), CommandTimeoutError),
-                                      (httpx.RemoteProtocolError("cut"), DaemonError)])  # fmt: skip
+@pytest.mark.parametrize(
+    "exc, cls",
+    [
+        (httpx.ConnectError("refused"), DaemonError),
+        (httpx.ReadTimeout("slow"), CommandTimeoutError),
+        (httpx.RemoteProtocolError("cut"), DaemonError),
+    ],
+)
 def test_transport_failures_are_weenv_errors_with_the_cause(monkeypatch, exc, cls):
     def fail(request):
         raise exc
@@ -366,8 +418,11 @@ def test_node_client_batch_reports_each_event_as_it_comes_and_keeps_failures(dae
 
     seen = []
     with NodeClient() as c:
-        events = c.create_many([CreateRequest(template="a"), CreateRequest(template="missing")], concurrency=2,
-                               on_event=lambda ev: seen.append(ev.index))  # fmt: skip
+        events = c.create_many(
+            [CreateRequest(template="a"), CreateRequest(template="missing")],
+            concurrency=2,
+            on_event=lambda ev: seen.append(ev.index),
+        )
     assert seen == [1, 0] and [e.index for e in events] == [1, 0]  # the daemon's order
     assert events[0].error.kind == "not_found" and events[1].environment.template == "a"
     assert list(daemon.envs) == ["e0"]  # a failed item destroys nothing

@@ -37,12 +37,22 @@ def test_environment_over_file_over_default(tmp_path):
     assert load({"WEENV_HOME": str(tmp_path / "none")}).path == tmp_path / "none" / "config.toml"
 
 
-@pytest.mark.parametrize("var, value", [
-    ("WEENV_POOL_SIZE", "-1"), ("WEENV_POOL_SIZE", "two"), ("WEENV_RUNTIME", "docker"),
-    ("WEENV_USERNS", "maybe"), ("WEENV_NET_CIDR", "10.0.0.1/16"), ("WEENV_NET_CIDR", "10.0.0.0/31"),
-    ("WEENV_DISK_BYTES", "64X"), ("WEENV_RELAY_IDLE_S", "nan"), ("WEENV_STORE_LEASE_S", "0"),
-    ("WEENV_DNS_UPSTREAM", "10.0.0.1:70000"), ("WEENV_ADMISSION", "PEAK"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("WEENV_POOL_SIZE", "-1"),
+        ("WEENV_POOL_SIZE", "two"),
+        ("WEENV_RUNTIME", "docker"),
+        ("WEENV_USERNS", "maybe"),
+        ("WEENV_NET_CIDR", "10.0.0.1/16"),
+        ("WEENV_NET_CIDR", "10.0.0.0/31"),
+        ("WEENV_DISK_BYTES", "64X"),
+        ("WEENV_RELAY_IDLE_S", "nan"),
+        ("WEENV_STORE_LEASE_S", "0"),
+        ("WEENV_DNS_UPSTREAM", "10.0.0.1:70000"),
+        ("WEENV_ADMISSION", "PEAK"),
+    ],
+)
 def test_a_bad_variable_is_one_line_naming_it(var, value):
     with pytest.raises(InvalidInputError) as exc:
         load({var: value})
@@ -51,13 +61,16 @@ def test_a_bad_variable_is_one_line_naming_it(var, value):
     assert "\n" not in msg and "pydantic" not in msg, msg
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[pool]\nsize = -2\n", ("[pool] size = -2", "want an integer >= 0")),
-    ("[pool]\nsise = 2\n", ("unknown setting [pool] sise", "size")),
-    ("[pools]\nsize = 2\n", ("unknown group [pools]", "pool")),
-    ("pool = 2\n", ("pool must be a table",)),
-    ("[pool\nsize = 2\n", ("not valid TOML",)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[pool]\nsize = -2\n", ("[pool] size = -2", "want an integer >= 0")),
+        ("[pool]\nsise = 2\n", ("unknown setting [pool] sise", "size")),
+        ("[pools]\nsize = 2\n", ("unknown group [pools]", "pool")),
+        ("pool = 2\n", ("pool must be a table",)),
+        ("[pool\nsize = 2\n", ("not valid TOML",)),
+    ],
+)
 def test_a_bad_file_is_one_line_naming_the_file_and_key(tmp_path, text, words):
     with pytest.raises(InvalidInputError) as exc:
         load(_file(tmp_path, text))
@@ -132,16 +145,24 @@ def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
         return [v for v in values if v.startswith("WEENV_")]
 
     def is_environ(expr: ast.AST) -> bool:
-        return isinstance(expr, ast.Attribute) and expr.attr == "environ" or \
-            isinstance(expr, ast.Name) and expr.id == "environ"
+        return (
+            isinstance(expr, ast.Attribute)
+            and expr.attr == "environ"
+            or isinstance(expr, ast.Name)
+            and expr.id == "environ"
+        )
 
     out = []
     for node in ast.walk(tree):
         arg = None
         if isinstance(node, ast.Call) and node.args:
             f = node.func
-            if isinstance(f, ast.Attribute) and (f.attr == "getenv" or f.attr in ("get", "pop") and is_environ(f.value)) \
-                    or isinstance(f, ast.Name) and f.id == "getenv":
+            if (
+                isinstance(f, ast.Attribute)
+                and (f.attr == "getenv" or f.attr in ("get", "pop") and is_environ(f.value))
+                or isinstance(f, ast.Name)
+                and f.id == "getenv"
+            ):
                 arg = node.args[0]
         elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
             arg = node.slice
@@ -153,9 +174,11 @@ def _environ_reads(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_the_scan_finds_each_kind_of_read():
-    tree = ast.parse('import os\nV = "WEENV_B"\nos.environ.get("WEENV_A")\nos.getenv(V)\nos.environ["WEENV_C"]\n'
-                     '"WEENV_D" in os.environ\nfor n in ("WEENV_E",):\n    os.environ.get(n)\n'
-                     'dict(os.environ, WEENV_F="x")\nos.environ.get("HOME")\n')
+    tree = ast.parse(
+        'import os\nV = "WEENV_B"\nos.environ.get("WEENV_A")\nos.getenv(V)\nos.environ["WEENV_C"]\n'
+        '"WEENV_D" in os.environ\nfor n in ("WEENV_E",):\n    os.environ.get(n)\n'
+        'dict(os.environ, WEENV_F="x")\nos.environ.get("HOME")\n'
+    )
     assert sorted(v for _, v in _environ_reads(tree)) == ["WEENV_A", "WEENV_B", "WEENV_C", "WEENV_D", "WEENV_E"]
 
 
@@ -174,9 +197,9 @@ def test_no_module_but_config_reads_a_weenv_variable():
 def test_module_defaults_are_the_models():
     """Constants the modules keep for their callers and docs agree with the model's defaults."""
     from weenv.build import stepbuild
+    from weenv.node.provision.models import ProvisionConfig
     from weenv.node.runtime import network, runtime
     from weenv.node.state import fork, pool
-    from weenv.node.provision.models import ProvisionConfig
     from weenv.server import e2b
     from weenv.server.e2b import ports, uploads
     from weenv.store import lease

@@ -10,9 +10,14 @@ from weenv.server.e2b import signed
 e2b_signature = pytest.importorskip("e2b.sandbox.signature")
 
 
-@pytest.mark.parametrize("path,op,user,exp", [
-    ("/tmp/a.txt", "read", None, None), ("/home/user/ü b", "write", "user", 1_900_000_000), ("rel", "read", "root", 5),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,op,user,exp",
+    [
+        ("/tmp/a.txt", "read", None, None),
+        ("/home/user/ü b", "write", "user", 1_900_000_000),
+        ("rel", "read", "root", 5),
+    ],
+)
 def test_the_signature_is_the_sdks(path, op, user, exp):
     sdk = e2b_signature.get_signature(path, op, user, "tok" * 10, None)
     assert signed.signature(path, op, user or "", "tok" * 10, None) == sdk["signature"]

@@ -15,14 +15,24 @@ from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources
 from weenv.node.provision import ProvisionConfig
 from weenv_bench.provision import simulate_recorded
-from weenv_bench.simulate import (Trace, calibrate, compare, parse_background, parse_traces, share, simulate,
-                                  unloaded_spread, with_noise)
+from weenv_bench.simulate import (
+    Trace,
+    calibrate,
+    compare,
+    parse_background,
+    parse_traces,
+    share,
+    simulate,
+    unloaded_spread,
+    with_noise,
+)
 
 MIB = 1 << 20
 GIB = 1 << 30
 ONE = Resources(cpus=1.0, memory_bytes=1536 * MIB, pids=64)
-ELASTIC = ProvisionConfig(mode="elastic", interval_s=0.5, admission="burst", admission_min_history_s=60.0,
-                          memory_overcommit=1.0)  # fmt: skip
+ELASTIC = ProvisionConfig(
+    mode="elastic", interval_s=0.5, admission="burst", admission_min_history_s=60.0, memory_overcommit=1.0
+)
 
 
 def agent_trace(seed: int, seconds: int = 120, *, burst_every: int = 4, memory_burst: bool = False) -> Trace:
@@ -45,8 +55,12 @@ def agent_trace(seed: int, seconds: int = 120, *, burst_every: int = 4, memory_b
 
 
 def as_json(trace: Trace, t0: float = 1000.0) -> dict:
-    return {"interval_s": trace.interval_s, "t": [t0 + i * trace.interval_s for i in range(len(trace.cpu))],
-            "cpu": list(trace.cpu), "working_set": list(trace.working_set)}  # fmt: skip
+    return {
+        "interval_s": trace.interval_s,
+        "t": [t0 + i * trace.interval_s for i in range(len(trace.cpu))],
+        "cpu": list(trace.cpu),
+        "working_set": list(trace.working_set),
+    }
 
 
 def test_traces_round_trip_and_bad_ones_are_one_clear_error():
@@ -55,10 +69,12 @@ def test_traces_round_trip_and_bad_ones_are_one_clear_error():
     gap = {**good, "t": good["t"][:5] + [x + 3.0 for x in good["t"][5:]]}
     with pytest.raises(InvalidInputError, match=r"trace of e1: a gap of 4.00 s before sample 5"):
         parse_traces({"e1": gap})
-    for field, value, match in (("cpu", -0.5, "sample 3 has a negative or non-finite value"),
-                                ("cpu", float("nan"), "sample 3 has a negative or non-finite value"),
-                                ("working_set", -1, "sample 3 has a negative"),
-                                ("t", float("inf"), "sample 3 has a negative or non-finite")):  # fmt: skip
+    for field, value, match in (
+        ("cpu", -0.5, "sample 3 has a negative or non-finite value"),
+        ("cpu", float("nan"), "sample 3 has a negative or non-finite value"),
+        ("working_set", -1, "sample 3 has a negative"),
+        ("t", float("inf"), "sample 3 has a negative or non-finite"),
+    ):
         bad = json.loads(json.dumps(good))
         bad[field][3] = value
         with pytest.raises(InvalidInputError, match=match):
@@ -88,13 +104,28 @@ def test_a_burst_alone_is_not_slowed_and_shared_cores_slow_it_by_their_share():
     Environments busy all the time, admitted by reservations (4 on 2 cores):
     each runs at half a core, its bursts take twice as long."""
     traces = [agent_trace(s) for s in range(2)]
-    static = simulate(traces, cores=2, memory=8 * GIB, config=ProvisionConfig(mode="static", cpu_overcommit=1.0), declared=ONE,
-                      max_envs=8, duration_s=60)  # fmt: skip
+    static = simulate(
+        traces,
+        cores=2,
+        memory=8 * GIB,
+        config=ProvisionConfig(mode="static", cpu_overcommit=1.0),
+        declared=ONE,
+        max_envs=8,
+        duration_s=60,
+    )
     assert static["envs"] == 2 and static["bursts"] > 0
     assert static["p95_burst_slowdown"] == pytest.approx(1.0) and static["oom_kills"] == 0
     busy = [Trace(1.0, (1.0,) * 30 + (0.0,), (80 * MIB,) * 31)]
-    crowded = simulate(busy, cores=2, memory=8 * GIB, config=ProvisionConfig(admission="reservations"),
-                       declared=ONE, max_envs=4, duration_s=120, learn=False)  # fmt: skip
+    crowded = simulate(
+        busy,
+        cores=2,
+        memory=8 * GIB,
+        config=ProvisionConfig(admission="reservations"),
+        declared=ONE,
+        max_envs=4,
+        duration_s=120,
+        learn=False,
+    )
     assert crowded["envs"] == 4
     assert 1.8 < crowded["p95_burst_slowdown"] < 2.2 and crowded["bursts_slowed_over_10pct"] > 0.9
 
@@ -109,35 +140,54 @@ def test_the_real_admission_decides_how_many_are_held():
     assert time.monotonic() - t < 30  # seconds of simulated node, not minutes
     assert r["static"]["envs"] == 16 and r["density_ratio"] >= 3
     assert r["bursts_slowed_over_10pct"] <= 0.05 and r["oom_kills"] == 0
-    strict = simulate(traces, cores=16, memory=64 * GIB, config=ELASTIC.model_copy(update={"admission_burst_risk": 1e-6}),
-                      declared=ONE, max_envs=400, duration_s=90)  # fmt: skip
+    strict = simulate(
+        traces,
+        cores=16,
+        memory=64 * GIB,
+        config=ELASTIC.model_copy(update={"admission_burst_risk": 1e-6}),
+        declared=ONE,
+        max_envs=400,
+        duration_s=90,
+    )
     assert 16 <= strict["envs"] < r["elastic"]["envs"]
 
 
 def test_memory_beyond_the_limit_waits_for_a_raise_and_beyond_the_declared_is_an_oom_kill():
     spiky = [agent_trace(s, memory_burst=True) for s in range(2)]
-    r = simulate(spiky, cores=2, memory=8 * GIB, config=ELASTIC, declared=ONE, max_envs=3, duration_s=120,
-                 learn=False)  # fmt: skip
+    r = simulate(spiky, cores=2, memory=8 * GIB, config=ELASTIC, declared=ONE, max_envs=3, duration_s=120, learn=False)
     assert r["oom_kills"] == 0 and r["bursts"] > 0  # 700 MiB above the initial 256 MiB: waited, raised
     huge = [Trace(1.0, (0.5,) * 10, (2 * GIB,) * 10)]
-    assert simulate(huge, cores=2, memory=8 * GIB, config=ELASTIC, declared=ONE, max_envs=1, duration_s=5,
-                    learn=False)["oom_kills"] > 0  # fmt: skip
+    assert (
+        simulate(huge, cores=2, memory=8 * GIB, config=ELASTIC, declared=ONE, max_envs=1, duration_s=5, learn=False)[
+            "oom_kills"
+        ]
+        > 0
+    )
     with pytest.raises(InvalidInputError, match="cannot hold environments of 4 cores"):
-        simulate(spiky, cores=2, memory=8 * GIB, config=ELASTIC, declared=Resources(cpus=4, memory_bytes=GIB),
-                 max_envs=1, duration_s=5)  # fmt: skip
+        simulate(
+            spiky,
+            cores=2,
+            memory=8 * GIB,
+            config=ELASTIC,
+            declared=Resources(cpus=4, memory_bytes=GIB),
+            max_envs=1,
+            duration_s=5,
+        )
 
 
 def test_calibration_is_the_larger_relative_error_of_density_and_p95():
     traces = [agent_trace(s) for s in range(2)]
     sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
-    real = {"static": {"envs": sim["static"]["envs"], "bursts": [{"slowdown": 1.0}]},
-            "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": sim["p95_burst_slowdown"]}}  # fmt: skip
-    same = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
-                     duration_s=120)  # fmt: skip
+    real = {
+        "static": {"envs": sim["static"]["envs"], "bursts": [{"slowdown": 1.0}]},
+        "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": sim["p95_burst_slowdown"]},
+    }
+    same = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     assert same["calibration_error"] == pytest.approx(0.0)  # deterministic: the same run predicts itself
     real["elastic"]["envs"] *= 2
-    assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
-                     duration_s=120)["calibration_error"] == pytest.approx(0.5)  # fmt: skip
+    assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)[
+        "calibration_error"
+    ] == pytest.approx(0.5)
     assert with_noise([1.0, 2.0], [1.0, 1.5]) == 3.0 and with_noise([], [1.2]) is None
 
 
@@ -149,46 +199,82 @@ def test_background_load_takes_its_cores_from_the_environments_and_calibrates_a_
     traces = [agent_trace(s) for s in range(2)]
     static = ProvisionConfig(mode="static", cpu_overcommit=1.0)
     alone = simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=2, duration_s=120)
-    loaded = simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=2, duration_s=120,
-                      background=parse_background({"interval_s": 1.0, "cores": [1.5] * 120}, 2.0))  # fmt: skip
+    loaded = simulate(
+        traces,
+        cores=2,
+        memory=8 * GIB,
+        config=static,
+        declared=ONE,
+        max_envs=2,
+        duration_s=120,
+        background=parse_background({"interval_s": 1.0, "cores": [1.5] * 120}, 2.0),
+    )
     assert alone["p95_burst_slowdown"] == pytest.approx(1.0)
     # 1.5 cores busy: 2 tasks of 0.75; a 1-core burst shares the 2 cores with them (2/3 core each)
     assert loaded["p95_burst_slowdown"] == pytest.approx(1.5, rel=0.05)
     idle_beside = parse_background({"interval_s": 1.0, "cores": [0.9] * 120}, 2.0)  # one task: a core is left
-    assert simulate(traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=1, duration_s=120,
-                    background=idle_beside)["p95_burst_slowdown"] == pytest.approx(1.0)  # fmt: skip
+    assert simulate(
+        traces, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=1, duration_s=120, background=idle_beside
+    )["p95_burst_slowdown"] == pytest.approx(1.0)
     background = {"interval_s": 1.0, "cores": [1.5] * 120}
-    sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120,
-                  background={"elastic": parse_background(background, 2.0)})  # fmt: skip
-    real = {"static": {"envs": sim["static"]["envs"], "bursts": [{"slowdown": 1.0}]},
-            "elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": sim["p95_burst_slowdown"],
-                        "background": background}}  # fmt: skip
+    sim = compare(
+        traces,
+        cores=2,
+        memory=8 * GIB,
+        elastic=ELASTIC,
+        declared=ONE,
+        max_envs=8,
+        duration_s=120,
+        background={"elastic": parse_background(background, 2.0)},
+    )
+    real = {
+        "static": {"envs": sim["static"]["envs"], "bursts": [{"slowdown": 1.0}]},
+        "elastic": {
+            "envs": sim["elastic"]["envs"],
+            "p95_burst_slowdown": sim["p95_burst_slowdown"],
+            "background": background,
+        },
+    }
     cal = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     assert cal["calibration_error"] == pytest.approx(0.0) and cal["background_cores"]["elastic"] == 1.5
     del real["elastic"]["background"]  # the same run's figures without its background: mispredicted
-    assert calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8,
-                     duration_s=120)["calibration_error"] > 0.3  # fmt: skip
+    assert (
+        calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)[
+            "calibration_error"
+        ]
+        > 0.3
+    )
     # with a background, the model's slowdowns compose with the unloaded runs' spread (cold runs left out)
     assert unloaded_spread({"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [5.0]}]}) == [1.0, 2.0, 1.0]
     assert unloaded_spread({}) == []
     assert parse_background(None, 2.0) is None
     assert parse_background({"interval_s": 1.0, "cores": [0.5, 9.0]}, 2.0) == (1.0, [0.5, 2.0])  # capped at the node
-    for bad, match in (({"interval_s": 0, "cores": []}, "positive interval_s"),
-                       ({"interval_s": 1.0, "cores": [0.1, -1.0]}, "sample 1 .* negative"),
-                       ({"interval_s": 1.0, "cores": [float("nan")]}, "sample 0"),
-                       ({"interval_s": 1.0, "cores": "x"}, "must be a list"), ([1.0], "positive interval_s")):  # fmt: skip
+    for bad, match in (
+        ({"interval_s": 0, "cores": []}, "positive interval_s"),
+        ({"interval_s": 1.0, "cores": [0.1, -1.0]}, "sample 1 .* negative"),
+        ({"interval_s": 1.0, "cores": [float("nan")]}, "sample 0"),
+        ({"interval_s": 1.0, "cores": "x"}, "must be a list"),
+        ([1.0], "positive interval_s"),
+    ):
         with pytest.raises(InvalidInputError, match=match):
             parse_background(bad, 2.0)
 
 
 def recorded_run(tmp_path, **change):
     traces = {f"e{s}": as_json(agent_trace(s, 60)) for s in range(2)}
-    run = {"config": {"max_envs": 4, "duration_s": 60, "declared": ONE.model_dump(),
-                      "elastic": {"interval_s": 0.5, "admission": "burst", "admission_min_history_s": 60.0}},
-           "machine": {"cpus": 2, "memory_bytes": 8 * GIB},
-           "static": {"envs": 2, "p95_burst_slowdown": 1.2, "bursts": [{"slowdown": 1.1}], "traces": traces},
-           "elastic": {"envs": 3, "p95_burst_slowdown": 1.3, "bursts": []},
-           "summary": {"static_envs": 2, "elastic_envs": 3}, **change}  # fmt: skip
+    run = {
+        "config": {
+            "max_envs": 4,
+            "duration_s": 60,
+            "declared": ONE.model_dump(),
+            "elastic": {"interval_s": 0.5, "admission": "burst", "admission_min_history_s": 60.0},
+        },
+        "machine": {"cpus": 2, "memory_bytes": 8 * GIB},
+        "static": {"envs": 2, "p95_burst_slowdown": 1.2, "bursts": [{"slowdown": 1.1}], "traces": traces},
+        "elastic": {"envs": 3, "p95_burst_slowdown": 1.3, "bursts": []},
+        "summary": {"static_envs": 2, "elastic_envs": 3},
+        **change,
+    }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     return path
@@ -197,8 +283,12 @@ def recorded_run(tmp_path, **change):
 def test_simulate_recorded_reads_a_real_runs_json_and_refuses_bad_ones(tmp_path):
     out = simulate_recorded(recorded_run(tmp_path), sizes=((16, 64),), duration_s=30, log=lambda _m: None)
     s = out["summary"]
-    assert s["elastic_envs"] == 3 and set(s["sim"]["16"]) == {"density_ratio", "p95_burst_slowdown",
-                                                               "bursts_slowed_over_10pct", "oom_kills"}  # fmt: skip
+    assert s["elastic_envs"] == 3 and set(s["sim"]["16"]) == {
+        "density_ratio",
+        "p95_burst_slowdown",
+        "bursts_slowed_over_10pct",
+        "oom_kills",
+    }
     assert s["calibration_error"] is not None and s["calibration_error"] >= 0
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -245,8 +335,12 @@ def test_a_loaded_runs_background_predicts_its_p95(tmp_path):
     from pathlib import Path
 
     recorded = Path(__file__).parent / "data" / "provision-quick-2cores-background.json"
-    cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"]["calibration"]
-    assert cal["background_cores"]["static"] > 1.0 and cal["real"]["p95_burst_slowdown"] == pytest.approx(1.945, abs=1e-3)
+    cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"][
+        "calibration"
+    ]
+    assert cal["background_cores"]["static"] > 1.0 and cal["real"]["p95_burst_slowdown"] == pytest.approx(
+        1.945, abs=1e-3
+    )
     assert cal["predicted"]["p95_burst_slowdown"] == pytest.approx(cal["real"]["p95_burst_slowdown"], rel=0.20)
     bare = json.loads(recorded.read_text())
     for mode in ("static", "elastic"):
@@ -284,8 +378,16 @@ def test_a_short_burst_of_a_fifth_of_a_core_second_is_a_burst():
     static = ProvisionConfig(mode="static", cpu_overcommit=1.0)
     alone = simulate(short, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=1, duration_s=60)
     assert alone["bursts"] == 6 and alone["p95_burst_slowdown"] == pytest.approx(1.0)
-    loaded = simulate(short, cores=2, memory=8 * GIB, config=static, declared=ONE, max_envs=1, duration_s=60,
-                      background=parse_background({"interval_s": 1.0, "cores": [2.0] * 60}, 2.0))  # fmt: skip
+    loaded = simulate(
+        short,
+        cores=2,
+        memory=8 * GIB,
+        config=static,
+        declared=ONE,
+        max_envs=1,
+        duration_s=60,
+        background=parse_background({"interval_s": 1.0, "cores": [2.0] * 60}, 2.0),
+    )
     assert loaded["bursts"] >= 5 and loaded["p95_burst_slowdown"] == pytest.approx(1.5, rel=0.05)
 
 
@@ -293,11 +395,14 @@ def quiet_static_run(cold: float = 2.0, warm: float = 1.3) -> dict:
     """A static mode of 2 environments: 2 first runs (``KIND:cold``) and 10
     later ones that had their core on a quiet machine, and 3 bursts that did
     not (under other load, beside more bursts than cores), one a first run."""
-    quiet = ([{"base": "tests:cold", "slowdown": cold, "background": 0.1, "concurrent": 1}] * 2
-             + [{"base": "tests", "slowdown": warm, "background": 0.1, "concurrent": 1}] * 10)  # fmt: skip
-    loud = [{"base": "pip:cold", "slowdown": 3.0, "background": 1.5, "concurrent": 1},
-            {"base": "pip", "slowdown": 5.0, "background": 0.0, "concurrent": 3},
-            {"base": "pip", "slowdown": 4.0, "background": None, "concurrent": 1}]  # fmt: skip
+    quiet = [{"base": "tests:cold", "slowdown": cold, "background": 0.1, "concurrent": 1}] * 2 + [
+        {"base": "tests", "slowdown": warm, "background": 0.1, "concurrent": 1}
+    ] * 10
+    loud = [
+        {"base": "pip:cold", "slowdown": 3.0, "background": 1.5, "concurrent": 1},
+        {"base": "pip", "slowdown": 5.0, "background": 0.0, "concurrent": 3},
+        {"base": "pip", "slowdown": 4.0, "background": None, "concurrent": 1},
+    ]
     return {"static": {"envs": 2, "bursts": quiet + loud}}
 
 
@@ -321,8 +426,9 @@ def test_the_workload_noise_weighs_first_runs_as_the_predicted_mode_holds_them()
     assert weighted_p95(list(zip(*workload_noise(real, 2, envs=100, bursts=60)))) == 2.0  # all 60 first runs
     few = {"static": {"envs": 2, "bursts": real["static"]["bursts"][3:]}}  # 9 quiet
     assert workload_noise(few, 2, envs=4, bursts=200) == ([], [])
-    unmarked = {"static": {"envs": 2, "bursts": [{k: v for k, v in b.items() if k != "base"}
-                                                 for b in real["static"]["bursts"]]}}  # fmt: skip
+    unmarked = {
+        "static": {"envs": 2, "bursts": [{k: v for k, v in b.items() if k != "base"} for b in real["static"]["bursts"]]}
+    }
     assert workload_noise(unmarked, 2, envs=4, bursts=200) == (noise, [1] * 12)
     rng = random.Random(5)
     for n in (1, 19, 20, 21, 36, 99):
@@ -345,9 +451,16 @@ def test_calibration_composes_the_model_with_the_quiet_static_bursts_or_else_the
     sim = compare(traces, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     real = quiet_static_run()
     real["static"]["background"] = {"interval_s": 1.0, "cores": [0.0] * 120}
-    real.update({"elastic": {"envs": sim["elastic"]["envs"], "p95_burst_slowdown": 2.0,
-                             "background": {"interval_s": 1.0, "cores": [0.0] * 120}},
-                 "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0], "tests:cold": [1.0, 1.0, 1.0]}]})  # fmt: skip
+    real.update(
+        {
+            "elastic": {
+                "envs": sim["elastic"]["envs"],
+                "p95_burst_slowdown": 2.0,
+                "background": {"interval_s": 1.0, "cores": [0.0] * 120},
+            },
+            "baseline_runs_s": [{"tests": [1.0, 1.0, 1.0], "tests:cold": [1.0, 1.0, 1.0]}],
+        }
+    )
     cal = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     envs, bursts = sim["elastic"]["envs"], sim["elastic"]["bursts"]
     assert cal["noise"]["from"] == "quiet static bursts" and cal["noise"]["n"] == 12
@@ -358,8 +471,9 @@ def test_calibration_composes_the_model_with_the_quiet_static_bursts_or_else_the
     few = calibrate(traces, real, cores=2, memory=8 * GIB, elastic=ELASTIC, declared=ONE, max_envs=8, duration_s=120)
     assert few["noise"]["from"] == "unloaded runs" and few["noise"]["n"] == 6
     assert few["predicted"]["p95_burst_slowdown"] == pytest.approx(sim["p95_burst_slowdown"])
-    assert unloaded_spread({"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [4.0, 5.0, 6.0]}]},
-                           cold=True) == [1.0, 2.0, 1.0, 0.8, 1.0, 1.2]  # fmt: skip
+    assert unloaded_spread(
+        {"baseline_runs_s": [{"tests": [1.0, 2.0, 1.0], "tests:cold": [4.0, 5.0, 6.0]}]}, cold=True
+    ) == [1.0, 2.0, 1.0, 0.8, 1.0, 1.2]
 
 
 def test_a_p95_of_a_few_dozen_bursts_comes_with_its_bootstrap_interval():
@@ -396,13 +510,16 @@ def test_a_default_settings_run_is_predicted_from_its_static_traces():
     from pathlib import Path
 
     recorded = Path(__file__).parent / "data" / "provision-quick-2cores-s19.json"
-    cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"]["calibration"]
+    cal = simulate_recorded(recorded, sizes=((16, 64),), duration_s=30, log=lambda _m: None)["simulation"][
+        "calibration"
+    ]
     assert cal["predicted"]["density_ratio"] == cal["real"]["density_ratio"] == 2.0
     assert cal["noise"]["from"] == "quiet static bursts" and cal["noise"]["n"] == 16
     assert cal["predicted"]["bursts"] >= 0.9 * cal["real"]["bursts"]
     assert cal["calibration_error"] < 0.15
     lo, hi = cal["real"]["p95_interval"]
     assert lo < cal["real"]["p95_burst_slowdown"] < hi and hi / lo > 1.5
+
 
 def test_host_busy_cores_stay_within_the_cpus():
     """The benchmark's host sampling counts busy cores against the jiffies that

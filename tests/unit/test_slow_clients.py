@@ -30,18 +30,26 @@ async def _echo(scope, receive, send):
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = str(size).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 @pytest.fixture
 def server():
     """``(host, port)`` of a server capped at 4 TCP connections; keyed requests carry ``x-key: k``."""
-    app = limits.BodyLimit(_echo, credentialed=lambda scope: (b"x-key", b"k") in scope["headers"],
-                           anonymous_body_s=BODY_S)
+    app = limits.BodyLimit(
+        _echo, credentialed=lambda scope: (b"x-key", b"k") in scope["headers"], anonymous_body_s=BODY_S
+    )
     sock = socket.create_server(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=IDLE_S,
-                            http=limits.tcp_protocol(4, idle_timeout=IDLE_S))
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=IDLE_S,
+        http=limits.tcp_protocol(4, idle_timeout=IDLE_S),
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -39,12 +39,14 @@ def _sparse_tar(tmp_path: Path, *fmt: str) -> bytes:
         f.write(b"one" * 2000)
         f.seek((3 << 30) - 5)
         f.write(b"tail!")
-    return subprocess.run(["tar", "-C", str(tree), "--sparse", *fmt, "-cf", "-", "sparse"],
-                          capture_output=True, check=True).stdout  # fmt: skip
+    return subprocess.run(
+        ["tar", "-C", str(tree), "--sparse", *fmt, "-cf", "-", "sparse"], capture_output=True, check=True
+    ).stdout
 
 
-@pytest.mark.parametrize("fmt", [("--format=gnu",), ("--format=posix", "--sparse-version=0.1"),
-                                 ("--format=posix", "--sparse-version=1.0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt", [("--format=gnu",), ("--format=posix", "--sparse-version=0.1"), ("--format=posix", "--sparse-version=1.0")]
+)
 def test_gnu_sparse_members_keep_their_holes(tmp_path, fmt):
     data = _sparse_tar(tmp_path, *fmt)
     assert len(data) < 1 << 20
@@ -109,13 +111,16 @@ def test_whiteouts_and_opaque_dirs_within_and_across_layers(tmp_path):
 
     view = tartree.View()
     lower = tartree.TreeMerger(view, tartree.Spool(tmp_path))
-    with tarfile.open(fileobj=io.BytesIO(tar(("d/", tarfile.DIRTYPE), ("d/x", tarfile.REGTYPE),
-                                             ("f", tarfile.REGTYPE))), mode="r|") as t:  # fmt: skip
+    with tarfile.open(
+        fileobj=io.BytesIO(tar(("d/", tarfile.DIRTYPE), ("d/x", tarfile.REGTYPE), ("f", tarfile.REGTYPE))), mode="r|"
+    ) as t:
         lower.apply_layer(t, "layer 0")
     view.apply_group(lower.root)
     upper = tartree.TreeMerger(view, tartree.Spool(tmp_path))
-    for data in (tar(("d/.wh..wh..opq", tarfile.REGTYPE), ("d/y", tarfile.REGTYPE), (".wh.f", tarfile.REGTYPE)),
-                 tar(("d/.wh.y", tarfile.REGTYPE), ("f/", tarfile.DIRTYPE))):  # fmt: skip
+    for data in (
+        tar(("d/.wh..wh..opq", tarfile.REGTYPE), ("d/y", tarfile.REGTYPE), (".wh.f", tarfile.REGTYPE)),
+        tar(("d/.wh.y", tarfile.REGTYPE), ("f/", tarfile.DIRTYPE)),
+    ):
         with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as t:
             upper.apply_layer(t, "layer n")
     root = upper.root
@@ -160,8 +165,12 @@ def test_a_layer_streams_into_the_image_in_its_order_without_a_spool(tmp_path):
     from weenv.packaging.layout import image_reader
     from weenv.store.file import FileStore
 
-    files = {"z/last": os.urandom(300_000), "a/first": os.urandom(5 << 20) + bytes(1 << 20) + b"end",
-             "m/small": b"tiny", "m/zeros": bytes(3 << 20)}  # fmt: skip
+    files = {
+        "z/last": os.urandom(300_000),
+        "a/first": os.urandom(5 << 20) + bytes(1 << 20) + b"end",
+        "m/small": b"tiny",
+        "m/zeros": bytes(3 << 20),
+    }
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
         for name, data in files.items():
@@ -174,14 +183,17 @@ def test_a_layer_streams_into_the_image_in_its_order_without_a_spool(tmp_path):
             merger = tartree.TreeMerger(tartree.View(), image=sink)
             with tarfile.open(fileobj=io.BytesIO(layer), mode="r|") as tar:
                 merger.apply_layer(tar, "layer 0")
-            scan = write_image(merger.root, sink, uuid="6d1b8a52-4f0e-4c55-8a0e-7765656e7602",
-                               placed_blocks=merger.placed_blocks)  # fmt: skip
+            scan = write_image(
+                merger.root, sink, uuid="6d1b8a52-4f0e-4c55-8a0e-7765656e7602", placed_blocks=merger.placed_blocks
+            )
             result = publish_sink(sink, store, name="g", file_count=scan.inodes, source={}, ref=False)
         tartree.release(merger.root, image_reader(store, result.manifest, keep=False))
         root = merger.root
         if b"sparse" in root.children:  # its data blocks only, never its 3 GiB of holes
             sparse = root.children[b"sparse"]
-            assert sparse.size == 3 << 30 and merger.placed_blocks == 3 and result.manifest.image_size < 4 << 20  # its block map: 3 MiB
+            assert (
+                sparse.size == 3 << 30 and merger.placed_blocks == 3 and result.manifest.image_size < 4 << 20
+            )  # its block map: 3 MiB
             pieces = list(sparse.data())
             assert sum(p if isinstance(p, int) else len(p) for p in pieces) == 3 << 30
             joined = b"".join(p for p in pieces if not isinstance(p, int))
@@ -190,11 +202,16 @@ def test_a_layer_streams_into_the_image_in_its_order_without_a_spool(tmp_path):
         # z/last, then a/first (its zero MiB a hole), m/zeros all holes, m/small inline
         assert merger.placed_blocks == -(-300_000 // 4096) + (5 << 20) // 4096 + 1
         extents = file_extents(image_reader(store, result.manifest))
-        assert extents["/z/last"] == [(4096, 4096 + 300_000)] and extents["/a/first"] == [(307200, 307200 + (5 << 20) + 3)]
+        assert extents["/z/last"] == [(4096, 4096 + 300_000)] and extents["/a/first"] == [
+            (307200, 307200 + (5 << 20) + 3)
+        ]
         assert extents["/m/zeros"] == extents["/m/small"] == []  # all holes; inline
         for name, data in files.items():
             d, f = (os.fsencode(p) for p in name.split("/"))
             node = root.children[d].children[f]
-            got = node.data if isinstance(node.data, bytes) else b"".join(
-                bytes(p) if isinstance(p, int) else bytes(p) for p in node.data())
+            got = (
+                node.data
+                if isinstance(node.data, bytes)
+                else b"".join(bytes(p) if isinstance(p, int) else bytes(p) for p in node.data())
+            )
             assert got == data, name

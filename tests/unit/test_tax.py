@@ -9,27 +9,30 @@ import time
 import httpx
 import pytest
 from pydantic import ValidationError
+from test_sdk_flows import FakeDaemon, serve
 
 import weenv
-from test_sdk_flows import FakeDaemon, serve
+from weenv.formats.tax import MAX_BATCH_NAME, PHASES, Tally, TaxBatch, phase_of
 from weenv.server.tax import TaxBook, command_overlap
-from weenv.formats.tax import MAX_BATCH_NAME, PHASES, TaxBatch, Tally, phase_of
 
 
-@pytest.mark.parametrize(("method", "path", "expected"), [
-    ("POST", "/v1/environments", ("create", None)),
-    ("POST", "/v1/environments/batch", ("create", None)),
-    ("GET", "/v1/environments", (None, None)),
-    ("DELETE", "/v1/environments/abc", ("destroy", "abc")),
-    ("GET", "/v1/environments/abc", ("other", "abc")),
-    ("POST", "/v1/environments/abc/timeout", ("other", "abc")),
-    ("POST", "/environments/abc/commands/stream", ("exec", "abc")),
-    ("GET", "/v1/environments/abc/processes/7/output", ("exec", "abc")),
-    ("PUT", "/v1/environments/abc/files", ("files", "abc")),
-    ("GET", "/v1/environments/abc/files/list", ("files", "abc")),
-    ("GET", "/v1/templates", (None, None)),
-    ("GET", "/v1/metrics", (None, None)),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/v1/environments", ("create", None)),
+        ("POST", "/v1/environments/batch", ("create", None)),
+        ("GET", "/v1/environments", (None, None)),
+        ("DELETE", "/v1/environments/abc", ("destroy", "abc")),
+        ("GET", "/v1/environments/abc", ("other", "abc")),
+        ("POST", "/v1/environments/abc/timeout", ("other", "abc")),
+        ("POST", "/environments/abc/commands/stream", ("exec", "abc")),
+        ("GET", "/v1/environments/abc/processes/7/output", ("exec", "abc")),
+        ("PUT", "/v1/environments/abc/files", ("files", "abc")),
+        ("GET", "/v1/environments/abc/files/list", ("files", "abc")),
+        ("GET", "/v1/templates", (None, None)),
+        ("GET", "/v1/metrics", (None, None)),
+    ],
+)
 def test_phase_of_each_route(method, path, expected):
     assert phase_of(method, path) == expected
 
@@ -94,15 +97,31 @@ def test_spans_keep_the_earliest_start_and_latest_end():
 
 
 def batch(**kw) -> dict:
-    return {"name": "b", "started_at": 1.0, "wall_s": 1.0, "rollout_s": 1.0, "environments": 1,
-            "phases": {"create": 0.5}, "command_s": 0.0, "other_s": 0.5, "share": 0.5, **kw}
+    return {
+        "name": "b",
+        "started_at": 1.0,
+        "wall_s": 1.0,
+        "rollout_s": 1.0,
+        "environments": 1,
+        "phases": {"create": 0.5},
+        "command_s": 0.0,
+        "other_s": 0.5,
+        "share": 0.5,
+        **kw,
+    }
 
 
 def test_tax_batches_are_checked_where_they_enter():
     assert TaxBatch.model_validate(batch()).phases == {"create": 0.5, **dict.fromkeys(PHASES[1:], 0.0)}
-    for bad in (batch(wall_s=float("nan")), batch(phases={"think": 1.0}), batch(share=1.5),
-                batch(name="x" * (MAX_BATCH_NAME + 1)), batch(command_s=-1.0), batch(extra=1),
-                batch(started_at=1e300)):  # past year 9999: a page formatting it would overflow
+    for bad in (
+        batch(wall_s=float("nan")),
+        batch(phases={"think": 1.0}),
+        batch(share=1.5),
+        batch(name="x" * (MAX_BATCH_NAME + 1)),
+        batch(command_s=-1.0),
+        batch(extra=1),
+        batch(started_at=1e300),
+    ):  # past year 9999: a page formatting it would overflow
         with pytest.raises(ValidationError):
             TaxBatch.model_validate(bad)
 
@@ -132,10 +151,10 @@ class Proc:
 
 
 def test_command_overlap():
-    assert command_overlap(Proc(10.0, 5.0), 9.0, 20.0) == 5.0      # ran inside the request
-    assert command_overlap(Proc(10.0, 5.0), 12.0, 20.0) == 3.0     # started before it (a wait)
-    assert command_overlap(Proc(10.0, 5.0), 16.0, 20.0) == 0.0     # ended before it
-    assert command_overlap(Proc(10.0, None), 12.0, 20.0) == 8.0    # still running
+    assert command_overlap(Proc(10.0, 5.0), 9.0, 20.0) == 5.0  # ran inside the request
+    assert command_overlap(Proc(10.0, 5.0), 12.0, 20.0) == 3.0  # started before it (a wait)
+    assert command_overlap(Proc(10.0, 5.0), 16.0, 20.0) == 0.0  # ended before it
+    assert command_overlap(Proc(10.0, None), 12.0, 20.0) == 8.0  # still running
     assert command_overlap(object(), 0.0, 1.0) == 0.0
 
 

@@ -55,8 +55,12 @@ def _call_name(call: ast.Call) -> str | None:
 
 def _is_pytest_check(call: ast.Call) -> bool:
     f = call.func
-    return (isinstance(f, ast.Attribute) and f.attr in PYTEST_CHECKS and isinstance(f.value, ast.Name)
-            and f.value.id == "pytest")  # fmt: skip
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr in PYTEST_CHECKS
+        and isinstance(f.value, ast.Name)
+        and f.value.id == "pytest"
+    )
 
 
 def _raises_assertion(node: ast.Raise) -> bool:
@@ -107,12 +111,19 @@ def findings(source: str, filename: str = "test_x.py") -> list[str]:
                 out.append(f"{node.lineno}: `or` ending in a true constant, always true: {ast.unparse(sub)[:60]}")
     if Path(filename).name.startswith("test_"):
         # module-level helpers that check: a test calling one checks (followed one level)
-        helpers = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   and not n.name.startswith("test") and _checks_directly(n)}  # fmt: skip
+        helpers = {
+            n.name
+            for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not n.name.startswith("test")
+            and _checks_directly(n)
+        }
         for name, fn in _test_functions(tree):
             if not _checks_directly(fn) and not (_calls(fn) & helpers):
-                out.append(f"{fn.lineno}: test {name} checks nothing (no assert, pytest.raises/fail, "
-                           f"or call of {'/'.join(p + '...' for p in CHECKING_PREFIXES)} or of a helper that asserts)")
+                out.append(
+                    f"{fn.lineno}: test {name} checks nothing (no assert, pytest.raises/fail, "
+                    f"or call of {'/'.join(p + '...' for p in CHECKING_PREFIXES)} or of a helper that asserts)"
+                )
     return sorted(out, key=lambda line: int(line.split(":")[0]))
 
 
@@ -173,4 +184,5 @@ def test_no_test_in_the_tree_that_cannot_fail():
         if lines:
             found[str(path.relative_to(TESTS))] = lines
     assert not found, "tests that cannot fail:\n" + "\n".join(
-        f"  {p}:{line}" for p, lines in found.items() for line in lines)
+        f"  {p}:{line}" for p, lines in found.items() for line in lines
+    )

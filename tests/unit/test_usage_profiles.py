@@ -32,9 +32,18 @@ ONE = Resources(cpus=1.0, memory_bytes=GIB, pids=64)
 
 
 def profile(template=T1, duty=0.05, burst=1.0, p95=0.2, ws=200 * MIB, peak=300 * MIB, updated=None, **kw):
-    return UsageProfile(template=template, cpu_duty=duty, cpu_burst=burst, cpu_p95=p95, memory_working_set=ws,
-                        memory_peak=peak, seconds=kw.pop("seconds", 60.0), environments=1,
-                        updated=time.time() if updated is None else updated, **kw)  # fmt: skip
+    return UsageProfile(
+        template=template,
+        cpu_duty=duty,
+        cpu_burst=burst,
+        cpu_p95=p95,
+        memory_working_set=ws,
+        memory_peak=peak,
+        seconds=kw.pop("seconds", 60.0),
+        environments=1,
+        updated=time.time() if updated is None else updated,
+        **kw,
+    )
 
 
 def test_summary_of_one_environment_counts_its_bursts():
@@ -68,16 +77,19 @@ def test_merge_weighs_by_observed_seconds_and_decays_with_age():
         old.merged(profile(template=T2))
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"cpu_duty": float("nan")}, "cpu_duty"),
-    ({"cpu_duty": 1.5}, "cpu_duty"),
-    ({"cpu_burst": -1.0}, "cpu_burst"),
-    ({"memory_peak": -5}, "memory_peak"),
-    ({"memory_peak": 1, "memory_working_set": 2}, "below"),
-    ({"seconds": 0}, "seconds"),
-    ({"extra": 1}, "extra"),
-    ({"template": "sha256:zz"}, "template"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"cpu_duty": float("nan")}, "cpu_duty"),
+        ({"cpu_duty": 1.5}, "cpu_duty"),
+        ({"cpu_burst": -1.0}, "cpu_burst"),
+        ({"memory_peak": -5}, "memory_peak"),
+        ({"memory_peak": 1, "memory_working_set": 2}, "below"),
+        ({"seconds": 0}, "seconds"),
+        ({"extra": 1}, "extra"),
+        ({"template": "sha256:zz"}, "template"),
+    ],
+)
 def test_a_bad_profile_is_one_clear_error(change, match):
     data = json.loads(canonical_json(profile()))
     data.update(change)
@@ -182,8 +194,9 @@ def test_admission_refuses_when_the_predicted_overlap_breaks_the_objective():
         loose.reserve(name, ONE, template=T1)  # within 20 %: admitted
 
 
-@pytest.mark.parametrize("res", [Resources(cpus=3.0, memory_bytes=GIB, pids=64),
-                                 Resources(cpus=1.0, memory_bytes=128 * GIB, pids=64)])  # fmt: skip
+@pytest.mark.parametrize(
+    "res", [Resources(cpus=3.0, memory_bytes=GIB, pids=64), Resources(cpus=1.0, memory_bytes=128 * GIB, pids=64)]
+)
 def test_resources_beyond_the_node_are_a_clear_error(res):
     p = Provisioner(elastic(), profiles=TemplateProfiles())
     with pytest.raises(InvalidInputError, match="the node has 2 cores"):
@@ -207,9 +220,13 @@ def test_a_newcomer_is_judged_by_its_templates_history_or_profile_and_the_unknow
 
     clock = Clock()
     envs: dict[str, SimCgroup] = {}
-    p = Provisioner(elastic(admission_min_history_s=1.0, admission_window_s=3.0), open_cgroup=envs.__getitem__,
-                    profiles=TemplateProfiles(), clock=clock,
-                    host_memory=lambda: {"MemTotal": 64 * GIB, "MemAvailable": 60 * GIB})  # fmt: skip
+    p = Provisioner(
+        elastic(admission_min_history_s=1.0, admission_window_s=3.0),
+        open_cgroup=envs.__getitem__,
+        profiles=TemplateProfiles(),
+        clock=clock,
+        host_memory=lambda: {"MemTotal": 64 * GIB, "MemAvailable": 60 * GIB},
+    )
     busy = Trace(1.0, (1.0,) * 10, (100 * MIB,) * 10)
     for name in ("a", "b"):
         p.reserve(name, ONE, template=T1)
@@ -292,7 +309,8 @@ def test_a_create_the_objective_refuses_waits_for_room_and_is_admitted_when_one_
     assert 0.25 < time.monotonic() - t0 < 5 and set(p._envs) == {"b", "c"}
     assert [e.message for e in p.events() if e.env_id == "c"][-2:] == [
         "waiting up to 30 s for room: 16.0% of bursts would meet others beyond the cores (at most 2.0%)",
-        "admitted after waiting for room"]  # fmt: skip
+        "admitted after waiting for room",
+    ]
 
 
 def test_a_create_waits_at_most_admission_wait_s_and_only_for_the_objective():

@@ -22,7 +22,7 @@ def _unescape_split(text: str, sep: str, *, keep_escapes: bool = False) -> list[
     parts, cur, i = [], "", 0
     while i < len(text):
         if text[i] == "\\" and i + 1 < len(text):
-            cur += text[i:i + 2] if keep_escapes else text[i + 1]
+            cur += text[i : i + 2] if keep_escapes else text[i + 1]
             i += 2
             continue
         if text[i] == sep:
@@ -37,7 +37,12 @@ def _unescape_split(text: str, sep: str, *, keep_escapes: bool = False) -> list[
 def test_overlay_lists_the_top_group_first():
     spec = overlay_spec(["/g/base", "/g/deps", "/g/task"], "/e/upper", "/e/work", "/e/root")
     # nosuid,nodev on the host side: a setuid file or device node made inside is inert outside
-    assert (spec.fstype, spec.source, spec.target, spec.flags) == ("overlay", "overlay", "/e/root", MS_NOSUID | MS_NODEV)
+    assert (spec.fstype, spec.source, spec.target, spec.flags) == (
+        "overlay",
+        "overlay",
+        "/e/root",
+        MS_NOSUID | MS_NODEV,
+    )
     opts = dict(o.split("=", 1) for o in spec.options.split(","))
     assert opts == {"lowerdir": "/g/task:/g/deps:/g/base", "upperdir": "/e/upper", "workdir": "/e/work"}
 
@@ -68,9 +73,22 @@ def test_an_erofs_plan_is_read_only_and_nodev():
 
 
 # --- FUSE structs ------------------------------------------------------------------------------
-@pytest.mark.parametrize("s, size", [(fp.IN_HEADER, 40), (fp.OUT_HEADER, 16), (fp.INIT_OUT, 64), (fp.ATTR, 88),
-                                     (fp.ENTRY_OUT, 40), (fp.ATTR_OUT, 16), (fp.OPEN_OUT, 16), (fp.READ_IN, 40),
-                                     (fp.DIRENT, 24), (fp.KSTATFS, 80), (fp.NOTIFY_INVAL_INODE_OUT, 24)])  # fmt: skip
+@pytest.mark.parametrize(
+    "s, size",
+    [
+        (fp.IN_HEADER, 40),
+        (fp.OUT_HEADER, 16),
+        (fp.INIT_OUT, 64),
+        (fp.ATTR, 88),
+        (fp.ENTRY_OUT, 40),
+        (fp.ATTR_OUT, 16),
+        (fp.OPEN_OUT, 16),
+        (fp.READ_IN, 40),
+        (fp.DIRENT, 24),
+        (fp.KSTATFS, 80),
+        (fp.NOTIFY_INVAL_INODE_OUT, 24),
+    ],
+)
 def test_fuse_structs_have_the_kernels_sizes(s, size):
     assert s.size == size  # include/uapi/linux/fuse.h
 
@@ -93,8 +111,8 @@ def test_notifications_carry_their_code_and_unique_zero():
 def test_dirents_are_padded_to_8_bytes(name):
     d = fp.dirent(5, 3, name, fp.DT_REG)
     assert len(d) % 8 == 0 and len(d) - (24 + len(name)) < 8
-    assert fp.DIRENT.unpack(d[:24]) == (5, 3, len(name), fp.DT_REG) and d[24:24 + len(name)] == name
-    assert d[24 + len(name):] == b"\0" * (len(d) - 24 - len(name))
+    assert fp.DIRENT.unpack(d[:24]) == (5, 3, len(name), fp.DT_REG) and d[24 : 24 + len(name)] == name
+    assert d[24 + len(name) :] == b"\0" * (len(d) - 24 - len(name))
 
 
 # --- Connect framing and errors ------------------------------------------------------------------
@@ -105,10 +123,16 @@ def test_an_envelope_is_flags_and_a_big_endian_length(payload):
     assert connect._unwrap(connect.envelope(0, payload)) == payload
 
 
-@pytest.mark.parametrize("body, code", [(b"", "invalid_argument"), (b"\0\0\0", "invalid_argument"),
-                                        (connect.envelope(1, b"zz"), "unimplemented"),
-                                        (connect.envelope(0, b"ab") + b"extra", "invalid_argument"),
-                                        (connect.envelope(0, b"ab")[:-1], "invalid_argument")])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        (b"", "invalid_argument"),
+        (b"\0\0\0", "invalid_argument"),
+        (connect.envelope(1, b"zz"), "unimplemented"),
+        (connect.envelope(0, b"ab") + b"extra", "invalid_argument"),
+        (connect.envelope(0, b"ab")[:-1], "invalid_argument"),
+    ],
+)
 def test_a_bad_streaming_body_is_a_connect_error(body, code):
     with pytest.raises(connect.RpcError) as info:
         connect._unwrap(body)
@@ -126,10 +150,17 @@ def test_weenv_errors_map_to_connect_codes_with_their_statuses():
         connect.RpcError("no_such_code", "x")
 
 
-@pytest.mark.parametrize("content_type, name", [("application/json", "json"), ("application/proto", "proto"),
-                                                ("application/connect+json; charset=utf-8", None),
-                                                ("Application/JSON", "json"), ("text/plain", None),
-                                                ("application/xml", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    "content_type, name",
+    [
+        ("application/json", "json"),
+        ("application/proto", "proto"),
+        ("application/connect+json; charset=utf-8", None),
+        ("Application/JSON", "json"),
+        ("text/plain", None),
+        ("application/xml", None),
+    ],
+)
 def test_the_codec_follows_the_content_type(content_type, name):
     codec = connect._codec_of(content_type, "application/")
     assert (codec.name if codec else None) == name

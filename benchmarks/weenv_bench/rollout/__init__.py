@@ -46,15 +46,30 @@ CPUS, MEMORY_BYTES, PIDS = 1.0, 2 << 30, 1024
 DISK_BYTES = 1 << 30
 """Each rollout's disk limit: ``concurrency`` of them fit the node's disk (a task writes far less)."""
 """Limits of every environment and container."""
-SUMMARY_KEYS = ("weenv_env_share", "docker_env_share", "weenv_first_step_p50_s", "docker_first_step_p50_s",
-                "rewards_match")  # fmt: skip
+SUMMARY_KEYS = (
+    "weenv_env_share",
+    "docker_env_share",
+    "weenv_first_step_p50_s",
+    "docker_first_step_p50_s",
+    "rewards_match",
+)
 
 
-def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None = None, seed: int = 0,
-        pool: int | None = None, tasks: int | None = None, group: int | None = None,
-        concurrency: int | None = None, think_scale: float | None = None,
-        steps: tuple[int, int] | None = None, systems: tuple[str, ...] = ("weenv", "docker"),
-        log=print) -> dict:  # fmt: skip
+def run(
+    *,
+    quick: bool = False,
+    json_path: Path | None = None,
+    work: Path | None = None,
+    seed: int = 0,
+    pool: int | None = None,
+    tasks: int | None = None,
+    group: int | None = None,
+    concurrency: int | None = None,
+    think_scale: float | None = None,
+    steps: tuple[int, int] | None = None,
+    systems: tuple[str, ...] = ("weenv", "docker"),
+    log=print,
+) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it).
 
@@ -69,27 +84,35 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
     Every daemon this starts (weenv, dockerd, registry) is stopped by its PID
     and its directories removed in every case.
     """
+    from weenv.formats.manifest import Resources
+    from weenv.packaging.debootstrap import debian_rootfs
+    from weenv.packaging.transfer import copy_template
+    from weenv.store.file import FileStore
+    from weenv.store.oci import OciStore
     from weenv_bench.rollout import iteration, report, templates
     from weenv_bench.rollout.systems import DockerSystem, WeenvSystem
     from weenv_bench.rollout.tasks import TASKS, prepare_task, runtime_tree
     from weenv_bench.rollout.trajectory import make_trajectory
-    from weenv_bench.start import loadavg
-    from weenv_bench.update import fetch_sdists
-    from weenv.packaging.debootstrap import debian_rootfs
-    from weenv.formats.manifest import Resources
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
-    from weenv.store.file import FileStore
-    from weenv.store.oci import OciStore
-    from weenv.packaging.transfer import copy_template
+    from weenv_bench.start import loadavg
+    from weenv_bench.update import fetch_sdists
 
     cfg = dict(QUICK if quick else DEFAULTS)
-    for key, value in (("pool", pool), ("tasks", tasks), ("group", group), ("concurrency", concurrency),
-                       ("think_scale", think_scale), ("steps", steps)):  # fmt: skip
+    for key, value in (
+        ("pool", pool),
+        ("tasks", tasks),
+        ("group", group),
+        ("concurrency", concurrency),
+        ("think_scale", think_scale),
+        ("steps", steps),
+    ):
         if value is not None:
             cfg[key] = value
     if not 1 <= cfg["tasks"] <= cfg["pool"] <= len(TASKS):
-        raise InvalidInputError(f"want 1 <= tasks <= pool <= {len(TASKS)}, got tasks {cfg['tasks']}, pool {cfg['pool']}")
+        raise InvalidInputError(
+            f"want 1 <= tasks <= pool <= {len(TASKS)}, got tasks {cfg['tasks']}, pool {cfg['pool']}"
+        )
     if cfg["group"] < 1 or cfg["concurrency"] < 1 or not 0 <= cfg["think_scale"] < math.inf:
         raise InvalidInputError("group and concurrency must be >= 1, think_scale finite and >= 0")
     if not systems or any(s not in ("weenv", "docker") for s in systems):
@@ -115,12 +138,16 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 
         rng = random.Random(seed)
         chosen = rng.sample([p for p in prepared], cfg["tasks"])
-        trajectories = [make_trajectory(t, g, cfg["group"], seed=seed, think_scale=cfg["think_scale"],
-                                        steps=tuple(cfg["steps"]))
-                        for t in chosen for g in range(cfg["group"])]  # fmt: skip
-        log(f"iteration: {len(chosen)} tasks ({', '.join(t.spec.name for t in chosen)}) x G={cfg['group']} = "
+        trajectories = [
+            make_trajectory(t, g, cfg["group"], seed=seed, think_scale=cfg["think_scale"], steps=tuple(cfg["steps"]))
+            for t in chosen
+            for g in range(cfg["group"])
+        ]
+        log(
+            f"iteration: {len(chosen)} tasks ({', '.join(t.spec.name for t in chosen)}) x G={cfg['group']} = "
             f"{len(trajectories)} rollouts, {sum(len(t.steps) for t in trajectories)} steps, "
-            f"concurrency {cfg['concurrency']}, think x{cfg['think_scale']:g}")  # fmt: skip
+            f"concurrency {cfg['concurrency']}, think x{cfg['think_scale']:g}"
+        )
 
         iterations = []
         services: dict = {}
@@ -131,7 +158,9 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             t = time.monotonic()
             copied = sum(copy_template(file_store, oci, b.template).bytes_copied for b in built.values())
             weenv_publish_s = time.monotonic() - t
-            log(f"weenv: {len(built)} templates copied to the registry ({copied / 1e6:.0f} MB) in {weenv_publish_s:.1f} s")
+            log(
+                f"weenv: {len(built)} templates copied to the registry ({copied / 1e6:.0f} MB) in {weenv_publish_s:.1f} s"
+            )
             services = {"registry_pid": registry.pid}
             t = time.monotonic()
             refs, layers = ({}, {})
@@ -143,14 +172,18 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 
             if "weenv" in systems:
                 log("weenv: iteration ...")
-                with WeenvSystem(work / "home", cache, oci.url, {n: b.template for n, b in built.items()},
-                                 resources) as weenv_sys:  # fmt: skip
+                with WeenvSystem(
+                    work / "home", cache, oci.url, {n: b.template for n, b in built.items()}, resources
+                ) as weenv_sys:
                     services["weenv_daemon_pid"] = weenv_sys.pid
                     iterations.append(iteration.run_iteration(weenv_sys, trajectories, cfg["concurrency"], log=log))
             if "docker" in systems:
                 log("docker: iteration ...")
-                iterations.append(iteration.run_iteration(DockerSystem(dockerd, refs, layers, resources),
-                                                          trajectories, cfg["concurrency"], log=log))  # fmt: skip
+                iterations.append(
+                    iteration.run_iteration(
+                        DockerSystem(dockerd, refs, layers, resources), trajectories, cfg["concurrency"], log=log
+                    )
+                )
 
         rows = [report.system_row(it) for it in iterations]
         by = {r["system"]: r for r in rows}
@@ -162,12 +195,20 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             "docker_first_step_p50_s": by.get("docker", {}).get("first_step_p50_s"),
             "rewards_match": rew["rewards_match"],
             "rewards_correct": rew["rewards_correct"],
-            "env_share_ratio": (round(by["docker"]["env_share"] / by["weenv"]["env_share"], 1)
-                                if {"weenv", "docker"} <= by.keys() and by["weenv"]["env_share"] else None),
-            "tasks": cfg["tasks"], "group": cfg["group"], "rollouts": len(trajectories),
-            "concurrency": cfg["concurrency"], "think_scale": cfg["think_scale"], "pool": cfg["pool"],
-            "quick": quick, "seed": seed,
-        }  # fmt: skip
+            "env_share_ratio": (
+                round(by["docker"]["env_share"] / by["weenv"]["env_share"], 1)
+                if {"weenv", "docker"} <= by.keys() and by["weenv"]["env_share"]
+                else None
+            ),
+            "tasks": cfg["tasks"],
+            "group": cfg["group"],
+            "rollouts": len(trajectories),
+            "concurrency": cfg["concurrency"],
+            "think_scale": cfg["think_scale"],
+            "pool": cfg["pool"],
+            "quick": quick,
+            "seed": seed,
+        }
         result = {
             "benchmark": "rollout",
             "summary": summary,
@@ -175,33 +216,45 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
             "rewards": rew,
             "rollouts": {it.system: [r.row() for r in it.rollouts] for it in iterations},
             "tasks": {
-                "pool": [{"name": b.task.spec.name, "sdist": b.task.spec.sdist, "bug_file": b.task.spec.path,
-                          "tests": list(b.task.spec.tests), "deps": list(b.task.spec.deps),
-                          "template_image_bytes": b.image_bytes, "template_stored_bytes": b.stored_bytes,
-                          "docker_image": refs.get(b.task.spec.name), "verified": verified.get(b.task.spec.name)}
-                         for b in built.values()],
+                "pool": [
+                    {
+                        "name": b.task.spec.name,
+                        "sdist": b.task.spec.sdist,
+                        "bug_file": b.task.spec.path,
+                        "tests": list(b.task.spec.tests),
+                        "deps": list(b.task.spec.deps),
+                        "template_image_bytes": b.image_bytes,
+                        "template_stored_bytes": b.stored_bytes,
+                        "docker_image": refs.get(b.task.spec.name),
+                        "verified": verified.get(b.task.spec.name),
+                    }
+                    for b in built.values()
+                ],
                 "iteration": [t.spec.name for t in chosen],
-            },  # fmt: skip
+            },
             "settings": {**cfg, "steps": list(cfg["steps"]), "cpus": CPUS, "memory_bytes": MEMORY_BYTES, "pids": PIDS},
             "think_time": _think_doc(),
-            "publish": {"weenv_copy_to_registry_s": round(weenv_publish_s, 2), "weenv_bytes_copied": copied,
-                        "docker_build_push_s": round(docker_publish_s, 2)},  # fmt: skip
+            "publish": {
+                "weenv_copy_to_registry_s": round(weenv_publish_s, 2),
+                "weenv_bytes_copied": copied,
+                "docker_build_push_s": round(docker_publish_s, 2),
+            },
             "method": {
                 "env_share": "sum over rollouts of (create + destroy + exec overhead) / sum of rollout wall time "
-                             "(create request to destroy return); env_share_of_iteration: the same sum / "
-                             "(iteration wall x concurrency)",
+                "(create request to destroy return); env_share_of_iteration: the same sum / "
+                "(iteration wall x concurrency)",
                 "exec_overhead": "exec wall time at the client minus the command's own time measured inside "
-                                 "(bash $EPOCHREALTIME before/after the command)",
+                "(bash $EPOCHREALTIME before/after the command)",
                 "first_step": "create + the first command's exec (think time excluded)",
                 "weenv": "weenv serve (own home, empty node cache, provisioning off) over oci:// on the loopback "
-                         "docker-registry; SDK Sandbox over its TCP API",
+                "docker-registry; SDK Sandbox over its TCP API",
                 "docker": "private dockerd, images in the same registry, none local at the start; docker run -d "
-                          "--network none with the same limits, docker exec per step, docker rm -f",
+                "--network none with the same limits, docker exec per step, docker rm -f",
                 "bytes_fetched": "weenv: node cache's stored bytes fetched from the store; docker: manifests + "
-                                 "configs of the images pulled + each distinct layer once (compressed)",
+                "configs of the images pulled + each distinct layer once (compressed)",
                 "daemon_peak": "peak of summed VmRSS sampled every 0.5 s: weenv daemon + its host-side helpers; "
-                               "dockerd + containerd + shims",
-            },  # fmt: skip
+                "dockerd + containerd + shims",
+            },
             "docker_services": services,
             "load": {"start": load_start, "end": loadavg()},
             "seconds": round(time.monotonic() - t_run, 1),
@@ -219,5 +272,10 @@ def run(*, quick: bool = False, json_path: Path | None = None, work: Path | None
 def _think_doc() -> dict:
     from weenv_bench.rollout import trajectory as t
 
-    return {"distribution": "lognormal", "median_s": t.THINK_MEDIAN_S, "sigma": t.THINK_SIGMA,
-            "max_s": t.THINK_MAX_S, "scaled_by": "think_scale"}  # fmt: skip
+    return {
+        "distribution": "lognormal",
+        "median_s": t.THINK_MEDIAN_S,
+        "sigma": t.THINK_SIGMA,
+        "max_s": t.THINK_MAX_S,
+        "scaled_by": "think_scale",
+    }

@@ -81,8 +81,7 @@ class RolloutResult:
 
     def row(self) -> dict:
         d = asdict(self)
-        d.update(exec_overhead_s=self.exec_overhead_s, command_s=self.command_s, think_s=self.think_s,
-                 env_s=self.env_s)  # fmt: skip
+        d.update(exec_overhead_s=self.exec_overhead_s, command_s=self.command_s, think_s=self.think_s, env_s=self.env_s)
         return d
 
 
@@ -153,8 +152,10 @@ def run_iteration(system: System, trajectories: list[Trajectory], concurrency: i
             done[0] += 1
             n = done[0]
         if res.error or n % max(1, len(trajectories) // 8) == 0 or n == len(trajectories):
-            log(f"  {system.name}: {n}/{len(trajectories)} rollouts done"
-                + (f" (error in {res.task}#{res.rollout}: {res.error})" if res.error else ""))  # fmt: skip
+            log(
+                f"  {system.name}: {n}/{len(trajectories)} rollouts done"
+                + (f" (error in {res.task}#{res.rollout}: {res.error})" if res.error else "")
+            )
 
     with MemorySampler(system.daemon_pids) as memory:
         t0 = time.perf_counter()
@@ -162,5 +163,12 @@ def run_iteration(system: System, trajectories: list[Trajectory], concurrency: i
             list(pool.map(one, range(len(trajectories))))
         wall = time.perf_counter() - t0
     loads.append(loadavg())
-    return IterationResult(system.name, concurrency, wall, [r for r in results if r is not None],
-                           system.bytes_fetched() - fetched0, memory.peak_bytes, loads)  # fmt: skip
+    return IterationResult(
+        system.name,
+        concurrency,
+        wall,
+        [r for r in results if r is not None],
+        system.bytes_fetched() - fetched0,
+        memory.peak_bytes,
+        loads,
+    )

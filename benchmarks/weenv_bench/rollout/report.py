@@ -83,8 +83,10 @@ def rewards(iterations: list[IterationResult]) -> dict:
     by_key: dict[tuple[str, int], dict] = {}
     for it in iterations:
         for r in it.rollouts:
-            entry = by_key.setdefault((r.task, r.rollout), {"task": r.task, "rollout": r.rollout, "patch": r.patch,
-                                                            "expected": r.expected_reward})  # fmt: skip
+            entry = by_key.setdefault(
+                (r.task, r.rollout),
+                {"task": r.task, "rollout": r.rollout, "patch": r.patch, "expected": r.expected_reward},
+            )
             entry[it.system] = r.reward
     rows = list(by_key.values())
     systems = [it.system for it in iterations]
@@ -147,10 +149,12 @@ def plot(result: dict, png: Path) -> None:
     ax.set_ylabel("% of rollout time")
     ax.set_ylim(0, 110)
     s = result["summary"]
-    ax.set_title(f"rollout stage: {s['rollouts']} rollouts ({s['tasks']} tasks x G={s['group']}), "
-                 f"concurrency {s['concurrency']}, think x{s['think_scale']:g}", fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"rollout stage: {s['rollouts']} rollouts ({s['tasks']} tasks x G={s['group']}), "
+        f"concurrency {s['concurrency']}, think x{s['think_scale']:g}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-

@@ -83,8 +83,10 @@ class System(Protocol):
 
 def wrap(command: str) -> list[str]:
     """argv running ``command`` in bash with its own run time measured inside."""
-    script = (f"__t0=$EPOCHREALTIME\ntrap 'printf \"\\\\n{MARK} %s %s\\\\n\" \"$__t0\" \"$EPOCHREALTIME\" >&2' EXIT\n"
-              f"{{ {command}\n}}\n")  # fmt: skip
+    script = (
+        f'__t0=$EPOCHREALTIME\ntrap \'printf "\\\\n{MARK} %s %s\\\\n" "$__t0" "$EPOCHREALTIME" >&2\' EXIT\n'
+        f"{{ {command}\n}}\n"
+    )
     return ["bash", "-c", script]
 
 
@@ -180,8 +182,16 @@ class WeenvSystem:
 
     name = "weenv"
 
-    def __init__(self, home: Path, cache: Path, store_url: str, templates: dict[str, str], resources, *,
-                 cache_bytes: int = 8 << 30):  # fmt: skip
+    def __init__(
+        self,
+        home: Path,
+        cache: Path,
+        store_url: str,
+        templates: dict[str, str],
+        resources,
+        *,
+        cache_bytes: int = 8 << 30,
+    ):
         from weenv.config import Paths
 
         self.paths = Paths(home=Path(home), cache=Path(cache), store_url=store_url)
@@ -196,16 +206,27 @@ class WeenvSystem:
         from weenv_bench.services import process
 
         self.paths.run.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, WEENV_HOME=str(self.paths.home), WEENV_CACHE=str(self.paths.cache),
-                   WEENV_STORE=self.paths.store_url, WEENV_PROVISION_MODE="off",
-                   WEENV_CACHE_BYTES=str(self.cache_bytes))  # fmt: skip
+        env = dict(
+            os.environ,
+            WEENV_HOME=str(self.paths.home),
+            WEENV_CACHE=str(self.paths.cache),
+            WEENV_STORE=self.paths.store_url,
+            WEENV_PROVISION_MODE="off",
+            WEENV_CACHE_BYTES=str(self.cache_bytes),
+        )
         env.pop("WEENV_API_URL", None)
         env.pop("WEENV_API_KEY", None)
-        self._proc = process.spawn([sys.executable, "-m", "weenv", "serve", "--port", "0"],
-                                   self.paths.daemon_log, env=env)  # fmt: skip
+        self._proc = process.spawn(
+            [sys.executable, "-m", "weenv", "serve", "--port", "0"], self.paths.daemon_log, env=env
+        )
         try:
-            process.wait_ready(self._proc, lambda: self.paths.api_url.exists() and daemon.is_running(self.paths),
-                               what="weenv daemon", log=self.paths.daemon_log, timeout=60)  # fmt: skip
+            process.wait_ready(
+                self._proc,
+                lambda: self.paths.api_url.exists() and daemon.is_running(self.paths),
+                what="weenv daemon",
+                log=self.paths.daemon_log,
+                timeout=60,
+            )
             self.api_url = self.paths.api_url.read_text().strip()
             self.api_key = self.paths.api_key.read_text().strip()
             self._fetched0 = self._stats().cache_bytes_fetched
@@ -240,8 +261,9 @@ class WeenvSystem:
     def create(self, task: str) -> str:
         from weenv.sdk import Sandbox
 
-        sb = Sandbox.create(self.templates[task], timeout=3600, resources=self.resources,
-                            api_url=self.api_url, api_key=self.api_key)  # fmt: skip
+        sb = Sandbox.create(
+            self.templates[task], timeout=3600, resources=self.resources, api_url=self.api_url, api_key=self.api_key
+        )
         with self._lock:
             self._sandboxes[sb.id] = sb
         return sb.id
@@ -276,8 +298,7 @@ class DockerSystem:
 
     name = "docker"
 
-    def __init__(self, dockerd, images: dict[str, str], image_layers: dict[str, tuple[int, dict[str, int]]],
-                 resources):  # fmt: skip
+    def __init__(self, dockerd, images: dict[str, str], image_layers: dict[str, tuple[int, dict[str, int]]], resources):
         self.dockerd, self.images, self.image_layers, self.resources = dockerd, images, image_layers, resources
         self._pulled: set[str] = set()
         self._lock = threading.Lock()
@@ -287,16 +308,30 @@ class DockerSystem:
         from weenv_bench.services.dockerd import DOCKER
 
         try:
-            return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
-                                  env=self.dockerd.env(), check=False)  # fmt: skip
+            return subprocess.run(
+                [DOCKER, *args], capture_output=True, text=True, timeout=timeout, env=self.dockerd.env(), check=False
+            )
         except subprocess.TimeoutExpired as exc:
             raise CommandTimeoutError(f"docker {args[0]} ran past {timeout} s") from exc
 
     def create(self, task: str) -> str:
         ref = self.images[task]
         r = self.resources
-        p = self._docker("run", "-d", "--network", "none", "--cpus", f"{r.cpus:g}", "--memory",
-                         str(r.memory_bytes), "--pids-limit", str(r.pids), ref, "sleep", "infinity")  # fmt: skip
+        p = self._docker(
+            "run",
+            "-d",
+            "--network",
+            "none",
+            "--cpus",
+            f"{r.cpus:g}",
+            "--memory",
+            str(r.memory_bytes),
+            "--pids-limit",
+            str(r.pids),
+            ref,
+            "sleep",
+            "infinity",
+        )
         if p.returncode != 0:
             raise RuntimeFailedError(f"docker run {ref} failed: {p.stderr[-600:]}")
         with self._lock:

@@ -83,96 +83,218 @@ class TaskSpec:
 
     def key(self) -> str:
         """A digest of everything that fixes the prepared task."""
-        data = json.dumps([FORMAT, self.name, self.sdist, self.path, self.original, self.mutated,
-                           list(self.tests), list(self.deps), self.pythonpath])  # fmt: skip
+        data = json.dumps(
+            [
+                FORMAT,
+                self.name,
+                self.sdist,
+                self.path,
+                self.original,
+                self.mutated,
+                list(self.tests),
+                list(self.deps),
+                self.pythonpath,
+            ]
+        )
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
 TASKS: tuple[TaskSpec, ...] = (
-    TaskSpec("cachetools", "cachetools==5.5.0", "src/cachetools/__init__.py",
-             "            while self.__currsize + size > maxsize:",
-             "            while self.__currsize + size >= maxsize:",
-             ("tests/test_cache.py::CacheTest::test_insert", "tests/test_cache.py::CacheTest::test_update"),
-             pythonpath="src"),
-    TaskSpec("idna", "idna==3.10", "idna/core.py",
-             "    if len(label) > 63:", "    if len(label) > 64:",
-             ("tests/test_idna.py::IDNATests::test_valid_label_length", "tests/test_idna.py::IDNATests::test_encode")),
-    TaskSpec("inflection", "inflection==0.5.1", "inflection/__init__.py",
-             "        return string[0].lower() + camelize(string)[1:]",
-             "        return string[0].lower() + camelize(string)[2:]",
-             ("test_inflection.py::test_camelize_with_lower_downcases_the_first_letter",)),
-    TaskSpec("jmespath", "jmespath==1.0.1", "jmespath/visitor.py",
-             "            return value[node['value']]", "            return value[node['value'] - 1]",
-             ("tests/test_parser.py::TestParser::test_index",
-              "tests/test_parser.py::TestParserWildcards::test_root_indices")),
-    TaskSpec("toolz", "toolz==1.0.0", "toolz/itertoolz.py",
-             "    return itertools.islice(seq, 0, None, n)", "    return itertools.islice(seq, 1, None, n)",
-             ("toolz/tests/test_itertoolz.py::test_take_nth",)),
-    TaskSpec("more-itertools", "more-itertools==10.5.0", "more_itertools/more.py",
-             "    return sum(compress(repeat(1), zip(iterable)))",
-             "    return sum(compress(repeat(1), zip(iterable))) - 1",
-             ("tests/test_more.py::IlenTests::test_ilen",)),
-    TaskSpec("semver", "semver==3.0.2", "src/semver/version.py",
-             "        return cls(self._major, self._minor, self._patch + 1)",
-             "        return cls(self._major, self._minor + 1, self._patch)",
-             ("tests/test_bump.py::test_should_bump_patch",
-              "tests/test_bump.py::test_should_ignore_extensions_for_bump"), pythonpath="src"),
-    TaskSpec("wcwidth", "wcwidth==0.2.13", "wcwidth/wcwidth.py",
-             "            idx += 2", "            idx += 1",
-             ("tests/test_emojis.py::test_another_emoji_zwj_sequence",
-              "tests/test_emojis.py::test_longer_emoji_zwj_sequence")),
-    TaskSpec("python-dateutil", "python-dateutil==2.9.0.post0", "src/dateutil/easter.py",
-             "        i = (19*g + 15) % 30", "        i = (19*g + 16) % 30",
-             ("tests/test_easter.py::test_easter_orthodox", "tests/test_easter.py::test_easter_julian"),
-             deps=("six==1.17.0",), pythonpath="src"),
-    TaskSpec("webencodings", "webencodings==0.5.1", "webencodings/__init__.py",
-             "    label = ascii_lower(label.strip('\\t\\n\\f\\r '))",
-             "    label = ascii_lower(label.strip('\\t\\n\\f\\r'))",
-             ("webencodings/tests.py::test_labels",)),
-    TaskSpec("text-unidecode", "text-unidecode==1.3", "src/text_unidecode/__init__.py",
-             "            chars.append(_replaces[codepoint-1])", "            chars.append(_replaces[codepoint])",
-             ("test_unidecode.py::test_transliterate",), pythonpath="src"),
-    TaskSpec("six", "six==1.17.0", "six.py",
-             "    byte2int = operator.itemgetter(0)", "    byte2int = operator.itemgetter(-1)",
-             ("test_six.py::test_byte2int",)),
-    TaskSpec("boltons", "boltons==24.1.0", "boltons/iterutils.py",
-             "        count = 1 + math.ceil(math.log(stop/denom, factor))",
-             "        count = math.ceil(math.log(stop/denom, factor))",
-             ("tests/test_iterutils.py::test_backoff_basic", "tests/test_iterutils.py::test_backoff_zero_start")),
-    TaskSpec("jsonpointer", "jsonpointer==3.0.0", "jsonpointer.py",
-             "    return s.replace('~', '~0').replace('/', '~1')",
-             "    return s.replace('/', '~1').replace('~', '~0')",
-             ("tests.py::SpecificationTests::test_round_trip", "tests.py::SpecificationTests::test_str_and_repr")),
-    TaskSpec("parse", "parse==1.20.2", "parse.py",
-             "    return float(string[:-1]) / 100.0", "    return float(string[:-1]) / 10.0",
-             ("tests/test_parse.py::test_numbers",)),
-    TaskSpec("sqlparse", "sqlparse==0.5.3", "sqlparse/utils.py",
-             "        val = val[1:-1]", "        val = val[1:]",
-             ("tests/test_parse.py::test_quoted_identifier", "tests/test_regressions.py::test_issue78")),
-    TaskSpec("tabulate", "tabulate==0.9.0", "tabulate/__init__.py",
-             '    fmt = "{0:^%ds}" % width', '    fmt = "{0:<%ds}" % width',
-             ("test/test_internal.py::test_align_column_multiline", "test/test_output.py::test_simple_multiline_2")),
-    TaskSpec("itsdangerous", "itsdangerous==2.2.0", "src/itsdangerous/encoding.py",
-             '    return _bytes_to_int(bytestr.rjust(8, b"\\x00"))[0]',
-             '    return _bytes_to_int(bytestr.ljust(8, b"\\x00"))[0]',
-             ("tests/test_itsdangerous/test_encoding.py::test_int_bytes",
-              "tests/test_itsdangerous/test_timed.py::TestTimestampSigner::test_max_age"),
-             deps=("freezegun==1.5.1",), pythonpath="src"),
-    TaskSpec("click", "click==8.1.7", "src/click/parser.py",
-             "        return opt[:2], opt[2:]", "        return opt[:1], opt[1:]",
-             ("tests/test_basic.py::test_string_option", "tests/test_arguments.py::test_subcommand_help"),
-             pythonpath="src"),
-    TaskSpec("pyparsing", "pyparsing==3.2.0", "pyparsing/util.py",
-             '    return 1 if 0 < loc < len(s) and s[loc - 1] == "\\n" else loc - s.rfind("\\n", 0, loc)',
-             '    return 1 if 0 < loc < len(s) and s[loc - 1] == "\\n" else loc - s.rfind("\\n", 0, loc) - 1',
-             ("tests/test_util.py::test_col",)),
-    TaskSpec("pyasn1", "pyasn1==0.6.1", "pyasn1/type/univ.py",
-             "        return self.clone(self._value + value)", "        return self.clone(self._value - value)",
-             ("tests/type/test_univ.py::IntegerTestCase::testAdd",)),
-    TaskSpec("decorator", "decorator==5.1.1", "src/decorator.py",
-             "        na = len(args) + 1", "        na = len(args)",
-             ("src/tests/test.py::ExtraTestCase::test_add1",), pythonpath="src"),
-)  # fmt: skip
+    TaskSpec(
+        "cachetools",
+        "cachetools==5.5.0",
+        "src/cachetools/__init__.py",
+        "            while self.__currsize + size > maxsize:",
+        "            while self.__currsize + size >= maxsize:",
+        ("tests/test_cache.py::CacheTest::test_insert", "tests/test_cache.py::CacheTest::test_update"),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "idna",
+        "idna==3.10",
+        "idna/core.py",
+        "    if len(label) > 63:",
+        "    if len(label) > 64:",
+        ("tests/test_idna.py::IDNATests::test_valid_label_length", "tests/test_idna.py::IDNATests::test_encode"),
+    ),
+    TaskSpec(
+        "inflection",
+        "inflection==0.5.1",
+        "inflection/__init__.py",
+        "        return string[0].lower() + camelize(string)[1:]",
+        "        return string[0].lower() + camelize(string)[2:]",
+        ("test_inflection.py::test_camelize_with_lower_downcases_the_first_letter",),
+    ),
+    TaskSpec(
+        "jmespath",
+        "jmespath==1.0.1",
+        "jmespath/visitor.py",
+        "            return value[node['value']]",
+        "            return value[node['value'] - 1]",
+        (
+            "tests/test_parser.py::TestParser::test_index",
+            "tests/test_parser.py::TestParserWildcards::test_root_indices",
+        ),
+    ),
+    TaskSpec(
+        "toolz",
+        "toolz==1.0.0",
+        "toolz/itertoolz.py",
+        "    return itertools.islice(seq, 0, None, n)",
+        "    return itertools.islice(seq, 1, None, n)",
+        ("toolz/tests/test_itertoolz.py::test_take_nth",),
+    ),
+    TaskSpec(
+        "more-itertools",
+        "more-itertools==10.5.0",
+        "more_itertools/more.py",
+        "    return sum(compress(repeat(1), zip(iterable)))",
+        "    return sum(compress(repeat(1), zip(iterable))) - 1",
+        ("tests/test_more.py::IlenTests::test_ilen",),
+    ),
+    TaskSpec(
+        "semver",
+        "semver==3.0.2",
+        "src/semver/version.py",
+        "        return cls(self._major, self._minor, self._patch + 1)",
+        "        return cls(self._major, self._minor + 1, self._patch)",
+        ("tests/test_bump.py::test_should_bump_patch", "tests/test_bump.py::test_should_ignore_extensions_for_bump"),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "wcwidth",
+        "wcwidth==0.2.13",
+        "wcwidth/wcwidth.py",
+        "            idx += 2",
+        "            idx += 1",
+        (
+            "tests/test_emojis.py::test_another_emoji_zwj_sequence",
+            "tests/test_emojis.py::test_longer_emoji_zwj_sequence",
+        ),
+    ),
+    TaskSpec(
+        "python-dateutil",
+        "python-dateutil==2.9.0.post0",
+        "src/dateutil/easter.py",
+        "        i = (19*g + 15) % 30",
+        "        i = (19*g + 16) % 30",
+        ("tests/test_easter.py::test_easter_orthodox", "tests/test_easter.py::test_easter_julian"),
+        deps=("six==1.17.0",),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "webencodings",
+        "webencodings==0.5.1",
+        "webencodings/__init__.py",
+        "    label = ascii_lower(label.strip('\\t\\n\\f\\r '))",
+        "    label = ascii_lower(label.strip('\\t\\n\\f\\r'))",
+        ("webencodings/tests.py::test_labels",),
+    ),
+    TaskSpec(
+        "text-unidecode",
+        "text-unidecode==1.3",
+        "src/text_unidecode/__init__.py",
+        "            chars.append(_replaces[codepoint-1])",
+        "            chars.append(_replaces[codepoint])",
+        ("test_unidecode.py::test_transliterate",),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "six",
+        "six==1.17.0",
+        "six.py",
+        "    byte2int = operator.itemgetter(0)",
+        "    byte2int = operator.itemgetter(-1)",
+        ("test_six.py::test_byte2int",),
+    ),
+    TaskSpec(
+        "boltons",
+        "boltons==24.1.0",
+        "boltons/iterutils.py",
+        "        count = 1 + math.ceil(math.log(stop/denom, factor))",
+        "        count = math.ceil(math.log(stop/denom, factor))",
+        ("tests/test_iterutils.py::test_backoff_basic", "tests/test_iterutils.py::test_backoff_zero_start"),
+    ),
+    TaskSpec(
+        "jsonpointer",
+        "jsonpointer==3.0.0",
+        "jsonpointer.py",
+        "    return s.replace('~', '~0').replace('/', '~1')",
+        "    return s.replace('/', '~1').replace('~', '~0')",
+        ("tests.py::SpecificationTests::test_round_trip", "tests.py::SpecificationTests::test_str_and_repr"),
+    ),
+    TaskSpec(
+        "parse",
+        "parse==1.20.2",
+        "parse.py",
+        "    return float(string[:-1]) / 100.0",
+        "    return float(string[:-1]) / 10.0",
+        ("tests/test_parse.py::test_numbers",),
+    ),
+    TaskSpec(
+        "sqlparse",
+        "sqlparse==0.5.3",
+        "sqlparse/utils.py",
+        "        val = val[1:-1]",
+        "        val = val[1:]",
+        ("tests/test_parse.py::test_quoted_identifier", "tests/test_regressions.py::test_issue78"),
+    ),
+    TaskSpec(
+        "tabulate",
+        "tabulate==0.9.0",
+        "tabulate/__init__.py",
+        '    fmt = "{0:^%ds}" % width',
+        '    fmt = "{0:<%ds}" % width',
+        ("test/test_internal.py::test_align_column_multiline", "test/test_output.py::test_simple_multiline_2"),
+    ),
+    TaskSpec(
+        "itsdangerous",
+        "itsdangerous==2.2.0",
+        "src/itsdangerous/encoding.py",
+        '    return _bytes_to_int(bytestr.rjust(8, b"\\x00"))[0]',
+        '    return _bytes_to_int(bytestr.ljust(8, b"\\x00"))[0]',
+        (
+            "tests/test_itsdangerous/test_encoding.py::test_int_bytes",
+            "tests/test_itsdangerous/test_timed.py::TestTimestampSigner::test_max_age",
+        ),
+        deps=("freezegun==1.5.1",),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "click",
+        "click==8.1.7",
+        "src/click/parser.py",
+        "        return opt[:2], opt[2:]",
+        "        return opt[:1], opt[1:]",
+        ("tests/test_basic.py::test_string_option", "tests/test_arguments.py::test_subcommand_help"),
+        pythonpath="src",
+    ),
+    TaskSpec(
+        "pyparsing",
+        "pyparsing==3.2.0",
+        "pyparsing/util.py",
+        '    return 1 if 0 < loc < len(s) and s[loc - 1] == "\\n" else loc - s.rfind("\\n", 0, loc)',
+        '    return 1 if 0 < loc < len(s) and s[loc - 1] == "\\n" else loc - s.rfind("\\n", 0, loc) - 1',
+        ("tests/test_util.py::test_col",),
+    ),
+    TaskSpec(
+        "pyasn1",
+        "pyasn1==0.6.1",
+        "pyasn1/type/univ.py",
+        "        return self.clone(self._value + value)",
+        "        return self.clone(self._value - value)",
+        ("tests/type/test_univ.py::IntegerTestCase::testAdd",),
+    ),
+    TaskSpec(
+        "decorator",
+        "decorator==5.1.1",
+        "src/decorator.py",
+        "        na = len(args) + 1",
+        "        na = len(args)",
+        ("src/tests/test.py::ExtraTestCase::test_add1",),
+        pythonpath="src",
+    ),
+)
 """The task pool (22 projects).  An iteration uses a seeded sample of it."""
 
 
@@ -208,8 +330,9 @@ class PreparedTask:
 
 def unified_diff(path: str, before: str, after: str) -> str:
     """A ``patch -p1`` diff of one file (``a/PATH`` -> ``b/PATH``), 3 lines of context."""
-    lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                 fromfile=f"a/{path}", tofile=f"b/{path}")  # fmt: skip
+    lines = difflib.unified_diff(
+        before.splitlines(keepends=True), after.splitlines(keepends=True), fromfile=f"a/{path}", tofile=f"b/{path}"
+    )
     return "".join(lines)
 
 
@@ -238,8 +361,9 @@ def prepare_task(cache: Path, spec: TaskSpec, source: Path) -> PreparedTask:
             target.write_text(buggy)
             (tmp / "fix.patch").write_text(unified_diff(spec.path, buggy, original))
             (tmp / "wrong.patch").write_text(unified_diff(spec.path, buggy, _wrong_fix(buggy, spec)))
-            files = sorted(str(p.relative_to(project)) for p in project.rglob("*")
-                           if p.is_file() and "__pycache__" not in p.parts)  # fmt: skip
+            files = sorted(
+                str(p.relative_to(project)) for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            )
             line = buggy[: buggy.index(spec.mutated)].count("\n") + 1
             (tmp / "task.json").write_text(json.dumps({"files": files, "bug_line": line}))
             os.rename(tmp, root)

@@ -54,18 +54,21 @@ class Built:
     manifest holds its build time, so the template's digest changes per build)."""
 
 
-def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], resources, work: Path,
-                log=print) -> dict[str, Built]:  # fmt: skip
+def build_weenv(
+    store, base: Path, runtime: Path, tasks: list[PreparedTask], resources, work: Path, log=print
+) -> dict[str, Built]:
     """Build every group and template into ``store``; return task name -> :class:`Built`."""
     from weenv.demo import deps_tree
-    from weenv.packaging.group import build_group
     from weenv.formats.manifest import RuntimeConfig
+    from weenv.packaging.group import build_group
     from weenv.packaging.template import create_template
 
     t0 = time.monotonic()
     shared = {}
-    for name, tree, source in (("base", base, {"type": "debootstrap", "suite": "bookworm"}),
-                               ("runtime", runtime, {"type": "pip+deb", "contents": "pytest, patch"})):  # fmt: skip
+    for name, tree, source in (
+        ("base", base, {"type": "debootstrap", "suite": "bookworm"}),
+        ("runtime", runtime, {"type": "pip+deb", "contents": "pytest, patch"}),
+    ):
         shared[name] = build_group(tree, store, name=name, source=source, workdir=work).manifest
     out = {}
     cache = Paths.from_env().cache
@@ -76,25 +79,51 @@ def build_weenv(store, base: Path, runtime: Path, tasks: list[PreparedTask], res
         deps = None
         if spec.deps:
             deps = deps_tree(cache, list(spec.deps))
-            sizes.append(build_group(deps, store, name=f"deps-{spec.name}", workdir=work,
-                                     source={"type": "pip", "requirements": " ".join(spec.deps)}).manifest)  # fmt: skip
+            sizes.append(
+                build_group(
+                    deps,
+                    store,
+                    name=f"deps-{spec.name}",
+                    workdir=work,
+                    source={"type": "pip", "requirements": " ".join(spec.deps)},
+                ).manifest
+            )
             groups.append(f"deps-{spec.name}")
-        sizes.append(build_group(task.tree, store, name=f"src-{spec.name}", workdir=work,
-                                 source={"type": "sdist", "requirement": spec.sdist, "bug": spec.key()}).manifest)  # fmt: skip
+        sizes.append(
+            build_group(
+                task.tree,
+                store,
+                name=f"src-{spec.name}",
+                workdir=work,
+                source={"type": "sdist", "requirement": spec.sdist, "bug": spec.key()},
+            ).manifest
+        )
         groups.append(f"src-{spec.name}")
-        runtime_cfg = RuntimeConfig(working_dir=spec.workdir, env={**RuntimeConfig().env, **spec.env},
-                                    resources=resources)  # fmt: skip
+        runtime_cfg = RuntimeConfig(
+            working_dir=spec.workdir, env={**RuntimeConfig().env, **spec.env}, resources=resources
+        )
         digest, _ = create_template(store, f"rollout-{spec.name}", groups, runtime=runtime_cfg)
-        inputs = hashlib.sha256(json.dumps([spec.key(), str(base), str(runtime), str(deps), spec.env,
-                                            runtime_cfg.model_dump(mode="json")]).encode()).hexdigest()[:32]
-        out[spec.name] = Built(task, f"rollout-{spec.name}", digest, deps,
-                               sum(g.image_size for g in sizes), sum(g.stored_size for g in sizes), inputs)  # fmt: skip
+        inputs = hashlib.sha256(
+            json.dumps(
+                [spec.key(), str(base), str(runtime), str(deps), spec.env, runtime_cfg.model_dump(mode="json")]
+            ).encode()
+        ).hexdigest()[:32]
+        out[spec.name] = Built(
+            task,
+            f"rollout-{spec.name}",
+            digest,
+            deps,
+            sum(g.image_size for g in sizes),
+            sum(g.stored_size for g in sizes),
+            inputs,
+        )
     log(f"weenv: {len(out)} templates built in {time.monotonic() - t0:.1f} s")
     return out
 
 
-def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | None = None,
-                 log=print) -> dict[str, dict]:  # fmt: skip
+def verify_tasks(
+    store, built: dict[str, Built], home: Path, *, marks: Path | None = None, log=print
+) -> dict[str, dict]:
     """Check every task's bug and patches inside weenv (see the module docstring);
     return task name -> what was checked (pytest's exit code and seconds per
     patch).  ``home``: the checking node's home; ``marks``: where verified
@@ -120,13 +149,18 @@ def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | No
             info = node.create(b.template, prefetch=False)
             try:
                 # bug; wrong patch; wrong patch undone and the fix applied
-                for label, patches, want in (("none", [], 1), ("wrong", [(task.wrong_patch, False)], 1),
-                                             ("right", [(task.wrong_patch, True), (task.fix_patch, False)], 0)):
+                for label, patches, want in (
+                    ("none", [], 1),
+                    ("wrong", [(task.wrong_patch, False)], 1),
+                    ("right", [(task.wrong_patch, True), (task.fix_patch, False)], 0),
+                ):
                     for text, reverse in patches:
                         r = node.exec(info.id, ["bash", "-c", patch_command(text, reverse=reverse)], timeout=120)
                         if r.exit_code != 0:
-                            raise RuntimeFailedError(f"task {spec.name}: a patch does not apply ({label}): "
-                                                     f"{(r.stdout + r.stderr).decode(errors='replace')[-800:]}")
+                            raise RuntimeFailedError(
+                                f"task {spec.name}: a patch does not apply ({label}): "
+                                f"{(r.stdout + r.stderr).decode(errors='replace')[-800:]}"
+                            )
                     r = node.exec(info.id, ["bash", "-c", reward_command(spec)], timeout=300)
                     if r.exit_code != want:
                         raise RuntimeFailedError(
@@ -142,8 +176,9 @@ def verify_tasks(store, built: dict[str, Built], home: Path, *, marks: Path | No
     return out
 
 
-def build_docker(dockerd, registry, base: Path, runtime: Path, built: dict[str, Built], work: Path,
-                 log=print) -> tuple[dict[str, str], dict[str, tuple[int, dict[str, int]]]]:  # fmt: skip
+def build_docker(
+    dockerd, registry, base: Path, runtime: Path, built: dict[str, Built], work: Path, log=print
+) -> tuple[dict[str, str], dict[str, tuple[int, dict[str, int]]]]:
     """Import the base, build and push one image per task, remove every local
     image; return (task name -> reference, reference -> (manifest + config
     bytes, {layer digest: compressed bytes}))."""
@@ -161,8 +196,11 @@ def build_docker(dockerd, registry, base: Path, runtime: Path, built: dict[str, 
         if b.deps_tree is not None:
             _link_tree(b.deps_tree, context / f"deps-{name}")
             lines.append(f"COPY deps-{name}/ /")
-        lines += [f"COPY src-{name}/ /", f"WORKDIR {spec.workdir}",
-                  *(f"ENV {k}={v}" for k, v in sorted(spec.env.items()))]  # fmt: skip
+        lines += [
+            f"COPY src-{name}/ /",
+            f"WORKDIR {spec.workdir}",
+            *(f"ENV {k}={v}" for k, v in sorted(spec.env.items())),
+        ]
         (context / f"Dockerfile.{name}").write_text("\n".join(lines) + "\n")
         ref = registry.reference(f"bench/rollout-{name}", "latest")
         dockerd.docker("build", "-q", "-f", str(context / f"Dockerfile.{name}"), "-t", ref, str(context), timeout=900)

@@ -88,8 +88,9 @@ def think_time(rng: random.Random, scale: float) -> float:
     return min(THINK_MAX_S, rng.lognormvariate(math.log(THINK_MEDIAN_S), THINK_SIGMA)) * scale
 
 
-def make_trajectory(task: PreparedTask, rollout: int, group: int, *, seed: int, think_scale: float = 1.0,
-                    steps: tuple[int, int] = STEPS) -> Trajectory:  # fmt: skip
+def make_trajectory(
+    task: PreparedTask, rollout: int, group: int, *, seed: int, think_scale: float = 1.0, steps: tuple[int, int] = STEPS
+) -> Trajectory:
     """The trajectory of rollout ``rollout`` of ``group`` on ``task``, deterministic
     in (``seed``, task, rollout).  ``steps``: (fewest, most) steps."""
     if not 6 <= steps[0] <= steps[1]:
@@ -124,15 +125,20 @@ def make_trajectory(task: PreparedTask, rollout: int, group: int, *, seed: int, 
         if choice < 0.68:
             return "grep", f"grep -n 'def ' {shlex.quote(rng.choice((bug, other)))} | head -n 40"
         if choice < 0.76:
-            return "list", f"ls -la {shlex.quote(rng.choice((package_dir, '.', other.rsplit('/', 1)[0] if '/' in other else '.')))}"
+            return (
+                "list",
+                f"ls -la {shlex.quote(rng.choice((package_dir, '.', other.rsplit('/', 1)[0] if '/' in other else '.')))}",
+            )
         if choice < 0.82:
             return "list", f"wc -l {shlex.quote(bug)} {shlex.quote(other)}"
         if choice < 0.92:
-            snippet = rng.choice((
-                f"import {module}; print({module}.__file__)",
-                f"import {module}; print(sorted(n for n in dir({module}) if not n.startswith('_'))[:25])",
-                f"import sys, {module}; print(sys.version.split()[0], {module}.__name__)",
-            ))  # fmt: skip
+            snippet = rng.choice(
+                (
+                    f"import {module}; print({module}.__file__)",
+                    f"import {module}; print(sorted(n for n in dir({module}) if not n.startswith('_'))[:25])",
+                    f"import sys, {module}; print(sys.version.split()[0], {module}.__name__)",
+                )
+            )
             return "python", f"python3 -c {shlex.quote(snippet)}"
         return "test", f"{PYTEST} {shlex.quote(test)}"
 
@@ -154,6 +160,6 @@ def make_trajectory(task: PreparedTask, rollout: int, group: int, *, seed: int, 
 
 def _module(path: str, pythonpath: str) -> str:
     """The top-level import name of the file at ``path`` under ``pythonpath``."""
-    rel = path[len(pythonpath) + 1:] if pythonpath != "." and path.startswith(pythonpath + "/") else path
+    rel = path[len(pythonpath) + 1 :] if pythonpath != "." and path.startswith(pythonpath + "/") else path
     top = rel.split("/", 1)[0]
     return top[:-3] if top.endswith(".py") else top

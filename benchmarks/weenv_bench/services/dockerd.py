@@ -142,9 +142,7 @@ class Dockerd:
             config = self.root / "daemon.json"
             config.write_text(json.dumps(self._config(), indent=2))
             self._proc = process.spawn([DOCKERD, "--config-file", str(config)], self.log)
-            process.wait_ready(
-                self._proc, self._ping, what="dockerd", log=self.log, timeout=self.start_timeout
-            )
+            process.wait_ready(self._proc, self._ping, what="dockerd", log=self.log, timeout=self.start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -257,28 +255,34 @@ class Dockerd:
         argv = [DOCKER, *args]
         try:
             proc = subprocess.run(
-                argv, input=input, capture_output=True, timeout=timeout, env=self.env(), cwd=cwd,
+                argv,
+                input=input,
+                capture_output=True,
+                timeout=timeout,
+                env=self.env(),
+                cwd=cwd,
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
             raise CommandTimeoutError(f"docker {' '.join(args[:3])} ran past {timeout} s") from exc
         if check and proc.returncode != 0:
-            tail = "\n".join(
-                (proc.stderr or proc.stdout).decode(errors="replace").strip().splitlines()[-12:]
-            )
+            tail = "\n".join((proc.stderr or proc.stdout).decode(errors="replace").strip().splitlines()[-12:])
             raise RuntimeFailedError(f"docker {' '.join(args[:4])} failed (exit {proc.returncode}):\n{tail}")
         return proc
-
 
     def import_tree(self, tree: Path, ref: str) -> None:
         """``docker import`` of directory ``tree`` (owners, modes and xattrs
         kept: ``tar --xattrs --numeric-owner``) as image ``ref``.  Raises
         :class:`RuntimeFailedError` with docker's message."""
-        tar = subprocess.Popen(["tar", "-C", str(tree), "--xattrs", "--numeric-owner", "-c", "."],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        tar = subprocess.Popen(
+            ["tar", "-C", str(tree), "--xattrs", "--numeric-owner", "-c", "."],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         try:
-            imp = subprocess.run([DOCKER, "import", "-", ref], stdin=tar.stdout, capture_output=True,
-                                 env=self.env(), check=False)  # fmt: skip
+            imp = subprocess.run(
+                [DOCKER, "import", "-", ref], stdin=tar.stdout, capture_output=True, env=self.env(), check=False
+            )
         finally:
             tar.stdout.close()
             tar.wait()

@@ -63,9 +63,11 @@ class LinkModel:
     def describe(self) -> dict:
         """The model as JSON for a report (MiB/s, ms)."""
         mib = 1 << 20
-        return {"latency_ms": self.latency_s * 1000,
-                "conn_mib_s": None if self.conn_bytes_per_s is None else self.conn_bytes_per_s / mib,
-                "total_mib_s": None if self.total_bytes_per_s is None else self.total_bytes_per_s / mib}
+        return {
+            "latency_ms": self.latency_s * 1000,
+            "conn_mib_s": None if self.conn_bytes_per_s is None else self.conn_bytes_per_s / mib,
+            "total_mib_s": None if self.total_bytes_per_s is None else self.total_bytes_per_s / mib,
+        }
 
 
 class Link:
@@ -159,8 +161,11 @@ async def serve(model: LinkModel, upstream: tuple[str, int], port_file: Path) ->
     os.replace(tmp, port_file)
 
     def dump() -> None:
-        stats.write_text(json.dumps({"answer_bytes": link.bytes, "connections": link.connections,
-                                     "model": asdict(model), "at": time.time()}))
+        stats.write_text(
+            json.dumps(
+                {"answer_bytes": link.bytes, "connections": link.connections, "model": asdict(model), "at": time.time()}
+            )
+        )
 
     async with server:
         while not stop.is_set():
@@ -199,9 +204,17 @@ class Shaper:
 
     def start(self) -> Shaper:
         m = self.model
-        argv = [sys.executable, "-m", "weenv_bench.services.netshape",
-                "--upstream", f"{self.upstream[0]}:{self.upstream[1]}", "--port-file", str(self.port_file),
-                "--latency-ms", str(m.latency_s * 1000)]
+        argv = [
+            sys.executable,
+            "-m",
+            "weenv_bench.services.netshape",
+            "--upstream",
+            f"{self.upstream[0]}:{self.upstream[1]}",
+            "--port-file",
+            str(self.port_file),
+            "--latency-ms",
+            str(m.latency_s * 1000),
+        ]
         if m.conn_bytes_per_s:
             argv += ["--conn-mib-s", str(m.conn_bytes_per_s / (1 << 20))]
         if m.total_bytes_per_s:
@@ -247,8 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     host, _, port = a.upstream.rpartition(":")
     mib = 1 << 20
-    model = LinkModel(a.latency_ms / 1000, a.conn_mib_s * mib if a.conn_mib_s else None,
-                      a.total_mib_s * mib if a.total_mib_s else None)
+    model = LinkModel(
+        a.latency_ms / 1000,
+        a.conn_mib_s * mib if a.conn_mib_s else None,
+        a.total_mib_s * mib if a.total_mib_s else None,
+    )
     asyncio.run(serve(model, (host, int(port)), a.port_file))
 
 

@@ -54,16 +54,19 @@ def spawn(argv: list[str], log: Path, *, env: dict[str, str] | None = None) -> s
     with open(log, "ab") as out:
         try:
             return subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, close_fds=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
             )
         except OSError as exc:
             raise RuntimeFailedError(f"cannot start {argv[0]}: {exc}") from exc
 
 
-def wait_ready(
-    proc: subprocess.Popen, ready: Callable[[], bool], *, what: str, log: Path, timeout: float
-) -> None:
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], *, what: str, log: Path, timeout: float) -> None:
     """Poll ``ready()`` until it is true.  Raises :class:`RuntimeFailedError` (with
     the tail of ``log``) if the process exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
@@ -158,4 +161,3 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
-

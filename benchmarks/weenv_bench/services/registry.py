@@ -95,7 +95,10 @@ class Registry:
             config.write_text(json.dumps(self._config(), indent=2))
             self._proc = process.spawn([REGISTRY, "serve", str(config)], self.log)
             process.wait_ready(
-                self._proc, self._ready, what="docker-registry", log=self.log,
+                self._proc,
+                self._ready,
+                what="docker-registry",
+                log=self.log,
                 timeout=self.start_timeout,
             )
         except BaseException:

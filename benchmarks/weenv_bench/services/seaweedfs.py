@@ -88,11 +88,15 @@ class Seaweed:
         import botocore.config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=access_key, aws_secret_access_key=secret_key,
-            config=botocore.config.Config(connect_timeout=2, read_timeout=10, retries={"total_max_attempts": 1},
-                                          s3={"addressing_style": "path"}),
-        )  # fmt: skip
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=botocore.config.Config(
+                connect_timeout=2, read_timeout=10, retries={"total_max_attempts": 1}, s3={"addressing_style": "path"}
+            ),
+        )
 
     def start(self) -> Seaweed:
         """Start the server; return once bucket :data:`BUCKET` exists.  Raises
@@ -102,24 +106,43 @@ class Seaweed:
         assert self.process is None, "already running"
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
-        identity = {"name": "weenv", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-                    "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
+        identity = {
+            "name": "weenv",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
         config.write_text(json.dumps({"identities": [identity]}))
         p = self.ports
         argv = [
-            weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
-            f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}", "-master.volumeSizeLimitMB=64",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}", "-volume.max=0",
-            "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
+            weed_binary(),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.root / 'data'}",
+            f"-master.port={p['master']}",
+            f"-master.port.grpc={p['master.grpc']}",
+            "-master.volumeSizeLimitMB=64",
+            f"-volume.port={p['volume']}",
+            f"-volume.port.grpc={p['volume.grpc']}",
+            "-volume.max=0",
+            "-filer",
+            f"-filer.port={p['filer']}",
+            f"-filer.port.grpc={p['filer.grpc']}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
-            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.config={config}",
-            f"-s3.localSocket={self.root / 's3.sock'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-s3",
+            f"-s3.port={p['s3']}",
+            f"-s3.port.grpc={p['s3.grpc']}",
+            f"-s3.config={config}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             "-s3.autoCreateBucket=false",
-        ]  # fmt: skip
+        ]
         self.process = process.spawn(argv, self.log)
         try:
-            process.wait_ready(self.process, self._make_bucket, what="SeaweedFS", log=self.log,
-                               timeout=self.start_timeout)  # fmt: skip
+            process.wait_ready(
+                self.process, self._make_bucket, what="SeaweedFS", log=self.log, timeout=self.start_timeout
+            )
         except BaseException:
             self.stop()
             raise

@@ -70,8 +70,7 @@ class WeenvEnvironmentConfig(BaseModel):
 
 
 class WeenvEnvironment:
-    def __init__(self, *, config_class: type = WeenvEnvironmentConfig, logger: logging.Logger | None = None,
-                 **kwargs):
+    def __init__(self, *, config_class: type = WeenvEnvironmentConfig, logger: logging.Logger | None = None, **kwargs):
         """Create the environment; see :class:`WeenvEnvironmentConfig` for the keyword arguments.
         Raises weenv's errors (:class:`~weenv.errors.NotFoundError` for an unknown template...)."""
         self.logger = logger or logging.getLogger("minisweagent.environment")
@@ -82,11 +81,21 @@ class WeenvEnvironment:
         self.node: str | None = None
         """The node it runs on (its daemon's address)."""
         c = self.config
-        resources = ceiling(cpus=c.cpus, memory_bytes=None if c.memory_mib is None else c.memory_mib * MIB,
-                            disk_bytes=None if c.disk_gib is None else c.disk_gib * GIB)
-        self.sandbox = Sandbox.create(c.template, timeout=c.lifetime, resources=resources, priority=c.priority,
-                                      metadata={"harness": "mini-swe-agent"}, api_url=c.api_url,
-                                      api_key=c.api_key, request_timeout=c.create_timeout)
+        resources = ceiling(
+            cpus=c.cpus,
+            memory_bytes=None if c.memory_mib is None else c.memory_mib * MIB,
+            disk_bytes=None if c.disk_gib is None else c.disk_gib * GIB,
+        )
+        self.sandbox = Sandbox.create(
+            c.template,
+            timeout=c.lifetime,
+            resources=resources,
+            priority=c.priority,
+            metadata={"harness": "mini-swe-agent"},
+            api_url=c.api_url,
+            api_key=c.api_key,
+            request_timeout=c.create_timeout,
+        )
         self.env_id, self.node = self.sandbox.id, self.sandbox.node
         self.logger.info("started weenv environment %s of %s on %s", self.env_id, c.template, self.node)
 
@@ -98,8 +107,12 @@ class WeenvEnvironment:
         env.update(self.config.env)
         limit = timeout or self.config.timeout
         try:
-            r = self.sandbox.commands.run([*MERGE_STDERR, *self.config.interpreter, command],
-                                          cwd=cwd or self.config.cwd or None, envs=env, timeout=limit)
+            r = self.sandbox.commands.run(
+                [*MERGE_STDERR, *self.config.interpreter, command],
+                cwd=cwd or self.config.cwd or None,
+                envs=env,
+                timeout=limit,
+            )
             output = {"output": r.stdout, "returncode": r.exit_code, "exception_info": ""}
         except CommandTimeoutError as e:
             partial = getattr(e, "result", None)
@@ -107,7 +120,7 @@ class WeenvEnvironment:
                 "output": partial.stdout if partial is not None else "",
                 "returncode": -1,
                 "exception_info": f"An error occurred while executing the command: Command {command!r} "
-                                  f"timed out after {limit} seconds",
+                f"timed out after {limit} seconds",
                 "extra": {"exception_type": "TimeoutExpired", "exception": str(e)},
             }
         except WeenvError as e:
@@ -125,19 +138,29 @@ class WeenvEnvironment:
         lines = output.get("output", "").lstrip().splitlines(keepends=True)
         if lines and lines[0].strip() == SUBMIT_MARKER and output["returncode"] == 0:
             submission = "".join(lines[1:])
-            raise Submitted({"role": "exit", "content": submission,
-                             "extra": {"exit_status": "Submitted", "submission": submission}})
+            raise Submitted(
+                {"role": "exit", "content": submission, "extra": {"exit_status": "Submitted", "submission": submission}}
+            )
 
     def get_template_vars(self, **kwargs) -> dict[str, Any]:
-        return recursive_merge(self.config.model_dump(exclude={"api_key"}), platform.uname()._asdict(),
-                               {"weenv_env_id": self.env_id, "weenv_node": self.node}, kwargs)
+        return recursive_merge(
+            self.config.model_dump(exclude={"api_key"}),
+            platform.uname()._asdict(),
+            {"weenv_env_id": self.env_id, "weenv_node": self.node},
+            kwargs,
+        )
 
     def serialize(self) -> dict:
-        return {"info": {"config": {
-            "environment": self.config.model_dump(mode="json", exclude={"api_key"}),
-            "environment_type": f"{self.__class__.__module__}.{self.__class__.__name__}",
-            "weenv_env_id": self.env_id, "weenv_node": self.node,
-        }}}
+        return {
+            "info": {
+                "config": {
+                    "environment": self.config.model_dump(mode="json", exclude={"api_key"}),
+                    "environment_type": f"{self.__class__.__module__}.{self.__class__.__name__}",
+                    "weenv_env_id": self.env_id,
+                    "weenv_node": self.node,
+                }
+            }
+        }
 
     def cleanup(self) -> None:
         """Destroy the environment (idempotent)."""

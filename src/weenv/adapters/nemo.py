@@ -65,9 +65,16 @@ class WeenvProvider:
 
     name = "weenv"
 
-    def __init__(self, *, api_url: str | None = None, api_key: str | None = None, template: str | None = None,
-                 default_ttl_s: float | None = 3600.0, image_rewrites: list[dict[str, str]] | None = None,
-                 request_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        template: str | None = None,
+        default_ttl_s: float | None = 3600.0,
+        image_rewrites: list[dict[str, str]] | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
         self.api_url = api_url
         self.api_key = api_key
         self.template = template
@@ -87,20 +94,30 @@ class WeenvProvider:
         (weenv's error as its cause), or ``ValueError`` for unknown provider options."""
         unknown = set(spec.provider_options) - PROVIDER_OPTIONS
         if unknown:
-            raise ValueError(f"unknown weenv provider option(s): {', '.join(sorted(unknown))}; "
-                             f"supported: {', '.join(sorted(PROVIDER_OPTIONS))}")
+            raise ValueError(
+                f"unknown weenv provider option(s): {', '.join(sorted(unknown))}; "
+                f"supported: {', '.join(sorted(PROVIDER_OPTIONS))}"
+            )
         r = spec.resources
         template = self._template(spec)
         try:
-            resources = ceiling(cpus=r.cpu, memory_bytes=None if r.memory_mib is None else r.memory_mib * MIB,
-                                disk_bytes=None if r.disk_gib is None else r.disk_gib * GIB, gpus=r.gpu)
+            resources = ceiling(
+                cpus=r.cpu,
+                memory_bytes=None if r.memory_mib is None else r.memory_mib * MIB,
+                disk_bytes=None if r.disk_gib is None else r.disk_gib * GIB,
+                gpus=r.gpu,
+            )
             sandbox = await AsyncSandbox.create(
-                template, timeout=spec.ttl_s if spec.ttl_s is not None else self.default_ttl_s,
+                template,
+                timeout=spec.ttl_s if spec.ttl_s is not None else self.default_ttl_s,
                 envs={str(k): str(v) for k, v in spec.env.items()},
-                metadata={str(k): str(v) for k, v in spec.metadata.items()}, resources=resources,
-                priority=int(spec.provider_options.get("priority", 0)), api_url=self.api_url,
+                metadata={str(k): str(v) for k, v in spec.metadata.items()},
+                resources=resources,
+                priority=int(spec.provider_options.get("priority", 0)),
+                api_url=self.api_url,
                 api_key=self.api_key,
-                request_timeout=spec.ready_timeout_s if spec.ready_timeout_s is not None else self.request_timeout_s)
+                request_timeout=spec.ready_timeout_s if spec.ready_timeout_s is not None else self.request_timeout_s,
+            )
         except WeenvError as exc:
             raise SandboxCreateError(f"weenv could not create a sandbox of {template!r}: {exc}") from exc
         try:
@@ -113,31 +130,49 @@ class WeenvProvider:
             raise SandboxCreateError(f"weenv sandbox {sandbox.id} failed to start: {exc}") from exc
         return SandboxHandle(sandbox_id=sandbox.id, provider_name=self.name, raw=sandbox)
 
-    async def exec(self, handle: SandboxHandle, command: str, *, cwd: str | None = None,
-                   env: dict[str, str] | None = None, timeout_s: int | float | None = None,
-                   user: str | int | None = None) -> SandboxExecResult:
+    async def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: int | float | None = None,
+        user: str | int | None = None,
+    ) -> SandboxExecResult:
         sandbox: AsyncSandbox = handle.raw
         as_user: dict[str, str] = {}
         if user is not None:
             if not _commands_take_a_user(sandbox):
                 if user not in ("root", 0):
-                    return SandboxExecResult(stdout=None, stderr=f"weenv: this weenv SDK runs commands as the "
-                                             f"template's user only, not as {user!r}",
-                                             return_code=SANDBOX_ERROR_CODE, error_type="sandbox")
+                    return SandboxExecResult(
+                        stdout=None,
+                        stderr=f"weenv: this weenv SDK runs commands as the template's user only, not as {user!r}",
+                        return_code=SANDBOX_ERROR_CODE,
+                        error_type="sandbox",
+                    )
             else:
                 as_user = {"user": str(user)}
         try:
-            r = await sandbox.commands.run(["/bin/sh", "-c", command], cwd=cwd, envs=env,
-                                           timeout=float(timeout_s) if timeout_s else None, **as_user)
+            r = await sandbox.commands.run(
+                ["/bin/sh", "-c", command],
+                cwd=cwd,
+                envs=env,
+                timeout=float(timeout_s) if timeout_s else None,
+                **as_user,
+            )
         except CommandTimeoutError as exc:
             partial = getattr(exc, "result", None)
-            return SandboxExecResult(stdout=partial.stdout if partial else None,
-                                     stderr=(partial.stderr if partial else "") + f"weenv: {exc}",
-                                     return_code=partial.exit_code if partial else SANDBOX_ERROR_CODE,
-                                     error_type="timeout")
+            return SandboxExecResult(
+                stdout=partial.stdout if partial else None,
+                stderr=(partial.stderr if partial else "") + f"weenv: {exc}",
+                return_code=partial.exit_code if partial else SANDBOX_ERROR_CODE,
+                error_type="timeout",
+            )
         except WeenvError as exc:
-            return SandboxExecResult(stdout=None, stderr=f"weenv: {exc}", return_code=SANDBOX_ERROR_CODE,
-                                     error_type="sandbox")
+            return SandboxExecResult(
+                stdout=None, stderr=f"weenv: {exc}", return_code=SANDBOX_ERROR_CODE, error_type="sandbox"
+            )
         return SandboxExecResult(stdout=r.stdout, stderr=r.stderr, return_code=r.exit_code)
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
@@ -154,8 +189,11 @@ class WeenvProvider:
             return SandboxStatus.STOPPED
         except WeenvError:
             return SandboxStatus.UNKNOWN
-        return {"running": SandboxStatus.RUNNING, "created": SandboxStatus.STARTING,
-                "stopped": SandboxStatus.STOPPED}.get(info.state, SandboxStatus.UNKNOWN)
+        return {
+            "running": SandboxStatus.RUNNING,
+            "created": SandboxStatus.STARTING,
+            "stopped": SandboxStatus.STOPPED,
+        }.get(info.state, SandboxStatus.UNKNOWN)
 
     async def close(self, handle: SandboxHandle) -> None:
         """Destroy the environment (fine if it is gone already)."""
@@ -164,4 +202,3 @@ class WeenvProvider:
     async def aclose(self) -> None:
         """Nothing provider-wide to close: each sandbox holds its connection until closed."""
         return None
-

@@ -6,7 +6,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
 
 from weenv.api.names import domain
 from weenv.formats.manifest import Name, Resources, RuntimeConfig
@@ -41,14 +50,18 @@ def _env_total(value: dict[str, str]) -> dict[str, str]:
 
 
 Metadata = Annotated[
-    dict[Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_KEY)],
-         Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]],
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_KEY)],
+        Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)],
+    ],
     Field(max_length=MAX_METADATA_ENTRIES),
 ]
 """An environment's labels, bounded (:data:`MAX_METADATA_ENTRIES`)."""
 Envs = Annotated[
-    dict[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ENV_KEY)],
-         Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE)]],
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_ENV_KEY)],
+        Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE)],
+    ],
     Field(max_length=MAX_ENV_ENTRIES),
     AfterValidator(_env_total),
 ]
@@ -119,8 +132,9 @@ def _cidr(value: str) -> str:
     except ValueError:
         net = None
     if net is not None and net.version == 6:
-        raise ValueError(f"{str(value)[:64]!r}: IPv6 is not served (environments have no IPv6 address or route); "
-                         "give IPv4 CIDRs")
+        raise ValueError(
+            f"{str(value)[:64]!r}: IPv6 is not served (environments have no IPv6 address or route); give IPv4 CIDRs"
+        )
     if net is None:
         raise ValueError(f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24 or an address such as 10.1.2.3")
     return str(net)
@@ -136,15 +150,18 @@ def _cidr_or_domain(value: str) -> str:
         if name is None:
             if "IPv6" in str(exc):
                 raise
-            raise ValueError(f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24, an address such as "
-                             "10.1.2.3, or a domain name such as example.com or *.example.com") from None
+            raise ValueError(
+                f"{str(value)[:64]!r} is not an IPv4 CIDR such as 10.1.2.0/24, an address such as "
+                "10.1.2.3, or a domain name such as example.com or *.example.com"
+            ) from None
         return name
 
 
 def _deny_entry(value: str) -> str:
     if isinstance(value, str) and len(value) <= 253 and domain(value) is not None:
-        raise ValueError(f"{value[:64]!r}: domain names are not supported in deny_out (as E2B's denyOut); "
-                         "give IPv4 CIDRs")
+        raise ValueError(
+            f"{value[:64]!r}: domain names are not supported in deny_out (as E2B's denyOut); give IPv4 CIDRs"
+        )
     return _cidr(value)
 
 
@@ -216,7 +233,7 @@ class BatchCreateEvent(_Model):
     done: ``environment`` on success, ``error`` on failure."""
 
     index: int
-    environment: "EnvironmentInfo | None" = None
+    environment: EnvironmentInfo | None = None
     error: ErrorInfo | None = None
 
 
@@ -275,7 +292,7 @@ class ForkRequest(_Model):
 class ForkChild(_Model):
     """One child of a fork: its info, or the error that kept it from starting."""
 
-    environment: "EnvironmentInfo | None" = None
+    environment: EnvironmentInfo | None = None
     error: ErrorInfo | None = None
 
 
@@ -497,11 +514,33 @@ class WriteInfo(_Model):
 
 
 __all__ = [
-    "BatchCreateEvent", "BatchCreateRequest", "CreateRequest", "CreateTiming", "EntryInfo",
-    "EnvironmentInfo", "ErrorInfo", "ErrorResponse", "ExecRequest", "ExecResult", "ForkChild", "ForkRequest",
-    "ForkResponse", "KillRequest", "NodeStats", "ProcessEvent", "ProcessInfo", "ProcessStdin", "RenameRequest",
-    "ResetRequest", "ResumeRequest", "SetPriorityRequest", "SetTimeoutRequest", "SnapshotInfo",
-    "SnapshotRequest", "TemplateInfo", "WriteInfo",
+    "BatchCreateEvent",
+    "BatchCreateRequest",
+    "CreateRequest",
+    "CreateTiming",
+    "EntryInfo",
+    "EnvironmentInfo",
+    "ErrorInfo",
+    "ErrorResponse",
+    "ExecRequest",
+    "ExecResult",
+    "ForkChild",
+    "ForkRequest",
+    "ForkResponse",
+    "KillRequest",
+    "NodeStats",
+    "ProcessEvent",
+    "ProcessInfo",
+    "ProcessStdin",
+    "RenameRequest",
+    "ResetRequest",
+    "ResumeRequest",
+    "SetPriorityRequest",
+    "SetTimeoutRequest",
+    "SnapshotInfo",
+    "SnapshotRequest",
+    "TemplateInfo",
+    "WriteInfo",
 ]
 
 BatchCreateEvent.model_rebuild()

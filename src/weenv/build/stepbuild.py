@@ -103,7 +103,7 @@ MAX_LINE_BYTES = 4096
 
 class BuildLog(Protocol):
     def __call__(self, message: str, *, level: str = "info", step: str | None = None,
-                 output: bool = False) -> None:  # fmt: skip
+                 output: bool = False) -> None:
         """Hear a log line; ``output``: a line a step's command printed (the rest: the builder's own)."""
 
 
@@ -203,13 +203,13 @@ _SUDO_LOCK = threading.Lock()
 def step_key(previous: str, step: Step) -> str:
     """The cache key (64 hex digits) of ``step`` after the step keyed ``previous``."""
     data = {"format": FORMAT, "previous": previous, "type": step.type, "args": step.args,
-            "files": step.files_hash}  # fmt: skip
+            "files": step.files_hash}
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _state_manifest(state: _State, env: dict[str, str]) -> TemplateManifest:
     runtime = RuntimeConfig(env={"PATH": DEFAULT_PATH, **env, "HOME": state.account.home},
-                            user=state.account.ids)  # fmt: skip
+                            user=state.account.ids)
     return TemplateManifest(name="e2b-step", groups=list(state.groups), runtime=runtime)
 
 
@@ -238,7 +238,7 @@ def _reuse(store: Store, lease: Lease, find: Callable[[], str | None]) -> str | 
     """The template manifest ``find()`` names, once ``lease`` names it, its
     groups and their chunks and they are still stored (None if not)."""
     return covered(lease, lambda: (d if (d := find()) is not None and _stored(store, d) else None),
-                   lambda d: _reached(store, d))  # fmt: skip
+                   lambda d: _reached(store, d))
 
 
 def _lookup(store: Store, lease: Lease, key: str, user: str) -> tuple[_State, dict[str, str]] | None:
@@ -324,7 +324,7 @@ class _Session:
             from weenv.node.node import Node
 
             node = Node(Paths(home=self.work / "node", cache=self.paths.cache, store_url=self.store.url),
-                        store=self.store)  # fmt: skip
+                        store=self.store)
             self.node = node
             node.start()
         return self.node
@@ -391,7 +391,7 @@ class _Session:
             if not any(Path(upper).iterdir()):
                 return None
             return build_group(upper, self.store, name="e2b-step", version=version, workdir=self.work,
-                               ref=False, source={"type": "e2b-step"}).digest  # fmt: skip
+                               ref=False, source={"type": "e2b-step"}).digest
         finally:
             self.live = None
             self.node.destroy(env_id)
@@ -421,7 +421,7 @@ class TemplateBuild:
     """One build; :meth:`run` builds, :meth:`cancel` (any thread) stops it."""
 
     def __init__(self, spec: BuildSpec, store: Store, paths: Paths, *, name: str,
-                 files: Callable[[str], Path | None], log: BuildLog):  # fmt: skip
+                 files: Callable[[str], Path | None], log: BuildLog):
         """``files(hash)``: the uploaded tar of a COPY's ``filesHash`` (None:
         never uploaded); ``log``: hears every log line."""
         self.spec, self.store, self.paths, self.name = spec, store, paths, name
@@ -544,7 +544,7 @@ class TemplateBuild:
             digest = _reuse(self.store, self.lease, named)  # the build relies on its groups until it publishes
             if digest is None:
                 raise StepFailedError(f"fromTemplate {spec.from_template!r}: no such template (or not all its "
-                                      "groups and chunks are stored)", step="base")  # fmt: skip
+                                      "groups and chunks are stored)", step="base")
             _, manifest = load_template(self.store, digest)
             env = dict(manifest.runtime.env)
             home = env.pop("HOME", "/")
@@ -570,7 +570,7 @@ class TemplateBuild:
 
         try:
             result = import_image(f"docker://{ref}", self.store.inner, name=f"e2b-base-{key[:24]}", workdir=self.work,
-                                  progress=lambda m: log(m, step="base"))  # fmt: skip
+                                  progress=lambda m: log(m, step="base"))
         except (NotFoundError, InvalidInputError, RuntimeFailedError) as exc:
             raise StepFailedError(f"fromImage {ref}: {exc}", step="base") from exc
         self.session.check()
@@ -620,13 +620,13 @@ class TemplateBuild:
                 with open(stage / "copy.tar", "rb") as src, s.fs().open_write(inside, 0o600) as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
                 script = ('set -e; mkdir -p "$1"; tar -xf "$2" -C "$1" --no-overwrite-dir --keep-directory-symlink '
-                          '--numeric-owner --same-permissions; rm -f "$2"')  # fmt: skip
+                          '--numeric-owner --same-permissions; rm -f "$2"')
                 code, _, tail = s.run(["/bin/sh", "-c", script, "copy", into, inside], {"PATH": DEFAULT_PATH}, "/",
-                                      lambda line: self.log(line, step=label, output=True))  # fmt: skip
+                                      lambda line: self.log(line, step=label, output=True))
                 if code != 0:
                     raise StepFailedError(f"step {label} ({step.describe()}): extracting the files into {into} "
                                           f"failed (exit {code}; the image needs tar):\n" + "\n".join(tail),
-                                          step=label)  # fmt: skip
+                                          step=label)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
             return self._grown(state, s.collect(version), state.account)
@@ -652,12 +652,12 @@ class TemplateBuild:
             cwd = "/"
         env = {"PATH": DEFAULT_PATH, **ctx.env, "HOME": account.home, "USER": account.name}
         code, timed_out, tail = s.run(["/bin/sh", "-c", "exec 2>&1\n" + step.args[0]], env, cwd,
-                                      lambda line: self.log(line, step=label, output=True))  # fmt: skip
+                                      lambda line: self.log(line, step=label, output=True))
         if code != 0 or timed_out:
             what = f"timed out after {RUN_TIMEOUT_S:g} s" if timed_out else f"exited {code}"
             out = "\n".join(tail)
             raise StepFailedError(f"step {label} ({step.describe()}) {what}" + (f":\n{out}" if out else ""),
-                                  step=label, output=out)  # fmt: skip
+                                  step=label, output=out)
         refreshed = find_account(fs, ctx.user) or state.account
         return self._grown(state, s.collect(version), refreshed)
 
@@ -672,10 +672,10 @@ class TemplateBuild:
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **ctx.env, "HOME": account.home, "USER": ctx.user}
         runtime = RuntimeConfig(env=env, working_dir=ctx.workdir or account.home or "/", user=account.ids,
                                 resources=spec.resources, start_command=spec.start_command,
-                                ready_command=spec.ready_command, sudo=sudo)  # fmt: skip
+                                ready_command=spec.ready_command, sudo=sudo)
         manifest = TemplateManifest(name=self.name, groups=list(state.groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(manifest))
         self.log(f"[builder finalize] template {self.name}: {len(state.groups)} groups, user {ctx.user}, "
                  f"{len(ran)} steps run, {len(cached)} from the cache, {self.session.started} build environments",
-                 step="finalize")  # fmt: skip
+                 step="finalize")
         return BuildOutcome(digest, manifest, ran, cached)

@@ -17,16 +17,19 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from weenv.cli import cluster, daemon, environments, image, packaging, state
 from weenv.cli import build as build_cli
-from weenv.cli import stats as stats_cli
+from weenv.cli import cluster, daemon, environments, image, packaging, state, storecheck
 from weenv.cli import settings as settings_cli
-from weenv.cli import storecheck
+from weenv.cli import stats as stats_cli
 from weenv.cli.common import err
 from weenv.errors import ToolMissingError, WeenvError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="weenv: environments for agentic RL, started lazily from layer groups.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="weenv: environments for agentic RL, started lazily from layer groups.",
+)
 app.add_typer(packaging.group_app, name="group")
 app.add_typer(packaging.template_app, name="template")
 app.add_typer(cluster.app, name="cluster")
@@ -38,8 +41,7 @@ app.registered_commands += image.app.registered_commands  # import
 app.registered_commands += stats_cli.app.registered_commands  # stats (issue 5)
 app.registered_commands += settings_cli.app.registered_commands  # config
 
-BENCH_MISSING = ("the benchmarks are not installed: pip install 'weenv[bench]' "
-                 "(from a checkout: pip install '.[bench]')")
+BENCH_MISSING = "the benchmarks are not installed: pip install 'weenv[bench]' (from a checkout: pip install '.[bench]')"
 
 
 def _add_bench(app: typer.Typer) -> None:
@@ -54,8 +56,12 @@ def _add_bench(app: typer.Typer) -> None:
         app.add_typer(bench_app, name="bench")
         return
 
-    @app.command("bench", add_help_option=False, help="Benchmarks: not installed (run it to see how to install them).",
-                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command(
+        "bench",
+        add_help_option=False,
+        help="Benchmarks: not installed (run it to see how to install them).",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )
     def bench() -> None:
         raise ToolMissingError(BENCH_MISSING)
 

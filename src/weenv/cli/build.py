@@ -25,8 +25,14 @@ def build(
     from weenv.packaging.recipe import load_recipe
 
     parsed = load_recipe(recipe)
-    with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[name]:<16}"), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=err, transient=False) as bar:  # fmt: skip
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[name]:<16}"),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    ) as bar:
         tasks = {c.name: bar.add_task("waiting", name=c.name, total=None) for c in parsed.component}
 
         def progress(component: str, status: str) -> None:
@@ -34,21 +40,32 @@ def build(
             bar.update(tasks[component], description=status, **({"total": 1, "completed": 1} if done else {}))
 
         try:
-            result = build_recipe(parsed, store(), Paths.from_env(), progress=progress,
-                                  environments=NodeBuildEnvironments())
+            result = build_recipe(
+                parsed, store(), Paths.from_env(), progress=progress, environments=NodeBuildEnvironments()
+            )
         except Exception:
             for task in bar.tasks:
                 if not task.finished:
-                    bar.update(task.id, description="[red]failed[/red]" if task.description != "waiting" else "not built")
+                    bar.update(
+                        task.id, description="[red]failed[/red]" if task.description != "waiting" else "not built"
+                    )
                     bar.stop_task(task.id)
             raise
     table = Table(show_header=True, header_style="bold")
     for col in ("component", "status", "group", "image", "new chunks", "published", "seconds"):
-        table.add_column(col, justify="right" if col in ("image", "new chunks", "published", "seconds") else "left",
-                         no_wrap=True)
+        table.add_column(
+            col, justify="right" if col in ("image", "new chunks", "published", "seconds") else "left", no_wrap=True
+        )
     for c in result.components:
-        table.add_row(c.name, "cached" if c.cached else "built", c.digest[7:19], human_bytes(c.image_size),
-                      str(c.chunks_written), human_bytes(c.bytes_written), f"{c.seconds:.1f}")  # fmt: skip
+        table.add_row(
+            c.name,
+            "cached" if c.cached else "built",
+            c.digest[7:19],
+            human_bytes(c.image_size),
+            str(c.chunks_written),
+            human_bytes(c.bytes_written),
+            f"{c.seconds:.1f}",
+        )
     err.print(table)
     state = "published" if result.template_changed else "unchanged"
     err.print(
@@ -64,8 +81,13 @@ def update(
     component: Annotated[str, typer.Option("--component", "-c", help="the group (by name) to replace")],
     from_dir: Annotated[Path, typer.Option("--from-dir", help="the component's new tree")],
     version: Annotated[str | None, typer.Option(help="new template version label")] = None,
-    profile: Annotated[bool, typer.Option("--profile", help="lay out the files the template's prefetch "
-                                          "profile read first, contiguous, in access order")] = False,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="lay out the files the template's prefetch profile read first, contiguous, in access order",
+        ),
+    ] = False,
 ) -> None:
     """Publish a new version of TEMPLATE with one component rebuilt from a directory.
 

@@ -8,9 +8,9 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from weenv.api.models import CreateTiming, ExecResult
 from weenv.config import Paths
 from weenv.errors import InvalidInputError
-from weenv.api.models import CreateTiming, ExecResult
 from weenv.store import open_store
 
 out = Console()
@@ -97,5 +97,3 @@ def print_result(r: ExecResult) -> None:
     sys.stderr.flush()
     if r.timed_out:
         err.print(f"[red]weenv: command timed out after {r.duration_s:.1f} s and was killed[/red]")
-
-

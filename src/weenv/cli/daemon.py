@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
-
 from rich.console import Console
 
 from weenv.cli.common import err
@@ -19,11 +18,20 @@ app = typer.Typer()
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="TCP address to listen on (with --port)")] = "127.0.0.1",
-    port: Annotated[Optional[int], typer.Option(help="also serve the API on TCP (0: any free port); "
-                                                     "clients then need the key in $WEENV_HOME/run/api-key")] = None,
-    max_environments: Annotated[Optional[int], typer.Option(help="refuse creates past this many (503)")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="settings file (TOML; default: WEENV_CONFIG, else "
-                                                        "$WEENV_HOME/config.toml); the environment overrides it")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            help="also serve the API on TCP (0: any free port); clients then need the key in $WEENV_HOME/run/api-key"
+        ),
+    ] = None,
+    max_environments: Annotated[int | None, typer.Option(help="refuse creates past this many (503)")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="settings file (TOML; default: WEENV_CONFIG, else "
+            "$WEENV_HOME/config.toml); the environment overrides it"
+        ),
+    ] = None,
 ) -> None:
     """Run the node daemon in the foreground (Ctrl-C stops it cleanly).
 
@@ -68,5 +76,3 @@ def demo(
         console=Console(soft_wrap=True),  # stdout, so `weenv demo > out.txt` keeps it
     )
     raise typer.Exit(code)
-
-

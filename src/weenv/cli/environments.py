@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from weenv.api.models import BatchCreateEvent, CreateRequest
 from weenv.cli.common import (
     client,
-    err,
     command_from,
+    err,
     human_bytes,
     out,
     parse_env,
@@ -20,7 +21,6 @@ from weenv.cli.common import (
 )
 from weenv.errors import InvalidInputError
 from weenv.formats.manifest import Resources
-from weenv.api.models import BatchCreateEvent, CreateRequest
 
 app = typer.Typer()
 
@@ -29,9 +29,9 @@ app = typer.Typer()
 def run(
     template: Annotated[str, typer.Argument(help="template name or digest")],
     command: Annotated[list[str], typer.Argument(help="command (after --)")],
-    timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
-    workdir: Annotated[Optional[str], typer.Option(help="working directory")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+    workdir: Annotated[str | None, typer.Option(help="working directory")] = None,
     timings: Annotated[bool, typer.Option(help="print the create's phases")] = False,
 ) -> None:
     """Create an environment, run one command in it, print its output, destroy it."""
@@ -51,13 +51,13 @@ def run(
 @app.command()
 def create(
     template: Annotated[str, typer.Argument(help="template name or digest")],
-    cpus: Annotated[Optional[float], typer.Option(help="CPU quota in cores")] = None,
-    memory: Annotated[Optional[str], typer.Option(help="memory limit, e.g. 2G")] = None,
-    pids: Annotated[Optional[int], typer.Option(help="pids limit")] = None,
-    disk: Annotated[Optional[str], typer.Option(help="disk limit (what it may write), e.g. 10G")] = None,
+    cpus: Annotated[float | None, typer.Option(help="CPU quota in cores")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory limit, e.g. 2G")] = None,
+    pids: Annotated[int | None, typer.Option(help="pids limit")] = None,
+    disk: Annotated[str | None, typer.Option(help="disk limit (what it may write), e.g. 10G")] = None,
     timeout: Annotated[float, typer.Option(help="seconds until the daemon destroys it")] = 3600.0,
     count: Annotated[int, typer.Option("--count", "-n", help="create this many at once (a batch)")] = 1,
-    concurrency: Annotated[Optional[int], typer.Option(help="creates running at once in a batch")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="creates running at once in a batch")] = None,
     timings: Annotated[bool, typer.Option(help="print the create's phases")] = True,
     priority: Annotated[int, typer.Option(help="elastic provisioning: higher grows first, is frozen last")] = 0,
 ) -> None:
@@ -80,8 +80,9 @@ def create(
             print_timing(info.timing, title=f"create {info.id}")
         print(info.id)
         return
-    _create_batch([CreateRequest(template=template, resources=resources, timeout=timeout, priority=priority)] * count,
-                  concurrency)  # fmt: skip
+    _create_batch(
+        [CreateRequest(template=template, resources=resources, timeout=timeout, priority=priority)] * count, concurrency
+    )
 
 
 def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
@@ -90,8 +91,17 @@ def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
 
     ids: list[str | None] = [None] * len(items)
     failures: list[str] = []
-    with client() as c, Progress(TextColumn("creating"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err) as bar:
+    with (
+        client() as c,
+        Progress(
+            TextColumn("creating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[note]}"),
+            console=err,
+        ) as bar,
+    ):
         task = bar.add_task("create", total=len(items), note="")
 
         def done(ev: BatchCreateEvent) -> None:
@@ -118,9 +128,9 @@ def _create_batch(items: list[CreateRequest], concurrency: int | None) -> None:
 def exec_(
     env_id: Annotated[str, typer.Argument(metavar="ID", help="environment id")],
     command: Annotated[list[str], typer.Argument(help="command (after --)")],
-    timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
-    workdir: Annotated[Optional[str], typer.Option(help="working directory")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+    workdir: Annotated[str | None, typer.Option(help="working directory")] = None,
 ) -> None:
     """Run a command in an environment; exit with its exit code."""
     with client() as c:
@@ -138,8 +148,14 @@ def ps() -> None:
     for col in ("ID", "TEMPLATE", "STATE", "CPUS", "MEMORY", "CREATE (s)"):
         table.add_column(col)
     for e in envs:
-        table.add_row(e.id, e.template, e.state, f"{e.resources.cpus:g}",
-                      human_bytes(e.resources.memory_bytes), f"{e.timing.total_s:.3f}")
+        table.add_row(
+            e.id,
+            e.template,
+            e.state,
+            f"{e.resources.cpus:g}",
+            human_bytes(e.resources.memory_bytes),
+            f"{e.timing.total_s:.3f}",
+        )
     out.print(table)
 
 
@@ -150,5 +166,3 @@ def rm(env_ids: Annotated[list[str], typer.Argument(metavar="ID...", help="envir
         for env_id in env_ids:
             c.destroy(env_id)
             print(env_id)
-
-

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -44,8 +44,8 @@ def group_ls() -> None:
 def template_create(
     name: Annotated[str, typer.Argument(help="template name")],
     groups: Annotated[list[str], typer.Argument(help="groups (names or digests), bottom to top")],
-    cmd: Annotated[Optional[list[str]], typer.Option("--cmd", help="first process argv (repeat)")] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE (repeat)")] = None,
+    cmd: Annotated[list[str] | None, typer.Option("--cmd", help="first process argv (repeat)")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeat)")] = None,
     workdir: Annotated[str, typer.Option(help="working directory")] = "/",
     user: Annotated[str, typer.Option(help="UID:GID")] = "0:0",
     cpus: Annotated[float, typer.Option(help="CPU quota in cores")] = 1.0,
@@ -74,5 +74,3 @@ def template_ls() -> None:
     """List the store's templates."""
     for name, digest in store().list_refs("templates").items():
         print(f"{name}\t{digest}")
-
-

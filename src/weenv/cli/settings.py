@@ -32,15 +32,24 @@ def rows() -> tuple[list[dict[str, Any]], str]:
             value = HIDDEN
         elif value is not None and not isinstance(value, bool | int | float | str):
             value = str(value)
-        result.append({"group": group, "key": key, "variable": meta["env"], "value": value,
-                       "unit": meta["unit"], "source": loaded.origin(group, key)})
+        result.append(
+            {
+                "group": group,
+                "key": key,
+                "variable": meta["env"],
+                "value": value,
+                "unit": meta["unit"],
+                "source": loaded.origin(group, key),
+            }
+        )
     return result, str(loaded.path) + ("" if loaded.path.exists() else " (absent)")
 
 
 @app.command("config")
 def config(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON: the settings file and one object per setting")]
-    = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print JSON: the settings file and one object per setting")
+    ] = False,
 ) -> None:
     """Print every effective setting, its value and where it came from (env, file or default).
 

@@ -24,8 +24,8 @@ from rich.table import Table
 
 from weenv.cli.common import client, err, human_bytes, out
 from weenv.errors import InvalidInputError, ToolMissingError
-from weenv.node.provision.models import ProvisionStats
 from weenv.formats.tax import PHASES, TaxReport
+from weenv.node.provision.models import ProvisionStats
 
 app = typer.Typer()
 
@@ -35,32 +35,64 @@ def totals_table(s: ProvisionStats) -> Table:
     table = Table(title=f"node ({s.mode}, every {s.interval_s:g} s)", show_header=True, header_style="bold")
     for col in ("", "used", "reserved", "predicted peak", "quotas / limits", "budget", "capacity"):
         table.add_column(col, justify="right")
-    table.add_row("CPU (cores)", f"{t.cpu_used:.2f}", f"{t.cpu_reservation_sum:.2f}", f"{t.cpu_peak_predicted:.2f}",
-                  f"{t.cpu_quota_sum:.2f}", f"{t.cpu_budget:.2f}", f"{t.cpu_capacity:.2f}")  # fmt: skip
-    table.add_row("memory", human_bytes(t.working_set), "", "", human_bytes(t.memory_limit_sum),
-                  human_bytes(t.memory_budget), human_bytes(t.memory_capacity))  # fmt: skip
-    table.caption = (f"{t.environments} environments, {t.frozen} frozen; host memory available "
-                     f"{human_bytes(t.memory_available)}; admitting: {'yes' if t.admitting else 'no'}")  # fmt: skip
+    table.add_row(
+        "CPU (cores)",
+        f"{t.cpu_used:.2f}",
+        f"{t.cpu_reservation_sum:.2f}",
+        f"{t.cpu_peak_predicted:.2f}",
+        f"{t.cpu_quota_sum:.2f}",
+        f"{t.cpu_budget:.2f}",
+        f"{t.cpu_capacity:.2f}",
+    )
+    table.add_row(
+        "memory",
+        human_bytes(t.working_set),
+        "",
+        "",
+        human_bytes(t.memory_limit_sum),
+        human_bytes(t.memory_budget),
+        human_bytes(t.memory_capacity),
+    )
+    table.caption = (
+        f"{t.environments} environments, {t.frozen} frozen; host memory available "
+        f"{human_bytes(t.memory_available)}; admitting: {'yes' if t.admitting else 'no'}"
+    )
     return table
 
 
 def environments_table(s: ProvisionStats) -> Table:
     table = Table(show_header=True, header_style="bold")
-    for col in ("ID", "PRIO", "CPU USED", "RESERVED", "CPU QUOTA", "CEILING", "THROTTLED", "WORKING SET",
-                "MEM LIMIT", "CEILING", "OOM KILLS", "STATE"):  # fmt: skip
+    for col in (
+        "ID",
+        "PRIO",
+        "CPU USED",
+        "RESERVED",
+        "CPU QUOTA",
+        "CEILING",
+        "THROTTLED",
+        "WORKING SET",
+        "MEM LIMIT",
+        "CEILING",
+        "OOM KILLS",
+        "STATE",
+    ):
         table.add_column(col, justify="right" if col not in ("ID", "STATE") else "left", no_wrap=col == "ID")
     for e in s.environments:
         last = e.history[-1] if e.history else None
         table.add_row(
-            e.id, str(e.priority),
+            e.id,
+            str(e.priority),
             f"{last.cpu_used:.2f}" if last else "-",
             "-" if e.cpu_reservation is None else f"{e.cpu_reservation:.2f}",
-            "max" if e.cpu_quota is None else f"{e.cpu_quota:.2f}", f"{e.cpu_ceiling:g}",
+            "max" if e.cpu_quota is None else f"{e.cpu_quota:.2f}",
+            f"{e.cpu_ceiling:g}",
             f"{e.throttled_s:.1f} s",
             human_bytes(last.working_set) if last else "-",
-            "max" if e.memory_limit is None else human_bytes(e.memory_limit), human_bytes(e.memory_ceiling),
-            str(e.oom_kills), "frozen" if e.frozen else "running",
-        )  # fmt: skip
+            "max" if e.memory_limit is None else human_bytes(e.memory_limit),
+            human_bytes(e.memory_ceiling),
+            str(e.oom_kills),
+            "frozen" if e.frozen else "running",
+        )
     return table
 
 
@@ -71,30 +103,54 @@ def history_table(s: ProvisionStats, rows: int) -> Table:
         table.add_column(col, justify="right")
     for h in e.history[-rows:]:
         table.add_row(
-            time.strftime("%H:%M:%S", time.localtime(h.t)), f"{h.cpu_used:.2f}",
+            time.strftime("%H:%M:%S", time.localtime(h.t)),
+            f"{h.cpu_used:.2f}",
             "-" if h.cpu_reservation is None else f"{h.cpu_reservation:.2f}",
-            "max" if h.cpu_quota is None else f"{h.cpu_quota:.2f}", f"{h.throttled:.0%}",
-            human_bytes(h.memory_usage), human_bytes(h.working_set),
-            "max" if h.memory_limit is None else human_bytes(h.memory_limit), str(h.pids),
-        )  # fmt: skip
+            "max" if h.cpu_quota is None else f"{h.cpu_quota:.2f}",
+            f"{h.throttled:.0%}",
+            human_bytes(h.memory_usage),
+            human_bytes(h.working_set),
+            "max" if h.memory_limit is None else human_bytes(h.memory_limit),
+            str(h.pids),
+        )
     return table
 
 
 def tax_table(report: TaxReport, rows: int) -> Table:
     """The newest ``rows`` batches, then the node's totals."""
     table = Table(title="environment tax (seconds)", show_header=True, header_style="bold")
-    for col in ("BATCH", "STARTED", "ENVS", "WALL", "ROLLOUTS", *(p.upper() for p in PHASES), "COMMANDS",
-                "NON-ENV", "SHARE"):  # fmt: skip
+    for col in (
+        "BATCH",
+        "STARTED",
+        "ENVS",
+        "WALL",
+        "ROLLOUTS",
+        *(p.upper() for p in PHASES),
+        "COMMANDS",
+        "NON-ENV",
+        "SHARE",
+    ):
         table.add_column(col, justify="left" if col == "BATCH" else "right", no_wrap=col == "BATCH")
     for b in report.batches[-rows:]:
-        table.add_row(b.name, time.strftime("%H:%M:%S", time.localtime(b.started_at)), str(b.environments),
-                      f"{b.wall_s:.2f}", f"{b.rollout_s:.2f}", *(f"{b.phases[p]:.3f}" for p in PHASES),
-                      f"{b.command_s:.2f}", f"{b.other_s:.2f}", f"{b.share:.1%}")  # fmt: skip
-    table.add_row("node (all clients)", "", "", "", "", *(f"{report.node[p]:.3f}" for p in PHASES), "", "", "",
-                  style="dim")  # fmt: skip
-    table.caption = ("phases: seconds the rollouts waited on the environment (exec: beyond the commands' own "
-                     "run time); share = their sum / the rollouts' time; node: what the node measured itself, "
-                     f"over {sum(report.requests.values())} requests")
+        table.add_row(
+            b.name,
+            time.strftime("%H:%M:%S", time.localtime(b.started_at)),
+            str(b.environments),
+            f"{b.wall_s:.2f}",
+            f"{b.rollout_s:.2f}",
+            *(f"{b.phases[p]:.3f}" for p in PHASES),
+            f"{b.command_s:.2f}",
+            f"{b.other_s:.2f}",
+            f"{b.share:.1%}",
+        )
+    table.add_row(
+        "node (all clients)", "", "", "", "", *(f"{report.node[p]:.3f}" for p in PHASES), "", "", "", style="dim"
+    )
+    table.caption = (
+        "phases: seconds the rollouts waited on the environment (exec: beyond the commands' own "
+        "run time); share = their sum / the rollouts' time; node: what the node measured itself, "
+        f"over {sum(report.requests.values())} requests"
+    )
     return table
 
 
@@ -126,11 +182,13 @@ def plot(s: ProvisionStats, path: Path) -> Path:
         ax_cpu.plot(ts, [h.cpu_used for h in e.history], color=color, label=f"{e.id} used")
         ax_cpu.plot(ts, [h.cpu_quota or 0 for h in e.history], color=color, linestyle="--", label=f"{e.id} quota")
         if any(h.cpu_reservation is not None for h in e.history):
-            ax_cpu.plot(ts, [h.cpu_reservation or 0 for h in e.history], color=color, linestyle=":",
-                        label=f"{e.id} reserved")  # fmt: skip
+            ax_cpu.plot(
+                ts, [h.cpu_reservation or 0 for h in e.history], color=color, linestyle=":", label=f"{e.id} reserved"
+            )
         ax_mem.plot(ts, [h.working_set / 2**20 for h in e.history], color=color, label=f"{e.id} working set")
-        ax_mem.plot(ts, [(h.memory_limit or 0) / 2**20 for h in e.history], color=color, linestyle="--",
-                    label=f"{e.id} limit")  # fmt: skip
+        ax_mem.plot(
+            ts, [(h.memory_limit or 0) / 2**20 for h in e.history], color=color, linestyle="--", label=f"{e.id} limit"
+        )
     ax_cpu.set_ylabel("cores")
     ax_cpu.set_title(f"weenv elastic provisioning ({s.mode}): solid = used, dashed = quota / limit, dotted = reserved")
     ax_mem.set_ylabel("MiB")

@@ -27,7 +27,12 @@ def check(
         s.close()
     for problem in report.problems:
         out.print(problem, markup=False, highlight=False, soft_wrap=True)
-    err.print(f"{s.url}: {report.refs} refs, {report.manifests} manifests, {report.chunks} chunks checked; "
-              f"problems: {len(report.problems)}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+    err.print(
+        f"{s.url}: {report.refs} refs, {report.manifests} manifests, {report.chunks} chunks checked; "
+        f"problems: {len(report.problems)}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     if report.problems:
         raise typer.Exit(1)

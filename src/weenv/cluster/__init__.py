@@ -51,8 +51,7 @@ def init_ray(address: str | None = None) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     except ConnectionError as exc:
         raise DaemonError(f"no Ray cluster at {address or 'auto'}: {exc}") from exc
 
@@ -67,7 +66,7 @@ def placement_actor(address: str | None = None):
         raise ClosedError("no weenv cluster runs on this Ray cluster (start it: weenv cluster up)") from None
 
 
-def up(config: ClusterConfig | None = None, *, address: str | None = None, timeout: float = 120.0) -> list["NodeStatus"]:
+def up(config: ClusterConfig | None = None, *, address: str | None = None, timeout: float = 120.0) -> list[NodeStatus]:
     """Start weenv on every node of the Ray cluster at ``address`` and wait until
     each alive node's daemon sends heartbeats (or its actor failed); the nodes'
     status.  Idempotent: on a cluster already up, it only waits.  The driver's
@@ -84,11 +83,19 @@ def up(config: ClusterConfig | None = None, *, address: str | None = None, timeo
 
     # on the head node: it goes with the Ray cluster itself (its GCS), not with a worker node
     head = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
-    actor = ray.remote(PlacementActor).options(
-        name=PLACEMENT_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, max_concurrency=64,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False) if head else None,
-    ).remote(config)
+    actor = (
+        ray.remote(PlacementActor)
+        .options(
+            name=PLACEMENT_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=64,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(head[0], soft=False) if head else None,
+        )
+        .remote(config)
+    )
     nodes = wait_ready(actor, timeout=timeout)
     if config.gateway:
         _start_gateway(config, head[0] if head else None, timeout=timeout)
@@ -102,11 +109,19 @@ def _start_gateway(config: ClusterConfig, head: str | None, *, timeout: float) -
 
     from weenv.cluster.front import GATEWAY_NAME, GatewayActor
 
-    actor = ray.remote(GatewayActor).options(
-        name=GATEWAY_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=4,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False) if head else None,
-    ).remote(config)
+    actor = (
+        ray.remote(GatewayActor)
+        .options(
+            name=GATEWAY_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False) if head else None,
+        )
+        .remote(config)
+    )
     try:
         ray.get(actor.info.remote(), timeout=timeout)
     except Exception as exc:
@@ -128,7 +143,7 @@ def gateway(*, address: str | None = None):
     return ray.get(actor.info.remote(), timeout=60)
 
 
-def wait_ready(actor, *, timeout: float = 120.0) -> list["NodeStatus"]:
+def wait_ready(actor, *, timeout: float = 120.0) -> list[NodeStatus]:
     """Wait until every node Ray reports alive is ``alive`` or ``failed`` in the
     placement actor's view; its status.  Raises :class:`DaemonError` on a
     failed node or after ``timeout`` seconds."""
@@ -149,7 +164,7 @@ def wait_ready(actor, *, timeout: float = 120.0) -> list["NodeStatus"]:
         time.sleep(0.2)
 
 
-def status(*, address: str | None = None) -> list["NodeStatus"]:
+def status(*, address: str | None = None) -> list[NodeStatus]:
     """Every node of the running cluster as the placement actor sees it."""
     return _ray().get(placement_actor(address).status.remote())
 
@@ -186,7 +201,7 @@ def _stop_gateway() -> None:
         ray.kill(actor, no_restart=True)
 
 
-def connect_cluster(address: str | None = None) -> "ClusterClient":
+def connect_cluster(address: str | None = None) -> ClusterClient:
     """A :class:`~weenv.cluster.client.ClusterClient` on the running cluster."""
     from weenv.cluster.client import ClusterClient
 

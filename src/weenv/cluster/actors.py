@@ -48,8 +48,9 @@ class NodeActor:
     def __init__(self, config: ClusterConfig, placement_actor):
         self.node_id = ray.get_runtime_context().get_node_id()
         paths = Paths(home=config.home_of(self.node_id), cache=config.cache_path(), store_url=config.store_url())
-        self.agent = NodeAgent(self.node_id, paths, host=ray.util.get_node_ip_address(),
-                               cache_scan_s=config.cache_scan_s)
+        self.agent = NodeAgent(
+            self.node_id, paths, host=ray.util.get_node_ip_address(), cache_scan_s=config.cache_scan_s
+        )
         self.placement, self.interval = placement_actor, config.heartbeat_s
         self.peer_push = PeerPush(paths) if config.peers else None
         self._stop = threading.Event()
@@ -87,8 +88,12 @@ class PlacementActor:
 
     def __init__(self, config: ClusterConfig):
         self.config = config
-        self.view = ClusterView(policy=Policy(k=config.sample_k), max_environments=config.max_environments,
-                                heartbeat_timeout_s=config.heartbeat_timeout_s, expect_s=config.placed_expect_s)
+        self.view = ClusterView(
+            policy=Policy(k=config.sample_k),
+            max_environments=config.max_environments,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            expect_s=config.placed_expect_s,
+        )
         self._actors: dict[str, tuple[object, object]] = {}  # node id -> (actor handle, its ready ref)
         self._self = ray.get_runtime_context().current_actor
         self._peer_settings = peer_settings(config, secrets.token_hex(20)) if config.peers else None
@@ -112,8 +117,14 @@ class PlacementActor:
         """``node_id``'s peer table as its next heartbeat gets it."""
         return self.view.peers(node_id)
 
-    def place(self, template: str, cpus: float | None = None, memory_bytes: int | None = None,
-              node: str | None = None, near: str | None = None) -> Placed:
+    def place(
+        self,
+        template: str,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        node: str | None = None,
+        near: str | None = None,
+    ) -> Placed:
         return self.view.place(template, cpus=cpus, memory_bytes=memory_bytes, node=node, near=near)
 
     def done(self, token: int, node_id: str, env_id: str | None) -> None:
@@ -146,11 +157,19 @@ class PlacementActor:
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             for node_id in alive - set(self._actors):
                 self.view.starting(node_id)
-                actor = ray.remote(NodeActor).options(
-                    name=node_actor_name(node_id), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                    max_concurrency=8, get_if_exists=True,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                ).remote(self.config, self._self)
+                actor = (
+                    ray.remote(NodeActor)
+                    .options(
+                        name=node_actor_name(node_id),
+                        namespace=NAMESPACE,
+                        lifetime="detached",
+                        num_cpus=0,
+                        max_concurrency=8,
+                        get_if_exists=True,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    )
+                    .remote(self.config, self._self)
+                )
                 self._actors[node_id] = (actor, actor.info.remote())
             for node_id in set(self._actors) - alive:
                 if self.view.gone(node_id, "ray reports the node dead"):

@@ -29,8 +29,13 @@ class GatewayInfo:
 
     def environ(self) -> dict[str, str]:
         """The variables pointing weenv's SDK and the ``e2b`` SDK at the cluster."""
-        return {"WEENV_API_URL": self.url, "WEENV_API_KEY": self.api_key, "E2B_API_URL": self.url + "/e2b",
-                "E2B_SANDBOX_URL": self.url + "/e2b/envd", "E2B_API_KEY": "e2b_" + self.api_key}
+        return {
+            "WEENV_API_URL": self.url,
+            "WEENV_API_KEY": self.api_key,
+            "E2B_API_URL": self.url + "/e2b",
+            "E2B_SANDBOX_URL": self.url + "/e2b/envd",
+            "E2B_API_KEY": "e2b_" + self.api_key,
+        }
 
     def _where(self, kwargs: dict) -> dict:
         return {"api_url": self.url, "api_key": self.api_key, **kwargs}
@@ -85,11 +90,14 @@ def connect(url: str, api_key: str, *, timeout: float = 10.0) -> GatewayInfo:
     except ValueError:
         doc = None
     if answer.status_code != 200 or not isinstance(doc, dict) or doc.get("status") != "ok":
-        raise InvalidInputError(f"{url} is not a weenv cluster's address: GET /v1/health answered "
-                                f"{answer.status_code}, not weenv's health")  # fmt: skip
+        raise InvalidInputError(
+            f"{url} is not a weenv cluster's address: GET /v1/health answered {answer.status_code}, not weenv's health"
+        )
     if doc.get("cluster") is not True:
-        raise InvalidInputError(f"{url} is not a weenv cluster's address but a single weenv node's daemon: use the "
-                                f"gateway's URL (weenv cluster status prints it)")  # fmt: skip
+        raise InvalidInputError(
+            f"{url} is not a weenv cluster's address but a single weenv node's daemon: use the "
+            f"gateway's URL (weenv cluster status prints it)"
+        )
     if "nodes" not in doc:
         raise AuthenticationError(f"the cluster at {url} refuses this API key (weenv cluster status prints its key)")
     return GatewayInfo(url, api_key)

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
+from weenv.api.models import BatchCreateRequest
 from weenv.cluster import proxy
 from weenv.cluster.placement import MAX_INFLIGHT
 from weenv.errors import CapacityError, WeenvError
-from weenv.api.models import BatchCreateRequest
 from weenv.server.api import NDJSON, _ClosingStream
 
 if TYPE_CHECKING:
@@ -44,23 +44,26 @@ RETRY_FIRST_S = 0.02
 RETRY_MAX_S = 0.5
 
 
-async def batch_stream(gw: "Gateway", req: BatchCreateRequest, raw: list[dict], *,
-                       queue_timeout_s: float) -> Response:  # fmt: skip
+async def batch_stream(gw: Gateway, req: BatchCreateRequest, raw: list[dict], *, queue_timeout_s: float) -> Response:
     """The answer to a batch (``req`` validated, ``raw`` its items as sent).
     Raises :class:`CapacityError` before any create if the cluster cannot hold it."""
-    asks = [(it.template, it.resources.cpus if it.resources else None,
-             it.resources.memory_bytes if it.resources else None) for it in req.items]  # fmt: skip
+    asks = [
+        (it.template, it.resources.cpus if it.resources else None, it.resources.memory_bytes if it.resources else None)
+        for it in req.items
+    ]
     room = await gw.directory.call("room", asks)
     routes = await gw.routes()
     if room < len(asks):
-        raise CapacityError(f"a batch of {len(asks)} environments is more than the cluster can hold now: room for "
-                            f"{room} on its {len(routes)} alive nodes; send at most {room} (or smaller ones), "
-                            f"or wait for environments to end")  # fmt: skip
+        raise CapacityError(
+            f"a batch of {len(asks)} environments is more than the cluster can hold now: room for "
+            f"{room} on its {len(routes)} alive nodes; send at most {room} (or smaller ones), "
+            f"or wait for environments to end"
+        )
     workers = req.concurrency or min(len(asks), MAX_INFLIGHT * max(1, len(routes)))
     return _ClosingStream(_events(gw, req, raw, workers, queue_timeout_s), media_type=NDJSON)
 
 
-async def _events(gw: "Gateway", req: BatchCreateRequest, raw: list[dict], workers: int, queue_timeout_s: float):
+async def _events(gw: Gateway, req: BatchCreateRequest, raw: list[dict], workers: int, queue_timeout_s: float):
     loop = asyncio.get_running_loop()
     gate = asyncio.Semaphore(workers)
     left = asyncio.Event()  # the client went: start nothing more
@@ -74,9 +77,15 @@ async def _events(gw: "Gateway", req: BatchCreateRequest, raw: list[dict], worke
             deadline, delay = loop.time() + queue_timeout_s, RETRY_FIRST_S
             while True:
                 try:
-                    answer, _ = await gw.create(raw[i], template=item.template, cpus=res.cpus if res else None,
-                                                memory_bytes=res.memory_bytes if res else None,
-                                                path="/v1/environments", e2b=False, id_field="id")  # fmt: skip
+                    answer, _ = await gw.create(
+                        raw[i],
+                        template=item.template,
+                        cpus=res.cpus if res else None,
+                        memory_bytes=res.memory_bytes if res else None,
+                        path="/v1/environments",
+                        e2b=False,
+                        id_field="id",
+                    )
                     break
                 except CapacityError as exc:
                     if left.is_set() or loop.time() + delay > deadline:
@@ -112,7 +121,7 @@ async def _events(gw: "Gateway", req: BatchCreateRequest, raw: list[dict], worke
                 task.add_done_callback(lambda t: _undo(gw, t, undoing))
 
 
-def _undo(gw: "Gateway", task: asyncio.Task, undoing: set) -> None:
+def _undo(gw: Gateway, task: asyncio.Task, undoing: set) -> None:
     """Destroy what ``task`` made for a client that left (in a task of its own)."""
     if task.cancelled() or task.exception() is not None or task.result() is None:
         return

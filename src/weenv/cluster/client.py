@@ -16,12 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from weenv.api.models import EnvironmentInfo, ExecResult, WriteInfo
 from weenv.cluster import _ray, placement_actor
 from weenv.cluster.view import Route
 from weenv.errors import DaemonError, LostError
 from weenv.formats.manifest import Resources
 from weenv.node.data.peers import PEERS_HINT
-from weenv.api.models import EnvironmentInfo, ExecResult, WriteInfo
 from weenv.sdk import NodeClient
 
 
@@ -71,22 +71,37 @@ class ClusterClient:
             self._clients[route.node_id] = (route, client)
             return client
 
-    def create(self, template: str, *, resources: Resources | None = None, node: str | None = None,
-               near: str | None = None, timeout: float | None = None, first_command: bool = True) -> ClusterEnvironment:
+    def create(
+        self,
+        template: str,
+        *,
+        resources: Resources | None = None,
+        node: str | None = None,
+        near: str | None = None,
+        timeout: float | None = None,
+        first_command: bool = True,
+    ) -> ClusterEnvironment:
         """One environment of ``template`` on the node placement chooses (``node``:
         a node id to prefer; ``near``: an environment whose node to prefer).
         Raises what placement raises (:class:`InvalidInputError` for an unknown
         node, :class:`NotFoundError` / :class:`LostError` for ``near``,
         :class:`CapacityError` when the cluster is full) and what the node's
         create raises."""
-        placed = _get(self._placement.place.remote(
-            template, resources.cpus if resources else None, resources.memory_bytes if resources else None,
-            node, near))
+        placed = _get(
+            self._placement.place.remote(
+                template,
+                resources.cpus if resources else None,
+                resources.memory_bytes if resources else None,
+                node,
+                near,
+            )
+        )
         env_id = None
         try:
             hint = {PEERS_HINT: ",".join(placed.peers)} if placed.peers else None  # who else fetches it now
-            info = self._client(placed.route).create(template, resources=resources, timeout=timeout,
-                                                     first_command=first_command, metadata=hint)
+            info = self._client(placed.route).create(
+                template, resources=resources, timeout=timeout, first_command=first_command, metadata=hint
+            )
             env_id = info.id
         finally:
             _get(self._placement.done.remote(placed.token, placed.route.node_id, env_id))
@@ -143,7 +158,7 @@ class ClusterClient:
                 client.close()
             self._clients.clear()
 
-    def __enter__(self) -> "ClusterClient":
+    def __enter__(self) -> ClusterClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from weenv.config import Paths
 from weenv.cluster.view import EXPECT_S
+from weenv.config import Paths
 from weenv.node.data.peers import PASS_OVER_S
 
 NAMESPACE = "weenv"

@@ -60,8 +60,9 @@ class GatewayActor:
         try:
             self._socket = socket.create_server((host, config.gateway_port), backlog=2048)
         except OSError as exc:
-            raise DaemonError(f"the cluster's gateway cannot listen on {host}:{config.gateway_port}: "
-                              f"{exc.strerror}") from exc  # fmt: skip
+            raise DaemonError(
+                f"the cluster's gateway cannot listen on {host}:{config.gateway_port}: {exc.strerror}"
+            ) from exc
         bound_host, port = self._socket.getsockname()[:2]
         self.url = f"http://{bound_host}:{port}"
         self.key = ApiKey(config.gateway_key or secrets.token_hex(20))
@@ -70,11 +71,20 @@ class GatewayActor:
         from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE
 
         # WebSockets for get_host's relay (weenv.cluster.ports), no per-message deflate (none on the nodes either)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ws="wsproto",
-                                                     ws_per_message_deflate=False, ws_max_size=MAX_WS_MESSAGE,
-                                                     timeout_graceful_shutdown=5))  # fmt: skip
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="weenv-gateway", daemon=True)  # fmt: skip
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                lifespan="on",
+                ws="wsproto",
+                ws_per_message_deflate=False,
+                ws_max_size=MAX_WS_MESSAGE,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="weenv-gateway", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:

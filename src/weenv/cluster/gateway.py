@@ -65,6 +65,7 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from weenv.api.models import MAX_METADATA_ENTRIES, BatchCreateRequest, CreateRequest, NodeStats
 from weenv.cluster import proxy
 from weenv.cluster import stats as cluster_stats
 from weenv.cluster.view import Route
@@ -78,7 +79,6 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.formats.tax import TaxBatch, TaxReport
-from weenv.api.models import MAX_METADATA_ENTRIES, BatchCreateRequest, CreateRequest, NodeStats
 from weenv.node.data.peers import PEERS_HINT
 from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
@@ -137,8 +137,17 @@ class Gateway:
     async def done(self, token: int, node_id: str, env_id: str | None) -> None:
         await self.directory.call("done", token, node_id, env_id)
 
-    async def create(self, body: dict, *, template: str, cpus: float | None, memory_bytes: int | None,
-                     path: str, e2b: bool, id_field: str) -> tuple[httpx.Response, str]:
+    async def create(
+        self,
+        body: dict,
+        *,
+        template: str,
+        cpus: float | None,
+        memory_bytes: int | None,
+        path: str,
+        e2b: bool,
+        id_field: str,
+    ) -> tuple[httpx.Response, str]:
         """Place one environment and create it on its node (``body`` sent to ``path``
         there, its metadata's ``weenv.node`` set to the node and ``weenv.peers`` to
         the nodes placed with the template lately or holding it, which the node
@@ -162,8 +171,9 @@ class Gateway:
             await self.done(placed.token, node_id, made)
         return answer, node_id
 
-    async def fan_out(self, method: str, path: str, *, e2b: bool, params: dict | None = None
-                      ) -> list[tuple[Route, httpx.Response]]:  # fmt: skip
+    async def fan_out(
+        self, method: str, path: str, *, e2b: bool, params: dict | None = None
+    ) -> list[tuple[Route, httpx.Response]]:
         """``method path`` on every alive node at once; the answers of those that
         answered (a node that cannot be reached is left out, and logged)."""
         routes = await self.routes()
@@ -191,9 +201,15 @@ class Gateway:
             await self.done(0, node_id, env_id)
 
 
-def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy.Timeouts = proxy.Timeouts(),
-                       queue_timeout_s: float = 120.0, max_body: int = MAX_BODY,
-                       max_upload: int = MAX_UPLOAD) -> FastAPI:
+def create_gateway_app(
+    directory: Directory,
+    *,
+    api_key: ApiKey,
+    timeouts: proxy.Timeouts = proxy.Timeouts(),
+    queue_timeout_s: float = 120.0,
+    max_body: int = MAX_BODY,
+    max_upload: int = MAX_UPLOAD,
+) -> FastAPI:
     """The gateway's app over ``directory`` (see the module docstring).
 
     ``api_key``: the key clients send; ``timeouts``: of the relayed requests;
@@ -201,7 +217,6 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     room for it to create (then its line is a ``capacity`` error);
     ``max_body``, ``max_upload``: bytes of a request body, of a file upload."""
     from weenv.cluster.batch import batch_stream
-
     from weenv.cluster.templates import TemplateOwners, install_template_routes
 
     client = proxy.new_client(timeouts)
@@ -211,8 +226,7 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     async def close_client() -> None:
         await client.aclose()
 
-    app = FastAPI(title="weenv cluster gateway", version="1", docs_url=None, redoc_url=None,
-                  on_shutdown=[close_client])
+    app = FastAPI(title="weenv cluster gateway", version="1", docs_url=None, redoc_url=None, on_shutdown=[close_client])
 
     def has_key(headers) -> bool:
         return api_key.matches(presented_key(headers))
@@ -220,8 +234,12 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     def credentialed(scope: dict) -> bool:
         headers = Headers(scope=scope)
         # envd's requests carry a sandbox's token, checked before relaying (and by its node)
-        return (has_key(headers) or bool(headers.get("x-access-token")) or owners.upload_authorised(scope)
-                or scope.get("path") in ("/files", "/e2b/envd/files"))
+        return (
+            has_key(headers)
+            or bool(headers.get("x-access-token"))
+            or owners.upload_authorised(scope)
+            or scope.get("path") in ("/files", "/e2b/envd/files")
+        )
 
     app.add_middleware(BodyLimit, max_body=max_body, max_upload=max_upload, credentialed=credentialed)
 
@@ -259,8 +277,10 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         if not has_key(request.headers):
             if is_e2b(request):
                 raise AuthenticationError("missing or invalid API key (X-API-Key header)")
-            raise AuthenticationError("missing or wrong API key of the cluster's gateway: send it as "
-                                      "'X-API-Key: KEY' or 'Authorization: Bearer KEY' (weenv cluster status prints it)")
+            raise AuthenticationError(
+                "missing or wrong API key of the cluster's gateway: send it as "
+                "'X-API-Key: KEY' or 'Authorization: Bearer KEY' (weenv cluster status prints it)"
+            )
 
     async def json_body(request: Request) -> dict:
         raw = await request.body()
@@ -273,8 +293,11 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         return data
 
     def node_answer(answer: httpx.Response) -> Response:
-        return Response(answer.content, status_code=answer.status_code,
-                        media_type=answer.headers.get("content-type", "application/json"))
+        return Response(
+            answer.content,
+            status_code=answer.status_code,
+            media_type=answer.headers.get("content-type", "application/json"),
+        )
 
     # --- weenv's API -------------------------------------------------------------------
     @app.get("/v1/health")
@@ -298,12 +321,16 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     async def templates(request: Request) -> Response:
         require_key(request)
         route = await gw.any_route()
-        return await proxy.relay(client, request, route, request.url.path,
-                                 headers=proxy.keyed_headers(request, route, e2b=False))
+        return await proxy.relay(
+            client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=False)
+        )
 
     async def per_node(path: str) -> dict[str, httpx.Response]:
-        return {route.node_id: answer for route, answer in await gw.fan_out("GET", path, e2b=False)
-                if answer.status_code == 200}  # fmt: skip
+        return {
+            route.node_id: answer
+            for route, answer in await gw.fan_out("GET", path, e2b=False)
+            if answer.status_code == 200
+        }
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> NodeStats:
@@ -319,11 +346,14 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     async def provision_stats(request: Request, env: str | None = None) -> Response:
         require_key(request)
         if env is None:
-            raise InvalidInputError("GET /v1/stats/provision at the cluster's address needs ?env=ID: "
-                                    "each node provisions its own (its figures: that node's address)")
+            raise InvalidInputError(
+                "GET /v1/stats/provision at the cluster's address needs ?env=ID: "
+                "each node provisions its own (its figures: that node's address)"
+            )
         route = await gw.route(env)
-        return await proxy.relay(client, request, route, request.url.path,
-                                 headers=proxy.keyed_headers(request, route, e2b=False))
+        return await proxy.relay(
+            client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=False)
+        )
 
     tax_book = TaxBook()
 
@@ -336,8 +366,9 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     @app.get("/v1/tax")
     async def tax(request: Request) -> TaxReport:
         require_key(request)
-        return cluster_stats.summed_tax({n: a.json() for n, a in (await per_node("/v1/tax")).items()},
-                                        tax_book.report().batches)
+        return cluster_stats.summed_tax(
+            {n: a.json() for n, a in (await per_node("/v1/tax")).items()}, tax_book.report().batches
+        )
 
     @app.get("/v1/snapshots")
     @app.delete("/v1/snapshots/{name}")
@@ -345,8 +376,9 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
     async def snapshots(request: Request) -> Response:
         require_key(request)
         route = await gw.any_route()
-        return await proxy.relay(client, request, route, request.url.path,
-                                 headers=proxy.keyed_headers(request, route, e2b=is_e2b(request)))
+        return await proxy.relay(
+            client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=is_e2b(request))
+        )
 
     @app.post("/v1/cache/drop")
     async def drop_cache(request: Request, node: str | None = None) -> Response:
@@ -386,10 +418,14 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         """A node's own, not the cluster's: refused with what to do instead."""
         require_key(request)
         if request.url.path == "/v1/shutdown":
-            raise InvalidInputError("POST /v1/shutdown at the cluster's address: the cluster's node daemons are "
-                                    "owned by its Ray actors; take the whole cluster down with 'weenv cluster down'")
-        raise InvalidInputError("PUT /v1/peers at the cluster's address: each node's peer table is set by its "
-                                "node actor from the placement actor's view, not by clients")
+            raise InvalidInputError(
+                "POST /v1/shutdown at the cluster's address: the cluster's node daemons are "
+                "owned by its Ray actors; take the whole cluster down with 'weenv cluster down'"
+            )
+        raise InvalidInputError(
+            "PUT /v1/peers at the cluster's address: each node's peer table is set by its "
+            "node actor from the placement actor's view, not by clients"
+        )
 
     @app.get("/v1/metrics")
     async def metrics(request: Request) -> Response:
@@ -404,9 +440,15 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         data = await json_body(request)
         req = _validated(CreateRequest, data)
         res = req.resources
-        answer, _ = await gw.create(data, template=req.template, cpus=res.cpus if res else None,
-                                    memory_bytes=res.memory_bytes if res else None, path="/v1/environments",
-                                    e2b=False, id_field="id")  # fmt: skip
+        answer, _ = await gw.create(
+            data,
+            template=req.template,
+            cpus=res.cpus if res else None,
+            memory_bytes=res.memory_bytes if res else None,
+            path="/v1/environments",
+            e2b=False,
+            id_field="id",
+        )
         return node_answer(answer)
 
     @app.post("/v1/environments/batch")
@@ -425,8 +467,9 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         require_key(request)
         route = await gw.route(env_id)
         try:
-            response = await proxy.relay(client, request, route, request.url.path,
-                                         headers=proxy.keyed_headers(request, route, e2b=e2b))
+            response = await proxy.relay(
+                client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=e2b)
+            )
         except DaemonError:
             await gw.route(env_id)  # LostError if its node went meanwhile
             raise
@@ -452,8 +495,15 @@ def create_gateway_app(directory: Directory, *, api_key: ApiKey, timeouts: proxy
         if not isinstance(template, str) or not template:
             raise InvalidInputError("templateID: a template name is required")
         template = await owners.start_ref(template)  # an E2B template's id or tag: its build's digest
-        answer, _ = await gw.create({**data, "templateID": template}, template=template, cpus=None, memory_bytes=None,
-                                    path=request.url.path, e2b=True, id_field="sandboxID")
+        answer, _ = await gw.create(
+            {**data, "templateID": template},
+            template=template,
+            cpus=None,
+            memory_bytes=None,
+            path=request.url.path,
+            e2b=True,
+            id_field="sandboxID",
+        )
         return node_answer(answer)
 
     @app.get("/e2b/sandboxes")
@@ -609,9 +659,15 @@ async def _signed_route(gw: Gateway, method: str, sid: str | None, query: QueryP
         candidates = [sid] if sid else [e for e, n in where.items() if n in secrets_]
         if sid and where.get(sid) not in secrets_:
             raise signed.SignatureError("invalid signature for this path, operation and user")
-        found = signed.signer(query.get("signature") or "", query.get("path") or "",
-                              "read" if method == "GET" else "write", query.get("username") or "", expiration,
-                              candidates, lambda e: access_token(secrets_[where[e]], e))  # fmt: skip
+        found = signed.signer(
+            query.get("signature") or "",
+            query.get("path") or "",
+            "read" if method == "GET" else "write",
+            query.get("username") or "",
+            expiration,
+            candidates,
+            lambda e: access_token(secrets_[where[e]], e),
+        )
     except signed.SignatureError as exc:
         raise _EnvdRefusal(401, str(exc)) from None
     return routes[where[found]]

@@ -83,8 +83,10 @@ class NodeAgent:
         try:
             self.api_url = paths.api_url.read_text().strip()
         except FileNotFoundError:
-            raise DaemonError(f"the weenv daemon of {paths.home} serves no TCP port, so other nodes cannot reach "
-                              f"it: stop it (WEENV_HOME={paths.home} weenv stop) and bring the cluster up again") from None
+            raise DaemonError(
+                f"the weenv daemon of {paths.home} serves no TCP port, so other nodes cannot reach "
+                f"it: stop it (WEENV_HOME={paths.home} weenv stop) and bring the cluster up again"
+            ) from None
         self.api_key = paths.api_key.read_text().strip()
         self.client = NodeClient(socket=paths.socket, request_timeout=30)
         self._groups: dict[str, GroupManifest] = {}
@@ -99,12 +101,23 @@ class NodeAgent:
             self._scan = (time.monotonic(), *self._cache_contents())
         _, held, sizes, templates = self._scan
         return NodeReport(
-            node_id=self.node_id, home=str(self.paths.home), api_url=self.api_url, api_key=self.api_key,
-            at=time.time(), cpu_capacity=totals.cpu_capacity, memory_capacity=totals.memory_capacity,
-            cpu_reserved=totals.cpu_reservation_sum, memory_reserved=totals.memory_limit_sum,
-            cpu_used=totals.cpu_used, memory_used=totals.working_set, environments=envs,
-            group_bytes=held, group_sizes=sizes, templates=templates,
-            reservations={e.id: (e.cpu_reservation or 0.0, e.memory_limit or 0) for e in provision.environments})
+            node_id=self.node_id,
+            home=str(self.paths.home),
+            api_url=self.api_url,
+            api_key=self.api_key,
+            at=time.time(),
+            cpu_capacity=totals.cpu_capacity,
+            memory_capacity=totals.memory_capacity,
+            cpu_reserved=totals.cpu_reservation_sum,
+            memory_reserved=totals.memory_limit_sum,
+            cpu_used=totals.cpu_used,
+            memory_used=totals.working_set,
+            environments=envs,
+            group_bytes=held,
+            group_sizes=sizes,
+            templates=templates,
+            reservations={e.id: (e.cpu_reservation or 0.0, e.memory_limit or 0) for e in provision.environments},
+        )
 
     def _cache_contents(self) -> tuple[dict[str, int], dict[str, int], dict[str, TemplateFacts]]:
         """``(held, sizes, templates)`` from the home: bytes held and total per group the
@@ -121,8 +134,9 @@ class NodeAgent:
                     self._groups[digest] = parse_group_manifest(data)
                 else:
                     t = parse_template_manifest(data)
-                    templates[digest] = TemplateFacts(list(t.groups), t.runtime.resources.cpus,
-                                                      t.runtime.resources.memory_bytes)
+                    templates[digest] = TemplateFacts(
+                        list(t.groups), t.runtime.resources.cpus, t.runtime.resources.memory_bytes
+                    )
             except (OSError, WeenvError) as exc:  # being written, or evicted meanwhile
                 log.debug("skipping manifest %s: %s", path, exc)
         try:

@@ -20,24 +20,32 @@ from weenv.node.data.peers import PeerInfo, PeerSettings, PeerUpdate
 
 
 def peer_settings(config: ClusterConfig, token: str) -> PeerSettings:
-    return PeerSettings(token=token, timeout_s=config.peer_timeout_s, tries=config.peer_tries,
-                        serve_concurrency=config.peer_serve_concurrency,
-                        serve_bytes_per_s=config.peer_serve_bytes_per_s, pass_over_s=config.peer_pass_over_s)
+    return PeerSettings(
+        token=token,
+        timeout_s=config.peer_timeout_s,
+        tries=config.peer_tries,
+        serve_concurrency=config.peer_serve_concurrency,
+        serve_bytes_per_s=config.peer_serve_bytes_per_s,
+        pass_over_s=config.peer_pass_over_s,
+    )
 
 
 class PeerPush:
     """Hands peer updates to the daemon of ``paths`` over its Unix socket."""
 
     def __init__(self, paths: Paths):
-        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(paths.socket)),
-                                  base_url="http://weenv", timeout=10)
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(paths.socket)), base_url="http://weenv", timeout=10
+        )
         self._settings_sent = False
 
     def push(self, peers: list[PeerInfo], settings: PeerSettings | None) -> None:
         """Send ``peers`` (and ``settings`` the first time).  Raises :class:`DaemonError`."""
         update = PeerUpdate(peers=peers, settings=None if self._settings_sent else settings)
         try:
-            r = self._http.put("/v1/peers", content=update.model_dump_json(), headers={"content-type": "application/json"})
+            r = self._http.put(
+                "/v1/peers", content=update.model_dump_json(), headers={"content-type": "application/json"}
+            )
         except httpx.HTTPError as exc:
             raise DaemonError(f"the node's daemon did not take its peer table: {exc}") from exc
         if r.status_code != 204:

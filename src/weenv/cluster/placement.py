@@ -143,18 +143,21 @@ def load(node: NodeLoad, request: Request, policy: Policy = Policy()) -> float:
     if node.cpu_capacity <= 0 or node.memory_capacity <= 0:
         return float("inf")
     cpu = (node.cpu_reserved + node.cpu_inflight + request.cpus + policy.used_share * node.cpu_used) / node.cpu_capacity
-    mem = (node.memory_reserved + node.memory_inflight + request.memory_bytes
-           + policy.used_share * node.memory_used) / node.memory_capacity
+    mem = (
+        node.memory_reserved + node.memory_inflight + request.memory_bytes + policy.used_share * node.memory_used
+    ) / node.memory_capacity
     return max(cpu, mem)
 
 
 def eligible(node: NodeLoad, request: Request, policy: Policy = Policy()) -> bool:
     """Whether ``request`` may go to ``node`` (alive, within capacity, below its bounds)."""
-    return (node.alive
-            and node.inflight < policy.max_inflight
-            and (node.max_environments is None or node.environments + node.inflight < node.max_environments)
-            and node.cpu_reserved + node.cpu_inflight + request.cpus <= node.cpu_capacity + 1e-9
-            and node.memory_reserved + node.memory_inflight + request.memory_bytes <= node.memory_capacity)
+    return (
+        node.alive
+        and node.inflight < policy.max_inflight
+        and (node.max_environments is None or node.environments + node.inflight < node.max_environments)
+        and node.cpu_reserved + node.cpu_inflight + request.cpus <= node.cpu_capacity + 1e-9
+        and node.memory_reserved + node.memory_inflight + request.memory_bytes <= node.memory_capacity
+    )
 
 
 def has_bonus(node: NodeLoad, cap: int | None = None, spread: dict[str, int] | None = None) -> bool:
@@ -170,8 +173,15 @@ def has_bonus(node: NodeLoad, cap: int | None = None, spread: dict[str, int] | N
     return True
 
 
-def score(node: NodeLoad, request: Request, policy: Policy = Policy(), *, preferred: str | None = None,
-          cap: int | None = None, spread: dict[str, int] | None = None) -> float:
+def score(
+    node: NodeLoad,
+    request: Request,
+    policy: Policy = Policy(),
+    *,
+    preferred: str | None = None,
+    cap: int | None = None,
+    spread: dict[str, int] | None = None,
+) -> float:
     """Lower is better: load minus the cache bonus (only where :func:`has_bonus`),
     minus ``prefer_bonus`` on the preferred node."""
     s = load(node, request, policy)
@@ -184,9 +194,17 @@ SAMPLE_TRIES = 8
 """Random draws per sampled node before :func:`place` filters every node (a nearly full cluster)."""
 
 
-def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(), preferred: str | None = None,
-          rng: random.Random | None = None, holders: list[NodeLoad] | None = None, cap: int | None = None,
-          spread: dict[str, int] | None = None) -> str:
+def place(
+    nodes: list[NodeLoad],
+    request: Request,
+    *,
+    policy: Policy = Policy(),
+    preferred: str | None = None,
+    rng: random.Random | None = None,
+    holders: list[NodeLoad] | None = None,
+    cap: int | None = None,
+    spread: dict[str, int] | None = None,
+) -> str:
     """The id of the node ``request`` goes to, from ``nodes``.
 
     ``preferred``: a node id that wins if eligible (a hint, an origin);
@@ -217,8 +235,10 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
         ok = [n for n in nodes if eligible(n, request, policy)]
         if not ok:
             alive = sum(n.alive for n in nodes)
-            raise CapacityError(f"no node can take {request.cpus:g} cpus and {request.memory_bytes >> 20} MiB now "
-                                f"({alive} of {len(nodes)} nodes alive, all full or busy with creates)")
+            raise CapacityError(
+                f"no node can take {request.cpus:g} cpus and {request.memory_bytes >> 20} MiB now "
+                f"({alive} of {len(nodes)} nodes alive, all full or busy with creates)"
+            )
         candidates = {n.node_id: n for n in (rng.sample(ok, policy.k) if len(ok) > policy.k else ok)}
     if request.groups:
         pool = holders if holders is not None else ok if ok is not None else nodes
@@ -232,6 +252,10 @@ def place(nodes: list[NodeLoad], request: Request, *, policy: Policy = Policy(),
                 candidates[n.node_id] = n
     # equal scores (empty nodes, as a rule): a random one, not always the same (the lowest id)
     ties = {n.node_id: rng.random() for n in candidates.values()}
-    return min(candidates.values(), key=lambda n: (round(score(n, request, policy, preferred=preferred, cap=cap,
-                                                               spread=spread), 9),
-                                                   ties[n.node_id])).node_id
+    return min(
+        candidates.values(),
+        key=lambda n: (
+            round(score(n, request, policy, preferred=preferred, cap=cap, spread=spread), 9),
+            ties[n.node_id],
+        ),
+    ).node_id

@@ -55,8 +55,15 @@ CONNECT_S = 10.0
 class ClusterPorts:
     """ASGI middleware relaying ``PORT-ID.`` hosts to the sandbox's node (see the module docstring)."""
 
-    def __init__(self, app, gateway: "Gateway", *, max_relays: int = MAX_RELAYS, max_body: int = MAX_BODY,
-                 idle_timeout: float = RELAY_IDLE_S):
+    def __init__(
+        self,
+        app,
+        gateway: Gateway,
+        *,
+        max_relays: int = MAX_RELAYS,
+        max_body: int = MAX_BODY,
+        idle_timeout: float = RELAY_IDLE_S,
+    ):
         self.app, self.gateway = app, gateway
         self.max_relays, self.max_body, self.idle_timeout = max_relays, max_body, idle_timeout
         self.relays = 0
@@ -93,11 +100,11 @@ class ClusterPorts:
                 return
             try:
                 if websocket:
-                    await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout,
-                                          keep_token=True)
+                    await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout, keep_token=True)
                 else:
-                    status = await relay_http(sock, scope, receive, send, max_body=self.max_body,
-                                              idle=idle, keep_token=True)
+                    status = await relay_http(
+                        sock, scope, receive, send, max_body=self.max_body, idle=idle, keep_token=True
+                    )
                     if status is not None:
                         await refuse(*status)
             finally:
@@ -132,9 +139,10 @@ class ClusterPorts:
         sock.setblocking(False)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, address), CONNECT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             sock.close()
-            await refuse(502, f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: "
-                              f"{exc or type(exc).__name__}")  # fmt: skip
+            await refuse(
+                502, f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: {exc or type(exc).__name__}"
+            )
             return None
         return sock

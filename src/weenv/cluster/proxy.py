@@ -34,9 +34,17 @@ from weenv.cluster.view import Route
 from weenv.errors import DaemonError
 
 HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "transfer-encoding", "upgrade", "host",
-}  # fmt: skip
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+}
 """Headers of one connection (RFC 9110 §7.6.1), never relayed; ``host`` is the node's."""
 CREDENTIALS = {"x-api-key", "authorization"}
 """The gateway's credentials: replaced by the node's on control-plane routes."""
@@ -56,8 +64,12 @@ class Timeouts:
 
 def new_client(timeouts: Timeouts = Timeouts(), *, max_connections: int = 1024) -> httpx.AsyncClient:
     """The gateway's pool of connections to the nodes."""
-    return httpx.AsyncClient(timeout=timeouts.httpx(), follow_redirects=False, trust_env=False,
-                             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256))
+    return httpx.AsyncClient(
+        timeout=timeouts.httpx(),
+        follow_redirects=False,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
+    )
 
 
 def node_key(route: Route, *, e2b: bool) -> str:
@@ -77,8 +89,15 @@ def keyed_headers(request: Request, route: Route, *, e2b: bool) -> list[tuple[by
     return [*relayed_headers(request, keep_credentials=False), (b"x-api-key", node_key(route, e2b=e2b).encode())]
 
 
-async def relay(client: httpx.AsyncClient, request: Request, route: Route, path: str, *,
-                headers: list[tuple[bytes, bytes]], body: bytes | None = None) -> Response:
+async def relay(
+    client: httpx.AsyncClient,
+    request: Request,
+    route: Route,
+    path: str,
+    *,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes | None = None,
+) -> Response:
     """Send ``request`` (its method, query string, ``headers``, its body streamed
     or ``body`` if given) to ``path`` on ``route``'s node; the node's answer,
     streamed.  Raises :class:`DaemonError` if the node cannot be reached or
@@ -92,12 +111,13 @@ async def relay(client: httpx.AsyncClient, request: Request, route: Route, path:
     try:
         answer = await client.send(out, stream=True)
     except httpx.TimeoutException as exc:
-        raise DaemonError(f"node {route.node_id[:12]} ({route.api_url}) did not answer in time: {type(exc).__name__}") from exc
+        raise DaemonError(
+            f"node {route.node_id[:12]} ({route.api_url}) did not answer in time: {type(exc).__name__}"
+        ) from exc
     except httpx.HTTPError as exc:
         raise DaemonError(f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: {exc}") from exc
     back = [(k, v) for k, v in answer.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP]
-    response = StreamingResponse(_raw(answer), status_code=answer.status_code,
-                                 background=BackgroundTask(answer.aclose))
+    response = StreamingResponse(_raw(answer), status_code=answer.status_code, background=BackgroundTask(answer.aclose))
     response.raw_headers = back  # the node's, content-length and content-encoding as they are
     return response
 
@@ -113,13 +133,22 @@ async def _raw(answer: httpx.Response):
         await answer.aclose()
 
 
-async def call(client: httpx.AsyncClient, route: Route, method: str, path: str, *, e2b: bool = False,
-               json: object | None = None, params: dict | None = None) -> httpx.Response:
+async def call(
+    client: httpx.AsyncClient,
+    route: Route,
+    method: str,
+    path: str,
+    *,
+    e2b: bool = False,
+    json: object | None = None,
+    params: dict | None = None,
+) -> httpx.Response:
     """One whole request of the gateway's own to ``route``'s node with its key
     (its answer read whole: small JSON).  Raises :class:`DaemonError` if the
     node cannot be reached."""
     try:
-        return await client.request(method, route.api_url + path, json=json, params=params,
-                                    headers={"x-api-key": node_key(route, e2b=e2b)})
+        return await client.request(
+            method, route.api_url + path, json=json, params=params, headers={"x-api-key": node_key(route, e2b=e2b)}
+        )
     except httpx.HTTPError as exc:
         raise DaemonError(f"node {route.node_id[:12]} ({route.api_url}) cannot be reached: {exc}") from exc

@@ -30,8 +30,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from weenv.formats.tax import MAX_BATCHES, PHASES, TaxBatch, TaxReport
 from weenv.api.models import NodeStats
+from weenv.formats.tax import MAX_BATCHES, PHASES, TaxBatch, TaxReport
 
 NODE_LABEL = "node"
 
@@ -93,12 +93,15 @@ def labelled_metrics(texts: dict[str, str], alive: int) -> bytes:
             into = families.get(family.name)
             if into is None:
                 into = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-            into.samples.extend(Sample(s.name, {**s.labels, NODE_LABEL: node_id}, s.value, s.timestamp, s.exemplar)
-                                for s in family.samples)  # fmt: skip
+            into.samples.extend(
+                Sample(s.name, {**s.labels, NODE_LABEL: node_id}, s.value, s.timestamp, s.exemplar)
+                for s in family.samples
+            )
     out = list(families.values())
     out.append(GaugeMetricFamily("weenv_cluster_nodes", "Nodes of the cluster alive now", value=alive))
-    out.append(GaugeMetricFamily("weenv_cluster_nodes_answered", "Nodes whose metrics this scrape holds",
-                                 value=len(texts)))
+    out.append(
+        GaugeMetricFamily("weenv_cluster_nodes_answered", "Nodes whose metrics this scrape holds", value=len(texts))
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(out))
     return generate_latest(registry)

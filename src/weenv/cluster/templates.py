@@ -141,8 +141,9 @@ def install_template_routes(app: FastAPI, gw, owners: TemplateOwners, require_ke
     client = gw.client
 
     async def relay(request: Request, route: Route, *, body: bytes | None = None) -> Response:
-        return await proxy.relay(client, request, route, request.url.path,
-                                 headers=proxy.keyed_headers(request, route, e2b=True), body=body)
+        return await proxy.relay(
+            client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=True), body=body
+        )
 
     async def json_of(request: Request) -> tuple[bytes, dict]:
         raw = await request.body()
@@ -164,8 +165,12 @@ def install_template_routes(app: FastAPI, gw, owners: TemplateOwners, require_ke
         route = await owners.find(name)
         if route is None:
             cpus, memory = doc.get("cpuCount"), doc.get("memoryMB")
-            placed = await gw.place(name.partition(":")[0], float(cpus) if isinstance(cpus, int) else None,
-                                    memory << 20 if isinstance(memory, int) else None, {})  # fmt: skip
+            placed = await gw.place(
+                name.partition(":")[0],
+                float(cpus) if isinstance(cpus, int) else None,
+                memory << 20 if isinstance(memory, int) else None,
+                {},
+            )
             await gw.done(placed.token, placed.route.node_id, None)
             route = placed.route
         answer = await proxy.call(client, route, "POST", "/e2b/v3/templates", e2b=True, json=doc)
@@ -183,15 +188,18 @@ def install_template_routes(app: FastAPI, gw, owners: TemplateOwners, require_ke
         if answer.status_code == 201 and isinstance(doc.get("url"), str):
             # the node's link names the node: the gateway's names the gateway
             here = str(request.url.replace(query=""))
-            doc["url"] = f"{here[: here.rindex('/templates/')]}/templates/{quote(template_id, safe='')}" \
-                         f"/files/{files_hash}/upload"  # fmt: skip
+            doc["url"] = (
+                f"{here[: here.rindex('/templates/')]}/templates/{quote(template_id, safe='')}"
+                f"/files/{files_hash}/upload"
+            )
         return JSONResponse(doc, status_code=answer.status_code)
 
     @app.put("/e2b/templates/{template_id}/files/{files_hash}/upload")
     async def upload(request: Request, template_id: str, files_hash: str) -> Response:
         route = await owners.owner(template_id)
-        return await proxy.relay(client, request, route, request.url.path,
-                                 headers=proxy.relayed_headers(request, keep_credentials=False))
+        return await proxy.relay(
+            client, request, route, request.url.path, headers=proxy.relayed_headers(request, keep_credentials=False)
+        )
 
     @app.get("/e2b/templates")
     @app.get("/e2b/v2/templates")

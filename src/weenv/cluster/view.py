@@ -121,8 +121,14 @@ class ClusterView:
     """See the module docstring.  ``max_environments``: per node, at most this many (None: capacity only);
     ``expect_s``: seconds a node counts as holding a template placed there."""
 
-    def __init__(self, *, policy: placement.Policy = placement.Policy(), max_environments: int | None = None,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, expect_s: float = EXPECT_S):
+    def __init__(
+        self,
+        *,
+        policy: placement.Policy = placement.Policy(),
+        max_environments: int | None = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        expect_s: float = EXPECT_S,
+    ):
         self.policy, self.max_environments, self.heartbeat_timeout_s = policy, max_environments, heartbeat_timeout_s
         self.expect_s = expect_s
         self._lock = threading.Lock()
@@ -154,12 +160,16 @@ class ClusterView:
             present = set(report.environments)
             # a create's reservation counts until a report lists the environment, or one taken well
             # after the create ended does not (destroyed or expired on the node before any report)
-            node.pending = {e: r for e, r in node.pending.items()
-                            if e not in present and r[2] >= report.at - REPORT_GRACE_S}
+            node.pending = {
+                e: r for e, r in node.pending.items() if e not in present and r[2] >= report.at - REPORT_GRACE_S
+            }
             # a destroy's release lasts while reports (taken before it, perhaps) may still list the environment
-            node.released = {e: at for e, at in node.released.items()
-                             if (e in report.reservations or e in present or report.at < at + REPORT_GRACE_S)
-                             and report.at - at < RESERVATION_TTL_S / 20}
+            node.released = {
+                e: at
+                for e, at in node.released.items()
+                if (e in report.reservations or e in present or report.at < at + REPORT_GRACE_S)
+                and report.at - at < RESERVATION_TTL_S / 20
+            }
             for env_id in present:
                 if env_id in node.released:
                     continue  # destroyed through the cluster since: not routed again
@@ -208,8 +218,15 @@ class ClusterView:
             return list(self._nodes)
 
     # --- placement -----------------------------------------------------------------------
-    def place(self, template: str, *, cpus: float | None = None, memory_bytes: int | None = None,
-              node: str | None = None, near: str | None = None) -> Placed:
+    def place(
+        self,
+        template: str,
+        *,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        node: str | None = None,
+        near: str | None = None,
+    ) -> Placed:
         """Choose a node for one environment of ``template`` and hold its request
         there until :meth:`done`.  ``node``: a node id to prefer; ``near``: an
         environment whose node to prefer (forks, snapshots, resumes pass their
@@ -225,17 +242,23 @@ class ClusterView:
                 raise InvalidInputError(f"no node {node!r} in the cluster (nodes: {', '.join(self._nodes) or 'none'})")
             alive = [n for n in loads if n.alive]
             demand = self._note_demand(sum(n.environments + n.inflight for n in alive) + 1)
-            chosen = placement.place(loads, request, policy=self.policy, preferred=node,
-                                     cap=placement.bonus_cap(demand, len(alive), self.policy),
-                                     spread=self._spread_locked(template, request))
+            chosen = placement.place(
+                loads,
+                request,
+                policy=self.policy,
+                preferred=node,
+                cap=placement.bonus_cap(demand, len(alive), self.policy),
+                spread=self._spread_locked(template, request),
+            )
             token = next(self._tokens)
             target = self._nodes[chosen]
             now = time.monotonic()
             target.inflight[token] = (request.cpus, request.memory_bytes, now)
             peers = self._fetching_locked(template, chosen)
             until, count, since = target.expected.get(template, (0.0, 0, now))
-            target.expected[template] = (now + self.expect_s, count + 1, since) if until > now else \
-                (now + self.expect_s, 1, now)
+            target.expected[template] = (
+                (now + self.expect_s, count + 1, since) if until > now else (now + self.expect_s, 1, now)
+            )
             return Placed(self._route_of(target), token, peers)
 
     def _spread_locked(self, template: str, request: placement.Request) -> dict[str, int] | None:
@@ -297,8 +320,11 @@ class ClusterView:
         default = Resources()
         return placement.Request(
             cpus=cpus if cpus is not None else (facts.cpus if facts else default.cpus),
-            memory_bytes=memory_bytes if memory_bytes is not None else (facts.memory_bytes if facts else default.memory_bytes),
-            groups=self._groups_of(template, facts))
+            memory_bytes=memory_bytes
+            if memory_bytes is not None
+            else (facts.memory_bytes if facts else default.memory_bytes),
+            groups=self._groups_of(template, facts),
+        )
 
     def room(self, items: list[tuple[str, float | None, int | None]]) -> int:
         """How many of ``items`` (``(template, cpus, memory_bytes)``, None: the
@@ -345,8 +371,14 @@ class ClusterView:
         (what its environments read: a few percent of a template, as a rule),
         its whole size while no node holds any.  A node holding that much has
         the template's whole share (cache bonus)."""
-        held = max((n.report.group_bytes.get(group, 0) for n in self._nodes.values()
-                    if n.report is not None and n.state == "alive"), default=0)
+        held = max(
+            (
+                n.report.group_bytes.get(group, 0)
+                for n in self._nodes.values()
+                if n.report is not None and n.state == "alive"
+            ),
+            default=0,
+        )
         return held if held > 0 else self._group_sizes.get(group, 0)
 
     def _expected_bytes(self, node: _Node) -> dict[str, int]:
@@ -394,18 +426,24 @@ class ClusterView:
         if r is None:
             return placement.NodeLoad(node.node_id, 0.0, 0, alive=False)
         freed = [r.reservations[e] for e in node.released if e in r.reservations]
-        cpu_reserved = (r.cpu_reserved + sum(c for c, _, _ in node.pending.values())
-                        - sum(c for c, _ in freed))
-        memory_reserved = (r.memory_reserved + sum(m for _, m, _ in node.pending.values())
-                           - sum(m for _, m in freed))
+        cpu_reserved = r.cpu_reserved + sum(c for c, _, _ in node.pending.values()) - sum(c for c, _ in freed)
+        memory_reserved = r.memory_reserved + sum(m for _, m, _ in node.pending.values()) - sum(m for _, m in freed)
         return placement.NodeLoad(
-            node_id=node.node_id, cpu_capacity=r.cpu_capacity, memory_capacity=r.memory_capacity,
-            cpu_reserved=max(0.0, cpu_reserved), memory_reserved=max(0, memory_reserved), cpu_used=r.cpu_used,
-            memory_used=r.memory_used, cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
-            memory_inflight=sum(m for _, m, _ in node.inflight.values()), inflight=len(node.inflight),
+            node_id=node.node_id,
+            cpu_capacity=r.cpu_capacity,
+            memory_capacity=r.memory_capacity,
+            cpu_reserved=max(0.0, cpu_reserved),
+            memory_reserved=max(0, memory_reserved),
+            cpu_used=r.cpu_used,
+            memory_used=r.memory_used,
+            cpu_inflight=sum(c for c, _, _ in node.inflight.values()),
+            memory_inflight=sum(m for _, m, _ in node.inflight.values()),
+            inflight=len(node.inflight),
             environments=sum(1 for where, _ in self._envs.values() if where == node.node_id),
-            max_environments=self.max_environments, alive=node.state == "alive",
-            group_bytes=_merged(self._expected_bytes(node), r.group_bytes))
+            max_environments=self.max_environments,
+            alive=node.state == "alive",
+            group_bytes=_merged(self._expected_bytes(node), r.group_bytes),
+        )
 
     # --- routing -------------------------------------------------------------------------
     def route(self, env_id: str) -> Route:
@@ -417,8 +455,10 @@ class ClusterView:
     def _route_locked(self, env_id: str) -> Route:
         if env_id in self._lost:
             node_id, _ = self._lost[env_id]
-            raise LostError(f"environment {env_id} was lost with node {node_id} "
-                            f"({self._nodes[node_id].reason if node_id in self._nodes else 'gone'})")
+            raise LostError(
+                f"environment {env_id} was lost with node {node_id} "
+                f"({self._nodes[node_id].reason if node_id in self._nodes else 'gone'})"
+            )
         found = self._envs.get(env_id)
         if found is None:
             raise NotFoundError(f"no environment {env_id} in the cluster")
@@ -464,12 +504,21 @@ class ClusterView:
             out = []
             for n in self._nodes.values():
                 r = n.report
-                out.append(NodeStatus(
-                    node_id=n.node_id, state=n.state, reason=n.reason, home=r.home if r else "",
-                    api_url=r.api_url if r else "", environments=len(r.environments) if r else 0,
-                    inflight=len(n.inflight), cpu_capacity=r.cpu_capacity if r else 0.0,
-                    cpu_reserved=r.cpu_reserved if r else 0.0, cached_bytes=sum(r.group_bytes.values()) if r else 0,
-                    heartbeat_age_s=(now - n.seen) if r else None))
+                out.append(
+                    NodeStatus(
+                        node_id=n.node_id,
+                        state=n.state,
+                        reason=n.reason,
+                        home=r.home if r else "",
+                        api_url=r.api_url if r else "",
+                        environments=len(r.environments) if r else 0,
+                        inflight=len(n.inflight),
+                        cpu_capacity=r.cpu_capacity if r else 0.0,
+                        cpu_reserved=r.cpu_reserved if r else 0.0,
+                        cached_bytes=sum(r.group_bytes.values()) if r else 0,
+                        heartbeat_age_s=(now - n.seen) if r else None,
+                    )
+                )
             return out
 
 

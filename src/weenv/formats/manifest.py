@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -71,9 +71,7 @@ def check_name(value: str) -> str:
     Names are lowercase ``[a-z0-9][a-z0-9._-]*``, at most 128 characters.
     """
     if not isinstance(value, str) or not _NAME_RE.match(value):
-        raise InvalidInputError(
-            f"bad name {value!r}: use lowercase letters, digits, '.', '_' and '-' (at most 128)"
-        )
+        raise InvalidInputError(f"bad name {value!r}: use lowercase letters, digits, '.', '_' and '-' (at most 128)")
     return value
 
 
@@ -101,12 +99,15 @@ def sha256_digest(data: bytes) -> str:
 def canonical_json(model: BaseModel) -> bytes:
     """Canonical JSON of a manifest: sorted keys, no whitespace, UTF-8."""
     return json.dumps(
-        model.model_dump(mode="json", context={"canonical": True}), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        model.model_dump(mode="json", context={"canonical": True}),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
     ).encode()
 
 
 def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _Model(BaseModel):
@@ -127,7 +128,7 @@ class ChunkRef(_Model):
     """sha256 of the zstd frame, for stores that address blobs by their stored bytes (OCI)."""
 
     @model_validator(mode="after")
-    def _frame_fits(self) -> "ChunkRef":
+    def _frame_fits(self) -> ChunkRef:
         if self.stored_size > frame_bound(self.size):
             raise ValueError(f"a frame of {self.stored_size} bytes for a chunk of {self.size}: more than zstd makes")
         return self
@@ -144,7 +145,7 @@ class Layout(_Model):
     """The digest of the prefetch profile the order came from; set exactly when ``order`` is ``profile``."""
 
     @model_validator(mode="after")
-    def _profile_iff_profile_order(self) -> "Layout":
+    def _profile_iff_profile_order(self) -> Layout:
         if (self.order == "profile") != (self.profile is not None):
             raise ValueError("a layout names a profile exactly when its order is 'profile'")
         return self
@@ -186,10 +187,12 @@ class GroupManifest(_Model):
         return data
 
     @model_validator(mode="after")
-    def _fields_of_its_version(self) -> "GroupManifest":
+    def _fields_of_its_version(self) -> GroupManifest:
         if self.media_type != GROUP_MEDIA_TYPES[self.schema_version]:
-            raise ValueError(f"schema version {self.schema_version} has media type "
-                             f"{GROUP_MEDIA_TYPES[self.schema_version]}, not {self.media_type}")
+            raise ValueError(
+                f"schema version {self.schema_version} has media type "
+                f"{GROUP_MEDIA_TYPES[self.schema_version]}, not {self.media_type}"
+            )
         if self.schema_version == 1 and self.layout is not None:
             raise ValueError("a version 1 group manifest has no layout")
         return self
@@ -202,7 +205,7 @@ class GroupManifest(_Model):
         return data
 
     @model_validator(mode="after")
-    def _chunks_tile_the_image(self) -> "GroupManifest":
+    def _chunks_tile_the_image(self) -> GroupManifest:
         """Every chunk but the last is ``chunk_size`` bytes, the last 1..``chunk_size``,
         and together they cover ``[0, image_size)``."""
         sizes = [c.size for c in self.chunks]
@@ -251,22 +254,32 @@ class Resources(_Model):
     :data:`MAX_PIDS`]; ``disk_bytes``: in [:data:`MIN_DISK_BYTES`,
     :data:`MAX_DISK_BYTES`].  Anything else fails validation (a ``ValueError``)."""
 
-    cpus: float = Field(default=1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False,
-                        description="CPU quota in cores (quota/period)")
-    memory_bytes: int = Field(default=2 << 30, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
-                              description="memory limit in bytes")
+    cpus: float = Field(
+        default=1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU quota in cores (quota/period)"
+    )
+    memory_bytes: int = Field(
+        default=2 << 30, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES, description="memory limit in bytes"
+    )
     pids: int = Field(default=1024, ge=1, le=MAX_PIDS, description="pids limit")
-    disk_bytes: int = Field(default=DEFAULT_DISK_BYTES, ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES,
-                            description="disk limit in bytes: what the environment may write (its overlay "
-                            "upper dir, data and metadata; see weenv.node.disk)")
+    disk_bytes: int = Field(
+        default=DEFAULT_DISK_BYTES,
+        ge=MIN_DISK_BYTES,
+        le=MAX_DISK_BYTES,
+        description="disk limit in bytes: what the environment may write (its overlay "
+        "upper dir, data and metadata; see weenv.node.disk)",
+    )
     """Left out of a manifest's canonical JSON when it is the default, so
     templates made before it existed keep their digests."""
 
     @model_serializer(mode="wrap")
     def _omit_default_disk(self, handler, info):
         data = handler(self)
-        if (isinstance(data, dict) and info.context and info.context.get("canonical")
-                and data.get("disk_bytes") == DEFAULT_DISK_BYTES):
+        if (
+            isinstance(data, dict)
+            and info.context
+            and info.context.get("canonical")
+            and data.get("disk_bytes") == DEFAULT_DISK_BYTES
+        ):
             data.pop("disk_bytes", None)
         return data
 
@@ -303,7 +316,8 @@ class RuntimeConfig(_Model):
     ``working_dir`` absolute, variable names without ``=``, no NUL bytes."""
 
     command: Annotated[list[str], AfterValidator(_check_argv)] = Field(
-        default_factory=lambda: ["sleep", "infinity"], min_length=1)
+        default_factory=lambda: ["sleep", "infinity"], min_length=1
+    )
     """The environment's first process (argv).  It must keep running; commands are exec'd beside it."""
     env: Annotated[dict[str, str], AfterValidator(_check_env)] = Field(
         default_factory=lambda: {
@@ -415,7 +429,8 @@ def _check_group_version(data: bytes, digest: str | None) -> None:
     if isinstance(version, bool) or version not in GROUP_SCHEMA_VERSIONS:
         raise InvalidInputError(
             f"group manifest{f' {digest}' if digest else ''} has schema version {version!r:.40}: this node reads "
-            f"versions {', '.join(map(str, GROUP_SCHEMA_VERSIONS))} (written by a newer weenv?)")
+            f"versions {', '.join(map(str, GROUP_SCHEMA_VERSIONS))} (written by a newer weenv?)"
+        )
 
 
 def parse_template_manifest(data: bytes, digest: str | None = None) -> TemplateManifest:
@@ -448,7 +463,7 @@ def manifest_kind(data: bytes) -> str:
     """``"group"`` or ``"template"`` from a manifest's ``media_type``."""
     try:
         media_type = json.loads(data).get("media_type")
-    except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: arrays nested too deep
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: arrays nested too deep
         raise InvalidInputError("manifest is not a JSON object") from None
     if isinstance(media_type, str) and _GROUP_MEDIA_RE.match(media_type):
         return "group"  # of any version: parse_group_manifest says which it cannot read

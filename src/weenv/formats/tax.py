@@ -52,7 +52,7 @@ def phase_of(method: str, path: str) -> tuple[str | None, str | None]:
     the ``/v1`` prefix, without its query); ``(None, None)`` for a request that
     is no environment's operation (templates, stats, the node)."""
     if path.startswith(API_PREFIX + "/"):
-        path = path[len(API_PREFIX):]
+        path = path[len(API_PREFIX) :]
     parts = [p for p in path.split("/") if p]
     if not parts or parts[0] != "environments":
         return None, None
@@ -131,8 +131,9 @@ class Tally:
             e.node = node
         return e
 
-    def record(self, phase: str, seconds: float, *, env_id: str | None = None, node: str | None = None,
-               command_s: float = 0.0) -> None:
+    def record(
+        self, phase: str, seconds: float, *, env_id: str | None = None, node: str | None = None, command_s: float = 0.0
+    ) -> None:
         """Add ``seconds`` (of the client's wait, beyond ``command_s``: the
         commands' own run time in it) of ``phase`` to environment ``env_id``
         (None: unattributed).  Negative or non-finite values count as 0."""
@@ -159,7 +160,7 @@ class Tally:
             e = self._env(env_id, None)
             e.ended = at if e.ended is None else max(e.ended, at)
 
-    def close(self, at: float | None = None) -> "Tally":
+    def close(self, at: float | None = None) -> Tally:
         with self._lock:
             if self.ended is None:
                 self.ended = self._clock() if at is None else at
@@ -211,7 +212,7 @@ class Tally:
         rollout = self.rollout_s
         return self.env_s / rollout if rollout > 0 else 0.0
 
-    def batch(self, node: str | None = None) -> "TaxBatch":
+    def batch(self, node: str | None = None) -> TaxBatch:
         """This tally as a :class:`TaxBatch` (what a node keeps), of every
         environment, or only of those on ``node`` (unattributed seconds count
         with every node's)."""
@@ -225,14 +226,23 @@ class Tally:
             command = sum(e.command_s for e in envs)
             rollout = sum(e.span(now) for e in envs) + sum(self.unattributed.values())
         env = sum(phases.values())
-        return TaxBatch(name=self.name, started_at=self.started_at, wall_s=self.wall_s, rollout_s=rollout,
-                        environments=len(envs), phases=phases, command_s=command,
-                        other_s=max(0.0, rollout - env - command),
-                        share=min(1.0, env / rollout) if rollout > 0 else 0.0)
+        return TaxBatch(
+            name=self.name,
+            started_at=self.started_at,
+            wall_s=self.wall_s,
+            rollout_s=rollout,
+            environments=len(envs),
+            phases=phases,
+            command_s=command,
+            other_s=max(0.0, rollout - env - command),
+            share=min(1.0, env / rollout) if rollout > 0 else 0.0,
+        )
 
     def __repr__(self) -> str:
-        return (f"Tally({self.name!r}, wall_s={self.wall_s:.3f}, rollout_s={self.rollout_s:.3f}, "
-                f"env_s={self.env_s:.3f}, share={self.share:.1%})")
+        return (
+            f"Tally({self.name!r}, wall_s={self.wall_s:.3f}, rollout_s={self.rollout_s:.3f}, "
+            f"env_s={self.env_s:.3f}, share={self.share:.1%})"
+        )
 
 
 def _seconds(v: float) -> float:

@@ -84,8 +84,9 @@ def needed_paths(argv: Sequence[str], keep: Iterable[str | os.PathLike[str]]) ->
     return [os.path.realpath(p) for p in (*ALWAYS_KEPT, argv[0], *keep)]
 
 
-def run_isolated(argv: Sequence[str], *, keep: Iterable[str | os.PathLike[str]] = (),
-                 timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+def run_isolated(
+    argv: Sequence[str], *, keep: Iterable[str | os.PathLike[str]] = (), timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` (``argv[0]`` a path) to its end in a mount namespace of its
     own holding only the mounts on the way to the paths in ``keep`` and to
     those every program needs (module docstring); its stdin is /dev/null, its
@@ -100,8 +101,9 @@ def run_isolated(argv: Sequence[str], *, keep: Iterable[str | os.PathLike[str]] 
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     paths = needed_paths(argv, keep)
     child = [sys.executable, "-S", "-m", "weenv.host.mountns", *[a for p in paths for a in ("--keep", p)], "--", *argv]
-    return subprocess.run(child, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        child, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def _enter(keep: list[str]) -> list[str]:

@@ -57,13 +57,17 @@ class MountSpec:
     flags: int = 0
 
 
-def erofs_spec(image: str | os.PathLike[str], target: str | os.PathLike[str], *,
-               directio: bool = False) -> MountSpec:
+def erofs_spec(image: str | os.PathLike[str], target: str | os.PathLike[str], *, directio: bool = False) -> MountSpec:
     """A read-only, file-backed EROFS mount of the image file ``image`` at ``target``,
     ``nosuid,nodev``: a setuid file or a device node in a group is neither on the host.
     ``directio``: the kernel reads the image file with direct I/O (module docstring)."""
-    return MountSpec("erofs", os.fspath(image), os.fspath(target), EROFS_DIRECTIO if directio else "",
-                     MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return MountSpec(
+        "erofs",
+        os.fspath(image),
+        os.fspath(target),
+        EROFS_DIRECTIO if directio else "",
+        MS_RDONLY | MS_NOSUID | MS_NODEV,
+    )
 
 
 class _DirectIO:
@@ -102,8 +106,11 @@ def mount_erofs(image: str | os.PathLike[str], target: str | os.PathLike[str]) -
         with _DirectIO.lock:
             first, _DirectIO.supported = _DirectIO.supported is None, False
         if first:
-            log.warning("this kernel refuses EROFS's directio option (%s); group images are mounted "
-                        "without it, and commands at a memory limit may die of SIGBUS (issue 18)", exc)
+            log.warning(
+                "this kernel refuses EROFS's directio option (%s); group images are mounted "
+                "without it, and commands at a memory limit may die of SIGBUS (issue 18)",
+                exc,
+            )
         return plain
     with _DirectIO.lock:
         _DirectIO.supported = True
@@ -151,14 +158,10 @@ def overlay_escape(path: str | os.PathLike[str]) -> str:
 def mount(spec: MountSpec) -> None:
     """Perform ``spec``; raise :class:`MountError` with the errno on failure."""
     options = spec.options.encode() if spec.options else None
-    rc = _libc.mount(
-        spec.source.encode(), spec.target.encode(), spec.fstype.encode(), spec.flags, options
-    )
+    rc = _libc.mount(spec.source.encode(), spec.target.encode(), spec.fstype.encode(), spec.flags, options)
     if rc != 0:
         err = ctypes.get_errno()
-        raise MountError(
-            err, f"mount {spec.fstype} {spec.source} on {spec.target}: {os.strerror(err)}"
-        )
+        raise MountError(err, f"mount {spec.fstype} {spec.source} on {spec.target}: {os.strerror(err)}")
 
 
 MS_MOVE = 0x2000
@@ -207,8 +210,7 @@ def mounts_under(prefix: str | os.PathLike[str]) -> list[tuple[str, str]]:
 
 
 def _at_or_below(table: list[tuple[str, str]], prefix: str) -> list[tuple[str, str]]:
-    return [(fstype, point) for fstype, point in table
-            if point == prefix or point.startswith(prefix.rstrip("/") + "/")]
+    return [(fstype, point) for fstype, point in table if point == prefix or point.startswith(prefix.rstrip("/") + "/")]
 
 
 def mount_info(target: str | os.PathLike[str]) -> tuple[str, str, str] | None:
@@ -259,7 +261,7 @@ def overlay_lowers(target: Path) -> list[Path] | None:
     options = found[2]
     for option in options.split(","):  # the kernel shows a "," inside a value as \054
         if option.startswith("lowerdir="):
-            value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir="):])
+            value = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), option[len("lowerdir=") :])
             dirs, cur, chars = [], [], iter(value)
             for ch in chars:  # overlayfs escapes: "\x" is x; an unescaped ":" separates
                 if ch == "\\":

@@ -41,19 +41,48 @@ from weenv.errors import InvalidInputError, NotFoundError, PseudoFileError
 from weenv.host.rootfs import _DIR, RootFS, _libc
 
 CONTENT_FS = {
-    0x794C7630: "overlayfs", 0x01021994: "tmpfs", 0x858458F6: "ramfs", 0xEF53: "ext4", 0x58465342: "xfs",
-    0x9123683E: "btrfs", 0xE0F5E1E2: "erofs", 0x73717368: "squashfs", 0x65735546: "fuse", 0x6969: "nfs",
-    0xFF534D42: "cifs", 0xFE534D42: "smb2", 0x01021997: "9p", 0x2FC12FC1: "zfs", 0xF2F52010: "f2fs",
-    0x00C36400: "ceph", 0xCA451A4E: "bcachefs", 0x4D44: "vfat", 0x2011BAB0: "exfat", 0x9660: "iso9660",
-}  # fmt: skip
+    0x794C7630: "overlayfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0xEF53: "ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0xE0F5E1E2: "erofs",
+    0x73717368: "squashfs",
+    0x65735546: "fuse",
+    0x6969: "nfs",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x01021997: "9p",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0x00C36400: "ceph",
+    0xCA451A4E: "bcachefs",
+    0x4D44: "vfat",
+    0x2011BAB0: "exfat",
+    0x9660: "iso9660",
+}
 """statfs(2) ``f_type`` (linux/magic.h) of the file systems whose files are read
 and written through a process's root: those holding files' content."""
 PSEUDO_FS = {
-    0x9FA0: "procfs", 0x62656572: "sysfs", 0x63677270: "cgroup2", 0x27E0EB: "cgroup", 0x64626720: "debugfs",
-    0x74726163: "tracefs", 0x73636673: "securityfs", 0xCAFE4A11: "bpf", 0x1CD1: "devpts", 0x19800202: "mqueue",
-    0x6165676C: "pstore", 0x62656570: "configfs", 0xDE5E81E4: "efivarfs", 0xF97CFF8C: "selinuxfs",
-    0x42494E4D: "binfmt_misc", 0x65735543: "fusectl", 0x6E736673: "nsfs",
-}  # fmt: skip
+    0x9FA0: "procfs",
+    0x62656572: "sysfs",
+    0x63677270: "cgroup2",
+    0x27E0EB: "cgroup",
+    0x64626720: "debugfs",
+    0x74726163: "tracefs",
+    0x73636673: "securityfs",
+    0xCAFE4A11: "bpf",
+    0x1CD1: "devpts",
+    0x19800202: "mqueue",
+    0x6165676C: "pstore",
+    0x62656570: "configfs",
+    0xDE5E81E4: "efivarfs",
+    0xF97CFF8C: "selinuxfs",
+    0x42494E4D: "binfmt_misc",
+    0x65735543: "fusectl",
+    0x6E736673: "nsfs",
+}
 """Names of kernel pseudo file systems' ``f_type``, for the error message (any kind not in
 :data:`CONTENT_FS` is refused, named or not)."""
 
@@ -110,8 +139,9 @@ class ProcessRootFS(RootFS):
                     return False
                 path = posixpath.dirname(path.rstrip("/")) or "/"
 
-    def open_write(self, path: str, mode: int = 0o644, *, make_parents: bool = True,
-                   owner: tuple[int, int] | None = None) -> BinaryIO:  # fmt: skip
+    def open_write(
+        self, path: str, mode: int = 0o644, *, make_parents: bool = True, owner: tuple[int, int] | None = None
+    ) -> BinaryIO:
         f = super().open_write(path, mode, make_parents=make_parents, owner=owner)
         try:  # a file this call created was checked by no _require_file: it is empty, nothing written yet
             _require_content_fs(f.fileno(), path)
@@ -126,8 +156,11 @@ def _require_content_fs(fd: int, path: str) -> None:
     magic = fs_type(fd)
     if magic not in CONTENT_FS:
         kind = PSEUDO_FS.get(magic, f"a file system of type {magic:#x}")
-        raise PseudoFileError(f"{path}: on {kind}, which is not a file system of files' content: "
-                              "its files are not read or written from outside the environment", kind)
+        raise PseudoFileError(
+            f"{path}: on {kind}, which is not a file system of files' content: "
+            "its files are not read or written from outside the environment",
+            kind,
+        )
 
 
 def pin_process(pid: int, *, expect_cgroup: str | None = None) -> int:

@@ -67,7 +67,7 @@ class EntryInfo(BaseModel):
     mode: int
 
     @classmethod
-    def of(cls, name: str, s: os.stat_result) -> "EntryInfo":
+    def of(cls, name: str, s: os.stat_result) -> EntryInfo:
         m = s.st_mode
         kind: EntryType = (
             "file" if st.S_ISREG(m) else "dir" if st.S_ISDIR(m) else "symlink" if st.S_ISLNK(m) else "other"
@@ -94,11 +94,17 @@ _INVALID = {
 
 def _mapped(exc: OSError, path: str) -> Exception:
     if exc.errno == errno.EDQUOT:
-        return DiskFullError(exc.errno, f"{path}: the environment's disk is full ({os.strerror(exc.errno)}): "
-                                        "its disk limit (resources.disk_bytes) is reached")
+        return DiskFullError(
+            exc.errno,
+            f"{path}: the environment's disk is full ({os.strerror(exc.errno)}): "
+            "its disk limit (resources.disk_bytes) is reached",
+        )
     if exc.errno == errno.ENOSPC:  # not its limit: the disk it shares with the node's other environments
-        return DiskFullError(exc.errno, f"{path}: no space left on the node's disk ({os.strerror(exc.errno)}), "
-                                        "below the environment's own disk limit")
+        return DiskFullError(
+            exc.errno,
+            f"{path}: no space left on the node's disk ({os.strerror(exc.errno)}), "
+            "below the environment's own disk limit",
+        )
     if exc.errno == errno.ENOENT:
         return NotFoundError(f"{path}: no such file or directory")
     if exc.errno in _INVALID:
@@ -399,9 +405,12 @@ class RootFS:
             raw = os.fsencode(_clean(path))
             for _attempt in range(64):  # EAGAIN: a concurrent rename raced a ".." lookup
                 fd = _libc.syscall(
-                    ctypes.c_long(SYS_OPENAT2), ctypes.c_long(root), ctypes.c_char_p(raw),
-                    ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
-                )  # fmt: skip
+                    ctypes.c_long(SYS_OPENAT2),
+                    ctypes.c_long(root),
+                    ctypes.c_char_p(raw),
+                    ctypes.byref(how),
+                    ctypes.c_size_t(ctypes.sizeof(how)),
+                )
                 if fd >= 0:
                     return fd
                 err = ctypes.get_errno()
@@ -415,7 +424,7 @@ class RootFS:
         """A new ``O_PATH`` descriptor of the root (the caller closes it)."""
         return os.open(self.root, _DIR | os.O_CLOEXEC)
 
-    def _open(self, path: str, flags: int) -> "_Fd":
+    def _open(self, path: str, flags: int) -> _Fd:
         try:
             return _Fd(self._openat2(path, flags))
         except OSError as exc:

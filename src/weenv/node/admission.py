@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from weenv.errors import CapacityError, ClosedError
 
@@ -48,8 +48,7 @@ class Admission:
             held = self._count()
             if self.max_environments is not None and held + self.pending >= self.max_environments:
                 raise CapacityError(
-                    f"the node runs {held} environments (+{self.pending} starting) "
-                    f"of at most {self.max_environments}"
+                    f"the node runs {held} environments (+{self.pending} starting) of at most {self.max_environments}"
                 )
             self.pending += 1
         try:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 from weenv.config import settings
 from weenv.errors import CapacityError, MountError, ToolMissingError
-from weenv.host import mounts, mountns
+from weenv.host import mountns, mounts
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def leftovers(directory: Path, name: str) -> list[Path]:
     except FileNotFoundError:
         return []
     return [directory / n for n in sorted(names) if n == name or n.startswith(name + ".")]
+
 
 # --- ioctls ----------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ LO_FLAGS_DIRECT_IO = 16
 def _vol_args(name: str) -> bytearray:
     args = bytearray(4096)
     raw = name.encode()
-    args[8:8 + len(raw)] = raw
+    args[8 : 8 + len(raw)] = raw
     return args
 
 
@@ -127,14 +128,15 @@ def _snap_args(source_fd: int, name: str, flags: int) -> bytearray:
     args = bytearray(4096)
     struct.pack_into("=qQQ", args, 0, source_fd, 0, flags)
     raw = name.encode()
-    args[56:56 + len(raw)] = raw
+    args[56 : 56 + len(raw)] = raw
     return args
 
 
 def _loop_config(fd: int, flags: int, name: str) -> bytes:
     """struct loop_config (include/uapi/linux/loop.h): fd, block_size, loop_info64, reserved."""
-    return struct.pack("=II5Q4I64s64s32s2Q64x", fd, 4096, 0, 0, 0, 0, 0, 0, 0, 0, flags,
-                       name.encode()[:63], b"", b"", 0, 0)
+    return struct.pack(
+        "=II5Q4I64s64s32s2Q64x", fd, 4096, 0, 0, 0, 0, 0, 0, 0, 0, flags, name.encode()[:63], b"", b"", 0, 0
+    )
 
 
 def attach_loop(image: Path) -> tuple[int, str]:
@@ -150,8 +152,9 @@ def attach_loop(image: Path) -> tuple[int, str]:
                 dev = f"/dev/loop{n}"
                 fd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
                 try:
-                    fcntl.ioctl(fd, LOOP_CONFIGURE,
-                                _loop_config(backing, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, str(image)))
+                    fcntl.ioctl(
+                        fd, LOOP_CONFIGURE, _loop_config(backing, LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, str(image))
+                    )
                 except OSError as exc:
                     os.close(fd)
                     if exc.errno == errno.EBUSY:
@@ -237,8 +240,11 @@ class NodeDisk:
             self._format(mkfs)
             fd, dev = attach_loop(self.image)
             try:
-                mounts.mount(mounts.MountSpec("btrfs", dev, str(self.mountpoint), MOUNT_OPTIONS,
-                                              mounts.MS_NOSUID | mounts.MS_NODEV))  # fmt: skip
+                mounts.mount(
+                    mounts.MountSpec(
+                        "btrfs", dev, str(self.mountpoint), MOUNT_OPTIONS, mounts.MS_NOSUID | mounts.MS_NODEV
+                    )
+                )
             finally:
                 os.close(fd)  # the mount holds the device now (autoclear once unmounted)
         except BaseException:
@@ -274,8 +280,10 @@ class NodeDisk:
         st = os.statvfs(self.image.parent)
         size = int(st.f_bavail * st.f_frsize * DEFAULT_SHARE) >> 20 << 20
         if size < MIN_IMAGE_BYTES:
-            raise CapacityError(f"{self.image.parent} has {st.f_bavail * st.f_frsize >> 20} MiB free: "
-                                f"too little for the environments' disk (WEENV_DISK_BYTES)")
+            raise CapacityError(
+                f"{self.image.parent} has {st.f_bavail * st.f_frsize >> 20} MiB free: "
+                f"too little for the environments' disk (WEENV_DISK_BYTES)"
+            )
         return size
 
     def _grow(self, device: str, size: int) -> None:
@@ -438,8 +446,7 @@ class NodeDisk:
             sid = self._subvolume_id(env_dir, name)
             fd = os.open(env_dir / name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                fcntl.ioctl(fd, QGROUP_LIMIT,
-                            bytearray(struct.pack("=6Q", sid, QGROUP_LIMIT_MAX_RFER, limit, 0, 0, 0)))
+                fcntl.ioctl(fd, QGROUP_LIMIT, bytearray(struct.pack("=6Q", sid, QGROUP_LIMIT_MAX_RFER, limit, 0, 0, 0)))
             finally:
                 os.close(fd)
         except OSError as exc:

@@ -72,8 +72,14 @@ class NodeManifests:
     """Manifests of ``store`` kept in memory (up to ``memory_bytes`` of their
     JSON) and under ``root`` (created; up to ``disk`` files).  Thread-safe."""
 
-    def __init__(self, root: str | os.PathLike[str], store: Store, *,
-                 memory_bytes: int = MEMORY_MANIFEST_BYTES, disk: int = DISK_MANIFESTS):  # fmt: skip
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        store: Store,
+        *,
+        memory_bytes: int = MEMORY_MANIFEST_BYTES,
+        disk: int = DISK_MANIFESTS,
+    ):
         self.root = Path(root) / "manifests" / "sha256"
         self.root.mkdir(parents=True, exist_ok=True)
         self.store = store
@@ -299,8 +305,7 @@ class KnownNames:
             self.path.unlink(missing_ok=True)
 
     def _save_locked(self) -> None:
-        doc = {"store": self.store_url,
-               "names": {n: {"digest": d, "at": at} for n, (d, at) in self._names.items()}}  # fmt: skip
+        doc = {"store": self.store_url, "names": {n: {"digest": d, "at": at} for n, (d, at) in self._names.items()}}
         try:
             atomic_write(self.path, json.dumps(doc, sort_keys=True).encode(), durable=False)
         except OSError as exc:  # the node works without it (a restart then needs the store)

@@ -50,11 +50,21 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from weenv.api.models import (
+    DEFAULT_TIMEOUT_S,
+    CreateRequest,
+    CreateTiming,
+    EnvironmentInfo,
+    ExecResult,
+    NodeStats,
+    ProcessInfo,
+    TemplateInfo,
+)
 from weenv.config import Paths, private_dir
 from weenv.errors import (
+    FULL_ERRNOS,
     BrokenError,
     CommandTimeoutError,
-    FULL_ERRNOS,
     DiskFullError,
     InvalidInputError,
     NotFoundError,
@@ -67,41 +77,33 @@ from weenv.host.mounts import overlay_lowers as _overlay_lowers  # noqa: F401  (
 from weenv.host.procroot import ProcessRootFS, pin_process
 from weenv.host.rootfs import RootFS
 from weenv.node.admission import Admission
+from weenv.node.data.cache import ChunkCache
+from weenv.node.data.groups import GroupMounts
+from weenv.node.data.lazyfs import LazyFS
+from weenv.node.data.peers import PEERS_HINT, PeerChunks
+from weenv.node.data.prefetch import PACK_BYTES, Prefetcher
+from weenv.node.disk import NodeDisk
+from weenv.node.home import HomeLock
+from weenv.node.manifests import KnownNames, NodeManifests
+from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
+from weenv.node.provision.profiles import TemplateProfiles  # issue 19
+from weenv.node.resolver import Resolved, Resolver
+from weenv.node.runtime import envs_dir, idmap, network
 from weenv.node.runtime.agent import AgentBinary
 from weenv.node.runtime.agent.client import AgentUnavailable
 from weenv.node.runtime.bundle import AGENT_PATH
-from weenv.node.data.cache import ChunkCache
 from weenv.node.runtime.commands import KEEP_FINISHED, Commands, collect
 from weenv.node.runtime.container import Containers, check_capabilities
-from weenv.node.disk import NodeDisk
-from weenv.node.state.fork import ForkResult, Forks
-from weenv.node.data.groups import GroupMounts
-from weenv.node.home import HomeLock
 from weenv.node.runtime.launcher import Launchers
-from weenv.node.data.lazyfs import LazyFS
-from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.node.runtime import envs_dir, idmap, network
-from weenv.api.models import (
-    DEFAULT_TIMEOUT_S,
-    CreateRequest,
-    CreateTiming,
-    EnvironmentInfo,
-    ExecResult,
-    NodeStats,
-    ProcessInfo,
-    TemplateInfo,
-)
-from weenv.node.state.pause import Pauses, check_running, release_after_from_env
-from weenv.node.data.peers import PEERS_HINT, PeerChunks
-from weenv.node.state.pool import pool_size_from_env
-from weenv.node.data.prefetch import PACK_BYTES, Prefetcher
 from weenv.node.runtime.process import DEFAULT_RETAIN, Process
-from weenv.node.provision import ProvisionConfig, Provisioner, ProvisionStats  # issue 5
-from weenv.node.provision.profiles import TemplateProfiles  # issue 19
+from weenv.node.runtime.runtime import NodeRuntime
+from weenv.node.runtime.users import Identity
+from weenv.node.snapshotter import Snapshotter
+from weenv.node.state.fork import ForkResult, Forks
+from weenv.node.state.pause import Pauses, check_running, release_after_from_env
+from weenv.node.state.pool import pool_size_from_env
 from weenv.node.state.recovery import Recovery, logged
 from weenv.node.state.reset import Resets
-from weenv.node.resolver import Resolved, Resolver
-from weenv.node.runtime.runtime import NodeRuntime
 from weenv.node.state.snapshot import (
     Capture,
     Captures,
@@ -111,8 +113,7 @@ from weenv.node.state.snapshot import (
     list_snapshots,
     new_snapshot_name,
 )
-from weenv.node.snapshotter import Snapshotter
-from weenv.node.runtime.users import Identity
+from weenv.node.state.warm import WarmStarts, pool_key
 from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always was)
     CONTAINER_PREFIX,
     UNDELIVERED,
@@ -120,11 +121,12 @@ from weenv.node.table import (  # noqa: F401  (CONTAINER_PREFIX: where it always
     EnvironmentTable,
     check_priority,
     container_id,
-    follow as _follow,
     save_info,
     staged_info,
 )
-from weenv.node.state.warm import WarmStarts, pool_key
+from weenv.node.table import (
+    follow as _follow,
+)
 from weenv.packaging.buildcache import store_lock
 from weenv.store import Store, open_store
 
@@ -198,11 +200,17 @@ class Node:
         self.peers.held = self._held_for_peer
         self.lazyfs = LazyFS(paths.lazy_mountpoint, self.cache, run_dir=paths.run)  # + the FUSE holder
         self.groups = GroupMounts(paths.group_mounts, self.lazyfs, images=paths.node / "images")
-        self.prefetch = Prefetcher(self.cache, self.store, self.lazyfs, workers=prefetch_workers,
-                                   record_s=prefetch_record_s, pack_bytes=prefetch_pack_bytes,
-                                   publish_lock=lambda: store_lock(self.paths, exclusive=False),
-                                   on_group_complete=self.groups.assemble_if_complete,
-                                   peers=self.peers)
+        self.prefetch = Prefetcher(
+            self.cache,
+            self.store,
+            self.lazyfs,
+            workers=prefetch_workers,
+            record_s=prefetch_record_s,
+            pack_bytes=prefetch_pack_bytes,
+            publish_lock=lambda: store_lock(self.paths, exclusive=False),
+            on_group_complete=self.groups.assemble_if_complete,
+            peers=self.peers,
+        )
         self.manifests = NodeManifests(paths.node / "known", self.store)
         """Template and group manifests, in memory and in the node's home (:mod:`weenv.node.manifests`)."""
         self.names = KnownNames(paths.node / "known", self.store.url)
@@ -210,8 +218,10 @@ class Node:
         self.resolver = Resolver(self.store, self.manifests, self.names)
         self.table = EnvironmentTable()
         self.admission = Admission(max_environments, count=lambda: len(self.table))
-        self.provisioner = Provisioner(provisioning or ProvisionConfig.from_env(),  # quotas follow usage
-                                       profiles=TemplateProfiles(paths.node / "usage", self.store))
+        self.provisioner = Provisioner(
+            provisioning or ProvisionConfig.from_env(),  # quotas follow usage
+            profiles=TemplateProfiles(paths.node / "usage", self.store),
+        )
         self.envs = envs_dir.environments_dir(paths)
         """The environments' directories: ``node/envs``, or one reached through searchable directories
         only when a directory above the home is closed to others (:mod:`weenv.node.runtime.envs_dir`)."""
@@ -223,20 +233,34 @@ class Node:
         self.agent = AgentBinary(paths.cache, enabled=exec_agent)
         self.containers = Containers(self.runc, self.agent)
         self.launchers = Launchers(self.runc)
-        self.commands = Commands(self.table, self.launchers, retain_bytes=output_retain_bytes,
-                                 start_timeout=self.runc.command_timeout)
-        self.warm = WarmStarts(self.resolver, self.snapshotter, self.containers, self.groups,
-                               size=pool_size_from_env() if pool_size is None else pool_size,
-                               may_fill=lambda ready: self.admission.may_pool(ready, self.provisioner.admitting))
+        self.commands = Commands(
+            self.table, self.launchers, retain_bytes=output_retain_bytes, start_timeout=self.runc.command_timeout
+        )
+        self.warm = WarmStarts(
+            self.resolver,
+            self.snapshotter,
+            self.containers,
+            self.groups,
+            size=pool_size_from_env() if pool_size is None else pool_size,
+            may_fill=lambda ready: self.admission.may_pool(ready, self.provisioner.admitting),
+        )
         self.pool = self.warm.pool
         """Environments created ahead (:mod:`weenv.node.state.pool`)."""
-        self.recovery = Recovery(table=self.table, snapshotter=self.snapshotter, containers=self.containers,
-                                 groups=self.groups, lazyfs=self.lazyfs, manifests=self.manifests,
-                                 provisioner=self.provisioner, group_mounts=paths.group_mounts,
-                                 lazy_mountpoint=paths.lazy_mountpoint)
+        self.recovery = Recovery(
+            table=self.table,
+            snapshotter=self.snapshotter,
+            containers=self.containers,
+            groups=self.groups,
+            lazyfs=self.lazyfs,
+            manifests=self.manifests,
+            provisioner=self.provisioner,
+            group_mounts=paths.group_mounts,
+            lazy_mountpoint=paths.lazy_mountpoint,
+        )
         self.captures = Captures(self.envs, disk=self.provisioner)
-        self.pauses = Pauses(self.provisioner, containers=self.containers, commands=self.commands,
-                             release_after=release_after_from_env())  # fmt: skip
+        self.pauses = Pauses(
+            self.provisioner, containers=self.containers, commands=self.commands, release_after=release_after_from_env()
+        )
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
         self.forks = Forks(self.captures, self._create_child)
 
@@ -250,7 +274,7 @@ class Node:
         return self.launchers.counts
 
     # --- lifetime -------------------------------------------------------------------
-    def start(self) -> "Node":
+    def start(self) -> Node:
         """Take the home, start the FUSE daemon, and either recover what an
         earlier node process of this home left running (it was killed) or
         clear it.  Idempotent.
@@ -356,7 +380,7 @@ class Node:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "Node":
+    def __enter__(self) -> Node:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -414,8 +438,9 @@ class Node:
             capabilities = self.containers.default_capabilities()
         elif self.containers.userns_all and sudo:
             check_capabilities(tuple(capabilities))
-        return self._admitted_create(_Create(req, tuple(capabilities), prefetch, undelivered, sudo=sudo,
-                                             peer_hint=peer_hint))
+        return self._admitted_create(
+            _Create(req, tuple(capabilities), prefetch, undelivered, sudo=sudo, peer_hint=peer_hint)
+        )
 
     def _admitted_create(self, c: _Create) -> EnvironmentInfo:
         with self.admission.admit():
@@ -434,8 +459,14 @@ class Node:
     def _create(self, t0: float, resolved: Resolved, c: _Create) -> EnvironmentInfo:
         """One try of :meth:`create` on ``resolved``, from the warm pool if it has one."""
         req = c.request
-        if (not c.prefetch or not c.sudo or c.upper_from is not None or req.network is not None or req.allow_out
-                or req.deny_out):
+        if (
+            not c.prefetch
+            or not c.sudo
+            or c.upper_from is not None
+            or req.network is not None
+            or req.allow_out
+            or req.deny_out
+        ):
             # build environments, fork children and networks of the create's own: never from the warm pool
             return self._create_env(t0, resolved, c, None)
         with self.warm.taken(pool_key(resolved.digest, c.request.resources, c.capabilities)) as pooled:
@@ -450,8 +481,9 @@ class Node:
         except OSError as exc:  # undone: a full disk said so as any other step's failure does
             if exc.errno not in FULL_ERRNOS or isinstance(exc, DiskFullError):
                 raise
-            who = ("a fork child" if c.upper_from is not None else "a new environment") + \
-                f" of template {c.request.template}"
+            who = (
+                "a fork child" if c.upper_from is not None else "a new environment"
+            ) + f" of template {c.request.template}"
             raise disk_full(who, f"cannot create it (writing {exc.filename or 'its files'})", exc) from exc
 
     def _create_env_undone(self, t0: float, resolved: Resolved, c: _Create, pooled) -> EnvironmentInfo:
@@ -467,8 +499,9 @@ class Node:
                 undo.callback(self.prefetch.cancel, env_id)
             # its profile names its groups: their manifests load beside the template's
             # and the group manifests it carries are taken from it (checked) rather than fetched
-            manifest, group_manifests = self.resolver.load(digest, self.prefetch.known_groups(digest),
-                                                           self.prefetch.known_manifests(digest))
+            manifest, group_manifests = self.resolver.load(
+                digest, self.prefetch.known_groups(digest), self.prefetch.known_manifests(digest)
+            )
             timing["manifest_s"] = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
             # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)
@@ -479,18 +512,37 @@ class Node:
             if c.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
             undo.callback(self.prefetch.cancel, env_id)
-            undo.callback(self.prefetch.end_recording, env_id, publish=False)  # runs first: a failed create records nothing
+            undo.callback(
+                self.prefetch.end_recording, env_id, publish=False
+            )  # runs first: a failed create records nothing
             lowers = self.warm.start(pooled, manifest, group_manifests, timing) if pooled is not None else None
             runtime, egress = _network(req, manifest.runtime)
             if runtime.network:  # before anything is made (a pooled one was made by this node's policy)
                 network.check_policy(self.containers.network_allowed)
             if lowers is None:
                 userns = self.containers.wants_userns(manifest.runtime) and c.sudo
-                lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo,
-                                                  timing, upper_from=c.upper_from, userns=userns)  # fmt: skip
+                lowers = self.snapshotter.prepare(
+                    env_id,
+                    manifest.groups,
+                    group_manifests,
+                    res.disk_bytes,
+                    undo,
+                    timing,
+                    upper_from=c.upper_from,
+                    userns=userns,
+                )
                 _check_command(req.template, runtime, self.snapshotter.dir(env_id) / "rootfs")
-                self.containers.make(env_id, self.snapshotter.dir(env_id), runtime, res, c.capabilities,
-                                     undo, timing, start=True, egress=egress)  # fmt: skip
+                self.containers.make(
+                    env_id,
+                    self.snapshotter.dir(env_id),
+                    runtime,
+                    res,
+                    c.capabilities,
+                    undo,
+                    timing,
+                    start=True,
+                    egress=egress,
+                )
             self.provisioner.attach(env_id, f"/{container_id(env_id)}")
             self.resolver.check(req.template, resolved)  # RefMoved: undone; create starts the new digest
             env_dir = self.snapshotter.dir(env_id)
@@ -504,12 +556,15 @@ class Node:
                 timing["first_command_s"] = self._first_command(e, req.template)
             undo.pop_all()
         e.info.timing = CreateTiming(
-            **timing, resolved_from=resolved.source, resolved_age_s=resolved.age_s,
+            **timing,
+            resolved_from=resolved.source,
+            resolved_age_s=resolved.age_s,
             total_s=time.perf_counter() - t0,
-            bytes_fetched=self.cache.bytes_fetched - fetched0, chunks_fetched=self.cache.chunks_fetched - chunks0,
+            bytes_fetched=self.cache.bytes_fetched - fetched0,
+            chunks_fetched=self.cache.chunks_fetched - chunks0,
             template_bytes=sum(g.image_size for g in group_manifests),
             template_stored_bytes=sum(g.stored_size for g in group_manifests),
-        )  # fmt: skip
+        )
         e.info.expires_at = time.time() + e.info.timeout_s
         save_info(e.dir, e.info)
         self.table.add(e)
@@ -526,8 +581,11 @@ class Node:
         try:
             # through the agent alone: it serves only once pid 1 has exec'd the template's command,
             # where a runc exec fallback could answer in the instant before a failed exec ends pid 1
-            result = collect(self.commands.start(e, probe, timeout=60, primary_reader=True,
-                                                 launcher=self.launchers.agent if agent else None))
+            result = collect(
+                self.commands.start(
+                    e, probe, timeout=60, primary_reader=True, launcher=self.launchers.agent if agent else None
+                )
+            )
         except (BrokenError, AgentUnavailable) as exc:  # the container ended under its first command
             raise RuntimeFailedError(
                 f"template {template}: the environment stopped as it started (does its "
@@ -632,8 +690,7 @@ class Node:
         descendant (``cmd &``) writes after the command returned goes to the
         node's :class:`~weenv.node.runtime.process.PipeSink`, never to a file on the host.
         """
-        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output,
-                     user=user)
+        r = self.run(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, max_output=max_output, user=user)
         if r.timed_out and raise_on_timeout:
             raise CommandTimeoutError(f"command timed out after {timeout} s in {env_id}")
         return r
@@ -680,9 +737,19 @@ class Node:
         e = self.table.get(env_id)
         with e.gate.passing():  # not while a reset or pause replaces or freezes its container
             check_running(e)
-            p = self.commands.start(e, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin,
-                                    stdin_open=stdin_open, tag=tag, primary_reader=primary_reader, user=user,
-                                    tty=tty)  # fmt: skip
+            p = self.commands.start(
+                e,
+                command,
+                env=env,
+                cwd=cwd,
+                timeout=timeout,
+                stdin=stdin,
+                stdin_open=stdin_open,
+                tag=tag,
+                primary_reader=primary_reader,
+                user=user,
+                tty=tty,
+            )
             self.commands.keep(e, p)  # before the gate opens: a reset now kills and forgets it
         self.prefetch.watch_command(env_id, p.wait)
         return p
@@ -710,8 +777,7 @@ class Node:
         as it comes: past ``max_output`` bytes (stdout + stderr) the command tree
         is killed and :class:`OutputLimitError` raised, so a huge output never
         fills the daemon's memory or disk."""
-        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True,
-                       user=user)
+        p = self.spawn(env_id, command, env=env, cwd=cwd, timeout=timeout, stdin=stdin, primary_reader=True, user=user)
         return collect(p, max_output)
 
     def collect(self, p: Process, max_output: int = 64 << 20) -> ExecResult:
@@ -756,7 +822,7 @@ class Node:
                 e.init_pid = None  # restarted or gone: ask runc again
         return RootFS(e.rootfs, shift)
 
-    def open_port(self, env_id: str, port: int) -> "socket.socket":
+    def open_port(self, env_id: str, port: int) -> socket.socket:
         """A TCP connection to ``port`` on the environment's own loopback (inside
         its network namespace, with or without network; E2B's ``get_host``).
         Raises :class:`NotFoundError` (unknown or stopped), ``OSError`` (nothing listens)."""
@@ -848,8 +914,13 @@ class Node:
         c = self.captures.take(e)
         try:
             held = self.captures.count(c, name)
-            info = self.captures.publish(c, self.store, name, workdir=self.paths.node,
-                                         publish_lock=lambda: store_lock(self.paths, exclusive=False))  # fmt: skip
+            info = self.captures.publish(
+                c,
+                self.store,
+                name,
+                workdir=self.paths.node,
+                publish_lock=lambda: store_lock(self.paths, exclusive=False),
+            )
         except BaseException:
             self.captures.drop(c)
             raise
@@ -877,13 +948,21 @@ class Node:
 
     def _create_child(self, c: Capture, timeout: float | None) -> EnvironmentInfo:
         info = c.info
-        req = CreateRequest(template=c.template_digest, resources=info.resources, envs=info.envs,
-                            metadata=info.metadata, priority=info.priority,
-                            network=info.network, allow_out=info.allow_out, deny_out=info.deny_out,
-                            public_traffic=info.public_traffic,
-                            timeout=info.timeout_s if timeout is None else timeout)  # fmt: skip
-        return self._admitted_create(_Create(req, self.containers.default_capabilities(), False, False,
-                                             upper_from=c.path))  # fmt: skip
+        req = CreateRequest(
+            template=c.template_digest,
+            resources=info.resources,
+            envs=info.envs,
+            metadata=info.metadata,
+            priority=info.priority,
+            network=info.network,
+            allow_out=info.allow_out,
+            deny_out=info.deny_out,
+            public_traffic=info.public_traffic,
+            timeout=info.timeout_s if timeout is None else timeout,
+        )
+        return self._admitted_create(
+            _Create(req, self.containers.default_capabilities(), False, False, upper_from=c.path)
+        )
 
     def reset(self, env_id: str, snapshot: str | None = None) -> EnvironmentInfo:
         """Environment ``env_id`` back in place to its template's state, or to
@@ -902,8 +981,10 @@ class Node:
             if snapshot is not None:  # kept on disk until the reset is done (a delete_snapshot waits)
                 c = pins.enter_context(self.captures.pinned(snapshot))
                 if c.template_digest != e.info.template_digest:
-                    raise InvalidInputError(f"snapshot {snapshot!r} is of template {c.template.name} "
-                                            f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})")
+                    raise InvalidInputError(
+                        f"snapshot {snapshot!r} is of template {c.template.name} "
+                        f"({c.template_digest}), not of {env_id}'s ({e.info.template_digest})"
+                    )
                 upper_from = c.path
             t = self.resets.reset(e, upper_from)
         e.info.timing = CreateTiming(overlay_s=t.overlay_s, runtime_s=t.runtime_s, total_s=t.total_s)
@@ -973,7 +1054,7 @@ class Node:
             self.resolver.clear()
 
     def _check_idle(self, locked: bool = False) -> None:
-        if (self.table.count_locked() if locked else len(self.table)):
+        if self.table.count_locked() if locked else len(self.table):
             raise InvalidInputError("cannot drop the node cache while environments run")
 
 
@@ -1006,8 +1087,9 @@ def _check_command(template: str, runtime: RuntimeConfig, rootfs: Path) -> None:
     is made.  A bare name (found through ``PATH`` at exec) is not checked."""
     command = runtime.command
     if command and command[0].startswith("/") and not RootFS(rootfs).exists(command[0]):
-        raise RuntimeFailedError(f"template {template}: its command {list(command)!r} names "
-                                 f"{command[0]!r}, which is not in its file system")
+        raise RuntimeFailedError(
+            f"template {template}: its command {list(command)!r} names {command[0]!r}, which is not in its file system"
+        )
 
 
 def _network(req: CreateRequest, runtime: RuntimeConfig) -> tuple[RuntimeConfig, network.Egress]:
@@ -1028,16 +1110,33 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
 
 
-def _info(env_id: str, manifest: TemplateManifest, digest: str, res: Resources, req: CreateRequest,
-          env_dir: Path, egress: network.Egress) -> EnvironmentInfo:
+def _info(
+    env_id: str,
+    manifest: TemplateManifest,
+    digest: str,
+    res: Resources,
+    req: CreateRequest,
+    env_dir: Path,
+    egress: network.Egress,
+) -> EnvironmentInfo:
     """A new environment's info (its timing filled in when its create ends), with
     its network policy as ``egress`` (:func:`_network`) says (what a fork child inherits)."""
     return EnvironmentInfo(
-        id=env_id, template=manifest.name, template_digest=digest, created_at=time.time(), state="running",
-        rootfs=str(env_dir / "rootfs"), resources=res, timing=CreateTiming(),
+        id=env_id,
+        template=manifest.name,
+        template_digest=digest,
+        created_at=time.time(),
+        state="running",
+        rootfs=str(env_dir / "rootfs"),
+        resources=res,
+        timing=CreateTiming(),
         timeout_s=DEFAULT_TIMEOUT_S if req.timeout is None else float(req.timeout),
-        envs=req.envs, metadata=req.metadata, priority=req.priority, public_traffic=req.public_traffic,
-        network=egress.internet, allow_out=[*egress.allow, *egress.domains], deny_out=list(egress.deny),
+        envs=req.envs,
+        metadata=req.metadata,
+        priority=req.priority,
+        public_traffic=req.public_traffic,
+        network=egress.internet,
+        allow_out=[*egress.allow, *egress.domains],
+        deny_out=list(egress.deny),
         on_timeout=req.on_timeout,
-    )  # fmt: skip
-
+    )

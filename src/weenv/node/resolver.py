@@ -16,14 +16,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal
 
+from weenv.api.models import TemplateInfo
 from weenv.errors import NotFoundError, StoreUnavailableError
 from weenv.formats.manifest import GroupManifest, TemplateManifest, check_digest
 from weenv.node.manifests import KnownNames, NodeManifests
-from weenv.api.models import TemplateInfo
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 from weenv.store import Store
@@ -137,8 +138,13 @@ class Resolver:
                 raise
             why = str(exc) or f"no answer within {RESOLVE_WAIT_S:g} s"
             resolved.source, resolved.age_s = "node", max(0.0, time.time() - known[1])
-            log.warning("template %r: the store did not answer (%s); starting %s, which it named %.0f s ago",
-                        template, why, known[0], resolved.age_s)  # fmt: skip
+            log.warning(
+                "template %r: the store did not answer (%s); starting %s, which it named %.0f s ago",
+                template,
+                why,
+                known[0],
+                resolved.age_s,
+            )
             return known[0]
         self.names.remember(template, digest)
         return digest
@@ -159,8 +165,9 @@ class Resolver:
         """Take ``digest`` as what ``template`` last resolved to."""
         self.names.remember(template, digest)
 
-    def load(self, digest: str, groups_hint: Sequence[str] = (),
-             offered: Mapping[str, bytes] | None = None) -> tuple[TemplateManifest, list[GroupManifest]]:  # fmt: skip
+    def load(
+        self, digest: str, groups_hint: Sequence[str] = (), offered: Mapping[str, bytes] | None = None
+    ) -> tuple[TemplateManifest, list[GroupManifest]]:
         """The manifest and group manifests of the template ``digest`` (which the
         caller resolved from a name in the store on this create: a ref may
         move), from the node when it has them (:mod:`weenv.node.manifests`:
@@ -223,9 +230,14 @@ class Resolver:
         digest, m = load_template(self.store, name)
         groups = [load_group(self.store, g) for g in m.groups]
         return TemplateInfo(
-            name=m.name, digest=digest, version=m.version, groups=list(m.groups), runtime=m.runtime,
-            image_bytes=sum(g.image_size for g in groups), stored_bytes=sum(g.stored_size for g in groups),
-        )  # fmt: skip
+            name=m.name,
+            digest=digest,
+            version=m.version,
+            groups=list(m.groups),
+            runtime=m.runtime,
+            image_bytes=sum(g.image_size for g in groups),
+            stored_bytes=sum(g.stored_size for g in groups),
+        )
 
     def _ask(self, template: str) -> Future:
         """The store's answer for name ``template``, asked in a thread unless a

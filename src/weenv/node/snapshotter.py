@@ -31,9 +31,9 @@ from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
 from weenv.host import mounts
 from weenv.host.mounts import MountSpec
-from weenv.node.runtime import idmap
-from weenv.node.disk import SPARE, SUBVOLUME, NodeDisk, leftovers
 from weenv.node.data.groups import GroupMounts
+from weenv.node.disk import SPARE, SUBVOLUME, NodeDisk, leftovers
+from weenv.node.runtime import idmap
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,11 @@ def rootfs_mounts(env_dir: Path, lowers: list[Path], *, userns: bool = False, ah
     if ahead:
         sub = env_dir / SPARE
         return [mounts.overlay_spec(lowers, sub / "upper", sub / "work", env_dir / AHEAD_ROOTFS, nosuid=not userns)]
-    return [mounts.overlay_spec(lowers, NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs",
-                                nosuid=not userns)]  # fmt: skip
+    return [
+        mounts.overlay_spec(
+            lowers, NodeDisk.upper(env_dir), NodeDisk.work(env_dir), env_dir / "rootfs", nosuid=not userns
+        )
+    ]
 
 
 class Snapshotter:
@@ -85,9 +88,18 @@ class Snapshotter:
         """Every environment directory on the node, by id (not the captures' ``.captures``)."""
         return sorted(p for p in self.environments.iterdir() if p.is_dir() and not p.name.startswith("."))
 
-    def prepare(self, env_id: str, groups: list[str], group_manifests: list[GroupManifest], disk_bytes: int,
-                undo: contextlib.ExitStack, timing: dict, *, upper_from: Path | None = None,
-                userns: bool = False) -> list[Path]:
+    def prepare(
+        self,
+        env_id: str,
+        groups: list[str],
+        group_manifests: list[GroupManifest],
+        disk_bytes: int,
+        undo: contextlib.ExitStack,
+        timing: dict,
+        *,
+        upper_from: Path | None = None,
+        userns: bool = False,
+    ) -> list[Path]:
         """Make environment ``env_id``'s directory, take its group mounts (cold
         ones in parallel), make its upper dir with ``disk_bytes`` as its limit
         (empty, or with ``upper_from`` a capture's subvolume,
@@ -139,8 +151,9 @@ class Snapshotter:
         timing["overlay_s"] = time.perf_counter() - joined
         return lowers
 
-    def mount(self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None, *,
-              ahead: bool = False) -> None:
+    def mount(
+        self, env_dir: Path, lowers: list[Path], undo: contextlib.ExitStack | None = None, *, ahead: bool = False
+    ) -> None:
         """Mount the overlay rootfs of the environment in ``env_dir`` over ``lowers``
         (its undo pushed on ``undo``); for an environment with a host id
         range, over idmapped clones of them (made if not mounted yet, left for
@@ -158,8 +171,9 @@ class Snapshotter:
             if undo is not None:
                 undo.callback(umount_quietly, Path(spec.target))
 
-    def _idmapped(self, env_dir: Path, lowers: list[Path], host_id: int,
-                  undo: contextlib.ExitStack | None) -> list[Path]:
+    def _idmapped(
+        self, env_dir: Path, lowers: list[Path], host_id: int, undo: contextlib.ExitStack | None
+    ) -> list[Path]:
         """The idmapped clones (``env_dir/IDMAPPED/N``) of ``lowers`` through range
         ``host_id``'s mapping, mounting those not mounted yet."""
         clones = [env_dir / IDMAPPED / str(i) for i in range(len(lowers))]
@@ -333,8 +347,12 @@ def remove_tree(path: Path) -> None:
     try:
         shutil.rmtree(path, ignore_errors=True)
     except RecursionError:
-        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False,
-                       stdin=subprocess.DEVNULL, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(path)],
+            check=False,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+        )
 
 
 def umount_quietly(target: Path) -> None:

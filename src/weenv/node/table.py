@@ -16,14 +16,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from weenv.api.models import MAX_TIMEOUT_S, EnvironmentInfo
 from weenv.errors import FULL_ERRNOS, InvalidInputError, NotFoundError, disk_full
 from weenv.formats.manifest import TemplateManifest
 from weenv.node.disk import NodeDisk
-from weenv.api.models import MAX_TIMEOUT_S, EnvironmentInfo
 
 log = logging.getLogger(__name__)
 
@@ -328,4 +328,3 @@ def stale_info_files(env_dir: Path) -> list[Path]:
         return [env_dir / n for n in os.listdir(env_dir) if n.startswith("env.json.") and n.endswith(".tmp")]
     except FileNotFoundError:
         return []
-

@@ -141,9 +141,7 @@ def store_lock(paths: Paths, *, exclusive: bool) -> Iterator[None]:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise InvalidInputError(
-                    f"a build is running in {paths.home}; run gc when it has finished"
-                ) from None
+                raise InvalidInputError(f"a build is running in {paths.home}; run gc when it has finished") from None
         else:
             fcntl.flock(f, fcntl.LOCK_SH)
         yield

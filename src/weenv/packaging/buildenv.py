@@ -34,8 +34,14 @@ class BuildEnvironment(Protocol):
     root: Path
     """Its root file system, as the host sees it (tree steps copy into it, confined)."""
 
-    def exec(self, command: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-             timeout: float | None = None) -> StepResult:
+    def exec(
+        self,
+        command: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+    ) -> StepResult:
         """Run ``command`` (argv) inside; ``timeout`` in seconds kills it (``timed_out``)."""
         ...
 

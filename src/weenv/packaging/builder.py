@@ -171,8 +171,10 @@ def build_recipe(
     paths = paths or Paths.from_env()
     needing = [c.name for c in recipe.component if c.needs_environment]
     if needing and environments is None:
-        raise InvalidInputError(f"components {needing} have run/pip steps: build_recipe needs environments "
-                                "(weenv.build.buildenv.NodeBuildEnvironments)")
+        raise InvalidInputError(
+            f"components {needing} have run/pip steps: build_recipe needs environments "
+            "(weenv.build.buildenv.NodeBuildEnvironments)"
+        )
     say = progress or (lambda _c, _s: None)
     t0 = time.monotonic()
     results: list[ComponentResult] = []
@@ -193,10 +195,18 @@ def build_recipe(
                 r = build_component(recipe, comp, below, store, paths, say, cache_key=key, environments=environments)
                 buildcache.record(store, key, r.digest)
                 written = r.bytes_written + len(canonical_json(r.manifest))
-                results.append(ComponentResult(
-                    comp.name, r.digest, key, False, r.chunks_written, written,
-                    time.monotonic() - t, r.manifest.image_size,
-                ))  # fmt: skip
+                results.append(
+                    ComponentResult(
+                        comp.name,
+                        r.digest,
+                        key,
+                        False,
+                        r.chunks_written,
+                        written,
+                        time.monotonic() - t,
+                        r.manifest.image_size,
+                    )
+                )
                 say(comp.name, "built")
             below.append(results[-1].digest)
 
@@ -210,7 +220,9 @@ def build_recipe(
         except NotFoundError:
             current = None
         if current is not None and (current.groups, current.runtime, current.version) == (
-            manifest.groups, manifest.runtime, manifest.version
+            manifest.groups,
+            manifest.runtime,
+            manifest.version,
         ):
             digest, written = cur_digest, 0
         else:
@@ -225,8 +237,11 @@ def _cached(store: LeasedStore, lease: Lease, key: str) -> tuple[str, GroupManif
     and its chunks and they are still stored (:func:`~weenv.store.lease.covered`:
     a gc that deleted them meanwhile makes it a miss, so the component is
     built again); None on a miss."""
-    hit = covered(lease, lambda: buildcache.lookup(store, key),
-                  lambda digest: [c.digest for c in load_group(store, digest).chunks])  # fmt: skip
+    hit = covered(
+        lease,
+        lambda: buildcache.lookup(store, key),
+        lambda digest: [c.digest for c in load_group(store, digest).chunks],
+    )
     if hit is None:
         return None
     try:
@@ -255,8 +270,7 @@ def build_component(
         if comp.needs_environment:
             if environments is None:
                 raise InvalidInputError(f"component {comp.name!r} has run/pip steps: give environments")
-            return _build_in_environment(recipe, comp, below, store, paths, work, progress, provenance,
-                                         environments)  # fmt: skip
+            return _build_in_environment(recipe, comp, below, store, paths, work, progress, provenance, environments)
         source = _in_place_source(recipe, comp, paths)
         if source is None:
             source = work / "tree"
@@ -265,8 +279,9 @@ def build_component(
                 progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
                 _apply_tree_step(recipe, step, source, paths, work, comp.name, i)
         progress(comp.name, "publishing")
-        return build_group(source, store, name=comp.name, version=comp.version,
-                           source=provenance, workdir=work, ref=False)  # fmt: skip
+        return build_group(
+            source, store, name=comp.name, version=comp.version, source=provenance, workdir=work, ref=False
+        )
     finally:
         _remove_work(work)
 
@@ -309,8 +324,12 @@ def copy_into(src_dir: Path, root: Path, dest: str) -> None:
     try:
         proc = subprocess.run(
             ["cp", "-a", "--remove-destination", "--", f"{src_dir}/.", f"/proc/self/fd/{fd}/"],
-            pass_fds=(fd,), capture_output=True, text=True, check=False, errors="replace",
-        )  # fmt: skip
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            check=False,
+            errors="replace",
+        )
     finally:
         os.close(fd)
     if proc.returncode != 0:
@@ -365,9 +384,16 @@ def _copy_step(recipe: Recipe, step: Copy, root: Path, stage: Path, where: str) 
 
 
 def _build_in_environment(
-    recipe: Recipe, comp: Component, below: list[str], store: Store, paths: Paths,
-    work: Path, progress: Progress, provenance: dict[str, str], environments: BuildEnvironments,
-) -> BuildResult:  # fmt: skip
+    recipe: Recipe,
+    comp: Component,
+    below: list[str],
+    store: Store,
+    paths: Paths,
+    work: Path,
+    progress: Progress,
+    provenance: dict[str, str],
+    environments: BuildEnvironments,
+) -> BuildResult:
     token = work.name
     scratch_manifests: list[str] = []
     scratch_chunks: list[str] = []
@@ -389,16 +415,27 @@ def _build_in_environment(
         scratch = TemplateManifest(name=f"build-{token}", groups=lowers, runtime=runtime)
         scratch_manifests.append(store.put_manifest(canonical_json(scratch)))
         progress(comp.name, "starting build environment")
-        env = environments.start(Paths(home=work / "node", cache=paths.cache, store_url=store.url), store,
-                                 scratch_manifests[-1])
+        env = environments.start(
+            Paths(home=work / "node", cache=paths.cache, store_url=store.url), store, scratch_manifests[-1]
+        )
         root = env.root
         for i, step in enumerate(comp.step, 1):
             progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
             if isinstance(step, Run):
                 for command in step.commands:
-                    _check(env.exec(["/bin/sh", "-c", "exec 2>&1\n" + command], env=step.env,
-                                    cwd=step.workdir, timeout=step.timeout),
-                           comp.name, i, step.kind, command, step.timeout)  # fmt: skip
+                    _check(
+                        env.exec(
+                            ["/bin/sh", "-c", "exec 2>&1\n" + command],
+                            env=step.env,
+                            cwd=step.workdir,
+                            timeout=step.timeout,
+                        ),
+                        comp.name,
+                        i,
+                        step.kind,
+                        command,
+                        step.timeout,
+                    )
             elif isinstance(step, Pip):
                 _pip_step(recipe, step, env, root, paths, comp.name, i, token)
             else:
@@ -407,8 +444,9 @@ def _build_in_environment(
         upper = env.stop()
         clean_upper(upper)
         progress(comp.name, "publishing")
-        return build_group(upper, store, name=comp.name, version=comp.version,
-                           source=provenance, workdir=work, ref=False)  # fmt: skip
+        return build_group(
+            upper, store, name=comp.name, version=comp.version, source=provenance, workdir=work, ref=False
+        )
     finally:
         if env is not None:
             env.close()
@@ -427,21 +465,32 @@ def _check(result, comp: str, index: int, kind: str, command: str, timeout: floa
     raise StepFailedError(
         f"component {comp!r}, step {index} ({kind}): `{command}` {what}; nothing was published"
         + (f"\n--- output (last {OUTPUT_TAIL_LINES} lines) ---\n{tail}" if tail else " (no output)"),
-        component=comp, step=index, output=output,
-    )  # fmt: skip
+        component=comp,
+        step=index,
+        output=output,
+    )
 
 
-def _pip_step(recipe: Recipe, step: Pip, env: BuildEnvironment, root: Path, paths: Paths,
-              comp: str, index: int, token: str) -> None:  # fmt: skip
+def _pip_step(
+    recipe: Recipe, step: Pip, env: BuildEnvironment, root: Path, paths: Paths, comp: str, index: int, token: str
+) -> None:
     wheel = pip_wheel(paths.cache)
     fs = RootFS(root)
     tmp = f"/tmp/.weenv-pip-{token}"
     fs.make_dir(tmp, 0o700)
     try:
         fs.write_file(f"{tmp}/{wheel.name}", wheel.read_bytes())
-        argv = [step.python, f"{tmp}/{wheel.name}/pip", "install", "--no-cache-dir",
-                "--root-user-action=ignore", "--disable-pip-version-check",
-                "--break-system-packages", *step.options, *step.requirements]  # fmt: skip
+        argv = [
+            step.python,
+            f"{tmp}/{wheel.name}/pip",
+            "install",
+            "--no-cache-dir",
+            "--root-user-action=ignore",
+            "--disable-pip-version-check",
+            "--break-system-packages",
+            *step.options,
+            *step.requirements,
+        ]
         ca = host_ca_bundle()
         if ca is not None:
             fs.write_file(f"{tmp}/ca.crt", ca.read_bytes())
@@ -492,10 +541,22 @@ def pip_wheel(cache: Path) -> Path:
         with tempfile.TemporaryDirectory(dir=base, prefix=".tmp-") as tmp:
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                     "--disable-pip-version-check", "-d", tmp, f"pip=={version}"],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--only-binary=:all:",
+                        "--disable-pip-version-check",
+                        "-d",
+                        tmp,
+                        f"pip=={version}",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
             except OSError as exc:
                 raise ToolMissingError(f"cannot run the host's pip: {exc}") from exc
             got = Path(tmp) / wheel.name

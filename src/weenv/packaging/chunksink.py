@@ -91,7 +91,7 @@ class ChunkSink:
         cs = self.chunk_size
         if self._index > 0 and pos < cs and view:  # chunk 0, kept until the end
             k = min(len(view), cs - pos)
-            self._head[pos:pos + k] = view[:k]
+            self._head[pos : pos + k] = view[:k]
             pos += k
             view = view[k:]
         if view:
@@ -103,7 +103,7 @@ class ChunkSink:
             off = pos - base
             if off < len(self._buf):  # rewriting the chunk under way
                 k = min(len(view), len(self._buf) - off)
-                self._buf[off:off + k] = view[:k]
+                self._buf[off : off + k] = view[:k]
                 pos += k
                 view = view[k:]
             if view:
@@ -120,7 +120,7 @@ class ChunkSink:
             base = self._index * self.chunk_size
             if size < base:
                 raise ValueError(f"cannot truncate to {size}: the chunks before {base} are stored")
-            del self._buf[size - base:]
+            del self._buf[size - base :]
             self._end = size
         return size
 
@@ -185,9 +185,9 @@ class ChunkSink:
             raise ValueError("the sink is closed")
         cs = self.chunk_size
         while view:
-            take = view[:cs - len(self._buf)]
+            take = view[: cs - len(self._buf)]
             self._buf += take
-            view = view[len(take):]
+            view = view[len(take) :]
             self._end += len(take)
             if len(self._buf) == cs:
                 if self._index == 0:

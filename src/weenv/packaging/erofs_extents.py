@@ -20,7 +20,14 @@ import struct
 from collections.abc import Callable, Iterable
 
 from weenv.errors import InvalidInputError
-from weenv.packaging.erofs_writer import BLOCK, LAYOUT_CHUNK_BASED, LAYOUT_FLAT_INLINE, LAYOUT_FLAT_PLAIN, MAGIC, NULL_ADDR
+from weenv.packaging.erofs_writer import (
+    BLOCK,
+    LAYOUT_CHUNK_BASED,
+    LAYOUT_FLAT_INLINE,
+    LAYOUT_FLAT_PLAIN,
+    MAGIC,
+    NULL_ADDR,
+)
 
 _CHUNK_INDEXES = 0x20  # EROFS_CHUNK_FORMAT_INDEXES (erofs_fs.h): chunk indexes rather than a block map
 MAX_DEPTH = 4096
@@ -106,7 +113,7 @@ def _merge(extents: list[Extent]) -> list[Extent]:
 def _dirents(data: bytes):
     """``(name, nid, file type)`` of each dirent in a directory's bytes."""
     for base in range(0, len(data), BLOCK):
-        blk = data[base:base + BLOCK]
+        blk = data[base : base + BLOCK]
         if len(blk) < 12:
             return
         count = struct.unpack_from("<H", blk, 8)[0] // 12

@@ -73,8 +73,15 @@ INODE_SIZE = 64
 INLINE_MAX = 2048
 """Regular files up to this many bytes live in their inode's block (no data block)."""
 
-_FT = {stat.S_IFREG: 1, stat.S_IFDIR: 2, stat.S_IFCHR: 3, stat.S_IFBLK: 4, stat.S_IFIFO: 5,
-       stat.S_IFSOCK: 6, stat.S_IFLNK: 7}  # fmt: skip
+_FT = {
+    stat.S_IFREG: 1,
+    stat.S_IFDIR: 2,
+    stat.S_IFCHR: 3,
+    stat.S_IFBLK: 4,
+    stat.S_IFIFO: 5,
+    stat.S_IFSOCK: 6,
+    stat.S_IFLNK: 7,
+}
 _XATTR_PREFIXES = (("user.", 1), ("trusted.", 4), ("security.", 6))
 _ACL = {"system.posix_acl_access": 2, "system.posix_acl_default": 3}
 
@@ -131,13 +138,14 @@ def check_name(name: bytes, where: str) -> None:
 def encode_xattr(name: str, value: bytes, where: str) -> tuple[int, bytes, bytes]:
     """``(index, suffix, value)`` of one xattr; :class:`InvalidInputError` if EROFS cannot hold it."""
     if len(value) > XATTR_VALUE_MAX:
-        raise InvalidInputError(f"{where}: xattr {name!r} holds {len(value)} bytes, more than the "
-                                f"kernel's limit ({XATTR_VALUE_MAX})")  # fmt: skip
+        raise InvalidInputError(
+            f"{where}: xattr {name!r} holds {len(value)} bytes, more than the kernel's limit ({XATTR_VALUE_MAX})"
+        )
     if name in _ACL:
         return _ACL[name], b"", value
     for prefix, index in _XATTR_PREFIXES:
         if name.startswith(prefix):
-            suffix = os.fsencode(name[len(prefix):])
+            suffix = os.fsencode(name[len(prefix) :])
             if not suffix or len(suffix) > NAME_MAX:
                 raise InvalidInputError(f"{where}: xattr name {name!r} is empty or longer than {NAME_MAX} bytes")
             return index, suffix, value
@@ -228,8 +236,15 @@ WRITER = "weenv-erofs 1"
 """The writer's name and format version, for a group's provenance."""
 
 
-def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None = None,
-                first: Sequence[str] = (), placed_blocks: int = 0) -> ImageStats:
+def write_image(
+    root: Inode,
+    out: BinaryIO,
+    *,
+    uuid: str,
+    build_time: int | None = None,
+    first: Sequence[str] = (),
+    placed_blocks: int = 0,
+) -> ImageStats:
     """Write the EROFS image of the tree under ``root`` (a directory
     :class:`Inode`) to ``out`` (a seekable file at offset 0); returns its
     :class:`ImageStats`.
@@ -257,7 +272,6 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
     order = _walk(root)
     if build_time is None:
         build_time = max(n.mtime_ns for n, _, _ in order) // 1_000_000_000 + 1
-    parents = {id(n): p for n, p, _ in order}
     links: dict[int, int] = {}
     for node, _, _ in order:
         if node.children is not None:
@@ -323,7 +337,7 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
         if node.children is not None:
             blocks = _dir_blocks(node, lambda n: n._nid, parent)
         elif stat.S_ISLNK(node.mode):
-            blocks = [node.data[i:i + BLOCK] for i in range(0, len(node.data), BLOCK)]
+            blocks = [node.data[i : i + BLOCK] for i in range(0, len(node.data), BLOCK)]
         else:
             continue
         full = blocks if node._layout == LAYOUT_FLAT_PLAIN else blocks[:-1]
@@ -345,20 +359,49 @@ def write_image(root: Inode, out: BinaryIO, *, uuid: str, build_time: int | None
         else:
             i_u = struct.pack("<I", node._blkaddr)
         sec, nsec = divmod(node.mtime_ns, 1_000_000_000)
-        inode = struct.pack("<HHHHQ4sIIIQII16x", 1 | node._layout << 1, icount, node.mode & 0xFFFF, 0, node.size,
-                            i_u, node._ino, node.uid, node.gid, sec, nsec, node.nlink)  # fmt: skip
+        inode = struct.pack(
+            "<HHHHQ4sIIIQII16x",
+            1 | node._layout << 1,
+            icount,
+            node.mode & 0xFFFF,
+            0,
+            node.size,
+            i_u,
+            node._ino,
+            node.uid,
+            node.gid,
+            sec,
+            nsec,
+            node.nlink,
+        )
         at = node._nid * 32
         body = inode + xbody
         if node._layout == LAYOUT_CHUNK_BASED:
             body += struct.pack(f"<{len(node._map)}I", *node._map)
         elif node._layout == LAYOUT_FLAT_INLINE:
             body += node._tail
-        meta[at:at + len(body)] = body
+        meta[at : at + len(body)] = body
     out.seek(meta_blkaddr * BLOCK)
     out.write(meta)
     total_blocks = meta_blkaddr + len(meta) // BLOCK
-    sb = struct.pack("<IIIBBHQQIIII16s16sI", MAGIC, 0, 0, BLKBITS, 0, 0, len(order), build_time, 0,
-                     total_blocks, meta_blkaddr, 0, uid_bytes, b"", INCOMPAT_CHUNKED_FILE)  # fmt: skip
+    sb = struct.pack(
+        "<IIIBBHQQIIII16s16sI",
+        MAGIC,
+        0,
+        0,
+        BLKBITS,
+        0,
+        0,
+        len(order),
+        build_time,
+        0,
+        total_blocks,
+        meta_blkaddr,
+        0,
+        uid_bytes,
+        b"",
+        INCOMPAT_CHUNKED_FILE,
+    )
     sb += bytes(128 - len(sb))
     out.seek(SUPER_OFFSET)
     out.write(sb)
@@ -483,8 +526,9 @@ def tree_from_dir(source: str | os.PathLike[str]) -> Inode:
         if key in by_ino and not stat.S_ISDIR(st.st_mode):
             return by_ino[key]
         rel = "/" + os.path.relpath(path, source) if path != source else "/"
-        node = Inode(mode=st.st_mode, uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns,
-                     xattrs=_read_xattrs(path, rel))  # fmt: skip
+        node = Inode(
+            mode=st.st_mode, uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns, xattrs=_read_xattrs(path, rel)
+        )
         if stat.S_ISREG(st.st_mode):
             node.size = st.st_size
             node.data = _file_reader(path)
@@ -539,4 +583,5 @@ def _file_reader(path: str) -> Reader:
                         return
                     yield piece
                     offset += len(piece)
+
     return read

@@ -29,16 +29,20 @@ import tarfile
 
 from weenv.errors import InvalidInputError
 
-_TYPE_BITS = {tarfile.DIRTYPE: stat.S_IFDIR, tarfile.SYMTYPE: stat.S_IFLNK, tarfile.FIFOTYPE: stat.S_IFIFO,
-              tarfile.CHRTYPE: stat.S_IFCHR, tarfile.BLKTYPE: stat.S_IFBLK}  # fmt: skip
+_TYPE_BITS = {
+    tarfile.DIRTYPE: stat.S_IFDIR,
+    tarfile.SYMTYPE: stat.S_IFLNK,
+    tarfile.FIFOTYPE: stat.S_IFIFO,
+    tarfile.CHRTYPE: stat.S_IFCHR,
+    tarfile.BLKTYPE: stat.S_IFBLK,
+}
 
 
 def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
-def files_hash(tar: tarfile.TarFile, members: list[tarfile.TarInfo], src: str, dest: str,
-               *, max_bytes: int) -> str:  # fmt: skip
+def files_hash(tar: tarfile.TarFile, members: list[tarfile.TarInfo], src: str, dest: str, *, max_bytes: int) -> str:
     """The SDK's ``filesHash`` (64 lowercase hex digits) of the COPY ``src``
     ``dest`` whose upload ``tar`` (opened for reading, random access) holds
     ``members`` (in the archive's order).  Reads at most ``max_bytes`` of file

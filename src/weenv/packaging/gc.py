@@ -41,7 +41,15 @@ from weenv.formats.manifest import (
 from weenv.packaging.buildcache import store_lock
 from weenv.packaging.profile import PrefetchProfile
 from weenv.store.base import Store
-from weenv.store.lease import REF_KIND, LeaseRecord, delete_unused, gc_grace_seconds, is_lease, leased_digests, parse_lease
+from weenv.store.lease import (
+    REF_KIND,
+    LeaseRecord,
+    delete_unused,
+    gc_grace_seconds,
+    is_lease,
+    leased_digests,
+    parse_lease,
+)
 
 
 @dataclass(frozen=True)
@@ -130,9 +138,11 @@ def _must_load(store: Store, digest: str, what: str) -> TemplateManifest | Group
     except NotFoundError:
         return None
     except (InvalidInputError, DigestMismatchError) as exc:
-        raise InvalidInputError(f"{what} {digest} in {store.url} cannot be read ({exc}): gc stops and deletes "
-                                f"nothing, since it cannot tell what that manifest keeps (a newer weenv's gc "
-                                f"can; if it is garbage, delete the ref that reaches it)") from None  # fmt: skip
+        raise InvalidInputError(
+            f"{what} {digest} in {store.url} cannot be read ({exc}): gc stops and deletes "
+            f"nothing, since it cannot tell what that manifest keeps (a newer weenv's gc "
+            f"can; if it is garbage, delete the ref that reaches it)"
+        ) from None
 
 
 def _reach(store: Store, templates: Iterable[str], reach: _Reach) -> None:
@@ -252,8 +262,9 @@ def collect(
                 _reach(store, [*store.list_refs("templates").values(), *running], again)
                 return again.manifests | again.chunks | again.packs
 
-            done = delete_unused(store, {"manifests": doomed, "chunks": chunks, "packs": packs},
-                                 reached=reached_now, what="gc")  # fmt: skip
+            done = delete_unused(
+                store, {"manifests": doomed, "chunks": chunks, "packs": packs}, reached=reached_now, what="gc"
+            )
             removed = set(done.removed)
             doomed, chunks, packs = ([d for d in ds if d in removed] for ds in (doomed, chunks, packs))
             for name, digest in lease_refs:

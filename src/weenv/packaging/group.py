@@ -32,11 +32,11 @@ from weenv.formats.manifest import (
     parse_group_manifest,
     sha256_digest,
 )
+from weenv.host.punch import punch_hole
 from weenv.packaging.chunksink import ChunkSink
 from weenv.packaging.erofs import check_source_dir
 from weenv.packaging.erofs_writer import WRITER, tree_from_dir, write_image
 from weenv.store.base import Store
-from weenv.host.punch import punch_hole
 
 _UUID_NAMESPACE = uuid_mod.UUID("6d1b8a52-4f0e-4c55-8a0e-7765656e7600")
 
@@ -67,8 +67,7 @@ def group_uuid(name: str, version: str) -> str:
 
 
 def _check_chunk_size(chunk_size: int) -> None:
-    if (not isinstance(chunk_size, int) or not 0 < chunk_size <= MAX_CHUNK_SIZE
-            or chunk_size % EROFS_BLOCK_SIZE):  # fmt: skip
+    if not isinstance(chunk_size, int) or not 0 < chunk_size <= MAX_CHUNK_SIZE or chunk_size % EROFS_BLOCK_SIZE:
         raise InvalidInputError(
             f"chunk size must be a positive multiple of {EROFS_BLOCK_SIZE} bytes of at most "
             f"{MAX_CHUNK_SIZE >> 20} MiB, not {chunk_size!r}"
@@ -122,9 +121,18 @@ def build_group(
         image = tmp / f"{name}.erofs"
         with open(image, "wb") as out:
             scan = write_image(tree_from_dir(src), out, uuid=group_uuid(name, version), first=first or ())
-        return publish_image(image, store, name=name, version=version, chunk_size=chunk_size,
-                             file_count=scan.inodes, source=provenance, ref=ref, started=started,
-                             layout=layout)  # fmt: skip
+        return publish_image(
+            image,
+            store,
+            name=name,
+            version=version,
+            chunk_size=chunk_size,
+            file_count=scan.inodes,
+            source=provenance,
+            ref=ref,
+            started=started,
+            layout=layout,
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -162,8 +170,17 @@ def publish_image(
                 punch_hole(f.fileno(), offset, len(data))
             offset += len(data)
             sink.write(data)
-        return publish_sink(sink, store, name=name, version=version, file_count=file_count, source=source,
-                            ref=ref, started=started, layout=layout)  # fmt: skip
+        return publish_sink(
+            sink,
+            store,
+            name=name,
+            version=version,
+            file_count=file_count,
+            source=source,
+            ref=ref,
+            started=started,
+            layout=layout,
+        )
 
 
 def publish_sink(
@@ -203,8 +220,9 @@ def publish_sink(
     digest = store.put_manifest(data)
     if ref:
         store.set_ref("groups", name, digest)
-    return BuildResult(digest, manifest, len(done.new), done.stored, time.monotonic() - started, tuple(done.new),
-                       new_manifest)  # fmt: skip
+    return BuildResult(
+        digest, manifest, len(done.new), done.stored, time.monotonic() - started, tuple(done.new), new_manifest
+    )
 
 
 def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLike[str]) -> None:
@@ -223,9 +241,7 @@ def assemble_image(store: Store, manifest: GroupManifest, dest: str | os.PathLik
             for ref in manifest.chunks:
                 data = store.get_chunk(ref.digest, stored_digest=ref.stored_digest, size=ref.size)
                 if len(data) != ref.size:
-                    raise InvalidInputError(
-                        f"chunk {ref.digest} has {len(data)} bytes, the manifest says {ref.size}"
-                    )
+                    raise InvalidInputError(f"chunk {ref.digest} has {len(data)} bytes, the manifest says {ref.size}")
                 f.write(data)
             f.flush()
             os.fchmod(f.fileno(), 0o644)

@@ -41,7 +41,7 @@ def image_reader(store: Store, manifest: GroupManifest, *, keep: bool = True):
         parts = []
         while offset < end:
             i, at = divmod(offset, size)
-            piece = chunk(i)[at:at + end - offset]
+            piece = chunk(i)[at : at + end - offset]
             if not piece:
                 break
             parts.append(piece)

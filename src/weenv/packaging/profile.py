@@ -37,7 +37,13 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from weenv.errors import NotFoundError, StoreUnavailableError, WeenvError
-from weenv.formats.limits import MAX_MANIFEST_BYTES, MAX_PACK_BYTES, MAX_PROFILE_CHUNKS, MAX_TEMPLATE_GROUPS, frame_bound
+from weenv.formats.limits import (
+    MAX_MANIFEST_BYTES,
+    MAX_PACK_BYTES,
+    MAX_PROFILE_CHUNKS,
+    MAX_TEMPLATE_GROUPS,
+    frame_bound,
+)
 from weenv.formats.manifest import ChunkRef, Digest, GroupManifest, canonical_json, sha256_digest, utc_now
 from weenv.store.base import Store
 
@@ -184,8 +190,11 @@ def publish_profile(store: Store, profile: PrefetchProfile) -> str:
     (a node reading it fetches them from the store, as for an older profile)."""
     data = canonical_json(profile)
     if len(data) > MAX_MANIFEST_BYTES and profile.manifests:
-        log.info("prefetch profile of %s: %d bytes with its group manifests, published without them",
-                 profile.template, len(data))
+        log.info(
+            "prefetch profile of %s: %d bytes with its group manifests, published without them",
+            profile.template,
+            len(data),
+        )
         data = canonical_json(profile.model_copy(update={"manifests": {}}))
     digest = store.put_manifest(data)
     store.set_ref(REF_KIND, ref_name(profile.template), digest)

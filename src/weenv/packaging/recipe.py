@@ -111,7 +111,6 @@ class Run(_Model):
         return [v] if isinstance(v, str) else v
 
 
-
 class Pip(_Model):
     """Python requirements installed with pip by the environment's own interpreter."""
 

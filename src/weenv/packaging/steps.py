@@ -96,9 +96,13 @@ class Step(BaseModel):
     def check(self) -> Step:
         """``self`` if its arguments fit its type; else :class:`InvalidInputError`."""
         n = len(self.args)
-        ok = {"RUN": 1 <= n <= 2 and bool(self.args[0].strip()), "COPY": 2 <= n <= 4,
-              "WORKDIR": n == 1 and bool(self.args[0]), "USER": 1 <= n <= 2 and bool(self.args[0]),
-              "ENV": n >= 2 and n % 2 == 0}[self.type]  # fmt: skip
+        ok = {
+            "RUN": 1 <= n <= 2 and bool(self.args[0].strip()),
+            "COPY": 2 <= n <= 4,
+            "WORKDIR": n == 1 and bool(self.args[0]),
+            "USER": 1 <= n <= 2 and bool(self.args[0]),
+            "ENV": n >= 2 and n % 2 == 0,
+        }[self.type]
         if not ok:
             raise InvalidInputError(f"{self.type} with arguments {self.args!r}: see E2B's TemplateStep"[:1000])
         if self.type == "ENV":
@@ -162,8 +166,9 @@ def check_steps(steps: list[Step], ctx: Context = Context()) -> Context:
 
 def env_bytes(env: dict[str, str]) -> int:
     """UTF-8 bytes of ``env`` as ``KEY=value`` strings with their NULs."""
-    return sum(len(k.encode(errors="surrogateescape")) + len(v.encode(errors="surrogateescape")) + 2
-               for k, v in env.items())
+    return sum(
+        len(k.encode(errors="surrogateescape")) + len(v.encode(errors="surrogateescape")) + 2 for k, v in env.items()
+    )
 
 
 def workdir_path(ctx: Context, path: str) -> str:
@@ -343,7 +348,8 @@ def unpack_upload(upload: Path, dest: Path, step: Step | None = None) -> None:
                 if got != step.files_hash:
                     raise UploadMismatchError(
                         f"the upload of filesHash {step.files_hash} is not the files of COPY {step.args[0]} "
-                        f"{step.args[1]} (they hash to {got}; it was removed: build again to upload it anew)")
+                        f"{step.args[1]} (they hash to {got}; it was removed: build again to upload it anew)"
+                    )
             tar.extractall(dest, members=members, filter=_upload_filter)
     except tarfile.FilterError as exc:
         raise InvalidInputError(f"the COPY upload leaves its directory: {exc}") from exc

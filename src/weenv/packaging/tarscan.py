@@ -35,8 +35,12 @@ from weenv.errors import InvalidInputError
 from weenv.formats.limits import MAX_TAR_HEADER_BYTES
 
 BLOCK = tarfile.BLOCKSIZE
-_EXTENDED = {tarfile.XHDTYPE: "PAX extended", tarfile.XGLTYPE: "PAX global",
-             tarfile.GNUTYPE_LONGNAME: "GNU long name", tarfile.GNUTYPE_LONGLINK: "GNU long link"}  # fmt: skip
+_EXTENDED = {
+    tarfile.XHDTYPE: "PAX extended",
+    tarfile.XGLTYPE: "PAX global",
+    tarfile.GNUTYPE_LONGNAME: "GNU long name",
+    tarfile.GNUTYPE_LONGLINK: "GNU long link",
+}
 _MEMBER_TYPES = set(tarfile.SUPPORTED_TYPES) - {tarfile.GNUTYPE_SPARSE, *_EXTENDED}
 _RECORD = re.compile(rb"([0-9]+) ([^=]+)=")
 MAX_SPARSE_ENTRIES = 1 << 16
@@ -52,8 +56,16 @@ def _blocks(size: int) -> int:
 class TarScan:
     """Feed it the upload's bytes (:meth:`feed`), then :meth:`finish`.  See the module docstring."""
 
-    def __init__(self, *, max_entries: int, max_bytes: int, max_header: int = MAX_TAR_HEADER_BYTES,
-                 what: str = "the COPY upload", sparse: bool = False, compressed: bool | None = None):
+    def __init__(
+        self,
+        *,
+        max_entries: int,
+        max_bytes: int,
+        max_header: int = MAX_TAR_HEADER_BYTES,
+        what: str = "the COPY upload",
+        sparse: bool = False,
+        compressed: bool | None = None,
+    ):
         """``what`` names the archive in errors.  ``sparse``: take GNU sparse
         members (type ``S`` with at most ``max_header`` bytes of extension
         headers, PAX ``GNU.sparse.*`` 0.x and 1.0 with a map of at most
@@ -170,7 +182,8 @@ class TarScan:
             if info.size < 0 or info.size > self.max_header:
                 raise InvalidInputError(
                     f"{self.what} has a {_EXTENDED[kind]} header of {info.size} bytes at offset {at} "
-                    f"(at most {self.max_header} are taken)")
+                    f"(at most {self.max_header} are taken)"
+                )
             if kind == tarfile.XHDTYPE and tarfile.XHDTYPE in self._chain:
                 raise InvalidInputError(f"{self.what} has two PAX extended headers for one member")
             self._chain.append(kind)
@@ -206,8 +219,7 @@ class TarScan:
         if info.isreg() or info.type == tarfile.GNUTYPE_SPARSE:
             self.file_bytes += size
         if self.entries > self.max_entries or self.file_bytes > self.max_bytes:
-            raise InvalidInputError(f"{self.what} holds more than {self.max_entries} entries "
-                                    f"or {self.max_bytes} bytes")  # fmt: skip
+            raise InvalidInputError(f"{self.what} holds more than {self.max_entries} entries or {self.max_bytes} bytes")
 
     def _extended_body(self, body: bytes) -> None:
         kind, self._extended = self._extended, None
@@ -226,7 +238,6 @@ class TarScan:
             except ValueError:
                 self._pax_size = 0  # as tarfile
 
-
     # --- GNU sparse members (only with ``sparse=True``) ----------------------------------------
     def _sparse_extension(self, block: bytes | None) -> None:
         """One extension block of an ``S`` member (``None``: there are none),
@@ -235,14 +246,17 @@ class TarScan:
             self._sparse_data, self._skip = None, self._sparse_rest
             head = block.split(b"\n", 1)[0]
             if not head.isdigit() or int(head) > MAX_SPARSE_ENTRIES:
-                raise InvalidInputError(f"{self.what} has a GNU sparse map of {head[:20]!r} entries "
-                                        f"(at most {MAX_SPARSE_ENTRIES} are taken)")  # fmt: skip
+                raise InvalidInputError(
+                    f"{self.what} has a GNU sparse map of {head[:20]!r} entries "
+                    f"(at most {MAX_SPARSE_ENTRIES} are taken)"
+                )
             return
         if block is not None:
             self._sparse_ext += 1
             if self._sparse_ext * BLOCK > self.max_header:
-                raise InvalidInputError(f"{self.what} has a GNU sparse member with more than "
-                                        f"{self.max_header} bytes of extension headers")  # fmt: skip
+                raise InvalidInputError(
+                    f"{self.what} has a GNU sparse member with more than {self.max_header} bytes of extension headers"
+                )
             if block[504]:  # isextended: another extension block follows
                 return
         self._skip, self._sparse_data, self._sparse_ext = _blocks(self._sparse_data), None, 0
@@ -254,8 +268,9 @@ class TarScan:
             self._sparse_map = True
         count = records.get(b"GNU.sparse.numblocks")
         if count is not None and (not count.isdigit() or int(count) > MAX_SPARSE_ENTRIES):
-            raise InvalidInputError(f"{self.what} has a GNU sparse map of {count[:20]!r} entries "
-                                    f"(at most {MAX_SPARSE_ENTRIES} are taken)")  # fmt: skip
+            raise InvalidInputError(
+                f"{self.what} has a GNU sparse map of {count[:20]!r} entries (at most {MAX_SPARSE_ENTRIES} are taken)"
+            )
 
 
 def _pax_records(body: bytes, what: str = "the COPY upload") -> dict[bytes, bytes]:

@@ -47,9 +47,7 @@ def create_template(
         if digest in digests:
             raise InvalidInputError(f"group {entry!r} ({digest}) is listed twice in template {name!r}")
         digests.append(digest)
-    manifest = TemplateManifest(
-        name=name, version=version, groups=digests, runtime=runtime or RuntimeConfig()
-    )
+    manifest = TemplateManifest(name=name, version=version, groups=digests, runtime=runtime or RuntimeConfig())
     digest = store.put_manifest(canonical_json(manifest))
     store.set_ref("templates", name, digest)
     return digest, manifest

@@ -45,8 +45,9 @@ def _copy_chunk(src: Store, dst: Store, ref: ChunkRef) -> int:
     return len(frame)
 
 
-def copy_template(src: Store, dst: Store, template: str, *, name: str | None = None,
-                  group_refs: bool = False, parallel: int = 8) -> CopyResult:
+def copy_template(
+    src: Store, dst: Store, template: str, *, name: str | None = None, group_refs: bool = False, parallel: int = 8
+) -> CopyResult:
     """Copy template ``template`` (a ref name or digest) from ``src`` to ``dst``.
 
     Sets ``templates/NAME`` in ``dst`` (``name`` defaults to the template's own

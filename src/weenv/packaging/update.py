@@ -57,8 +57,9 @@ def next_version(previous: str) -> str:
     return utc_now().replace("-", "").replace(":", "")
 
 
-def _profile_layout(store: Store, template_digest: str, group_digest: str,
-                    group: GroupManifest) -> tuple[list[str], Layout]:
+def _profile_layout(
+    store: Store, template_digest: str, group_digest: str, group: GroupManifest
+) -> tuple[list[str], Layout]:
     """The startup files of ``group`` by ``template_digest``'s published profile, and the layout naming it."""
     try:
         digest = store.get_ref(REF_KIND, ref_name(template_digest))
@@ -115,17 +116,26 @@ def update_component(
         first, layout = None, None
         if profile:
             first, layout = _profile_layout(store, old_digest, old.groups[index], old_group)
-        r = build_group(from_dir, store, name=component, version=old_group.version,
-                        source={"type": "update", "replaces": old.groups[index]},
-                        first=first, layout=layout)  # fmt: skip
+        r = build_group(
+            from_dir,
+            store,
+            name=component,
+            version=old_group.version,
+            source={"type": "update", "replaces": old.groups[index]},
+            first=first,
+            layout=layout,
+        )
         groups = list(old.groups)
         groups[index] = r.digest
         if r.digest in groups[:index] + groups[index + 1 :]:
             raise InvalidInputError(f"the new {component!r} group is already in template {old.name}")
         manifest = TemplateManifest(
-            name=old.name, version=version or next_version(old.version), groups=groups,
-            runtime=old.runtime, prefetch=None,
-        )  # fmt: skip
+            name=old.name,
+            version=version or next_version(old.version),
+            groups=groups,
+            runtime=old.runtime,
+            prefetch=None,
+        )
         data = canonical_json(manifest)
         store.lease.cover(groups)  # the groups it keeps
         digest = store.put_manifest(data)
@@ -133,7 +143,13 @@ def update_component(
         store.swap_ref("templates", old.name, digest, expected=named)  # a concurrent update is not lost
     written = r.bytes_written + len(canonical_json(r.manifest)) + len(data)
     return UpdateResult(
-        template=old.name, template_digest=digest, previous_digest=old_digest,
-        version=manifest.version, component=component, group_digest=r.digest,
-        chunks_written=r.chunks_written, bytes_published=written, seconds=time.monotonic() - t0,
-    )  # fmt: skip
+        template=old.name,
+        template_digest=digest,
+        previous_digest=old_digest,
+        version=manifest.version,
+        component=component,
+        group_digest=r.digest,
+        chunks_written=r.chunks_written,
+        bytes_published=written,
+        seconds=time.monotonic() - t0,
+    )

@@ -20,7 +20,6 @@ from typing import Any, BinaryIO, Literal
 
 import httpx
 
-from weenv.errors import WeenvError
 from weenv.api.models import (
     BatchCreateEvent,
     CreateRequest,
@@ -34,8 +33,9 @@ from weenv.api.models import (
     TemplateInfo,
     WriteInfo,
 )
-from weenv.node.provision.models import ProvisionStats
+from weenv.errors import WeenvError
 from weenv.formats.tax import TaxReport
+from weenv.node.provision.models import ProvisionStats
 from weenv.sdk import _core
 from weenv.sdk import _meter as meter
 from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
@@ -50,12 +50,16 @@ class _Connection:
     def __init__(self, config: ConnectionConfig):
         self.config = config
         transport = httpx.AsyncHTTPTransport(uds=config.socket) if config.socket else None
-        self.http = httpx.AsyncClient(base_url=config.base_url, headers=config.headers, transport=transport,
-                                 timeout=httpx.Timeout(config.request_timeout, connect=10.0))
+        self.http = httpx.AsyncClient(
+            base_url=config.base_url,
+            headers=config.headers,
+            transport=transport,
+            timeout=httpx.Timeout(config.request_timeout, connect=10.0),
+        )
         self._refs = 1
         self._lock = threading.Lock()
 
-    def retain(self) -> "_Connection":
+    def retain(self) -> _Connection:
         with self._lock:
             self._refs += 1
         return self
@@ -124,8 +128,15 @@ class _Connection:
                 await stream.aclose()
             flow.close()
             if first is not None and meter.metering():
-                meter.record_call(self.config, first.method, first.path, started,
-                                  time.monotonic() - started - in_callbacks, outcome=outcome, error=failure)
+                meter.record_call(
+                    self.config,
+                    first.method,
+                    first.path,
+                    started,
+                    time.monotonic() - started - in_callbacks,
+                    outcome=outcome,
+                    error=failure,
+                )
 
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
@@ -205,7 +216,7 @@ async def _aiter(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
 class AsyncCommandHandle:
     """A command running in the background (``commands.run(..., background=True)``)."""
 
-    def __init__(self, sandbox: "AsyncSandbox", info: ProcessInfo):
+    def __init__(self, sandbox: AsyncSandbox, info: ProcessInfo):
         self.sandbox = sandbox
         self.info = info
 
@@ -213,12 +224,18 @@ class AsyncCommandHandle:
     def pid(self) -> int:
         return self.info.pid
 
-    async def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
-             ) -> CommandResult:
+    async def wait(
+        self,
+        *,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+    ) -> CommandResult:
         """Follow its output (kept output first) until it ends; its result.
         Raises :class:`CommandTimeoutError` if its timeout killed it, and
         :class:`OutputLimitError` past 64 MiB of output (the command runs on)."""
-        return await self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
+        return await self.sandbox._drive(
+            _core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr)
+        )
 
     async def kill(self, signal: str | int = "KILL") -> bool:
         return await self.sandbox._drive(_core.kill_process(self.sandbox.id, self.pid, signal))
@@ -232,14 +249,24 @@ class AsyncCommandHandle:
 
 
 class AsyncCommands:
-    def __init__(self, sandbox: "AsyncSandbox"):
+    def __init__(self, sandbox: AsyncSandbox):
         self._s = sandbox
 
-    async def run(self, cmd: str | list[str], *, background: bool = False,
-            on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
-            timeout: float | None = None, envs: dict[str, str] | None = None, cwd: str | None = None,
-            stdin: bytes | str | None = None, stdin_open: bool = False, tag: str | None = None,
-            user: str | None = None) -> Any:
+    async def run(
+        self,
+        cmd: str | list[str],
+        *,
+        background: bool = False,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        stdin_open: bool = False,
+        tag: str | None = None,
+        user: str | None = None,
+    ) -> Any:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
@@ -250,8 +277,9 @@ class AsyncCommands:
         bounded; redirect bigger output to a file inside and read that.  ``user``:
         who it runs as (a user of the environment or ``"UID[:GID]"``; default the
         template's user): :class:`UnknownUserError` for one it does not have."""
-        req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
-                                 stdin_open=stdin_open, tag=tag, user=user)
+        req = _core.exec_request(
+            cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open, tag=tag, user=user
+        )
         if background:
             return AsyncCommandHandle(self._s, await self._s._drive(_core.start(self._s.id, req)))
         return await self._s._drive(_core.run(self._s.id, req, on_stdout=on_stdout, on_stderr=on_stderr))
@@ -270,14 +298,15 @@ class AsyncCommands:
 
 
 class AsyncFiles:
-    def __init__(self, sandbox: "AsyncSandbox"):
+    def __init__(self, sandbox: AsyncSandbox):
         self._s = sandbox
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> Any:
         return await self._s._drive(_core.read_file(self._s.id, path, format=format))
 
-    async def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes], *,
-                    user: str | None = None) -> WriteInfo:
+    async def write(
+        self, path: str, data: str | bytes | BinaryIO | Iterable[bytes], *, user: str | None = None
+    ) -> WriteInfo:
         """``user``: who owns the file and the parents made for it (default root)."""
         return await self._s._drive(_core.write_file(self._s.id, path, data, user))
 
@@ -346,9 +375,19 @@ class AsyncSandbox:
 
     # --- making sandboxes ------------------------------------------------------------
     @classmethod
-    async def create(cls, template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
-               metadata: dict[str, str] | None = None, resources: Any = None, api_url: str | None = None,
-               api_key: str | None = None, request_timeout: float | None = None, priority: int = 0) -> "AsyncSandbox":
+    async def create(
+        cls,
+        template: str,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        resources: Any = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+        priority: int = 0,
+    ) -> AsyncSandbox:
         """Create an environment from ``template``; ``timeout``: seconds it lives
         (default 300, see :meth:`set_timeout`); ``envs``: variables of every
         command; ``metadata``: labels; ``resources``: a
@@ -356,27 +395,42 @@ class AsyncSandbox:
         ``priority``: for elastic provisioning (higher grows first, is frozen last)."""
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:
-            info = await conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata,
-                                                  resources=resources, priority=priority))
+            info = await conn.drive(
+                _core.create(
+                    template, timeout=timeout, envs=envs, metadata=metadata, resources=resources, priority=priority
+                )
+            )
         except BaseException:
             await conn.release()
             raise
         return cls(info, conn)
 
     @classmethod
-    async def create_many(cls, templates: str | list[str], count: int | None = None, *, timeout: float | None = None,
-                    envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
-                    resources: Any = None, concurrency: int | None = None,
-                    on_ready: Callable[[int, "AsyncSandbox"], Any] | None = None, return_exceptions: bool = False,
-                    api_url: str | None = None, api_key: str | None = None,
-                    request_timeout: float | None = None) -> list[Any]:
+    async def create_many(
+        cls,
+        templates: str | list[str],
+        count: int | None = None,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        resources: Any = None,
+        concurrency: int | None = None,
+        on_ready: Callable[[int, AsyncSandbox], Any] | None = None,
+        return_exceptions: bool = False,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> list[Any]:
         """Create many environments in one request (``templates`` as a list, or
         one template ``count`` times), concurrently on the node; ``on_ready(i,
         sandbox)`` is called as each is ready.  Returns sandboxes in request
         order.  If one fails, the others are killed and its error raised, unless
         ``return_exceptions`` (then the list holds the error in its place)."""
-        items = [_core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
-                 for t in _templates(templates, count)]
+        items = [
+            _core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
+            for t in _templates(templates, count)
+        ]
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         made: dict[int, AsyncSandbox] = {}
         started = time.monotonic()
@@ -387,8 +441,9 @@ class AsyncSandbox:
             return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
         try:
-            results = await conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
-                                                   return_exceptions=return_exceptions))
+            results = await conn.drive(
+                _core.create_many(items, concurrency=concurrency, on_ready=ready, return_exceptions=return_exceptions)
+            )
         except BaseException:
             for s in made.values():
                 await s.aclose()
@@ -398,8 +453,14 @@ class AsyncSandbox:
         return [made[i] if isinstance(r, EnvironmentInfo) else r for i, r in enumerate(results)]
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None,
-                request_timeout: float | None = None) -> "AsyncSandbox":
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> AsyncSandbox:
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:
             return cls(await conn.drive(_core.get(sandbox_id)), conn)
@@ -505,7 +566,7 @@ class AsyncSandbox:
             self._closed = True
             await self._conn.release()
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def __aenter__(self) -> AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -536,8 +597,14 @@ class AsyncNodeClient:
     be reached).
     """
 
-    def __init__(self, *, socket: str | os.PathLike | None = None, api_url: str | None = None,
-                 api_key: str | None = None, request_timeout: float | None = None):
+    def __init__(
+        self,
+        *,
+        socket: str | os.PathLike | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ):
         self._conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout, socket=socket))
         self._closed = False
 
@@ -548,14 +615,34 @@ class AsyncNodeClient:
     async def health(self) -> bool:
         return await self._conn.drive(_core.health())
 
-    async def create(self, template: str, *, resources: Any = None, first_command: bool = True,
-               timeout: float | None = None, priority: int = 0,
-               metadata: dict[str, str] | None = None) -> EnvironmentInfo:
-        return await self._conn.drive(_core.create(template, resources=resources, first_command=first_command,
-                                                   timeout=timeout, priority=priority, metadata=metadata))
+    async def create(
+        self,
+        template: str,
+        *,
+        resources: Any = None,
+        first_command: bool = True,
+        timeout: float | None = None,
+        priority: int = 0,
+        metadata: dict[str, str] | None = None,
+    ) -> EnvironmentInfo:
+        return await self._conn.drive(
+            _core.create(
+                template,
+                resources=resources,
+                first_command=first_command,
+                timeout=timeout,
+                priority=priority,
+                metadata=metadata,
+            )
+        )
 
-    async def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None,
-                    on_event: Callable[[BatchCreateEvent], Any] | None = None) -> list[BatchCreateEvent]:
+    async def create_many(
+        self,
+        items: list[CreateRequest],
+        *,
+        concurrency: int | None = None,
+        on_event: Callable[[BatchCreateEvent], Any] | None = None,
+    ) -> list[BatchCreateEvent]:
         """One batch create; ``on_event(event)`` as each item is done (a failed
         item is an event); every event, in the order they came."""
         return await self._conn.drive(_core.batch_events(items, concurrency=concurrency, on_event=on_event))
@@ -577,8 +664,16 @@ class AsyncNodeClient:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""
         await self._conn.drive(_core.kill(env_id, missing_ok=False))
 
-    async def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
-             cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        env_id: str,
+        command: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         """Run ``command`` (argv, or a shell string) to its end; its exit code and captured output."""
         req = _core.exec_request(command, envs=env, cwd=cwd, timeout=timeout, stdin=stdin)
         return await self._conn.drive(_core.exec_captured(env_id, req))
@@ -627,7 +722,7 @@ class AsyncNodeClient:
             self._closed = True
             await self._conn.release()
 
-    async def __aenter__(self) -> "AsyncNodeClient":
+    async def __aenter__(self) -> AsyncNodeClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

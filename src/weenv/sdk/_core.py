@@ -44,16 +44,6 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError
 
-from weenv.errors import (
-    ERROR_KINDS,
-    CommandTimeoutError,
-    DaemonError,
-    InvalidInputError,
-    NotFoundError,
-    OutputLimitError,
-    WeenvError,
-)
-from weenv.formats.manifest import Resources
 from weenv.api.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -67,12 +57,12 @@ from weenv.api.models import (
     ForkResponse,
     KillRequest,
     NodeStats,
+    PauseRequest,
     ProcessEvent,
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
     ResetRequest,
-    PauseRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -81,8 +71,18 @@ from weenv.api.models import (
     TemplateInfo,
     WriteInfo,
 )
-from weenv.node.provision.models import ProvisionStats
+from weenv.errors import (
+    ERROR_KINDS,
+    CommandTimeoutError,
+    DaemonError,
+    InvalidInputError,
+    NotFoundError,
+    OutputLimitError,
+    WeenvError,
+)
+from weenv.formats.manifest import Resources
 from weenv.formats.tax import TaxReport
+from weenv.node.provision.models import ProvisionStats
 
 T = TypeVar("T")
 API_PREFIX = "/v1"
@@ -147,8 +147,13 @@ class ConnectionConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
     @classmethod
-    def resolve(cls, api_url: str | None = None, api_key: str | None = None,
-                request_timeout: float | None = None, socket: str | os.PathLike | None = None) -> "ConnectionConfig":
+    def resolve(
+        cls,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+        socket: str | os.PathLike | None = None,
+    ) -> ConnectionConfig:
         """Arguments first, then ``WEENV_API_URL`` and ``WEENV_API_KEY``; with no
         URL, the local daemon's Unix socket (``$WEENV_HOME/run/weenv.sock``).
         ``socket``: that Unix socket (a given home's daemon), whatever the
@@ -301,8 +306,10 @@ class _Output:
     pid: int = 0
 
     def __post_init__(self):
-        self._dec = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
-                     "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+        self._dec = {
+            "stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+            "stderr": codecs.getincrementaldecoder("utf-8")("replace"),
+        }
 
     def feed(self, e: ProcessEvent) -> list[Invoke]:
         """Take one event; the callbacks to call for it."""
@@ -330,9 +337,14 @@ class _Output:
     def result(self, *, raise_on_timeout: bool = True) -> CommandResult:
         if self.end is None:
             raise DaemonError("the command's output stream ended before the command did")
-        r = CommandResult(exit_code=self.end.exit_code if self.end.exit_code is not None else -1,
-                          stdout_bytes=bytes(self.out), stderr_bytes=bytes(self.err),
-                          duration_s=self.end.duration_s or 0.0, timed_out=bool(self.end.timed_out), pid=self.pid)
+        r = CommandResult(
+            exit_code=self.end.exit_code if self.end.exit_code is not None else -1,
+            stdout_bytes=bytes(self.out),
+            stderr_bytes=bytes(self.err),
+            duration_s=self.end.duration_s or 0.0,
+            timed_out=bool(self.end.timed_out),
+            pid=self.pid,
+        )
         if r.timed_out and raise_on_timeout:
             exc = CommandTimeoutError(f"the command timed out after {r.duration_s:.1f} s and was killed")
             exc.result = r  # type: ignore[attr-defined]
@@ -345,7 +357,7 @@ def _follow(out: _Output, first: Any) -> Flow[None]:
     line = first
     while line is not END:
         if line is not None:
-            for invoke in out.feed(ProcessEvent.model_validate(line)):
+            for invoke in out.feed(ProcessEvent.model_validate(line)):  # noqa: UP028 (a send() generator: `yield from` would pass sends on)
                 yield invoke
         line = yield NEXT
 
@@ -366,28 +378,60 @@ def env_path(env_id: str) -> str:
 _env = env_path
 
 
-def create(template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
-           metadata: dict[str, str] | None = None, resources: Resources | dict | None = None,
-           priority: int = 0, first_command: bool = True) -> Flow[EnvironmentInfo]:
-    req = create_request(template, timeout=timeout, envs=envs, metadata=metadata, resources=resources,
-                         priority=priority, first_command=first_command)  # fmt: skip
+def create(
+    template: str,
+    *,
+    timeout: float | None = None,
+    envs: dict[str, str] | None = None,
+    metadata: dict[str, str] | None = None,
+    resources: Resources | dict | None = None,
+    priority: int = 0,
+    first_command: bool = True,
+) -> Flow[EnvironmentInfo]:
+    req = create_request(
+        template,
+        timeout=timeout,
+        envs=envs,
+        metadata=metadata,
+        resources=resources,
+        priority=priority,
+        first_command=first_command,
+    )
     reply = yield Call("POST", "/environments", json=req)
     return EnvironmentInfo.model_validate_json(reply.content)
 
 
-def create_request(template: str, *, timeout=None, envs=None, metadata=None, resources=None,
-                   priority: int = 0, first_command: bool = True) -> CreateRequest:  # fmt: skip
+def create_request(
+    template: str,
+    *,
+    timeout=None,
+    envs=None,
+    metadata=None,
+    resources=None,
+    priority: int = 0,
+    first_command: bool = True,
+) -> CreateRequest:
     try:
-        return CreateRequest(template=template, timeout=timeout, envs=envs or {}, metadata=metadata or {},
-                             priority=priority, first_command=first_command,
-                             resources=Resources.model_validate(resources) if isinstance(resources, dict) else resources)
+        return CreateRequest(
+            template=template,
+            timeout=timeout,
+            envs=envs or {},
+            metadata=metadata or {},
+            priority=priority,
+            first_command=first_command,
+            resources=Resources.model_validate(resources) if isinstance(resources, dict) else resources,
+        )
     except ValidationError as exc:
         raise InvalidInputError(f"bad create arguments: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
 
-def create_many(items: list[CreateRequest], *, concurrency: int | None = None,
-                on_ready: Callable[[int, EnvironmentInfo], Any] | None = None,
-                return_exceptions: bool = False) -> Flow[list[EnvironmentInfo | WeenvError]]:
+def create_many(
+    items: list[CreateRequest],
+    *,
+    concurrency: int | None = None,
+    on_ready: Callable[[int, EnvironmentInfo], Any] | None = None,
+    return_exceptions: bool = False,
+) -> Flow[list[EnvironmentInfo | WeenvError]]:
     """Create ``items`` in one batch; a list in ``items`` order of infos (or, with
     ``return_exceptions``, errors).  Without it, the first failure destroys the
     environments that were created and is raised."""
@@ -422,8 +466,12 @@ def create_many(items: list[CreateRequest], *, concurrency: int | None = None,
     return results  # type: ignore[return-value]
 
 
-def batch_events(items: list[CreateRequest], *, concurrency: int | None = None,
-                 on_event: Callable[[BatchCreateEvent], Any] | None = None) -> Flow[list[BatchCreateEvent]]:
+def batch_events(
+    items: list[CreateRequest],
+    *,
+    concurrency: int | None = None,
+    on_event: Callable[[BatchCreateEvent], Any] | None = None,
+) -> Flow[list[BatchCreateEvent]]:
     """Create ``items`` in one batch: ``on_event(event)`` as the daemon finishes
     each item, then every event in the order they came.  A failed item is an
     event (nothing else is destroyed); a broken answer raises (:class:`DaemonError`)."""
@@ -521,9 +569,12 @@ def fork_answer(env_id: str, count: int, *, timeout: float | None = None) -> Flo
 def fork(env_id: str, count: int, *, timeout: float | None = None) -> Flow[list[EnvironmentInfo | WeenvError]]:
     """``count`` children of the environment: each one's info or its error, in order."""
     answer = yield from fork_answer(env_id, count, timeout=timeout)
-    return [c.environment if c.environment is not None
-            else error_for_kind(c.error.kind if c.error else "weenv", c.error.message if c.error else "no child")
-            for c in answer.children]  # fmt: skip
+    return [
+        c.environment
+        if c.environment is not None
+        else error_for_kind(c.error.kind if c.error else "weenv", c.error.message if c.error else "no child")
+        for c in answer.children
+    ]
 
 
 def reset(env_id: str, snapshot: str | None = None) -> Flow[EnvironmentInfo]:
@@ -532,7 +583,9 @@ def reset(env_id: str, snapshot: str | None = None) -> Flow[EnvironmentInfo]:
 
 
 def pause(env_id: str, release_memory: bool = False) -> Flow[EnvironmentInfo]:
-    reply = yield Call("POST", _env(env_id) + "/pause", json=PauseRequest(release_memory=True) if release_memory else None)
+    reply = yield Call(
+        "POST", _env(env_id) + "/pause", json=PauseRequest(release_memory=True) if release_memory else None
+    )
     return EnvironmentInfo.model_validate_json(reply.content)
 
 
@@ -589,13 +642,22 @@ def exec_captured(env_id: str, req: ExecRequest) -> Flow[ExecResult]:
 
 
 # --- flows: commands -------------------------------------------------------------------
-def exec_request(cmd: str | list[str], *, envs=None, cwd=None, timeout=None, stdin=None,
-                 stdin_open=False, tag=None, user=None) -> ExecRequest:
+def exec_request(
+    cmd: str | list[str], *, envs=None, cwd=None, timeout=None, stdin=None, stdin_open=False, tag=None, user=None
+) -> ExecRequest:
     if isinstance(stdin, str):
         stdin = stdin.encode()
     try:
-        return ExecRequest(command=cmd, env=envs or {}, cwd=cwd, timeout=timeout, stdin=stdin,
-                           stdin_open=stdin_open, tag=tag, user=user)
+        return ExecRequest(
+            command=cmd,
+            env=envs or {},
+            cwd=cwd,
+            timeout=timeout,
+            stdin=stdin,
+            stdin_open=stdin_open,
+            tag=tag,
+            user=user,
+        )
     except ValidationError as exc:
         raise InvalidInputError(f"bad command arguments: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
 
@@ -626,8 +688,9 @@ def start(env_id: str, req: ExecRequest) -> Flow[ProcessInfo]:
     return ProcessInfo.model_validate_json(reply.content)
 
 
-def wait(env_id: str, info: ProcessInfo, *, on_stdout=None, on_stderr=None,
-         raise_on_timeout: bool = True) -> Flow[CommandResult]:
+def wait(
+    env_id: str, info: ProcessInfo, *, on_stdout=None, on_stderr=None, raise_on_timeout: bool = True
+) -> Flow[CommandResult]:
     """A background command's output (what is kept, then live) until it ends;
     :class:`OutputLimitError` past :data:`MAX_OUTPUT` bytes (the command is
     left running: it is the handle's to kill)."""
@@ -683,8 +746,9 @@ def write_file(env_id: str, path: str, data: Any, user: str | None = None) -> Fl
     ``user``: who owns the file and the parents made for it (default root)."""
     if isinstance(data, str):
         data = data.encode()
-    reply = yield Call("PUT", _env(env_id) + "/files?" + path_query(path) + _user_query(user), content=data,
-                       timeout=None)
+    reply = yield Call(
+        "PUT", _env(env_id) + "/files?" + path_query(path) + _user_query(user), content=data, timeout=None
+    )
     return parse(WriteInfo, reply.content)
 
 

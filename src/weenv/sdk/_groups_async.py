@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from weenv.api.models import EnvironmentInfo
 from weenv.errors import (
     BusyError,
     CommandTimeoutError,
@@ -20,7 +21,6 @@ from weenv.errors import (
     StateError,
     WeenvError,
 )
-from weenv.api.models import EnvironmentInfo
 from weenv.sdk import _core
 from weenv.sdk._async import AsyncSandbox, _Connection
 from weenv.sdk._core import ConnectionConfig
@@ -83,15 +83,22 @@ class AsyncGroup(list):
             self._closed = True
             await self._meter.__aexit__(None, None, None)
 
-    async def __aenter__(self) -> "AsyncGroup":
+    async def __aenter__(self) -> AsyncGroup:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.kill()
 
 
-async def async_rollout_group(task: Task, n: int, *, timeout: float | None = None, api_url: str | None = None,
-                              api_key: str | None = None, request_timeout: float | None = None) -> AsyncGroup:
+async def async_rollout_group(
+    task: Task,
+    n: int,
+    *,
+    timeout: float | None = None,
+    api_url: str | None = None,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+) -> AsyncGroup:
     """``n`` sandboxes forked from ``task``'s state (built first if the store
     has none: :mod:`weenv.sdk.groups`) on the node the connection reaches (a
     cluster's gateway places the task's root on one of its nodes).
@@ -165,8 +172,11 @@ async def _build(conn: _Connection, task: Task, name: str) -> str:
     """Run ``task``'s setup in a fresh environment, publish it as snapshot
     ``name`` and destroy the environment; the snapshot's digest."""
     deadline = time.monotonic() + task.timeout
-    info = await conn.drive(_core.create(task.template, timeout=task.timeout + SETUP_SLACK_S,
-                                         envs=task.envs or None, metadata={TASK_LABEL: name}))
+    info = await conn.drive(
+        _core.create(
+            task.template, timeout=task.timeout + SETUP_SLACK_S, envs=task.envs or None, metadata={TASK_LABEL: name}
+        )
+    )
     sb = AsyncSandbox(info, conn.retain())
     try:
         await _run_setup(sb, task, deadline)
@@ -296,7 +306,7 @@ class AsyncTree:
                 await conn.release()
         await self._meter.__aexit__(None, None, None)
 
-    async def __aenter__(self) -> "AsyncTree":
+    async def __aenter__(self) -> AsyncTree:
         return self
 
     async def __aexit__(self, *exc) -> None:

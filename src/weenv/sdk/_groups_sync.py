@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from weenv.api.models import EnvironmentInfo
 from weenv.errors import (
     BusyError,
     CommandTimeoutError,
@@ -20,7 +21,6 @@ from weenv.errors import (
     StateError,
     WeenvError,
 )
-from weenv.api.models import EnvironmentInfo
 from weenv.sdk import _core
 from weenv.sdk._sync import Sandbox, _Connection
 from weenv.sdk._core import ConnectionConfig
@@ -83,15 +83,22 @@ class Group(list):
             self._closed = True
             self._meter.__exit__(None, None, None)
 
-    def __enter__(self) -> "Group":
+    def __enter__(self) -> Group:
         return self
 
     def __exit__(self, *exc) -> None:
         self.kill()
 
 
-def rollout_group(task: Task, n: int, *, timeout: float | None = None, api_url: str | None = None,
-                              api_key: str | None = None, request_timeout: float | None = None) -> Group:
+def rollout_group(
+    task: Task,
+    n: int,
+    *,
+    timeout: float | None = None,
+    api_url: str | None = None,
+    api_key: str | None = None,
+    request_timeout: float | None = None,
+) -> Group:
     """``n`` sandboxes forked from ``task``'s state (built first if the store
     has none: :mod:`weenv.sdk.groups`) on the node the connection reaches (a
     cluster's gateway places the task's root on one of its nodes).
@@ -165,8 +172,11 @@ def _build(conn: _Connection, task: Task, name: str) -> str:
     """Run ``task``'s setup in a fresh environment, publish it as snapshot
     ``name`` and destroy the environment; the snapshot's digest."""
     deadline = time.monotonic() + task.timeout
-    info = conn.drive(_core.create(task.template, timeout=task.timeout + SETUP_SLACK_S,
-                                         envs=task.envs or None, metadata={TASK_LABEL: name}))
+    info = conn.drive(
+        _core.create(
+            task.template, timeout=task.timeout + SETUP_SLACK_S, envs=task.envs or None, metadata={TASK_LABEL: name}
+        )
+    )
     sb = Sandbox(info, conn.retain())
     try:
         _run_setup(sb, task, deadline)
@@ -296,7 +306,7 @@ class Tree:
                 conn.release()
         self._meter.__exit__(None, None, None)
 
-    def __enter__(self) -> "Tree":
+    def __enter__(self) -> Tree:
         return self
 
     def __exit__(self, *exc) -> None:

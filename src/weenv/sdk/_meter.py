@@ -48,8 +48,16 @@ def _tallies() -> list[Tally]:
         return list(_active)
 
 
-def record_call(config: Any, method: str, path: str, started: float, waited: float, *,
-                outcome: Any = None, error: BaseException | None = None) -> None:
+def record_call(
+    config: Any,
+    method: str,
+    path: str,
+    started: float,
+    waited: float,
+    *,
+    outcome: Any = None,
+    error: BaseException | None = None,
+) -> None:
     """Count one SDK operation: its first request ``method`` ``path``, begun at
     monotonic ``started``, the caller waited ``waited`` seconds (callbacks left
     out); ``outcome`` its result (an ``EnvironmentInfo``, a ``CommandResult``...)
@@ -172,8 +180,9 @@ def _post(config: Any, batch) -> None:
 
     try:
         transport = {"transport": httpx.HTTPTransport(uds=config.socket)} if config.socket else {}
-        with httpx.Client(base_url=config.base_url, headers=config.headers, timeout=REPORT_TIMEOUT_S,
-                          **transport) as http:
+        with httpx.Client(
+            base_url=config.base_url, headers=config.headers, timeout=REPORT_TIMEOUT_S, **transport
+        ) as http:
             r = http.post("/tax", content=batch.model_dump_json(), headers={"content-type": "application/json"})
             r.raise_for_status()
     except httpx.HTTPError as exc:
@@ -185,8 +194,9 @@ async def _apost(config: Any, batch) -> None:
 
     try:
         transport = {"transport": httpx.AsyncHTTPTransport(uds=config.socket)} if config.socket else {}
-        async with httpx.AsyncClient(base_url=config.base_url, headers=config.headers,
-                                     timeout=REPORT_TIMEOUT_S, **transport) as http:
+        async with httpx.AsyncClient(
+            base_url=config.base_url, headers=config.headers, timeout=REPORT_TIMEOUT_S, **transport
+        ) as http:
             r = await http.post("/tax", content=batch.model_dump_json(), headers={"content-type": "application/json"})
             r.raise_for_status()
     except httpx.HTTPError as exc:

@@ -16,7 +16,6 @@ from typing import Any, BinaryIO, Literal
 
 import httpx
 
-from weenv.errors import WeenvError
 from weenv.api.models import (
     BatchCreateEvent,
     CreateRequest,
@@ -30,8 +29,9 @@ from weenv.api.models import (
     TemplateInfo,
     WriteInfo,
 )
-from weenv.node.provision.models import ProvisionStats
+from weenv.errors import WeenvError
 from weenv.formats.tax import TaxReport
+from weenv.node.provision.models import ProvisionStats
 from weenv.sdk import _core
 from weenv.sdk import _meter as meter
 from weenv.sdk._core import END, NEXT, Call, CommandResult, ConnectionConfig, Flow, Invoke, Reply
@@ -46,12 +46,16 @@ class _Connection:
     def __init__(self, config: ConnectionConfig):
         self.config = config
         transport = httpx.HTTPTransport(uds=config.socket) if config.socket else None
-        self.http = httpx.Client(base_url=config.base_url, headers=config.headers, transport=transport,
-                                 timeout=httpx.Timeout(config.request_timeout, connect=10.0))
+        self.http = httpx.Client(
+            base_url=config.base_url,
+            headers=config.headers,
+            transport=transport,
+            timeout=httpx.Timeout(config.request_timeout, connect=10.0),
+        )
         self._refs = 1
         self._lock = threading.Lock()
 
-    def retain(self) -> "_Connection":
+    def retain(self) -> _Connection:
         with self._lock:
             self._refs += 1
         return self
@@ -120,8 +124,15 @@ class _Connection:
                 stream.close()
             flow.close()
             if first is not None and meter.metering():
-                meter.record_call(self.config, first.method, first.path, started,
-                                  time.monotonic() - started - in_callbacks, outcome=outcome, error=failure)
+                meter.record_call(
+                    self.config,
+                    first.method,
+                    first.path,
+                    started,
+                    time.monotonic() - started - in_callbacks,
+                    outcome=outcome,
+                    error=failure,
+                )
 
     def _kw(self, call: Call) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": call.params}
@@ -201,7 +212,7 @@ def _iter(chunks: Iterable[bytes]) -> Iterator[bytes]:
 class CommandHandle:
     """A command running in the background (``commands.run(..., background=True)``)."""
 
-    def __init__(self, sandbox: "Sandbox", info: ProcessInfo):
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo):
         self.sandbox = sandbox
         self.info = info
 
@@ -209,12 +220,18 @@ class CommandHandle:
     def pid(self) -> int:
         return self.info.pid
 
-    def wait(self, *, on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
-             ) -> CommandResult:
+    def wait(
+        self,
+        *,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+    ) -> CommandResult:
         """Follow its output (kept output first) until it ends; its result.
         Raises :class:`CommandTimeoutError` if its timeout killed it, and
         :class:`OutputLimitError` past 64 MiB of output (the command runs on)."""
-        return self.sandbox._drive(_core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr))
+        return self.sandbox._drive(
+            _core.wait(self.sandbox.id, self.info, on_stdout=on_stdout, on_stderr=on_stderr)
+        )
 
     def kill(self, signal: str | int = "KILL") -> bool:
         return self.sandbox._drive(_core.kill_process(self.sandbox.id, self.pid, signal))
@@ -228,14 +245,24 @@ class CommandHandle:
 
 
 class Commands:
-    def __init__(self, sandbox: "Sandbox"):
+    def __init__(self, sandbox: Sandbox):
         self._s = sandbox
 
-    def run(self, cmd: str | list[str], *, background: bool = False,
-            on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
-            timeout: float | None = None, envs: dict[str, str] | None = None, cwd: str | None = None,
-            stdin: bytes | str | None = None, stdin_open: bool = False, tag: str | None = None,
-            user: str | None = None) -> Any:
+    def run(
+        self,
+        cmd: str | list[str],
+        *,
+        background: bool = False,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        stdin_open: bool = False,
+        tag: str | None = None,
+        user: str | None = None,
+    ) -> Any:
         """Run ``cmd`` (a shell string or argv) and return its :class:`CommandResult`;
         output reaches ``on_stdout``/``on_stderr`` as it comes.  With
         ``background``, return a :class:`CommandHandle` at once.  ``timeout``
@@ -246,8 +273,9 @@ class Commands:
         bounded; redirect bigger output to a file inside and read that.  ``user``:
         who it runs as (a user of the environment or ``"UID[:GID]"``; default the
         template's user): :class:`UnknownUserError` for one it does not have."""
-        req = _core.exec_request(cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin,
-                                 stdin_open=stdin_open, tag=tag, user=user)
+        req = _core.exec_request(
+            cmd, envs=envs, cwd=cwd, timeout=timeout, stdin=stdin, stdin_open=stdin_open, tag=tag, user=user
+        )
         if background:
             return CommandHandle(self._s, self._s._drive(_core.start(self._s.id, req)))
         return self._s._drive(_core.run(self._s.id, req, on_stdout=on_stdout, on_stderr=on_stderr))
@@ -266,14 +294,15 @@ class Commands:
 
 
 class Files:
-    def __init__(self, sandbox: "Sandbox"):
+    def __init__(self, sandbox: Sandbox):
         self._s = sandbox
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> Any:
         return self._s._drive(_core.read_file(self._s.id, path, format=format))
 
-    def write(self, path: str, data: str | bytes | BinaryIO | Iterable[bytes], *,
-                    user: str | None = None) -> WriteInfo:
+    def write(
+        self, path: str, data: str | bytes | BinaryIO | Iterable[bytes], *, user: str | None = None
+    ) -> WriteInfo:
         """``user``: who owns the file and the parents made for it (default root)."""
         return self._s._drive(_core.write_file(self._s.id, path, data, user))
 
@@ -342,9 +371,19 @@ class Sandbox:
 
     # --- making sandboxes ------------------------------------------------------------
     @classmethod
-    def create(cls, template: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
-               metadata: dict[str, str] | None = None, resources: Any = None, api_url: str | None = None,
-               api_key: str | None = None, request_timeout: float | None = None, priority: int = 0) -> "Sandbox":
+    def create(
+        cls,
+        template: str,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        resources: Any = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+        priority: int = 0,
+    ) -> Sandbox:
         """Create an environment from ``template``; ``timeout``: seconds it lives
         (default 300, see :meth:`set_timeout`); ``envs``: variables of every
         command; ``metadata``: labels; ``resources``: a
@@ -352,27 +391,42 @@ class Sandbox:
         ``priority``: for elastic provisioning (higher grows first, is frozen last)."""
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:
-            info = conn.drive(_core.create(template, timeout=timeout, envs=envs, metadata=metadata,
-                                                  resources=resources, priority=priority))
+            info = conn.drive(
+                _core.create(
+                    template, timeout=timeout, envs=envs, metadata=metadata, resources=resources, priority=priority
+                )
+            )
         except BaseException:
             conn.release()
             raise
         return cls(info, conn)
 
     @classmethod
-    def create_many(cls, templates: str | list[str], count: int | None = None, *, timeout: float | None = None,
-                    envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
-                    resources: Any = None, concurrency: int | None = None,
-                    on_ready: Callable[[int, "Sandbox"], Any] | None = None, return_exceptions: bool = False,
-                    api_url: str | None = None, api_key: str | None = None,
-                    request_timeout: float | None = None) -> list[Any]:
+    def create_many(
+        cls,
+        templates: str | list[str],
+        count: int | None = None,
+        *,
+        timeout: float | None = None,
+        envs: dict[str, str] | None = None,
+        metadata: dict[str, str] | None = None,
+        resources: Any = None,
+        concurrency: int | None = None,
+        on_ready: Callable[[int, Sandbox], Any] | None = None,
+        return_exceptions: bool = False,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> list[Any]:
         """Create many environments in one request (``templates`` as a list, or
         one template ``count`` times), concurrently on the node; ``on_ready(i,
         sandbox)`` is called as each is ready.  Returns sandboxes in request
         order.  If one fails, the others are killed and its error raised, unless
         ``return_exceptions`` (then the list holds the error in its place)."""
-        items = [_core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
-                 for t in _templates(templates, count)]
+        items = [
+            _core.create_request(t, timeout=timeout, envs=envs, metadata=metadata, resources=resources)
+            for t in _templates(templates, count)
+        ]
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         made: dict[int, Sandbox] = {}
         started = time.monotonic()
@@ -383,8 +437,9 @@ class Sandbox:
             return on_ready(i, made[i]) if on_ready is not None else None  # the driver awaits a coroutine
 
         try:
-            results = conn.drive(_core.create_many(items, concurrency=concurrency, on_ready=ready,
-                                                   return_exceptions=return_exceptions))
+            results = conn.drive(
+                _core.create_many(items, concurrency=concurrency, on_ready=ready, return_exceptions=return_exceptions)
+            )
         except BaseException:
             for s in made.values():
                 s.close()
@@ -394,8 +449,14 @@ class Sandbox:
         return [made[i] if isinstance(r, EnvironmentInfo) else r for i, r in enumerate(results)]
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, api_url: str | None = None, api_key: str | None = None,
-                request_timeout: float | None = None) -> "Sandbox":
+    def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ) -> Sandbox:
         conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout))
         try:
             return cls(conn.drive(_core.get(sandbox_id)), conn)
@@ -501,7 +562,7 @@ class Sandbox:
             self._closed = True
             self._conn.release()
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -532,8 +593,14 @@ class NodeClient:
     be reached).
     """
 
-    def __init__(self, *, socket: str | os.PathLike | None = None, api_url: str | None = None,
-                 api_key: str | None = None, request_timeout: float | None = None):
+    def __init__(
+        self,
+        *,
+        socket: str | os.PathLike | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        request_timeout: float | None = None,
+    ):
         self._conn = _Connection(ConnectionConfig.resolve(api_url, api_key, request_timeout, socket=socket))
         self._closed = False
 
@@ -544,14 +611,34 @@ class NodeClient:
     def health(self) -> bool:
         return self._conn.drive(_core.health())
 
-    def create(self, template: str, *, resources: Any = None, first_command: bool = True,
-               timeout: float | None = None, priority: int = 0,
-               metadata: dict[str, str] | None = None) -> EnvironmentInfo:
-        return self._conn.drive(_core.create(template, resources=resources, first_command=first_command,
-                                                   timeout=timeout, priority=priority, metadata=metadata))
+    def create(
+        self,
+        template: str,
+        *,
+        resources: Any = None,
+        first_command: bool = True,
+        timeout: float | None = None,
+        priority: int = 0,
+        metadata: dict[str, str] | None = None,
+    ) -> EnvironmentInfo:
+        return self._conn.drive(
+            _core.create(
+                template,
+                resources=resources,
+                first_command=first_command,
+                timeout=timeout,
+                priority=priority,
+                metadata=metadata,
+            )
+        )
 
-    def create_many(self, items: list[CreateRequest], *, concurrency: int | None = None,
-                    on_event: Callable[[BatchCreateEvent], Any] | None = None) -> list[BatchCreateEvent]:
+    def create_many(
+        self,
+        items: list[CreateRequest],
+        *,
+        concurrency: int | None = None,
+        on_event: Callable[[BatchCreateEvent], Any] | None = None,
+    ) -> list[BatchCreateEvent]:
         """One batch create; ``on_event(event)`` as each item is done (a failed
         item is an event); every event, in the order they came."""
         return self._conn.drive(_core.batch_events(items, concurrency=concurrency, on_event=on_event))
@@ -573,8 +660,16 @@ class NodeClient:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""
         self._conn.drive(_core.kill(env_id, missing_ok=False))
 
-    def exec(self, env_id: str, command: list[str] | str, *, env: dict[str, str] | None = None,
-             cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    def exec(
+        self,
+        env_id: str,
+        command: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         """Run ``command`` (argv, or a shell string) to its end; its exit code and captured output."""
         req = _core.exec_request(command, envs=env, cwd=cwd, timeout=timeout, stdin=stdin)
         return self._conn.drive(_core.exec_captured(env_id, req))
@@ -623,7 +718,7 @@ class NodeClient:
             self._closed = True
             self._conn.release()
 
-    def __enter__(self) -> "NodeClient":
+    def __enter__(self) -> NodeClient:
         return self
 
     def __exit__(self, *exc) -> None:

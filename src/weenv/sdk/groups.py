@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weenv.errors import InvalidInputError, SetupError
 from weenv.api.models import TemplateInfo
+from weenv.errors import InvalidInputError, SetupError
 from weenv.sdk._core import Call, CommandResult, Flow
 
 DEFAULT_SETUP_TIMEOUT_S = 600.0
@@ -96,13 +96,16 @@ class Task:
             self.setup = [self.setup]
         if callable(self.setup):
             if not isinstance(self.key, str) or not self.key:
-                raise InvalidInputError("a callable setup needs key= (a string that changes when the setup "
-                                        "does): weenv cannot tell when a function changed")
+                raise InvalidInputError(
+                    "a callable setup needs key= (a string that changes when the setup "
+                    "does): weenv cannot tell when a function changed"
+                )
         elif self.setup is None:
             self.setup = []
         elif not isinstance(self.setup, list) or not all(isinstance(c, str) and c.strip() for c in self.setup):
-            raise InvalidInputError(f"a task's setup is a command, a list of commands or a callable, "
-                                    f"not {self.setup!r}")
+            raise InvalidInputError(
+                f"a task's setup is a command, a list of commands or a callable, not {self.setup!r}"
+            )
         if self.key is not None and (not isinstance(self.key, str) or not self.key):
             raise InvalidInputError(f"a task's key is a non-empty string, not {self.key!r}")
         for what in ("timeout", "keep"):
@@ -168,19 +171,22 @@ def _tail(text: str) -> str:
 
 
 def failed_command(task: Task, command: str, result: CommandResult) -> SetupError:
-    return SetupError(f"the setup of task {task.template!r} failed: {command!r} exited {result.exit_code}\n"
-                      f"--- stdout ---\n{_tail(result.stdout)}\n--- stderr ---\n{_tail(result.stderr)}")
+    return SetupError(
+        f"the setup of task {task.template!r} failed: {command!r} exited {result.exit_code}\n"
+        f"--- stdout ---\n{_tail(result.stdout)}\n--- stderr ---\n{_tail(result.stderr)}"
+    )
 
 
 def timed_out(task: Task, command: str | None) -> SetupError:
     what = f"at {command!r}" if command else "in its callable"
-    return SetupError(f"the setup of task {task.template!r} did not finish within its timeout of "
-                      f"{task.timeout:g} s ({what}); nothing of it is left")
+    return SetupError(
+        f"the setup of task {task.template!r} did not finish within its timeout of "
+        f"{task.timeout:g} s ({what}); nothing of it is left"
+    )
 
 
 def failed_callable(task: Task, exc: BaseException) -> SetupError:
-    return SetupError(f"the setup of task {task.template!r} failed: its callable raised "
-                      f"{type(exc).__name__}: {exc}")
+    return SetupError(f"the setup of task {task.template!r} failed: its callable raised {type(exc).__name__}: {exc}")
 
 
 def first_error(children: list[Any]) -> BaseException | None:

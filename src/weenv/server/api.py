@@ -86,9 +86,6 @@ import anyio
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
-from weenv.formats.manifest import Resources
-from weenv.node.state.fork import ForkResult
 from weenv.api.models import (
     BatchCreateEvent,
     BatchCreateRequest,
@@ -103,11 +100,11 @@ from weenv.api.models import (
     ForkResponse,
     KillRequest,
     NodeStats,
+    PauseRequest,
     ProcessInfo,
     ProcessStdin,
     RenameRequest,
     ResetRequest,
-    PauseRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -116,20 +113,25 @@ from weenv.api.models import (
     TemplateInfo,
     WriteInfo,
 )
-from weenv.node.node import Node
+from weenv.errors import AuthenticationError, DiskFullError, InvalidInputError, WeenvError
+from weenv.formats.manifest import Resources
+from weenv.formats.tax import TaxBatch, TaxReport
 from weenv.node.data.peers import PeerUpdate
-from weenv.node.runtime.process import Process
+from weenv.node.node import Node
 from weenv.node.provision import ProvisionStats
+from weenv.node.runtime.process import Process
+from weenv.node.state.fork import ForkResult
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.metrics import CONTENT_TYPE, Metrics
 from weenv.server.tax import COMMAND_KEY
-from weenv.formats.tax import TaxBatch, TaxReport
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1"
-PATH_DOC = ("a path inside the environment; its bytes percent-encoded as UTF-8 "
-            "(a name that is not UTF-8: its own bytes, e.g. %FF)")
+PATH_DOC = (
+    "a path inside the environment; its bytes percent-encoded as UTF-8 "
+    "(a name that is not UTF-8: its own bytes, e.g. %FF)"
+)
 NDJSON = "application/x-ndjson"
 FILE_CHUNK = 1 << 20
 DEFAULT_BATCH_CONCURRENCY = 8
@@ -231,8 +233,11 @@ def api_router(
         node.delivered(info.id)
         return info
 
-    @r.post("/environments/batch", response_class=StreamingResponse,
-            responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}})
+    @r.post(
+        "/environments/batch",
+        response_class=StreamingResponse,
+        responses={200: {"content": {NDJSON: {}}, "description": "BatchCreateEvent lines"}},
+    )
     async def create_batch(req: BatchCreateRequest) -> StreamingResponse:
         for i, item in enumerate(req.items):  # refuse the whole batch before any create starts
             check_capacity(node, item.resources, where=f"items.{i}.resources")
@@ -293,15 +298,35 @@ def api_router(
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
-        return node.spawn(env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
-                          stdin_open=req.stdin_open, tag=req.tag, primary_reader=primary, user=req.user)
+        return node.spawn(
+            env_id,
+            req.command,
+            env=req.env,
+            cwd=req.cwd,
+            timeout=req.timeout,
+            stdin=req.stdin,
+            stdin_open=req.stdin_open,
+            tag=req.tag,
+            primary_reader=primary,
+            user=req.user,
+        )
 
     @r.post("/environments/{env_id}/commands")
     async def run_command(env_id: str, req: ExecRequest, request: Request) -> ExecResult:
         metrics.commands.labels("captured").inc()
-        p = await anyio.to_thread.run_sync(functools.partial(
-            node.spawn, env_id, req.command, env=req.env, cwd=req.cwd, timeout=req.timeout, stdin=req.stdin,
-            primary_reader=True, user=req.user))  # fmt: skip
+        p = await anyio.to_thread.run_sync(
+            functools.partial(
+                node.spawn,
+                env_id,
+                req.command,
+                env=req.env,
+                cwd=req.cwd,
+                timeout=req.timeout,
+                stdin=req.stdin,
+                primary_reader=True,
+                user=req.user,
+            )
+        )
         request.scope[COMMAND_KEY] = p  # its run time is not the node's overhead (weenv.server.tax)
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -316,8 +341,11 @@ def api_router(
             raise error
         return result
 
-    @r.post("/environments/{env_id}/commands/stream", response_class=StreamingResponse,
-            responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
+    @r.post(
+        "/environments/{env_id}/commands/stream",
+        response_class=StreamingResponse,
+        responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}},
+    )
     async def stream_command(env_id: str, req: ExecRequest, request: Request) -> StreamingResponse:
         p = await anyio.to_thread.run_sync(functools.partial(spawn, env_id, req, primary=True))
         request.scope[COMMAND_KEY] = p
@@ -339,16 +367,20 @@ def api_router(
     def get_process(env_id: str, pid: int) -> ProcessInfo:
         return node.process(env_id, pid).info()
 
-    @r.get("/environments/{env_id}/processes/{pid}/output", response_class=StreamingResponse,
-           responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}})
+    @r.get(
+        "/environments/{env_id}/processes/{pid}/output",
+        response_class=StreamingResponse,
+        responses={200: {"content": {NDJSON: {}}, "description": "ProcessEvent lines"}},
+    )
     def process_output(env_id: str, pid: int, request: Request) -> StreamingResponse:
         p = node.process(env_id, pid)
         request.scope[COMMAND_KEY] = p
         return StreamingResponse(_events(p, p.log.attach(), kill_on_close=False), media_type=NDJSON)
 
     @r.post("/environments/{env_id}/processes/{pid}/wait")
-    def wait_process(env_id: str, pid: int, request: Request,
-                     timeout: float = Query(default=60.0, gt=0, le=3600)) -> ProcessInfo:
+    def wait_process(
+        env_id: str, pid: int, request: Request, timeout: float = Query(default=60.0, gt=0, le=3600)
+    ) -> ProcessInfo:
         p = node.process(env_id, pid)
         request.scope[COMMAND_KEY] = p
         p.wait(timeout)
@@ -365,8 +397,11 @@ def api_router(
         return Response(status_code=204)
 
     # --- files -----------------------------------------------------------------------
-    @r.get("/environments/{env_id}/files", response_class=StreamingResponse,
-           responses={200: {"content": {"application/octet-stream": {}}}})
+    @r.get(
+        "/environments/{env_id}/files",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
     def download(env_id: str, path: str = Depends(fs_path)) -> StreamingResponse:
         f = node.files(env_id).open_read(path)
         size = os.fstat(f.fileno()).st_size
@@ -378,22 +413,32 @@ def api_router(
                     left -= len(data)
                     yield data
 
-        return StreamingResponse(chunks(), media_type="application/octet-stream",
-                                 headers={"content-length": str(size)})
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"content-length": str(size)})
 
-    @r.put("/environments/{env_id}/files", response_class=NamesJSONResponse, openapi_extra={
-        "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def upload(env_id: str, request: Request, path: str = Depends(fs_path),
-                     user: str | None = Query(default=None, min_length=1, max_length=256,
-                                              description=USER_DOC)) -> WriteInfo:
+    @r.put(
+        "/environments/{env_id}/files",
+        response_class=NamesJSONResponse,
+        openapi_extra={
+            "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+        },
+    )
+    async def upload(
+        env_id: str,
+        request: Request,
+        path: str = Depends(fs_path),
+        user: str | None = Query(default=None, min_length=1, max_length=256, description=USER_DOC),
+    ) -> WriteInfo:
         fs = node.files(env_id)
         owner = await anyio.to_thread.run_sync(_owner, node, env_id, user)
         length = request.headers.get("content-length", "")
         if length.isdigit():  # a body that can never fit is refused before a byte is written
             _used, limit = await anyio.to_thread.run_sync(node.disk_usage, env_id)
             if int(length) > limit:
-                raise DiskFullError(errno.EDQUOT, f"{path}: {length} bytes do not fit the environment's "
-                                                  f"disk limit of {limit} bytes (resources.disk_bytes)")
+                raise DiskFullError(
+                    errno.EDQUOT,
+                    f"{path}: {length} bytes do not fit the environment's "
+                    f"disk limit of {limit} bytes (resources.disk_bytes)",
+                )
         f = await anyio.to_thread.run_sync(functools.partial(fs.open_write, path, owner=owner))
         size = 0
         buf = bytearray()
@@ -425,8 +470,11 @@ def api_router(
         return node.files(env_id).list_dir(path)
 
     @r.post("/environments/{env_id}/files/mkdir", status_code=204)
-    def make_dir(env_id: str, path: str = Depends(fs_path),
-                 user: str | None = Query(default=None, min_length=1, max_length=256, description=USER_DOC)) -> Response:
+    def make_dir(
+        env_id: str,
+        path: str = Depends(fs_path),
+        user: str | None = Query(default=None, min_length=1, max_length=256, description=USER_DOC),
+    ) -> Response:
         node.files(env_id).make_dir(path, owner=_owner(node, env_id, user))
         return Response(status_code=204)
 
@@ -460,8 +508,9 @@ class NamesJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-USER_DOC = ("Who owns what is created: a user of the environment's /etc/passwd or 'UID[:GID]' "
-            "(default: as written, root's)")
+USER_DOC = (
+    "Who owns what is created: a user of the environment's /etc/passwd or 'UID[:GID]' (default: as written, root's)"
+)
 
 
 def _owner(node: Node, env_id: str, user: str | None) -> tuple[int, int] | None:
@@ -493,8 +542,12 @@ def fs_path_or_root(request: Request, path: str = Query("/", description=PATH_DO
 
 def fork_response(result: ForkResult) -> ForkResponse:
     """The answer of a fork: each child's info, or its error's kind and message."""
-    children = [ForkChild(error=ErrorInfo(kind=c.kind, message=str(c))) if isinstance(c, WeenvError)
-                else ForkChild(environment=c) for c in result.children]  # fmt: skip
+    children = [
+        ForkChild(error=ErrorInfo(kind=c.kind, message=str(c)))
+        if isinstance(c, WeenvError)
+        else ForkChild(environment=c)
+        for c in result.children
+    ]
     return ForkResponse(parent=result.parent, children=children, pause_s=result.pause_s, total_s=result.total_s)
 
 
@@ -509,8 +562,10 @@ def check_capacity(node: Node, resources: Resources | None, *, where: str = "res
     if resources.cpus > cpus:
         raise InvalidInputError(f"{where}.cpus: {resources.cpus:g} is more than the node's {cpus:g} cores")
     if resources.memory_bytes > memory:
-        raise InvalidInputError(f"{where}.memory_bytes: {resources.memory_bytes} is more than the "
-                                f"{memory} bytes the node gives environments")  # fmt: skip
+        raise InvalidInputError(
+            f"{where}.memory_bytes: {resources.memory_bytes} is more than the "
+            f"{memory} bytes the node gives environments"
+        )
     pid_max = _pid_max()
     if resources.pids > pid_max:
         raise InvalidInputError(f"{where}.pids: {resources.pids} is more than the kernel's pid_max ({pid_max})")
@@ -574,8 +629,9 @@ class _ClosingStream(StreamingResponse):
                 await aclose()
 
 
-async def _batch(create_one: Callable[[CreateRequest], EnvironmentInfo], node: Node,
-                 items: list[CreateRequest], workers: int) -> AsyncIterator[bytes]:
+async def _batch(
+    create_one: Callable[[CreateRequest], EnvironmentInfo], node: Node, items: list[CreateRequest], workers: int
+) -> AsyncIterator[bytes]:
     """NDJSON :class:`BatchCreateEvent` lines in the order creates finish.
     Environments created for a client that left before receiving them are
     destroyed: those still being created, and those done but not yet written.

@@ -79,8 +79,11 @@ streams wait on commands)."""
 def error_response(kind: str, message: str, status: int | None = None) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if kind == "authentication" else None
     # NamesJSONResponse: a message may name a path that is not UTF-8
-    return NamesJSONResponse(status_code=status or STATUS.get(kind, 500),
-                             content={"error": {"kind": kind, "message": message}}, headers=headers)
+    return NamesJSONResponse(
+        status_code=status or STATUS.get(kind, 500),
+        content={"error": {"kind": kind, "message": message}},
+        headers=headers,
+    )
 
 
 def create_app(
@@ -117,8 +120,12 @@ def create_app(
                 await reaper
             await anyio.to_thread.run_sync(node.close)
 
-    app = FastAPI(title="weenv node", version="1", lifespan=lifespan,
-                  description="Environments for agentic RL: templates, environments, commands, files.")
+    app = FastAPI(
+        title="weenv node",
+        version="1",
+        lifespan=lifespan,
+        description="Environments for agentic RL: templates, environments, commands, files.",
+    )
 
     def credentialed(scope: dict) -> bool:
         """Whether a request carries valid credentials (checked before its body
@@ -167,8 +174,16 @@ def create_app(
         response.headers["connection"] = "close"
         return response
 
-    app.include_router(api_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket,
-                                  on_shutdown=on_shutdown, max_output=max_output))
+    app.include_router(
+        api_router(
+            node,
+            metrics,
+            api_key=api_key,
+            trusted_socket=trusted_socket,
+            on_shutdown=on_shutdown,
+            max_output=max_output,
+        )
+    )
     app.include_router(peer_router(node))
     app.include_router(ui_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket))
     return app

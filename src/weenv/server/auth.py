@@ -32,7 +32,7 @@ class ApiKey:
         self.path = path
 
     @classmethod
-    def load_or_create(cls, path: Path) -> "ApiKey":
+    def load_or_create(cls, path: Path) -> ApiKey:
         """Read the key at ``path``, or create it (0600) if there is none.
         Raises :class:`InvalidInputError` if the file holds something else."""
         path = Path(path)
@@ -42,7 +42,9 @@ class ApiKey:
         except FileExistsError:
             value = path.read_text().strip()
             if not _KEY_RE.match(value):
-                raise InvalidInputError(f"{path} does not hold an API key (want hex digits); delete it to make one") from None
+                raise InvalidInputError(
+                    f"{path} does not hold an API key (want hex digits); delete it to make one"
+                ) from None
             return cls(value, path)
         value = secrets.token_hex(20)
         with os.fdopen(fd, "w") as f:
@@ -54,7 +56,7 @@ class ApiKey:
         if not presented:
             return False
         if presented.startswith(E2B_PREFIX):
-            presented = presented[len(E2B_PREFIX):]
+            presented = presented[len(E2B_PREFIX) :]
         return hmac.compare_digest(presented.encode(), self.value.encode())
 
     @property

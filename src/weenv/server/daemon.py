@@ -58,11 +58,10 @@ def serve(
     it answer 503 (kind ``capacity``).  Raises :class:`DaemonError` if another
     daemon already serves this home or the port cannot be bound."""
     from weenv.node.node import Node
-    from weenv.server.app import create_app
-    from weenv.server.e2b import create_e2b_app
-    from weenv.server.auth import ApiKey
-
     from weenv.server import limits
+    from weenv.server.app import create_app
+    from weenv.server.auth import ApiKey
+    from weenv.server.e2b import create_e2b_app
 
     paths = paths or Paths.from_env()
     paths.run.mkdir(parents=True, exist_ok=True)
@@ -101,16 +100,21 @@ def serve(
             if server is not None:
                 server.should_exit = True
 
-        app = create_app(node, on_shutdown=stop, api_key=api_key, trusted_socket=str(paths.socket),
-                         reap_interval=reap_interval)
+        app = create_app(
+            node, on_shutdown=stop, api_key=api_key, trusted_socket=str(paths.socket), reap_interval=reap_interval
+        )
         e2b = create_e2b_app(node, api_keys=[api_key.e2b])
         app.mount("/e2b", e2b)
         from weenv.server.prime import create_prime_app
 
-        prime = create_prime_app(node, api_key=api_key, sandboxes=e2b.state.sandboxes, resolve=e2b.state.templates.resolve)
+        prime = create_prime_app(
+            node, api_key=api_key, sandboxes=e2b.state.sandboxes, resolve=e2b.state.templates.resolve
+        )
         app.mount("/prime", prime)
         # envd tokens and prime gateway tokens count as credentials (BodyLimit)
-        app.state.envd_credentialed = lambda scope: e2b.state.envd_credentialed(scope) or prime.state.credentialed(scope)
+        app.state.envd_credentialed = lambda scope: (
+            e2b.state.envd_credentialed(scope) or prime.state.credentialed(scope)
+        )
         # the SDK's download_url/upload_url join "/files" to the sandbox URL with urljoin, which drops
         # E2B_SANDBOX_URL's /e2b/envd: envd's /files (signed URLs) answers at the root too
         app.router.routes.append(Route("/files", e2b.state.envd.files, methods=["GET", "POST"]))
@@ -119,14 +123,23 @@ def serve(
 
         tcp_cap = limits.tcp_connection_cap(nofile)
         # outermost: E2B's PORT-ID. hosts to sandbox ports, at most a quarter of the TCP connections
-        app.add_middleware(PortProxy, node=node, sandboxes=e2b.state.sandboxes, api_key=api_key,
-                           **relay_settings(tcp_cap))
+        app.add_middleware(
+            PortProxy, node=node, sandboxes=e2b.state.sandboxes, api_key=api_key, **relay_settings(tcp_cap)
+        )
         http = limits.tcp_protocol(tcp_cap)
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, http=http,
-                                # WebSocket upgrades (get_host's relay) on a protocol the connection cap still
-                                # counts; no per-message deflate (no decompression on the daemon)
-                                ws=http.ws_protocol, ws_per_message_deflate=False,
-                                ws_max_size=ports.MAX_WS_MESSAGE, timeout_keep_alive=limits.IDLE_TIMEOUT_S)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+            http=http,
+            # WebSocket upgrades (get_host's relay) on a protocol the connection cap still
+            # counts; no per-message deflate (no decompression on the daemon)
+            ws=http.ws_protocol,
+            ws_per_message_deflate=False,
+            ws_max_size=ports.MAX_WS_MESSAGE,
+            timeout_keep_alive=limits.IDLE_TIMEOUT_S,
+        )
         server = uvicorn.Server(config)
         # uvicorn handles SIGTERM/SIGINT while it runs, shuts down cleanly, then
         # raises the signal again under the previous handler: make that an exit 0.
@@ -198,14 +211,22 @@ def start_background(paths: Paths, *, timeout: float = 60.0, host: str | None = 
     picks, written to ``run/api-url``).  Raises :class:`DaemonError` with the
     log's tail if it exits or does not answer within ``timeout`` seconds."""
     paths.run.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache),
-               WEENV_STORE=paths.store_url)
+    env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache), WEENV_STORE=paths.store_url)
     with open(paths.daemon_log, "ab") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "weenv", "serve",
-             *(["--host", host or "127.0.0.1", "--port", str(port)] if port is not None else [])],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-            start_new_session=True, close_fds=True,
+            [
+                sys.executable,
+                "-m",
+                "weenv",
+                "serve",
+                *(["--host", host or "127.0.0.1", "--port", str(port)] if port is not None else []),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -76,10 +76,13 @@ DRAIN_S = 2.0
 IDLE_TIMEOUT_S = 5
 """Seconds a connection may stay silent (before its first request or between requests)."""
 
-_UPLOADS = (("PUT", re.compile(r"^/v1/environments/[^/]+/files$")), ("POST", re.compile(r"^(/e2b/envd)?/files$")),
-            ("PUT", re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload$")),
-            ("POST", re.compile(r"^/e2b/envd/process\.Process/StreamInput$")),
-            ("POST", re.compile(r"^/prime/gateway/[^/]+/[^/]+/upload$")))  # client-streamed: counted as it arrives
+_UPLOADS = (
+    ("PUT", re.compile(r"^/v1/environments/[^/]+/files$")),
+    ("POST", re.compile(r"^(/e2b/envd)?/files$")),
+    ("PUT", re.compile(r"^/e2b/templates/[^/]+/files/[0-9a-f]{64}/upload$")),
+    ("POST", re.compile(r"^/e2b/envd/process\.Process/StreamInput$")),
+    ("POST", re.compile(r"^/prime/gateway/[^/]+/[^/]+/upload$")),
+)  # client-streamed: counted as it arrives
 
 
 def raise_nofile_limit() -> tuple[int, int]:
@@ -102,8 +105,10 @@ def tcp_connection_cap(nofile: int | None = None) -> int:
     return max(16, min(MAX_TCP_CONNECTIONS, nofile // 4))
 
 
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-         b"content-length: %d\r\n\r\n%s")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
 def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> type[H11Protocol]:
@@ -114,8 +119,9 @@ def tcp_protocol(max_connections: int, idle_timeout: float = IDLE_TIMEOUT_S) -> 
     (pass as ``uvicorn.Config(ws=...)``): uvicorn's wsproto protocol, to which
     a WebSocket upgrade hands the connection, counted on until it closes."""
     open_tcp: set[object] = set()
-    body = json.dumps({"error": {"kind": "capacity", "message":
-                      f"the daemon serves {max_connections} TCP connections already"}}).encode()  # fmt: skip
+    body = json.dumps(
+        {"error": {"kind": "capacity", "message": f"the daemon serves {max_connections} TCP connections already"}}
+    ).encode()
     busy = _BUSY % (len(body), body)
 
     class BoundedH11Protocol(H11Protocol):
@@ -205,8 +211,9 @@ def _too_large(path: str, limit: int) -> tuple[int, bytes]:
 
 
 def _too_slow(path: str, seconds: float) -> tuple[int, bytes]:
-    return _error_body(path, 408, "timeout",
-                       f"request body not sent within {seconds:g} s (a request without credentials)")
+    return _error_body(
+        path, 408, "timeout", f"request body not sent within {seconds:g} s (a request without credentials)"
+    )
 
 
 class BodyLimit:
@@ -216,8 +223,15 @@ class BodyLimit:
     valid credentials (None: every request is taken as credentialed), which
     must send its body within ``anonymous_body_s`` seconds."""
 
-    def __init__(self, app, *, max_body: int = MAX_BODY, max_upload: int = MAX_UPLOAD,
-                 credentialed: Callable[[dict], bool] | None = None, anonymous_body_s: float = ANONYMOUS_BODY_S):
+    def __init__(
+        self,
+        app,
+        *,
+        max_body: int = MAX_BODY,
+        max_upload: int = MAX_UPLOAD,
+        credentialed: Callable[[dict], bool] | None = None,
+        anonymous_body_s: float = ANONYMOUS_BODY_S,
+    ):
         self.app = app
         self.anonymous_body_s = anonymous_body_s
         self.max_body = max_body
@@ -230,9 +244,16 @@ class BodyLimit:
             return
         path = scope.get("path", "")
         if _CONTROL.search(path):  # routes match with "$", which passes a trailing newline: refused before routing
-            status, body = _error_body(path, 400, "invalid_input", f"request path {path[:200]!r} holds a control character")
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            status, body = _error_body(
+                path, 400, "invalid_input", f"request path {path[:200]!r} holds a control character"
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         upload = any(scope["method"] == m and r.match(path) for m, r in _UPLOADS)
@@ -276,9 +297,17 @@ class BodyLimit:
     @staticmethod
     async def _refuse(send, path: str, limit: int, *, slow: float | None = None) -> None:
         status, body = _too_slow(path, slow) if slow is not None else _too_large(path, limit)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -42,33 +42,39 @@ class _NodeCollector:
         self.tax = tax
 
     def collect(self):
-        yield CounterMetricFamily("weenv_bytes_fetched", "Stored bytes fetched from the store",
-                                  value=self.node.cache.bytes_fetched)
-        yield CounterMetricFamily("weenv_chunks_fetched", "Chunks fetched from the store",
-                                  value=self.node.cache.chunks_fetched)
+        yield CounterMetricFamily(
+            "weenv_bytes_fetched", "Stored bytes fetched from the store", value=self.node.cache.bytes_fetched
+        )
+        yield CounterMetricFamily(
+            "weenv_chunks_fetched", "Chunks fetched from the store", value=self.node.cache.chunks_fetched
+        )
         pool = self.node.pool.stats()
-        yield GaugeMetricFamily("weenv_pool_ready", "Environments the warm pool holds created ahead",
-                                value=pool.ready)
-        takes = CounterMetricFamily("weenv_pool_takes", "Creates that looked in the warm pool, by result",
-                                    labels=["result"])
+        yield GaugeMetricFamily("weenv_pool_ready", "Environments the warm pool holds created ahead", value=pool.ready)
+        takes = CounterMetricFamily(
+            "weenv_pool_takes", "Creates that looked in the warm pool, by result", labels=["result"]
+        )
         takes.add_metric(["hit"], pool.hits)
         takes.add_metric(["miss"], pool.misses)
         yield takes
         peers = self.node.peers.stats()
-        source = CounterMetricFamily("weenv_chunk_source_bytes", "Plaintext chunk bytes fetched, by source",
-                                     labels=["source"])
+        source = CounterMetricFamily(
+            "weenv_chunk_source_bytes", "Plaintext chunk bytes fetched, by source", labels=["source"]
+        )
         source.add_metric(["store"], peers.store_bytes)
         source.add_metric(["peer"], peers.peer_bytes)
         yield source
-        failures = CounterMetricFamily("weenv_peer_failures", "Peer chunk requests that gave no chunk, by why",
-                                       labels=["kind"])
+        failures = CounterMetricFamily(
+            "weenv_peer_failures", "Peer chunk requests that gave no chunk, by why", labels=["kind"]
+        )
         for kind in ("missing", "busy", "bad", "unreachable"):
             failures.add_metric([kind], getattr(peers, f"peer_{kind}"))
         yield failures
-        yield CounterMetricFamily("weenv_peer_served_bytes", "Plaintext chunk bytes served to peers",
-                                  value=peers.served_bytes)
-        env = CounterMetricFamily("weenv_env_seconds", "Seconds of environment operations served, by phase",
-                                  labels=["phase"])
+        yield CounterMetricFamily(
+            "weenv_peer_served_bytes", "Plaintext chunk bytes served to peers", value=peers.served_bytes
+        )
+        env = CounterMetricFamily(
+            "weenv_env_seconds", "Seconds of environment operations served, by phase", labels=["phase"]
+        )
         for phase, seconds in self.tax.report().node.items():
             env.add_metric([phase], seconds)
         yield env
@@ -82,8 +88,9 @@ class Metrics:
         self.paused = Gauge("weenv_environments_paused", "Environments paused", registry=r)
         self.paused.set_function(lambda: sum(e.info.state == "paused" for e in node.table.all()))
         self.creates = Counter("weenv_creates", "Environment creates by result", ["result"], registry=r)
-        self.create_seconds = Histogram("weenv_create_seconds", "Wall time of successful creates",
-                                        buckets=CREATE_BUCKETS, registry=r)
+        self.create_seconds = Histogram(
+            "weenv_create_seconds", "Wall time of successful creates", buckets=CREATE_BUCKETS, registry=r
+        )
         self.commands = Counter("weenv_commands", "Commands run, by mode", ["mode"], registry=r)
         self.reaped = Counter("weenv_reaped", "Environments destroyed when their timeout passed", registry=r)
         self.tax = TaxBook()

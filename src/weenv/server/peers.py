@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from weenv.errors import AuthenticationError
-from weenv.node.node import Node
 from weenv.node.data.peers import CHUNK_PATH, RANK_HEADER, TOKEN_HEADER, WAIT_HEADER, RateBusyError, parse_wait
+from weenv.node.node import Node
 
 
 def peer_router(node: Node) -> APIRouter:
@@ -33,11 +33,17 @@ def peer_router(node: Node) -> APIRouter:
             raise AuthenticationError(f"a peer's chunk request needs the cluster's peer token ({TOKEN_HEADER})")
         rank = request.headers.get(RANK_HEADER, "")
         try:
-            data = node.peers.serve(digest, int(rank) if rank.isascii() and rank.isdigit() and len(rank) <= 20 else None,
-                                    parse_wait(request.headers.get(WAIT_HEADER)))
+            data = node.peers.serve(
+                digest,
+                int(rank) if rank.isascii() and rank.isdigit() and len(rank) <= 20 else None,
+                parse_wait(request.headers.get(WAIT_HEADER)),
+            )
         except RateBusyError as exc:
-            return JSONResponse({"error": {"kind": exc.kind, "message": str(exc)}}, status_code=409,
-                                headers={"retry-after": str(max(1, math.ceil(exc.retry_after_s)))})
+            return JSONResponse(
+                {"error": {"kind": exc.kind, "message": str(exc)}},
+                status_code=409,
+                headers={"retry-after": str(max(1, math.ceil(exc.retry_after_s)))},
+            )
         if data is None:
             return Response(status_code=404)
         return Response(data, media_type="application/octet-stream")

@@ -297,8 +297,10 @@ class Store(abc.ABC):
 
 def ref_moved(url: str, kind: str, name: str, current: str | None, expected: str | None) -> BusyError:
     """The error of a :meth:`Store.swap_ref` that found ref ``kind/name`` at ``current``."""
-    return BusyError(f"ref {kind}/{name} in {url} points at {current or 'nothing'}, not {expected or 'nothing'} "
-                     "(another writer moved it)")  # fmt: skip
+    return BusyError(
+        f"ref {kind}/{name} in {url} points at {current or 'nothing'}, not {expected or 'nothing'} "
+        "(another writer moved it)"
+    )
 
 
 def decode_frame(digest: str, frame: bytes, *, size: int | None = None, where: str = "the store") -> bytes:
@@ -313,8 +315,10 @@ def decode_frame(digest: str, frame: bytes, *, size: int | None = None, where: s
     try:
         declared = zstandard.frame_content_size(frame)
         if declared > limit or (size is not None and declared not in (size, -1)):
-            raise DigestMismatchError(f"chunk {digest} in {where}: its frame declares {declared} bytes, "
-                                      f"not {size if size is not None else f'at most {limit}'}")  # fmt: skip
+            raise DigestMismatchError(
+                f"chunk {digest} in {where}: its frame declares {declared} bytes, "
+                f"not {size if size is not None else f'at most {limit}'}"
+            )
         plaintext = zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise DigestMismatchError(f"chunk {digest} in {where} is not a zstd frame: {exc}") from exc

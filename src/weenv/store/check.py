@@ -99,7 +99,9 @@ def check_store(store: Store, *, deep: bool = True) -> CheckReport:
             continue
         for name, digest in store.list_refs(kind).items():
             report.refs += 1
-            cls = {"templates": TemplateManifest, "groups": GroupManifest, "buildcache": GroupManifest}.get(kind, object)
+            cls = {"templates": TemplateManifest, "groups": GroupManifest, "buildcache": GroupManifest}.get(
+                kind, object
+            )
             want(digest, cls, f"ref {kind}/{name}")
 
     for digest in sorted(listed):

@@ -160,7 +160,7 @@ class FileStore(Store):
         base = self.root / space / "sha256"
         if not base.is_dir():
             return
-        for dirpath, _dirs, files in os.walk(base):
+        for _dirpath, _dirs, files in os.walk(base):
             for name in files:
                 if not name.startswith(".tmp-"):
                     yield f"sha256:{name}"

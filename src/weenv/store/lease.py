@@ -135,8 +135,14 @@ def parse_lease(data: bytes) -> LeaseRecord:
         doc = json.loads(data)
         if doc.get("media_type") != LEASE_MEDIA_TYPE:
             raise ValueError("not a lease")
-        return LeaseRecord(str(doc["id"]), str(doc["purpose"]), str(doc["holder"]), str(doc.get("what", "")),
-                           float(doc["expires"]), frozenset(doc["digests"]))  # fmt: skip
+        return LeaseRecord(
+            str(doc["id"]),
+            str(doc["purpose"]),
+            str(doc["holder"]),
+            str(doc.get("what", "")),
+            float(doc["expires"]),
+            frozenset(doc["digests"]),
+        )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise InvalidInputError(f"damaged lease record: {exc}") from None
 
@@ -188,8 +194,15 @@ class Lease:
     (``import NAME``); ``duration``: seconds (default :func:`lease_seconds`).
     """
 
-    def __init__(self, store: Store, *, purpose: str = "write", what: str = "", duration: float | None = None,
-                 digests: Iterable[str] = ()):  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        *,
+        purpose: str = "write",
+        what: str = "",
+        duration: float | None = None,
+        digests: Iterable[str] = (),
+    ):
         if purpose not in ("write", "delete"):
             raise InvalidInputError(f"lease purpose must be 'write' or 'delete', not {purpose!r}")
         self.store = store
@@ -280,9 +293,18 @@ class Lease:
             with self._lock:
                 gen, digests = self._wanted, sorted(self._digests)
             expires = time.time() + self.duration
-            data = json.dumps({"media_type": LEASE_MEDIA_TYPE, "id": self.id, "purpose": self.purpose,
-                               "holder": self.holder, "what": self.what, "expires": expires,
-                               "digests": digests}, sort_keys=True).encode()  # fmt: skip
+            data = json.dumps(
+                {
+                    "media_type": LEASE_MEDIA_TYPE,
+                    "id": self.id,
+                    "purpose": self.purpose,
+                    "holder": self.holder,
+                    "what": self.what,
+                    "expires": expires,
+                    "digests": digests,
+                },
+                sort_keys=True,
+            ).encode()
             blob = sha256_digest(data)  # new bytes each time (its expiry): written without asking first
             self.store._put("manifests", blob, data)
             self.store.set_ref(REF_KIND, self.id, blob)
@@ -312,11 +334,16 @@ class Lease:
         while blocked:
             log.info("lease %s waits for a delete of %d digests to end", self.id, len(blocked))
             if time.monotonic() > give_up:
-                holders = [f"{r.id} ({r.what}, {r.holder}, expires {r.expires:.10g})" for r in read_leases(self.store, "delete")
-                           if r.live() and r.digests & blocked][:3]  # fmt: skip
-                raise BusyError(f"{self.store.url}: {len(blocked)} digests ({min(blocked)}...) stay named by delete "
-                                f"leases for more than {MAX_WAIT_LEASES * self.duration:.0f} s: {', '.join(holders)}; "
-                                f"if no gc or rollback runs, remove their refs leases/ID")  # fmt: skip
+                holders = [
+                    f"{r.id} ({r.what}, {r.holder}, expires {r.expires:.10g})"
+                    for r in read_leases(self.store, "delete")
+                    if r.live() and r.digests & blocked
+                ][:3]
+                raise BusyError(
+                    f"{self.store.url}: {len(blocked)} digests ({min(blocked)}...) stay named by delete "
+                    f"leases for more than {MAX_WAIT_LEASES * self.duration:.0f} s: {', '.join(holders)}; "
+                    f"if no gc or rollback runs, remove their refs leases/ID"
+                )
             time.sleep(WAIT_POLL_S)
             self.check()
             deleting = leased_digests(self.store, "delete")
@@ -427,8 +454,15 @@ class Deleted:
     kept: list[str]
 
 
-def delete_unused(store: Store, candidates: dict[str, Iterable[str]], *, reached: Callable[[], set[str]],
-                  what: str, exclude: str | None = None, duration: float | None = None) -> Deleted:  # fmt: skip
+def delete_unused(
+    store: Store,
+    candidates: dict[str, Iterable[str]],
+    *,
+    reached: Callable[[], set[str]],
+    what: str,
+    exclude: str | None = None,
+    duration: float | None = None,
+) -> Deleted:
     """Delete the ``candidates`` (``{space: digests}``, spaces as
     :data:`weenv.store.base.SPACES`) that no live write lease (but lease
     ``exclude``, the caller's own) names and ``reached()`` does not return
@@ -440,7 +474,7 @@ def delete_unused(store: Store, candidates: dict[str, Iterable[str]], *, reached
     order = [(space, d) for space in ("manifests", "packs", "chunks") for d in sorted(set(candidates.get(space, ())))]
     removed: list[str] = []
     for start in range(0, len(order), DELETE_BATCH):
-        batch = order[start:start + DELETE_BATCH]
+        batch = order[start : start + DELETE_BATCH]
         with Lease(store, purpose="delete", what=what, duration=duration, digests=[d for _, d in batch]) as lease:
             keep = leased_digests(store, "write", exclude=exclude)  # D2: leases before refs
             keep |= reached()  # D3

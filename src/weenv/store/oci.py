@@ -253,8 +253,10 @@ class OciStore(Store):
         left = max(0.01, deadline - time.monotonic())
         o = self.options
         return httpx.Timeout(
-            connect=min(o.connect_timeout, left), read=min(o.read_timeout, left),
-            write=min(o.read_timeout, left), pool=left,
+            connect=min(o.connect_timeout, left),
+            read=min(o.read_timeout, left),
+            write=min(o.read_timeout, left),
+            pool=left,
         )
 
     def _call(self, what: str, attempt: Callable[[float], T]) -> T:
@@ -355,8 +357,11 @@ class OciStore(Store):
         def attempt(deadline: float) -> None:
             for settle in (0.05, 0.2, None):
                 r = self._send(
-                    "PUT", self._path("manifests", tag), deadline,
-                    content=body, headers={"Content-Type": OCI_MANIFEST},
+                    "PUT",
+                    self._path("manifests", tag),
+                    deadline,
+                    content=body,
+                    headers={"Content-Type": OCI_MANIFEST},
                 )
                 if r.status_code in (200, 201):
                     return
@@ -389,8 +394,11 @@ class OciStore(Store):
             if not target.is_absolute_url:
                 target = self._client.base_url.join(location)
             r = self._send(
-                "PUT", target.copy_merge_params({"digest": digest}), deadline,
-                content=data, headers={"Content-Type": "application/octet-stream"},
+                "PUT",
+                target.copy_merge_params({"digest": digest}),
+                deadline,
+                content=data,
+                headers={"Content-Type": "application/octet-stream"},
             )
             if r.status_code not in (201, 204):
                 raise self._refused(r, f"uploading blob {digest}")
@@ -624,7 +632,7 @@ class OciStore(Store):
     def _list(self, space: str) -> Iterator[str]:
         prefix = SPACE_TAG_PREFIX[space]
         for tag in sorted(self._tags()):
-            hexdigest = tag[len(prefix):]
+            hexdigest = tag[len(prefix) :]
             if tag.startswith(prefix) and _HEX_RE.match(hexdigest):
                 yield f"sha256:{hexdigest}"
 
@@ -686,7 +694,7 @@ class OciStore(Store):
         """One tag listing, no ref read."""
         self._check_ref(kind, "x")
         prefix = self._ref_prefix(kind)
-        return sorted(tag[len(prefix):] for tag in self._tags() if tag.startswith(prefix))
+        return sorted(tag[len(prefix) :] for tag in self._tags() if tag.startswith(prefix))
 
     def list_refs(self, kind: str) -> dict[str, str]:
         self._check_ref(kind, "x")
@@ -695,7 +703,7 @@ class OciStore(Store):
         for tag in sorted(self._tags()):
             if tag.startswith(prefix):
                 try:
-                    refs[tag[len(prefix):]] = self.get_ref(kind, tag[len(prefix):])
+                    refs[tag[len(prefix) :]] = self.get_ref(kind, tag[len(prefix) :])
                 except (NotFoundError, InvalidInputError):
                     continue  # deleted meanwhile, or a tag weenv did not write
         return refs

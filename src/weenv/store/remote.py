@@ -47,8 +47,14 @@ class Retry(Exception):
     """A failure worth another attempt (connection, timeout, 429, 5xx)."""
 
 
-def call_with_retries(what: str, where: str, attempt: Callable[[float], T], options: RemoteOptions,
-                      breaker: CircuitBreaker, on_retry: Callable[[], object]) -> T:  # fmt: skip
+def call_with_retries(
+    what: str,
+    where: str,
+    attempt: Callable[[float], T],
+    options: RemoteOptions,
+    breaker: CircuitBreaker,
+    on_retry: Callable[[], object],
+) -> T:
     """``attempt(deadline)`` (``deadline``: a ``time.monotonic()`` time), repeated on
     :class:`Retry` with backoff until ``options.retries`` or the deadline
     (``options.timeout`` from now) runs out; then :class:`StoreUnavailableError`

@@ -96,11 +96,22 @@ READ_PIECE = 1 << 20
 """Bytes per read of an answer's body (and per piece of a streamed pack)."""
 MAX_KEY_BYTES = 1024
 """S3's limit on an object key (UTF-8 bytes)."""
-ACCESS_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-                          "ExpiredToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})  # fmt: skip
+ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "403",
+    }
+)
 MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
-                         "RequestTimeTooSkewed"})  # fmt: skip
+RETRY_CODES = frozenset(
+    {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling", "RequestTimeTooSkewed"}
+)
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
@@ -194,10 +205,13 @@ class S3Store(Store):
 
         def client(connect: float, read: float):
             config = botocore.config.Config(
-                connect_timeout=connect, read_timeout=read, retries={"total_max_attempts": 1},
-                max_pool_connections=64, tcp_keepalive=True,
+                connect_timeout=connect,
+                read_timeout=read,
+                retries={"total_max_attempts": 1},
+                max_pool_connections=64,
+                tcp_keepalive=True,
                 s3={"addressing_style": "path" if o.endpoint else "auto"},
-            )  # fmt: skip
+            )
             with _SESSION_LOCK:  # the shared loader is not thread-safe
                 return session.client("s3", endpoint_url=o.endpoint, region_name=o.region, config=config)
 
@@ -502,7 +516,7 @@ class S3Store(Store):
         """One listing, no ref read."""
         self._check_ref(kind, "x")
         base = self._key("refs", kind) + "/"
-        return sorted(key[len(base):] for key in self._keys(base))
+        return sorted(key[len(base) :] for key in self._keys(base))
 
     def list_refs(self, kind: str) -> dict[str, str]:
         """Every ref of ``kind``; a damaged one (not a digest, or past
@@ -511,7 +525,7 @@ class S3Store(Store):
         base = self._key("refs", kind) + "/"
         refs = {}
         for key in sorted(self._keys(base)):
-            name = key[len(base):]
+            name = key[len(base) :]
             try:
                 found = self._read_ref(kind, name)
             except (InvalidInputError, ContentLimitError) as exc:  # damaged, or a key weenv did not write

@@ -102,8 +102,10 @@ class WeenvRuntime(RemoteRuntime):
 
     def _check(self) -> None:
         if self._stopped:
-            raise DeploymentNotStartedError(f"the weenv deployment was stopped: environment {self._env_id} "
-                                            "is destroyed (start the deployment again for a new runtime)")
+            raise DeploymentNotStartedError(
+                f"the weenv deployment was stopped: environment {self._env_id} "
+                "is destroyed (start the deployment again for a new runtime)"
+            )
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         self._check()
@@ -150,8 +152,11 @@ class WeenvDeployment(AbstractDeployment):
     def runtime(self) -> WeenvRuntime:
         """The runtime while started; ``DeploymentNotStartedError`` before ``start()`` and after ``stop()``."""
         if self._runtime is None:
-            raise DeploymentNotStartedError("the weenv deployment was stopped: start it again for a new runtime"
-                                            if self._stopped else "the weenv deployment is not started: call start()")
+            raise DeploymentNotStartedError(
+                "the weenv deployment was stopped: start it again for a new runtime"
+                if self._stopped
+                else "the weenv deployment is not started: call start()"
+            )
         return self._runtime
 
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
@@ -174,23 +179,40 @@ class WeenvDeployment(AbstractDeployment):
         api_url, api_key = _node_address(c.api_url, c.api_key)
         self._hooks.on_custom_step("Preparing the weenv template")
         template, argv = await asyncio.to_thread(_prepared_template, c)
-        resources = ceiling(cpus=c.cpus, memory_bytes=None if c.memory_mib is None else c.memory_mib * MIB,
-                            disk_bytes=None if c.disk_gib is None else c.disk_gib * GIB)
+        resources = ceiling(
+            cpus=c.cpus,
+            memory_bytes=None if c.memory_mib is None else c.memory_mib * MIB,
+            disk_bytes=None if c.disk_gib is None else c.disk_gib * GIB,
+        )
         self._hooks.on_custom_step("Creating the weenv environment")
-        self._sandbox = await AsyncSandbox.create(template, timeout=c.lifetime, resources=resources,
-                                                  metadata={"harness": "swe-rex"}, api_url=api_url,
-                                                  api_key=api_key, request_timeout=c.startup_timeout)  # fmt: skip
+        self._sandbox = await AsyncSandbox.create(
+            template,
+            timeout=c.lifetime,
+            resources=resources,
+            metadata={"harness": "swe-rex"},
+            api_url=api_url,
+            api_key=api_key,
+            request_timeout=c.startup_timeout,
+        )
         self._stopped = False
         try:
             token = secrets.token_hex(16)
             self._hooks.on_custom_step("Starting runtime")
             server = await self._sandbox.commands.run(
                 [*argv, "--host", "127.0.0.1", "--port", str(SERVER_PORT), "--auth-token", token],
-                background=True, tag="swerex-remote")
-            self._runtime = WeenvRuntime(host=api_url, auth_token=token, timeout=c.runtime_timeout,
-                                         relay_host=f"{SERVER_PORT}-{self._sandbox.id}.{RELAY_DOMAIN}",
-                                         env_id=self._sandbox.id, node_key=api_key, request_idle=c.request_idle,
-                                         logger=self.logger)  # fmt: skip
+                background=True,
+                tag="swerex-remote",
+            )
+            self._runtime = WeenvRuntime(
+                host=api_url,
+                auth_token=token,
+                timeout=c.runtime_timeout,
+                relay_host=f"{SERVER_PORT}-{self._sandbox.id}.{RELAY_DOMAIN}",
+                env_id=self._sandbox.id,
+                node_key=api_key,
+                request_idle=c.request_idle,
+                logger=self.logger,
+            )
             await self._wait_until_alive(server)
         except BaseException:
             await self.stop()
@@ -205,11 +227,15 @@ class WeenvDeployment(AbstractDeployment):
             info = await server.refresh()
             if not info.running:
                 out = await server.wait()
-                raise DeploymentStartupError(f"swerex-remote exited ({info.exit_code}) in weenv environment "
-                                             f"{self.env_id}: {(out.stderr or out.stdout)[-2000:]}")
+                raise DeploymentStartupError(
+                    f"swerex-remote exited ({info.exit_code}) in weenv environment "
+                    f"{self.env_id}: {(out.stderr or out.stdout)[-2000:]}"
+                )
             if time.monotonic() > deadline:
-                raise DeploymentStartupError(f"swerex-remote did not answer within {self._config.startup_timeout} s "
-                                             f"in weenv environment {self.env_id}")
+                raise DeploymentStartupError(
+                    f"swerex-remote did not answer within {self._config.startup_timeout} s "
+                    f"in weenv environment {self.env_id}"
+                )
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
@@ -244,8 +270,10 @@ def _node_address(api_url: str | None, api_key: str | None) -> tuple[str, str | 
     try:
         url = paths.api_url.read_text().strip()
     except FileNotFoundError:
-        raise InvalidInputError(f"no weenv node address: set api_url (or WEENV_API_URL); the local node "
-                                f"({paths.run}) serves no TCP listener") from None
+        raise InvalidInputError(
+            f"no weenv node address: set api_url (or WEENV_API_URL); the local node "
+            f"({paths.run}) serves no TCP listener"
+        ) from None
     key = conn.api_key
     if key is None and paths.api_key.exists():
         key = paths.api_key.read_text().strip()
@@ -274,8 +302,9 @@ def _prepared_template(c: WeenvDeploymentConfig) -> tuple[str, list[str]]:
     group_digest = store.resolve("groups", group.name)
     if group_digest in manifest.groups:  # the template holds the server already
         return name, group.argv
-    create_template(store, derived, [*manifest.groups, group_digest], runtime=manifest.runtime,
-                    version=manifest.version)  # fmt: skip
+    create_template(
+        store, derived, [*manifest.groups, group_digest], runtime=manifest.runtime, version=manifest.version
+    )
     return derived, group.argv
 
 

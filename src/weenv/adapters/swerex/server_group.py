@@ -61,10 +61,15 @@ class ServerGroup:
 def _stdlib_skip(stdlib: Path):
     """copytree's ``ignore``: :data:`STDLIB_SKIP` and the build's ``config-*`` at the top,
     Tk anywhere, and the optimized byte code (``-O``/``-OO``, never used by the server)."""
+
     def ignore(where: str, names: list[str]) -> list[str]:
         top = Path(where) == stdlib
-        return [n for n in names if (top and (n in STDLIB_SKIP or n.startswith("config-")))
-                or n.startswith("_tkinter") or ".opt-" in n]
+        return [
+            n
+            for n in names
+            if (top and (n in STDLIB_SKIP or n.startswith("config-"))) or n.startswith("_tkinter") or ".opt-" in n
+        ]
+
     return ignore
 
 
@@ -75,8 +80,10 @@ def _python() -> tuple[Path, Path, str]:
     binary = base / "bin" / f"python{ver}"
     stdlib = Path(sysconfig.get_paths(vars={"installed_base": str(base), "base": str(base)})["stdlib"])
     if not binary.is_file() or not (stdlib / "os.py").is_file():
-        raise NotFoundError(f"this Python's installation ({base}) has no {binary.name} or standard library: "
-                            "the SWE-ReX server group is built from a CPython installed under a prefix")
+        raise NotFoundError(
+            f"this Python's installation ({base}) has no {binary.name} or standard library: "
+            "the SWE-ReX server group is built from a CPython installed under a prefix"
+        )
     return binary, stdlib, ver
 
 
@@ -93,7 +100,9 @@ def _closure(root: str = ROOT_DIST) -> list[md.Distribution]:
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
-            raise NotFoundError(f"{name!r} is not installed (needed by SWE-ReX's server; pip install 'weenv[swerex]')") from None
+            raise NotFoundError(
+                f"{name!r} is not installed (needed by SWE-ReX's server; pip install 'weenv[swerex]')"
+            ) from None
         seen[key] = dist
         for spec in dist.requires or []:
             req = Requirement(spec)
@@ -150,8 +159,7 @@ def stage(dest: Path) -> list[str]:
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out)
     # compiled once here: the group is read-only and a start compiling fastapi and pydantic would take seconds
-    compileall.compile_dir(site, quiet=1, workers=0,
-                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)  # fmt: skip
+    compileall.compile_dir(site, quiet=1, workers=0, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
     objects = [binary, *sorted(lib_py.glob("lib-dynload/*.so")), *sorted(site.rglob("*.so"))]
     libs, loader = _libraries(objects)
     libdir = top / "lib"
@@ -160,8 +168,16 @@ def stage(dest: Path) -> list[str]:
         if not str(lib).startswith(str(site)):  # a wheel's own bundled libraries came with it
             shutil.copy2(lib, libdir / lib.name)
     shutil.copy2(loader, libdir / loader.name)
-    return [f"{PREFIX}/lib/{loader.name}", "--library-path", f"{PREFIX}/lib",
-            f"{PREFIX}/python/bin/{binary.name}", "-I", "-B", "-m", "swerex.server"]
+    return [
+        f"{PREFIX}/lib/{loader.name}",
+        "--library-path",
+        f"{PREFIX}/lib",
+        f"{PREFIX}/python/bin/{binary.name}",
+        "-I",
+        "-B",
+        "-m",
+        "swerex.server",
+    ]
 
 
 def ensure_group(store: Store, *, workdir: str | Path | None = None) -> ServerGroup:
@@ -172,8 +188,13 @@ def ensure_group(store: Store, *, workdir: str | Path | None = None) -> ServerGr
     with tempfile.TemporaryDirectory(dir=workdir, prefix=".weenv-swerex-") as tmp:
         argv = stage(Path(tmp) / "tree") if not _published(store, name) else None
         if argv is not None:
-            build_group(Path(tmp) / "tree", store, name=name, workdir=tmp,
-                        source={"type": "swerex-server", "swe-rex": md.version(ROOT_DIST)})  # fmt: skip
+            build_group(
+                Path(tmp) / "tree",
+                store,
+                name=name,
+                workdir=tmp,
+                source={"type": "swerex-server", "swe-rex": md.version(ROOT_DIST)},
+            )
     return ServerGroup(name=name, argv=argv or server_argv())
 
 
@@ -181,8 +202,16 @@ def server_argv() -> list[str]:
     """The server's argv for a group built from this interpreter (without building it)."""
     binary, _stdlib, _ver = _python()
     _libs, loader = _libraries([binary])
-    return [f"{PREFIX}/lib/{loader.name}", "--library-path", f"{PREFIX}/lib",
-            f"{PREFIX}/python/bin/{binary.name}", "-I", "-B", "-m", "swerex.server"]
+    return [
+        f"{PREFIX}/lib/{loader.name}",
+        "--library-path",
+        f"{PREFIX}/lib",
+        f"{PREFIX}/python/bin/{binary.name}",
+        "-I",
+        "-B",
+        "-m",
+        "swerex.server",
+    ]
 
 
 def _published(store: Store, name: str) -> bool:

@@ -99,8 +99,11 @@ def environment_dirs(env_id: str) -> list[Path]:
 
     if not env_id or "/" in env_id or "*" in env_id:
         return []
-    return [Path(c) for name in (glob.escape(env_id), glob.escape(env_id) + ".*")
-            for c in glob.glob(f"{CGROUP_ROOT}/*/weenv-{name}") + glob.glob(f"{CGROUP_ROOT}/weenv-{name}")]
+    return [
+        Path(c)
+        for name in (glob.escape(env_id), glob.escape(env_id) + ".*")
+        for c in glob.glob(f"{CGROUP_ROOT}/*/weenv-{name}") + glob.glob(f"{CGROUP_ROOT}/weenv-{name}")
+    ]
 
 
 def remove_environment_dirs(env_id: str) -> list[str]:

@@ -37,7 +37,6 @@ from typing import ClassVar
 
 from weenv.errors import CgroupError, InvalidInputError, LimitRefusedError, NotFoundError, WeenvError
 
-
 CPU_PERIOD_US = 100_000
 """Default CFS period (µs)."""
 REFREEZE_S = 1.0

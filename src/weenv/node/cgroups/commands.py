@@ -71,7 +71,7 @@ def same_environment(cgroup: str, expected: str) -> bool:
     ``"/weenv-<id>.N"``) or another container cgroup of that environment
     (``"/weenv-<id>.M"``: a reset started a container made ahead)."""
     base = expected.split(".", 1)[0]
-    return cgroup == base or (cgroup.startswith(base + ".") and "/" not in cgroup[len(base):])
+    return cgroup == base or (cgroup.startswith(base + ".") and "/" not in cgroup[len(base) :])
 
 
 class CommandGroup:

@@ -144,8 +144,9 @@ class CgroupV2(Cgroup):
             raw = self._read(self._f("pids.max")).strip()
             pids = None if raw == "max" else int(raw)
         frozen = self._read(self._f("cgroup.freeze")).strip() == "1"
-        return Limits(cpu_quota=quota, cpu_period_us=period, memory_limit=memory,
-                      pids_limit=pids, frozen=frozen, oom_killer=True)  # fmt: skip
+        return Limits(
+            cpu_quota=quota, cpu_period_us=period, memory_limit=memory, pids_limit=pids, frozen=frozen, oom_killer=True
+        )
 
     # --- writing -----------------------------------------------------------------------
     def set_cpu(self, quota: float | None, period_us: int = CPU_PERIOD_US) -> None:

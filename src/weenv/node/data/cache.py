@@ -79,6 +79,8 @@ DEFAULT_MAX_FRACTION = 0.20
 """Default bound: 20% of the cache's file system, at most 10 GiB (``WEENV_CACHE_BYTES`` overrides)."""
 
 _HEX = re.compile(r"^[0-9a-f]{64}\Z")
+
+
 class _FrameRejected(Exception):
     """What waiters of a chunk get when the pack frame its leader held was bad: they ask again."""
 
@@ -270,8 +272,7 @@ class ChunkCache:
         done, when the chunk is cached (or found on disk) or another fetch of it runs."""
         return self._get(chunk, prefetch=True, frame=frame) is not None
 
-    def _get(self, chunk: ChunkRef | str, prefetch: bool = False,
-             frame: bytes | None = None) -> Path | bytes | None:  # fmt: skip
+    def _get(self, chunk: ChunkRef | str, prefetch: bool = False, frame: bytes | None = None) -> Path | bytes | None:
         """The chunk's path (or its bytes when over the bound), fetched if
         missing.  With ``frame`` (its zstd frame, from a prefetch pack) it is
         decoded, checked and written instead of a fetch, and only by a leader:
@@ -377,8 +378,9 @@ class ChunkCache:
             return False
         return "sha256:" + hashlib.sha256(data).hexdigest() == digest
 
-    def _fetch(self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool,
-               given: tuple[bytes, int] | None = None) -> Path | bytes:  # fmt: skip
+    def _fetch(
+        self, chunk: ChunkRef | str, digest: str, path: Path, prefetch: bool, given: tuple[bytes, int] | None = None
+    ) -> Path | bytes:
         if given is not None:
             plaintext, stored = given
         else:
@@ -515,10 +517,19 @@ class ChunkCache:
         """A consistent snapshot of the counters."""
         with self._lock:
             return CacheStats(
-                self._chunks_fetched, self._bytes_fetched, self._bytes_served, self._fetch_errors,
-                self._evicted, self._prefetched, self._invalid, len(self._index), self._bytes, self.max_bytes,
-                self._reads_hit, self._reads_missed,
-            )  # fmt: skip
+                self._chunks_fetched,
+                self._bytes_fetched,
+                self._bytes_served,
+                self._fetch_errors,
+                self._evicted,
+                self._prefetched,
+                self._invalid,
+                len(self._index),
+                self._bytes,
+                self.max_bytes,
+                self._reads_hit,
+                self._reads_missed,
+            )
 
     def reset_stats(self) -> None:
         with getattr(self, "_lock", threading.Lock()):
@@ -531,9 +542,7 @@ class ChunkCache:
         base = self.root / "sha256"
         if not base.is_dir():
             return []
-        return sorted(
-            f"sha256:{p.name}" for p in base.glob("*/*") if not p.name.startswith(".tmp-")
-        )
+        return sorted(f"sha256:{p.name}" for p in base.glob("*/*") if not p.name.startswith(".tmp-"))
 
     def clear(self) -> None:
         """Remove every cached chunk.  Do not call while chunks are being read or

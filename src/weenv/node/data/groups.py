@@ -123,8 +123,7 @@ class GroupMounts:
         """Whether ``path`` is the mount point of a group mounted directly
         (``root/<hex>.direct``, read without FUSE) and something is mounted there."""
         real = Path(os.path.realpath(path))
-        return (real.parent == Path(os.path.realpath(self.root)) and real.name.endswith(".direct")
-                and is_mounted(real))
+        return real.parent == Path(os.path.realpath(self.root)) and real.name.endswith(".direct") and is_mounted(real)
 
     def image_path(self, digest: str) -> Path | None:
         """``images/<hex>.img`` (None when direct mounts are off)."""
@@ -189,8 +188,11 @@ class GroupMounts:
         fails, the others' references are released and the first error raised.
         """
         with self._lock:
-            cold = [i for i, (d, _m) in enumerate(groups)
-                    if not ((e := self._entries.get(d)) is not None and (e.mounted or e.direct))]
+            cold = [
+                i
+                for i, (d, _m) in enumerate(groups)
+                if not ((e := self._entries.get(d)) is not None and (e.mounted or e.direct))
+            ]
         points: list[Path | None] = [None] * len(groups)
         errors: list[BaseException] = []
 
@@ -200,8 +202,10 @@ class GroupMounts:
             except BaseException as exc:  # raised below, after every thread ended
                 errors.append(exc)
 
-        threads = [threading.Thread(target=one, args=(i,), name=f"weenv-mount-{groups[i][0][7:19]}", daemon=True)
-                   for i in cold[1:]]
+        threads = [
+            threading.Thread(target=one, args=(i,), name=f"weenv-mount-{groups[i][0][7:19]}", daemon=True)
+            for i in cold[1:]
+        ]
         for t in threads:
             t.start()
         for i in range(len(groups)):
@@ -270,8 +274,12 @@ class GroupMounts:
         with self._lock:
             if digest in self._assembling or self._image_ready(digest, manifest):
                 return False
-            t = threading.Thread(target=self._assemble_quietly, args=(digest, manifest),
-                                 name=f"weenv-assemble-{digest[7:19]}", daemon=True)
+            t = threading.Thread(
+                target=self._assemble_quietly,
+                args=(digest, manifest),
+                name=f"weenv-assemble-{digest[7:19]}",
+                daemon=True,
+            )
             self._assembling[digest] = t
         t.start()
         return True
@@ -457,8 +465,9 @@ class GroupMounts:
         outside weenv's counts, such as a process with its cwd inside).
         """
         with self._lock:
-            digests = [d for d, e in self._entries.items()
-                       if (e.mounted and e.refs == 0) or (e.direct and e.direct_refs == 0)]
+            digests = [
+                d for d, e in self._entries.items() if (e.mounted and e.refs == 0) or (e.direct and e.direct_refs == 0)
+            ]
         return [d for d in digests if self._unmount(d, force=False)]
 
     # --- after a daemon restart -------------------------------------------------------------
@@ -541,8 +550,9 @@ class GroupMounts:
             self._unmount(digest, force=True)
 
 
-def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str], *,
-                keep_direct: bool = False) -> list[str]:
+def clear_stale(
+    group_root: str | os.PathLike[str], lazy_mountpoint: str | os.PathLike[str], *, keep_direct: bool = False
+) -> list[str]:
     """Detach mounts an earlier daemon left behind; return their mount points.
 
     After a daemon dies without a FUSE holder keeping its connection, its lazy
@@ -555,8 +565,12 @@ def clear_stale(group_root: str | os.PathLike[str], lazy_mountpoint: str | os.Pa
     Empty group mount point directories are removed.
     """
     group_root, lazy_mountpoint = Path(group_root).absolute(), Path(lazy_mountpoint).absolute()
-    points = [p for t, p in mounts_under(group_root) if p != str(group_root)
-              and not (keep_direct and t == "erofs" and Path(p).parent == group_root and p.endswith(".direct"))]
+    points = [
+        p
+        for t, p in mounts_under(group_root)
+        if p != str(group_root)
+        and not (keep_direct and t == "erofs" and Path(p).parent == group_root and p.endswith(".direct"))
+    ]
     points += [p for _t, p in mounts_under(lazy_mountpoint) if p != str(lazy_mountpoint)]
     points.sort(key=lambda p: p.count("/"), reverse=True)
     if is_mounted(lazy_mountpoint):

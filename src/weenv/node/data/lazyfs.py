@@ -61,7 +61,6 @@ plays no part.
 ``keep_cache`` is set as well; it only matters with ``direct_io=False``.
 """
 
-
 from __future__ import annotations
 
 import errno
@@ -148,8 +147,14 @@ class LazyFS:
     ``run_dir``: where the FUSE holder keeps its socket and pid file (None: no
     holder; the connection dies with this process)."""
 
-    def __init__(self, mountpoint: str | os.PathLike[str], cache: ChunkCache, *, direct_io: bool = True,
-                 run_dir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self,
+        mountpoint: str | os.PathLike[str],
+        cache: ChunkCache,
+        *,
+        direct_io: bool = True,
+        run_dir: str | os.PathLike[str] | None = None,
+    ):
         self.mountpoint = Path(mountpoint).absolute()
         self.cache = cache
         self.direct_io = direct_io
@@ -243,8 +248,9 @@ class LazyFS:
         than chunks, so a profile can name the files a start read."""
         wanted = set(digests)
         with self._lock:
-            picked = [(seq, g.digest, off, n) for g in self._groups.values() if g.digest in wanted
-                      for seq, off, n in g.ranges]  # fmt: skip
+            picked = [
+                (seq, g.digest, off, n) for g in self._groups.values() if g.digest in wanted for seq, off, n in g.ranges
+            ]
         picked.sort()
         return [(d, off, n) for _seq, d, off, n in picked]
 
@@ -271,9 +277,11 @@ class LazyFS:
         with self._lock:
             picked = [
                 (seq, g.digest, idx)
-                for g in self._groups.values() if g.digest in wanted
-                for seq, idx in zip(g.first_seq, g.stats.first_read) if seq > since and (until is None or seq <= until)
-            ]  # fmt: skip
+                for g in self._groups.values()
+                if g.digest in wanted
+                for seq, idx in zip(g.first_seq, g.stats.first_read)
+                if seq > since and (until is None or seq <= until)
+            ]
         picked.sort()
         return [(d, i) for _seq, d, i in picked]
 
@@ -361,8 +369,7 @@ class LazyFS:
                 self._session.start(resume=self._resume)
             except OSError as exc:
                 self._close_fd()
-                raise MountError(exc.errno or errno.EIO,
-                                 f"cannot serve the FUSE connection taken over: {exc}") from exc
+                raise MountError(exc.errno or errno.EIO, f"cannot serve the FUSE connection taken over: {exc}") from exc
         self._started = self._ran = True
         if self.run_dir is not None:
             self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
@@ -380,8 +387,9 @@ class LazyFS:
         self._fd = fd
         try:
             options = mount_options(fd, "default_permissions,allow_other")
-            mount(MountSpec(FSTYPE, "weenv", str(self.mountpoint), options,
-                            MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOATIME))
+            mount(
+                MountSpec(FSTYPE, "weenv", str(self.mountpoint), options, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOATIME)
+            )
         except MountError as exc:
             self._close_fd()
             raise MountError(exc.errno, f"FUSE mount at {self.mountpoint} failed: {exc}") from exc
@@ -544,8 +552,9 @@ class LazyFS:
 
     def _attrs(self, group: _Group) -> Attr:
         m = group.manifest
-        return Attr(group.inode, 0o100444, size=m.image_size, blksize=m.block_size, mtime_ns=group.mtime_ns,
-                    timeout=TIMEOUT)
+        return Attr(
+            group.inode, 0o100444, size=m.image_size, blksize=m.block_size, mtime_ns=group.mtime_ns, timeout=TIMEOUT
+        )
 
 
 class _Ops(Operations):
@@ -603,8 +612,14 @@ class _Ops(Operations):
                 group.stats.errors += 1
                 repeated, group.stats.last_error = group.stats.last_error == message, message
             # The kernel retries failed reads; log an error once, not per retry.
-            log.log(logging.DEBUG if repeated else logging.ERROR,
-                    "lazyfs: read of %s [%d, +%d) failed: %s", group.digest, offset, size, message)
+            log.log(
+                logging.DEBUG if repeated else logging.ERROR,
+                "lazyfs: read of %s [%d, +%d) failed: %s",
+                group.digest,
+                offset,
+                size,
+                message,
+            )
             raise OSError(errno.EIO, message) from None
         with self.fs._lock:
             group.stats.reads += 1

@@ -285,8 +285,9 @@ class PeerChunks:
 
     def _merge_adopted_locked(self) -> None:
         now = time.monotonic()
-        self._adopted = {g: live for g, ids in self._adopted.items()
-                         if (live := {n: u for n, u in ids.items() if u > now})}
+        self._adopted = {
+            g: live for g, ids in self._adopted.items() if (live := {n: u for n, u in ids.items() if u > now})
+        }
         if not self._adopted:
             return
         by_id = {p.node_id: p for p in self._peers}
@@ -318,8 +319,12 @@ class PeerChunks:
                 groups = self._chunk_groups.get(digest, [])
         now = time.monotonic()
         with self._lock:
-            found = {p.node_id: p for g in groups for p in self._by_group.get(g, ())
-                     if self._passed_over.get(p.node_id, 0.0) <= now}
+            found = {
+                p.node_id: p
+                for g in groups
+                for p in self._by_group.get(g, ())
+                if self._passed_over.get(p.node_id, 0.0) <= now
+            }
         peers = list(found.values())
         random.shuffle(peers)
         return peers
@@ -386,10 +391,16 @@ class PeerChunks:
         limit = MAX_CHUNK_SIZE if size is None else size
         deadline = time.monotonic() + settings.timeout_s
         try:
-            with http.stream("GET", peer.url.rstrip("/") + CHUNK_PATH + digest,
-                             headers={TOKEN_HEADER: settings.token, RANK_HEADER: str(self.rank),
-                                      WAIT_HEADER: f"{settings.timeout_s:.3f}"},
-                             timeout=settings.timeout_s) as r:
+            with http.stream(
+                "GET",
+                peer.url.rstrip("/") + CHUNK_PATH + digest,
+                headers={
+                    TOKEN_HEADER: settings.token,
+                    RANK_HEADER: str(self.rank),
+                    WAIT_HEADER: f"{settings.timeout_s:.3f}",
+                },
+                timeout=settings.timeout_s,
+            ) as r:
                 if r.status_code == 404:
                     self._count(peer_failures=1, peer_missing=1)
                     return None
@@ -415,8 +426,9 @@ class PeerChunks:
             return None
         data = bytes(buf)
         if (size is not None and len(data) != size) or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
-            log.warning("peer %s (%s) served other bytes for chunk %s: taking it from the store",
-                        peer.node_id, peer.url, digest)
+            log.warning(
+                "peer %s (%s) served other bytes for chunk %s: taking it from the store", peer.node_id, peer.url, digest
+            )
             self._count(peer_failures=1, peer_bad=1)
             self._pass_over(peer, settings)
             return None
@@ -464,7 +476,9 @@ class PeerChunks:
         with self._lock:
             if self._serving >= settings.serve_concurrency:
                 self._stats.served_refused += 1
-                raise BusyError(f"serving {self._serving} chunks to peers already (at most {settings.serve_concurrency})")
+                raise BusyError(
+                    f"serving {self._serving} chunks to peers already (at most {settings.serve_concurrency})"
+                )
             self._serving += 1
         with self._lock:
             asking = digest in self._asking
@@ -498,8 +512,11 @@ class PeerChunks:
                 with self._lock:
                     self._stats.served_refused += 1
                 late = now + wait - until
-                raise RateBusyError(f"{n} bytes at {rate} bytes/s go in {wait:.2f} s, after the asker stops "
-                                    f"waiting ({max(0.0, until - now):.2f} s)", retry_after_s=late)
+                raise RateBusyError(
+                    f"{n} bytes at {rate} bytes/s go in {wait:.2f} s, after the asker stops "
+                    f"waiting ({max(0.0, until - now):.2f} s)",
+                    retry_after_s=late,
+                )
             self._bucket, self._bucket_at = level - n, now
         if wait > 0:
             time.sleep(wait)

@@ -63,7 +63,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError, StoreUnavailableError
 from weenv.formats.limits import MAX_PROFILE_CHUNKS
@@ -325,7 +326,9 @@ class Prefetcher:
                             frame = stream.take(pos)
                             self._lock.notify_all()  # room in the reader's buffer
                             return frame if isinstance(frame, bytes) else None
-                    elif not stream.ended and sum(stream.pack.frames[stream.received : pos + 1]) <= PACK_WAIT_AHEAD_BYTES:
+                    elif (
+                        not stream.ended and sum(stream.pack.frames[stream.received : pos + 1]) <= PACK_WAIT_AHEAD_BYTES
+                    ):
                         waiting = (stream, pos)
                 if waiting is None or self._closed:
                     for stream in self._streams.values():  # a claim of this read's is let go
@@ -376,8 +379,9 @@ class Prefetcher:
             shared = self._looking.get(template_digest)
             if shared is None:
                 shared = self._looking[template_digest] = Future()
-                thread = threading.Thread(target=self._run_lookup, args=(template_digest, shared),
-                                          name="weenv-prefetch-lookup", daemon=True)  # fmt: skip
+                thread = threading.Thread(
+                    target=self._run_lookup, args=(template_digest, shared), name="weenv-prefetch-lookup", daemon=True
+                )
                 self._readers = [t for t in self._readers if t.is_alive()] + [thread]
             if env_id is not None:
                 self._lookups[env_id] = lookup
@@ -454,8 +458,9 @@ class Prefetcher:
             try:
                 lookup.result(timeout=LOOKUP_WAIT_S)  # never raises; the lookup may have started the job
             except FutureTimeout:  # a slow or frozen store: this create goes on without prefetch
-                log.info("no prefetch for %s: the store did not answer its profile's lookup in %g s",
-                         env_id, LOOKUP_WAIT_S)  # fmt: skip
+                log.info(
+                    "no prefetch for %s: the store did not answer its profile's lookup in %g s", env_id, LOOKUP_WAIT_S
+                )
                 return
         with self._lock:
             early = self._early.pop(env_id, None)
@@ -478,9 +483,13 @@ class Prefetcher:
             timer = threading.Timer(self.record_s, self.end_recording, (env_id,))
             timer.daemon = True
             self._recording[env_id] = {
-                "template": template_digest, "groups": [d for d, _m in groups], "manifests": [m for _d, m in groups],
-                "mark": self.lazyfs.read_seq(), "start": time.monotonic(), "timer": timer,
-            }  # fmt: skip
+                "template": template_digest,
+                "groups": [d for d, _m in groups],
+                "manifests": [m for _d, m in groups],
+                "mark": self.lazyfs.read_seq(),
+                "start": time.monotonic(),
+                "timer": timer,
+            }
             self.lazyfs.record_ranges(True)
         timer.start()
 
@@ -506,9 +515,13 @@ class Prefetcher:
         if chunks:  # a group mounted before the window (another template's) was not read by its mount in it:
             # its mount's chunks go first, so a cold start mounting it finds them in the pack
             seen = set(chunks)
-            mount = [(gi, c) for gi, d in enumerate(rec["groups"]) if index[d] == gi
-                     for c in self.lazyfs.mount_reads(d) if (gi, c) not in seen
-                     and c < len(rec["manifests"][gi].chunks)]  # fmt: skip
+            mount = [
+                (gi, c)
+                for gi, d in enumerate(rec["groups"])
+                if index[d] == gi
+                for c in self.lazyfs.mount_reads(d)
+                if (gi, c) not in seen and c < len(rec["manifests"][gi].chunks)
+            ]
             carried, carried_spans = self._carried(rec, index)
             chunks = list(dict.fromkeys(mount + chunks + carried))[:MAX_PROFILE_CHUNKS]
         if not chunks:
@@ -517,9 +530,15 @@ class Prefetcher:
             return
         refs = [rec["manifests"][gi].chunks[ci] for gi, ci in chunks]
         spans = ([(index[d], off, n) for d, off, n in ranges] + carried_spans)[:MAX_PROFILE_CHUNKS]
-        profile = PrefetchProfile(template=rec["template"], groups=rec["groups"], chunks=chunks, refs=refs,
-                                  ranges=spans, window_s=round(time.monotonic() - rec["start"], 3),
-                                  manifests=carried_manifests(zip(rec["groups"], rec["manifests"])))  # fmt: skip
+        profile = PrefetchProfile(
+            template=rec["template"],
+            groups=rec["groups"],
+            chunks=chunks,
+            refs=refs,
+            ranges=spans,
+            window_s=round(time.monotonic() - rec["start"], 3),
+            manifests=carried_manifests(zip(rec["groups"], rec["manifests"])),
+        )
         with self._lock:
             self._profiles[rec["template"]] = profile
             if self._closed:
@@ -545,11 +564,11 @@ class Prefetcher:
             others = [p for t, p in self._profiles.items() if p is not None and t != rec["template"]]
         chunks, spans = [], []
         for other in others:
-            for (ogi, ci) in other.chunks:
+            for ogi, ci in other.chunks:
                 d = other.groups[ogi] if 0 <= ogi < len(other.groups) else None
                 if d in before and ci < len(manifests[index[d]].chunks):
                     chunks.append((index[d], ci))
-            for (ogi, off, n) in other.ranges:
+            for ogi, off, n in other.ranges:
                 d = other.groups[ogi] if 0 <= ogi < len(other.groups) else None
                 if d in before:
                     spans.append((index[d], off, n))
@@ -564,8 +583,13 @@ class Prefetcher:
                 profile = self._with_pack(profile, lease)
                 lease.check()
                 digest = publish_profile(LeasedStore(self.store, lease), profile)
-            log.info("published prefetch profile %s of %s: %d chunks, %s", digest, profile.template,
-                     len(profile.chunks), f"a pack of {len(profile.pack.frames)}" if profile.pack else "no pack")
+            log.info(
+                "published prefetch profile %s of %s: %d chunks, %s",
+                digest,
+                profile.template,
+                len(profile.chunks),
+                f"a pack of {len(profile.pack.frames)}" if profile.pack else "no pack",
+            )
         except Exception as exc:
             log.warning("cannot publish the prefetch profile of %s: %s", profile.template, exc)
 
@@ -669,9 +693,16 @@ class Prefetcher:
         pack = profile.pack if len(chunks) == len(profile.chunks) else None  # positions must match the frames
         self._start_job(env_id, chunks, groups=groups, pack=pack)
 
-    def _start_job(self, env_id: str, chunks: list[tuple[str, ChunkRef]],
-                   groups: list[tuple[str, GroupManifest]] | None, pack: PrefetchPack | None = None,
-                   *, early: bool = False, lookup: Future | None = None) -> PrefetchJob | None:  # fmt: skip
+    def _start_job(
+        self,
+        env_id: str,
+        chunks: list[tuple[str, ChunkRef]],
+        groups: list[tuple[str, GroupManifest]] | None,
+        pack: PrefetchPack | None = None,
+        *,
+        early: bool = False,
+        lookup: Future | None = None,
+    ) -> PrefetchJob | None:
         """Queue a job fetching ``chunks`` (the first ones from ``pack``) unless
         all are cached; the job if queued.  ``groups`` (None: not known yet, see
         :meth:`_adopt_groups`) are handed to ``on_group_complete`` when the job
@@ -706,11 +737,15 @@ class Prefetcher:
                 for stream in list(self._streams.values()):
                     self._retire_locked(stream)  # a settled stream is not joined: its frames are gone
                 job.stream = self._streams.get(key)  # reading or draining (see PackStream)
-                if (job.stream is None and len(self._streams) < self.workers  # the first job of this pack: read it
-                        and not self.cache.has_all(key[1])):  # unless it was all cached meanwhile
+                if (
+                    job.stream is None
+                    and len(self._streams) < self.workers  # the first job of this pack: read it
+                    and not self.cache.has_all(key[1])
+                ):  # unless it was all cached meanwhile
                     job.stream = self._streams[key] = PackStream(pack, key)
-                    reader = threading.Thread(target=self._read_pack, args=(job.stream,),
-                                              name="weenv-prefetch-pack", daemon=True)  # fmt: skip
+                    reader = threading.Thread(
+                        target=self._read_pack, args=(job.stream,), name="weenv-prefetch-pack", daemon=True
+                    )
                     self._readers = [t for t in self._readers if t.is_alive()] + [reader]
                     reader.start()
                 if job.stream is not None:
@@ -744,8 +779,13 @@ class Prefetcher:
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:
-                coming = any(j.stream is not None and not j.done.is_set() and not j.cancelled
-                             and j.stream.position(digest) is not None for j in self._jobs.values())
+                coming = any(
+                    j.stream is not None
+                    and not j.done.is_set()
+                    and not j.cancelled
+                    and j.stream.position(digest) is not None
+                    for j in self._jobs.values()
+                )
             if self.cache.has(digest):
                 return True
             left = deadline - time.monotonic()

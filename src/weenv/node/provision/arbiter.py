@@ -122,8 +122,11 @@ def arbitrate(claims: list[Claim], budget: Budget) -> Decision:
     low = budget.memory_available < budget.low_watermark * budget.memory_capacity
     if short or low:
         d.admitting = False
-        why = (f"growth of {', '.join(c.env_id for c in short)} does not fit" if short
-               else f"host memory available {budget.memory_available >> 20} MiB is below the low watermark")
+        why = (
+            f"growth of {', '.join(c.env_id for c in short)} does not fit"
+            if short
+            else f"host memory available {budget.memory_available >> 20} MiB is below the low watermark"
+        )
         d.events.append((None, "shortage", f"memory short: {why}; admission stopped"))
 
     running = [c for c in claims if not c.frozen]
@@ -132,17 +135,34 @@ def arbitrate(claims: list[Claim], budget: Budget) -> Decision:
         for c in short:
             if c.priority < top and not c.frozen:
                 d.freeze.append(c.env_id)
-                d.events.append((c.env_id, "freeze", f"frozen: needs {c.memory_want >> 20} MiB, "
-                                 f"granted {d.memory[c.env_id] >> 20} MiB, priority {c.priority} < {top}"))
+                d.events.append(
+                    (
+                        c.env_id,
+                        "freeze",
+                        f"frozen: needs {c.memory_want >> 20} MiB, "
+                        f"granted {d.memory[c.env_id] >> 20} MiB, priority {c.priority} < {top}",
+                    )
+                )
             elif not c.frozen:
-                d.events.append((c.env_id, "refused", f"growth refused: wants {c.memory_want >> 20} MiB, "
-                                 f"granted {d.memory[c.env_id] >> 20} MiB"))
+                d.events.append(
+                    (
+                        c.env_id,
+                        "refused",
+                        f"growth refused: wants {c.memory_want >> 20} MiB, granted {d.memory[c.env_id] >> 20} MiB",
+                    )
+                )
     if critical and running:
         victim = min(running, key=lambda c: (c.priority, -c.working_set, c.env_id))
         if victim.env_id not in d.freeze:
             d.freeze.append(victim.env_id)
-            d.events.append((victim.env_id, "freeze", f"frozen: host memory available "
-                             f"{budget.memory_available >> 20} MiB is below the critical watermark"))
+            d.events.append(
+                (
+                    victim.env_id,
+                    "freeze",
+                    f"frozen: host memory available "
+                    f"{budget.memory_available >> 20} MiB is below the critical watermark",
+                )
+            )
 
     if not low:  # thaw, highest priority first, those whose memory now fits
         short_ids = {c.env_id for c in short}
@@ -314,7 +334,7 @@ def _add_on_off(dist: list[float], load: int, q: float, room: int) -> None:
     loads beyond ``room``) in place with one environment busy at ``load``
     quanta with probability ``q``."""
     p = 1.0 - q
-    dist[room + 1] += q * sum(dist[max(0, room - load + 1):room + 1])
+    dist[room + 1] += q * sum(dist[max(0, room - load + 1) : room + 1])
     for k in range(room, load - 1, -1):
         dist[k] = dist[k] * p + dist[k - load] * q
     for k in range(min(load, room + 1)):
@@ -347,22 +367,21 @@ def admits(
     ``disk_sum`` / ``disk_new``: declared disk limits (bytes) held now and
     asked, checked against ``budget.disk``."""
     if budget.disk is not None and disk_sum + disk_new > budget.disk:
-        return (f"disk limits would reach {(disk_sum + disk_new) / (1 << 30):.1f} GiB "
-                f"of the node's {budget.disk / (1 << 30):.1f} GiB disk "
-                f"(declare a smaller disk_bytes, or set WEENV_DISK_BYTES / WEENV_DISK_OVERCOMMIT)")
+        return (
+            f"disk limits would reach {(disk_sum + disk_new) / (1 << 30):.1f} GiB "
+            f"of the node's {budget.disk / (1 << 30):.1f} GiB disk "
+            f"(declare a smaller disk_bytes, or set WEENV_DISK_BYTES / WEENV_DISK_OVERCOMMIT)"
+        )
     if not admitting:
         return "memory is short on this node (admission stopped)"
     if cpu_sum + cpu_new > budget.cpu + 1e-9:
         return f"CPU quotas would reach {cpu_sum + cpu_new:.2f} of {budget.cpu:.2f} cores"
     if cpu_peak is not None and cpu_peak_budget is not None and cpu_peak > cpu_peak_budget + 1e-9:
-        return (f"the predicted CPU peak (bursts overlapping) would reach {cpu_peak:.2f} "
-                f"of {cpu_peak_budget:.2f} cores")
+        return f"the predicted CPU peak (bursts overlapping) would reach {cpu_peak:.2f} of {cpu_peak_budget:.2f} cores"
     if burst_risk is not None and burst_risk_budget is not None and burst_risk > burst_risk_budget + 1e-12:
-        return (f"{burst_risk:.1%} of bursts would meet others beyond the cores "
-                f"(at most {burst_risk_budget:.1%})")
+        return f"{burst_risk:.1%} of bursts would meet others beyond the cores (at most {burst_risk_budget:.1%})"
     if memory_sum + memory_new > budget.memory:
-        return (f"memory limits would reach {(memory_sum + memory_new) >> 20} MiB "
-                f"of {budget.memory >> 20} MiB")
+        return f"memory limits would reach {(memory_sum + memory_new) >> 20} MiB of {budget.memory >> 20} MiB"
     if budget.memory_available - memory_new < budget.low_watermark * budget.memory_capacity:
         return f"host memory available is {budget.memory_available >> 20} MiB"
     return None

@@ -45,8 +45,16 @@ from typing import NamedTuple, Protocol
 from weenv.errors import BusyError, CapacityError, ClosedError, InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup, LimitRefusedError, Pressure, Usage, open_cgroups
-from weenv.node.provision.arbiter import Budget, Claim, CpuMoments, CpuWindow, admits, arbitrate
-from weenv.node.provision.arbiter import burst_contention, predicted_cpu_peak
+from weenv.node.provision.arbiter import (
+    Budget,
+    Claim,
+    CpuMoments,
+    CpuWindow,
+    admits,
+    arbitrate,
+    burst_contention,
+    predicted_cpu_peak,
+)
 from weenv.node.provision.models import (
     EnvironmentProvision,
     NodeTotals,
@@ -105,8 +113,15 @@ class _Event(NamedTuple):
 
 
 class _Tracked:
-    def __init__(self, env_id: str, resources: Resources, priority: int, policy: EnvPolicy,
-                 template: str | None = None, profile: UsageProfile | None = None):  # fmt: skip
+    def __init__(
+        self,
+        env_id: str,
+        resources: Resources,
+        priority: int,
+        policy: EnvPolicy,
+        template: str | None = None,
+        profile: UsageProfile | None = None,
+    ):
         self.env_id = env_id
         self.template = template
         self.profile = profile
@@ -188,10 +203,15 @@ class Provisioner:
     (idempotent).  :meth:`tick` runs one pass synchronously (tests, tools).
     """
 
-    def __init__(self, config: ProvisionConfig | None = None,
-                 open_cgroup: Callable[[str], Cgroup] = open_cgroups,
-                 profiles: TemplateProfiles | None = None, *,
-                 clock: Clock | None = None, host_memory: Callable[[], dict[str, int]] = meminfo):  # fmt: skip
+    def __init__(
+        self,
+        config: ProvisionConfig | None = None,
+        open_cgroup: Callable[[str], Cgroup] = open_cgroups,
+        profiles: TemplateProfiles | None = None,
+        *,
+        clock: Clock | None = None,
+        host_memory: Callable[[], dict[str, int]] = meminfo,
+    ):
         self.config = config or ProvisionConfig()
         self.profiles = profiles if profiles is not None else TemplateProfiles()
         self._open = open_cgroup
@@ -300,8 +320,9 @@ class Provisioner:
         """False while the arbiter has stopped admitting (memory short); creates are refused then."""
         return self._admitting
 
-    def reserve(self, env_id: str, resources: Resources, *, priority: int = 0, template: str | None = None,
-                wait: bool = False) -> None:
+    def reserve(
+        self, env_id: str, resources: Resources, *, priority: int = 0, template: str | None = None, wait: bool = False
+    ) -> None:
         """Admit a new environment (its initial quota counts from now on).
 
         ``template``: its template's digest; when the node knows that
@@ -329,8 +350,9 @@ class Provisioner:
         :class:`ClosedError` if the node closes meanwhile (:meth:`cancel_waits`).
         """
         cfg = self.config
-        if cfg.mode != "off" and (resources.cpus > self.cpu_capacity + 1e-9
-                                  or resources.memory_bytes > self.memory_capacity):
+        if cfg.mode != "off" and (
+            resources.cpus > self.cpu_capacity + 1e-9 or resources.memory_bytes > self.memory_capacity
+        ):
             raise InvalidInputError(
                 f"the environment declares {resources.cpus:g} cores and {resources.memory_bytes >> 20} MiB; "
                 f"the node has {self.cpu_capacity:g} cores and {self.memory_capacity >> 20} MiB for environments"
@@ -388,12 +410,15 @@ class Provisioner:
         check = dict(
             cpu_sum=cpu_sum,
             memory_sum=memory_sum,
-            cpu_new=policy.cpu_quota, memory_new=policy.memory_held(),
-            budget=budget, admitting=self._admitting,
-            cpu_peak=peak, cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
+            cpu_new=policy.cpu_quota,
+            memory_new=policy.memory_held(),
+            budget=budget,
+            admitting=self._admitting,
+            cpu_peak=peak,
+            cpu_peak_budget=self.cpu_capacity * cfg.admission_cpu_share,
             disk_sum=self._disk_sum(),
             disk_new=resources.disk_bytes,
-        )  # fmt: skip
+        )
         why = admits(**check, burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk)
         return why, why is not None and risk is not None and admits(**check) is None
 
@@ -424,10 +449,12 @@ class Provisioner:
             budget = self._budget().disk
             held = self._disk_sum() - self._disk_held.get(key, 0)
             if self.config.mode != "off" and budget is not None and held + nbytes > budget:
-                why = (f"{what} holds {nbytes / (1 << 20):.1f} MiB: with the environments' disk limits and "
-                       f"the snapshots kept on this node ({held / (1 << 30):.2f} GiB) it passes the node's "
-                       f"{budget / (1 << 30):.2f} GiB disk (delete snapshots, or set WEENV_DISK_BYTES / "
-                       f"WEENV_DISK_OVERCOMMIT)")  # fmt: skip
+                why = (
+                    f"{what} holds {nbytes / (1 << 20):.1f} MiB: with the environments' disk limits and "
+                    f"the snapshots kept on this node ({held / (1 << 30):.2f} GiB) it passes the node's "
+                    f"{budget / (1 << 30):.2f} GiB disk (delete snapshots, or set WEENV_DISK_BYTES / "
+                    f"WEENV_DISK_OVERCOMMIT)"
+                )
                 self._event(None, "admission", f"refused: {why}")
                 raise CapacityError(f"cannot keep it: {why}")
             self._disk_held[key] = nbytes
@@ -524,10 +551,15 @@ class Provisioner:
         if t.template is None or not t.history:
             return
         try:
-            seen = summarize(t.template, t.resources.cpus, [h.cpu_used for h in t.history],
-                             [h.working_set for h in t.history], self.config.interval_s,
-                             startup_s=self.config.profile_startup_s,
-                             min_observed_s=self.config.profile_min_observed_s)  # fmt: skip
+            seen = summarize(
+                t.template,
+                t.resources.cpus,
+                [h.cpu_used for h in t.history],
+                [h.working_set for h in t.history],
+                self.config.interval_s,
+                startup_s=self.config.profile_startup_s,
+                min_observed_s=self.config.profile_min_observed_s,
+            )
             if seen is not None:
                 self.profiles.record(seen)
         except (WeenvError, OSError, ValueError) as exc:  # a profile is a hint: never fail a destroy
@@ -624,19 +656,29 @@ class Provisioner:
             o = Observation.between(t.last, u)
             t.last, t.last_obs = u, o
             if o.oom_kills_delta:
-                self._event(t.env_id, "oom_kill", f"{o.oom_kills_delta} process(es) OOM-killed at "
-                            f"{t.memory_limit >> 20} MiB (ceiling {t.policy.memory_ceiling >> 20} MiB)")
+                self._event(
+                    t.env_id,
+                    "oom_kill",
+                    f"{o.oom_kills_delta} process(es) OOM-killed at "
+                    f"{t.memory_limit >> 20} MiB (ceiling {t.policy.memory_ceiling >> 20} MiB)",
+                )
             if self.config.mode != "elastic":
                 self._record(t)
                 return None
             w = t.policy.observe(o)
             t.want = w
             return Claim(
-                env_id=t.env_id, priority=t.priority,
-                cpu_quota=t.cpu_reservation, cpu_want=w.cpu_quota, cpu_floor=t.policy.cpu_floor,
-                memory_limit=t.memory_limit, memory_want=w.memory_limit,
-                memory_pressure=w.memory_pressure, working_set=o.working_set, frozen=t.frozen,
-            )  # fmt: skip
+                env_id=t.env_id,
+                priority=t.priority,
+                cpu_quota=t.cpu_reservation,
+                cpu_want=w.cpu_quota,
+                cpu_floor=t.policy.cpu_floor,
+                memory_limit=t.memory_limit,
+                memory_want=w.memory_limit,
+                memory_pressure=w.memory_pressure,
+                working_set=o.working_set,
+                frozen=t.frozen,
+            )
 
     def _apply(self, t: _Tracked, cpu: float, memory: int, now: float, *, initial: bool = False) -> None:
         """Write ``cpu`` cores and ``memory`` bytes to ``t``'s cgroup (under ``t.lock``).
@@ -649,8 +691,7 @@ class Provisioner:
                 cg.set_cpu(p.cpu_ceiling if at_ceiling else cpu)
             if not initial:
                 what = "cpu reservation" if at_ceiling else "cpu"
-                self._event(t.env_id, "raise" if cpu > old_cpu else "lower",
-                            f"{what} {old_cpu:.2f} -> {cpu:.2f} cores")  # fmt: skip
+                self._event(t.env_id, "raise" if cpu > old_cpu else "lower", f"{what} {old_cpu:.2f} -> {cpu:.2f} cores")
         else:
             cpu = old_cpu
         if memory > old_mem:  # raise the limit before re-enabling the OOM killer at the ceiling
@@ -686,13 +727,20 @@ class Provisioner:
         static = self.config.mode != "elastic"
         now = self.clock.time()
         t.window.add(now, min(o.cpu_cores, t.resources.cpus))
-        t.history.append(_Point(
-            t=now, cpu_used=o.cpu_cores, throttled=o.throttled,
-            cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
-            memory_usage=u.memory_usage, working_set=u.memory_working_set,
-            memory_limit=t.resources.memory_bytes if static else t.memory_limit,
-            pids=u.pids_current, frozen=t.frozen,
-        ))  # fmt: skip
+        t.history.append(
+            _Point(
+                t=now,
+                cpu_used=o.cpu_cores,
+                throttled=o.throttled,
+                cpu_quota=t.cpu_quota(self.config),
+                cpu_reservation=t.cpu_reservation,
+                memory_usage=u.memory_usage,
+                working_set=u.memory_working_set,
+                memory_limit=t.resources.memory_bytes if static else t.memory_limit,
+                pids=u.pids_current,
+                frozen=t.frozen,
+            )
+        )
 
     def _gone(self, t: _Tracked) -> None:
         t.attached = False
@@ -753,8 +801,7 @@ class Provisioner:
             return 0.0
         known = [(t.resources.cpus, duty[id(t)]) for t in everyone if duty[id(t)] is not None]
         pooled = _pooled(known)  # the new one is known: never empty
-        moments = [CpuMoments.prior(t.resources.cpus, pooled if duty[id(t)] is None else duty[id(t)])
-                   for t in everyone]  # fmt: skip
+        moments = [CpuMoments.prior(t.resources.cpus, pooled if duty[id(t)] is None else duty[id(t)]) for t in everyone]
         return burst_contention(moments, self.cpu_capacity * cfg.admission_cpu_share)
 
     def _event(self, env_id: str | None, kind: str, message: str) -> None:
@@ -777,33 +824,47 @@ class Provisioner:
         out = []
         for t in envs:
             u = t.last
-            out.append(EnvironmentProvision(
-                id=t.env_id, priority=t.priority,
-                cpu_ceiling=t.resources.cpus, memory_ceiling=t.resources.memory_bytes,
-                pids_limit=t.resources.pids,
-                cpu_quota=t.cpu_quota(self.config), cpu_reservation=t.cpu_reservation,
-                memory_limit=t.resources.memory_bytes if static else t.memory_limit,
-                frozen=t.frozen, oom_kills=u.oom_kills if u else 0,
-                throttled_s=u.cpu_throttled_s if u else 0.0, throttled_periods=u.cpu_throttled_periods if u else 0,
-                memory_refused=t.refused,
-                history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
-            ))  # fmt: skip
+            out.append(
+                EnvironmentProvision(
+                    id=t.env_id,
+                    priority=t.priority,
+                    cpu_ceiling=t.resources.cpus,
+                    memory_ceiling=t.resources.memory_bytes,
+                    pids_limit=t.resources.pids,
+                    cpu_quota=t.cpu_quota(self.config),
+                    cpu_reservation=t.cpu_reservation,
+                    memory_limit=t.resources.memory_bytes if static else t.memory_limit,
+                    frozen=t.frozen,
+                    oom_kills=u.oom_kills if u else 0,
+                    throttled_s=u.cpu_throttled_s if u else 0.0,
+                    throttled_periods=u.cpu_throttled_periods if u else 0,
+                    memory_refused=t.refused,
+                    history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
+                )
+            )
         b = self._budget()
         everything = list(self._envs.values())
         totals = NodeTotals(
-            cpu_capacity=self.cpu_capacity, memory_capacity=self.memory_capacity,
-            cpu_budget=b.cpu, memory_budget=b.memory,
+            cpu_capacity=self.cpu_capacity,
+            memory_capacity=self.memory_capacity,
+            cpu_budget=b.cpu,
+            memory_budget=b.memory,
             cpu_quota_sum=sum(t.cpu_quota(self.config) for t in everything),
             cpu_reservation_sum=sum(t.cpu_reservation for t in everything),
             cpu_peak_predicted=self.predicted_cpu_peak([t for t in everything if not t.paused]),
             memory_limit_sum=sum(t.memory_limit for t in everything),
             cpu_used=sum(t.last_obs.cpu_cores for t in everything if t.last_obs),
             working_set=sum(t.last.memory_working_set for t in everything if t.last),
-            memory_available=b.memory_available, admitting=self._admitting,
-            environments=len(everything), frozen=sum(t.frozen for t in everything),
+            memory_available=b.memory_available,
+            admitting=self._admitting,
+            environments=len(everything),
+            frozen=sum(t.frozen for t in everything),
             paused=sum(t.paused for t in everything),
             disk_held=sum(self._disk_held.values()),
-        )  # fmt: skip
-        events = [ProvisionEvent(**e._asdict()) for e in list(self._events) if env_id is None or e.env_id in (None, env_id)]
-        return ProvisionStats(mode=self.config.mode, interval_s=self.config.interval_s,
-                              totals=totals, environments=out, events=events)  # fmt: skip
+        )
+        events = [
+            ProvisionEvent(**e._asdict()) for e in list(self._events) if env_id is None or e.env_id in (None, env_id)
+        ]
+        return ProvisionStats(
+            mode=self.config.mode, interval_s=self.config.interval_s, totals=totals, environments=out, events=events
+        )

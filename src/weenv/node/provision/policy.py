@@ -191,8 +191,9 @@ class EnvPolicy:
         its peak working set would (``memory_peak`` bytes; also the decayed
         peak the limit then follows), within floor and ceiling."""
         cfg = self.cfg
-        self.cpu_quota = clamp(max(cpu_p95 * (1 + cfg.cpu_headroom), cpu_p95 + cfg.cpu_min_headroom),
-                               self.cpu_floor, self.cpu_ceiling)  # fmt: skip
+        self.cpu_quota = clamp(
+            max(cpu_p95 * (1 + cfg.cpu_headroom), cpu_p95 + cfg.cpu_min_headroom), self.cpu_floor, self.cpu_ceiling
+        )
         self.peak_ws = float(min(memory_peak, self.memory_ceiling))
         self.known_peak = int(self.peak_ws)
         self.memory_limit = self.memory_target()
@@ -263,8 +264,12 @@ class EnvPolicy:
         if pressure:
             self.last_memory_pressure = o.at
             if cur < self.memory_ceiling:
-                grown = max(target, cur * cfg.memory_raise_factor, o.working_set * (1 + cfg.memory_headroom),
-                            self.known_peak * (1 + cfg.memory_headroom))  # fmt: skip
+                grown = max(
+                    target,
+                    cur * cfg.memory_raise_factor,
+                    o.working_set * (1 + cfg.memory_headroom),
+                    self.known_peak * (1 + cfg.memory_headroom),
+                )
                 return int(clamp(grown, self.memory_floor, self.memory_ceiling)), "raise", True
             return cur, "stay", True
         if target > cur:

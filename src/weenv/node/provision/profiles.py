@@ -113,23 +113,36 @@ class UsageProfile(BaseModel):
         mean = mix(self.cpu_mean, new.cpu_mean)
         ws = int(mix(self.memory_working_set, new.memory_working_set))
         return UsageProfile(
-            template=self.template, cpu_duty=min(1.0, mean / burst) if burst > 0 else 0.0, cpu_burst=burst,
-            cpu_p95=mix(self.cpu_p95, new.cpu_p95), memory_working_set=ws,
+            template=self.template,
+            cpu_duty=min(1.0, mean / burst) if burst > 0 else 0.0,
+            cpu_burst=burst,
+            cpu_p95=mix(self.cpu_p95, new.cpu_p95),
+            memory_working_set=ws,
             memory_peak=max(ws, new.memory_peak, int(mix(self.memory_peak, new.memory_peak))),
-            seconds=w0 + w1, environments=self.environments + new.environments, updated=new.updated,
-        )  # fmt: skip
+            seconds=w0 + w1,
+            environments=self.environments + new.environments,
+            updated=new.updated,
+        )
 
 
-def summarize(template: str, cpu_ceiling: float, cpu: list[float], working_sets: list[int], interval_s: float,
-              *, now: float | None = None, startup_s: float = STARTUP_S,
-              min_observed_s: float = MIN_OBSERVED_S) -> UsageProfile | None:
+def summarize(
+    template: str,
+    cpu_ceiling: float,
+    cpu: list[float],
+    working_sets: list[int],
+    interval_s: float,
+    *,
+    now: float | None = None,
+    startup_s: float = STARTUP_S,
+    min_observed_s: float = MIN_OBSERVED_S,
+) -> UsageProfile | None:
     """One environment's profile from its per-pass CPU usage (cores) and working
     sets (bytes), ``interval_s`` apart, from its start: the CPU of its first
     ``startup_s`` seconds is left out (its memory is not: a peak there
     is one the next will need too); None if observed less than
     ``min_observed_s`` after them.  Non-finite or negative samples are an
     :class:`InvalidInputError`."""
-    cpu = cpu[math.ceil(startup_s / interval_s - 1e-9):]  # memory keeps its start: a peak there is one it needs
+    cpu = cpu[math.ceil(startup_s / interval_s - 1e-9) :]  # memory keeps its start: a peak there is one it needs
     if len(cpu) * interval_s < min_observed_s or not working_sets:
         return None
     if any(not math.isfinite(x) or x < 0 for x in cpu) or any(w < 0 for w in working_sets):
@@ -141,11 +154,16 @@ def summarize(template: str, cpu_ceiling: float, cpu: list[float], working_sets:
     mean = sum(cpu) / len(cpu)
     burst = sum(busy) / len(busy) if busy else max(cpu)
     return UsageProfile(
-        template=template, cpu_duty=min(1.0, mean / burst) if burst > 0 else 0.0, cpu_burst=burst,
-        cpu_p95=percentile(cpu, 95), memory_working_set=int(sum(working_sets) / len(working_sets)),
-        memory_peak=max(working_sets), seconds=len(cpu) * interval_s, environments=1,
+        template=template,
+        cpu_duty=min(1.0, mean / burst) if burst > 0 else 0.0,
+        cpu_burst=burst,
+        cpu_p95=percentile(cpu, 95),
+        memory_working_set=int(sum(working_sets) / len(working_sets)),
+        memory_peak=max(working_sets),
+        seconds=len(cpu) * interval_s,
+        environments=1,
         updated=time.time() if now is None else now,
-    )  # fmt: skip
+    )
 
 
 def parse_profile(data: bytes, template: str) -> UsageProfile:

@@ -103,23 +103,67 @@ RUNC_DEFAULT_CAPS = ("CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE")
 With it root inside cannot chown(2), setgroups(2) (``su``, apt's sandbox user)
 or bypass file permissions."""
 DOCKER_DEFAULT_CAPS = (
-    "CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID",
-    "CAP_KILL", "CAP_MKNOD", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP",
-    "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID", "CAP_SYS_CHROOT",
-)  # fmt: skip
+    "CAP_AUDIT_WRITE",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_MKNOD",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_RAW",
+    "CAP_SETFCAP",
+    "CAP_SETGID",
+    "CAP_SETPCAP",
+    "CAP_SETUID",
+    "CAP_SYS_CHROOT",
+)
 """Docker's (moby ``oci/caps/defaults.go``) default set, for ``capabilities=``:
 what package managers and installers running as root expect."""
 
 CAP_NAMES = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
-    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
-    "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
-    "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
-    "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
-    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN",
-    "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
     "CAP_CHECKPOINT_RESTORE",
-)  # fmt: skip
+)
 """Linux capability names by bit number (``linux/capability.h``)."""
 AGENT_CAPS = ("CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP")
 """What the exec agent holds beyond the environment's set, to run each command
@@ -166,16 +210,52 @@ default): with the agent, the agent holds instead and the image's ``sleep`` is n
 CLONE_NEWUSER = 0x10000000
 EPERM, ENOSYS = 1, 38
 SECCOMP_DENY = (
-    "acct", "add_key", "bpf", "create_module", "delete_module", "finit_module",
-    "fsconfig", "fsmount", "fsopen", "fspick", "get_kernel_syms", "init_module",
-    "io_uring_enter", "io_uring_register", "io_uring_setup", "ioperm", "iopl",
-    "kexec_file_load", "kexec_load", "keyctl", "lookup_dcookie", "mount",
-    "mount_setattr", "move_mount", "name_to_handle_at", "nfsservctl",
-    "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root",
-    "query_module", "quotactl", "quotactl_fd", "reboot", "request_key", "swapoff",
-    "swapon", "syslog", "umount", "umount2", "uselib", "userfaultfd", "vm86",
-    "vm86old", "_sysctl",
-)  # fmt: skip
+    "acct",
+    "add_key",
+    "bpf",
+    "create_module",
+    "delete_module",
+    "finit_module",
+    "fsconfig",
+    "fsmount",
+    "fsopen",
+    "fspick",
+    "get_kernel_syms",
+    "init_module",
+    "io_uring_enter",
+    "io_uring_register",
+    "io_uring_setup",
+    "ioperm",
+    "iopl",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mount",
+    "mount_setattr",
+    "move_mount",
+    "name_to_handle_at",
+    "nfsservctl",
+    "open_by_handle_at",
+    "open_tree",
+    "perf_event_open",
+    "pivot_root",
+    "query_module",
+    "quotactl",
+    "quotactl_fd",
+    "reboot",
+    "request_key",
+    "swapoff",
+    "swapon",
+    "syslog",
+    "umount",
+    "umount2",
+    "uselib",
+    "userfaultfd",
+    "vm86",
+    "vm86old",
+    "_sysctl",
+)
 """System calls that fail with ``EPERM`` (names libseccomp does not know are skipped by runc)."""
 
 _SECCOMP_ARCHES = {
@@ -235,31 +315,46 @@ def seccomp_profile(machine: str | None = None) -> dict[str, Any]:
 
 def _ro_binary(destination: str, source: Path) -> dict[str, Any]:
     """A read-only bind mount of a host binary (executable, but no setuid or devices)."""
-    return {"destination": destination, "type": "bind", "source": os.fspath(Path(source).absolute()),
-            "options": ["bind", "ro", "nosuid", "nodev"]}  # fmt: skip
+    return {
+        "destination": destination,
+        "type": "bind",
+        "source": os.fspath(Path(source).absolute()),
+        "options": ["bind", "ro", "nosuid", "nodev"],
+    }
 
 
-def _mounts(network: bool, init: Path | None, agent: Path | None,
-            resolv_conf: Path | None = None) -> list[dict[str, Any]]:
+def _mounts(
+    network: bool, init: Path | None, agent: Path | None, resolv_conf: Path | None = None
+) -> list[dict[str, Any]]:
     nse = ["nosuid", "noexec", "nodev"]
     mounts = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
-        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
-        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-         "options": [*nse, "mode=1777", "size=65536k"]},
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+        },
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": [*nse, "mode=1777", "size=65536k"]},
         {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": nse},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": [*nse, "ro"]},
-        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
-         "options": [*nse, "relatime", "ro"]},
-    ]  # fmt: skip
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": [*nse, "relatime", "ro"]},
+    ]
     if network:
         mounts.append(
-            {"destination": "/etc/resolv.conf", "type": "bind", "source": os.fspath(resolv_conf or "/etc/resolv.conf"),
-             "options": ["rbind", "ro", *nse]}
-        )  # fmt: skip
+            {
+                "destination": "/etc/resolv.conf",
+                "type": "bind",
+                "source": os.fspath(resolv_conf or "/etc/resolv.conf"),
+                "options": ["rbind", "ro", *nse],
+            }
+        )
     if init is not None:
         mounts.append(_ro_binary(INIT_PATH, init))
     if agent is not None:
@@ -347,8 +442,9 @@ def build_config(
         host_id, size = userns
         if host_id <= 0 or size <= 0 or host_id + size > 2**32 - 1:
             raise InvalidInputError(f"bad user namespace range {host_id}+{size}")
-        namespaces.insert(0, {"type": "user", "path": os.fspath(Path(userns_path).absolute())} if userns_path
-                          else {"type": "user"})
+        namespaces.insert(
+            0, {"type": "user", "path": os.fspath(Path(userns_path).absolute())} if userns_path else {"type": "user"}
+        )
     linux: dict[str, Any] = {
         "cgroupsPath": cgroups_path,
         "resources": {
@@ -370,12 +466,12 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": uid, "gid": gid},
-            "args": prefix if hold else prefix + ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
+            "args": prefix
+            if hold
+            else prefix + ([INIT_PATH, "--"] if init is not None else []) + list(runtime.command),
             "env": [f"{k}={v}" for k, v in runtime.env.items()],
             "cwd": runtime.working_dir,
-            "capabilities": {
-                k: caps for k in ("bounding", "effective", "permitted", "ambient")
-            },
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted", "ambient")},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": hard, "soft": soft}],
             "noNewPrivileges": userns is None,
         },
@@ -411,10 +507,21 @@ def write_bundle(
     else is created (``bundle_dir`` must exist).  Raises :class:`InvalidInputError`.
     """
     config = build_config(
-        rootfs, runtime, hostname=hostname, cgroups_path=cgroups_path,
-        resources=resources, seccomp=seccomp, init=init, capabilities=capabilities, agent=agent,
-        netns=netns, agent_user=agent_user, resolv_conf=resolv_conf, userns=userns, userns_path=userns_path,
-    )  # fmt: skip
+        rootfs,
+        runtime,
+        hostname=hostname,
+        cgroups_path=cgroups_path,
+        resources=resources,
+        seccomp=seccomp,
+        init=init,
+        capabilities=capabilities,
+        agent=agent,
+        netns=netns,
+        agent_user=agent_user,
+        resolv_conf=resolv_conf,
+        userns=userns,
+        userns_path=userns_path,
+    )
     path = Path(bundle_dir) / "config.json"
     tmp = path.with_name(".config.json.tmp")
     tmp.write_text(json.dumps(config, indent=2))

@@ -3,13 +3,13 @@ keeping them by pid, and collecting their output with a bound."""
 
 from __future__ import annotations
 
-from weenv.errors import InvalidInputError, NotFoundError, OutputLimitError
-from weenv.node.runtime.launcher import Launcher, Launchers
 from weenv.api.models import ExecResult, ProcessInfo
-from weenv.node.runtime.process import PipeSink, Process
+from weenv.errors import InvalidInputError, NotFoundError, OutputLimitError
 from weenv.host.rootfs import RootFS
-from weenv.node.table import Environment, EnvironmentTable, check_timeout
+from weenv.node.runtime.launcher import Launcher, Launchers
+from weenv.node.runtime.process import PipeSink, Process
 from weenv.node.runtime.users import Identity, Users
+from weenv.node.table import Environment, EnvironmentTable, check_timeout
 
 KEEP_FINISHED = 64
 """Ended processes kept per environment (for their exit code and output)."""
@@ -18,8 +18,7 @@ KEEP_FINISHED = 64
 class Commands:
     """Commands started in the environments of ``table``."""
 
-    def __init__(self, table: EnvironmentTable, launchers: Launchers, *, retain_bytes: int,
-                 start_timeout: float):
+    def __init__(self, table: EnvironmentTable, launchers: Launchers, *, retain_bytes: int, start_timeout: float):
         """``retain_bytes``: output kept per background command that nobody
         reads; ``start_timeout``: seconds a command may take to start."""
         self.table = table
@@ -41,9 +40,22 @@ class Commands:
         raises :class:`UnknownUserError` or :class:`InvalidInputError`."""
         return self.users.lookup(RootFS(e.rootfs), user or e.template.runtime.user)
 
-    def start(self, e: Environment, command, *, env=None, cwd=None, timeout=None, stdin=None,
-              stdin_open=False, tag=None, primary_reader=False, launcher: Launcher | None = None,
-              user: str | Identity | None = None, tty: tuple[int, int] | None = None) -> Process:
+    def start(
+        self,
+        e: Environment,
+        command,
+        *,
+        env=None,
+        cwd=None,
+        timeout=None,
+        stdin=None,
+        stdin_open=False,
+        tag=None,
+        primary_reader=False,
+        launcher: Launcher | None = None,
+        user: str | Identity | None = None,
+        tty: tuple[int, int] | None = None,
+    ) -> Process:
         """Start ``command`` in ``e`` (see :meth:`Node.spawn`) and wait until it
         runs; ``launcher``: through that one alone (:meth:`Launchers.launch`'s ``only``)."""
         if isinstance(command, list) and not command:
@@ -55,13 +67,28 @@ class Commands:
             stdin, stdin_open = None, False  # its input is the terminal's
         who = user if isinstance(user, Identity) else self.identity(e, user)
         wd = cwd or e.template.runtime.working_dir
-        spawned = self.launchers.launch(e, command, _variables(e, who, env), wd, None if stdin_open else stdin,
-                                        stdin_open, who, only=launcher, tty=tty)
+        spawned = self.launchers.launch(
+            e,
+            command,
+            _variables(e, who, env),
+            wd,
+            None if stdin_open else stdin,
+            stdin_open,
+            who,
+            only=launcher,
+            tty=tty,
+        )
         p = Process(
-            spawned, command=command, tag=tag, cwd=wd, timeout=timeout,
-            stdin=stdin if stdin_open else None, retain_bytes=self.retain_bytes, sink=self.sink,
+            spawned,
+            command=command,
+            tag=tag,
+            cwd=wd,
+            timeout=timeout,
+            stdin=stdin if stdin_open else None,
+            retain_bytes=self.retain_bytes,
+            sink=self.sink,
             primary_reader=primary_reader,
-        )  # fmt: skip
+        )
         p.wait_started(self.start_timeout)
         return p
 
@@ -136,5 +163,10 @@ def collect(p: Process, max_output: int = 64 << 20) -> ExecResult:
     if p.error is not None:
         raise p.error
     assert end is not None and end.exit_code is not None
-    return ExecResult(exit_code=end.exit_code, stdout=bytes(out), stderr=bytes(err),
-                      duration_s=end.duration_s or 0.0, timed_out=bool(end.timed_out))
+    return ExecResult(
+        exit_code=end.exit_code,
+        stdout=bytes(out),
+        stderr=bytes(err),
+        duration_s=end.duration_s or 0.0,
+        timed_out=bool(end.timed_out),
+    )

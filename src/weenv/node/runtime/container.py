@@ -17,15 +17,15 @@ import shutil
 import time
 from pathlib import Path
 
-from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.errors import InvalidInputError, RuntimeFailedError
-from weenv.node.runtime import nameserver, network
-from weenv.node.runtime.nameserver import DnsProxy
-from weenv.node.runtime.agent import AgentBinary, listen as agent_listen
-from weenv.node.runtime import idmap
-from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, write_bundle
+from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.rootfs import RootFS
 from weenv.node.disk import leftovers
+from weenv.node.runtime import idmap, nameserver, network
+from weenv.node.runtime.agent import AgentBinary
+from weenv.node.runtime.agent import listen as agent_listen
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, RUNC_DEFAULT_CAPS, write_bundle
+from weenv.node.runtime.nameserver import DnsProxy
 from weenv.node.runtime.runc import Runc
 from weenv.node.runtime.users import lookup as lookup_user
 from weenv.node.table import AGENT_SOCKET, CONTAINER_FILE, bundle_container_id, container_id, current_container_id
@@ -54,8 +54,10 @@ def check_capabilities(capabilities: tuple[str, ...]) -> None:
     (:data:`DOCKER_DEFAULT_CAPS`): what root inside a user namespace may hold at most."""
     extra = sorted(set(capabilities) - set(DOCKER_DEFAULT_CAPS))
     if extra:
-        raise InvalidInputError(f"capabilities {', '.join(extra)} are beyond Docker's default set: "
-                                "an environment may hold fewer, never more")
+        raise InvalidInputError(
+            f"capabilities {', '.join(extra)} are beyond Docker's default set: "
+            "an environment may hold fewer, never more"
+        )
 
 
 class Containers:
@@ -84,9 +86,19 @@ class Containers:
         unprivileged id range on the host), else runc's."""
         return DOCKER_DEFAULT_CAPS if self.userns_all else RUNC_DEFAULT_CAPS
 
-    def make(self, env_id: str, env_dir: Path, runtime: RuntimeConfig, resources: Resources,
-             capabilities: tuple[str, ...], undo: contextlib.ExitStack, timing: dict, *, start: bool,
-             egress: network.Egress = network.Egress()) -> str | None:
+    def make(
+        self,
+        env_id: str,
+        env_dir: Path,
+        runtime: RuntimeConfig,
+        resources: Resources,
+        capabilities: tuple[str, ...],
+        undo: contextlib.ExitStack,
+        timing: dict,
+        *,
+        start: bool,
+        egress: network.Egress = network.Egress(),
+    ) -> str | None:
         """Environment ``env_id``'s network (if ``runtime.network``, limited
         by ``egress``), bundle and container over ``env_dir/rootfs``
         (``start``: running, ``runc run --detach``; else created and waiting,
@@ -159,8 +171,11 @@ class Containers:
         agent = self.agent.get()
         listener = agent_listen(env_dir / AGENT_SOCKET) if agent is not None else None
         try:
-            self.runc.run_detached(current_container_id(env_id, env_dir), env_dir / "bundle",
-                                   stdin=None if listener is None else listener.fileno())  # fmt: skip
+            self.runc.run_detached(
+                current_container_id(env_id, env_dir),
+                env_dir / "bundle",
+                stdin=None if listener is None else listener.fileno(),
+            )
         finally:
             if listener is not None:
                 listener.close()
@@ -296,8 +311,15 @@ class Containers:
         state = self.runc.state(cid)
         return state["status"] if state else None
 
-    def _network(self, env_id: str, env_dir: Path, wanted: bool, undo: contextlib.ExitStack,
-                 egress: network.Egress, host_id: int | None = None) -> network.Link | None:
+    def _network(
+        self,
+        env_id: str,
+        env_dir: Path,
+        wanted: bool,
+        undo: contextlib.ExitStack,
+        egress: network.Egress,
+        host_id: int | None = None,
+    ) -> network.Link | None:
         """With ``wanted``: environment ``env_id``'s own network namespace
         (owned by a user namespace over range ``host_id``, if given), link and
         egress table, its teardown pushed on ``undo``; its link, or None."""
@@ -315,8 +337,12 @@ class Containers:
         Raises :class:`RuntimeFailedError` when its sockets cannot be made."""
         (env_dir / RESOLV_FILE).write_text(nameserver.RESOLV_CONF)
         try:
-            self.dns.attach(env_id, env_dir / network.NETNS_FILE, egress.names(),
-                            lambda addrs: network.open_addresses(env_id, addrs))  # fmt: skip
+            self.dns.attach(
+                env_id,
+                env_dir / network.NETNS_FILE,
+                egress.names(),
+                lambda addrs: network.open_addresses(env_id, addrs),
+            )
         except OSError as exc:
             raise RuntimeFailedError(f"environment {env_id}'s name server: {exc}") from exc
 

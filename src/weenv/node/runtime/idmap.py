@@ -72,8 +72,12 @@ _libc.syscall.restype = ctypes.c_long
 class _MountAttr(ctypes.Structure):
     """``struct mount_attr`` (``linux/mount.h``, ``MOUNT_ATTR_SIZE_VER0`` = 32 bytes)."""
 
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(ret: int, what: str) -> int:
@@ -104,15 +108,22 @@ def mapped_child(host_id: int, size: int = ID_RANGE, *, net: bool = False):
     Raises :class:`MountError` when the kernel refuses."""
     check_range(host_id, size)
     try:
-        child = subprocess.Popen([UNSHARE, "--user", *(["--net"] if net else []), "--", "/bin/sh", "-c", "echo; read _"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 close_fds=True, env={})  # fmt: skip
+        child = subprocess.Popen(
+            [UNSHARE, "--user", *(["--net"] if net else []), "--", "/bin/sh", "-c", "echo; read _"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            env={},
+        )
     except OSError as exc:
         raise MountError(f"cannot run {UNSHARE} to make a user namespace: {exc}") from exc
     try:
         if child.stdout.read(1) != b"\n":
-            raise MountError(f"unshare(CLONE_NEWUSER) failed in the helper process: "
-                             f"{child.stderr.read().decode(errors='replace').strip()}")  # fmt: skip
+            raise MountError(
+                f"unshare(CLONE_NEWUSER) failed in the helper process: "
+                f"{child.stderr.read().decode(errors='replace').strip()}"
+            )
         line = f"0 {host_id} {size}\n".encode()
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{child.pid}/{name}", "wb", buffering=0) as f:
@@ -154,23 +165,30 @@ class UserNamespace:
         self.close()
 
 
-def idmapped_clone(source: str | os.PathLike[str], target: str | os.PathLike[str], userns: UserNamespace,
-                   *, readonly: bool = True) -> None:
+def idmapped_clone(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], userns: UserNamespace, *, readonly: bool = True
+) -> None:
     """Mount at ``target`` (an existing directory) an idmapped copy of the mount
     tree at ``source`` (with its submounts), through ``userns``'s mapping,
     read-only by default; undo it with ``umount(target)``.  Raises
     :class:`MountError` (e.g. ``EINVAL`` for a file system that cannot be
     idmapped)."""
     src, dst = os.fsencode(os.fspath(source)), os.fsencode(os.fspath(target))
-    fd = _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, src, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE),
-                f"open_tree({source!r})")  # fmt: skip
+    fd = _check(
+        _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, src, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE),
+        f"open_tree({source!r})",
+    )
     try:
-        attr = _MountAttr(MOUNT_ATTR_IDMAP | (MOUNT_ATTR_RDONLY if readonly else 0) | MOUNT_ATTR_NODEV, 0, 0,
-                          userns.fd)  # fmt: skip
-        _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr),
-                             ctypes.sizeof(attr)), f"mount_setattr(MOUNT_ATTR_IDMAP) of {source!r}")  # fmt: skip
-        _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, dst, MOVE_MOUNT_F_EMPTY_PATH),
-               f"move_mount to {target!r}")  # fmt: skip
+        attr = _MountAttr(MOUNT_ATTR_IDMAP | (MOUNT_ATTR_RDONLY if readonly else 0) | MOUNT_ATTR_NODEV, 0, 0, userns.fd)
+        _check(
+            _libc.syscall(
+                SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)
+            ),
+            f"mount_setattr(MOUNT_ATTR_IDMAP) of {source!r}",
+        )
+        _check(
+            _libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, dst, MOVE_MOUNT_F_EMPTY_PATH), f"move_mount to {target!r}"
+        )
     finally:
         os.close(fd)
 
@@ -289,7 +307,8 @@ def check_traversable(path: Path) -> None:
             raise InvalidInputError(
                 f"environments in a user namespace (sudo, WEENV_USERNS) need every directory above their "
                 f"rootfs searchable by others (o+x): {parent} is mode {os.stat(parent).st_mode & 0o777:o}; "
-                "chmod o+x it or move the home")
+                "chmod o+x it or move the home"
+            )
 
 
 # --- owners of captures: an upper dir written in one range, started in another ----------

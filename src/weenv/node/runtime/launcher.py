@@ -23,12 +23,13 @@ import logging
 import threading
 
 from weenv.errors import StateError
-from weenv.node.runtime.agent import AgentUnavailable, spawn as agent_spawn
+from weenv.node.runtime.agent import AgentUnavailable
+from weenv.node.runtime.agent import spawn as agent_spawn
 from weenv.node.runtime.bundle import CAPS_ANNOTATION
 from weenv.node.runtime.process import Spawned
 from weenv.node.runtime.runc import Runc, exec_args
-from weenv.node.table import Environment
 from weenv.node.runtime.users import Identity
+from weenv.node.table import Environment
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,17 @@ class Launcher(abc.ABC):
     """Its key in :attr:`Launchers.counts` (and ``NodeStats.exec_*``)."""
 
     @abc.abstractmethod
-    def spawn(self, e: Environment, argv: list[str], env: dict[str, str], cwd: str,
-              stdin: bytes | None, stdin_pipe: bool, user: Identity, tty: tuple[int, int] | None = None) -> Spawned:
+    def spawn(
+        self,
+        e: Environment,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        stdin: bytes | None,
+        stdin_pipe: bool,
+        user: Identity,
+        tty: tuple[int, int] | None = None,
+    ) -> Spawned:
         """Start ``argv`` (checked by :func:`~weenv.node.runtime.runc.exec_args`) in ``e``
         with exactly the variables ``env``, in ``cwd``, as ``user`` (its uid,
         gid and supplementary groups); ``stdin``: bytes written then closed, or
@@ -58,8 +68,17 @@ class AgentLauncher(Launcher):
 
     def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
         ident = f"{user.spec}:{','.join(map(str, user.groups))}"
-        return agent_spawn(e.agent_socket, argv, env=env, cwd=cwd, stdin=stdin, stdin_pipe=stdin_pipe,
-                           cgroup=f"/{e.container_id}", ident=ident, tty=tty)  # fmt: skip
+        return agent_spawn(
+            e.agent_socket,
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            stdin_pipe=stdin_pipe,
+            cgroup=f"/{e.container_id}",
+            ident=ident,
+            tty=tty,
+        )
 
 
 class RuncLauncher(Launcher):
@@ -75,8 +94,16 @@ class RuncLauncher(Launcher):
     def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
         if tty is not None:
             raise StateError(f"environment {e.info.id!r} has no exec agent running, which a terminal needs")
-        return self.runc.spawn(e.container_id, argv, env=env, cwd=cwd, user=user.spec, stdin=stdin,
-                               stdin_pipe=stdin_pipe, process=_process(e, user))  # fmt: skip
+        return self.runc.spawn(
+            e.container_id,
+            argv,
+            env=env,
+            cwd=cwd,
+            user=user.spec,
+            stdin=stdin,
+            stdin_pipe=stdin_pipe,
+            process=_process(e, user),
+        )
 
 
 def _process(e: Environment, user: Identity) -> dict | None:
@@ -106,9 +133,19 @@ class Launchers:
         """Commands started through each launcher (``runc``: the fallback)."""
         self._lock = threading.Lock()
 
-    def launch(self, e: Environment, command: list[str] | str, env: dict[str, str], cwd: str,
-               stdin: bytes | None, stdin_pipe: bool, user: Identity, *, only: Launcher | None = None,
-               tty: tuple[int, int] | None = None) -> Spawned:
+    def launch(
+        self,
+        e: Environment,
+        command: list[str] | str,
+        env: dict[str, str],
+        cwd: str,
+        stdin: bytes | None,
+        stdin_pipe: bool,
+        user: Identity,
+        *,
+        only: Launcher | None = None,
+        tty: tuple[int, int] | None = None,
+    ) -> Spawned:
         """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``
         (``tty``: on a new terminal, see :meth:`Launcher.spawn`: through the
         agent alone, :class:`StateError` without one); raises

@@ -79,6 +79,8 @@ MAX_PENDING = 64
 TCP_IDLE_S = 10.0
 MIN_OPEN_S = 60
 MAX_OPEN_S = 86400
+
+
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether ``name`` (lowercase, no final dot) is one of ``patterns`` (:func:`weenv.api.names.domain`'s)."""
     return any(name.endswith(p[1:]) if p.startswith("*.") else name == p for p in patterns)
@@ -143,8 +145,9 @@ class DnsProxy:
                 self._loop = loop
             return self._loop
 
-    def attach(self, env_id: str, netns: Path, policy: NamePolicy,
-               open_addresses: Callable[[list[tuple[str, int]]], None]) -> None:
+    def attach(
+        self, env_id: str, netns: Path, policy: NamePolicy, open_addresses: Callable[[list[tuple[str, int]]], None]
+    ) -> None:
         """Serve environment ``env_id``'s names on :data:`LISTEN` inside ``netns``;
         ``open_addresses([(ipv4, seconds)])`` opens the addresses of an allowed
         name's answer (blocking; called before the answer is sent).  Raises
@@ -182,6 +185,7 @@ class DnsProxy:
     def _close_env(self, env: _Env) -> None:
         loop = self._loop
         if loop is not None and env.closers:
+
             async def close_all() -> None:
                 for c in env.closers:
                     with contextlib.suppress(Exception):
@@ -242,7 +246,7 @@ class DnsProxy:
                         return
                     writer.write(struct.pack("!H", len(answer)) + answer)
                     await writer.drain()
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            except (TimeoutError, asyncio.IncompleteReadError, OSError):
                 pass
             finally:
                 writer.close()
@@ -268,8 +272,12 @@ class DnsProxy:
             r.set_rcode(dns.rcode.SERVFAIL)
             return r.to_wire()
         if allowed:
-            opened = [(rd.address, min(max(rrset.ttl, MIN_OPEN_S), MAX_OPEN_S))
-                      for rrset in response.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset]
+            opened = [
+                (rd.address, min(max(rrset.ttl, MIN_OPEN_S), MAX_OPEN_S))
+                for rrset in response.answer
+                if rrset.rdtype == dns.rdatatype.A
+                for rd in rrset
+            ]
             if opened:
                 try:
                     await asyncio.get_running_loop().run_in_executor(None, env.open_addresses, opened)
@@ -292,8 +300,9 @@ class DnsProxy:
                 try:
                     if over_tcp:
                         return await dns.asyncquery.tcp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port)
-                    return await dns.asyncquery.udp(query, host, timeout=UPSTREAM_TIMEOUT_S, port=port,
-                                                    ignore_trailing=True)  # fmt: skip
+                    return await dns.asyncquery.udp(
+                        query, host, timeout=UPSTREAM_TIMEOUT_S, port=port, ignore_trailing=True
+                    )
                 except (dns.exception.DNSException, OSError, ValueError, EOFError):
                     continue
         return None
@@ -303,4 +312,3 @@ def _refused(query: dns.message.Message) -> bytes:
     r = dns.message.make_response(query)
     r.set_rcode(dns.rcode.REFUSED)
     return r.to_wire()
-

@@ -123,8 +123,18 @@ LOCK = Path("/run/weenv-net.lock")
 NETNS_FILE = "netns"
 """The environment's network namespace file, in its directory (outside its rootfs)."""
 LINK_LOCAL = "169.254.0.0/16"
-LOCAL_RANGES = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", LINK_LOCAL, "172.16.0.0/12",
-                "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")  # fmt: skip
+LOCAL_RANGES = (
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    LINK_LOCAL,
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+)
 """Destinations an environment does not reach unless its ``allow_out`` names them
 (:func:`local_ranges` adds the host's LAN): "this network", RFC 1918, CGNAT
 (RFC 6598), loopback, link-local, IETF protocol assignments, multicast, reserved."""
@@ -148,7 +158,8 @@ def check_policy(allowed: bool) -> None:
     if not allowed:
         raise NetworkForbiddenError(
             f"this node's policy forbids network for environments ({POLICY_ENV}=off): "
-            "create without network, allow_out or allow_internet_access, or use another node")
+            "create without network, allow_out or allow_internet_access, or use another node"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,8 +185,12 @@ class Egress:
 
 def egress_of(internet: bool, allow_out: list[str], deny_out: list[str]) -> Egress:
     """The :class:`Egress` of validated lists (``allow_out``'s domain names apart from its CIDRs)."""
-    return Egress(internet=internet, allow=tuple(a for a in allow_out if "/" in a), deny=tuple(deny_out),
-                  domains=tuple(a for a in allow_out if "/" not in a))
+    return Egress(
+        internet=internet,
+        allow=tuple(a for a in allow_out if "/" in a),
+        deny=tuple(deny_out),
+        domains=tuple(a for a in allow_out if "/" not in a),
+    )
 
 
 def env_table(env_id: str) -> str:
@@ -197,15 +212,20 @@ def egress_ruleset(env_id: str, egress: Egress, local: tuple[str, ...] = LOCAL_R
         return f"  set {name} {{\n    type ipv4_addr; flags interval; auto-merge;{elements}\n  }}\n"
 
     rest = "" if egress.internet else f"    iifname {veth} drop\n"
-    return (f"table inet {env_table(env_id)} {{\n" + nft_set("allow_local", allow_local)
-            + nft_set("local", local) + nft_set("allow", egress.allow) + nft_set("deny", egress.deny)
-            + f"  set {DNS_SET} {{\n    type ipv4_addr; flags timeout;\n  }}\n"
-            + "  chain egress {\n    type filter hook forward priority filter - 5; policy accept;\n"
-            f"    iifname {veth} ip daddr @allow_local accept\n"
-            f"    iifname {veth} ct state established,related accept\n"
-            f"    iifname {veth} ip daddr @local drop\n"
-            f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @{DNS_SET} accept\n"
-            f"    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n")
+    return (
+        f"table inet {env_table(env_id)} {{\n"
+        + nft_set("allow_local", allow_local)
+        + nft_set("local", local)
+        + nft_set("allow", egress.allow)
+        + nft_set("deny", egress.deny)
+        + f"  set {DNS_SET} {{\n    type ipv4_addr; flags timeout;\n  }}\n"
+        + "  chain egress {\n    type filter hook forward priority filter - 5; policy accept;\n"
+        f"    iifname {veth} ip daddr @allow_local accept\n"
+        f"    iifname {veth} ct state established,related accept\n"
+        f"    iifname {veth} ip daddr @local drop\n"
+        f"    iifname {veth} ip daddr @allow accept\n    iifname {veth} ip daddr @{DNS_SET} accept\n"
+        f"    iifname {veth} ip daddr @deny drop\n{rest}  }}\n}}\n"
+    )
 
 
 DNS_SET = "allow_dns"
@@ -219,9 +239,12 @@ def open_addresses(env_id: str, addresses: list[tuple[str, int]]) -> None:
     elements = ", ".join(f"{ipaddress.IPv4Address(a)} timeout {int(t)}s" for a, t in addresses)
     table = env_table(env_id)
     # delete-then-add refreshes the timeout of an element present (add keeps the old one)
-    _run(["nft", "-f", "-"], input=f"add element inet {table} {DNS_SET} {{ {elements} }}\n"
-         f"delete element inet {table} {DNS_SET} {{ {', '.join(a for a, _ in addresses)} }}\n"
-         f"add element inet {table} {DNS_SET} {{ {elements} }}\n")
+    _run(
+        ["nft", "-f", "-"],
+        input=f"add element inet {table} {DNS_SET} {{ {elements} }}\n"
+        f"delete element inet {table} {DNS_SET} {{ {', '.join(a for a, _ in addresses)} }}\n"
+        f"add element inet {table} {DNS_SET} {{ {elements} }}\n",
+    )
 
 
 def local_ranges() -> tuple[str, ...]:
@@ -281,8 +304,10 @@ def host_ifname(env_id: str) -> str:
 def subnet(cidr: ipaddress.IPv4Network, index: int) -> tuple[ipaddress.IPv4Interface, ipaddress.IPv4Interface]:
     """``(host end, environment end)`` of the ``index``-th /30 of ``cidr``."""
     base = int(cidr.network_address) + 4 * index
-    return (ipaddress.IPv4Interface(f"{ipaddress.IPv4Address(base + 1)}/30"),
-            ipaddress.IPv4Interface(f"{ipaddress.IPv4Address(base + 2)}/30"))  # fmt: skip
+    return (
+        ipaddress.IPv4Interface(f"{ipaddress.IPv4Address(base + 1)}/30"),
+        ipaddress.IPv4Interface(f"{ipaddress.IPv4Address(base + 2)}/30"),
+    )
 
 
 def ruleset() -> str:
@@ -329,8 +354,9 @@ def ensure_rules(also: str = "") -> None:
         fwd.write_text("1\n")
 
 
-def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress(),
-          host_id: int | None = None) -> Link:
+def setup(
+    env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egress = Egress(), host_id: int | None = None
+) -> Link:
     """Make environment ``env_id``'s namespace (``env_dir/netns``), veth pair,
     addresses, routes and its own table (see the module docstring); return its
     :class:`Link`.  With ``host_id`` (the environment's host id range) the
@@ -343,8 +369,7 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
     host_if = host_ifname(env_id)
     try:
         own = env_table(env_id)
-        own_rules = f"table inet {own} {{}}\ndelete table inet {own}\n" + egress_ruleset(
-            env_id, egress, local_ranges())
+        own_rules = f"table inet {own} {{}}\ndelete table inet {own}\n" + egress_ruleset(env_id, egress, local_ranges())
         with _machine_lock():
             netns.touch(mode=0o600)  # from here on teardown knows there is something to remove
             ensure_rules(own_rules)  # its own table before its veth exists: no packet of it passes unfiltered
@@ -356,14 +381,15 @@ def setup(env_id: str, env_dir: Path, cidr: ipaddress.IPv4Network, egress: Egres
             _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
             Path(f"/proc/sys/net/ipv6/conf/{host_if}/disable_ipv6").write_text("1\n")
             _run(["ip", "-b", "-"], input=f"addr add {host_addr} dev {host_if}\nlink set {host_if} up\n")
-        _run(["nsenter", f"--net={netns}", "ip", "-b", "-"],
-             input=f"link set lo up\naddr add {env_addr} dev eth0\nlink set eth0 up\n"
-                   f"route add default via {host_addr.ip}\n")  # fmt: skip
+        _run(
+            ["nsenter", f"--net={netns}", "ip", "-b", "-"],
+            input=f"link set lo up\naddr add {env_addr} dev eth0\nlink set eth0 up\n"
+            f"route add default via {host_addr.ip}\n",
+        )
     except BaseException:
         teardown(env_id, env_dir)
         raise
-    return Link(netns, host_if, host_addr, env_addr,
-                None if host_id is None else env_dir / owned_netns.USERNS_FILE)
+    return Link(netns, host_if, host_addr, env_addr, None if host_id is None else env_dir / owned_netns.USERNS_FILE)
 
 
 def teardown(env_id: str, env_dir: Path) -> None:
@@ -477,8 +503,14 @@ def _run(argv: list[str], *, input: str | None = None, check: bool = True) -> su
     if shutil.which(argv[0]) is None:
         raise ToolMissingError(f"{argv[0]} is not installed (Debian: iproute2, nftables, util-linux)")
     try:
-        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=TIMEOUT_S,
-                              stdin=None if input is not None else subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.run(
+            argv,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired as exc:
         raise RuntimeFailedError(f"{' '.join(argv)} took more than {TIMEOUT_S:.0f} s") from exc
     if check and proc.returncode != 0:

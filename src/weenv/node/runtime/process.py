@@ -43,8 +43,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from weenv.errors import CommandTimeoutError, InvalidInputError, WeenvError
 from weenv.api.models import ErrorInfo, ExecResult, ProcessEvent, ProcessInfo
+from weenv.errors import CommandTimeoutError, InvalidInputError, WeenvError
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class Process:
         retain_bytes: int = DEFAULT_RETAIN,
         sink: PipeSink | None = None,
         primary_reader: bool = False,
-        on_exit: Callable[["Process"], None] | None = None,
+        on_exit: Callable[[Process], None] | None = None,
     ):
         self.spawned = spawned
         self.command, self.tag, self.cwd = command, tag, cwd
@@ -353,10 +353,17 @@ class Process:
 
     def info(self) -> ProcessInfo:
         return ProcessInfo(
-            pid=self.pid or 0, command=self.command, tag=self.tag, cwd=self.cwd,
-            started_at=self.started_at, running=self.running, exit_code=self.exit_code,
-            timed_out=self.timed_out, duration_s=self.duration_s, output_dropped=self.log.dropped,
-        )  # fmt: skip
+            pid=self.pid or 0,
+            command=self.command,
+            tag=self.tag,
+            cwd=self.cwd,
+            started_at=self.started_at,
+            running=self.running,
+            exit_code=self.exit_code,
+            timed_out=self.timed_out,
+            duration_s=self.duration_s,
+            output_dropped=self.log.dropped,
+        )
 
     def result(self) -> ExecResult:
         """The ended command as an :class:`ExecResult` with the output the log still holds."""
@@ -370,8 +377,13 @@ class Process:
                 err += e.data or b""
         if self.error is not None:
             raise self.error
-        return ExecResult(exit_code=self.exit_code if self.exit_code is not None else -1, stdout=bytes(out),
-                          stderr=bytes(err), duration_s=self.duration_s or 0.0, timed_out=self.timed_out)
+        return ExecResult(
+            exit_code=self.exit_code if self.exit_code is not None else -1,
+            stdout=bytes(out),
+            stderr=bytes(err),
+            duration_s=self.duration_s or 0.0,
+            timed_out=self.timed_out,
+        )
 
     # --- control ---------------------------------------------------------------------
     def kill(self, signal: str | int = "KILL") -> None:
@@ -411,13 +423,15 @@ class Process:
             try:
                 while view:
                     try:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
                     except BlockingIOError:
                         left = deadline - time.monotonic()
                         poller = select.poll()
                         poller.register(fd, select.POLLOUT)
                         if left <= 0 or not poller.poll(int(left * 1000) + 1):
-                            raise CommandTimeoutError(f"the command did not read its stdin within {timeout} s") from None
+                            raise CommandTimeoutError(
+                                f"the command did not read its stdin within {timeout} s"
+                            ) from None
             except BrokenPipeError:
                 f.close()
                 raise InvalidInputError("the command closed its stdin or ended") from None
@@ -509,8 +523,15 @@ class Process:
                 self.exit_code = code
             else:
                 self.exit_code, _ = proc.fate(b"")
-            self.log.append(ProcessEvent(type="end", pid=self.pid, exit_code=self.exit_code,
-                                         timed_out=self.timed_out, duration_s=self.duration_s))
+            self.log.append(
+                ProcessEvent(
+                    type="end",
+                    pid=self.pid,
+                    exit_code=self.exit_code,
+                    timed_out=self.timed_out,
+                    duration_s=self.duration_s,
+                )
+            )
         except WeenvError as exc:
             self.error = exc
             self.log.append(ProcessEvent(type="error", pid=self.pid, error=ErrorInfo(kind=exc.kind, message=str(exc))))

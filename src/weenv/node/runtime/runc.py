@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from weenv.api.models import ExecResult
 from weenv.errors import (
     FULL_ERRNOS,
     InvalidInputError,
@@ -65,7 +66,6 @@ from weenv.errors import (
     RuntimeFailedError,
     ToolMissingError,
 )
-from weenv.api.models import ExecResult
 from weenv.node.runtime.process import EXIT_CANNOT_RUN, EXIT_KILLED, EXIT_NOT_FOUND, Spawned
 
 EXEC_FIFO = "exec.fifo"
@@ -242,8 +242,9 @@ class Runc:
             if path in self._versions:
                 return self._versions[path]
         try:
-            out = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL, capture_output=True,
-                                 timeout=self.command_timeout).stdout.decode(errors="replace")  # fmt: skip
+            out = subprocess.run(
+                [path, "--version"], stdin=subprocess.DEVNULL, capture_output=True, timeout=self.command_timeout
+            ).stdout.decode(errors="replace")
         except (OSError, subprocess.SubprocessError):
             out = ""
         m = re.match(rf"{self.name} version (\d+)\.(\d+)(?:\.(\d+))?", out)
@@ -291,8 +292,10 @@ class Runc:
             try:
                 proc = subprocess.Popen(
                     self._argv(*verb, "--bundle", str(bundle), "--pid-file", str(bundle / INIT_PID_FILE), container_id),
-                    stdin=subprocess.DEVNULL if stdin is None else stdin, stdout=log, stderr=log,
-                )  # fmt: skip
+                    stdin=subprocess.DEVNULL if stdin is None else stdin,
+                    stdout=log,
+                    stderr=log,
+                )
             except FileNotFoundError as exc:
                 raise ToolMissingError(f"{self.name} not found: {self.binary!r}") from exc
             try:
@@ -308,8 +311,11 @@ class Runc:
                 f.seek(offset)
                 out = f.read(64 << 10).decode(errors="replace")
             what = f"{self.name} {' '.join(verb)} {container_id}"
-            raise RuntimeFailedError(f"{what}: {runc_message(out)}" if runc_message(out)
-                                     else silent_failure(what, returncode, bundle, self.root))  # fmt: skip
+            raise RuntimeFailedError(
+                f"{what}: {runc_message(out)}"
+                if runc_message(out)
+                else silent_failure(what, returncode, bundle, self.root)
+            )
 
     def start(self, container_id: str, *, timeout: float | None = None) -> None:
         """``runc start``: run the first process of a created container.
@@ -325,8 +331,12 @@ class Runc:
         _check_id(container_id)
         timeout = self.command_timeout if timeout is None else timeout
         version = self.version()
-        if (version is not None and self.fifo_version is not None and version[:2] == self.fifo_version
-                and self._start_through_fifo(container_id, timeout)):  # fmt: skip
+        if (
+            version is not None
+            and self.fifo_version is not None
+            and version[:2] == self.fifo_version
+            and self._start_through_fifo(container_id, timeout)
+        ):
             self.fifo_starts += 1
             return
         self._run("start", container_id, timeout=timeout)
@@ -360,8 +370,9 @@ class Runc:
                 except BlockingIOError:  # its writer is there, done writing or not
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise RuntimeFailedError(f"runc start {container_id}: its first process did not "
-                                                 f"start in {timeout} s") from None  # fmt: skip
+                        raise RuntimeFailedError(
+                            f"runc start {container_id}: its first process did not start in {timeout} s"
+                        ) from None
                     poller.poll(min(100, int(left * 1000) + 1))
                     continue
                 if not data:  # end of file: executed (its byte read), or no runc init at all (none)
@@ -478,16 +489,21 @@ class Runc:
         """
         exec_args(argv, env, cwd, user)  # bad arguments: before anything is made
         _check_id(container_id)
-        with tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp, \
-                tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-                _stdin_file(stdin) as inp:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="weenv-exec-") as tmp,
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+            _stdin_file(stdin) as inp,
+        ):
             pid_file, status_file = Path(tmp) / "pid", Path(tmp) / "status"
             runc = self._exec_argv(container_id, argv, env, cwd, user, None, Path(tmp))
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(status_file), str(pid_file), *runc],
-                stdin=inp, stdout=out, stderr=err,
-            )  # fmt: skip
+                stdin=inp,
+                stdout=out,
+                stderr=err,
+            )
             timed_out = False
             try:
                 rc = _wait(proc, timeout)
@@ -524,7 +540,7 @@ class Runc:
         stdin: bytes | None = None,
         stdin_pipe: bool = False,
         process: dict | None = None,
-    ) -> "RuncSpawned":
+    ) -> RuncSpawned:
         """Start a command like :meth:`exec` and return at once (the Popen-based variant).
 
         The same exec helper runs it, but its stdout and stderr are pipes the
@@ -547,8 +563,10 @@ class Runc:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _EXEC_HELPER, str(tmp / "status"), str(tmp / "pid"), *runc],
                     stdin=subprocess.PIPE if stdin_pipe else inp,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
-                )  # fmt: skip
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    bufsize=0,
+                )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -561,20 +579,35 @@ class Runc:
             status = status_file.read_text()
         except FileNotFoundError:
             full = full_dirs(status_file.parent)  # it could not write its status file there
-            raise RuntimeFailedError(f"exec in {container_id}: the exec helper died (exit status {rc})"
-                                     + (f"; {_no_space(full, self.name)}" if full else "")) from None
+            raise RuntimeFailedError(
+                f"exec in {container_id}: the exec helper died (exit status {rc})"
+                + (f"; {_no_space(full, self.name)}" if full else "")
+            ) from None
         if status.startswith("exit "):
             return int(status[5:]), stderr
         if status.startswith("runc-failed"):  # the command never started
-            code = status[len("runc-failed"):].strip()
-            return _start_failure(container_id, stderr, int(code) if code.isdigit() else None,
-                                  (status_file.parent, self.root), runtime=self.name)  # fmt: skip
+            code = status[len("runc-failed") :].strip()
+            return _start_failure(
+                container_id,
+                stderr,
+                int(code) if code.isdigit() else None,
+                (status_file.parent, self.root),
+                runtime=self.name,
+            )
         if status == "no-runc":
             raise ToolMissingError(f"{self.name} not found: {self.binary!r}")
         raise RuntimeFailedError(f"exec in {container_id}: lost track of the command")
 
-    def _exec_argv(self, container_id: str, argv, env: dict[str, str] | None, cwd: str | None,
-                   user: str | None, process: dict | None, tmp: Path) -> list[str]:  # fmt: skip
+    def _exec_argv(
+        self,
+        container_id: str,
+        argv,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        process: dict | None,
+        tmp: Path,
+    ) -> list[str]:
         """The runtime's ``exec --detach --pid-file TMP/pid`` command line of
         :meth:`exec` and :meth:`spawn`; with ``process`` (an OCI process
         object), ``--process TMP/process.json`` holding it with the command's
@@ -605,8 +638,11 @@ class Runc:
         timeout = self.command_timeout if timeout is None else timeout
         try:
             proc = subprocess.run(
-                self._argv(*args), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-            )  # fmt: skip
+                self._argv(*args),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout,
+            )
         except FileNotFoundError as exc:
             raise ToolMissingError(f"{self.name} not found: {self.binary!r}") from exc
         except subprocess.TimeoutExpired as exc:
@@ -764,8 +800,9 @@ def exec_args(argv, env, cwd, user) -> tuple[list[str], list[str]]:
     return flags, list(argv)
 
 
-def _start_failure(container_id: str, stderr: bytes, status: int | None = None,
-                   dirs: tuple[Path, ...] = (), *, runtime: str = "runc") -> tuple[int, bytes]:
+def _start_failure(
+    container_id: str, stderr: bytes, status: int | None = None, dirs: tuple[Path, ...] = (), *, runtime: str = "runc"
+) -> tuple[int, bytes]:
     """Map runc's failure to start a command to 127/126, or raise if runc failed
     for another reason (no such container, container stopped; or it said
     nothing: then its exit ``status`` and which of ``dirs``, where it writes,
@@ -779,9 +816,11 @@ def _start_failure(container_id: str, stderr: bytes, status: int | None = None,
     crun_exec = msg.startswith(("exec", "open executable", "chdir"))
     if "unable to start container process" not in msg and not crun_exec:
         raise RuntimeFailedError(f"{runtime} exec in {container_id}: {msg}")
-    not_found = "executable file not found" in msg or (
-        'exec: "' in msg and "no such file or directory" in msg.lower()
-    ) or (msg.startswith(("executable file", "exec")) and ("not found" in msg or "No such file" in msg))
+    not_found = (
+        "executable file not found" in msg
+        or ('exec: "' in msg and "no such file or directory" in msg.lower())
+        or (msg.startswith(("executable file", "exec")) and ("not found" in msg or "No such file" in msg))
+    )
     return (EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN), (msg + "\n").encode()
 
 
@@ -806,8 +845,10 @@ def _signal_name(number: int) -> str:
 
 
 def _no_space(full: list[Path], runtime: str = "runc") -> str:
-    return (f"no space left on the file system of {', '.join(map(str, full))} (the likely cause: "
-            f"what {runtime} writes there, its state, pid file and messages, found no room)")
+    return (
+        f"no space left on the file system of {', '.join(map(str, full))} (the likely cause: "
+        f"what {runtime} writes there, its state, pid file and messages, found no room)"
+    )
 
 
 def full_dirs(*dirs: Path) -> list[Path]:

@@ -93,8 +93,16 @@ class Crun(Runc):
         except (OSError, ValueError):
             return {}
 
-    def _exec_argv(self, container_id: str, argv, env: dict[str, str] | None, cwd: str | None,
-                   user: str | None, process: dict | None, tmp: Path) -> list[str]:  # fmt: skip
+    def _exec_argv(
+        self,
+        container_id: str,
+        argv,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        process: dict | None,
+        tmp: Path,
+    ) -> list[str]:
         """As :meth:`Runc._exec_argv`, but a command without its own
         ``process`` gets the container's first process (its bundle's
         ``config.json``) with ``env`` overriding its variables by name: crun
@@ -200,8 +208,10 @@ def crun_refusal(binary: str = "crun") -> str | None:
         return f"{path} --version did not answer as crun (exit status {proc.returncode}: {first[:100]!r})"
     held = hybrid_v2_controllers()
     if held:
-        return (f"the cgroups are hybrid and the v2 hierarchy holds {', '.join(held)}, which crun refuses "
-                f"(scripts/setup.sh binds them to v1 hierarchies)")  # fmt: skip
+        return (
+            f"the cgroups are hybrid and the v2 hierarchy holds {', '.join(held)}, which crun refuses "
+            f"(scripts/setup.sh binds them to v1 hierarchies)"
+        )
     return None
 
 
@@ -226,19 +236,24 @@ class NodeRuntime:
     it (:meth:`of`).  ``roots``: runtime name -> its state root;
     ``binaries``: runtime name -> its executable (default: its name)."""
 
-    def __init__(self, chosen: str, roots: dict[str, Path], binaries: dict[str, str] | None = None,
-                 *, command_timeout: float = 60.0):  # fmt: skip
+    def __init__(
+        self,
+        chosen: str,
+        roots: dict[str, Path],
+        binaries: dict[str, str] | None = None,
+        *,
+        command_timeout: float = 60.0,
+    ):
         if chosen not in KINDS:
             raise InvalidInputError(f"unknown OCI runtime {chosen!r}: want one of {', '.join(KINDS)}")
         binaries = binaries or {}
         self.runtimes: dict[str, Runc] = {
-            name: KINDS[name](roots[name], binaries.get(name), command_timeout=command_timeout)
-            for name in KINDS
+            name: KINDS[name](roots[name], binaries.get(name), command_timeout=command_timeout) for name in KINDS
         }
         self.chosen = self.runtimes[chosen]
 
     @classmethod
-    def for_setting(cls, setting: str | None, roots: dict[str, Path], *, crun_binary: str = "crun") -> "NodeRuntime":
+    def for_setting(cls, setting: str | None, roots: dict[str, Path], *, crun_binary: str = "crun") -> NodeRuntime:
         """The node's runtime for ``setting`` (None: ``WEENV_RUNTIME``), chosen
         once (:func:`choose_runtime`) and said in the log: a warning when
         ``auto`` falls back to runc."""

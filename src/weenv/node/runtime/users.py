@@ -89,7 +89,9 @@ def check_name(user: str) -> str:
     if not isinstance(user, str) or not user or len(user.encode(errors="surrogateescape")) > MAX_NAME:
         raise InvalidInputError(f"bad user {str(user)[:80]!r}: want a name of 1 to {MAX_NAME} bytes or 'UID[:GID]'")
     if any(c in user for c in ":\0\n/") and not _NUMERIC.match(user):
-        raise InvalidInputError(f"bad user {user[:80]!r}: want a name without ':', '/' or control bytes, or 'UID[:GID]'")
+        raise InvalidInputError(
+            f"bad user {user[:80]!r}: want a name without ':', '/' or control bytes, or 'UID[:GID]'"
+        )
     return user
 
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from weenv.api.models import EnvironmentInfo
 from weenv.config import settings
 from weenv.errors import InvalidInputError, RuntimeFailedError, WeenvError
-from weenv.api.models import EnvironmentInfo
 from weenv.node.state.snapshot import Capture, Captures
 from weenv.node.table import Environment, check_timeout
 
@@ -72,8 +72,14 @@ class Forks:
     """Forks of the node's environments (see the module doc).  ``create_child(capture,
     timeout)`` creates one child of ``capture`` (raising what a create raises)."""
 
-    def __init__(self, captures: Captures, create_child: Callable[[Capture, float | None], EnvironmentInfo],
-                 *, maximum: int | None = None, workers: int = FORK_WORKERS):  # fmt: skip
+    def __init__(
+        self,
+        captures: Captures,
+        create_child: Callable[[Capture, float | None], EnvironmentInfo],
+        *,
+        maximum: int | None = None,
+        workers: int = FORK_WORKERS,
+    ):
         self.captures = captures
         self.create_child = create_child
         self.maximum = max_fork_from_env() if maximum is None else maximum

@@ -60,10 +60,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from weenv.api.models import EnvironmentInfo
 from weenv.config import settings
 from weenv.errors import StateError
 from weenv.node.cgroups import Cgroup, open_cgroups
-from weenv.api.models import EnvironmentInfo
 from weenv.node.provision import Provisioner
 from weenv.node.table import Environment, check_timeout, staged_info
 
@@ -87,9 +87,16 @@ class Pauses:
     and ``commands``: the node's, for the pause that releases memory (without
     them only the freezer's pause is served)."""
 
-    def __init__(self, provisioner: Provisioner, open_cgroup: Callable[[str], Cgroup] = open_cgroups,
-                 *, freeze_timeout: float = 10.0, containers: "Containers | None" = None,
-                 commands: "Commands | None" = None, release_after: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        provisioner: Provisioner,
+        open_cgroup: Callable[[str], Cgroup] = open_cgroups,
+        *,
+        freeze_timeout: float = 10.0,
+        containers: Containers | None = None,
+        commands: Commands | None = None,
+        release_after: float | None = None,
+    ):
         self.provisioner = provisioner
         self.open_cgroup = open_cgroup
         self.freeze_timeout = freeze_timeout
@@ -133,9 +140,13 @@ class Pauses:
             if e.info.state not in ("running", PAUSED) or e.info.memory_released:
                 what = "paused with its memory released" if e.info.memory_released else e.info.state
                 raise StateError(f"environment {e.info.id} is {what}: cannot release its memory")
-            released = e.info.model_copy(update={"state": PAUSED, "memory_released": True,
-                                                  "paused_at": e.info.paused_at if e.info.state == PAUSED
-                                                  else time.time()})  # fmt: skip
+            released = e.info.model_copy(
+                update={
+                    "state": PAUSED,
+                    "memory_released": True,
+                    "paused_at": e.info.paused_at if e.info.state == PAUSED else time.time(),
+                }
+            )
             # its state written before its container goes (a full disk refuses here: nothing is done),
             # in place once it went
             with staged_info(e.dir, released):
@@ -145,13 +156,16 @@ class Pauses:
                     procs = self.commands.forget(e)
                     for p in procs:
                         p.log.abandon()
-                    self.containers.delete(e.info.id, e.dir, ahead=False)  # every process ends; the files stay (and the container made ahead for a reset: it runs nothing)
+                    self.containers.delete(
+                        e.info.id, e.dir, ahead=False
+                    )  # every process ends; the files stay (and the container made ahead for a reset: it runs nothing)
                     _apply(e, released)  # commands are refused from here on (check_running)
                 for p in procs:
                     p.wait(10)
                 try:
-                    self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
-                                               f"paused environment {e.info.id}'s disk")  # fmt: skip
+                    self.provisioner.hold_disk(
+                        _disk_key(e), e.info.resources.disk_bytes, f"paused environment {e.info.id}'s disk"
+                    )
                 except Exception as exc:  # it had that room a moment ago; counted or not, it stays paused
                     log.warning("cannot count paused environment %s's disk: %s", e.info.id, exc)
             return e.info
@@ -160,8 +174,14 @@ class Pauses:
         """Those of ``envs`` paused by the freezer for :attr:`release_after` seconds or more at ``now``."""
         if self.release_after is None:
             return []
-        return [e for e in envs if e.info.state == PAUSED and not e.info.memory_released
-                and e.info.paused_at is not None and now - e.info.paused_at >= self.release_after]  # fmt: skip
+        return [
+            e
+            for e in envs
+            if e.info.state == PAUSED
+            and not e.info.memory_released
+            and e.info.paused_at is not None
+            and now - e.info.paused_at >= self.release_after
+        ]
 
     def resume(self, e: Environment, timeout: float | None = None) -> EnvironmentInfo:
         """Thaw ``e``, reserved again with the provisioner, its timeout
@@ -173,15 +193,23 @@ class Pauses:
         with e.lock:
             if e.info.state != PAUSED:
                 raise StateError(f"environment {e.info.id} is {e.info.state}, not paused: cannot resume it")
-            running = e.info.model_copy(update={"state": "running", "paused_at": None, "memory_released": False,
-                                                 "timeout_s": timeout, "expires_at": time.time() + timeout})
+            running = e.info.model_copy(
+                update={
+                    "state": "running",
+                    "paused_at": None,
+                    "memory_released": False,
+                    "timeout_s": timeout,
+                    "expires_at": time.time() + timeout,
+                }
+            )
             with staged_info(e.dir, running):  # a full disk refuses here: it stays paused, untouched
                 with e.gate.shut():
                     if e.info.memory_released:
                         self._restart(e)
                     else:
-                        self.provisioner.resume(e.info.id, f"/{e.container_id}", e.info.resources,
-                                                priority=e.info.priority)  # fmt: skip
+                        self.provisioner.resume(
+                            e.info.id, f"/{e.container_id}", e.info.resources, priority=e.info.priority
+                        )
                         self.open_cgroup(f"/{e.container_id}").thaw()
                     _apply(e, running)
             return e.info
@@ -200,8 +228,9 @@ class Pauses:
                 self.containers.delete(e.info.id, e.dir)
                 raise
         except BaseException:
-            self.provisioner.hold_disk(_disk_key(e), e.info.resources.disk_bytes,
-                                       f"paused environment {e.info.id}'s disk")  # fmt: skip
+            self.provisioner.hold_disk(
+                _disk_key(e), e.info.resources.disk_bytes, f"paused environment {e.info.id}'s disk"
+            )
             raise
         try:
             self.provisioner.attach(e.info.id, f"/{e.container_id}")

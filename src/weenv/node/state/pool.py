@@ -45,9 +45,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from weenv.config import settings
 from weenv.errors import InvalidInputError
@@ -232,8 +232,9 @@ class WarmPool:
             return PoolStats(**{**self._stats.__dict__, "ready": self._ready_count_locked()})
 
     # --- control -----------------------------------------------------------------------
-    def configure(self, *, size: int | None = None, max_templates: int | None = None,
-                  idle_s: float | None = None) -> None:
+    def configure(
+        self, *, size: int | None = None, max_templates: int | None = None, idle_s: float | None = None
+    ) -> None:
         """Change :attr:`size`, :attr:`max_templates` or :attr:`idle_s` from now
         on; ready environments beyond the new bounds are removed (at once for
         ``size``; by the fill thread, which wakes now, for the others).
@@ -343,8 +344,11 @@ class WarmPool:
                 del self._waiters[key]
             if waiter is not None:  # it waited for this fill: it gets what it made, or nothing
                 waiter.pooled, waiter.done = (pooled if current else None), True
-            keep = pooled is not None and current and (
-                waiter is not None or (self._wanted_locked(key) and len(self._ready.get(key, ())) < self.size))
+            keep = (
+                pooled is not None
+                and current
+                and (waiter is not None or (self._wanted_locked(key) and len(self._ready.get(key, ())) < self.size))
+            )
             if keep:
                 self._stats.filled += 1
                 if waiter is None:

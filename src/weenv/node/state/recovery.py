@@ -18,20 +18,27 @@ import contextlib
 import logging
 from pathlib import Path
 
+from weenv.api.models import EnvironmentInfo
 from weenv.errors import InvalidInputError
-from weenv.node.runtime import network
 from weenv.node.cgroups import open_cgroups, remove_environment_dirs
-from weenv.node.runtime.container import Containers
 from weenv.node.data.groups import GroupMounts, clear_stale
 from weenv.node.data.lazyfs import LazyFS
 from weenv.node.manifests import NodeManifests
-from weenv.api.models import EnvironmentInfo
-from weenv.node.state.pause import disk_key
 from weenv.node.provision import Provisioner
+from weenv.node.runtime import network
+from weenv.node.runtime.container import Containers
 from weenv.node.runtime.runtime import recorded_runtime
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.table import (CONTAINER_PREFIX, UNDELIVERED, Environment, EnvironmentTable, container_id,
-                              current_container_id, stale_info_files)
+from weenv.node.state.pause import disk_key
+from weenv.node.table import (
+    CONTAINER_PREFIX,
+    UNDELIVERED,
+    Environment,
+    EnvironmentTable,
+    container_id,
+    current_container_id,
+    stale_info_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +46,19 @@ log = logging.getLogger(__name__)
 class Recovery:
     """Adoption of a killed node's environments into ``table``."""
 
-    def __init__(self, *, table: EnvironmentTable, snapshotter: Snapshotter, containers: Containers,
-                 groups: GroupMounts, lazyfs: LazyFS, manifests: NodeManifests, provisioner: Provisioner,
-                 group_mounts: Path, lazy_mountpoint: Path):
+    def __init__(
+        self,
+        *,
+        table: EnvironmentTable,
+        snapshotter: Snapshotter,
+        containers: Containers,
+        groups: GroupMounts,
+        lazyfs: LazyFS,
+        manifests: NodeManifests,
+        provisioner: Provisioner,
+        group_mounts: Path,
+        lazy_mountpoint: Path,
+    ):
         self.table = table
         self.snapshotter = snapshotter
         self.containers = containers
@@ -71,8 +88,11 @@ class Recovery:
         for env_dir in self.snapshotter.dirs():
             lowers = self.snapshotter.overlay_lowers(env_dir)
             if not lowers or not all(self.groups.is_direct_point(p) for p in lowers):
-                log.warning("removing environment %s: %s", env_dir.name,
-                            "it read through the lost FUSE connection" if lowers else "it has no overlay")
+                log.warning(
+                    "removing environment %s: %s",
+                    env_dir.name,
+                    "it read through the lost FUSE connection" if lowers else "it has no overlay",
+                )
                 self.remove_leftover(env_dir)
         clear_stale(self.group_mounts, self.lazy_mountpoint, keep_direct=True)
         self.groups.recover(self.manifests.group)  # the node's copies: recovery needs no store
@@ -94,8 +114,12 @@ class Recovery:
                 continue
             self.table.add(e)
             kept.add(e.container_id)
-            log.info("recovered environment %s (template %s, container made by %s)", env_id, e.info.template,
-                     recorded_runtime(env_dir / "bundle") or "runc")  # fmt: skip
+            log.info(
+                "recovered environment %s (template %s, container made by %s)",
+                env_id,
+                e.info.template,
+                recorded_runtime(env_dir / "bundle") or "runc",
+            )
         for cid, st in status.items():
             if cid and cid.startswith(CONTAINER_PREFIX) and cid not in kept:
                 log.warning("removing container %s (%s) left without its environment", cid, st)
@@ -126,7 +150,8 @@ class Recovery:
         template = self.manifests.template(info.template_digest)
         if len(lowers) != len(template.groups):
             raise InvalidInputError(
-                f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups")
+                f"its overlay has {len(lowers)} lower dirs, its template {len(template.groups)} groups"
+            )
         adopted: list[tuple[str, Path]] = []
         try:
             for g_digest, lower in zip(template.groups, lowers):
@@ -149,21 +174,22 @@ class Recovery:
         # its name server was the dead node's (the namespace outlives a memory release too)
         if (env_dir / network.NETNS_FILE).exists():
             try:
-                self.containers.serve_names(info.id, env_dir, network.egress_of(info.network, info.allow_out,
-                                                                                info.deny_out))  # fmt: skip
+                self.containers.serve_names(
+                    info.id, env_dir, network.egress_of(info.network, info.allow_out, info.deny_out)
+                )
             except Exception as exc:  # it runs on, without names
                 log.warning("cannot serve names of recovered environment %s: %s", info.id, exc)
         if released:  # its disk counted as before; its resume reserves it
             try:
-                self.provisioner.hold_disk(disk_key(info.id), info.resources.disk_bytes,
-                                           f"paused environment {info.id}'s disk")  # fmt: skip
+                self.provisioner.hold_disk(
+                    disk_key(info.id), info.resources.disk_bytes, f"paused environment {info.id}'s disk"
+                )
             except Exception as exc:
                 log.warning("cannot count paused recovered environment %s's disk: %s", info.id, exc)
             return e
         if info.state == "paused" and runc_status == "paused":  # paused by a user: it stays so, still counted
             try:
-                self.provisioner.reserve(info.id, info.resources, priority=info.priority,
-                                         template=info.template_digest)  # fmt: skip
+                self.provisioner.reserve(info.id, info.resources, priority=info.priority, template=info.template_digest)
                 self.provisioner.pause(info.id)
             except Exception as exc:  # it stays paused; its resume reserves it (or refuses while full)
                 log.warning("reserving paused recovered environment %s failed: %s", info.id, exc)

@@ -75,15 +75,16 @@ from pathlib import Path
 
 from weenv.config import settings
 from weenv.errors import MountError, NotFoundError, RuntimeFailedError
+from weenv.host import mounts
+from weenv.node.provision import Provisioner
 from weenv.node.runtime.commands import Commands
 from weenv.node.runtime.container import Containers
-from weenv.node.state.pause import Pauses
-from weenv.node.provision import Provisioner
 from weenv.node.snapshotter import Snapshotter
-from weenv.host import mounts
+from weenv.node.state.pause import Pauses
 from weenv.node.table import Environment, container_id, current_container_id, staged_info
 
 log = logging.getLogger(__name__)
+
 
 class _CannotMove(Exception):
     """The rootfs of a container made ahead could not be moved in place (mount(2) ``MS_MOVE``)."""
@@ -141,8 +142,14 @@ def _log_failure(done, env_id: str) -> None:
 class Resets:
     """Resets of environments in place (see the module doc)."""
 
-    def __init__(self, snapshotter: Snapshotter, containers: Containers, commands: Commands,
-                 provisioner: Provisioner, pauses: Pauses):  # fmt: skip
+    def __init__(
+        self,
+        snapshotter: Snapshotter,
+        containers: Containers,
+        commands: Commands,
+        provisioner: Provisioner,
+        pauses: Pauses,
+    ):
         self.snapshotter = snapshotter
         self.containers = containers
         self.commands = commands
@@ -164,8 +171,11 @@ class Resets:
         if they cannot, no container is made ahead on this node.  Whether they can."""
         self.moves = not mounts.is_shared(environments)
         if not self.moves:
-            log.warning("%s is a shared mount (mount(2) MS_MOVE refuses it): resets on this node run "
-                        "their container again instead of starting one made ahead", environments)  # fmt: skip
+            log.warning(
+                "%s is a shared mount (mount(2) MS_MOVE refuses it): resets on this node run "
+                "their container again instead of starting one made ahead",
+                environments,
+            )
         return self.moves
 
     def forget(self, e: Environment) -> None:
@@ -187,7 +197,8 @@ class Resets:
         (a capture's subvolume, or None: empty) will swap in, and the container
         it will start (see the module doc)."""
         self._background.submit(self._prepare, e, upper_from).add_done_callback(
-            lambda done, env_id=e.info.id: _log_failure(done, env_id))
+            lambda done, env_id=e.info.id: _log_failure(done, env_id)
+        )
 
     def _prepare(self, e: Environment, upper_from: Path | None) -> None:
         with e.lock:
@@ -277,9 +288,12 @@ class Resets:
             p.log.abandon()
         e.info.state = "stopped"
         timing.spare = self._spares.take(e.info.id, upper_from)
-        timing.ahead = (timing.spare and self._makes_ahead(e)
-                        and self.containers.ahead_id(e.info.id, e.dir) is not None
-                        and self.snapshotter.is_mounted_ahead(e.dir))  # fmt: skip
+        timing.ahead = (
+            timing.spare
+            and self._makes_ahead(e)
+            and self.containers.ahead_id(e.info.id, e.dir) is not None
+            and self.snapshotter.is_mounted_ahead(e.dir)
+        )
         if not timing.ahead:
             self._discard_ahead(e)
         self.containers.kill(e.info.id, e.dir)
@@ -287,8 +301,12 @@ class Resets:
             try:
                 self._swap_ahead(e, procs, timing, t)
             except _CannotMove as exc:  # e.g. a shared parent mount refuses the move: run it as before
-                log.warning("the container made ahead for environment %s cannot take over (%s); "
-                            "its resets run its container again", e.info.id, exc)  # fmt: skip
+                log.warning(
+                    "the container made ahead for environment %s cannot take over (%s); "
+                    "its resets run its container again",
+                    e.info.id,
+                    exc,
+                )
                 self._no_move.add(e.info.id)
                 self._discard_ahead(e)
                 timing.ahead = False
@@ -326,8 +344,11 @@ class Resets:
         try:
             e.cid = self.containers.promote_ahead(e.info.id, e.dir)
         except OSError as exc:  # its bundle stays e's own: run that one over the rootfs now in place
-            log.warning("the container made ahead for environment %s cannot take over (%s); running "
-                        "its container again", e.info.id, exc)  # fmt: skip
+            log.warning(
+                "the container made ahead for environment %s cannot take over (%s); running its container again",
+                e.info.id,
+                exc,
+            )
             self.containers.delete(e.info.id, e.dir)
             self.containers.restart(e.info.id, e.dir)
             timing.ahead = False
@@ -338,14 +359,14 @@ class Resets:
         try:
             self.containers.start_ahead(e.container_id)
         except RuntimeFailedError as exc:  # its runc init died while it waited: run it anew, same bundle and rootfs
-            log.warning("the container made ahead for environment %s did not start (%s); running it anew",
-                        e.info.id, exc)  # fmt: skip
+            log.warning(
+                "the container made ahead for environment %s did not start (%s); running it anew", e.info.id, exc
+            )
             self.containers.delete(e.info.id, e.dir, ahead=False)
             self.containers.restart(e.info.id, e.dir)
         timing.runtime_s = time.perf_counter() - t2
 
-    def _swap_upper(self, e: Environment, procs: list, upper_from: Path | None, timing: ResetTiming,
-                    t: float) -> None:
+    def _swap_upper(self, e: Environment, procs: list, upper_from: Path | None, timing: ResetTiming, t: float) -> None:
         """With ``e``'s container killed: delete it, swap in the new upper dir
         (the spare, if ``timing.spare``) under a new overlay and run the
         container again from its bundle."""
@@ -386,7 +407,7 @@ def next_container_id(env_id: str, current: str) -> str:
     """The id of the container made ahead of ``current`` (environment
     ``env_id``'s): ``weenv-<id>.1`` after ``weenv-<id>``, then ``.2``..."""
     base = container_id(env_id)
-    n = current[len(base) + 1:] if current.startswith(base + ".") else ""
+    n = current[len(base) + 1 :] if current.startswith(base + ".") else ""
     return f"{base}.{int(n) + 1 if n.isdigit() else 1}"
 
 

@@ -75,19 +75,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from weenv.api.models import EnvironmentInfo, SnapshotInfo
 from weenv.errors import FULL_ERRNOS, BusyError, InvalidInputError, NotFoundError, StateError, disk_full
-from weenv.node.runtime import idmap
+from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
 from weenv.node.cgroups import open_cgroups
 from weenv.node.disk import SUBVOLUME, NodeDisk
-from weenv.api.models import EnvironmentInfo, SnapshotInfo
 from weenv.node.provision import Provisioner
+from weenv.node.runtime import idmap
 from weenv.node.table import Environment
 from weenv.packaging.group import build_group, load_group
-from weenv.formats.manifest import TemplateManifest, canonical_json, check_name
 from weenv.packaging.template import load_template
-from weenv.store.lease import Lease, LeasedStore
 from weenv.packaging.upperdir import clean_upper
 from weenv.store import Store
+from weenv.store.lease import Lease, LeasedStore
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ def new_snapshot_name() -> str:
 class Captures:
     """The node's captures, in ``environments/.captures``."""
 
-    def __init__(self, environments: Path, *, freeze_timeout: float = FREEZE_TIMEOUT_S,
-                 disk: Provisioner | None = None):  # fmt: skip
+    def __init__(
+        self, environments: Path, *, freeze_timeout: float = FREEZE_TIMEOUT_S, disk: Provisioner | None = None
+    ):
         """``disk``: the provisioner whose disk admission counts kept captures (None: not counted)."""
         self.root = environments / CAPTURES
         self.freeze_timeout = freeze_timeout
@@ -195,8 +196,9 @@ class Captures:
             if not frozen_before:
                 cg.thaw()
         pause_s = 0.0 if frozen_before else time.perf_counter() - t
-        return Capture(cid, self.root / cid, e.info.id, e.template, e.info.template_digest,
-                       e.info.model_copy(deep=True), pause_s)  # fmt: skip
+        return Capture(
+            cid, self.root / cid, e.info.id, e.template, e.info.template_digest, e.info.model_copy(deep=True), pause_s
+        )
 
     def count(self, c: Capture, name: str) -> int:
         """Count capture ``c``, to be kept as snapshot ``name``'s, against the
@@ -271,8 +273,15 @@ class Captures:
             self.drop(c)
 
     # --- publishing --------------------------------------------------------------------
-    def publish(self, c: Capture, store: Store, name: str, *, workdir: Path,
-                publish_lock: Callable[[], contextlib.AbstractContextManager]) -> SnapshotInfo:
+    def publish(
+        self,
+        c: Capture,
+        store: Store,
+        name: str,
+        *,
+        workdir: Path,
+        publish_lock: Callable[[], contextlib.AbstractContextManager],
+    ) -> SnapshotInfo:
         """Publish capture ``c`` to ``store`` as snapshot (template) ``name``
         (see the module doc); ``workdir``: where the EROFS image is written
         meanwhile (not on the node's disk).  The capture itself is unchanged
@@ -298,29 +307,48 @@ class Captures:
                 for g in c.template.groups:
                     lease.cover(ref.digest for ref in load_group(store, g).chunks)
                 store = LeasedStore(store, lease)
-                result = build_group(upper, store, name=name, version=c.id, workdir=workdir, ref=False,
-                                     source={"type": SNAPSHOT_SOURCE, "environment": info.id,
-                                             "template": c.template_digest})  # fmt: skip
+                result = build_group(
+                    upper,
+                    store,
+                    name=name,
+                    version=c.id,
+                    workdir=workdir,
+                    ref=False,
+                    source={"type": SNAPSHOT_SOURCE, "environment": info.id, "template": c.template_digest},
+                )
                 runtime = c.template.runtime.model_copy(
-                    update={"env": {**c.template.runtime.env, **info.envs}, "resources": info.resources,
-                            "network": info.network and not info.deny_out})
-                manifest = TemplateManifest(name=name, version=c.id, groups=[*c.template.groups, result.digest],
-                                            runtime=runtime)  # fmt: skip
+                    update={
+                        "env": {**c.template.runtime.env, **info.envs},
+                        "resources": info.resources,
+                        "network": info.network and not info.deny_out,
+                    }
+                )
+                manifest = TemplateManifest(
+                    name=name, version=c.id, groups=[*c.template.groups, result.digest], runtime=runtime
+                )
                 digest = store.put_manifest(canonical_json(manifest))
                 lease.check()
                 try:  # the ref only if it is still what the check saw: of two publishes of a name, one wins
                     store.swap_ref("templates", name, digest, expected=seen)
                 except BusyError as exc:
-                    raise BusyError(f"snapshot name {name!r} in {store.url} was taken while this snapshot "
-                                    f"was published ({exc})") from None
+                    raise BusyError(
+                        f"snapshot name {name!r} in {store.url} was taken while this snapshot was published ({exc})"
+                    ) from None
         finally:
             try:
                 NodeDisk.delete_subvolume(self.root, scratch)
             except Exception as exc:
                 log.warning("cannot delete %s: %s", self.root / scratch, exc)
-        return SnapshotInfo(name=name, digest=digest, group=result.digest, environment=info.id,
-                            template=c.template_digest, bytes_published=result.bytes_written,
-                            capture_s=c.pause_s, publish_s=time.perf_counter() - t)  # fmt: skip
+        return SnapshotInfo(
+            name=name,
+            digest=digest,
+            group=result.digest,
+            environment=info.id,
+            template=c.template_digest,
+            bytes_published=result.bytes_written,
+            capture_s=c.pause_s,
+            publish_s=time.perf_counter() - t,
+        )
 
 
 def check_snapshot_name(store: Store, name: str, environment: str) -> str | None:
@@ -337,11 +365,14 @@ def check_snapshot_name(store: Store, name: str, environment: str) -> str | None
     try:
         owner = snapshot_of(store, name).environment
     except (InvalidInputError, NotFoundError) as exc:
-        raise BusyError(f"template {name!r} exists in {store.url} and is not a snapshot ({exc}): "
-                        f"a snapshot takes a name of its own") from None
+        raise BusyError(
+            f"template {name!r} exists in {store.url} and is not a snapshot ({exc}): a snapshot takes a name of its own"
+        ) from None
     if owner != environment:
-        raise BusyError(f"snapshot {name!r} in {store.url} is of environment {owner!r}, not of {environment}: "
-                        f"a snapshot replaces only its own environment's (delete that one first)")
+        raise BusyError(
+            f"snapshot {name!r} in {store.url} is of environment {owner!r}, not of {environment}: "
+            f"a snapshot replaces only its own environment's (delete that one first)"
+        )
     return seen
 
 
@@ -353,8 +384,13 @@ def snapshot_of(store: Store, name: str) -> SnapshotInfo:
     top = load_group(store, manifest.groups[-1])
     if top.source.get("type") != SNAPSHOT_SOURCE:
         raise InvalidInputError(f"template {name!r} is not a snapshot")
-    return SnapshotInfo(name=manifest.name, digest=digest, group=manifest.groups[-1],
-                        environment=top.source.get("environment", ""), template=top.source.get("template", ""))
+    return SnapshotInfo(
+        name=manifest.name,
+        digest=digest,
+        group=manifest.groups[-1],
+        environment=top.source.get("environment", ""),
+        template=top.source.get("template", ""),
+    )
 
 
 def list_snapshots(store: Store) -> list[SnapshotInfo]:

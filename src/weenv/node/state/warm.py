@@ -12,16 +12,16 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from weenv.errors import NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import GroupManifest, Resources, TemplateManifest
-from weenv.node.runtime.container import Containers
 from weenv.node.data.groups import GroupMounts
-from weenv.node.state.pool import PoolKey, Pooled, WarmPool
 from weenv.node.resolver import Resolver
+from weenv.node.runtime.container import Containers
 from weenv.node.snapshotter import Snapshotter
+from weenv.node.state.pool import Pooled, PoolKey, WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,16 @@ def pool_key(digest: str, resources: Resources | None, capabilities: tuple[str, 
 class WarmStarts:
     """Pooled environments of one node; :attr:`pool` is their :class:`WarmPool`."""
 
-    def __init__(self, resolver: Resolver, snapshotter: Snapshotter, containers: Containers, groups: GroupMounts,
-                 *, size: int, may_fill: Callable[[int], bool]):
+    def __init__(
+        self,
+        resolver: Resolver,
+        snapshotter: Snapshotter,
+        containers: Containers,
+        groups: GroupMounts,
+        *,
+        size: int,
+        may_fill: Callable[[int], bool],
+    ):
         self.resolver = resolver
         self.snapshotter = snapshotter
         self.containers = containers
@@ -52,10 +60,18 @@ class WarmStarts:
         manifest, group_manifests = self.resolver.load(key.digest)
         res = Resources.model_validate_json(key.resources) if key.resources else manifest.runtime.resources
         with contextlib.ExitStack() as undo:
-            lowers = self.snapshotter.prepare(env_id, manifest.groups, group_manifests, res.disk_bytes, undo, {},
-                                              userns=self.containers.wants_userns(manifest.runtime))  # fmt: skip
-            self.containers.make(env_id, self.snapshotter.dir(env_id), manifest.runtime, res, key.capabilities,
-                                 undo, {}, start=False)  # fmt: skip
+            lowers = self.snapshotter.prepare(
+                env_id,
+                manifest.groups,
+                group_manifests,
+                res.disk_bytes,
+                undo,
+                {},
+                userns=self.containers.wants_userns(manifest.runtime),
+            )
+            self.containers.make(
+                env_id, self.snapshotter.dir(env_id), manifest.runtime, res, key.capabilities, undo, {}, start=False
+            )
             return Pooled(key, env_id, lowers, undo.pop_all())
 
     @contextlib.contextmanager
@@ -79,8 +95,9 @@ class WarmStarts:
         undo.callback(lambda: pooled.undo.close() if pooled.tried else self.pool.give_back(pooled))
         return pooled.env_id
 
-    def start(self, pooled: Pooled, manifest: TemplateManifest, group_manifests: list[GroupManifest],
-              timing: dict) -> list[Path] | None:
+    def start(
+        self, pooled: Pooled, manifest: TemplateManifest, group_manifests: list[GroupManifest], timing: dict
+    ) -> list[Path] | None:
         """Start the pooled environment (``runc start``) and return its overlay's
         lower dirs; or remove it and return None if it cannot serve: a group it
         reads through FUSE has an assembled image now (new environments mount

@@ -52,8 +52,9 @@ from weenv.formats.manifest import (
     TemplateManifest,
     check_name,
 )
-from weenv.packaging.erofs_writer import WRITER, write_image
 from weenv.packaging.chunksink import ChunkSink
+from weenv.packaging.erofs_writer import WRITER, write_image
+from weenv.packaging.gc import published_digests
 from weenv.packaging.group import BuildResult, group_uuid, publish_sink
 from weenv.packaging.importer import tartree
 from weenv.packaging.importer.layers import LayerStats, open_layer
@@ -61,7 +62,6 @@ from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
 from weenv.packaging.layout import image_reader
 from weenv.packaging.template import create_template
-from weenv.packaging.gc import published_digests
 from weenv.store.base import Store
 from weenv.store.lease import Lease, LeasedStore, delete_unused
 
@@ -117,7 +117,7 @@ def default_name(source: str) -> str:
     lowercased, without tag or extension, other characters as ``-``."""
     base = source.rstrip("/")
     if base.startswith("docker://"):
-        base = base[len("docker://"):].split("@", 1)[0]
+        base = base[len("docker://") :].split("@", 1)[0]
         last = base.rsplit("/", 1)[-1]
         base = last.split(":", 1)[0]
     else:
@@ -192,8 +192,16 @@ def plan_image(src: ImageSource, image: Image, name: str, merge_small: int | Non
     return plan, names
 
 
-def _finish(store: LeasedStore, name: str, names: list[str], results: list[BuildResult], runtime: RuntimeConfig,
-            plan: list[list[int]], stats: list[LayerStats], started: float) -> ImportResult:  # fmt: skip
+def _finish(
+    store: LeasedStore,
+    name: str,
+    names: list[str],
+    results: list[BuildResult],
+    runtime: RuntimeConfig,
+    plan: list[list[int]],
+    stats: list[LayerStats],
+    started: float,
+) -> ImportResult:
     """Publish the template, then the groups' refs (while the import's lease
     still holds: a lease lost meanwhile may have let gc take what they name)."""
     store.lease.check()
@@ -204,8 +212,14 @@ def _finish(store: LeasedStore, name: str, names: list[str], results: list[Build
 
 
 def _import_streamed(
-    src: ImageSource, image: Image, plan: list[list[int]], names: list[str], store: LeasedStore, chunk_size: int,
-    tmp: Path, say: Callable[[str], None],
+    src: ImageSource,
+    image: Image,
+    plan: list[list[int]],
+    names: list[str],
+    store: LeasedStore,
+    chunk_size: int,
+    tmp: Path,
+    say: Callable[[str], None],
 ) -> tuple[list[BuildResult], list[LayerStats], RuntimeConfig]:
     """The streaming path (:mod:`~weenv.packaging.importer.tartree`): each
     group's layers merged into an inode tree, its image written into a
@@ -241,16 +255,29 @@ def _import_streamed(
                     with open_layer(src, layer, what, read_ahead=True) as tar:
                         stats.append(merger.apply_layer(tar, what))
                     src.release(layer.location)
-                    say(f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
-                        f"{stats[-1].opaque_dirs} opaque dirs")  # fmt: skip
-                scan = write_image(merger.root, sink, uuid=group_uuid(names[k], "latest"),
-                                   placed_blocks=merger.placed_blocks)  # fmt: skip
+                    say(
+                        f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                        f"{stats[-1].opaque_dirs} opaque dirs"
+                    )
+                scan = write_image(
+                    merger.root, sink, uuid=group_uuid(names[k], "latest"), placed_blocks=merger.placed_blocks
+                )
                 say(f"group {names[k]}: layers {layer_indexes[0]}..{layer_indexes[-1]}, publish")
-                result = publish_sink(sink, store, name=names[k], file_count=scan.inodes, ref=False,
-                                      started=started, source={
-                    "type": "image", "mkfs": WRITER, "image": image.reference, "config": image.config_digest,
-                    "layers": ",".join(image.layers[i].diff_id for i in layer_indexes),
-                })  # fmt: skip
+                result = publish_sink(
+                    sink,
+                    store,
+                    name=names[k],
+                    file_count=scan.inodes,
+                    ref=False,
+                    started=started,
+                    source={
+                        "type": "image",
+                        "mkfs": WRITER,
+                        "image": image.reference,
+                        "config": image.config_digest,
+                        "layers": ",".join(image.layers[i].diff_id for i in layer_indexes),
+                    },
+                )
                 results.append(result)
             tartree.release(merger.root, image_reader(store, result.manifest, keep=False))
             view.apply_group(merger.root)
@@ -268,9 +295,13 @@ def _roll_back(store: LeasedStore, chunks: list[str], manifests: list[str]) -> N
     makes this safe is :mod:`weenv.store.lease`'s.  A failure here leaves
     unreferenced blobs for ``weenv gc``."""
     try:
-        delete_unused(store.inner, {"manifests": manifests, "chunks": chunks},
-                      reached=lambda: published_digests(store.inner), what="import rollback",
-                      exclude=store.lease.id)  # fmt: skip
+        delete_unused(
+            store.inner,
+            {"manifests": manifests, "chunks": chunks},
+            reached=lambda: published_digests(store.inner),
+            what="import rollback",
+            exclude=store.lease.id,
+        )
     except Exception as exc:  # noqa: BLE001 - the import's own error is the one to raise
         log.warning("rollback of an import left blobs in %s for gc: %s", store.url, exc)
 

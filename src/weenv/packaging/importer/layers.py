@@ -78,7 +78,6 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-
 # --- the image's merged tree (names only) -------------------------------------------
 class _Dir:
     __slots__ = ("children", "group")
@@ -216,7 +215,7 @@ class _ReadAhead:
             if self._pos == 0 and n == len(self._buf):
                 self._pos = n
                 return self._buf
-            piece = self._buf[self._pos:self._pos + n]
+            piece = self._buf[self._pos : self._pos + n]
             self._pos += n
             return piece
         out = bytearray()
@@ -239,7 +238,7 @@ class _ReadAhead:
                     return self._buf
                 out += self._buf
                 continue
-            out += self._buf[self._pos:self._pos + take]
+            out += self._buf[self._pos : self._pos + take]
             self._pos += take
         return bytes(out)
 
@@ -284,15 +283,20 @@ def open_layer(source: ImageSource, layer: Layer, what: str, *, read_ahead: bool
                 stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[arg-type]
             else:
                 stream = raw  # type: ignore[assignment]
-            scan = TarScan(max_entries=MAX_LAYER_ENTRIES, max_bytes=MAX_LAYER_FILE_BYTES, what=what,
-                           sparse=True, compressed=False)  # fmt: skip
+            scan = TarScan(
+                max_entries=MAX_LAYER_ENTRIES, max_bytes=MAX_LAYER_FILE_BYTES, what=what, sparse=True, compressed=False
+            )
             tar_bytes = _HashingReader(stream, on_read=scan.feed)  # type: ignore[arg-type]
             if read_ahead:
                 ahead = _ReadAhead(tar_bytes)
                 stop.callback(ahead.close)
             tar = tarfile.open(fileobj=ahead or tar_bytes, mode="r|")  # type: ignore[arg-type]
         except _STREAM_ERRORS as exc:
-            kind = "truncated or corrupt layer" if isinstance(exc, EOFError) else "not a readable (tar, tar+gzip, tar+zstd) layer"
+            kind = (
+                "truncated or corrupt layer"
+                if isinstance(exc, EOFError)
+                else "not a readable (tar, tar+gzip, tar+zstd) layer"
+            )
             raise InvalidInputError(f"{what}: {kind}: {exc}") from exc
         try:
             yield tar
@@ -351,7 +355,7 @@ def marker(name, what: str):
     if name.startswith(prefix + prefix):
         return "skip", None
     if name.startswith(prefix):
-        target = name[len(prefix):]
+        target = name[len(prefix) :]
         if target in ("", ".", "..", b"", b".", b".."):
             raise InvalidInputError(f"{what}: a bad whiteout")
         return "whiteout", target
@@ -364,14 +368,14 @@ def _xattrs(m: tarfile.TarInfo) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
     for key, value in m.pax_headers.items():
         if key.startswith("SCHILY.xattr."):
-            found[key[len("SCHILY.xattr."):]] = value.encode("utf-8", "surrogateescape")
+            found[key[len("SCHILY.xattr.") :]] = value.encode("utf-8", "surrogateescape")
         elif key.startswith("LIBARCHIVE.xattr."):
-            name = urllib.parse.unquote(key[len("LIBARCHIVE.xattr."):])
+            name = urllib.parse.unquote(key[len("LIBARCHIVE.xattr.") :])
             found[name] = base64.b64decode(value + "=" * (-len(value) % 4))
     out = {}
     for key, value in found.items():
         if key.startswith(OVERLAY_XATTR_PREFIX):
-            key = OVERLAY_XATTR_PREFIX + "overlay." + key[len(OVERLAY_XATTR_PREFIX):]
+            key = OVERLAY_XATTR_PREFIX + "overlay." + key[len(OVERLAY_XATTR_PREFIX) :]
         out[key] = value
     return out
 

@@ -52,9 +52,7 @@ def runtime_from_config(config: dict[str, Any], read_file: ReadFile) -> RuntimeC
     workdir = str(c.get("WorkingDir") or "/")
     workdir = posixpath.normpath(posixpath.join("/", workdir))
     command = _str_list(c.get("Entrypoint"), "Entrypoint") + _str_list(c.get("Cmd"), "Cmd")
-    return RuntimeConfig(
-        env=env, working_dir=workdir, user=f"{uid}:{gid}", default_command=command or None
-    )
+    return RuntimeConfig(env=env, working_dir=workdir, user=f"{uid}:{gid}", default_command=command or None)
 
 
 def _str_list(value: Any, field: str) -> list[str]:

@@ -180,9 +180,7 @@ class ImageSource(contextlib.AbstractContextManager):
             raise InvalidInputError(f"{self.reference}: {what} is larger than {MAX_JSON_BYTES} bytes")
         actual = "sha256:" + hashlib.sha256(data).hexdigest()
         if size is not None and len(data) != size:
-            raise DigestMismatchError(
-                f"{self.reference}: {what} has {len(data)} bytes, its descriptor says {size}"
-            )
+            raise DigestMismatchError(f"{self.reference}: {what} has {len(data)} bytes, its descriptor says {size}")
         if digest is not None and actual != digest:
             raise DigestMismatchError(f"{self.reference}: {what} has digest {actual}, expected {digest}")
         try:
@@ -207,7 +205,9 @@ class _LayoutMixin:
             media_type = _text(desc.get("mediaType", ""), f"{self.reference}: a descriptor's mediaType")
             digest = check_blob_digest(desc.get("digest"), f"{self.reference}: descriptor")
             doc, _ = self.read_json(  # type: ignore[attr-defined]
-                _blob_path(digest), f"{media_type or 'manifest'} {digest}", digest=digest,
+                _blob_path(digest),
+                f"{media_type or 'manifest'} {digest}",
+                digest=digest,
                 size=desc.get("size"),
             )
             media_type = media_type or _text(doc.get("mediaType", ""), f"{self.reference}: {digest}'s mediaType")
@@ -233,8 +233,9 @@ class _LayoutMixin:
         for i, (d, diff_id) in enumerate(zip(layer_descs, diff_ids)):
             d = _object(d, f"{self.reference}: layer {i}'s descriptor")
             digest = check_blob_digest(d.get("digest"), f"{self.reference}: layer {i}")
-            media_type = _text(d.get("mediaType", "application/vnd.oci.image.layer.v1.tar"),
-                               f"{self.reference}: layer {i}'s mediaType")
+            media_type = _text(
+                d.get("mediaType", "application/vnd.oci.image.layer.v1.tar"), f"{self.reference}: layer {i}'s mediaType"
+            )
             if media_type not in LAYER_TYPES:
                 raise InvalidInputError(f"{self.reference}: layer {i} has unsupported media type {media_type!r}")
             layers.append(Layer(i, diff_id, digest, d.get("size"), media_type, _blob_path(digest)))
@@ -417,7 +418,9 @@ class TarArchive(_LayoutMixin, ImageSource):
             entry = chosen[0]
         elif len(entries) > 1:
             tags = sorted(t for e in entries for t in _repo_tags(e))
-            raise InvalidInputError(f"{self.reference} holds {len(entries)} images; choose one with --ref ({', '.join(tags)})")
+            raise InvalidInputError(
+                f"{self.reference} holds {len(entries)} images; choose one with --ref ({', '.join(tags)})"
+            )
         else:
             entry = entries[0]
         config_path = entry.get("Config")
@@ -444,7 +447,7 @@ def _clean_member_name(name: str) -> str:
 
 # --- registries (skopeo) -------------------------------------------------------------
 def _is_loopback(host: str) -> bool:
-    host = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:host.index("]")]
+    host = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1 : host.index("]")]
     if host == "localhost":
         return True
     try:
@@ -458,22 +461,20 @@ class RegistryImage(_LayoutMixin, ImageSource):
     layout (removed on close)."""
 
     def __init__(self, reference: str, *, insecure: bool = False, timeout: float = 1800):
-        if not reference.startswith("docker://") or "/" not in reference[len("docker://"):]:
+        if not reference.startswith("docker://") or "/" not in reference[len("docker://") :]:
             raise InvalidInputError(f"not a registry reference: {reference!r} (want docker://HOST/REPO:TAG)")
         self.reference = reference
         program = shutil.which(SKOPEO)
         if program is None:
             raise ToolMissingError("skopeo is not installed (apt-get install skopeo)")
-        host = reference[len("docker://"):].split("/", 1)[0]
+        host = reference[len("docker://") :].split("/", 1)[0]
         self._tmp = Path(tempfile.mkdtemp(prefix="weenv-import-"))
         argv = [program, "copy", "--quiet"]
         if insecure or _is_loopback(host):
             argv.append("--src-tls-verify=false")
         argv += [reference, f"oci:{self._tmp / 'layout'}:image"]
         try:
-            proc = subprocess.run(
-                argv, capture_output=True, text=True, errors="replace", timeout=timeout, check=False
-            )
+            proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             self.close()
             raise RuntimeFailedError(f"skopeo copy {reference} ran past {timeout} s") from exc
@@ -521,16 +522,16 @@ class _HttpBlob(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
-            out = self._buf[self._pos:] + b"".join(self._pieces)
+            out = self._buf[self._pos :] + b"".join(self._pieces)
             self._buf, self._pos = b"", 0
             return out
         if self._pos >= len(self._buf):
             self._buf, self._pos = next(self._pieces, b""), 0
         if len(self._buf) - self._pos >= n:
-            out = self._buf[self._pos:self._pos + n]
+            out = self._buf[self._pos : self._pos + n]
             self._pos += n
             return out
-        out = bytearray(self._buf[self._pos:])
+        out = bytearray(self._buf[self._pos :])
         while len(out) < n:
             piece = next(self._pieces, b"")
             if not piece:
@@ -555,7 +556,7 @@ class RegistryStream(_LayoutMixin, ImageSource):
 
     def __init__(self, reference: str, *, timeout: float = 60.0):
         self.reference = reference
-        rest = reference[len("docker://"):]
+        rest = reference[len("docker://") :]
         self._host, path = rest.split("/", 1)
         if "@" in path:
             self._repo, self._tag = path.split("@", 1)
@@ -567,8 +568,9 @@ class RegistryStream(_LayoutMixin, ImageSource):
     def _get(self, kind: str, name: str, accept: bool) -> httpx.Response:
         headers = {"Accept": ", ".join(sorted(INDEX_TYPES | MANIFEST_TYPES))} if accept else {}
         try:
-            r = self._client.send(self._client.build_request("GET", f"/v2/{self._repo}/{kind}/{name}",
-                                                             headers=headers), stream=True)  # fmt: skip
+            r = self._client.send(
+                self._client.build_request("GET", f"/v2/{self._repo}/{kind}/{name}", headers=headers), stream=True
+            )
         except httpx.HTTPError as exc:
             raise _NoDirectPull(str(exc)) from exc
         if r.status_code == 401:
@@ -633,7 +635,7 @@ def open_source(source: str, *, insecure: bool = False) -> ImageSource:
     layout) or a file (tar archive).  Raises :class:`NotFoundError` if the path
     does not exist, :class:`InvalidInputError` if it is neither."""
     if source.startswith("docker://"):
-        rest = source[len("docker://"):]
+        rest = source[len("docker://") :]
         if "/" in rest and _is_loopback(rest.split("/", 1)[0]) and not settings().build.import_skopeo:
             stream = RegistryStream(source)
             try:
@@ -655,4 +657,3 @@ def open_source(source: str, *, insecure: bool = False) -> ImageSource:
     if not path.exists():
         raise NotFoundError(f"no such image source: {source}")
     raise InvalidInputError(f"{source} is neither a directory nor a file")
-

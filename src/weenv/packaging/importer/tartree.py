@@ -318,8 +318,7 @@ class TreeMerger:
         return stats
 
     # --- entries ----------------------------------------------------------------------
-    def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: Parts, stats: LayerStats,
-               what: str) -> None:  # fmt: skip
+    def _apply(self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: Parts, stats: LayerStats, what: str) -> None:
         if layers.apply_marker(self, m, parts, stats, what):
             return
         if not parts:
@@ -361,8 +360,13 @@ class TreeMerger:
         self._new.add(parts)
 
     def _set_meta(self, node: Inode, m: tarfile.TarInfo, what: str, *, clear_xattrs: bool = False) -> None:
-        kind = {tarfile.DIRTYPE: stat.S_IFDIR, tarfile.SYMTYPE: stat.S_IFLNK, tarfile.CHRTYPE: stat.S_IFCHR,
-                tarfile.BLKTYPE: stat.S_IFBLK, tarfile.FIFOTYPE: stat.S_IFIFO}.get(m.type, stat.S_IFREG)  # fmt: skip
+        kind = {
+            tarfile.DIRTYPE: stat.S_IFDIR,
+            tarfile.SYMTYPE: stat.S_IFLNK,
+            tarfile.CHRTYPE: stat.S_IFCHR,
+            tarfile.BLKTYPE: stat.S_IFBLK,
+            tarfile.FIFOTYPE: stat.S_IFIFO,
+        }.get(m.type, stat.S_IFREG)
         node.mode = kind | (m.mode & 0o7777)
         if kind == stat.S_IFLNK:
             node.mode = kind | 0o777
@@ -435,8 +439,16 @@ class TreeMerger:
         if node is None and isinstance(below, Inode) and self._visible_below(target_parts):
             # A link to a file of a lower group: overlayfs cannot link across
             # layers, so the file is copied (data, owner, mode, xattrs, mtime).
-            return Inode(mode=below.mode, uid=below.uid, gid=below.gid, mtime_ns=below.mtime_ns, size=below.size,
-                         data=below.data, rdev=below.rdev, xattrs=dict(below.xattrs))  # fmt: skip
+            return Inode(
+                mode=below.mode,
+                uid=below.uid,
+                gid=below.gid,
+                mtime_ns=below.mtime_ns,
+                size=below.size,
+                data=below.data,
+                rdev=below.rdev,
+                xattrs=dict(below.xattrs),
+            )
         raise InvalidInputError(f"{what}: hardlink to {m.linkname!r}: no such file in the image")
 
     def _whiteout(self, parts: Parts, mtime_ns: int, what: str) -> None:
@@ -488,11 +500,13 @@ class TreeMerger:
                 node = child
                 continue
             replaced = child is not None
-            if replaced and parts[:i + 1] in self._new and not is_whiteout(child):
+            if replaced and parts[: i + 1] in self._new and not is_whiteout(child):
                 kind = "symlink" if stat.S_ISLNK(child.mode) else "non-directory"
-                raise InvalidInputError(f"{what}: it lies under {_show(parts[:i + 1])}, which this layer made a {kind}")
+                raise InvalidInputError(
+                    f"{what}: it lies under {_show(parts[: i + 1])}, which this layer made a {kind}"
+                )
             child = new_dir()
-            self._copy_dir_meta(parts[:i + 1], child)
+            self._copy_dir_meta(parts[: i + 1], child)
             if replaced:
                 child.xattrs[OPAQUE_XATTR] = b"y"
             node.children[part] = child
@@ -519,7 +533,7 @@ def _data_runs(piece: bytes, pos: int) -> Iterator[tuple[int, int]]:
     start = 0
     zero = _ZERO[:BLOCK]
     for off in range(0, n, BLOCK):
-        if piece[off:off + BLOCK] == zero[:min(BLOCK, n - off)]:
+        if piece[off : off + BLOCK] == zero[: min(BLOCK, n - off)]:
             if start < off:
                 yield start, off
             start = off + BLOCK

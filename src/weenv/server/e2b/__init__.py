@@ -94,8 +94,12 @@ def _credentialed(sandboxes: Sandboxes, templates: Templates, scope: dict) -> bo
         return True
     if scope.get("method") == "POST" and scope.get("path", "").endswith("/files"):  # a signed URL's upload
         try:
-            if signed_sandbox_id(sandboxes, scope.get("method", ""), headers,
-                                 QueryParams(scope.get("query_string", b""))) is not None:  # fmt: skip
+            if (
+                signed_sandbox_id(
+                    sandboxes, scope.get("method", ""), headers, QueryParams(scope.get("query_string", b""))
+                )
+                is not None
+            ):
                 return True
         except SignatureError:
             return False

@@ -49,8 +49,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from weenv.errors import WeenvError
 from weenv.api.models import Envs, Metadata
+from weenv.errors import WeenvError
 from weenv.server.e2b.readiness import start_and_wait_ready
 from weenv.server.e2b.sandboxes import (
     DEFAULT_TIMEOUT_S,
@@ -67,10 +67,23 @@ network mounts when asked 0.6.4: :mod:`weenv.server.e2b.watch`)."""
 CLIENT_ID = "weenv"
 
 KIND_STATUS = {
-    "not_found": 404, "invalid_input": 400, "unknown_user": 400, "pseudo_file": 400, "network_forbidden": 403, "timeout": 408, "authentication": 401,
-    "capacity": 503, "store_unavailable": 503, "output_limit": 413, "disk_full": 507,
-    "too_large": 413, "closed": 503, "busy": 409, "state": 409, "broken": 502,
-}  # fmt: skip
+    "not_found": 404,
+    "invalid_input": 400,
+    "unknown_user": 400,
+    "pseudo_file": 400,
+    "network_forbidden": 403,
+    "timeout": 408,
+    "authentication": 401,
+    "capacity": 503,
+    "store_unavailable": 503,
+    "output_limit": 413,
+    "disk_full": 507,
+    "too_large": 413,
+    "closed": 503,
+    "busy": 409,
+    "state": 409,
+    "broken": 502,
+}
 
 
 class E2BError(HTTPException):
@@ -107,6 +120,7 @@ class NetworkConfig(_Body):
 
         has_name = any(len(a) <= 253 and domain(a) is not None for a in self.allow_out)
         return [*self.allow_out, *(self.dns_servers if has_name else [])]
+
     allow_public_traffic: bool = Field(default=True, alias="allowPublicTraffic")
     """False: requests to its ports (``get_host``) need its ``trafficAccessToken``."""
 
@@ -157,21 +171,34 @@ def created_json(sb: Sandbox) -> dict[str, Any]:
     """E2B's ``Sandbox`` (the answer to create and connect): ``trafficAccessToken``
     only for a sandbox whose ports are not public (``allowPublicTraffic`` false)."""
     return {
-        "templateID": sb.info.template, "sandboxID": sb.id, "clientID": CLIENT_ID,
-        "envdVersion": ENVD_VERSION, "envdAccessToken": sb.access_token, "alias": sb.info.template,
-        "domain": None, "trafficAccessToken": None if sb.info.public_traffic else sb.traffic_token,
-    }  # fmt: skip
+        "templateID": sb.info.template,
+        "sandboxID": sb.id,
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": sb.access_token,
+        "alias": sb.info.template,
+        "domain": None,
+        "trafficAccessToken": None if sb.info.public_traffic else sb.traffic_token,
+    }
 
 
 def listed_json(sb: Sandbox) -> dict[str, Any]:
     """E2B's ``ListedSandbox``."""
     info = sb.info
     return {
-        "templateID": info.template, "sandboxID": info.id, "clientID": CLIENT_ID, "alias": info.template,
-        "startedAt": _iso(info.created_at), "endAt": _iso(info.expires_at),
-        "cpuCount": max(1, round(info.resources.cpus)), "memoryMB": info.resources.memory_bytes >> 20,
-        "diskSizeMB": info.resources.disk_bytes >> 20, "state": "paused" if info.state == "paused" else "running", "envdVersion": ENVD_VERSION, "metadata": info.metadata,
-    }  # fmt: skip
+        "templateID": info.template,
+        "sandboxID": info.id,
+        "clientID": CLIENT_ID,
+        "alias": info.template,
+        "startedAt": _iso(info.created_at),
+        "endAt": _iso(info.expires_at),
+        "cpuCount": max(1, round(info.resources.cpus)),
+        "memoryMB": info.resources.memory_bytes >> 20,
+        "diskSizeMB": info.resources.disk_bytes >> 20,
+        "state": "paused" if info.state == "paused" else "running",
+        "envdVersion": ENVD_VERSION,
+        "metadata": info.metadata,
+    }
 
 
 def detail_json(sb: Sandbox) -> dict[str, Any]:
@@ -226,9 +253,12 @@ def key_dependency(check_key: Callable[[str], bool]):
     return Depends(authenticated)
 
 
-def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
-             resolve: Callable[[str], str | None] | None = None,
-             ready_timeout: float = 120.0) -> APIRouter:  # fmt: skip
+def make_api(
+    sandboxes: Sandboxes,
+    check_key: Callable[[str], bool],
+    resolve: Callable[[str], str | None] | None = None,
+    ready_timeout: float = 120.0,
+) -> APIRouter:
     """The REST endpoints (see the module docstring); ``check_key(key)`` says
     whether an API key is accepted; ``resolve(templateID)``: the weenv template
     an E2B template reference starts (None: the reference is a weenv template
@@ -248,11 +278,18 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
         def create_blocking() -> Sandbox:
             net = body.network or NetworkConfig()
             template = (resolve(body.template_id) if resolve else None) or body.template_id
-            sb = sandboxes.create(template, timeout=body.timeout or DEFAULT_TIMEOUT_S,
-                                  metadata=body.metadata or {}, envs=body.env_vars or {}, undelivered=True,
-                                  network=body.allow_internet_access, allow_out=net.allowed(),
-                                  deny_out=net.deny_out, public_traffic=net.allow_public_traffic,
-                                  on_timeout="pause" if body.auto_pause else "kill")  # fmt: skip
+            sb = sandboxes.create(
+                template,
+                timeout=body.timeout or DEFAULT_TIMEOUT_S,
+                metadata=body.metadata or {},
+                envs=body.env_vars or {},
+                undelivered=True,
+                network=body.allow_internet_access,
+                allow_out=net.allowed(),
+                deny_out=net.deny_out,
+                public_traffic=net.allow_public_traffic,
+                on_timeout="pause" if body.auto_pause else "kill",
+            )
             try:
                 start_and_wait_ready(sandboxes.node, sb, ready_timeout)
             except BaseException:
@@ -288,13 +325,14 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
         after = _timestamp("startedAfter", started_after)
         before = _timestamp("startedBefore", started_before)
         found = [
-            sb for sb in sandboxes.list()
+            sb
+            for sb in sandboxes.list()
             if all(sb.info.metadata.get(k) == v for k, v in wanted.items())
             and (not states or ("paused" if sb.info.state == "paused" else "running") in states)
             and (template is None or template in (sb.info.template, sb.info.template_digest))
             and (after is None or _when(sb.info.created_at) >= after)
             and (before is None or _when(sb.info.created_at) <= before)
-        ]  # fmt: skip
+        ]
         found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order != "asc")  # E2B: newest first
         start = 0
         if next_token:
@@ -361,8 +399,12 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
         running(sandbox_id)
         body = body or ForkBody()
         result = sandboxes.node.fork(sandbox_id, body.count, timeout=float(body.timeout) if body.timeout else None)
-        return [{"error": {"code": KIND_STATUS.get(c.kind, 500), "message": str(c)}} if isinstance(c, WeenvError)
-                else {"sandbox": created_json(sandboxes.get(c.id))} for c in result.children]  # fmt: skip
+        return [
+            {"error": {"code": KIND_STATUS.get(c.kind, 500), "message": str(c)}}
+            if isinstance(c, WeenvError)
+            else {"sandbox": created_json(sandboxes.get(c.id))}
+            for c in result.children
+        ]
 
     @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
     def create_snapshot(sandbox_id: str, body: SnapshotBody | None = None) -> dict:
@@ -377,8 +419,11 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     ) -> list[dict]:
-        found = [s for s in sandboxes.node.snapshots()
-                 if (sandbox_id is None or s.environment == sandbox_id) and (name is None or s.name == name)]
+        found = [
+            s
+            for s in sandboxes.node.snapshots()
+            if (sandbox_id is None or s.environment == sandbox_id) and (name is None or s.name == name)
+        ]
         start = int(next_token) if next_token and next_token.isdigit() else 0
         return [{"snapshotID": s.name, "names": [s.name]} for s in found[start : start + limit]]
 
@@ -386,16 +431,24 @@ def make_api(sandboxes: Sandboxes, check_key: Callable[[str], bool],
 
 
 UNSERVED_FEATURES = (
-    ("/templates", "templates (build, tags, aliases)"), ("/v2/templates", "templates (build, tags, aliases)"),
-    ("/v3/templates", "templates (build, tags, aliases)"), ("/default-templates", "default templates"),
-    ("/snapshots", "snapshots"), ("/volumes", "volumes"), ("/secrets", "secrets"),
+    ("/templates", "templates (build, tags, aliases)"),
+    ("/v2/templates", "templates (build, tags, aliases)"),
+    ("/v3/templates", "templates (build, tags, aliases)"),
+    ("/default-templates", "default templates"),
+    ("/snapshots", "snapshots"),
+    ("/volumes", "volumes"),
+    ("/secrets", "secrets"),
     ("/sandboxes/metrics", "metrics of many sandboxes at once"),
-)  # fmt: skip
+)
 """Path prefix -> the E2B feature it belongs to, for the 501 of a route weenv does not serve."""
 _SANDBOX_FEATURES = {
-    "logs": "sandbox logs", "network": "changing a running sandbox's network", "fork": "fork",
-    "snapshots": "snapshots", "pause": "pause and resume", "resume": "pause and resume",
-}  # fmt: skip
+    "logs": "sandbox logs",
+    "network": "changing a running sandbox's network",
+    "fork": "fork",
+    "snapshots": "snapshots",
+    "pause": "pause and resume",
+    "resume": "pause and resume",
+}
 
 
 def unserved_message(method: str, path: str) -> str:
@@ -418,8 +471,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if not isinstance(exc, E2BError) and exc.status_code == 405 and request.method not in API_METHODS:
-            return error_json(405, f"{request.method} is not a method of E2B's API (this path takes "
-                                   f"{(exc.headers or {}).get('Allow', 'others')})", headers=exc.headers)
+            return error_json(
+                405,
+                f"{request.method} is not a method of E2B's API (this path takes "
+                f"{(exc.headers or {}).get('Allow', 'others')})",
+                headers=exc.headers,
+            )
         if not isinstance(exc, E2BError) and exc.status_code in (404, 405):  # no route: not "not found"
             return error_json(501, unserved_message(request.method, _api_path(request)))
         return error_json(exc.status_code, str(exc.detail))
@@ -442,7 +499,7 @@ def _api_path(request: Request) -> str:
     path, root = request.url.path, request.scope.get("root_path", "")
     if root.endswith("/envd"):  # answered inside the envd mount: keep its prefix
         root = root[: -len("/envd")]
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def key_checker(keys: list[str]) -> Callable[[str], bool]:

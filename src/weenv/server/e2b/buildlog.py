@@ -56,8 +56,13 @@ class BuildLogBook:
     """One build's log entries (E2B's ``BuildLogEntry``: timestamp, level,
     message, step).  Not thread-safe: the caller locks."""
 
-    def __init__(self, *, max_bytes: int = MAX_LOG_BYTES, reserve_bytes: int = LOG_RESERVE_BYTES,
-                 tail_bytes: int = LOG_TAIL_BYTES):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_bytes: int = MAX_LOG_BYTES,
+        reserve_bytes: int = LOG_RESERVE_BYTES,
+        tail_bytes: int = LOG_TAIL_BYTES,
+    ):
         self.max_bytes, self.head_bytes, self.tail_bytes = max_bytes, max_bytes - reserve_bytes, tail_bytes
         self.entries: list[dict] = []
         self.bytes = 0
@@ -71,10 +76,16 @@ class BuildLogBook:
     def _cost(entry: dict) -> int:
         return len(entry["message"].encode(errors="surrogateescape")) + ENTRY_BYTES
 
-    def add(self, message: str, *, level: str = "info", step: str | None = None, output: bool = False,
-            final: bool = False) -> None:  # fmt: skip
+    def add(
+        self, message: str, *, level: str = "info", step: str | None = None, output: bool = False, final: bool = False
+    ) -> None:
         """Add a line: ``output`` if a command printed it, ``final`` for the build's last."""
-        entry = {"timestamp": now_iso(), "level": level, "message": cut_line(message), **({"step": step} if step else {})}
+        entry = {
+            "timestamp": now_iso(),
+            "level": level,
+            "message": cut_line(message),
+            **({"step": step} if step else {}),
+        }
         cost = self._cost(entry)
         if output and self.bytes + cost > self.head_bytes:
             self._aside.append(entry)
@@ -100,9 +111,13 @@ class BuildLogBook:
         if not self._left_lines:
             return
         shown = len(self._aside)
-        note = {"timestamp": now_iso(), "level": "warn", **({"step": step} if step else {}), "message":
-                f"(output past this log's first {self.head_bytes} bytes: {self._left_lines} lines, "
-                f"{self._left_bytes} bytes, not kept; the last {shown} lines follow)"}  # fmt: skip
+        note = {
+            "timestamp": now_iso(),
+            "level": "warn",
+            **({"step": step} if step else {}),
+            "message": f"(output past this log's first {self.head_bytes} bytes: {self._left_lines} lines, "
+            f"{self._left_bytes} bytes, not kept; the last {shown} lines follow)",
+        }
         if self._append(note):
             for entry in self._aside:
                 if not self._append(entry):

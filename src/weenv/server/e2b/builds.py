@@ -38,10 +38,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
-from weenv.node.node import Node
-from weenv.formats.manifest import DEFAULT_DISK_BYTES, MAX_DISK_BYTES, Resources
 from weenv.build.stepbuild import MAX_LINE_BYTES, BuildOutcome, BuildSpec, StepFailedError, TemplateBuild
+from weenv.errors import BusyError, InvalidInputError, NotFoundError, WeenvError
+from weenv.formats.manifest import DEFAULT_DISK_BYTES, MAX_DISK_BYTES, Resources
+from weenv.node.node import Node
 from weenv.server.e2b.buildlog import BuildLogBook, cut_line
 from weenv.server.e2b.uploads import Uploads
 
@@ -201,14 +201,22 @@ class Templates:
                 if b is None and tag in t.tags:
                     b = t.build(t.tags[tag]["build"])
             if b is None or b.status != "ready" or b.digest is None:
-                raise NotFoundError(f"tag '{tag or DEFAULT_TAG}' does not exist for template '{t.name}' "
-                                    "(or its build is not ready)")  # fmt: skip
+                raise NotFoundError(
+                    f"tag '{tag or DEFAULT_TAG}' does not exist for template '{t.name}' (or its build is not ready)"
+                )
             t.spawn_count += 1
             return b.digest
 
     # --- requests ---------------------------------------------------------------------
-    def request(self, name: str, tags: list[str], *, cpu_count: int | None, memory_mb: int | None,
-                min_free_disk_mb: int | None = None) -> tuple[TemplateRecord, Build, list[str]]:  # fmt: skip
+    def request(
+        self,
+        name: str,
+        tags: list[str],
+        *,
+        cpu_count: int | None,
+        memory_mb: int | None,
+        min_free_disk_mb: int | None = None,
+    ) -> tuple[TemplateRecord, Build, list[str]]:
         """A new build of template ``name`` (``NAME[:TAG]``; made if new), tagged
         ``tags`` (default ``default``), its sandboxes' disk quota at least
         ``min_free_disk_mb`` MiB (E2B's ``minFreeDiskMB``; the default quota when
@@ -230,8 +238,10 @@ class Templates:
         disk_mb = max(DEFAULT_DISK_BYTES >> 20, min_free_disk_mb or 0)
         disk_size = self.node.disk.size or MAX_DISK_BYTES
         if min_free_disk_mb and (min_free_disk_mb << 20) > min(disk_size, MAX_DISK_BYTES):
-            raise InvalidInputError(f"minFreeDiskMB {min_free_disk_mb}: this node's environment disk holds "
-                                    f"{disk_size >> 20} MiB in all (WEENV_DISK_BYTES)")
+            raise InvalidInputError(
+                f"minFreeDiskMB {min_free_disk_mb}: this node's environment disk holds "
+                f"{disk_size >> 20} MiB in all (WEENV_DISK_BYTES)"
+            )
         with self._lock:
             self._check_open()
             t = self.find(base)
@@ -239,13 +249,16 @@ class Templates:
                 if len(self._records) >= MAX_TEMPLATES:
                     raise InvalidInputError(f"this node keeps at most {MAX_TEMPLATES} templates")
                 if self._ref(base) is not None:
-                    raise BusyError(f"template {base!r} exists in the store and is not an E2B template of "
-                                    f"this node: an E2B template takes a name of its own")
+                    raise BusyError(
+                        f"template {base!r} exists in the store and is not an E2B template of "
+                        f"this node: an E2B template takes a name of its own"
+                    )
                 t = TemplateRecord(id=_template_id(), name=base)
                 self._records[t.id] = t
             elif not self.owns_ref(t):
-                raise BusyError(f"template name {base!r} was taken in the store by a template that is not "
-                                f"E2B template {t.id}'s")
+                raise BusyError(
+                    f"template name {base!r} was taken in the store by a template that is not E2B template {t.id}'s"
+                )
             b = Build(id=str(uuid.uuid4()), cpu_count=cpu_count or 2, memory_mb=memory_mb or 2048, disk_mb=disk_mb)
             t.builds.append(b)
             for tg in wanted:  # E2B assigns the tags as the build starts
@@ -269,18 +282,33 @@ class Templates:
                 digest = self.resolve(spec.from_template)
                 if digest is not None:
                     spec = BuildSpec(**{**spec.__dict__, "from_template": digest})
-            spec = BuildSpec(**{**spec.__dict__, "resources": Resources(
-                cpus=float(b.cpu_count), memory_bytes=b.memory_mb << 20, disk_bytes=b.disk_mb << 20)})
+            spec = BuildSpec(
+                **{
+                    **spec.__dict__,
+                    "resources": Resources(
+                        cpus=float(b.cpu_count), memory_bytes=b.memory_mb << 20, disk_bytes=b.disk_mb << 20
+                    ),
+                }
+            )
             b.status, b.updated_at = "building", time.time()
-            thread = threading.Thread(target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}",
-                                      daemon=True)  # fmt: skip
+            thread = threading.Thread(
+                target=self._run, args=(t, b, spec), name=f"e2b-build-{build_id[:8]}", daemon=True
+            )
             self._running[build_id] = (thread, None)
             self.uploads.hold(build_id, t.id, {s.files_hash for s in spec.steps if s.files_hash})
             self._save()
         thread.start()
 
-    def _log(self, build_id: str, message: str, *, level: str = "info", step: str | None = None,
-             output: bool = False, final: bool = False) -> None:  # fmt: skip
+    def _log(
+        self,
+        build_id: str,
+        message: str,
+        *,
+        level: str = "info",
+        step: str | None = None,
+        output: bool = False,
+        final: bool = False,
+    ) -> None:
         with self._lock:
             book = self._logs.get(build_id)
             if book is None:
@@ -307,8 +335,11 @@ class Templates:
             """Run by the build while its lease still names what the template reaches."""
             with self._lock:
                 if not self.owns_ref(t):
-                    raise StepFailedError(f"template name {t.name!r} was taken in the store meanwhile by a template "
-                                          f"that is not this one's: its ref was left as it is", step="base")  # fmt: skip
+                    raise StepFailedError(
+                        f"template name {t.name!r} was taken in the store meanwhile by a template "
+                        f"that is not this one's: its ref was left as it is",
+                        step="base",
+                    )
                 b.status, b.digest = "ready", outcome.template_digest
                 b.steps_run, b.steps_cached = outcome.steps_run, outcome.steps_cached
                 b.finished_at = b.updated_at = time.time()
@@ -357,8 +388,10 @@ class Templates:
         with self._lock:
             book = self._logs.get(b.id)
             tail = [e for e in (book.entries if book else []) if e.get("step") == step][-20:]
-            b.status, b.reason = "error", {"message": cut_line(message, 4 * MAX_LINE_BYTES), "step": step,
-                                           "logEntries": tail}  # fmt: skip
+            b.status, b.reason = (
+                "error",
+                {"message": cut_line(message, 4 * MAX_LINE_BYTES), "step": step, "logEntries": tail},
+            )
             b.finished_at = b.updated_at = time.time()
             if t.id in self._records:
                 self._save()

@@ -41,12 +41,23 @@ from weenv.errors import WeenvError
 log = logging.getLogger(__name__)
 
 CODE_STATUS = {
-    "canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_exceeded": 504,
-    "not_found": 404, "already_exists": 409, "permission_denied": 403,
-    "resource_exhausted": 429, "failed_precondition": 400, "aborted": 409,
-    "out_of_range": 400, "unimplemented": 501, "internal": 500, "unavailable": 503,
-    "data_loss": 500, "unauthenticated": 401,
-}  # fmt: skip
+    "canceled": 499,
+    "unknown": 500,
+    "invalid_argument": 400,
+    "deadline_exceeded": 504,
+    "not_found": 404,
+    "already_exists": 409,
+    "permission_denied": 403,
+    "resource_exhausted": 429,
+    "failed_precondition": 400,
+    "aborted": 409,
+    "out_of_range": 400,
+    "unimplemented": 501,
+    "internal": 500,
+    "unavailable": 503,
+    "data_loss": 500,
+    "unauthenticated": 401,
+}
 """Connect error code -> HTTP status of a unary error answer (the protocol's table)."""
 
 KIND_CODES = {
@@ -152,7 +163,7 @@ def _codec_of(content_type: str, prefix: str) -> _Codec | None:
     ct = content_type.split(";", 1)[0].strip().lower()
     if not ct.startswith(prefix):
         return None
-    name = ct[len(prefix):]
+    name = ct[len(prefix) :]
     return _Codec(name) if name in ("json", "proto") else None
 
 
@@ -184,8 +195,7 @@ async def serve(request: Request, method: Method, state: dict[str, Any] | None =
     streaming = method.streaming
     if request.method != "POST":
         return error_response(RpcError("unimplemented", "Connect calls are POST requests"), streaming=streaming)
-    codec = _codec_of(request.headers.get("content-type", ""),
-                      "application/connect+" if streaming else "application/")  # fmt: skip
+    codec = _codec_of(request.headers.get("content-type", ""), "application/connect+" if streaming else "application/")
     if codec is None:
         return Response(status_code=415, headers={"Accept-Post": _accept(streaming)})
     try:
@@ -266,8 +276,7 @@ async def _envelopes(request: Request, codec: _Codec, cls: type[Message]) -> Asy
 
 
 def _accept(streaming: bool) -> str:
-    return ("application/connect+json, application/connect+proto" if streaming
-            else "application/json, application/proto")  # fmt: skip
+    return "application/connect+json, application/connect+proto" if streaming else "application/json, application/proto"
 
 
 async def _read_body(request: Request) -> bytes:

@@ -54,11 +54,10 @@ from weenv.errors import (
     WeenvError,
 )
 from weenv.node.runtime.users import Identity
-from weenv.server.e2b import files, multipart
+from weenv.server.e2b import files, multipart, signed
 from weenv.server.e2b.connect import Method, RpcError, error_response, serve
 from weenv.server.e2b.processes import ProcessService
 from weenv.server.e2b.proto import filesystem_pb, process_pb
-from weenv.server.e2b import signed
 from weenv.server.e2b.sandboxes import Sandbox, Sandboxes
 from weenv.server.e2b.watch import Watches, WatchService
 from weenv.server.limits import MAX_UPLOAD
@@ -119,8 +118,15 @@ def signed_sandbox_id(sandboxes: Sandboxes, method: str, headers, query) -> str 
     expiration = signed.expiration_of(query.get("signature_expiration"))
     sid = sandbox_id_in(headers)
     candidates = [sid] if sid else sandboxes.node.ids()  # the node's table: no runc call
-    return signed.signer(presented, query.get("path") or "", "read" if method == "GET" else "write",
-                         query.get("username") or "", expiration, candidates, sandboxes.access_token)  # fmt: skip
+    return signed.signer(
+        presented,
+        query.get("path") or "",
+        "read" if method == "GET" else "write",
+        query.get("username") or "",
+        expiration,
+        candidates,
+        sandboxes.access_token,
+    )
 
 
 class Envd:
@@ -147,8 +153,9 @@ class Envd:
             "process.Process/List": Method(pb.ListRequest, pb.ListResponse, proc.list),
             "process.Process/SendSignal": Method(pb.SendSignalRequest, pb.SendSignalResponse, proc.send_signal),
             "process.Process/SendInput": Method(pb.SendInputRequest, pb.SendInputResponse, proc.send_input),
-            "process.Process/StreamInput": Method(pb.StreamInputRequest, pb.StreamInputResponse, proc.stream_input,
-                                                  client_streaming=True),
+            "process.Process/StreamInput": Method(
+                pb.StreamInputRequest, pb.StreamInputResponse, proc.stream_input, client_streaming=True
+            ),
             "process.Process/CloseStdin": Method(pb.CloseStdinRequest, pb.CloseStdinResponse, proc.close_stdin),
             "process.Process/Update": Method(pb.UpdateRequest, pb.UpdateResponse, proc.update),
             "filesystem.Filesystem/Stat": Method(fb.StatRequest, fb.StatResponse, fs_call(files.stat)),
@@ -156,12 +163,19 @@ class Envd:
             "filesystem.Filesystem/MakeDir": Method(fb.MakeDirRequest, fb.MakeDirResponse, fs_call(files.make_dir)),
             "filesystem.Filesystem/Move": Method(fb.MoveRequest, fb.MoveResponse, fs_call(files.move)),
             "filesystem.Filesystem/Remove": Method(fb.RemoveRequest, fb.RemoveResponse, fs_call(files.remove)),
-            "filesystem.Filesystem/WatchDir": Method(fb.WatchDirRequest, fb.WatchDirResponse, watch.watch_dir, streaming=True),
-            "filesystem.Filesystem/CreateWatcher": Method(fb.CreateWatcherRequest, fb.CreateWatcherResponse, watch.create_watcher),
-            "filesystem.Filesystem/GetWatcherEvents": Method(fb.GetWatcherEventsRequest, fb.GetWatcherEventsResponse,
-                                                             watch.get_watcher_events),
-            "filesystem.Filesystem/RemoveWatcher": Method(fb.RemoveWatcherRequest, fb.RemoveWatcherResponse, watch.remove_watcher),
-        }  # fmt: skip
+            "filesystem.Filesystem/WatchDir": Method(
+                fb.WatchDirRequest, fb.WatchDirResponse, watch.watch_dir, streaming=True
+            ),
+            "filesystem.Filesystem/CreateWatcher": Method(
+                fb.CreateWatcherRequest, fb.CreateWatcherResponse, watch.create_watcher
+            ),
+            "filesystem.Filesystem/GetWatcherEvents": Method(
+                fb.GetWatcherEventsRequest, fb.GetWatcherEventsResponse, watch.get_watcher_events
+            ),
+            "filesystem.Filesystem/RemoveWatcher": Method(
+                fb.RemoveWatcherRequest, fb.RemoveWatcherResponse, watch.remove_watcher
+            ),
+        }
 
     def routes(self) -> list[Route]:
         return [
@@ -220,8 +234,9 @@ class Envd:
     # --- /files -------------------------------------------------------------------------
     async def files(self, request: Request) -> Response:
         try:  # a signed URL (download_url / upload_url) carries no token: its signature names the sandbox
-            sid = await anyio.to_thread.run_sync(signed_sandbox_id, self.sandboxes, request.method,
-                                                 request.headers, request.query_params)  # fmt: skip
+            sid = await anyio.to_thread.run_sync(
+                signed_sandbox_id, self.sandboxes, request.method, request.headers, request.query_params
+            )
         except signed.SignatureError as exc:
             return _error(401, str(exc))
         if sid is None:

@@ -198,10 +198,14 @@ def entry_info(fs: SandboxFS, path: str, lst: os.stat_result, names: Names) -> M
     is ``FILE_TYPE_SYMLINK`` (envd: unspecified, which the SDK drops from a
     listing): weenv keeps it listed, with where it points."""
     e = filesystem_pb.EntryInfo(
-        name=_text(posixpath.basename(path) or "/"), path=_text(path), size=entry_size(lst),
-        mode=st.S_IMODE(lst.st_mode), permissions=st.filemode(lst.st_mode), owner=names.user(fs.inside_id(lst.st_uid)),
+        name=_text(posixpath.basename(path) or "/"),
+        path=_text(path),
+        size=entry_size(lst),
+        mode=st.S_IMODE(lst.st_mode),
+        permissions=st.filemode(lst.st_mode),
+        owner=names.user(fs.inside_id(lst.st_uid)),
         group=names.group(fs.inside_id(lst.st_gid)),
-    )  # fmt: skip
+    )
     e.modified_time.FromNanoseconds(lst.st_mtime_ns)
     e.type = _file_type(lst.st_mode)
     if st.S_ISREG(lst.st_mode) or st.S_ISDIR(lst.st_mode):
@@ -228,9 +232,11 @@ def upload_metadata(headers) -> dict[str, str]:
     for name, value in headers.items():
         if not name.lower().startswith(METADATA_HEADER):
             continue
-        key = name[len(METADATA_HEADER):].lower()
+        key = name[len(METADATA_HEADER) :].lower()
         if not _METADATA_KEY.match(key) or not _METADATA_VALUE.match(value):
-            raise InvalidInputError(f"bad metadata header {name!r}: token characters in the key, printable ASCII in the value")
+            raise InvalidInputError(
+                f"bad metadata header {name!r}: token characters in the key, printable ASCII in the value"
+            )
         out[key] = value
         size += len(key) + len(value)
         if len(out) > MAX_METADATA_KEYS or size > MAX_METADATA_BYTES:
@@ -246,8 +252,9 @@ def set_metadata(f: BinaryIO, path: str, metadata: dict[str, str]) -> None:
     :class:`InvalidInputError` where the file system keeps none and
     ``metadata`` has some."""
     try:
-        stale = [n for n in os.listxattr(f.fileno()) if n.startswith(XATTR_PREFIX)
-                 and n[len(XATTR_PREFIX):] not in metadata]  # fmt: skip
+        stale = [
+            n for n in os.listxattr(f.fileno()) if n.startswith(XATTR_PREFIX) and n[len(XATTR_PREFIX) :] not in metadata
+        ]
         for name in stale:
             os.removexattr(f.fileno(), name)
     except OSError as exc:
@@ -267,7 +274,7 @@ def read_metadata(fs: SandboxFS, path: str) -> dict[str, str]:
         with fs.fs._open(path, os.O_PATH | os.O_NOFOLLOW) as fd:
             where = f"/proc/self/fd/{fd}"
             names = [n for n in os.listxattr(where) if n.startswith(XATTR_PREFIX)]
-            return {n[len(XATTR_PREFIX):]: os.getxattr(where, n).decode(errors="replace") for n in names}
+            return {n[len(XATTR_PREFIX) :]: os.getxattr(where, n).decode(errors="replace") for n in names}
     except (OSError, NotFoundError, InvalidInputError):
         return {}
 
@@ -405,8 +412,14 @@ def read_inside(node, sb: Sandbox, path: str, who: Identity) -> bytes:
     there (E2B's envd reads inside the sandbox too).  Raises NotFoundError
     (missing), InvalidInputError (a directory), OSError EACCES (refused to
     that user), CommandTimeoutError (past :data:`PSEUDO_READ_TIMEOUT_S`)."""
-    p = node.spawn(sb.id, ["/bin/sh", "-c", _READ_SCRIPT, "sh", path], user=who, cwd="/",
-                   timeout=PSEUDO_READ_TIMEOUT_S, primary_reader=True)  # fmt: skip
+    p = node.spawn(
+        sb.id,
+        ["/bin/sh", "-c", _READ_SCRIPT, "sh", path],
+        user=who,
+        cwd="/",
+        timeout=PSEUDO_READ_TIMEOUT_S,
+        primary_reader=True,
+    )
     r = node.collect(p, MAX_PSEUDO_READ)
     if r.timed_out:
         raise CommandTimeoutError(f"reading {path} inside the sandbox took more than {PSEUDO_READ_TIMEOUT_S:g} s")
@@ -417,12 +430,14 @@ def read_inside(node, sb: Sandbox, path: str, who: Identity) -> bytes:
     why = r.stderr.decode(errors="replace").strip().rpartition(": ")[2] or f"exit status {r.exit_code}"
     if "No such file" in why:
         raise NotFoundError(f"path '{path}' does not exist")
-    raise OSError(errno.EACCES if "denied" in why or "not permitted" in why else errno.EIO,
-                  f"error opening file '{path}': {why}")
+    raise OSError(
+        errno.EACCES if "denied" in why or "not permitted" in why else errno.EIO, f"error opening file '{path}': {why}"
+    )
 
 
-def open_write(node, sb: Sandbox, path: str, who: Identity,
-               metadata: dict[str, str] | None = None) -> tuple[BinaryIO, dict]:  # fmt: skip
+def open_write(
+    node, sb: Sandbox, path: str, who: Identity, metadata: dict[str, str] | None = None
+) -> tuple[BinaryIO, dict]:
     """The file ``path`` truncated or created (parents too, owned by ``who``)
     and open for writing, with ``metadata`` (:func:`upload_metadata`) as its
     whole metadata (an earlier upload's keys removed), and the ``/files``

@@ -45,10 +45,15 @@ class _Parts:
         self._field = self._value = b""
 
     def callbacks(self) -> dict:
-        return {"on_part_begin": self.on_part_begin, "on_header_field": self.on_header_field,
-                "on_header_value": self.on_header_value, "on_header_end": self.on_header_end,
-                "on_headers_finished": self.on_headers_finished, "on_part_data": self.on_part_data,
-                "on_part_end": self.on_part_end}  # fmt: skip
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+        }
 
     def on_part_begin(self) -> None:
         self._headers = {}
@@ -88,8 +93,9 @@ class _Parts:
             current.close()
 
 
-async def write_parts(content_type: str, body: AsyncIterable[bytes], open_target: OpenTarget,
-                      path: str | None) -> list[dict[str, str]]:
+async def write_parts(
+    content_type: str, body: AsyncIterable[bytes], open_target: OpenTarget, path: str | None
+) -> list[dict[str, str]]:
     """Write the file parts of the multipart ``body`` (with header
     ``content_type``) through ``open_target``, each to ``path`` or else to its
     file name; the entries ``open_target`` gave, in order.  Raises

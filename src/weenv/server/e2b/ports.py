@@ -82,8 +82,19 @@ KEY_HEADER = "x-weenv-key"
 MAX_RELAY_IDLE_S = 86400.0
 """The longest idle timeout a request may ask."""
 _HOST = re.compile(r"^(\d{1,5})-([0-9a-f]{12})\.")
-_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
-        b"te", b"trailer", b"upgrade", TOKEN_HEADER.encode(), IDLE_HEADER.encode(), KEY_HEADER.encode()}  # fmt: skip
+_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    TOKEN_HEADER.encode(),
+    IDLE_HEADER.encode(),
+    KEY_HEADER.encode(),
+}
 _NODE_CHECKS = {TOKEN_HEADER.encode(), IDLE_HEADER.encode(), KEY_HEADER.encode()}
 """What a gateway relaying to the node passes on for the node to check."""
 READ_SIZE = 64 << 10
@@ -110,8 +121,17 @@ class PortProxy:
     the daemon's (:class:`~weenv.server.auth.ApiKey`), which a request asking
     its own idle timeout must carry (None: no request may)."""
 
-    def __init__(self, app, node, sandboxes, *, max_relays: int = 256, max_body: int = MAX_BODY,
-                 idle_timeout: float = RELAY_IDLE_S, api_key=None):
+    def __init__(
+        self,
+        app,
+        node,
+        sandboxes,
+        *,
+        max_relays: int = 256,
+        max_body: int = MAX_BODY,
+        idle_timeout: float = RELAY_IDLE_S,
+        api_key=None,
+    ):
         self.app = app
         self.api_key = api_key
         self.node = node
@@ -144,8 +164,9 @@ class PortProxy:
         except InvalidInputError as exc:
             await answer(400, str(exc))
             return
-        if idle != self.idle_timeout and (self.api_key is None
-                                          or not self.api_key.matches(Headers(scope=scope).get(KEY_HEADER))):
+        if idle != self.idle_timeout and (
+            self.api_key is None or not self.api_key.matches(Headers(scope=scope).get(KEY_HEADER))
+        ):
             await answer(403, f"{IDLE_HEADER} needs the daemon's API key in the {KEY_HEADER} header")
             return
         length = Headers(scope=scope).get("content-length")
@@ -176,9 +197,9 @@ class PortProxy:
         thread limiter), or None once ``refuse(status, message)`` has answered
         why not: no such sandbox or a paused one (502), no traffic token (403), port closed (502)."""
         try:
-            return await anyio.to_thread.run_sync(self._open, sandbox_id, port,
-                                                  Headers(scope=scope).get(TOKEN_HEADER),
-                                                  limiter=self.connects)  # fmt: skip
+            return await anyio.to_thread.run_sync(
+                self._open, sandbox_id, port, Headers(scope=scope).get(TOKEN_HEADER), limiter=self.connects
+            )
         except NotFoundError:
             await refuse(502, f"The sandbox {sandbox_id} was not found")
         except _NoToken:
@@ -190,6 +211,7 @@ class PortProxy:
     async def _websocket(self, scope, receive, send, sandbox_id: str, port: int) -> None:
         """A WebSocket to ``port`` of the sandbox, relayed message by message
         (see the module docstring); a refusal before it opens is an HTTP answer."""
+
         async def refuse(status: int, message: str) -> None:
             await ws_refusal(send, status, message, sandbox_id, port)
 
@@ -249,14 +271,20 @@ def port_named(scope) -> tuple[int, str] | None:
 async def ws_refusal(send, status: int, message: str, sandbox_id: str, port: int) -> None:
     """E2B's error as the HTTP answer to a WebSocket upgrade (ASGI's ``websocket.http.response``)."""
     body = json.dumps({"code": status, "message": message, "sandboxId": sandbox_id, "port": port}).encode()
-    await send({"type": "websocket.http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "websocket.http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "websocket.http.response.body", "body": body})
 
 
 async def _answer(scope, receive, send, status: int, message: str, sandbox_id: str, port: int) -> None:
-    await JSONResponse({"code": status, "message": message, "sandboxId": sandbox_id, "port": port},
-                       status_code=status)(scope, receive, send)
+    await JSONResponse({"code": status, "message": message, "sandboxId": sandbox_id, "port": port}, status_code=status)(
+        scope, receive, send
+    )
 
 
 class _NoToken(Exception):
@@ -303,8 +331,9 @@ class _Clock:
                 task.cancel()
 
 
-async def relay_http(sock: socket.socket, scope, receive, send, *, max_body: int, idle: float,
-                     keep_token: bool = False) -> tuple[int, str] | None:  # fmt: skip
+async def relay_http(
+    sock: socket.socket, scope, receive, send, *, max_body: int, idle: float, keep_token: bool = False
+) -> tuple[int, str] | None:
     """One request from ``scope``/``receive`` to the connected ``sock``, its
     answer to ``send``, within the limits; ``(status, message)`` to answer
     when it failed before the sandbox answered, else None.  ``keep_token``:
@@ -355,7 +384,7 @@ async def relay_http(sock: socket.socket, scope, receive, send, *, max_body: int
         while True:
             event = conn.next_event()
             if event is h11.PAUSED:  # it switched protocols (a CONNECT's 2xx): not relayed; h11 would
-                if not started:      # answer PAUSED forever, and this loop spun the daemon's event loop
+                if not started:  # answer PAUSED forever, and this loop spun the daemon's event loop
                     failed = (502, "The sandbox's port switched protocols (CONNECT or upgrade): not relayed")
                 break
             if event is h11.NEED_DATA:

@@ -34,8 +34,8 @@ import anyio.to_thread
 from google.protobuf.message import Message
 
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
-from weenv.node.runtime.commands import check_tty_size
 from weenv.node.node import Node
+from weenv.node.runtime.commands import check_tty_size
 from weenv.node.runtime.process import Process
 from weenv.node.runtime.users import Identity
 from weenv.server.e2b.connect import CallContext, RpcError
@@ -81,10 +81,17 @@ def _start(node: Node, sb: Sandbox, req, timeout: float | None, who: Identity) -
     stdin_open = req.stdin if req.HasField("stdin") else True  # envd: a pipe unless disabled
     try:
         return node.spawn(
-            sb.id, [cfg.cmd, *cfg.args], env=dict(cfg.envs), cwd=cwd, timeout=timeout,
-            stdin_open=stdin_open, tag=req.tag if req.HasField("tag") else None, primary_reader=True,
-            user=who, tty=tty,
-        )  # fmt: skip
+            sb.id,
+            [cfg.cmd, *cfg.args],
+            env=dict(cfg.envs),
+            cwd=cwd,
+            timeout=timeout,
+            stdin_open=stdin_open,
+            tag=req.tag if req.HasField("tag") else None,
+            primary_reader=True,
+            user=who,
+            tty=tty,
+        )
     except InvalidInputError as exc:
         raise RpcError("invalid_argument", str(exc)) from exc
 
@@ -103,8 +110,9 @@ def _event(**kw) -> Message:
     return process_pb.ProcessEvent(**kw)
 
 
-async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start: bool = False,
-                  pending: list | None = None) -> AsyncIterator[Message]:
+async def _follow(
+    p: Process, reader: int, ctx: CallContext, wrap, *, sent_start: bool = False, pending: list | None = None
+) -> AsyncIterator[Message]:
     """The envd events of ``p`` from ``reader``'s cursor (after ``pending``, events
     already read), each wrapped by ``wrap``.  A command lost or killed because
     its sandbox went away ends the stream ``unavailable`` (as envd's connection
@@ -117,7 +125,11 @@ async def _follow(p: Process, reader: int, ctx: CallContext, wrap, *, sent_start
             if pending:
                 batch, pending = pending, None
             else:
-                wait = READ_WAIT_S if keepalive is None else max(0.05, min(READ_WAIT_S, keepalive - (time.monotonic() - last)))
+                wait = (
+                    READ_WAIT_S
+                    if keepalive is None
+                    else max(0.05, min(READ_WAIT_S, keepalive - (time.monotonic() - last)))
+                )
                 batch = await anyio.to_thread.run_sync(p.log.read, reader, wait, limiter=_LIMITER)
             if batch is None:
                 return
@@ -212,7 +224,10 @@ class ProcessService:
         seen = p.log.read(reader, 0) or []
         tail = [e for e in seen if e.type in ("end", "error")]
         yield process_pb.ConnectResponse(event=_event(start=process_pb.ProcessEvent.StartEvent(pid=p.pid or 0)))
-        wrap = lambda ev: process_pb.ConnectResponse(event=ev)
+
+        def wrap(ev):
+            return process_pb.ConnectResponse(event=ev)
+
         async for item in _follow(p, reader, ctx, wrap, sent_start=True, pending=tail):
             yield item
 
@@ -297,8 +312,12 @@ async def _send_input(p: Process, given) -> None:
     if which is None:
         raise RpcError("invalid_argument", "no input (stdin or pty)")
     if (which == "pty") != p.tty:
-        raise RpcError("failed_precondition", "the process has a PTY: send pty input, not stdin" if p.tty
-                       else "the process has no PTY: send stdin input, not pty")  # fmt: skip
+        raise RpcError(
+            "failed_precondition",
+            "the process has a PTY: send pty input, not stdin"
+            if p.tty
+            else "the process has no PTY: send stdin input, not pty",
+        )
     await _write_stdin(p, getattr(given, which), eof=False)
 
 
@@ -309,4 +328,3 @@ async def _write_stdin(p: Process, data: bytes, *, eof: bool) -> None:
         raise RpcError("failed_precondition", str(exc)) from exc
     except WeenvError as exc:
         raise RpcError("deadline_exceeded" if exc.kind == "timeout" else "internal", str(exc)) from exc
-

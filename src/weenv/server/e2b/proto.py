@@ -31,11 +31,18 @@ from google.protobuf import (
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
-    "double": _F.TYPE_DOUBLE, "float": _F.TYPE_FLOAT, "int64": _F.TYPE_INT64,
-    "uint64": _F.TYPE_UINT64, "int32": _F.TYPE_INT32, "uint32": _F.TYPE_UINT32,
-    "sint32": _F.TYPE_SINT32, "sint64": _F.TYPE_SINT64, "bool": _F.TYPE_BOOL,
-    "string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES,
-}  # fmt: skip
+    "double": _F.TYPE_DOUBLE,
+    "float": _F.TYPE_FLOAT,
+    "int64": _F.TYPE_INT64,
+    "uint64": _F.TYPE_UINT64,
+    "int32": _F.TYPE_INT32,
+    "uint32": _F.TYPE_UINT32,
+    "sint32": _F.TYPE_SINT32,
+    "sint64": _F.TYPE_SINT64,
+    "bool": _F.TYPE_BOOL,
+    "string": _F.TYPE_STRING,
+    "bytes": _F.TYPE_BYTES,
+}
 
 PROCESS_PROTO = """
 // process.Process: commands inside the sandbox.

@@ -45,5 +45,6 @@ def start_and_wait_ready(node: Node, sb: Sandbox, timeout: float) -> None:
         if time.monotonic() + READY_POLL_S >= deadline:
             raise CommandTimeoutError(
                 f"the template's ready command `{runtime.ready_command}` did not succeed within {timeout:g} s "
-                f"(last run: {last}); the sandbox was removed")
+                f"(last run: {last}); the sandbox was removed"
+            )
         time.sleep(READY_POLL_S)

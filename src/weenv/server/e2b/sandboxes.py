@@ -23,9 +23,9 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from weenv.api.models import EnvironmentInfo
 from weenv.errors import NotFoundError
 from weenv.formats.manifest import RuntimeConfig
-from weenv.api.models import EnvironmentInfo
 from weenv.node.node import Node
 from weenv.node.runtime.users import Identity
 from weenv.packaging.template import load_template
@@ -80,17 +80,36 @@ class Sandboxes:
         self._runtimes: dict[str, RuntimeConfig] = {}
         self._lock = threading.Lock()
 
-    def create(self, template: str, *, timeout: int, metadata: dict[str, str], envs: dict[str, str],
-               undelivered: bool = False, network: bool | None = None, allow_out: list[str] | None = None,
-               deny_out: list[str] | None = None, public_traffic: bool = True, on_timeout: str = "kill") -> Sandbox:
+    def create(
+        self,
+        template: str,
+        *,
+        timeout: int,
+        metadata: dict[str, str],
+        envs: dict[str, str],
+        undelivered: bool = False,
+        network: bool | None = None,
+        allow_out: list[str] | None = None,
+        deny_out: list[str] | None = None,
+        public_traffic: bool = True,
+        on_timeout: str = "kill",
+    ) -> Sandbox:
         """A new environment from ``template`` living ``timeout`` seconds
         (``undelivered``: as :meth:`Node.create`'s, until ``node.delivered``;
         ``network``, ``allow_out``, ``deny_out``, ``public_traffic``,
         ``on_timeout``: as ``CreateRequest``'s).  Raises what :meth:`Node.create` raises."""
-        info = self.node.create(template, timeout=float(timeout), envs=envs, metadata=metadata,
-                                undelivered=undelivered, network=network, allow_out=allow_out or None,
-                                deny_out=deny_out or None, public_traffic=public_traffic,
-                                on_timeout=on_timeout)  # fmt: skip
+        info = self.node.create(
+            template,
+            timeout=float(timeout),
+            envs=envs,
+            metadata=metadata,
+            undelivered=undelivered,
+            network=network,
+            allow_out=allow_out or None,
+            deny_out=deny_out or None,
+            public_traffic=public_traffic,
+            on_timeout=on_timeout,
+        )
         return self._view(info)
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -134,14 +153,21 @@ class Sandboxes:
         for h in stats.history:
             if (start is not None and h.t < start) or (end is not None and h.t > end):
                 continue
-            out.append({
-                "timestamp": datetime.datetime.fromtimestamp(h.t, datetime.UTC).isoformat().replace("+00:00", "Z"),
-                "timestampUnix": int(h.t), "cpuCount": cores,
-                "cpuUsedPct": round(min(100.0, 100.0 * h.cpu_used / cores), 2),  # sampling jitter: never above its cores
-                "memUsed": h.memory_usage, "memTotal": h.memory_limit or stats.memory_ceiling,
-                "memCache": max(0, h.memory_usage - h.working_set),
-                "diskUsed": disk_used, "diskTotal": disk_total,
-            })  # fmt: skip
+            out.append(
+                {
+                    "timestamp": datetime.datetime.fromtimestamp(h.t, datetime.UTC).isoformat().replace("+00:00", "Z"),
+                    "timestampUnix": int(h.t),
+                    "cpuCount": cores,
+                    "cpuUsedPct": round(
+                        min(100.0, 100.0 * h.cpu_used / cores), 2
+                    ),  # sampling jitter: never above its cores
+                    "memUsed": h.memory_usage,
+                    "memTotal": h.memory_limit or stats.memory_ceiling,
+                    "memCache": max(0, h.memory_usage - h.working_set),
+                    "diskUsed": disk_used,
+                    "diskTotal": disk_total,
+                }
+            )
         return out
 
     def kill(self, sandbox_id: str) -> None:
@@ -154,21 +180,24 @@ class Sandboxes:
 
     def token_matches(self, sandbox_id: str, presented: str | None) -> bool:
         """Whether ``presented`` is the access token of ``sandbox_id``, in constant time."""
-        return hmac.compare_digest((presented or "").encode(errors="surrogateescape"),
-                                   self.access_token(sandbox_id).encode())
+        return hmac.compare_digest(
+            (presented or "").encode(errors="surrogateescape"), self.access_token(sandbox_id).encode()
+        )
 
     def traffic_token(self, sandbox_id: str) -> str:
         """The traffic access token of ``sandbox_id`` (32 hex digits, E2B's
         ``trafficAccessToken``): what requests to its ports must carry when it
         was created with ``allowPublicTraffic`` false (:mod:`weenv.server.e2b.ports`).
         Derived as the access token is, apart from it: one does not give the other."""
-        return hmac.new(self._secret, b"traffic\0" + sandbox_id.encode(errors="surrogateescape"),
-                        hashlib.sha256).hexdigest()[:32]  # fmt: skip
+        return hmac.new(
+            self._secret, b"traffic\0" + sandbox_id.encode(errors="surrogateescape"), hashlib.sha256
+        ).hexdigest()[:32]
 
     def traffic_token_matches(self, sandbox_id: str, presented: str | None) -> bool:
         """Whether ``presented`` is the traffic access token of ``sandbox_id``, in constant time."""
-        return hmac.compare_digest((presented or "").encode(errors="surrogateescape"),
-                                   self.traffic_token(sandbox_id).encode())
+        return hmac.compare_digest(
+            (presented or "").encode(errors="surrogateescape"), self.traffic_token(sandbox_id).encode()
+        )
 
     def _view(self, info: EnvironmentInfo) -> Sandbox:
         token = self.access_token(info.id)

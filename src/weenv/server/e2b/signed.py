@@ -60,8 +60,16 @@ def expiration_of(value: str | None) -> int | None:
     return int(value)
 
 
-def signer(presented: str, path: str, operation: str, user: str, expiration: int | None,
-           candidates: Iterable[str], token_of: Callable[[str], str], now: float | None = None) -> str:
+def signer(
+    presented: str,
+    path: str,
+    operation: str,
+    user: str,
+    expiration: int | None,
+    candidates: Iterable[str],
+    token_of: Callable[[str], str],
+    now: float | None = None,
+) -> str:
     """The sandbox among ``candidates`` (ids) whose token signed ``presented``
     for this path, operation, user and expiration.  Raises :class:`SignatureError`
     for a malformed signature, one no candidate's token made ("invalid

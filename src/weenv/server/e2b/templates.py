@@ -43,8 +43,8 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
 from pydantic import AliasChoices, Field, ValidationError
 
-from weenv.errors import InvalidInputError, NotFoundError
 from weenv.build.stepbuild import BuildSpec
+from weenv.errors import InvalidInputError, NotFoundError
 from weenv.packaging.steps import MAX_STEPS, Step, check_steps
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
 from weenv.server.e2b.builds import Build, TemplateRecord, Templates
@@ -58,8 +58,9 @@ class TemplateBuildRequestV3(_Body):
     tags: list[str] = Field(default_factory=list, max_length=64)
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=1024)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=1 << 24)
-    min_free_disk_mb: int | None = Field(default=None, validation_alias=AliasChoices("minFreeDiskMb", "minFreeDiskMB"),
-                                         ge=0, le=1 << 40)
+    min_free_disk_mb: int | None = Field(
+        default=None, validation_alias=AliasChoices("minFreeDiskMb", "minFreeDiskMB"), ge=0, le=1 << 40
+    )
     """MiB the sandboxes may write at least (the SDK sends ``minFreeDiskMb``; either spelling)."""
 
 
@@ -104,21 +105,38 @@ def template_json(t: TemplateRecord) -> dict[str, Any]:
     """E2B's ``Template``."""
     last = t.latest_ready() or (t.builds[-1] if t.builds else Build(id=""))
     return {
-        "templateID": t.id, "buildID": last.id, "cpuCount": last.cpu_count, "memoryMB": last.memory_mb,
-        "diskSizeMB": last.disk_mb, "public": t.public, "aliases": [t.name], "names": [t.name],
-        "createdAt": _iso(t.created_at), "updatedAt": _iso(t.updated_at), "createdBy": None,
-        "lastSpawnedAt": None, "spawnCount": t.spawn_count, "buildCount": len(t.builds),
-        "envdVersion": ENVD_VERSION, "buildStatus": last.status,
-    }  # fmt: skip
+        "templateID": t.id,
+        "buildID": last.id,
+        "cpuCount": last.cpu_count,
+        "memoryMB": last.memory_mb,
+        "diskSizeMB": last.disk_mb,
+        "public": t.public,
+        "aliases": [t.name],
+        "names": [t.name],
+        "createdAt": _iso(t.created_at),
+        "updatedAt": _iso(t.updated_at),
+        "createdBy": None,
+        "lastSpawnedAt": None,
+        "spawnCount": t.spawn_count,
+        "buildCount": len(t.builds),
+        "envdVersion": ENVD_VERSION,
+        "buildStatus": last.status,
+    }
 
 
 def build_json(b: Build) -> dict[str, Any]:
     """E2B's ``TemplateBuild``."""
     return {
-        "buildID": b.id, "status": b.status, "createdAt": _iso(b.created_at), "updatedAt": _iso(b.updated_at),
-        "cpuCount": b.cpu_count, "memoryMB": b.memory_mb, "diskSizeMB": b.disk_mb, "envdVersion": ENVD_VERSION,
+        "buildID": b.id,
+        "status": b.status,
+        "createdAt": _iso(b.created_at),
+        "updatedAt": _iso(b.updated_at),
+        "cpuCount": b.cpu_count,
+        "memoryMB": b.memory_mb,
+        "diskSizeMB": b.disk_mb,
+        "envdVersion": ENVD_VERSION,
         **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
-    }  # fmt: skip
+    }
 
 
 def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, APIRouter]:
@@ -161,10 +179,17 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         name = body.name or body.alias
         if not name:
             raise E2BError(400, "name: a template name is required")
-        t, b, tags = templates.request(name, body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb,
-                                       min_free_disk_mb=body.min_free_disk_mb)
-        return {"templateID": t.id, "buildID": b.id, "public": t.public, "names": [t.name], "tags": tags,
-                "aliases": [t.name]}  # fmt: skip
+        t, b, tags = templates.request(
+            name, body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb, min_free_disk_mb=body.min_free_disk_mb
+        )
+        return {
+            "templateID": t.id,
+            "buildID": b.id,
+            "public": t.public,
+            "names": [t.name],
+            "tags": tags,
+            "aliases": [t.name],
+        }
 
     @router.get("/templates/{template_id}/files/{files_hash}", status_code=201)
     def file_link(request: Request, template_id: str, files_hash: str) -> dict:
@@ -208,9 +233,14 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
             err = exc.errors()[0]
             raise E2BError(400, f"steps.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
         check_steps(steps)  # InvalidInputError (400): bad arguments, variables past their bounds
-        spec = BuildSpec(steps=steps, from_image=body.from_image, from_template=body.from_template,
-                         force=body.force, start_command=body.start_cmd or None,
-                         ready_command=body.ready_cmd or None)  # fmt: skip
+        spec = BuildSpec(
+            steps=steps,
+            from_image=body.from_image,
+            from_template=body.from_template,
+            force=body.force,
+            start_command=body.start_cmd or None,
+            ready_command=body.ready_cmd or None,
+        )
         templates.start(t.id, build_id, spec)
         return Response(status_code=202)
 
@@ -230,8 +260,13 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         entries = templates.logs(build_id)
         if level is not None:
             entries = [e for e in entries if LEVELS.index(e["level"]) >= LEVELS.index(level)]
-        out: dict[str, Any] = {"logs": [], "logEntries": entries[logs_offset : logs_offset + limit],
-                               "templateID": t.id, "buildID": b.id, "status": b.status}  # fmt: skip
+        out: dict[str, Any] = {
+            "logs": [],
+            "logEntries": entries[logs_offset : logs_offset + limit],
+            "templateID": t.id,
+            "buildID": b.id,
+            "status": b.status,
+        }
         if b.reason:
             out["reason"] = b.reason
         return out
@@ -260,8 +295,11 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
         if level is not None:
             entries = [e for e in entries if LEVELS.index(e["level"]) >= LEVELS.index(level)]
         if cursor is not None:
-            entries = [e for e in entries if (_ms(e["timestamp"]) >= cursor if direction == "forward"
-                                              else _ms(e["timestamp"]) <= cursor)]  # fmt: skip
+            entries = [
+                e
+                for e in entries
+                if (_ms(e["timestamp"]) >= cursor if direction == "forward" else _ms(e["timestamp"]) <= cursor)
+            ]
         if direction == "backward":
             entries.reverse()
         start = 0

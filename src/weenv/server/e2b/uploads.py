@@ -88,9 +88,17 @@ class UploadTokens:
         """Raise :class:`AuthenticationError` unless ``token`` authorises the
         upload of ``files_hash`` for ``template_id`` now."""
         parts = (token or "").split("/")
-        if len(parts) != 4 or not parts[2].isdigit() or parts[:2] != [template_id, files_hash] or not hmac.compare_digest(
-                parts[3].encode(errors="surrogateescape"), self._mac(*parts[:2], int(parts[2])).encode()):  # fmt: skip
-            raise AuthenticationError("missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)")
+        if (
+            len(parts) != 4
+            or not parts[2].isdigit()
+            or parts[:2] != [template_id, files_hash]
+            or not hmac.compare_digest(
+                parts[3].encode(errors="surrogateescape"), self._mac(*parts[:2], int(parts[2])).encode()
+            )
+        ):
+            raise AuthenticationError(
+                "missing or wrong upload token (ask GET /templates/{id}/files/{hash} for the link)"
+            )
         if int(parts[2]) < time.time():
             raise AuthenticationError("the upload token expired (ask GET /templates/{id}/files/{hash} for a new link)")
 
@@ -109,8 +117,15 @@ class UploadTokens:
 class Uploads:
     """The uploads under ``directory`` (see the module docstring)."""
 
-    def __init__(self, directory: Path, *, secret: bytes, ttl_s: float = UPLOAD_TTL_S,
-                 max_total: int = UPLOADS_MAX_BYTES, max_upload: int = MAX_UPLOAD_BYTES):  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        secret: bytes,
+        ttl_s: float = UPLOAD_TTL_S,
+        max_total: int = UPLOADS_MAX_BYTES,
+        max_upload: int = MAX_UPLOAD_BYTES,
+    ):
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ttl_s, self.max_total, self.max_upload = ttl_s, max_total, max_upload
@@ -224,8 +239,9 @@ class Uploads:
                     return
             if attempt == 0:
                 self.sweep()
-        raise CapacityError(f"this node holds {self.max_total} bytes of uploads no build has used yet; "
-                            "try again once builds have run")  # fmt: skip
+        raise CapacityError(
+            f"this node holds {self.max_total} bytes of uploads no build has used yet; try again once builds have run"
+        )
 
     def _unreserve(self, n: int) -> None:
         with self._lock:

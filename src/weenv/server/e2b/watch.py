@@ -76,8 +76,17 @@ MAX_QUEUED = 10_000
 LIVENESS_S = 2.0
 """How often the node is asked whether the sandboxes with watchers still run, seconds."""
 
-MASK = (ino.IN_CREATE | ino.IN_MOVED_TO | ino.IN_MODIFY | ino.IN_DELETE | ino.IN_DELETE_SELF
-        | ino.IN_MOVED_FROM | ino.IN_MOVE_SELF | ino.IN_ATTRIB | ino.IN_ONLYDIR)  # fmt: skip
+MASK = (
+    ino.IN_CREATE
+    | ino.IN_MOVED_TO
+    | ino.IN_MODIFY
+    | ino.IN_DELETE
+    | ino.IN_DELETE_SELF
+    | ino.IN_MOVED_FROM
+    | ino.IN_MOVE_SELF
+    | ino.IN_ATTRIB
+    | ino.IN_ONLYDIR
+)
 ET = filesystem_pb.EventType
 _TYPES = (
     (ino.IN_CREATE | ino.IN_MOVED_TO, ET.Value("EVENT_TYPE_CREATE")),
@@ -98,8 +107,9 @@ class Watcher:
     events are :class:`filesystem_pb.FilesystemEvent` messages, taken with
     :meth:`take` or :meth:`wait`.  Thread-safe."""
 
-    def __init__(self, watches: "Watches", sandbox_id: str, path: str, fs: SandboxFS, *,
-                 recursive: bool, include_entry: bool):  # fmt: skip
+    def __init__(
+        self, watches: Watches, sandbox_id: str, path: str, fs: SandboxFS, *, recursive: bool, include_entry: bool
+    ):
         self.id = "w" + secrets.token_hex(12)
         self.sandbox_id, self.path, self.fs = sandbox_id, path, fs
         self.recursive, self.include_entry = recursive, include_entry
@@ -149,8 +159,11 @@ class Watcher:
             if self.error is not None or self.closed:
                 return True
             if len(self._events) + len(events) > MAX_QUEUED:
-                self.error = RpcError("data_loss", f"more than {MAX_QUEUED} events of the watch of {self.path} "
-                                                   "were not read: events were lost, the watch ended")
+                self.error = RpcError(
+                    "data_loss",
+                    f"more than {MAX_QUEUED} events of the watch of {self.path} "
+                    "were not read: events were lost, the watch ended",
+                )
                 self._cond.notify_all()
                 return False
             self._events.extend(events)
@@ -224,8 +237,9 @@ class Watches:
         return True
 
     # --- watchers -----------------------------------------------------------------------
-    def create(self, sb, path: str, *, recursive: bool, include_entry: bool = False,
-               allow_network_mounts: bool = False) -> Watcher:  # fmt: skip
+    def create(
+        self, sb, path: str, *, recursive: bool, include_entry: bool = False, allow_network_mounts: bool = False
+    ) -> Watcher:
         """A new watcher of the directory ``path`` (absolute, resolved) of ``sb``
         (blocking).  Raises :class:`RpcError`: ``not_found`` (no such path),
         ``invalid_argument`` (not a directory; on a network file system unless
@@ -249,8 +263,10 @@ class Watches:
             if self._closing:
                 raise RpcError("unavailable", "the daemon is shutting down")
             if len(self._by_sandbox.get(sandbox_id, {})) >= MAX_WATCHERS:
-                raise RpcError("resource_exhausted", f"sandbox {sandbox_id} already has {MAX_WATCHERS} watchers "
-                                                     "(the most it may hold): stop one first")
+                raise RpcError(
+                    "resource_exhausted",
+                    f"sandbox {sandbox_id} already has {MAX_WATCHERS} watchers (the most it may hold): stop one first",
+                )
 
     def get(self, sandbox_id: str, watcher_id: str) -> Watcher:
         """The polling watcher ``watcher_id`` of the sandbox; RpcError ``not_found``."""
@@ -313,7 +329,9 @@ class Watches:
         with fd:
             kind = fs_type(fd)
             if kind in NETWORK_FS and not allow_network_mounts:
-                raise RpcError("invalid_argument", f"cannot watch path on network filesystem ({NETWORK_FS[kind]}): {w.path}")
+                raise RpcError(
+                    "invalid_argument", f"cannot watch path on network filesystem ({NETWORK_FS[kind]}): {w.path}"
+                )
             self._mark(w, fd, "")
             if w.recursive:
                 self._walk(w, fd, "")
@@ -325,8 +343,11 @@ class Watches:
         its directory was watched.  Raises RpcError ``resource_exhausted`` for a
         tree deeper than :data:`MAX_DEPTH` below the watched path."""
         if depth >= MAX_DEPTH:
-            raise RpcError("resource_exhausted", f"{posixpath.join(w.path, rel)}: the tree is deeper than "
-                                                 f"{MAX_DEPTH} directories: watch a shallower one")
+            raise RpcError(
+                "resource_exhausted",
+                f"{posixpath.join(w.path, rel)}: the tree is deeper than "
+                f"{MAX_DEPTH} directories: watch a shallower one",
+            )
         try:
             with os.scandir(dirfd) as it:
                 entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
@@ -352,8 +373,11 @@ class Watches:
             if w.closed or w.error is not None:
                 raise RpcError("canceled", "the watcher was stopped while it was being set")
             if self._dirs.get(w.sandbox_id, 0) >= MAX_DIRS:
-                raise RpcError("resource_exhausted", f"the watchers of sandbox {w.sandbox_id} would watch more than "
-                                                     f"{MAX_DIRS} directories: watch a smaller tree")
+                raise RpcError(
+                    "resource_exhausted",
+                    f"the watchers of sandbox {w.sandbox_id} would watch more than "
+                    f"{MAX_DIRS} directories: watch a smaller tree",
+                )
             inotify = self._instance()
             try:
                 wd = inotify.add(fd, MASK)
@@ -450,7 +474,11 @@ class Watches:
                 with self._lock:
                     everyone = {w for users in self._marks.values() for w in users}
                 for w in everyone:
-                    w.fail(RpcError("data_loss", "the kernel's inotify queue overflowed: events were lost, the watch ended"))
+                    w.fail(
+                        RpcError(
+                            "data_loss", "the kernel's inotify queue overflowed: events were lost, the watch ended"
+                        )
+                    )
                     self._release(w)
                 continue
             with self._lock:
@@ -460,7 +488,9 @@ class Watches:
                         self._unmark(w, ev.wd, kernel_gone=True)
             if ev.mask & ino.IN_UNMOUNT:
                 for w, _rel in targets:
-                    w.fail(RpcError("unavailable", f"the file system of {w.path} in sandbox {w.sandbox_id} was unmounted"))
+                    w.fail(
+                        RpcError("unavailable", f"the file system of {w.path} in sandbox {w.sandbox_id} was unmounted")
+                    )
                     self._release(w)
                 continue
             for w, rel in targets:
@@ -490,8 +520,14 @@ class WatchService:
     async def _create(self, req, ctx) -> Watcher:
         sb = ctx.state["sandbox"]
         path = resolve(sb, req.path, ctx.state["user"])
-        make = functools.partial(self.watches.create, sb, path, recursive=req.recursive,
-                                 include_entry=req.include_entry, allow_network_mounts=req.allow_network_mounts)
+        make = functools.partial(
+            self.watches.create,
+            sb,
+            path,
+            recursive=req.recursive,
+            include_entry=req.include_entry,
+            allow_network_mounts=req.allow_network_mounts,
+        )
         try:
             return await anyio.to_thread.run_sync(make)
         except NotFoundError as exc:  # the sandbox went meanwhile

@@ -54,10 +54,24 @@ MAX_WS_MESSAGE = 16 << 20
 MAX_REFUSAL_BODY = 64 << 10
 """Largest body of a sandbox's refusal of an upgrade that is relayed, bytes."""
 READ_SIZE = 64 << 10
-_NOT_FORWARDED = {b"host", b"connection", b"upgrade", b"keep-alive", b"proxy-connection", b"proxy-authorization",
-                  b"te", b"trailer", b"transfer-encoding", b"content-length", b"sec-websocket-key",
-                  b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol",
-                  b"sec-websocket-accept", b"e2b-traffic-access-token"}  # fmt: skip
+_NOT_FORWARDED = {
+    b"host",
+    b"connection",
+    b"upgrade",
+    b"keep-alive",
+    b"proxy-connection",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"content-length",
+    b"sec-websocket-key",
+    b"sec-websocket-version",
+    b"sec-websocket-extensions",
+    b"sec-websocket-protocol",
+    b"sec-websocket-accept",
+    b"e2b-traffic-access-token",
+}
 TOKEN = b"e2b-traffic-access-token"
 _UNSENDABLE = {1004, 1005, 1006, 1015}
 
@@ -67,8 +81,17 @@ def _code(code: int | None) -> int:
     return code if code is not None and 1000 <= code < 5000 and code not in _UNSENDABLE else 1000
 
 
-async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, idle: float,
-                          max_message: int = MAX_WS_MESSAGE, keep_token: bool = False) -> None:  # fmt: skip
+async def relay_websocket(
+    sock: socket.socket,
+    scope,
+    receive,
+    send,
+    refuse,
+    *,
+    idle: float,
+    max_message: int = MAX_WS_MESSAGE,
+    keep_token: bool = False,
+) -> None:
     """Relay the WebSocket of ``scope`` (its ``websocket.connect`` received
     already) to the connected ``sock`` (see the module docstring);
     ``await refuse(status, message)`` answers the client with an HTTP error
@@ -86,12 +109,19 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
         host = next((v for k, v in scope["headers"] if k.lower() == b"host"), b"localhost")
         dropped = _NOT_FORWARDED - {TOKEN} if keep_token else _NOT_FORWARDED
         extra = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
-        writer.write(ws.send(Request(host=host.decode("latin-1"), target=target.decode("latin-1"),
-                                     subprotocols=list(scope.get("subprotocols") or ()),
-                                     extra_headers=extra)))  # fmt: skip
+        writer.write(
+            ws.send(
+                Request(
+                    host=host.decode("latin-1"),
+                    target=target.decode("latin-1"),
+                    subprotocols=list(scope.get("subprotocols") or ()),
+                    extra_headers=extra,
+                )
+            )
+        )
         try:
             answer = await asyncio.wait_for(_handshake(reader, ws), idle)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await refuse(504, f"the sandbox's port did not answer the WebSocket upgrade within {idle:g} s")
             return
         except (OSError, RemoteProtocolError, LocalProtocolError, EOFError):
@@ -100,12 +130,22 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
         answer, body = answer
         if isinstance(answer, RejectConnection):
             headers = [(k, v) for k, v in answer.headers if k.lower() not in _NOT_FORWARDED]
-            await send({"type": "websocket.http.response.start", "status": answer.status_code,
-                        "headers": [*headers, (b"content-length", str(len(body)).encode())]})  # fmt: skip
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": answer.status_code,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "websocket.http.response.body", "body": body})
             return
-        await send({"type": "websocket.accept", "subprotocol": answer.subprotocol,
-                    "headers": [(k, v) for k, v in answer.extra_headers if k.lower() not in _NOT_FORWARDED]})
+        await send(
+            {
+                "type": "websocket.accept",
+                "subprotocol": answer.subprotocol,
+                "headers": [(k, v) for k, v in answer.extra_headers if k.lower() not in _NOT_FORWARDED],
+            }
+        )
         await _pass_messages(reader, writer, ws, receive, send, idle=idle, max_message=max_message, last=last)
     finally:
         writer.close()
@@ -113,8 +153,9 @@ async def relay_websocket(sock: socket.socket, scope, receive, send, refuse, *, 
             await writer.wait_closed()
 
 
-async def _handshake(reader: asyncio.StreamReader,
-                     ws: WSConnection) -> tuple[AcceptConnection | RejectConnection, bytes]:  # fmt: skip
+async def _handshake(
+    reader: asyncio.StreamReader, ws: WSConnection
+) -> tuple[AcceptConnection | RejectConnection, bytes]:
     """The sandbox's answer to the upgrade: ``(its accept, b"")``, or ``(its
     refusal, its body)`` (at most :data:`MAX_REFUSAL_BODY` bytes)."""
     refusal: RejectConnection | None = None
@@ -139,8 +180,9 @@ async def _handshake(reader: asyncio.StreamReader,
         ws.receive_data(data)
 
 
-async def _pass_messages(reader, writer, ws: WSConnection, receive, send, *, idle: float, max_message: int,
-                         last: list[float]) -> None:  # fmt: skip
+async def _pass_messages(
+    reader, writer, ws: WSConnection, receive, send, *, idle: float, max_message: int, last: list[float]
+) -> None:
     loop = asyncio.get_running_loop()
 
     def touch() -> None:
@@ -216,8 +258,11 @@ async def _pass_messages(reader, writer, ws: WSConnection, receive, send, *, idl
             done, _ = await asyncio.wait(tasks, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             if done:
                 for t in done:
-                    if not t.cancelled() and t.exception() is not None and not isinstance(
-                            t.exception(), (OSError, LocalProtocolError, RemoteProtocolError)):
+                    if (
+                        not t.cancelled()
+                        and t.exception() is not None
+                        and not isinstance(t.exception(), (OSError, LocalProtocolError, RemoteProtocolError))
+                    ):
                         raise t.exception()
                     if not t.cancelled() and t.exception() is not None:  # the sandbox's side broke
                         await close_client(1011, "the sandbox's port broke the WebSocket")

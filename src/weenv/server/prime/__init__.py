@@ -35,8 +35,9 @@ from weenv.server.prime.images import Images
 from weenv.server.prime.sandboxes import Tokens
 
 
-def create_prime_app(node: Node, *, api_key: ApiKey, sandboxes: Sandboxes,
-                     resolve: Callable[[str], str | None] | None = None) -> FastAPI:  # fmt: skip
+def create_prime_app(
+    node: Node, *, api_key: ApiKey, sandboxes: Sandboxes, resolve: Callable[[str], str | None] | None = None
+) -> FastAPI:
     """The prime-compatible API over ``node`` (started, shared with the daemon).
 
     ``api_key``: the key the control plane accepts (``Authorization: Bearer``);

@@ -29,9 +29,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from weenv.api.models import MAX_TIMEOUT_S
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
 from weenv.formats.manifest import Resources
-from weenv.api.models import MAX_TIMEOUT_S
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.prime.images import Images
 from weenv.server.prime.sandboxes import (
@@ -48,10 +48,20 @@ from weenv.server.prime.sandboxes import (
 )
 
 KIND_STATUS = {
-    "not_found": 404, "invalid_input": 400, "unknown_user": 400, "timeout": 408, "authentication": 401,
-    "capacity": 503, "store_unavailable": 503, "disk_full": 507, "too_large": 413, "closed": 503,
-    "busy": 409, "state": 409, "network_forbidden": 403,
-}  # fmt: skip
+    "not_found": 404,
+    "invalid_input": 400,
+    "unknown_user": 400,
+    "timeout": 408,
+    "authentication": 401,
+    "capacity": 503,
+    "store_unavailable": 503,
+    "disk_full": 507,
+    "too_large": 413,
+    "closed": 503,
+    "busy": 409,
+    "state": 409,
+    "network_forbidden": 403,
+}
 USER_NS = "weenv"
 """The gateway namespace every sandbox of this daemon is under (prime's ``user_ns``)."""
 MAX_BATCH = 100
@@ -110,8 +120,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                 for e in exc.errors()[:5]]  # fmt: skip
+        parts = [
+            f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+            for e in exc.errors()[:5]
+        ]
         return error(422, "; ".join(parts))
 
 
@@ -133,9 +145,13 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
         path = request.url.path
         mount = path[: path.index("/api/v1/")] if "/api/v1/" in path else ""
         base = str(request.url.replace(path=mount + "/gateway", query=""))
-        return {"gateway_url": base, "user_ns": USER_NS,
-                "job_id": sandbox_id, "token": tokens.token(sandbox_id),
-                "expires_at": iso(time.time() + TOKEN_TTL_S)}  # fmt: skip
+        return {
+            "gateway_url": base,
+            "user_ns": USER_NS,
+            "job_id": sandbox_id,
+            "token": tokens.token(sandbox_id),
+            "expires_at": iso(time.time() + TOKEN_TTL_S),
+        }
 
     def create_blocking(body: CreateSandbox) -> dict:
         if body.checkpoint_id is not None:
@@ -150,8 +166,11 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
             raise InvalidInputError("timeout_minutes must be at least 1 (or -1: the longest lifetime weenv allows)")
         template = images.template(body.docker_image)
         try:
-            resources = Resources(cpus=body.cpu_cores, memory_bytes=int(body.memory_gb * (1 << 30)),
-                                  **({"disk_bytes": int(body.disk_size_gb * (1 << 30))} if body.disk_size_gb else {}))
+            resources = Resources(
+                cpus=body.cpu_cores,
+                memory_bytes=int(body.memory_gb * (1 << 30)),
+                **({"disk_bytes": int(body.disk_size_gb * (1 << 30))} if body.disk_size_gb else {}),
+            )
         except ValidationError as exc:
             raise InvalidInputError(f"resources: {exc.errors()[0].get('msg')}") from None
         metadata = {NAME_KEY: body.name, IMAGE_KEY: body.docker_image}
@@ -163,9 +182,14 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
         elif body.network_denylist is not None:
             network = {"network": True, "deny_out": body.network_denylist}
         lifetime = MAX_TIMEOUT_S if body.timeout_minutes == -1 else float(body.timeout_minutes * 60)
-        info = node.create(template, timeout=lifetime, resources=resources,
-                           envs={**(body.environment_vars or {}), **(body.secrets or {})}, metadata=metadata,
-                           **network)  # fmt: skip
+        info = node.create(
+            template,
+            timeout=lifetime,
+            resources=resources,
+            envs={**(body.environment_vars or {}), **(body.secrets or {})},
+            metadata=metadata,
+            **network,
+        )
         return view(info)
 
     def create_once(body: CreateSandbox) -> dict:
@@ -187,9 +211,13 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
         return {**sandbox, "gatewayAuth": gateway_auth(request, sandbox["id"])}
 
     @router.get("/sandbox")
-    async def list_(page: Annotated[int, Query(ge=1)] = 1, per_page: Annotated[int, Query(ge=1, le=1000)] = 50,
-                    status: str | None = None, labels: Annotated[list[str] | None, Query()] = None,
-                    is_active: bool | None = None) -> dict:  # fmt: skip
+    async def list_(
+        page: Annotated[int, Query(ge=1)] = 1,
+        per_page: Annotated[int, Query(ge=1, le=1000)] = 50,
+        status: str | None = None,
+        labels: Annotated[list[str] | None, Query()] = None,
+        is_active: bool | None = None,
+    ) -> dict:
         """The sandboxes, newest first, filtered by status and labels, a page of them."""
         infos = await anyio.to_thread.run_sync(node.list)
         infos = sorted(infos, key=lambda i: i.created_at, reverse=True)
@@ -198,9 +226,14 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
         if labels:
             infos = [i for i in infos if set(labels) <= set(labels_of(i))]
         total = len(infos)
-        chosen = infos[(page - 1) * per_page: page * per_page]
-        return {"sandboxes": [view(i) for i in chosen], "total": total, "page": page, "perPage": per_page,
-                "hasNext": page * per_page < total}  # fmt: skip
+        chosen = infos[(page - 1) * per_page : page * per_page]
+        return {
+            "sandboxes": [view(i) for i in chosen],
+            "total": total,
+            "page": page,
+            "perPage": per_page,
+            "hasNext": page * per_page < total,
+        }
 
     @router.post("/sandbox/status:batchGet")
     async def statuses(body: SandboxIds) -> dict:
@@ -235,8 +268,7 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
                 succeeded.append(sid)
             except WeenvError as exc:
                 failed.append({"sandbox_id": sid, "error": str(exc)})
-        return {"succeeded": succeeded, "failed": failed,
-                "message": f"{len(succeeded)} deleted, {len(failed)} failed"}  # fmt: skip
+        return {"succeeded": succeeded, "failed": failed, "message": f"{len(succeeded)} deleted, {len(failed)} failed"}
 
     @router.get("/sandbox/{sandbox_id}")
     async def get(sandbox_id: str) -> dict:
@@ -271,4 +303,3 @@ def make_api(node, images: Images, tokens: Tokens, api_key: ApiKey) -> APIRouter
         return {"logs": ""}
 
     return router
-

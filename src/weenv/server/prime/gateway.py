@@ -86,8 +86,9 @@ def command_timeout(raw: str | None) -> float | None:
     if raw is None:
         return None
     if not raw.isdigit() or len(raw) > 10 or int(raw) == 0:
-        raise RpcError("invalid_argument", f"command timeout of {raw!r} ms: a timeout is a positive whole number "
-                                           "of milliseconds")  # fmt: skip
+        raise RpcError(
+            "invalid_argument", f"command timeout of {raw!r} ms: a timeout is a positive whole number of milliseconds"
+        )
     return int(raw) / 1000
 
 
@@ -109,10 +110,12 @@ class Gateway:
 
     def routes(self) -> list[Route]:
         base = "/{ns}/{sid}"
-        return [Route(f"{base}/{SERVICE}/{{method}}", self.rpc, methods=["POST"]),
-                Route(f"{base}/upload", self.upload, methods=["POST"]),
-                Route(f"{base}/download", self.download, methods=["GET"]),
-                Route(f"{base}/read-file", self.read_file, methods=["GET"])]  # fmt: skip
+        return [
+            Route(f"{base}/{SERVICE}/{{method}}", self.rpc, methods=["POST"]),
+            Route(f"{base}/upload", self.upload, methods=["POST"]),
+            Route(f"{base}/download", self.download, methods=["GET"]),
+            Route(f"{base}/read-file", self.read_file, methods=["GET"]),
+        ]
 
     def credentialed(self, scope: dict) -> bool:
         """Whether a gateway request carries its sandbox's token (for the daemon's body limit)."""
@@ -136,7 +139,9 @@ class Gateway:
         sid = request.path_params["sid"]
         method = self._methods.get(request.path_params["method"])
         if method is None:
-            return _rpc_error(RpcError("unimplemented", f"{SERVICE}/{request.path_params['method']} is not served by weenv"))
+            return _rpc_error(
+                RpcError("unimplemented", f"{SERVICE}/{request.path_params['method']} is not served by weenv")
+            )
         if not self.tokens.matches(sid, presented_key(request.headers)):
             return _rpc_error(RpcError("unauthenticated", "missing or wrong gateway token"))
         try:
@@ -233,9 +238,17 @@ class Gateway:
         if cmd == "/bin/bash" and not fs.exists(cmd):  # the client always asks bash; small images have sh
             cmd = "/bin/sh"
         try:
-            return self.node.spawn(sb.id, [cmd, *spec.args], env=dict(spec.envs), cwd=cwd, timeout=timeout,
-                                   primary_reader=True, user=who, stdin_open=req.HasField("stdin") and req.stdin,
-                                   tag=req.session_uuid if req.HasField("session_uuid") and req.session_uuid else None)
+            return self.node.spawn(
+                sb.id,
+                [cmd, *spec.args],
+                env=dict(spec.envs),
+                cwd=cwd,
+                timeout=timeout,
+                primary_reader=True,
+                user=who,
+                stdin_open=req.HasField("stdin") and req.stdin,
+                tag=req.session_uuid if req.HasField("session_uuid") and req.session_uuid else None,
+            )
         except InvalidInputError as exc:
             raise RpcError("invalid_argument", str(exc)) from exc
 
@@ -269,8 +282,14 @@ class Gateway:
             return _detail(500, str(exc))
         if not entries:
             return _detail(400, "the upload has no part named 'file'")
-        return JSONResponse({"success": True, "path": entries[0]["path"], "size": sum(written),
-                             "timestamp": datetime.datetime.now(datetime.UTC).isoformat()})  # fmt: skip
+        return JSONResponse(
+            {
+                "success": True,
+                "path": entries[0]["path"],
+                "size": sum(written),
+                "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+            }
+        )
 
     async def download(self, request: Request) -> Response:
         sb = await self._sandbox(request)
@@ -286,8 +305,11 @@ class Gateway:
             return _detail(404, str(exc))
         except (InvalidInputError, RpcError) as exc:
             return _detail(400, str(exc))
-        return StreamingResponse(_chunks(f), media_type="application/octet-stream",
-                                 headers={"content-disposition": f'attachment; filename="{posixpath.basename(path)}"'})
+        return StreamingResponse(
+            _chunks(f),
+            media_type="application/octet-stream",
+            headers={"content-disposition": f'attachment; filename="{posixpath.basename(path)}"'},
+        )
 
     async def read_file(self, request: Request) -> Response:
         sb = await self._sandbox(request)
@@ -320,9 +342,15 @@ class Gateway:
             return _detail(404, str(exc))
         except (InvalidInputError, RpcError) as exc:
             return _detail(400, str(exc))
-        return JSONResponse({"content": data.decode("utf-8", errors="replace"), "size": len(data),
-                             "total_size": total, "offset": start,
-                             "truncated": start > 0 or start + len(data) < total})  # fmt: skip
+        return JSONResponse(
+            {
+                "content": data.decode("utf-8", errors="replace"),
+                "size": len(data),
+                "total_size": total,
+                "offset": start,
+                "truncated": start > 0 or start + len(data) < total,
+            }
+        )
 
 
 def _wrapper(response):

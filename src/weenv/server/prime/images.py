@@ -102,7 +102,8 @@ class Images:
         if host is None or not is_loopback_registry(host):
             raise NotFoundError(
                 f"image {image!r} is neither a weenv template (looked for {' and '.join(map(repr, candidates))}) "
-                "nor in a registry on this machine's loopback: import it (weenv image import) or name a template")
+                "nor in a registry on this machine's loopback: import it (weenv image import) or name a template"
+            )
         return self._import(image)
 
     def _exists(self, ref: str) -> bool:

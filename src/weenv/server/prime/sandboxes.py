@@ -49,16 +49,30 @@ def view(info: EnvironmentInfo) -> dict:
     """The prime ``Sandbox`` JSON of an environment."""
     r = info.resources
     return {
-        "id": info.id, "name": info.metadata.get(NAME_KEY, info.id),
-        "dockerImage": info.metadata.get(IMAGE_KEY, info.template), "startCommand": None,
-        "cpuCores": r.cpus, "memoryGB": r.memory_bytes / (1 << 30), "diskSizeGB": r.disk_bytes / (1 << 30),
-        "diskMountPath": "/", "gpuCount": 0, "gpuType": None, "vm": True,
-        "networkAllowlist": list(info.allow_out) or None, "networkDenylist": list(info.deny_out) or None,
-        "status": status_of(info), "timeoutMinutes": max(1, round(info.timeout_s / 60)),
-        "environmentVars": dict(info.envs), "labels": labels_of(info),
-        "createdAt": iso(info.created_at), "updatedAt": iso(info.created_at), "startedAt": iso(info.created_at),
-        "userId": None, "teamId": None, "region": None,
-    }  # fmt: skip
+        "id": info.id,
+        "name": info.metadata.get(NAME_KEY, info.id),
+        "dockerImage": info.metadata.get(IMAGE_KEY, info.template),
+        "startCommand": None,
+        "cpuCores": r.cpus,
+        "memoryGB": r.memory_bytes / (1 << 30),
+        "diskSizeGB": r.disk_bytes / (1 << 30),
+        "diskMountPath": "/",
+        "gpuCount": 0,
+        "gpuType": None,
+        "vm": True,
+        "networkAllowlist": list(info.allow_out) or None,
+        "networkDenylist": list(info.deny_out) or None,
+        "status": status_of(info),
+        "timeoutMinutes": max(1, round(info.timeout_s / 60)),
+        "environmentVars": dict(info.envs),
+        "labels": labels_of(info),
+        "createdAt": iso(info.created_at),
+        "updatedAt": iso(info.created_at),
+        "startedAt": iso(info.created_at),
+        "userId": None,
+        "teamId": None,
+        "region": None,
+    }
 
 
 class Tokens:
@@ -69,8 +83,9 @@ class Tokens:
         self._secret = hmac.new(api_key.encode(), b"weenv prime gateway token", hashlib.sha256).digest()
 
     def token(self, sandbox_id: str) -> str:
-        return hmac.new(self._secret, b"prime\0" + sandbox_id.encode(errors="surrogateescape"),
-                        hashlib.sha256).hexdigest()  # fmt: skip
+        return hmac.new(
+            self._secret, b"prime\0" + sandbox_id.encode(errors="surrogateescape"), hashlib.sha256
+        ).hexdigest()
 
     def matches(self, sandbox_id: str, presented: str | None) -> bool:
         return hmac.compare_digest((presented or "").encode(errors="surrogateescape"), self.token(sandbox_id).encode())

@@ -38,8 +38,12 @@ from weenv.server.ui.access import (
 
 ACTIONS = ("kill", "pause", "resume", "snapshot")
 STATIC = {"ui.css": "text/css; charset=utf-8", "ui.js": "text/javascript; charset=utf-8"}
-PAGES = (("environments", f"{PATH}/", "Environments"), ("node", f"{PATH}/node", "Node"),
-         ("templates", f"{PATH}/templates", "Templates"), ("tax", f"{PATH}/tax", "Environment tax"))
+PAGES = (
+    ("environments", f"{PATH}/", "Environments"),
+    ("node", f"{PATH}/node", "Node"),
+    ("templates", f"{PATH}/templates", "Templates"),
+    ("tax", f"{PATH}/tax", "Environment tax"),
+)
 NO_STORE = {"cache-control": "no-store", "x-frame-options": "DENY", "referrer-policy": "same-origin"}
 
 
@@ -51,8 +55,9 @@ class _Refused(Exception):
 
 def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | None) -> APIRouter:
     """The ``/ui`` routes over ``node`` (and ``metrics.tax``, the node's tax book)."""
-    env = jinja2.Environment(loader=jinja2.PackageLoader("weenv.server.ui", "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("weenv.server.ui", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
+    )
     r = APIRouter(prefix=PATH, tags=["dashboard"])
 
     def credentials(request: Request) -> str | None:
@@ -98,11 +103,13 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
         if why is not None:
             return render("login.html", request, 403, token="", error=f"refused: {why}")
         if api_key is None or not api_key.matches(key.strip()):
-            return render("login.html", request, 401, token="",
-                          error="wrong key: it is in $WEENV_HOME/run/api-key on the node")
+            return render(
+                "login.html", request, 401, token="", error="wrong key: it is in $WEENV_HOME/run/api-key on the node"
+            )
         response = RedirectResponse(f"{PATH}/", status_code=303, headers=NO_STORE)
-        response.set_cookie(COOKIE, api_key.value, path=PATH, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https")
+        response.set_cookie(
+            COOKIE, api_key.value, path=PATH, httponly=True, samesite="strict", secure=request.url.scheme == "https"
+        )
         return response
 
     @r.post("/logout")
@@ -146,8 +153,7 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
             # the API's kind -> status table (app imports this module: not at its top)
             from weenv.server.app import STATUS
 
-            return render("error.html", request, STATUS.get(exc.kind, 500), token="",
-                          error=f"{action} {env_id}: {exc}")
+            return render("error.html", request, STATUS.get(exc.kind, 500), token="", error=f"{action} {env_id}: {exc}")
         return RedirectResponse(f"{PATH}/?done={quote(done)}", status_code=303, headers=NO_STORE)
 
     @r.get("/static/{name}")

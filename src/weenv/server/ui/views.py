@@ -48,23 +48,32 @@ def environments(node) -> list[dict[str, Any]]:
         last = history[-1] if history else None
         cpu_quota = p.cpu_quota if p is not None and p.cpu_quota is not None else info.resources.cpus
         memory_limit = p.memory_limit if p is not None and p.memory_limit is not None else info.resources.memory_bytes
-        rows.append({
-            "id": info.id,
-            "template": info.template,
-            "state": info.state,
-            "age": age(now - info.created_at),
-            "paused": age(now - info.paused_at) if info.paused_at else None,
-            "memory_released": info.memory_released,
-            "network": (info.address or "on") if info.network else "off",
-            "cpu": f"{last.cpu_used:.2f} / {cpu_quota:.2f}" if last and cpu_quota else
-                   (f"- / {cpu_quota:.2f}" if cpu_quota else "-"),
-            "memory": f"{size(last.working_set if last else None)} / {size(memory_limit)}",
-            "cpu_chart": usage_spark([h.cpu_used for h in history], [h.cpu_quota for h in history],
-                                     title="cores used (filled) against the CPU quota (dashed)"),
-            "memory_chart": usage_spark([h.working_set for h in history], [h.memory_limit for h in history],
-                                        title="working set (filled) against the memory limit (dashed)"),
-            "oom_kills": p.oom_kills if p is not None else 0,
-        })
+        rows.append(
+            {
+                "id": info.id,
+                "template": info.template,
+                "state": info.state,
+                "age": age(now - info.created_at),
+                "paused": age(now - info.paused_at) if info.paused_at else None,
+                "memory_released": info.memory_released,
+                "network": (info.address or "on") if info.network else "off",
+                "cpu": f"{last.cpu_used:.2f} / {cpu_quota:.2f}"
+                if last and cpu_quota
+                else (f"- / {cpu_quota:.2f}" if cpu_quota else "-"),
+                "memory": f"{size(last.working_set if last else None)} / {size(memory_limit)}",
+                "cpu_chart": usage_spark(
+                    [h.cpu_used for h in history],
+                    [h.cpu_quota for h in history],
+                    title="cores used (filled) against the CPU quota (dashed)",
+                ),
+                "memory_chart": usage_spark(
+                    [h.working_set for h in history],
+                    [h.memory_limit for h in history],
+                    title="working set (filled) against the memory limit (dashed)",
+                ),
+                "oom_kills": p.oom_kills if p is not None else 0,
+            }
+        )
     return rows
 
 
@@ -85,7 +94,7 @@ def node_health(node) -> dict[str, Any]:
         "hit_rate": f"{hit_rate:.1%}" if hit_rate is not None else "-",
         "reads": f"{cache.reads_hit} hit, {cache.reads_missed} missed, {cache.chunks_prefetched} chunks prefetched",
         "cache": f"{size(cache.bytes_cached)} in {cache.chunks_cached} chunks"
-                 + (f" of {size(cache.max_bytes)}" if cache.max_bytes else ""),
+        + (f" of {size(cache.max_bytes)}" if cache.max_bytes else ""),
         "served": size(cache.bytes_served),
         "from_store": size(peers.store_bytes),
         "from_peers": size(peers.peer_bytes),
@@ -97,10 +106,17 @@ def node_health(node) -> dict[str, Any]:
         "oom_kills": sum(e.oom_kills for e in provision.environments),
         "cpu": f"{totals.cpu_used:.2f} used, {totals.cpu_quota_sum:.2f} quota, {totals.cpu_capacity:.2f} cores",
         "memory": f"{size(totals.working_set)} used, {size(totals.memory_limit_sum)} limits, "
-                  f"{size(totals.memory_capacity)} on the node",
+        f"{size(totals.memory_capacity)} on the node",
         "pool": f"{stats.pool_ready} ready, {stats.pool_hits} hits, {stats.pool_misses} misses",
-        "events": [{"t": time.strftime("%H:%M:%S", time.localtime(e.t)), "env": e.env_id or "", "kind": e.kind,
-                    "message": e.message} for e in provision.events[-12:][::-1]],
+        "events": [
+            {
+                "t": time.strftime("%H:%M:%S", time.localtime(e.t)),
+                "env": e.env_id or "",
+                "kind": e.kind,
+                "message": e.message,
+            }
+            for e in provision.events[-12:][::-1]
+        ],
     }
 
 
@@ -120,10 +136,18 @@ def templates(node) -> dict[str, Any]:
         except WeenvError as exc:  # a template whose manifest cannot be read now: say so on its row
             rows.append({"name": t.name, "digest": t.digest[:19], "error": str(exc), "groups": []})
             continue
-        rows.append({"name": full.name, "digest": full.digest[:19], "version": full.version,
-                     "image": size(full.image_bytes), "stored": size(full.stored_bytes),
-                     "dedupe": f"{full.image_bytes / full.stored_bytes:.1f}x" if full.stored_bytes else "-",
-                     "groups": [{"name": g, "mounted": mounted.get(g, 0)} for g in full.groups], "error": None})
+        rows.append(
+            {
+                "name": full.name,
+                "digest": full.digest[:19],
+                "version": full.version,
+                "image": size(full.image_bytes),
+                "stored": size(full.stored_bytes),
+                "dedupe": f"{full.image_bytes / full.stored_bytes:.1f}x" if full.stored_bytes else "-",
+                "groups": [{"name": g, "mounted": mounted.get(g, 0)} for g in full.groups],
+                "error": None,
+            }
+        )
     return {"templates": rows, "mounted": sorted(mounted.items())}
 
 
@@ -133,10 +157,20 @@ def tax(book) -> dict[str, Any]:
     batches = report.batches[-MAX_BARS:]
     return {
         "chart": stacked_bars([(b.name, dict(b.phases)) for b in batches]),
-        "batches": [{"name": b.name, "started": time.strftime("%H:%M:%S", time.localtime(b.started_at)),
-                     "wall": f"{b.wall_s:.2f}", "environments": b.environments, "share": f"{b.share:.1%}",
-                     "phases": {k: f"{v:.3f}" for k, v in b.phases.items()}, "command": f"{b.command_s:.3f}",
-                     "other": f"{b.other_s:.3f}"} for b in reversed(batches)],
-        "node": [{"phase": k, "seconds": f"{v:.3f}", "requests": report.requests.get(k, 0)}
-                 for k, v in report.node.items()],
+        "batches": [
+            {
+                "name": b.name,
+                "started": time.strftime("%H:%M:%S", time.localtime(b.started_at)),
+                "wall": f"{b.wall_s:.2f}",
+                "environments": b.environments,
+                "share": f"{b.share:.1%}",
+                "phases": {k: f"{v:.3f}" for k, v in b.phases.items()},
+                "command": f"{b.command_s:.3f}",
+                "other": f"{b.other_s:.3f}",
+            }
+            for b in reversed(batches)
+        ],
+        "node": [
+            {"phase": k, "seconds": f"{v:.3f}", "requests": report.requests.get(k, 0)} for k, v in report.node.items()
+        ],
     }

@@ -56,8 +56,12 @@ def spawn(run_dir: str | os.PathLike[str], fd: int, state: dict, *, timeout: flo
     run_dir = os.path.abspath(run_dir)  # pid_of knows its holder by it
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), run_dir, str(fd), json.dumps(state)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        pass_fds=(fd,), start_new_session=True, cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(fd,),
+        start_new_session=True,
+        cwd="/",
     )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], timeout)

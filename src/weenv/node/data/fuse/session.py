@@ -84,7 +84,7 @@ class InitState:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "InitState":
+    def from_dict(cls, d: dict) -> InitState:
         return cls(**{k: int(d[k]) for k in cls.__dataclass_fields__})
 
 
@@ -104,8 +104,24 @@ class Attr:
     def pack(self) -> bytes:
         sec, nsec = divmod(self.mtime_ns, 1_000_000_000)
         blocks = (self.size + 511) // 512
-        return P.ATTR.pack(self.ino, self.size, blocks, sec, sec, sec, nsec, nsec, nsec,
-                           self.mode, self.nlink, 0, 0, 0, self.blksize, 0)
+        return P.ATTR.pack(
+            self.ino,
+            self.size,
+            blocks,
+            sec,
+            sec,
+            sec,
+            nsec,
+            nsec,
+            nsec,
+            self.mode,
+            self.nlink,
+            0,
+            0,
+            0,
+            self.blksize,
+            0,
+        )
 
     def valid(self) -> tuple[int, int]:
         sec = int(self.timeout)
@@ -144,8 +160,9 @@ class Operations:
 class FuseSession:
     """Serves ``ops`` on the FUSE connection ``fd`` (the session owns it: :meth:`close`)."""
 
-    def __init__(self, fd: int, ops: Operations, *, name: str = "weenv-fuse", readers: int = 2,
-                 max_workers: int = MAX_BACKGROUND):
+    def __init__(
+        self, fd: int, ops: Operations, *, name: str = "weenv-fuse", readers: int = 2, max_workers: int = MAX_BACKGROUND
+    ):
         self.fd = fd
         self.ops = ops
         self.name = name
@@ -244,7 +261,7 @@ class FuseSession:
                 log.error("fuse: short request (%d bytes)", n)
                 continue
             length, opcode, unique, nodeid, _uid, _gid, _pid, _extlen, _pad = P.IN_HEADER.unpack_from(buf)
-            body = bytes(view[P.IN_HEADER.size:min(n, length)])
+            body = bytes(view[P.IN_HEADER.size : min(n, length)])
             if opcode == P.READ:
                 self._submit(unique, nodeid, body)
             else:
@@ -392,13 +409,24 @@ class FuseSession:
         major, minor, max_readahead, flags = P.INIT_IN.unpack_from(body)
         if major != P.KERNEL_VERSION or minor < 23:
             raise OSError(errno.EPROTO, f"unsupported FUSE protocol {major}.{minor}")
-        state = InitState(P.KERNEL_VERSION, min(minor, P.KERNEL_MINOR), max_readahead,
-                          flags & WANT_FLAGS, MAX_WRITE, MAX_PAGES)
+        state = InitState(
+            P.KERNEL_VERSION, min(minor, P.KERNEL_MINOR), max_readahead, flags & WANT_FLAGS, MAX_WRITE, MAX_PAGES
+        )
         self.init = state
         self.initialized.set()
-        return P.INIT_OUT.pack(state.major, state.minor, state.max_readahead, state.flags,
-                               MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4,  # congestion: the kernel's ratio
-                               state.max_write, 1, state.max_pages, 0, 0)
+        return P.INIT_OUT.pack(
+            state.major,
+            state.minor,
+            state.max_readahead,
+            state.flags,
+            MAX_BACKGROUND,
+            MAX_BACKGROUND * 3 // 4,  # congestion: the kernel's ratio
+            state.max_write,
+            1,
+            state.max_pages,
+            0,
+            0,
+        )
 
 
 def _write_abort(fusectl: Path, conn: int) -> bool:
@@ -434,4 +462,3 @@ def connection_id(mountpoint: str | os.PathLike[str]) -> int | None:
                 major, minor = fields[2].split(":")
                 found = int(major) << 20 | int(minor)  # the last mount at the point is the visible one
     return found
-

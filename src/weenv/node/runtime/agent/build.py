@@ -53,8 +53,9 @@ def build_agent(cache: Path, cc: str = "cc") -> Path:
             return out
         tmp = out.with_name(f".weenv-agent.{os.getpid()}.{threading.get_ident()}")
         try:
-            proc = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True,
-                                  timeout=BUILD_TIMEOUT_S)  # fmt: skip
+            proc = subprocess.run(
+                [cc, *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, timeout=BUILD_TIMEOUT_S
+            )
         except FileNotFoundError as exc:
             raise ToolMissingError(f"no C compiler {cc!r} to build the exec agent (Debian: gcc, libc6-dev)") from exc
         except subprocess.TimeoutExpired as exc:

@@ -58,6 +58,7 @@ def is_terminal_master(fd: int) -> bool:
         return False
     return True
 
+
 class AgentUnavailable(Exception):
     """Nothing of the request ran: the agent is not listening (``gone``: it
     died or never started) or hung up before forking (e.g. it could not fork at
@@ -113,7 +114,7 @@ def spawn(
     cgroup: str | None = None,
     ident: str = "",
     tty: tuple[int, int] | None = None,
-) -> "AgentSpawned":
+) -> AgentSpawned:
     """Start ``argv`` (already checked, e.g. by :func:`weenv.node.runtime.runc.exec_args`)
     through the agent listening at ``path``, in working dir ``cwd`` (absolute,
     inside the environment) with ``env`` over the environment's own variables.
@@ -139,10 +140,7 @@ def spawn(
     ``start_timeout`` seconds.
     """
     argc = str(len(argv)) if tty is None else f"{len(argv)} {tty[0]} {tty[1]}"
-    payload = b"".join(
-        os.fsencode(s) + b"\0"
-        for s in (ident, cwd, argc, *argv, *(f"{k}={v}" for k, v in env.items()))
-    )
+    payload = b"".join(os.fsencode(s) + b"\0" for s in (ident, cwd, argc, *argv, *(f"{k}={v}" for k, v in env.items())))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     theirs: list[int] = []  # the command's ends: closed here once sent (or on failure)
     ours: list[BinaryIO] = []  # the node's ends: the caller's on success
@@ -209,7 +207,7 @@ def _pipe(theirs: list[int], ours: list[BinaryIO], *, read: bool) -> BinaryIO:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class AgentSpawned(Spawned):
@@ -222,8 +220,17 @@ class AgentSpawned(Spawned):
     ``F`` (could not start), ``X`` (ended), or end of file (the handler died).
     """
 
-    def __init__(self, conn: socket.socket, argv: list[str], cwd: str,
-                 stdin: BinaryIO | None, stdout: BinaryIO, stderr: BinaryIO, *, cgroup: str | None = None):
+    def __init__(
+        self,
+        conn: socket.socket,
+        argv: list[str],
+        cwd: str,
+        stdin: BinaryIO | None,
+        stdout: BinaryIO,
+        stderr: BinaryIO,
+        *,
+        cgroup: str | None = None,
+    ):
         self.conn = conn
         self._cgroup = cgroup
         self.group: CommandGroup | None = None
