@@ -6,23 +6,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from weenv.api.models import ExecResult
 from weenv.config import Paths
 from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS
-from weenv.api.models import ExecResult
 from weenv.store.base import Store
 
 
 class NodeBuildEnvironments:
     """Starts each build environment on a node of its own (home ``paths.home``)."""
 
-    def start(self, paths: Paths, store: Store, template: str) -> "NodeBuildEnvironment":
+    def start(self, paths: Paths, store: Store, template: str) -> NodeBuildEnvironment:
         from weenv.node.node import Node
 
         node = Node(paths, store=store)
         try:
             node.start()
-            info = node.create(template, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False,
-                                sudo=False)
+            info = node.create(
+                template, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False, sudo=False
+            )
         except BaseException:
             node.close()
             raise
@@ -37,8 +38,14 @@ class NodeBuildEnvironment:
         self.env_id = env_id
         self.root = root
 
-    def exec(self, command: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-             timeout: float | None = None) -> ExecResult:
+    def exec(
+        self,
+        command: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
         return self.node.exec(self.env_id, command, env=env, cwd=cwd, timeout=timeout)
 
     def stop(self) -> Path:

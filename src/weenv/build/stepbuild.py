@@ -60,12 +60,12 @@ from weenv.errors import (
     ToolMissingError,
     WeenvError,
 )
-from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, parse_user
+from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest, canonical_json
 from weenv.host.rootfs import RootFS
+from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS, parse_user
 from weenv.packaging import buildcache
 from weenv.packaging.group import build_group, load_group
 from weenv.packaging.importer.source import _is_loopback
-from weenv.formats.manifest import Resources, RuntimeConfig, TemplateManifest, canonical_json
 from weenv.packaging.steps import (
     DEFAULT_USER,
     ROOT,
@@ -102,8 +102,7 @@ MAX_LINE_BYTES = 4096
 
 
 class BuildLog(Protocol):
-    def __call__(self, message: str, *, level: str = "info", step: str | None = None,
-                 output: bool = False) -> None:
+    def __call__(self, message: str, *, level: str = "info", step: str | None = None, output: bool = False) -> None:
         """Hear a log line; ``output``: a line a step's command printed (the rest: the builder's own)."""
 
 
@@ -193,7 +192,7 @@ def image_digest(ref: str) -> str:
 
 MAX_SUDO_ANSWERS = 1024
 """How many :meth:`TemplateBuild._has_sudo` answers the process keeps (least recently used dropped)."""
-_SUDO_ANSWERS: "OrderedDict[tuple[tuple[str, ...], str], bool]" = OrderedDict()
+_SUDO_ANSWERS: OrderedDict[tuple[tuple[str, ...], str], bool] = OrderedDict()
 """(group digests, user) -> whether that tree lets that user run sudo: the
 answer needs a build environment, and a build taken whole from the cache
 gives the same tree again (group digests fix the tree)."""
@@ -202,14 +201,12 @@ _SUDO_LOCK = threading.Lock()
 
 def step_key(previous: str, step: Step) -> str:
     """The cache key (64 hex digits) of ``step`` after the step keyed ``previous``."""
-    data = {"format": FORMAT, "previous": previous, "type": step.type, "args": step.args,
-            "files": step.files_hash}
+    data = {"format": FORMAT, "previous": previous, "type": step.type, "args": step.args, "files": step.files_hash}
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _state_manifest(state: _State, env: dict[str, str]) -> TemplateManifest:
-    runtime = RuntimeConfig(env={"PATH": DEFAULT_PATH, **env, "HOME": state.account.home},
-                            user=state.account.ids)
+    runtime = RuntimeConfig(env={"PATH": DEFAULT_PATH, **env, "HOME": state.account.home}, user=state.account.ids)
     return TemplateManifest(name="e2b-step", groups=list(state.groups), runtime=runtime)
 
 
@@ -237,8 +234,9 @@ def _reached(store: Store, digest: str) -> list[str]:
 def _reuse(store: Store, lease: Lease, find: Callable[[], str | None]) -> str | None:
     """The template manifest ``find()`` names, once ``lease`` names it, its
     groups and their chunks and they are still stored (None if not)."""
-    return covered(lease, lambda: (d if (d := find()) is not None and _stored(store, d) else None),
-                   lambda d: _reached(store, d))
+    return covered(
+        lease, lambda: d if (d := find()) is not None and _stored(store, d) else None, lambda d: _reached(store, d)
+    )
 
 
 def _lookup(store: Store, lease: Lease, key: str, user: str) -> tuple[_State, dict[str, str]] | None:
@@ -323,8 +321,9 @@ class _Session:
         if self.node is None:
             from weenv.node.node import Node
 
-            node = Node(Paths(home=self.work / "node", cache=self.paths.cache, store_url=self.store.url),
-                        store=self.store)
+            node = Node(
+                Paths(home=self.work / "node", cache=self.paths.cache, store_url=self.store.url), store=self.store
+            )
             self.node = node
             node.start()
         return self.node
@@ -335,13 +334,17 @@ class _Session:
             return self.live[0]
         self.drop()
         self.check()
-        runtime = RuntimeConfig(network=True, user=ids or "0:0", resources=Resources(
-            cpus=float(os.cpu_count() or 1), memory_bytes=BUILD_MEMORY_BYTES, pids=16384))
+        runtime = RuntimeConfig(
+            network=True,
+            user=ids or "0:0",
+            resources=Resources(cpus=float(os.cpu_count() or 1), memory_bytes=BUILD_MEMORY_BYTES, pids=16384),
+        )
         scratch = TemplateManifest(name="e2b-build", groups=list(groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(scratch))
         self.scratch.append(digest)
-        info = self._node().create(digest, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False,
-                                sudo=False)
+        info = self._node().create(
+            digest, first_command=False, capabilities=DOCKER_DEFAULT_CAPS, prefetch=False, sudo=False
+        )
         self.live = (info.id, groups, ids or "0:0")
         self.started += 1
         return info.id
@@ -390,8 +393,15 @@ class _Session:
             clean_upper(upper)
             if not any(Path(upper).iterdir()):
                 return None
-            return build_group(upper, self.store, name="e2b-step", version=version, workdir=self.work,
-                               ref=False, source={"type": "e2b-step"}).digest
+            return build_group(
+                upper,
+                self.store,
+                name="e2b-step",
+                version=version,
+                workdir=self.work,
+                ref=False,
+                source={"type": "e2b-step"},
+            ).digest
         finally:
             self.live = None
             self.node.destroy(env_id)
@@ -420,8 +430,16 @@ class _Session:
 class TemplateBuild:
     """One build; :meth:`run` builds, :meth:`cancel` (any thread) stops it."""
 
-    def __init__(self, spec: BuildSpec, store: Store, paths: Paths, *, name: str,
-                 files: Callable[[str], Path | None], log: BuildLog):
+    def __init__(
+        self,
+        spec: BuildSpec,
+        store: Store,
+        paths: Paths,
+        *,
+        name: str,
+        files: Callable[[str], Path | None],
+        log: BuildLog,
+    ):
         """``files(hash)``: the uploaded tar of a COPY's ``filesHash`` (None:
         never uploaded); ``log``: hears every log line."""
         self.spec, self.store, self.paths, self.name = spec, store, paths, name
@@ -535,6 +553,7 @@ class TemplateBuild:
         if (spec.from_image is None) == (spec.from_template is None):
             raise StepFailedError("exactly one of fromImage and fromTemplate must be given", step="base")
         if spec.from_template is not None:
+
             def named() -> str | None:
                 try:
                     return load_template(self.store, spec.from_template)[0]
@@ -543,8 +562,11 @@ class TemplateBuild:
 
             digest = _reuse(self.store, self.lease, named)  # the build relies on its groups until it publishes
             if digest is None:
-                raise StepFailedError(f"fromTemplate {spec.from_template!r}: no such template (or not all its "
-                                      "groups and chunks are stored)", step="base")
+                raise StepFailedError(
+                    f"fromTemplate {spec.from_template!r}: no such template (or not all its "
+                    "groups and chunks are stored)",
+                    step="base",
+                )
             _, manifest = load_template(self.store, digest)
             env = dict(manifest.runtime.env)
             home = env.pop("HOME", "/")
@@ -569,8 +591,13 @@ class TemplateBuild:
         from weenv.packaging.importer import import_image
 
         try:
-            result = import_image(f"docker://{ref}", self.store.inner, name=f"e2b-base-{key[:24]}", workdir=self.work,
-                                  progress=lambda m: log(m, step="base"))
+            result = import_image(
+                f"docker://{ref}",
+                self.store.inner,
+                name=f"e2b-base-{key[:24]}",
+                workdir=self.work,
+                progress=lambda m: log(m, step="base"),
+            )
         except (NotFoundError, InvalidInputError, RuntimeFailedError) as exc:
             raise StepFailedError(f"fromImage {ref}: {exc}", step="base") from exc
         self.session.check()
@@ -603,7 +630,9 @@ class TemplateBuild:
             if upload is None:
                 raise StepFailedError(
                     f"step {label} ({step.describe()}): its files (filesHash {step.files_hash}) were never "
-                    "uploaded (GET /templates/{id}/files/{hash}, then PUT the tar to the link)", step=label)
+                    "uploaded (GET /templates/{id}/files/{hash}, then PUT the tar to the link)",
+                    step=label,
+                )
             stage = self.work / f"copy-{label}"
             stage.mkdir()
             try:
@@ -619,14 +648,22 @@ class TemplateBuild:
                 inside = f"/tmp/.weenv-copy-{secrets.token_hex(6)}.tar"
                 with open(stage / "copy.tar", "rb") as src, s.fs().open_write(inside, 0o600) as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
-                script = ('set -e; mkdir -p "$1"; tar -xf "$2" -C "$1" --no-overwrite-dir --keep-directory-symlink '
-                          '--numeric-owner --same-permissions; rm -f "$2"')
-                code, _, tail = s.run(["/bin/sh", "-c", script, "copy", into, inside], {"PATH": DEFAULT_PATH}, "/",
-                                      lambda line: self.log(line, step=label, output=True))
+                script = (
+                    'set -e; mkdir -p "$1"; tar -xf "$2" -C "$1" --no-overwrite-dir --keep-directory-symlink '
+                    '--numeric-owner --same-permissions; rm -f "$2"'
+                )
+                code, _, tail = s.run(
+                    ["/bin/sh", "-c", script, "copy", into, inside],
+                    {"PATH": DEFAULT_PATH},
+                    "/",
+                    lambda line: self.log(line, step=label, output=True),
+                )
                 if code != 0:
-                    raise StepFailedError(f"step {label} ({step.describe()}): extracting the files into {into} "
-                                          f"failed (exit {code}; the image needs tar):\n" + "\n".join(tail),
-                                          step=label)
+                    raise StepFailedError(
+                        f"step {label} ({step.describe()}): extracting the files into {into} "
+                        f"failed (exit {code}; the image needs tar):\n" + "\n".join(tail),
+                        step=label,
+                    )
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
             return self._grown(state, s.collect(version), state.account)
@@ -651,13 +688,18 @@ class TemplateBuild:
         if not fs.exists(cwd):
             cwd = "/"
         env = {"PATH": DEFAULT_PATH, **ctx.env, "HOME": account.home, "USER": account.name}
-        code, timed_out, tail = s.run(["/bin/sh", "-c", "exec 2>&1\n" + step.args[0]], env, cwd,
-                                      lambda line: self.log(line, step=label, output=True))
+        code, timed_out, tail = s.run(
+            ["/bin/sh", "-c", "exec 2>&1\n" + step.args[0]],
+            env,
+            cwd,
+            lambda line: self.log(line, step=label, output=True),
+        )
         if code != 0 or timed_out:
             what = f"timed out after {RUN_TIMEOUT_S:g} s" if timed_out else f"exited {code}"
             out = "\n".join(tail)
-            raise StepFailedError(f"step {label} ({step.describe()}) {what}" + (f":\n{out}" if out else ""),
-                                  step=label, output=out)
+            raise StepFailedError(
+                f"step {label} ({step.describe()}) {what}" + (f":\n{out}" if out else ""), step=label, output=out
+            )
         refreshed = find_account(fs, ctx.user) or state.account
         return self._grown(state, s.collect(version), refreshed)
 
@@ -670,12 +712,20 @@ class TemplateBuild:
         spec = self.spec
         account = state.account
         env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **ctx.env, "HOME": account.home, "USER": ctx.user}
-        runtime = RuntimeConfig(env=env, working_dir=ctx.workdir or account.home or "/", user=account.ids,
-                                resources=spec.resources, start_command=spec.start_command,
-                                ready_command=spec.ready_command, sudo=sudo)
+        runtime = RuntimeConfig(
+            env=env,
+            working_dir=ctx.workdir or account.home or "/",
+            user=account.ids,
+            resources=spec.resources,
+            start_command=spec.start_command,
+            ready_command=spec.ready_command,
+            sudo=sudo,
+        )
         manifest = TemplateManifest(name=self.name, groups=list(state.groups), runtime=runtime)
         digest = self.store.put_manifest(canonical_json(manifest))
-        self.log(f"[builder finalize] template {self.name}: {len(state.groups)} groups, user {ctx.user}, "
-                 f"{len(ran)} steps run, {len(cached)} from the cache, {self.session.started} build environments",
-                 step="finalize")
+        self.log(
+            f"[builder finalize] template {self.name}: {len(state.groups)} groups, user {ctx.user}, "
+            f"{len(ran)} steps run, {len(cached)} from the cache, {self.session.started} build environments",
+            step="finalize",
+        )
         return BuildOutcome(digest, manifest, ran, cached)
