@@ -846,6 +846,11 @@ def test_the_cli_takes_the_cluster_down_and_up_leaving_nothing(ray_cluster):
     r = weenv("up", "--home", config.home, "--store", config.store, "--gateway-port", "0", "--max-environments", "2")
     assert r.returncode == 0, r.stderr
     assert f"weenv cluster up: {len(alive)} nodes" in r.stderr and r.stdout.count("alive") == len(alive), r.stdout
+    # its progress, as plain lines on a pipe: one per node whose daemon answers
+    said = r.stderr.splitlines()
+    assert f"nodes 0/{len(alive)}: starting weenv" in said, said
+    assert f"nodes {len(alive)}/{len(alive)}: {len(alive)} nodes up" in said, said
+    assert len([line for line in said if line.startswith("nodes ") and line.endswith(" up")]) == len(alive) + 1
     status = cluster.status()
     assert sorted(s.node_id for s in status if s.state == "alive") == sorted(alive)
     for s in status:

@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import pytest
 from registry_fixture import oci_registry  # noqa: F401 - a fixture
 from weenv.errors import DigestMismatchError, InvalidInputError, NotFoundError
 from weenv.packaging.importer import import_image
+from weenv.progress import Progress
 from weenv.store.file import FileStore
 from weenv_bench.extracting_import import import_extracting
 from weenv_bench.import_image import DiskMeter, used_bytes
@@ -595,6 +597,35 @@ def test_cli_import(images, paths):
     assert bad.returncode == 1 and "weenv: error: no such image source" in bad.stderr
 
 
+def test_cli_import_progress_as_lines_and_as_bars(images, paths):
+    """Its progress on a pipe is plain lines, one per layer and group; on a
+    terminal (a pty, through script(1)) rich bars with their counts."""
+    from test_cli import weenv
+
+    lines = weenv(paths, "import", str(images["archives"][SMALL]), "--name", "plainprog").stderr.splitlines()
+    assert "layers 0/2" in lines and "groups 0/2" in lines, lines
+    assert [line.split(":")[0] for line in lines if line.startswith("layers ")] == [
+        "layers 0/2",
+        "layers 1/2",
+        "layers 2/2",
+        "layers 2/2",
+    ], lines
+    assert "layers 2/2: done" in lines and "groups 2/2: done" in lines, lines
+    assert not any("\x1b[" in line for line in lines), "escape codes in plain lines"
+    command = f"{sys.executable} -m weenv import {images['archives'][SMALL]} --name barprog"
+    shown = subprocess.run(
+        ["script", "-q", "-e", "-c", command, "/dev/null"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, WEENV_HOME=str(paths.home), COLUMNS="140", TERM="xterm"),
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "\x1b[" in shown and "━" in shown, shown[-2000:]  # a live display drawing bars
+    assert "2/2" in shown and "layers" in shown and "groups" in shown
+    assert "layers 0/2" not in shown  # the plain lines are not printed on a terminal
+
+
 # --- bad inputs: clear errors, nothing published, nothing left ------------------------
 def _assert_nothing_published(store, work: Path) -> None:
     assert store.list_refs("groups") == {} and store.list_refs("templates") == {}
@@ -856,9 +887,13 @@ def test_a_bad_layer_after_published_groups_leaves_nothing(store, work, tmp_path
         for merge, published in ((None, ["0: layers 0..0", "1: layers 1..1"]), (4 << 20, ["0: layers 0..0"])):
             said: list[str] = []  # merged: groups [0], [1, 2] (its data spooled)
             with pytest.raises(InvalidInputError, match="layer 2 ") as info:
-                import_image(str(layout), store, name="bad", workdir=work, merge_small=merge, progress=said.append)
+                import_image(
+                    str(layout), store, name="bad", workdir=work, merge_small=merge, progress=Progress(said.append)
+                )
             assert "no such file" in str(info.value) or "truncated" in str(info.value)
-            assert [m for m in said if m.startswith("group bad.")] == [f"group bad.{p}, publish" for p in published]
+            assert [m for m in said if m.startswith("groups: bad.")] == [
+                f"groups: bad.{p} published" for p in published
+            ]
             _assert_nothing_published(store, work)
 
 

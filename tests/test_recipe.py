@@ -345,6 +345,11 @@ def test_cli_build_and_failure(tree_recipe, paths, tmp_path, leak_check):
     p = weenv("build", str(tree_recipe))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().startswith("sha256:") and "3 of 3 components rebuilt" in p.stderr
+    said = p.stderr.splitlines()  # its progress on a pipe: a line per component's step, and its end
+    assert [line for line in said if line.startswith("task") and line.endswith(("waiting", "built"))] == [
+        "task: waiting",
+        "task: built",
+    ], said
     p = weenv("build", str(tree_recipe))
     assert "0 of 3 components rebuilt, 0 B published" in p.stderr and "unchanged" in p.stderr
     new = tmp_path / "t2" / "workspace"
@@ -353,6 +358,9 @@ def test_cli_build_and_failure(tree_recipe, paths, tmp_path, leak_check):
     p = weenv("update", "tree", "--component", "task", "--from-dir", str(tmp_path / "t2"))
     assert p.returncode == 0, p.stderr
     assert "template tree version 2: task" in p.stderr and "published in" in p.stderr
+    said = p.stderr.splitlines()
+    assert said[0].startswith("task 0/2: replacing group 2 of template tree"), said
+    assert "task 2/2: template tree version 2 published" in said, said
     bad = write_recipe(
         tmp_path, '[template]\nname = "t"\n[[component]]\nname = "a"\n[[component.step]]\nkind = "teleport"\n'
     )

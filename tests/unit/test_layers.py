@@ -4,7 +4,7 @@ the layers below it (issue 14, item 6).
 The layers, bottom first (:data:`LAYERS`, the one statement of the order; the
 README's "Where things are" names it):
 
-    base (errors, config) < host < formats < api < store < packaging < node < build < sdk < server < cluster < adapters < cli (cli, demo, the package)
+    base (errors, config, progress) < host < formats < api < store < packaging < node < build < sdk < server < cluster < adapters < cli (cli, demo, the package)
 
 Inside ``node`` the floors are :data:`NODE_FLOORS` (``weenv/node/__init__.py``
 draws them): below the wings, the wings ``data`` and ``runtime`` side by side
@@ -22,7 +22,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("weenv.errors", "weenv.config")),
+    ("base", ("weenv.errors", "weenv.config", "weenv.progress")),
     ("host", ("weenv.host",)),
     ("formats", ("weenv.formats",)),
     ("api", ("weenv.api",)),

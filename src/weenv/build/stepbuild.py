@@ -82,6 +82,7 @@ from weenv.packaging.steps import (
 )
 from weenv.packaging.template import load_template
 from weenv.packaging.upperdir import clean_upper
+from weenv.progress import Progress
 from weenv.store.base import Store
 from weenv.store.lease import Lease, LeasedStore, covered
 
@@ -596,7 +597,7 @@ class TemplateBuild:
                 self.store.inner,
                 name=f"e2b-base-{key[:24]}",
                 workdir=self.work,
-                progress=lambda m: log(m, step="base"),
+                progress=Progress(lambda m: log(m, step="base")),
             )
         except (NotFoundError, InvalidInputError, RuntimeFailedError) as exc:
             raise StepFailedError(f"fromImage {ref}: {exc}", step="base") from exc

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weenv.cli.common import err, human_bytes, store
+from weenv.cli.progress import shown
 from weenv.config import Paths
 
 app = typer.Typer()
@@ -25,32 +25,10 @@ def build(
     from weenv.packaging.recipe import load_recipe
 
     parsed = load_recipe(recipe)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("[bold]{task.fields[name]:<16}"),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    ) as bar:
-        tasks = {c.name: bar.add_task("waiting", name=c.name, total=None) for c in parsed.component}
-
-        def progress(component: str, status: str) -> None:
-            done = status in ("cached", "built")
-            bar.update(tasks[component], description=status, **({"total": 1, "completed": 1} if done else {}))
-
-        try:
-            result = build_recipe(
-                parsed, store(), Paths.from_env(), progress=progress, environments=NodeBuildEnvironments()
-            )
-        except Exception:
-            for task in bar.tasks:
-                if not task.finished:
-                    bar.update(
-                        task.id, description="[red]failed[/red]" if task.description != "waiting" else "not built"
-                    )
-                    bar.stop_task(task.id)
-            raise
+    with shown(err) as progress:
+        result = build_recipe(
+            parsed, store(), Paths.from_env(), progress=progress, environments=NodeBuildEnvironments()
+        )
     table = Table(show_header=True, header_style="bold")
     for col in ("component", "status", "group", "image", "new chunks", "published", "seconds"):
         table.add_column(
@@ -94,7 +72,10 @@ def update(
     With --profile and the same directory: the same tree, its startup files together."""
     from weenv.packaging.update import update_component
 
-    r = update_component(store(), template, component, from_dir, version=version, profile=profile)
+    with shown(err) as progress:
+        r = update_component(
+            store(), template, component, from_dir, version=version, profile=profile, progress=progress
+        )
     err.print(
         f"template {r.template} version {r.version}: {component} -> {r.group_digest[7:19]}, "
         f"{r.chunks_written} new chunks, {human_bytes(r.bytes_published)} ({r.bytes_published} bytes) "

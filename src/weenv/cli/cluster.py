@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from weenv.cli.common import err
+from weenv.cli.progress import shown
 
 app = typer.Typer(no_args_is_help=True, help="weenv on a Ray cluster: one node actor and daemon per node.")
 
@@ -42,18 +43,20 @@ def up(
     Waits until every node's daemon answers; the address serves weenv's API and E2B's."""
     from weenv import cluster
 
-    nodes = cluster.up(
-        cluster.ClusterConfig(
-            home=home,
-            store=store,
-            max_environments=max_environments,
-            gateway=not no_gateway,
-            gateway_port=gateway_port,
-            gateway_host=gateway_host,
-        ),
-        address=address,
-        timeout=timeout,
-    )
+    with shown(err) as progress:
+        nodes = cluster.up(
+            cluster.ClusterConfig(
+                home=home,
+                store=store,
+                max_environments=max_environments,
+                gateway=not no_gateway,
+                gateway_port=gateway_port,
+                gateway_host=gateway_host,
+            ),
+            address=address,
+            timeout=timeout,
+            progress=progress,
+        )
     err.print(f"weenv cluster up: {len(nodes)} nodes")
     _print(nodes)
     if not no_gateway:

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from weenv.cli.common import err, human_bytes, parse_size, store
+from weenv.cli.progress import shown
 
 app = typer.Typer()
 
@@ -28,16 +29,17 @@ def import_(
     """Import a container image: one group per layer (or merged), and a template."""
     from weenv.packaging.importer import import_image
 
-    r = import_image(
-        source,
-        store(),
-        name=name,
-        ref=ref,
-        insecure=insecure,
-        merge_small=parse_size(merge_small) if merge_small else None,
-        chunk_size=parse_size(chunk_size),
-        progress=lambda line: err.print(line, highlight=False),
-    )
+    with shown(err) as progress:
+        r = import_image(
+            source,
+            store(),
+            name=name,
+            ref=ref,
+            insecure=insecure,
+            merge_small=parse_size(merge_small) if merge_small else None,
+            chunk_size=parse_size(chunk_size),
+            progress=progress,
+        )
     for g, layers in zip(r.groups, r.group_layers):
         span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
         err.print(

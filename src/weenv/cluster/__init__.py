@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from weenv.cluster.config import NAMESPACE, PLACEMENT_NAME, ClusterConfig
 from weenv.errors import ClosedError, DaemonError, ToolMissingError
+from weenv.progress import QUIET, Progress
 
 if TYPE_CHECKING:
     from weenv.cluster.client import ClusterClient
@@ -66,12 +67,19 @@ def placement_actor(address: str | None = None):
         raise ClosedError("no weenv cluster runs on this Ray cluster (start it: weenv cluster up)") from None
 
 
-def up(config: ClusterConfig | None = None, *, address: str | None = None, timeout: float = 120.0) -> list[NodeStatus]:
+def up(
+    config: ClusterConfig | None = None,
+    *,
+    address: str | None = None,
+    timeout: float = 120.0,
+    progress: Progress = QUIET,
+) -> list[NodeStatus]:
     """Start weenv on every node of the Ray cluster at ``address`` and wait until
     each alive node's daemon sends heartbeats (or its actor failed); the nodes'
     status.  Idempotent: on a cluster already up, it only waits.  The driver's
     ``WEENV_STORE`` and ``WEENV_CACHE`` are the nodes' unless ``config`` names
-    them.  Raises :class:`DaemonError` if a node does not come up within
+    them.  ``progress`` hears the task ``nodes`` (each node whose daemon
+    answers).  Raises :class:`DaemonError` if a node does not come up within
     ``timeout`` seconds, or its actor failed (naming the node and why)."""
     ray = _ray()
     init_ray(address)
@@ -96,7 +104,7 @@ def up(config: ClusterConfig | None = None, *, address: str | None = None, timeo
         )
         .remote(config)
     )
-    nodes = wait_ready(actor, timeout=timeout)
+    nodes = wait_ready(actor, timeout=timeout, progress=progress)
     if config.gateway:
         _start_gateway(config, head[0] if head else None, timeout=timeout)
     return nodes
@@ -143,22 +151,32 @@ def gateway(*, address: str | None = None):
     return ray.get(actor.info.remote(), timeout=60)
 
 
-def wait_ready(actor, *, timeout: float = 120.0) -> list[NodeStatus]:
+def wait_ready(actor, *, timeout: float = 120.0, progress: Progress = QUIET) -> list[NodeStatus]:
     """Wait until every node Ray reports alive is ``alive`` or ``failed`` in the
-    placement actor's view; its status.  Raises :class:`DaemonError` on a
-    failed node or after ``timeout`` seconds."""
+    placement actor's view; its status.  ``progress`` hears the task
+    ``nodes``.  Raises :class:`DaemonError` on a failed node or after
+    ``timeout`` seconds."""
     ray = _ray()
     deadline = time.monotonic() + timeout
+    told: set[str] = set()  # the nodes progress has heard of
+    progress.start("nodes", total=len([n for n in ray.nodes() if n["Alive"]]), status="starting weenv")
     while True:
         ray.get(actor.reconcile.remote())
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         status = {s.node_id: s for s in ray.get(actor.status.remote())}
+        for n in sorted(alive - told):
+            if n in status and status[n].state == "alive":
+                told.add(n)
+                progress.advance("nodes", status=f"node {n[:12]} up")
         failed = [s for s in status.values() if s.state == "failed"]
         if failed:
+            progress.finish("nodes", status="failed", failed=True)
             raise DaemonError("weenv did not start on " + "; ".join(f"node {s.node_id}: {s.reason}" for s in failed))
         if all(status.get(n) is not None and status[n].state == "alive" for n in alive):
+            progress.finish("nodes", status=f"{len(alive)} nodes up")
             return list(status.values())
         if time.monotonic() > deadline:
+            progress.finish("nodes", status="timed out", failed=True)
             waiting = sorted(n for n in alive if n not in status or status[n].state != "alive")
             raise DaemonError(f"weenv did not come up within {timeout:.0f} s on nodes {', '.join(waiting)}")
         time.sleep(0.2)

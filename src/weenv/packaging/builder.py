@@ -55,7 +55,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,11 +89,9 @@ from weenv.packaging.recipe import (
 )
 from weenv.packaging.template import load_template
 from weenv.packaging.upperdir import clean_upper
+from weenv.progress import QUIET, Progress
 from weenv.store.base import Store
 from weenv.store.lease import Lease, LeasedStore, covered
-
-Progress = Callable[[str, str], None]
-"""``progress(component, status)``: what the builder is doing, for a display."""
 
 OUTPUT_TAIL_LINES = 40
 BUILD_MEMORY_BYTES = 8 << 30
@@ -156,7 +153,7 @@ def build_recipe(
     store: Store,
     paths: Paths | None = None,
     *,
-    progress: Progress | None = None,
+    progress: Progress = QUIET,
     environments: BuildEnvironments | None = None,
 ) -> RecipeResult:
     """Build and publish every component of ``recipe`` and its template.
@@ -175,7 +172,8 @@ def build_recipe(
             f"components {needing} have run/pip steps: build_recipe needs environments "
             "(weenv.build.buildenv.NodeBuildEnvironments)"
         )
-    say = progress or (lambda _c, _s: None)
+    for comp in recipe.component:
+        progress.start(comp.name, status="waiting")
     t0 = time.monotonic()
     results: list[ComponentResult] = []
     below: list[str] = []
@@ -184,15 +182,17 @@ def build_recipe(
     with buildcache.store_lock(paths, exclusive=False), Lease(store, what=f"build {recipe.template.name}") as lease:
         store = LeasedStore(store, lease)
         for comp in recipe.component:
-            say(comp.name, "hashing inputs")
+            progress.advance(comp.name, 0, status="hashing inputs")
             key = buildcache.component_key(recipe, comp, below)
             hit = _cached(store, lease, key)
             if hit is not None:
-                say(comp.name, "cached")
+                progress.finish(comp.name, status="cached")
                 results.append(ComponentResult(comp.name, hit[0], key, True, image_size=hit[1].image_size))
             else:
                 t = time.monotonic()
-                r = build_component(recipe, comp, below, store, paths, say, cache_key=key, environments=environments)
+                r = build_component(
+                    recipe, comp, below, store, paths, progress, cache_key=key, environments=environments
+                )
                 buildcache.record(store, key, r.digest)
                 written = r.bytes_written + len(canonical_json(r.manifest))
                 results.append(
@@ -207,7 +207,7 @@ def build_recipe(
                         r.manifest.image_size,
                     )
                 )
-                say(comp.name, "built")
+                progress.finish(comp.name, status="built")
             below.append(results[-1].digest)
 
         lease.check()
@@ -276,9 +276,9 @@ def build_component(
             source = work / "tree"
             source.mkdir()
             for i, step in enumerate(comp.step, 1):
-                progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
+                progress.advance(comp.name, 0, status=f"step {i}/{len(comp.step)}: {step.kind}")
                 _apply_tree_step(recipe, step, source, paths, work, comp.name, i)
-        progress(comp.name, "publishing")
+        progress.advance(comp.name, 0, status="publishing")
         return build_group(
             source, store, name=comp.name, version=comp.version, source=provenance, workdir=work, ref=False
         )
@@ -414,13 +414,13 @@ def _build_in_environment(
         )
         scratch = TemplateManifest(name=f"build-{token}", groups=lowers, runtime=runtime)
         scratch_manifests.append(store.put_manifest(canonical_json(scratch)))
-        progress(comp.name, "starting build environment")
+        progress.advance(comp.name, 0, status="starting build environment")
         env = environments.start(
             Paths(home=work / "node", cache=paths.cache, store_url=store.url), store, scratch_manifests[-1]
         )
         root = env.root
         for i, step in enumerate(comp.step, 1):
-            progress(comp.name, f"step {i}/{len(comp.step)}: {step.kind}")
+            progress.advance(comp.name, 0, status=f"step {i}/{len(comp.step)}: {step.kind}")
             if isinstance(step, Run):
                 for command in step.commands:
                     _check(
@@ -440,10 +440,10 @@ def _build_in_environment(
                 _pip_step(recipe, step, env, root, paths, comp.name, i, token)
             else:
                 _apply_tree_step(recipe, step, root, paths, work, comp.name, i)
-        progress(comp.name, "collecting changes")
+        progress.advance(comp.name, 0, status="collecting changes")
         upper = env.stop()
         clean_upper(upper)
-        progress(comp.name, "publishing")
+        progress.advance(comp.name, 0, status="publishing")
         return build_group(
             upper, store, name=comp.name, version=comp.version, source=provenance, workdir=work, ref=False
         )

@@ -30,6 +30,7 @@ from weenv.packaging.group import build_group, load_group
 from weenv.packaging.layout import startup_files
 from weenv.packaging.profile import REF_KIND, load_profile, ref_name
 from weenv.packaging.template import load_template
+from weenv.progress import QUIET, Progress
 from weenv.store.base import Store
 from weenv.store.lease import Lease, LeasedStore
 
@@ -80,6 +81,7 @@ def update_component(
     version: str | None = None,
     paths: Paths | None = None,
     profile: bool = False,
+    progress: Progress = QUIET,
 ) -> UpdateResult:
     """Publish a new version of ``template`` whose group ``component`` (a group
     name in it) is rebuilt from ``from_dir``; every other group stays as it is.
@@ -113,9 +115,11 @@ def update_component(
             )
         index = hits[-1]
         old_group = load_group(store, old.groups[index])
+        progress.start(component, total=2, status=f"replacing group {index} of template {old.name}")
         first, layout = None, None
         if profile:
             first, layout = _profile_layout(store, old_digest, old.groups[index], old_group)
+        progress.advance(component, 0, status=f"writing {from_dir} into a group")
         r = build_group(
             from_dir,
             store,
@@ -125,6 +129,7 @@ def update_component(
             first=first,
             layout=layout,
         )
+        progress.advance(component, status=f"{r.chunks_written} new chunks stored; publishing the template")
         groups = list(old.groups)
         groups[index] = r.digest
         if r.digest in groups[:index] + groups[index + 1 :]:
@@ -141,6 +146,7 @@ def update_component(
         digest = store.put_manifest(data)
         store.lease.check()
         store.swap_ref("templates", old.name, digest, expected=named)  # a concurrent update is not lost
+        progress.finish(component, status=f"template {old.name} version {manifest.version} published")
     written = r.bytes_written + len(canonical_json(r.manifest)) + len(data)
     return UpdateResult(
         template=old.name,

@@ -41,7 +41,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +61,7 @@ from weenv.packaging.importer.runtime import runtime_from_config
 from weenv.packaging.importer.source import Image, ImageSource, open_source
 from weenv.packaging.layout import image_reader
 from weenv.packaging.template import create_template
+from weenv.progress import QUIET, Progress
 from weenv.store.base import Store
 from weenv.store.lease import Lease, LeasedStore, delete_unused
 
@@ -140,7 +140,7 @@ def import_image(
     insecure: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     workdir: str | os.PathLike[str] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress = QUIET,
 ) -> ImportResult:
     """Import the image at ``source`` (an OCI layout directory, a ``docker save``
     or OCI archive, or ``docker://HOST/REPO:TAG``) into ``store`` as groups
@@ -153,7 +153,8 @@ def import_image(
     non-loopback registry without TLS verification.  ``workdir``: parent of the
     temporary files (the old path's trees, about the image's unpacked size;
     the streaming path's spool of a merged group's data; default the
-    system's temporary directory).  ``progress`` hears one line per step.
+    system's temporary directory).  ``progress`` hears the tasks ``layers``,
+    ``bytes`` (the layers' stored sizes) and ``groups`` move on.
     Layers stream into the image writer
     (:mod:`~weenv.packaging.importer.tartree`) and images into the store (the
     old extracting path, for comparison, is the benchmarks'
@@ -167,17 +168,18 @@ def import_image(
     :class:`RuntimeFailedError` (skopeo failed).
     """
     started = time.monotonic()
-    say = progress or (lambda _msg: None)
     name = check_name(name or default_name(source))
     with open_source(source, insecure=insecure) as src:
         image = src.read_image(ref)
-        say(f"{image.reference}: {len(image.layers)} layers, config {image.config_digest[:19]}")
+        progress.say(f"{image.reference}: {len(image.layers)} layers, config {image.config_digest[:19]}")
         plan, names = plan_image(src, image, name, merge_small)
         tmp = Path(tempfile.mkdtemp(dir=workdir, prefix="weenv-import-"))
         with Lease(store, what=f"import {name}") as lease:
             leased = LeasedStore(store, lease)
             try:
-                results, stats, runtime = _import_streamed(src, image, plan, names, leased, chunk_size, tmp, say)
+                results, stats, runtime = _import_streamed(
+                    src, image, plan, names, leased, chunk_size, tmp, progress
+                )
             finally:
                 _rmtree(tmp)
             return _finish(leased, name, names, results, runtime, plan, stats, started)
@@ -219,7 +221,7 @@ def _import_streamed(
     store: LeasedStore,
     chunk_size: int,
     tmp: Path,
-    say: Callable[[str], None],
+    progress: Progress,
 ) -> tuple[list[BuildResult], list[LayerStats], RuntimeConfig]:
     """The streaming path (:mod:`~weenv.packaging.importer.tartree`): each
     group's layers merged into an inode tree, its image written into a
@@ -238,6 +240,10 @@ def _import_streamed(
     stats: list[LayerStats] = []
     results: list[BuildResult] = []
     written: list[str] = []  # chunks this import stored, for the rollback
+    sizes = [_layer_size(src, layer) for layer in image.layers]
+    progress.start("layers", total=len(image.layers))
+    progress.start("bytes", total=sum(sizes), unit="B")
+    progress.start("groups", total=len(plan))
     try:
         for k, layer_indexes in enumerate(plan):
             with contextlib.ExitStack() as group:
@@ -255,14 +261,15 @@ def _import_streamed(
                     with open_layer(src, layer, what, read_ahead=True) as tar:
                         stats.append(merger.apply_layer(tar, what))
                     src.release(layer.location)
-                    say(
-                        f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
-                        f"{stats[-1].opaque_dirs} opaque dirs"
+                    progress.advance("bytes", sizes[i])
+                    progress.advance(
+                        "layers",
+                        status=f"layer {i}: {stats[-1].entries} entries, {stats[-1].whiteouts} whiteouts, "
+                        f"{stats[-1].opaque_dirs} opaque dirs",
                     )
                 scan = write_image(
                     merger.root, sink, uuid=group_uuid(names[k], "latest"), placed_blocks=merger.placed_blocks
                 )
-                say(f"group {names[k]}: layers {layer_indexes[0]}..{layer_indexes[-1]}, publish")
                 result = publish_sink(
                     sink,
                     store,
@@ -279,12 +286,19 @@ def _import_streamed(
                     },
                 )
                 results.append(result)
+                progress.advance(
+                    "groups", status=f"{names[k]}: layers {layer_indexes[0]}..{layer_indexes[-1]} published"
+                )
             tartree.release(merger.root, image_reader(store, result.manifest, keep=False))
             view.apply_group(merger.root)
         runtime = runtime_from_config(image.config, view.read_file)
     except BaseException:
+        for task in ("layers", "bytes", "groups"):
+            progress.finish(task, status="failed", failed=True)
         _roll_back(store, written, [r.digest for r in results if r.new_manifest])
         raise
+    for task in ("layers", "bytes", "groups"):
+        progress.finish(task)
     return results, stats, runtime
 
 
