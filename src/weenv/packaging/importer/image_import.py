@@ -177,9 +177,7 @@ def import_image(
         with Lease(store, what=f"import {name}") as lease:
             leased = LeasedStore(store, lease)
             try:
-                results, stats, runtime = _import_streamed(
-                    src, image, plan, names, leased, chunk_size, tmp, progress
-                )
+                results, stats, runtime = _import_streamed(src, image, plan, names, leased, chunk_size, tmp, progress)
             finally:
                 _rmtree(tmp)
             return _finish(leased, name, names, results, runtime, plan, stats, started)
