@@ -116,7 +116,8 @@ def test_a_rate_bound_answer_its_asker_would_give_up_on_is_refused_at_once(tmp_p
 
     from weenv.node.data.peers import RateBusyError
 
-    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    now = [0.0]  # the bucket's clock: exact, whatever the machine's load
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list, clock=lambda: now[0])
     peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN, timeout_s=1.0, serve_bytes_per_s=1 << 20)))
     big, small = b"b" * (2 << 20), b"s" * (256 << 10)
     chunks = {"sha256:" + hashlib.sha256(c).hexdigest(): c for c in (big, small)}
@@ -128,7 +129,7 @@ def test_a_rate_bound_answer_its_asker_would_give_up_on_is_refused_at_once(tmp_p
             peers.serve(big_d, *(() if wait is None else (None, wait)))  # 30: more than timeout_s, which bounds it
         assert time.monotonic() - t < 1.0, "refused at once, not after the wait (about 2 s)"
         assert 0 < refused.value.retry_after_s <= 2.0 and refused.value.kind == "busy"
-    time.sleep(0.3)  # the bucket fills (0.3 s: 300 KiB), nothing was taken from it by the refusals
+    now[0] += 0.3  # the bucket fills (0.3 s: 300 KiB), nothing was taken from it by the refusals
     t = time.monotonic()
     assert peers.serve(small_d, asker_wait_s=1.0) == small
     assert time.monotonic() - t < 1.0, "no debt left by the refused answers (8 s of it before)"
@@ -337,11 +338,12 @@ def test_a_gone_peer_is_passed_over_for_pass_over_s_then_asked_again(tmp_path):
         peers.close()
 
 
-def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updates(tmp_path, monkeypatch):
+def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updates(tmp_path):
     from weenv.node.data import peers as peers_module
     from weenv.node.data.peers import PeerInfo
 
-    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list)
+    now = [time.monotonic()]
+    peers = PeerChunks(FileStore(tmp_path / "store"), groups=list, clock=lambda: now[0])
     table = [PeerInfo(node_id=n, url=f"http://{n}:1") for n in "ab"]
     peers.update(PeerUpdate(settings=PeerSettings(token=TOKEN), peers=table))
     assert not peers.peers_hold({"sha256:g1"})
@@ -354,8 +356,7 @@ def test_a_create_hint_makes_its_peers_holders_of_its_groups_through_table_updat
     assert [p.node_id for p in peers._candidates("sha256:" + "c" * 64)] == ["a"]
     peers.update(PeerUpdate(peers=table))  # the next heartbeat's table, which does not list it yet
     assert peers.peers_hold({"sha256:g1"})
-    now = time.monotonic()
-    monkeypatch.setattr(peers_module.time, "monotonic", lambda: now + peers_module.HINT_S + 1)
+    now[0] += peers_module.HINT_S + 1
     peers.update(PeerUpdate(peers=table))
     assert not peers.peers_hold({"sha256:g1"})  # hints expire
     peers.close()

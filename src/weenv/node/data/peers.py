@@ -212,8 +212,17 @@ class PeerChunks:
     ``held(digest, wait_s)``: the node's own chunk, or None (set by the node
     once its cache exists).  Thread-safe; no peers until :meth:`update`."""
 
-    def __init__(self, store: Store, groups: Callable[[], Iterable[tuple[str, GroupManifest]]]):
+    def __init__(
+        self,
+        store: Store,
+        groups: Callable[[], Iterable[tuple[str, GroupManifest]]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``clock``: monotonic seconds, for the serving rate's bucket and the
+        peers' deadlines (a test's own clock makes the rate's arithmetic exact)."""
         self.store = store
+        self._clock = clock
         self.url = store.url
         self._groups = groups
         self.held: Callable[[str, float], bytes | None] = lambda digest, wait_s: None
@@ -231,7 +240,7 @@ class PeerChunks:
         self._http: httpx.Client | None = None
         self._serving = 0
         self._bucket = 0.0
-        self._bucket_at = time.monotonic()
+        self._bucket_at = self._clock()
         self._bucket_lock = threading.Lock()
         self.rank = random.getrandbits(62)
         """Sent with this node's chunk requests: which of two nodes asking each other waits (:meth:`serve`)."""
@@ -264,7 +273,7 @@ class PeerChunks:
         of the create's groups.  At most :data:`MAX_HINTED` ids, for
         :data:`HINT_S` seconds; ids not in the table are ignored then (a hint
         adds no address: a wrong one costs one 404 and the store)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._hints = {e: h for e, h in self._hints.items() if h[1] > now}
             self._hints[env_id] = (tuple(dict.fromkeys(node_ids))[:MAX_HINTED], now + HINT_S)
@@ -272,7 +281,7 @@ class PeerChunks:
     def adopt(self, env_id: str, groups: Iterable[str]) -> None:
         """The groups of ``env_id``'s create are known: the peers its hint names
         hold them, for what is left of the hint's time, through table updates."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             h = self._hints.get(env_id)
             if h is None or h[1] <= now:
@@ -284,7 +293,7 @@ class PeerChunks:
             self._merge_adopted_locked()
 
     def _merge_adopted_locked(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._adopted = {
             g: live for g, ids in self._adopted.items() if (live := {n: u for n, u in ids.items() if u > now})
         }
@@ -317,7 +326,7 @@ class PeerChunks:
             self._index()
             with self._lock:
                 groups = self._chunk_groups.get(digest, [])
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             found = {
                 p.node_id: p
@@ -389,7 +398,7 @@ class PeerChunks:
         http = self._http
         assert http is not None
         limit = MAX_CHUNK_SIZE if size is None else size
-        deadline = time.monotonic() + settings.timeout_s
+        deadline = self._clock() + settings.timeout_s
         try:
             with http.stream(
                 "GET",
@@ -417,7 +426,7 @@ class PeerChunks:
                     buf += piece
                     if len(buf) > limit:
                         break
-                    if time.monotonic() > deadline:
+                    if self._clock() > deadline:
                         raise httpx.ReadTimeout(f"more than {settings.timeout_s} s", request=r.request)
         except httpx.HTTPError as exc:
             log.info("peer %s did not serve chunk %s: %s", peer.node_id, digest, exc or type(exc).__name__)
@@ -438,7 +447,7 @@ class PeerChunks:
         """Ask ``peer`` nothing for ``pass_over_s`` (or ``for_s``, if shorter)."""
         s = settings.pass_over_s if for_s is None else min(for_s, settings.pass_over_s)
         with self._lock:
-            self._passed_over[peer.node_id] = time.monotonic() + s
+            self._passed_over[peer.node_id] = self._clock() + s
 
     def stream_pack(self, digest: str, size: int | None = None):
         """The store's :meth:`~weenv.store.base.Store.stream_pack`, its bytes
@@ -469,7 +478,7 @@ class PeerChunks:
         wait (not taken, then), :class:`InvalidInputError` for a bad digest or
         before the node is in a cluster."""
         check_digest(digest)
-        start = time.monotonic()
+        start = self._clock()
         settings = self._settings
         if settings is None:
             raise InvalidInputError("this node serves no peers (it is not in a cluster)")
@@ -505,7 +514,7 @@ class PeerChunks:
         second's bytes); :class:`RateBusyError`, the tokens not taken, if that
         is later than ``until`` (monotonic s)."""
         with self._bucket_lock:
-            now = time.monotonic()
+            now = self._clock()
             level = min(float(rate), self._bucket + (now - self._bucket_at) * rate)
             wait = (n - level) / rate if level < n else 0.0
             if now + wait > until:
