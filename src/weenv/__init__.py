@@ -3,7 +3,8 @@
 Layout (a map of the architecture; the docs' ``concepts/architecture.md`` says
 more, and ``tests/unit/test_project_map.py`` checks both against the folders):
 
-- ``weenv.errors``, ``weenv.config``: the one exception root and its kinds; a home's paths.
+- ``weenv.errors``, ``weenv.config``, ``weenv.progress``: the one exception root and its kinds;
+  the settings and a home's paths; the progress long work tells of itself.
 - ``weenv.host``: the host's mount table and mount(2), file access confined under a root
   or through a live process's root, inotify, hole punching.
 - ``weenv.formats``: the manifests, digests, read limits and environment-tax records every layer shares.
