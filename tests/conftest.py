@@ -158,7 +158,19 @@ def shared_store(tmp_path_factory, debian_root):
     build_group(debian_root, store, name="base")
     build_group(task, store, name="task")
     create_template(store, "task", ["base", "task"], runtime=RuntimeConfig(working_dir="/workspace"))
-    return store
+    yield store
+    check_at_session_end(store)
+
+
+def check_at_session_end(store: FileStore) -> None:
+    """What the session's tests published into the shared store (snapshots, profiles, templates) is
+    all there: ``weenv store check --quick`` (every ref's manifests, every group's chunks present)
+    passes, or the run fails (an error at the teardown of its last test) listing what is missing."""
+    from weenv.store.check import check_store
+
+    report = check_store(store, deep=False)
+    problems = "\n".join(report.problems)
+    assert report.ok, f"weenv store check --quick of the shared store {store.url} after the session:\n{problems}"
 
 
 def store_copy_without_profiles(store: FileStore, root: Path) -> FileStore:

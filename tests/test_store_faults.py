@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from registry_fixture import new_repository, oci_registry  # noqa: F401 (a fixture, for oci:// stores)
 from s3_fixture import new_prefix
 from test_import import _entry, _write_layout
 from weenv.formats.manifest import parse_template_manifest
@@ -107,6 +108,16 @@ def _env(paths, store_url: str, **extra: str) -> dict[str, str]:
     return {**os.environ, "WEENV_HOME": str(paths.home), "WEENV_STORE": store_url, **extra}
 
 
+def _store_url(kind: str, request, paths) -> str:
+    """A fresh store of ``kind``: ``file`` (in the test's home), ``s3`` (a new prefix of the
+    session's SeaweedFS) or ``oci`` (a new repository of the session's loopback registry)."""
+    if kind == "file":
+        return f"file://{paths.home / 'store'}"
+    if kind == "s3":
+        return request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    return request.getfixturevalue("oci_registry").url(new_repository("weenv/faults"))
+
+
 def read_back(store: Store, work: Path) -> dict[str, dict[str, bytes]]:
     """Every published template's files: ``{template: {path: bytes}}`` (its
     groups assembled from the store, every chunk checked, mounted bottom to
@@ -145,18 +156,15 @@ def assert_store_sound(store: Store, work: Path, expected: dict[str, dict[str, b
         }, name
 
 
-@pytest.mark.parametrize("kind,layer", [("file", 0), ("file", 1), ("file", 2), ("s3", 2)])
+@pytest.mark.parametrize("kind,layer", [("file", 0), ("file", 1), ("file", 2), ("s3", 2), ("oci", 2)])
 def test_a_failed_import_keeps_the_chunks_a_concurrent_import_published(kind, layer, request, paths, tmp_path):
     """Import ``a`` stores its groups below layer ``layer``, then that layer
     breaks off while import ``b`` of an image sharing the two lower layers runs
     start to end: ``b`` finds the chunks ``a`` stored and publishes a template
     naming them.  ``a``'s rollback must not delete them.  (Before leases it
-    did: ``b``'s template then read EIO.)  Two processes, one store: ``file://``
-    and ``s3://`` (two nodes' importers)."""
-    if kind == "file":
-        store_url = f"file://{paths.home / 'store'}"
-    else:
-        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    did: ``b``'s template then read EIO.)  Two processes, one store: ``file://``,
+    ``s3://`` and ``oci://`` (two nodes' importers)."""
+    store_url = _store_url(kind, request, paths)
     env = _env(paths, store_url)
     stalled = StalledLayout(tmp_path / "a", "a", layer)
     a = _weenv("import", str(stalled.path), "--name", "a", env=env)
@@ -175,13 +183,15 @@ def test_a_failed_import_keeps_the_chunks_a_concurrent_import_published(kind, la
     assert_store_sound(store, tmp_path / "read", {"b": _expected("b")})
 
 
-def test_gc_during_an_import_keeps_what_the_import_stored(paths, tmp_path):
+@pytest.mark.parametrize("kind", ["file", "oci"])
+def test_gc_during_an_import_keeps_what_the_import_stored(kind, request, paths, tmp_path):
     """``weenv gc`` runs while an import has stored and published (by digest)
     its lower groups but not yet its template: gc keeps them (the import's
     lease names them), the import then finishes, and its template reads back.
     (Before leases gc deleted the group manifests and the import failed with
-    ``no manifest``.)"""
-    store_url = f"file://{paths.home / 'store'}"
+    ``no manifest``.)  On ``file://`` and ``oci://`` (where a deleted manifest
+    or chunk is gone from the tags at once, and only the store check tells)."""
+    store_url = _store_url(kind, request, paths)
     env = _env(paths, store_url)
     old = _write_layout(tmp_path / "old", [[_entry("old", data=b"unreferenced " * 1000)]])
     code, out = _finish(_weenv("import", str(old), "--name", "old", env=env))
@@ -297,10 +307,7 @@ def test_hostile_lease_records_neither_stop_nor_hang_writers_and_gc(kind, reques
     fail, the last made the import wait for ever.)"""
     from weenv.store.lease import LEASE_MEDIA_TYPE
 
-    if kind == "file":
-        store_url = f"file://{paths.home / 'store'}"
-    else:
-        store_url = request.getfixturevalue("s3_server").url(new_prefix("faults"))
+    store_url = _store_url(kind, request, paths)
     env = _env(paths, store_url, WEENV_STORE_LEASE_S="3")
     store = open_store(store_url)
     _put_lease_ref(store, "delete-huge", b" " * (17 << 20))
