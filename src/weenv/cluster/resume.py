@@ -16,9 +16,9 @@ E2B's ``POST /e2b/sandboxes/{id}/resume`` and ``.../connect`` (``/e2b/v2`` too).
    files as they were when its memory was released, its first process started
    anew; ``weenv.node`` in its metadata names that node now.
 
-The answer is the API's own, 201 as for a paused sandbox resumed: weenv's
-``EnvironmentInfo``, E2B's ``Sandbox`` (its connect on the new node: its envd
-token is that node's).
+The answer is the API's own, as a resume on its own node answers: weenv's
+``EnvironmentInfo`` (200), E2B's ``Sandbox`` (201; its connect on the new node:
+its envd token is that node's).
 """
 
 from __future__ import annotations
@@ -87,4 +87,4 @@ async def resume_elsewhere(gw: Gateway, env_id: str, body: dict, *, e2b: bool, w
         )
         if answer.status_code not in (200, 201):
             return _e2b_error(answer.status_code, _message_of(answer))
-    return Response(answer.content, status_code=201, media_type="application/json")
+    return Response(answer.content, status_code=201 if e2b else 200, media_type="application/json")
