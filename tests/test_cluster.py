@@ -873,7 +873,12 @@ def test_a_paused_environment_resumes_on_another_node_when_its_own_is_gone(ray_c
         assert r.status_code == 409, r.text  # it runs: not paused
         r = h.post("/v1/environments/0123456789ab/resume", json={})
         assert r.status_code == 404 and "no environment 0123456789ab in the cluster" in r.text, r.text
+        # paused again on its new node, then destroyed: its published pause goes with it (no resume after)
+        r = h.post(f"/v1/environments/{env_id}/pause", json={"release_memory": True})
+        assert r.status_code == 200 and cluster_store.ref_or_none("templates", snapshot), r.text
         assert h.delete(f"/v1/environments/{env_id}").status_code == 204
+        assert cluster_store.ref_or_none("templates", snapshot) is None, "a destroy drops its published pause"
+        assert h.post(f"/v1/environments/{env_id}/resume", json={}).status_code == 404
     with ClusterClient() as client:
         _wait_forgotten(client)
 
