@@ -861,12 +861,8 @@ def test_a_paused_environment_resumes_on_another_node_when_its_own_is_gone(ray_c
             with pytest.raises(e2b.exceptions.NotFoundException):
                 e2b.Sandbox.connect("0123456789ab")
         info = h.get(f"/v1/environments/{env_id}").json()
-        assert (info["state"], info["network"], info["deny_out"], info["envs"]) == (
-            "running",
-            False,
-            ["10.0.0.0/8"],
-            {"WHO": "me"},
-        )
+        got = (info["state"], info["template"], info["network"], info["deny_out"], info["envs"])
+        assert got == ("running", "t1", False, ["10.0.0.0/8"], {"WHO": "me"})
         assert info["metadata"]["weenv.node"] != victim.node_id
         assert cluster_store.ref_or_none("templates", snapshot) is None, "a resume consumes its published pause"
         r = h.post(f"/v1/environments/{env_id}/resume", json={})

@@ -1026,8 +1026,8 @@ class Node:
         and published on another node (gone, or full): an environment of its
         snapshot with its id, variables, metadata (``metadata`` over them),
         resources and network policy, its first process started anew over its
-        files, its timeout ``timeout`` s from now (default its own); its record
-        is consumed.  Raises :class:`BusyError` if ``env_id`` is on this node,
+        files, its timeout ``timeout`` s from now (default its own), its template
+        name its own (its digest its snapshot's); its record is consumed.  Raises :class:`BusyError` if ``env_id`` is on this node,
         :class:`NotFoundError` if the store holds no such pause, and what
         :meth:`create` raises (:class:`CapacityError`...: the record is kept)."""
         self.admission.check_started()
@@ -1035,9 +1035,13 @@ class Node:
             raise BusyError(
                 f"environment {env_id} is on this node: resume it here (POST /v1/environments/{env_id}/resume)"
             )
-        digest, req = self.handoffs.request(env_id, timeout=timeout, metadata=metadata or {})
+        digest, record, req = self.handoffs.request(env_id, timeout=timeout, metadata=metadata or {})
         caps = self.containers.default_capabilities()
         info = self._admitted_create(_Create(req, caps, False, False, env_id=env_id))
+        e = self.table.get(env_id)
+        with e.lock:  # named by its template as before (its digest is its snapshot's: what its files are)
+            e.info.template = record.template
+            save_info(e.dir, e.info)
         self.handoffs.consumed(env_id, digest)
         return info
 

@@ -110,14 +110,17 @@ class Handoffs:
                 f"the record of paused environment {env_id} in {self.store.url} cannot be read: {exc}"
             ) from None
 
-    def request(self, env_id: str, *, timeout: float | None, metadata: dict[str, str]) -> tuple[str, CreateRequest]:
-        """Its snapshot's digest and the create that resumes the published pause of ``env_id`` (its record's
-        fields; ``metadata`` over its own; ``timeout``: default its own).  Raises
-        :class:`NotFoundError`, :class:`InvalidInputError`."""
+    def request(
+        self, env_id: str, *, timeout: float | None, metadata: dict[str, str]
+    ) -> tuple[str, EnvironmentInfo, CreateRequest]:
+        """Its snapshot's digest, its record and the create that resumes the
+        published pause of ``env_id`` (its record's fields; ``metadata`` over its
+        own; ``timeout``: default its own).  Raises :class:`NotFoundError`,
+        :class:`InvalidInputError`."""
         digest, info = self.record(env_id)
         try:
             info = info.model_copy(update={"metadata": {**info.metadata, **metadata}})
-            return digest, request_like(info, digest, timeout=timeout, on_timeout=info.on_timeout)
+            return digest, info, request_like(info, digest, timeout=timeout, on_timeout=info.on_timeout)
         except ValidationError as exc:
             raise InvalidInputError(f"cannot resume environment {env_id}: {exc.errors()[0].get('msg')}") from None
 
