@@ -894,7 +894,7 @@ class Node:
         released (unless ``keep_published``: the node stops, the environment
         lives on in the store).  Raises :class:`NotFoundError` if unknown."""
         e = self.table.pop(env_id)
-        if e.info.memory_released and not keep_published:
+        if e.info.memory_released and self.handoffs.enabled and not keep_published:
             self.handoffs.consumed(env_id)
         self.resets.forget(e)  # before its lock: a preparation waiting for it makes nothing
         with e.lock:

@@ -222,8 +222,8 @@ class Pauses:
                         )
                         self.open_cgroup(f"/{e.container_id}").thaw()
                     _apply(e, running)
-            if released and self.handoffs is not None:  # it runs again: its published pause is spent
-                self.handoffs.consumed(e.info.id)
+            if released and self.handoffs is not None and self.handoffs.enabled:
+                self.handoffs.consumed(e.info.id)  # it runs again: its published pause is spent
             return e.info
 
     def _restart(self, e: Environment) -> None:
