@@ -796,6 +796,89 @@ def test_batches_racing_for_the_room_are_refused_or_queued_never_hung(ray_cluste
         _wait_forgotten(client)
 
 
+def test_a_paused_environment_resumes_on_another_node_when_its_own_is_gone(ray_cluster, cluster_store):
+    """An environment paused with its memory released is published to the store
+    (snapshot ``paused-ID``); its node goes (its Ray node removed, its daemon
+    stopped); a resume through the cluster's address with no node having room is
+    refused (503, the snapshot kept); with room, E2B's connect resumes it on
+    another node with its id, files, variables, metadata and network policy.
+    A resume of an id that never existed is 404 in both APIs."""
+    e2b = pytest.importorskip("e2b")
+    from daemon_fixture import environ
+
+    c, workers, config, homes = ray_cluster
+    gw = cluster.gateway()
+    victim = workers[0]
+    paths = Paths(home=_node_of_home(homes, victim.node_id), cache=CACHE, store_url=config.store)
+    snapshot = None
+    with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=120) as h:
+        r = h.post(
+            "/v1/environments",
+            json={
+                "template": "t1",
+                "resources": SMALL.model_dump(),
+                "envs": {"WHO": "me"},
+                "deny_out": ["10.0.0.0/8"],
+                "metadata": {"weenv.node": victim.node_id, "who": "resume"},
+            },
+        )
+        assert r.status_code == 201, r.text
+        env_id = r.json()["id"]
+        snapshot = f"paused-{env_id}"
+        r = h.post(f"/v1/environments/{env_id}/commands", json={"command": "echo kept > /workspace/kept.txt"})
+        assert r.json()["exit_code"] == 0, r.text
+        r = h.post(f"/v1/environments/{env_id}/pause", json={"release_memory": True})
+        assert r.status_code == 200 and r.json()["memory_released"], r.text
+        assert cluster_store.ref_or_none("templates", snapshot), "the release published it"
+        c.remove_node(victim)  # its node goes: Ray's node and the node's daemon
+        daemon.stop(paths)
+        deadline = time.monotonic() + 30
+        while not [s for s in cluster.status() if s.node_id == victim.node_id and s.state == "gone"]:
+            assert time.monotonic() < deadline, cluster.status()
+            time.sleep(0.2)
+        assert h.get(f"/v1/environments/{env_id}").status_code == 410  # lost, and resumable
+        fillers = []
+        with ClusterClient() as client:
+            try:
+                with pytest.raises(CapacityError):
+                    for _ in range(2 * len(_alive_nodes()) + 1):
+                        fillers.append(client.create("t2", resources=SMALL, first_command=False))
+                r = h.post(f"/v1/environments/{env_id}/resume", json={})
+                assert r.status_code == 503 and r.json()["error"]["kind"] == "capacity", r.text
+                assert f"no node has room to resume environment {env_id}" in r.json()["error"]["message"]
+                assert f"snapshot {snapshot}) is kept" in r.json()["error"]["message"]
+                assert cluster_store.ref_or_none("templates", snapshot), "a refused resume keeps the snapshot"
+            finally:
+                for e in fillers:
+                    client.destroy(e.id)
+        with environ(**gw.environ()):
+            sb = e2b.Sandbox.connect(env_id, timeout=300)  # E2B's connect resumes a paused sandbox
+            assert sb.sandbox_id == env_id
+            assert sb.files.read("/workspace/kept.txt") == "kept\n"
+            assert sb.commands.run("echo $WHO; wc -c < /workspace/a.bin").stdout.split() == ["me", str(24 * MiB)]
+            metadata = sb.get_info().metadata
+            assert metadata["who"] == "resume" and metadata["weenv.node"] in _alive_nodes()
+            with pytest.raises(e2b.exceptions.NotFoundException):
+                e2b.Sandbox.connect("0123456789ab")
+        info = h.get(f"/v1/environments/{env_id}").json()
+        got = (info["state"], info["template"], info["network"], info["deny_out"], info["envs"])
+        assert got == ("running", "t1", False, ["10.0.0.0/8"], {"WHO": "me"})
+        assert info["metadata"]["weenv.node"] != victim.node_id
+        assert cluster_store.ref_or_none("templates", snapshot) is None, "a resume consumes its published pause"
+        r = h.post(f"/v1/environments/{env_id}/resume", json={})
+        assert r.status_code == 409, r.text  # it runs: not paused
+        r = h.post("/v1/environments/0123456789ab/resume", json={})
+        assert r.status_code == 404 and "no environment 0123456789ab in the cluster" in r.text, r.text
+        # paused again on its new node, then destroyed: its published pause goes with it (no resume after)
+        r = h.post(f"/v1/environments/{env_id}/pause", json={"release_memory": True})
+        assert r.status_code == 200 and cluster_store.ref_or_none("templates", snapshot), r.text
+        assert h.delete(f"/v1/environments/{env_id}").status_code == 204
+        assert cluster_store.ref_or_none("templates", snapshot) is None, "a destroy drops its published pause"
+        assert h.post(f"/v1/environments/{env_id}/resume", json={}).status_code == 404
+    with ClusterClient() as client:
+        _wait_forgotten(client)
+
+
 def test_the_cli_takes_the_cluster_down_and_up_leaving_nothing(ray_cluster):
     """``weenv cluster status``, ``down`` and ``up`` as a user runs them (each its
     own process and Ray driver) on the running Ray cluster: ``down`` leaves no

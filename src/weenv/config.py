@@ -231,6 +231,13 @@ class RuntimeSettings(_Group):
         accepts="a positive number of seconds",
         gt=0,
     )
+    pause_publish: bool = setting(
+        False,
+        "WEENV_PAUSE_PUBLISH",
+        "Releasing a paused environment's memory also publishes its files to the store, so that any node "
+        "resumes it (a cluster's nodes have it on).",
+        accepts="on or off",
+    )
 
 
 class DiskSettings(_Group):

@@ -325,6 +325,13 @@ class ResumeRequest(_Model):
     _check_timeout = field_validator("timeout")(_finite)
 
 
+class ResumePublishedRequest(ResumeRequest):
+    """Resume on this node a paused environment published by another (:mod:`weenv.node.state.handoff`)."""
+
+    metadata: Metadata = Field(default_factory=dict)
+    """Entries set over its own (the cluster's gateway names the node it runs on now)."""
+
+
 class TemplateInfo(_Model):
     name: str
     digest: str

@@ -49,7 +49,11 @@ class NodeActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         paths = Paths(home=config.home_of(self.node_id), cache=config.cache_path(), store_url=config.store_url())
         self.agent = NodeAgent(
-            self.node_id, paths, host=ray.util.get_node_ip_address(), cache_scan_s=config.cache_scan_s
+            self.node_id,
+            paths,
+            host=ray.util.get_node_ip_address(),
+            cache_scan_s=config.cache_scan_s,
+            settings=config.node_settings(),
         )
         self.placement, self.interval = placement_actor, config.heartbeat_s
         self.peer_push = PeerPush(paths) if config.peers else None

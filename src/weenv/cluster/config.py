@@ -68,12 +68,21 @@ class ClusterConfig(BaseModel):
     """Seconds a node counts as holding a template placed there (named in the
     create hints of that template's creates placed elsewhere meanwhile)."""
 
+    publish_paused: bool = True
+    """A node releasing a paused environment's memory publishes its files to the
+    store, so that another node resumes it when its own is gone or full
+    (:mod:`weenv.node.state.handoff`; the nodes' ``WEENV_PAUSE_PUBLISH``)."""
+
     @field_validator("home")
     @classmethod
     def _absolute(cls, v: str) -> str:
         if not Path(v.replace("{node}", "x")).is_absolute():
             raise ValueError(f"home {v!r} is not an absolute path")
         return v
+
+    def node_settings(self) -> dict[str, str]:
+        """The ``WEENV_*`` settings a node's daemon is started with, from this config."""
+        return {"WEENV_PAUSE_PUBLISH": "1" if self.publish_paused else "0"}
 
     def home_of(self, node_id: str) -> Path:
         return Path(self.home.replace("{node}", node_id[:12]))

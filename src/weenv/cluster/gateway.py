@@ -13,6 +13,9 @@ environment (:mod:`weenv.cluster.proxy`, streamed both ways)::
              -> every alive node's, merged (E2B's filters, order and pages kept)
     per environment  /v1/environments/{id}/..., /e2b/sandboxes/{id}/...,
              /e2b/v2/sandboxes/{id}/...  -> its node (a kill also tells placement)
+    resume   POST /v1/environments/{id}/resume, /e2b[/v2]/sandboxes/{id}/resume|connect of
+             one lost with its node (or unknown) -> from its published pause, on a node
+             placement chooses (:mod:`weenv.cluster.resume`)
     envd     /e2b/envd/... (and signed ``/files`` URLs at the root, as on one
              node) -> the node of the sandbox ``E2b-Sandbox-Id`` (or the host
              ``PORT-ID.``) names; a signed URL's signature names it
@@ -217,6 +220,7 @@ def create_gateway_app(
     room for it to create (then its line is a ``capacity`` error);
     ``max_body``, ``max_upload``: bytes of a request body, of a file upload."""
     from weenv.cluster.batch import batch_stream
+    from weenv.cluster.resume import is_resume, resume_elsewhere
     from weenv.cluster.templates import TemplateOwners, install_template_routes
 
     client = proxy.new_client(timeouts)
@@ -465,7 +469,12 @@ def create_gateway_app(
 
     async def per_environment(request: Request, env_id: str, *, e2b: bool) -> Response:
         require_key(request)
-        route = await gw.route(env_id)
+        try:
+            route = await gw.route(env_id)
+        except (LostError, NotFoundError) as exc:  # a resume of it may find its published pause
+            if not is_resume(request.method, request.url.path, env_id, e2b=e2b):
+                raise
+            return await resume_elsewhere(gw, env_id, await json_body(request), e2b=e2b, why=exc)
         try:
             response = await proxy.relay(
                 client, request, route, request.url.path, headers=proxy.keyed_headers(request, route, e2b=e2b)

@@ -73,13 +73,21 @@ class NodeAgent:
     Raises :class:`DaemonError` if the daemon cannot be started, or one already
     serves the home without TCP (it cannot be reached from other nodes)."""
 
-    def __init__(self, node_id: str, paths: Paths, *, host: str, cache_scan_s: float = 5.0):
+    def __init__(
+        self,
+        node_id: str,
+        paths: Paths,
+        *,
+        host: str,
+        cache_scan_s: float = 5.0,
+        settings: dict[str, str] | None = None,
+    ):
         self.node_id, self.paths, self.host, self.cache_scan_s = node_id, paths, host, cache_scan_s
         paths.home.mkdir(parents=True, exist_ok=True)
         if daemon.is_running(paths):
             log.info("node %s: adopting the daemon serving %s", node_id, paths.home)
         else:
-            daemon.start_background(paths, host=host, port=0)
+            daemon.start_background(paths, host=host, port=0, settings=settings)
         try:
             self.api_url = paths.api_url.read_text().strip()
         except FileNotFoundError:

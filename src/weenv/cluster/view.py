@@ -407,7 +407,8 @@ class ClusterView:
     def done(self, token: int, node_id: str, env_id: str | None) -> None:
         """The create holding ``token`` on ``node_id`` ended: made ``env_id``, or failed (None).
         Token 0 (never a placement's) records ``env_id`` alone: one its node made
-        itself, such as a fork's child."""
+        itself, such as a fork's child.  An environment lost with its node and
+        resumed on this one (its published pause) is found again."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None:
@@ -420,6 +421,7 @@ class ClusterView:
                     self._lost[env_id] = (node_id, time.time())
                 else:
                     self._envs[env_id] = (node_id, time.time())
+                    self._lost.pop(env_id, None)
 
     def _load(self, node: _Node) -> placement.NodeLoad:
         r = node.report

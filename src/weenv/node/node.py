@@ -60,10 +60,11 @@ from weenv.api.models import (
     ProcessInfo,
     TemplateInfo,
 )
-from weenv.config import Paths, private_dir
+from weenv.config import Paths, private_dir, settings
 from weenv.errors import (
     FULL_ERRNOS,
     BrokenError,
+    BusyError,
     CommandTimeoutError,
     DiskFullError,
     InvalidInputError,
@@ -99,7 +100,8 @@ from weenv.node.runtime.process import DEFAULT_RETAIN, Process
 from weenv.node.runtime.runtime import NodeRuntime
 from weenv.node.runtime.users import Identity
 from weenv.node.snapshotter import Snapshotter
-from weenv.node.state.fork import ForkResult, Forks
+from weenv.node.state.fork import ForkResult, Forks, request_like
+from weenv.node.state.handoff import Handoffs
 from weenv.node.state.pause import Pauses, check_running, release_after_from_env
 from weenv.node.state.pool import pool_size_from_env
 from weenv.node.state.recovery import Recovery, logged
@@ -148,6 +150,8 @@ class _Create:
     their upper dir becomes a group and must hold unshifted owners)."""
     peer_hint: tuple[str, ...] = ()
     """The peers the cluster's placement says hold or fetch the template (:data:`PEERS_HINT`)."""
+    env_id: str | None = None
+    """The id it gets (a published pause resumed here), else a new one."""
 
 
 class Node:
@@ -258,8 +262,20 @@ class Node:
             lazy_mountpoint=paths.lazy_mountpoint,
         )
         self.captures = Captures(self.envs, disk=self.provisioner)
+        self.handoffs = Handoffs(
+            self.captures,
+            self.store,
+            workdir=paths.node,
+            publish_lock=lambda: store_lock(self.paths, exclusive=False),
+            enabled=settings().runtime.pause_publish,
+        )
+        """Memory-released pauses published to the store, resumed on any node (:mod:`weenv.node.state.handoff`)."""
         self.pauses = Pauses(
-            self.provisioner, containers=self.containers, commands=self.commands, release_after=release_after_from_env()
+            self.provisioner,
+            containers=self.containers,
+            commands=self.commands,
+            release_after=release_after_from_env(),
+            handoffs=self.handoffs,
         )
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
         self.forks = Forks(self.captures, self._create_child)
@@ -355,7 +371,7 @@ class Node:
         errors = []
         for env_id in self.table.ids():
             try:
-                self.destroy(env_id)
+                self.destroy(env_id, keep_published=True)  # a node stopping is no destroy of the cluster's
             except Exception as exc:  # keep going: close must release everything it can
                 log.exception("destroying %s on close", env_id)
                 errors.append(exc)
@@ -463,6 +479,7 @@ class Node:
             not c.prefetch
             or not c.sudo
             or c.upper_from is not None
+            or c.env_id is not None
             or req.network is not None
             or req.allow_out
             or req.deny_out
@@ -491,7 +508,7 @@ class Node:
         req, digest, timing = c.request, resolved.digest, {}
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         with contextlib.ExitStack() as undo:
-            env_id = self.warm.own(pooled, undo) if pooled is not None else secrets.token_hex(6)
+            env_id = self.warm.own(pooled, undo) if pooled is not None else c.env_id or secrets.token_hex(6)
             if c.peer_hint:
                 self.peers.hint(env_id, c.peer_hint)
             # chunks flow while the manifests load (not on a node that refuses new environments)
@@ -871,10 +888,14 @@ class Node:
         with contextlib.suppress(FileNotFoundError):
             (self.snapshotter.dir(env_id) / UNDELIVERED).unlink()
 
-    def destroy(self, env_id: str) -> None:
+    def destroy(self, env_id: str, *, keep_published: bool = False) -> None:
         """Kill the environment's processes and remove its container, cgroup,
-        overlay and directory.  Raises :class:`NotFoundError` if unknown."""
+        overlay and directory, and the published pause of one whose memory was
+        released (unless ``keep_published``: the node stops, the environment
+        lives on in the store).  Raises :class:`NotFoundError` if unknown."""
         e = self.table.pop(env_id)
+        if e.info.memory_released and self.handoffs.enabled and not keep_published:
+            self.handoffs.consumed(env_id)
         self.resets.forget(e)  # before its lock: a preparation waiting for it makes nothing
         with e.lock:
             procs = list(e.processes.values())
@@ -947,19 +968,7 @@ class Node:
         return self.forks.fork(self.table.get(env_id), count, timeout)
 
     def _create_child(self, c: Capture, timeout: float | None) -> EnvironmentInfo:
-        info = c.info
-        req = CreateRequest(
-            template=c.template_digest,
-            resources=info.resources,
-            envs=info.envs,
-            metadata=info.metadata,
-            priority=info.priority,
-            network=info.network,
-            allow_out=info.allow_out,
-            deny_out=info.deny_out,
-            public_traffic=info.public_traffic,
-            timeout=info.timeout_s if timeout is None else timeout,
-        )
+        req = request_like(c.info, c.template_digest, timeout=timeout)
         return self._admitted_create(
             _Create(req, self.containers.default_capabilities(), False, False, upper_from=c.path)
         )
@@ -1004,6 +1013,37 @@ class Node:
         :class:`CapacityError` (only if it was not provisioned; it stays paused), :class:`DiskFullError`
         (the node's disk has no room for its state: it stays paused)."""
         return self.pauses.resume(self.table.get(env_id), timeout)
+
+    def published_pause(self, env_id: str) -> EnvironmentInfo:
+        """The info, as it was paused, of ``env_id`` published to the store when its
+        memory was released (:mod:`weenv.node.state.handoff`).  Raises :class:`NotFoundError`."""
+        return self.handoffs.record(env_id)[1]
+
+    def resume_published(
+        self, env_id: str, *, timeout: float | None = None, metadata: dict[str, str] | None = None
+    ) -> EnvironmentInfo:
+        """Resume on this node the environment ``env_id`` whose memory was released
+        and published on another node (gone, or full): an environment of its
+        snapshot with its id, variables, metadata (``metadata`` over them),
+        resources and network policy, its first process started anew over its
+        files, its timeout ``timeout`` s from now (default its own), its template
+        name its own (its digest its snapshot's); its record is consumed.  Raises :class:`BusyError` if ``env_id`` is on this node,
+        :class:`NotFoundError` if the store holds no such pause, and what
+        :meth:`create` raises (:class:`CapacityError`...: the record is kept)."""
+        self.admission.check_started()
+        if env_id in self.table.ids():
+            raise BusyError(
+                f"environment {env_id} is on this node: resume it here (POST /v1/environments/{env_id}/resume)"
+            )
+        digest, record, req = self.handoffs.request(env_id, timeout=timeout, metadata=metadata or {})
+        caps = self.containers.default_capabilities()
+        info = self._admitted_create(_Create(req, caps, False, False, env_id=env_id))
+        e = self.table.get(env_id)
+        with e.lock:  # named by its template as before (its digest is its snapshot's: what its files are)
+            e.info.template = record.template
+            save_info(e.dir, e.info)
+        self.handoffs.consumed(env_id, digest)
+        return info
 
     # --- stats and caches -------------------------------------------------------------
     def disk_usage(self, env_id: str) -> tuple[int, int]:

@@ -28,6 +28,10 @@ ready, bytes base64-encoded)::
     POST   /v1/environments/{id}/pause                -> EnvironmentInfo (frozen; 409 if not running)
            {"release_memory": true}                      (processes ended, files kept: memory released)
     POST   /v1/environments/{id}/resume               ResumeRequest -> EnvironmentInfo (409 if not paused)
+    GET    /v1/paused/{id}                            -> EnvironmentInfo as paused, published by a node
+                                                      (weenv.node.state.handoff; 404 if none)
+    POST   /v1/paused/{id}/resume                     ResumePublishedRequest -> 201 EnvironmentInfo (resumed
+                                                      here with its id; 409 if it is on this node)
     GET    /v1/snapshots                              -> [SnapshotInfo]
     DELETE /v1/snapshots/{name}                       -> 204
     POST   /v1/environments/{id}/commands             ExecRequest -> ExecResult (captured; 413 past the output limit;
@@ -105,6 +109,7 @@ from weenv.api.models import (
     ProcessStdin,
     RenameRequest,
     ResetRequest,
+    ResumePublishedRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -295,6 +300,15 @@ def api_router(
     @r.post("/environments/{env_id}/resume")
     def resume(env_id: str, req: ResumeRequest | None = None) -> EnvironmentInfo:
         return node.resume(env_id, timeout=req.timeout if req else None)
+
+    @r.get("/paused/{env_id}")
+    def published_pause(env_id: str) -> EnvironmentInfo:
+        return node.published_pause(env_id)
+
+    @r.post("/paused/{env_id}/resume", status_code=201)
+    def resume_published(env_id: str, req: ResumePublishedRequest | None = None) -> EnvironmentInfo:
+        req = req or ResumePublishedRequest()
+        return node.resume_published(env_id, timeout=req.timeout, metadata=req.metadata)
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:

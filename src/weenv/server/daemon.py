@@ -204,14 +204,23 @@ def connect(paths: Paths | None = None, *, autostart: bool = True, timeout: floa
     return NodeClient(socket=paths.socket, request_timeout=timeout)
 
 
-def start_background(paths: Paths, *, timeout: float = 60.0, host: str | None = None, port: int | None = None) -> int:
+def start_background(
+    paths: Paths,
+    *,
+    timeout: float = 60.0,
+    host: str | None = None,
+    port: int | None = None,
+    settings: dict[str, str] | None = None,
+) -> int:
     """Start ``weenv serve`` detached (own session, output to ``run/daemon.log``)
     and wait until it answers; return its pid.  With ``port``, it serves TCP on
     ``host:port`` too (``weenv serve --host --port``; port 0: one the kernel
-    picks, written to ``run/api-url``).  Raises :class:`DaemonError` with the
+    picks, written to ``run/api-url``).  ``settings``: ``WEENV_*`` variables it
+    runs with besides this process's.  Raises :class:`DaemonError` with the
     log's tail if it exits or does not answer within ``timeout`` seconds."""
     paths.run.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, WEENV_HOME=str(paths.home), WEENV_CACHE=str(paths.cache), WEENV_STORE=paths.store_url)
+    env.update(settings or {})
     with open(paths.daemon_log, "ab") as logf:
         proc = subprocess.Popen(
             [

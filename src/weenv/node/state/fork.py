@@ -29,13 +29,34 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from weenv.api.models import EnvironmentInfo
+from weenv.api.models import CreateRequest, EnvironmentInfo
 from weenv.config import settings
 from weenv.errors import InvalidInputError, RuntimeFailedError, WeenvError
 from weenv.node.state.snapshot import Capture, Captures
 from weenv.node.table import Environment, check_timeout
 
 log = logging.getLogger(__name__)
+
+
+def request_like(info: EnvironmentInfo, template: str, *, timeout: float | None, **fields) -> CreateRequest:
+    """The create of an environment like ``info``'s (its resources, variables,
+    metadata, priority and network policy) from ``template``, its timeout
+    ``timeout`` (default its own); ``fields``: other request fields.  Raises
+    :class:`~pydantic.ValidationError`."""
+    return CreateRequest(
+        template=template,
+        resources=info.resources,
+        envs=info.envs,
+        metadata=info.metadata,
+        priority=info.priority,
+        network=info.network,
+        allow_out=info.allow_out,
+        deny_out=info.deny_out,
+        public_traffic=info.public_traffic,
+        timeout=info.timeout_s if timeout is None else timeout,
+        **fields,
+    )
+
 
 DEFAULT_MAX_FORK = 100
 """Children one fork may ask for, unless ``WEENV_MAX_FORK`` says otherwise."""

@@ -41,7 +41,7 @@ container again from its bundle: its first process starts anew over the same
 files.  ``EnvironmentInfo.memory_released`` tells the two pauses apart.  A
 node process killed meanwhile leaves it to the next one, which adopts it
 paused without a container (:mod:`weenv.node.state.recovery`).  (Resume on another
-node from a published snapshot is not done here.)
+node from a published snapshot: :mod:`weenv.node.state.handoff`.)
 
 **A full disk.**  Each of these calls writes the state it leaves
 (``env.json``) before the step it cannot undo (a freeze, a container deleted
@@ -70,6 +70,7 @@ from weenv.node.table import Environment, check_timeout, staged_info
 if TYPE_CHECKING:
     from weenv.node.runtime.commands import Commands
     from weenv.node.runtime.container import Containers
+    from weenv.node.state.handoff import Handoffs
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Pauses:
         containers: Containers | None = None,
         commands: Commands | None = None,
         release_after: float | None = None,
+        handoffs: Handoffs | None = None,
     ):
         self.provisioner = provisioner
         self.open_cgroup = open_cgroup
@@ -104,6 +106,8 @@ class Pauses:
         self.commands = commands
         self.release_after = release_after
         """Seconds paused after which the reaper releases a paused environment's memory (None: never)."""
+        self.handoffs = handoffs
+        """Publishes a memory release to the store when enabled, so any node resumes it (:mod:`weenv.node.state.handoff`)."""
 
     def pause(self, e: Environment, *, release_memory: bool = False) -> EnvironmentInfo:
         """Freeze ``e`` (or with ``release_memory``, :meth:`release` it); its
@@ -168,7 +172,12 @@ class Pauses:
                     )
                 except Exception as exc:  # it had that room a moment ago; counted or not, it stays paused
                     log.warning("cannot count paused environment %s's disk: %s", e.info.id, exc)
-            return e.info
+        if self.handoffs is not None and self.handoffs.enabled:
+            try:  # no process writes its files now: what is published is what a resume here would find
+                self.handoffs.publish(e)
+            except Exception as exc:  # released all the same; it resumes on this node only
+                log.warning("cannot publish paused environment %s to the store: %s", e.info.id, exc)
+        return e.info
 
     def due(self, envs: list[Environment], now: float) -> list[Environment]:
         """Those of ``envs`` paused by the freezer for :attr:`release_after` seconds or more at ``now``."""
@@ -204,7 +213,8 @@ class Pauses:
             )
             with staged_info(e.dir, running):  # a full disk refuses here: it stays paused, untouched
                 with e.gate.shut():
-                    if e.info.memory_released:
+                    released = e.info.memory_released
+                    if released:
                         self._restart(e)
                     else:
                         self.provisioner.resume(
@@ -212,6 +222,8 @@ class Pauses:
                         )
                         self.open_cgroup(f"/{e.container_id}").thaw()
                     _apply(e, running)
+            if released and self.handoffs is not None and self.handoffs.enabled:
+                self.handoffs.consumed(e.info.id)  # it runs again: its published pause is spent
             return e.info
 
     def _restart(self, e: Environment) -> None:

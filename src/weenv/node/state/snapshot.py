@@ -281,10 +281,12 @@ class Captures:
         *,
         workdir: Path,
         publish_lock: Callable[[], contextlib.AbstractContextManager],
+        record: dict[str, str] | None = None,
     ) -> SnapshotInfo:
         """Publish capture ``c`` to ``store`` as snapshot (template) ``name``
         (see the module doc); ``workdir``: where the EROFS image is written
-        meanwhile (not on the node's disk).  The capture itself is unchanged
+        meanwhile (not on the node's disk); ``record``: entries added to the top
+        group's ``source`` (a published pause's, :mod:`weenv.node.state.handoff`).  The capture itself is unchanged
         (a writable snapshot of it is cleaned and removed after).  Raises
         :class:`InvalidInputError` (bad name), :class:`BusyError` (the name is
         another template's: :func:`check_snapshot_name`; or another publish
@@ -314,7 +316,12 @@ class Captures:
                     version=c.id,
                     workdir=workdir,
                     ref=False,
-                    source={"type": SNAPSHOT_SOURCE, "environment": info.id, "template": c.template_digest},
+                    source={
+                        **(record or {}),
+                        "type": SNAPSHOT_SOURCE,
+                        "environment": info.id,
+                        "template": c.template_digest,
+                    },
                 )
                 runtime = c.template.runtime.model_copy(
                     update={
