@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from conftest import system_snapshot
-from daemon_fixture import start_daemon
+from daemon_fixture import environ, start_daemon
 from weenv.errors import UnknownUserError
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node.node import Node
@@ -180,3 +180,89 @@ def test_weenv_api_user_fields(tmp_path_factory, accounts_store):
                 sbx.files.write("/srv/y", "y", user="ghost")
     finally:
         daemon.stop()
+
+
+STAT = "stat -c '%U:%G %a %n'"
+
+
+def test_files_owners_in_a_user_namespace(tmp_path_factory, accounts_store):
+    """With ``WEENV_USERNS=on``, files written through the files APIs belong,
+    as ``stat`` shows them inside, to the user the call names, and so do the
+    directories made on the way: through the ``e2b`` SDK (no user: the
+    template's, E2B's ``user``; a file it replaces becomes theirs, as envd
+    chowns it) and weenv's SDK (no user: root's)."""
+    pytest.importorskip("e2b")
+    from e2b import Sandbox as E2BSandbox
+    from e2b.exceptions import AuthenticationException
+
+    from weenv.sdk import Sandbox
+
+    home = tmp_path_factory.mktemp("users-userns-home")
+    before = system_snapshot(home)
+    with environ(WEENV_USERNS="on"):
+        daemon = start_daemon(home, accounts_store.url)
+    try:
+        e2b_env = {
+            "E2B_API_URL": daemon.url + "/e2b",
+            "E2B_SANDBOX_URL": daemon.url + "/e2b/envd",
+            "E2B_API_KEY": "e2b_" + daemon.key,
+        }
+        with environ(**e2b_env):
+            sbx = E2BSandbox.create("accounts", timeout=120)
+            try:
+                assert sbx.commands.run("cat /proc/self/uid_map").stdout.split()[:2] != ["0", "0"]  # its own range
+                sbx.commands.run(
+                    "mkdir /srv/up && echo old > /srv/up/replaced && chmod 600 /srv/up/replaced", user="root"
+                )
+                sbx.files.write("/srv/up/new/deep/f", "x")
+                sbx.files.write("/srv/up/replaced", "new")
+                sbx.files.write("/srv/up/new/root", "r", user="root")
+                sbx.files.write("/srv/up/new/worker", "w", user="worker")
+                sbx.files.write_files([{"path": "/srv/up/multi/a", "data": "a"}])
+                sbx.files.make_dir("/srv/up/made")
+                paths = "/srv/up /srv/up/new /srv/up/new/deep /srv/up/new/deep/f /srv/up/replaced /srv/up/new/root"
+                out = sbx.commands.run(f"{STAT} {paths} /srv/up/new/worker /srv/up/multi /srv/up/multi/a /srv/up/made")
+                assert out.stdout.splitlines() == [
+                    "root:root 755 /srv/up",
+                    "user:user 755 /srv/up/new",
+                    "user:user 755 /srv/up/new/deep",
+                    "user:user 644 /srv/up/new/deep/f",
+                    "user:user 600 /srv/up/replaced",
+                    "root:root 644 /srv/up/new/root",
+                    "worker:worker 644 /srv/up/new/worker",
+                    "user:user 755 /srv/up/multi",
+                    "user:user 644 /srv/up/multi/a",
+                    "user:user 755 /srv/up/made",
+                ]
+                assert sbx.files.read("/srv/up/replaced") == "new"
+                with pytest.raises(AuthenticationException, match="unknown user ghost"):
+                    sbx.files.write("/srv/up/ghost", "g", user="ghost")
+            finally:
+                sbx.kill()
+        with Sandbox.create("accounts", api_url=daemon.url, api_key=daemon.key) as s:
+            s.commands.run("mkdir /srv/w && echo old > /srv/w/replaced && echo old > /srv/w/kept", user="root")
+            s.files.write("/srv/w/root/f", "x")
+            s.files.write("/srv/w/user/deep/f", "x", user="user")
+            s.files.write("/srv/w/replaced", "new", user="user")
+            s.files.write("/srv/w/kept", "new")
+            s.files.make_dir("/srv/w/made", user="worker")
+            out = s.commands.run(
+                f"{STAT} /srv/w/root /srv/w/root/f /srv/w/user /srv/w/user/deep/f /srv/w/replaced "
+                "/srv/w/kept /srv/w/made"
+            ).stdout
+            assert out.splitlines() == [
+                "root:root 755 /srv/w/root",
+                "root:root 644 /srv/w/root/f",
+                "user:user 755 /srv/w/user",
+                "user:user 644 /srv/w/user/deep/f",
+                "user:user 644 /srv/w/replaced",
+                "root:root 644 /srv/w/kept",
+                "worker:worker 755 /srv/w/made",
+            ]
+            with pytest.raises(UnknownUserError, match="ghost"):
+                s.files.write("/srv/w/ghost", "g", user="ghost")
+    finally:
+        daemon.stop()
+    after = system_snapshot(home)
+    for kind in after:
+        assert not set(after[kind]) - set(before[kind]), f"leaked {kind}"

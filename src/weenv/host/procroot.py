@@ -139,10 +139,9 @@ class ProcessRootFS(RootFS):
                     return False
                 path = posixpath.dirname(path.rstrip("/")) or "/"
 
-    def open_write(
-        self, path: str, mode: int = 0o644, *, make_parents: bool = True, owner: tuple[int, int] | None = None
-    ) -> BinaryIO:
-        f = super().open_write(path, mode, make_parents=make_parents, owner=owner)
+    def open_write(self, path: str, mode: int = 0o644, **options) -> BinaryIO:
+        """:meth:`RootFS.open_write` (``options``: its keywords), the file checked to lie on a content file system."""
+        f = super().open_write(path, mode, **options)
         try:  # a file this call created was checked by no _require_file: it is empty, nothing written yet
             _require_content_fs(f.fileno(), path)
         except BaseException:

@@ -233,17 +233,20 @@ class RootFS:
         *,
         make_parents: bool = True,
         owner: tuple[int, int] | None = None,
+        own_existing: bool = False,
     ) -> None:
         """Replace the content of the regular file at ``path``, or create it.
 
         ``mode``: permission bits of a file this call creates (exactly, no umask);
-        an existing file keeps its mode and owner.  ``make_parents``: create
-        missing parent directories (0o755).  ``owner``: ``(uid, gid)`` for what
-        this call creates (default: root).  Symbolic links are followed inside
-        the root, a final one that points nowhere too: the file is created where
-        it points, as a process inside would create it.
+        an existing file keeps its mode, and its owner unless ``own_existing``.
+        ``make_parents``: create missing parent directories (0o755).  ``owner``:
+        ``(uid, gid)`` for what this call creates (default: root); with
+        ``own_existing`` an existing file replaced becomes ``owner``'s too (E2B's
+        envd gives the file it writes to the writer, created or not).  Symbolic
+        links are followed inside the root, a final one that points nowhere too:
+        the file is created where it points, as a process inside would create it.
         """
-        with self.open_write(path, mode, make_parents=make_parents, owner=owner) as f:
+        with self.open_write(path, mode, make_parents=make_parents, owner=owner, own_existing=own_existing) as f:
             f.write(data)
 
     def open_write(
@@ -253,6 +256,7 @@ class RootFS:
         *,
         make_parents: bool = True,
         owner: tuple[int, int] | None = None,
+        own_existing: bool = False,
     ) -> BinaryIO:
         """The regular file at ``path`` truncated (or created) and opened for
         writing: a binary file object the caller writes and closes, to stream a
@@ -286,6 +290,11 @@ class RootFS:
                 if created:
                     os.fchmod(wfd, mode)
                     if (host_owner := self._owned(owner)) is not None:
+                        os.fchown(wfd, *host_owner)
+                elif own_existing:
+                    host_owner = self._owned(owner) or (0, 0)
+                    s = os.fstat(wfd)
+                    if (s.st_uid, s.st_gid) != host_owner:
                         os.fchown(wfd, *host_owner)
             except BaseException:
                 os.close(wfd)

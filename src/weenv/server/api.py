@@ -453,7 +453,9 @@ def api_router(
                     f"{path}: {length} bytes do not fit the environment's "
                     f"disk limit of {limit} bytes (resources.disk_bytes)",
                 )
-        f = await anyio.to_thread.run_sync(functools.partial(fs.open_write, path, owner=owner))
+        f = await anyio.to_thread.run_sync(
+            functools.partial(fs.open_write, path, owner=owner, own_existing=user is not None)
+        )
         size = 0
         buf = bytearray()
         try:
@@ -523,7 +525,8 @@ class NamesJSONResponse(JSONResponse):
 
 
 USER_DOC = (
-    "Who owns what is created: a user of the environment's /etc/passwd or 'UID[:GID]' (default: as written, root's)"
+    "Who owns what is created, and the file an upload replaces: a user of the environment's /etc/passwd or "
+    "'UID[:GID]' (default: as written, root's; a replaced file keeps its owner)"
 )
 
 

@@ -438,12 +438,12 @@ def read_inside(node, sb: Sandbox, path: str, who: Identity) -> bytes:
 def open_write(
     node, sb: Sandbox, path: str, who: Identity, metadata: dict[str, str] | None = None
 ) -> tuple[BinaryIO, dict]:
-    """The file ``path`` truncated or created (parents too, owned by ``who``)
-    and open for writing, with ``metadata`` (:func:`upload_metadata`) as its
+    """The file ``path`` truncated or created (it and the parents made for it
+    owned by ``who``, as envd chowns them) and open for writing, with ``metadata`` (:func:`upload_metadata`) as its
     whole metadata (an earlier upload's keys removed), and the ``/files``
     answer entry for it."""
     full = resolve(sb, path, who)
-    f = fs_of(node, sb).open_write(full, owner=owner(who))
+    f = fs_of(node, sb).open_write(full, owner=owner(who), own_existing=True)  # envd chowns a replaced file too
     entry: dict = {"name": posixpath.basename(full), "type": "file", "path": full}
     try:
         set_metadata(f, full, metadata or {})
