@@ -13,6 +13,7 @@ from weenv.errors import CapacityError, NotFoundError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import detect
 from weenv.node.provision import ProvisionConfig
+from weenv.node.provision.profiles import UsageProfile
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -350,6 +351,40 @@ def test_fork_bomb_contained_by_the_pids_limit(make_node):
     assert node.provisioner.running
     node.destroy(bomb.id)  # kills what is left of the bomb; leak_check sees no cgroup
     assert cgroup_dirs(bomb.id) == []
+
+
+FORK_BOMB = "sh -c 'f() { f | f & }; f; while :; do :; done' > /dev/null 2>&1 &"
+
+
+def test_a_fork_bomb_does_not_lock_its_template_out(make_node):
+    """A fork bomb (forks at its pids limit, then busy at its ceiling until it
+    is destroyed) taught its template a duty cycle of 1, and burst admission
+    then refused the third plain create of that template on an idle 2-core
+    node ("100.0% of bursts would meet others").  An outlier teaches a
+    template with no profile nothing: once the bomb is gone, three normal
+    creates are admitted at once; a refusal names the objective and who holds the room."""
+    node = make_node(cpu_capacity=2.0, admission="burst", admission_wait_s=0.0, profile_startup_s=0.4,
+                     profile_min_observed_s=2.0)  # fmt: skip
+    res = Resources(cpus=1.0, memory_bytes=GIB, pids=64)
+    bomb = node.create("task", resources=res, first_command=False)
+    node.exec(bomb.id, FORK_BOMB)
+    assert wait_for(lambda: len(env_stats(node, bomb.id).history) >= 20, timeout=20)  # 4 s of it
+    node.destroy(bomb.id)
+    envs = [node.create("task", resources=res, first_command=False) for _ in range(3)]
+    said = [e.message for e in node.provision_stats().events if e.env_id == bomb.id and e.kind == "profile"]
+    assert said and said[0].startswith("an outlier ("), said
+    # the same three, judged by a profile that says they burst all the time: the refusal says why, and who holds it
+    template = node.template("task").digest
+    busy = UsageProfile(template=template, cpu_duty=1.0, cpu_burst=1.0, cpu_p95=1.0, memory_working_set=0,
+                        memory_peak=0, seconds=60.0, environments=1, updated=time.time())  # fmt: skip
+    node.provisioner.profiles.record(busy)
+    with pytest.raises(
+        CapacityError, match=r"the latency objective \(WEENV_ADMISSION=burst\) refused it: .*; held by "
+    ) as exc:
+        node.create("task", resources=res, first_command=False)
+    assert sum(e.id in str(exc.value) for e in envs) == 3, exc.value
+    for e in envs:
+        node.destroy(e.id)
 
 
 def test_environment_destroyed_mid_adjustment_leaves_no_cgroup(make_node):

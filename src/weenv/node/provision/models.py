@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weenv.config import settings
-from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
+from weenv.node.provision.profiles import HALF_LIFE_S, MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
 
@@ -132,6 +132,10 @@ class ProvisionConfig(_Model):
     profile_startup_s: float = Field(default=STARTUP_S, ge=0)
     """Seconds of an environment's start left out of the usage profile it
     teaches its template (:data:`~weenv.node.provision.profiles.STARTUP_S`)."""
+    profile_half_life_s: float = Field(default=HALF_LIFE_S, gt=0)
+    """What environments taught their template's usage profile weighs half as much this long
+    after; a profile that weighs less than ``profile_min_observed_s`` is forgotten
+    (:data:`~weenv.node.provision.profiles.HALF_LIFE_S`)."""
     profile_min_observed_s: float = Field(default=MIN_OBSERVED_S, gt=0)
     """An environment observed for less after its start teaches its template nothing
     (:data:`~weenv.node.provision.profiles.MIN_OBSERVED_S`)."""
