@@ -473,5 +473,12 @@ def test_weenv_stats_table_and_plot(paths, shared_store, tmp_path, leak_check):
         assert "last 5 passes" in one and "WORKING SET" in one
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         weenv("rm", env_id)
+        # what environments of it taught the node (and the store) about their usage, forgotten
+        name = shared_store.get_ref("templates", "task").split(":")[1]
+        shared_store.set_ref("usage", name, shared_store.get_ref("templates", "task"))  # any manifest: a profile's ref
+        said = weenv("template", "profile", "task", "--reset")
+        assert said.startswith("usage profile of task (sha256:") and said.strip().endswith("forgotten"), said
+        assert shared_store.ref_or_none("usage", name) is None
+        assert weenv("template", "profile", "task", "--reset").strip().endswith("was not known")
     finally:
         subprocess.run([sys.executable, "-m", "weenv", "stop"], env=env, capture_output=True, timeout=120)

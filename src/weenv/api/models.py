@@ -325,6 +325,15 @@ class ResumeRequest(_Model):
     _check_timeout = field_validator("timeout")(_finite)
 
 
+class ProfileReset(_Model):
+    """What ``DELETE /v1/templates/{name}/profile`` did: the template's usage profile forgotten."""
+
+    template: str
+    digest: str
+    had_profile: bool
+    """Whether the node or the store had one."""
+
+
 class TemplateInfo(_Model):
     name: str
     digest: str
