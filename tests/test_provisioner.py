@@ -226,35 +226,32 @@ def test_memory_limit_raised_in_time_for_a_growing_allocation_and_lowered_after_
 
 
 def test_idle_memory_is_reclaimed_and_comes_back_without_an_oom_kill_when_it_bursts(make_node):
-    """Issue 19, item 3, on real cgroups: an environment that filled 300 MiB
-    of page cache and then waits (its agent thinking) has its memory limit
-    follow its working set now, without the hold (``memory_hold_s`` is 10
-    minutes here: only the idle rule lowers it); the kernel drops the cache
-    to fit (cgroup v1: the limit lowered step by step; v2 asks
-    ``memory.reclaim`` first).  Its next burst, 512 MiB of heap at once
-    (within its declared 1 GiB), waits at the lowered limit until the
-    controller raises it: no OOM kill."""
-    node = make_node(memory_idle_after_s=1.0, memory_hold_s=600.0, memory_half_life_s=600.0, memory_initial=768 * MIB)
+    """An environment that filled 300 MiB of page cache and then waits (its
+    agent thinking) has that memory reclaimed, its limit kept (cgroup v1: the
+    limit lowered and put back at once; v2 ``memory.reclaim``); what went is
+    reported (``memory_reclaimed``, refaults, stall seconds).  Its next burst,
+    heap up to near its declared 1 GiB, past its limit of 768 MiB, waits at
+    the limit until the controller raises it: no OOM kill."""
+    node = make_node(memory_idle_after_s=1.0, memory_hold_s=600.0, memory_half_life_s=600.0,
+                     memory_initial=768 * MIB)  # fmt: skip
     env = node.create("task", resources=Resources(cpus=1.0, memory_bytes=GIB, pids=256))
     r = node.exec(env.id, "head -c 300M /dev/zero > /tmp/cache && sync", timeout=120)
     assert r.exit_code == 0, r.stderr
-    assert wait_for(lambda: env_stats(node, env.id).history[-1].memory_usage >= 250 * MIB, timeout=10)
-    # idle: the limit follows the working set (the cache is not in it), the kernel drops the cache
-    assert wait_for(lambda: env_stats(node, env.id).memory_limit <= 256 * MIB, timeout=30), (
+    # idle: the cache (not in the working set) goes back to the host
+    assert wait_for(lambda: env_stats(node, env.id).memory_reclaimed >= 200 * MIB, timeout=30), (
         env_stats(node, env.id).history[-5:],
         node.provision_stats(env.id).events[-10:],
     )
-    assert wait_for(lambda: env_stats(node, env.id).history[-1].memory_usage <= 256 * MIB, timeout=10)
-    limits = [h.memory_limit for h in env_stats(node, env.id).history]
-    assert limits[0] == 768 * MIB and min(limits) <= 256 * MIB
-    # the burst: heap beyond the lowered limit, within the declared memory
-    r = node.exec(env.id, ALLOC.format(n=1, step=512 * MIB, pause=0, hold=0), timeout=120)
+    s = env_stats(node, env.id)
+    assert s.history[-1].memory_usage <= 200 * MIB and s.memory_limit == 768 * MIB  # its limit stays
+    assert min(h.memory_limit for h in s.history) == 768 * MIB
+    # the burst: heap beyond its limit, within its declared memory
+    r = node.exec(env.id, ALLOC.format(n=1, step=900 * MIB, pause=0, hold=0), timeout=120)
     assert (r.exit_code, r.stdout) == (0, b"held\n"), r.stderr
     s = env_stats(node, env.id)
-    assert s.oom_kills == 0 and max(h.memory_limit for h in s.history) >= 512 * MIB
-    events = node.provision_stats(env.id).events
-    assert any(e.kind == "lower" and "memory" in e.message for e in events)
-    assert any(e.kind == "raise" and "memory" in e.message for e in events)
+    assert s.oom_kills == 0 and max(h.memory_limit for h in s.history) >= 900 * MIB
+    assert s.memory_refaults >= 0 and s.memory_stall_s >= 0
+    assert any(e.kind == "raise" and "memory" in e.message for e in node.provision_stats(env.id).events)
 
 
 def test_sum_of_reservations_stays_within_capacity_and_admission_by_usage(make_node):
@@ -467,7 +464,7 @@ def test_weenv_stats_table_and_plot(paths, shared_store, tmp_path, leak_check):
         time.sleep(1)
         table = weenv("stats")
         assert env_id in table and "elastic" in table and "admitting" in table
-        assert "RESERVED" in table and "predicted peak" in table
+        assert "RESERVED" in table and "predicted peak" in table and "RECLAIMED" in table and "REFAULTS" in table
         png = tmp_path / "stats.png"
         one = weenv("stats", env_id, "--plot", str(png), "--rows", "5")
         assert "last 5 passes" in one and "WORKING SET" in one

@@ -69,6 +69,8 @@ from weenv.node.provision.profiles import OUTLIER_SHARE, TemplateProfiles, Usage
 from weenv.node.provision.refusals import OBJECTIVES, held_by
 
 log = logging.getLogger(__name__)
+RECLAIM_MIN_BYTES = 4 << 20
+"""Less than this above what an idle environment may keep is not worth a reclaim."""
 
 
 class Clock(Protocol):
@@ -146,6 +148,14 @@ class _Tracked:
         self.paused = False
         """Paused by its user (:meth:`Provisioner.pause`): not controlled, its memory still counted."""
         self.oom_killer: bool | None = None
+        self.first: Usage | None = None
+        """Its cgroup's counters when it was attached."""
+        self.reclaimed = 0
+        """Bytes reclaimed while it was idle."""
+        self.stall_s = 0.0
+        """Seconds the checks saw its tasks waiting at its memory limit (v1)."""
+        self.checked = 0.0
+        """Monotonic seconds of the last check (:meth:`Provisioner._urgent`)."""
         self.refused = 0
         self.history: deque[_Point] = deque(maxlen=policy.cfg.history)
         self.window = CpuWindow(policy.cfg.admission_window_s)
@@ -305,6 +315,10 @@ class Provisioner:
             except WeenvError:
                 continue
             prev, t.last_pressure = t.last_pressure, p
+            now = self.clock.monotonic()
+            if p.memory_under_oom and prev is not None:  # v1: its tasks wait at the limit (v2 counts it itself)
+                t.stall_s += min(now - t.checked, self.config.interval_s)
+            t.checked = now
             if p.memory_under_oom and t.memory_limit < t.policy.memory_ceiling and t.env_id not in self._short:
                 urgent = True
             elif cpu and prev is not None and t.cpu_reservation < t.policy.cpu_ceiling:
@@ -484,7 +498,7 @@ class Provisioner:
             t.cgroup = cg
             if self.config.mode == "elastic":
                 self._apply(t, t.policy.cpu_quota, t.policy.memory_limit, self.clock.monotonic(), initial=True)
-            t.last = cg.usage()
+            t.last = t.first = cg.usage()
             t.attached = True
 
     def detach(self, env_id: str) -> None:
@@ -676,6 +690,7 @@ class Provisioner:
                         elif c.env_id in d.thaw and t.frozen:
                             t.cgroup.thaw()
                             t.frozen = False
+                        self._reclaim(t)
                     except NotFoundError:
                         self._gone(t)
                     except WeenvError as exc:
@@ -760,6 +775,19 @@ class Provisioner:
             p.cpu_quota, p.memory_limit = cpu, memory
         else:
             p.applied(cpu, memory, now)
+
+    def _reclaim(self, t: _Tracked) -> None:
+        """Ask the kernel for ``memory_idle_step`` of what an idle ``t`` holds
+        above what its policy lets it keep (:attr:`Want.reclaim_to`), its limit
+        unchanged, and count what went (under ``t.lock``)."""
+        w, u = t.want, t.last
+        if w is None or w.reclaim_to is None or u is None or t.frozen:
+            return
+        excess = u.memory_usage - w.reclaim_to
+        if excess < RECLAIM_MIN_BYTES:
+            return
+        t.cgroup.reclaim(max(RECLAIM_MIN_BYTES, int(excess * self.config.memory_idle_step)))
+        t.reclaimed += max(0, u.memory_usage - t.cgroup.usage().memory_usage)
 
     def _record(self, t: _Tracked) -> None:
         o, u = t.last_obs, t.last
@@ -916,6 +944,9 @@ class Provisioner:
                     throttled_s=u.cpu_throttled_s if u else 0.0,
                     throttled_periods=u.cpu_throttled_periods if u else 0,
                     memory_refused=t.refused,
+                    memory_reclaimed=t.reclaimed,
+                    memory_refaults=u.memory_refaults - t.first.memory_refaults if u and t.first else 0,
+                    memory_stall_s=t.stall_s + (u.memory_stall_s - t.first.memory_stall_s if u and t.first else 0.0),
                     history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
                 )
             )
