@@ -48,20 +48,23 @@ def provision(
         False, "--simulate", help="only replay a real run's traces (--traces) on modelled 16/64/192-core nodes"
     ),
     traces: Path | None = typer.Option(None, "--traces", help="with --simulate: the --json of a real run"),
+    rounds: int = typer.Option(
+        1, "--rounds", min=1, help="both modes this many times, fresh homes, order alternating (summary: medians)"
+    ),
 ) -> None:
     """Static against elastic provisioning: environments held, rollouts/hour, burst slowdown, OOM kills."""
     from weenv.cli.common import err
     from weenv.errors import InvalidInputError
     from weenv_bench.provision import run, simulate_recorded
+    from weenv_bench.provision_rounds import run_rounds
 
     if simulate:
         if traces is None:
             raise InvalidInputError("--simulate replays recorded traces: give --traces PATH (the --json of a real run)")
         result = simulate_recorded(traces, json_path=json_path, log=err.print)
     else:
-        result = run(
-            quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think, log=err.print
-        )
+        kwargs = dict(quick=quick, json_path=json_path, max_envs=max_envs, duration_s=duration, think_s=think)
+        result = run(**kwargs, log=err.print) if rounds == 1 else run_rounds(rounds, **kwargs, log=err.print)
     print(json.dumps(result["summary"]))
 
 

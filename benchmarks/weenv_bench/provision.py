@@ -113,7 +113,7 @@ from typing import Self
 
 from weenv.config import Paths
 from weenv.demo import deps_tree, sdist, task_tree
-from weenv.errors import CapacityError, WeenvError
+from weenv.errors import CapacityError, InvalidInputError, WeenvError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.node.provision import ProvisionConfig
 from weenv.packaging.debootstrap import debian_rootfs
@@ -661,10 +661,13 @@ def run(
     steps: int | None = None,
     sim_sizes=NODE_SIZES,
     sim_duration_s: float = 300.0,
+    order: tuple[str, str] = ("static", "elastic"),
 ) -> dict:
-    """Run the benchmark in a private home under ``$WEENV_HOME``, then the
-    simulation of its traces (:func:`simulated`: ``sim_sizes``, ``sim_duration_s``
-    each); return the result (and write JSON + PNG when ``json_path`` is given)."""
+    """Run the benchmark in a private home under ``$WEENV_HOME``, the modes in
+    ``order``, then the simulation of its traces (:func:`simulated`:
+    ``sim_sizes``, ``sim_duration_s`` each); return the result (and write
+    JSON + PNG when ``json_path`` is given).  ``weenv bench provision
+    --rounds N``: :mod:`weenv_bench.provision_rounds`."""
     from weenv.node.node import Node
 
     env = Paths.from_env()
@@ -694,7 +697,9 @@ def run(
             "admission_wait_s": 0.0,
             "admission_burst_risk": from_env.admission_burst_risk,
             "admission_min_history_s": from_env.admission_min_history_s,
+            "reclaim": from_env.reclaim,
         },
+        "order": list(order),
     }
     try:
         store = FileStore(home / "store")
@@ -713,9 +718,11 @@ def run(
 
         # Bracketed: the machine is shared, its load drifts; each mode is compared
         # with the unloaded runs just before and just after it.
-        passes = [measure_baseline("before static")]
-        modes = (("static", ProvisionConfig(mode="static", **common)), ("elastic", elastic_config(cfg)))
-        for mode, pc in modes:
+        passes = [measure_baseline(f"before {order[0]}")]
+        configs = {"static": ProvisionConfig(mode="static", **common), "elastic": elastic_config(cfg)}
+        if sorted(order) != sorted(configs):
+            raise InvalidInputError(f"order {order!r}: want static and elastic, each once")
+        for mode, pc in ((m, configs[m]) for m in order):
             log(f"{mode}: running for {cfg['duration_s']:.0f} s")
             # the baseline after this mode is not known yet: slowdowns are recomputed below
             base = {k: statistics.median(v) for k, v in passes[-1].items()}

@@ -312,6 +312,9 @@ class SimCgroup:
             raise LimitRefusedError(f"memory limit {limit} below the working set")
         self.env.limit = limit
 
+    def reclaim(self, nbytes: int) -> None:
+        """Nothing to take: a modelled environment's memory is its working set."""
+
     def set_oom_killer(self, enabled: bool) -> bool:
         return True
 

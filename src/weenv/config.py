@@ -344,6 +344,13 @@ class ProvisionSettings(_Group):
         ge=0,
         le=3600,
     )
+    reclaim: bool = setting(
+        True,
+        "WEENV_RECLAIM",
+        "Idle environments' page cache is reclaimed (their limits stay; v2 memory.reclaim, v1 a limit lowered "
+        "and put back).",
+        accepts="on or off",
+    )
 
 
 class ServerSettings(_Group):

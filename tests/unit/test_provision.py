@@ -272,24 +272,29 @@ def test_burst_contention_is_the_share_of_bursts_meeting_others_beyond_the_cores
     assert "of bursts would meet others" in admits(**args, burst_risk=0.021, burst_risk_budget=0.02)
 
 
-def test_idle_memory_is_reclaimed_without_the_hold_and_raised_to_the_known_peak_on_a_burst():
-    """An environment idle for ``memory_idle_after_s`` has its limit follow its
-    working set now (not its decayed peak, not after the hold); its next burst
-    raises the limit at once to its template's peak."""
+def test_idle_memory_is_reclaimed_with_its_limit_kept_and_reclaim_can_be_turned_off(monkeypatch):
+    """An environment idle for ``memory_idle_after_s`` wants what is above its
+    working set (plus the minimum headroom) reclaimed, its limit kept: its
+    next burst finds its room and waits for nothing.  Busy again, or with
+    ``reclaim`` off (``WEENV_RECLAIM=off``), it wants nothing reclaimed."""
     cfg = ProvisionConfig(memory_hold_s=30, memory_half_life_s=600, memory_idle_after_s=5)
+    assert ProvisionConfig().reclaim and ProvisionConfig().memory_idle_after_s == 5.0  # on by default
     p = EnvPolicy(cfg, cpu_ceiling=1.0, memory_ceiling=2 * GIB, now=0)
     p.start_from(0.2, 800 * MIB)
     assert p.memory_limit == 960 * MIB
     w = step(p, obs(1, cpu=0.9, ws=800 * MIB))
-    assert w.memory_limit == 960 * MIB
-    limits = []
-    for t in range(2, 16):  # busy last at t=1: idle (5 s) from t=6 on, then 25 % per pass
+    wants = []
+    for t in range(2, 16):  # busy last at t=1: idle (5 s) from t=6 on
         w = step(p, obs(t, cpu=0.0, ws=100 * MIB))
-        limits.append(w.memory_limit)
-    assert limits[:4] == [960 * MIB] * 4 and limits[4] == 720 * MIB  # held until idle, then one step
-    assert w.memory_reason in ("reclaim", "stay") and w.memory_limit == 164 * MIB  # 100 MiB + 64 MiB headroom
-    w = step(p, obs(16, cpu=1.0, ws=160 * MIB, under_oom=True))  # bursts: waits at its limit
-    assert w.memory_pressure and w.memory_limit == 960 * MIB  # straight to the known peak + 20 %
+        wants.append(w.reclaim_to)
+        assert w.memory_limit == 960 * MIB  # the hold, the known peak: the limit stays
+    assert wants[:4] == [None] * 4 and set(wants[4:]) == {164 * MIB}  # 100 MiB + 64 MiB headroom
+    w = step(p, obs(16, cpu=1.0, ws=700 * MIB))  # bursts: within its limit, nothing to raise or reclaim
+    assert w.reclaim_to is None and w.memory_limit == 960 * MIB and not w.memory_pressure
+    off = EnvPolicy(cfg.model_copy(update={"reclaim": False}), cpu_ceiling=1.0, memory_ceiling=2 * GIB, now=0)
+    assert all(step(off, obs(t, cpu=0.0, ws=100 * MIB)).reclaim_to is None for t in range(1, 16))
+    monkeypatch.setenv("WEENV_RECLAIM", "off")
+    assert ProvisionConfig.from_env().reclaim is False
 
 
 def _contention_by_enumeration(envs: list[CpuMoments], capacity: float) -> float:

@@ -308,7 +308,9 @@ def test_a_create_the_objective_refuses_waits_for_room_and_is_admitted_when_one_
     p.reserve("c", ONE, template=T1, wait=True)
     assert 0.25 < time.monotonic() - t0 < 5 and set(p._envs) == {"b", "c"}
     assert [e.message for e in p.events() if e.env_id == "c"][-2:] == [
-        "waiting up to 30 s for room: 16.0% of bursts would meet others beyond the cores (at most 2.0%)",
+        "waiting up to 30 s for room: the latency objective (WEENV_ADMISSION=burst) refused it: 16.0% of bursts "
+        "would meet others beyond the cores (at most 2.0%); held by a (1 core, busy 20% of the time: its template's "
+        "usage profile), b (1 core, busy 20% of the time: its template's usage profile)",
         "admitted after waiting for room",
     ]
 
@@ -342,3 +344,52 @@ def test_a_create_waiting_for_room_ends_when_the_node_closes():
     assert time.monotonic() - t0 < 5 and "c" not in p._envs
     with pytest.raises(CapacityError, match="meet others"):
         p.reserve("d", ONE, template=T1, wait=True)  # cancelled: later creates do not wait
+
+
+def test_an_outlier_weighs_at_most_its_share_and_alone_teaches_nothing():
+    """A fork bomb busy at its ceiling until it was destroyed taught its
+    template a duty of 1 (burst admission then refused plain creates of it on
+    an idle node).  An outlier (OOM-killed, forks refused, a runaway) teaches
+    a template with no profile nothing, and one with a profile at most
+    OUTLIER_SHARE; a normal environment at most ENV_SHARE."""
+    from weenv.node.provision.outliers import outlier_reason
+    from weenv.node.provision.profiles import ENV_SHARE, OUTLIER_SHARE
+
+    assert outlier_reason([0.0, 1.0] + [0.9] * 10, 1.0, 1.0, startup_s=2.0).endswith("(a runaway)")
+    assert outlier_reason([0.0] * 10 + [1.0], 1.0, 1.0) is None  # a burst at its end: busy 9 % of the time
+    assert outlier_reason([0.9] * 9 + [0.0], 1.0, 1.0) is None  # idle when it ended
+    assert outlier_reason([0.0] * 10, 1.0, 1.0, oom_kills=1) == "1 process(es) OOM-killed"
+    assert "pids limit" in outlier_reason([0.0] * 10, 1.0, 1.0, pids_refused=3)
+
+    profiles = TemplateProfiles()
+    bomb = profile(duty=1.0, p95=1.0, peak=GIB, ws=GIB, seconds=600.0)
+    assert profiles.record(bomb, outlier=True) is None and profiles.get(T1) is None
+    normal = profiles.record(profile(duty=0.02, seconds=60.0))
+    merged = profiles.record(bomb, outlier=True)
+    assert merged.cpu_mean == pytest.approx(0.02 + (1.0 - 0.02) * OUTLIER_SHARE)
+    assert merged.memory_peak < GIB // 2 and merged.outliers == 1 and merged.environments == 2
+    long = normal.merged(profile(duty=0.5, seconds=6000.0))  # one long environment: at most half
+    assert long.cpu_mean == pytest.approx(0.02 + (0.5 - 0.02) * ENV_SHARE)
+
+
+def test_a_profile_decays_until_forgotten_and_can_be_reset(tmp_path):
+    store = FileStore(tmp_path / "store")
+    profiles = TemplateProfiles(tmp_path / "usage", store, half_life_s=60.0)
+    now = time.time()
+    profiles.record(profile(seconds=60.0, updated=now))
+    assert profiles.get(T1, now=now + 60).weight(now + 60, 60.0) == pytest.approx(30.0)
+    assert profiles.get(T1, now=now + 60 * 3) is not None  # it weighs 7.5 s
+    assert profiles.get(T1, now=now + 60 * 4) is None  # 3.75 s: less than MIN_OBSERVED_S (5 s), forgotten
+    profiles.close()
+    assert load_published(store, T1) is not None
+    p = Provisioner(elastic(), profiles=profiles)
+    p.profiles.half_life_s = HALF_LIFE_S
+    p.reserve("a", ONE, template=T1)
+    assert p._envs["a"].profile is not None and p._envs["a"].policy.known_peak == 300 * MIB
+    assert p.reset_profile(T1) is True
+    assert p._envs["a"].profile is None and p._envs["a"].policy.known_peak == 0
+    assert profiles.get(T1) is None and load_published(store, T1) is None
+    assert not list((tmp_path / "usage").iterdir())
+    assert TemplateProfiles(tmp_path / "usage", store).get(T1) is None  # another process: gone too
+    assert p.reset_profile(T1) is False
+    assert [e.message for e in p.events()][-1] == f"usage profile of {T1} reset (it had none)"

@@ -332,6 +332,15 @@ class ResumePublishedRequest(ResumeRequest):
     """Entries set over its own (the cluster's gateway names the node it runs on now)."""
 
 
+class ProfileReset(_Model):
+    """What ``DELETE /v1/templates/{name}/profile`` did: the template's usage profile forgotten."""
+
+    template: str
+    digest: str
+    had_profile: bool
+    """Whether the node or the store had one."""
+
+
 class TemplateInfo(_Model):
     name: str
     digest: str

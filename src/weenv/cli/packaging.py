@@ -74,3 +74,22 @@ def template_ls() -> None:
     """List the store's templates."""
     for name, digest in store().list_refs("templates").items():
         print(f"{name}\t{digest}")
+
+
+@template_app.command("profile")
+def template_profile(
+    name: Annotated[str, typer.Argument(help="template name or digest")],
+    reset: Annotated[bool, typer.Option("--reset", help="forget its usage profile (node and store)")] = False,
+) -> None:
+    """A template's usage profile on the daemon: what its environments taught admission and sizing.
+
+    --reset forgets it on this home's daemon and in the store: new environments of the
+    template are sized and admitted as those of an unknown one until others teach it again."""
+    from weenv.cli.common import client
+    from weenv.errors import InvalidInputError
+
+    if not reset:
+        raise InvalidInputError("weenv template profile NAME --reset: say --reset to forget the usage profile")
+    with client() as c:
+        r = c.reset_profile(name)
+    print(f"usage profile of {r.template} ({r.digest}) " + ("forgotten" if r.had_profile else "was not known"))

@@ -73,6 +73,9 @@ def environments_table(s: ProvisionStats) -> Table:
         "WORKING SET",
         "MEM LIMIT",
         "CEILING",
+        "RECLAIMED",
+        "REFAULTS",
+        "MEM STALL",
         "OOM KILLS",
         "STATE",
     ):
@@ -90,6 +93,9 @@ def environments_table(s: ProvisionStats) -> Table:
             human_bytes(last.working_set) if last else "-",
             "max" if e.memory_limit is None else human_bytes(e.memory_limit),
             human_bytes(e.memory_ceiling),
+            human_bytes(e.memory_reclaimed),
+            str(e.memory_refaults),
+            f"{e.memory_stall_s:.1f} s",
             str(e.oom_kills),
             "frozen" if e.frozen else "running",
         )

@@ -58,6 +58,7 @@ from weenv.api.models import (
     ExecResult,
     NodeStats,
     ProcessInfo,
+    ProfileReset,
     TemplateInfo,
 )
 from weenv.config import Paths, private_dir, settings
@@ -1056,6 +1057,12 @@ class Node:
         except FileNotFoundError:  # destroyed meanwhile
             raise NotFoundError(f"no environment {env_id!r}") from None
         return used, limit or e.info.resources.disk_bytes
+
+    def reset_profile(self, name: str) -> ProfileReset:
+        """Forget the usage profile of template ``name`` (name or digest) on this node and in
+        the store (:meth:`Provisioner.reset_profile`); :class:`NotFoundError` if the template is unknown."""
+        digest = self.template(name).digest
+        return ProfileReset(template=name, digest=digest, had_profile=self.provisioner.reset_profile(digest))
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         """Quotas, usage history and events of elastic provisioning (:class:`NotFoundError` for an unknown id)."""

@@ -29,6 +29,7 @@ from weenv.api.models import (
     ForkResponse,
     NodeStats,
     ProcessInfo,
+    ProfileReset,
     SnapshotInfo,
     TemplateInfo,
     WriteInfo,
@@ -689,6 +690,10 @@ class AsyncNodeClient:
 
     async def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         return await self._conn.drive(_core.provision_stats(env_id))
+
+    async def reset_profile(self, template: str) -> ProfileReset:
+        """Forget what environments of ``template`` taught the node about their usage (its usage profile)."""
+        return await self._conn.drive(_core.reset_profile(template))
 
     async def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
         """Capture the environment's file system and publish it as a template."""

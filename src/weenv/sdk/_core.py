@@ -61,6 +61,7 @@ from weenv.api.models import (
     ProcessEvent,
     ProcessInfo,
     ProcessStdin,
+    ProfileReset,
     RenameRequest,
     ResetRequest,
     ResumeRequest,
@@ -592,6 +593,12 @@ def pause(env_id: str, release_memory: bool = False) -> Flow[EnvironmentInfo]:
 def resume(env_id: str, timeout: float | None = None) -> Flow[EnvironmentInfo]:
     reply = yield Call("POST", _env(env_id) + "/resume", json=_model(ResumeRequest, "timeout", timeout=timeout))
     return EnvironmentInfo.model_validate_json(reply.content)
+
+
+def reset_profile(name: str) -> Flow[ProfileReset]:
+    """Forget the usage profile of template ``name`` (``DELETE /templates/{name}/profile``)."""
+    reply = yield Call("DELETE", "/templates/" + urllib.parse.quote(name, safe="") + "/profile")
+    return ProfileReset.model_validate_json(reply.content)
 
 
 def templates() -> Flow[list[TemplateInfo]]:

@@ -25,6 +25,7 @@ from weenv.api.models import (
     ForkResponse,
     NodeStats,
     ProcessInfo,
+    ProfileReset,
     SnapshotInfo,
     TemplateInfo,
     WriteInfo,
@@ -685,6 +686,10 @@ class NodeClient:
 
     def provision_stats(self, env_id: str | None = None) -> ProvisionStats:
         return self._conn.drive(_core.provision_stats(env_id))
+
+    def reset_profile(self, template: str) -> ProfileReset:
+        """Forget what environments of ``template`` taught the node about their usage (its usage profile)."""
+        return self._conn.drive(_core.reset_profile(template))
 
     def snapshot(self, env_id: str, name: str | None = None) -> SnapshotInfo:
         """Capture the environment's file system and publish it as a template."""

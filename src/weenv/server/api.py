@@ -12,6 +12,7 @@ ready, bytes base64-encoded)::
     GET    /v1/stats/provision?env=ID                 -> ProvisionStats (quotas, usage history, events)
     GET    /v1/templates                              -> [TemplateInfo]
     GET    /v1/templates/{name}                       -> TemplateInfo
+    DELETE /v1/templates/{name}/profile               -> ProfileReset (its usage profile forgotten)
     POST   /v1/environments                           CreateRequest -> 201 EnvironmentInfo
     POST   /v1/environments/batch                     BatchCreateRequest -> NDJSON BatchCreateEvent, as each is ready
     GET    /v1/environments                           -> [EnvironmentInfo]
@@ -107,6 +108,7 @@ from weenv.api.models import (
     PauseRequest,
     ProcessInfo,
     ProcessStdin,
+    ProfileReset,
     RenameRequest,
     ResetRequest,
     ResumePublishedRequest,
@@ -215,6 +217,10 @@ def api_router(
     @r.get("/templates/{name}")
     def get_template(name: str) -> TemplateInfo:
         return node.template(name)
+
+    @r.delete("/templates/{name}/profile")
+    def reset_profile(name: str) -> ProfileReset:
+        return node.reset_profile(name)
 
     # --- environments ----------------------------------------------------------------
     def create_one(req: CreateRequest) -> EnvironmentInfo:

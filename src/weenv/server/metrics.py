@@ -19,6 +19,9 @@ Exposed at ``GET /v1/metrics`` in the text format::
     weenv_env_seconds_total{phase}      counter  seconds of environment operations the node served, by
                                                  phase: create, exec (beyond the commands' own run time),
                                                  files, destroy, other (:mod:`weenv.server.tax`)
+    weenv_memory_reclaimed_bytes_total{env} counter bytes reclaimed from an idle environment (its limit kept)
+    weenv_memory_refaults_total{env}    counter  pages an environment needed again after they were evicted
+    weenv_memory_stall_seconds_total{env} counter seconds an environment's tasks waited for memory
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from weenv.node.node import Node
+from weenv.node.provision import ProvisionStats
 from weenv.server.tax import TaxBook
 
 CREATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -78,6 +82,35 @@ class _NodeCollector:
         for phase, seconds in self.tax.report().node.items():
             env.add_metric([phase], seconds)
         yield env
+        yield from _reclaim_metrics(self.node.provisioner.stats(history=False))
+
+
+def _reclaim_metrics(stats: ProvisionStats):
+    """Idle memory reclaim per environment (``ProvisionConfig.reclaim``): what went, what it cost."""
+    families = (
+        (
+            CounterMetricFamily(
+                "weenv_memory_reclaimed_bytes", "Bytes reclaimed from an idle environment", labels=["env"]
+            ),
+            "memory_reclaimed",
+        ),
+        (
+            CounterMetricFamily(
+                "weenv_memory_refaults", "Pages an environment needed again after they were evicted", labels=["env"]
+            ),
+            "memory_refaults",
+        ),
+        (
+            CounterMetricFamily(
+                "weenv_memory_stall_seconds", "Seconds an environment's tasks waited for memory", labels=["env"]
+            ),
+            "memory_stall_s",
+        ),
+    )
+    for family, key in families:
+        for e in stats.environments:
+            family.add_metric([e.id], getattr(e, key))
+        yield family
 
 
 class Metrics:

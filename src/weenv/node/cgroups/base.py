@@ -81,6 +81,11 @@ class Usage:
     """Tasks in the group (``pids.current``)."""
     pids_failcnt: int
     """Forks refused at the pids limit (``pids.events`` ``max``)."""
+    memory_refaults: int = 0
+    """Pages evicted and then needed again (``memory.stat`` ``workingset_refault_anon`` + ``_file``;
+    v1: their ``total_`` sums): what reclaiming them cost."""
+    memory_stall_s: float = 0.0
+    """Seconds some task waited for memory (v2 ``memory.pressure`` ``some total``; 0 on v1, which has none)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,16 @@ class Cgroup(ABC):
         """Hard memory limit in bytes (``None``: unlimited).  Lowering it below
         what the kernel can reclaim raises :class:`LimitRefusedError`, the limit
         unchanged."""
+
+    @abstractmethod
+    def reclaim(self, nbytes: int) -> None:
+        """Ask the kernel to reclaim up to ``nbytes`` of the group's memory now
+        (page cache first; anonymous memory only where there is swap), its
+        limit left as it is: v2 ``memory.reclaim``; v1 has none, so its limit
+        is lowered by ``nbytes`` below its usage (the kernel reclaims to fit
+        or refuses) and put back at once, its OOM killer disabled meanwhile
+        (a task charging memory then waits a moment; none is killed).  A
+        partial reclaim is not an error."""
 
     @abstractmethod
     def set_oom_killer(self, enabled: bool) -> bool:

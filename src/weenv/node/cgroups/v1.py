@@ -27,6 +27,7 @@ from weenv.errors import NotFoundError
 from weenv.node.cgroups.base import (
     CPU_PERIOD_US,
     Cgroup,
+    LimitRefusedError,
     Limits,
     Pressure,
     Usage,
@@ -87,7 +88,7 @@ class CgroupV1(Cgroup):
         at = time.monotonic()
         cpu = parse_keyed(self._read(self._f("cpu", "cpu.stat"))) if "cpu" in self.mounts else {}
         cpu_ns = self._int("cpuacct", "cpuacct.usage") if "cpuacct" in self.mounts else 0
-        mem = {"usage": 0, "peak": 0, "failcnt": 0, "inactive_file": 0}
+        mem = {"usage": 0, "peak": 0, "failcnt": 0, "inactive_file": 0, "refaults": 0}
         oom: dict[str, int] = {}
         if "memory" in self.mounts:
             mem["usage"] = self._int("memory", "memory.usage_in_bytes")
@@ -95,6 +96,10 @@ class CgroupV1(Cgroup):
             mem["failcnt"] = self._int("memory", "memory.failcnt")
             stat = parse_keyed(self._read(self._f("memory", "memory.stat")))
             mem["inactive_file"] = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+            mem["refaults"] = sum(
+                stat.get(f"total_workingset_refault_{k}", stat.get(f"workingset_refault_{k}", 0))
+                for k in ("anon", "file")
+            )
             oom = parse_keyed(self._read(self._f("memory", "memory.oom_control")))
         pids, pids_events = 0, {}
         if "pids" in self.mounts:
@@ -114,6 +119,7 @@ class CgroupV1(Cgroup):
             oom_kills=oom.get("oom_kill", 0),
             pids_current=pids,
             pids_failcnt=pids_events.get("max", 0),
+            memory_refaults=mem["refaults"],
         )
 
     def pressure(self) -> Pressure:
@@ -160,6 +166,24 @@ class CgroupV1(Cgroup):
     def set_memory_limit(self, limit: int | None) -> None:
         # The kernel reclaims down to a lower limit itself and answers EBUSY when it cannot.
         self._write(self._f("memory", "memory.limit_in_bytes"), "-1" if limit is None else str(int(limit)))
+
+    def reclaim(self, nbytes: int) -> None:
+        limit_f, oom_f = self._f("memory", "memory.limit_in_bytes"), self._f("memory", "memory.oom_control")
+        limit = self._int("memory", "memory.limit_in_bytes")
+        target = self._int("memory", "memory.usage_in_bytes") - int(nbytes)
+        if nbytes <= 0 or target <= 0 or target >= limit:
+            return
+        killer = not parse_keyed(self._read(oom_f)).get("oom_kill_disable", 0)
+        if killer:
+            self._write(oom_f, "1")
+        try:
+            self._write(limit_f, str(target))
+        except LimitRefusedError:
+            pass  # reclaimed what it could
+        finally:
+            self._write(limit_f, "-1" if limit >= UNLIMITED_V1 else str(limit))
+            if killer:
+                self._write(oom_f, "0")
 
     def set_oom_killer(self, enabled: bool) -> bool:
         self._write(self._f("memory", "memory.oom_control"), "0" if enabled else "1")

@@ -100,12 +100,18 @@ class CgroupV2(Cgroup):
         at = time.monotonic()
         enabled = self._enabled()
         cpu = parse_keyed(self._read(self._f("cpu.stat")))
-        usage = peak = failcnt = oom_kills = inactive = 0
+        usage = peak = failcnt = oom_kills = inactive = refaults = 0
+        stall = 0.0
         if "memory" in enabled:
             usage = self._int("memory.current")
             if self._f("memory.peak").exists():
                 peak = self._int("memory.peak")
-            inactive = parse_keyed(self._read(self._f("memory.stat"))).get("inactive_file", 0)
+            stat = parse_keyed(self._read(self._f("memory.stat")))
+            inactive = stat.get("inactive_file", 0)
+            refaults = stat.get("workingset_refault_anon", 0) + stat.get("workingset_refault_file", 0)
+            if self._f("memory.pressure").exists():  # "some avg10=0.00 avg60=0.00 avg300=0.00 total=USEC"
+                first = self._read(self._f("memory.pressure")).split("\n", 1)[0]
+                stall = int(first.rsplit("total=", 1)[1]) / 1e6 if "total=" in first else 0.0
             events = parse_keyed(self._read(self._f("memory.events")))
             failcnt, oom_kills = events.get("max", 0), events.get("oom_kill", 0)
         pids = pids_failcnt = 0
@@ -126,6 +132,8 @@ class CgroupV2(Cgroup):
             oom_kills=oom_kills,
             pids_current=pids,
             pids_failcnt=pids_failcnt,
+            memory_refaults=refaults,
+            memory_stall_s=stall,
         )
 
     def limits(self) -> Limits:
@@ -179,6 +187,10 @@ class CgroupV2(Cgroup):
         except WeenvError as exc:
             if getattr(exc, "errno", None) != errno.EAGAIN:
                 raise
+
+    def reclaim(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._reclaim(int(nbytes))
 
     def set_oom_killer(self, enabled: bool) -> bool:
         return bool(enabled)  # v2 always kills at memory.max; only "enabled" is honoured

@@ -341,6 +341,19 @@ def _add_on_off(dist: list[float], load: int, q: float, room: int) -> None:
         dist[k] *= p
 
 
+class Refusal(str):
+    """Why admission refuses (the text), and which ``objective`` refused:
+    ``disk``, ``shortage``, ``cpu`` (the reservations), ``peak``, ``burst``
+    (the latency objective), ``memory`` (the limits) or ``host`` (its available memory)."""
+
+    objective: str
+
+    def __new__(cls, objective: str, text: str) -> Refusal:
+        r = super().__new__(cls, text)
+        r.objective = objective
+        return r
+
+
 def admits(
     *,
     cpu_sum: float,
@@ -355,7 +368,7 @@ def admits(
     burst_risk_budget: float | None = None,
     disk_sum: int = 0,
     disk_new: int = 0,
-) -> str | None:
+) -> Refusal | None:
     """Why a new environment asking ``cpu_new`` cores and ``memory_new`` bytes
     cannot be admitted now, or None if it can.  ``cpu_sum`` / ``memory_sum``:
     the quotas and limits held now (elastic: following observed usage;
@@ -367,21 +380,29 @@ def admits(
     ``disk_sum`` / ``disk_new``: declared disk limits (bytes) held now and
     asked, checked against ``budget.disk``."""
     if budget.disk is not None and disk_sum + disk_new > budget.disk:
-        return (
+        return Refusal(
+            "disk",
             f"disk limits would reach {(disk_sum + disk_new) / (1 << 30):.1f} GiB "
             f"of the node's {budget.disk / (1 << 30):.1f} GiB disk "
-            f"(declare a smaller disk_bytes, or set WEENV_DISK_BYTES / WEENV_DISK_OVERCOMMIT)"
+            f"(declare a smaller disk_bytes, or set WEENV_DISK_BYTES / WEENV_DISK_OVERCOMMIT)",
         )
     if not admitting:
-        return "memory is short on this node (admission stopped)"
+        return Refusal("shortage", "memory is short on this node (admission stopped)")
     if cpu_sum + cpu_new > budget.cpu + 1e-9:
-        return f"CPU quotas would reach {cpu_sum + cpu_new:.2f} of {budget.cpu:.2f} cores"
+        return Refusal("cpu", f"CPU quotas would reach {cpu_sum + cpu_new:.2f} of {budget.cpu:.2f} cores")
     if cpu_peak is not None and cpu_peak_budget is not None and cpu_peak > cpu_peak_budget + 1e-9:
-        return f"the predicted CPU peak (bursts overlapping) would reach {cpu_peak:.2f} of {cpu_peak_budget:.2f} cores"
+        return Refusal(
+            "peak",
+            f"the predicted CPU peak (bursts overlapping) would reach {cpu_peak:.2f} of {cpu_peak_budget:.2f} cores",
+        )
     if burst_risk is not None and burst_risk_budget is not None and burst_risk > burst_risk_budget + 1e-12:
-        return f"{burst_risk:.1%} of bursts would meet others beyond the cores (at most {burst_risk_budget:.1%})"
+        return Refusal(
+            "burst", f"{burst_risk:.1%} of bursts would meet others beyond the cores (at most {burst_risk_budget:.1%})"
+        )
     if memory_sum + memory_new > budget.memory:
-        return f"memory limits would reach {(memory_sum + memory_new) >> 20} MiB of {budget.memory >> 20} MiB"
+        return Refusal(
+            "memory", f"memory limits would reach {(memory_sum + memory_new) >> 20} MiB of {budget.memory >> 20} MiB"
+        )
     if budget.memory_available - memory_new < budget.low_watermark * budget.memory_capacity:
-        return f"host memory available is {budget.memory_available >> 20} MiB"
+        return Refusal("host", f"host memory available is {budget.memory_available >> 20} MiB")
     return None

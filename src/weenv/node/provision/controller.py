@@ -63,10 +63,14 @@ from weenv.node.provision.models import (
     ProvisionStats,
     UsagePoint,
 )
+from weenv.node.provision.outliers import outlier_reason
 from weenv.node.provision.policy import EnvPolicy, Observation
-from weenv.node.provision.profiles import TemplateProfiles, UsageProfile, summarize
+from weenv.node.provision.profiles import OUTLIER_SHARE, TemplateProfiles, UsageProfile, summarize
+from weenv.node.provision.refusals import OBJECTIVES, held_by
 
 log = logging.getLogger(__name__)
+RECLAIM_MIN_BYTES = 4 << 20
+"""Less than this above what an idle environment may keep is not worth a reclaim."""
 
 
 class Clock(Protocol):
@@ -144,6 +148,14 @@ class _Tracked:
         self.paused = False
         """Paused by its user (:meth:`Provisioner.pause`): not controlled, its memory still counted."""
         self.oom_killer: bool | None = None
+        self.first: Usage | None = None
+        """Its cgroup's counters when it was attached."""
+        self.reclaimed = 0
+        """Bytes reclaimed while it was idle."""
+        self.stall_s = 0.0
+        """Seconds the checks saw its tasks waiting at its memory limit (v1)."""
+        self.checked = 0.0
+        """Monotonic seconds of the last check (:meth:`Provisioner._urgent`)."""
         self.refused = 0
         self.history: deque[_Point] = deque(maxlen=policy.cfg.history)
         self.window = CpuWindow(policy.cfg.admission_window_s)
@@ -214,6 +226,8 @@ class Provisioner:
     ):
         self.config = config or ProvisionConfig()
         self.profiles = profiles if profiles is not None else TemplateProfiles()
+        self.profiles.half_life_s = self.config.profile_half_life_s
+        self.profiles.min_weight_s = self.config.profile_min_observed_s
         self._open = open_cgroup
         self.clock: Clock = clock or time
         """``time()`` (Unix seconds, in the history) and ``monotonic()`` (the
@@ -301,6 +315,10 @@ class Provisioner:
             except WeenvError:
                 continue
             prev, t.last_pressure = t.last_pressure, p
+            now = self.clock.monotonic()
+            if p.memory_under_oom and prev is not None:  # v1: its tasks wait at the limit (v2 counts it itself)
+                t.stall_s += min(now - t.checked, self.config.interval_s)
+            t.checked = now
             if p.memory_under_oom and t.memory_limit < t.policy.memory_ceiling and t.env_id not in self._short:
                 urgent = True
             elif cpu and prev is not None and t.cpu_reservation < t.policy.cpu_ceiling:
@@ -357,7 +375,9 @@ class Provisioner:
                 f"the environment declares {resources.cpus:g} cores and {resources.memory_bytes >> 20} MiB; "
                 f"the node has {self.cpu_capacity:g} cores and {self.memory_capacity >> 20} MiB for environments"
             )
-        profile = self.profiles.get(template) if template is not None and cfg.mode != "off" else None
+        profile = (
+            self.profiles.get(template, now=self.clock.time()) if template is not None and cfg.mode != "off" else None
+        )
         policy = EnvPolicy(cfg, resources.cpus, resources.memory_bytes, self.clock.monotonic())
         if profile is not None and cfg.mode == "elastic":
             policy.start_from(profile.cpu_p95, profile.memory_peak)
@@ -419,8 +439,11 @@ class Provisioner:
             disk_sum=self._disk_sum(),
             disk_new=resources.disk_bytes,
         )
-        why = admits(**check, burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk)
-        return why, why is not None and risk is not None and admits(**check) is None
+        refusal = admits(**check, burst_risk=risk, burst_risk_budget=cfg.admission_burst_risk)
+        if refusal is None:
+            return None, False
+        why = f"{OBJECTIVES[refusal.objective]} refused it: {refusal}; {self._holders(refusal.objective, t)}"
+        return why, risk is not None and admits(**check) is None
 
     def cancel_waits(self) -> None:
         """Creates waiting for room (``admission_wait_s``) end now with
@@ -475,7 +498,7 @@ class Provisioner:
             t.cgroup = cg
             if self.config.mode == "elastic":
                 self._apply(t, t.policy.cpu_quota, t.policy.memory_limit, self.clock.monotonic(), initial=True)
-            t.last = cg.usage()
+            t.last = t.first = cg.usage()
             t.attached = True
 
     def detach(self, env_id: str) -> None:
@@ -560,10 +583,42 @@ class Provisioner:
                 startup_s=self.config.profile_startup_s,
                 min_observed_s=self.config.profile_min_observed_s,
             )
-            if seen is not None:
-                self.profiles.record(seen)
+            if seen is None:
+                return
+            u = t.last
+            outlier = outlier_reason(
+                [h.cpu_used for h in t.history],
+                t.resources.cpus,
+                self.config.interval_s,
+                oom_kills=u.oom_kills if u else 0,
+                pids_refused=u.pids_failcnt if u else 0,
+                startup_s=self.config.profile_startup_s,
+            )
+            merged = self.profiles.record(seen, outlier=outlier is not None)
+            if outlier is not None:
+                taught = (
+                    f"weighed at most {OUTLIER_SHARE:.0%} of its profile"
+                    if merged is not None
+                    else "nothing (no profile of normal environments to weigh it against)"
+                )
+                self._event(t.env_id, "profile", f"an outlier ({outlier}): taught its template {taught}")
         except (WeenvError, OSError, ValueError) as exc:  # a profile is a hint: never fail a destroy
             self._event(t.env_id, "error", f"usage profile of {t.template} not recorded: {exc}")
+
+    def reset_profile(self, template: str) -> bool:
+        """Forget ``template``'s usage profile (:meth:`TemplateProfiles.reset`):
+        new environments of it, and those running that were admitted from it,
+        are judged from then on by their own usage, else as the unknown are;
+        return whether it had one."""
+        had = self.profiles.reset(template)
+        with self._lock:
+            for t in self._envs.values():
+                if t.template == template:
+                    t.profile = None
+                    t.policy.known_peak = 0
+        self._event(None, "profile", f"usage profile of {template} reset" + ("" if had else " (it had none)"))
+        self._wake()  # creates waiting for room judge without it
+        return had
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds each attached environment has used so far (its cgroup
@@ -635,6 +690,7 @@ class Provisioner:
                         elif c.env_id in d.thaw and t.frozen:
                             t.cgroup.thaw()
                             t.frozen = False
+                        self._reclaim(t)
                     except NotFoundError:
                         self._gone(t)
                     except WeenvError as exc:
@@ -720,6 +776,19 @@ class Provisioner:
         else:
             p.applied(cpu, memory, now)
 
+    def _reclaim(self, t: _Tracked) -> None:
+        """Ask the kernel for ``memory_idle_step`` of what an idle ``t`` holds
+        above what its policy lets it keep (:attr:`Want.reclaim_to`), its limit
+        unchanged, and count what went (under ``t.lock``)."""
+        w, u = t.want, t.last
+        if w is None or w.reclaim_to is None or u is None or t.frozen:
+            return
+        excess = u.memory_usage - w.reclaim_to
+        if excess < RECLAIM_MIN_BYTES:
+            return
+        t.cgroup.reclaim(max(RECLAIM_MIN_BYTES, int(excess * self.config.memory_idle_step)))
+        t.reclaimed += max(0, u.memory_usage - t.cgroup.usage().memory_usage)
+
     def _record(self, t: _Tracked) -> None:
         o, u = t.last_obs, t.last
         if o is None or u is None:
@@ -783,26 +852,62 @@ class Provisioner:
         nodes (:func:`~weenv.node.provision.arbiter.burst_contention`)."""
         cfg, now = self.config, self.clock.time()
         everyone = envs + ([new] if new is not None else [])
-        duty: dict[int, float | None] = {}
-        seen: dict[str | None, list[tuple[float, float]]] = {}  # template -> (ceiling, duty) of those with history
-        for t in everyone:
-            m = t.observed_moments(cfg, now)
-            d = None
-            if m is not None:
-                d = min(1.0, m.mean / t.resources.cpus)
-                seen.setdefault(t.template, []).append((t.resources.cpus, d))
-            elif t.profile is not None:
-                d = min(1.0, t.profile.cpu_mean / t.resources.cpus)
-            duty[id(t)] = d
-        for t in everyone:  # no history nor profile: as busy as its template's others with a history
-            if duty[id(t)] is None and t.template is not None and t.template in seen:
-                duty[id(t)] = _pooled(seen[t.template])
+        duty = {k: d for k, (d, _why) in self._duties(everyone, now).items()}
         if new is not None and duty[id(new)] is None:
             return 0.0
         known = [(t.resources.cpus, duty[id(t)]) for t in everyone if duty[id(t)] is not None]
         pooled = _pooled(known)  # the new one is known: never empty
         moments = [CpuMoments.prior(t.resources.cpus, pooled if duty[id(t)] is None else duty[id(t)]) for t in everyone]
         return burst_contention(moments, self.cpu_capacity * cfg.admission_cpu_share)
+
+    def _duties(self, everyone: list[_Tracked], now: float) -> dict[int, tuple[float | None, str]]:
+        """Each one's duty (by ``id``) as :meth:`burst_risk` counts it, and where it comes from
+        (None: known by nothing)."""
+        cfg = self.config
+        out: dict[int, tuple[float | None, str]] = {}
+        seen: dict[str | None, list[tuple[float, float]]] = {}  # template -> (ceiling, duty) of those with history
+        for t in everyone:
+            m = t.observed_moments(cfg, now)
+            if m is not None:
+                d = min(1.0, m.mean / t.resources.cpus)
+                seen.setdefault(t.template, []).append((t.resources.cpus, d))
+                out[id(t)] = (d, "its own usage")
+            elif t.profile is not None:
+                out[id(t)] = (min(1.0, t.profile.cpu_mean / t.resources.cpus), "its template's usage profile")
+            else:
+                out[id(t)] = (None, "nothing known")
+        for t in everyone:  # no history nor profile: as busy as its template's others with a history
+            if out[id(t)][0] is None and t.template is not None and t.template in seen:
+                out[id(t)] = (_pooled(seen[t.template]), "its template's others running")
+        return out
+
+    def _holders(self, objective: str, new: _Tracked) -> str:
+        """The environments holding what ``objective`` counts against ``new``, most first (under ``_lock``)."""
+        envs = [e for e in self._envs.values() if not (e.paused and objective in ("burst", "peak"))]
+        rows: list[tuple[float, str]] = []
+        if objective in ("burst", "peak"):
+            duties = self._duties([*envs, new], self.clock.time())
+            known = [(e.resources.cpus, d) for e in [*envs, new] for d, _ in [duties[id(e)]] if d is not None]
+            for e in envs:
+                d, why = duties[id(e)]
+                if d is None and known:
+                    d, why = _pooled(known), "nothing known: as busy as the known ones on average"
+                busy = "" if d is None else f", busy {d:.0%} of the time"
+                cores = f"{e.resources.cpus:g} core{'' if e.resources.cpus == 1 else 's'}"
+                rows.append((e.resources.cpus * (d or 0.0), f"{e.env_id} ({cores}{busy}: {why})"))
+        elif objective == "cpu":
+            rows = [(e.cpu_reservation, f"{e.env_id} ({e.cpu_reservation:.2f} cores reserved)") for e in envs]
+        elif objective == "memory":
+            rows = [(e.policy.memory_held(), f"{e.env_id} ({e.policy.memory_held() >> 20} MiB)") for e in envs]
+        elif objective == "host":
+            used = {e.env_id: e.last.memory_working_set if e.last else 0 for e in envs}
+            rows = [(n, f"{k} ({n >> 20} MiB used)") for k, n in used.items()]
+        elif objective == "disk":
+            rows = [(e.resources.disk_bytes, f"{e.env_id} ({e.resources.disk_bytes >> 20} MiB)") for e in envs]
+            rows += [(n, f"{k} ({n >> 20} MiB kept)") for k, n in self._disk_held.items()]
+        elif objective == "shortage":
+            rows = [(1.0, f"{e.env_id} (its memory growth does not fit)") for e in envs if e.env_id in self._short]
+        return held_by(objective, rows)
 
     def _event(self, env_id: str | None, kind: str, message: str) -> None:
         self._events.append(_Event(self.clock.time(), env_id, kind, message))
@@ -839,6 +944,9 @@ class Provisioner:
                     throttled_s=u.cpu_throttled_s if u else 0.0,
                     throttled_periods=u.cpu_throttled_periods if u else 0,
                     memory_refused=t.refused,
+                    memory_reclaimed=t.reclaimed,
+                    memory_refaults=u.memory_refaults - t.first.memory_refaults if u and t.first else 0,
+                    memory_stall_s=t.stall_s + (u.memory_stall_s - t.first.memory_stall_s if u and t.first else 0.0),
                     history=[UsagePoint(**p._asdict()) for p in list(t.history)] if history else [],
                 )
             )

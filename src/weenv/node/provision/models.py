@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weenv.config import settings
-from weenv.node.provision.profiles import MIN_OBSERVED_S, STARTUP_S
+from weenv.node.provision.profiles import HALF_LIFE_S, MIN_OBSERVED_S, STARTUP_S
 
 MIB = 1 << 20
 
@@ -28,7 +28,7 @@ class ProvisionConfig(_Model):
     :mod:`weenv.node.provision.policy`.  ``from_env`` reads
     ``WEENV_PROVISION_MODE``, ``WEENV_PROVISION_INTERVAL``,
     ``WEENV_CPU_OVERCOMMIT``, ``WEENV_MEMORY_OVERCOMMIT``, ``WEENV_CPU_QUOTA_AT``,
-    ``WEENV_ADMISSION``, ``WEENV_ADMISSION_SIGMAS`` and ``WEENV_ADMISSION_WAIT``.
+    ``WEENV_ADMISSION``, ``WEENV_ADMISSION_SIGMAS``, ``WEENV_ADMISSION_WAIT`` and ``WEENV_RECLAIM``.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -77,17 +77,21 @@ class ProvisionConfig(_Model):
     """No lowering until this long after the last raise or pressure."""
     memory_down_step: float = Field(default=0.1, gt=0, le=1)
     """A lowering takes at most this share of the limit per pass."""
-    memory_idle_after_s: float = Field(default=1e9, ge=0)
-    """Off by default (1e9 s): with it at 5 s the suite's pooled and provisioned
-    environments saw their limits fall under them (issue 19 keeps it open).
-    An environment using less than ``memory_idle_cpu`` cores this long is
-    idle (its agent waits for the model): its memory limit then follows its
-    working set now, not its decayed peak, lowered by ``memory_idle_step``
-    per pass without the hold, so the page cache and heap it does not touch
-    are reclaimed (the kernel reclaims down to a lower limit; cgroup v2 asks
-    ``memory.reclaim`` first).  When it bursts again, it waits at the limit
-    (v1, OOM killer disabled below the ceiling) and the limit is raised at
-    once, to its template's known peak when there is one."""
+    reclaim: bool = True
+    """Idle memory reclaimed (``WEENV_RECLAIM``, default on): an environment
+    using less than ``memory_idle_cpu`` cores for ``memory_idle_after_s`` is
+    idle (its agent waits for the model), and each pass asks the kernel to
+    reclaim ``memory_idle_step`` of its memory above its working set plus
+    ``memory_min_headroom`` (:meth:`~weenv.node.cgroups.Cgroup.reclaim`:
+    v2 ``memory.reclaim``; v1 its limit lowered and put back at once), so
+    the page cache it does not touch goes back to the host.  Its limit is
+    not lowered for it: when it bursts again nothing waits for the
+    controller, and no task within its limit is OOM-killed.  (A limit that
+    followed the working set down, as this first did, fell under pooled and
+    provisioned environments of the test suite.)  What it reclaimed, the
+    pages it needed again (refaults) and the seconds it waited for memory
+    are in its :class:`EnvironmentProvision`."""
+    memory_idle_after_s: float = Field(default=5.0, ge=0)
     memory_idle_cpu: float = Field(default=0.05, ge=0)
     memory_idle_step: float = Field(default=0.25, gt=0, le=1)
     oom_wait: bool = True
@@ -132,6 +136,10 @@ class ProvisionConfig(_Model):
     profile_startup_s: float = Field(default=STARTUP_S, ge=0)
     """Seconds of an environment's start left out of the usage profile it
     teaches its template (:data:`~weenv.node.provision.profiles.STARTUP_S`)."""
+    profile_half_life_s: float = Field(default=HALF_LIFE_S, gt=0)
+    """What environments taught their template's usage profile weighs half as much this long
+    after; a profile that weighs less than ``profile_min_observed_s`` is forgotten
+    (:data:`~weenv.node.provision.profiles.HALF_LIFE_S`)."""
     profile_min_observed_s: float = Field(default=MIN_OBSERVED_S, gt=0)
     """An environment observed for less after its start teaches its template nothing
     (:data:`~weenv.node.provision.profiles.MIN_OBSERVED_S`)."""
@@ -213,6 +221,7 @@ class ProvisionConfig(_Model):
             "admission": "WEENV_ADMISSION",
             "admission_sigmas": "WEENV_ADMISSION_SIGMAS",
             "admission_wait_s": "WEENV_ADMISSION_WAIT",
+            "reclaim": "WEENV_RECLAIM",
         }
         from pydantic import ValidationError
 
@@ -273,6 +282,13 @@ class EnvironmentProvision(_Model):
     controller reacts to (``cpu_throttle_trigger`` of a pass's periods)."""
     memory_refused: int
     """Lowerings the kernel refused (usage could not be reclaimed)."""
+    memory_reclaimed: int = 0
+    """Bytes reclaimed while it was idle (``ProvisionConfig.reclaim``)."""
+    memory_refaults: int = 0
+    """Pages evicted and needed again since it started (what reclaim cost it)."""
+    memory_stall_s: float = 0.0
+    """Seconds its tasks waited for memory since it started: at its limit (v1, seen by the
+    controller's checks) or in memory pressure (v2 PSI)."""
     history: list[UsagePoint] = Field(default_factory=list)
 
 

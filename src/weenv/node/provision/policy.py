@@ -70,14 +70,15 @@ The rules and where they come from:
   the node's capacity × overcommit.  ``"reservation"`` keeps the elastic value
   as the CFS quota (the rules above then throttle and unthrottle).  Memory is
   not compressible: its limit always follows the rules above.
-- **Idle memory reclaimed.**  An environment that waits for its model holds
-  page cache and heap it will not touch for seconds; once it has used less
-  than ``memory_idle_cpu`` for ``memory_idle_after_s``, its limit follows its
-  working set now (reason ``reclaim``), ``memory_idle_step`` per pass, without
-  the hold, so memory does not bound density before CPU does.  Its burst then
-  meets the limit: below the ceiling it waits there (v1) and is raised at once,
-  to its template's known peak when there is one, never OOM-killed within its
-  declared memory.
+- **Idle memory reclaimed, the limit kept** (``ProvisionConfig.reclaim``, on
+  by default).  An environment that waits for its model holds page cache it
+  will not touch for seconds; once it has used less than ``memory_idle_cpu``
+  for ``memory_idle_after_s``, it wants what is above its working set plus
+  ``memory_min_headroom`` reclaimed (:attr:`Want.reclaim_to`; the controller
+  asks the kernel, ``memory_idle_step`` of it per pass), as Linux's proactive
+  reclaim (``memory.reclaim``, used by Meta's Senpai and TMO, Weiner et al.,
+  ASPLOS 2022) does without a limit.  Its limit follows the rules above, so a
+  burst after idle finds its room and waits for nothing.
 - **Floor and ceiling.**  Never below ``cpu_floor`` / ``memory_floor`` (capped
   at the ceiling), never above the environment's declared resources.
 """
@@ -142,6 +143,8 @@ class Want:
     memory_reason: str
     memory_pressure: bool
     """The working set is at the limit (growth refused would stall or kill it)."""
+    reclaim_to: int | None = None
+    """Idle: bytes its memory may be reclaimed down to (None: not idle, or reclaim off)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -184,6 +187,8 @@ class EnvPolicy:
         """Monotonic seconds of the last observation above ``memory_idle_cpu``."""
         self.known_peak = 0
         """Bytes: its template's peak working set (0: unknown), what a raise after idle goes to."""
+        self.reclaim_to: int | None = None
+        """Bytes its memory may be reclaimed down to now (idle), else None."""
 
     def start_from(self, cpu_p95: float, memory_peak: int) -> None:
         """Size a new environment from its template's usage profile: the
@@ -252,15 +257,16 @@ class EnvPolicy:
         decay = 0.5 ** (o.dt / cfg.memory_half_life_s)
         if o.cpu_cores > cfg.memory_idle_cpu:
             self.busy_at = o.at
-        idle = o.at - self.busy_at >= cfg.memory_idle_after_s
-        # idle: what it touches now, not its decayed peak (it will not touch the rest for a while)
-        self.peak_ws = float(o.working_set) if idle else max(float(o.working_set), self.peak_ws * decay)
-        target, cur = self.memory_target(idle=idle), self.memory_limit
+        idle = cfg.reclaim and o.at - self.busy_at >= cfg.memory_idle_after_s
+        self.peak_ws = max(float(o.working_set), self.peak_ws * decay)
+        target, cur = self.memory_target(), self.memory_limit
         pressure = (
             o.under_oom
             or o.working_set >= cfg.memory_raise_at * cur
             or (o.failcnt_delta > 0 and o.working_set >= 0.5 * cur)
         )
+        # idle: what it does not touch now goes back to the host, its limit stays
+        self.reclaim_to = o.working_set + cfg.memory_min_headroom if idle and not pressure else None
         if pressure:
             self.last_memory_pressure = o.at
             if cur < self.memory_ceiling:
@@ -274,8 +280,6 @@ class EnvPolicy:
             return cur, "stay", True
         if target > cur:
             return target, "raise", False
-        if target < cur and idle:
-            return max(target, int(cur * (1 - cfg.memory_idle_step))), "reclaim", False
         held = o.at - max(self.last_memory_raise, self.last_memory_pressure) >= cfg.memory_hold_s
         if target < cur and held:
             return max(target, int(cur * (1 - cfg.memory_down_step))), "lower", False
@@ -286,7 +290,7 @@ class EnvPolicy:
         """Update the history with ``o`` and return what this environment wants."""
         cpu, cpu_reason = self._cpu(o)
         memory, memory_reason, pressure = self._memory(o)
-        return Want(cpu, memory, cpu_reason, memory_reason, pressure)
+        return Want(cpu, memory, cpu_reason, memory_reason, pressure, self.reclaim_to)
 
     def applied(self, cpu_quota: float, memory_limit: int, now: float) -> None:
         """Record the quota and limit actually written."""

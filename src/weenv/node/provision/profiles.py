@@ -11,6 +11,15 @@ its job's history: Rzadca et al., EuroSys 2020, §3).
 - the profile (:class:`UsageProfile`): CPU duty cycle and burst size, the p95
   of per-pass usage, memory working set and peak, decayed (half-life
   :data:`HALF_LIFE_S`) over the environments that ran the template;
+- what one environment can teach is bounded: at most :data:`ENV_SHARE` of a
+  profile it joins, and an *outlier* (OOM-killed, forks refused at its pids
+  limit, or busy until it ended: a fork bomb, a memory bomb, a runaway loop,
+  :mod:`~weenv.node.provision.outliers`) at most :data:`OUTLIER_SHARE`, and
+  nothing when the profile has no normal environment yet: one abnormal
+  environment cannot lock its template out of a node;
+- a profile's weight decays with its age, and one that weighs less than
+  :data:`MIN_OBSERVED_S` is forgotten; :meth:`TemplateProfiles.reset` forgets
+  one at once (``weenv template profile --reset NAME``);
 - on the node: ``<node home>/usage/<hex of the template digest>.json``, written
   atomically when an environment is detached (survives a daemon restart);
 - in the store: canonical JSON as a manifest, the ref ``usage/<hex>`` pointing
@@ -61,6 +70,10 @@ alone, and burst admission then refused environments of that template on an
 idle node."""
 BUSY_SHARE = 0.2
 """A pass using more than this share of the environment's ceiling counts as busy."""
+ENV_SHARE = 0.5
+"""The largest share of a profile one environment's merge may take."""
+OUTLIER_SHARE = 0.05
+"""The largest share of a profile an outlier's merge may take."""
 
 
 class UsageProfile(BaseModel):
@@ -86,6 +99,8 @@ class UsageProfile(BaseModel):
     environments: int = Field(ge=1)
     updated: float = Field(ge=0)
     """Unix time of the last merge."""
+    outliers: int = Field(default=0, ge=0)
+    """Of ``environments``, those merged as outliers (each weighed at most :data:`OUTLIER_SHARE`)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> UsageProfile:
@@ -97,14 +112,19 @@ class UsageProfile(BaseModel):
     def cpu_mean(self) -> float:
         return self.cpu_duty * self.cpu_burst
 
-    def merged(self, new: UsageProfile) -> UsageProfile:
-        """This profile decayed to ``new.updated`` and ``new`` added, weighted by observed seconds;
-        the peak is the larger of ``new``'s and the weighted one (memory running out kills)."""
+    def weight(self, now: float, half_life_s: float = HALF_LIFE_S) -> float:
+        """Its observed seconds decayed to ``now`` (Unix time): its weight in a merge."""
+        return self.seconds * 0.5 ** (max(0.0, now - self.updated) / half_life_s)
+
+    def merged(self, new: UsageProfile, *, outlier: bool = False, half_life_s: float = HALF_LIFE_S) -> UsageProfile:
+        """This profile decayed to ``new.updated`` and ``new`` added, weighted by observed seconds,
+        its share at most :data:`ENV_SHARE` (an ``outlier``'s: :data:`OUTLIER_SHARE`); the peak is
+        the larger of ``new``'s and the weighted one (memory running out kills), unless ``outlier``."""
         if new.template != self.template:
             raise InvalidInputError(f"usage profile of {new.template} merged into {self.template}'s")
-        w0 = self.seconds * 0.5 ** (max(0.0, new.updated - self.updated) / HALF_LIFE_S)
-        w1 = new.seconds
-        k = w1 / (w0 + w1)
+        w0 = self.weight(new.updated, half_life_s)
+        k = min(new.seconds / (w0 + new.seconds), OUTLIER_SHARE if outlier else ENV_SHARE)
+        w1 = w0 * k / (1 - k)  # the new one's weight, bounded
 
         def mix(a: float, b: float) -> float:
             return a + (b - a) * k
@@ -118,10 +138,11 @@ class UsageProfile(BaseModel):
             cpu_burst=burst,
             cpu_p95=mix(self.cpu_p95, new.cpu_p95),
             memory_working_set=ws,
-            memory_peak=max(ws, new.memory_peak, int(mix(self.memory_peak, new.memory_peak))),
+            memory_peak=max(ws, int(mix(self.memory_peak, new.memory_peak)), 0 if outlier else new.memory_peak),
             seconds=w0 + w1,
             environments=self.environments + new.environments,
             updated=new.updated,
+            outliers=self.outliers + new.outliers + (new.environments if outlier else 0),
         )
 
 
@@ -210,9 +231,13 @@ class TemplateProfiles:
     """The node's usage profiles: in memory, in ``directory`` (None: memory only)
     and published to ``store`` (None: not published).  Thread-safe."""
 
-    def __init__(self, directory: Path | None = None, store: Store | None = None):
+    def __init__(self, directory: Path | None = None, store: Store | None = None, *, half_life_s: float = HALF_LIFE_S):
         self.directory = directory
         self.store = store
+        self.half_life_s = half_life_s
+        """How fast what environments taught fades (a profile's weight halves in this many seconds)."""
+        self.min_weight_s = MIN_OBSERVED_S
+        """A profile weighing less (decayed seconds) is forgotten."""
         self._lock = threading.Lock()
         self._known: dict[str, UsageProfile | None] = {}  # template digest -> profile (None: looked up, none)
         self._publishers: list[threading.Thread] = []
@@ -233,9 +258,18 @@ class TemplateProfiles:
         with open(path, "rb") as f:
             return parse_profile(f.read(MAX_USAGE_PROFILE_BYTES + 1), template)
 
-    def get(self, template: str) -> UsageProfile | None:
+    def get(self, template: str, *, now: float | None = None) -> UsageProfile | None:
         """``template``'s profile: this node's, else the store's (looked up once
-        per process), else None.  A bad profile is logged and counts as none."""
+        per process), else None.  A bad profile is logged and counts as none,
+        and so does one whose weight at ``now`` (default: the time now) has
+        decayed below :attr:`min_weight_s`."""
+        profile = self._get(template)
+        now = time.time() if now is None else now
+        if profile is not None and profile.weight(now, self.half_life_s) < self.min_weight_s - 1e-9:
+            return None
+        return profile
+
+    def _get(self, template: str) -> UsageProfile | None:
         with self._lock:
             if template in self._known:
                 return self._known[template]
@@ -254,11 +288,15 @@ class TemplateProfiles:
     def _read_store(self, template: str) -> UsageProfile | None:
         return None if self.store is None else load_published(self.store, template)
 
-    def record(self, new: UsageProfile) -> UsageProfile:
+    def record(self, new: UsageProfile, *, outlier: bool = False) -> UsageProfile | None:
         """Merge one environment's ``new`` profile into its template's, keep it
-        on the node and publish it (in the background); return the merged one."""
-        old = self.get(new.template)
-        merged = old.merged(new) if old is not None else new
+        on the node and publish it (in the background); return the merged one.
+        An ``outlier`` weighs at most :data:`OUTLIER_SHARE` and teaches nothing
+        to a template with no profile yet (None is returned then)."""
+        old = self.get(new.template, now=new.updated)
+        if old is None and outlier:
+            return None
+        merged = old.merged(new, outlier=outlier, half_life_s=self.half_life_s) if old is not None else new
         with self._lock:
             self._known[new.template] = merged
             if self.directory is not None:
@@ -270,6 +308,25 @@ class TemplateProfiles:
                 t.start()
                 self._publishers.append(t)
         return merged
+
+    def reset(self, template: str) -> bool:
+        """Forget ``template``'s profile: in memory, on the node and in the store
+        (after the publications under way, which would bring it back); return
+        whether there was one.  Raises the store's errors."""
+        self.close()
+        had = self._get(template) is not None
+        with self._lock:
+            self._known[template] = None
+            if self.directory is not None:
+                try:
+                    self._path(template).unlink()
+                    had = True
+                except FileNotFoundError:
+                    pass
+        if self.store is not None and self.store.ref_or_none(REF_KIND, ref_name(template)) is not None:
+            self.store.delete_ref(REF_KIND, ref_name(template))
+            had = True
+        return had
 
     def _publish(self, profile: UsageProfile) -> None:
         try:
