@@ -237,6 +237,8 @@ def test_harbor_task_running_as_user(weenv_e2b, harbor_root, e2b_base_image):  #
             "envd runs every command as the template's user: Harbor's transfers as root "
             "(mkdir /solution, /tests) need envd's user selection (issue 15, item 3, commands and files)"
         )
+    with d.api() as c:
+        before = {t["templateID"] for t in c.get("/templates").json()}
     _task(
         tasks,
         "user-task",
@@ -248,49 +250,33 @@ def test_harbor_task_running_as_user(weenv_e2b, harbor_root, e2b_base_image):  #
     results, seconds = _harbor(d, tasks / "user-task", jobs, "user")
     assert _rewards(results) == {"user-task": 1.0}, results
     print(f"harbor, the user task built and run: {seconds:.1f} s")
+    _replay_solution_as_older_harbor_uploads_it(d, before)
 
 
-LAST_USER_DOCKERFILE = """\
-FROM {image}
-RUN mkdir -p /srv/task && chown 1000:1000 /srv/task
-WORKDIR /srv/task
-USER user
-"""
-LAST_USER_SOLVE = """#!/bin/bash
+REPLAYED_SOLVE = """#!/bin/bash
 set -e
-id -un > /srv/task/answer.txt
-"""
-LAST_USER_TEST = """#!/bin/bash
-[ "$(cat /srv/task/answer.txt)" = user ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt
+id -un > /work/project/answer.txt
 """
 
 
-def test_harbor_oracle_on_a_task_ending_with_user_user(weenv_e2b, harbor_root, e2b_base_image):  # noqa: F811
-    """A task whose Dockerfile ends with ``USER user``: Harbor's oracle trial
-    gets reward 1; and on its template the steps older Harbor releases take
-    (``solve.sh`` uploaded as the sandbox's default user, ``chmod +x`` as
-    root, run as the default user) work, root's ``chmod`` of the user's file
-    included (CAP_FOWNER, root inside a user namespace of its own)."""
+def _replay_solution_as_older_harbor_uploads_it(d, before: set[str]) -> None:
+    """On the template of a task whose Dockerfile ends as ``USER user``, the
+    steps older Harbor releases take (``solve.sh`` uploaded as the sandbox's
+    default user, ``chmod +x`` as root, run as the default user) work, root's
+    ``chmod`` of the user's file included (CAP_FOWNER: root inside a user
+    namespace of its own; without one it failed, Operation not permitted)."""
     from e2b import Sandbox
-
-    d, tasks, jobs = weenv_e2b, harbor_root / "tasks", harbor_root / "jobs"
-    with d.api() as c:
-        before = {t["templateID"] for t in c.get("/templates").json()}
-    _task(tasks, "last-user", LAST_USER_DOCKERFILE.format(image=e2b_base_image), {}, LAST_USER_SOLVE, LAST_USER_TEST)
-    results, seconds = _harbor(d, tasks / "last-user", jobs, "last-user")
-    assert _rewards(results) == {"last-user": 1.0}, results
-    print(f"harbor, the task ending with USER user built and run: {seconds:.1f} s")
 
     with d.api() as c:
         (template,) = {t["templateID"] for t in c.get("/templates").json()} - before
     sb = Sandbox.create(template, timeout=60)
     try:
-        sb.files.write("/solution/solve.sh", LAST_USER_SOLVE)  # no user: the sandbox's default, E2B's user
+        sb.files.write("/solution/solve.sh", REPLAYED_SOLVE)  # no user: the sandbox's default, E2B's user
         owners = sb.commands.run("stat -c '%U:%G:%a' /solution /solution/solve.sh", user="root").stdout
         assert owners.split() == ["user:user:755", "user:user:644"]
         sb.commands.run("chmod +x /solution/solve.sh", user="root")
         assert sb.commands.run("stat -c %U:%G:%a /solution/solve.sh").stdout == "user:user:755\n"
         sb.commands.run("/solution/solve.sh")
-        assert sb.files.read("/srv/task/answer.txt") == "user\n"
+        assert sb.files.read("/work/project/answer.txt") == "user\n"
     finally:
         sb.kill()
