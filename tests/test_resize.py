@@ -194,3 +194,23 @@ def test_sdk_set_resources(daemon, monkeypatch):
         assert limits(sb.id) == (0.5, 96 * MIB, 100)
     with NodeClient() as client, pytest.raises(NotFoundError):  # destroyed when the block ended
         client.set_resources(sb.id, cpus=1)
+
+
+def test_elastic_provisioning_resizes_within_the_new_ceilings(shared_store, tmp_path_factory):
+    """In elastic mode (the default) the CFS quota is the new ceiling at once and
+    the memory limit in force comes down to a lowered ceiling."""
+    with environ(WEENV_DISK_BYTES=str(1 << 30), WEENV_POOL_SIZE="0"):
+        d = start_daemon(tmp_path_factory.mktemp("resize-elastic") / "home", shared_store.url)
+    try:
+        with d.http() as http:
+            e = create(d, http, cpus=0.5, memory_bytes=512 * MIB)
+            assert limits(e["id"])[0] == 0.5
+            r = resize(http, e["id"], cpus=1.5, memory_bytes=96 * MIB)
+            assert r.status_code == 200, r.text
+            cores, memory, _ = limits(e["id"])
+            assert cores == 1.5 and memory <= 96 * MIB
+            p = http.get("/stats/provision", params={"env": e["id"]}).json()["environments"][0]
+            assert (p["cpu_ceiling"], p["memory_ceiling"]) == (1.5, 96 * MIB) and p["memory_limit"] <= 96 * MIB
+            assert http.delete(f"/environments/{e['id']}").status_code == 204
+    finally:
+        d.stop()

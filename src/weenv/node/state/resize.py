@@ -20,8 +20,8 @@ leaves out stay) while it runs, in this order, all or nothing:
    limit; a failure rewrites the old values;
 4. the new resources become the declared ones: the provisioner's ceilings
    (elastic provisioning adjusts within them from its next pass on), its
-   ``env.json`` (a restart, a reset, a pause's resume and a fork's children
-   take them from there), its info.
+   ``env.json`` (a node restart and a resume after its memory was released
+   take them from there), its info (a fork's children take them from there).
 
 In ``elastic`` mode the CPU reservation and memory limit in force are the
 provisioner's: a resize lowers them to the new ceilings at once and lets them
@@ -42,7 +42,7 @@ from weenv.api.models import EnvironmentInfo, ResourcesUpdate
 from weenv.errors import CapacityError, InvalidInputError, LimitRefusedError, StateError, WeenvError
 from weenv.formats.manifest import Resources
 from weenv.node.cgroups import Cgroup
-from weenv.node.disk import NodeDisk
+from weenv.node.disk import SPARE, NodeDisk
 from weenv.node.provision import Provisioner
 from weenv.node.provision.policy import clamp
 from weenv.node.state.pause import PAUSED
@@ -123,6 +123,11 @@ class Resizes:
             with staged_info(e.dir, e.info.model_copy(update={"resources": new})):
                 self._apply(e, old, new)
                 e.info.resources = new
+            if new.disk_bytes != old.disk_bytes and (e.dir / SPARE).exists():
+                try:  # the upper dir a reset made ready swaps in with the new limit too
+                    self.disk.set_limit(e.dir, new.disk_bytes, SPARE)
+                except WeenvError as exc:
+                    log.warning("the spare upper dir of %s keeps its old disk limit: %s", env_id, exc)
         return e.info
 
     def _check_node(self, new: Resources) -> None:
