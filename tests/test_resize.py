@@ -178,8 +178,12 @@ def test_sdk_set_resources(daemon, monkeypatch):
                 sb.set_resources(**bad)
         with pytest.raises(InvalidInputError, match="more than the node's"):
             sb.set_resources(cpus=64)
-        with pytest.raises(CapacityError, match="disk"):
-            sb.set_resources(disk_bytes=2 << 30)
+        with pytest.raises(InvalidInputError, match="node's disk"):
+            sb.set_resources(disk_bytes=2 << 30)  # never: the node's disk is 1 GiB
+        with Sandbox.create("task", timeout=60, resources={"cpus": 0.1, "disk_bytes": 128 * MIB}) as other:
+            daemon.track(other.id)
+            with pytest.raises(CapacityError, match="disk"):
+                sb.set_resources(disk_bytes=1000 * MIB)  # not now: beside the other's 128 MiB
         sb.pause()
         with pytest.raises(StateError, match="paused"):
             sb.set_resources(cpus=1)

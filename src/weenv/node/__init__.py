@@ -26,8 +26,9 @@ never import each other):
      namespace when it has one; nft rules, name server).
 
 3. Operations over environments: ``state/`` (``snapshot.py``, ``fork.py``,
-   ``reset.py``, ``pause.py``, ``recovery.py`` after a crash, ``pool.py`` /
-   ``warm.py``: environments created ahead), and beside it ``snapshotter.py``
+   ``reset.py``, ``pause.py``, ``resize.py`` (live, within admission),
+   ``recovery.py`` after a crash, ``pool.py`` / ``warm.py``: environments
+   created ahead), and beside it ``snapshotter.py``
    (mount plans: overlay of groups + upper dir), ``resolver.py`` (template name
    -> digest, with the node's last known digest while the store is down),
    ``admission.py``, ``provision/`` (CPU quota and memory limit that follow

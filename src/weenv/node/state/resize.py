@@ -139,6 +139,12 @@ class Resizes:
                 f"resources.memory_bytes: {new.memory_bytes} is more than the "
                 f"{p.memory_capacity} bytes the node gives environments"
             )
+        disk = p._budget().disk
+        if disk is not None and p.config.mode != "off" and new.disk_bytes > disk:
+            raise InvalidInputError(
+                f"resources.disk_bytes: {new.disk_bytes} is more than the node's disk for environments "
+                f"({disk} bytes: WEENV_DISK_BYTES x WEENV_DISK_OVERCOMMIT)"
+            )
         if new.pids > pid_max():
             raise InvalidInputError(f"resources.pids: {new.pids} is more than the kernel's pid_max ({pid_max()})")
 
