@@ -98,6 +98,17 @@ def test_resize_up_and_down_reaches_the_cgroup_and_the_disk_quota(daemon, http):
     assert limits(e["id"])[1] == 96 * MIB
     assert write_mib(http, e["id"], 96) != 0  # the quota shrank live
 
+    # a reset keeps them (its new container, its new upper dir)
+    r = http.post(f"/environments/{e['id']}/reset", json={})
+    assert r.status_code == 200, r.text
+    assert limits(e["id"]) == (0.25, 96 * MIB, 32)
+    assert write_mib(http, e["id"], 96) != 0
+
+    # and so does a resume after its memory was released (its first process run again)
+    assert http.post(f"/environments/{e['id']}/pause", json={"release_memory": True}).status_code == 200
+    assert http.post(f"/environments/{e['id']}/resume", json={}).status_code == 200
+    assert limits(e["id"]) == (0.25, 96 * MIB, 32)
+
     # a fork's children start from the parent's resources as they are now
     r = http.post(f"/environments/{e['id']}/fork", json={"count": 1})
     assert r.status_code == 201, r.text

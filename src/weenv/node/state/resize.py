@@ -41,12 +41,14 @@ from pathlib import Path
 from weenv.api.models import EnvironmentInfo, ResourcesUpdate
 from weenv.errors import CapacityError, InvalidInputError, LimitRefusedError, StateError, WeenvError
 from weenv.formats.manifest import Resources
-from weenv.node.cgroups import Cgroup
+from weenv.node.cgroups import Cgroup, open_cgroups
 from weenv.node.disk import SPARE, NodeDisk
 from weenv.node.provision import Provisioner
 from weenv.node.provision.policy import clamp
+from weenv.node.runtime.bundle import set_bundle_resources
+from weenv.node.runtime.container import AHEAD
 from weenv.node.state.pause import PAUSED
-from weenv.node.table import Environment, staged_info
+from weenv.node.table import CONTAINER_FILE, Environment, bundle_container_id, staged_info
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +269,8 @@ class Resizes:
                 done.append("disk")
             cg.set_cpu(self._cfs(after))
             cg.set_pids_limit(after.resources.pids)
+            self._rerun_with(e, after)
+            done.append("bundle")
         except BaseException:
             with contextlib.suppress(WeenvError, OSError):  # best effort: what was there
                 cg.set_pids_limit(before.resources.pids)
@@ -275,7 +279,22 @@ class Resizes:
                     self.disk.set_limit(e.dir, before.resources.disk_bytes)
                 cg.set_memory_limit(before.memory_limit)
                 self._oom_killer(t, before)
+                if "bundle" in done:
+                    self._rerun_with(e, before)
             raise
+
+    def _rerun_with(self, e: Environment, plan: _Plan) -> None:
+        """What a container of ``e`` run again has: its bundle's limits, and
+        those of the container a reset made ahead (created already, its own cgroup)."""
+        for name in ("bundle", "bundle" + AHEAD):
+            set_bundle_resources(e.dir / name, plan.resources)
+        ahead = e.dir / ("bundle" + AHEAD)
+        if (ahead / CONTAINER_FILE).exists():
+            cg = open_cgroups(f"/{bundle_container_id(e.info.id, ahead)}")
+            if cg.exists():
+                cg.set_memory_limit(plan.resources.memory_bytes)
+                cg.set_cpu(plan.resources.cpus)
+                cg.set_pids_limit(plan.resources.pids)
 
     def _cfs(self, plan: _Plan) -> float:
         """The CFS quota (cores) of ``plan``: its declared cores, or the elastic reservation."""
