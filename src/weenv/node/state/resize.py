@@ -154,7 +154,8 @@ class Resizes:
     def _apply(self, e: Environment, old: Resources, new: Resources) -> None:
         p, env_id = self.provisioner, e.info.id
         t = p._get(env_id)  # NotFoundError: not provisioned (destroyed meanwhile)
-        with t.lock:
+        # no pass between: one observed before the new ceilings would grant within the old ones
+        with p._tick_lock, t.lock:
             if not t.attached or t.cgroup is None:
                 raise StateError(f"environment {env_id} is not under the provisioner's control now: cannot resize it")
             before = _Plan(old, t.policy.cpu_quota, t.policy.memory_limit)
