@@ -17,11 +17,13 @@ leaves out stay) while it runs, in this order, all or nothing:
 3. the writes: the memory limit first (lowering it below what the kernel can
    reclaim is refused, :class:`StateError`), then the quota of its upper dir
    (:meth:`~weenv.node.disk.NodeDisk.set_limit`), the CFS quota and the pids
-   limit; a failure rewrites the old values;
+   limit, and the limits of its OCI bundle and of a container a reset made
+   ahead (so that a reset, or a resume after its memory was released, runs
+   its container again with them); a failure rewrites the old values;
 4. the new resources become the declared ones: the provisioner's ceilings
    (elastic provisioning adjusts within them from its next pass on), its
-   ``env.json`` (a node restart and a resume after its memory was released
-   take them from there), its info (a fork's children take them from there).
+   ``env.json`` (a node restart takes them from there), its info (a fork's
+   children take them from there).
 
 In ``elastic`` mode the CPU reservation and memory limit in force are the
 provisioner's: a resize lowers them to the new ceilings at once and lets them
