@@ -18,7 +18,17 @@ from pydantic import (
 )
 
 from weenv.api.names import domain
-from weenv.formats.manifest import Name, Resources, RuntimeConfig
+from weenv.formats.manifest import (
+    MAX_CPUS,
+    MAX_DISK_BYTES,
+    MAX_MEMORY_BYTES,
+    MAX_PIDS,
+    MIN_DISK_BYTES,
+    MIN_MEMORY_BYTES,
+    Name,
+    Resources,
+    RuntimeConfig,
+)
 from weenv.host.rootfs import EntryInfo
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -247,6 +257,27 @@ class SetTimeoutRequest(_Model):
 class SetPriorityRequest(_Model):
     priority: int = Field(ge=-1000, le=1000)
     """Higher: raised first, frozen last under shortage."""
+
+
+class ResourcesUpdate(_Model):
+    """New limits of a running environment: the fields of
+    :class:`~weenv.formats.manifest.Resources`, each within its bounds, those
+    left out kept as they are."""
+
+    cpus: float | None = Field(default=None, gt=0, le=MAX_CPUS, allow_inf_nan=False)
+    memory_bytes: StrictInt | None = Field(default=None, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES)
+    pids: StrictInt | None = Field(default=None, ge=1, le=MAX_PIDS)
+    disk_bytes: StrictInt | None = Field(default=None, ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES)
+
+    def applied_to(self, current: Resources) -> Resources:
+        """``current`` with the fields given here."""
+        return current.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class ResizeRequest(_Model):
+    """``PATCH /v1/environments/{id}``: resize it live (:mod:`weenv.node.state.resize`)."""
+
+    resources: ResourcesUpdate
 
 
 class SnapshotRequest(_Model):

@@ -26,9 +26,10 @@ never import each other):
      namespace when it has one; nft rules, name server).
 
 3. Operations over environments: ``state/`` (``snapshot.py``, ``fork.py``,
-   ``reset.py``, ``pause.py``, ``handoff.py`` (a memory-released pause published
-   for any node to resume), ``recovery.py`` after a crash, ``pool.py`` /
-   ``warm.py``: environments created ahead), and beside it ``snapshotter.py``
+   ``reset.py``, ``pause.py``, ``resize.py`` (live, within admission),
+   ``handoff.py`` (a memory-released pause published for any node to resume),
+   ``recovery.py`` after a crash, ``pool.py`` / ``warm.py``: environments
+   created ahead), and beside it ``snapshotter.py``
    (mount plans: overlay of groups + upper dir), ``resolver.py`` (template name
    -> digest, with the node's last known digest while the store is down),
    ``admission.py``, ``provision/`` (CPU quota and memory limit that follow

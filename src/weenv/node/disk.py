@@ -452,6 +452,12 @@ class NodeDisk:
         except OSError as exc:
             raise MountError(exc.errno, f"quota of {env_dir / name}: {exc.strerror}") from exc
 
+    def set_limit(self, env_dir: Path, limit: int, name: str = SUBVOLUME) -> None:
+        """Set the quota of the environment's subvolume ``name`` (default its upper
+        dir's) to ``limit`` bytes (live: writes past it fail with ``EDQUOT``).
+        Raises :class:`MountError`."""
+        self._limit(env_dir, limit, name)
+
     def remove(self, env_dir: Path, name: str = SUBVOLUME) -> None:
         """Delete the environment's subvolume ``name`` (default its own) and all
         in it (its blocks and its quota group are freed by the kernel's cleaner

@@ -59,6 +59,7 @@ from weenv.api.models import (
     NodeStats,
     ProcessInfo,
     ProfileReset,
+    ResourcesUpdate,
     TemplateInfo,
 )
 from weenv.config import Paths, private_dir, settings
@@ -107,6 +108,7 @@ from weenv.node.state.pause import Pauses, check_running, release_after_from_env
 from weenv.node.state.pool import pool_size_from_env
 from weenv.node.state.recovery import Recovery, logged
 from weenv.node.state.reset import Resets
+from weenv.node.state.resize import Resizes
 from weenv.node.state.snapshot import (
     Capture,
     Captures,
@@ -280,6 +282,7 @@ class Node:
         )
         self.resets = Resets(self.snapshotter, self.containers, self.commands, self.provisioner, self.pauses)
         self.forks = Forks(self.captures, self._create_child)
+        self.resizes = Resizes(self.provisioner, self.disk)
 
     @property
     def max_environments(self) -> int | None:
@@ -638,6 +641,20 @@ class Node:
                 self.provisioner.set_priority(env_id, priority)
                 e.info.priority = priority
         return e.info
+
+    def set_resources(self, env_id: str, resources: ResourcesUpdate | dict) -> EnvironmentInfo:
+        """Resize the running ``env_id`` live: cgroup limits and disk quota, within
+        the node's admission (fields left out stay; :mod:`weenv.node.state.resize`).
+        Raises :class:`NotFoundError`, :class:`StateError` (paused, not running, or
+        using more than the new limits allow), :class:`InvalidInputError` (a bad
+        value, or beyond the node), :class:`CapacityError` (the node cannot hold
+        it); nothing is changed then."""
+        if not isinstance(resources, ResourcesUpdate):
+            try:
+                resources = ResourcesUpdate.model_validate(resources)
+            except ValidationError as exc:
+                raise InvalidInputError(f"bad resources: {_first_error(exc)}") from None
+        return self.resizes.resize(self.table.get(env_id), resources)
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         """Destroy every environment whose ``expires_at`` has passed (or, created

@@ -505,6 +505,22 @@ class AsyncSandbox:
         """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
         self.info = await self._drive(_core.set_priority(self.id, priority))
 
+    async def set_resources(
+        self,
+        *,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        pids: int | None = None,
+        disk_bytes: int | None = None,
+    ) -> None:
+        """Resize it live (CPU cores, memory limit, pids limit, disk limit; those
+        not given stay), within what the node can hold: :class:`CapacityError`
+        when it cannot, :class:`InvalidInputError` for a bad value or one beyond
+        the node, :class:`StateError` when it is paused; nothing changes then."""
+        self.info = await self._drive(
+            _core.set_resources(self.id, cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes)
+        )
+
     # --- state: snapshot, fork, reset, pause --------------------------------------------
     async def create_snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Capture the environment's file system (it is frozen for milliseconds)
@@ -660,6 +676,20 @@ class AsyncNodeClient:
     async def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
         """Higher grows first and is frozen last when memory runs short."""
         return await self._conn.drive(_core.set_priority(env_id, priority))
+
+    async def set_resources(
+        self,
+        env_id: str,
+        *,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        pids: int | None = None,
+        disk_bytes: int | None = None,
+    ) -> EnvironmentInfo:
+        """Resize environment ``env_id`` live (see :meth:`AsyncSandbox.set_resources`)."""
+        return await self._conn.drive(
+            _core.set_resources(env_id, cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes)
+        )
 
     async def destroy(self, env_id: str) -> None:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""

@@ -64,6 +64,7 @@ from weenv.api.models import (
     ProfileReset,
     RenameRequest,
     ResetRequest,
+    ResizeRequest,
     ResumeRequest,
     SetPriorityRequest,
     SetTimeoutRequest,
@@ -520,6 +521,30 @@ def set_priority(env_id: str, priority: int) -> Flow[EnvironmentInfo]:
     except ValidationError as exc:
         raise InvalidInputError(f"bad priority {priority!r}: {exc.errors()[0]['msg']}") from None
     reply = yield Call("POST", _env(env_id) + "/priority", json=req)
+    return EnvironmentInfo.model_validate_json(reply.content)
+
+
+def set_resources(
+    env_id: str,
+    *,
+    cpus: float | None = None,
+    memory_bytes: int | None = None,
+    pids: int | None = None,
+    disk_bytes: int | None = None,
+) -> Flow[EnvironmentInfo]:
+    given = {
+        k: v
+        for k, v in dict(cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes).items()
+        if v is not None
+    }
+    if not given:
+        raise InvalidInputError("set_resources: give at least one of cpus, memory_bytes, pids, disk_bytes")
+    try:
+        req = ResizeRequest(resources=given)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InvalidInputError(f"bad {err['loc'][-1]} {err.get('input')!r}: {err['msg']}") from None
+    reply = yield Call("PATCH", _env(env_id), json=req)
     return EnvironmentInfo.model_validate_json(reply.content)
 
 

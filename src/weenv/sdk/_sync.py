@@ -501,6 +501,22 @@ class Sandbox:
         """Its priority for elastic provisioning (-1000..1000; higher grows first, is frozen last)."""
         self.info = self._drive(_core.set_priority(self.id, priority))
 
+    def set_resources(
+        self,
+        *,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        pids: int | None = None,
+        disk_bytes: int | None = None,
+    ) -> None:
+        """Resize it live (CPU cores, memory limit, pids limit, disk limit; those
+        not given stay), within what the node can hold: :class:`CapacityError`
+        when it cannot, :class:`InvalidInputError` for a bad value or one beyond
+        the node, :class:`StateError` when it is paused; nothing changes then."""
+        self.info = self._drive(
+            _core.set_resources(self.id, cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes)
+        )
+
     # --- state: snapshot, fork, reset, pause --------------------------------------------
     def create_snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Capture the environment's file system (it is frozen for milliseconds)
@@ -656,6 +672,20 @@ class NodeClient:
     def set_priority(self, env_id: str, priority: int) -> EnvironmentInfo:
         """Higher grows first and is frozen last when memory runs short."""
         return self._conn.drive(_core.set_priority(env_id, priority))
+
+    def set_resources(
+        self,
+        env_id: str,
+        *,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        pids: int | None = None,
+        disk_bytes: int | None = None,
+    ) -> EnvironmentInfo:
+        """Resize environment ``env_id`` live (see :meth:`AsyncSandbox.set_resources`)."""
+        return self._conn.drive(
+            _core.set_resources(env_id, cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes)
+        )
 
     def destroy(self, env_id: str) -> None:
         """Destroy environment ``env_id``; :class:`NotFoundError` if there is none."""

@@ -20,6 +20,8 @@ ready, bytes base64-encoded)::
     DELETE /v1/environments/{id}                      -> 204
     POST   /v1/environments/{id}/timeout              SetTimeoutRequest -> EnvironmentInfo
     POST   /v1/environments/{id}/priority             SetPriorityRequest -> EnvironmentInfo
+    PATCH  /v1/environments/{id}                      ResizeRequest -> EnvironmentInfo (resized live; 409 if
+                                                      paused, 503 if the node cannot hold it: nothing changed)
     POST   /v1/environments/{id}/snapshots            SnapshotRequest -> 201 SnapshotInfo (captured, published;
                                                       409 if the name is another template's, 503 if the
                                                       node's disk cannot keep the capture)
@@ -111,6 +113,7 @@ from weenv.api.models import (
     ProfileReset,
     RenameRequest,
     ResetRequest,
+    ResizeRequest,
     ResumePublishedRequest,
     ResumeRequest,
     SetPriorityRequest,
@@ -275,6 +278,10 @@ def api_router(
     @r.post("/environments/{env_id}/priority")
     def set_priority(env_id: str, req: SetPriorityRequest) -> EnvironmentInfo:
         return node.set_priority(env_id, req.priority)
+
+    @r.patch("/environments/{env_id}")
+    def set_resources(env_id: str, req: ResizeRequest) -> EnvironmentInfo:
+        return node.set_resources(env_id, req.resources)
 
     # --- state: snapshot, fork, reset, pause ----------------------------------------
     @r.post("/environments/{env_id}/snapshots", status_code=201)

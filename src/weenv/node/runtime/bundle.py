@@ -527,3 +527,23 @@ def write_bundle(
     tmp.write_text(json.dumps(config, indent=2))
     os.replace(tmp, path)
     return path
+
+
+def set_bundle_resources(bundle_dir: Path, resources: Resources) -> bool:
+    """Rewrite the cgroup limits of ``bundle_dir/config.json`` to ``resources``
+    (as :func:`build_config` writes them), so that a container run again from
+    it (a reset, a resume after its memory was released) has them; False if
+    the bundle has no config.  Written to a temporary name and renamed."""
+    path = Path(bundle_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False
+    limits = config.setdefault("linux", {}).setdefault("resources", {})
+    limits["memory"] = {**limits.get("memory", {}), "limit": resources.memory_bytes}
+    limits["cpu"] = {**limits.get("cpu", {}), "quota": cpu_quota_us(resources.cpus), "period": CPU_PERIOD_US}
+    limits["pids"] = {**limits.get("pids", {}), "limit": resources.pids}
+    tmp = path.with_name(".config.json.tmp")
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, path)
+    return True
