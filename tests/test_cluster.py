@@ -580,6 +580,69 @@ def _kill_tree(pids: set[int]) -> None:
         time.sleep(0.02)
 
 
+def test_the_gateway_dashboard_lists_the_nodes_behind_the_key(ray_cluster, tmp_path):
+    """The gateway's ``/ui``: without the key a redirect to the login form and
+    no node's id; with it the node table lists every alive node, each linking
+    to its environments, asked of the node through the gateway; an unknown
+    node's page is 404.  One browser load: the login form, then the table."""
+    gw = cluster.gateway()
+    alive = sorted(s.node_id for s in cluster.status() if s.state == "alive")
+    assert len(alive) == 3, cluster.status()
+    with httpx.Client(base_url=gw.url, timeout=30) as anon:
+        for path in ("/ui/", f"/ui/nodes/{alive[0]}"):
+            r = anon.get(path)
+            assert r.status_code == 303 and r.headers["location"] == "/ui/login", (path, r.status_code)
+            assert not [n for n in alive if n[:12] in r.text], path
+        form = anon.get("/ui/login")
+        assert form.status_code == 200 and "weenv cluster status" in form.text
+        assert not [n for n in alive if n[:12] in form.text]
+        wrong = anon.post("/ui/login", data={"key": "not-the-key"})
+        assert wrong.status_code == 401 and not [n for n in alive if n[:12] in wrong.text]
+    with ClusterClient() as client:
+        e = client.create("t1", resources=SMALL, node=alive[0])
+        try:
+            with httpx.Client(base_url=gw.url, headers={"x-api-key": gw.api_key}, timeout=30) as keyed:
+                table = keyed.get("/ui/")
+                assert table.status_code == 200, table.text
+                rows = dict(re.findall(r'data-node="([^"]+)" data-state="([^"]+)"', table.text))
+                assert {n for n, state in rows.items() if state == "alive"} == set(alive), rows
+                for n in alive:
+                    assert f'href="/ui/nodes/{n}"' in table.text
+                page = keyed.get(f"/ui/nodes/{alive[0]}")
+                assert page.status_code == 200 and f'data-env="{e.id}"' in page.text, page.text
+                other = keyed.get(f"/ui/nodes/{alive[1]}")
+                assert other.status_code == 200 and e.id not in other.text
+                unknown = keyed.get("/ui/nodes/no-such-node")
+                assert unknown.status_code == 404 and "no node &#39;no-such-node&#39; in the cluster" in unknown.text
+            _screenshot_of_the_node_table(gw, tmp_path / "gateway-nodes.png", alive)
+        finally:
+            client.destroy(e.id)
+
+
+def _screenshot_of_the_node_table(gw, shot: Path, alive: list[str]) -> None:
+    """Log in through the gateway's form in Debian's headless Chromium; the node table, screenshot to ``shot``."""
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is not installed (scripts/setup.sh installs it)"
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])  # root: no setuid sandbox
+        try:
+            page = browser.new_page(base_url=gw.url, viewport={"width": 1400, "height": 600})
+            page.goto("/ui/")
+            assert page.url.endswith("/ui/login")
+            page.fill("input[name=key]", gw.api_key)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/ui/")
+            for n in alive:
+                sync_api.expect(page.locator(f'tr[data-node="{n}"][data-state="alive"]')).to_be_visible()
+            page.screenshot(path=shot, full_page=True)
+            print(f"gateway dashboard screenshot: {shot}")
+        finally:
+            browser.close()
+
+
 def test_a_node_killed_mid_create_is_gone_with_its_daemon_and_leaves_nothing(ray_cluster):
     """A node dies (its Ray node removed, and everything weenv ran there killed,
     as a machine's death does) while a create on it is in flight: the create
@@ -632,6 +695,11 @@ def test_a_node_killed_mid_create_is_gone_with_its_daemon_and_leaves_nothing(ray
         gw = cluster.gateway()  # through the cluster's address: lost too (weenv's 410, kind lost)
         r = httpx.get(f"{gw.url}/v1/environments/{kept.id}", headers={"x-api-key": gw.api_key})
         assert r.status_code == 410 and r.json()["error"]["kind"] == "lost", r.text
+        # the gateway's dashboard: the node is lost in its table, and its page says it left
+        table = httpx.get(f"{gw.url}/ui/", headers={"x-api-key": gw.api_key}, timeout=30)
+        assert f'data-node="{victim_id}" data-state="lost"' in table.text, table.text
+        left = httpx.get(f"{gw.url}/ui/nodes/{victim_id}", headers={"x-api-key": gw.api_key}, timeout=30)
+        assert left.status_code == 410 and f"node {victim_id} left the cluster" in left.text, left.text
         other = client.create("t1", resources=SMALL)  # the cluster still answers
         assert other.node_id != victim_id
         client.destroy(other.id)

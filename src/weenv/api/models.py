@@ -469,6 +469,10 @@ class NodeStats(_Model):
     """Group digest -> environments using its mount."""
     cache_chunks_fetched: int
     cache_bytes_fetched: int
+    cache_reads_hit: int = 0
+    """Reads of the node chunk cache (not prefetches) that found their chunk there."""
+    cache_reads_missed: int = 0
+    """Reads of the node chunk cache that did not (the chunk was fetched)."""
     exec_agent: int = 0
     """Commands started through environments' exec agents (the fast path)."""
     exec_runc: int = 0

@@ -220,6 +220,7 @@ def create_gateway_app(
     room for it to create (then its line is a ``capacity`` error);
     ``max_body``, ``max_upload``: bytes of a request body, of a file upload."""
     from weenv.cluster.batch import batch_stream
+    from weenv.cluster.dashboard import cluster_ui_router
     from weenv.cluster.resume import is_resume, resume_elsewhere
     from weenv.cluster.templates import TemplateOwners, install_template_routes
 
@@ -544,6 +545,7 @@ def create_gateway_app(
     app.add_api_route("/e2b/envd/{rest:path}", envd, methods=["GET", "POST"])
     app.add_api_route("/files", envd, methods=["GET", "POST"])  # signed URLs, as on one node
     install_template_routes(app, gw, owners, require_key)  # E2B's template API: weenv.cluster.templates
+    app.include_router(cluster_ui_router(gw, api_key))  # the dashboard at /ui: weenv.cluster.dashboard
 
     from weenv.cluster.ports import ClusterPorts
 

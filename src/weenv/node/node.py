@@ -1087,11 +1087,14 @@ class Node:
 
     def stats(self) -> NodeStats:
         pool = self.pool.stats()
+        cache = self.cache.stats()
         return NodeStats(
             environments=len(self.table),
             groups_mounted=self.groups.mounted(),
             cache_chunks_fetched=self.cache.chunks_fetched,
             cache_bytes_fetched=self.cache.bytes_fetched,
+            cache_reads_hit=cache.reads_hit,
+            cache_reads_missed=cache.reads_missed,
             exec_agent=self.exec_counts["agent"],
             exec_runc=self.exec_counts["runc"],
             runtime=self.runtime.name,

@@ -53,11 +53,29 @@ class _Refused(Exception):
         self.status = status
 
 
-def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | None) -> APIRouter:
-    """The ``/ui`` routes over ``node`` (and ``metrics.tax``, the node's tax book)."""
+def renderer(pages: tuple[tuple[str, str, str], ...]):
+    """``render(name, request, status=200, **values)``: the dashboard's template
+    ``name`` as an uncached page, its navigation ``pages`` (key, href, label)."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("weenv.server.ui", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
     )
+
+    def render(name: str, request: Request, status: int = 200, **values) -> HTMLResponse:
+        values.setdefault("error", None)
+        values.setdefault("notice", None)
+        html = env.get_template(name).render(pages=pages, path=request.url.path, **values)
+        return HTMLResponse(html, status_code=status, headers=NO_STORE)
+
+    return render
+
+
+NODE_KEY_WHERE = "$WEENV_HOME/run/api-key on the node"
+"""Where the login form says the key is (a node's own dashboard)."""
+
+
+def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | None) -> APIRouter:
+    """The ``/ui`` routes over ``node`` (and ``metrics.tax``, the node's tax book)."""
+    render = renderer(PAGES)
     r = APIRouter(prefix=PATH, tags=["dashboard"])
 
     def credentials(request: Request) -> str | None:
@@ -65,12 +83,6 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
         if on_trusted_socket(request.scope, trusted_socket):
             return "socket"
         return key_source(request.headers, request.cookies, api_key)
-
-    def render(name: str, request: Request, status: int = 200, **values) -> HTMLResponse:
-        values.setdefault("error", None)
-        values.setdefault("notice", None)
-        html = env.get_template(name).render(pages=PAGES, path=request.url.path, **values)
-        return HTMLResponse(html, status_code=status, headers=NO_STORE)
 
     def page(name: str, request: Request, gather) -> Response:
         if credentials(request) is None:
@@ -90,34 +102,7 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
             if api_key is None or token is None or not _same(token, form_token(api_key)):
                 raise _Refused(403, "refused: the form's token is missing or wrong (reload the page)")
 
-    @r.get("/login")
-    def login_form(request: Request) -> Response:
-        """The dashboard's login form (no key needed; it holds no node data)."""
-        return render("login.html", request, token="")
-
-    @r.post("/login")
-    def login(request: Request, key: str = Form("")) -> Response:
-        """Log in to the dashboard: a right ``key`` sets the ``weenv_key`` cookie (HttpOnly, SameSite=Strict)."""
-        origin = request.headers.get("origin")
-        why = foreign_origin(request.headers, request.url.scheme) if origin is not None else None
-        if why is not None:
-            return render("login.html", request, 403, token="", error=f"refused: {why}")
-        if api_key is None or not api_key.matches(key.strip()):
-            return render(
-                "login.html", request, 401, token="", error="wrong key: it is in $WEENV_HOME/run/api-key on the node"
-            )
-        response = RedirectResponse(f"{PATH}/", status_code=303, headers=NO_STORE)
-        response.set_cookie(
-            COOKIE, api_key.value, path=PATH, httponly=True, samesite="strict", secure=request.url.scheme == "https"
-        )
-        return response
-
-    @r.post("/logout")
-    def logout(request: Request) -> Response:
-        """Log out of the dashboard: the ``weenv_key`` cookie is cleared."""
-        response = RedirectResponse(f"{PATH}/login", status_code=303, headers=NO_STORE)
-        response.delete_cookie(COOKIE, path=PATH, httponly=True, samesite="strict")
-        return response
+    add_access_routes(r, render, api_key, key_where=NODE_KEY_WHERE)
 
     @r.get("/")
     def environments_page(request: Request) -> Response:
@@ -156,6 +141,42 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
             return render("error.html", request, STATUS.get(exc.kind, 500), token="", error=f"{action} {env_id}: {exc}")
         return RedirectResponse(f"{PATH}/?done={quote(done)}", status_code=303, headers=NO_STORE)
 
+    return r
+
+
+def add_access_routes(r: APIRouter, render, api_key: ApiKey | None, *, key_where: str) -> None:
+    """The routes that need no key on ``r``: the login form (saying the key is
+    in ``key_where``), login, logout and the static assets."""
+
+    @r.get("/login")
+    def login_form(request: Request) -> Response:
+        """The dashboard's login form (no key needed; it holds no node data)."""
+        return render("login.html", request, token="", key_where=key_where)
+
+    @r.post("/login")
+    def login(request: Request, key: str = Form("")) -> Response:
+        """Log in to the dashboard: a right ``key`` sets the ``weenv_key`` cookie (HttpOnly, SameSite=Strict)."""
+        origin = request.headers.get("origin")
+        why = foreign_origin(request.headers, request.url.scheme) if origin is not None else None
+        if why is not None:
+            return render("login.html", request, 403, token="", key_where=key_where, error=f"refused: {why}")
+        if api_key is None or not api_key.matches(key.strip()):
+            return render(
+                "login.html", request, 401, token="", key_where=key_where, error=f"wrong key: it is in {key_where}"
+            )
+        response = RedirectResponse(f"{PATH}/", status_code=303, headers=NO_STORE)
+        response.set_cookie(
+            COOKIE, api_key.value, path=PATH, httponly=True, samesite="strict", secure=request.url.scheme == "https"
+        )
+        return response
+
+    @r.post("/logout")
+    def logout(request: Request) -> Response:
+        """Log out of the dashboard: the ``weenv_key`` cookie is cleared."""
+        response = RedirectResponse(f"{PATH}/login", status_code=303, headers=NO_STORE)
+        response.delete_cookie(COOKIE, path=PATH, httponly=True, samesite="strict")
+        return response
+
     @r.get("/static/{name}")
     def static(name: str) -> Response:
         """The dashboard's stylesheet and script (no key needed; no node data)."""
@@ -163,8 +184,6 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
             return Response("not found", status_code=404, media_type="text/plain")
         body = resources.files("weenv.server.ui").joinpath("static", name).read_bytes()
         return Response(body, media_type=STATIC[name], headers={"cache-control": "max-age=300"})
-
-    return r
 
 
 def _same(a: str, b: str) -> bool:

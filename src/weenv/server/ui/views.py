@@ -84,7 +84,7 @@ def node_health(node) -> dict[str, Any]:
     peers = node.peers.stats()
     provision = node.provision_stats()
     hit_rate = cache_hit_rate(cache)
-    admissions = [e for e in provision.events if e.kind == "admission"]
+    waited, refused = admissions(provision)
     totals = provision.totals
     return {
         "runtime": stats.runtime,
@@ -101,8 +101,8 @@ def node_health(node) -> dict[str, Any]:
         "served_to_peers": size(peers.served_bytes),
         "fetch_errors": cache.fetch_errors,
         "admitting": totals.admitting,
-        "waited": sum(e.message.startswith("waiting") for e in admissions),
-        "refused": sum(e.message.startswith("refused") for e in admissions),
+        "waited": waited,
+        "refused": refused,
         "oom_kills": sum(e.oom_kills for e in provision.environments),
         "cpu": f"{totals.cpu_used:.2f} used, {totals.cpu_quota_sum:.2f} quota, {totals.cpu_capacity:.2f} cores",
         "memory": f"{size(totals.working_set)} used, {size(totals.memory_limit_sum)} limits, "
@@ -118,6 +118,13 @@ def node_health(node) -> dict[str, Any]:
             for e in provision.events[-12:][::-1]
         ],
     }
+
+
+def admissions(provision) -> tuple[int, int]:
+    """Of the provisioner's recent events (:class:`ProvisionStats`), the creates
+    that waited for room and those refused."""
+    events = [e for e in provision.events if e.kind == "admission"]
+    return sum(e.message.startswith("waiting") for e in events), sum(e.message.startswith("refused") for e in events)
 
 
 def cache_hit_rate(cache) -> float | None:
