@@ -98,9 +98,8 @@ def run_rollout(system: System, trajectory: Trajectory, t_start: float) -> Rollo
         r.create_s = time.perf_counter() - t0
         setup = getattr(system, "setup", None)
         if setup is not None:
-            t = time.perf_counter()
-            inside = setup(env)  # the part of the create that was the task's setup (a shared state's build)
-            r.setup_s = time.perf_counter() - t + inside
+            after, inside = setup(env)  # inside: the part of the create that was the task's setup
+            r.setup_s = after + inside
             r.create_s -= inside
         for step in trajectory.steps:
             time.sleep(step.think_s)

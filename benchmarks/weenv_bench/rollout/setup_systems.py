@@ -49,16 +49,18 @@ class PerRollout:
         self._task[env] = task
         return env
 
-    def setup(self, env: str) -> float:
-        """Run the task's setup in ``env``; :class:`RuntimeFailedError` with its output if a command fails."""
+    def setup(self, env: str) -> tuple[float, float]:
+        """Run the task's setup in ``env``: (its seconds, 0).  :class:`RuntimeFailedError`
+        with its output if a command fails."""
         task = self._task[env]
+        t0 = time.perf_counter()
         for command in self.commands[task]:
             r = self.system.exec(env, command, SETUP_TIMEOUT_S)
             if r.exit_code != 0:
                 raise RuntimeFailedError(
                     f"setup of {task}: {command!r} exited {r.exit_code}: {(r.stdout + r.stderr)[-800:]}"
                 )
-        return 0.0
+        return time.perf_counter() - t0, 0.0
 
     def exec(self, env: str, command: str, timeout: float) -> ExecResult:
         return self.system.exec(env, command, timeout)
@@ -129,10 +131,10 @@ class GroupSystem:
             self._setup_part[sb.id] = max(0.0, min(got, end) - max(arrived, start))
         return sb.id
 
-    def setup(self, env: str) -> float:
-        """Nothing to run: the sandbox holds the task's state.  Returns the part of
-        its create that waited for the state's build."""
-        return self._setup_part.pop(env, 0.0)
+    def setup(self, env: str) -> tuple[float, float]:
+        """Nothing to run: the sandbox holds the task's state.  (0, the part of
+        its create that waited for the state's build)."""
+        return 0.0, self._setup_part.pop(env, 0.0)
 
     def exec(self, env: str, command: str, timeout: float) -> ExecResult:
         sb = self._sandboxes[env][0]
@@ -148,7 +150,11 @@ class GroupSystem:
             last = self._left[id(group)] == 0
             if last:
                 self._groups.remove(group)
-        if last:  # the group's kill asks again for the others (gone: no error) and closes its connection
+        if last:
+            # The group's kill asks again for the others (gone: no error) and closes its meter.  The
+            # sandboxes share one connection, closed by the kill of the last one open: that one goes last.
+            group.remove(sb)
+            group.append(sb)
             group.kill()
         else:
             sb.kill()
