@@ -9,7 +9,7 @@ takes the next rollout when its current one is destroyed.
 
 Per rollout, seconds: ``create_s`` (request to a running environment, a pull
 included on Docker), ``setup_s`` (the task's setup, for a system that has one:
-see :meth:`System.setup`), ``first_step_s`` (create + setup + the first command's exec),
+see :class:`~weenv_bench.rollout.systems.System`), ``first_step_s`` (create + setup + the first command's exec),
 each step's exec wall time and the command's own run time (see
 :mod:`weenv_bench.rollout.systems`), think time slept, the reward command
 alike, ``destroy_s``, and ``wall_s`` from the create request to the destroy's
