@@ -155,11 +155,21 @@ def rollout(
     group: int | None = typer.Option(None, "-G", "--group", help="rollouts per task (default 8; quick 4)"),
     concurrency: int | None = typer.Option(None, help="rollouts at once (default 32; quick 6)"),
     think_scale: float | None = typer.Option(None, help="factor on think time (default 1; quick 0.05)"),
+    setup: bool = typer.Option(
+        False,
+        "--setup",
+        help="templates without the deps, a setup per task (pip installs, editable install, test "
+        "collection); weenv group against weenv create and Docker, two iterations",
+    ),
+    systems: str | None = typer.Option(
+        None, help="comma-separated systems (default weenv,docker; with --setup group,create,docker)"
+    ),
 ) -> None:
     """The environment's share of an RL iteration's rollout stage: weenv against Docker.
 
     Real tasks (PyPI projects with injected bugs, replayed agent trajectories): weenv against
-    Docker, both from one loopback docker-registry."""
+    Docker, both from one loopback docker-registry.  --setup adds each task's setup and
+    weenv's RL groups (the setup once per task, a fork per group)."""
     from weenv.cli.common import err
     from weenv_bench.rollout import run
 
@@ -172,6 +182,8 @@ def rollout(
         group=group,
         concurrency=concurrency,
         think_scale=think_scale,
+        setup=setup,
+        systems=tuple(x.strip() for x in systems.split(",") if x.strip()) if systems else None,
         log=err.print,
     )
     print(json.dumps(result["summary"]))

@@ -23,6 +23,12 @@ stage on real tasks, weenv against Docker, side by side in one run.
    memory; JSON ``summary`` with ``weenv_env_share``, ``docker_env_share``,
    ``weenv_first_step_p50_s``, ``docker_first_step_p50_s``, ``rewards_match``;
    a PNG of stacked bars.
+
+With ``setup`` (``--setup``, :mod:`.setup_run`): templates without the tasks'
+dependencies, a setup per task (:mod:`.task_setup`: pip installs from a
+wheelhouse, an editable install, a first test collection), and three systems
+over two iterations: weenv group (the setup once per task, a fork per group),
+weenv create and Docker (create + setup per rollout).
 """
 
 from __future__ import annotations
@@ -67,7 +73,8 @@ def run(
     concurrency: int | None = None,
     think_scale: float | None = None,
     steps: tuple[int, int] | None = None,
-    systems: tuple[str, ...] = ("weenv", "docker"),
+    systems: tuple[str, ...] | None = None,
+    setup: bool = False,
     log=print,
 ) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
@@ -76,7 +83,9 @@ def run(
     Settings default to :data:`DEFAULTS` (:data:`QUICK` with ``quick``); any
     given one overrides.  ``pool``: tasks published (1..22, at least ``tasks``);
     ``tasks``: tasks in the iteration; ``group``: rollouts per task (G);
-    ``steps``: (fewest, most) agent steps.  ``work``: directory for the stores,
+    ``steps``: (fewest, most) agent steps.  ``systems``: of ``weenv`` and
+    ``docker`` (default both); with ``setup``, of ``group``, ``create`` and
+    ``docker`` (default all three, see :mod:`.setup_run`).  ``work``: directory for the stores,
     homes and build context (default a temporary one, removed).  Raises
     :class:`InvalidInputError` for bad settings, :class:`ToolMissingError`
     without docker.io / docker-registry / debootstrap / mkfs.erofs,
@@ -89,7 +98,7 @@ def run(
     from weenv.packaging.transfer import copy_template
     from weenv.store.file import FileStore
     from weenv.store.oci import OciStore
-    from weenv_bench.rollout import iteration, report, templates
+    from weenv_bench.rollout import iteration, report, task_setup, templates
     from weenv_bench.rollout.systems import DockerSystem, WeenvSystem
     from weenv_bench.rollout.tasks import TASKS, prepare_task, runtime_tree
     from weenv_bench.rollout.trajectory import make_trajectory
@@ -115,8 +124,12 @@ def run(
         )
     if cfg["group"] < 1 or cfg["concurrency"] < 1 or not 0 <= cfg["think_scale"] < math.inf:
         raise InvalidInputError("group and concurrency must be >= 1, think_scale finite and >= 0")
-    if not systems or any(s not in ("weenv", "docker") for s in systems):
-        raise InvalidInputError("systems: weenv and/or docker")
+    from weenv_bench.rollout import setup_run
+
+    known = setup_run.SYSTEMS if setup else ("weenv", "docker")
+    systems = tuple(known if systems is None else systems)
+    if not systems or any(s not in known for s in systems) or len(set(systems)) != len(systems):
+        raise InvalidInputError(f"systems: some of {', '.join(known)}{' (with setup)' if setup else ''}")
     resources = Resources(cpus=CPUS, memory_bytes=MEMORY_BYTES, pids=PIDS, disk_bytes=DISK_BYTES)
     env_paths = Paths.from_env()
     cache = env_paths.cache
@@ -133,16 +146,37 @@ def run(
         sources = fetch_sdists(cache, tuple(s.sdist for s in specs))
         prepared = [prepare_task(cache, s, src) for s, src in zip(specs, sources)]
         file_store = FileStore(work / "filestore")
-        built = templates.build_weenv(file_store, base, runtime, prepared, resources, work, log=log)
-        verified = templates.verify_tasks(file_store, built, work / "verify-home", log=log)
+        if setup:  # the runtime group holds patch and a wheelhouse; the setup installs the rest
+            runtime = task_setup.tools_tree(cache, prepared, log=log)
+            built = templates.build_weenv(
+                file_store,
+                base,
+                runtime,
+                prepared,
+                resources,
+                work,
+                log=log,
+                deps=False,
+                runtime_source={"type": "pip download + deb", "contents": "wheelhouse, patch"},
+            )
+            verified = {}  # verify_tasks needs pytest in the template: the rewards are checked instead
+        else:
+            built = templates.build_weenv(file_store, base, runtime, prepared, resources, work, log=log)
+            verified = templates.verify_tasks(file_store, built, work / "verify-home", log=log)
 
         rng = random.Random(seed)
         chosen = rng.sample([p for p in prepared], cfg["tasks"])
-        trajectories = [
-            make_trajectory(t, g, cfg["group"], seed=seed, think_scale=cfg["think_scale"], steps=tuple(cfg["steps"]))
-            for t in chosen
-            for g in range(cfg["group"])
-        ]
+        batches = [
+            [
+                make_trajectory(
+                    t, g, cfg["group"], seed=seed + i, think_scale=cfg["think_scale"], steps=tuple(cfg["steps"])
+                )
+                for t in chosen
+                for g in range(cfg["group"])
+            ]
+            for i in range(setup_run.ITERATIONS if setup else 1)
+        ]  # each iteration its own trajectories (seed + its index) of the same tasks
+        trajectories = batches[0]
         log(
             f"iteration: {len(chosen)} tasks ({', '.join(t.spec.name for t in chosen)}) x G={cfg['group']} = "
             f"{len(trajectories)} rollouts, {sum(len(t.steps) for t in trajectories)} steps, "
@@ -170,6 +204,22 @@ def run(
                 refs, layers = templates.build_docker(dockerd, registry, base, runtime, built, work, log=log)
             docker_publish_s = time.monotonic() - t
 
+            if setup:
+                by_system, paid = setup_run.run_iterations(
+                    systems,
+                    batches,
+                    cfg["concurrency"],
+                    group=cfg["group"],
+                    work=work,
+                    cache=cache,
+                    store_url=oci.url,
+                    templates={n: b.template for n, b in built.items()},
+                    commands={n: task_setup.setup_commands(b.task.spec) for n, b in built.items()},
+                    resources=resources,
+                    docker=DockerSystem(dockerd, refs, layers, resources) if "docker" in systems else None,
+                    services=services,
+                    log=log,
+                )
             if "weenv" in systems:
                 log("weenv: iteration ...")
                 with WeenvSystem(
@@ -177,7 +227,7 @@ def run(
                 ) as weenv_sys:
                     services["weenv_daemon_pid"] = weenv_sys.pid
                     iterations.append(iteration.run_iteration(weenv_sys, trajectories, cfg["concurrency"], log=log))
-            if "docker" in systems:
+            if "docker" in systems and not setup:
                 log("docker: iteration ...")
                 iterations.append(
                     iteration.run_iteration(
@@ -185,36 +235,47 @@ def run(
                     )
                 )
 
-        rows = [report.system_row(it) for it in iterations]
-        by = {r["system"]: r for r in rows}
-        rew = report.rewards(iterations)
-        summary = {
-            "weenv_env_share": by.get("weenv", {}).get("env_share"),
-            "docker_env_share": by.get("docker", {}).get("env_share"),
-            "weenv_first_step_p50_s": by.get("weenv", {}).get("first_step_p50_s"),
-            "docker_first_step_p50_s": by.get("docker", {}).get("first_step_p50_s"),
-            "rewards_match": rew["rewards_match"],
-            "rewards_correct": rew["rewards_correct"],
-            "env_share_ratio": (
-                round(by["docker"]["env_share"] / by["weenv"]["env_share"], 1)
-                if {"weenv", "docker"} <= by.keys() and by["weenv"]["env_share"]
-                else None
-            ),
-            "tasks": cfg["tasks"],
-            "group": cfg["group"],
-            "rollouts": len(trajectories),
-            "concurrency": cfg["concurrency"],
-            "think_scale": cfg["think_scale"],
-            "pool": cfg["pool"],
-            "quick": quick,
-            "seed": seed,
-        }
+        if setup:
+            summary, rows, rew = setup_run.summarize(by_system, paid)
+            rollouts = {name: [[r.row() for r in it.rollouts] for it in its] for name, its in by_system.items()}
+        else:
+            rows = [report.system_row(it) for it in iterations]
+            by = {r["system"]: r for r in rows}
+            rew = report.rewards(iterations)
+            rollouts = {it.system: [r.row() for r in it.rollouts] for it in iterations}
+            summary = {
+                "weenv_env_share": by.get("weenv", {}).get("env_share"),
+                "docker_env_share": by.get("docker", {}).get("env_share"),
+                "weenv_first_step_p50_s": by.get("weenv", {}).get("first_step_p50_s"),
+                "docker_first_step_p50_s": by.get("docker", {}).get("first_step_p50_s"),
+                "rewards_match": rew["rewards_match"],
+                "rewards_correct": rew["rewards_correct"],
+                "env_share_ratio": (
+                    round(by["docker"]["env_share"] / by["weenv"]["env_share"], 1)
+                    if {"weenv", "docker"} <= by.keys() and by["weenv"]["env_share"]
+                    else None
+                ),
+            }
+        summary.update(
+            {
+                "tasks": cfg["tasks"],
+                "group": cfg["group"],
+                "rollouts": len(trajectories),
+                "concurrency": cfg["concurrency"],
+                "think_scale": cfg["think_scale"],
+                "pool": cfg["pool"],
+                "quick": quick,
+                "seed": seed,
+                "setup": setup,
+                "iterations": len(batches),
+            }
+        )
         result = {
             "benchmark": "rollout",
             "summary": summary,
             "table": rows,
             "rewards": rew,
-            "rollouts": {it.system: [r.row() for r in it.rollouts] for it in iterations},
+            "rollouts": rollouts,
             "tasks": {
                 "pool": [
                     {
@@ -240,7 +301,8 @@ def run(
                 "docker_build_push_s": round(docker_publish_s, 2),
             },
             "method": {
-                "env_share": "sum over rollouts of (create + destroy + exec overhead) / sum of rollout wall time "
+                "env_share": "sum over rollouts of (create + setup + destroy + exec overhead) / sum of rollout "
+                "wall time "
                 "(create request to destroy return); env_share_of_iteration: the same sum / "
                 "(iteration wall x concurrency)",
                 "exec_overhead": "exec wall time at the client minus the command's own time measured inside "
@@ -255,12 +317,13 @@ def run(
                 "daemon_peak": "peak of summed VmRSS sampled every 0.5 s: weenv daemon + its host-side helpers; "
                 "dockerd + containerd + shims",
             },
+            **({"setup": setup_run.method(built)} if setup else {}),
             "docker_services": services,
             "load": {"start": load_start, "end": loadavg()},
             "seconds": round(time.monotonic() - t_run, 1),
             "machine": machine(),
         }
-        log(report.text_table(rows))
+        log(setup_run.tables(rows) if setup else report.text_table(rows))
         if json_path is not None:
             write_report(result, json_path, report.plot)
         return result

@@ -8,7 +8,8 @@ the tasks in the sampled order) by ``concurrency`` worker threads; a worker
 takes the next rollout when its current one is destroyed.
 
 Per rollout, seconds: ``create_s`` (request to a running environment, a pull
-included on Docker), ``first_step_s`` (create + the first command's exec),
+included on Docker), ``setup_s`` (the task's setup, for a system that has one:
+see :class:`~weenv_bench.rollout.systems.System`), ``first_step_s`` (create + setup + the first command's exec),
 each step's exec wall time and the command's own run time (see
 :mod:`weenv_bench.rollout.systems`), think time slept, the reward command
 alike, ``destroy_s``, and ``wall_s`` from the create request to the destroy's
@@ -50,6 +51,7 @@ class RolloutResult:
     expected_reward: int
     reward: int | None = None
     create_s: float = 0.0
+    setup_s: float = 0.0
     first_step_s: float | None = None
     destroy_s: float = 0.0
     wall_s: float = 0.0
@@ -61,11 +63,11 @@ class RolloutResult:
 
     @property
     def exec_overhead_s(self) -> float:
-        return sum(s.overhead_s for s in self._all_steps())
+        return sum(s.overhead_s for s in self.all_steps())
 
     @property
     def command_s(self) -> float:
-        return sum(s.inner_s for s in self._all_steps())
+        return sum(s.inner_s for s in self.all_steps())
 
     @property
     def think_s(self) -> float:
@@ -73,10 +75,10 @@ class RolloutResult:
 
     @property
     def env_s(self) -> float:
-        """The environment's time: create + destroy + exec overhead."""
-        return self.create_s + self.destroy_s + self.exec_overhead_s
+        """The environment's time: create + setup + destroy + exec overhead."""
+        return self.create_s + self.setup_s + self.destroy_s + self.exec_overhead_s
 
-    def _all_steps(self) -> list[StepTiming]:
+    def all_steps(self) -> list[StepTiming]:
         return self.steps + ([self.reward_step] if self.reward_step else [])
 
     def row(self) -> dict:
@@ -94,12 +96,17 @@ def run_rollout(system: System, trajectory: Trajectory, t_start: float) -> Rollo
     try:
         env = system.create(trajectory.task)
         r.create_s = time.perf_counter() - t0
+        setup = getattr(system, "setup", None)
+        if setup is not None:
+            after, inside = setup(env)  # inside: the part of the create that was the task's setup
+            r.setup_s = after + inside
+            r.create_s -= inside
         for step in trajectory.steps:
             time.sleep(step.think_s)
             res = system.exec(env, step.command, STEP_TIMEOUT_S)
             r.steps.append(_timing(step.kind, res, step.think_s))
             if r.first_step_s is None:
-                r.first_step_s = r.create_s + res.wall_s
+                r.first_step_s = r.create_s + r.setup_s + res.wall_s
         res = system.exec(env, trajectory.reward_command, STEP_TIMEOUT_S)
         r.reward_step = _timing("reward", res, 0.0)
         r.reward = 1 if res.exit_code == 0 else 0

@@ -2,7 +2,7 @@
 rewards, a text table and the PNG (stacked bars of where rollout time goes).
 
 **Environment share** (``env_share``): over all rollouts of the iteration, the
-environment's time (create + destroy + exec overhead, see
+environment's time (create + setup + destroy + exec overhead, see
 :mod:`weenv_bench.rollout.systems`) over the rollouts' wall time (create
 request to destroy return), i.e. the fraction of the rollout workers' time the
 environment took; ``env_share_of_iteration`` divides the same sum by the
@@ -19,6 +19,7 @@ from weenv_bench.rollout.iteration import IterationResult
 
 PHASES = (
     ("create_s", "create", "#c44"),
+    ("setup_s", "task setup", "#e7c"),
     ("exec_overhead_s", "exec overhead", "#e93"),
     ("destroy_s", "destroy", "#a5c"),
     ("command_s", "commands (incl. reward)", "#27a"),
@@ -48,6 +49,7 @@ def system_row(it: IterationResult) -> dict:
     firsts = [r.first_step_s for r in it.rollouts if r.first_step_s is not None]
     creates = [r.create_s for r in ok]
     destroys = [r.destroy_s for r in ok]
+    setups = [r.setup_s for r in ok]
     parts = {key: round(sum(getattr(r, key) for r in it.rollouts), 3) for key, _, _ in PHASES}
     other = wall - sum(parts.values())
     return {
@@ -63,6 +65,8 @@ def system_row(it: IterationResult) -> dict:
         "time_s": {**parts, "other_s": round(max(0.0, other), 3)},
         "create_p50_s": _r(percentile(creates, 0.5)),
         "create_p99_s": _r(percentile(creates, 0.99)),
+        "setup_p50_s": _r(percentile(setups, 0.5)),
+        "setup_p99_s": _r(percentile(setups, 0.99)),
         "first_step_p50_s": _r(percentile(firsts, 0.5)),
         "first_step_p99_s": _r(percentile(firsts, 0.99)),
         "exec_overhead_p50_s": _r(percentile(overheads, 0.5)),
@@ -103,6 +107,14 @@ def text_table(rows: list[dict]) -> str:
         ("env share", lambda r: _pct(r["env_share"])),
         ("env share of iteration", lambda r: _pct(r["env_share_of_iteration"])),
         ("create p50 / p99", lambda r: f"{_s(r['create_p50_s'])} / {_s(r['create_p99_s'])}"),
+        *(
+            [
+                ("setup p50 / p99", lambda r: f"{_s(r['setup_p50_s'])} / {_s(r['setup_p99_s'])}"),
+                ("setup paid per rollout", lambda r: _s(r.get("setup_s_per_rollout"))),
+            ]
+            if any("setup_s_per_rollout" in r for r in rows)
+            else []
+        ),
         ("first step p50 / p99", lambda r: f"{_s(r['first_step_p50_s'])} / {_s(r['first_step_p99_s'])}"),
         ("exec overhead p50 / p99", lambda r: f"{_s(r['exec_overhead_p50_s'])} / {_s(r['exec_overhead_p99_s'])}"),
         ("destroy p50 / p99", lambda r: f"{_s(r['destroy_p50_s'])} / {_s(r['destroy_p99_s'])}"),
@@ -111,10 +123,15 @@ def text_table(rows: list[dict]) -> str:
         ("daemon peak memory", lambda r: f"{r['daemon_peak_bytes'] / 2**20:.0f} MiB"),
     ]
     width = max(len(name) for name, _ in lines)
-    out = [" " * width + "".join(f"  {r['system']:>18}" for r in rows)]
+    out = [" " * width + "".join(f"  {r.get('label', r['system']):>18}" for r in rows)]
     for name, fn in lines:
         out.append(f"{name:<{width}}" + "".join(f"  {fn(r):>18}" for r in rows))
     return "\n".join(out)
+
+
+def _label(r: dict) -> str:
+    """A bar's name: the system's label, and its iteration when there are several."""
+    return r.get("label", r["system"]) + (f"\n#{r['iteration']}" if "iteration" in r else "")
 
 
 def _pct(x: float | None) -> str:
@@ -136,7 +153,7 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["table"]
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    fig, ax = plt.subplots(figsize=(max(8.5, 3.5 + 1.1 * len(rows)), 4.5))
     xs = range(len(rows))
     bottoms = [0.0] * len(rows)
     for key, label, color in PHASES:
@@ -145,7 +162,7 @@ def plot(result: dict, png: Path) -> None:
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for x, r, b in zip(xs, rows, bottoms):
         ax.annotate(f"env {_pct(r['env_share'])}", (x, b), ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(list(xs), [r["system"] for r in rows])
+    ax.set_xticks(list(xs), [_label(r) for r in rows], fontsize=8)
     ax.set_ylabel("% of rollout time")
     ax.set_ylim(0, 110)
     s = result["summary"]

@@ -63,7 +63,14 @@ class ExecResult:
 
 
 class System(Protocol):
-    """What :mod:`weenv_bench.rollout.iteration` needs from a system."""
+    """What :mod:`weenv_bench.rollout.iteration` needs from a system.
+
+    A system with a task setup (:mod:`weenv_bench.rollout.setup_systems`) also
+    has ``setup(env) -> (after, inside)``, called right after ``create``: it
+    runs the setup and returns the seconds that took (``after``) and the
+    seconds of the create that were setup already (``inside``: a shared state
+    built while the create waited), which move from the rollout's create time
+    to its setup time."""
 
     name: str
 

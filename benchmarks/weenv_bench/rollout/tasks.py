@@ -347,31 +347,25 @@ def mutate(text: str, spec: TaskSpec) -> str:
 def prepare_task(cache: Path, spec: TaskSpec, source: Path) -> PreparedTask:
     """The buggy tree and both patches for ``spec`` from the unpacked sdist at
     ``source``; made once under ``cache/bench-rollout/tasks`` (atomic rename)."""
-    base = Path(cache) / "bench-rollout" / "tasks"
-    root = base / f"{spec.name}-{spec.key()}"
+    root = Path(cache) / "bench-rollout" / "tasks" / f"{spec.name}-{spec.key()}"
+
+    def fill(tmp: Path) -> None:
+        project = tmp / "tree" / "workspace" / spec.name
+        shutil.copytree(source, project, symlinks=True)
+        target = project / spec.path
+        original = target.read_text()
+        buggy = mutate(original, spec)
+        target.write_text(buggy)
+        (tmp / "fix.patch").write_text(unified_diff(spec.path, buggy, original))
+        (tmp / "wrong.patch").write_text(unified_diff(spec.path, buggy, _wrong_fix(buggy, spec)))
+        files = sorted(
+            str(p.relative_to(project)) for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        )
+        line = buggy[: buggy.index(spec.mutated)].count("\n") + 1
+        (tmp / "task.json").write_text(json.dumps({"files": files, "bug_line": line}))
+
     if not (root / "task.json").is_file():
-        base.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=base, prefix=".tmp-"))
-        try:
-            project = tmp / "tree" / "workspace" / spec.name
-            shutil.copytree(source, project, symlinks=True)
-            target = project / spec.path
-            original = target.read_text()
-            buggy = mutate(original, spec)
-            target.write_text(buggy)
-            (tmp / "fix.patch").write_text(unified_diff(spec.path, buggy, original))
-            (tmp / "wrong.patch").write_text(unified_diff(spec.path, buggy, _wrong_fix(buggy, spec)))
-            files = sorted(
-                str(p.relative_to(project)) for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-            )
-            line = buggy[: buggy.index(spec.mutated)].count("\n") + 1
-            (tmp / "task.json").write_text(json.dumps({"files": files, "bug_line": line}))
-            os.rename(tmp, root)
-        except FileExistsError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another run made it meanwhile
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        make_once(root, fill)
     info = json.loads((root / "task.json").read_text())
     return PreparedTask(spec, root, info["files"], info["bug_line"])
 
@@ -396,34 +390,44 @@ def runtime_tree(cache: Path, log=print) -> Path:
         return root
     log(f"runtime group: {' '.join(RUNTIME_REQUIREMENTS)} + Debian's {PATCH_PACKAGE} ...")
     pydeps = deps_tree(Path(cache), list(RUNTIME_REQUIREMENTS))
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=base, prefix=".tmp-runtime-"))
-    try:
-        _run(["cp", "-a", f"{pydeps}/.", str(tmp)], "copy of the pytest tree")
+
+    def fill(tmp: Path) -> None:
+        run_checked(["cp", "-a", f"{pydeps}/.", str(tmp)], "copy of the pytest tree")
         debs = tmp.parent / ".debs"
         debs.mkdir(exist_ok=True)
         found = sorted(debs.glob(f"{PATCH_PACKAGE}_*.deb"))
         if not found:
-            _run(["apt-get", "download", PATCH_PACKAGE], f"apt-get download {PATCH_PACKAGE}", cwd=debs)
+            run_checked(["apt-get", "download", PATCH_PACKAGE], f"apt-get download {PATCH_PACKAGE}", cwd=debs)
             found = sorted(debs.glob(f"{PATCH_PACKAGE}_*.deb"))
         if not found:
             raise RuntimeFailedError(f"apt-get download {PATCH_PACKAGE} left no .deb in {debs}")
         unpacked = tmp.parent / f".tmp-deb-{os.getpid()}"
         shutil.rmtree(unpacked, ignore_errors=True)
-        _run(["dpkg-deb", "-x", str(found[-1]), str(unpacked)], "dpkg-deb -x")
+        run_checked(["dpkg-deb", "-x", str(found[-1]), str(unpacked)], "dpkg-deb -x")
         (tmp / "usr" / "bin").mkdir(parents=True, exist_ok=True)
         shutil.copy2(unpacked / "usr" / "bin" / "patch", tmp / "usr" / "bin" / "patch")
         shutil.rmtree(unpacked, ignore_errors=True)
+
+    make_once(root, fill)
+    return root
+
+
+def make_once(root: Path, fill) -> None:
+    """Make directory ``root`` by ``fill(tmp)`` of a fresh temporary sibling, then
+    renamed into place (when another run made ``root`` meanwhile, its copy stays)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".tmp-"))
+    try:
+        fill(tmp)
         os.rename(tmp, root)
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return root
 
 
-def _run(argv: list[str], what: str, **kwargs) -> None:
+def run_checked(argv: list[str], what: str, **kwargs) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
     if proc.returncode != 0:
         raise RuntimeFailedError(f"{what} failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-800:]}")

@@ -55,9 +55,21 @@ class Built:
 
 
 def build_weenv(
-    store, base: Path, runtime: Path, tasks: list[PreparedTask], resources, work: Path, log=print
+    store,
+    base: Path,
+    runtime: Path,
+    tasks: list[PreparedTask],
+    resources,
+    work: Path,
+    log=print,
+    *,
+    deps: bool = True,
+    runtime_source: dict[str, str] | None = None,
 ) -> dict[str, Built]:
-    """Build every group and template into ``store``; return task name -> :class:`Built`."""
+    """Build every group and template into ``store``; return task name -> :class:`Built`.
+    ``deps=False``: no task gets a deps group (its setup installs them);
+    ``runtime_source``: the runtime group's recorded source, when ``runtime``
+    is another tree than :func:`~weenv_bench.rollout.tasks.runtime_tree`."""
     from weenv.demo import deps_tree
     from weenv.formats.manifest import RuntimeConfig
     from weenv.packaging.group import build_group
@@ -67,7 +79,7 @@ def build_weenv(
     shared = {}
     for name, tree, source in (
         ("base", base, {"type": "debootstrap", "suite": "bookworm"}),
-        ("runtime", runtime, {"type": "pip+deb", "contents": "pytest, patch"}),
+        ("runtime", runtime, runtime_source or {"type": "pip+deb", "contents": "pytest, patch"}),
     ):
         shared[name] = build_group(tree, store, name=name, source=source, workdir=work).manifest
     out = {}
@@ -76,12 +88,12 @@ def build_weenv(
         spec = task.spec
         groups = ["base", "runtime"]
         sizes = [shared["base"], shared["runtime"]]
-        deps = None
-        if spec.deps:
-            deps = deps_tree(cache, list(spec.deps))
+        deps_dir = None
+        if deps and spec.deps:
+            deps_dir = deps_tree(cache, list(spec.deps))
             sizes.append(
                 build_group(
-                    deps,
+                    deps_dir,
                     store,
                     name=f"deps-{spec.name}",
                     workdir=work,
@@ -105,14 +117,14 @@ def build_weenv(
         digest, _ = create_template(store, f"rollout-{spec.name}", groups, runtime=runtime_cfg)
         inputs = hashlib.sha256(
             json.dumps(
-                [spec.key(), str(base), str(runtime), str(deps), spec.env, runtime_cfg.model_dump(mode="json")]
+                [spec.key(), str(base), str(runtime), str(deps_dir), spec.env, runtime_cfg.model_dump(mode="json")]
             ).encode()
         ).hexdigest()[:32]
         out[spec.name] = Built(
             task,
             f"rollout-{spec.name}",
             digest,
-            deps,
+            deps_dir,
             sum(g.image_size for g in sizes),
             sum(g.stored_size for g in sizes),
             inputs,
