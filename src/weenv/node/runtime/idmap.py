@@ -33,7 +33,6 @@ import os
 import stat
 import struct
 import subprocess
-import threading
 from pathlib import Path
 
 from weenv.config import settings
@@ -343,24 +342,9 @@ def shift_owners(upper: Path, src: int, dst: int) -> int:
     file capabilities (``chown(2)`` drops them: put back, a version-3 one's
     ``rootid`` shifted like an owner).  Ids outside ``src``'s range are left.
     Returns the number of entries changed; nothing when ``src == dst``.
-    POSIX ACL entries naming users are not shifted.
-
-    One walk at a time in this process (:data:`_SHIFTS`): the children of a
-    fork shift snapshots of one capture on one btrfs disk, and walks side by
-    side contend (a fork of 16 children of a parent with ~2,000 entries in its
-    upper dir: 7.5-12.4 s with every child's walk at once, 4.0-4.5 s one at a
-    time, 8.6 s two at a time, on a loaded 2-core machine)."""
+    POSIX ACL entries naming users are not shifted."""
     if src == dst:
         return 0
-    with _SHIFTS:
-        return _shift_walk(upper, src, dst)
-
-
-_SHIFTS = threading.Lock()
-"""Held by the :func:`shift_owners` walk under way."""
-
-
-def _shift_walk(upper: Path, src: int, dst: int) -> int:
     changed, seen = 0, set()
     top = os.fspath(upper)
     for dirpath, dirnames, filenames in os.walk(top):
