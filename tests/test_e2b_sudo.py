@@ -129,13 +129,13 @@ def test_sudo_async(served):
     assert asyncio.run(main()) == "0"
 
 
-def test_without_sudo_setuid_is_refused_clearly(served):
+def test_a_template_without_sudo_runs_sudo_as_under_docker(served):
+    """Every sandbox has a user namespace of its own by default: a template without
+    ``runtime.sudo`` runs setuid ``sudo`` too (root inside, the range's id outside)."""
     sbx = Sandbox.create("plain", timeout=120)
     try:
-        with pytest.raises(CommandExitException) as exc:
-            sbx.commands.run("sudo id -u", user="user")
-        assert "no new privileges" in exc.value.stderr, exc.value.stderr
-        assert sbx.commands.run("id -u", user="user").stdout.strip() == "1000"
+        assert sbx.commands.run("id -u; sudo id -u", user="user").stdout.split() == ["1000", "0"]
+        assert sbx.sandbox_id in {p.name for p in idmap.in_use().values()}
     finally:
         sbx.kill()
 
@@ -193,15 +193,23 @@ def _cgroup_names(env_id: str) -> set[str]:
     return {p.name for p in Path("/sys/fs/cgroup").glob(f"*/weenv-{env_id}*") if p.is_dir()}
 
 
-def test_home_others_cannot_search_is_refused_clearly(served, tmp_path):
-    """pytest's tmp dirs are 0700: runc's init, as the range's root, could not reach
-    the rootfs, so the create fails naming the directory, and leaves nothing."""
-    with e2b_daemon(tmp_path, None, served.store_url) as d:
+def test_without_the_setting_only_sudo_templates_get_a_user_namespace(served, tmp_path):
+    """``WEENV_USERNS=off``: a template without sudo keeps ``noNewPrivileges`` (sudo is
+    refused clearly); a sudo template below pytest's 0700 tmp dirs is refused naming
+    the directory (runc's init, as the range's root, could not reach the rootfs:
+    no /run alias without the setting), and leaves nothing."""
+    with e2b_daemon(tmp_path, None, served.store_url, WEENV_USERNS="off") as d:
         with pytest.raises(Exception, match=r"o\+x.* is mode 700"):
             Sandbox.create("sudo", timeout=60)
         assert d.environment_ids() == []
         sbx = Sandbox.create("plain", timeout=60)  # a template without sudo starts there
-        sbx.kill()
+        try:
+            with pytest.raises(CommandExitException) as exc:
+                sbx.commands.run("sudo id -u", user="user")
+            assert "no new privileges" in exc.value.stderr, exc.value.stderr
+            assert sbx.commands.run("id -u", user="user").stdout.strip() == "1000"
+        finally:
+            sbx.kill()
 
 
 def test_sudo_sandbox_survives_a_killed_daemon(served):

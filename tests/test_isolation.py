@@ -1,8 +1,10 @@
 """What an environment makes cannot act on the host (issue 13, findings 1 and 2).
 
 - A setuid file or a device node made inside is neither on the host: the
-  environment's mounts are ``nosuid,nodev`` on the host side, and the home's
-  ``node/`` and ``run/`` are closed to other users (0700).
+  environment's mounts are ``nodev`` on the host side and ``nosuid`` but for
+  the overlay of an environment in a user namespace (the default), whose
+  setuid files run as its host id range (root inside, an unprivileged id
+  outside), and the home's ``node/`` and ``run/`` are closed to other users (0700).
 - An environment with ``network: true`` has its own network namespace, linked
   to the host by a veth pair and NATed out; it cannot reach the host (its
   loopback, its veth address, its abstract Unix sockets) nor bind a host port.
@@ -26,7 +28,7 @@ import pytest
 
 from test_restart import restart_home  # noqa: F401  (fixture)
 from weenv.host.mounts import mounts_under
-from weenv.node.runtime import nameserver, network
+from weenv.node.runtime import idmap, nameserver, network
 from weenv.node.runtime.bundle import DOCKER_DEFAULT_CAPS
 
 AS_NOBODY = ["runuser", "-u", "nobody", "--"]
@@ -63,8 +65,14 @@ def run_as_nobody(program: Path) -> subprocess.CompletedProcess:
 
 def test_setuid_file_made_inside_is_not_root_on_the_host(node, paths):
     """The issue's reproduction: a setuid copy of python3 made inside printed
-    euid 0 when `nobody` on the host ran it through rootfs/ or upper/."""
+    euid 0 when `nobody` on the host ran it through rootfs/ or upper/.  In a
+    user namespace the file is the range's root's on the host, and the overlay
+    is not nosuid (sudo inside needs it): through rootfs/ it runs as that id."""
     env = node.create("task")
+    host_id = idmap.range_of(node.snapshotter.dir(env.id))
+    assert (host_id is not None) == node.containers.userns_all
+    if host_id is not None:
+        assert host_id >= idmap.RANGE_BASE
     r = node.exec(env.id, "cp /usr/bin/python3 /tmp/p && chmod 4755 /tmp/p && stat -c %a:%u /tmp/p")
     assert r.exit_code == 0 and r.stdout == b"4755:0\n", r
     env_dir = paths.environments / env.id
@@ -90,36 +98,47 @@ def test_setuid_file_made_inside_is_not_root_on_the_host(node, paths):
         try:
             for d in opened:
                 os.chmod(d, 0o755 if d.name != "tmp" else 0o1777)
-            for program in (env_dir / "rootfs/tmp/p", upper):  # overlay and btrfs disk are both nosuid
+            # the btrfs disk is nosuid, and so is the overlay of an environment without a user namespace
+            euid = {env_dir / "rootfs/tmp/p": host_id or 65534, upper: 65534}
+            for program, want in euid.items():
                 r = run_as_nobody(program)
-                assert r.returncode == 0 and r.stdout == "65534\n", (program, r)
+                assert r.returncode == 0 and r.stdout == f"{want}\n", (program, r)
         finally:
             for d, mode in zip(opened, modes):
                 os.chmod(d, mode)
 
 
 def test_group_and_overlay_mounts_are_nosuid_nodev(node, paths):
+    """Every mount of the node is nodev and nosuid, but the overlay of an environment
+    in a user namespace, which is nodev only (its setuid files run as its host id range)."""
     env = node.create("task")
+    envs = str(node.snapshotter.environments)  # node/envs, or its alias under /run
     options = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[4].startswith(str(paths.node)):
+            if fields[4].startswith((str(paths.node), envs)):
                 options[fields[4]] = set(fields[5].split(","))
-    rootfs = str(paths.environments / env.id / "rootfs")
-    disk = str(paths.environments)  # the btrfs disk holding every upper dir
+    rootfs = str(node.snapshotter.dir(env.id) / "rootfs")
+    disk = envs  # the btrfs disk holding every upper dir
     assert rootfs in options and disk in options and any("/groups/" in p for p in options), options
+    userns = idmap.range_of(node.snapshotter.dir(env.id)) is not None
     for point, opts in options.items():
         if point in (rootfs, disk) or "/groups/" in point:
-            assert {"nosuid", "nodev"} <= opts, (point, opts)
+            want = {"nodev"} if point == rootfs and userns else {"nosuid", "nodev"}
+            assert want <= opts, (point, opts)
 
 
 def test_device_node_made_inside_cannot_be_opened_from_the_host(node, paths):
-    """With Docker's capabilities (CAP_MKNOD) an environment makes a device node
-    the device cgroup allows (/dev/zero's 1:5); root on the host opened it
-    through rootfs/ before the overlay was nodev."""
+    """With Docker's capabilities (CAP_MKNOD) an environment without a user namespace
+    makes a device node the device cgroup allows (/dev/zero's 1:5); root on the host
+    opened it through rootfs/ before the overlay was nodev.  In a user namespace
+    (the default) the kernel refuses the device node itself."""
     env = node.create("task", capabilities=DOCKER_DEFAULT_CAPS)
     r = node.exec(env.id, "mknod /tmp/z c 1 5 && stat -c %t:%T /tmp/z")
+    if idmap.range_of(node.snapshotter.dir(env.id)) is not None:
+        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
+        return
     assert r.exit_code == 0 and r.stdout == b"1:5\n", r
     with pytest.raises(PermissionError):
         open(paths.environments / env.id / "rootfs/tmp/z", "rb").close()

@@ -17,7 +17,7 @@ import pytest
 
 from weenv.formats.manifest import Resources
 from weenv.host import mounts
-from weenv.node.node import Node, _overlay_lowers
+from weenv.node.node import Node
 from weenv.packaging.group import load_group
 from weenv.packaging.template import load_template
 
@@ -172,7 +172,8 @@ def test_a_pooled_environment_on_a_superseded_lazy_mount_is_not_started(pooled_n
     node.groups.wait_assembled()
     info = node.create("task")  # under the pooled one's id, made anew
     assert not info.timing.pooled and cid == f"weenv-{info.id}"
-    assert node.groups.direct_path(task_digest) in _overlay_lowers(Path(info.rootfs))
+    # the group mount points under its rootfs (through its idmapped clones in a user namespace)
+    assert node.groups.direct_path(task_digest) in node.snapshotter.overlay_lowers(node.snapshotter.dir(info.id))
     node.destroy(info.id)
 
 

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from test_fork import EXPECTED, SETUP, TREE, _containers_of, node, sh, store  # noqa: F401  (fixtures)
+from weenv.config import Paths
 from weenv.host import mounts
 from weenv.node.node import Node
 from weenv.node.runtime.agent.client import spawn
@@ -126,8 +130,14 @@ def test_a_shared_environments_mount_is_found_at_start_and_resets_run_their_cont
     """Where the environments' mount is shared (mount(2) ``MS_MOVE`` refuses
     it), the node finds so at its start: no container is made ahead, resets run
     their container again and work (review finding: each node learnt it from
-    a failed reset, then turned reset-ahead off node-wide)."""
+    a failed reset, then turned reset-ahead off node-wide).  The home lies below
+    a directory others may search, so the environments' directory is its own
+    ``node/envs`` (not an alias under /run, outside the shared mount)."""
+    base = Path(tempfile.mkdtemp(prefix="weenv-shared-"))
+    os.chmod(base, 0o711)
+    paths = Paths(base / "home", paths.cache, paths.store_url)
     home = paths.home
+    home.mkdir()
     subprocess.run(["mount", "--bind", str(home), str(home)], check=True)
     try:
         subprocess.run(["mount", "--make-shared", str(home)], check=True)
@@ -147,6 +157,7 @@ def test_a_shared_environments_mount_is_found_at_start_and_resets_run_their_cont
     finally:
         subprocess.run(["umount", "-l", str(home)], check=False)
     assert not mounts.is_shared(paths.environments)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_refused_move_turns_reset_ahead_off_for_that_environment_only(node, monkeypatch):  # noqa: F811

@@ -168,13 +168,25 @@ def test_dpkg_installs_a_local_package_with_its_owners(node, tmp_path):
     assert os.lstat(node.snapshotter.dir(env) / "rootfs/opt/probe/owned").st_uid == host_id + 1000
 
 
-def test_without_the_setting_root_holds_runcs_three(shared_store, paths, leak_check, monkeypatch):
-    """The default (``WEENV_USERNS`` unset): no user namespace, runc's set."""
-    monkeypatch.delenv("WEENV_USERNS", raising=False)
+def test_without_the_setting_environments_run_on_host_ids_as_before(shared_store, paths, leak_check, monkeypatch):
+    """``WEENV_USERNS=off``: no user namespace (no range), runc's set and
+    ``noNewPrivileges``, root cannot ``chown``; a fork child has the parent's
+    files with their owners and modes, and a reset goes back to the template."""
+    monkeypatch.setenv("WEENV_USERNS", "off")
     with Node(paths, store=shared_store, pool_size=0) as n:
         env = n.create("task").id
         assert idmap.range_of(n.snapshotter.dir(env)) is None
         assert caps_inside(n, env)["CapEff"] == cap_mask(RUNC_DEFAULT_CAPS)
+        assert sh(n, env, "grep ^NoNewPrivs /proc/self/status").split() == ["NoNewPrivs:", "1"]
+        r = n.exec(env, ["sh", "-c", "touch /tmp/x; chown 1000 /tmp/x"])
+        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
+        sh(n, env, "echo parent > /tmp/p; chmod 4755 /tmp/p")
+        (child,) = n.fork(env, 1).children
+        assert idmap.range_of(n.snapshotter.dir(child.id)) is None
+        assert sh(n, child.id, "cat /tmp/p; stat -c %a:%u /tmp/p") == "parent\n4755:0\n"
+        assert os.lstat(n.snapshotter.dir(child.id) / "rootfs/tmp/p").st_uid == 0  # host ids as inside
+        n.reset(env)
+        assert sh(n, env, "test -e /tmp/p && echo yes || echo no") == "no\n"
 
 
 def test_a_home_below_a_private_directory_runs_root_with_its_powers(shared_store, paths, leak_check, monkeypatch):

@@ -15,6 +15,10 @@ RUNTIMES_HELP = (
     "OCI runtimes to run the node with, one whole run each, side by side in the JSON "
     "(comma-separated of runc,crun; default: the node's WEENV_RUNTIME)"
 )
+USERNS_HELP = (
+    "user-namespace modes to run the node in, one whole run each, side by side in the JSON "
+    "(comma-separated of off,on; default: the node's WEENV_USERNS)"
+)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: weenv against the usual way, side by side.")
 
 
@@ -84,6 +88,7 @@ def start(
         None, "--command", help="first commands besides echo (repeat; default numpy)"
     ),
     runtimes: str | None = typer.Option(None, "--runtimes", help=RUNTIMES_HELP),
+    userns: str | None = typer.Option(None, "--userns", help=USERNS_HELP),
 ) -> None:
     """Time to a new environment's first output, cold and warm: weenv against Docker.
 
@@ -91,6 +96,7 @@ def start(
     from weenv.cli.common import err
     from weenv_bench.runtimes import parse_runtimes
     from weenv_bench.start import LAYOUTS, run
+    from weenv_bench.userns_modes import parse_userns
 
     result = run(
         quick=quick,
@@ -101,6 +107,7 @@ def start(
         layouts=tuple(layout) if layout else LAYOUTS,
         commands=tuple(commands) if commands is not None else ("numpy",),
         runtimes=parse_runtimes(runtimes),
+        userns=parse_userns(userns),
         log=err.print,
     )
     print(json.dumps(result["summary"]))
@@ -197,6 +204,7 @@ def fork(
     parent_mb: int | None = typer.Option(None, help="MB the parent writes first (default 100; quick 20)"),
     docker: bool = typer.Option(True, "--docker/--no-docker", help="Docker's commit + run and pause side by side"),
     runtimes: str | None = typer.Option(None, "--runtimes", help=RUNTIMES_HELP),
+    userns: str | None = typer.Option(None, "--userns", help=USERNS_HELP),
 ) -> None:
     """Fork, snapshot, reset and pause of one running environment, timed.
 
@@ -205,6 +213,7 @@ def fork(
     from weenv.cli.common import err
     from weenv_bench.fork import run
     from weenv_bench.runtimes import parse_runtimes
+    from weenv_bench.userns_modes import parse_userns
 
     result = run(
         quick=quick,
@@ -213,6 +222,7 @@ def fork(
         parent_mb=parent_mb,
         docker=docker,
         runtimes=parse_runtimes(runtimes),
+        userns=parse_userns(userns),
         log=err.print,
     )
     print(json.dumps(result["summary"]))

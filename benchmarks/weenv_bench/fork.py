@@ -52,7 +52,7 @@ from weenv.packaging.group import build_group
 from weenv.packaging.template import create_template
 from weenv.store.file import FileStore
 from weenv_bench import machine, write_report
-from weenv_bench.runtimes import side_by_side
+from weenv_bench.userns_modes import modes_and_runtimes
 
 MiB = 1 << 20
 DOCKER_WORKERS = 8
@@ -147,30 +147,35 @@ def run(
     runtimes: tuple[str, ...] | None = None,
     runtime: str | None = None,
     small_files: int = 2000,
+    userns: tuple[str, ...] | None = None,
     log=print,
 ) -> dict:
     """Run the benchmark; return the result (also written to ``json_path``, a
     PNG beside it).  ``small_files``: how many small files the parent writes besides
     its ``parent_mb`` MB (each one a process at the parent's 5% of a CPU).  ``runtime``: the node's OCI runtime setting (None: the
     node's own); ``runtimes``: run once per named runtime and merge
-    (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run only)."""
-    if runtimes:
+    (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run only);
+    ``userns``: run once per named user-namespace mode, ``off``/``on``, each of them per runtime
+    if ``runtimes`` too, and merge (:func:`weenv_bench.userns_modes.each_mode`; Docker in
+    the first's run only)."""
+    if userns or runtimes:
 
-        def one(name: str, first: bool) -> dict:
-            log(f"--- runtime {name}")
+        def again(label: str, sub: str, first: bool, **kw) -> dict:
+            """This run once more, with ``kw``, in ``work/sub`` (Docker in the first run only)."""
+            log(f"--- {label}")
             return run(
                 quick=quick,
                 counts=counts,
                 parent_mb=parent_mb,
                 repeats=repeats,
                 docker=docker and first,
-                work=None if work is None else Path(work) / name,
-                runtime=name,
+                work=None if work is None else Path(work) / sub,
                 small_files=small_files,
                 log=log,
+                **kw,
             )
 
-        result = side_by_side(runtimes, one, _runtime_figures)
+        result = modes_and_runtimes(userns, runtimes, runtime, again, _runtime_figures)
         if json_path is not None:
             write_report(result, json_path, plot)
         return result
@@ -207,6 +212,7 @@ def run(
             provisioning=ProvisionConfig(admission="reservations"),
         ) as node:
             runtime_name = node.runtime.name
+            userns_on = node.containers.userns_all
             parent = node.create("bench-fork", resources=SMALL)
             log(f"parent {parent.id} writes {parent_mb} MB")
             r = node.exec(parent.id, ["sh", "-c", _write_script(parent_mb, small_files)])
@@ -270,6 +276,7 @@ def run(
         by_n = {n: [x for x in rows["fork"] if x["n"] == n] for n in counts}
         summary = {
             "runtime": runtime_name,
+            "userns_on": userns_on,
             **{f"fork_{n}_s": statistics.median(x["total_s"] for x in xs) for n, xs in by_n.items()},
             "parent_pause_s": statistics.median(x["pause_s"] for x in rows["fork"]),
             "parent_disk_bytes": parent_disk,

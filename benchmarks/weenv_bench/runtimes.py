@@ -56,14 +56,24 @@ def side_by_side(names: Sequence[str], run_one: Callable[[str, bool], dict], fig
     comparable figures (name -> number or None)."""
     order = default_first(names)
     results = {name: run_one(name, i == 0) for i, name in enumerate(order)}
+    return merge_runs(order, results, figures, "runtime", "runtimes")
+
+
+def merge_runs(
+    order: Sequence[str], results: dict[str, dict], figures: Callable[[dict], dict], label: str, plural: str
+) -> dict:
+    """The run of ``order[0]`` (``results``: name -> one run's result), its
+    summary given ``label`` (that name), ``plural`` (name -> ``figures`` of
+    that run), ``<label>_ratios`` (each other run's figures over the first's)
+    and the result ``by_<label>`` (name -> that run's summary)."""
     merged = results[order[0]]
-    per = {name: figures(r) for name, r in results.items()}
+    per = {name: figures(results[name]) for name in order}
     base = per[order[0]]
-    merged["summary"]["runtime"] = order[0]
-    merged["summary"]["runtimes"] = per
-    merged["summary"]["runtime_ratios"] = {
+    merged["summary"][label] = order[0]
+    merged["summary"][plural] = per
+    merged["summary"][f"{label}_ratios"] = {
         name: {k: round(v / base[k], 3) if v is not None and base.get(k) else None for k, v in per[name].items()}
         for name in order[1:]
     }
-    merged["by_runtime"] = {name: r["summary"] for name, r in results.items()}
+    merged[f"by_{label}"] = {name: results[name]["summary"] for name in order}
     return merged

@@ -84,7 +84,7 @@ from weenv.config import Paths
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.node.runtime.idmap import SEARCHABLE_MODE
 from weenv_bench import machine, write_report
-from weenv_bench.runtimes import side_by_side
+from weenv_bench.userns_modes import modes_and_runtimes
 
 QUICK_WHEELS = ("numpy==2.2.1", "sympy==1.13.3", "mpmath==1.3.0")
 """~80 MB installed: with the ~220 MB Debian tree, a ~300 MB template."""
@@ -649,6 +649,7 @@ def run(
     layouts: tuple[str, ...] = LAYOUTS,
     runtimes: tuple[str, ...] | None = None,
     runtime: str | None = None,
+    userns: tuple[str, ...] | None = None,
     log=print,
 ) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
@@ -663,7 +664,10 @@ def run(
     ``layouts``: the group layouts measured, in order (:data:`LAYOUTS`).  ``runtime``: the node's
     OCI runtime setting (None: the node's own); ``runtimes``: the whole run once per named
     runtime, merged (:func:`weenv_bench.runtimes.side_by_side`; Docker in the default's run
-    only; ``work`` then ``work/<runtime>``).  ``work``: directory for
+    only; ``work`` then ``work/<runtime>``).  ``userns``: the whole run once per named
+    user-namespace mode, ``off``/``on`` (each per runtime if ``runtimes`` too), merged
+    (:func:`weenv_bench.userns_modes.each_mode`; Docker in the first's run only; ``work``
+    then ``work/userns-<mode>``).  ``work``: directory for
     the stores, the node's home and the build context (default: a temporary
     one, removed).  Raises :class:`ToolMissingError` without docker.io /
     docker-registry / debootstrap, :class:`RuntimeFailedError` if a build, push
@@ -674,13 +678,14 @@ def run(
     from weenv_bench.services.dockerd import Dockerd
     from weenv_bench.services.registry import Registry
 
-    if runtimes:
+    if userns or runtimes:
 
-        def one(name: str, first: bool) -> dict:
-            log(f"--- runtime {name}")
+        def again(label: str, sub: str, first: bool, **kw) -> dict:
+            """This run once more, with ``kw``, in ``work/sub`` (Docker in the first run only)."""
+            log(f"--- {label}")
             return run(
                 quick=quick,
-                work=None if work is None else Path(work) / name,
+                work=None if work is None else Path(work) / sub,
                 concurrency=concurrency,
                 cold_runs=cold_runs,
                 warm_runs=warm_runs,
@@ -689,11 +694,11 @@ def run(
                 large=large,
                 docker=docker and first,
                 layouts=layouts,
-                runtime=name,
                 log=log,
+                **kw,
             )
 
-        result = side_by_side(runtimes, one, _runtime_figures)
+        result = modes_and_runtimes(userns, runtimes, runtime, again, _runtime_figures)
         if json_path is not None:
             write_report(result, json_path, plot)
         return result
@@ -776,6 +781,7 @@ def run(
             "benchmark": "start",
             "summary": {
                 "runtime": main["runtime"],
+                "userns_on": main["userns_on"],
                 "cold_p50_s": cold["p50_s"],
                 **{f"cold_p50_{lay}_layout_s": row("weenv", "cold", layout=lay)["p50_s"] for lay in layouts},
                 "cold_phases_p50_s": cold["phases_p50_s"],
@@ -908,6 +914,7 @@ def _measure_template(
         paths = Paths(home=work / "home", cache=env_paths.cache, store_url=oci.url)
         node = Node(paths, store=oci, cache_bytes=8 << 30, provisioning=ProvisionConfig(mode="off"), runtime=runtime)
         runtime_name = node.runtime.name
+        userns_on = node.containers.userns_all
         node.start()
         stack.callback(node.close)
         side = _WeenvSide(node, name, stored_bytes, log)
@@ -983,7 +990,7 @@ def _measure_template(
                 copied,
                 None,
                 None,
-            ) | {"runtime": runtime_name}
+            ) | {"runtime": runtime_name, "userns_on": userns_on}
 
         # Docker: import + build + push the same trees
         t = time.monotonic()
@@ -1039,7 +1046,7 @@ def _measure_template(
         copied,
         docker_build_s,
         docker_push_s,
-    ) | {"runtime": runtime_name}
+    ) | {"runtime": runtime_name, "userns_on": userns_on}
 
 
 def _template_result(

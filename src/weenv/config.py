@@ -212,9 +212,10 @@ class RuntimeSettings(_Group):
         accepts="one of auto, crun, runc",
     )
     userns: bool = setting(
-        False,
+        True,
         "WEENV_USERNS",
-        "Every environment runs in a user namespace of its own (root inside is not root outside).",
+        "Every environment runs in a user namespace of its own (root inside is not root outside); "
+        "off: only those of templates with runtime.sudo.",
         accepts="on or off",
     )
     reset_ahead: bool = setting(

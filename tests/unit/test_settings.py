@@ -34,6 +34,8 @@ def test_environment_over_file_over_default(tmp_path):
     assert str(s.network.cidr) == "10.210.0.0/16" and loaded.origin("network", "cidr") == "file"
     assert s.network.enabled is False and loaded.origin("network", "enabled") == "file"
     assert s.runtime.max_fork == 100 and loaded.origin("runtime", "max_fork") == "default"
+    assert s.runtime.userns is True and loaded.origin("runtime", "userns") == "default"  # every environment
+    assert load({"WEENV_USERNS": "off"}).settings.runtime.userns is False
     assert load({"WEENV_HOME": str(tmp_path / "none")}).path == tmp_path / "none" / "config.toml"
 
 

@@ -63,7 +63,7 @@ environment runs in a user namespace exactly when it exists."""
 
 USERNS_ENV = "WEENV_USERNS"
 """The node setting giving every environment a user namespace of its own
-(``on``) or only those of templates with ``runtime.sudo`` (``off``, the default)."""
+(``on``, the default) or only those of templates with ``runtime.sudo`` (``off``)."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
