@@ -488,7 +488,7 @@ class Node:
 
     def _create_env_undone(self, t0: float, resolved: Resolved, c: _Create, pooled) -> EnvironmentInfo:
         """:meth:`_create_env`'s script, each step undone if a later one fails."""
-        req, digest, timing = c.request, resolved.digest, {}
+        req, digest, timing = c.request, resolved.digest, CreateTiming()
         fetched0, chunks0 = self.cache.bytes_fetched, self.cache.chunks_fetched
         with contextlib.ExitStack() as undo:
             env_id = self.warm.own(pooled, undo) if pooled is not None else secrets.token_hex(6)
@@ -502,12 +502,12 @@ class Node:
             manifest, group_manifests = self.resolver.load(
                 digest, self.prefetch.known_groups(digest), self.prefetch.known_manifests(digest)
             )
-            timing["manifest_s"] = time.perf_counter() - t0
+            timing.manifest_s = time.perf_counter() - t0
             res = req.resources or manifest.runtime.resources
             # CapacityError if full (after waiting up to admission_wait_s for room the latency objective refused)
             t_reserve = time.perf_counter()
             self.provisioner.reserve(env_id, res, priority=req.priority, template=digest, wait=True)
-            timing["reserve_s"] = time.perf_counter() - t_reserve
+            timing.reserve_s = time.perf_counter() - t_reserve
             undo.callback(self.provisioner.detach, env_id)
             if c.prefetch:
                 self.prefetch.begin(env_id, digest, list(zip(manifest.groups, group_manifests)))
@@ -553,17 +553,18 @@ class Node:
             if c.undelivered:  # before env.json: recovery never adopts it without the mark
                 (e.dir / UNDELIVERED).touch()
             if req.first_command:
-                timing["first_command_s"] = self._first_command(e, req.template)
+                timing.first_command_s = self._first_command(e, req.template)
             undo.pop_all()
-        e.info.timing = CreateTiming(
-            **timing,
-            resolved_from=resolved.source,
-            resolved_age_s=resolved.age_s,
-            total_s=time.perf_counter() - t0,
-            bytes_fetched=self.cache.bytes_fetched - fetched0,
-            chunks_fetched=self.cache.chunks_fetched - chunks0,
-            template_bytes=sum(g.image_size for g in group_manifests),
-            template_stored_bytes=sum(g.stored_size for g in group_manifests),
+        e.info.timing = timing.model_copy(
+            update=dict(
+                resolved_from=resolved.source,
+                resolved_age_s=resolved.age_s,
+                total_s=time.perf_counter() - t0,
+                bytes_fetched=self.cache.bytes_fetched - fetched0,
+                chunks_fetched=self.cache.chunks_fetched - chunks0,
+                template_bytes=sum(g.image_size for g in group_manifests),
+                template_stored_bytes=sum(g.stored_size for g in group_manifests),
+            )
         )
         e.info.expires_at = time.time() + e.info.timeout_s
         save_info(e.dir, e.info)
