@@ -97,6 +97,7 @@ from weenv.node.runtime.container import Containers, check_capabilities
 from weenv.node.runtime.launcher import Launchers
 from weenv.node.runtime.process import DEFAULT_RETAIN, Process
 from weenv.node.runtime.runtime import NodeRuntime
+from weenv.node.runtime.spec import CommandSpec
 from weenv.node.runtime.users import Identity
 from weenv.node.snapshotter import Snapshotter
 from weenv.node.state.fork import ForkResult, Forks
@@ -697,23 +698,15 @@ class Node:
         return r
 
     def spawn(
-        self,
-        env_id: str,
-        command: list[str] | str,
-        *,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
-        stdin_open: bool = False,
-        tag: str | None = None,
-        primary_reader: bool = False,
-        user: str | Identity | None = None,
-        tty: tuple[int, int] | None = None,
+        self, env_id: str, command: CommandSpec | list[str] | str, *, primary_reader: bool = False, **fields
     ) -> Process:
         """Start ``command`` in environment ``env_id`` and return once it runs
         (or could not start: then its pid is 0 and it has already ended with
-        127/126 and the reason on stderr, as runc words it).
+        127/126 and the reason on stderr, as runc words it).  ``command``: a
+        :class:`~weenv.node.runtime.spec.CommandSpec` (passed whole to the
+        launcher), or its ``command`` (argv or a ``/bin/sh -c`` string) with its
+        other fields (``env``, ``cwd``, ``timeout``, ``stdin``, ``stdin_open``,
+        ``tag``, ``user``, ``tty``) as keyword arguments.
 
         Its output streams through ``process.log`` (see :mod:`weenv.node.runtime.process`);
         ``stdin_open`` makes stdin a pipe for :meth:`Process.write_stdin`;
@@ -738,19 +731,7 @@ class Node:
         e = self.table.get(env_id)
         with e.gate.passing():  # not while a reset or pause replaces or freezes its container
             check_running(e)
-            p = self.commands.start(
-                e,
-                command,
-                env=env,
-                cwd=cwd,
-                timeout=timeout,
-                stdin=stdin,
-                stdin_open=stdin_open,
-                tag=tag,
-                primary_reader=primary_reader,
-                user=user,
-                tty=tty,
-            )
+            p = self.commands.start(e, command, primary_reader=primary_reader, **fields)
             self.commands.keep(e, p)  # before the gate opens: a reset now kills and forgets it
         self.prefetch.watch_command(env_id, p.wait)
         return p

@@ -73,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -119,6 +120,7 @@ from weenv.node.data.peers import PeerUpdate
 from weenv.node.node import Node
 from weenv.node.provision import ProvisionStats
 from weenv.node.runtime.process import Process
+from weenv.node.runtime.spec import CommandSpec
 from weenv.node.state.fork import ForkResult
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.kit.errors import NamesJSONResponse
@@ -298,35 +300,14 @@ def api_router(
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
-        return node.spawn(
-            env_id,
-            req.command,
-            env=req.env,
-            cwd=req.cwd,
-            timeout=req.timeout,
-            stdin=req.stdin,
-            stdin_open=req.stdin_open,
-            tag=req.tag,
-            primary_reader=primary,
-            user=req.user,
-        )
+        return node.spawn(env_id, CommandSpec.of(req), primary_reader=primary)
 
     @r.post("/environments/{env_id}/commands")
     async def run_command(env_id: str, req: ExecRequest, request: Request) -> ExecResult:
         metrics.commands.labels("captured").inc()
-        p = await anyio.to_thread.run_sync(
-            functools.partial(
-                node.spawn,
-                env_id,
-                req.command,
-                env=req.env,
-                cwd=req.cwd,
-                timeout=req.timeout,
-                stdin=req.stdin,
-                primary_reader=True,
-                user=req.user,
-            )
-        )
+        # captured: its stdin is the request's bytes or nothing, never a pipe left open
+        spec = dataclasses.replace(CommandSpec.of(req), stdin_open=False, tag=None)
+        p = await anyio.to_thread.run_sync(functools.partial(node.spawn, env_id, spec, primary_reader=True))
         request.scope[COMMAND_KEY] = p  # its run time is not the node's overhead (weenv.server.tax)
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
