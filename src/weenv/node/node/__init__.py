@@ -66,8 +66,8 @@ from weenv.node.manifests import KnownNames, NodeManifests
 from weenv.node.node.commands import CommandsAndFiles
 from weenv.node.node.create import CreateScript
 from weenv.node.node.operations import EnvironmentOperations
-from weenv.node.provision import ProvisionConfig, Provisioner  # issue 5
-from weenv.node.provision.profiles import TemplateProfiles  # issue 19
+from weenv.node.provision import ProvisionConfig, Provisioner
+from weenv.node.provision.profiles import TemplateProfiles
 from weenv.node.resolver import Resolver
 from weenv.node.runtime import envs_dir
 from weenv.node.runtime.agent import AgentBinary

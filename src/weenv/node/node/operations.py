@@ -18,7 +18,7 @@ from weenv.errors import (
     NotFoundError,
 )
 from weenv.formats.manifest import check_name
-from weenv.node.provision import ProvisionStats  # issue 5
+from weenv.node.provision import ProvisionStats
 from weenv.node.state.fork import ForkResult
 from weenv.node.state.snapshot import (
     SnapshotInfo,

@@ -5,7 +5,8 @@ observed usage (issue 5).
   quota and limit (pure);
 - :mod:`~weenv.node.provision.arbiter`: all wants -> grants within the node's
   capacity, freeze/thaw, admission (pure);
-- :mod:`~weenv.node.provision.controller`: the loop that reads and writes cgroups;
+- :mod:`~weenv.node.provision.controller`: the loop that reads and writes cgroups,
+  each of its passes in :mod:`~weenv.node.provision.passes`;
 - :mod:`~weenv.node.provision.models`: configuration and statistics models.
 """
 
