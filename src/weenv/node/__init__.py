@@ -13,7 +13,8 @@ never import each other):
 
    - ``data/``: group images read lazily: ``cache.py`` (the chunk cache),
      ``peers.py`` (chunks from other nodes), ``prefetch.py`` (recorded access
-     order, packs), ``lazyfs.py`` / ``fuse/`` (a group image as one file, its
+     order, packs; ``replay.py`` its replay, a pack streamed once for every
+     job reading it), ``lazyfs.py`` / ``fuse/`` (a group image as one file, its
      missing ranges fetched on a read), ``groups.py`` (one EROFS mount per group).
    - ``runtime/``: one container and its commands: ``bundle.py`` (OCI bundle),
      ``container.py``, ``runtime.py`` (the OCI runtime: crun or runc) /
