@@ -32,8 +32,6 @@ NOT_YET_SPLIT: dict[str, int] = {
     "sdk/_async.py": 729,
     "sdk/_core.py": 791,
     "sdk/_sync.py": 725,
-    "store/oci.py": 772,
-    "store/oci.py:OciStore": 519,
 }
 """``"path"`` (a module, under ``src/weenv``) or ``"path:Class"`` -> the most lines it may have."""
 
