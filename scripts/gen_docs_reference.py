@@ -9,7 +9,7 @@
   (:class:`weenv.config.Settings`: variable, file key, what it accepts, unit,
   default, description), and the ``WEENV_*`` variables ``scripts/setup.sh`` reads;
 - ``reference/errors.md``: the error kinds of :mod:`weenv.errors` and the HTTP
-  status the daemon answers each with (:data:`weenv.server.app.STATUS`);
+  status the daemon answers each with (:data:`weenv.server.kit.errors.STATUS`);
 - ``reference/metrics.md``: the Prometheus metric names, from a scan of the
   metric constructors in ``src/weenv``.
 
@@ -372,7 +372,7 @@ def error_kinds() -> list[tuple[str, str, str, int, str]]:
     """``(kind, class, builtin bases, HTTP status, doc)`` of every error of :mod:`weenv.errors`."""
     _importable()
     from weenv import errors
-    from weenv.server.app import STATUS
+    from weenv.server.kit.errors import STATUS
 
     tree_lines = dict(re.findall(r"(\w+Error)(?:\(\w+\))?[ ]+(.+)", errors.__doc__ or ""))
     out = []

@@ -7,7 +7,7 @@ import pytest
 
 from weenv.api.models import CreateRequest
 from weenv.errors import InvalidInputError
-from weenv.node.node import _request
+from weenv.node.node.create import _request
 
 
 def test_keywords_make_the_shared_model():

@@ -132,7 +132,7 @@ def test_every_metric_a_node_exposes(pages):
 
 def test_every_error_kind_with_its_status(pages):
     from weenv import errors
-    from weenv.server.app import STATUS
+    from weenv.server.kit.errors import STATUS
 
     page = pages["reference/errors.md"]
     for cls in vars(errors).values():

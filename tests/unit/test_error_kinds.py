@@ -10,7 +10,7 @@ from weenv.config import Paths
 from weenv.errors import ERROR_KINDS, BusyError, ClosedError, InvalidInputError, WeenvError
 from weenv.node.cgroups import CgroupError, LimitRefusedError
 from weenv.node.node import Node
-from weenv.server.app import STATUS
+from weenv.server.kit.errors import STATUS
 
 
 def test_a_node_not_started_is_closed_not_bad_input(tmp_path):

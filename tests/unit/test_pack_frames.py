@@ -152,7 +152,7 @@ def test_a_demand_read_takes_a_frame_a_pack_brought(tmp_path):
 def test_frame_for_takes_a_received_frame_once(tmp_path):
     """:meth:`Prefetcher.frame_for` hands out a frame a pack stream received and
     no worker took, once; the worker that comes to it then skips it (TAKEN)."""
-    from weenv.node.data.prefetch import TAKEN, PackStream
+    from weenv.node.data.replay import TAKEN, PackStream
 
     store, cache, pf, refs, plains = _prefetcher(tmp_path, n=2)
     try:
@@ -198,7 +198,7 @@ def test_a_demand_read_waits_for_a_frame_the_stream_brings_soon(tmp_path, monkey
     that does not come within PACK_WAIT_S, or one too far behind in the
     pack, is fetched from the store (the right bytes either way)."""
     import weenv.node.data.prefetch as prefetch
-    from weenv.node.data.prefetch import TAKEN, PackStream
+    from weenv.node.data.replay import TAKEN, PackStream
 
     store, cache, pf, refs, plains = _prefetcher(tmp_path, n=3)
     monkeypatch.setattr(prefetch, "PACK_WAIT_AHEAD_BYTES", 3 * MiB)  # these chunks are random: ~1 MiB a frame

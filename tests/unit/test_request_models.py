@@ -25,7 +25,7 @@ from weenv.api.models import (
 )
 from weenv.errors import ERROR_KINDS, WeenvError
 from weenv.sdk import _core
-from weenv.server.app import STATUS, _describe, error_response
+from weenv.server.kit.errors import STATUS, describe_errors, error_response
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -172,10 +172,10 @@ def test_validation_errors_are_one_line_naming_the_field():
     try:
         CreateRequest.model_validate({"template": "t", "timeout": -1, "priority": 5000})
     except ValidationError as exc:
-        line = _describe([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])
+        line = describe_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])
     assert "\n" not in line and line.startswith("timeout: ") and "priority: " in line
     many = [{"loc": ("body", f"f{i}"), "msg": "bad"} for i in range(8)]
-    assert _describe(many).endswith("(+3 more)")
+    assert describe_errors(many).endswith("(+3 more)")
 
 
 @pytest.mark.parametrize("name", ["", "Bad Name", "-x", "a" * 129, "x/y"])

@@ -23,6 +23,7 @@ one ``BatchCreateEvent`` line per item as it is ready, in the order they finish)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ from weenv.api.models import BatchCreateRequest
 from weenv.cluster import proxy
 from weenv.cluster.placement import MAX_INFLIGHT
 from weenv.errors import CapacityError, WeenvError
-from weenv.server.api import NDJSON, _ClosingStream
+from weenv.server.kit.stream import NDJSON, ClosingStream, batch_lines
 
 if TYPE_CHECKING:
     from weenv.cluster.gateway import Gateway
@@ -60,7 +61,7 @@ async def batch_stream(gw: Gateway, req: BatchCreateRequest, raw: list[dict], *,
             f"or wait for environments to end"
         )
     workers = req.concurrency or min(len(asks), MAX_INFLIGHT * max(1, len(routes)))
-    return _ClosingStream(_events(gw, req, raw, workers, queue_timeout_s), media_type=NDJSON)
+    return ClosingStream(_events(gw, req, raw, workers, queue_timeout_s), media_type=NDJSON)
 
 
 async def _events(gw: Gateway, req: BatchCreateRequest, raw: list[dict], workers: int, queue_timeout_s: float):
@@ -96,29 +97,23 @@ async def _events(gw: Gateway, req: BatchCreateRequest, raw: list[dict], workers
             raise _node_error(answer)
         return answer.json()
 
-    tasks = {asyncio.ensure_future(one(i)): i for i in range(len(req.items))}
-    pending, delivered = set(tasks), set()
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=tasks.__getitem__):
-                i = tasks[task]
-                exc = task.exception()
-                if exc is None:
-                    line = {"index": i, "environment": task.result()}
-                else:
-                    if not isinstance(exc, WeenvError):
-                        log.error("batch item %d failed", i, exc_info=exc)
-                    kind = exc.kind if isinstance(exc, WeenvError) else "weenv"
-                    line = {"index": i, "error": {"kind": kind, "message": str(exc)}}
-                yield json.dumps(line, separators=(",", ":")).encode() + b"\n"
-                delivered.add(i)
-    finally:
+    started = [asyncio.ensure_future(one(i)) for i in range(len(req.items))]
+    undoing: set[asyncio.Task] = set()
+
+    def undo(unwritten: list[int]) -> None:
         left.set()
-        undoing: set[asyncio.Task] = set()
-        for task, i in tasks.items():
-            if i not in delivered:
-                task.add_done_callback(lambda t: _undo(gw, t, undoing))
+        for i in unwritten:
+            started[i].add_done_callback(lambda t: _undo(gw, t, undoing))
+
+    jobs = {task: i for i, task in enumerate(started)}
+    async with contextlib.aclosing(batch_lines(jobs, _env_line, undo)) as lines:  # closed with this one
+        async for line in lines:
+            yield line
+
+
+def _env_line(i: int, environment: dict) -> bytes:
+    """The line of item ``i``, made: the node's answer as it sent it."""
+    return json.dumps({"index": i, "environment": environment}, separators=(",", ":")).encode() + b"\n"
 
 
 def _undo(gw: Gateway, task: asyncio.Task, undoing: set) -> None:

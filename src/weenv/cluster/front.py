@@ -68,7 +68,7 @@ class GatewayActor:
         self.key = ApiKey(config.gateway_key or secrets.token_hex(20))
         placement = ray.get_actor(PLACEMENT_NAME, namespace=NAMESPACE)
         app = create_gateway_app(RayDirectory(placement), api_key=self.key, queue_timeout_s=config.batch_queue_s)
-        from weenv.server.e2b.wsrelay import MAX_WS_MESSAGE
+        from weenv.server.kit.wsrelay import MAX_WS_MESSAGE
 
         # WebSockets for get_host's relay (weenv.cluster.ports), no per-message deflate (none on the nodes either)
         self._server = uvicorn.Server(

@@ -83,11 +83,12 @@ from weenv.errors import (
 )
 from weenv.formats.tax import TaxBatch, TaxReport
 from weenv.node.data.peers import PEERS_HINT
-from weenv.server.app import STATUS, _describe, error_response
 from weenv.server.auth import ApiKey, presented_key
 from weenv.server.e2b import signed
 from weenv.server.e2b.envd import sandbox_id_in
 from weenv.server.e2b.sandboxes import access_token, token_secret
+from weenv.server.kit.errors import STATUS, describe_errors, error_response
+from weenv.server.kit.paging import page_answer, page_of
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from weenv.server.tax import TaxBook
@@ -571,7 +572,7 @@ def _validated(model, data: dict):
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidInputError("bad request: " + _describe(exc.errors())) from None
+        raise InvalidInputError("bad request: " + describe_errors(exc.errors())) from None
 
 
 async def _forked(gw: Gateway, route: Route, response: Response, *, e2b: bool) -> Response:
@@ -612,25 +613,6 @@ async def _e2b_list_v2(gw: Gateway, query: QueryParams) -> Response:
                 break
     found.sort(key=lambda s: (s.get("startedAt", ""), s.get("sandboxID", "")), reverse=query.get("order") != "asc")
     return page_answer(found, start, limit)
-
-
-def page_of(query: QueryParams, *, max_limit: int) -> tuple[int, int]:
-    """``(start, limit)`` of the E2B list page ``query`` asks (``limit``, default 100, at
-    most ``max_limit``; ``nextToken``: the start).  Raises :class:`InvalidInputError`."""
-    limit_raw, token = query.get("limit", "100"), query.get("nextToken")
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= max_limit:
-        raise InvalidInputError(f"limit: {limit_raw!r} is not a number from 1 to {max_limit}")
-    if token and not token.isdigit():
-        raise InvalidInputError(f"bad nextToken {token!r}")
-    return int(token or 0), int(limit_raw)
-
-
-def page_answer(items: list, start: int, limit: int) -> JSONResponse:
-    """``items[start : start + limit]``, ``X-Next-Token`` naming the next page if there is one."""
-    response = JSONResponse(items[start : start + limit])
-    if start + limit < len(items):
-        response.headers["x-next-token"] = str(start + limit)
-    return response
 
 
 async def _envd_route(gw: Gateway, request: Request) -> tuple[Route, str | None]:

@@ -8,8 +8,7 @@ is ``PORT-ID.anything`` (``PORT`` not envd's), finds the sandbox's node with
 the placement actor, opens a TCP connection to that node's API address and
 relays the request there unchanged (its ``Host``, path, headers, body
 streamed; the traffic access token passed on), with the same code the node
-uses towards the sandbox (:func:`~weenv.server.e2b.ports.relay_http`,
-:func:`~weenv.server.e2b.wsrelay.relay_websocket`).  The node's
+uses towards the sandbox (:class:`~weenv.server.kit.relay.PortRelay`).  The node's
 :class:`~weenv.server.e2b.ports.PortProxy` then does what it does for a
 client of its own: the private sandbox's token check (403), the body bound
 (413), the port's answer or refusal (502), the idle end (504).
@@ -17,7 +16,7 @@ client of its own: the private sandbox's token check (403), the body bound
 Limits at the gateway: at most ``max_relays`` relays at once (one more: 503
 at once); ``idle_timeout`` seconds with no byte either way ends one (the
 node's own idle timeout usually ends it first; an HTTP request asking its
-own, :data:`~weenv.server.e2b.ports.IDLE_HEADER`, gets it here too: the node
+own, :data:`~weenv.server.kit.relay.IDLE_HEADER`, gets it here too: the node
 checks the key that must come with it and refuses at once without it);
 ``max_body`` bytes of a request body.  A sandbox the cluster does not know
 (or lost with its node) is E2B's 502 ``{"code", "message", "sandboxId", "port"}``, as on one node;
@@ -31,16 +30,8 @@ import socket
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from weenv.errors import InvalidInputError, LostError, NotFoundError, WeenvError
-from weenv.server.e2b.ports import (
-    RELAY_IDLE_S,
-    _answer,
-    asked_idle,
-    port_named,
-    relay_http,
-    ws_refusal,
-)
-from weenv.server.e2b.wsrelay import relay_websocket
+from weenv.errors import LostError, NotFoundError, WeenvError
+from weenv.server.kit.relay import RELAY_IDLE_S, PortRelay
 from weenv.server.limits import MAX_BODY
 
 if TYPE_CHECKING:
@@ -52,8 +43,10 @@ CONNECT_S = 10.0
 """Seconds to connect to a node."""
 
 
-class ClusterPorts:
+class ClusterPorts(PortRelay):
     """ASGI middleware relaying ``PORT-ID.`` hosts to the sandbox's node (see the module docstring)."""
+
+    who = "the cluster's gateway"
 
     def __init__(
         self,
@@ -64,55 +57,10 @@ class ClusterPorts:
         max_body: int = MAX_BODY,
         idle_timeout: float = RELAY_IDLE_S,
     ):
-        self.app, self.gateway = app, gateway
-        self.max_relays, self.max_body, self.idle_timeout = max_relays, max_body, idle_timeout
-        self.relays = 0
-        """Relays running now (the event loop's only: no lock)."""
+        super().__init__(app, max_relays=max_relays, max_body=max_body, idle_timeout=idle_timeout, keep_token=True)
+        self.gateway = gateway
 
-    async def __call__(self, scope, receive, send) -> None:
-        named = port_named(scope)
-        if named is None:
-            await self.app(scope, receive, send)
-            return
-        port, sandbox_id = named
-        websocket = scope["type"] == "websocket"
-
-        async def refuse(status: int, message: str) -> None:
-            if websocket:
-                await ws_refusal(send, status, message, sandbox_id, port)
-            else:
-                await _answer(scope, receive, send, status, message, sandbox_id, port)
-
-        if websocket and (await receive())["type"] != "websocket.connect":
-            return
-        try:
-            idle = self.idle_timeout if websocket else asked_idle(scope, self.idle_timeout)
-        except InvalidInputError as exc:
-            await refuse(400, str(exc))
-            return
-        if self.relays >= self.max_relays:
-            await refuse(503, f"the cluster's gateway relays {self.max_relays} connections to sandbox ports already")
-            return
-        self.relays += 1
-        try:
-            sock = await self._connect(sandbox_id, refuse)
-            if sock is None:
-                return
-            try:
-                if websocket:
-                    await relay_websocket(sock, scope, receive, send, refuse, idle=self.idle_timeout, keep_token=True)
-                else:
-                    status = await relay_http(
-                        sock, scope, receive, send, max_body=self.max_body, idle=idle, keep_token=True
-                    )
-                    if status is not None:
-                        await refuse(*status)
-            finally:
-                sock.close()
-        finally:
-            self.relays -= 1
-
-    async def _connect(self, sandbox_id: str, refuse) -> socket.socket | None:
+    async def connect(self, scope, sandbox_id: str, port: int, refuse) -> socket.socket | None:
         """A connection to the API address of the sandbox's node, or None once
         ``refuse`` answered why not (unknown or lost sandbox, node unreachable: 502)."""
         try:

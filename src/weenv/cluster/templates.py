@@ -48,6 +48,7 @@ from weenv.errors import InvalidInputError, NotFoundError
 from weenv.server.e2b.sandboxes import token_secret
 from weenv.server.e2b.templates import UPLOAD_HEADER
 from weenv.server.e2b.uploads import UploadTokens, upload_route
+from weenv.server.kit.paging import page_answer, page_of
 
 E2B_ID_RE = re.compile(r"^[a-z0-9]{20}$")
 """The form of an E2B template id (:func:`weenv.server.e2b.builds._template_id`)."""
@@ -136,8 +137,6 @@ def _message(answer) -> str:
 
 def install_template_routes(app: FastAPI, gw, owners: TemplateOwners, require_key) -> None:
     """Add E2B's template routes (under ``/e2b``) to the gateway's ``app``."""
-    from weenv.cluster.gateway import page_answer, page_of
-
     client = gw.client
 
     async def relay(request: Request, route: Route, *, body: bytes | None = None) -> Response:

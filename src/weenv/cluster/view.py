@@ -259,7 +259,7 @@ class ClusterView:
             target.expected[template] = (
                 (now + self.expect_s, count + 1, since) if until > now else (now + self.expect_s, 1, now)
             )
-            return Placed(self._route_of(target), token, peers)
+            return Placed(_route_of(target), token, peers)
 
     def _spread_locked(self, template: str, request: placement.Request) -> dict[str, int] | None:
         """For a template no alive node's report holds (some bytes of each of
@@ -464,17 +464,12 @@ class ClusterView:
         found = self._envs.get(env_id)
         if found is None:
             raise NotFoundError(f"no environment {env_id} in the cluster")
-        return self._route_of(self._nodes[found[0]])
-
-    @staticmethod
-    def _route_of(node: _Node) -> Route:
-        assert node.report is not None
-        return Route(node.node_id, node.report.api_url, node.report.api_key)
+        return _route_of(self._nodes[found[0]])
 
     def routes(self) -> list[Route]:
         """The route of every alive node."""
         with self._lock:
-            return [self._route_of(n) for n in self._nodes.values() if n.state == "alive" and n.report is not None]
+            return [_route_of(n) for n in self._nodes.values() if n.state == "alive" and n.report is not None]
 
     def forget(self, env_id: str) -> None:
         """``env_id`` was destroyed (through the cluster): no longer routed, and what
@@ -522,6 +517,12 @@ class ClusterView:
                     )
                 )
             return out
+
+
+def _route_of(node: _Node) -> Route:
+    """The route to ``node`` (one that has reported)."""
+    assert node.report is not None
+    return Route(node.node_id, node.report.api_url, node.report.api_key)
 
 
 def _merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:

@@ -13,13 +13,14 @@ never import each other):
 
    - ``data/``: group images read lazily: ``cache.py`` (the chunk cache),
      ``peers.py`` (chunks from other nodes), ``prefetch.py`` (recorded access
-     order, packs), ``lazyfs.py`` / ``fuse/`` (a group image as one file, its
+     order, packs; ``replay.py`` its replay, a pack streamed once for every
+     job reading it), ``lazyfs.py`` / ``fuse/`` (a group image as one file, its
      missing ranges fetched on a read), ``groups.py`` (one EROFS mount per group).
    - ``runtime/``: one container and its commands: ``bundle.py`` (OCI bundle),
      ``container.py``, ``runtime.py`` (the OCI runtime: crun or runc) /
      ``runc.py`` (their command line), ``launcher.py`` with the exec agent
      (``agent/``) and the runtime as backends, ``commands.py`` / ``process.py``
-     (commands and their output), ``users.py``, ``idmap.py`` (user namespace
+     (commands and their output), ``spec.py`` (a command as asked: :class:`~weenv.node.runtime.spec.CommandSpec`), ``users.py``, ``idmap.py`` (user namespace
      ranges), ``envs_dir.py`` (environments' directories where a user
      namespace can reach them), ``network.py`` / ``owned_netns.py`` /
      ``nameserver.py`` (network namespace, owned by the environment's user
@@ -34,7 +35,10 @@ never import each other):
    -> digest, with the node's last known digest while the store is down),
    ``admission.py``, ``provision/`` (CPU quota and memory limit that follow
    observed usage).
-4. ``node.py``: the :class:`~weenv.node.node.Node` facade.
+4. ``node/``: the :class:`~weenv.node.node.Node` facade (its collaborators,
+   start and close, the table, destroy), made of the parts beside it in that
+   package: the create script, commands with templates and files, and the
+   operations (snapshot, fork, reset, pause, stats).
 
 The request and response models the node speaks are :mod:`weenv.api`'s; builds
 run in node environments are :mod:`weenv.build`'s.

@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+from weenv.api.models import CreateTiming
 from weenv.config import PRIVATE_MODE
 from weenv.errors import MountError
 from weenv.formats.manifest import GroupManifest
@@ -95,7 +96,7 @@ class Snapshotter:
         group_manifests: list[GroupManifest],
         disk_bytes: int,
         undo: contextlib.ExitStack,
-        timing: dict,
+        timing: CreateTiming,
         *,
         upper_from: Path | None = None,
         userns: bool = False,
@@ -145,10 +146,10 @@ class Snapshotter:
             lowers = acquiring.result()  # the mounts' error first: the upper dir's goes with remove_dir
             undo.callback(self.release, groups, lowers)
         joined = time.perf_counter()
-        timing["groups_s"] = joined - t
+        timing.groups_s = joined - t
         self.mount(env_dir, lowers, undo)
-        timing["upper_s"] = upper_s
-        timing["overlay_s"] = time.perf_counter() - joined
+        timing.upper_s = upper_s
+        timing.overlay_s = time.perf_counter() - joined
         return lowers
 
     def mount(

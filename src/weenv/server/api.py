@@ -70,7 +70,7 @@ file when it is sent back; JSON parsers that refuse lone surrogates (Rust's,
 pydantic's) or replace them (Go's) do not round-trip such names.
 
 Errors: ``{"error": {"kind": KIND, "message": TEXT}}`` (:class:`ErrorResponse`)
-with the status of :data:`weenv.server.app.STATUS`.  A failure after a stream
+with the status of :data:`weenv.server.kit.errors.STATUS`.  A failure after a stream
 began is its last line: ``{"type": "error", "error": {...}}`` for commands,
 ``{"index": I, "error": {...}}`` per failed item of a batch.
 """
@@ -80,9 +80,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import functools
-import json
 import logging
 import os
 import threading
@@ -91,7 +91,7 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from weenv.api.models import (
     BatchCreateEvent,
@@ -130,8 +130,11 @@ from weenv.node.data.peers import PeerUpdate
 from weenv.node.node import Node
 from weenv.node.provision import ProvisionStats
 from weenv.node.runtime.process import Process
+from weenv.node.runtime.spec import CommandSpec
 from weenv.node.state.fork import ForkResult
 from weenv.server.auth import ApiKey, presented_key
+from weenv.server.kit.errors import NamesJSONResponse
+from weenv.server.kit.stream import NDJSON, ClosingStream, batch_lines
 from weenv.server.metrics import CONTENT_TYPE, Metrics
 from weenv.server.tax import COMMAND_KEY
 
@@ -142,7 +145,6 @@ PATH_DOC = (
     "a path inside the environment; its bytes percent-encoded as UTF-8 "
     "(a name that is not UTF-8: its own bytes, e.g. %FF)"
 )
-NDJSON = "application/x-ndjson"
 FILE_CHUNK = 1 << 20
 DEFAULT_BATCH_CONCURRENCY = 8
 ERROR_RESPONSES = {
@@ -256,7 +258,7 @@ def api_router(
         for i, item in enumerate(req.items):  # refuse the whole batch before any create starts
             check_capacity(node, item.resources, where=f"items.{i}.resources")
         workers = req.concurrency or min(DEFAULT_BATCH_CONCURRENCY, len(req.items))
-        return _ClosingStream(_batch(create_one, node, req.items, workers), media_type=NDJSON)
+        return ClosingStream(_batch(create_one, node, req.items, workers), media_type=NDJSON)
 
     @r.get("/environments")
     def list_environments() -> list[EnvironmentInfo]:
@@ -325,35 +327,14 @@ def api_router(
 
     # --- commands --------------------------------------------------------------------
     def spawn(env_id: str, req: ExecRequest, *, primary: bool) -> Process:
-        return node.spawn(
-            env_id,
-            req.command,
-            env=req.env,
-            cwd=req.cwd,
-            timeout=req.timeout,
-            stdin=req.stdin,
-            stdin_open=req.stdin_open,
-            tag=req.tag,
-            primary_reader=primary,
-            user=req.user,
-        )
+        return node.spawn(env_id, CommandSpec.of(req), primary_reader=primary)
 
     @r.post("/environments/{env_id}/commands")
     async def run_command(env_id: str, req: ExecRequest, request: Request) -> ExecResult:
         metrics.commands.labels("captured").inc()
-        p = await anyio.to_thread.run_sync(
-            functools.partial(
-                node.spawn,
-                env_id,
-                req.command,
-                env=req.env,
-                cwd=req.cwd,
-                timeout=req.timeout,
-                stdin=req.stdin,
-                primary_reader=True,
-                user=req.user,
-            )
-        )
+        # captured: its stdin is the request's bytes or nothing, never a pipe left open
+        spec = dataclasses.replace(CommandSpec.of(req), stdin_open=False, tag=None)
+        p = await anyio.to_thread.run_sync(functools.partial(node.spawn, env_id, spec, primary_reader=True))
         request.scope[COMMAND_KEY] = p  # its run time is not the node's overhead (weenv.server.tax)
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -528,15 +509,6 @@ def api_router(
     return open_r
 
 
-class NamesJSONResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped (``ensure_ascii``), so a name
-    that is not UTF-8 (a ``str`` holding surrogate escapes, as ``os.fsdecode``
-    makes it) is sent as ``\\udcXX`` escapes instead of failing to encode."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
 USER_DOC = (
     "Who owns what is created, and the file an upload replaces: a user of the environment's /etc/passwd or "
     "'UID[:GID]' (default: as written, root's; a replaced file keeps its owner)"
@@ -644,25 +616,11 @@ async def _events(p: Process, reader: int, *, kill_on_close: bool) -> AsyncItera
                 p.kill()
 
 
-class _ClosingStream(StreamingResponse):
-    """A streaming response that closes its async generator when the stream ends
-    in any way.  When the client has gone, Starlette's ``send`` raises and the
-    generator is left suspended at a ``yield``: its ``finally`` (the batch's
-    undo) would run only when the garbage collector finds it."""
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
 async def _batch(
     create_one: Callable[[CreateRequest], EnvironmentInfo], node: Node, items: list[CreateRequest], workers: int
 ) -> AsyncIterator[bytes]:
-    """NDJSON :class:`BatchCreateEvent` lines in the order creates finish.
+    """NDJSON :class:`BatchCreateEvent` lines in the order creates finish
+    (:func:`~weenv.server.kit.stream.batch_lines`).
     Environments created for a client that left before receiving them are
     destroyed: those still being created, and those done but not yet written.
     A line written to the connection counts as received: the server cannot
@@ -673,34 +631,25 @@ async def _batch(
     leaves one environment to its timeout)."""
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="weenv-create")
     submitted = [pool.submit(create_one, item) for item in items]
-    futures = {asyncio.wrap_future(cf): i for i, cf in enumerate(submitted)}
-    pending = set(futures)
-    delivered: set[int] = set()
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for f in sorted(done, key=futures.__getitem__):
-                i = futures[f]
-                exc = f.exception()
-                if exc is None:
-                    # marked just before its line goes out: the middleware may write the line and the
-                    # client act on it (even kill this daemon) before this generator runs again
-                    node.delivered(f.result().id)
-                    yield _line(BatchCreateEvent(index=i, environment=f.result()))
-                else:
-                    kind = exc.kind if isinstance(exc, WeenvError) else "weenv"
-                    if not isinstance(exc, WeenvError):
-                        log.error("batch create item %d failed", i, exc_info=exc)
-                    yield _line(BatchCreateEvent(index=i, error=ErrorInfo(kind=kind, message=str(exc))))
-                delivered.add(i)  # the response came back for more: it sent this one
-    finally:
+
+    def done_line(i: int, info: EnvironmentInfo) -> bytes:
+        # marked just before its line goes out: the middleware may write the line and the
+        # client act on it (even kill this daemon) before this generator runs again
+        node.delivered(info.id)
+        return _line(BatchCreateEvent(index=i, environment=info))
+
+    def undo(unwritten: list[int]) -> None:
         # the client left: undo what it will never hear of, those still running and
         # those done but not sent (several creates can finish at once)
-        for i, cf in enumerate(submitted):
-            if i not in delivered:
-                cf.cancel()  # one not started yet never runs
-                cf.add_done_callback(functools.partial(_destroy_result, node))
+        for i in unwritten:
+            submitted[i].cancel()  # one not started yet never runs
+            submitted[i].add_done_callback(functools.partial(_destroy_result, node))
         pool.shutdown(wait=False, cancel_futures=True)
+
+    jobs = {asyncio.wrap_future(cf): i for i, cf in enumerate(submitted)}
+    async with contextlib.aclosing(batch_lines(jobs, done_line, undo)) as lines:  # closed with this one
+        async for line in lines:
+            yield line
 
 
 def _destroy_result(node: Node, f: concurrent.futures.Future) -> None:

@@ -8,7 +8,7 @@ its :class:`~weenv.node.node.Node`; the dashboard is at ``/ui``
 (:mod:`weenv.server.ui`).
 
 Errors of ``/v1`` requests are ``{"error": {"kind": KIND, "message": TEXT}}``
-with a status from the kind (:data:`STATUS`); malformed JSON and invalid fields
+with a status from the kind (:data:`~weenv.server.kit.errors.STATUS`); malformed JSON and invalid fields
 are ``invalid_input`` (400), unknown routes ``not_found`` (404), bodies past
 the limits of :mod:`weenv.server.limits` ``too_large`` (413).  Requests to
 other routers keep FastAPI's default error bodies.
@@ -36,8 +36,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from weenv.errors import WeenvError
 from weenv.node.node import Node
-from weenv.server.api import PREFIX, NamesJSONResponse, api_router
+from weenv.server.api import PREFIX, api_router
 from weenv.server.auth import ApiKey, presented_key
+from weenv.server.kit.errors import describe_errors, error_response
 from weenv.server.limits import MAX_BODY, MAX_UPLOAD, BodyLimit
 from weenv.server.metrics import Metrics
 from weenv.server.peers import peer_router
@@ -46,44 +47,9 @@ from weenv.server.ui import ui_router
 
 log = logging.getLogger(__name__)
 
-STATUS = {
-    "not_found": 404,
-    "invalid_input": 400,
-    "unknown_user": 400,
-    "pseudo_file": 400,
-    "network_forbidden": 403,
-    "authentication": 401,
-    "timeout": 408,
-    "output_limit": 413,
-    "too_large": 413,
-    "digest_mismatch": 502,
-    "content_limit": 502,
-    "mount": 500,
-    "runtime": 500,
-    "tool_missing": 500,
-    "capacity": 503,
-    "closed": 503,
-    "busy": 409,
-    "state": 409,
-    "broken": 502,
-    "cgroup": 500,
-    "limit_refused": 409,
-    "disk_full": 507,
-    "store_unavailable": 503,
-}
 WORKER_THREADS = 512
 """Threads for blocking handlers (FastAPI's default, 40, is too few when many
 streams wait on commands)."""
-
-
-def error_response(kind: str, message: str, status: int | None = None) -> JSONResponse:
-    headers = {"www-authenticate": "Bearer"} if kind == "authentication" else None
-    # NamesJSONResponse: a message may name a path that is not UTF-8
-    return NamesJSONResponse(
-        status_code=status or STATUS.get(kind, 500),
-        content={"error": {"kind": kind, "message": message}},
-        headers=headers,
-    )
 
 
 def create_app(
@@ -156,7 +122,7 @@ def create_app(
     async def invalid_request(request: Request, exc: RequestValidationError):
         if not request.url.path.startswith(PREFIX + "/"):
             return await request_validation_exception_handler(request, exc)
-        return error_response("invalid_input", "bad request: " + _describe(exc.errors()))
+        return error_response("invalid_input", "bad request: " + describe_errors(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -187,16 +153,6 @@ def create_app(
     app.include_router(peer_router(node))
     app.include_router(ui_router(node, metrics, api_key=api_key, trusted_socket=trusted_socket))
     return app
-
-
-def _describe(errors) -> str:
-    """Pydantic's validation errors as one line: ``body.timeout: Input should be greater than 0``."""
-    parts = []
-    for e in errors[:5]:
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
-    return "; ".join(parts) + more
 
 
 async def _reap(node: Node, metrics: Metrics, interval: float) -> None:

@@ -118,8 +118,8 @@ def serve(
         # the SDK's download_url/upload_url join "/files" to the sandbox URL with urljoin, which drops
         # E2B_SANDBOX_URL's /e2b/envd: envd's /files (signed URLs) answers at the root too
         app.router.routes.append(Route("/files", e2b.state.envd.files, methods=["GET", "POST"]))
-        from weenv.server.e2b import ports
         from weenv.server.e2b.ports import PortProxy, relay_settings
+        from weenv.server.kit import wsrelay
 
         tcp_cap = limits.tcp_connection_cap(nofile)
         # outermost: E2B's PORT-ID. hosts to sandbox ports, at most a quarter of the TCP connections
@@ -137,7 +137,7 @@ def serve(
             # counts; no per-message deflate (no decompression on the daemon)
             ws=http.ws_protocol,
             ws_per_message_deflate=False,
-            ws_max_size=ports.MAX_WS_MESSAGE,
+            ws_max_size=wsrelay.MAX_WS_MESSAGE,
             timeout_keep_alive=limits.IDLE_TIMEOUT_S,
         )
         server = uvicorn.Server(config)

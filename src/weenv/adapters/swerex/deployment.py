@@ -30,7 +30,7 @@ from swerex.runtime.remote import RemoteRuntime
 
 from weenv.adapters._resources import GIB, MIB, ceiling
 from weenv.errors import InvalidInputError, NotFoundError, WeenvError
-from weenv.server.e2b.ports import IDLE_HEADER, KEY_HEADER
+from weenv.server.kit.relay import IDLE_HEADER, KEY_HEADER
 
 SERVER_PORT = 8000
 """The server's port on the environment's loopback (swerex-remote's default)."""

@@ -3,11 +3,14 @@ keeping them by pid, and collecting their output with a bound."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from weenv.api.models import ExecResult, ProcessInfo
 from weenv.errors import InvalidInputError, NotFoundError, OutputLimitError
 from weenv.host.rootfs import RootFS
 from weenv.node.runtime.launcher import Launcher, Launchers
 from weenv.node.runtime.process import PipeSink, Process
+from weenv.node.runtime.spec import CommandSpec
 from weenv.node.runtime.users import Identity, Users
 from weenv.node.table import Environment, EnvironmentTable, check_timeout
 
@@ -43,48 +46,33 @@ class Commands:
     def start(
         self,
         e: Environment,
-        command,
+        command: CommandSpec | list[str] | str,
         *,
-        env=None,
-        cwd=None,
-        timeout=None,
-        stdin=None,
-        stdin_open=False,
-        tag=None,
-        primary_reader=False,
+        primary_reader: bool = False,
         launcher: Launcher | None = None,
-        user: str | Identity | None = None,
-        tty: tuple[int, int] | None = None,
+        **fields,
     ) -> Process:
         """Start ``command`` in ``e`` (see :meth:`Node.spawn`) and wait until it
-        runs; ``launcher``: through that one alone (:meth:`Launchers.launch`'s ``only``)."""
-        if isinstance(command, list) and not command:
+        runs: a :class:`CommandSpec`, or its ``command`` with its other fields as
+        keyword arguments; ``launcher``: through that one alone (:meth:`Launchers.launch`'s ``only``)."""
+        spec = command if isinstance(command, CommandSpec) else CommandSpec(command, **fields)
+        if isinstance(spec.command, list) and not spec.command:
             raise InvalidInputError("empty command")
-        if timeout is not None:
-            check_timeout(timeout)
-        if tty is not None:
-            check_tty_size(*tty)
-            stdin, stdin_open = None, False  # its input is the terminal's
-        who = user if isinstance(user, Identity) else self.identity(e, user)
-        wd = cwd or e.template.runtime.working_dir
-        spawned = self.launchers.launch(
-            e,
-            command,
-            _variables(e, who, env),
-            wd,
-            None if stdin_open else stdin,
-            stdin_open,
-            who,
-            only=launcher,
-            tty=tty,
-        )
+        if spec.timeout is not None:
+            check_timeout(spec.timeout)
+        if spec.tty is not None:
+            check_tty_size(*spec.tty)
+            spec = dataclasses.replace(spec, stdin=None, stdin_open=False)  # its input is the terminal's
+        who = spec.user if isinstance(spec.user, Identity) else self.identity(e, spec.user)
+        wd = spec.cwd or e.template.runtime.working_dir
+        spawned = self.launchers.launch(e, spec.resolved(_variables(e, who, spec.env), wd, who), only=launcher)
         p = Process(
             spawned,
-            command=command,
-            tag=tag,
+            command=spec.command,
+            tag=spec.tag,
             cwd=wd,
-            timeout=timeout,
-            stdin=stdin if stdin_open else None,
+            timeout=spec.timeout,
+            stdin=spec.stdin if spec.stdin_open else None,
             retain_bytes=self.retain_bytes,
             sink=self.sink,
             primary_reader=primary_reader,

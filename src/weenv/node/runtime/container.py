@@ -17,6 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
+from weenv.api.models import CreateTiming
 from weenv.errors import InvalidInputError, RuntimeFailedError
 from weenv.formats.manifest import Resources, RuntimeConfig
 from weenv.host.rootfs import RootFS
@@ -94,7 +95,7 @@ class Containers:
         resources: Resources,
         capabilities: tuple[str, ...],
         undo: contextlib.ExitStack,
-        timing: dict,
+        timing: CreateTiming,
         *,
         start: bool,
         egress: network.Egress = network.Egress(),
@@ -103,7 +104,7 @@ class Containers:
         by ``egress``), bundle and container over ``env_dir/rootfs``
         (``start``: running, ``runc run --detach``; else created and waiting,
         ``runc create``), each undo pushed on ``undo``; its seconds go to
-        ``timing["runtime_s"]``.  Returns its address (None without network).
+        ``timing.runtime_s``.  Returns its address (None without network).
         An environment with a host id range (:func:`weenv.node.runtime.idmap.range_of`,
         given by :meth:`Snapshotter.prepare`) runs in a user namespace over it,
         without ``noNewPrivileges``, with ``capabilities`` (at most
@@ -158,7 +159,7 @@ class Containers:
         finally:
             if listener is not None:
                 listener.close()  # the agent holds it now: when it dies, connects are refused
-        timing["runtime_s"] = time.perf_counter() - t
+        timing.runtime_s = time.perf_counter() - t
         return str(link.env_addr.ip) if link is not None else None
 
     def restart(self, env_id: str, env_dir: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ from weenv.node.runtime.agent import spawn as agent_spawn
 from weenv.node.runtime.bundle import CAPS_ANNOTATION
 from weenv.node.runtime.process import Spawned
 from weenv.node.runtime.runc import Runc, exec_args
+from weenv.node.runtime.spec import CommandSpec
 from weenv.node.runtime.users import Identity
 from weenv.node.table import Environment
 
@@ -41,24 +43,15 @@ class Launcher(abc.ABC):
     """Its key in :attr:`Launchers.counts` (and ``NodeStats.exec_*``)."""
 
     @abc.abstractmethod
-    def spawn(
-        self,
-        e: Environment,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: str,
-        stdin: bytes | None,
-        stdin_pipe: bool,
-        user: Identity,
-        tty: tuple[int, int] | None = None,
-    ) -> Spawned:
-        """Start ``argv`` (checked by :func:`~weenv.node.runtime.runc.exec_args`) in ``e``
-        with exactly the variables ``env``, in ``cwd``, as ``user`` (its uid,
-        gid and supplementary groups); ``stdin``: bytes written then closed, or
-        ``stdin_pipe``: a pipe kept open; ``tty``: ``(cols, rows)`` of a new
-        pseudo-terminal inside ``e`` the command runs on instead (its stdin,
-        stdout and stderr).  A command that cannot start still returns (its
-        pid 0, ended 127/126)."""
+    def spawn(self, e: Environment, spec: CommandSpec) -> Spawned:
+        """Start ``spec`` (resolved, :meth:`CommandSpec.resolved`: its ``command``
+        the argv :func:`~weenv.node.runtime.runc.exec_args` checked) in ``e``
+        with exactly the variables ``spec.env``, in ``spec.cwd``, as
+        ``spec.user`` (its uid, gid and supplementary groups); ``spec.stdin``:
+        bytes written then closed, or ``spec.stdin_open``: a pipe kept open;
+        ``spec.tty``: ``(cols, rows)`` of a new pseudo-terminal inside ``e`` the
+        command runs on instead (its stdin, stdout and stderr).  A command that
+        cannot start still returns (its pid 0, ended 127/126)."""
 
 
 class AgentLauncher(Launcher):
@@ -66,18 +59,19 @@ class AgentLauncher(Launcher):
 
     name = "agent"
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
-        ident = f"{user.spec}:{','.join(map(str, user.groups))}"
+    def spawn(self, e: Environment, spec: CommandSpec) -> Spawned:
+        user = spec.user
+        assert isinstance(user, Identity)
         return agent_spawn(
             e.agent_socket,
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=stdin,
-            stdin_pipe=stdin_pipe,
+            spec.command,
+            env=spec.env,
+            cwd=spec.cwd,
+            stdin=spec.stdin,
+            stdin_pipe=spec.stdin_open,
             cgroup=f"/{e.container_id}",
-            ident=ident,
-            tty=tty,
+            ident=f"{user.spec}:{','.join(map(str, user.groups))}",
+            tty=spec.tty,
         )
 
 
@@ -91,17 +85,19 @@ class RuncLauncher(Launcher):
     def __init__(self, runc: Runc):
         self.runc = runc
 
-    def spawn(self, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
-        if tty is not None:
+    def spawn(self, e: Environment, spec: CommandSpec) -> Spawned:
+        if spec.tty is not None:
             raise StateError(f"environment {e.info.id!r} has no exec agent running, which a terminal needs")
+        user = spec.user
+        assert isinstance(user, Identity)
         return self.runc.spawn(
             e.container_id,
-            argv,
-            env=env,
-            cwd=cwd,
+            spec.command,
+            env=spec.env,
+            cwd=spec.cwd,
             user=user.spec,
-            stdin=stdin,
-            stdin_pipe=stdin_pipe,
+            stdin=spec.stdin,
+            stdin_pipe=spec.stdin_open,
             process=_process(e, user),
         )
 
@@ -133,30 +129,22 @@ class Launchers:
         """Commands started through each launcher (``runc``: the fallback)."""
         self._lock = threading.Lock()
 
-    def launch(
-        self,
-        e: Environment,
-        command: list[str] | str,
-        env: dict[str, str],
-        cwd: str,
-        stdin: bytes | None,
-        stdin_pipe: bool,
-        user: Identity,
-        *,
-        only: Launcher | None = None,
-        tty: tuple[int, int] | None = None,
-    ) -> Spawned:
-        """Start ``command`` (argv, or a ``/bin/sh -c`` string) in ``e`` as ``user``
-        (``tty``: on a new terminal, see :meth:`Launcher.spawn`: through the
-        agent alone, :class:`StateError` without one); raises
-        :class:`InvalidInputError` for a bad command, variable or directory.
-        ``only``: through that launcher, with no fallback (its own errors raised)."""
-        _flags, argv = exec_args(command, env, cwd, user.spec)  # raises for bad input
+    def launch(self, e: Environment, spec: CommandSpec, *, only: Launcher | None = None) -> Spawned:
+        """Start ``spec`` (resolved: :meth:`CommandSpec.resolved`; its command argv
+        or a ``/bin/sh -c`` string) in ``e`` (a ``tty``: on a new terminal, see
+        :meth:`Launcher.spawn`: through the agent alone, :class:`StateError`
+        without one); raises :class:`InvalidInputError` for a bad command,
+        variable or directory.  ``only``: through that launcher, with no
+        fallback (its own errors raised)."""
+        user = spec.user
+        assert isinstance(user, Identity)
+        _flags, argv = exec_args(spec.command, spec.env, spec.cwd, user.spec)  # raises for bad input
+        spec = dataclasses.replace(spec, command=argv)
         if only is not None:
-            return self._count(only, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+            return self._count(only, e, spec)
         if e.agent_socket.exists():
             try:
-                return self._count(self.agent, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+                return self._count(self.agent, e, spec)
             except AgentUnavailable as exc:
                 if exc.gone:  # for good: later commands go straight to runc
                     log.warning("environment %s: %s; using runc exec from now on", e.info.id, exc)
@@ -164,10 +152,10 @@ class Launchers:
                         e.agent_socket.unlink()
                 else:
                     log.info("environment %s: %s; using runc exec for this command", e.info.id, exc)
-        return self._count(self.runc, e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+        return self._count(self.runc, e, spec)
 
-    def _count(self, launcher: Launcher, e, argv, env, cwd, stdin, stdin_pipe, user, tty=None) -> Spawned:
-        spawned = launcher.spawn(e, argv, env, cwd, stdin, stdin_pipe, user, tty)
+    def _count(self, launcher: Launcher, e: Environment, spec: CommandSpec) -> Spawned:
+        spawned = launcher.spawn(e, spec)
         with self._lock:
             self.counts[launcher.name] += 1
         return spawned

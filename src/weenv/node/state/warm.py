@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from weenv.api.models import CreateTiming
 from weenv.errors import NotFoundError, RuntimeFailedError
 from weenv.formats.manifest import GroupManifest, Resources, TemplateManifest
 from weenv.node.data.groups import GroupMounts
@@ -66,11 +67,18 @@ class WarmStarts:
                 group_manifests,
                 res.disk_bytes,
                 undo,
-                {},
+                CreateTiming(),  # a pooled one's phases are not a create's
                 userns=self.containers.wants_userns(manifest.runtime),
             )
             self.containers.make(
-                env_id, self.snapshotter.dir(env_id), manifest.runtime, res, key.capabilities, undo, {}, start=False
+                env_id,
+                self.snapshotter.dir(env_id),
+                manifest.runtime,
+                res,
+                key.capabilities,
+                undo,
+                CreateTiming(),
+                start=False,
             )
             return Pooled(key, env_id, lowers, undo.pop_all())
 
@@ -96,7 +104,7 @@ class WarmStarts:
         return pooled.env_id
 
     def start(
-        self, pooled: Pooled, manifest: TemplateManifest, group_manifests: list[GroupManifest], timing: dict
+        self, pooled: Pooled, manifest: TemplateManifest, group_manifests: list[GroupManifest], timing: CreateTiming
     ) -> list[Path] | None:
         """Start the pooled environment (``runc start``) and return its overlay's
         lower dirs; or remove it and return None if it cannot serve: a group it
@@ -124,6 +132,6 @@ class WarmStarts:
             self.pool.unusable()
             pooled.undo.close()
             return None
-        timing["runtime_s"] = time.perf_counter() - t
-        timing["pooled"] = True
+        timing.runtime_s = time.perf_counter() - t
+        timing.pooled = True
         return pooled.lowers

@@ -58,6 +58,7 @@ from weenv.server.e2b.sandboxes import (
     Sandbox,
     Sandboxes,
 )
+from weenv.server.kit.paging import next_token_of, page_start
 
 ENVD_VERSION = "0.6.4"
 """The envd version weenv's in-sandbox services answer as: the ``e2b`` SDK enables
@@ -334,15 +335,11 @@ def make_api(
             and (before is None or _when(sb.info.created_at) <= before)
         ]
         found.sort(key=lambda s: (s.info.created_at, s.id), reverse=order != "asc")  # E2B: newest first
-        start = 0
-        if next_token:
-            if not next_token.isdigit():
-                raise E2BError(400, f"bad nextToken {next_token!r}")
-            start = int(next_token)
-        page = found[start : start + limit]
-        if start + limit < len(found):
-            response.headers["X-Next-Token"] = str(start + limit)
-        return [listed_json(sb) for sb in page]
+        start = page_start(next_token)
+        token = next_token_of(start, limit, len(found))
+        if token is not None:
+            response.headers["X-Next-Token"] = token
+        return [listed_json(sb) for sb in found[start : start + limit]]
 
     @router.get("/sandboxes/{sandbox_id}")
     def get(sandbox_id: str) -> dict:

@@ -48,6 +48,7 @@ from weenv.errors import InvalidInputError, NotFoundError
 from weenv.packaging.steps import MAX_STEPS, Step, check_steps
 from weenv.server.e2b.api import ENVD_VERSION, E2BError, _Body
 from weenv.server.e2b.builds import Build, TemplateRecord, Templates
+from weenv.server.kit.paging import next_token_of, page_start
 
 UPLOAD_HEADER = "x-weenv-upload-token"
 
@@ -324,13 +325,10 @@ def make_template_api(templates: Templates, authenticated) -> tuple[APIRouter, A
     ) -> list[dict]:
         """Oldest first, ``limit`` a page; ``X-Next-Token`` names the next page."""
         found_ = templates.list()
-        start = 0
-        if next_token:
-            if not next_token.isdigit():
-                raise E2BError(400, f"bad nextToken {next_token!r}")
-            start = int(next_token)
-        if start + limit < len(found_):
-            response.headers["X-Next-Token"] = str(start + limit)
+        start = page_start(next_token)
+        token = next_token_of(start, limit, len(found_))
+        if token is not None:
+            response.headers["X-Next-Token"] = token
         return [template_json(t) for t in found_[start : start + limit]]
 
     @router.patch("/templates/{template_id}")

@@ -136,7 +136,7 @@ def ui_router(node, metrics, *, api_key: ApiKey | None, trusted_socket: str | No
             return render("error.html", request, exc.status, token="", error=str(exc))
         except WeenvError as exc:
             # the API's kind -> status table (app imports this module: not at its top)
-            from weenv.server.app import STATUS
+            from weenv.server.kit.errors import STATUS
 
             return render("error.html", request, STATUS.get(exc.kind, 500), token="", error=f"{action} {env_id}: {exc}")
         return RedirectResponse(f"{PATH}/?done={quote(done)}", status_code=303, headers=NO_STORE)

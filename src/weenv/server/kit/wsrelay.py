@@ -1,5 +1,5 @@
 """A WebSocket from a client of the daemon to a port inside a sandbox (E2B's
-``get_host(port)`` with ``ws://``), for :class:`weenv.server.e2b.ports.PortProxy`.
+``get_host(port)`` with ``ws://``), for :class:`weenv.server.kit.relay.PortRelay`.
 
 The client's side is uvicorn's (its wsproto protocol: the ASGI ``websocket``
 scope); the sandbox's side is a wsproto client over the connection
