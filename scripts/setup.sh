@@ -7,8 +7,8 @@
 # (weenv[docs]: the documentation site, `mkdocs build --strict`), and the
 # benchmarks (benchmarks/, weenv-bench), both editable; and NeMo Gym's venv,
 # /work/venvs/nemo (Python 3.12 from pyenv; $WEENV_NEMO_VENV to move it), with
-# nemo-gym and this checkout's weenv editable ('.[nemo]'), for
-# tests/test_adapters_nemo.py.  Idempotent.
+# nemo-gym and a checkout's weenv editable ('.[nemo]', made again only when setup.py or
+# pyproject.toml change), for tests/test_adapters_nemo.py.  Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,18 +63,25 @@ fi
 # NeMo Gym needs Python >= 3.12: a venv of its own (about 2 minutes the first time)
 nemo=${WEENV_NEMO_VENV:-/work/venvs/nemo}
 py312=$(ls -d /root/.pyenv/versions/3.12*/bin/python 2>/dev/null | sort -V | tail -1 || true)
-here_src="$PWD/src/weenv/__init__.py"
+# The test runs it with this checkout's src first on PYTHONPATH: the venv needs nemo-gym, weenv's
+# requirements and weenv's entry point, from any checkout whose setup.py and pyproject.toml are these
+# (their digest is kept in the marker), so a fresh clone of the same commit installs nothing again.
+nemo_key=$(cat setup.py pyproject.toml | sha256sum | cut -c1-16)
+nemo_ok() {
+  PYTHONPATH="$PWD/src" "$nemo/bin/python" -c 'import nemo_gym, weenv.adapters.nemo
+from importlib.metadata import entry_points
+assert entry_points(group="nemo_gym.sandbox_providers", name="weenv")' 2>/dev/null
+}
 if [ -n "$py312" ]; then
   if [ ! -x "$nemo/bin/python" ]; then
     mkdir -p "$(dirname "$nemo")"
     "$py312" -m venv "$nemo"
   fi
-  if [ "$("$nemo/bin/python" -c 'import nemo_gym, weenv; print(weenv.__file__)' 2>/dev/null)" != "$here_src" ] \
-      || [ pyproject.toml -nt "$nemo/.weenv-installed" ]; then
+  if [ "$(cat "$nemo/.weenv-installed" 2>/dev/null)" != "$nemo_key" ] || ! nemo_ok; then
     echo "setup: installing nemo-gym and weenv into $nemo" >&2
     "$nemo/bin/pip" install --quiet --disable-pip-version-check -e '.[nemo]' 2>&1 | grep -v 'is ignored' || true
-    "$nemo/bin/python" -c 'import nemo_gym, weenv.adapters.nemo'
-    touch "$nemo/.weenv-installed"
+    nemo_ok || { echo "setup: $nemo cannot import nemo_gym and weenv.adapters.nemo, or has no weenv entry point" >&2; exit 1; }
+    echo "$nemo_key" > "$nemo/.weenv-installed"
   fi
 else
   echo "setup: no Python 3.12 under /root/.pyenv: NeMo Gym's venv not made (its test is skipped)" >&2

@@ -1,5 +1,5 @@
-"""``weenv bench start --quick`` end to end, trimmed: the ~300 MB template from the
-Debian tree and real wheels, published to a private docker-registry as weenv
+"""``weenv bench start --quick`` end to end, trimmed: the smallest template (the
+Debian tree and one small real wheel, ~230 MB), published to a private docker-registry as weenv
 groups (``oci://``) and as a Docker image; cold and warm starts of both at
 concurrency 1 and 16.  Afterwards nothing of the node, the dockerd or the
 registry remains (processes, mounts, cgroups, directories)."""
@@ -19,6 +19,9 @@ from weenv_bench.services.process import alive
 from weenv_bench.services.registry import REGISTRY
 from weenv_bench.start import SUMMARY_KEYS, run
 
+SMALLEST = ("mpmath==1.3.0",)
+"""One small pure-Python wheel: the template is the Debian tree and little more."""
+
 pytestmark = pytest.mark.skipif(
     not (os.access(DOCKERD, os.X_OK) and os.access(REGISTRY, os.X_OK)),
     reason="needs Debian's docker.io and docker-registry",
@@ -30,7 +33,15 @@ def test_quick_start_benchmark_weenv_against_docker(paths, debian_root, leak_che
     work = tmp_path / "work"
     work.mkdir()
     result = run(
-        quick=True, json_path=out, work=work, cold_runs=2, warm_runs=3, exec_runs=10, commands=(), log=lambda _msg: None
+        quick=True,
+        json_path=out,
+        work=work,
+        cold_runs=2,
+        warm_runs=3,
+        exec_runs=10,
+        commands=(),
+        wheels=SMALLEST,
+        log=lambda _msg: None,
     )
 
     written = json.loads(out.read_text())
@@ -49,7 +60,7 @@ def test_quick_start_benchmark_weenv_against_docker(paths, debian_root, leak_che
     # a cold weenv start fetches part of the template; a cold Docker start pulls it all
     assert 0 < s["fetched_fraction"] < 1
     assert s["warm_p50_s"] < s["cold_p50_s"] and s["docker_warm_p50_s"] < s["docker_cold_p50_s"]
-    assert 250e6 < s["template_bytes"] < 600e6
+    assert 200e6 < s["template_bytes"] < 600e6 and written["template"]["wheels"] == list(SMALLEST)
 
     rows = {(r["system"], r["kind"], r["concurrency"]): r for r in written["table"]}
     for system in ("weenv", "docker"):

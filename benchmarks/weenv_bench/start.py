@@ -650,12 +650,17 @@ def run(
     runtimes: tuple[str, ...] | None = None,
     runtime: str | None = None,
     userns: tuple[str, ...] | None = None,
+    wheels: tuple[str, ...] | None = None,
     log=print,
 ) -> dict:
     """Run the benchmark; return the result dict (also written to ``json_path``
     with a PNG beside it, ``.png`` for ``.json``).
 
     ``quick``: the ~300 MB template, concurrency 1 and 16, fewer runs.
+    ``wheels``: the wheels installed into the main template's packages group
+    (default :data:`QUICK_WHEELS` with ``quick``, else :data:`FULL_WHEELS`); one
+    small pure-Python wheel makes the smallest template (the Debian tree, ~230 MB)
+    that still measures every system, phase and key, as the tests run it.
     ``concurrency``: levels (default 1, 16, and 64 unless ``quick``).
     ``cold_runs``/``warm_runs``: rounds at concurrency 1 (higher levels run one
     round each).  ``large``: also the ~3 GB template (:data:`LARGE_WHEELS`), at
@@ -694,6 +699,7 @@ def run(
                 large=large,
                 docker=docker and first,
                 layouts=layouts,
+                wheels=wheels,
                 log=log,
                 **kw,
             )
@@ -724,7 +730,8 @@ def run(
     load_start = loadavg()
     try:
         base_tree = debian_rootfs(env_paths.cache, log=log)
-        plan = [("start-quick", QUICK_WHEELS, levels, extra)] if quick else [("start-1g", FULL_WHEELS, levels, extra)]
+        main_wheels = wheels if wheels is not None else QUICK_WHEELS if quick else FULL_WHEELS
+        plan = [("start-quick" if quick else "start-1g", main_wheels, levels, extra)]
         if large:
             plan.append(("start-3g", LARGE_WHEELS, (1,), ()))
         with contextlib.ExitStack() as stack:
