@@ -34,7 +34,9 @@ from weenv.cluster.client import ClusterClient  # noqa: E402
 from weenv.config import Paths  # noqa: E402
 from weenv.errors import CapacityError, InvalidInputError, LostError, NotFoundError, WeenvError  # noqa: E402
 from weenv.formats.manifest import Resources, RuntimeConfig  # noqa: E402
+from weenv.host import mounts  # noqa: E402
 from weenv.node.cgroups import environment_dirs  # noqa: E402
+from weenv.node.runtime import envs_dir  # noqa: E402
 from weenv.server import daemon  # noqa: E402
 from weenv.store.file import FileStore  # noqa: E402
 
@@ -710,9 +712,10 @@ def test_a_node_killed_mid_create_is_gone_with_its_daemon_and_leaves_nothing(ray
         with daemon.connect(paths, autostart=False) as node_client:
             assert not half & {e.id for e in node_client.list()}
         assert daemon.stop(paths)
-        assert not os.listdir(paths.environments)
+        envs = envs_dir.environments_dir(paths)  # node/envs, or its /run alias (a home under a closed directory)
+        assert not envs.exists() or not os.listdir(envs)
         left = system_snapshot(paths.home)
-        assert left["mounts"] == [], left["mounts"]
+        assert left["mounts"] == [] and not mounts.mounts_under(envs), left["mounts"]
         assert not [g for g in left["cgroups"] if any(i in g for i in {*half, kept.id})], left["cgroups"]
         # a node joining later gets its actor and daemon
         joined = c.add_node()  # (the session's nodes: the victim's place taken)

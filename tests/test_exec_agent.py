@@ -19,8 +19,8 @@ import pytest
 from weenv.errors import InvalidInputError, OutputLimitError, RuntimeFailedError
 from weenv.formats.manifest import RuntimeConfig
 from weenv.node.node import Node
-from weenv.node.runtime import agent
-from weenv.node.runtime.bundle import AGENT_PATH, INIT_PATH, build_config
+from weenv.node.runtime import agent, idmap
+from weenv.node.runtime.bundle import AGENT_PATH, INIT_PATH, build_config, cap_mask
 from weenv.node.runtime.commands import collect
 from weenv.node.runtime.runc import children
 from weenv.node.table import AGENT_SOCKET
@@ -70,8 +70,12 @@ def test_fast_path_has_the_first_process_isolation(node):
     assert seen["self"]["parent"] == "weenv-exec"  # started by the agent's handler, not by runc
     assert _isolation(seen["self"]) == _isolation(seen["init"]) == _isolation(seen["command"])
     status = seen["self"]["status"]
-    assert status["Seccomp"] == "2" and int(status["Seccomp_filters"]) >= 1 and status["NoNewPrivs"] == "1"
-    assert status["CapEff"] == status["CapBnd"] == "0000000020000420"  # runc's default set
+    # noNewPrivileges only outside a user namespace (in one, setuid sudo works as under Docker)
+    userns = idmap.range_of(node.snapshotter.dir(info.id)) is not None
+    assert status["Seccomp"] == "2" and int(status["Seccomp_filters"]) >= 1
+    assert status["NoNewPrivs"] == ("0" if userns else "1")
+    default = f"{cap_mask(node.containers.default_capabilities()):016x}"  # Docker's set, runc's without userns
+    assert status["CapEff"] == status["CapBnd"] == default
 
     # and the same as a command started by runc exec (the fallback: the environment's set, not the
     # first process's, which also holds the agent's CAP_SETUID, CAP_SETGID and CAP_SETPCAP)
@@ -302,8 +306,9 @@ def test_the_agent_holds_and_reaps_as_pid_1(node):
     info = node.create("task")
     r = node.exec(info.id, "tr '\\0' ' ' < /proc/1/cmdline; echo; cat /proc/1/comm; grep CapEff /proc/1/status")
     cmdline, comm, caps = r.stdout.decode().splitlines()
-    assert cmdline.split() == [AGENT_PATH, "-u", "0:0:0", "-c", "20000420", "--"]  # root, its groups: 0
-    assert comm == "weenv-init" and caps.split()[1] == "0000000020000420"
+    mask = cap_mask(node.containers.default_capabilities())  # the environment's set
+    assert cmdline.split() == [AGENT_PATH, "-u", "0:0:0", "-c", f"{mask:x}", "--"]  # root, its groups: 0
+    assert comm == "weenv-init" and caps.split()[1] == f"{mask:016x}"
     assert node.exec(info.id, "sleep 0.2 > /dev/null 2>&1 & echo $!").exit_code == 0
     time.sleep(0.6)
     states = node.exec(info.id, "cat /proc/[0-9]*/stat | awk '{print $3}'").stdout.split()

@@ -115,7 +115,8 @@ def test_a_profile_taught_by_a_short_test_like_environment_refuses_nothing_on_an
             paths,
             store=shared_store,
             pool_size=0,
-            provisioning=ProvisionConfig.from_env().model_copy(update={"admission": "burst"}),
+            # the same minimum as the teaching node's: a profile weighing less is forgotten
+            provisioning=teach.model_copy(update={"admission": "burst"}),
         ) as node:
             assert node.provisioner.config.admission == "burst"
             with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -9,7 +9,7 @@ for candidates in (["x + 1", "x * 2", "x - 1"], ["x + 5", "x * x", "x * 2"]):  #
     scores = []
     for child, body in zip(branches, candidates):
         child.files.write("/workspace/solution.py", f"def f(x):\n    return {body}\n")
-        scores.append(int(child.commands.run("python3 -c 'from solution import f; print(f(3))'").stdout))
+        scores.append(int(child.commands.run("python3 -B -c 'from solution import f; print(f(3))'").stdout))
     best = branches[scores.index(max(scores))]
     for child in branches:
         if child is not best:

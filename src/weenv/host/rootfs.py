@@ -276,7 +276,7 @@ class RootFS:
                 created = False
             except NotFoundError:
                 try:
-                    wfd = self._openat2(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+                    wfd = self._create(target, mode, owner)
                 except FileExistsError:
                     # A dangling symbolic link (or an entry created meanwhile): go where it points.
                     link = self._readlink(parent, name)
@@ -405,6 +405,26 @@ class RootFS:
             raise InvalidInputError(f"{path}: is a directory")
         if not st.S_ISREG(m):
             raise InvalidInputError(f"{path}: not a regular file")
+
+    def _create(self, path: str, mode: int, owner: tuple[int, int] | None) -> int:
+        """A new regular file at ``path``, open for writing.  A file system
+        mounted inside an environment's user namespace (its ``/dev/shm``, a
+        tmpfs) refuses an inode whose owner is not mapped there (EOVERFLOW), and
+        host root is not: there it is created with this thread's file-system ids
+        set to its owner's host ids (setfsuid/setfsgid act on one thread)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            return self._openat2(path, flags, mode)
+        except OSError as exc:
+            if exc.errno != errno.EOVERFLOW or not self.shift:
+                raise
+        uid, gid = self._owned(owner)
+        old_gid, old_uid = _libc.setfsgid(gid), _libc.setfsuid(uid)
+        try:
+            return self._openat2(path, flags, mode)
+        finally:
+            _libc.setfsuid(old_uid)
+            _libc.setfsgid(old_gid)
 
     def _openat2(self, path: str, flags: int, mode: int = 0) -> int:
         """openat2(root, path, flags) confined to the root; raises ``OSError``."""
